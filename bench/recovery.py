@@ -1,0 +1,157 @@
+"""Recovery after `kill -9` of one worker: elasticd vs torchrun, same script, same machine, one run.
+
+For each launcher: start it with 2 workers on bench/step_logger.py, wait until both ranks train,
+then repeatedly kill -9 one rank (alternating) and time kill -> every rank has logged a step after
+the kill. A trial that does not recover within --trial-timeout counts as a failure; the launcher is
+then killed (with its whole tree) and started afresh for the next trial.
+
+    python bench/recovery.py --trials 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+HERE = Path(__file__).resolve().parent
+SCRIPT = HERE / "step_logger.py"
+
+
+def read_steps(path: Path) -> list[tuple[int, int, int, int, float]]:
+    rows = []
+    try:
+        text = path.read_text()
+    except OSError:
+        return rows
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) == 5:
+            pid, rank, restart, step = map(int, parts[:4])
+            rows.append((pid, rank, restart, step, float(parts[4])))
+    return rows
+
+
+def launcher_cmd(kind: str, trials: int, workdir: Path) -> list[str]:
+    if kind == "elasticd":
+        return [sys.executable, "-m", "elasticd.cli", "run", "--nproc-per-node", "2",
+                "--max-restarts", str(trials + 5), "--log-dir", str(workdir / "logs"),
+                "--socket", str(workdir / "ctl.sock"), "--no-tee", "--log-format", "json",
+                "--restart-grace", "3", str(SCRIPT)]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            "--max-restarts", str(trials + 5), "--monitor-interval", "0.1", str(SCRIPT)]
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    try:
+        tree = psutil.Process(proc.pid).children(recursive=True) + [psutil.Process(proc.pid)]
+    except psutil.Error:
+        tree = []
+    for p in tree:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(tree, timeout=10)
+    proc.wait(timeout=10)
+
+
+def latest_pids(rows, since: float) -> dict[int, int]:
+    out: dict[int, tuple[float, int]] = {}
+    for pid, rank, _r, _s, t in rows:
+        if t >= since and (rank not in out or t > out[rank][0]):
+            out[rank] = (t, pid)
+    return {r: pid for r, (t, pid) in out.items()}
+
+
+def run_launcher(kind: str, trials: int, trial_timeout: float, warmup: float) -> dict:
+    times, failures = [], 0
+    with tempfile.TemporaryDirectory(prefix=f"bench-{kind}-") as tmp:
+        workdir = Path(tmp)
+        out = workdir / "steps.txt"
+        env = dict(os.environ, BENCH_OUT=str(out))
+        log = open(workdir / "launcher.log", "wb")
+        proc = None
+        trial = 0
+        while trial < trials:
+            if proc is None or proc.poll() is not None:
+                proc = subprocess.Popen(launcher_cmd(kind, trials, workdir), env=env, stdout=log, stderr=log,
+                                        cwd=HERE.parent, start_new_session=True)
+                start = time.time()
+                deadline = time.monotonic() + 120
+                while len(latest_pids(read_steps(out), start)) < 2 and time.monotonic() < deadline:
+                    time.sleep(0.05)
+            time.sleep(warmup)
+            now = time.time()
+            pids = latest_pids(read_steps(out), now - 1.0)
+            if len(pids) < 2:
+                failures += 1
+                trial += 1
+                kill_tree(proc)
+                proc = None
+                continue
+            victim = pids[trial % 2]
+            t_kill = time.time()
+            os.kill(victim, signal.SIGKILL)
+            deadline = time.monotonic() + trial_timeout
+            recovered = None
+            while time.monotonic() < deadline:
+                rows = [r for r in read_steps(out) if r[4] > t_kill and r[0] != victim]
+                new = {}
+                for pid, rank, _r, _s, t in rows:
+                    if pid not in pids.values():  # a step by a process started after the kill
+                        new.setdefault(rank, t)
+                if len(new) == 2:
+                    recovered = max(new.values()) - t_kill
+                    break
+                time.sleep(0.01)
+            trial += 1
+            if recovered is None:
+                failures += 1
+                kill_tree(proc)
+                proc = None
+            else:
+                times.append(recovered)
+            print(f"  {kind} trial {trial}: " + (f"{recovered:.2f}s" if recovered is not None else "NOT RECOVERED"),
+                  flush=True)
+        if proc is not None:
+            kill_tree(proc)
+    return {"times": times, "failures": failures, "trials": trials}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--trials", type=int, default=10)
+    p.add_argument("--trial-timeout", type=float, default=30.0)
+    p.add_argument("--warmup", type=float, default=1.0, help="seconds of training between trials")
+    p.add_argument("--launchers", default="elasticd,torchrun")
+    args = p.parse_args()
+    results = {}
+    for kind in args.launchers.split(","):
+        print(f"{kind}:", flush=True)
+        results[kind] = run_launcher(kind, args.trials, args.trial_timeout, args.warmup)
+    print()
+    print(f"recovery after kill -9 of one of 2 workers ({os.cpu_count()} cores, torch CPU/gloo), "
+          f"{args.trials} trials each, timeout {args.trial_timeout:g}s")
+    print(f"{'launcher':<10} {'median s':>9} {'min s':>7} {'max s':>7} {'recovered':>10}")
+    med = {}
+    for kind, r in results.items():
+        t = r["times"]
+        med[kind] = statistics.median(t) if t else float("nan")
+        ok = f"{r['trials'] - r['failures']}/{r['trials']}"
+        print(f"{kind:<10} {med[kind]:>9.2f} {min(t, default=float('nan')):>7.2f} "
+              f"{max(t, default=float('nan')):>7.2f} {ok:>10}")
+    if "elasticd" in med and "torchrun" in med:
+        print(f"ratio elasticd/torchrun median recovery: {med['elasticd'] / med['torchrun']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,37 @@
+"""The benchmark's training script, the same for elasticd and torchrun.
+
+A small DDP model trained on synthetic data; after every optimizer step each rank appends
+`pid rank restart step wall_time` to $BENCH_OUT (O_APPEND lines, so concurrent ranks never tear).
+"""
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+def main():
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = DDP(nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 1)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(32, 64), torch.randn(32, 1)
+    out = os.open(os.environ["BENCH_OUT"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    step_time = float(os.environ.get("BENCH_STEP_TIME", "0.02"))
+    steps = int(os.environ.get("BENCH_STEPS", "1000000"))
+    for step in range(1, steps + 1):
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        os.write(out, f"{os.getpid()} {rank} {restart} {step} {time.time():.6f}\n".encode())
+        time.sleep(step_time)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

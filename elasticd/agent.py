@@ -1,0 +1,520 @@
+"""The agent's main loop: the only code that changes daemon state.
+
+INIT -> RENDEZVOUS -> RUNNING --all local workers exit 0--> EXIT_BARRIER -> SUCCEEDED
+             ^            | worker failed / hung / peer asked for restart / node joined
+             |            v
+             +------ RESTARTING (stop the local group, budget + backoff) --budget spent--> FAILED
+RUNNING / RESTARTING --stop request or SIGTERM--> STOPPING -> STOPPED
+
+Signals and control commands only append to an inbox and poke a wake-up pipe; the loop drains
+the inbox, polls workers (exits, heartbeats, process state) and peers every monitor_interval (and
+at once on SIGCHLD), acts, and publishes an immutable status snapshot for the control socket.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import json
+import os
+import select
+import signal
+import socket
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import tenacity
+
+from elasticd import health, logs, workers
+from elasticd.config import Config
+from elasticd.rendezvous import Rendezvous, RendezvousFailed, Round
+
+log = logs.get("elasticd.agent")
+
+
+class State(str, enum.Enum):
+    INIT = "INIT"
+    RENDEZVOUS = "RENDEZVOUS"
+    RUNNING = "RUNNING"
+    RESTARTING = "RESTARTING"
+    EXIT_BARRIER = "EXIT_BARRIER"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    STOPPING = "STOPPING"
+    STOPPED = "STOPPED"
+
+
+EXIT_OK, EXIT_FAILED = 0, 1
+
+
+@dataclass(frozen=True)
+class Failure:
+    """What went wrong first, with everything an engineer needs to find it."""
+
+    kind: str  # exited | signaled | hung | peer | fatal
+    reason: str
+    rank: int | None = None
+    pid: int | None = None
+    exit_code: int | None = None
+    exception: str | None = None
+    log_path: str | None = None
+    stacks: tuple[str, ...] = ()
+    node: str = ""
+    at: float = field(default_factory=time.time)
+
+    def summary(self) -> str:
+        parts = [f"rank {self.rank}" if self.rank is not None else f"node {self.node}", self.reason]
+        if self.exception:
+            parts.append(self.exception)
+        if self.log_path:
+            parts.append(f"log {self.log_path}")
+        if self.stacks:
+            parts.append(f"stacks {', '.join(self.stacks)}")
+        return "; ".join(parts)
+
+
+class _Interrupted(Exception):
+    """Raised from a signal handler to leave a blocking rendezvous."""
+
+
+def read_error_file(path: Path) -> str | None:
+    """The exception line of torch's error-file format (ours or the script's @record)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    msg = data.get("message")
+    if isinstance(msg, dict):
+        text = msg.get("message") or ""
+        stack = (msg.get("extraInfo") or {}).get("py_callstack") or ""
+        last = stack.strip().splitlines()[-1] if stack.strip() else ""
+        return text or last or None
+    return str(msg) if msg else None
+
+
+def backoff_delay(cfg: Config, attempt: int) -> float:
+    """Exponential backoff with jitter (tenacity's policy) before restart number `attempt`."""
+    if cfg.restart_backoff <= 0:
+        return 0.0
+    wait = tenacity.wait_exponential_jitter(initial=cfg.restart_backoff, max=cfg.restart_backoff_max,
+                                            jitter=cfg.restart_backoff)
+    state = tenacity.RetryCallState(retry_object=tenacity.Retrying(), fn=None, args=(), kwargs={})
+    state.attempt_number = attempt
+    return float(wait(state))
+
+
+class Agent:
+    def __init__(self, cfg: Config, run_dir: Path, on_snapshot=None):
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.node = socket.gethostname()
+        self.token = uuid.uuid4().hex
+        self.state = State.INIT
+        self.started = time.time()
+        self.rdzv: Rendezvous | None = None
+        self.round: Round | None = None
+        self.workers: list[workers.Worker] = []
+        self.attempt = 0  # local attempts, used for directory names
+        self.restart_count = 0
+        self.first_failure: Failure | None = None
+        self.last_failure: Failure | None = None
+        self.events: collections.deque = collections.deque(maxlen=50)
+        self.stop_requested: float | None = None  # grace for the stop
+        self.force = False
+        self.seen_beats = False
+        self._inbox: collections.deque = collections.deque()
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._on_snapshot = on_snapshot or (lambda snap: None)
+        self._snapshot: dict[str, Any] = {}
+        self._last_waiting_check = 0.0
+        self._last_publish = 0.0
+        self.notify = None  # elasticd.systemd once serve() wires it
+        self._next_watchdog = 0.0
+        self.tee = workers.Tee() if cfg.tee else None
+
+    # --- inbox: the only way other threads and signal handlers reach the loop ---
+
+    def post(self, item: tuple) -> None:
+        """Thread- and signal-safe: deque.append is atomic, the pipe write wakes the loop."""
+        self._inbox.append(item)
+        try:
+            os.write(self._wake_w, b"!")
+        except BlockingIOError:
+            pass
+
+    def _on_signal(self, signum, _frame) -> None:
+        if signum == signal.SIGCHLD:
+            return  # the wake-up fd already woke the loop
+        self.post(("signal", signum))
+
+    def install_signals(self) -> None:
+        signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD):
+            signal.signal(sig, self._on_signal)
+
+    def _wait(self, timeout: float) -> None:
+        try:
+            select.select([self._wake_r], [], [], max(0.0, timeout))
+        except InterruptedError:
+            pass
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def _drain_inbox(self) -> None:
+        while self._inbox:
+            kind, *rest = self._inbox.popleft()
+            if kind == "signal":
+                self.request_stop(self.cfg.stop_grace, f"signal {signal.Signals(rest[0]).name}")
+            elif kind == "stop":
+                timeout = rest[0] if rest and rest[0] is not None else self.cfg.stop_grace
+                self.request_stop(float(timeout), "stop command")
+
+    def request_stop(self, grace: float, why: str) -> None:
+        if self.stop_requested is not None:
+            self.force = True
+            self.event("stop_forced", why=why)
+            return
+        self.stop_requested = grace
+        self.event("stop_requested", why=why, grace=grace)
+
+    # --- bookkeeping ---
+
+    def event(self, name: str, level: str = "info", **fields: Any) -> None:
+        getattr(log, level)(name, state=self.state.value, **fields)
+        self.events.append({"time": time.time(), "event": name, **fields})
+
+    def set_state(self, state: State, **fields: Any) -> None:
+        self.state = state
+        self.event("state", new=state.value, **fields)
+        self.publish()
+        if self.notify is not None:
+            self.notify.status(f"{state.value}: run {self.cfg.rdzv_id}, restarts {self.restart_count}/"
+                               f"{self.cfg.max_restarts}")
+
+    def publish(self) -> None:
+        now = self._last_publish = time.monotonic()
+        ranks = []
+        for w in self.workers:
+            beat = health.read(str(w.heartbeat_path))
+            ranks.append({
+                "rank": w.global_rank, "local_rank": w.local_rank, "pid": w.pid,
+                "state": "running" if w.exit_code is None else workers.describe_exit(w.exit_code),
+                "heartbeat_age": round(now - beat.last, 3) if beat and beat.beats else None,
+                "step": beat.step if beat and beat.beats else None,
+                "rss_bytes": _rss(w.pid) if w.exit_code is None else None,
+                "log": str(w.log_path),
+            })
+        rnd = self.round
+        self._snapshot = {
+            "state": self.state.value,
+            "run_id": self.cfg.rdzv_id,
+            "node": self.node,
+            "pid": os.getpid(),
+            "group_rank": rnd.group_rank if rnd else None,
+            "group_world_size": rnd.group_world_size if rnd else None,
+            "world_size": rnd.world_size if rnd else None,
+            "restarts": self.restart_count,
+            "max_restarts": self.cfg.max_restarts,
+            "uptime": round(time.time() - self.started, 1),
+            "run_dir": str(self.run_dir),
+            "entrypoint": self.cfg.entrypoint,
+            "workers": ranks,
+            "last_failure": asdict(self.last_failure) if self.last_failure else None,
+            "events": list(self.events)[-10:],
+        }
+        self._on_snapshot(self._snapshot)
+
+    @property
+    def snapshot(self) -> dict[str, Any]:
+        return self._snapshot
+
+    # --- the loop ---
+
+    def run(self) -> int:
+        """Run the job to the end; returns the daemon's exit code."""
+        logs.bind(run_id=self.cfg.rdzv_id, node=self.node)
+        workers.make_subreaper()
+        if self.tee:
+            self.tee.start()
+        self.set_state(State.RENDEZVOUS)
+        try:
+            self.rdzv = self._blocking(Rendezvous, self.cfg)
+            code = self._loop()
+        except _Interrupted:
+            code = self._finish(State.STOPPED, EXIT_OK)
+        except RendezvousFailed as e:
+            self.last_failure = self.first_failure = Failure("fatal", str(e), node=self.node)
+            code = self._finish(State.FAILED, EXIT_FAILED)
+        finally:
+            self._teardown(0.0)
+            if self.tee:
+                self.tee.close()
+        return code
+
+    def _loop(self) -> int:
+        cfg = self.cfg
+        while True:
+            self._drain_inbox()
+            if self.stop_requested is not None:
+                return self._stop()
+
+            if self.state == State.RENDEZVOUS:
+                self._start_round()
+                continue
+
+            # RUNNING: act on exits, hangs and peers.
+            self._wait(cfg.monitor_interval)
+            self._tick()
+            self._drain_inbox()
+            if self.stop_requested is not None:
+                continue
+            failure = self._check_workers()
+            if failure == "done":
+                self.set_state(State.EXIT_BARRIER)
+                ok = self.rdzv.exit_barrier(self.round, cfg.exit_barrier_timeout)
+                if not ok:
+                    self.event("exit_barrier_timeout", level="warning", timeout=cfg.exit_barrier_timeout)
+                return self._finish(State.SUCCEEDED, EXIT_OK)
+            if failure is None:
+                failure = self._check_peers()
+            if failure is None:
+                if time.monotonic() - self._last_publish > 0.5:
+                    self.publish()
+                continue
+            code = self._restart(failure)
+            if code is not None:
+                return code
+
+    def _blocking(self, fn, *args):
+        """Run a long blocking call (store connect, rendezvous join) on a helper thread while this
+        loop keeps the watchdog fed and stays stoppable. Workers are still spawned from here."""
+        box: dict[str, Any] = {}
+        done = threading.Event()
+
+        def call():
+            try:
+                box["value"] = fn(*args)
+            except BaseException as e:  # noqa: BLE001 - handed to the loop
+                box["error"] = e
+            finally:
+                done.set()
+                self.post(("wake",))
+
+        threading.Thread(target=call, name="elasticd-rendezvous", daemon=True).start()
+        while not done.is_set():
+            self._wait(self.cfg.monitor_interval)
+            self._tick()
+            self._drain_inbox()
+            if self.stop_requested is not None:
+                raise _Interrupted()
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+
+    def _tick(self) -> None:
+        """Feed systemd's watchdog: only from this loop, so a wedged loop starves it."""
+        if self.notify is not None and time.monotonic() >= self._next_watchdog:
+            interval = self.notify.watchdog_interval()
+            if interval:
+                self.notify.watchdog()
+                self._next_watchdog = time.monotonic() + interval
+            else:
+                self._next_watchdog = float("inf")
+
+    def _start_round(self) -> None:
+        self.round = rnd = self._blocking(self.rdzv.next_round, self.cfg.nproc_per_node)
+        self.restart_count = self.rdzv.restarts_used()
+        logs.bind(group_rank=rnd.group_rank, restart=self.restart_count)
+        self.attempt += 1
+        spec = workers.GroupSpec(
+            entrypoint=self.cfg.entrypoint, args=self.cfg.args, nproc=self.cfg.nproc_per_node,
+            rank_base=rnd.rank_base, world_size=rnd.world_size, group_rank=rnd.group_rank,
+            group_world_size=rnd.group_world_size, master_addr=rnd.master_addr,
+            master_port=rnd.master_port, restart_count=self.restart_count,
+            max_restarts=self.cfg.max_restarts, run_id=self.cfg.rdzv_id,
+            attempt_dir=self.run_dir / f"attempt{self.attempt}", token=self.token,
+            stack_signal=self.cfg.stack_signal,
+        )
+        self.workers = workers.spawn(spec)
+        for w in self.workers:
+            if self.tee:
+                self.tee.follow(w.log_path, f"[rank{w.global_rank}]: ")
+        self.set_state(State.RUNNING, world_size=rnd.world_size, group_rank=rnd.group_rank,
+                       group_world_size=rnd.group_world_size, pids=[w.pid for w in self.workers],
+                       master=f"{rnd.master_addr}:{rnd.master_port}")
+
+    def _check_workers(self) -> Failure | str | None:
+        exited = workers.poll(self.workers)
+        bad = [w for w in exited if w.exit_code != 0]
+        if bad:
+            w = min(bad, key=lambda w: (w.exit_code >= 0, w.global_rank))  # a signal death is the cause
+            kind = "signaled" if w.exit_code < 0 else "exited"
+            return Failure(kind, workers.describe_exit(w.exit_code), rank=w.global_rank, pid=w.pid,
+                           exit_code=w.exit_code, exception=read_error_file(w.error_path),
+                           log_path=str(w.log_path), node=self.node)
+        if all(w.exit_code is not None for w in self.workers):
+            return "done"
+        now = time.monotonic()
+        for w in self.workers:
+            if w.exit_code is not None:
+                continue
+            beat = health.read(str(w.heartbeat_path))
+            if beat and beat.beats:
+                self.seen_beats = True
+            why = health.process_verdict(w.pid) or health.verdict(
+                beat, w.started, now, expect_beats=self.cfg.require_heartbeat or self.seen_beats,
+                heartbeat_timeout=self.cfg.heartbeat_timeout, startup_timeout=self.cfg.startup_timeout)
+            if why and w.proc.poll() is not None:
+                return self._check_workers()  # it exited just now: report the exit, not a hang
+            if why:
+                stacks = workers.dump_stacks(self.workers, self.cfg.stack_signal)
+                return Failure("hung", f"hung: {why}", rank=w.global_rank, pid=w.pid,
+                               log_path=str(w.log_path), stacks=tuple(map(str, stacks)), node=self.node)
+        return None
+
+    def _check_peers(self) -> Failure | None:
+        rnd = self.round
+        if rnd.group_world_size > 1:
+            reason = self.rdzv.restart_reason(rnd)
+            if reason is not None:
+                return Failure("peer", f"peer asked for restart: {reason.get('summary', reason)}",
+                               node=reason.get("node", "?"))
+            lost = self.rdzv.beat_and_check_peers(rnd, time.monotonic())
+            if lost is not None:
+                return Failure("peer", f"node with group rank {lost} went silent for {self.cfg.peer_timeout:g}s",
+                               node=self.node)
+        now = time.monotonic()
+        if rnd.group_world_size < self.cfg.max_nodes and now - self._last_waiting_check > 1.0:
+            self._last_waiting_check = now
+            waiting = self.rdzv.nodes_waiting()
+            if waiting:
+                return Failure("scale", f"{waiting} node(s) waiting to join", node=self.node)
+        return None
+
+    def _restart(self, failure: Failure) -> int | None:
+        """Tear the group down and decide: next round, or the job has failed."""
+        self.set_state(State.RESTARTING, cause=failure.summary())
+        spends = failure.kind in ("exited", "signaled", "hung")
+        if spends:
+            self.last_failure = failure
+            self.first_failure = self.first_failure or failure
+            self.rdzv.request_restart(self.round, {"summary": failure.summary(), "node": self.node})
+        elif failure.kind == "scale":
+            self.rdzv.request_restart(self.round, {"summary": failure.reason, "node": self.node, "scale": True})
+        self._teardown(self.cfg.restart_grace)
+        if failure.kind in ("exited",) and failure.exit_code in self.cfg.fatal_exit_codes:
+            self.event("fatal_exit_code", level="error", exit_code=failure.exit_code, rank=failure.rank)
+            self.rdzv.close(job_finished=True)
+            return self._finish(State.FAILED, EXIT_FAILED)
+        if spends:
+            used = self.rdzv.spend_restart()
+            if used > self.cfg.max_restarts:
+                self.event("restart_budget_spent", level="error", max_restarts=self.cfg.max_restarts)
+                self.rdzv.close(job_finished=True)
+                return self._finish(State.FAILED, EXIT_FAILED)
+            delay = backoff_delay(self.cfg, used)
+            self.event("restart_backoff", delay=round(delay, 3), restart=used, budget=self.cfg.max_restarts)
+            self._wait(delay)
+        self.set_state(State.RENDEZVOUS)
+        return None
+
+    def _teardown(self, grace: float) -> None:
+        if not self.workers:
+            return
+        t0 = time.monotonic()
+        stuck = workers.stop(self.workers, self.token, 0.0 if self.force else grace, self.cfg.kill_timeout)
+        if self.tee:
+            self.tee.forget([w.log_path for w in self.workers])
+        self.event("workers_stopped", seconds=round(time.monotonic() - t0, 3),
+                   exits={w.global_rank: w.exit_code for w in self.workers}, unkillable=stuck)
+        self.workers = []
+        if self.round is not None:
+            self.round.close()
+
+    def _stop(self) -> int:
+        self.set_state(State.STOPPING)
+        if self.notify is not None:
+            self.notify.stopping()
+            self.notify.extend_timeout(self.stop_requested + self.cfg.kill_timeout + self.cfg.exit_barrier_timeout)
+        self._teardown(self.stop_requested or 0.0)
+        if self.round is not None and self.round.group_world_size > 1:
+            self.rdzv.exit_barrier(self.round, self.cfg.exit_barrier_timeout)
+        return self._finish(State.STOPPED, EXIT_OK)
+
+    def _finish(self, state: State, code: int) -> int:
+        self._teardown(0.0)
+        if self.rdzv is not None:
+            self.rdzv.close(job_finished=state in (State.SUCCEEDED, State.FAILED))
+        fields: dict[str, Any] = {"exit_code": code, "restarts": self.restart_count}
+        if state == State.FAILED and self.first_failure:
+            fields["first_failure"] = self.first_failure.summary()
+        self.set_state(state, **fields)
+        return code
+
+
+def _rss(pid: int) -> int | None:
+    try:
+        import psutil
+
+        return psutil.Process(pid).memory_info().rss
+    except Exception:  # noqa: BLE001 - the process may be gone
+        return None
+
+
+def serve(cfg: Config, run_dir: Path) -> int:
+    """Run the daemon: control socket, sd_notify, death guard, then the agent loop."""
+    from elasticd import control, systemd
+
+    agent = Agent(cfg, run_dir)
+    agent.install_signals()
+    guard = workers.start_guard(agent.token)
+    server = control.ControlServer(
+        cfg.socket or control.default_socket_path(),
+        snapshot=lambda: agent.snapshot,
+        command=lambda req: _accept_command(agent, req),
+        operators_group=cfg.operators_group or None,
+    )
+    try:
+        server.start()
+    except control.ControlError as e:
+        guard.stdin.close()
+        from elasticd.config import ConfigError
+
+        raise ConfigError(str(e)) from None
+    agent.notify = systemd
+    systemd.ready(f"{agent.state.value} run {cfg.rdzv_id}")
+    log.info("daemon_started", run_dir=str(run_dir), socket=str(server.path), entrypoint=cfg.entrypoint,
+             nproc_per_node=cfg.nproc_per_node, nnodes=cfg.nnodes, pid=os.getpid())
+    try:
+        code = agent.run()
+    finally:
+        server.close()
+        guard.stdin.close()
+        try:
+            guard.wait(timeout=10)
+        except Exception:  # noqa: BLE001 - never hang the exit on the guard
+            guard.kill()
+    if agent.state == State.FAILED and agent.first_failure:
+        sys_err(f"elasticd: job failed after {agent.restart_count} restart(s): {agent.first_failure.summary()}")
+    return code
+
+
+def _accept_command(agent: Agent, req: dict) -> dict:
+    if req.get("command") == "stop":
+        agent.post(("stop", req.get("timeout")))
+        return {"ok": True, "accepted": "stop"}
+    return {"ok": False, "error": f"unknown command {req.get('command')!r}"}
+
+
+def sys_err(line: str) -> None:
+    import sys
+
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()

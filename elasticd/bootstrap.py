@@ -1,0 +1,147 @@
+"""Runs inside every worker before the user's code, then gets out of the way.
+
+`python -m elasticd.bootstrap ARGS...` with ELASTICD_ENTRYPOINT naming a script, module or
+module:function. The user's code then runs with the `__main__`, sys.argv, sys.path and exit-code
+semantics of `python script.py ARGS` / `python -m module ARGS`. Before that it:
+- dies with the daemon (parent-death signal), even if the daemon is SIGKILLed;
+- dumps every thread's stack to the rank's stack file on ELASTICD_STACK_SIGNAL (faulthandler);
+- beats the heartbeat on every optimizer step, without importing torch itself;
+- writes TORCHELASTIC_ERROR_FILE (torch's @record format) when the entrypoint raises.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import faulthandler
+import importlib
+import importlib.abc
+import importlib.util
+import json
+import os
+import runpy
+import signal
+import sys
+import time
+import traceback
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_daemon() -> None:
+    try:
+        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    expected = os.environ.get("ELASTICD_DAEMON_PID")
+    if expected and os.getppid() != int(expected):
+        os._exit(1)  # the daemon died between fork and prctl: nobody would watch us
+
+
+def arm_stack_dumps() -> None:
+    path = os.environ.get("ELASTICD_STACK_FILE")
+    if not path:
+        return
+    sig = getattr(signal, os.environ.get("ELASTICD_STACK_SIGNAL", "SIGUSR1"))
+    # Kept open for the life of the process: faulthandler writes from a signal handler.
+    global _stack_file
+    _stack_file = open(path, "a")
+    faulthandler.register(sig, file=_stack_file, all_threads=True, chain=False)
+
+
+_stack_file = None
+
+
+def _register_step_hook(optimizer_module) -> None:
+    from elasticd import heartbeat
+
+    optimizer_module.register_optimizer_step_post_hook(lambda *_: heartbeat())
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Calls `then(module)` once `name` is imported, so torch is never imported on our account."""
+
+    def __init__(self, name: str, then):
+        self.name, self.then = name, then
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module, then = spec.loader.exec_module, self.then
+
+        def exec_then(module):
+            exec_module(module)
+            then(module)
+
+        spec.loader.exec_module = exec_then
+        return spec
+
+
+def arm_heartbeat() -> None:
+    if not os.environ.get("ELASTICD_HEARTBEAT_FILE"):
+        return
+    name = "torch.optim.optimizer"
+    if name in sys.modules:
+        _register_step_hook(sys.modules[name])
+    else:
+        sys.meta_path.insert(0, _AfterImport(name, _register_step_hook))
+
+
+def write_error_file(exc: BaseException) -> None:
+    """torch's format (torch.distributed.elastic.multiprocessing.errors), unless the script's own
+    @record already wrote one."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path or os.path.exists(path):
+        return
+    data = {
+        "message": {
+            "message": f"{type(exc).__name__}: {exc}",
+            "extraInfo": {
+                "py_callstack": "".join(traceback.format_exception(exc)),
+                "timestamp": str(int(time.time())),
+            },
+        }
+    }
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(data, f)
+    os.replace(tmp, path)
+
+
+def run_entrypoint(entrypoint: str, args: list[str]) -> None:
+    if entrypoint.endswith(".py") or os.sep in entrypoint:
+        path = os.path.abspath(entrypoint)
+        sys.argv = [entrypoint, *args]
+        sys.path[0] = os.path.dirname(path)
+        runpy.run_path(path, run_name="__main__")
+    elif ":" in entrypoint:
+        module, func = entrypoint.split(":", 1)
+        sys.argv = [entrypoint, *args]
+        target = importlib.import_module(module)
+        for part in func.split("."):
+            target = getattr(target, part)
+        sys.exit(target())
+    else:
+        sys.argv = [entrypoint, *args]  # runpy replaces argv[0] with the module's file
+        runpy.run_module(entrypoint, run_name="__main__", alter_sys=True)
+
+
+def main() -> None:
+    die_with_daemon()
+    arm_stack_dumps()
+    arm_heartbeat()
+    entrypoint = os.environ["ELASTICD_ENTRYPOINT"]
+    try:
+        run_entrypoint(entrypoint, sys.argv[1:])
+    except SystemExit:
+        raise
+    except BaseException as exc:
+        write_error_file(exc)
+        raise
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,257 @@
+"""`elasticd run / status / stop`: argument parsing, and every error turned into an exit code.
+
+Exit codes:
+  0  run: the job succeeded, or was stopped on request; status: the daemon is running; stop: done
+  1  run: the job failed (restart budget spent, fatal exit code, rendezvous failed)
+  2  bad input: flags, config file, entrypoint, ports, paths (nothing was started)
+  3  status: no daemon is running (LSB "program is not running")
+  4  status/stop: the daemon refused or did not answer (permission, protocol)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from elasticd import __version__
+from elasticd.config import ConfigError
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_RUNNING, EXIT_CONTROL = 0, 1, 2, 3, 4
+
+EPILOG = """exit codes: 0 success (status: running), 1 job failed, 2 bad input (nothing started),
+3 no daemon running (status), 4 daemon refused or did not answer"""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2
+        sys.stderr.write(f"elasticd: error: {message} (see '{self.prog} --help')\n")
+        sys.exit(EXIT_USAGE)
+
+
+def _add_run_flags(p: argparse.ArgumentParser) -> None:
+    S = argparse.SUPPRESS
+    p.add_argument("entrypoint", nargs="?", default=S,
+                   help="module (run as python -m), module:function, or path/to/script.py "
+                        "(default: the bundled example entrypoints.train)")
+    g = p.add_argument_group("torchrun-compatible")
+    g.add_argument("--nnodes", default=S, help="N or MIN:MAX nodes (default 1)")
+    g.add_argument("--nproc-per-node", "--nproc_per_node", dest="nproc_per_node", type=int, default=S,
+                   help="workers on this node (default 1; the bundled example: one per GPU, else 2)")
+    g.add_argument("--max-restarts", "--max_restarts", dest="max_restarts", type=int, default=S,
+                   help="failure restarts of the job before it fails (default 3)")
+    g.add_argument("--rdzv-endpoint", "--rdzv_endpoint", dest="rdzv_endpoint", default=S,
+                   help="HOST:PORT of the rendezvous store, the same on every node")
+    g.add_argument("--rdzv-id", "--rdzv_id", dest="rdzv_id", default=S, help="job id shared by all nodes")
+    g.add_argument("--standalone", action="store_true", default=S,
+                   help="single node with a private store on a free loopback port")
+    g.add_argument("--monitor-interval", "--monitor_interval", dest="monitor_interval", type=float, default=S,
+                   help="seconds between worker checks (default 0.1)")
+    g.add_argument("--log-dir", "--log_dir", dest="log_dir", default=S,
+                   help="where per-rank logs, error files and stack dumps go (default ./elasticd-runs)")
+    g.add_argument("--local-addr", "--local_addr", dest="local_addr", default=S,
+                   help="address peers reach this node at (default: the one routing to the endpoint)")
+    e = p.add_argument_group("elasticd")
+    e.add_argument("--config", dest="config_file", default=None, help="TOML config file (flags override it)")
+    e.add_argument("--log-format", dest="log_format", choices=["auto", "json", "console"], default=S,
+                   help="daemon log format (default: console on a terminal, else JSON)")
+    e.add_argument("--no-tee", dest="tee", action="store_false", default=S,
+                   help="do not echo worker output to the daemon's stdout")
+    e.add_argument("--heartbeat-timeout", dest="heartbeat_timeout", type=float, default=S,
+                   help="a rank silent this long after a beat is hung (default 300 s)")
+    e.add_argument("--startup-timeout", dest="startup_timeout", type=float, default=S,
+                   help="time allowed before the first beat (default 900 s)")
+    e.add_argument("--require-heartbeat", dest="require_heartbeat", action="store_true", default=S,
+                   help="judge workers that never beat by --startup-timeout too")
+    e.add_argument("--stop-grace", dest="stop_grace", type=float, default=S,
+                   help="SIGTERM-to-SIGKILL grace on stop (default 30 s)")
+    e.add_argument("--restart-grace", dest="restart_grace", type=float, default=S,
+                   help="SIGTERM-to-SIGKILL grace when restarting after a failure (default 3 s)")
+    e.add_argument("--exit-barrier-timeout", dest="exit_barrier_timeout", type=float, default=S,
+                   help="how long a finished node waits for the others (default 300 s)")
+    e.add_argument("--join-timeout", dest="join_timeout", type=float, default=S,
+                   help="how long to wait for enough nodes (default 600 s)")
+    e.add_argument("--last-call-timeout", dest="last_call_timeout", type=float, default=S,
+                   help="extra wait for more nodes once MIN have joined (default 1 s)")
+    e.add_argument("--peer-timeout", dest="peer_timeout", type=float, default=S,
+                   help="a node silent this long is treated as lost (default 10 s)")
+    e.add_argument("--fatal-exit-codes", dest="fatal_exit_codes", default=S,
+                   help="comma-separated worker exit codes that fail the job without restart")
+    e.add_argument("--socket", dest="socket", default=S, help="control socket path")
+    e.add_argument("--operators-group", dest="operators_group", default=S,
+                   help="group whose members may use status/stop")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="elasticd", description="Keeps PyTorch distributed training alive.", epilog=EPILOG,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"elasticd {__version__}")
+    sub = p.add_subparsers(dest="command", parser_class=_Parser)
+    run = sub.add_parser("run", help="run a training job on this node",
+                         usage="elasticd run [flags] [ENTRYPOINT] [-- ARGS...]", epilog=EPILOG,
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_run_flags(run)
+    st = sub.add_parser("status", help="show the daemon's state", epilog=EPILOG,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    st.add_argument("--json", action="store_true", help="print the status as JSON")
+    st.add_argument("--socket", default=None, help="control socket path")
+    sp = sub.add_parser("stop", help="stop the job gracefully", epilog=EPILOG,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    sp.add_argument("--timeout", type=float, default=None, help="grace before workers are killed")
+    sp.add_argument("--socket", default=None, help="control socket path")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, extra = argv[:i], argv[i + 1:]
+    args = build_parser().parse_args(argv)
+    if args.command == "run":
+        return _run(args, extra)
+    if extra:
+        build_parser().error("arguments after -- are only for 'run'")
+    if args.command == "status":
+        return _status(args)
+    if args.command == "stop":
+        return _stop(args)
+    build_parser().print_help()
+    return EXIT_USAGE
+
+
+def _run(args: argparse.Namespace, extra: list[str]) -> int:
+    from elasticd import config, logs
+
+    flags = {k: v for k, v in vars(args).items() if k not in ("command", "config_file")}
+    if extra:
+        flags["args"] = extra
+    try:
+        cfg = config.build(flags, args.config_file)
+        config.check_entrypoint(cfg.entrypoint)
+        if cfg.max_nodes == 1 and cfg.rdzv_endpoint:
+            config.check_port_free(cfg.rdzv_host, cfg.rdzv_port)
+        run_dir = _run_dir(cfg)
+        config.check_log_dir(run_dir)
+    except ConfigError as e:
+        sys.stderr.write(f"elasticd: error: {e}\n")
+        return EXIT_USAGE
+    logs.setup(cfg.log_format)
+    from elasticd.agent import serve
+
+    try:
+        return serve(cfg, run_dir)
+    except ConfigError as e:  # found only when binding (a port in use, a live socket)
+        sys.stderr.write(f"elasticd: error: {e}\n")
+        return EXIT_USAGE
+
+
+def _run_dir(cfg) -> Path:
+    base = Path(cfg.log_dir or os.environ.get("LOGS_DIRECTORY", "").split(":")[0] or "elasticd-runs")
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return (base / f"{cfg.rdzv_id}-{stamp}-{os.getpid()}").absolute()
+
+
+def _status(args: argparse.Namespace) -> int:
+    from elasticd import control
+
+    path = args.socket or control.default_socket_path()
+    try:
+        reply = control.request(path, {"version": 1, "command": "status"})
+    except control.NoDaemon as e:
+        print(f"elasticd is not running ({e})")
+        return EXIT_NOT_RUNNING
+    except control.ControlError as e:
+        sys.stderr.write(f"elasticd: error: {e}\n")
+        return EXIT_CONTROL
+    if not reply.get("ok"):
+        sys.stderr.write(f"elasticd: error: {reply.get('error')}\n")
+        return EXIT_CONTROL
+    status = reply["status"]
+    if args.json:
+        print(json.dumps(status, indent=2, default=str))
+    else:
+        print(render_status(status))
+    return EXIT_OK if status.get("state") not in ("SUCCEEDED", "FAILED", "STOPPED") else EXIT_NOT_RUNNING
+
+
+def _stop(args: argparse.Namespace) -> int:
+    from elasticd import control
+
+    path = args.socket or control.default_socket_path()
+    try:
+        reply = control.request(path, {"version": 1, "command": "stop", "timeout": args.timeout})
+    except control.NoDaemon:
+        print("elasticd is not running; nothing to stop")
+        return EXIT_OK
+    except control.ControlError as e:
+        sys.stderr.write(f"elasticd: error: {e}\n")
+        return EXIT_CONTROL
+    if not reply.get("ok"):
+        sys.stderr.write(f"elasticd: error: {reply.get('error')}\n")
+        return EXIT_CONTROL
+    # Wait for the daemon to finish stopping: the socket goes away when it exits.
+    deadline = time.monotonic() + (args.timeout if args.timeout is not None else 30.0) + 60.0
+    while time.monotonic() < deadline:
+        try:
+            control.request(path, {"version": 1, "command": "status"}, timeout=2.0)
+        except control.NoDaemon:
+            print("elasticd stopped")
+            return EXIT_OK
+        except control.ControlError:
+            pass
+        time.sleep(0.2)
+    sys.stderr.write("elasticd: error: the daemon accepted stop but is still running; check its logs\n")
+    return EXIT_CONTROL
+
+
+def _age(seconds) -> str:
+    if seconds is None:
+        return "-"
+    seconds = float(seconds)
+    return f"{seconds:.1f}s" if seconds < 120 else f"{seconds / 60:.1f}m" if seconds < 7200 else f"{seconds / 3600:.1f}h"
+
+
+def render_status(s: dict) -> str:
+    """The readable form of a status snapshot."""
+    lines = [
+        f"elasticd {s.get('state')}  run {s.get('run_id')}  node {s.get('node')} (pid {s.get('pid')})",
+        f"  group rank {s.get('group_rank')} of {s.get('group_world_size')} nodes, world size {s.get('world_size')}, "
+        f"round {s.get('round')}",
+        f"  restarts {s.get('restarts')}/{s.get('max_restarts')}  uptime {_age(s.get('uptime'))}  "
+        f"entrypoint {s.get('entrypoint')}",
+        f"  logs {s.get('run_dir')}",
+    ]
+    ckpt = s.get("checkpoint")
+    if ckpt:
+        lines.append(f"  checkpoint step {ckpt.get('step')} epoch {ckpt.get('epoch')} age {_age(ckpt.get('age'))} "
+                     f"{ckpt.get('path')}")
+    else:
+        lines.append("  checkpoint none")
+    lines.append("  RANK  PID      STATE                 BEAT   STEP     RSS")
+    for w in s.get("workers") or []:
+        rss = f"{w['rss_bytes'] / 2**20:.0f}MiB" if w.get("rss_bytes") else "-"
+        step = "-" if w.get("step") is None else str(w["step"])
+        lines.append(f"  {w['rank']:<5} {w['pid']:<8} {w['state']:<21} {_age(w.get('heartbeat_age')):<6} {step:<8} {rss}")
+    f = s.get("last_failure")
+    if f:
+        lines.append(f"  last failure: rank {f.get('rank')} {f.get('reason')}"
+                     + (f": {f['exception']}" if f.get("exception") else "")
+                     + (f" (log {f['log_path']})" if f.get("log_path") else ""))
+        for path in f.get("stacks") or []:
+            lines.append(f"    stacks {path}")
+    events = s.get("events") or []
+    if events:
+        lines.append("  recent events:")
+        for e in events[-8:]:
+            extra = " ".join(f"{k}={v}" for k, v in e.items() if k not in ("time", "event"))
+            lines.append(f"    {time.strftime('%H:%M:%S', time.localtime(e['time']))} {e['event']} {extra}"[:160])
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""Heartbeat files (a worker writes, the daemon reads) and hang verdicts.
+
+A heartbeat is a few stores into a per-rank memory-mapped file: no syscall, no lock, a couple of
+microseconds, so it can sit in every optimizer step. The daemon pre-creates each file and passes
+its path in ELASTICD_HEARTBEAT_FILE. Times are CLOCK_MONOTONIC, which every process on the host
+shares, so the daemon compares them with its own clock.
+
+Layout (little endian): magic b"EDHB", version u32, beats u64, step i64, last f64, first f64.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import time
+from dataclasses import dataclass
+
+_LAYOUT = struct.Struct("<4sIqqdd")
+MAGIC = b"EDHB"
+SIZE = 64
+_BEATS = 8  # offset of the beats counter, after magic and version
+_FIELDS = struct.Struct("<qqd")  # beats, step, last
+
+
+@dataclass(frozen=True)
+class Beat:
+    beats: int
+    step: int  # -1 when the worker never said which step
+    last: float  # CLOCK_MONOTONIC of the latest beat; 0.0 before the first
+    first: float
+
+
+def create(path: str) -> None:
+    """Daemon side: an empty heartbeat file for one rank and attempt."""
+    with open(path, "wb") as f:
+        f.write(_LAYOUT.pack(MAGIC, 1, 0, -1, 0.0, 0.0).ljust(SIZE, b"\0"))
+
+
+def read(path: str) -> Beat | None:
+    try:
+        with open(path, "rb") as f:
+            data = f.read(_LAYOUT.size)
+    except OSError:
+        return None
+    if len(data) < _LAYOUT.size:
+        return None
+    magic, _version, beats, step, last, first = _LAYOUT.unpack(data)
+    if magic != MAGIC:
+        return None
+    return Beat(beats, step, last, first)
+
+
+class Writer:
+    """Worker side. Opened once; `beat()` only writes into shared memory."""
+
+    def __init__(self, path: str):
+        fd = os.open(path, os.O_RDWR)
+        try:
+            self._map = mmap.mmap(fd, SIZE)
+        finally:
+            os.close(fd)
+        self.beats = 0
+        self.step = -1
+        self._explicit = False  # once the script names its step, automatic beats keep it
+
+    def beat(self, step: int | None = None) -> None:
+        now = time.monotonic()
+        self.beats += 1
+        if step is not None:
+            self.step, self._explicit = int(step), True
+        elif not self._explicit:
+            self.step += 1
+        if self.beats == 1:
+            struct.pack_into("<d", self._map, _BEATS + _FIELDS.size, now)
+        _FIELDS.pack_into(self._map, _BEATS, self.beats, self.step, now)
+
+
+def verdict(beat: Beat | None, started: float, now: float, *, expect_beats: bool,
+            heartbeat_timeout: float, startup_timeout: float) -> str | None:
+    """Why a running worker counts as hung, or None. `started` is its spawn time (monotonic)."""
+    if beat is None or beat.beats == 0:
+        if expect_beats and now - started > startup_timeout:
+            return f"no heartbeat within startup timeout ({startup_timeout:g}s)"
+        return None
+    silent = now - beat.last
+    if silent > heartbeat_timeout:
+        return f"no heartbeat for {silent:.1f}s (heartbeat timeout {heartbeat_timeout:g}s, last step {beat.step})"
+    return None
+
+
+def process_verdict(pid: int) -> str | None:
+    """A worker that is alive but stopped (SIGSTOP, state T) or a zombie never beats again."""
+    import psutil  # daemon side only: workers import this module for Writer
+
+    try:
+        status = psutil.Process(pid).status()
+    except psutil.Error:
+        return None
+    if status in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP):
+        return f"process stopped (state T, status {status})"
+    if status == psutil.STATUS_ZOMBIE:
+        return "process is a zombie"
+    return None

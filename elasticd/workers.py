@@ -1,0 +1,356 @@
+"""Spawn a node's workers with torchrun's environment, and stop a whole worker tree.
+
+Each worker gets its own session (so its process group can be signalled as one), its output goes
+straight to a per-rank file (a slow daemon can never block a worker on a full pipe), and carries
+ELASTICD_AGENT=<token> so a sweep finds every descendant, even one that left the session.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+from elasticd import health, logs
+
+log = logs.get("elasticd.workers")
+
+_PR_SET_CHILD_SUBREAPER = 36
+# What a daemon must never hand to its workers (systemd's notify socket and watchdog belong to it).
+_PRIVATE_ENV = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID")
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """Everything a node needs to start one attempt's local workers."""
+
+    entrypoint: str  # "module", "module:function" or "path/to/script.py"
+    args: tuple[str, ...]
+    nproc: int
+    rank_base: int  # global rank of local rank 0
+    world_size: int
+    group_rank: int
+    group_world_size: int
+    master_addr: str
+    master_port: int
+    restart_count: int
+    max_restarts: int
+    run_id: str
+    attempt_dir: Path
+    token: str  # identifies this daemon's processes for sweeps
+    stack_signal: str = "SIGUSR1"
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Worker:
+    local_rank: int
+    global_rank: int
+    proc: subprocess.Popen
+    log_path: Path
+    error_path: Path
+    stack_path: Path
+    heartbeat_path: Path
+    started: float  # monotonic
+    exit_code: int | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+
+def make_subreaper() -> bool:
+    """Orphaned grandchildren reparent to the daemon, so they stay findable and reapable."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def worker_env(spec: GroupSpec, local_rank: int, paths: dict[str, Path]) -> dict[str, str]:
+    """torchrun's contract (LocalElasticAgent._start_workers, torch 2.13) plus ELASTICD_*."""
+    env = {k: v for k, v in os.environ.items() if k not in _PRIVATE_ENV}
+    rank = spec.rank_base + local_rank
+    env.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(local_rank),
+        GROUP_RANK=str(spec.group_rank),
+        ROLE_RANK=str(rank),
+        ROLE_NAME="default",
+        LOCAL_WORLD_SIZE=str(spec.nproc),
+        WORLD_SIZE=str(spec.world_size),
+        GROUP_WORLD_SIZE=str(spec.group_world_size),
+        ROLE_WORLD_SIZE=str(spec.world_size),
+        MASTER_ADDR=spec.master_addr,
+        MASTER_PORT=str(spec.master_port),
+        TORCHELASTIC_RESTART_COUNT=str(spec.restart_count),
+        TORCHELASTIC_MAX_RESTARTS=str(spec.max_restarts),
+        TORCHELASTIC_RUN_ID=spec.run_id,
+        TORCHELASTIC_USE_AGENT_STORE="True",
+        TORCH_NCCL_ASYNC_ERROR_HANDLING=os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+        TORCHELASTIC_ERROR_FILE=str(paths["error"]),
+        ELASTICD_AGENT=spec.token,
+        ELASTICD_DAEMON_PID=str(os.getpid()),
+        ELASTICD_ENTRYPOINT=spec.entrypoint,
+        ELASTICD_HEARTBEAT_FILE=str(paths["heartbeat"]),
+        ELASTICD_STACK_FILE=str(paths["stack"]),
+        ELASTICD_STACK_SIGNAL=spec.stack_signal,
+        ELASTICD_ATTEMPT_DIR=str(spec.attempt_dir),
+    )
+    if spec.nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
+        env["OMP_NUM_THREADS"] = "1"
+    # Output goes to a file: without this, Python holds prints back in a block buffer.
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    env.update(spec.extra_env)
+    return env
+
+
+def spawn(spec: GroupSpec) -> list[Worker]:
+    """Start the local workers. Call from the agent loop's thread: the parent-death signal the
+    bootstrap arms fires when the *thread* that forked the child exits."""
+    spec.attempt_dir.mkdir(parents=True, exist_ok=True)
+    workers = []
+    for local_rank in range(spec.nproc):
+        rank = spec.rank_base + local_rank
+        paths = {
+            "log": spec.attempt_dir / f"rank{rank}.log",
+            "error": spec.attempt_dir / f"rank{rank}.error.json",
+            "stack": spec.attempt_dir / f"rank{rank}.stacks.txt",
+            "heartbeat": spec.attempt_dir / f"rank{rank}.heartbeat",
+        }
+        health.create(str(paths["heartbeat"]))
+        with open(paths["log"], "ab") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "elasticd.bootstrap", *spec.args],
+                env=worker_env(spec, local_rank, paths),
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                close_fds=True,
+            )
+        workers.append(
+            Worker(local_rank, rank, proc, paths["log"], paths["error"], paths["stack"],
+                   paths["heartbeat"], time.monotonic())
+        )
+    return workers
+
+
+def start_guard(token: str) -> subprocess.Popen:
+    """See elasticd.guard: kills our workers' tree if the daemon dies without doing it."""
+    env = {k: v for k, v in os.environ.items() if k not in _PRIVATE_ENV and k != "ELASTICD_AGENT"}
+    return subprocess.Popen([sys.executable, "-m", "elasticd.guard", token], stdin=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL, env=env, close_fds=True)
+
+
+def poll(workers: list[Worker]) -> list[Worker]:
+    """Reap exits; return the workers that exited since the last call."""
+    exited = []
+    for w in workers:
+        if w.exit_code is None:
+            code = w.proc.poll()
+            if code is not None:
+                w.exit_code = code
+                exited.append(w)
+    return exited
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def _signal_group(w: Worker, sig: int) -> None:
+    try:
+        os.killpg(w.pid, sig)  # the worker leads its own session and process group
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def find_tree(token: str, workers: list[Worker]) -> list[psutil.Process]:
+    """Every live process of this daemon's workers: descendants of the daemon (it is a
+    subreaper, so orphans stay below it), members of the workers' sessions, and anything else
+    carrying our ELASTICD_AGENT token in its environment (a descendant that left the session)."""
+    me = os.getpid()
+    sids = {w.pid for w in workers}
+    found: dict[int, psutil.Process] = {}
+    for p in psutil.Process(me).children(recursive=True):
+        found[p.pid] = p
+    for p in psutil.process_iter():
+        if p.pid == me or p.pid in found:
+            continue
+        try:
+            if os.getsid(p.pid) in sids or p.environ().get("ELASTICD_AGENT") == token:
+                found[p.pid] = p
+        except (OSError, psutil.Error):
+            continue
+    return [p for p in found.values() if _is_ours(p, token)]
+
+
+def _is_ours(p: psutil.Process, token: str) -> bool:
+    """The guard process and other helpers of the daemon do not carry the token; keep them."""
+    try:
+        return p.environ().get("ELASTICD_AGENT") == token or p.status() == psutil.STATUS_ZOMBIE
+    except psutil.ZombieProcess:
+        return True
+    except psutil.Error:
+        return False
+
+
+def stop(workers: list[Worker], token: str, grace: float, kill_timeout: float) -> list[int]:
+    """SIGTERM every worker's process group, wait up to `grace`, SIGKILL what is left, then sweep
+    the whole tree. Every wait is bounded: returns the pids that could not be reaped (a process
+    in uninterruptible sleep cannot be), which the caller reports."""
+    live = [w for w in workers if w.proc.poll() is None]
+    if live and grace > 0:
+        for w in live:
+            _signal_group(w, signal.SIGTERM)
+            _signal_group(w, signal.SIGCONT)  # a stopped process acts on SIGTERM only when continued
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and any(w.proc.poll() is None for w in live):
+            time.sleep(0.01)
+    for w in workers:
+        if w.proc.poll() is None:
+            _signal_group(w, signal.SIGKILL)
+    deadline = time.monotonic() + kill_timeout
+    leftover: list[psutil.Process] = []
+    while True:
+        poll(workers)
+        leftover = [p for p in find_tree(token, workers) if p.pid not in {w.pid for w in workers if w.exit_code is not None}]
+        for p in leftover:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        reap_orphans(workers)
+        if not leftover and all(w.exit_code is not None for w in workers):
+            return []
+        if time.monotonic() >= deadline:
+            stuck = [p.pid for p in leftover] + [w.pid for w in workers if w.exit_code is None]
+            log.error("processes_unkillable", pids=stuck, hint="likely in uninterruptible sleep (state D)")
+            return stuck
+        time.sleep(0.02)
+
+
+def reap_orphans(workers: list[Worker]) -> None:
+    """Reap zombies of reparented grandchildren (we are their subreaper); never our workers,
+    whose exit status Popen must read."""
+    mine = {w.pid for w in workers}
+    try:
+        children = psutil.Process().children()
+    except psutil.Error:
+        return
+    for p in children:
+        if p.pid in mine:
+            continue
+        try:
+            if p.status() == psutil.STATUS_ZOMBIE:
+                os.waitpid(p.pid, os.WNOHANG)
+        except (OSError, psutil.Error):
+            pass
+
+
+def dump_stacks(workers: list[Worker], sig_name: str, wait: float = 1.0) -> list[Path]:
+    """Ask every live worker for a stack dump of all its threads (the bootstrap registered
+    faulthandler on `sig_name`), wait briefly for the files to fill, and return them."""
+    sig = getattr(signal, sig_name)
+    live = [w for w in workers if w.proc.poll() is None]
+    sizes = {}
+    for w in live:
+        sizes[w.pid] = w.stack_path.stat().st_size if w.stack_path.exists() else 0
+        with open(w.stack_path, "a") as f:
+            f.write(f"\n=== elasticd stack dump, rank {w.global_rank}, pid {w.pid}, {time.strftime('%Y-%m-%dT%H:%M:%S%z')} ===\n")
+        try:
+            os.kill(w.pid, sig)
+            os.kill(w.pid, signal.SIGCONT)  # a stopped worker dumps only once continued
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + wait
+    pending = set(sizes)
+    while pending and time.monotonic() < deadline:
+        time.sleep(0.02)
+        for w in live:
+            if w.pid in pending and w.stack_path.stat().st_size > sizes[w.pid] + 200:
+                pending.discard(w.pid)
+    if pending:
+        time.sleep(0.05)
+    return [w.stack_path for w in live]
+
+
+class Tee:
+    """Echo new lines of the rank logs to the daemon's stdout, prefixed with the rank.
+
+    One thread polls the files, so workers write straight to disk and are never slowed by us."""
+
+    def __init__(self, out=None, interval: float = 0.05):
+        self._out = out or sys.stdout
+        self._interval = interval
+        self._files: dict[Path, list] = {}  # path -> [prefix, offset, partial]
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="elasticd-tee", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def follow(self, path: Path, prefix: str) -> None:
+        with self._lock:
+            self._files[path] = [prefix, path.stat().st_size if path.exists() else 0, b""]
+
+    def forget(self, paths: list[Path]) -> None:
+        """Print what is left of these files (their last lines) and stop following them."""
+        with self._lock:
+            for p in paths:
+                self._pump(p, final=True)
+                self._files.pop(p, None)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=2)
+        self.forget(list(self._files))
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            with self._lock:
+                for p in list(self._files):
+                    self._pump(p)
+
+    def _pump(self, path: Path, final: bool = False) -> None:
+        entry = self._files.get(path)
+        if entry is None:
+            return
+        prefix, offset, partial = entry
+        try:
+            with open(path, "rb") as f:
+                f.seek(offset)
+                data = f.read(1 << 20)
+        except OSError:
+            return
+        entry[1] = offset + len(data)
+        data = partial + data
+        lines = data.split(b"\n")
+        entry[2] = lines.pop()
+        if final and entry[2]:
+            lines.append(entry[2])
+            entry[2] = b""
+        if lines:
+            text = "".join(f"{prefix}{ln.decode(errors='replace')}\n" for ln in lines)
+            try:
+                self._out.write(text)
+                self._out.flush()
+            except (OSError, ValueError):
+                pass

@@ -1,0 +1,1 @@
+"""Bundled example training entrypoints: the default job of `elasticd run`."""

@@ -1,0 +1,54 @@
+import os
+import sys
+import time
+
+import psutil
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from harness import leftover_processes  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_processes():
+    """Every test ends with zero processes from its runs; a leak fails the test that caused it."""
+    yield
+    deadline = time.monotonic() + 10
+    left = leftover_processes()
+    while left and time.monotonic() < deadline:
+        time.sleep(0.1)
+        left = leftover_processes()
+    if left:
+        desc = []
+        for p in left:
+            try:
+                desc.append(f"{p.pid}: {' '.join(p.cmdline())[:120]}")
+            except psutil.Error:
+                pass
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        pytest.fail("processes left behind:\n" + "\n".join(desc))
+
+
+@pytest.fixture
+def daemons(tmp_path):
+    """Factory for Daemon nodes; any still running at the end are SIGKILLed (their guard cleans up)."""
+    from harness import Daemon
+
+    started = []
+
+    def start(*a, **kw):
+        d = Daemon(tmp_path, *a, **kw)
+        started.append(d)
+        return d
+
+    yield start
+    for d in started:
+        d.kill()
+        try:
+            d.proc.wait(timeout=10)
+        except Exception:
+            pass

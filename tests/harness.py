@@ -1,0 +1,146 @@
+"""Test harness: real daemons as subprocesses, their run directories, and leak checks."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = ROOT / "tests" / "scripts"
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.05, what: str = "condition"):
+    """Poll `predicate` until truthy; fail the test (never hang) after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+def leftover_processes(exclude: set[int] = frozenset()) -> list[psutil.Process]:
+    """Processes that carry a worker or daemon environment (what a leak looks like)."""
+    me = os.getpid()
+    found = []
+    for p in psutil.process_iter():
+        if p.pid == me or p.pid in exclude:
+            continue
+        try:
+            env = p.environ()
+            if p.status() == psutil.STATUS_ZOMBIE:
+                continue
+        except psutil.Error:
+            continue
+        if "TORCHELASTIC_RUN_ID" in env or "ELASTICD_AGENT" in env or "ELASTICD_TEST_DAEMON" in env:
+            found.append(p)
+    return found
+
+
+class Daemon:
+    """One `elasticd run` as a separate process (a node), with its own log dir and socket."""
+
+    def __init__(self, tmp_path: Path, entrypoint: str | None, *flags: str, args=(), name: str = "node0",
+                 env: dict | None = None, log_format: str = "json"):
+        self.dir = tmp_path / name
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.log_dir = self.dir / "logs"
+        self.socket = self.dir / "control.sock"
+        cmd = [sys.executable, "-m", "elasticd.cli", "run", "--log-dir", str(self.log_dir),
+               "--socket", str(self.socket), "--log-format", log_format, *flags]
+        if entrypoint:
+            cmd.append(entrypoint)
+        if args:
+            cmd += ["--", *args]
+        self.stdout_path, self.stderr_path = self.dir / "stdout.txt", self.dir / "stderr.txt"
+        full_env = dict(os.environ, ELASTICD_TEST_DAEMON="1", PYTHONUNBUFFERED="1", **(env or {}))
+        with open(self.stdout_path, "wb") as out, open(self.stderr_path, "wb") as err:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
+                                         cwd=ROOT, env=full_env, start_new_session=True)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"daemon did not finish within {timeout}s\n{self.stderr()[-4000:]}") from None
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+    def stdout(self) -> str:
+        return self.stdout_path.read_text(errors="replace")
+
+    def stderr(self) -> str:
+        return self.stderr_path.read_text(errors="replace")
+
+    def events(self) -> list[dict]:
+        out = []
+        for line in self.stderr().splitlines():
+            if line.startswith("{"):
+                try:
+                    out.append(json.loads(line))
+                except ValueError:
+                    pass
+        return out
+
+    def run_dir(self) -> Path:
+        dirs = wait_until(lambda: [d for d in self.log_dir.glob("*") if d.is_dir()], 30, what="run dir")
+        return dirs[0]
+
+    def attempt_dirs(self) -> list[Path]:
+        return sorted(self.run_dir().glob("attempt*"), key=lambda p: int(p.name[7:]))
+
+    def worker_pids(self) -> dict[int, int]:
+        """Global rank -> pid of this daemon's live workers (its direct children with RANK set)."""
+        out = {}
+        try:
+            children = psutil.Process(self.pid).children()
+        except psutil.Error:
+            return out
+        for c in children:
+            try:
+                env = c.environ()
+                if "RANK" in env and c.status() != psutil.STATUS_ZOMBIE:
+                    out[int(env["RANK"])] = c.pid
+            except psutil.Error:
+                continue
+        return out
+
+    def log_text(self, rank: int, attempt: int | None = None) -> str:
+        dirs = self.attempt_dirs()
+        if not dirs:
+            return ""
+        d = dirs[-1] if attempt is None else self.run_dir() / f"attempt{attempt}"
+        try:
+            return (d / f"rank{rank}.log").read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def wait_for_step(self, rank: int, step: int, timeout: float, attempt: int | None = None) -> None:
+        pat = re.compile(rf"^step {step}\b", re.M)
+        wait_until(lambda: pat.search(self.log_text(rank, attempt)), timeout,
+                   what=f"rank {rank} to reach step {step}")
+
+    def status(self, *extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "elasticd.cli", "status", "--socket", str(self.socket), *extra],
+                              capture_output=True, text=True, timeout=30, cwd=ROOT)
+
+
+def script(name: str) -> str:
+    return str(SCRIPTS / name)

@@ -1,0 +1,48 @@
+"""Fault injection for tests: `--raise-at N`, `--exit-at N CODE`, `--spawn-child` (a grandchild).
+
+Plain torch.distributed like any torchrun script; the fault hits only `--rank R` (default 1)."""
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--rank", type=int, default=1)
+    p.add_argument("--raise-at", type=int, default=-1)
+    p.add_argument("--exit-at", type=int, default=-1)
+    p.add_argument("--exit-code", type=int, default=3)
+    p.add_argument("--only-first-attempt", action="store_true")
+    p.add_argument("--spawn-child", action="store_true", help="start a long sleep grandchild")
+    p.add_argument("--step-time", type=float, default=0.05)
+    args = p.parse_args()
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    armed = rank == args.rank and (first or not args.only_first_attempt)
+    if args.spawn_child:
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        print(f"child pid {child.pid}", flush=True)
+    t = torch.ones(1)
+    for step in range(1, args.steps + 1):
+        dist.all_reduce(t)
+        print(f"step {step}", flush=True)
+        if armed and step == args.raise_at:
+            raise ValueError(f"injected failure at step {step}")
+        if armed and step == args.exit_at:
+            sys.exit(args.exit_code)
+        time.sleep(args.step_time)
+    dist.barrier()
+    print("done", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+"""Hang injection for tests: `--mode loop|deadlock|sleep` at `--at` step on rank `--rank`.
+
+Trains a tiny model with a real optimizer (so elasticd's automatic heartbeat sees every step) and
+an all_reduce per step. Faults fire only in the first attempt, so the restarted run completes."""
+
+import argparse
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--mode", choices=["none", "loop", "deadlock", "sleep"], default="none")
+    p.add_argument("--at", type=int, default=3)
+    p.add_argument("--rank", type=int, default=1)
+    p.add_argument("--step-time", type=float, default=0.05)
+    p.add_argument("--sleep", type=float, default=0.0, help="--mode sleep: a long silent phase")
+    args = p.parse_args()
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    armed = rank == args.rank and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    t = torch.ones(1)
+    for step in range(1, args.steps + 1):
+        opt.zero_grad()
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        if armed and step == args.at and args.mode == "loop":
+            print(f"rank {rank} entering an endless loop", flush=True)
+            while True:
+                pass
+        if armed and step == args.at and args.mode == "deadlock":
+            print(f"rank {rank} skips the all_reduce and waits for a message", flush=True)
+            dist.recv(t, src=0)
+        else:
+            dist.all_reduce(t)
+        print(f"step {step}", flush=True)
+        time.sleep(args.step_time)
+    dist.barrier()
+    print("done", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""Hang detection: stopped, spinning and deadlocked ranks are found in seconds, with stacks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+from harness import script, wait_until
+
+HB = ("--heartbeat-timeout", "2", "--startup-timeout", "60", "--restart-grace", "0.5", "--max-restarts", "2")
+
+
+def hang_events(d):
+    return [e for e in d.events() if e.get("event") == "state" and e.get("new") == "RESTARTING"]
+
+
+def restart_time(d) -> float:
+    from datetime import datetime
+
+    e = hang_events(d)[0]
+    return datetime.fromisoformat(e["timestamp"].replace("Z", "+00:00")).timestamp()
+
+
+def test_sigstop_detected_fast_and_run_completes(daemons):
+    d = daemons(script("hang.py"), "--nproc-per-node", "2", *HB, args=["--steps", "40"])
+    d.wait_for_step(1, 3, timeout=60)
+    pid = d.worker_pids()[1]
+    t0 = time.time()
+    os.kill(pid, signal.SIGSTOP)
+    assert d.wait(90) == 0, d.stderr()[-3000:]
+    cause = hang_events(d)[0]["cause"]
+    assert "rank 1; hung: process stopped" in cause
+    assert restart_time(d) - t0 < 2 + 1  # heartbeat timeout + 1 s (process state catches it at once)
+    stacks = (d.run_dir() / "attempt1" / "rank1.stacks.txt").read_text()
+    assert "most recent call first" in stacks and "hang.py" in stacks
+
+
+def test_endless_loop_detected_within_timeout(daemons):
+    d = daemons(script("hang.py"), "--nproc-per-node", "2", *HB, args=["--steps", "10", "--mode", "loop", "--at", "3"])
+    wait_until(lambda: "entering an endless loop" in d.log_text(1, 1), 60, what="the loop to start")
+    t0 = time.time()
+    assert d.wait(90) == 0, d.stderr()[-3000:]
+    cause = hang_events(d)[0]["cause"]
+    assert "hung: no heartbeat for" in cause, cause
+    assert restart_time(d) - t0 < 2 + 1 + 0.5
+    stacks = (d.run_dir() / "attempt1" / "rank1.stacks.txt").read_text()
+    assert "hang.py" in stacks and "in main" in stacks
+
+
+def test_deadlock_detected_with_stacks_of_every_rank(daemons):
+    d = daemons(script("hang.py"), "--nproc-per-node", "2", *HB,
+                args=["--steps", "8", "--mode", "deadlock", "--at", "3"])
+    assert d.wait(120) == 0, d.stderr()[-3000:]
+    ev = hang_events(d)[0]
+    assert "hung: no heartbeat" in ev["cause"] and "stacks" in ev["cause"]
+    for rank in (0, 1):
+        text = (d.run_dir() / "attempt1" / f"rank{rank}.stacks.txt").read_text()
+        assert "elasticd stack dump" in text and "hang.py" in text
+    assert "in recv" in (d.run_dir() / "attempt1" / "rank1.stacks.txt").read_text()
+    assert "all_reduce" in (d.run_dir() / "attempt1" / "rank0.stacks.txt").read_text()
+
+
+def test_script_that_never_beats_is_not_judged(daemons):
+    d = daemons(script("silent.py"), "--nproc-per-node", "1", "--heartbeat-timeout", "0.5",
+                "--startup-timeout", "0.5", args=["3"])
+    assert d.wait(60) == 0, d.stderr()[-3000:]
+    assert not hang_events(d)
+
+
+def test_require_heartbeat_judges_a_silent_script(daemons):
+    d = daemons(script("silent.py"), "--nproc-per-node", "1", "--startup-timeout", "1", "--require-heartbeat",
+                "--max-restarts", "0", args=["30"])
+    assert d.wait(60) == 1
+    assert "no heartbeat within startup timeout" in d.stderr()
