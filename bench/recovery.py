@@ -131,7 +131,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--trials", type=int, default=10)
     p.add_argument("--trial-timeout", type=float, default=30.0)
-    p.add_argument("--warmup", type=float, default=1.0, help="seconds of training between trials")
+    p.add_argument("--warmup", type=float, default=6.0,
+                   help="seconds of training between trials (elasticd refills its warm spares meanwhile)")
     p.add_argument("--launchers", default="elasticd,torchrun")
     args = p.parse_args()
     results = {}

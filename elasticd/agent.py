@@ -135,6 +135,8 @@ class Agent:
         self.notify = None  # elasticd.systemd once serve() wires it
         self._next_watchdog = 0.0
         self.tee = workers.Tee() if cfg.tee else None
+        self.spares: list = []  # warm interpreters waiting for a rank (workers.start_spare)
+        self._spares_due: float | None = None
 
     # --- inbox: the only way other threads and signal handlers reach the loop ---
 
@@ -244,6 +246,7 @@ class Agent:
         if self.tee:
             self.tee.start()
         self.set_state(State.RENDEZVOUS)
+        self._top_up_spares()  # they import torch while the nodes meet
         try:
             self.rdzv = self._blocking(Rendezvous, self.cfg)
             code = self._loop()
@@ -254,9 +257,27 @@ class Agent:
             code = self._finish(State.FAILED, EXIT_FAILED)
         finally:
             self._teardown(0.0)
+            workers.discard_spares(self.spares)
             if self.tee:
                 self.tee.close()
         return code
+
+    def _top_up_spares(self) -> None:
+        if not self.cfg.warm_spawn:
+            return
+        self.spares = [p for p in self.spares if p.poll() is None]
+        while len(self.spares) < self.cfg.nproc_per_node:
+            self.spares.append(workers.start_spare(self.token, self.cfg.nproc_per_node, self.cfg.preload,
+                                                   self.run_dir / "spares.log"))
+        self._spares_due = None
+
+    def _maybe_top_up_spares(self, now: float) -> None:
+        """Refill spares once the new workers are past start-up (first beat, or 10 s), so the
+        spares' imports do not slow the workers' own start."""
+        if self._spares_due is None or now < self._spares_due and not all(
+                (b := health.read(str(w.heartbeat_path))) and b.beats for w in self.workers):
+            return
+        self._top_up_spares()
 
     def _loop(self) -> int:
         cfg = self.cfg
@@ -285,7 +306,9 @@ class Agent:
             if failure is None:
                 failure = self._check_peers()
             if failure is None:
-                if time.monotonic() - self._last_publish > 0.5:
+                now = time.monotonic()
+                self._maybe_top_up_spares(now)
+                if now - self._last_publish > 0.5:
                     self.publish()
                 continue
             code = self._restart(failure)
@@ -342,12 +365,14 @@ class Agent:
             attempt_dir=self.run_dir / f"attempt{self.attempt}", token=self.token,
             stack_signal=self.cfg.stack_signal,
         )
-        self.workers = workers.spawn(spec)
+        self.workers = workers.spawn(spec, self.spares)
+        if self.cfg.warm_spawn:
+            self._spares_due = time.monotonic() + 10.0
         for w in self.workers:
             if self.tee:
                 self.tee.follow(w.log_path, f"[rank{w.global_rank}]: ")
         self.set_state(State.RUNNING, world_size=rnd.world_size, group_rank=rnd.group_rank,
-                       group_world_size=rnd.group_world_size, pids=[w.pid for w in self.workers],
+                       group_world_size=rnd.group_world_size, pids={w.global_rank: w.pid for w in self.workers},
                        master=f"{rnd.master_addr}:{rnd.master_port}")
 
     def _check_workers(self) -> Failure | str | None:
@@ -429,7 +454,8 @@ class Agent:
         if not self.workers:
             return
         t0 = time.monotonic()
-        stuck = workers.stop(self.workers, self.token, 0.0 if self.force else grace, self.cfg.kill_timeout)
+        stuck = workers.stop(self.workers, self.token, 0.0 if self.force else grace, self.cfg.kill_timeout,
+                             keep=frozenset(p.pid for p in self.spares))
         if self.tee:
             self.tee.forget([w.log_path for w in self.workers])
         self.event("workers_stopped", seconds=round(time.monotonic() - t0, 3),

@@ -129,13 +129,47 @@ def run_entrypoint(entrypoint: str, args: list[str]) -> None:
         runpy.run_module(entrypoint, run_name="__main__", alter_sys=True)
 
 
+def wait_for_rank() -> list[str] | None:
+    """Warm spare: import the heavy modules now, then block until the daemon sends this
+    process its rank's environment, arguments and log file (one JSON line on stdin).
+
+    Afterwards the process looks like a cold worker to the script: the same environment,
+    argv, stdout/stderr on the rank's log, stdin on /dev/null. None on EOF (spare discarded)."""
+    for name in filter(None, os.environ.get("ELASTICD_WARM_PRELOAD", "").split(",")):
+        try:
+            importlib.import_module(name)
+        except Exception as e:  # noqa: BLE001 - the script will meet the same error cold
+            print(f"elasticd warm spare: preloading {name} failed: {e!r}", file=sys.stderr, flush=True)
+    line = sys.stdin.buffer.readline()
+    if not line:
+        return None
+    job = json.loads(line)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    log = os.open(job["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.dup2(null, 0)
+    os.close(log)
+    os.close(null)
+    os.environ.clear()
+    os.environ.update(job["env"])
+    return job["args"]
+
+
 def main() -> None:
     die_with_daemon()
+    args = sys.argv[1:]
+    if "ELASTICD_WARM_PRELOAD" in os.environ:  # a warm spare; the rank's env has no such key
+        args = wait_for_rank()
+        if args is None:
+            return
     arm_stack_dumps()
     arm_heartbeat()
     entrypoint = os.environ["ELASTICD_ENTRYPOINT"]
     try:
-        run_entrypoint(entrypoint, sys.argv[1:])
+        run_entrypoint(entrypoint, args)
     except SystemExit:
         raise
     except BaseException as exc:

@@ -80,6 +80,11 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
                    help="a node silent this long is treated as lost (default 10 s)")
     e.add_argument("--fatal-exit-codes", dest="fatal_exit_codes", default=S,
                    help="comma-separated worker exit codes that fail the job without restart")
+    e.add_argument("--no-warm-spawn", dest="warm_spawn", action="store_false", default=S,
+                   help="start every worker as a fresh interpreter instead of a warm spare")
+    e.add_argument("--preload", dest="preload", default=S,
+                   help="comma-separated modules warm spares import ahead (default torch and its "
+                        "distributed, DDP and optim modules)")
     e.add_argument("--socket", dest="socket", default=S, help="control socket path")
     e.add_argument("--operators-group", dest="operators_group", default=S,
                    help="group whose members may use status/stop")

@@ -55,6 +55,9 @@ class Config:
     fatal_exit_codes: tuple[int, ...] = ()
     local_addr: str = ""
     stack_signal: str = "SIGUSR1"
+    warm_spawn: bool = True
+    # DistributedDataParallel imports torch._dynamo (about 1.3 s) on first construction.
+    preload: tuple[str, ...] = ("torch", "torch.distributed", "torch.nn.parallel", "torch.optim", "torch._dynamo")
     run_dir: str = field(default="", compare=False)
 
     @property
@@ -76,7 +79,7 @@ class Config:
 
 FIELDS = {f.name: f for f in dataclasses.fields(Config) if f.name != "run_dir"}
 # Keys whose TOML / env values are lists.
-_TUPLE_FIELDS = {"args": str, "fatal_exit_codes": int}
+_TUPLE_FIELDS = {"args": str, "fatal_exit_codes": int, "preload": str}
 
 
 def parse_nnodes(text: str) -> tuple[int, int]:

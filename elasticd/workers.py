@@ -8,6 +8,7 @@ ELASTICD_AGENT=<token> so a sweep finds every descendant, even one that left the
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import signal
 import subprocess
@@ -114,35 +115,94 @@ def worker_env(spec: GroupSpec, local_rank: int, paths: dict[str, Path]) -> dict
     return env
 
 
-def spawn(spec: GroupSpec) -> list[Worker]:
-    """Start the local workers. Call from the agent loop's thread: the parent-death signal the
-    bootstrap arms fires when the *thread* that forked the child exits."""
+def _paths(spec: GroupSpec, rank: int) -> dict[str, Path]:
+    return {
+        "log": spec.attempt_dir / f"rank{rank}.log",
+        "error": spec.attempt_dir / f"rank{rank}.error.json",
+        "stack": spec.attempt_dir / f"rank{rank}.stacks.txt",
+        "heartbeat": spec.attempt_dir / f"rank{rank}.heartbeat",
+    }
+
+
+def spawn(spec: GroupSpec, spares: list[subprocess.Popen] | None = None) -> list[Worker]:
+    """Start the local workers, handing ranks to warm spares first (see start_spare).
+
+    Call from the agent loop's thread: the parent-death signal the bootstrap arms fires when the
+    *thread* that forked the child exits."""
     spec.attempt_dir.mkdir(parents=True, exist_ok=True)
+    spares = spares if spares is not None else []
     workers = []
     for local_rank in range(spec.nproc):
         rank = spec.rank_base + local_rank
-        paths = {
-            "log": spec.attempt_dir / f"rank{rank}.log",
-            "error": spec.attempt_dir / f"rank{rank}.error.json",
-            "stack": spec.attempt_dir / f"rank{rank}.stacks.txt",
-            "heartbeat": spec.attempt_dir / f"rank{rank}.heartbeat",
-        }
+        paths = _paths(spec, rank)
         health.create(str(paths["heartbeat"]))
-        with open(paths["log"], "ab") as out:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "elasticd.bootstrap", *spec.args],
-                env=worker_env(spec, local_rank, paths),
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                close_fds=True,
-            )
+        env = worker_env(spec, local_rank, paths)
+        proc = None
+        while spares and proc is None:
+            proc = _assign(spares.pop(0), env, spec.args, paths["log"])
+        if proc is None:
+            with open(paths["log"], "ab") as out:
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "elasticd.bootstrap", *spec.args],
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                    close_fds=True,
+                )
         workers.append(
             Worker(local_rank, rank, proc, paths["log"], paths["error"], paths["stack"],
                    paths["heartbeat"], time.monotonic())
         )
     return workers
+
+
+def start_spare(token: str, nproc: int, preload: tuple[str, ...], log_path: Path) -> subprocess.Popen:
+    """A warm spare: a fresh interpreter (never a fork) that imports torch and `preload`, then
+    waits on stdin for its rank's environment and arguments. Handing it a rank skips interpreter
+    start-up and imports on a restart. It starts with the environment every worker shares, so
+    what is read at import or library load (OMP_NUM_THREADS, PYTHONUNBUFFERED) is already right."""
+    env = {k: v for k, v in os.environ.items() if k not in _PRIVATE_ENV}
+    env.update(ELASTICD_AGENT=token, ELASTICD_DAEMON_PID=str(os.getpid()),
+               ELASTICD_WARM_PRELOAD=",".join(preload))
+    if nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
+        env["OMP_NUM_THREADS"] = "1"
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    with open(log_path, "ab") as out:
+        return subprocess.Popen([sys.executable, "-m", "elasticd.bootstrap"], env=env,
+                                stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True, close_fds=True)
+
+
+def _assign(spare: subprocess.Popen, env: dict[str, str], args: tuple[str, ...], log: Path):
+    """Give a spare its rank; None if it died meanwhile (then the caller takes another or a cold start)."""
+    if spare.poll() is not None:
+        return None
+    try:
+        spare.stdin.write(json.dumps({"env": env, "args": list(args), "log": str(log)}).encode() + b"\n")
+        spare.stdin.close()
+    except (BrokenPipeError, OSError):
+        spare.kill()
+        spare.wait()
+        return None
+    return spare
+
+
+def discard_spares(spares: list[subprocess.Popen]) -> None:
+    """Spares exit on EOF; kill any that do not."""
+    for p in spares:
+        try:
+            p.stdin.close()
+        except OSError:
+            pass
+    for p in spares:
+        try:
+            p.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+    spares.clear()
 
 
 def start_guard(token: str) -> subprocess.Popen:
@@ -210,7 +270,8 @@ def _is_ours(p: psutil.Process, token: str) -> bool:
         return False
 
 
-def stop(workers: list[Worker], token: str, grace: float, kill_timeout: float) -> list[int]:
+def stop(workers: list[Worker], token: str, grace: float, kill_timeout: float,
+         keep: frozenset[int] = frozenset()) -> list[int]:
     """SIGTERM every worker's process group, wait up to `grace`, SIGKILL what is left, then sweep
     the whole tree. Every wait is bounded: returns the pids that could not be reaped (a process
     in uninterruptible sleep cannot be), which the caller reports."""
@@ -229,13 +290,14 @@ def stop(workers: list[Worker], token: str, grace: float, kill_timeout: float) -
     leftover: list[psutil.Process] = []
     while True:
         poll(workers)
-        leftover = [p for p in find_tree(token, workers) if p.pid not in {w.pid for w in workers if w.exit_code is not None}]
+        done = {w.pid for w in workers if w.exit_code is not None}
+        leftover = [p for p in find_tree(token, workers) if p.pid not in done and p.pid not in keep]
         for p in leftover:
             try:
                 p.kill()
             except psutil.Error:
                 pass
-        reap_orphans(workers)
+        reap_orphans(workers, keep)
         if not leftover and all(w.exit_code is not None for w in workers):
             return []
         if time.monotonic() >= deadline:
@@ -245,10 +307,10 @@ def stop(workers: list[Worker], token: str, grace: float, kill_timeout: float) -
         time.sleep(0.02)
 
 
-def reap_orphans(workers: list[Worker]) -> None:
-    """Reap zombies of reparented grandchildren (we are their subreaper); never our workers,
-    whose exit status Popen must read."""
-    mine = {w.pid for w in workers}
+def reap_orphans(workers: list[Worker], keep: frozenset[int] = frozenset()) -> None:
+    """Reap zombies of reparented grandchildren (we are their subreaper); never our workers or
+    spares, whose exit status Popen must read."""
+    mine = {w.pid for w in workers} | keep
     try:
         children = psutil.Process().children()
     except psutil.Error:

@@ -107,19 +107,18 @@ class Daemon:
         return sorted(self.run_dir().glob("attempt*"), key=lambda p: int(p.name[7:]))
 
     def worker_pids(self) -> dict[int, int]:
-        """Global rank -> pid of this daemon's live workers (its direct children with RANK set)."""
+        """Global rank -> pid of this daemon's live workers of the latest attempt, from its events
+        (warm-spawned workers get their environment after exec, so /proc/PID/environ won't tell)."""
+        running = [e for e in self.events() if e.get("event") == "state" and e.get("new") == "RUNNING"]
+        if not running:
+            return {}
         out = {}
-        try:
-            children = psutil.Process(self.pid).children()
-        except psutil.Error:
-            return out
-        for c in children:
+        for rank, pid in running[-1]["pids"].items():
             try:
-                env = c.environ()
-                if "RANK" in env and c.status() != psutil.STATUS_ZOMBIE:
-                    out[int(env["RANK"])] = c.pid
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    out[int(rank)] = pid
             except psutil.Error:
-                continue
+                pass
         return out
 
     def log_text(self, rank: int, attempt: int | None = None) -> str:
