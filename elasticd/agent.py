@@ -436,19 +436,22 @@ class Agent:
         self._teardown(self.cfg.restart_grace)
         if failure.kind in ("exited",) and failure.exit_code in self.cfg.fatal_exit_codes:
             self.event("fatal_exit_code", level="error", exit_code=failure.exit_code, rank=failure.rank)
-            self.rdzv.close(job_finished=True)
-            return self._finish(State.FAILED, EXIT_FAILED)
+            return self._fail_job(failure)
         if spends:
             used = self.rdzv.spend_restart()
             if used > self.cfg.max_restarts:
                 self.event("restart_budget_spent", level="error", max_restarts=self.cfg.max_restarts)
-                self.rdzv.close(job_finished=True)
-                return self._finish(State.FAILED, EXIT_FAILED)
+                return self._fail_job(failure)
             delay = backoff_delay(self.cfg, used)
             self.event("restart_backoff", delay=round(delay, 3), restart=used, budget=self.cfg.max_restarts)
             self._wait(delay)
         self.set_state(State.RENDEZVOUS)
         return None
+
+    def _fail_job(self, failure: Failure) -> int:
+        self.rdzv.record_job_failure(f"{failure.summary()} (node {self.node})")
+        self.rdzv.close(job_finished=True)
+        return self._finish(State.FAILED, EXIT_FAILED)
 
     def _teardown(self, grace: float) -> None:
         if not self.workers:

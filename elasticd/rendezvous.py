@@ -168,7 +168,9 @@ class Rendezvous:
         try:
             info = self.handler.next_rendezvous()
         except RendezvousClosedError:
-            raise RendezvousFailed("the job's rendezvous is closed: the job already finished or failed") from None
+            why = self.job_failure()
+            raise RendezvousFailed(f"the job failed on another node: {why}" if why else
+                                   "the job's rendezvous is closed: the job already finished or failed") from None
         except RendezvousError as e:
             raise RendezvousFailed(f"rendezvous failed: {e}") from None
         rnd = Round(group_rank=info.rank, group_world_size=info.world_size, store=info.store)
@@ -239,6 +241,17 @@ class Rendezvous:
 
     def spend_restart(self) -> int:
         return int(self.store.add(f"{self._job_key}/restarts", 1))
+
+    def record_job_failure(self, summary: str) -> None:
+        """Tell the other nodes why the job failed, before closing the rendezvous."""
+        self.store.set(f"{self._job_key}/failure", summary)
+
+    def job_failure(self) -> str | None:
+        key = f"{self._job_key}/failure"
+        try:
+            return self.store.get(key).decode() if self.store.check([key]) else None
+        except (RuntimeError, dist.DistStoreError):
+            return None
 
     def close(self, job_finished: bool) -> None:
         try:
