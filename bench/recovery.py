@@ -40,12 +40,12 @@ def read_steps(path: Path) -> list[tuple[int, int, int, int, float]]:
     return rows
 
 
-def launcher_cmd(kind: str, trials: int, workdir: Path) -> list[str]:
+def launcher_cmd(kind: str, trials: int, workdir: Path, extra: tuple[str, ...] = ()) -> list[str]:
     if kind == "elasticd":
         return [sys.executable, "-m", "elasticd.cli", "run", "--nproc-per-node", "2",
                 "--max-restarts", str(trials + 5), "--log-dir", str(workdir / "logs"),
                 "--socket", str(workdir / "ctl.sock"), "--no-tee", "--log-format", "json",
-                "--restart-grace", "3", str(SCRIPT)]
+                "--restart-grace", "3", *extra, str(SCRIPT)]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
             "--max-restarts", str(trials + 5), "--monitor-interval", "0.1", str(SCRIPT)]
 

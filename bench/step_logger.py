@@ -2,6 +2,7 @@
 
 A small DDP model trained on synthetic data; after every optimizer step each rank appends
 `pid rank restart step wall_time` to $BENCH_OUT (O_APPEND lines, so concurrent ranks never tear).
+When the file $BENCH_HANG_FLAG.<rank> appears, that rank deletes it and spins forever.
 """
 
 import os
@@ -24,7 +25,12 @@ def main():
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     step_time = float(os.environ.get("BENCH_STEP_TIME", "0.02"))
     steps = int(os.environ.get("BENCH_STEPS", "1000000"))
+    hang_flag = os.environ.get("BENCH_HANG_FLAG", "")
     for step in range(1, steps + 1):
+        if hang_flag and os.path.exists(f"{hang_flag}.{rank}"):
+            os.unlink(f"{hang_flag}.{rank}")
+            while True:  # an endless loop in Python, as a stuck data pipeline would be
+                pass
         opt.zero_grad()
         nn.functional.mse_loss(model(x), y).backward()
         opt.step()
