@@ -151,6 +151,8 @@ class Agent:
     def _on_signal(self, signum, _frame) -> None:
         if signum == signal.SIGCHLD:
             return  # the wake-up fd already woke the loop
+        if self.stop_requested is not None:
+            self.force = True  # a second signal: cut the grace short even mid-teardown
         self.post(("signal", signum))
 
     def install_signals(self) -> None:
@@ -222,6 +224,7 @@ class Agent:
             "group_rank": rnd.group_rank if rnd else None,
             "group_world_size": rnd.group_world_size if rnd else None,
             "world_size": rnd.world_size if rnd else None,
+            "round": self.attempt,
             "restarts": self.restart_count,
             "max_restarts": self.cfg.max_restarts,
             "uptime": round(time.time() - self.started, 1),
@@ -458,7 +461,7 @@ class Agent:
             return
         t0 = time.monotonic()
         stuck = workers.stop(self.workers, self.token, 0.0 if self.force else grace, self.cfg.kill_timeout,
-                             keep=frozenset(p.pid for p in self.spares))
+                             keep=frozenset(p.pid for p in self.spares), cut_short=lambda: self.force)
         if self.tee:
             self.tee.forget([w.log_path for w in self.workers])
         self.event("workers_stopped", seconds=round(time.monotonic() - t0, 3),

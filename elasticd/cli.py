@@ -70,6 +70,14 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
                    help="SIGTERM-to-SIGKILL grace on stop (default 30 s)")
     e.add_argument("--restart-grace", dest="restart_grace", type=float, default=S,
                    help="SIGTERM-to-SIGKILL grace when restarting after a failure (default 3 s)")
+    e.add_argument("--kill-timeout", dest="kill_timeout", type=float, default=S,
+                   help="how long to wait for SIGKILLed processes to be reaped (default 5 s)")
+    e.add_argument("--restart-backoff", dest="restart_backoff", type=float, default=S,
+                   help="first wait before a restart, doubling per restart with jitter (default 0.05 s)")
+    e.add_argument("--restart-backoff-max", dest="restart_backoff_max", type=float, default=S,
+                   help="longest wait between restarts (default 30 s)")
+    e.add_argument("--stack-signal", dest="stack_signal", default=S,
+                   help="signal workers dump their stacks on (default SIGUSR1)")
     e.add_argument("--exit-barrier-timeout", dest="exit_barrier_timeout", type=float, default=S,
                    help="how long a finished node waits for the others (default 300 s)")
     e.add_argument("--join-timeout", dest="join_timeout", type=float, default=S,

@@ -12,7 +12,7 @@ import os
 import socket
 import tomllib
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +58,6 @@ class Config:
     warm_spawn: bool = True
     # DistributedDataParallel imports torch._dynamo (about 1.3 s) on first construction.
     preload: tuple[str, ...] = ("torch", "torch.distributed", "torch.nn.parallel", "torch.optim", "torch._dynamo")
-    run_dir: str = field(default="", compare=False)
 
     @property
     def min_nodes(self) -> int:
@@ -77,7 +76,7 @@ class Config:
         return parse_endpoint(self.rdzv_endpoint)[1]
 
 
-FIELDS = {f.name: f for f in dataclasses.fields(Config) if f.name != "run_dir"}
+FIELDS = {f.name: f for f in dataclasses.fields(Config)}
 # Keys whose TOML / env values are lists.
 _TUPLE_FIELDS = {"args": str, "fatal_exit_codes": int, "preload": str}
 

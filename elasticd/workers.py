@@ -271,9 +271,10 @@ def _is_ours(p: psutil.Process, token: str) -> bool:
 
 
 def stop(workers: list[Worker], token: str, grace: float, kill_timeout: float,
-         keep: frozenset[int] = frozenset()) -> list[int]:
+         keep: frozenset[int] = frozenset(), cut_short=lambda: False) -> list[int]:
     """SIGTERM every worker's process group, wait up to `grace`, SIGKILL what is left, then sweep
-    the whole tree. Every wait is bounded: returns the pids that could not be reaped (a process
+    the whole tree. `cut_short()` turning true ends the grace early (a second stop signal).
+    Every wait is bounded: returns the pids that could not be reaped (a process
     in uninterruptible sleep cannot be), which the caller reports."""
     live = [w for w in workers if w.proc.poll() is None]
     if live and grace > 0:
@@ -281,7 +282,7 @@ def stop(workers: list[Worker], token: str, grace: float, kill_timeout: float,
             _signal_group(w, signal.SIGTERM)
             _signal_group(w, signal.SIGCONT)  # a stopped process acts on SIGTERM only when continued
         deadline = time.monotonic() + grace
-        while time.monotonic() < deadline and any(w.proc.poll() is None for w in live):
+        while time.monotonic() < deadline and any(w.proc.poll() is None for w in live) and not cut_short():
             time.sleep(0.01)
     for w in workers:
         if w.proc.poll() is None:

@@ -1,0 +1,85 @@
+"""Config layers (defaults <- TOML file <- environment <- flags) and their error messages."""
+
+from __future__ import annotations
+
+import pytest
+
+from elasticd import config
+from elasticd.config import ConfigError
+
+
+def write(tmp_path, text):
+    p = tmp_path / "elasticd.toml"
+    p.write_text(text)
+    return str(p)
+
+
+def test_precedence_flags_over_env_over_file(tmp_path):
+    path = write(tmp_path, 'nproc_per_node = 3\nmax_restarts = 7\nheartbeat_timeout = 60\nentrypoint = "x.py"\n'
+                           'args = ["--a", "1"]\nfatal_exit_codes = [3, 4]\n')
+    cfg = config.build({}, path, environ={})
+    assert (cfg.nproc_per_node, cfg.max_restarts, cfg.heartbeat_timeout) == (3, 7, 60.0)
+    assert cfg.args == ("--a", "1") and cfg.fatal_exit_codes == (3, 4)
+    cfg = config.build({}, path, environ={"ELASTICD_MAX_RESTARTS": "9", "ELASTICD_NPROC_PER_NODE": "5"})
+    assert (cfg.nproc_per_node, cfg.max_restarts) == (5, 9)
+    cfg = config.build({"nproc_per_node": 2}, path, environ={"ELASTICD_NPROC_PER_NODE": "5"})
+    assert (cfg.nproc_per_node, cfg.max_restarts) == (2, 7)
+
+
+def test_defaults():
+    cfg = config.build({}, None, environ={})
+    assert cfg.entrypoint == config.DEFAULT_ENTRYPOINT and cfg.nproc_per_node >= 1
+    assert cfg.monitor_interval == 0.1 and cfg.max_restarts == 3 and cfg.warm_spawn
+    assert cfg.min_nodes == cfg.max_nodes == 1
+    assert config.build({"entrypoint": "m"}, None, environ={}).nproc_per_node == 1  # torchrun's default
+
+
+@pytest.mark.parametrize("text, message", [
+    ("nproc_per_node = 1.5\n", "nproc_per_node in config file"),
+    ("require_heartbeat = 3\n", "is not true or false"),
+    ("heartbeat_timeout = \"soon\"\n", "is not a number"),
+    ("args = 5\n", "is not a list"),
+    ("fatal_exit_codes = [\"x\"]\n", "is not a list"),
+    ("monitor_interval = 0\n", "--monitor-interval 0.0: must be greater than 0"),
+    ("nnodes = \"4:2\"\n", "MAX is smaller than MIN"),
+    ("log_format = \"xml\"\n", "--log-format 'xml'"),
+    ("stack_signal = \"SIGNOPE\"\n", "not a signal name"),
+    ("colour = true\n", "unknown setting 'colour'"),
+])
+def test_bad_values_name_the_key(tmp_path, text, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        config.build({}, write(tmp_path, text), environ={})
+
+
+def test_bad_environment_value_names_the_variable():
+    with pytest.raises(ConfigError, match="ELASTICD_MAX_RESTARTS"):
+        config.build({}, None, environ={"ELASTICD_MAX_RESTARTS": "lots"})
+
+
+def test_elasticd_section_is_accepted(tmp_path):
+    cfg = config.build({}, write(tmp_path, "[elasticd]\nmax_restarts = 1\n"), environ={})
+    assert cfg.max_restarts == 1
+
+
+@pytest.mark.parametrize("text, expect", [("2", (2, 2)), ("1:4", (1, 4))])
+def test_nnodes(text, expect):
+    assert config.parse_nnodes(text) == expect
+
+
+@pytest.mark.parametrize("text, expect", [("h:29500", ("h", 29500)), ("h", ("h", 29400)),
+                                          ("[::1]:7", ("::1", 7)), ("", ("127.0.0.1", 0))])
+def test_endpoint(text, expect):
+    assert config.parse_endpoint(text) == expect
+
+
+def test_example_config_parses():
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parent.parent / "systemd" / "elasticd.toml.example"
+    uncommented = "\n".join(line[2:] for line in example.read_text().splitlines()
+                            if line.startswith("# ") and " = " in line.split("#")[1])
+    import tomllib
+
+    keys = set(tomllib.loads(uncommented))
+    assert keys <= set(config.FIELDS), keys - set(config.FIELDS)
+    assert set(config.FIELDS) == keys, set(config.FIELDS) - keys
