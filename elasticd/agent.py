@@ -132,6 +132,7 @@ class Agent:
         self._snapshot: dict[str, Any] = {}
         self._last_waiting_check = 0.0
         self._last_publish = 0.0
+        self._odd_since: dict[int, float] = {}  # pid -> when it was first seen stopped or a zombie
         self.notify = None  # elasticd.systemd once serve() wires it
         self._next_watchdog = 0.0
         self.tee = workers.Tee() if cfg.tee else None
@@ -396,7 +397,7 @@ class Agent:
             beat = health.read(str(w.heartbeat_path))
             if beat and beat.beats:
                 self.seen_beats = True
-            why = health.process_verdict(w.pid) or health.verdict(
+            why = self._lasting(w.pid, health.process_verdict(w.pid), now) or health.verdict(
                 beat, w.started, now, expect_beats=self.cfg.require_heartbeat or self.seen_beats,
                 heartbeat_timeout=self.cfg.heartbeat_timeout, startup_timeout=self.cfg.startup_timeout)
             if why and w.proc.poll() is not None:
@@ -406,6 +407,14 @@ class Agent:
                 return Failure("hung", f"hung: {why}", rank=w.global_rank, pid=w.pid,
                                log_path=str(w.log_path), stacks=tuple(map(str, stacks)), node=self.node)
         return None
+
+    def _lasting(self, pid: int, why: str | None, now: float, hold: float = 1.0) -> str | None:
+        """A process state counts only once it has lasted `hold` seconds: a dying multi-threaded
+        process shows as a zombie, and a debugger attaching stops it, for a moment."""
+        if why is None:
+            self._odd_since.pop(pid, None)
+            return None
+        return why if now - self._odd_since.setdefault(pid, now) >= hold else None
 
     def _check_peers(self) -> Failure | None:
         rnd = self.round

@@ -1,223 +1,592 @@
 """The control socket: a Unix-socket JSON server (one thread) and the client the CLI uses.
 
-One JSON request per connection, with a `version`; one JSON reply, then the connection closes.
-The server only reads the immutable snapshot the agent loop publishes and hands commands to the
-loop's inbox: it never changes daemon state itself. Admission is by peer credentials
-(SO_PEERCRED): root, the daemon's own user, or members of the operators group.
+Protocol (version 1): one JSON object per connection, ended by a newline or EOF; one JSON object
+back on one line; then the connection closes.
+
+    {"version": 1, "command": "status"}            -> {"ok": true, "version": 1, "status": {...}}
+    {"version": 1, "command": "stop", "timeout": S} -> whatever the daemon's `command` callback says
+    anything else                                   -> {"ok": false, "version": 1, "error": "..."}
+
+The server only *reads* the immutable snapshot the agent loop publishes and hands commands to the
+loop through the `command` callback (which must only enqueue): it never changes daemon state, so
+the loop stays the single writer. Admission is by the peer's kernel credentials (SO_PEERCRED):
+root, the daemon's own user, or members of the operators group. One thread multiplexes every
+connection with `selectors`, each with a hard deadline, so a slow or hostile client neither wedges
+the server nor delays another client.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import grp
 import json
 import os
 import pwd
+import secrets
+import selectors
 import socket
+import stat
 import struct
 import threading
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
-from elasticd import logs
+import structlog
 
-log = logs.get("elasticd.control")
+log = structlog.get_logger("elasticd.control")
 
 VERSION = 1
-MAX_REQUEST = 64 * 1024
-READ_TIMEOUT = 2.0
-_UCRED = struct.Struct("3i")  # pid, uid, gid
+MAX_REQUEST = 64 * 1024  # bytes; a status request is ~40
+MAX_REPLY = 16 * 1024 * 1024  # the client's cap on what it reads back
+READ_TIMEOUT = 2.0  # seconds a connection may take to send its request (and to take the reply)
+MAX_CONNECTIONS = 64  # open at once; beyond that new ones get "busy" at once
+COMMANDS = ("status", "stop")
+FORWARDED = frozenset({"stop"})  # handed to the agent loop's `command` callback
+_UCRED = struct.Struct("=iII")  # struct ucred: pid_t pid, uid_t uid, gid_t gid
+_SUN_PATH_MAX = 107  # sizeof(sockaddr_un.sun_path) - 1 for the NUL
 
 
 class ControlError(Exception):
-    """A control-socket problem, said in one line."""
+    """A control-socket problem, said in one line with the fix."""
 
 
 class NoDaemon(ControlError):
-    """Nothing listens at the socket path."""
+    """Nothing listens at the socket path (missing file, connection refused)."""
+
+
+class PermissionDenied(ControlError):
+    """The socket file or its directory does not let this user connect."""
+
+
+class ProtocolError(ControlError):
+    """Something answered, but not in time or not with one JSON object."""
+
+
+class AlreadyRunning(ControlError):
+    """A live daemon answers at the path this server wanted."""
 
 
 def default_socket_path() -> Path:
-    """$ELASTICD_SOCKET; systemd's RuntimeDirectory; /run/elasticd for root; else per user."""
+    """Where the daemon listens and the CLI looks when no --socket is given.
+
+    $ELASTICD_SOCKET; else systemd's RuntimeDirectory (first entry); else /run/elasticd for root;
+    else a per-user directory, so an unprivileged daemon needs no setup.
+    """
     if os.environ.get("ELASTICD_SOCKET"):
         return Path(os.environ["ELASTICD_SOCKET"])
-    if os.environ.get("RUNTIME_DIRECTORY"):
-        return Path(os.environ["RUNTIME_DIRECTORY"].split(":")[0]) / "control.sock"
+    runtime = os.environ.get("RUNTIME_DIRECTORY", "").split(":")[0]
+    if runtime:
+        return Path(runtime) / "control.sock"
     if os.geteuid() == 0:
         return Path("/run/elasticd/control.sock")
-    base = os.environ.get("XDG_RUNTIME_DIR")
-    return Path(base, "elasticd", "control.sock") if base else Path(f"/tmp/elasticd-{os.geteuid()}/control.sock")
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg:
+        return Path(xdg) / "elasticd" / "control.sock"
+    return Path(f"/tmp/elasticd-{os.geteuid()}") / "control.sock"
 
 
-def member_of(uid: int, gid: int, group: str | None) -> bool:
-    if not group:
-        return False
-    try:
-        g = grp.getgrnam(group)
-    except KeyError:
-        return False
-    if gid == g.gr_gid:
+# --- admission -------------------------------------------------------------------------------
+
+
+def admitted(uid: int, gid: int, daemon_uid: int, operators_gid: int | None, groups: Iterable[int] = ()) -> bool:
+    """Root, the daemon's own user, or a member of the operators group (primary gid or `groups`).
+
+    Pure, so the policy is testable without sockets or users; `peer_groups` does the lookup.
+    """
+    if uid == 0 or uid == daemon_uid:
         return True
+    if operators_gid is None:
+        return False
+    return gid == operators_gid or operators_gid in groups
+
+
+def peer_groups(uid: int, gid: int) -> frozenset[int]:
+    """The groups the user database gives `uid` (primary + supplementary); {gid} for unknown uids.
+
+    SO_PEERCRED carries only the peer's primary gid, so supplementary membership comes from
+    pwd/grp (NSS), the same source `id USER` uses.
+    """
     try:
         name = pwd.getpwuid(uid).pw_name
     except KeyError:
-        return False
-    return name in g.gr_mem or g.gr_gid in os.getgrouplist(name, gid)
+        return frozenset({gid})
+    try:
+        return frozenset(os.getgrouplist(name, gid))
+    except OSError:
+        return frozenset({gid})
 
 
-def admitted(uid: int, gid: int, daemon_uid: int, operators_group: str | None) -> bool:
-    """Root, the daemon's user, or a member of the operators group."""
-    return uid == 0 or uid == daemon_uid or member_of(uid, gid, operators_group)
+def resolve_group(group: str | None) -> int | None:
+    """The gid of an operators group given by name (or number); ControlError when unknown."""
+    if not group:
+        return None
+    try:
+        return grp.getgrgid(int(group)).gr_gid if group.isdigit() else grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise ControlError(f"operators group {group!r} does not exist: create it (groupadd {group}) "
+                           "or unset operators_group") from None
+
+
+def refusal(uid: int, operators_group: str | None) -> str:
+    """The error a refused peer reads."""
+    if operators_group:
+        return f"permission denied: uid {uid} is not root, the daemon's user, or in group {operators_group}"
+    return (f"permission denied: uid {uid} is not root or the daemon's user "
+            "(set operators_group to admit a group)")
+
+
+# --- server ----------------------------------------------------------------------------------
+
+
+@dataclass
+class _Conn:
+    sock: socket.socket
+    uid: int
+    deadline: float
+    inbuf: bytearray = field(default_factory=bytearray)
+    out: bytes = b""  # set once the reply is known; the connection then only writes
 
 
 class ControlServer:
-    def __init__(self, path, snapshot: Callable[[], dict], command: Callable[[dict], dict],
+    """Serves status and forwards commands on a Unix socket, from one daemon thread.
+
+    `snapshot()` returns the latest published status dict (read-only here); `command(request)`
+    enqueues the request for the agent loop and returns the immediate reply. Both run on the
+    server thread and must be quick: neither may wait for the loop.
+    """
+
+    def __init__(self, path: str | os.PathLike, snapshot: Callable[[], dict], command: Callable[[dict], dict],
                  operators_group: str | None = None):
         self.path = Path(path)
         self.snapshot = snapshot
         self.command = command
-        self.operators_group = operators_group
-        self._sock: socket.socket | None = None
+        self.operators_group = operators_group or None
+        self._gid: int | None = None
+        self._listener: socket.socket | None = None
+        self._wake_r, self._wake_w = -1, -1
         self._thread: threading.Thread | None = None
-        self._closed = threading.Event()
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._identity: tuple[int, int] | None = None  # (st_dev, st_ino) of the socket we linked
+
+    def __enter__(self) -> ControlServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- lifecycle --
 
     def start(self) -> None:
-        parent = self.path.parent
-        if not parent.exists():
-            parent.mkdir(parents=True, mode=0o700)
-        if self.path.exists() or self.path.is_symlink():
-            try:
-                request(self.path, {"version": VERSION, "command": "status"}, timeout=1.0)
-            except NoDaemon:
-                self.path.unlink()  # stale: its daemon is gone
-            except ControlError:
-                raise ControlError(f"another elasticd is running at {self.path}: stop it, or pass --socket") from None
-            else:
-                raise ControlError(f"another elasticd is running at {self.path}: stop it, or pass --socket")
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        # Bind under a private name in the same directory with a tight umask, fix the mode, then
-        # rename into place: the socket is never reachable at its public path with looser rights.
-        # (umask is process-wide, but only this thread binds while the loop has not spawned yet.)
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}")
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
-        old = os.umask(0o177)
-        try:
-            sock.bind(str(tmp))
-        except OSError as e:
-            sock.close()
-            raise ControlError(f"cannot create the control socket {self.path} ({e.strerror}): pass a writable --socket") from None
-        finally:
-            os.umask(old)
-        mode = 0o600
-        if self.operators_group:
-            try:
-                os.chown(tmp, -1, grp.getgrnam(self.operators_group).gr_gid)
-                mode = 0o660
-            except (KeyError, PermissionError) as e:
-                sock.close()
-                tmp.unlink()
-                raise ControlError(f"operators group {self.operators_group!r} cannot own the socket ({e}): "
-                                   "create the group or fix --operators-group") from None
-        os.chmod(tmp, mode)
-        os.rename(tmp, self.path)
-        sock.listen(16)
-        sock.settimeout(0.2)
-        self._sock = sock
+        """Create the socket (never reachable with looser rights than final) and start serving.
+
+        Raises AlreadyRunning if a live daemon answers at the path, ControlError for anything
+        else that needs the operator (unknown group, unusable directory, path too long).
+        """
+        if self._thread is not None or self._closed:
+            raise RuntimeError("ControlServer.start() called twice")
+        if len(os.fsencode(self.path)) > _SUN_PATH_MAX:
+            raise ControlError(f"control socket path {self.path} is longer than {_SUN_PATH_MAX} bytes: "
+                               "choose a shorter --socket")
+        self._gid = resolve_group(self.operators_group)
+        self._prepare_parent()
+        self._clear_stale()
+        self._listener = self._bind()
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._thread = threading.Thread(target=self._serve, name="elasticd-control", daemon=True)
         self._thread.start()
+        log.info("control_socket_listening", path=str(self.path), operators_group=self.operators_group)
 
-    def close(self) -> None:
-        if self._closed.is_set():
-            return
-        self._closed.set()
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the thread, close every connection, unlink the socket (only if still ours). Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout=2)
-        if self._sock is not None:
-            self._sock.close()
-        with contextlib.suppress(FileNotFoundError):
-            self.path.unlink()
+            with contextlib.suppress(OSError):
+                os.write(self._wake_w, b"x")
+            self._thread.join(timeout)
+            if self._thread.is_alive():  # a callback is stuck; the thread is a daemon thread
+                log.warning("control_thread_did_not_stop", timeout=timeout)
+        elif self._listener is not None:
+            self._listener.close()
+        for fd in (self._wake_r, self._wake_w):
+            if fd >= 0 and not (self._thread and self._thread.is_alive()):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        if self._identity is not None:
+            with contextlib.suppress(OSError):
+                st = os.lstat(self.path)
+                if (st.st_dev, st.st_ino) == self._identity:  # not a successor's socket
+                    os.unlink(self.path)
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # -- socket creation --
+
+    def _prepare_parent(self) -> None:
+        """Make sure the directory exists and nobody but us (or root) can swap files in it."""
+        parent = self.path.parent
+        created = False
+        if not parent.exists():
+            try:
+                parent.mkdir(parents=True, mode=0o700)
+            except FileExistsError:
+                pass
+            except OSError as e:
+                raise ControlError(f"cannot create the socket directory {parent} ({e.strerror}): "
+                                   "create it or pass a writable --socket") from None
+            else:
+                created = True
+                os.chmod(parent, 0o700)  # exact, whatever the umask
+        st = os.stat(parent)
+        if not stat.S_ISDIR(st.st_mode):
+            raise ControlError(f"{parent} is not a directory: pass another --socket")
+        me = os.geteuid()
+        if st.st_uid not in (0, me):
+            raise ControlError(f"socket directory {parent} belongs to uid {st.st_uid}, who could replace the "
+                               "socket: use a directory owned by this user or root")
+        if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+            raise ControlError(f"socket directory {parent} is writable by others without the sticky bit, so "
+                               "they could replace the socket: use a private directory (chmod go-w)")
+        if self._gid is None:
+            return
+        runtime = os.environ.get("RUNTIME_DIRECTORY", "").split(":")[0]
+        ours = created or (runtime and Path(runtime) == parent)
+        if ours and st.st_uid == me:
+            # systemd creates RuntimeDirectory as root:root 0750: hand the group to the operators
+            # so they can reach the socket; the directory holds nothing but the socket.
+            os.chown(parent, -1, self._gid)
+            os.chmod(parent, (0o750 if created else stat.S_IMODE(st.st_mode)) | 0o010)
+        elif not (st.st_mode & 0o001 or (st.st_mode & 0o010 and st.st_gid == self._gid)):
+            log.warning("control_socket_dir_closed_to_operators", directory=str(parent),
+                        operators_group=self.operators_group,
+                        fix=f"chgrp {self.operators_group} {parent} && chmod g+x {parent}")
+
+    def _clear_stale(self) -> None:
+        """Refuse if a live daemon answers at the path; remove a socket file nobody listens on."""
+        try:
+            st = os.lstat(self.path)
+        except FileNotFoundError:
+            return
+        if not stat.S_ISSOCK(st.st_mode):
+            raise ControlError(f"{self.path} exists and is not a socket: remove it or pass another --socket")
+        try:
+            request(self.path, {"version": VERSION, "command": "status"}, timeout=1.0)
+        except NoDaemon:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                raise ControlError(f"stale socket {self.path} cannot be removed ({e.strerror}): "
+                                   "remove it or pass another --socket") from None
+            log.info("control_stale_socket_removed", path=str(self.path))
+            return
+        except PermissionDenied:
+            raise ControlError(f"{self.path} is a socket this user may not connect to (another user's "
+                               "elasticd?): pass another --socket") from None
+        except ControlError as e:  # it accepted us: something is alive there
+            raise AlreadyRunning(f"another elasticd is running at {self.path} ({e}): stop it, "
+                                 "or give this one another --socket") from None
+        raise AlreadyRunning(f"another elasticd is running at {self.path}: stop it with "
+                             f"`elasticd stop --socket {self.path}`, or give this one another --socket")
+
+    def _bind(self) -> socket.socket:
+        """Bind inside a fresh 0700 directory, set mode and group there, then hard-link into place.
+
+        Why not a umask around bind(): umask is process-wide, so it would race with files other
+        threads create. Why not fchmod before bind(): only Linux honours it. A private directory
+        makes the socket unreachable by anyone else until it has its final mode; link() then
+        publishes it atomically and, unlike rename(), fails if another daemon won the path
+        meanwhile instead of silently replacing its socket.
+        """
+        mode = 0o660 if self._gid is not None else 0o600
+        parent = self.path.parent
+        private = parent / f".{secrets.token_hex(3)}"
+        tmp = private / "s"
+        try:
+            os.mkdir(private, 0o700)
+        except OSError as e:
+            raise ControlError(f"cannot create the control socket in {parent} ({e.strerror}): "
+                               "pass a writable --socket") from None
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # close-on-exec: workers never see it
+        try:
+            try:
+                sock.bind(os.fspath(tmp))
+            except OSError as e:
+                raise ControlError(f"cannot create the control socket {self.path} ({e.strerror or e}): "
+                                   "pass a writable, shorter --socket") from None
+            if self._gid is not None:
+                try:
+                    os.chown(tmp, -1, self._gid)
+                except PermissionError:
+                    raise ControlError(f"this user may not give the control socket to group "
+                                       f"{self.operators_group}: join the group or run as root") from None
+            os.chmod(tmp, mode)
+            sock.listen(64)
+            sock.setblocking(False)
+            self._publish(tmp)
+        except BaseException:
+            sock.close()
+            raise
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            with contextlib.suppress(OSError):
+                os.rmdir(private)
+        return sock
+
+    def _publish(self, tmp: Path) -> None:
+        for _ in range(3):
+            try:
+                os.link(tmp, self.path)
+            except FileExistsError:
+                self._clear_stale()  # raises if the newcomer is alive, else removes it; try again
+                continue
+            except OSError as e:
+                if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK):
+                    raise ControlError(f"cannot create the control socket {self.path} ({e.strerror})") from None
+                os.rename(tmp, self.path)  # no hard links on this filesystem; the path was just checked
+            st = os.lstat(self.path)
+            self._identity = (st.st_dev, st.st_ino)
+            return
+        raise ControlError(f"{self.path} keeps being recreated by another process: pass another --socket")
+
+    # -- serving --
 
     def _serve(self) -> None:
-        while not self._closed.is_set():
+        sel = selectors.DefaultSelector()
+        conns: dict[int, _Conn] = {}
+        listener = self._listener
+        assert listener is not None
+        sel.register(listener, selectors.EVENT_READ)
+        sel.register(self._wake_r, selectors.EVENT_READ)
+        try:
+            while not self._stop.is_set():
+                now = time.monotonic()
+                timeout = min((c.deadline for c in conns.values()), default=now + 1.0) - now
+                for key, events in sel.select(max(0.0, timeout)):
+                    if key.fileobj is listener:
+                        self._accept(sel, conns)
+                    elif key.fileobj == self._wake_r:
+                        with contextlib.suppress(OSError):
+                            os.read(self._wake_r, 64)
+                    else:
+                        conn = conns.get(key.fd)
+                        if conn is not None:
+                            try:
+                                self._step(sel, conns, conn, events)
+                            except Exception as e:  # noqa: BLE001 - one client must not end the server
+                                log.warning("control_connection_failed", error=repr(e))
+                                self._drop(sel, conns, conn)
+                now = time.monotonic()
+                for conn in [c for c in conns.values() if c.deadline <= now]:
+                    if conn.out:
+                        self._drop(sel, conns, conn)  # it does not read its reply; give up
+                    else:
+                        self._respond(sel, conns, conn, _error(f"request not received within {READ_TIMEOUT:g}s"))
+        except Exception as e:  # noqa: BLE001 - report, then clean up below
+            log.error("control_server_crashed", error=repr(e))
+        finally:
+            for conn in list(conns.values()):
+                self._drop(sel, conns, conn)
+            sel.close()
+            listener.close()
+
+    def _accept(self, sel: selectors.BaseSelector, conns: dict[int, _Conn]) -> None:
+        assert self._listener is not None
+        while True:
             try:
-                conn, _ = self._sock.accept()
-            except TimeoutError:
-                continue
-            except OSError:
+                sock, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
                 return
-            with conn:
-                try:
-                    self._handle(conn)
-                except Exception as e:  # noqa: BLE001 - one bad client must not end the server
-                    log.warning("control_request_failed", error=str(e))
+            except OSError as e:  # EMFILE and friends: keep serving the connections we have
+                log.warning("control_accept_failed", error=e.strerror)
+                return
+            sock.setblocking(False)
+            pid, uid, gid = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+            conn = _Conn(sock, uid, time.monotonic() + READ_TIMEOUT)
+            conns[sock.fileno()] = conn
+            sel.register(sock, selectors.EVENT_READ)
+            if len(conns) > MAX_CONNECTIONS:
+                self._respond(sel, conns, conn, _error("busy: too many open control connections, retry"))
+            elif not self._admit(uid, gid):
+                log.warning("control_refused", uid=uid, gid=gid, pid=pid)
+                self._respond(sel, conns, conn, _error(refusal(uid, self.operators_group)))
 
-    def _handle(self, conn: socket.socket) -> None:
-        pid, uid, gid = _UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
-        # Read the (bounded) request even from a refused peer: closing with unread data would
-        # reset the connection and the peer would never see why it was refused.
-        conn.settimeout(READ_TIMEOUT)
-        data = b""
+    def _admit(self, uid: int, gid: int) -> bool:
+        me = os.geteuid()
+        if admitted(uid, gid, me, self._gid):
+            return True
+        return self._gid is not None and admitted(uid, gid, me, self._gid, peer_groups(uid, gid))
+
+    def _step(self, sel: selectors.BaseSelector, conns: dict[int, _Conn], conn: _Conn, events: int) -> None:
+        if conn.out:
+            if events & selectors.EVENT_WRITE:
+                self._flush(sel, conns, conn)
+            return
         try:
-            while b"\n" not in data and len(data) <= MAX_REQUEST:
-                chunk = conn.recv(4096)
-                if not chunk:
-                    break
-                data += chunk
-        except (TimeoutError, OSError):
-            return _reply(conn, {"ok": False, "error": "request not received in time"})
-        if not admitted(uid, gid, os.geteuid(), self.operators_group):
-            log.warning("control_refused", uid=uid, pid=pid)
-            group = f"in group {self.operators_group}" if self.operators_group else "in the operators group"
-            return _reply(conn, {"ok": False, "error": f"permission denied: uid {uid} is not root, the daemon's user, or {group}"})
-        if len(data) > MAX_REQUEST:
-            return _reply(conn, {"ok": False, "error": f"request larger than {MAX_REQUEST} bytes"})
+            chunk = conn.sock.recv(MAX_REQUEST + 1 - len(conn.inbuf))
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            return self._drop(sel, conns, conn)
+        conn.inbuf += chunk
+        if len(conn.inbuf) > MAX_REQUEST:
+            return self._respond(sel, conns, conn, _error(f"request larger than {MAX_REQUEST} bytes"))
+        if chunk and b"\n" not in chunk:
+            return  # more to come
+        line = bytes(conn.inbuf).split(b"\n", 1)[0]
+        if not line.strip():
+            return self._drop(sel, conns, conn) if not chunk else self._respond(sel, conns, conn, _error("empty request"))
+        self._respond(sel, conns, conn, self.handle(line))
+
+    def handle(self, raw: bytes) -> dict:
+        """One request's reply (the transport-free half of the server)."""
         try:
-            req = json.loads(data)
-            if not isinstance(req, dict):
-                raise ValueError
-        except ValueError:
-            return _reply(conn, {"ok": False, "error": "request is not a JSON object"})
-        if req.get("version") != VERSION:
-            return _reply(conn, {"ok": False, "error": f"unsupported protocol version {req.get('version')!r}; this daemon speaks {VERSION}"})
+            req = json.loads(raw)
+        except ValueError as e:
+            return _error(f"request is not a JSON object ({e.msg} at byte {e.pos})")
+        if not isinstance(req, dict):
+            return _error(f"request is not a JSON object (got {type(req).__name__})")
+        if "version" not in req:
+            return _error(f"request has no \"version\"; this daemon speaks protocol version {VERSION}")
+        if req["version"] != VERSION or isinstance(req["version"], bool):
+            return _error(f"unsupported protocol version {req['version']!r}; this daemon speaks {VERSION}")
         cmd = req.get("command")
+        if cmd not in COMMANDS:
+            return _error(f"unknown command {cmd!r}; known commands: {', '.join(COMMANDS)}")
         if cmd == "status":
-            return _reply(conn, {"ok": True, "version": VERSION, "status": self.snapshot()})
-        if cmd == "stop":
-            return _reply(conn, {"version": VERSION, **self.command(req)})
-        return _reply(conn, {"ok": False, "error": f"unknown command {cmd!r}; use status or stop"})
-
-
-def _reply(conn: socket.socket, obj: dict) -> None:
-    with contextlib.suppress(OSError):
-        conn.sendall(json.dumps(obj, default=str).encode() + b"\n")
-
-
-def request(path, payload: dict, timeout: float = 5.0) -> dict:
-    """One request, one reply. NoDaemon when nothing listens; ControlError for anything else."""
-    path = str(path)
-    try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as s:
-            s.settimeout(timeout)
             try:
-                s.connect(path)
-            except (FileNotFoundError, ConnectionRefusedError):
-                raise NoDaemon(f"no daemon listens at {path}") from None
-            except PermissionError:
-                raise ControlError(f"permission denied opening {path}: run as the daemon's user, root, "
+                return {"ok": True, "version": VERSION, "status": self.snapshot()}
+            except Exception as e:  # noqa: BLE001
+                log.error("control_snapshot_failed", error=repr(e))
+                return _error(f"internal error reading the status: {e!r}")
+        timeout = req.get("timeout")
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or timeout < 0 or timeout != timeout):
+            return _error(f"timeout {timeout!r} is not a number of seconds >= 0 or null")
+        try:
+            reply = self.command(req)
+            if not isinstance(reply, dict):
+                raise TypeError(f"command callback returned {type(reply).__name__}, not dict")
+        except Exception as e:  # noqa: BLE001
+            log.error("control_command_failed", command=cmd, error=repr(e))
+            return _error(f"internal error handing {cmd!r} to the daemon: {e!r}")
+        log.info("control_command", command=cmd, timeout=timeout, ok=bool(reply.get("ok")))
+        return {"version": VERSION, **reply}
+
+    def _respond(self, sel: selectors.BaseSelector, conns: dict[int, _Conn], conn: _Conn, reply: dict) -> None:
+        try:
+            conn.out = json.dumps(reply, default=str).encode() + b"\n"
+        except (TypeError, ValueError) as e:
+            conn.out = json.dumps(_error(f"internal error encoding the reply: {e}")).encode() + b"\n"
+        conn.deadline = time.monotonic() + READ_TIMEOUT
+        sel.modify(conn.sock, selectors.EVENT_WRITE)
+        self._flush(sel, conns, conn)
+
+    def _flush(self, sel: selectors.BaseSelector, conns: dict[int, _Conn], conn: _Conn) -> None:
+        try:
+            sent = conn.sock.send(conn.out)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            return self._drop(sel, conns, conn)
+        conn.out = conn.out[sent:]
+        if not conn.out:
+            self._drop(sel, conns, conn)
+
+    def _drop(self, sel: selectors.BaseSelector, conns: dict[int, _Conn], conn: _Conn) -> None:
+        conns.pop(conn.sock.fileno(), None)
+        with contextlib.suppress(KeyError, ValueError):
+            sel.unregister(conn.sock)
+        # Read what the peer already sent: closing with unread data would make its recv() fail
+        # with ECONNRESET instead of reading our reply (Linux AF_UNIX semantics).
+        with contextlib.suppress(OSError):
+            for _ in range(MAX_REQUEST // 4096 + 1):
+                if not conn.sock.recv(4096):
+                    break
+        conn.sock.close()
+
+
+def _error(message: str) -> dict:
+    return {"ok": False, "version": VERSION, "error": message}
+
+
+# --- client ----------------------------------------------------------------------------------
+
+
+def request(path: str | os.PathLike, payload: dict, timeout: float = 5.0) -> dict:
+    """Send one request and return the daemon's reply object, {"ok": false, ...} replies included.
+
+    Raises NoDaemon when nothing listens at `path`, PermissionDenied when the socket file refuses
+    this user, ProtocolError when the peer does not answer in `timeout` seconds with one JSON object.
+    """
+    where = os.fspath(path)
+    data = json.dumps(payload).encode() + b"\n"
+    if len(data) > MAX_REQUEST:
+        raise ProtocolError(f"request larger than {MAX_REQUEST} bytes")
+    deadline = time.monotonic() + timeout
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        try:
+            s.connect(where)
+        except (FileNotFoundError, ConnectionRefusedError, NotADirectoryError):
+            raise NoDaemon(f"no elasticd listens at {where}: start it, or point --socket / "
+                           "ELASTICD_SOCKET at the daemon's socket") from None
+        except PermissionError:
+            raise PermissionDenied(f"permission denied connecting to {where}: run as root, the daemon's user, "
                                    "or a member of its operators group") from None
-            s.sendall(json.dumps(payload).encode() + b"\n")
-            data = b""
-            while True:
+        except (TimeoutError, BlockingIOError):
+            raise ProtocolError(f"the daemon at {where} did not accept the connection within {timeout:g}s "
+                                "(its backlog is full)") from None
+        except OSError as e:
+            raise ControlError(f"cannot connect to {where}: {e.strerror or e}") from None
+        # The daemon may have answered and closed already (a refused user): still read its reply.
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            s.sendall(data)
+        buf = bytearray()
+        try:
+            while b"\n" not in buf and len(buf) <= MAX_REPLY:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError
+                s.settimeout(remaining)
                 chunk = s.recv(65536)
                 if not chunk:
                     break
-                data += chunk
-    except TimeoutError:
-        raise ControlError(f"the daemon at {path} did not answer within {timeout:g}s") from None
-    except OSError as e:
-        raise ControlError(f"control socket {path}: {e.strerror or e}") from None
+                buf += chunk
+        except TimeoutError:
+            raise ProtocolError(f"the daemon at {where} did not answer within {timeout:g}s") from None
+        except ConnectionResetError:
+            pass  # whatever complete line arrived is still good
+        except OSError as e:
+            raise ProtocolError(f"reading from {where}: {e.strerror or e}") from None
+    line = bytes(buf).split(b"\n", 1)[0]
+    if not line:
+        raise ProtocolError(f"the daemon at {where} closed the connection without a reply")
     try:
-        return json.loads(data)
+        reply = json.loads(line)
     except ValueError:
-        raise ControlError(f"the daemon at {path} sent an unreadable reply") from None
+        raise ProtocolError(f"the peer at {where} sent a reply that is not JSON (is it elasticd?)") from None
+    if not isinstance(reply, dict):
+        raise ProtocolError(f"the peer at {where} sent a reply that is not a JSON object")
+    return reply
+
+
+def ensure_ok(reply: dict) -> dict:
+    """`reply` if it says ok; else ControlError with the daemon's message (PermissionDenied for refusals)."""
+    if reply.get("ok"):
+        return reply
+    message = str(reply.get("error") or "the daemon refused the request")
+    raise (PermissionDenied if message.startswith("permission denied") else ControlError)(message)

@@ -1,7 +1,18 @@
 """sd_notify without libsystemd: READY, STATUS, WATCHDOG, STOPPING, EXTEND_TIMEOUT_USEC.
 
-WATCHDOG=1 must be sent only from the agent's main loop, so a wedged loop starves systemd's
-watchdog and gets the daemon restarted; this module has no thread of its own.
+Every function is a no-op returning False outside systemd (no $NOTIFY_SOCKET), so the daemon calls
+them unconditionally. Sending never raises: a lost notification must not take the daemon down
+(the first failure is logged as a warning, later ones are silent).
+
+For the agent loop (the module has no thread of its own, on purpose):
+  * `ready(...)` once the control socket serves (Type=notify waits for it);
+  * `status(...)` on state changes (what `systemctl status` shows);
+  * `watchdog()` every `watchdog_interval()` seconds, ONLY from the main loop, so a wedged loop
+    starves systemd's watchdog (WatchdogSec) and gets the daemon restarted; a helper thread
+    feeding it would keep a dead loop looking alive;
+  * `stopping()` then `extend_timeout(s)` when a stop begins, repeated while it lasts;
+  * `child_env(env)` for every worker's environment: the notify socket and watchdog belong to
+    the daemon (NotifyAccess=main would drop a worker's messages anyway, with log noise).
 """
 
 from __future__ import annotations
@@ -9,60 +20,91 @@ from __future__ import annotations
 import os
 import socket
 
-from elasticd import logs
+import structlog
 
-log = logs.get("elasticd.systemd")
+log = structlog.get_logger("elasticd.systemd")
+
+SEND_TIMEOUT = 1.0  # seconds; a datagram to a wedged systemd must not stall the loop for long
+# The service manager's per-process variables: never inherited by workers.
+PRIVATE_ENV = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES")
+
 _warned = False
 
 
+def _address(value: str) -> str | bytes:
+    """$NOTIFY_SOCKET as a socket address: a path, or '@name' for the abstract namespace."""
+    return b"\0" + os.fsencode(value[1:]) if value.startswith("@") else value
+
+
 def notify(*lines: str) -> bool:
-    """Send one datagram to $NOTIFY_SOCKET; False (and no error) when there is none."""
+    """Send `lines` ("KEY=VALUE") as one datagram to $NOTIFY_SOCKET; True if it was sent.
+
+    Newlines inside a line become spaces, so a status text cannot smuggle in other assignments.
+    """
     global _warned
-    addr = os.environ.get("NOTIFY_SOCKET")
-    if not addr or not lines:
+    target = os.environ.get("NOTIFY_SOCKET")
+    if not target or not lines:
         return False
-    if addr.startswith("@"):
-        addr = "\0" + addr[1:]  # abstract namespace
+    message = "\n".join(line.replace("\n", " ") for line in lines).encode()
     try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
-            s.connect(addr)
-            s.sendall("\n".join(lines).encode())
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+            s.settimeout(SEND_TIMEOUT)
+            s.sendto(message, _address(target))
         return True
-    except OSError as e:
+    except (OSError, ValueError) as e:
         if not _warned:
             _warned = True
-            log.warning("sd_notify_failed", socket=os.environ.get("NOTIFY_SOCKET"), error=str(e))
+            log.warning("sd_notify_failed", socket=target, error=str(e), note="later failures are not logged")
         return False
 
 
 def watchdog_interval() -> float | None:
-    """Half of WATCHDOG_USEC (systemd's advice), if the watchdog is meant for this process."""
+    """Seconds between WATCHDOG=1 pings: half of WATCHDOG_USEC, as sd_watchdog_enabled(3) advises.
+
+    None when there is no watchdog, the value is unusable, or WATCHDOG_PID names another process
+    (the variables leaked to us from a parent that owns them).
+    """
     usec = os.environ.get("WATCHDOG_USEC")
-    pid = os.environ.get("WATCHDOG_PID")
-    if not usec or (pid and pid != str(os.getpid())):
+    if not usec:
         return None
+    pid = os.environ.get("WATCHDOG_PID")
     try:
+        if pid and int(pid) != os.getpid():
+            return None
         value = int(usec)
     except ValueError:
         return None
     return value / 2e6 if value > 0 else None
 
 
-def ready(status: str) -> bool:
-    return notify("READY=1", f"STATUS={status}")
+def ready(status: str | None = None) -> bool:
+    """Startup is done: systemd marks the unit active (Type=notify)."""
+    return notify("READY=1", f"STATUS={status}") if status else notify("READY=1")
 
 
 def status(text: str) -> bool:
+    """Free-form one-line status shown by `systemctl status`."""
     return notify(f"STATUS={text}")
 
 
 def watchdog() -> bool:
+    """Keep-alive ping; call from the agent's main loop only (see the module docstring)."""
     return notify("WATCHDOG=1")
 
 
-def stopping() -> bool:
-    return notify("STOPPING=1")
+def stopping(status: str | None = None) -> bool:
+    """A stop has begun: systemd shows 'deactivating' and stops expecting READY."""
+    return notify("STOPPING=1", f"STATUS={status}") if status else notify("STOPPING=1")
 
 
 def extend_timeout(seconds: float) -> bool:
-    return notify(f"EXTEND_TIMEOUT_USEC={int(seconds * 1e6)}")
+    """Ask for `seconds` more before systemd's current start/stop timeout fires (counted from now).
+
+    Resend before it runs out to keep extending; systemd never extends past what is asked.
+    """
+    return notify(f"EXTEND_TIMEOUT_USEC={max(0, int(seconds * 1_000_000))}")
+
+
+def child_env(env: dict[str, str]) -> dict[str, str]:
+    """A copy of `env` without the service manager's per-process variables (see PRIVATE_ENV)."""
+    return {k: v for k, v in env.items() if k not in PRIVATE_ENV}
