@@ -303,7 +303,7 @@ class Agent:
             failure = self._check_workers()
             if failure == "done":
                 self.set_state(State.EXIT_BARRIER)
-                ok = self.rdzv.exit_barrier(self.round, cfg.exit_barrier_timeout)
+                ok = self._blocking(self.rdzv.exit_barrier, self.round, cfg.exit_barrier_timeout, stoppable=False)
                 if not ok:
                     self.event("exit_barrier_timeout", level="warning", timeout=cfg.exit_barrier_timeout)
                 return self._finish(State.SUCCEEDED, EXIT_OK)
@@ -319,9 +319,10 @@ class Agent:
             if code is not None:
                 return code
 
-    def _blocking(self, fn, *args):
-        """Run a long blocking call (store connect, rendezvous join) on a helper thread while this
-        loop keeps the watchdog fed and stays stoppable. Workers are still spawned from here."""
+    def _blocking(self, fn, *args, stoppable: bool = True):
+        """Run a long blocking call (store connect, rendezvous join, exit barrier) on a helper
+        thread while this loop keeps the watchdog fed and, if `stoppable`, answers a stop request.
+        Workers are still spawned from this thread."""
         box: dict[str, Any] = {}
         done = threading.Event()
 
@@ -339,7 +340,7 @@ class Agent:
             self._wait(self.cfg.monitor_interval)
             self._tick()
             self._drain_inbox()
-            if self.stop_requested is not None:
+            if stoppable and self.stop_requested is not None:
                 raise _Interrupted()
         if "error" in box:
             raise box["error"]
@@ -486,7 +487,7 @@ class Agent:
             self.notify.extend_timeout(self.stop_requested + self.cfg.kill_timeout + self.cfg.exit_barrier_timeout)
         self._teardown(self.stop_requested or 0.0)
         if self.round is not None and self.round.group_world_size > 1:
-            self.rdzv.exit_barrier(self.round, self.cfg.exit_barrier_timeout)
+            self._blocking(self.rdzv.exit_barrier, self.round, self.cfg.exit_barrier_timeout, stoppable=False)
         return self._finish(State.STOPPED, EXIT_OK)
 
     def _finish(self, state: State, code: int) -> int:
