@@ -189,7 +189,7 @@ class ControlServer:
         else that needs the operator (unknown group, unusable directory, path too long).
         """
         if self._thread is not None or self._closed:
-            raise RuntimeError("ControlServer.start() called twice")
+            raise RuntimeError("a ControlServer starts once; make a new one after close()")
         if len(os.fsencode(self.path)) > _SUN_PATH_MAX:
             raise ControlError(f"control socket path {self.path} is longer than {_SUN_PATH_MAX} bytes: "
                                "choose a shorter --socket")

@@ -7,7 +7,10 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from harness import leftover_processes  # noqa: E402
+from harness import SESSION, leftover_processes  # noqa: E402
+
+# Processes a test starts without the Daemon harness (python -c, CLI calls) inherit the tag too.
+os.environ["ELASTICD_TEST_SESSION"] = SESSION
 
 
 @pytest.fixture(autouse=True)

@@ -29,8 +29,13 @@ def wait_until(predicate, timeout: float, interval: float = 0.05, what: str = "c
         time.sleep(interval)
 
 
+# Every daemon a test session starts carries this tag, and so does everything it starts: the leak
+# check then judges only this session's processes, never another test run's on the same machine.
+SESSION = f"{os.getpid()}-{time.time_ns()}"
+
+
 def leftover_processes(exclude: set[int] = frozenset()) -> list[psutil.Process]:
-    """Processes that carry a worker or daemon environment (what a leak looks like)."""
+    """Processes of this test session that carry a worker or daemon environment (a leak)."""
     me = os.getpid()
     found = []
     for p in psutil.process_iter():
@@ -42,7 +47,7 @@ def leftover_processes(exclude: set[int] = frozenset()) -> list[psutil.Process]:
                 continue
         except psutil.Error:
             continue
-        if "TORCHELASTIC_RUN_ID" in env or "ELASTICD_AGENT" in env or "ELASTICD_TEST_DAEMON" in env:
+        if env.get("ELASTICD_TEST_SESSION") == SESSION:
             found.append(p)
     return found
 
@@ -63,7 +68,7 @@ class Daemon:
         if args:
             cmd += ["--", *args]
         self.stdout_path, self.stderr_path = self.dir / "stdout.txt", self.dir / "stderr.txt"
-        full_env = dict(os.environ, ELASTICD_TEST_DAEMON="1", PYTHONUNBUFFERED="1", **(env or {}))
+        full_env = dict(os.environ, ELASTICD_TEST_SESSION=SESSION, PYTHONUNBUFFERED="1", **(env or {}))
         with open(self.stdout_path, "wb") as out, open(self.stderr_path, "wb") as err:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
                                          cwd=ROOT, env=full_env, start_new_session=True)

@@ -14,7 +14,7 @@ from harness import ROOT, script
 
 def run_cli(*args: str, timeout: float = 60, cwd=ROOT) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "elasticd.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=cwd, env=dict(os.environ, ELASTICD_TEST_DAEMON="1"))
+                          timeout=timeout, cwd=cwd, env=dict(os.environ))
 
 
 def assert_one_error(r: subprocess.CompletedProcess, *needles: str) -> None:

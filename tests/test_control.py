@@ -1,0 +1,399 @@
+"""The control socket over real Unix sockets: protocol, admission, socket lifecycle, slow clients."""
+
+from __future__ import annotations
+
+import grp
+import json
+import os
+import shutil
+import socket
+import stat
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from elasticd import control
+
+NOBODY = 65534
+
+
+@pytest.fixture(autouse=True)
+def no_server_thread_left():
+    """Every test ends with its server threads gone (close() must join them)."""
+    yield
+    deadline = time.monotonic() + 5
+    while any(t.name == "elasticd-control" for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not [t for t in threading.enumerate() if t.name == "elasticd-control"]
+
+
+@pytest.fixture
+def serve(tmp_path):
+    """Start ControlServers that are closed at the end whatever happens."""
+    servers = []
+
+    def start(path=None, snapshot=lambda: {"state": "RUNNING"}, command=lambda r: {"ok": True, "accepted": "stop"},
+              operators_group=None):
+        s = control.ControlServer(path or tmp_path / "c.sock", snapshot=snapshot, command=command,
+                                  operators_group=operators_group)
+        servers.append(s)
+        s.start()
+        return s
+
+    yield start
+    for s in servers:
+        s.close()
+
+
+def raw(path, data: bytes, timeout: float = 5.0, shut: bool = False) -> dict:
+    """Send raw bytes, return the one-line JSON reply."""
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(timeout)
+        s.connect(str(path))
+        s.sendall(data)
+        if shut:
+            s.shutdown(socket.SHUT_WR)
+        buf = b""
+        while not buf.endswith(b"\n"):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            buf += chunk
+    return json.loads(buf)
+
+
+def status(path, **kw) -> dict:
+    return control.request(path, {"version": 1, "command": "status"}, **kw)
+
+
+# --- protocol --------------------------------------------------------------------------------
+
+
+def test_status_round_trip_serves_the_latest_snapshot(serve, tmp_path):
+    published = {"snap": {"state": "RENDEZVOUS", "workers": []}}
+    server = serve(snapshot=lambda: published["snap"])
+    assert status(server.path) == {"ok": True, "version": 1, "status": {"state": "RENDEZVOUS", "workers": []}}
+    published["snap"] = {"state": "RUNNING", "workers": [{"rank": 0, "pid": 123}]}
+    assert status(server.path)["status"]["workers"] == [{"rank": 0, "pid": 123}]
+    # EOF-terminated request (no newline) works as well as newline-terminated
+    assert raw(server.path, b'{"version": 1, "command": "status"}', shut=True)["status"]["state"] == "RUNNING"
+
+
+def test_large_snapshot_arrives_whole(serve):
+    big = {"state": "RUNNING", "blob": "x" * (3 << 20)}  # larger than a socket buffer: partial writes
+    server = serve(snapshot=lambda: big)
+    assert status(server.path, timeout=10)["status"] == big
+
+
+def test_stop_is_forwarded_to_the_command_callback(serve):
+    seen = []
+    server = serve(command=lambda req: seen.append(req) or {"ok": True, "accepted": "stop"})
+    reply = control.request(server.path, {"version": 1, "command": "stop", "timeout": 7.5})
+    assert reply == {"ok": True, "version": 1, "accepted": "stop"}
+    assert control.request(server.path, {"version": 1, "command": "stop", "timeout": None})["accepted"] == "stop"
+    assert control.request(server.path, {"version": 1, "command": "stop"})["ok"] is True
+    assert [r.get("timeout") for r in seen] == [7.5, None, None]
+    assert seen[0] == {"version": 1, "command": "stop", "timeout": 7.5}
+    for bad in (-1, "soon", True, [3]):
+        reply = control.request(server.path, {"version": 1, "command": "stop", "timeout": bad})
+        assert reply["ok"] is False and "timeout" in reply["error"], reply
+    assert len(seen) == 3  # bad requests never reach the daemon
+
+
+def test_protocol_errors_name_the_problem(serve):
+    server = serve()
+    cases = [
+        (b"not json\n", "not a JSON object"),
+        (b"[1, 2]\n", "not a JSON object (got list)"),
+        (b'{"command": "status"}\n', 'no "version"'),
+        (b'{"version": 2, "command": "status"}\n', "unsupported protocol version 2"),
+        (b'{"version": true, "command": "status"}\n', "unsupported protocol version True"),
+        (b'{"version": 1, "command": "reboot"}\n', "unknown command 'reboot'"),
+        (b'{"version": 1}\n', "unknown command None"),
+        (b"\n", "empty request"),
+    ]
+    for data, expected in cases:
+        reply = raw(server.path, data)
+        assert reply["ok"] is False and expected in reply["error"], (data, reply)
+    reply = raw(server.path, b"x" * (control.MAX_REQUEST + 10))
+    assert reply["ok"] is False and "larger than" in reply["error"]
+    assert status(server.path)["ok"] is True  # still serving
+
+
+def test_failing_callbacks_become_error_replies(serve):
+    def boom(_req):
+        raise RuntimeError("inbox closed")
+
+    server = serve(snapshot=lambda: 1 / 0, command=boom)
+    assert "internal error" in status(server.path)["error"]
+    reply = control.request(server.path, {"version": 1, "command": "stop"})
+    assert reply["ok"] is False and "inbox closed" in reply["error"]
+    with pytest.raises(control.ControlError, match="inbox closed"):
+        control.ensure_ok(reply)
+
+
+# --- client errors ---------------------------------------------------------------------------
+
+
+def test_client_says_no_daemon_when_nothing_listens(tmp_path):
+    with pytest.raises(control.NoDaemon, match="no elasticd listens at"):
+        status(tmp_path / "missing.sock")
+    with pytest.raises(control.NoDaemon):
+        status(tmp_path / "no-such-dir" / "c.sock")
+    stale = tmp_path / "stale.sock"
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(stale))  # a socket file nobody listens on: connection refused
+    with pytest.raises(control.NoDaemon):
+        status(stale)
+
+
+def test_client_distinguishes_a_silent_peer_and_a_foreign_one(tmp_path):
+    path = tmp_path / "silent.sock"
+    with socket.socket(socket.AF_UNIX) as listener:
+        listener.bind(str(path))
+        listener.listen(1)  # accepts (backlog) but never answers
+        t0 = time.monotonic()
+        with pytest.raises(control.ProtocolError, match="did not answer within 0.3s"):
+            status(path, timeout=0.3)
+        assert time.monotonic() - t0 < 2
+    path = tmp_path / "foreign.sock"
+    with socket.socket(socket.AF_UNIX) as listener:
+        listener.bind(str(path))
+        listener.listen(1)
+
+        def garbage():
+            conn, _ = listener.accept()
+            with conn:
+                conn.sendall(b"HTTP/1.0 400 nope\n")
+
+        t = threading.Thread(target=garbage, daemon=True)
+        t.start()
+        with pytest.raises(control.ProtocolError, match="not JSON"):
+            status(path)
+        t.join(5)
+        assert not t.is_alive()
+
+
+# --- socket lifecycle --------------------------------------------------------------------------
+
+
+def test_socket_is_0600_right_after_start_and_nothing_else_is_left(serve, tmp_path):
+    server = serve()
+    st = os.lstat(server.path)
+    assert stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == os.geteuid()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.sock"]  # the private bind dir is gone
+
+
+def test_operators_group_gets_a_0660_socket(serve, tmp_path):
+    group = grp.getgrgid(NOBODY).gr_name
+    server = serve(operators_group=group)
+    st = os.lstat(server.path)
+    assert stat.S_IMODE(st.st_mode) == 0o660 and st.st_gid == NOBODY
+    with pytest.raises(control.ControlError, match="groupadd no-such-group-xyz"):
+        control.ControlServer(tmp_path / "d.sock", dict, dict, operators_group="no-such-group-xyz").start()
+
+
+def test_missing_parent_is_created_private_and_runtime_dir_goes_to_operators(serve, tmp_path, monkeypatch):
+    server = serve(path=tmp_path / "run" / "elasticd" / "c.sock")
+    assert stat.S_IMODE(os.stat(server.path.parent).st_mode) == 0o700
+    runtime = tmp_path / "runtime"
+    runtime.mkdir(mode=0o750)
+    monkeypatch.setenv("RUNTIME_DIRECTORY", f"{runtime}:/elsewhere")
+    serve(path=runtime / "control.sock", operators_group=grp.getgrgid(NOBODY).gr_name)
+    st = os.stat(runtime)
+    assert st.st_gid == NOBODY and stat.S_IMODE(st.st_mode) == 0o750
+
+
+def test_unsafe_parent_directories_are_refused(tmp_path):
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    os.chown(foreign, NOBODY, NOBODY)
+    with pytest.raises(control.ControlError, match="belongs to uid 65534"):
+        control.ControlServer(foreign / "c.sock", dict, dict).start()
+    open_dir = tmp_path / "open"
+    open_dir.mkdir()
+    os.chmod(open_dir, 0o777)  # world-writable without the sticky bit
+    with pytest.raises(control.ControlError, match="sticky"):
+        control.ControlServer(open_dir / "c.sock", dict, dict).start()
+    (tmp_path / "file").write_text("")
+    with pytest.raises(control.ControlError, match="is not a socket"):
+        control.ControlServer(tmp_path / "file", dict, dict).start()
+    with pytest.raises(control.ControlError, match="longer than"):
+        control.ControlServer(tmp_path / ("x" * 120), dict, dict).start()
+
+
+def test_stale_socket_file_is_replaced_on_start(serve, tmp_path):
+    path = tmp_path / "c.sock"
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(path))  # left behind by a daemon that was SIGKILLed
+    server = serve(path=path, snapshot=lambda: {"state": "NEW"})
+    assert status(path)["status"]["state"] == "NEW"
+    assert server.running
+
+
+def test_second_server_on_a_live_path_is_refused(serve, tmp_path):
+    first = serve(snapshot=lambda: {"state": "FIRST"})
+    second = control.ControlServer(first.path, snapshot=dict, command=dict)
+    with pytest.raises(control.AlreadyRunning, match=f"another elasticd is running at {first.path}"):
+        second.start()
+    second.close()
+    assert status(first.path)["status"]["state"] == "FIRST"  # the live one is untouched
+
+
+def test_close_unlinks_ends_the_thread_and_is_idempotent(tmp_path):
+    server = control.ControlServer(tmp_path / "c.sock", snapshot=dict, command=dict)
+    server.start()
+    thread = server._thread
+    assert server.path.exists() and thread.is_alive()
+    t0 = time.monotonic()
+    server.close()
+    assert time.monotonic() - t0 < 1.0  # woken, not polled out
+    assert not server.path.exists() and not thread.is_alive() and not server.running
+    server.close()
+    with pytest.raises(control.NoDaemon):
+        status(server.path)
+
+
+def test_close_leaves_a_successors_socket_alone(serve, tmp_path):
+    old = control.ControlServer(tmp_path / "c.sock", snapshot=lambda: {"state": "OLD"}, command=dict)
+    old.start()
+    os.unlink(old.path)  # someone removed it; a new daemon took the path
+    serve(snapshot=lambda: {"state": "NEW"})
+    old.close()
+    assert status(tmp_path / "c.sock")["status"]["state"] == "NEW"
+
+
+def test_never_started_server_closes_quietly(tmp_path):
+    control.ControlServer(tmp_path / "c.sock", dict, dict).close()
+
+
+# --- slow and hostile clients ------------------------------------------------------------------
+
+
+def test_a_silent_client_does_not_block_another(serve, monkeypatch):
+    monkeypatch.setattr(control, "READ_TIMEOUT", 1.0)
+    server = serve()
+    with socket.socket(socket.AF_UNIX) as silent, socket.socket(socket.AF_UNIX) as drip:
+        silent.connect(str(server.path))
+        drip.connect(str(server.path))
+        drip.sendall(b'{"version"')
+        t0 = time.monotonic()
+        assert status(server.path, timeout=3)["ok"] is True
+        assert time.monotonic() - t0 < 0.7  # served while the others still hold connections
+        # the dripping client does not get a fresh deadline per byte: the whole request is bounded
+        drip.settimeout(0.05)
+        reply = b""
+        while b"\n" not in reply and time.monotonic() - t0 < 3:
+            try:
+                drip.sendall(b" ")
+                reply += drip.recv(4096)
+            except (TimeoutError, BrokenPipeError, ConnectionResetError):
+                pass
+        assert b"not received within 1s" in reply and time.monotonic() - t0 < 2.0
+        silent.settimeout(3)
+        assert b"not received within 1s" in silent.recv(4096)
+
+
+# --- admission ---------------------------------------------------------------------------------
+
+
+def test_admission_policy():
+    me = 1000
+    assert control.admitted(0, 0, me, None)
+    assert control.admitted(me, 5, me, None)
+    assert not control.admitted(1001, 5, me, None)
+    assert not control.admitted(1001, 5, me, None, groups=[5])  # no operators group: nobody else
+    assert control.admitted(1001, 42, me, 42)  # primary group
+    assert control.admitted(1001, 5, me, 42, groups=[5, 42])  # supplementary group
+    assert not control.admitted(1001, 5, me, 42, groups=[5, 7])
+    assert 0 in control.peer_groups(0, 0)
+    assert control.peer_groups(4_000_000_000, 77) == frozenset({77})  # unknown user: its gid only
+    assert "in group ops" in control.refusal(1001, "ops")
+    assert control.refusal(1001, None).startswith("permission denied: uid 1001 is not root")
+
+
+def _request_as(uid: int, gid: int, path: Path) -> dict:
+    """Run control.request in a forked child with other credentials; bounded, always reaped."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: no pytest machinery, just the request
+        code = 1
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setgid(gid)
+            os.setuid(uid)
+            try:
+                reply = control.request(path, {"version": 1, "command": "status"}, timeout=3)
+            except control.ControlError as e:
+                reply = {"raised": type(e).__name__, "message": str(e)}
+            os.write(w, json.dumps(reply).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    deadline = time.monotonic() + 10
+    try:
+        while os.waitpid(pid, os.WNOHANG) == (0, 0):
+            if time.monotonic() > deadline:
+                os.kill(pid, 9)
+                os.waitpid(pid, 0)
+                pytest.fail("the child's request did not finish in 10 s")
+            time.sleep(0.01)
+        chunks = []
+        while chunk := os.read(r, 65536):
+            chunks.append(chunk)
+    finally:
+        os.close(r)
+    return json.loads(b"".join(chunks) or b"{}")
+
+
+@pytest.fixture
+def open_dir():
+    """A 0755 directory nobody can traverse (tmp_path's parents are 0700)."""
+    d = Path(tempfile.mkdtemp(prefix="elasticd-ctl-", dir="/tmp"))
+    os.chmod(d, 0o755)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a client as another uid")
+def test_other_uid_is_refused_by_credentials_not_file_mode(serve, open_dir):
+    server = serve(path=open_dir / "c.sock")
+    os.chmod(server.path, 0o666)  # let the file mode through: the credential check alone must refuse
+    reply = _request_as(NOBODY, NOBODY, server.path)
+    assert reply == {"ok": False, "version": 1,
+                     "error": "permission denied: uid 65534 is not root or the daemon's user "
+                              "(set operators_group to admit a group)"}, reply
+    assert status(server.path)["ok"] is True  # root still is
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a client as another uid")
+def test_operators_group_member_is_admitted_and_file_mode_guards_the_rest(serve, open_dir):
+    group = grp.getgrgid(NOBODY).gr_name
+    server = serve(path=open_dir / "c.sock", operators_group=group)
+    assert _request_as(NOBODY, NOBODY, server.path)["status"] == {"state": "RUNNING"}
+    # uid 65533 in gid 65533 is not in the group: the 0660 socket file stops it before the server does
+    reply = _request_as(65533, 65533, server.path)
+    assert reply.get("raised") == "PermissionDenied" and "permission denied connecting" in reply["message"], reply
+
+
+# --- default path ------------------------------------------------------------------------------
+
+
+def test_default_socket_path(monkeypatch):
+    for var in ("ELASTICD_SOCKET", "RUNTIME_DIRECTORY", "XDG_RUNTIME_DIR"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    assert control.default_socket_path() == Path("/run/elasticd/control.sock")
+    monkeypatch.setattr(os, "geteuid", lambda: 1234)
+    assert control.default_socket_path() == Path("/tmp/elasticd-1234/control.sock")
+    monkeypatch.setenv("XDG_RUNTIME_DIR", "/run/user/1234")
+    assert control.default_socket_path() == Path("/run/user/1234/elasticd/control.sock")
+    monkeypatch.setenv("RUNTIME_DIRECTORY", "/run/elasticd:/run/other")
+    assert control.default_socket_path() == Path("/run/elasticd/control.sock")
+    monkeypatch.setenv("ELASTICD_SOCKET", "/srv/e.sock")
+    assert control.default_socket_path() == Path("/srv/e.sock")
