@@ -80,7 +80,7 @@ def main() -> None:
     for fault, kind, times in rows:
         ok = [t for t in times if t is not None]
         med = f"{statistics.median(ok):.2f}" if ok else f">{args.bound:g}"
-        print(f"{fault:<8} {kind:<10} {med:>9} {len(ok)}/{len(times):>8}")
+        print(f"{fault:<8} {kind:<10} {med:>9} {f'{len(ok)}/{len(times)}':>10}")
 
 
 if __name__ == "__main__":

@@ -138,6 +138,9 @@ class Agent:
         self.tee = workers.Tee() if cfg.tee else None
         self.spares: list = []  # warm interpreters waiting for a rank (workers.start_spare)
         self._spares_due: float | None = None
+        # Recovery timeline of the latest restart: monotonic marks, reported once every rank stepped.
+        self._timeline: dict[str, float] = {}
+        self.last_recovery: dict[str, float] | None = None
 
     # --- inbox: the only way other threads and signal handlers reach the loop ---
 
@@ -233,6 +236,7 @@ class Agent:
             "entrypoint": self.cfg.entrypoint,
             "workers": ranks,
             "last_failure": asdict(self.last_failure) if self.last_failure else None,
+            "last_recovery": self.last_recovery,
             "events": list(self.events)[-10:],
         }
         self._on_snapshot(self._snapshot)
@@ -275,13 +279,27 @@ class Agent:
                                                    self.run_dir / "spares.log"))
         self._spares_due = None
 
-    def _maybe_top_up_spares(self, now: float) -> None:
-        """Refill spares once the new workers are past start-up (first beat, or 10 s), so the
-        spares' imports do not slow the workers' own start."""
-        if self._spares_due is None or now < self._spares_due and not all(
-                (b := health.read(str(w.heartbeat_path))) and b.beats for w in self.workers):
+    def _after_start_up(self, now: float) -> None:
+        """Once every new worker has stepped (first beat): report the recovery timeline and
+        refill the spares, whose imports would otherwise slow the workers' own start (or 10 s)."""
+        if self._spares_due is None and not self._timeline:
             return
-        self._top_up_spares()
+        beats = [health.read(str(w.heartbeat_path)) for w in self.workers]
+        stepped = all(b and b.beats for b in beats)
+        if stepped and self._timeline:
+            t = self._timeline
+            first_step = max(b.first for b in beats)
+            self.last_recovery = {
+                "detect_to_torn_down": round(t["torn_down"] - t["detected"], 3),
+                "rendezvous": round(t["rendezvous_done"] - t["rendezvous"], 3),
+                "spawn": round(t["spawned"] - t["rendezvous_done"], 3),
+                "spawn_to_first_step": round(first_step - t["spawned"], 3),
+                "total": round(first_step - t["detected"], 3),
+            }
+            self.event("recovered", **self.last_recovery)
+            self._timeline = {}
+        if self._spares_due is not None and (stepped or now >= self._spares_due):
+            self._top_up_spares()
 
     def _loop(self) -> int:
         cfg = self.cfg
@@ -311,7 +329,7 @@ class Agent:
                 failure = self._check_peers()
             if failure is None:
                 now = time.monotonic()
-                self._maybe_top_up_spares(now)
+                self._after_start_up(now)
                 if now - self._last_publish > 0.5:
                     self.publish()
                 continue
@@ -357,7 +375,11 @@ class Agent:
                 self._next_watchdog = float("inf")
 
     def _start_round(self) -> None:
+        if self._timeline:
+            self._timeline["rendezvous"] = time.monotonic()
         self.round = rnd = self._blocking(self.rdzv.next_round, self.cfg.nproc_per_node)
+        if self._timeline:
+            self._timeline["rendezvous_done"] = time.monotonic()
         self.restart_count = self.rdzv.restarts_used()
         logs.bind(group_rank=rnd.group_rank, restart=self.restart_count)
         self.attempt += 1
@@ -371,6 +393,8 @@ class Agent:
             stack_signal=self.cfg.stack_signal,
         )
         self.workers = workers.spawn(spec, self.spares)
+        if self._timeline:
+            self._timeline["spawned"] = time.monotonic()
         if self.cfg.warm_spawn:
             self._spares_due = time.monotonic() + 10.0
         for w in self.workers:
@@ -438,6 +462,7 @@ class Agent:
 
     def _restart(self, failure: Failure) -> int | None:
         """Tear the group down and decide: next round, or the job has failed."""
+        self._timeline = {"detected": time.monotonic()}
         self.set_state(State.RESTARTING, cause=failure.summary())
         spends = failure.kind in ("exited", "signaled", "hung")
         if spends:
@@ -447,6 +472,7 @@ class Agent:
         elif failure.kind == "scale":
             self.rdzv.request_restart(self.round, {"summary": failure.reason, "node": self.node, "scale": True})
         self._teardown(self.cfg.restart_grace)
+        self._timeline["torn_down"] = time.monotonic()
         if failure.kind in ("exited",) and failure.exit_code in self.cfg.fatal_exit_codes:
             self.event("fatal_exit_code", level="error", exit_code=failure.exit_code, rank=failure.rank)
             return self._fail_job(failure)

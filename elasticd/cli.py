@@ -257,6 +257,9 @@ def render_status(s: dict) -> str:
                      + (f" (log {f['log_path']})" if f.get("log_path") else ""))
         for path in f.get("stacks") or []:
             lines.append(f"    stacks {path}")
+    rec = s.get("last_recovery")
+    if rec:
+        lines.append("  last recovery: " + ", ".join(f"{k.replace('_', ' ')} {v:.3f}s" for k, v in rec.items()))
     events = s.get("events") or []
     if events:
         lines.append("  recent events:")

@@ -56,8 +56,9 @@ class Config:
     local_addr: str = ""
     stack_signal: str = "SIGUSR1"
     warm_spawn: bool = True
-    # DistributedDataParallel imports torch._dynamo (about 1.3 s) on first construction.
-    preload: tuple[str, ...] = ("torch", "torch.distributed", "torch.nn.parallel", "torch.optim", "torch._dynamo")
+    # Not torch._dynamo, though DDP imports it (about 1.3 s) on first construction: imported ahead
+    # of init_process_group it made gloo's process-group teardown deadlock at exit now and then.
+    preload: tuple[str, ...] = ("torch", "torch.distributed", "torch.nn.parallel", "torch.optim")
 
     @property
     def min_nodes(self) -> int:

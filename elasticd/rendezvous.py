@@ -227,8 +227,10 @@ class Rendezvous:
         if rnd.group_world_size == 1:
             return True
         rnd.store.add(_DONE, 1)
+        alive = f"elasticd/alive/{rnd.group_rank}"
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
+            rnd.store.add(alive, 1)  # still here: peers still running must not think us lost
             if int(rnd.store.add(_DONE, 0)) >= rnd.group_world_size or rnd.store.check([_RESTART]):
                 return True
             time.sleep(poll)

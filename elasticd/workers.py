@@ -20,13 +20,11 @@ from pathlib import Path
 
 import psutil
 
-from elasticd import health, logs
+from elasticd import health, logs, systemd
 
 log = logs.get("elasticd.workers")
 
 _PR_SET_CHILD_SUBREAPER = 36
-# What a daemon must never hand to its workers (systemd's notify socket and watchdog belong to it).
-_PRIVATE_ENV = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID")
 
 
 @dataclass(frozen=True)
@@ -79,7 +77,7 @@ def make_subreaper() -> bool:
 
 def worker_env(spec: GroupSpec, local_rank: int, paths: dict[str, Path]) -> dict[str, str]:
     """torchrun's contract (LocalElasticAgent._start_workers, torch 2.13) plus ELASTICD_*."""
-    env = {k: v for k, v in os.environ.items() if k not in _PRIVATE_ENV}
+    env = systemd.child_env(dict(os.environ))  # systemd's notify socket and watchdog are the daemon's
     rank = spec.rank_base + local_rank
     env.update(
         RANK=str(rank),
@@ -163,7 +161,7 @@ def start_spare(token: str, nproc: int, preload: tuple[str, ...], log_path: Path
     waits on stdin for its rank's environment and arguments. Handing it a rank skips interpreter
     start-up and imports on a restart. It starts with the environment every worker shares, so
     what is read at import or library load (OMP_NUM_THREADS, PYTHONUNBUFFERED) is already right."""
-    env = {k: v for k, v in os.environ.items() if k not in _PRIVATE_ENV}
+    env = systemd.child_env(dict(os.environ))
     env.update(ELASTICD_AGENT=token, ELASTICD_DAEMON_PID=str(os.getpid()),
                ELASTICD_WARM_PRELOAD=",".join(preload))
     if nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
@@ -207,7 +205,8 @@ def discard_spares(spares: list[subprocess.Popen]) -> None:
 
 def start_guard(token: str) -> subprocess.Popen:
     """See elasticd.guard: kills our workers' tree if the daemon dies without doing it."""
-    env = {k: v for k, v in os.environ.items() if k not in _PRIVATE_ENV and k != "ELASTICD_AGENT"}
+    env = systemd.child_env(dict(os.environ))
+    env.pop("ELASTICD_AGENT", None)
     return subprocess.Popen([sys.executable, "-m", "elasticd.guard", token], stdin=subprocess.PIPE,
                             stdout=subprocess.DEVNULL, env=env, close_fds=True)
 
