@@ -132,6 +132,7 @@ class Agent:
         self._snapshot: dict[str, Any] = {}
         self._last_waiting_check = 0.0
         self._last_publish = 0.0
+        self._last_checkpoint: str | None = None  # path of the newest checkpoint reported
         self._odd_since: dict[int, float] = {}  # pid -> when it was first seen stopped or a zombie
         self.notify = None  # elasticd.systemd once serve() wires it
         self._next_watchdog = 0.0
@@ -237,9 +238,30 @@ class Agent:
             "workers": ranks,
             "last_failure": asdict(self.last_failure) if self.last_failure else None,
             "last_recovery": self.last_recovery,
+            "checkpoint": self._checkpoint_info(),
             "events": list(self.events)[-10:],
         }
         self._on_snapshot(self._snapshot)
+
+    def _checkpoint_info(self) -> dict[str, Any] | None:
+        """The newest checkpoint on this node, from its manifest (the daemon never writes any)."""
+        directory = os.environ.get("ELASTICD_CHECKPOINT_DIR") or self.cfg.checkpoint_dir
+        if not directory:
+            return None
+        from elasticd import checkpoint
+
+        try:
+            info = checkpoint.latest_info(directory)
+        except Exception:  # noqa: BLE001 - status must never fail on a damaged directory
+            return None
+        if not info:
+            return None
+        if info.get("path") != self._last_checkpoint:
+            self._last_checkpoint = info.get("path")
+            self.event("checkpoint_seen", step=info.get("step"), epoch=info.get("epoch"), path=info.get("path"))
+        if info.get("time"):
+            info["age"] = round(time.time() - info["time"], 1)
+        return info
 
     @property
     def snapshot(self) -> dict[str, Any]:
@@ -390,7 +412,7 @@ class Agent:
             master_port=rnd.master_port, restart_count=self.restart_count,
             max_restarts=self.cfg.max_restarts, run_id=self.cfg.rdzv_id,
             attempt_dir=self.run_dir / f"attempt{self.attempt}", token=self.token,
-            stack_signal=self.cfg.stack_signal,
+            stack_signal=self.cfg.stack_signal, checkpoint_dir=self.cfg.checkpoint_dir,
         )
         self.workers = workers.spawn(spec, self.spares)
         if self._timeline:

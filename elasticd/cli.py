@@ -11,6 +11,7 @@ Exit codes:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -52,6 +53,9 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
                    help="seconds between worker checks (default 0.1)")
     g.add_argument("--log-dir", "--log_dir", dest="log_dir", default=S,
                    help="where per-rank logs, error files and stack dumps go (default ./elasticd-runs)")
+    g.add_argument("--checkpoint-dir", dest="checkpoint_dir", default=S,
+                   help="where workers keep checkpoints (ELASTICD_CHECKPOINT_DIR; default <log dir>/"
+                        "checkpoints/<rdzv id>, so a job started again with the same --rdzv-id resumes)")
     g.add_argument("--local-addr", "--local_addr", dest="local_addr", default=S,
                    help="address peers reach this node at (default: the one routing to the endpoint)")
     e = p.add_argument_group("elasticd")
@@ -150,6 +154,9 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
             config.check_port_free(cfg.rdzv_host, cfg.rdzv_port)
         run_dir = _run_dir(cfg)
         config.check_log_dir(run_dir)
+        if not cfg.checkpoint_dir:
+            cfg = dataclasses.replace(cfg, checkpoint_dir=str(run_dir.parent / "checkpoints" / cfg.rdzv_id))
+        config.check_log_dir(Path(cfg.checkpoint_dir), "--checkpoint-dir")
     except ConfigError as e:
         sys.stderr.write(f"elasticd: error: {e}\n")
         return EXIT_USAGE

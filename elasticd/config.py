@@ -36,6 +36,7 @@ class Config:
     standalone: bool = False
     monitor_interval: float = 0.1
     log_dir: str = ""
+    checkpoint_dir: str = ""
     log_format: str = "auto"
     tee: bool = True
     heartbeat_timeout: float = 300.0
@@ -241,8 +242,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"stack_signal {cfg.stack_signal!r} is not a signal name such as SIGUSR1")
 
 
-def check_log_dir(path: Path) -> None:
-    """Create the run directory now so an unwritable one fails before any worker starts."""
+def check_log_dir(path: Path, flag: str = "--log-dir") -> None:
+    """Create a directory now so an unwritable one fails before any worker starts."""
     try:
         path.mkdir(parents=True, exist_ok=True)
         probe = path / f".write-test-{os.getpid()}"
@@ -250,7 +251,7 @@ def check_log_dir(path: Path) -> None:
         probe.unlink()
     except OSError as e:
         reason = os.strerror(e.errno) if e.errno else str(e)
-        raise ConfigError(f"--log-dir {path} is not writable ({reason}): choose a directory this user can write") from None
+        raise ConfigError(f"{flag} {path} is not writable ({reason}): choose a directory this user can write") from None
 
 
 def check_port_free(host: str, port: int) -> None:

@@ -46,6 +46,7 @@ class GroupSpec:
     attempt_dir: Path
     token: str  # identifies this daemon's processes for sweeps
     stack_signal: str = "SIGUSR1"
+    checkpoint_dir: str = ""
     extra_env: dict[str, str] = field(default_factory=dict)
 
 
@@ -105,6 +106,8 @@ def worker_env(spec: GroupSpec, local_rank: int, paths: dict[str, Path]) -> dict
         ELASTICD_STACK_SIGNAL=spec.stack_signal,
         ELASTICD_ATTEMPT_DIR=str(spec.attempt_dir),
     )
+    if spec.checkpoint_dir:
+        env.setdefault("ELASTICD_CHECKPOINT_DIR", spec.checkpoint_dir)
     if spec.nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
         env["OMP_NUM_THREADS"] = "1"
     # Output goes to a file: without this, Python holds prints back in a block buffer.

@@ -1,7 +1,10 @@
 """Real DDP training on synthetic data: what `elasticd run` trains with no arguments.
 
 A small MLP learns a fixed random teacher network. No downloads; gloo on CPU, NCCL on GPUs, picked
-automatically. It runs unchanged under torchrun too (it only reads torchrun's environment).
+automatically. It checkpoints with elasticd.checkpoint and resumes exactly where it stopped (model,
+optimizer, scheduler, RNG, sampler position), so a crash costs at most `--checkpoint-every` steps,
+and `elasticd stop` (SIGTERM) saves at the next step boundary and exits 0. It runs unchanged
+under torchrun too (it only reads torchrun's environment).
 
     elasticd run                                   # this script, one worker per GPU or 2 on CPU
     elasticd run entrypoints.train -- --steps 500  # longer
@@ -18,7 +21,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, TensorDataset
-from torch.utils.data.distributed import DistributedSampler
+
+from elasticd.checkpoint import CheckpointManager, capture, restore
+from elasticd.sampler import ResumableDistributedSampler
 
 
 def parse_args(argv=None):
@@ -30,6 +35,10 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--log-every", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--checkpoint-dir", default=None,
+                   help="default: $ELASTICD_CHECKPOINT_DIR (set by elasticd), else ./checkpoints")
+    p.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints")
+    p.add_argument("--step-delay", type=float, default=0.0, help="sleep per step, to watch recovery")
     return p.parse_args(argv)
 
 
@@ -53,36 +62,59 @@ def main(argv=None) -> None:
     torch.manual_seed(args.seed)
 
     data = synthetic_dataset(args.samples)
-    sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
-    loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler, drop_last=True)
+    sampler = ResumableDistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
+    loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler, drop_last=True,
+                        generator=torch.Generator().manual_seed(args.seed))
     model = DDP(nn.Sequential(nn.Linear(32, args.hidden), nn.ReLU(), nn.Linear(args.hidden, 1)).to(device),
                 device_ids=[local_rank] if use_cuda else None)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.steps)
     loss_fn = nn.MSELoss()
 
+    ckpt_dir = args.checkpoint_dir or os.environ.get("ELASTICD_CHECKPOINT_DIR") or "checkpoints"
+    mgr = CheckpointManager(ckpt_dir, keep=3, every_steps=args.checkpoint_every)
+    state = mgr.load_latest()
+    step = restore(state, model=model, optimizer=opt, scheduler=sched, sampler=sampler)["step"] if state else 0
     if rank == 0:
-        print(f"training: world size {world}, backend {dist.get_backend()}, {args.steps} steps, "
-              f"restart {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", flush=True)
-    step, epoch, t0, seen = 0, 0, time.perf_counter(), 0
-    while step < args.steps:
-        sampler.set_epoch(epoch)
+        print(f"training: world size {world}, backend {dist.get_backend()}, steps {step}->{args.steps}, "
+              f"restart {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+              + (f", resumed from step {step}" if state else ""), flush=True)
+
+    t0, seen, stopped = time.perf_counter(), 0, False
+    loss = torch.zeros(())
+    while step < args.steps and not stopped:
+        sampler.set_epoch(sampler.epoch)  # the epoch in progress keeps its position after a resume
         for x, y in loader:
             x, y = x.to(device), y.to(device)
             opt.zero_grad(set_to_none=True)
             loss = loss_fn(model(x), y)
             loss.backward()
             opt.step()
+            sched.step()
+            sampler.advance(x.shape[0])
             step += 1
             seen += x.shape[0] * world
             if rank == 0 and (step % args.log_every == 0 or step == args.steps):
-                elapsed = time.perf_counter() - t0
-                print(f"step {step}/{args.steps} epoch {epoch} loss {loss.item():.4f} "
-                      f"{seen / elapsed:.0f} samples/s", flush=True)
-            if step >= args.steps:
+                print(f"step {step}/{args.steps} epoch {sampler.epoch} loss {loss.item():.4f} "
+                      f"{seen / (time.perf_counter() - t0):.0f} samples/s", flush=True)
+            final = step >= args.steps
+            snapshot = lambda: capture(model=model, optimizer=opt, scheduler=sched, sampler=sampler, step=step)  # noqa: E731
+            if final:
+                mgr.save(step, snapshot, epoch=sampler.epoch)
+            else:
+                mgr.maybe_save(step, snapshot, epoch=sampler.epoch)
+            if mgr.should_stop():  # SIGTERM: elasticd stop / systemctl stop; maybe_save saved this step
+                stopped = True
+                if rank == 0:
+                    print(f"stopping at step {step} on request; checkpoint saved", flush=True)
+            if final or stopped:
                 break
-        epoch += 1
-    dist.barrier()
-    if rank == 0:
+            if args.step_delay:
+                time.sleep(args.step_delay)
+        else:
+            sampler.set_epoch(sampler.epoch + 1)
+    mgr.close()
+    if rank == 0 and not stopped:
         print(f"done: {step} steps in {time.perf_counter() - t0:.1f}s, final loss {loss.item():.4f}", flush=True)
     dist.destroy_process_group()
 
