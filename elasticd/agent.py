@@ -279,6 +279,7 @@ class Agent:
         self._top_up_spares()  # they import torch while the nodes meet
         try:
             self.rdzv = self._blocking(Rendezvous, self.cfg)
+            log.info("rendezvous_store", endpoint=self.rdzv.endpoint, hosted_here=self.rdzv.is_host)
             code = self._loop()
         except _Interrupted:
             code = self._finish(State.STOPPED, EXIT_OK)

@@ -175,6 +175,11 @@ def main() -> None:
     except BaseException as exc:
         write_error_file(exc)
         raise
+    finally:
+        if os.environ.get("ELASTICD_HEARTBEAT_FILE"):
+            from elasticd import health
+
+            health.mark_exiting(os.environ["ELASTICD_HEARTBEAT_FILE"])
 
 
 if __name__ == "__main__":

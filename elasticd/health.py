@@ -5,7 +5,8 @@ microseconds, so it can sit in every optimizer step. The daemon pre-creates each
 its path in ELASTICD_HEARTBEAT_FILE. Times are CLOCK_MONOTONIC, which every process on the host
 shares, so the daemon compares them with its own clock.
 
-Layout (little endian): magic b"EDHB", version u32, beats u64, step i64, last f64, first f64.
+Layout (little endian): magic b"EDHB", version u32, beats u64, step i64, last f64, first f64,
+exiting f64 (set by the bootstrap once the entrypoint has returned or raised).
 """
 
 from __future__ import annotations
@@ -16,11 +17,13 @@ import struct
 import time
 from dataclasses import dataclass
 
-_LAYOUT = struct.Struct("<4sIqqdd")
+_LAYOUT = struct.Struct("<4sIqqddd")
 MAGIC = b"EDHB"
 SIZE = 64
 _BEATS = 8  # offset of the beats counter, after magic and version
 _FIELDS = struct.Struct("<qqd")  # beats, step, last
+_EXITING = 40  # offset of the exiting time
+EXIT_TIMEOUT = 60.0  # the least time a finished rank gets to leave the interpreter
 
 
 @dataclass(frozen=True)
@@ -29,12 +32,13 @@ class Beat:
     step: int  # -1 when the worker never said which step
     last: float  # CLOCK_MONOTONIC of the latest beat; 0.0 before the first
     first: float
+    exiting: float = 0.0  # CLOCK_MONOTONIC when the entrypoint finished; 0.0 while it runs
 
 
 def create(path: str) -> None:
     """Daemon side: an empty heartbeat file for one rank and attempt."""
     with open(path, "wb") as f:
-        f.write(_LAYOUT.pack(MAGIC, 1, 0, -1, 0.0, 0.0).ljust(SIZE, b"\0"))
+        f.write(_LAYOUT.pack(MAGIC, 1, 0, -1, 0.0, 0.0, 0.0).ljust(SIZE, b"\0"))
 
 
 def read(path: str) -> Beat | None:
@@ -45,10 +49,24 @@ def read(path: str) -> Beat | None:
         return None
     if len(data) < _LAYOUT.size:
         return None
-    magic, _version, beats, step, last, first = _LAYOUT.unpack(data)
+    magic, _version, beats, step, last, first, exiting = _LAYOUT.unpack(data)
     if magic != MAGIC:
         return None
-    return Beat(beats, step, last, first)
+    return Beat(beats, step, last, first, exiting)
+
+
+def mark_exiting(path: str) -> None:
+    """Worker side, once the entrypoint is done: from here on the interpreter only tears down
+    (destroy_process_group, atexit, module GC: over a second with torch on a busy host), which
+    no optimizer step will ever report, so the daemon switches to the exit timeout."""
+    try:
+        fd = os.open(path, os.O_WRONLY)
+    except OSError:
+        return
+    try:
+        os.pwrite(fd, struct.pack("<d", time.monotonic()), _EXITING)
+    finally:
+        os.close(fd)
 
 
 class Writer:
@@ -79,6 +97,12 @@ class Writer:
 def verdict(beat: Beat | None, started: float, now: float, *, expect_beats: bool,
             heartbeat_timeout: float, startup_timeout: float) -> str | None:
     """Why a running worker counts as hung, or None. `started` is its spawn time (monotonic)."""
+    if beat is not None and beat.exiting:
+        slow = now - beat.exiting
+        limit = max(heartbeat_timeout, EXIT_TIMEOUT)
+        if slow > limit:
+            return f"still running {slow:.1f}s after its entrypoint returned (interpreter exit hung; limit {limit:g}s)"
+        return None
     if beat is None or beat.beats == 0:
         if expect_beats and now - started > startup_timeout:
             return f"no heartbeat within startup timeout ({startup_timeout:g}s)"

@@ -105,7 +105,8 @@ class Daemon:
         return out
 
     def run_dir(self) -> Path:
-        dirs = wait_until(lambda: [d for d in self.log_dir.glob("*") if d.is_dir()], 30, what="run dir")
+        dirs = wait_until(lambda: [d for d in self.log_dir.glob("*") if d.is_dir() and d.name != "checkpoints"],
+                          30, what="run dir")
         return dirs[0]
 
     def attempt_dirs(self) -> list[Path]:

@@ -73,3 +73,12 @@ def test_require_heartbeat_judges_a_silent_script(daemons):
                 "--max-restarts", "0", args=["30"])
     assert d.wait(60) == 1
     assert "no heartbeat within startup timeout" in d.stderr()
+
+
+def test_slow_interpreter_exit_is_not_a_hang(daemons):
+    """After the entrypoint returns no optimizer step reports progress; a teardown longer than
+    the heartbeat timeout (atexit, destroy_process_group, module GC) is not judged hung."""
+    d = daemons(script("hang.py"), "--nproc-per-node", "2", "--heartbeat-timeout", "1", "--max-restarts", "0",
+                args=["--steps", "3", "--step-time", "0.05", "--exit-delay", "3"])
+    assert d.wait(90) == 0, d.stderr()[-3000:]
+    assert not hang_events(d)

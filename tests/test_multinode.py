@@ -66,7 +66,8 @@ def test_lost_node_job_continues_smaller(daemons, tmp_path):
     args = ["--steps", "60", "--step-time", "0.05", "--snapshot", str(tmp_path / "snap.pt")]
     host = daemons(script("ddp_tutorial.py"), "--nproc-per-node", "2", "--max-restarts", "3",
                    *node_flags(port, "1:2"), name="host", args=args)
-    time.sleep(0.3)
+    wait_until(lambda: any(e.get("event") == "rendezvous_store" for e in host.events()), 60, what="the store")
+    assert [e["hosted_here"] for e in host.events() if e.get("event") == "rendezvous_store"] == [True]
     other = daemons(script("ddp_tutorial.py"), "--nproc-per-node", "2", "--max-restarts", "3",
                     *node_flags(port, "1:2"), name="other", args=args)
     wait_until(lambda: re.search(r"^step 5\b", host.log_text(0), re.M) and "world_size" not in host.stdout()
@@ -78,7 +79,8 @@ def test_lost_node_job_continues_smaller(daemons, tmp_path):
 
 def test_joining_node_grows_the_job(daemons, tmp_path):
     port = free_port()
-    args = ["--steps", "80", "--step-time", "0.05", "--snapshot", str(tmp_path / "snap.pt")]
+    # long enough that the third daemon (importing torch on a busy 2-core host) joins mid-run
+    args = ["--steps", "400", "--step-time", "0.05", "--snapshot", str(tmp_path / "snap.pt")]
     flags = ("--nproc-per-node", "2", "--max-restarts", "0", *node_flags(port, "2:3"))
     a = daemons(script("ddp_tutorial.py"), *flags, name="a", args=args)
     b = daemons(script("ddp_tutorial.py"), *flags, name="b", args=args)

@@ -4,6 +4,7 @@ Trains a tiny model with a real optimizer (so elasticd's automatic heartbeat see
 an all_reduce per step. Faults fire only in the first attempt, so the restarted run completes."""
 
 import argparse
+import atexit
 import os
 import time
 
@@ -19,7 +20,10 @@ def main():
     p.add_argument("--rank", type=int, default=1)
     p.add_argument("--step-time", type=float, default=0.05)
     p.add_argument("--sleep", type=float, default=0.0, help="--mode sleep: a long silent phase")
+    p.add_argument("--exit-delay", type=float, default=0.0, help="an atexit handler that takes this long")
     args = p.parse_args()
+    if args.exit_delay:
+        atexit.register(time.sleep, args.exit_delay)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     armed = rank == args.rank and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
