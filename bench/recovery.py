@@ -5,6 +5,10 @@ then repeatedly kill -9 one rank (alternating) and time kill -> every rank has l
 the kill. A trial that does not recover within --trial-timeout counts as a failure; the launcher is
 then killed (with its whole tree) and started afresh for the next trial.
 
+The script checkpoints through elasticd.checkpoint under both launchers (disk every --ckpt-every
+steps; in memory every step where the launcher offers shared memory, i.e. under elasticd), so
+"steps lost" = newest step logged before the kill - the step the new processes resumed from.
+
     python bench/recovery.py --trials 10
 """
 
@@ -72,12 +76,13 @@ def latest_pids(rows, since: float) -> dict[int, int]:
     return {r: pid for r, (t, pid) in out.items()}
 
 
-def run_launcher(kind: str, trials: int, trial_timeout: float, warmup: float) -> dict:
-    times, failures = [], 0
+def run_launcher(kind: str, trials: int, trial_timeout: float, warmup: float, ckpt_every: int) -> dict:
+    times, lost, failures = [], [], 0
     with tempfile.TemporaryDirectory(prefix=f"bench-{kind}-") as tmp:
         workdir = Path(tmp)
         out = workdir / "steps.txt"
-        env = dict(os.environ, BENCH_OUT=str(out))
+        env = dict(os.environ, BENCH_OUT=str(out), BENCH_CKPT_DIR=str(workdir / "ckpt"),
+                   BENCH_CKPT_EVERY=str(ckpt_every))
         log = open(workdir / "launcher.log", "wb")
         proc = None
         trial = 0
@@ -101,16 +106,19 @@ def run_launcher(kind: str, trials: int, trial_timeout: float, warmup: float) ->
             victim = pids[trial % 2]
             t_kill = time.time()
             os.kill(victim, signal.SIGKILL)
+            before = max((r[3] for r in read_steps(out) if r[0] in pids.values()), default=0)
             deadline = time.monotonic() + trial_timeout
             recovered = None
             while time.monotonic() < deadline:
                 rows = [r for r in read_steps(out) if r[4] > t_kill and r[0] != victim]
-                new = {}
-                for pid, rank, _r, _s, t in rows:
+                new, resumed = {}, []
+                for pid, rank, _r, step, t in rows:
                     if pid not in pids.values():  # a step by a process started after the kill
                         new.setdefault(rank, t)
+                        resumed.append(step)
                 if len(new) == 2:
                     recovered = max(new.values()) - t_kill
+                    lost.append(before - (min(resumed) - 1))
                     break
                 time.sleep(0.01)
             trial += 1
@@ -120,11 +128,11 @@ def run_launcher(kind: str, trials: int, trial_timeout: float, warmup: float) ->
                 proc = None
             else:
                 times.append(recovered)
-            print(f"  {kind} trial {trial}: " + (f"{recovered:.2f}s" if recovered is not None else "NOT RECOVERED"),
-                  flush=True)
+            print(f"  {kind} trial {trial}: " + (f"{recovered:.2f}s, {lost[-1]} steps lost"
+                                                 if recovered is not None else "NOT RECOVERED"), flush=True)
         if proc is not None:
             kill_tree(proc)
-    return {"times": times, "failures": failures, "trials": trials}
+    return {"times": times, "lost": lost, "failures": failures, "trials": trials}
 
 
 def main() -> None:
@@ -134,22 +142,24 @@ def main() -> None:
     p.add_argument("--warmup", type=float, default=6.0,
                    help="seconds of training between trials (elasticd refills its warm spares meanwhile)")
     p.add_argument("--launchers", default="elasticd,torchrun")
+    p.add_argument("--ckpt-every", type=int, default=50, help="disk checkpoint cadence in steps")
     args = p.parse_args()
     results = {}
     for kind in args.launchers.split(","):
         print(f"{kind}:", flush=True)
-        results[kind] = run_launcher(kind, args.trials, args.trial_timeout, args.warmup)
+        results[kind] = run_launcher(kind, args.trials, args.trial_timeout, args.warmup, args.ckpt_every)
     print()
     print(f"recovery after kill -9 of one of 2 workers ({os.cpu_count()} cores, torch CPU/gloo), "
-          f"{args.trials} trials each, timeout {args.trial_timeout:g}s")
-    print(f"{'launcher':<10} {'median s':>9} {'min s':>7} {'max s':>7} {'recovered':>10}")
+          f"{args.trials} trials each, timeout {args.trial_timeout:g}s, disk checkpoint every {args.ckpt_every} steps")
+    print(f"{'launcher':<10} {'median s':>9} {'min s':>7} {'max s':>7} {'recovered':>10} {'steps lost (median/max)':>24}")
     med = {}
     for kind, r in results.items():
-        t = r["times"]
+        t, lost = r["times"], r["lost"]
         med[kind] = statistics.median(t) if t else float("nan")
         ok = f"{r['trials'] - r['failures']}/{r['trials']}"
+        lost_s = f"{statistics.median(lost):g}/{max(lost)}" if lost else "-"
         print(f"{kind:<10} {med[kind]:>9.2f} {min(t, default=float('nan')):>7.2f} "
-              f"{max(t, default=float('nan')):>7.2f} {ok:>10}")
+              f"{max(t, default=float('nan')):>7.2f} {ok:>10} {lost_s:>24}")
     if "elasticd" in med and "torchrun" in med:
         print(f"ratio elasticd/torchrun median recovery: {med['elasticd'] / med['torchrun']:.2f}x")
 

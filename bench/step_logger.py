@@ -3,6 +3,10 @@
 A small DDP model trained on synthetic data; after every optimizer step each rank appends
 `pid rank restart step wall_time` to $BENCH_OUT (O_APPEND lines, so concurrent ranks never tear).
 When the file $BENCH_HANG_FLAG.<rank> appears, that rank deletes it and spins forever.
+
+With $BENCH_CKPT_DIR it checkpoints through elasticd.checkpoint, the same code under either
+launcher: to disk every $BENCH_CKPT_EVERY steps, and, where the launcher offers a shared-memory
+directory (elasticd's ELASTICD_MEMORY_DIR), in memory every step. It resumes from the newest.
 """
 
 import os
@@ -21,12 +25,21 @@ def main():
     model = DDP(nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 1)))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x, y = torch.randn(32, 64), torch.randn(32, 1)
+    mgr, first = None, 1
+    if os.environ.get("BENCH_CKPT_DIR"):
+        from elasticd.checkpoint import CheckpointManager, capture, restore
+
+        mgr = CheckpointManager(os.environ["BENCH_CKPT_DIR"], keep=2,
+                                every_steps=int(os.environ.get("BENCH_CKPT_EVERY", "50")))
+        state = mgr.load_latest()
+        if state is not None:
+            first = restore(state, model=model, optimizer=opt)["step"] + 1
     out = os.open(os.environ["BENCH_OUT"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     step_time = float(os.environ.get("BENCH_STEP_TIME", "0.02"))
     steps = int(os.environ.get("BENCH_STEPS", "1000000"))
     hang_flag = os.environ.get("BENCH_HANG_FLAG", "")
-    for step in range(1, steps + 1):
+    for step in range(first, steps + 1):
         if hang_flag and os.path.exists(f"{hang_flag}.{rank}"):
             os.unlink(f"{hang_flag}.{rank}")
             while True:  # an endless loop in Python, as a stuck data pipeline would be
@@ -34,8 +47,12 @@ def main():
         opt.zero_grad()
         nn.functional.mse_loss(model(x), y).backward()
         opt.step()
+        if mgr is not None:
+            mgr.maybe_save(step, lambda: capture(model=model, optimizer=opt, step=step))  # noqa: B023
         os.write(out, f"{os.getpid()} {rank} {restart} {step} {time.time():.6f}\n".encode())
         time.sleep(step_time)
+    if mgr is not None:
+        mgr.close()
     dist.destroy_process_group()
 
 

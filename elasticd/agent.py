@@ -29,7 +29,7 @@ from typing import Any
 
 import tenacity
 
-from elasticd import health, logs, workers
+from elasticd import health, logs, memory, workers
 from elasticd.config import Config
 from elasticd.rendezvous import Rendezvous, RendezvousFailed, Round
 
@@ -138,6 +138,7 @@ class Agent:
         self._next_watchdog = 0.0
         self.tee = workers.Tee() if cfg.tee else None
         self.spares: list = []  # warm interpreters waiting for a rank (workers.start_spare)
+        self.memory_dir: str | None = None  # in-memory state directory (elasticd.memory), ours to remove
         self._spares_due: float | None = None
         # Recovery timeline of the latest restart: monotonic marks, reported once every rank stepped.
         self._timeline: dict[str, float] = {}
@@ -239,6 +240,7 @@ class Agent:
             "last_failure": asdict(self.last_failure) if self.last_failure else None,
             "last_recovery": self.last_recovery,
             "checkpoint": self._checkpoint_info(),
+            "memory_step": memory.newest_step(self.memory_dir),
             "events": list(self.events)[-10:],
         }
         self._on_snapshot(self._snapshot)
@@ -277,6 +279,9 @@ class Agent:
             self.tee.start()
         self.set_state(State.RENDEZVOUS)
         self._top_up_spares()  # they import torch while the nodes meet
+        self.memory_dir = memory.create(self.cfg.rdzv_id) if self.cfg.memory_state else None
+        if self.memory_dir:
+            log.info("memory_state", directory=self.memory_dir)
         try:
             self.rdzv = self._blocking(Rendezvous, self.cfg)
             log.info("rendezvous_store", endpoint=self.rdzv.endpoint, hosted_here=self.rdzv.is_host)
@@ -289,6 +294,7 @@ class Agent:
         finally:
             self._teardown(0.0)
             workers.discard_spares(self.spares)
+            memory.remove(self.memory_dir)  # workers are gone: nobody resumes from it any more
             if self.tee:
                 self.tee.close()
         return code
@@ -310,15 +316,16 @@ class Agent:
         beats = [health.read(str(w.heartbeat_path)) for w in self.workers]
         stepped = all(b and b.beats for b in beats)
         if stepped and self._timeline:
-            t = self._timeline
-            first_step = max(b.first for b in beats)
-            self.last_recovery = {
-                "detect_to_torn_down": round(t["torn_down"] - t["detected"], 3),
-                "rendezvous": round(t["rendezvous_done"] - t["rendezvous"], 3),
-                "spawn": round(t["spawned"] - t["rendezvous_done"], 3),
-                "spawn_to_first_step": round(first_step - t["spawned"], 3),
-                "total": round(first_step - t["detected"], 3),
-            }
+            t = dict(self._timeline)
+            # the workers' own marks: the slowest rank decides when the group is ready
+            for mark in ("pg_ready", "state_loaded"):
+                if all(getattr(b, mark) for b in beats):
+                    t[mark] = max(getattr(b, mark) for b in beats)
+            t["first_step"] = max(b.first for b in beats)
+            # seconds since the failure was detected, in the order they happen
+            self.last_recovery = {k: round(t[k] - t["detected"], 3) for k in
+                                  ("torn_down", "rendezvous_done", "spawned", "pg_ready", "state_loaded",
+                                   "first_step") if k in t}
             self.event("recovered", **self.last_recovery)
             self._timeline = {}
         if self._spares_due is not None and (stepped or now >= self._spares_due):
@@ -414,6 +421,7 @@ class Agent:
             max_restarts=self.cfg.max_restarts, run_id=self.cfg.rdzv_id,
             attempt_dir=self.run_dir / f"attempt{self.attempt}", token=self.token,
             stack_signal=self.cfg.stack_signal, checkpoint_dir=self.cfg.checkpoint_dir,
+            extra_env={memory.ENV: self.memory_dir} if self.memory_dir else {},
         )
         self.workers = workers.spawn(spec, self.spares)
         if self._timeline:
@@ -494,7 +502,8 @@ class Agent:
             self.rdzv.request_restart(self.round, {"summary": failure.summary(), "node": self.node})
         elif failure.kind == "scale":
             self.rdzv.request_restart(self.round, {"summary": failure.reason, "node": self.node, "scale": True})
-        self._teardown(self.cfg.restart_grace)
+        # a node joining finds every rank healthy: they may save at their next boundary
+        self._teardown(self.cfg.restart_grace, abandon=failure.kind != "scale")
         self._timeline["torn_down"] = time.monotonic()
         if failure.kind in ("exited",) and failure.exit_code in self.cfg.fatal_exit_codes:
             self.event("fatal_exit_code", level="error", exit_code=failure.exit_code, rank=failure.rank)
@@ -515,10 +524,16 @@ class Agent:
         self.rdzv.close(job_finished=True)
         return self._finish(State.FAILED, EXIT_FAILED)
 
-    def _teardown(self, grace: float) -> None:
+    def _teardown(self, grace: float, abandon: bool = False) -> None:
+        """Stop the local group. `abandon`: a restart after a failure; the workers are told (a
+        heartbeat-file mark) so that the checkpoint library ends them at SIGTERM instead of
+        waiting for a step boundary that a broken collective will never reach."""
         if not self.workers:
             return
         t0 = time.monotonic()
+        if abandon:
+            for w in self.workers:
+                health.mark(str(w.heartbeat_path), "abandon")
         stuck = workers.stop(self.workers, self.token, 0.0 if self.force else grace, self.cfg.kill_timeout,
                              keep=frozenset(p.pid for p in self.spares), cut_short=lambda: self.force)
         if self.tee:

@@ -5,7 +5,8 @@ module:function. The user's code then runs with the `__main__`, sys.argv, sys.pa
 semantics of `python script.py ARGS` / `python -m module ARGS`. Before that it:
 - dies with the daemon (parent-death signal), even if the daemon is SIGKILLed;
 - dumps every thread's stack to the rank's stack file on ELASTICD_STACK_SIGNAL (faulthandler);
-- beats the heartbeat on every optimizer step, without importing torch itself;
+- beats the heartbeat on every optimizer step, and marks when init_process_group returns,
+  without importing torch itself;
 - writes TORCHELASTIC_ERROR_FILE (torch's @record format) when the entrypoint raises.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import faulthandler
+import functools
 import importlib
 import importlib.abc
 import importlib.util
@@ -80,14 +82,35 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         return spec
 
 
+def _mark_pg_ready(dist_module) -> None:
+    """Wrap torch.distributed.init_process_group so its return is marked in the heartbeat file
+    (the recovery timeline's "process group ready"). Same signature, result and exceptions."""
+    original = dist_module.init_process_group
+    path = os.environ["ELASTICD_HEARTBEAT_FILE"]
+
+    @functools.wraps(original)
+    def init_process_group(*args, **kwargs):
+        result = original(*args, **kwargs)
+        from elasticd import health
+
+        health.mark(path, "pg_ready")
+        return result
+
+    dist_module.init_process_group = init_process_group
+
+
+def _after_import(name: str, then) -> None:
+    if name in sys.modules:  # a warm spare imported it ahead
+        then(sys.modules[name])
+    else:
+        sys.meta_path.insert(0, _AfterImport(name, then))
+
+
 def arm_heartbeat() -> None:
     if not os.environ.get("ELASTICD_HEARTBEAT_FILE"):
         return
-    name = "torch.optim.optimizer"
-    if name in sys.modules:
-        _register_step_hook(sys.modules[name])
-    else:
-        sys.meta_path.insert(0, _AfterImport(name, _register_step_hook))
+    _after_import("torch.optim.optimizer", _register_step_hook)
+    _after_import("torch.distributed", _mark_pg_ready)
 
 
 def write_error_file(exc: BaseException) -> None:
@@ -179,7 +202,7 @@ def main() -> None:
         if os.environ.get("ELASTICD_HEARTBEAT_FILE"):
             from elasticd import health
 
-            health.mark_exiting(os.environ["ELASTICD_HEARTBEAT_FILE"])
+            health.mark(os.environ["ELASTICD_HEARTBEAT_FILE"], "exiting")
 
 
 if __name__ == "__main__":

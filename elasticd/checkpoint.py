@@ -57,6 +57,8 @@ import structlog
 import torch
 import torch.distributed as dist
 
+from elasticd import health, memory
+
 __all__ = [
     "FORMAT", "MANIFEST", "CheckpointError", "CheckpointManager", "Entry", "capture", "restore",
     "load_latest", "load_file", "candidates", "read_manifest", "latest_info",
@@ -576,8 +578,12 @@ def _set_rng_state(state: Mapping[str, Any]) -> None:
 
 def _derived_seed(rng: Mapping[str, Any], rank: int) -> int:
     """For a rank the checkpoint has no RNG state for (the world grew): reproducible, distinct."""
-    base = bytes(rng["ranks"][0]["torch"].tolist()) if rng.get("ranks") else b""
+    known = [r for r in rng.get("ranks") or [] if r is not None]
+    base = bytes(known[0]["torch"].tolist()) if known else b""
     return int.from_bytes(hashlib.sha256(base + rank.to_bytes(8, "little")).digest()[:8], "little") >> 1
+
+
+_local_capture = [False]  # set while CheckpointManager takes an in-memory snapshot (no collective)
 
 
 def capture(model: torch.nn.Module | None = None, optimizer=None, scheduler=None, scaler=None,
@@ -601,7 +607,10 @@ def capture(model: torch.nn.Module | None = None, optimizer=None, scheduler=None
         state[key] = obj.state_dict()
     if rng:
         mine = _rng_state()
-        if _dist_on() and dist.get_world_size() > 1:
+        if _dist_on() and dist.get_world_size() > 1 and _local_capture[0]:
+            ranks = [None] * dist.get_world_size()  # an in-memory snapshot: each rank keeps its own
+            ranks[dist.get_rank()] = mine
+        elif _dist_on() and dist.get_world_size() > 1:
             ranks = [_from_bytes(b) for b in _all_gather_bytes(_to_bytes(mine), _cpu_group())]
         else:
             ranks = [mine]
@@ -633,7 +642,7 @@ def restore(state: Mapping[str, Any], model: torch.nn.Module | None = None, opti
             obj.load_state_dict(state[key])
     if rng and "rng" in state:
         saved, rank = state["rng"], _rank()
-        if rank < len(saved["ranks"]):
+        if rank < len(saved["ranks"]) and saved["ranks"][rank] is not None:
             _set_rng_state(saved["ranks"][rank])
         else:
             seed = _derived_seed(saved, rank)
@@ -663,6 +672,13 @@ def stop_requested() -> bool:
     return _stop.is_set()
 
 
+def _mark_state_loaded() -> None:
+    """For the daemon's recovery timeline ("state loaded"), when running under elasticd."""
+    path = os.environ.get("ELASTICD_HEARTBEAT_FILE")
+    if path:
+        health.mark(path, "state_loaded")
+
+
 def _at_boundary() -> None:
     now = time.monotonic()
     if _boundary[0]:
@@ -678,8 +694,17 @@ def _forget_boundaries() -> None:  # a forked child has not reached any boundary
 os.register_at_fork(after_in_child=_forget_boundaries)
 
 
+def _abandoned() -> bool:
+    """elasticd is restarting the group after a failure (a peer is dead or hung): the step in
+    progress can never finish and the state since the last step is already in memory, so
+    SIGTERM keeps its default meaning instead of waiting for a boundary that will not come."""
+    return health.marked(os.environ.get("ELASTICD_HEARTBEAT_FILE"), "abandon")
+
+
 def install_sigterm_handler(stop_timeout: float = 10.0) -> bool:
     """Turn SIGTERM into a stop request the loop honours at its next step boundary (save, exit 0).
+    Not when elasticd marked the group abandoned (a restart after a failure): then it ends the
+    process at once, as SIGTERM's default would.
 
     A rank that cannot reach a boundary (stuck in a collective with a dead peer) must still die
     promptly, as SIGTERM's default would: a watchdog thread woken by the signal itself
@@ -694,7 +719,7 @@ def install_sigterm_handler(stop_timeout: float = 10.0) -> bool:
     previous = signal.getsignal(signal.SIGTERM)
 
     def on_sigterm(signum, frame):
-        if _stop.is_set():  # second SIGTERM: the default action
+        if _stop.is_set() or _abandoned():  # second SIGTERM, or a restart: the default action
             signal.signal(signal.SIGTERM, previous if callable(previous) else signal.SIG_DFL)
             if callable(previous):
                 previous(signum, frame)
@@ -729,6 +754,8 @@ def install_sigterm_handler(stop_timeout: float = 10.0) -> bool:
                 return
             if signal.SIGTERM not in got:
                 continue
+            if _abandoned():  # the main thread may be blocked in C++ and never run the handler
+                os._exit(128 + signal.SIGTERM)
             signalled = time.monotonic()
             while True:
                 limit = max(stop_timeout, 3 * max(_gaps, default=0.0))
@@ -777,7 +804,8 @@ class CheckpointManager:
     def __init__(self, directory: str | os.PathLike | None = None, keep: int = 3,
                  every_steps: int | None = None, every_seconds: float | None = None, *,
                  handle_sigterm: bool = True, stop_timeout: float = 10.0, errors: str = "raise",
-                 sync_every: int = 1):
+                 sync_every: int = 1, memory_every: int | None = None,
+                 memory_dir: str | os.PathLike | None = None):
         if keep < 1:
             raise ValueError(f"keep must be at least 1, got {keep}")
         if errors not in ("raise", "log"):
@@ -801,20 +829,90 @@ class CheckpointManager:
         self._calls = 0
         self._snap = _Snapshot()
         self._signals = install_sigterm_handler(stop_timeout) if handle_sigterm else False
+        # In-memory state (elasticd.memory): on by default under elasticd, which owns the directory.
+        mem = memory_dir if memory_dir is not None else os.environ.get(memory.ENV)
+        self.memory_dir = os.fspath(mem) if mem else None
+        self.memory_every = (1 if memory_every is None else int(memory_every)) if self.memory_dir else 0
+        self.last_memory_stall = 0.0
 
     # -- loading ---------------------------------------------------------------------------------
     def load_latest(self) -> dict[str, Any] | None:
-        """See the module function; also records the entry in `self.loaded`."""
-        got = _load_latest(self.directory)
+        """The newest state: this node's in-memory state when every rank has it at a step at
+        least as new as the newest disk checkpoint, else the module function's disk checkpoint.
+        Records the entry in `self.loaded` (its file is "memory:..." for in-memory state)."""
+        got = self._load_memory() if self.memory_every else None
+        if got is None:
+            got = _load_latest(self.directory)
+        _mark_state_loaded()
         if got is None:
             self.loaded = None
             return None
         state, self.loaded = got
         self._last_step = self.loaded.step
         if self.loaded.step is not None:
-            log.info("checkpoint_loaded", path=os.path.join(self.directory, self.loaded.file),
-                     step=self.loaded.step)
+            path = self.loaded.file if self.loaded.file.startswith("memory:") else \
+                os.path.join(self.directory, self.loaded.file)
+            log.info("checkpoint_loaded", path=path, step=self.loaded.step,
+                     source="memory" if path.startswith("memory:") else "disk")
         return state
+
+    def _load_memory(self) -> tuple[dict[str, Any], Entry] | None:
+        """Agree on the newest step every rank holds in memory (a collective), then read it."""
+        world, rank, local = _world(), _rank(), int(os.environ.get("LOCAL_RANK", 0))
+        mine = memory.steps(self.memory_dir, world=world, rank=rank)
+        found = candidates(self.directory) if _looks_at_disk() else []
+        view = {"mem": mine, "disk": found[0].step if found else -1}
+        multi = _dist_on() and world > 1
+        views = ([json.loads(b) for b in _all_gather_bytes(json.dumps(view).encode(), _cpu_group())]
+                 if multi else [view])
+        common = set.intersection(*(set(v["mem"]) for v in views))
+        disk = max(v["disk"] for v in views)
+        step = max(common) if common else None
+        state, why = None, None
+        if step is None or step < disk:
+            why = "no step held by every rank" if step is None else f"disk checkpoint at step {disk} is newer"
+        else:
+            try:
+                state = memory.read(self.memory_dir, step, world=world, rank=rank)
+            except Exception as e:  # noqa: BLE001 - any damage means: use the disk
+                why = f"unreadable: {type(e).__name__}: {e}"
+        ok = state is not None
+        if multi:
+            t = torch.tensor([int(ok)], dtype=torch.int64)
+            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_cpu_group())
+            ok = bool(t.item())
+        if not ok:
+            if any(v["mem"] for v in views):
+                log.info("memory_state_skipped", reason=why or "another rank could not read it",
+                         action="loading the newest disk checkpoint")
+            memory.prune(self.memory_dir, rank=rank, local_rank=local, drop_all=True)
+            return None
+        memory.prune(self.memory_dir, rank=rank, local_rank=local, only=(world, step))
+        assert state is not None
+        return state, Entry(file=f"memory:{self.memory_dir}/w{world}-s{step:012d}", step=step, world_size=world)
+
+    def save_memory(self, step: int, state: Mapping[str, Any] | Callable[[], Mapping[str, Any]]) -> float:
+        """Refresh the in-memory state (every rank calls it at the same steps; no collective when
+        `state` is a callable around capture()). Returns the stall in seconds. A full or missing
+        tmpfs turns in-memory state off with one warning; disk checkpoints go on."""
+        if not self.memory_every:
+            return 0.0
+        t0 = time.perf_counter()
+        if callable(state):
+            _local_capture[0] = True
+            try:
+                state = state()
+            finally:
+                _local_capture[0] = False
+        try:
+            memory.write(self.memory_dir, int(step), state, world=_world(), rank=_rank(),
+                         local_rank=int(os.environ.get("LOCAL_RANK", 0)))
+        except OSError as e:
+            log.warning("memory_state_off", directory=self.memory_dir, error=f"{type(e).__name__}: {e}",
+                        action="continuing with disk checkpoints only")
+            self.memory_every = 0
+        self.last_memory_stall = time.perf_counter() - t0
+        return self.last_memory_stall
 
     # -- saving ----------------------------------------------------------------------------------
     def save(self, step: int, state: Mapping[str, Any] | Callable[[], Mapping[str, Any]], *,
@@ -939,9 +1037,15 @@ class CheckpointManager:
         self._agreed = True
         step_due = bool(self.every_steps) and step % self.every_steps == 0 and step != self._last_step
         final = stop and not self._stop_saved
+        memory_due = bool(self.memory_every) and step % self.memory_every == 0
         if not (step_due or time_due or final):
+            if memory_due:
+                self.save_memory(step, state)
             return False
+        state = state() if callable(state) else state
         self.save(step, state, epoch=epoch, position=position)
+        if memory_due:
+            self.save_memory(step, state)
         self._stop_saved = self._stop_saved or stop
         return True
 

@@ -94,6 +94,9 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
                    help="comma-separated worker exit codes that fail the job without restart")
     e.add_argument("--no-warm-spawn", dest="warm_spawn", action="store_false", default=S,
                    help="start every worker as a fresh interpreter instead of a warm spare")
+    e.add_argument("--no-memory-state", dest="memory_state", action="store_false", default=S,
+                   help="do not offer workers a shared-memory directory for in-memory state "
+                        "(ELASTICD_MEMORY_DIR); they resume from disk checkpoints only")
     e.add_argument("--preload", dest="preload", default=S,
                    help="comma-separated modules warm spares import ahead (default torch and its "
                         "distributed, DDP and optim modules)")
@@ -252,6 +255,8 @@ def render_status(s: dict) -> str:
                      f"{ckpt.get('path')}")
     else:
         lines.append("  checkpoint none")
+    if s.get("memory_step") is not None:
+        lines.append(f"  in-memory state step {s['memory_step']}")
     lines.append("  RANK  PID      STATE                 BEAT   STEP     RSS")
     for w in s.get("workers") or []:
         rss = f"{w['rss_bytes'] / 2**20:.0f}MiB" if w.get("rss_bytes") else "-"
@@ -266,7 +271,8 @@ def render_status(s: dict) -> str:
             lines.append(f"    stacks {path}")
     rec = s.get("last_recovery")
     if rec:
-        lines.append("  last recovery: " + ", ".join(f"{k.replace('_', ' ')} {v:.3f}s" for k, v in rec.items()))
+        lines.append("  last recovery (s after detection): "
+                     + ", ".join(f"{k.replace('_', ' ')} {v:.3f}" for k, v in rec.items()))
     events = s.get("events") or []
     if events:
         lines.append("  recent events:")

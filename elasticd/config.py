@@ -57,8 +57,10 @@ class Config:
     local_addr: str = ""
     stack_signal: str = "SIGUSR1"
     warm_spawn: bool = True
+    memory_state: bool = True  # workers keep the latest step's state in /dev/shm (elasticd.memory)
     # Not torch._dynamo, though DDP imports it (about 1.3 s) on first construction: imported ahead
-    # of init_process_group it made gloo's process-group teardown deadlock at exit now and then.
+    # of init_process_group, gloo's ProcessGroupGloo destructor (freeing DDP's Reducer at exit)
+    # deadlocks joining its threads now and then (seen with torch 2.13.0).
     preload: tuple[str, ...] = ("torch", "torch.distributed", "torch.nn.parallel", "torch.optim")
 
     @property

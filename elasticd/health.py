@@ -6,7 +6,11 @@ its path in ELASTICD_HEARTBEAT_FILE. Times are CLOCK_MONOTONIC, which every proc
 shares, so the daemon compares them with its own clock.
 
 Layout (little endian): magic b"EDHB", version u32, beats u64, step i64, last f64, first f64,
-exiting f64 (set by the bootstrap once the entrypoint has returned or raised).
+then one-off marks (0.0 until set): exiting f64 (the entrypoint returned or raised), pg_ready f64
+(init_process_group returned), state_loaded f64 (the checkpoint library loaded its state), all
+written by the worker; and abandon f64, written by the daemon just before it SIGTERMs a group
+it is restarting after a failure. The marks feed the hang verdict (exiting), the recovery
+timeline, and the checkpoint library's SIGTERM handling (abandon: die now, nothing to save).
 """
 
 from __future__ import annotations
@@ -17,12 +21,12 @@ import struct
 import time
 from dataclasses import dataclass
 
-_LAYOUT = struct.Struct("<4sIqqddd")
+_LAYOUT = struct.Struct("<4sIqqdddddd")
 MAGIC = b"EDHB"
-SIZE = 64
+SIZE = 128
 _BEATS = 8  # offset of the beats counter, after magic and version
 _FIELDS = struct.Struct("<qqd")  # beats, step, last
-_EXITING = 40  # offset of the exiting time
+MARKS = {"exiting": 40, "pg_ready": 48, "state_loaded": 56, "abandon": 64}  # offsets
 EXIT_TIMEOUT = 60.0  # the least time a finished rank gets to leave the interpreter
 
 
@@ -33,12 +37,15 @@ class Beat:
     last: float  # CLOCK_MONOTONIC of the latest beat; 0.0 before the first
     first: float
     exiting: float = 0.0  # CLOCK_MONOTONIC when the entrypoint finished; 0.0 while it runs
+    pg_ready: float = 0.0
+    state_loaded: float = 0.0
+    abandon: float = 0.0
 
 
 def create(path: str) -> None:
     """Daemon side: an empty heartbeat file for one rank and attempt."""
     with open(path, "wb") as f:
-        f.write(_LAYOUT.pack(MAGIC, 1, 0, -1, 0.0, 0.0, 0.0).ljust(SIZE, b"\0"))
+        f.write(_LAYOUT.pack(MAGIC, 1, 0, -1, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0).ljust(SIZE, b"\0"))
 
 
 def read(path: str) -> Beat | None:
@@ -49,22 +56,25 @@ def read(path: str) -> Beat | None:
         return None
     if len(data) < _LAYOUT.size:
         return None
-    magic, _version, beats, step, last, first, exiting = _LAYOUT.unpack(data)
+    magic, _version, beats, step, last, first, *marks = _LAYOUT.unpack(data)
     if magic != MAGIC:
         return None
-    return Beat(beats, step, last, first, exiting)
+    return Beat(beats, step, last, first, *marks)
 
 
-def mark_exiting(path: str) -> None:
-    """Worker side, once the entrypoint is done: from here on the interpreter only tears down
-    (destroy_process_group, atexit, module GC: over a second with torch on a busy host), which
-    no optimizer step will ever report, so the daemon switches to the exit timeout."""
+def mark(path: str, name: str) -> None:
+    """Record that `name` (a key of MARKS) happened now. One pwrite, no mmap, so it also works
+    from code that never beats.
+
+    "exiting": from here on the interpreter only tears down (destroy_process_group, atexit,
+    module GC: over a second with torch on a busy host), which no optimizer step will ever
+    report, so the daemon switches to the exit timeout."""
     try:
         fd = os.open(path, os.O_WRONLY)
     except OSError:
         return
     try:
-        os.pwrite(fd, struct.pack("<d", time.monotonic()), _EXITING)
+        os.pwrite(fd, struct.pack("<d", time.monotonic()), MARKS[name])
     finally:
         os.close(fd)
 
@@ -92,6 +102,21 @@ class Writer:
         if self.beats == 1:
             struct.pack_into("<d", self._map, _BEATS + _FIELDS.size, now)
         _FIELDS.pack_into(self._map, _BEATS, self.beats, self.step, now)
+
+
+def marked(path: str | None, name: str) -> bool:
+    """Worker side: has `name` been marked (by the daemon, for "abandon")?"""
+    if not path:
+        return False
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        data = os.pread(fd, 8, MARKS[name])
+    finally:
+        os.close(fd)
+    return len(data) == 8 and struct.unpack("<d", data)[0] > 0.0
 
 
 def verdict(beat: Beat | None, started: float, now: float, *, expect_beats: bool,

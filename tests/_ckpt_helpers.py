@@ -83,7 +83,7 @@ def run(target, world: int, tmp: Path, *args, timeout: float = 60, distributed: 
 # -- a deterministic training loop ----------------------------------------------------------------
 
 def train(rank: int, world: int, directory: str, total: int, out: str | None, crash_after: int | None,
-          every_steps: int = 4, rng: bool = True) -> None:
+          every_steps: int = 4, rng: bool = True, memory_dir: str | None = None) -> None:
     """Tiny regression with dropout, SGD+momentum, StepLR, python/numpy/torch RNG all in the
     gradients, a ResumableDistributedSampler and a DataLoader; resumes from `directory`.
 
@@ -103,7 +103,7 @@ def train(rank: int, world: int, directory: str, total: int, out: str | None, cr
     # generator=: iterator creation must not draw from the global RNG, or a resumed run (which
     # creates its iterator at a different point) diverges.
     loader = DataLoader(data, batch_size=4, sampler=sampler, generator=torch.Generator())
-    mgr = CheckpointManager(directory, keep=2, every_steps=every_steps, handle_sigterm=False)
+    mgr = CheckpointManager(directory, keep=2, every_steps=every_steps, handle_sigterm=False, memory_dir=memory_dir)
     step = 0
     state = mgr.load_latest()
     if state is not None:
@@ -133,7 +133,8 @@ def train(rank: int, world: int, directory: str, total: int, out: str | None, cr
     mgr.close()
     if out is not None:
         inner = model.module if isinstance(model, DDP) else model
-        torch.save({"model": inner.state_dict(), "optimizer": opt.state_dict(), "step": step},
+        loaded = mgr.loaded and {"file": mgr.loaded.file, "step": mgr.loaded.step}
+        torch.save({"model": inner.state_dict(), "optimizer": opt.state_dict(), "step": step, "loaded": loaded},
                    f"{out}.{rank}.pt")
 
 

@@ -30,7 +30,7 @@ def test_silence_past_the_timeout_is_a_hang_and_exit_gets_its_own_limit(tmp_path
     kw = dict(expect_beats=True, heartbeat_timeout=2.0, startup_timeout=10.0)
     assert health.verdict(b, b.first, b.last + 1.0, **kw) is None
     assert "no heartbeat for 3.0s" in health.verdict(b, b.first, b.last + 3.0, **kw)
-    health.mark_exiting(path)
+    health.mark(path, "exiting")
     b = health.read(path)
     assert b.exiting >= b.last
     assert health.verdict(b, b.first, b.exiting + health.EXIT_TIMEOUT - 1, **kw) is None

@@ -1,0 +1,158 @@
+"""Rendezvous to a running group, elasticd vs torchrun, for N simulated nodes on loopback; and
+elasticd's restart propagation between nodes.
+
+Rendezvous: N launchers (one per simulated node, 1 worker each, the trivial entrypoint
+bench/trivial.py) start together against one c10d endpoint; the time is launch -> every rank has
+returned from init_process_group. Both launchers pay the same interpreter and torch start-up
+(elasticd without warm spares here, so that only the rendezvous differs).
+
+Propagation: 2 elasticd nodes x 1 worker train bench/step_logger.py; one worker is SIGKILLed;
+the time is the failing node's RESTARTING event -> the healthy node's RESTARTING event.
+
+    python bench/rendezvous.py --nodes 2,4,8,16 --trials 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime
+from pathlib import Path
+
+from recovery import HERE, kill_tree, latest_pids, read_steps
+
+TRIVIAL = HERE / "trivial.py"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def node_cmd(kind: str, n: int, port: int, workdir: Path, i: int, script: Path, extra=()) -> list[str]:
+    if kind == "elasticd":
+        return [sys.executable, "-m", "elasticd.cli", "run", "--nnodes", str(n), "--nproc-per-node", "1",
+                "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "bench", "--no-warm-spawn",
+                "--log-dir", str(workdir / f"logs{i}"), "--socket", str(workdir / f"ctl{i}.sock"),
+                "--no-tee", "--log-format", "json", "--join-timeout", "300", *extra, str(script)]
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(n), "--nproc-per-node", "1",
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "bench",
+            "--rdzv-conf", "join_timeout=300", str(script)]
+
+
+def rendezvous_once(kind: str, n: int, timeout: float) -> float | None:
+    with tempfile.TemporaryDirectory(prefix=f"bench-rdzv-{kind}-") as tmp:
+        workdir = Path(tmp)
+        out = workdir / "ready.txt"
+        env = dict(os.environ, BENCH_OUT=str(out))
+        port = free_port()
+        logs = [open(workdir / f"node{i}.log", "wb") for i in range(n)]
+        t0 = time.time()
+        procs = [subprocess.Popen(node_cmd(kind, n, port, workdir, i, TRIVIAL), env=env, stdout=logs[i],
+                                  stderr=logs[i], cwd=HERE.parent, start_new_session=True) for i in range(n)]
+        try:
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                try:
+                    rows = [line.split() for line in out.read_text().splitlines()]
+                except OSError:
+                    rows = []
+                if len(rows) >= n:
+                    return max(float(r[1]) for r in rows) - t0
+                time.sleep(0.05)
+            return None
+        finally:
+            for p in procs:
+                try:
+                    p.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    kill_tree(p)
+            for f in logs:
+                f.close()
+
+
+def state_time(log: Path, new: str) -> float | None:
+    for line in log.read_text(errors="replace").splitlines():
+        if line.startswith("{") and f'"new": "{new}"' in line:
+            e = json.loads(line)
+            return datetime.fromisoformat(e["timestamp"].replace("Z", "+00:00")).timestamp()
+    return None
+
+
+def propagation_once(timeout: float) -> float | None:
+    with tempfile.TemporaryDirectory(prefix="bench-prop-") as tmp:
+        workdir = Path(tmp)
+        out = workdir / "steps.txt"
+        env = dict(os.environ, BENCH_OUT=str(out))
+        port = free_port()
+        logs = [workdir / f"node{i}.log" for i in range(2)]
+        procs = []
+        for i in range(2):
+            with open(logs[i], "wb") as f:
+                procs.append(subprocess.Popen(
+                    node_cmd("elasticd", 2, port, workdir, i, HERE / "step_logger.py", ("--max-restarts", "3")),
+                    env=env, stdout=f, stderr=f, cwd=HERE.parent, start_new_session=True))
+        try:
+            deadline = time.monotonic() + timeout
+            while len(latest_pids(read_steps(out), 0)) < 2 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(1.0)
+            pids = latest_pids(read_steps(out), time.time() - 1)
+            if len(pids) < 2:
+                return None
+            os.kill(pids[1], signal.SIGKILL)
+            while time.monotonic() < deadline:
+                times = [state_time(log, "RESTARTING") for log in logs]
+                if all(times):
+                    return abs(times[0] - times[1])
+                time.sleep(0.05)
+            return None
+        finally:
+            for p in procs:
+                kill_tree(p)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--nodes", default="2,4,8,16")
+    p.add_argument("--trials", type=int, default=3)
+    p.add_argument("--timeout", type=float, default=240.0)
+    args = p.parse_args()
+    sizes = [int(x) for x in args.nodes.split(",")]
+    table: dict[tuple[str, int], list[float | None]] = {}
+    for n in sizes:
+        for trial in range(args.trials):
+            for kind in ("elasticd", "torchrun"):  # alternate, so drift hits both alike
+                t = rendezvous_once(kind, n, args.timeout)
+                table.setdefault((kind, n), []).append(t)
+                print(f"  {n} nodes {kind} trial {trial + 1}: " + (f"{t:.2f}s" if t is not None else "FAILED"),
+                      flush=True)
+    prop = [propagation_once(120) for _ in range(args.trials)]
+    print()
+    print(f"launch -> every rank past init_process_group, 1 worker per simulated node, loopback, "
+          f"{os.cpu_count()} cores, median of {args.trials}")
+    print(f"{'nodes':>5} {'elasticd s':>11} {'torchrun s':>11} {'ratio':>7}")
+    for n in sizes:
+        med = {}
+        for kind in ("elasticd", "torchrun"):
+            ok = [t for t in table[(kind, n)] if t is not None]
+            med[kind] = statistics.median(ok) if ok else float("nan")
+        fails = sum(t is None for k in ("elasticd", "torchrun") for t in table[(k, n)])
+        print(f"{n:>5} {med['elasticd']:>11.2f} {med['torchrun']:>11.2f} {med['elasticd'] / med['torchrun']:>6.2f}x"
+              + (f"  ({fails} failed)" if fails else ""))
+    ok = [t for t in prop if t is not None]
+    print(f"restart propagation (failing node RESTARTING -> healthy node RESTARTING), elasticd: "
+          + (f"median {statistics.median(ok):.3f}s, max {max(ok):.3f}s ({len(ok)}/{len(prop)})" if ok else "FAILED"))
+
+
+if __name__ == "__main__":
+    main()
