@@ -143,6 +143,8 @@ class Agent:
         # Recovery timeline of the latest restart: monotonic marks, reported once every rank stepped.
         self._timeline: dict[str, float] = {}
         self.last_recovery: dict[str, float] | None = None
+        self._attempt_started = time.monotonic()
+        self._crash_streak = 0  # consecutive failed attempts that never trained (backoff exponent)
 
     # --- inbox: the only way other threads and signal handlers reach the loop ---
 
@@ -413,6 +415,7 @@ class Agent:
         self.restart_count = self.rdzv.restarts_used()
         logs.bind(group_rank=rnd.group_rank, restart=self.restart_count)
         self.attempt += 1
+        self._attempt_started = time.monotonic()
         spec = workers.GroupSpec(
             entrypoint=self.cfg.entrypoint, args=self.cfg.args, nproc=self.cfg.nproc_per_node,
             rank_base=rnd.rank_base, world_size=rnd.world_size, group_rank=rnd.group_rank,
@@ -502,6 +505,7 @@ class Agent:
             self.rdzv.request_restart(self.round, {"summary": failure.summary(), "node": self.node})
         elif failure.kind == "scale":
             self.rdzv.request_restart(self.round, {"summary": failure.reason, "node": self.node, "scale": True})
+        trained = self._attempt_trained()
         # a node joining finds every rank healthy: they may save at their next boundary
         self._teardown(self.cfg.restart_grace, abandon=failure.kind != "scale")
         self._timeline["torn_down"] = time.monotonic()
@@ -513,11 +517,31 @@ class Agent:
             if used > self.cfg.max_restarts:
                 self.event("restart_budget_spent", level="error", max_restarts=self.cfg.max_restarts)
                 return self._fail_job(failure)
-            delay = backoff_delay(self.cfg, used)
-            self.event("restart_backoff", delay=round(delay, 3), restart=used, budget=self.cfg.max_restarts)
-            self._wait(delay)
+            self._crash_streak = 0 if trained else self._crash_streak + 1
+            delay = backoff_delay(self.cfg, max(1, self._crash_streak))
+            self.event("restart_backoff", delay=round(delay, 3), restart=used, budget=self.cfg.max_restarts,
+                       crash_streak=self._crash_streak)
+            self._sleep(delay)
         self.set_state(State.RENDEZVOUS)
         return None
+
+    def _attempt_trained(self) -> bool:
+        """Did the failed attempt get anywhere? Every rank stepped, or (for a script that never
+        beats) it ran longer than the longest backoff. Such a failure starts a new crash streak:
+        backoff is for crash loops, and a job that trained for hours must not pay 30 s per crash."""
+        if time.monotonic() - self._attempt_started >= self.cfg.restart_backoff_max:
+            return True
+        beats = [health.read(str(w.heartbeat_path)) for w in self.workers]
+        return bool(beats) and all(b and b.beats for b in beats)
+
+    def _sleep(self, seconds: float) -> None:
+        """Wait out a backoff in full (signals such as SIGCHLD wake _wait early), feeding the
+        watchdog and giving up early only for a stop request."""
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0 and self.stop_requested is None:
+            self._wait(min(left, self.cfg.monitor_interval))
+            self._tick()
+            self._drain_inbox()
 
     def _fail_job(self, failure: Failure) -> int:
         self.rdzv.record_job_failure(f"{failure.summary()} (node {self.node})")

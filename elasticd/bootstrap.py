@@ -5,26 +5,29 @@ module:function. The user's code then runs with the `__main__`, sys.argv, sys.pa
 semantics of `python script.py ARGS` / `python -m module ARGS`. Before that it:
 - dies with the daemon (parent-death signal), even if the daemon is SIGKILLed;
 - dumps every thread's stack to the rank's stack file on ELASTICD_STACK_SIGNAL (faulthandler);
-- beats the heartbeat on every optimizer step, and marks when init_process_group returns,
-  without importing torch itself;
+- beats the heartbeat on every optimizer step, marks when init_process_group returns, and
+  works around a gloo teardown deadlock in destroy_process_group, without importing torch itself;
 - writes TORCHELASTIC_ERROR_FILE (torch's @record format) when the entrypoint raises.
 """
 
 from __future__ import annotations
 
+import builtins
 import ctypes
 import faulthandler
 import functools
 import importlib
 import importlib.abc
+import importlib.machinery
 import importlib.util
+import io
 import json
 import os
-import runpy
 import signal
 import sys
 import time
 import traceback
+import types
 
 _PR_SET_PDEATHSIG = 1
 
@@ -82,21 +85,35 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         return spec
 
 
-def _mark_pg_ready(dist_module) -> None:
-    """Wrap torch.distributed.init_process_group so its return is marked in the heartbeat file
-    (the recovery timeline's "process group ready"). Same signature, result and exceptions."""
-    original = dist_module.init_process_group
+def _wrap_process_group_calls(dist_module) -> None:
+    """Wrap torch.distributed's init_process_group and destroy_process_group, with the same
+    signatures, results and exceptions:
+
+    - init: its return is marked in the heartbeat file (the recovery timeline's "process group
+      ready");
+    - destroy: afterwards the GIL is let go for a moment, so gloo's worker threads can drop their
+      last finished work (which takes the GIL). Otherwise a script that destroys the group and
+      then frees its DDP model (returning from main()) deadlocks now and then, in torch under any
+      launcher: the Reducer's destructor joins those threads with the GIL held."""
+    init, destroy = dist_module.init_process_group, dist_module.destroy_process_group
     path = os.environ["ELASTICD_HEARTBEAT_FILE"]
 
-    @functools.wraps(original)
+    @functools.wraps(init)
     def init_process_group(*args, **kwargs):
-        result = original(*args, **kwargs)
+        result = init(*args, **kwargs)
         from elasticd import health
 
         health.mark(path, "pg_ready")
         return result
 
+    @functools.wraps(destroy)
+    def destroy_process_group(*args, **kwargs):
+        result = destroy(*args, **kwargs)
+        time.sleep(0.05)
+        return result
+
     dist_module.init_process_group = init_process_group
+    dist_module.destroy_process_group = destroy_process_group
 
 
 def _after_import(name: str, then) -> None:
@@ -110,7 +127,7 @@ def arm_heartbeat() -> None:
     if not os.environ.get("ELASTICD_HEARTBEAT_FILE"):
         return
     _after_import("torch.optim.optimizer", _register_step_hook)
-    _after_import("torch.distributed", _mark_pg_ready)
+    _after_import("torch.distributed", _wrap_process_group_calls)
 
 
 def write_error_file(exc: BaseException) -> None:
@@ -134,12 +151,30 @@ def write_error_file(exc: BaseException) -> None:
     os.replace(tmp, path)
 
 
+def _run_as_main(code, **attrs) -> None:
+    """Execute `code` in a fresh `__main__` module that stays in sys.modules, as the interpreter
+    does for `python script.py` and `python -m module` (runpy.run_path/run_module would use a
+    temporary module and drop it on return).
+
+    Why it matters: the script's objects must live until interpreter shutdown, after atexit
+    handlers, when finalization clears `__main__`. Freed earlier, on a live interpreter, a DDP
+    model deadlocks now and then: ProcessGroupGloo's destructor joins its worker thread with the
+    GIL held while that thread waits for the GIL to drop its last Python reference."""
+    main = types.ModuleType("__main__")
+    main.__dict__.update(attrs, __builtins__=builtins)
+    sys.modules["__main__"] = main
+    exec(code, main.__dict__)
+
+
 def run_entrypoint(entrypoint: str, args: list[str]) -> None:
     if entrypoint.endswith(".py") or os.sep in entrypoint:
         path = os.path.abspath(entrypoint)
         sys.argv = [entrypoint, *args]
         sys.path[0] = os.path.dirname(path)
-        runpy.run_path(path, run_name="__main__")
+        with io.open_code(path) as f:
+            code = compile(f.read(), path, "exec", dont_inherit=True)
+        _run_as_main(code, __file__=path, __cached__=None, __package__=None, __spec__=None,
+                     __loader__=importlib.machinery.SourceFileLoader("__main__", path))
     elif ":" in entrypoint:
         module, func = entrypoint.split(":", 1)
         sys.argv = [entrypoint, *args]
@@ -148,8 +183,15 @@ def run_entrypoint(entrypoint: str, args: list[str]) -> None:
             target = getattr(target, part)
         sys.exit(target())
     else:
-        sys.argv = [entrypoint, *args]  # runpy replaces argv[0] with the module's file
-        runpy.run_module(entrypoint, run_name="__main__", alter_sys=True)
+        spec = importlib.util.find_spec(entrypoint)
+        if spec is not None and spec.submodule_search_locations is not None:  # a package: its __main__
+            spec = importlib.util.find_spec(f"{entrypoint}.__main__")
+        if spec is None or spec.loader is None:
+            raise ModuleNotFoundError(f"No module named {entrypoint}", name=entrypoint)
+        code = spec.loader.get_code(spec.name)
+        sys.argv = [spec.origin, *args]  # as `python -m` sets it: the module's file
+        _run_as_main(code, __file__=spec.origin, __cached__=spec.cached, __package__=spec.parent,
+                     __spec__=spec, __loader__=spec.loader)
 
 
 def wait_for_rank() -> list[str] | None:

@@ -77,7 +77,8 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     e.add_argument("--kill-timeout", dest="kill_timeout", type=float, default=S,
                    help="how long to wait for SIGKILLed processes to be reaped (default 5 s)")
     e.add_argument("--restart-backoff", dest="restart_backoff", type=float, default=S,
-                   help="first wait before a restart, doubling per restart with jitter (default 0.05 s)")
+                   help="first wait before a restart (plus up to as much jitter), doubling with each attempt in "
+                        "a row that failed before every rank stepped (default 0.05 s)")
     e.add_argument("--restart-backoff-max", dest="restart_backoff_max", type=float, default=S,
                    help="longest wait between restarts (default 30 s)")
     e.add_argument("--stack-signal", dest="stack_signal", default=S,

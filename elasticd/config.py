@@ -58,10 +58,9 @@ class Config:
     stack_signal: str = "SIGUSR1"
     warm_spawn: bool = True
     memory_state: bool = True  # workers keep the latest step's state in /dev/shm (elasticd.memory)
-    # Not torch._dynamo, though DDP imports it (about 1.3 s) on first construction: imported ahead
-    # of init_process_group, gloo's ProcessGroupGloo destructor (freeing DDP's Reducer at exit)
-    # deadlocks joining its threads now and then (seen with torch 2.13.0).
-    preload: tuple[str, ...] = ("torch", "torch.distributed", "torch.nn.parallel", "torch.optim")
+    # torch._dynamo too: DDP imports it on first construction (about 1.3 s on a small CPU), which
+    # would otherwise be most of a warm restart.
+    preload: tuple[str, ...] = ("torch", "torch.distributed", "torch.nn.parallel", "torch.optim", "torch._dynamo")
 
     @property
     def min_nodes(self) -> int:

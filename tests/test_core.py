@@ -7,6 +7,7 @@ import os
 import re
 import signal
 import time
+from datetime import datetime
 
 import psutil
 import pytest
@@ -51,6 +52,26 @@ def test_worker_environment_matches_torchrun(daemons, tmp_path):
         assert "NOTIFY_SOCKET" not in e and "WATCHDOG_USEC" not in e
         assert e["__name__"] == "__main__" and e["argv"][1:] == [str(out)]
         assert e["argv"][0].endswith(os.path.join("tests", "scripts", "dump_env.py"))
+
+
+def test_script_globals_live_until_shutdown_as_under_python(daemons, tmp_path):
+    # `python script.py` frees the script's objects after atexit, at shutdown; freeing them
+    # earlier on a live interpreter can deadlock gloo's destructor (DDP's reducer at exit)
+    warm = daemons(script("exit_order.py"), "--nproc-per-node", "2", name="warm", args=[str(tmp_path / "warm")])
+    cold = daemons("tests.scripts.exit_order", "--nproc-per-node", "1", "--no-warm-spawn", name="cold",
+                   args=[str(tmp_path / "cold")])
+    assert warm.wait(60) == 0, warm.stderr()[-3000:]
+    assert cold.wait(60) == 0, cold.stderr()[-3000:]
+    for name in ("warm.0", "warm.1", "cold.0"):
+        assert (tmp_path / name).read_text().split() == ["atexit", "freed"], name
+
+
+def test_process_group_teardown_never_deadlocks(daemons, tmp_path):
+    # plain torch deadlocks in this loop within a few rounds (see the script); elasticd's
+    # destroy_process_group lets gloo's threads finish first
+    d = daemons(script("teardown_loop.py"), "--nproc-per-node", "2", args=[str(tmp_path), "30"])
+    assert d.wait(90) == 0, d.stderr()[-3000:]
+    assert "rounds done 30" in d.log_text(0) and "rounds done 30" in d.log_text(1)
 
 
 def test_kill_9_of_a_worker_restarts_and_completes(daemons, tmp_path):
@@ -112,6 +133,41 @@ def test_budget_exhausted_names_rank_and_cause(daemons):
     assert line, err[-3000:]
     assert "after 1 restart(s)" in line[0] and "rank 1" in line[0]
     assert "ValueError: injected failure at step 2" in line[0] and "rank1.log" in line[0]
+
+
+def _backoffs(d) -> list[tuple[dict, float]]:
+    """Each restart_backoff event with the seconds until the next rendezvous began."""
+    events = d.events()
+    out = []
+    for i, e in enumerate(events):
+        if e.get("event") == "restart_backoff":
+            nxt = next(n for n in events[i + 1:] if n.get("event") == "state" and n.get("new") == "RENDEZVOUS")
+            gap = (datetime.fromisoformat(nxt["timestamp"]) - datetime.fromisoformat(e["timestamp"])).total_seconds()
+            out.append((e, gap))
+    return out
+
+
+def test_crash_loop_backs_off_exponentially_and_waits_it_out(daemons):
+    # every attempt fails before any rank reports a step: a crash loop
+    d = daemons(script("faulty.py"), "--nproc-per-node", "2", "--max-restarts", "2", "--restart-backoff", "0.3",
+                *FAST, args=["--steps", "6", "--raise-at", "1", "--step-time", "0"])
+    assert d.wait(120) == 1, d.stderr()[-3000:]
+    backoffs = _backoffs(d)
+    assert [e["crash_streak"] for e, _ in backoffs] == [1, 2]
+    for (e, gap), base in zip(backoffs, (0.3, 0.6), strict=True):
+        assert base <= e["delay"] <= base + 0.3, e  # tenacity: 0.3 * 2**n plus up to 0.3 of jitter
+        assert gap >= e["delay"] - 0.02, (gap, e)  # waited in full: SIGCHLD does not cut it short
+
+
+def test_attempt_that_trained_restarts_after_the_first_backoff(daemons):
+    # every attempt steps, then fails: each restart is a new streak, never a growing wait
+    d = daemons(script("faulty.py"), "--nproc-per-node", "2", "--max-restarts", "2", "--restart-backoff", "0.3",
+                *FAST, args=["--steps", "6", "--raise-at", "3", "--step-time", "0.02", "--beat"])
+    assert d.wait(120) == 1, d.stderr()[-3000:]
+    backoffs = _backoffs(d)
+    assert [e["crash_streak"] for e, _ in backoffs] == [0, 0]
+    for e, gap in backoffs:
+        assert 0.3 <= e["delay"] <= 0.6 and gap >= e["delay"] - 0.02, (gap, e)
 
 
 def test_fatal_exit_code_fails_without_restart(daemons):

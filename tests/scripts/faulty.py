@@ -1,4 +1,5 @@
-"""Fault injection for tests: `--raise-at N`, `--exit-at N CODE`, `--spawn-child` (a grandchild).
+"""Fault injection for tests: `--raise-at N`, `--exit-at N CODE`, `--spawn-child` (a grandchild),
+`--beat` (report each step through elasticd.heartbeat, as a training loop would).
 
 Plain torch.distributed like any torchrun script; the fault hits only `--rank R` (default 1)."""
 
@@ -22,6 +23,7 @@ def main():
     p.add_argument("--only-first-attempt", action="store_true")
     p.add_argument("--spawn-child", action="store_true", help="start a long sleep grandchild")
     p.add_argument("--step-time", type=float, default=0.05)
+    p.add_argument("--beat", action="store_true")
     args = p.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -34,6 +36,10 @@ def main():
     for step in range(1, args.steps + 1):
         dist.all_reduce(t)
         print(f"step {step}", flush=True)
+        if args.beat:
+            import elasticd
+
+            elasticd.heartbeat(step)
         if armed and step == args.raise_at:
             raise ValueError(f"injected failure at step {step}")
         if armed and step == args.exit_at:
