@@ -8,6 +8,8 @@ then killed (with its whole tree) and started afresh for the next trial.
 The script checkpoints through elasticd.checkpoint under both launchers (disk every --ckpt-every
 steps; in memory every step where the launcher offers shared memory, i.e. under elasticd), so
 "steps lost" = newest step logged before the kill - the step the new processes resumed from.
+The third launcher, `torchrun-snapshot`, runs the same script with the hand-written snapshot a
+torchrun tutorial teaches (rank 0 torch.save every --ckpt-every steps, torch.load at start).
 
     python bench/recovery.py --trials 10
 """
@@ -42,6 +44,9 @@ def read_steps(path: Path) -> list[tuple[int, int, int, int, float]]:
             pid, rank, restart, step = map(int, parts[:4])
             rows.append((pid, rank, restart, step, float(parts[4])))
     return rows
+
+
+CKPT_MODE = {"torchrun-snapshot": "handwritten"}
 
 
 def launcher_cmd(kind: str, trials: int, workdir: Path, extra: tuple[str, ...] = ()) -> list[str]:
@@ -82,7 +87,7 @@ def run_launcher(kind: str, trials: int, trial_timeout: float, warmup: float, ck
         workdir = Path(tmp)
         out = workdir / "steps.txt"
         env = dict(os.environ, BENCH_OUT=str(out), BENCH_CKPT_DIR=str(workdir / "ckpt"),
-                   BENCH_CKPT_EVERY=str(ckpt_every))
+                   BENCH_CKPT_EVERY=str(ckpt_every), BENCH_CKPT_MODE=CKPT_MODE.get(kind, "elasticd"))
         log = open(workdir / "launcher.log", "wb")
         proc = None
         trial = 0
@@ -141,7 +146,7 @@ def main() -> None:
     p.add_argument("--trial-timeout", type=float, default=30.0)
     p.add_argument("--warmup", type=float, default=6.0,
                    help="seconds of training between trials (elasticd refills its warm spares meanwhile)")
-    p.add_argument("--launchers", default="elasticd,torchrun")
+    p.add_argument("--launchers", default="elasticd,torchrun,torchrun-snapshot")
     p.add_argument("--ckpt-every", type=int, default=50, help="disk checkpoint cadence in steps")
     args = p.parse_args()
     results = {}
@@ -151,17 +156,18 @@ def main() -> None:
     print()
     print(f"recovery after kill -9 of one of 2 workers ({os.cpu_count()} cores, torch CPU/gloo), "
           f"{args.trials} trials each, timeout {args.trial_timeout:g}s, disk checkpoint every {args.ckpt_every} steps")
-    print(f"{'launcher':<10} {'median s':>9} {'min s':>7} {'max s':>7} {'recovered':>10} {'steps lost (median/max)':>24}")
+    print(f"{'launcher':<18} {'median s':>9} {'min s':>7} {'max s':>7} {'recovered':>10} {'steps lost (median/max)':>24}")
     med = {}
     for kind, r in results.items():
         t, lost = r["times"], r["lost"]
         med[kind] = statistics.median(t) if t else float("nan")
         ok = f"{r['trials'] - r['failures']}/{r['trials']}"
         lost_s = f"{statistics.median(lost):g}/{max(lost)}" if lost else "-"
-        print(f"{kind:<10} {med[kind]:>9.2f} {min(t, default=float('nan')):>7.2f} "
+        print(f"{kind:<18} {med[kind]:>9.2f} {min(t, default=float('nan')):>7.2f} "
               f"{max(t, default=float('nan')):>7.2f} {ok:>10} {lost_s:>24}")
-    if "elasticd" in med and "torchrun" in med:
-        print(f"ratio elasticd/torchrun median recovery: {med['elasticd'] / med['torchrun']:.2f}x")
+    for other in ("torchrun", "torchrun-snapshot"):
+        if "elasticd" in med and other in med:
+            print(f"ratio elasticd/{other} median recovery: {med['elasticd'] / med[other]:.2f}x")
 
 
 if __name__ == "__main__":

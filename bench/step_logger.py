@@ -7,6 +7,9 @@ When the file $BENCH_HANG_FLAG.<rank> appears, that rank deletes it and spins fo
 With $BENCH_CKPT_DIR it checkpoints through elasticd.checkpoint, the same code under either
 launcher: to disk every $BENCH_CKPT_EVERY steps, and, where the launcher offers a shared-memory
 directory (elasticd's ELASTICD_MEMORY_DIR), in memory every step. It resumes from the newest.
+With BENCH_CKPT_MODE=handwritten it does what a torchrun tutorial does instead: rank 0
+torch.saves model, optimizer and step to one file every $BENCH_CKPT_EVERY steps (to a temporary
+file renamed into place), and every rank torch.loads it at start.
 """
 
 import os
@@ -25,12 +28,20 @@ def main():
     model = DDP(nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 1)))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x, y = torch.randn(32, 64), torch.randn(32, 1)
-    mgr, first = None, 1
-    if os.environ.get("BENCH_CKPT_DIR"):
+    mgr, first, snapshot = None, 1, None
+    every = int(os.environ.get("BENCH_CKPT_EVERY", "50"))
+    if os.environ.get("BENCH_CKPT_DIR") and os.environ.get("BENCH_CKPT_MODE") == "handwritten":
+        os.makedirs(os.environ["BENCH_CKPT_DIR"], exist_ok=True)
+        snapshot = os.path.join(os.environ["BENCH_CKPT_DIR"], "snapshot.pt")
+        if os.path.exists(snapshot):
+            state = torch.load(snapshot, map_location="cpu", weights_only=True)
+            model.module.load_state_dict(state["model"])
+            opt.load_state_dict(state["optimizer"])
+            first = state["step"] + 1
+    elif os.environ.get("BENCH_CKPT_DIR"):
         from elasticd.checkpoint import CheckpointManager, capture, restore
 
-        mgr = CheckpointManager(os.environ["BENCH_CKPT_DIR"], keep=2,
-                                every_steps=int(os.environ.get("BENCH_CKPT_EVERY", "50")))
+        mgr = CheckpointManager(os.environ["BENCH_CKPT_DIR"], keep=2, every_steps=every)
         state = mgr.load_latest()
         if state is not None:
             first = restore(state, model=model, optimizer=opt)["step"] + 1
@@ -49,6 +60,10 @@ def main():
         opt.step()
         if mgr is not None:
             mgr.maybe_save(step, lambda: capture(model=model, optimizer=opt, step=step))  # noqa: B023
+        elif snapshot and rank == 0 and step % every == 0:
+            torch.save({"model": model.module.state_dict(), "optimizer": opt.state_dict(), "step": step},
+                       snapshot + ".tmp")
+            os.replace(snapshot + ".tmp", snapshot)
         os.write(out, f"{os.getpid()} {rank} {restart} {step} {time.time():.6f}\n".encode())
         time.sleep(step_time)
     if mgr is not None:

@@ -33,6 +33,7 @@ weights_only=True too, so nodes need no shared filesystem and no pickle crosses 
 
 from __future__ import annotations
 
+import array
 import collections
 import ctypes
 import dataclasses
@@ -152,18 +153,24 @@ def _tensor_bytes(t: torch.Tensor) -> bytes:
     return ctypes.string_at(t.data_ptr(), t.numel()) if t.numel() else b""
 
 
-def _broadcast_bytes(data: bytes | bytearray | None, src: int, group) -> bytes | bytearray:
-    """Raw bytes from `src` to every rank, as uint8 tensors (no pickle involved)."""
+def _broadcast_bytes(data: bytes | bytearray | torch.Tensor | None, src: int,
+                     group) -> bytes | bytearray | torch.Tensor:
+    """Raw bytes (or a uint8 tensor of them) from `src` to every rank, as uint8 tensors (no pickle
+    involved). The sender gets its `data` back, the others bytes."""
     mine = dist.get_rank() == src
-    n = torch.tensor([len(data) if mine and data else 0], dtype=torch.int64)
+    n = torch.tensor([len(data) if mine and data is not None else 0], dtype=torch.int64)
     dist.broadcast(n, src, group=group)
     size = int(n.item())
     if size == 0:
         return b""
     if mine:
-        buf = torch.frombuffer(data if isinstance(data, bytearray) else bytearray(data), dtype=torch.uint8)
+        assert data is not None
+        if isinstance(data, torch.Tensor):
+            buf = data
+        else:
+            buf = torch.frombuffer(data if isinstance(data, bytearray) else bytearray(data), dtype=torch.uint8)
         dist.broadcast(buf, src, group=group)
-        return data  # type: ignore[return-value]
+        return data
     buf = torch.empty(size, dtype=torch.uint8)
     dist.broadcast(buf, src, group=group)
     return _tensor_bytes(buf)
@@ -420,26 +427,42 @@ def latest_info(directory: str | os.PathLike) -> dict[str, Any] | None:
     return {**found[0].to_json(), "path": os.path.join(os.fspath(directory), found[0].file)}
 
 
-def _read_verified(path: str, sha256: str | None) -> tuple[bytearray, Any]:
-    """The file's bytes and its payload, or ValueError/OSError saying why it cannot be used."""
+def _read_verified(path: str, sha256: str | None, *,
+                   for_broadcast: bool = False) -> tuple[torch.Tensor | None, Any]:
+    """The file's payload (and, for_broadcast, its bytes as a uint8 tensor), or ValueError/OSError
+    saying why it cannot be used. The checksum is streamed and torch.load reads the very file
+    that was hashed (through its open descriptor), so a load costs about what a plain torch.load
+    does instead of copying the bytes through Python three times."""
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
-        data = bytearray(size)
-        if f.readinto(data) != size:
-            raise ValueError("file changed while being read")
-    digest = hashlib.sha256(data).hexdigest()
-    if sha256 and not digest.startswith(sha256):
-        raise ValueError(f"checksum mismatch (sha256 {digest[:16]}..., expected {sha256[:16]}...; "
-                         f"{size} bytes): truncated or corrupt")
-    try:
-        payload = _from_bytes(data)
-    except Exception as e:  # noqa: BLE001 - torch raises several types for bad or unsafe files
-        why = str(e)
-        why = why[why.find("WeightsUnpickler error:"):] if "WeightsUnpickler error:" in why else why
-        why = " ".join(re.sub(r"\x1b\[[0-9;]*m", "", why).split())  # one event, one line
-        raise ValueError(f"not loadable with weights_only=True: {type(e).__name__}: {why[:300]}") from e
+        data = None
+        if for_broadcast:
+            data = torch.empty(size, dtype=torch.uint8)
+            view = (ctypes.c_char * size).from_address(data.data_ptr()) if size else bytearray()
+            if f.readinto(view) != size:
+                raise ValueError("file changed while being read")
+            digest = hashlib.sha256(view).hexdigest()
+            del view
+        else:
+            digest = hashlib.file_digest(f, "sha256").hexdigest()
+        if sha256 and not digest.startswith(sha256):
+            raise ValueError(f"checksum mismatch (sha256 {digest[:16]}..., expected {sha256[:16]}...; "
+                             f"{size} bytes): truncated or corrupt")
+        same = f"/proc/self/fd/{f.fileno()}"
+        f.seek(0)
+        try:
+            payload = torch.load(same if os.path.exists(same) else f, map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001 - torch raises several types for bad or unsafe files
+            raise ValueError(f"not loadable with weights_only=True: {_why(e)}") from e
     _check_payload(payload)
     return data, payload
+
+
+def _why(e: BaseException) -> str:
+    why = str(e)
+    why = why[why.find("WeightsUnpickler error:"):] if "WeightsUnpickler error:" in why else why
+    why = " ".join(re.sub(r"\x1b\[[0-9;]*m", "", why).split())  # one event, one line
+    return f"{type(e).__name__}: {why[:300]}"
 
 
 def _check_payload(payload: Any) -> None:
@@ -457,13 +480,14 @@ def load_file(path: str | os.PathLike, sha256: str | None = None) -> dict[str, A
     return _read_verified(path, sha256 or (m.group(2) if m else None))[1]["state"]
 
 
-def _first_good(directory: str, found: list[Entry]) -> tuple[bytearray, dict, Entry] | None:
+def _first_good(directory: str, found: list[Entry], *,
+                for_broadcast: bool = False) -> tuple[torch.Tensor | None, dict, Entry] | None:
     """Pop candidates newest first until one verifies; report each one skipped."""
     while found:
         entry = found.pop(0)
         path = os.path.join(directory, entry.file)
         try:
-            data, payload = _read_verified(path, entry.sha256)
+            data, payload = _read_verified(path, entry.sha256, for_broadcast=for_broadcast)
         except (OSError, ValueError) as e:
             log.warning("checkpoint_skipped", path=path, step=entry.step, reason=str(e),
                         action="trying the previous checkpoint")
@@ -496,7 +520,7 @@ def _load_latest(directory: str | os.PathLike | None, group=None) -> tuple[dict[
         header, data, state = b"", b"", None
         if dist.get_rank() == src:
             entry = mine[0]
-            got = _first_good(directory, mine[:1])
+            got = _first_good(directory, mine[:1], for_broadcast=True)
             mine.pop(0)
             if got is not None:
                 data, payload, entry = got
@@ -549,22 +573,75 @@ def _rng_state() -> dict[str, Any]:
     """This process's RNG states as tensors, ints and floats (weights_only-loadable)."""
     version, internal, gauss = random.getstate()
     state: dict[str, Any] = {
-        "python": {"version": version, "state": list(internal), "gauss_next": gauss},
+        "python": {"version": version, "state": _python_key(internal), "gauss_next": gauss},
         "torch": torch.get_rng_state(),
     }
     np = _numpy()
     if np is not None:
-        name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
-        state["numpy"] = {"bit_generator": str(name), "keys": torch.from_numpy(keys.astype(np.int64)),
-                          "pos": int(pos), "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
+        state["numpy"] = _numpy_rng.state(np)
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
+_python_last: list[Any] = [None, None]  # the latest key tuple and its tensor
+
+
+def _python_key(internal: tuple[int, ...]) -> torch.Tensor:
+    """Python's Mersenne Twister key as an int64 tensor: one buffer copy instead of 625 pickled
+    ints, and reused while the generator is untouched (comparing is cheaper than converting)."""
+    if internal != _python_last[0]:
+        _python_last[:] = [internal, torch.frombuffer(array.array("q", internal), dtype=torch.int64)]
+    return _python_last[1]
+
+
+class _NumpyRng:
+    """numpy's global RNG state, read again only when it may have changed.
+
+    np.random.get_state() copies the 624-word key element by element (about 0.1 ms, more than a
+    small training step's whole in-memory refresh). The generator's state struct, reachable
+    through numpy's public ctypes interface, is compared instead: if its bytes are unchanged and
+    no Gaussian was cached (drawing the cached one leaves the struct alone), the last state
+    stands. The struct's layout is checked against get_state() once per generator; where it
+    differs this shortcut is off."""
+
+    def __init__(self) -> None:
+        self.gen: Any = None
+        self.raw: bytes | None = None
+        self.value: dict[str, Any] | None = None
+        self.usable = False
+
+    def _raw(self) -> bytes:
+        return ctypes.string_at(self.gen.ctypes.state_address, 624 * 4 + 4)
+
+    def state(self, np) -> dict[str, Any]:
+        get_gen = getattr(np.random, "get_bit_generator", None)
+        gen = get_gen() if get_gen else None
+        if (gen is not None and gen is self.gen and self.usable and self.value is not None
+                and not self.value["has_gauss"] and self._raw() == self.raw):
+            return self.value
+        name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+        self.value = {"bit_generator": str(name), "keys": torch.from_numpy(keys.astype(np.int64)),
+                      "pos": int(pos), "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
+        if gen is not self.gen:
+            self.gen = gen
+            self.usable = False
+            try:
+                self.usable = (type(gen).__name__ == "MT19937" and
+                               self._raw() == keys.astype("<u4").tobytes() + int(pos).to_bytes(4, "little", signed=True))
+            except (AttributeError, TypeError, ValueError):
+                pass
+        self.raw = self._raw() if self.usable else None
+        return self.value
+
+
+_numpy_rng = _NumpyRng()
+
+
 def _set_rng_state(state: Mapping[str, Any]) -> None:
     py = state["python"]
-    random.setstate((py["version"], tuple(py["state"]), py["gauss_next"]))
+    key = py["state"]  # an int64 tensor; a list of ints in older checkpoints
+    random.setstate((py["version"], tuple(key.tolist() if isinstance(key, torch.Tensor) else key), py["gauss_next"]))
     torch.set_rng_state(state["torch"])
     np = _numpy()
     if np is not None and "numpy" in state:
@@ -834,6 +911,8 @@ class CheckpointManager:
         self.memory_dir = os.fspath(mem) if mem else None
         self.memory_every = (1 if memory_every is None else int(memory_every)) if self.memory_dir else 0
         self.last_memory_stall = 0.0
+        self._memory_writer: memory.Writer | None = None  # made at the first refresh, after loading
+        self._memory_resumed: int | None = None  # the in-memory step load_latest() resumed from
 
     # -- loading ---------------------------------------------------------------------------------
     def load_latest(self) -> dict[str, Any] | None:
@@ -859,7 +938,7 @@ class CheckpointManager:
     def _load_memory(self) -> tuple[dict[str, Any], Entry] | None:
         """Agree on the newest step every rank holds in memory (a collective), then read it."""
         world, rank, local = _world(), _rank(), int(os.environ.get("LOCAL_RANK", 0))
-        mine = memory.steps(self.memory_dir, world=world, rank=rank)
+        mine = memory.steps(self.memory_dir, world=world, rank=rank, local_rank=local)
         found = candidates(self.directory) if _looks_at_disk() else []
         view = {"mem": mine, "disk": found[0].step if found else -1}
         multi = _dist_on() and world > 1
@@ -873,7 +952,7 @@ class CheckpointManager:
             why = "no step held by every rank" if step is None else f"disk checkpoint at step {disk} is newer"
         else:
             try:
-                state = memory.read(self.memory_dir, step, world=world, rank=rank)
+                state = memory.read(self.memory_dir, step, world=world, rank=rank, local_rank=local)
             except Exception as e:  # noqa: BLE001 - any damage means: use the disk
                 why = f"unreadable: {type(e).__name__}: {e}"
         ok = state is not None
@@ -885,16 +964,18 @@ class CheckpointManager:
             if any(v["mem"] for v in views):
                 log.info("memory_state_skipped", reason=why or "another rank could not read it",
                          action="loading the newest disk checkpoint")
-            memory.prune(self.memory_dir, rank=rank, local_rank=local, drop_all=True)
+            memory.keep_only(self.memory_dir, local_rank=local, world=world, rank=rank, step=None)
             return None
-        memory.prune(self.memory_dir, rank=rank, local_rank=local, only=(world, step))
+        memory.keep_only(self.memory_dir, local_rank=local, world=world, rank=rank, step=step)
+        self._memory_resumed = step
         assert state is not None
         return state, Entry(file=f"memory:{self.memory_dir}/w{world}-s{step:012d}", step=step, world_size=world)
 
     def save_memory(self, step: int, state: Mapping[str, Any] | Callable[[], Mapping[str, Any]]) -> float:
         """Refresh the in-memory state (every rank calls it at the same steps; no collective when
         `state` is a callable around capture()). Returns the stall in seconds. A full or missing
-        tmpfs turns in-memory state off with one warning; disk checkpoints go on."""
+        tmpfs, or a state it cannot hold, turns in-memory state off with one warning; disk
+        checkpoints go on."""
         if not self.memory_every:
             return 0.0
         t0 = time.perf_counter()
@@ -905,12 +986,17 @@ class CheckpointManager:
             finally:
                 _local_capture[0] = False
         try:
-            memory.write(self.memory_dir, int(step), state, world=_world(), rank=_rank(),
-                         local_rank=int(os.environ.get("LOCAL_RANK", 0)))
-        except OSError as e:
+            if self._memory_writer is None:
+                self._memory_writer = memory.Writer(self.memory_dir, int(os.environ.get("LOCAL_RANK", 0)),
+                                                    keep_step=self._memory_resumed)
+            self._memory_writer.write(int(step), state, world=_world(), rank=_rank())
+        except (OSError, TypeError) as e:
             log.warning("memory_state_off", directory=self.memory_dir, error=f"{type(e).__name__}: {e}",
                         action="continuing with disk checkpoints only")
             self.memory_every = 0
+            if self._memory_writer is not None:
+                self._memory_writer.close()
+                self._memory_writer = None
         self.last_memory_stall = time.perf_counter() - t0
         return self.last_memory_stall
 

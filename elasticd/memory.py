@@ -6,31 +6,55 @@ passed to workers as ELASTICD_MEMORY_DIR, removed when the daemon exits); worker
 through CheckpointManager. It survives worker crashes, not the node: disk checkpoints stay the
 source of truth for node loss, a world-size change or a daemon restart.
 
-Layout, per node (W world size, S step, R global rank):
-    w<W>-s<S:012d>-full.pt   the state as capture() returns it, written by local rank 0 (DDP
-                             state is the same on every rank, as for rank-0 disk checkpoints)
-    w<W>-s<S:012d>-r<R>.pt   rank R's own RNG state at S (every rank, local rank 0 included)
-    .r<R>-*.tmp              a write in progress; removed by that rank's next write
-A file appears by os.replace of a completely written one, so a crash mid-write leaves the
-previous step. Each rank keeps its two newest steps: a step S stays readable until S+2 is
-written, which needs a collective step that every rank joins only after loading.
+Each local rank L owns two preallocated slot files, `l<L>.0` and `l<L>.1`, memory-mapped and
+written in turn, so a refresh is a memory copy of the tensors into the mapping plus a small
+JSON description of everything else: no serializer, no allocation, no file created per step.
+Local rank 0's slot holds the whole state (DDP state is the same on every rank, as for rank-0
+disk checkpoints) with its RNG; the other local ranks' slots hold their own RNG state only.
+
+Slot layout: a 4 KiB header, the tensors' bytes (64-byte aligned), then the description.
+A write first marks the slot invalid, copies, writes the description and its CRC, and marks
+the slot valid last, so a worker killed mid-write leaves that slot invalid and the other one (the
+previous step) intact. A step S therefore stays readable until S+2 is written, which needs a
+collective step that every rank joins only after loading. Space is reserved with
+posix_fallocate before the mapping is touched: a full tmpfs is an OSError, never a SIGBUS.
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import ctypes
+import json
+import mmap
 import os
 import re
 import shutil
+import struct
 import tempfile
+import zlib
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
 ENV = "ELASTICD_MEMORY_DIR"
 ROOT = "/dev/shm"
 PREFIX = "elasticd-mem-"
-_FILE = re.compile(r"^w(\d+)-s(\d{12})-(full|r(\d+))\.pt$")
-KEEP = 2
+MAGIC = b"ELDMEM01"
+HEADER = 4096
+_FIELDS = struct.Struct("<8sQqqqQQII")  # magic, valid, step, world, rank, data_len, meta_len, crc, 0
+_ALIGN = 64
+SLOTS = 2
+_SMALL = 1 << 20  # bytes below which a tensor is copied with one memmove
+torch: Any = None  # imported by the worker-side functions only: the daemon never loads torch
+
+
+def _import_torch() -> None:
+    global torch
+    if torch is None:
+        import torch as t
+
+        torch = t
 
 
 # -- daemon side ------------------------------------------------------------------------------
@@ -91,104 +115,325 @@ def _alive(pid: int) -> bool:
 
 
 def newest_step(path: str | None) -> int | None:
-    """The newest full state in the directory (for status), whatever its world size."""
-    steps = [int(m.group(2)) for m in map(_FILE.match, _listdir(path)) if m and m.group(3) == "full"]
+    """The newest whole state in the directory (for status), whatever its world size."""
+    steps = [h["step"] for h in (header(slot_path(path, 0, k)) for k in range(SLOTS)) if h] if path else []
     return max(steps) if steps else None
+
+
+# -- slots ------------------------------------------------------------------------------------
+
+def slot_path(path: str, local_rank: int, k: int) -> str:
+    return os.path.join(path, f"l{local_rank}.{k}")
+
+
+def header(file: str) -> dict[str, int] | None:
+    """A valid slot's header fields, or None (missing, being written, torn, truncated)."""
+    try:
+        with open(file, "rb") as f:
+            raw = f.read(_FIELDS.size)
+            size = os.fstat(f.fileno()).st_size
+    except OSError:
+        return None
+    return _parse(raw, size)
+
+
+def _parse(raw: bytes, size: int) -> dict[str, int] | None:
+    if len(raw) < _FIELDS.size:
+        return None
+    magic, valid, step, world, rank, data_len, meta_len, crc, _ = _FIELDS.unpack(raw)
+    if magic != MAGIC or valid != 1 or HEADER + data_len + meta_len > size:
+        return None
+    return {"step": step, "world": world, "rank": rank, "data_len": data_len, "meta_len": meta_len,
+            "crc": crc}
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+# The description of a state: JSON where every container other than a list is tagged, so that
+# decoding builds only plain data (nothing a file could use to run code) and round-trips exactly
+# what torch.load(weights_only=True) would give back.
+_T = "\x00"
+
+
+def _where(at: Any) -> str:
+    keys = []
+    while at is not None:
+        at, key = at
+        keys.append(key)
+    return "state" + "".join(f"[{k!r}]" for k in reversed(keys))
+
+
+def _describe(obj: Any, tensors: list, at: Any = None) -> Any:
+    """`obj` as JSON, its tensors appended to `tensors` as (tensor, location). `at` is the
+    location as a (parent, key) chain, formatted only for an error message. Runs every step:
+    the common types come first."""
+    cls = type(obj)
+    if obj is None or cls in _PLAIN:
+        return obj
+    if cls is dict:
+        return {_T + "d": [[_describe(k, tensors, at), _describe(v, tensors, (at, k))] for k, v in obj.items()]}
+    if isinstance(obj, torch.Tensor):
+        tensors.append((obj, at))
+        return {_T + "t": len(tensors) - 1}
+    if cls is list:
+        return [_describe(v, tensors, (at, i)) for i, v in enumerate(obj)]
+    if isinstance(obj, Mapping):
+        tag = "o" if isinstance(obj, OrderedDict) else "d"
+        return {_T + tag: [[_describe(k, tensors, at), _describe(v, tensors, (at, k))] for k, v in obj.items()]}
+    if isinstance(obj, (list, tuple, set, frozenset)) and not isinstance(obj, torch.Size):
+        items = [_describe(v, tensors, (at, i)) for i, v in enumerate(obj)]
+        return items if isinstance(obj, list) else {_T + ("u" if isinstance(obj, tuple) else "s"): items}
+    if isinstance(obj, torch.Size):
+        return {_T + "S": list(obj)}
+    if isinstance(obj, torch.dtype):
+        return {_T + "D": str(obj).removeprefix("torch.")}
+    if isinstance(obj, torch.device):
+        return {_T + "v": str(obj)}
+    if isinstance(obj, (bytes, bytearray)):
+        return {_T + "b": base64.b64encode(obj).decode()}
+    if isinstance(obj, complex):
+        return {_T + "c": [obj.real, obj.imag]}
+    if isinstance(obj, int):  # int subclasses (enums): plain values, as torch.load gives them
+        return int(obj)
+    if isinstance(obj, float):
+        return float(obj)
+    if isinstance(obj, str):
+        return str.__str__(obj)
+    if cls.__module__ == "numpy" and getattr(obj, "ndim", None) == 0 and hasattr(obj, "item"):
+        return _describe(obj.item(), tensors, at)
+    raise TypeError(f"{_where(at)}: a {cls.__module__}.{cls.__qualname__} cannot be kept in the "
+                    "in-memory state; store tensors, numbers, strings, lists and dicts")
+
+
+_PLAIN = frozenset((bool, int, float, str))
+
+
+def _rebuild(obj: Any, tensors: list) -> Any:
+    if isinstance(obj, list):
+        return [_rebuild(v, tensors) for v in obj]
+    if not isinstance(obj, dict):
+        return obj
+    (tag, v), = obj.items()
+    tag = tag[1:]
+    if tag == "t":
+        return tensors[v]
+    if tag in ("d", "o"):
+        pairs = ((_rebuild(k, tensors), _rebuild(x, tensors)) for k, x in v)
+        return OrderedDict(pairs) if tag == "o" else dict(pairs)
+    if tag == "u":
+        return tuple(_rebuild(x, tensors) for x in v)
+    if tag == "s":
+        return {_rebuild(x, tensors) for x in v}
+    if tag == "S":
+        return torch.Size(v)
+    if tag == "D":
+        return getattr(torch, v)
+    if tag == "v":
+        return torch.device(v)
+    if tag == "b":
+        return base64.b64decode(v)
+    if tag == "c":
+        return complex(*v)
+    raise ValueError(f"unknown entry {tag!r} in an in-memory state")
 
 
 # -- worker side ------------------------------------------------------------------------------
 
-def _listdir(path: str | None) -> list[str]:
+class _Slot:
+    """One mapped slot file and the tensor views of its current layout."""
+
+    def __init__(self, file: str) -> None:
+        self.file = file
+        self.fd = os.open(file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        self.mm: mmap.mmap | None = None
+        self.size = 0
+        self.layout: tuple = ()
+        self.views: list = []
+
+    def reserve(self, size: int) -> None:
+        if size <= self.size:
+            return
+        size = max(size + size // 4, 1 << 16)  # room for a description that grows a little
+        self.views, self.layout = [], ()
+        if self.mm is not None:
+            with contextlib.suppress(BufferError):  # a view still alive somewhere: let it go
+                self.mm.close()
+        os.posix_fallocate(self.fd, 0, size)  # ENOSPC here, not SIGBUS on a store later
+        self.mm = mmap.mmap(self.fd, size)
+        self.size = size
+
+    def set_valid(self, valid: int) -> None:
+        assert self.mm is not None
+        self.mm[8:16] = valid.to_bytes(8, "little")
+
+    def close(self) -> None:
+        self.views = []
+        if self.mm is not None:
+            with contextlib.suppress(BufferError):
+                self.mm.close()
+        os.close(self.fd)
+
+
+class Writer:
+    """Refreshes this local rank's slots, alternating between the two.
+
+    `keep_step`: the step this process just resumed from memory; its slot is left alone and the
+    other is written first. Every other slot is invalidated at once: a state of an abandoned
+    timeline must never outlive the first write of the new one."""
+
+    def __init__(self, path: str, local_rank: int, keep_step: int | None = None) -> None:
+        _import_torch()
+        self.local_rank = local_rank
+        self.slots = [_Slot(slot_path(path, local_rank, k)) for k in range(SLOTS)]
+        kept = [k for k in range(SLOTS) if keep_step is not None
+                and (h := header(self.slots[k].file)) and h["step"] == keep_step][:1]
+        for k in range(SLOTS):
+            if k not in kept:
+                _invalidate(self.slots[k].file)
+        self.next = (kept[0] + 1) % SLOTS if kept else 0
+        self._layout: tuple | None = None
+        self._offsets: list[int] = []
+        self._end = 0
+        self._table = b""
+
+    def write(self, step: int, state: Mapping[str, Any], *, world: int, rank: int) -> None:
+        """Store `state` (a capture(), whose "rng" holds at least this rank's entry) as `step`."""
+        rng = state.get("rng") or {}
+        ranks = rng.get("ranks") or []
+        mine = ranks[rank] if rank < len(ranks) else (ranks[0] if len(ranks) == 1 else None)
+        tensors: list = []
+        body = [["rng", _describe(mine, tensors, (None, "rng"))]]
+        if self.local_rank == 0:
+            body.append(["state", _describe({k: v for k, v in state.items() if k != "rng"}, tensors)])
+        tree = json.dumps({_T + "d": body}, separators=(",", ":")).encode()
+        key = tuple((t.dtype, t.shape) for t, _ in tensors)
+        if key != self._layout:
+            self._plan(key, tensors)
+        offsets, end = self._offsets, self._end
+        meta = self._table + tree + b"}"
+        slot = self.slots[self.next]
+        slot.reserve(HEADER + end + len(meta))
+        mm = slot.mm
+        assert mm is not None
+        slot.set_valid(0)
+        if slot.layout != key:  # views into the mapping, made once per layout
+            slot.views = [torch.frombuffer(mm, dtype=t.dtype, count=t.numel(), offset=HEADER + o).view(t.shape)
+                          if t.numel() else None for o, (t, _) in zip(offsets, tensors)]
+            slot.layout = key
+        for view, (t, _) in zip(slot.views, tensors):
+            if view is None:
+                continue
+            if t.is_cpu and t.nbytes < _SMALL and t.is_contiguous():
+                ctypes.memmove(view.data_ptr(), t.data_ptr(), t.nbytes)  # a third of copy_'s overhead
+            else:
+                view.copy_(t.detach())  # device tensors, and big ones: torch's parallel copy
+        mm[HEADER + end:HEADER + end + len(meta)] = meta
+        mm[:_FIELDS.size] = _FIELDS.pack(MAGIC, 0, step, world, rank, end, len(meta), zlib.crc32(meta), 0)
+        slot.set_valid(1)  # last: the slot is whole
+        self.next = (self.next + 1) % SLOTS
+
+    def _plan(self, key: tuple, tensors: list) -> None:
+        """Offsets of a new layout of tensors and the fixed head of the description."""
+        offsets, table, end = [], [], 0
+        for t, at in tensors:
+            if t.layout != torch.strided or t.is_quantized or t.is_nested:
+                raise TypeError(f"{_where(at)}: a {t.layout} tensor cannot be kept in the in-memory state")
+            offsets.append(end)
+            table.append([end, str(t.dtype).removeprefix("torch."), list(t.shape)])
+            end = _aligned(end + t.numel() * t.element_size())
+        self._layout, self._offsets, self._end = key, offsets, end
+        self._table = b'{"tensors":' + json.dumps(table, separators=(",", ":")).encode() + b',"tree":'
+
+    def close(self) -> None:
+        for s in self.slots:
+            s.close()
+
+
+def _invalidate(file: str) -> None:
+    with contextlib.suppress(OSError), open(file, "r+b") as f:
+        f.seek(8)
+        f.write(bytes(8))
+
+
+def _mine(path: str, local_rank: int, world: int, rank: int) -> dict[int, int]:
+    """step -> slot index of this local rank's valid slots written at this world size and rank."""
+    out = {}
+    for k in range(SLOTS):
+        h = header(slot_path(path, local_rank, k))
+        if h and h["world"] == world and h["rank"] == rank:
+            out[h["step"]] = k
+    return out
+
+
+def _node(path: str, world: int) -> dict[int, int]:
+    """step -> slot index of local rank 0's whole states at this world size."""
+    out = {}
+    for k in range(SLOTS):
+        h = header(slot_path(path, 0, k))
+        if h and h["world"] == world:
+            out[h["step"]] = k
+    return out
+
+
+def steps(path: str | None, *, world: int, rank: int, local_rank: int) -> list[int]:
+    """Steps this rank could resume from: the node's whole state and its own RNG, same world size."""
     if not path:
         return []
-    try:
-        return os.listdir(path)
-    except OSError:
-        return []
+    return sorted(set(_node(path, world)) & set(_mine(path, local_rank, world, rank)), reverse=True)
 
 
-def _name(world: int, step: int, who: str) -> str:
-    return f"w{world}-s{step:012d}-{who}.pt"
+def _load_slot(file: str, step: int, world: int) -> Any:
+    _import_torch()
+
+    with open(file, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        with mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) as mm:
+            h = _parse(mm[:_FIELDS.size], size)
+            if not h or h["step"] != step or h["world"] != world:
+                raise ValueError(f"in-memory slot {os.path.basename(file)} no longer holds step {step}")
+            start = HEADER + h["data_len"]
+            meta = mm[start:start + h["meta_len"]]
+            if zlib.crc32(meta) != h["crc"]:
+                raise ValueError(f"in-memory slot {os.path.basename(file)} is damaged (checksum)")
+            desc = json.loads(meta)
+            tensors = []
+            for offset, dtype, shape in desc["tensors"]:
+                dt = getattr(torch, dtype)
+                n = 1
+                for d in shape:
+                    n *= d
+                if not isinstance(dt, torch.dtype) or offset + n * dt.itemsize > h["data_len"]:
+                    raise ValueError(f"in-memory slot {os.path.basename(file)} is damaged (layout)")
+                tensors.append(torch.frombuffer(mm, dtype=dt, count=n, offset=HEADER + offset).view(shape).clone()
+                               if n else torch.empty(shape, dtype=dt))
+            out = _rebuild(desc["tree"], tensors)
+            del tensors
+            if _parse(mm[:_FIELDS.size], size) != h:
+                raise ValueError(f"in-memory slot {os.path.basename(file)} changed while being read")
+            return out
 
 
-def _write(path: str, name: str, rank: int, obj: Any) -> None:
-    import torch
-
-    fd, tmp = tempfile.mkstemp(prefix=f".r{rank}-", suffix=".tmp", dir=path)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-        os.replace(tmp, os.path.join(path, name))
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
-def write(path: str, step: int, state: Mapping[str, Any], *, world: int, rank: int, local_rank: int) -> None:
-    """Store `state` (a capture(), whose "rng" holds at least this rank's entry) as `step`."""
-    rng = state.get("rng") or {}
-    ranks = rng.get("ranks") or []
-    mine = ranks[rank] if rank < len(ranks) else (ranks[0] if len(ranks) == 1 else None)
-    if local_rank == 0:
-        full = dict(state)
-        full.pop("rng", None)
-        _write(path, _name(world, step, "full"), rank, {"step": step, "state": full})
-    _write(path, _name(world, step, f"r{rank}"), rank, {"step": step, "rng": mine})
-    prune(path, rank=rank, local_rank=local_rank, keep=KEEP)
-
-
-def prune(path: str, *, rank: int, local_rank: int, keep: int = KEEP, only: tuple[int, int] | None = None,
-          drop_all: bool = False) -> None:
-    """Drop this rank's files beyond its `keep` newest steps (with `only` = (world, step): every
-    other one; with drop_all: all), and its temporaries. Local rank 0 prunes full states too."""
-    mine: dict[tuple[int, int], list[str]] = {}
-    for name in _listdir(path):
-        if name.startswith(f".r{rank}-") and name.endswith(".tmp"):
-            with contextlib.suppress(OSError):
-                os.unlink(os.path.join(path, name))
-            continue
-        m = _FILE.match(name)
-        if m and (m.group(4) == str(rank) or (m.group(3) == "full" and local_rank == 0)):
-            mine.setdefault((int(m.group(1)), int(m.group(2))), []).append(name)
-    newest_first = sorted(mine, key=lambda k: k[1], reverse=True)
-    if drop_all:
-        drop = newest_first
-    elif only is not None:
-        drop = [k for k in newest_first if k != only]
-    else:
-        drop = newest_first[keep:]
-    for k in drop:
-        for name in mine[k]:
-            with contextlib.suppress(OSError):
-                os.unlink(os.path.join(path, name))
-
-
-def steps(path: str | None, *, world: int, rank: int) -> list[int]:
-    """Steps this rank could resume from: the node's full state and its own RNG, same world size."""
-    full, own = set(), set()
-    for m in map(_FILE.match, _listdir(path)):
-        if not m or int(m.group(1)) != world:
-            continue
-        if m.group(3) == "full":
-            full.add(int(m.group(2)))
-        elif int(m.group(4)) == rank:
-            own.add(int(m.group(2)))
-    return sorted(full & own, reverse=True)
-
-
-def read(path: str, step: int, *, world: int, rank: int) -> dict[str, Any]:
-    """The state at `step` with this rank's RNG in place (the other ranks' entries are None).
-    weights_only=True, as for disk checkpoints."""
-    import torch
-
-    full = torch.load(os.path.join(path, _name(world, step, "full")), map_location="cpu", weights_only=True)
-    own = torch.load(os.path.join(path, _name(world, step, f"r{rank}")), map_location="cpu", weights_only=True)
-    if full.get("step") != step or own.get("step") != step:
-        raise ValueError(f"in-memory state at step {step} is inconsistent")
-    state = dict(full["state"])
+def read(path: str, step: int, *, world: int, rank: int, local_rank: int) -> dict[str, Any]:
+    """The state at `step` with this rank's RNG in place (the other ranks' entries are None)."""
+    node, mine = _node(path, world), _mine(path, local_rank, world, rank)
+    if step not in node or step not in mine:
+        raise ValueError(f"in-memory state at step {step} is gone")
+    body = _load_slot(slot_path(path, 0, node[step]), step, world)
+    own = body if local_rank == 0 else _load_slot(slot_path(path, local_rank, mine[step]), step, world)
+    state = dict(body["state"])
     if own.get("rng") is not None:
         ranks: list[Any] = [None] * world
         ranks[rank] = own["rng"]
         state["rng"] = {"world_size": world, "ranks": ranks}
     return state
+
+
+def keep_only(path: str, *, local_rank: int, world: int, rank: int, step: int | None) -> None:
+    """Invalidate this local rank's slots except the one holding `step` (None: all of them), so
+    that no state of an abandoned timeline can be mixed with the one resumed from."""
+    keep = _mine(path, local_rank, world, rank).get(step) if step is not None else None
+    for k in range(SLOTS):
+        if k != keep:
+            _invalidate(slot_path(path, local_rank, k))

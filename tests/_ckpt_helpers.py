@@ -36,7 +36,7 @@ def _child(target, rank: int, world: int, store: str | None, args: tuple) -> Non
     try:
         torch.set_num_threads(1)
         if store is not None:
-            os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
+            os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
             dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                                     timeout=timedelta(seconds=30))
         target(rank, world, *args)
@@ -193,6 +193,7 @@ def load_from(rank: int, world: int, dirs_per_scenario: list[list[str]], out: st
     """For each scenario, this rank loads from its own directory; saves what it got.
 
     like_nccl: the default group claims another backend, so our traffic takes a gloo group."""
+    os.environ["LOCAL_RANK"] = "0"  # every rank is a node of its own
     if like_nccl:
         dist.get_backend = lambda group=None: "nccl"
     got = []
@@ -243,3 +244,41 @@ def stuck_after_sigterm(rank: int, world: int, progress: str) -> None:
         time.sleep(0.01)
     Path(progress).write_text("blocked")
     time.sleep(30)
+
+
+# -- in-memory state --------------------------------------------------------------------------
+
+def refresh_memory_forever(rank: int, world: int, directory: str) -> None:
+    """Resumes from the newest step in memory, as a restarted worker does, then refreshes the
+    in-memory state back to back with 8 MiB of tensors that all equal the step, so that a SIGKILL
+    at a random instant lands mid-copy most of the time."""
+    from elasticd import memory
+
+    held = memory.steps(directory, world=1, rank=0, local_rank=0)
+    writer = memory.Writer(directory, 0, keep_step=held[0] if held else None)
+    w = torch.empty(2048, 1024)
+    for step in range((held[0] if held else 0) + 1, 10**9):
+        w.fill_(float(step))
+        writer.write(step, {"model": {"w": w, "b": torch.full((3,), step)}, "user": {"step": step},
+                            "rng": {"world_size": 1, "ranks": [{"torch": torch.full((5,), step)}]}},
+                     world=1, rank=0)
+
+
+def memory_on_full_tmpfs(rank: int, world: int, disk: str, mem: str, result: str) -> None:
+    """Refreshes the in-memory state under RLIMIT_FSIZE (reserving a slot fails with EFBIG, as on
+    a full tmpfs): it must turn itself off with a warning while disk checkpoints go on."""
+    import resource
+
+    import structlog
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (32 * 1024, hard))  # a disk checkpoint fits, a slot does not
+    model = torch.nn.Linear(3, 1)
+    with structlog.testing.capture_logs() as logs:
+        mgr = CheckpointManager(disk, handle_sigterm=False, memory_dir=mem, every_steps=2)
+        for step in range(1, 5):
+            mgr.maybe_save(step, lambda: capture(model=model, step=step))  # noqa: B023
+        mgr.close()
+    Path(result).write_text(repr({"memory_every": mgr.memory_every, "disk": checkpoint.latest_info(disk)["step"],
+                                  "warnings": [e for e in logs if e["event"] == "memory_state_off"]}))

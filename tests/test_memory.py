@@ -3,6 +3,7 @@ when it is missing, partial, damaged, older or from another world size."""
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 
@@ -41,7 +42,7 @@ def crashed_run(tmp_path, mem):
     helpers.run(helpers.train, 2, tmp_path, str(run), 14, None, 10, 4, True, str(mem), timeout=90)
     assert checkpoint.latest_info(run)["step"] == 8
     for r in range(2):
-        assert memory.steps(str(mem), world=2, rank=r) == [10, 9]
+        assert memory.steps(str(mem), world=2, rank=r, local_rank=r) == [10, 9]
     return run
 
 
@@ -64,22 +65,21 @@ def test_falls_back_to_disk_and_stays_bit_exact(tmp_path, reference, damage):
     mem = tmp_path / "mem"
     mem.mkdir()
     run = crashed_run(tmp_path, mem)
-    names = sorted(os.listdir(mem))
     if damage == "one rank missing":
-        for n in names:
-            if n.endswith("-r1.pt"):
-                os.unlink(mem / n)
-        expect = 8
-    elif damage == "full state truncated":
-        for n in names:  # both steps damaged: nothing in memory is usable
-            if n.endswith("-full.pt"):
-                os.truncate(mem / n, 100)
-        expect = 8
+        for k in range(memory.SLOTS):
+            os.unlink(memory.slot_path(str(mem), 1, k))
+    elif damage == "full state truncated":  # both steps damaged: nothing in memory is usable
+        for k in range(memory.SLOTS):
+            os.truncate(memory.slot_path(str(mem), 0, k), memory.HEADER + 100)
     else:  # memory from an older timeline than the disk: disk wins
-        for n in names:
-            os.rename(mem / n, mem / n.replace("-s000000000010-", "-s000000000007-")
-                      .replace("-s000000000009-", "-s000000000006-"))
-        expect = 8
+        for r in range(2):
+            for k in range(memory.SLOTS):
+                with open(memory.slot_path(str(mem), r, k), "r+b") as f:
+                    f.seek(16)  # the step field
+                    step = int.from_bytes(f.read(8), "little")
+                    f.seek(16)
+                    f.write((step - 3).to_bytes(8, "little"))
+    expect = 8
     for r, (tensors, loaded) in enumerate(resume(tmp_path, run, mem)):
         assert loaded["step"] == expect and not loaded["file"].startswith("memory:"), loaded
         assert_same(reference[r], tensors)
@@ -93,7 +93,8 @@ def test_other_world_size_is_ignored_and_stale_steps_are_dropped(tmp_path):
     mgr = CheckpointManager(tmp_path / "run", handle_sigterm=False, memory_dir=mem)
     state = mgr.load_latest()
     assert mgr.loaded.step == 8 and state["user"]["step"] == 8
-    assert not [n for n in os.listdir(mem) if n.endswith("-r0.pt") or n.endswith("-full.pt")]
+    assert memory.newest_step(str(mem)) is None  # this rank's slots (local rank 0's) were dropped
+    assert memory.steps(str(mem), world=2, rank=1, local_rank=1) == []
 
 
 def test_single_process_refresh_every_n_steps_and_keep_two(tmp_path):
@@ -103,7 +104,7 @@ def test_single_process_refresh_every_n_steps_and_keep_two(tmp_path):
     model = torch.nn.Linear(3, 1)
     for step in range(1, 8):
         mgr.maybe_save(step, lambda: checkpoint.capture(model=model, step=step))
-    assert memory.steps(str(mem), world=1, rank=0) == [6, 4]
+    assert memory.steps(str(mem), world=1, rank=0, local_rank=0) == [6, 4]
     assert memory.newest_step(str(mem)) == 6
     state = CheckpointManager(tmp_path / "disk", handle_sigterm=False, memory_dir=mem).load_latest()
     assert state["user"]["step"] == 6 and torch.equal(state["model"]["weight"], model.weight.detach())
@@ -136,3 +137,118 @@ def test_daemon_side_create_remove_and_reap(tmp_path, monkeypatch):
     assert os.path.isdir(path)  # ours: this process is alive
     memory.remove(path)
     assert not os.path.exists(path)
+
+
+def test_sigkill_mid_refresh_always_leaves_a_whole_step(tmp_path):
+    """SIGKILL a process refreshing 8 MiB back to back, 15 times at random instants, each new one
+    resuming from the last: the newest readable step is always whole (every tensor equals its
+    step) and never goes backwards; a slot torn by the kill is seen as invalid, not read."""
+    import random
+    import signal
+    import time
+
+    rng = random.Random(7)
+    mem = str(tmp_path)
+    last, torn = 0, 0
+    for _ in range(15):
+        proc = helpers._fork.Process(target=helpers._child,
+                                     args=(helpers.refresh_memory_forever, 0, 1, None, (mem,)))
+        proc.start()
+        try:
+            deadline = time.monotonic() + 20
+            while (memory.newest_step(mem) or 0) < last + 2 and time.monotonic() < deadline:
+                time.sleep(0.005)  # this process has written twice
+            time.sleep(rng.uniform(0.0, 0.1))
+        finally:
+            proc.kill()
+            proc.join(10)
+        assert proc.exitcode == -signal.SIGKILL
+        held = memory.steps(mem, world=1, rank=0, local_rank=0)
+        assert held, "no whole step left"
+        torn += len(held) == 1
+        state = memory.read(mem, held[0], world=1, rank=0, local_rank=0)
+        step = held[0]
+        assert torch.equal(state["model"]["w"], torch.full((2048, 1024), float(step)))
+        assert torch.equal(state["model"]["b"], torch.full((3,), step)) and state["user"] == {"step": step}
+        assert torch.equal(state["rng"]["ranks"][0]["torch"], torch.full((5,), step))
+        assert step >= last and memory.newest_step(mem) == step
+        assert not os.listdir(mem) or set(os.listdir(mem)) == {"l0.0", "l0.1"}  # no file per step
+        last = step
+    assert torn, "no kill landed mid-write: the test did not test torn slots"
+    assert last >= 2
+
+
+def test_full_tmpfs_turns_memory_off_and_disk_goes_on(tmp_path):
+    import ast
+
+    result = tmp_path / "result.txt"
+    mem = tmp_path / "mem"
+    mem.mkdir()
+    helpers.run(helpers.memory_on_full_tmpfs, 1, tmp_path, str(tmp_path / "disk"), str(mem), str(result),
+                distributed=False)
+    got = ast.literal_eval(result.read_text())
+    assert got["memory_every"] == 0 and got["disk"] == 4, got
+    assert len(got["warnings"]) == 1 and "File too large" in got["warnings"][0]["error"], got
+
+
+def test_state_round_trips_exactly_and_only_as_plain_data(tmp_path):
+    from collections import OrderedDict
+
+    state = {
+        "model": OrderedDict(w=torch.randn(3, 4).t(), h=torch.ones(2, dtype=torch.bfloat16),
+                             m=torch.tensor([True, False]), e=torch.empty(0, 3)),
+        "optimizer": {"state": {0: {"momentum_buffer": torch.arange(4.0)}},
+                      "param_groups": [{"params": [0], "lr": 0.1, "betas": (0.9, 0.999), "nesterov": False}]},
+        "user": {"step": 3, "best": float("inf"), "nan": float("nan"), "name": "x", "blob": b"\x00\xff",
+                 "tags": {"a"}, "z": 1 + 2j, "dtype": torch.float16, "dev": torch.device("cpu"),
+                 "size": torch.Size([2, 3]), "none": None},
+    }
+    w = memory.Writer(str(tmp_path), 0)
+    w.write(3, state, world=1, rank=0)
+    got = memory.read(str(tmp_path), 3, world=1, rank=0, local_rank=0)
+    assert isinstance(got["model"], OrderedDict) and list(got["model"]) == ["w", "h", "m", "e"]
+    for k, t in state["model"].items():
+        assert got["model"][k].dtype == t.dtype and torch.equal(got["model"][k], t), k
+    assert torch.equal(got["optimizer"]["state"][0]["momentum_buffer"], torch.arange(4.0))
+    assert got["optimizer"]["param_groups"] == state["optimizer"]["param_groups"]
+    u = got["user"]
+    assert math.isnan(u.pop("nan"))
+    assert u == {k: v for k, v in state["user"].items() if k != "nan"}
+    assert isinstance(u["size"], torch.Size) and isinstance(u["dtype"], torch.dtype)
+    # Whatever the file says, reading builds plain data: an unknown entry is refused.
+    path = memory.slot_path(str(tmp_path), 0, 0)
+    with pytest.raises(TypeError, match=r"state\['user'\]\['obj'\]: a builtins.object cannot be kept"):
+        w.write(4, {"user": {"obj": object()}}, world=1, rank=0)
+    with pytest.raises(ValueError, match="unknown entry"):
+        memory._rebuild({"\x00x": 1}, [])
+    assert memory.header(path)["step"] == 3  # the refused write never touched the whole step
+
+
+def test_rng_capture_shortcuts_never_go_stale():
+    """capture() skips re-reading numpy's and Python's generators while they are untouched;
+    whatever is drawn in between, each capture equals the generators' real state."""
+    import random
+
+    import numpy as np
+
+    def check():
+        rng = checkpoint._rng_state()
+        name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+        n = rng["numpy"]
+        assert torch.equal(n["keys"], torch.from_numpy(keys.astype(np.int64))) and n["pos"] == pos
+        assert (n["has_gauss"], n["cached_gaussian"]) == (has_gauss, cached)
+        assert tuple(rng["python"]["state"].tolist()) == random.getstate()[1]
+
+    np.random.seed(3)
+    check()
+    check()  # untouched: the cached values
+    np.random.rand()
+    check()
+    np.random.standard_normal()  # draws a pair, caches the second
+    check()
+    np.random.standard_normal()  # returns the cached one: the generator's words do not move
+    check()
+    random.random()
+    check()
+    np.random.seed(3)
+    check()
