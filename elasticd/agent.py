@@ -49,6 +49,9 @@ class State(str, enum.Enum):
 
 
 EXIT_OK, EXIT_FAILED = 0, 1
+PUBLISH_EVERY = 0.5  # seconds between status snapshots while running
+RESUME_READ_EVERY = 2.0  # seconds between reads of the checkpoint and in-memory state for status
+PEER_BEAT_EVERY = 1.0  # seconds between liveness beats to peers, and at most a tenth of --peer-timeout
 
 
 @dataclass(frozen=True)
@@ -131,9 +134,14 @@ class Agent:
         self._on_snapshot = on_snapshot or (lambda snap: None)
         self._snapshot: dict[str, Any] = {}
         self._last_waiting_check = 0.0
+        self._next_peer_beat = 0.0
         self._last_publish = 0.0
         self._last_checkpoint: str | None = None  # path of the newest checkpoint reported
+        self._checkpoint: dict[str, Any] | None = None  # its manifest entry, as last read
+        self._memory_step: int | None = None  # the newest in-memory state, as last read
+        self._next_resume_read = 0.0
         self._odd_since: dict[int, float] = {}  # pid -> when it was first seen stopped or a zombie
+        self._watches: dict[int, tuple[health.Reader, health.ProcessWatch]] = {}  # pid -> held-open files
         self.notify = None  # elasticd.systemd once serve() wires it
         self._next_watchdog = 0.0
         self.tee = workers.Tee() if cfg.tee else None
@@ -205,6 +213,7 @@ class Agent:
     def set_state(self, state: State, **fields: Any) -> None:
         self.state = state
         self.event("state", new=state.value, **fields)
+        self._next_resume_read = 0.0  # a new state's snapshot reads everything afresh
         self.publish()
         if self.notify is not None:
             self.notify.status(f"{state.value}: run {self.cfg.rdzv_id}, restarts {self.restart_count}/"
@@ -214,16 +223,17 @@ class Agent:
         now = self._last_publish = time.monotonic()
         ranks = []
         for w in self.workers:
-            beat = health.read(str(w.heartbeat_path))
+            beat = self._beat(w)
             ranks.append({
                 "rank": w.global_rank, "local_rank": w.local_rank, "pid": w.pid,
                 "state": "running" if w.exit_code is None else workers.describe_exit(w.exit_code),
                 "heartbeat_age": round(now - beat.last, 3) if beat and beat.beats else None,
                 "step": beat.step if beat and beat.beats else None,
-                "rss_bytes": _rss(w.pid) if w.exit_code is None else None,
+                "rss_bytes": self._watch(w)[1].rss() if w.exit_code is None else None,
                 "log": str(w.log_path),
             })
         rnd = self.round
+        checkpoint, memory_step = self._resume_points(now)
         self._snapshot = {
             "state": self.state.value,
             "run_id": self.cfg.rdzv_id,
@@ -241,13 +251,27 @@ class Agent:
             "workers": ranks,
             "last_failure": asdict(self.last_failure) if self.last_failure else None,
             "last_recovery": self.last_recovery,
-            "checkpoint": self._checkpoint_info(),
-            "memory_step": memory.newest_step(self.memory_dir),
+            "checkpoint": checkpoint,
+            "memory_step": memory_step,
             "events": list(self.events)[-10:],
         }
         self._on_snapshot(self._snapshot)
 
-    def _checkpoint_info(self) -> dict[str, Any] | None:
+    def _resume_points(self, now: float) -> tuple[dict[str, Any] | None, int | None]:
+        """What a restart would resume from: the newest checkpoint on this node (with its age)
+        and the newest in-memory step. Read every RESUME_READ_EVERY seconds, not at every
+        publish: they are files (the checkpoint directory perhaps on a shared filesystem that
+        every node's daemon would keep busy), and status does not need them to the step."""
+        if now >= self._next_resume_read:
+            self._next_resume_read = now + RESUME_READ_EVERY
+            self._checkpoint = self._read_checkpoint()
+            self._memory_step = memory.newest_step(self.memory_dir)
+        info = self._checkpoint
+        if info and info.get("time"):
+            info = {**info, "age": round(time.time() - info["time"], 1)}
+        return info, self._memory_step
+
+    def _read_checkpoint(self) -> dict[str, Any] | None:
         """The newest checkpoint on this node, from its manifest (the daemon never writes any)."""
         directory = os.environ.get("ELASTICD_CHECKPOINT_DIR") or self.cfg.checkpoint_dir
         if not directory:
@@ -263,8 +287,6 @@ class Agent:
         if info.get("path") != self._last_checkpoint:
             self._last_checkpoint = info.get("path")
             self.event("checkpoint_seen", step=info.get("step"), epoch=info.get("epoch"), path=info.get("path"))
-        if info.get("time"):
-            info["age"] = round(time.time() - info["time"], 1)
         return info
 
     @property
@@ -315,7 +337,7 @@ class Agent:
         refill the spares, whose imports would otherwise slow the workers' own start (or 10 s)."""
         if self._spares_due is None and not self._timeline:
             return
-        beats = [health.read(str(w.heartbeat_path)) for w in self.workers]
+        beats = [self._beat(w) for w in self.workers]
         stepped = all(b and b.beats for b in beats)
         if stepped and self._timeline:
             t = dict(self._timeline)
@@ -362,7 +384,7 @@ class Agent:
             if failure is None:
                 now = time.monotonic()
                 self._after_start_up(now)
-                if now - self._last_publish > 0.5:
+                if now - self._last_publish > PUBLISH_EVERY:
                     self.publish()
                 continue
             code = self._restart(failure)
@@ -416,6 +438,7 @@ class Agent:
         logs.bind(group_rank=rnd.group_rank, restart=self.restart_count)
         self.attempt += 1
         self._attempt_started = time.monotonic()
+        self._next_peer_beat = 0.0  # a new round tells its peers at once that we are alive
         spec = workers.GroupSpec(
             entrypoint=self.cfg.entrypoint, args=self.cfg.args, nproc=self.cfg.nproc_per_node,
             rank_base=rnd.rank_base, world_size=rnd.world_size, group_rank=rnd.group_rank,
@@ -453,10 +476,10 @@ class Agent:
         for w in self.workers:
             if w.exit_code is not None:
                 continue
-            beat = health.read(str(w.heartbeat_path))
+            beat = self._beat(w)
             if beat and beat.beats:
                 self.seen_beats = True
-            why = self._lasting(w.pid, health.process_verdict(w.pid), now) or health.verdict(
+            why = self._lasting(w.pid, self._watch(w)[1].verdict(), now) or health.verdict(
                 beat, w.started, now, expect_beats=self.cfg.require_heartbeat or self.seen_beats,
                 heartbeat_timeout=self.cfg.heartbeat_timeout, startup_timeout=self.cfg.startup_timeout)
             if why and w.proc.poll() is not None:
@@ -466,6 +489,23 @@ class Agent:
                 return Failure("hung", f"hung: {why}", rank=w.global_rank, pid=w.pid,
                                log_path=str(w.log_path), stacks=tuple(map(str, stacks)), node=self.node)
         return None
+
+    def _watch(self, w: workers.Worker) -> tuple[health.Reader, health.ProcessWatch]:
+        """The worker's heartbeat file and /proc entries, opened once per attempt: the loop reads
+        them every tick, and opening (and parsing through psutil) each time was most of its CPU."""
+        watch = self._watches.get(w.pid)
+        if watch is None:
+            watch = self._watches[w.pid] = (health.Reader(str(w.heartbeat_path)), health.ProcessWatch(w.pid))
+        return watch
+
+    def _beat(self, w: workers.Worker) -> health.Beat | None:
+        return self._watch(w)[0].read()
+
+    def _close_watches(self) -> None:
+        for reader, proc in self._watches.values():
+            reader.close()
+            proc.close()
+        self._watches.clear()
 
     def _lasting(self, pid: int, why: str | None, now: float, hold: float = 1.0) -> str | None:
         """A process state counts only once it has lasted `hold` seconds: a dying multi-threaded
@@ -477,16 +517,20 @@ class Agent:
 
     def _check_peers(self) -> Failure | None:
         rnd = self.round
+        now = time.monotonic()
         if rnd.group_world_size > 1:
+            # A restart request is read every tick (a failure anywhere restarts every node within
+            # one); liveness only has to beat --peer-timeout, so its round trips come less often.
             reason = self.rdzv.restart_reason(rnd)
             if reason is not None:
                 return Failure("peer", f"peer asked for restart: {reason.get('summary', reason)}",
                                node=reason.get("node", "?"))
-            lost = self.rdzv.beat_and_check_peers(rnd, time.monotonic())
-            if lost is not None:
-                return Failure("peer", f"node with group rank {lost} went silent for {self.cfg.peer_timeout:g}s",
-                               node=self.node)
-        now = time.monotonic()
+            if now >= self._next_peer_beat:
+                self._next_peer_beat = now + min(PEER_BEAT_EVERY, self.cfg.peer_timeout / 10)
+                lost = self.rdzv.beat_and_check_peers(rnd, now)
+                if lost is not None:
+                    return Failure("peer", f"node with group rank {lost} went silent for {self.cfg.peer_timeout:g}s",
+                                   node=self.node)
         if rnd.group_world_size < self.cfg.max_nodes and now - self._last_waiting_check > 1.0:
             self._last_waiting_check = now
             waiting = self.rdzv.nodes_waiting()
@@ -531,7 +575,7 @@ class Agent:
         backoff is for crash loops, and a job that trained for hours must not pay 30 s per crash."""
         if time.monotonic() - self._attempt_started >= self.cfg.restart_backoff_max:
             return True
-        beats = [health.read(str(w.heartbeat_path)) for w in self.workers]
+        beats = [self._beat(w) for w in self.workers]
         return bool(beats) and all(b and b.beats for b in beats)
 
     def _sleep(self, seconds: float) -> None:
@@ -565,6 +609,7 @@ class Agent:
         self.event("workers_stopped", seconds=round(time.monotonic() - t0, 3),
                    exits={w.global_rank: w.exit_code for w in self.workers}, unkillable=stuck)
         self.workers = []
+        self._close_watches()
         if self.round is not None:
             self.round.close()
 
@@ -587,15 +632,6 @@ class Agent:
             fields["first_failure"] = self.first_failure.summary()
         self.set_state(state, **fields)
         return code
-
-
-def _rss(pid: int) -> int | None:
-    try:
-        import psutil
-
-        return psutil.Process(pid).memory_info().rss
-    except Exception:  # noqa: BLE001 - the process may be gone
-        return None
 
 
 def serve(cfg: Config, run_dir: Path) -> int:

@@ -24,8 +24,7 @@ from dataclasses import dataclass
 _LAYOUT = struct.Struct("<4sIqqdddddd")
 MAGIC = b"EDHB"
 SIZE = 128
-_BEATS = 8  # offset of the beats counter, after magic and version
-_FIELDS = struct.Struct("<qqd")  # beats, step, last
+_BEATS, _STEP, _LAST, _FIRST = 8, 16, 24, 32  # offsets of the fields a beat writes
 MARKS = {"exiting": 40, "pg_ready": 48, "state_loaded": 56, "abandon": 64}  # offsets
 EXIT_TIMEOUT = 60.0  # the least time a finished rank gets to leave the interpreter
 
@@ -49,17 +48,49 @@ def create(path: str) -> None:
 
 
 def read(path: str) -> Beat | None:
+    reader = Reader(path)
     try:
-        with open(path, "rb") as f:
-            data = f.read(_LAYOUT.size)
-    except OSError:
-        return None
-    if len(data) < _LAYOUT.size:
-        return None
-    magic, _version, beats, step, last, first, *marks = _LAYOUT.unpack(data)
-    if magic != MAGIC:
-        return None
-    return Beat(beats, step, last, first, *marks)
+        return reader.read()
+    finally:
+        reader.close()
+
+
+class Reader:
+    """Daemon side: one rank's heartbeat file held open, so the monitor loop reads it with a
+    pread per tick instead of open/read/close (the loop runs ten times a second, for days)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._fd: int | None = None
+
+    def read(self) -> Beat | None:
+        """The fields as of one instant: a read that a beat overlapped can mix old and new bytes
+        (a step count of 0, a last beat at 0.0: "silent for hours"), so read until two reads agree."""
+        if self._fd is None:
+            try:
+                self._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                return None
+        try:
+            data = os.pread(self._fd, _LAYOUT.size, 0)
+            for _ in range(10):
+                again = os.pread(self._fd, _LAYOUT.size, 0)
+                if again == data:
+                    break
+                data = again
+        except OSError:
+            return None
+        if len(data) < _LAYOUT.size:
+            return None
+        magic, _version, beats, step, last, first, *marks = _LAYOUT.unpack(data)
+        if magic != MAGIC:
+            return None
+        return Beat(beats, step, last, first, *marks)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 def mark(path: str, name: str) -> None:
@@ -80,7 +111,11 @@ def mark(path: str, name: str) -> None:
 
 
 class Writer:
-    """Worker side. Opened once; `beat()` only writes into shared memory."""
+    """Worker side. Opened once; `beat()` only writes into shared memory.
+
+    Each field is one aligned 8-byte store through a native-order view (every platform torch
+    runs on is little-endian, as the layout): struct.pack_into would zero the fields before
+    writing them, and a daemon reading in between would see a rank that never beat."""
 
     def __init__(self, path: str):
         fd = os.open(path, os.O_RDWR)
@@ -88,6 +123,8 @@ class Writer:
             self._map = mmap.mmap(fd, SIZE)
         finally:
             os.close(fd)
+        self._ints = memoryview(self._map).cast("q")
+        self._floats = memoryview(self._map).cast("d")
         self.beats = 0
         self.step = -1
         self._explicit = False  # once the script names its step, automatic beats keep it
@@ -100,8 +137,10 @@ class Writer:
         elif not self._explicit:
             self.step += 1
         if self.beats == 1:
-            struct.pack_into("<d", self._map, _BEATS + _FIELDS.size, now)
-        _FIELDS.pack_into(self._map, _BEATS, self.beats, self.step, now)
+            self._floats[_FIRST // 8] = now
+        self._floats[_LAST // 8] = now
+        self._ints[_STEP // 8] = self.step
+        self._ints[_BEATS // 8] = self.beats
 
 
 def marked(path: str | None, name: str) -> bool:
@@ -146,8 +185,63 @@ def process_verdict(pid: int) -> str | None:
         status = psutil.Process(pid).status()
     except psutil.Error:
         return None
+    return _status_verdict(status)
+
+
+def _status_verdict(status: str) -> str | None:
+    import psutil
+
     if status in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP):
         return f"process stopped (state T, status {status})"
     if status == psutil.STATUS_ZOMBIE:
         return "process is a zombie"
     return None
+
+
+class ProcessWatch:
+    """Daemon side: one worker's /proc/<pid>/stat and statm held open and read with a pread,
+    where psutil would build a Process and open and parse the file (per worker, ten times a
+    second). An open file pins the process: once it is reaped, reads fail (no verdict, no size)
+    rather than describe a new process that reused the pid."""
+
+    # proc(5) state letters that mean "will never beat again", named as psutil names them
+    _STATUS = {b"T": "stopped", b"t": "tracing-stop", b"Z": "zombie"}
+    _PAGE = os.sysconf("SC_PAGE_SIZE")
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self._stat = self._open("stat")
+        self._statm = self._open("statm")
+
+    def _open(self, name: str) -> int | None:
+        try:
+            return os.open(f"/proc/{self.pid}/{name}", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return None  # already gone: nothing to judge
+
+    @staticmethod
+    def _read(fd: int | None) -> bytes:
+        if fd is None:
+            return b""
+        try:
+            return os.pread(fd, 4096, 0)
+        except OSError:
+            return b""
+
+    def verdict(self) -> str | None:
+        """process_verdict, for this process."""
+        data = self._read(self._stat)
+        end = data.rfind(b")")  # the command name before it may hold spaces and parentheses
+        status = self._STATUS.get(data[end + 2:end + 3]) if end >= 0 else None
+        return _status_verdict(status) if status else None
+
+    def rss(self) -> int | None:
+        """Resident set size in bytes (what psutil's memory_info().rss reads), None once gone."""
+        fields = self._read(self._statm).split()
+        return int(fields[1]) * self._PAGE if len(fields) > 1 else None
+
+    def close(self) -> None:
+        for fd in (self._stat, self._statm):
+            if fd is not None:
+                os.close(fd)
+        self._stat = self._statm = None

@@ -358,12 +358,16 @@ def dump_stacks(workers: list[Worker], sig_name: str, wait: float = 1.0) -> list
 class Tee:
     """Echo new lines of the rank logs to the daemon's stdout, prefixed with the rank.
 
-    One thread polls the files, so workers write straight to disk and are never slowed by us."""
+    One thread polls the files, so workers write straight to disk and are never slowed by us.
+    Each file stays open while followed: a poll with nothing new is one pread per file. Polls
+    come every `interval` while output flows and back off to `idle_interval` while it does not:
+    each wake-up costs the daemon CPU, and a quiet job should cost next to nothing to watch."""
 
-    def __init__(self, out=None, interval: float = 0.05):
+    def __init__(self, out=None, interval: float = 0.05, idle_interval: float = 0.25):
         self._out = out or sys.stdout
         self._interval = interval
-        self._files: dict[Path, list] = {}  # path -> [prefix, offset, partial]
+        self._idle_interval = idle_interval
+        self._files: dict[Path, list] = {}  # path -> [prefix, offset, partial, fd or None until it exists]
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="elasticd-tee", daemon=True)
@@ -373,14 +377,16 @@ class Tee:
 
     def follow(self, path: Path, prefix: str) -> None:
         with self._lock:
-            self._files[path] = [prefix, path.stat().st_size if path.exists() else 0, b""]
+            self._files[path] = [prefix, path.stat().st_size if path.exists() else 0, b"", None]
 
     def forget(self, paths: list[Path]) -> None:
         """Print what is left of these files (their last lines) and stop following them."""
         with self._lock:
             for p in paths:
                 self._pump(p, final=True)
-                self._files.pop(p, None)
+                entry = self._files.pop(p, None)
+                if entry is not None and entry[3] is not None:
+                    os.close(entry[3])
 
     def close(self) -> None:
         self._stop.set()
@@ -389,22 +395,26 @@ class Tee:
         self.forget(list(self._files))
 
     def _run(self) -> None:
-        while not self._stop.wait(self._interval):
+        wait = self._interval
+        while not self._stop.wait(wait):
             with self._lock:
-                for p in list(self._files):
-                    self._pump(p)
+                flowing = [self._pump(p) for p in list(self._files)]
+            wait = self._interval if any(flowing) else min(2 * wait, self._idle_interval)
 
-    def _pump(self, path: Path, final: bool = False) -> None:
+    def _pump(self, path: Path, final: bool = False) -> bool:
+        """Echo what the file gained since the last call; whether it gained anything."""
         entry = self._files.get(path)
         if entry is None:
-            return
-        prefix, offset, partial = entry
+            return False
+        prefix, offset, partial, fd = entry
         try:
-            with open(path, "rb") as f:
-                f.seek(offset)
-                data = f.read(1 << 20)
+            if fd is None:  # a warm spare opens its rank's log itself, maybe after follow()
+                fd = entry[3] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            data = os.pread(fd, 1 << 20, offset)
         except OSError:
-            return
+            return False
+        if not data and not final:
+            return False
         entry[1] = offset + len(data)
         data = partial + data
         lines = data.split(b"\n")
@@ -419,3 +429,4 @@ class Tee:
                 self._out.flush()
             except (OSError, ValueError):
                 pass
+        return bool(data)

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import time
+
+import psutil
+from harness import ROOT, wait_until
 
 from elasticd import health
 
@@ -47,3 +54,47 @@ def test_startup_timeout_applies_only_when_beats_are_expected(tmp_path):
     (tmp_path / "bad").write_bytes(b"junk" * 20)
     assert health.read(str(tmp_path / "bad")) is None
     assert health.read(str(tmp_path / "missing")) is None
+
+
+def test_reads_never_see_a_beat_half_written(tmp_path):
+    """A rank beating flat out while the daemon reads: every read after the first beat has a
+    step count and a last-beat time (struct.pack_into zero-filled the fields mid-beat, which the
+    daemon read as "silent for hours" and restarted a healthy job)."""
+    path = str(tmp_path / "hb")
+    health.create(path)
+    prog = f"from elasticd import health\nw = health.Writer({path!r})\nwhile True: w.beat()\n"
+    p = subprocess.Popen([sys.executable, "-c", prog], cwd=ROOT)
+    reader = health.Reader(path)
+    try:
+        wait_until(lambda: (b := reader.read()) and b.beats, 30, what="the first beat")
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            b = reader.read()
+            assert b.beats > 0 and b.last > 0.0 and b.first > 0.0 and b.step in (b.beats - 1, b.beats), b
+    finally:
+        p.kill()
+        p.wait()
+        reader.close()
+
+
+def test_process_watch_sees_stopped_and_zombie_and_nothing_once_reaped():
+    p = subprocess.Popen([sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)"],
+                         stdout=subprocess.PIPE)
+    watch = health.ProcessWatch(p.pid)
+    try:
+        assert p.stdout.readline() == b"up\n"  # started: its size no longer changes
+        assert watch.verdict() is None
+        assert watch.rss() == psutil.Process(p.pid).memory_info().rss
+        os.kill(p.pid, signal.SIGSTOP)
+        wait_until(watch.verdict, 5, what="state T")
+        assert watch.verdict() == health.process_verdict(p.pid) == "process stopped (state T, status stopped)"
+        os.kill(p.pid, signal.SIGKILL)
+        wait_until(lambda: watch.verdict() == "process is a zombie", 5, what="the zombie")
+        p.wait()
+        assert watch.verdict() is None and watch.rss() is None  # never a process that reuses the pid
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        p.stdout.close()
+        watch.close()

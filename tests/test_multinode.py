@@ -118,3 +118,22 @@ def test_restart_budget_is_per_job(daemons):
         assert "injected failure at step 2" in n.stderr(), n.stderr()[-2000:]
     runs = sum(len(n.attempt_dirs()) for n in (a, b))
     assert runs == 2 * 3  # the first attempt plus 2 restarts, on each node: 2 restarts for the whole job
+
+
+def test_rendezvous_events_are_named_without_walking_the_stack():
+    """torch names every rendezvous event after the caller of its _record() with two
+    inspect.stack() calls, several times a second from the keep-alive timer: ours gives the same
+    name from the frame alone."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    from elasticd import rendezvous
+
+    def _record():
+        return dynamic_rendezvous.get_method_name()
+
+    def keep_alive():
+        return _record()
+
+    assert dynamic_rendezvous.get_method_name is rendezvous._method_name
+    assert keep_alive() == "keep_alive"
+    assert dynamic_rendezvous.get_method_name(10_000) == "no_method_name"
