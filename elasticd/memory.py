@@ -261,7 +261,8 @@ class _Slot:
             with contextlib.suppress(BufferError):  # a view still alive somewhere: let it go
                 self.mm.close()
         os.posix_fallocate(self.fd, 0, size)  # ENOSPC here, not SIGBUS on a store later
-        self.mm = mmap.mmap(self.fd, size)
+        populate = getattr(mmap, "MAP_POPULATE", 0)  # page tables filled now, not on each refresh's first touch
+        self.mm = mmap.mmap(self.fd, size, flags=mmap.MAP_SHARED | populate)
         self.size = size
 
     def set_valid(self, valid: int) -> None:
