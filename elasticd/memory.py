@@ -358,22 +358,13 @@ def _invalidate(file: str) -> None:
         f.write(bytes(8))
 
 
-def _mine(path: str, local_rank: int, world: int, rank: int) -> dict[int, int]:
-    """step -> slot index of this local rank's valid slots written at this world size and rank."""
+def _held(path: str, local_rank: int, world: int, rank: int | None = None) -> dict[int, int]:
+    """step -> slot index of a local rank's valid slots written at this world size (and, when
+    given, by this global rank). Local rank 0's hold the node's whole state."""
     out = {}
     for k in range(SLOTS):
         h = header(slot_path(path, local_rank, k))
-        if h and h["world"] == world and h["rank"] == rank:
-            out[h["step"]] = k
-    return out
-
-
-def _node(path: str, world: int) -> dict[int, int]:
-    """step -> slot index of local rank 0's whole states at this world size."""
-    out = {}
-    for k in range(SLOTS):
-        h = header(slot_path(path, 0, k))
-        if h and h["world"] == world:
+        if h and h["world"] == world and rank in (None, h["rank"]):
             out[h["step"]] = k
     return out
 
@@ -382,7 +373,7 @@ def steps(path: str | None, *, world: int, rank: int, local_rank: int) -> list[i
     """Steps this rank could resume from: the node's whole state and its own RNG, same world size."""
     if not path:
         return []
-    return sorted(set(_node(path, world)) & set(_mine(path, local_rank, world, rank)), reverse=True)
+    return sorted(set(_held(path, 0, world)) & set(_held(path, local_rank, world, rank)), reverse=True)
 
 
 def _load_slot(file: str, step: int, world: int) -> Any:
@@ -418,7 +409,7 @@ def _load_slot(file: str, step: int, world: int) -> Any:
 
 def read(path: str, step: int, *, world: int, rank: int, local_rank: int) -> dict[str, Any]:
     """The state at `step` with this rank's RNG in place (the other ranks' entries are None)."""
-    node, mine = _node(path, world), _mine(path, local_rank, world, rank)
+    node, mine = _held(path, 0, world), _held(path, local_rank, world, rank)
     if step not in node or step not in mine:
         raise ValueError(f"in-memory state at step {step} is gone")
     body = _load_slot(slot_path(path, 0, node[step]), step, world)
@@ -434,7 +425,7 @@ def read(path: str, step: int, *, world: int, rank: int, local_rank: int) -> dic
 def keep_only(path: str, *, local_rank: int, world: int, rank: int, step: int | None) -> None:
     """Invalidate this local rank's slots except the one holding `step` (None: all of them), so
     that no state of an abandoned timeline can be mixed with the one resumed from."""
-    keep = _mine(path, local_rank, world, rank).get(step) if step is not None else None
+    keep = _held(path, local_rank, world, rank).get(step) if step is not None else None
     for k in range(SLOTS):
         if k != keep:
             _invalidate(slot_path(path, local_rank, k))
