@@ -1,13 +1,16 @@
 """Steady state: step time under elasticd vs torchrun on the same script, and the launcher's CPU.
 
-Each launcher trains bench/step_logger.py with 2 workers for --steps steps (no sleep between
-steps); the median step interval of rank 0 after --skip warm-up steps is compared, and the
-launcher process's own CPU time (not its workers') over those same steps is divided by their wall time.
-Launchers alternate for --rounds rounds so drift on the machine hits both alike. The script
-checkpoints as in bench/recovery.py, so elasticd's step time includes its per-step in-memory state;
-`elasticd --no-memory-state` shows the launcher alone.
+Each launcher trains bench/step_logger.py with 2 workers (no sleep between steps) on two
+workloads: `tiny`, the recovery benchmark's model (a few ms per step, dominated by process
+wake-ups on a small machine), and `compute`, a 1024-wide MLP on a 128 batch (tens of ms of real
+compute and an 8 MB gradient all-reduce per step). The median step interval of rank 0 after
+--skip steps is compared, and the launcher process's own CPU time (not its workers') over those
+same steps is divided by their wall time. Launchers alternate within each round so drift on the
+machine hits all alike; the table gives the median over rounds and the median and range of the
+per-round ratios to torchrun. The script checkpoints as in bench/recovery.py, so `elasticd`
+includes its per-step in-memory state; `elasticd --no-memory-state` is the launcher alone.
 
-    python bench/steady.py --steps 1500 --rounds 3
+    python bench/steady.py --rounds 5
 """
 
 from __future__ import annotations
@@ -24,23 +27,27 @@ import psutil
 
 from recovery import HERE, launcher_cmd, read_steps
 
-
 VARIANTS = {
     "elasticd": ("elasticd", ()),
     "elasticd --no-memory-state": ("elasticd", ("--no-memory-state",)),
     "torchrun": ("torchrun", ()),
 }
+WORKLOADS = {  # name: (environment, steps, steps skipped)
+    "tiny": ({}, 1500, 100),
+    "compute": ({"BENCH_WIDTH": "1024", "BENCH_DEPTH": "2", "BENCH_BATCH": "128"}, 300, 20),
+}
 
 
-def one_run(variant: str, steps: int, skip: int, ckpt_every: int) -> tuple[float, float]:
-    """Median step interval of rank 0 after `skip` steps, and the launcher's own CPU use (% of
-    one core) over those same steps, start-up excluded."""
+def one_run(variant: str, workload: str, ckpt_every: int) -> tuple[float, float]:
+    """Median step interval of rank 0 after the skipped steps, and the launcher's own CPU use
+    (% of one core) over those same steps, start-up excluded."""
     kind, extra = VARIANTS[variant]
+    knobs, steps, skip = WORKLOADS[workload]
     with tempfile.TemporaryDirectory(prefix=f"bench-steady-{kind}-") as tmp:
         workdir = Path(tmp)
         out = workdir / "steps.txt"
         env = dict(os.environ, BENCH_OUT=str(out), BENCH_STEPS=str(steps), BENCH_STEP_TIME="0",
-                   BENCH_CKPT_DIR=str(workdir / "ckpt"), BENCH_CKPT_EVERY=str(ckpt_every))
+                   BENCH_CKPT_DIR=str(workdir / "ckpt"), BENCH_CKPT_EVERY=str(ckpt_every), **knobs)
         with open(workdir / "launcher.log", "wb") as log:
             proc = subprocess.Popen(launcher_cmd(kind, 0, workdir, extra), env=env, stdout=log, stderr=log,
                                     cwd=HERE.parent, start_new_session=True)
@@ -63,29 +70,34 @@ def one_run(variant: str, steps: int, skip: int, ckpt_every: int) -> tuple[float
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=1500)
-    p.add_argument("--skip", type=int, default=100)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated: " + ", ".join(WORKLOADS))
     p.add_argument("--ckpt-every", type=int, default=500,
                    help="disk checkpoint cadence; elasticd also refreshes the in-memory state every step")
     args = p.parse_args()
-    step: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    cpu: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    workloads = args.workloads.split(",")
+    step = {(w, v): [] for w in workloads for v in VARIANTS}
+    cpu = {(w, v): [] for w in workloads for v in VARIANTS}
     for r in range(args.rounds):
-        for variant in VARIANTS:
-            s, c = one_run(variant, args.steps, args.skip, args.ckpt_every)
-            step[variant].append(s)
-            cpu[variant].append(c)
-            print(f"  round {r + 1} {variant}: step {1e3 * s:.3f} ms, launcher CPU {100 * c:.2f}% of a core",
-                  flush=True)
+        for w in workloads:
+            for variant in VARIANTS:
+                s, c = one_run(variant, w, args.ckpt_every)
+                step[w, variant].append(s)
+                cpu[w, variant].append(c)
+                print(f"  round {r + 1} {w} {variant}: step {1e3 * s:.3f} ms, launcher CPU {100 * c:.2f}% of a core",
+                      flush=True)
     print()
-    print(f"steady state, 2 workers, {os.cpu_count()} cores, torch CPU/gloo, {args.steps} steps x {args.rounds} rounds "
-          f"(median per variant; launcher CPU over the steps after the first {args.skip})")
-    base = statistics.median(step["torchrun"])
-    print(f"{'launcher':<28} {'step ms':>8} {'vs torchrun':>12} {'launcher CPU % of a core':>25}")
-    for variant in VARIANTS:
-        m = statistics.median(step[variant])
-        print(f"{variant:<28} {1e3 * m:>8.3f} {m / base:>11.3f}x {100 * statistics.median(cpu[variant]):>24.2f}%")
+    print(f"steady state, 2 workers, {os.cpu_count()} cores, torch CPU/gloo, {args.rounds} rounds "
+          "(median over rounds; ratio: median and range of the per-round ratios to torchrun)")
+    print(f"{'workload':<9} {'launcher':<28} {'step ms':>8} {'vs torchrun':>12} {'per-round range':>17} "
+          f"{'launcher CPU':>13}")
+    for w in workloads:
+        base = step[w, "torchrun"]
+        for variant in VARIANTS:
+            ratios = [a / b for a, b in zip(step[w, variant], base)]
+            print(f"{w:<9} {variant:<28} {1e3 * statistics.median(step[w, variant]):>8.3f} "
+                  f"{statistics.median(ratios):>11.3f}x {min(ratios):>8.3f}-{max(ratios):.3f}x "
+                  f"{100 * statistics.median(cpu[w, variant]):>12.2f}%")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """The benchmark's training script, the same for elasticd and torchrun.
 
-A small DDP model trained on synthetic data; after every optimizer step each rank appends
+A small DDP model trained on synthetic data (64 -> $BENCH_WIDTH (256) x $BENCH_DEPTH (1) -> 1, batch
+$BENCH_BATCH (32)); BENCH_WIDTH=1024 BENCH_DEPTH=3 BENCH_BATCH=256 gives a step with real compute; after every optimizer step each rank appends
 `pid rank restart step wall_time` to $BENCH_OUT (O_APPEND lines, so concurrent ranks never tear).
 When the file $BENCH_HANG_FLAG.<rank> appears, that rank deletes it and spins forever.
 
@@ -25,9 +26,14 @@ def main():
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
-    model = DDP(nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 1)))
+    width = int(os.environ.get("BENCH_WIDTH", "256"))  # bigger: a step with real compute
+    depth = int(os.environ.get("BENCH_DEPTH", "1"))
+    batch = int(os.environ.get("BENCH_BATCH", "32"))
+    dims = [64] + [width] * depth
+    layers = [m for a, b in zip(dims, dims[1:]) for m in (nn.Linear(a, b), nn.ReLU())]
+    model = DDP(nn.Sequential(*layers, nn.Linear(width, 1)))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    x, y = torch.randn(32, 64), torch.randn(32, 1)
+    x, y = torch.randn(batch, 64), torch.randn(batch, 1)
     mgr, first, snapshot = None, 1, None
     every = int(os.environ.get("BENCH_CKPT_EVERY", "50"))
     if os.environ.get("BENCH_CKPT_DIR") and os.environ.get("BENCH_CKPT_MODE") == "handwritten":

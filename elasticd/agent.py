@@ -51,6 +51,7 @@ class State(str, enum.Enum):
 EXIT_OK, EXIT_FAILED = 0, 1
 PUBLISH_EVERY = 0.5  # seconds between status snapshots while running
 RESUME_READ_EVERY = 2.0  # seconds between reads of the checkpoint and in-memory state for status
+SPARE_WAIT = 20.0  # seconds a start waits for spares still being forked (a cold start takes as long)
 PEER_BEAT_EVERY = 1.0  # seconds between liveness beats to peers, and at most a tenth of --peer-timeout
 
 
@@ -145,7 +146,8 @@ class Agent:
         self.notify = None  # elasticd.systemd once serve() wires it
         self._next_watchdog = 0.0
         self.tee = workers.Tee() if cfg.tee else None
-        self.spares: list = []  # warm interpreters waiting for a rank (workers.start_spare)
+        self.spares: list[workers.Spare] = []  # warm processes waiting for a rank
+        self.forkserver: workers.ForkServer | None = None  # forks the spares (fresh interpreters where unfit)
         self.memory_dir: str | None = None  # in-memory state directory (elasticd.memory), ours to remove
         self._spares_due: float | None = None
         # Recovery timeline of the latest restart: monotonic marks, reported once every rank stepped.
@@ -298,10 +300,13 @@ class Agent:
     def run(self) -> int:
         """Run the job to the end; returns the daemon's exit code."""
         logs.bind(run_id=self.cfg.rdzv_id, node=self.node)
-        workers.make_subreaper()
+        reaper = workers.make_subreaper()  # a fork server's spares are reparented to us
         if self.tee:
             self.tee.start()
         self.set_state(State.RENDEZVOUS)
+        if self.cfg.warm_spawn and reaper:
+            self.forkserver = workers.ForkServer(self.token, self.cfg.nproc_per_node, self.cfg.preload,
+                                                 self.run_dir / "spares.log")
         self._top_up_spares()  # they import torch while the nodes meet
         self.memory_dir = memory.create(self.cfg.rdzv_id) if self.cfg.memory_state else None
         if self.memory_dir:
@@ -318,19 +323,49 @@ class Agent:
         finally:
             self._teardown(0.0)
             workers.discard_spares(self.spares)
+            if self.forkserver:
+                self.forkserver.close()
             memory.remove(self.memory_dir)  # workers are gone: nobody resumes from it any more
             if self.tee:
                 self.tee.close()
         return code
 
     def _top_up_spares(self) -> None:
+        """Ask the fork server for the spares missing, or start fresh interpreters where it is unfit."""
         if not self.cfg.warm_spawn:
             return
-        self.spares = [p for p in self.spares if p.poll() is None]
-        while len(self.spares) < self.cfg.nproc_per_node:
+        self._collect_spares()
+        self.spares = [p for p in self.spares if p.proc.poll() is None]
+        fs = self.forkserver
+        missing = self.cfg.nproc_per_node - len(self.spares) - (fs.pending if fs else 0)
+        if fs:
+            fs.request(missing)
+        for _ in range(missing if not fs else 0):
             self.spares.append(workers.start_spare(self.token, self.cfg.nproc_per_node, self.cfg.preload,
                                                    self.run_dir / "spares.log"))
         self._spares_due = None
+
+    def _keep(self) -> frozenset[int]:
+        """Processes a teardown sweep must spare: the spares and their fork server."""
+        keep = {p.pid for p in self.spares}
+        if self.forkserver:
+            keep.add(self.forkserver.proc.pid)
+        return frozenset(keep)
+
+    def _collect_spares(self, timeout: float = 0.0) -> None:
+        """Take the spares the fork server forked; if it quit, say why and fall back."""
+        fs = self.forkserver
+        if fs is None:
+            return
+        if fs.pending:
+            self.spares += fs.collect(timeout)
+        if not fs.usable:
+            self.event("fork_server_off", level="warning",
+                       reason=fs.unfit or workers.describe_exit(fs.proc.poll() or 0),
+                       fallback="warm spares are fresh interpreters importing torch themselves")
+            fs.close()
+            self.forkserver = None
+            self._top_up_spares()
 
     def _after_start_up(self, now: float) -> None:
         """Once every new worker has stepped (first beat): report the recovery timeline and
@@ -369,6 +404,7 @@ class Agent:
             # RUNNING: act on exits, hangs and peers.
             self._wait(cfg.monitor_interval)
             self._tick()
+            self._collect_spares()
             self._drain_inbox()
             if self.stop_requested is not None:
                 continue
@@ -449,10 +485,13 @@ class Agent:
             stack_signal=self.cfg.stack_signal, checkpoint_dir=self.cfg.checkpoint_dir,
             extra_env={memory.ENV: self.memory_dir} if self.memory_dir else {},
         )
+        self._collect_spares(SPARE_WAIT)  # at the first start, the fork server may still be importing
         self.workers = workers.spawn(spec, self.spares)
         if self._timeline:
             self._timeline["spawned"] = time.monotonic()
-        if self.cfg.warm_spawn:
+        if self.forkserver:
+            self._top_up_spares()  # a fork each: nothing the starting workers would notice
+        elif self.cfg.warm_spawn:
             self._spares_due = time.monotonic() + 10.0
         for w in self.workers:
             if self.tee:
@@ -603,7 +642,7 @@ class Agent:
             for w in self.workers:
                 health.mark(str(w.heartbeat_path), "abandon")
         stuck = workers.stop(self.workers, self.token, 0.0 if self.force else grace, self.cfg.kill_timeout,
-                             keep=frozenset(p.pid for p in self.spares), cut_short=lambda: self.force)
+                             keep=self._keep(), cut_short=lambda: self.force)
         if self.tee:
             self.tee.forget([w.log_path for w in self.workers])
         self.event("workers_stopped", seconds=round(time.monotonic() - t0, 3),

@@ -194,17 +194,23 @@ def run_entrypoint(entrypoint: str, args: list[str]) -> None:
                      __spec__=spec, __loader__=spec.loader)
 
 
-def wait_for_rank() -> list[str] | None:
-    """Warm spare: import the heavy modules now, then block until the daemon sends this
-    process its rank's environment, arguments and log file (one JSON line on stdin).
-
-    Afterwards the process looks like a cold worker to the script: the same environment,
-    argv, stdout/stderr on the rank's log, stdin on /dev/null. None on EOF (spare discarded)."""
+def preload() -> None:
+    """Import what ELASTICD_WARM_PRELOAD lists (a warm spare, or the fork server of spares)."""
     for name in filter(None, os.environ.get("ELASTICD_WARM_PRELOAD", "").split(",")):
         try:
             importlib.import_module(name)
         except Exception as e:  # noqa: BLE001 - the script will meet the same error cold
             print(f"elasticd warm spare: preloading {name} failed: {e!r}", file=sys.stderr, flush=True)
+
+
+def wait_for_rank() -> list[str] | None:
+    """Warm spare: import the heavy modules (if the fork server has not), then block until the
+    daemon sends this process its rank's environment, arguments and log file (one JSON line on
+    stdin).
+
+    Afterwards the process looks like a cold worker to the script: the same environment,
+    argv, stdout/stderr on the rank's log, stdin on /dev/null. None on EOF (spare discarded)."""
+    preload()
     line = sys.stdin.buffer.readline()
     if not line:
         return None

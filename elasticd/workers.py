@@ -7,16 +7,19 @@ ELASTICD_AGENT=<token> so a sweep finds every descendant, even one that left the
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 import psutil
 
@@ -50,11 +53,57 @@ class GroupSpec:
     extra_env: dict[str, str] = field(default_factory=dict)
 
 
+class Child:
+    """A process the daemon did not start itself but is the parent of (a fork server's spare,
+    reparented to the daemon as subreaper): Popen's pid, poll(), returncode, kill() and wait()."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # not ours after all (the daemon is no subreaper): gone
+                self.returncode = -signal.SIGKILL
+                return self.returncode
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0.0)
+            time.sleep(0.005)
+        assert self.returncode is not None
+        return self.returncode
+
+
+@dataclass
+class Spare:
+    """A warm process waiting for a rank: one JSON line on `job` hands it one (see bootstrap)."""
+
+    proc: subprocess.Popen | Child
+    job: BinaryIO
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+
 @dataclass
 class Worker:
     local_rank: int
     global_rank: int
-    proc: subprocess.Popen
+    proc: subprocess.Popen | Child
     log_path: Path
     error_path: Path
     stack_path: Path
@@ -125,8 +174,8 @@ def _paths(spec: GroupSpec, rank: int) -> dict[str, Path]:
     }
 
 
-def spawn(spec: GroupSpec, spares: list[subprocess.Popen] | None = None) -> list[Worker]:
-    """Start the local workers, handing ranks to warm spares first (see start_spare).
+def spawn(spec: GroupSpec, spares: list[Spare] | None = None) -> list[Worker]:
+    """Start the local workers, handing ranks to warm spares first (see start_spare, ForkServer).
 
     Call from the agent loop's thread: the parent-death signal the bootstrap arms fires when the
     *thread* that forked the child exits."""
@@ -159,50 +208,119 @@ def spawn(spec: GroupSpec, spares: list[subprocess.Popen] | None = None) -> list
     return workers
 
 
-def start_spare(token: str, nproc: int, preload: tuple[str, ...], log_path: Path) -> subprocess.Popen:
-    """A warm spare: a fresh interpreter (never a fork) that imports torch and `preload`, then
-    waits on stdin for its rank's environment and arguments. Handing it a rank skips interpreter
-    start-up and imports on a restart. It starts with the environment every worker shares, so
-    what is read at import or library load (OMP_NUM_THREADS, PYTHONUNBUFFERED) is already right."""
+def _spare_env(token: str, nproc: int, preload: tuple[str, ...]) -> dict[str, str]:
+    """The environment every worker shares, so what is read at import or library load
+    (OMP_NUM_THREADS, PYTHONUNBUFFERED) is already right in a warm process."""
     env = systemd.child_env(dict(os.environ))
     env.update(ELASTICD_AGENT=token, ELASTICD_DAEMON_PID=str(os.getpid()),
                ELASTICD_WARM_PRELOAD=",".join(preload))
     if nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
         env["OMP_NUM_THREADS"] = "1"
     env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def start_spare(token: str, nproc: int, preload: tuple[str, ...], log_path: Path) -> Spare:
+    """A warm spare that is a fresh interpreter (never a fork): it imports torch and `preload`,
+    then waits on stdin for its rank's environment and arguments. Handing it a rank skips
+    interpreter start-up and imports on a restart. The fallback where the fork server is unfit."""
     with open(log_path, "ab") as out:
-        return subprocess.Popen([sys.executable, "-m", "elasticd.bootstrap"], env=env,
+        proc = subprocess.Popen([sys.executable, "-m", "elasticd.bootstrap"], env=_spare_env(token, nproc, preload),
                                 stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True, close_fds=True)
+    assert proc.stdin is not None
+    return Spare(proc, proc.stdin)
 
 
-def _assign(spare: subprocess.Popen, env: dict[str, str], args: tuple[str, ...], log: Path):
+class ForkServer:
+    """Daemon side of elasticd.forkserver: asks for spares and collects them (pid and the write
+    end of the spare's job pipe) without blocking the agent loop."""
+
+    def __init__(self, token: str, nproc: int, preload: tuple[str, ...], log_path: Path) -> None:
+        self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            with open(log_path, "ab") as out:
+                self.proc = subprocess.Popen([sys.executable, "-m", "elasticd.forkserver"],
+                                             env=_spare_env(token, nproc, preload), stdin=theirs,
+                                             stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                             close_fds=True)
+        finally:
+            theirs.close()
+        self._sock.setblocking(False)
+        self.pending = 0  # spares asked for and not yet received
+        self.unfit: str | None = None  # the server's reason not to fork; it has quit
+
+    @property
+    def usable(self) -> bool:
+        return self.unfit is None and self.proc.poll() is None
+
+    def request(self, n: int) -> None:
+        for _ in range(n):
+            try:
+                self._sock.send(b"s")
+            except OSError:
+                return
+            self.pending += 1
+
+    def collect(self, timeout: float = 0.0) -> list[Spare]:
+        """The spares forked since the last call; with `timeout`, wait that long for all pending."""
+        got: list[Spare] = []
+        deadline = time.monotonic() + timeout
+        while self.pending and self.usable:
+            try:
+                msg, fds, _flags, _addr = socket.recv_fds(self._sock, 512, 1)
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    break
+                time.sleep(0.005)
+                continue
+            except OSError:
+                break
+            if not msg:
+                break
+            if msg.startswith(b"unfit "):
+                self.unfit = msg[6:].decode(errors="replace")
+                break
+            self.pending -= 1
+            if fds and msg != b"lost":
+                got.append(Spare(Child(int(msg)), os.fdopen(fds[0], "wb")))
+        return got
+
+    def close(self) -> None:
+        """The server exits when the connection closes; spares it forked belong to the daemon."""
+        self._sock.close()
+        try:
+            self.proc.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def _assign(spare: Spare, env: dict[str, str], args: tuple[str, ...], log: Path):
     """Give a spare its rank; None if it died meanwhile (then the caller takes another or a cold start)."""
-    if spare.poll() is not None:
+    if spare.proc.poll() is not None:
         return None
     try:
-        spare.stdin.write(json.dumps({"env": env, "args": list(args), "log": str(log)}).encode() + b"\n")
-        spare.stdin.close()
+        spare.job.write(json.dumps({"env": env, "args": list(args), "log": str(log)}).encode() + b"\n")
+        spare.job.close()
     except (BrokenPipeError, OSError):
-        spare.kill()
-        spare.wait()
+        spare.proc.kill()
+        spare.proc.wait()
         return None
-    return spare
+    return spare.proc
 
 
-def discard_spares(spares: list[subprocess.Popen]) -> None:
+def discard_spares(spares: list[Spare]) -> None:
     """Spares exit on EOF; kill any that do not."""
     for p in spares:
-        try:
-            p.stdin.close()
-        except OSError:
-            pass
+        with contextlib.suppress(OSError):
+            p.job.close()
     for p in spares:
         try:
-            p.wait(timeout=2)
+            p.proc.wait(timeout=2)
         except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+            p.proc.kill()
+            p.proc.wait()
     spares.clear()
 
 

@@ -52,6 +52,11 @@ def test_worker_environment_matches_torchrun(daemons, tmp_path):
         assert "NOTIFY_SOCKET" not in e and "WATCHDOG_USEC" not in e
         assert e["__name__"] == "__main__" and e["argv"][1:] == [str(out)]
         assert e["argv"][0].endswith(os.path.join("tests", "scripts", "dump_env.py"))
+        facts = e["facts"]  # warm (forked) workers: children of the daemon in their own session
+        assert facts["ppid"] == d.pid and facts["sid"] == facts["pid"] and facts["threads"] == 1, facts
+    for key in ("random", "numpy_random"):  # never the copied stream of the process they were forked from
+        values = [e["facts"].get(key) for e in envs]
+        assert values[0] != values[1], key
 
 
 def test_script_globals_live_until_shutdown_as_under_python(daemons, tmp_path):

@@ -1,0 +1,119 @@
+"""Warm spares forked from one interpreter that has already imported torch.
+
+A fresh interpreter importing torch costs a core a second or two; refilling the spares that way
+after every (re)start takes that CPU from the training workers for their first seconds (on a
+busy node, idle scheduling priority does not hide it: caches and memory bandwidth are shared).
+So the daemon starts one fork server per run, `python -m elasticd.forkserver`, which imports
+torch and the preload list once, while the nodes meet. For each spare the daemon asks for it
+forks twice: the grandchild is reparented to the daemon (a child subreaper), which then waits on
+it, signals it and reads its exit status as for any worker it started itself. The spare waits on
+a pipe whose write end travels to the daemon with its pid (SCM_RIGHTS), and takes its rank from
+there exactly as a fresh-interpreter spare does (bootstrap.take_rank). A refill costs a fork,
+tens of milliseconds.
+
+Forking is safe only from a process with one thread and no CUDA context: the server checks
+both before every fork and otherwise answers "unfit" with the reason and quits (for instance
+OMP_NUM_THREADS > 1 lets torch start its OpenMP pool at import); the daemon then falls back to
+fresh-interpreter spares. What a fork shares and a fresh process would not is reset in the
+spare: Python's `random` is reseeded by the interpreter at fork, numpy's global generator here.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+
+_REQUEST = b"s"
+
+
+def unfit_reason() -> str | None:
+    """Why this process must not fork a worker, or None."""
+    threads = len(os.listdir("/proc/self/task"))
+    if threads != 1:
+        return (f"the preloaded modules started {threads - 1} thread(s) (with OMP_NUM_THREADS > 1 torch "
+                "starts its OpenMP pool at import); forking would copy their locks mid-use")
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return "a preloaded module initialised CUDA; a forked child cannot use it"
+    return None
+
+
+def serve(conn: socket.socket) -> int | None:
+    """Fork a spare per request. Returns, in a spare only, the read end of its job pipe; in the
+    server, None once the daemon closes the connection or the server is unfit."""
+    while True:
+        try:
+            request = conn.recv(16)
+        except ConnectionError:
+            return None
+        if not request:
+            return None
+        why = unfit_reason()
+        if why:
+            conn.send(f"unfit {why}".encode())
+            return None
+        read_end, write_end = os.pipe()
+        report_r, report_w = os.pipe()
+        middle = os.fork()
+        if middle == 0:
+            spare = _fork_or_exit()
+            if spare == 0:
+                os.close(report_r)
+                os.close(report_w)
+                os.close(write_end)
+                conn.close()
+                return read_end
+            try:
+                os.write(report_w, str(spare).encode())
+            finally:
+                os._exit(0)
+        os.close(report_w)
+        os.close(read_end)
+        os.waitpid(middle, 0)  # once it is reaped, its child has been reparented to the daemon
+        pid = os.read(report_r, 32)
+        os.close(report_r)
+        if pid:
+            socket.send_fds(conn, [pid], [write_end])
+        else:
+            conn.send(b"lost")  # the fork failed or the middle was killed: the daemon stops waiting
+        os.close(write_end)
+
+
+def _fork_or_exit() -> int:
+    try:
+        return os.fork()
+    except OSError:
+        os._exit(1)  # the server sees no pid and sends nothing: the daemon asks again later
+
+
+def become_spare(read_end: int) -> None:
+    """In the grandchild: wait until reparented to the daemon, then look like a fresh process."""
+    daemon = int(os.environ["ELASTICD_DAEMON_PID"])
+    deadline = time.monotonic() + 10.0
+    while os.getppid() != daemon and time.monotonic() < deadline:
+        time.sleep(0.001)  # the middle process is exiting
+    np = sys.modules.get("numpy")
+    if np is not None:
+        np.random.seed()  # fresh entropy, as numpy's import gives a fresh interpreter
+    os.setsid()  # its own session and process group, as for a cold worker
+    os.dup2(read_end, 0)
+    os.close(read_end)
+
+
+def main() -> None:
+    from elasticd import bootstrap
+
+    bootstrap.die_with_daemon()
+    conn = socket.socket(fileno=0)  # a socketpair end; a spare's stdin becomes its job pipe
+    bootstrap.preload()
+    read_end = serve(conn)
+    if read_end is None:
+        return
+    become_spare(read_end)
+    bootstrap.main()  # dies with the daemon from here on, takes its rank from stdin
+
+
+if __name__ == "__main__":
+    main()

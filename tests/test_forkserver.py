@@ -1,0 +1,92 @@
+"""Warm spares forked from the fork server: a refill costs a fork, not an interpreter importing
+torch; where forking is unsafe the daemon falls back to fresh-interpreter spares."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+
+import psutil
+
+from harness import script, wait_until
+
+FAST = ("--restart-grace", "1", "--stop-grace", "5")
+
+
+def _forked_spares(daemon_pid: int, workers: set[int]) -> set[int]:
+    """Children of the daemon forked from the fork server (torch mapped, next to no CPU of their
+    own: a fresh interpreter spends a second or more of CPU importing torch) that are no worker."""
+    found = set()
+    for p in psutil.Process(daemon_pid).children():
+        try:
+            if p.pid in workers or "elasticd.forkserver" not in " ".join(p.cmdline()):
+                continue
+            cpu = p.cpu_times()
+            torch_mapped = any("libtorch" in m.path for m in p.memory_maps())
+        except psutil.Error:
+            continue
+        if torch_mapped and cpu.user + cpu.system < 0.5:
+            found.add(p.pid)
+    return found
+
+
+def _training_with_spares(daemons, tmp_path):
+    """A 2-worker job training, its workers (rank -> pid) and its two forked spares."""
+    d = daemons(script("ddp_tutorial.py"), "--nproc-per-node", "2", "--max-restarts", "2", *FAST,
+                args=["--steps", "100000", "--step-time", "0.02", "--snapshot", str(tmp_path / "snap.pt")])
+    d.wait_for_step(1, 3, timeout=60)
+    first = d.worker_pids()
+    spares = wait_until(lambda: s if len(s := _forked_spares(d.pid, set(first.values()))) == 2 else None,
+                        15, what="two forked spares after the start")
+    return d, first, spares
+
+
+def test_restart_takes_forked_spares_and_refills_with_forks(daemons, tmp_path):
+    d, first, spares = _training_with_spares(daemons, tmp_path)
+    os.kill(first[1], signal.SIGKILL)
+    wait_until(lambda: len(d.attempt_dirs()) == 2, 30, what="the restart")
+    for rank in (0, 1):
+        wait_until(lambda: re.search(r"^step \d+", d.log_text(rank, 2), re.M), 60,  # noqa: B023
+                   what=f"rank {rank} training after the restart")
+    second = d.worker_pids()
+    assert set(second.values()) == spares  # the ranks went to the waiting spares
+    for pid in second.values():
+        assert psutil.Process(pid).ppid() == d.pid
+    # the refill is two more forks, ready within seconds, while the workers train
+    wait_until(lambda: len(_forked_spares(d.pid, set(second.values())) - spares) == 2, 15,
+               what="two new forked spares after the restart")
+    assert not [e for e in d.events() if e.get("event") == "fork_server_off"]
+    d.kill(signal.SIGTERM)
+    assert d.wait(60) == 0, d.stderr()[-3000:]
+
+
+def test_fork_server_with_threads_falls_back_to_fresh_spares(daemons, tmp_path):
+    # With OMP_NUM_THREADS > 1 torch starts its OpenMP pool at import: no fork from there.
+    out = tmp_path / "env.json"
+    d = daemons("tests.scripts.dump_env", "--nproc-per-node", "2", args=[str(out)],
+                env={"OMP_NUM_THREADS": "2"})
+    assert d.wait(90) == 0, d.stderr()[-3000:]
+    off = [e for e in d.events() if e.get("event") == "fork_server_off"]
+    assert len(off) == 1 and "thread" in off[0]["reason"], off
+    envs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted(int(e["RANK"]) for e in envs) == [0, 1]
+    assert all(e["facts"]["ppid"] == d.pid for e in envs)
+
+
+def test_fork_server_killed_falls_back_and_restarts_still_work(daemons, tmp_path):
+    d, first, spares = _training_with_spares(daemons, tmp_path)
+    server = [p for p in psutil.Process(d.pid).children() if "elasticd.forkserver" in " ".join(p.cmdline())
+              and p.pid not in spares and p.pid not in first.values()]
+    assert len(server) == 1
+    server[0].kill()
+    wait_until(lambda: [e for e in d.events() if e.get("event") == "fork_server_off"], 15,
+               what="the daemon noticing the fork server is gone")
+    os.kill(first[0], signal.SIGKILL)
+    wait_until(lambda: len(d.attempt_dirs()) == 2, 30, what="the restart")
+    for rank in (0, 1):
+        wait_until(lambda: re.search(r"^step \d+", d.log_text(rank, 2), re.M), 90,  # noqa: B023
+                   what=f"rank {rank} training after the restart")
+    d.kill(signal.SIGTERM)
+    assert d.wait(60) == 0, d.stderr()[-3000:]
