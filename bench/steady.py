@@ -16,6 +16,7 @@ includes its per-step in-memory state; `elasticd --no-memory-state` is the launc
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import subprocess
@@ -38,34 +39,87 @@ WORKLOADS = {  # name: (environment, steps, steps skipped)
 }
 
 
-def one_run(variant: str, workload: str, ckpt_every: int) -> tuple[float, float]:
-    """Median step interval of rank 0 after the skipped steps, and the launcher's own CPU use
-    (% of one core) over those same steps, start-up excluded."""
+@dataclasses.dataclass
+class Run:
+    proc: subprocess.Popen
+    out: Path
+    samples: list  # (wall time, launcher CPU seconds)
+
+
+def launch(variant: str, workload: str, ckpt_every: int, workdir: Path, cpus: set[int] | None = None) -> Run:
+    """Start one launcher on the workload, pinned (with everything it starts) to `cpus`."""
     kind, extra = VARIANTS[variant]
-    knobs, steps, skip = WORKLOADS[workload]
-    with tempfile.TemporaryDirectory(prefix=f"bench-steady-{kind}-") as tmp:
-        workdir = Path(tmp)
-        out = workdir / "steps.txt"
-        env = dict(os.environ, BENCH_OUT=str(out), BENCH_STEPS=str(steps), BENCH_STEP_TIME="0",
-                   BENCH_CKPT_DIR=str(workdir / "ckpt"), BENCH_CKPT_EVERY=str(ckpt_every), **knobs)
-        with open(workdir / "launcher.log", "wb") as log:
-            proc = subprocess.Popen(launcher_cmd(kind, 0, workdir, extra), env=env, stdout=log, stderr=log,
-                                    cwd=HERE.parent, start_new_session=True)
-        me = psutil.Process(proc.pid)
-        samples = []  # (wall time, launcher CPU seconds)
-        while proc.poll() is None:
+    knobs, steps, _skip = WORKLOADS[workload]
+    out = workdir / "steps.txt"
+    env = dict(os.environ, BENCH_OUT=str(out), BENCH_STEPS=str(steps), BENCH_STEP_TIME="0",
+               BENCH_CKPT_DIR=str(workdir / "ckpt"), BENCH_CKPT_EVERY=str(ckpt_every), **knobs)
+    with open(workdir / "launcher.log", "wb") as log:
+        proc = subprocess.Popen(launcher_cmd(kind, 0, workdir, extra), env=env, stdout=log, stderr=log,
+                                cwd=HERE.parent, start_new_session=True,
+                                preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
+    return Run(proc, out, [])
+
+
+def watch(runs: list[Run]) -> None:
+    """Sample each launcher's own CPU time until every run has ended."""
+    while any(r.proc.poll() is None for r in runs):
+        for r in runs:
             try:
-                t = me.cpu_times()
-                samples.append((time.time(), t.user + t.system))
+                t = psutil.Process(r.proc.pid).cpu_times()
+                r.samples.append((time.time(), t.user + t.system))
             except psutil.Error:
                 pass
-            time.sleep(0.1)
-        rows = sorted((s, t) for pid, rank, _r, s, t in read_steps(out) if rank == 0)
-        gaps = [b[1] - a[1] for a, b in zip(rows, rows[1:]) if a[0] >= skip]
-        begin = next(t for s, t in rows if s >= skip)
-        window = [c for c in samples if begin <= c[0] <= rows[-1][1]]
-        cpu = (window[-1][1] - window[0][1]) / (window[-1][0] - window[0][0]) if len(window) > 1 else float("nan")
-        return statistics.median(gaps), cpu
+        time.sleep(0.1)
+
+
+def rank0_steps(run: Run) -> list[tuple[int, float]]:
+    return sorted((s, t) for _pid, rank, _r, s, t in read_steps(run.out) if rank == 0)
+
+
+def window(run: Run, skip: int) -> tuple[float, float]:
+    """From the wall time of step `skip` to the last step."""
+    rows = rank0_steps(run)
+    return next(t for s, t in rows if s >= skip), rows[-1][1]
+
+
+def measure(run: Run, begin: float, end: float) -> tuple[float, float]:
+    """Median step interval of rank 0 within [begin, end], and the launcher's own CPU use there
+    (share of one core)."""
+    times = [t for _s, t in rank0_steps(run) if begin <= t <= end]
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    w = [c for c in run.samples if begin <= c[0] <= end]
+    cpu = (w[-1][1] - w[0][1]) / (w[-1][0] - w[0][0]) if len(w) > 1 else float("nan")
+    return statistics.median(gaps), cpu
+
+
+def one_run(variant: str, workload: str, ckpt_every: int) -> tuple[float, float]:
+    """One launcher alone on the machine, start-up excluded."""
+    with tempfile.TemporaryDirectory(prefix="bench-steady-") as tmp:
+        run = launch(variant, workload, ckpt_every, Path(tmp))
+        watch([run])
+        return measure(run, *window(run, WORKLOADS[workload][2]))
+
+
+def paired_run(variant: str, workload: str, ckpt_every: int, swap: bool) -> tuple[tuple, tuple]:
+    """`variant` and torchrun at the same time, each on its own half of the CPUs (swapped every
+    other round), measured over the steps both ran in steady state: whatever the machine does
+    meanwhile (a neighbour, the hypervisor) hits both."""
+    cpus = sorted(os.sched_getaffinity(0))
+    halves = [set(cpus[:len(cpus) // 2]), set(cpus[len(cpus) // 2:])]
+    if swap:
+        halves.reverse()
+    with tempfile.TemporaryDirectory(prefix="bench-steady-a-") as a, \
+            tempfile.TemporaryDirectory(prefix="bench-steady-b-") as b:
+        runs = [launch(variant, workload, ckpt_every, Path(a), halves[0]),
+                launch("torchrun", workload, ckpt_every, Path(b), halves[1])]
+        watch(runs)
+        skip = WORKLOADS[workload][2]
+        spans = [window(r, skip) for r in runs]
+        begin, end = max(s[0] for s in spans), min(s[1] for s in spans)
+        if end - begin < 2.0:
+            raise SystemExit(f"{workload}: the two runs overlapped only {end - begin:.1f} s in steady state; "
+                             "raise the workload's step count")
+        return measure(runs[0], begin, end), measure(runs[1], begin, end)
 
 
 def main() -> None:
@@ -74,29 +128,46 @@ def main() -> None:
     p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated: " + ", ".join(WORKLOADS))
     p.add_argument("--ckpt-every", type=int, default=500,
                    help="disk checkpoint cadence; elasticd also refreshes the in-memory state every step")
+    p.add_argument("--paired", action="store_true",
+                   help="run each elasticd variant and torchrun at the same time on separate halves of the CPUs")
     args = p.parse_args()
     workloads = args.workloads.split(",")
     step = {(w, v): [] for w in workloads for v in VARIANTS}
     cpu = {(w, v): [] for w in workloads for v in VARIANTS}
+    ratios = {(w, v): [] for w in workloads for v in VARIANTS}
+
+    def record(r: int, w: str, variant: str, result: tuple[float, float], note: str = "") -> None:
+        step[w, variant].append(result[0])
+        cpu[w, variant].append(result[1])
+        print(f"  round {r + 1} {w} {variant}{note}: step {1e3 * result[0]:.3f} ms, "
+              f"launcher CPU {100 * result[1]:.2f}% of a core", flush=True)
+
     for r in range(args.rounds):
         for w in workloads:
+            if args.paired:
+                for variant in (v for v in VARIANTS if v != "torchrun"):
+                    mine, theirs = paired_run(variant, w, args.ckpt_every, swap=bool(r % 2))
+                    record(r, w, variant, mine)
+                    record(r, w, "torchrun", theirs, f" (beside {variant})")
+                    ratios[w, variant].append(mine[0] / theirs[0])
+                    ratios[w, "torchrun"].append(1.0)
+                continue
             for variant in VARIANTS:
-                s, c = one_run(variant, w, args.ckpt_every)
-                step[w, variant].append(s)
-                cpu[w, variant].append(c)
-                print(f"  round {r + 1} {w} {variant}: step {1e3 * s:.3f} ms, launcher CPU {100 * c:.2f}% of a core",
-                      flush=True)
+                record(r, w, variant, one_run(variant, w, args.ckpt_every))
+            for variant in VARIANTS:
+                ratios[w, variant].append(step[w, variant][-1] / step[w, "torchrun"][-1])
     print()
-    print(f"steady state, 2 workers, {os.cpu_count()} cores, torch CPU/gloo, {args.rounds} rounds "
+    how = ("each beside torchrun at the same time, on separate halves of the CPUs (swapped every other round)"
+           if args.paired else "one launcher at a time, alternating")
+    print(f"steady state, 2 workers, {os.cpu_count()} cores, torch CPU/gloo, {args.rounds} rounds, {how} "
           "(median over rounds; ratio: median and range of the per-round ratios to torchrun)")
     print(f"{'workload':<9} {'launcher':<28} {'step ms':>8} {'vs torchrun':>12} {'per-round range':>17} "
           f"{'launcher CPU':>13}")
     for w in workloads:
-        base = step[w, "torchrun"]
         for variant in VARIANTS:
-            ratios = [a / b for a, b in zip(step[w, variant], base)]
+            rs = ratios[w, variant]
             print(f"{w:<9} {variant:<28} {1e3 * statistics.median(step[w, variant]):>8.3f} "
-                  f"{statistics.median(ratios):>11.3f}x {min(ratios):>8.3f}-{max(ratios):.3f}x "
+                  f"{statistics.median(rs):>11.3f}x {min(rs):>8.3f}-{max(rs):.3f}x "
                   f"{100 * statistics.median(cpu[w, variant]):>12.2f}%")
 
 

@@ -47,6 +47,7 @@ import random
 import re
 import signal
 import socket
+import statistics
 import threading
 import time
 import uuid
@@ -876,12 +877,16 @@ class CheckpointManager:
     `last_stall` is that blocking time in seconds, `last_write` the background time.
     A failed save (disk full, unwritable directory) leaves the previous checkpoint intact and
     latest, removes its temporary file, is logged at once and raised as CheckpointError from the
-    next save()/wait()/close() (errors="raise") or only logged (errors="log")."""
+    next save()/wait()/close() (errors="raise") or only logged (errors="log").
+
+    Under elasticd, maybe_save() also refreshes the in-memory state (elasticd.memory): every
+    `memory_every` steps, or by default as often as keeps its cost under `memory_budget` of the
+    step time (every step unless the state is big for the step: memory.Cadence)."""
 
     def __init__(self, directory: str | os.PathLike | None = None, keep: int = 3,
                  every_steps: int | None = None, every_seconds: float | None = None, *,
                  handle_sigterm: bool = True, stop_timeout: float = 10.0, errors: str = "raise",
-                 sync_every: int = 1, memory_every: int | None = None,
+                 sync_every: int = 1, memory_every: int | None = None, memory_budget: float = 0.005,
                  memory_dir: str | os.PathLike | None = None):
         if keep < 1:
             raise ValueError(f"keep must be at least 1, got {keep}")
@@ -909,7 +914,15 @@ class CheckpointManager:
         # In-memory state (elasticd.memory): on by default under elasticd, which owns the directory.
         mem = memory_dir if memory_dir is not None else os.environ.get(memory.ENV)
         self.memory_dir = os.fspath(mem) if mem else None
-        self.memory_every = (1 if memory_every is None else int(memory_every)) if self.memory_dir else 0
+        if memory_every is not None and int(memory_every) < 0:
+            raise ValueError(f"memory_every must be a number of steps (0: off; None: follow memory_budget), "
+                             f"got {memory_every}")
+        if not 0 < memory_budget < 1:
+            raise ValueError(f"memory_budget is a share of step time, between 0 and 1 (0.005: 0.5%), "
+                             f"got {memory_budget}")
+        self._cadence = memory.Cadence(every=int(memory_every or 1),
+                                       budget=memory_budget if memory_every is None else None)
+        self.memory_every = self._cadence.every if self.memory_dir and memory_every != 0 else 0  # 0: off
         self.last_memory_stall = 0.0
         self._memory_writer: memory.Writer | None = None  # made at the first refresh, after loading
         self._memory_resumed: int | None = None  # the in-memory step load_latest() resumed from
@@ -998,6 +1011,8 @@ class CheckpointManager:
                 self._memory_writer.close()
                 self._memory_writer = None
         self.last_memory_stall = time.perf_counter() - t0
+        if self.memory_every:
+            self._cadence.costs.append(self.last_memory_stall)
         return self.last_memory_stall
 
     # -- saving ----------------------------------------------------------------------------------
@@ -1097,27 +1112,44 @@ class CheckpointManager:
         call (on other calls both are False), so every rank must call in the same pattern."""
         self._calls += 1
         local = [_stop.is_set() or self._stopping,
-                 self.every_seconds is not None and time.monotonic() - self._last_time >= self.every_seconds]
+                 self.every_seconds is not None and time.monotonic() - self._last_time >= self.every_seconds,
+                 self._cadence.proposal()]
         if _dist_on() and dist.get_world_size() > 1:
             if self._stopping:
-                flags = [True, False]  # agreed everywhere already; timers no longer matter
+                flags = [True, False, 0]  # agreed everywhere already; timers no longer matter
             elif self._calls % self.sync_every:
-                flags = [False, False]
+                flags = [False, False, 0]
             else:
                 t = torch.tensor([int(f) for f in local], dtype=torch.int64)
                 dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_cpu_group())
-                flags = [bool(v) for v in t.tolist()]
+                flags = t.tolist()
         else:
             flags = local
+        if flags[2] and self.memory_every and self._cadence.adopt(int(flags[2])):
+            self.memory_every = self._cadence.every
+            if _rank() == 0:
+                costs, steps = self._cadence.costs, self._cadence.steps
+                log.info("memory_cadence", every=self.memory_every, budget=self._cadence.budget,
+                         refresh_ms=round(1e3 * statistics.median(costs), 3),
+                         step_ms=round(1e3 * statistics.median(steps), 3))
         if flags[0] and not self._stopping:
             self._stopping = True
             log.info("checkpoint_stop_requested", action="saving and stopping at this step")
-        return flags[0], flags[1]
+        return bool(flags[0]), bool(flags[1])
 
     def maybe_save(self, step: int, state: Mapping[str, Any] | Callable[[], Mapping[str, Any]], *,
                    epoch: int | None = None, position: int | None = None) -> bool:
         """Save if `step` is a multiple of every_steps, every_seconds have passed, or a stop was
-        requested (then once: the final save). Call it on every rank at every step boundary."""
+        requested (then once: the final save). Call it on every rank at every step boundary.
+        The in-memory state is refreshed every `memory_every` steps (see memory.Cadence)."""
+        self._cadence.step_began()
+        try:
+            return self._maybe_save(step, state, epoch, position)
+        finally:
+            self._cadence.step_ended()
+
+    def _maybe_save(self, step: int, state: Mapping[str, Any] | Callable[[], Mapping[str, Any]],
+                    epoch: int | None, position: int | None) -> bool:
         _at_boundary()
         stop, time_due = self._agree()
         self._agreed = True

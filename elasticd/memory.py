@@ -25,15 +25,19 @@ from __future__ import annotations
 import base64
 import contextlib
 import ctypes
+import dataclasses
 import json
+import math
 import mmap
 import os
 import re
 import shutil
+import statistics
 import struct
 import tempfile
+import time
 import zlib
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Mapping
 from typing import Any
 
@@ -240,6 +244,49 @@ def _rebuild(obj: Any, tensors: list) -> Any:
 
 
 # -- worker side ------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Cadence:
+    """How often the in-memory state is refreshed: at every step that is a multiple of `every`.
+
+    With a `budget` (a share of training time), `every` follows what refreshes cost here: the
+    smallest N with (refresh time) / (N x step time) <= budget. A small state on long steps is
+    refreshed every step; a big one on short steps is refreshed less often instead of slowing
+    every step, and a crash then loses about refresh time / budget of work at most. Step time is
+    measured between the training loop's calls, so checkpoint work is not counted as training.
+    Every rank must refresh at the same steps (a resume needs a step all ranks hold): the caller
+    agrees on the largest proposal() over the ranks and hands it to adopt() on all of them."""
+
+    every: int = 1
+    budget: float | None = None
+    costs: deque = dataclasses.field(default_factory=lambda: deque(maxlen=9))
+    steps: deque = dataclasses.field(default_factory=lambda: deque(maxlen=15))
+    left: float | None = None  # when the caller went back to training
+
+    def step_began(self) -> None:
+        now = time.monotonic()
+        if self.left is not None:
+            self.steps.append(now - self.left)
+
+    def step_ended(self) -> None:
+        self.left = time.monotonic()
+
+    def proposal(self) -> int:
+        """This rank's N; `every` until five refreshes are measured (the first ones also map the
+        slots, a one-off the median leaves out)."""
+        if self.budget is None or len(self.costs) < 5 or len(self.steps) < 5:
+            return self.every
+        step = max(statistics.median(self.steps), 1e-6)
+        return max(1, math.ceil(statistics.median(self.costs) / (self.budget * step) - 1e-9))
+
+    def adopt(self, agreed: int) -> bool:
+        """Take the agreed N when it is a quarter larger or at most half (no creeping or
+        flapping between neighbours). Returns whether `every` changed."""
+        if 4 * agreed >= 5 * self.every or 2 * agreed <= self.every:
+            changed, self.every = agreed != self.every, agreed
+            return changed
+        return False
+
 
 class _Slot:
     """One mapped slot file and the tensor views of its current layout."""

@@ -38,6 +38,9 @@ def parse_args(argv=None):
     p.add_argument("--checkpoint-dir", default=None,
                    help="default: $ELASTICD_CHECKPOINT_DIR (set by elasticd), else ./checkpoints")
     p.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints")
+    p.add_argument("--memory-every", type=int, default=None,
+                   help="under elasticd, refresh the in-memory state every N steps (default: as often as "
+                        "keeps it under 0.5%% of step time)")
     p.add_argument("--step-delay", type=float, default=0.0, help="sleep per step, to watch recovery")
     return p.parse_args(argv)
 
@@ -72,7 +75,7 @@ def main(argv=None) -> None:
     loss_fn = nn.MSELoss()
 
     ckpt_dir = args.checkpoint_dir or os.environ.get("ELASTICD_CHECKPOINT_DIR") or "checkpoints"
-    mgr = CheckpointManager(ckpt_dir, keep=3, every_steps=args.checkpoint_every)
+    mgr = CheckpointManager(ckpt_dir, keep=3, every_steps=args.checkpoint_every, memory_every=args.memory_every)
     state = mgr.load_latest()
     step = restore(state, model=model, optimizer=opt, scheduler=sched, sampler=sampler)["step"] if state else 0
     if rank == 0:

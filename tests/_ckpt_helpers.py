@@ -103,7 +103,8 @@ def train(rank: int, world: int, directory: str, total: int, out: str | None, cr
     # generator=: iterator creation must not draw from the global RNG, or a resumed run (which
     # creates its iterator at a different point) diverges.
     loader = DataLoader(data, batch_size=4, sampler=sampler, generator=torch.Generator())
-    mgr = CheckpointManager(directory, keep=2, every_steps=every_steps, handle_sigterm=False, memory_dir=memory_dir)
+    mgr = CheckpointManager(directory, keep=2, every_steps=every_steps, handle_sigterm=False, memory_dir=memory_dir,
+                            memory_every=1)  # a tight loop: the cost budget would space the refreshes out
     step = 0
     state = mgr.load_latest()
     if state is not None:
@@ -282,3 +283,19 @@ def memory_on_full_tmpfs(rank: int, world: int, disk: str, mem: str, result: str
         mgr.close()
     Path(result).write_text(repr({"memory_every": mgr.memory_every, "disk": checkpoint.latest_info(disk)["step"],
                                   "warnings": [e for e in logs if e["event"] == "memory_state_off"]}))
+
+
+def memory_cadence(rank: int, world: int, disk: str, mem: str, result: str) -> None:
+    """Trains on 2 ms steps with a 32 MiB model, so only local rank 0's refresh (the whole state)
+    is costly; the others hold their RNG only. The cadence the ranks settle on must be one."""
+    import structlog
+
+    model = torch.nn.Linear(2048, 4096, bias=False)
+    with structlog.testing.capture_logs() as logs:
+        mgr = CheckpointManager(disk, handle_sigterm=False, memory_dir=mem)
+        for step in range(1, 121):
+            time.sleep(0.002)
+            mgr.maybe_save(step, lambda: capture(model=model, step=step))  # noqa: B023
+        mgr.close()
+    Path(f"{result}.{rank}").write_text(repr({"every": mgr.memory_every,
+                                  "events": [e for e in logs if e["event"] == "memory_cadence"]}))

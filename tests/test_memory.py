@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import os
 import subprocess
+import time
 
 import pytest
 import torch
@@ -97,18 +98,58 @@ def test_other_world_size_is_ignored_and_stale_steps_are_dropped(tmp_path):
     assert memory.steps(str(mem), world=2, rank=1, local_rank=1) == []
 
 
-def test_single_process_refresh_every_n_steps_and_keep_two(tmp_path):
+def refresh_loop(tmp_path, steps: int, pause: float = 0.0, **kw):
+    """One process refreshing a tiny model's state for `steps` steps, `pause` s of "training" each."""
     mem = tmp_path / "mem"
     mem.mkdir()
-    mgr = CheckpointManager(tmp_path / "disk", handle_sigterm=False, memory_dir=mem, memory_every=2)
+    mgr = CheckpointManager(tmp_path / "disk", handle_sigterm=False, memory_dir=mem, **kw)
     model = torch.nn.Linear(3, 1)
-    for step in range(1, 8):
-        mgr.maybe_save(step, lambda: checkpoint.capture(model=model, step=step))
+    for step in range(1, steps + 1):
+        time.sleep(pause)
+        mgr.maybe_save(step, lambda: checkpoint.capture(model=model, step=step))  # noqa: B023
+    return mgr, mem, model
+
+
+def test_single_process_refresh_every_n_steps_and_keep_two(tmp_path):
+    mgr, mem, model = refresh_loop(tmp_path, 7, memory_every=2)
     assert memory.steps(str(mem), world=1, rank=0, local_rank=0) == [6, 4]
     assert memory.newest_step(str(mem)) == 6
     state = CheckpointManager(tmp_path / "disk", handle_sigterm=False, memory_dir=mem).load_latest()
     assert state["user"]["step"] == 6 and torch.equal(state["model"]["weight"], model.weight.detach())
     assert mgr.last_memory_stall > 0
+
+
+def test_cadence_keeps_refreshes_within_budget_and_every_rank_in_step(tmp_path):
+    """A 32 MiB state on 2 ms steps costs far more than 0.5% of a step to refresh every step:
+    the ranks space refreshes out, agree on one cadence (rank 1, with its cheap RNG-only slot,
+    follows rank 0) and keep holding the same steps, so a resume from memory still works."""
+    mem = tmp_path / "mem"
+    mem.mkdir()
+    helpers.run(helpers.memory_cadence, 2, tmp_path, str(tmp_path / "disk"), str(mem), str(tmp_path / "result"),
+                timeout=90)
+    got = [eval((tmp_path / f"result.{r}").read_text()) for r in range(2)]  # noqa: S307 - our own helper's
+    every = got[0]["every"]
+    assert every >= 10 and got[1]["every"] == every, got  # 32 MiB take over a millisecond: N = cost / (0.005 * 2 ms)
+    events = got[0]["events"]
+    assert 1 <= len(events) <= 3 and events[-1]["every"] == every and events[-1]["refresh_ms"] > 0.5, got
+    assert not got[1]["events"]  # rank 0 reports the cadence
+    held = [memory.steps(str(mem), world=2, rank=r, local_rank=r) for r in range(2)]
+    assert held[0] == held[1] and held[0], held
+
+
+def test_cadence_stays_every_step_when_a_refresh_is_cheap(tmp_path):
+    # 20 ms steps: up to 4 ms of refresh per step is within this budget; this state costs far less
+    mgr, mem, _model = refresh_loop(tmp_path, 15, 0.02, memory_budget=0.2)
+    assert mgr.memory_every == 1
+    assert memory.steps(str(mem), world=1, rank=0, local_rank=0) == [15, 14]
+
+
+@pytest.mark.parametrize("kw, hint", [({"memory_every": -1}, "memory_every must be a number of steps"),
+                                      ({"memory_budget": 0}, "memory_budget is a share of step time"),
+                                      ({"memory_budget": 1.5}, "memory_budget is a share of step time")])
+def test_bad_cadence_settings_are_refused(tmp_path, kw, hint):
+    with pytest.raises(ValueError, match=hint):
+        CheckpointManager(tmp_path / "disk", handle_sigterm=False, memory_dir=tmp_path, **kw)
 
 
 def test_unusable_directory_turns_memory_off_and_disk_goes_on(tmp_path):

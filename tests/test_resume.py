@@ -39,7 +39,7 @@ def test_kill_9_at_three_steps_resumes_bit_identical(daemons, tmp_path):
                     args=ARGS)
     assert clean.wait(120) == 0, clean.stderr()[-3000:]
     crashed = daemons("entrypoints.train", *FLAGS, "--checkpoint-dir", str(tmp_path / "crashed"),
-                      name="crashed", args=[*ARGS, "--step-delay", "0.05"])
+                      name="crashed", args=[*ARGS, "--step-delay", "0.05", "--memory-every", "1"])
     for i, step in enumerate((12, 27, 44)):
         attempt = i + 1
         wait_until(lambda: re.search(rf"^step {step}/60", crashed.log_text(0, attempt), re.M), 90,
