@@ -6,9 +6,11 @@ the kill. A trial that does not recover within --trial-timeout counts as a failu
 then killed (with its whole tree) and started afresh for the next trial.
 
 The script checkpoints through elasticd.checkpoint under both launchers (disk every --ckpt-every
-steps; in memory every step where the launcher offers shared memory, i.e. under elasticd), so
+steps; in memory where the launcher offers shared memory, i.e. under elasticd), so
 "steps lost" = newest step logged before the kill - the step the new processes resumed from.
-The third launcher, `torchrun-snapshot`, runs the same script with the hand-written snapshot a
+`elasticd` refreshes the in-memory state at its default cadence (as often as keeps the refresh
+under 1% of a step), `elasticd-every-step` at every step whatever it costs.
+The last launcher, `torchrun-snapshot`, runs the same script with the hand-written snapshot a
 torchrun tutorial teaches (rank 0 torch.save every --ckpt-every steps, torch.load at start).
 
     python bench/recovery.py --trials 10
@@ -47,10 +49,11 @@ def read_steps(path: Path) -> list[tuple[int, int, int, int, float]]:
 
 
 CKPT_MODE = {"torchrun-snapshot": "handwritten"}
+MEMORY_EVERY = {"elasticd-every-step": "1"}  # elasticd's default cadence keeps refreshes under 1% of a step
 
 
 def launcher_cmd(kind: str, trials: int, workdir: Path, extra: tuple[str, ...] = ()) -> list[str]:
-    if kind == "elasticd":
+    if kind.startswith("elasticd"):
         return [sys.executable, "-m", "elasticd.cli", "run", "--nproc-per-node", "2",
                 "--max-restarts", str(trials + 5), "--log-dir", str(workdir / "logs"),
                 "--socket", str(workdir / "ctl.sock"), "--no-tee", "--log-format", "json",
@@ -87,7 +90,8 @@ def run_launcher(kind: str, trials: int, trial_timeout: float, warmup: float, ck
         workdir = Path(tmp)
         out = workdir / "steps.txt"
         env = dict(os.environ, BENCH_OUT=str(out), BENCH_CKPT_DIR=str(workdir / "ckpt"),
-                   BENCH_CKPT_EVERY=str(ckpt_every), BENCH_CKPT_MODE=CKPT_MODE.get(kind, "elasticd"))
+                   BENCH_CKPT_EVERY=str(ckpt_every), BENCH_CKPT_MODE=CKPT_MODE.get(kind, "elasticd"),
+                   BENCH_MEMORY_EVERY=MEMORY_EVERY.get(kind, ""))
         log = open(workdir / "launcher.log", "wb")
         proc = None
         trial = 0
@@ -146,7 +150,7 @@ def main() -> None:
     p.add_argument("--trial-timeout", type=float, default=30.0)
     p.add_argument("--warmup", type=float, default=6.0,
                    help="seconds of training between trials (elasticd refills its warm spares meanwhile)")
-    p.add_argument("--launchers", default="elasticd,torchrun,torchrun-snapshot")
+    p.add_argument("--launchers", default="elasticd,elasticd-every-step,torchrun,torchrun-snapshot")
     p.add_argument("--ckpt-every", type=int, default=50, help="disk checkpoint cadence in steps")
     args = p.parse_args()
     results = {}
@@ -156,14 +160,14 @@ def main() -> None:
     print()
     print(f"recovery after kill -9 of one of 2 workers ({os.cpu_count()} cores, torch CPU/gloo), "
           f"{args.trials} trials each, timeout {args.trial_timeout:g}s, disk checkpoint every {args.ckpt_every} steps")
-    print(f"{'launcher':<18} {'median s':>9} {'min s':>7} {'max s':>7} {'recovered':>10} {'steps lost (median/max)':>24}")
+    print(f"{'launcher':<20} {'median s':>9} {'min s':>7} {'max s':>7} {'recovered':>10} {'steps lost (median/max)':>24}")
     med = {}
     for kind, r in results.items():
         t, lost = r["times"], r["lost"]
         med[kind] = statistics.median(t) if t else float("nan")
         ok = f"{r['trials'] - r['failures']}/{r['trials']}"
         lost_s = f"{statistics.median(lost):g}/{max(lost)}" if lost else "-"
-        print(f"{kind:<18} {med[kind]:>9.2f} {min(t, default=float('nan')):>7.2f} "
+        print(f"{kind:<20} {med[kind]:>9.2f} {min(t, default=float('nan')):>7.2f} "
               f"{max(t, default=float('nan')):>7.2f} {ok:>10} {lost_s:>24}")
     for other in ("torchrun", "torchrun-snapshot"):
         if "elasticd" in med and other in med:

@@ -134,13 +134,20 @@ def main() -> None:
     p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated: " + ", ".join(WORKLOADS))
     p.add_argument("--ckpt-every", type=int, default=500,
                    help="disk checkpoint cadence; elasticd also refreshes the in-memory state every step")
+    p.add_argument("--variants", default=",".join(v for v in VARIANTS if v != "torchrun"),
+                   help="comma-separated elasticd variants to compare with torchrun: " +
+                        ", ".join(v for v in VARIANTS if v != "torchrun"))
     p.add_argument("--paired", action="store_true",
                    help="run each elasticd variant and torchrun at the same time on separate halves of the CPUs")
     args = p.parse_args()
     workloads = args.workloads.split(",")
-    step = {(w, v): [] for w in workloads for v in VARIANTS}
-    cpu = {(w, v): [] for w in workloads for v in VARIANTS}
-    ratios = {(w, v): [] for w in workloads for v in VARIANTS}
+    variants = [v for v in args.variants.split(",") if v != "torchrun"] + ["torchrun"]
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"unknown variant {unknown[0]!r}; choose from {', '.join(VARIANTS)}")
+    step = {(w, v): [] for w in workloads for v in variants}
+    cpu = {(w, v): [] for w in workloads for v in variants}
+    ratios = {(w, v): [] for w in workloads for v in variants}
 
     def record(r: int, w: str, variant: str, result: tuple[float, float], note: str = "") -> None:
         step[w, variant].append(result[0])
@@ -151,7 +158,7 @@ def main() -> None:
     for r in range(args.rounds):
         for w in workloads:
             if args.paired:
-                for variant in (v for v in VARIANTS if v != "torchrun"):
+                for variant in variants[:-1]:
                     product = 1.0
                     for swap in (False, True):  # each launcher on each half: the halves differ a little
                         mine, theirs = paired_run(variant, w, args.ckpt_every, swap)
@@ -162,9 +169,9 @@ def main() -> None:
                     ratios[w, variant].append(product ** 0.5)
                     ratios[w, "torchrun"].append(1.0)
                 continue
-            for variant in VARIANTS:
+            for variant in variants:
                 record(r, w, variant, one_run(variant, w, args.ckpt_every))
-            for variant in VARIANTS:
+            for variant in variants:
                 ratios[w, variant].append(step[w, variant][-1] / step[w, "torchrun"][-1])
     print()
     how = ("each beside torchrun at the same time on separate halves of the CPUs, both ways round; a round's "
@@ -175,7 +182,7 @@ def main() -> None:
     print(f"{'workload':<9} {'launcher':<28} {'step ms':>8} {'vs torchrun':>12} {'per-round range':>17} "
           f"{'launcher CPU':>13}")
     for w in workloads:
-        for variant in VARIANTS:
+        for variant in variants:
             rs = ratios[w, variant]
             print(f"{w:<9} {variant:<28} {1e3 * statistics.median(step[w, variant]):>8.3f} "
                   f"{statistics.median(rs):>11.3f}x {min(rs):>8.3f}-{max(rs):.3f}x "

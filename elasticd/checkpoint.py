@@ -886,7 +886,7 @@ class CheckpointManager:
     def __init__(self, directory: str | os.PathLike | None = None, keep: int = 3,
                  every_steps: int | None = None, every_seconds: float | None = None, *,
                  handle_sigterm: bool = True, stop_timeout: float = 10.0, errors: str = "raise",
-                 sync_every: int = 1, memory_every: int | None = None, memory_budget: float = 0.005,
+                 sync_every: int = 1, memory_every: int | None = None, memory_budget: float = 0.01,
                  memory_dir: str | os.PathLike | None = None):
         if keep < 1:
             raise ValueError(f"keep must be at least 1, got {keep}")
@@ -918,7 +918,7 @@ class CheckpointManager:
             raise ValueError(f"memory_every must be a number of steps (0: off; None: follow memory_budget), "
                              f"got {memory_every}")
         if not 0 < memory_budget < 1:
-            raise ValueError(f"memory_budget is a share of step time, between 0 and 1 (0.005: 0.5%), "
+            raise ValueError(f"memory_budget is a share of step time, between 0 and 1 (0.01: 1%), "
                              f"got {memory_budget}")
         self._cadence = memory.Cadence(every=int(memory_every or 1),
                                        budget=memory_budget if memory_every is None else None)
@@ -998,11 +998,12 @@ class CheckpointManager:
                 state = state()
             finally:
                 _local_capture[0] = False
+        mapped = True
         try:
             if self._memory_writer is None:
                 self._memory_writer = memory.Writer(self.memory_dir, int(os.environ.get("LOCAL_RANK", 0)),
                                                     keep_step=self._memory_resumed)
-            self._memory_writer.write(int(step), state, world=_world(), rank=_rank())
+            mapped = self._memory_writer.write(int(step), state, world=_world(), rank=_rank())
         except (OSError, TypeError) as e:
             log.warning("memory_state_off", directory=self.memory_dir, error=f"{type(e).__name__}: {e}",
                         action="continuing with disk checkpoints only")
@@ -1011,7 +1012,7 @@ class CheckpointManager:
                 self._memory_writer.close()
                 self._memory_writer = None
         self.last_memory_stall = time.perf_counter() - t0
-        if self.memory_every:
+        if self.memory_every and not mapped:
             self._cadence.costs.append(self.last_memory_stall)
         return self.last_memory_stall
 
@@ -1128,9 +1129,9 @@ class CheckpointManager:
         if flags[2] and self.memory_every and self._cadence.adopt(int(flags[2])):
             self.memory_every = self._cadence.every
             if _rank() == 0:
-                costs, steps = self._cadence.costs, self._cadence.steps
+                steps = self._cadence.steps
                 log.info("memory_cadence", every=self.memory_every, budget=self._cadence.budget,
-                         refresh_ms=round(1e3 * statistics.median(costs), 3),
+                         refresh_ms=round(1e3 * self._cadence.cost(), 3),
                          step_ms=round(1e3 * statistics.median(steps), 3))
         if flags[0] and not self._stopping:
             self._stopping = True

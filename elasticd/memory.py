@@ -272,12 +272,17 @@ class Cadence:
         self.left = time.monotonic()
 
     def proposal(self) -> int:
-        """This rank's N; `every` until five refreshes are measured (the first ones also map the
-        slots, a one-off the median leaves out)."""
+        """This rank's N; `every` until five refreshes and steps are measured. A refresh that
+        mapped a slot is not counted (the caller leaves it out); of the others the lower
+        quartile stands for the cost, since a refresh is only ever slowed down by the rest of
+        the machine (a preempted copy, workers still warming up after a start)."""
         if self.budget is None or len(self.costs) < 5 or len(self.steps) < 5:
             return self.every
         step = max(statistics.median(self.steps), 1e-6)
-        return max(1, math.ceil(statistics.median(self.costs) / (self.budget * step) - 1e-9))
+        return max(1, math.ceil(self.cost() / (self.budget * step) - 1e-9))
+
+    def cost(self) -> float:
+        return sorted(self.costs)[len(self.costs) // 4]
 
     def adopt(self, agreed: int) -> bool:
         """Take the agreed N when it is a quarter larger or at most half (no creeping or
@@ -299,9 +304,10 @@ class _Slot:
         self.layout: tuple = ()
         self.views: list = []
 
-    def reserve(self, size: int) -> None:
+    def reserve(self, size: int) -> bool:
+        """Make room for `size` bytes; True when that (re)mapped the slot (a one-off cost)."""
         if size <= self.size:
-            return
+            return False
         size = max(size + size // 4, 1 << 16)  # room for a description that grows a little
         self.views, self.layout = [], ()
         if self.mm is not None:
@@ -311,6 +317,7 @@ class _Slot:
         populate = getattr(mmap, "MAP_POPULATE", 0)  # page tables filled now, not on each refresh's first touch
         self.mm = mmap.mmap(self.fd, size, flags=mmap.MAP_SHARED | populate)
         self.size = size
+        return True
 
     def set_valid(self, valid: int) -> None:
         assert self.mm is not None
@@ -346,8 +353,9 @@ class Writer:
         self._end = 0
         self._table = b""
 
-    def write(self, step: int, state: Mapping[str, Any], *, world: int, rank: int) -> None:
-        """Store `state` (a capture(), whose "rng" holds at least this rank's entry) as `step`."""
+    def write(self, step: int, state: Mapping[str, Any], *, world: int, rank: int) -> bool:
+        """Store `state` (a capture(), whose "rng" holds at least this rank's entry) as `step`.
+        Returns whether a slot had to be mapped first (its cost is not a refresh's)."""
         rng = state.get("rng") or {}
         ranks = rng.get("ranks") or []
         mine = ranks[rank] if rank < len(ranks) else (ranks[0] if len(ranks) == 1 else None)
@@ -362,7 +370,7 @@ class Writer:
         offsets, end = self._offsets, self._end
         meta = self._table + tree + b"}"
         slot = self.slots[self.next]
-        slot.reserve(HEADER + end + len(meta))
+        mapped = slot.reserve(HEADER + end + len(meta))
         mm = slot.mm
         assert mm is not None
         slot.set_valid(0)
@@ -381,6 +389,7 @@ class Writer:
         mm[:_FIELDS.size] = _FIELDS.pack(MAGIC, 0, step, world, rank, end, len(meta), zlib.crc32(meta), 0)
         slot.set_valid(1)  # last: the slot is whole
         self.next = (self.next + 1) % SLOTS
+        return mapped
 
     def _plan(self, key: tuple, tensors: list) -> None:
         """Offsets of a new layout of tensors and the fixed head of the description."""

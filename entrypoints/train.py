@@ -40,7 +40,7 @@ def parse_args(argv=None):
     p.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints")
     p.add_argument("--memory-every", type=int, default=None,
                    help="under elasticd, refresh the in-memory state every N steps (default: as often as "
-                        "keeps it under 0.5%% of step time)")
+                        "keeps it under 1%% of step time)")
     p.add_argument("--step-delay", type=float, default=0.0, help="sleep per step, to watch recovery")
     return p.parse_args(argv)
 
