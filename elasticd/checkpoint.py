@@ -47,7 +47,6 @@ import random
 import re
 import signal
 import socket
-import statistics
 import threading
 import time
 import uuid
@@ -1107,10 +1106,11 @@ class CheckpointManager:
 
     # -- cadence and stop ------------------------------------------------------------------------
     def _agree(self) -> tuple[bool, bool]:
-        """(stop, time due), the same on every rank: any rank's SIGTERM or timer counts.
+        """(stop, time due), the same on every rank: any rank's SIGTERM or timer counts. The
+        in-memory cadence is agreed in the same call (the largest rank's proposal).
 
-        Under torch.distributed this is a one-element all_reduce on CPU every `sync_every`-th
-        call (on other calls both are False), so every rank must call in the same pattern."""
+        Under torch.distributed this is one small all_reduce on CPU every `sync_every`-th call
+        (on other calls both are False), so every rank must call in the same pattern."""
         self._calls += 1
         local = [_stop.is_set() or self._stopping,
                  self.every_seconds is not None and time.monotonic() - self._last_time >= self.every_seconds,
@@ -1128,11 +1128,10 @@ class CheckpointManager:
             flags = local
         if flags[2] and self.memory_every and self._cadence.adopt(int(flags[2])):
             self.memory_every = self._cadence.every
-            if _rank() == 0:
-                steps = self._cadence.steps
+            if _rank() == 0:  # this rank's measurements; the agreed N may come from another
                 log.info("memory_cadence", every=self.memory_every, budget=self._cadence.budget,
                          refresh_ms=round(1e3 * self._cadence.cost(), 3),
-                         step_ms=round(1e3 * statistics.median(steps), 3))
+                         step_ms=round(1e3 * self._cadence.step_time(), 3))
         if flags[0] and not self._stopping:
             self._stopping = True
             log.info("checkpoint_stop_requested", action="saving and stopping at this step")

@@ -278,11 +278,13 @@ class Cadence:
         the machine (a preempted copy, workers still warming up after a start)."""
         if self.budget is None or len(self.costs) < 5 or len(self.steps) < 5:
             return self.every
-        step = max(statistics.median(self.steps), 1e-6)
-        return max(1, math.ceil(self.cost() / (self.budget * step) - 1e-9))
+        return max(1, math.ceil(self.cost() / (self.budget * max(self.step_time(), 1e-6)) - 1e-9))
 
     def cost(self) -> float:
-        return sorted(self.costs)[len(self.costs) // 4]
+        return sorted(self.costs)[len(self.costs) // 4] if self.costs else 0.0
+
+    def step_time(self) -> float:
+        return statistics.median(self.steps) if self.steps else 0.0
 
     def adopt(self, agreed: int) -> bool:
         """Take the agreed N when it is a quarter larger or at most half (no creeping or
