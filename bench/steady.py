@@ -111,6 +111,8 @@ def paired_run(variant: str, workload: str, ckpt_every: int, swap: bool) -> tupl
     other way round), measured over the steps both ran in steady state: whatever the machine does
     meanwhile (a neighbour, the hypervisor) hits both."""
     cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        raise SystemExit("--paired needs at least 2 CPUs (one half for each launcher); run without it")
     halves = [set(cpus[:len(cpus) // 2]), set(cpus[len(cpus) // 2:])]
     if swap:
         halves.reverse()
@@ -133,7 +135,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated: " + ", ".join(WORKLOADS))
     p.add_argument("--ckpt-every", type=int, default=500,
-                   help="disk checkpoint cadence; elasticd also refreshes the in-memory state every step")
+                   help="disk checkpoint cadence; elasticd also refreshes the in-memory state (default cadence)")
     p.add_argument("--variants", default=",".join(v for v in VARIANTS if v != "torchrun"),
                    help="comma-separated elasticd variants to compare with torchrun: " +
                         ", ".join(v for v in VARIANTS if v != "torchrun"))
