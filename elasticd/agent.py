@@ -340,9 +340,9 @@ class Agent:
         missing = self.cfg.nproc_per_node - len(self.spares) - (fs.pending if fs else 0)
         if fs:
             fs.request(missing)
-        for _ in range(missing if not fs else 0):
-            self.spares.append(workers.start_spare(self.token, self.cfg.nproc_per_node, self.cfg.preload,
-                                                   self.run_dir / "spares.log"))
+        else:
+            self.spares += [workers.start_spare(self.token, self.cfg.nproc_per_node, self.cfg.preload,
+                                                self.run_dir / "spares.log") for _ in range(missing)]
         self._spares_due = None
 
     def _keep(self) -> frozenset[int]:

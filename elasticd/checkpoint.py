@@ -921,10 +921,15 @@ class CheckpointManager:
                              f"got {memory_budget}")
         self._cadence = memory.Cadence(every=int(memory_every or 1),
                                        budget=memory_budget if memory_every is None else None)
-        self.memory_every = self._cadence.every if self.memory_dir and memory_every != 0 else 0  # 0: off
+        self._memory_on = bool(self.memory_dir) and memory_every != 0  # off for good after a failed refresh
         self.last_memory_stall = 0.0
         self._memory_writer: memory.Writer | None = None  # made at the first refresh, after loading
         self._memory_resumed: int | None = None  # the in-memory step load_latest() resumed from
+
+    @property
+    def memory_every(self) -> int:
+        """Steps between in-memory refreshes as of now; 0 when the in-memory state is off."""
+        return self._cadence.every if self._memory_on else 0
 
     # -- loading ---------------------------------------------------------------------------------
     def load_latest(self) -> dict[str, Any] | None:
@@ -1006,12 +1011,12 @@ class CheckpointManager:
         except (OSError, TypeError) as e:
             log.warning("memory_state_off", directory=self.memory_dir, error=f"{type(e).__name__}: {e}",
                         action="continuing with disk checkpoints only")
-            self.memory_every = 0
+            self._memory_on = False
             if self._memory_writer is not None:
                 self._memory_writer.close()
                 self._memory_writer = None
         self.last_memory_stall = time.perf_counter() - t0
-        if self.memory_every and not mapped:
+        if self._memory_on and not mapped:
             self._cadence.costs.append(self.last_memory_stall)
         return self.last_memory_stall
 
@@ -1113,21 +1118,19 @@ class CheckpointManager:
         (on other calls both are False), so every rank must call in the same pattern."""
         self._calls += 1
         local = [_stop.is_set() or self._stopping,
-                 self.every_seconds is not None and time.monotonic() - self._last_time >= self.every_seconds,
-                 self._cadence.proposal()]
+                 self.every_seconds is not None and time.monotonic() - self._last_time >= self.every_seconds]
         if _dist_on() and dist.get_world_size() > 1:
             if self._stopping:
                 flags = [True, False, 0]  # agreed everywhere already; timers no longer matter
             elif self._calls % self.sync_every:
                 flags = [False, False, 0]
             else:
-                t = torch.tensor([int(f) for f in local], dtype=torch.int64)
+                t = torch.tensor([*map(int, local), self._proposal()], dtype=torch.int64)
                 dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_cpu_group())
                 flags = t.tolist()
         else:
-            flags = local
-        if flags[2] and self.memory_every and self._cadence.adopt(int(flags[2])):
-            self.memory_every = self._cadence.every
+            flags = [*local, self._proposal()]
+        if flags[2] and self._memory_on and self._cadence.adopt(int(flags[2])):
             if _rank() == 0:  # this rank's measurements; the agreed N may come from another
                 log.info("memory_cadence", every=self.memory_every, budget=self._cadence.budget,
                          refresh_ms=round(1e3 * self._cadence.cost(), 3),
@@ -1136,6 +1139,10 @@ class CheckpointManager:
             self._stopping = True
             log.info("checkpoint_stop_requested", action="saving and stopping at this step")
         return bool(flags[0]), bool(flags[1])
+
+    def _proposal(self) -> int:
+        """This rank's in-memory cadence (medians of recent timings: only on calls that agree)."""
+        return self._cadence.proposal() if self._memory_on else 0
 
     def maybe_save(self, step: int, state: Mapping[str, Any] | Callable[[], Mapping[str, Any]], *,
                    epoch: int | None = None, position: int | None = None) -> bool:
