@@ -367,6 +367,18 @@ class Agent:
             self.forkserver = None
             self._top_up_spares()
 
+    def _wait_for_spares(self) -> None:
+        """At the first start the fork server may still be importing torch, and a cold start
+        would take as long: wait for its spares (up to SPARE_WAIT) while the loop keeps its
+        duties, above all this node's liveness beat, without which peers would take the node for
+        dead after --peer-timeout. A peer found silent meanwhile is acted on once running."""
+        deadline = time.monotonic() + SPARE_WAIT
+        while self.forkserver and self.forkserver.pending and time.monotonic() < deadline:
+            self._collect_spares(self.cfg.monitor_interval)
+            self._tick()
+            self._drain_inbox()
+            self._beat_peers(time.monotonic())
+
     def _after_start_up(self, now: float) -> None:
         """Once every new worker has stepped (first beat): report the recovery timeline and
         refill the spares, whose imports would otherwise slow the workers' own start (or 10 s)."""
@@ -485,7 +497,7 @@ class Agent:
             stack_signal=self.cfg.stack_signal, checkpoint_dir=self.cfg.checkpoint_dir,
             extra_env={memory.ENV: self.memory_dir} if self.memory_dir else {},
         )
-        self._collect_spares(SPARE_WAIT)  # at the first start, the fork server may still be importing
+        self._wait_for_spares()
         self.workers = workers.spawn(spec, self.spares)
         if self._timeline:
             self._timeline["spawned"] = time.monotonic()
@@ -546,6 +558,14 @@ class Agent:
             proc.close()
         self._watches.clear()
 
+    def _beat_peers(self, now: float) -> int | None:
+        """Beat this node's liveness, at most every min(1 s, --peer-timeout / 10); returns the
+        group rank of a peer silent for --peer-timeout."""
+        if now < self._next_peer_beat:
+            return None
+        self._next_peer_beat = now + min(PEER_BEAT_EVERY, self.cfg.peer_timeout / 10)
+        return self.rdzv.beat_and_check_peers(self.round, now)
+
     def _lasting(self, pid: int, why: str | None, now: float, hold: float = 1.0) -> str | None:
         """A process state counts only once it has lasted `hold` seconds: a dying multi-threaded
         process shows as a zombie, and a debugger attaching stops it, for a moment."""
@@ -564,12 +584,10 @@ class Agent:
             if reason is not None:
                 return Failure("peer", f"peer asked for restart: {reason.get('summary', reason)}",
                                node=reason.get("node", "?"))
-            if now >= self._next_peer_beat:
-                self._next_peer_beat = now + min(PEER_BEAT_EVERY, self.cfg.peer_timeout / 10)
-                lost = self.rdzv.beat_and_check_peers(rnd, now)
-                if lost is not None:
-                    return Failure("peer", f"node with group rank {lost} went silent for {self.cfg.peer_timeout:g}s",
-                                   node=self.node)
+            lost = self._beat_peers(now)
+            if lost is not None:
+                return Failure("peer", f"node with group rank {lost} went silent for {self.cfg.peer_timeout:g}s",
+                               node=self.node)
         if rnd.group_world_size < self.cfg.max_nodes and now - self._last_waiting_check > 1.0:
             self._last_waiting_check = now
             waiting = self.rdzv.nodes_waiting()

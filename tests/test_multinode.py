@@ -137,3 +137,21 @@ def test_rendezvous_events_are_named_without_walking_the_stack():
     assert dynamic_rendezvous.get_method_name is rendezvous._method_name
     assert keep_alive() == "keep_alive"
     assert dynamic_rendezvous.get_method_name(10_000) == "no_method_name"
+
+
+def test_node_waiting_for_its_spares_keeps_beating_for_its_peers(daemons):
+    """One node's fork server is still importing its preload list when the first round starts:
+    that node waits for its spares (a cold start would take as long) but goes on beating, so its
+    peer (3 s peer timeout) does not take it for dead and restart the job."""
+    port = free_port()
+    flags = ("--nproc-per-node", "2", "--max-restarts", "0", *node_flags(port, "2"))
+    fast = daemons(script("ddp_tutorial.py"), *flags, name="fast", args=["--steps", "8"])
+    slow = daemons(script("ddp_tutorial.py"), *flags, "--preload", "slow_import", name="slow",
+                   args=["--steps", "8"], env={"PYTHONPATH": os.path.dirname(script("slow_import.py"))})
+    for n in (fast, slow):
+        assert n.wait(120) == 0, n.stderr()[-3000:]
+    # the slow node started its workers more than a peer timeout after the fast one, all the while
+    # in the round, and no node took the other for dead (a lost peer restarts the job)
+    assert state_times(slow, "RUNNING")[0] - state_times(fast, "RUNNING")[0] > 3
+    for n in (fast, slow):
+        assert len(state_times(n, "RUNNING")) == 1 and not state_times(n, "RESTARTING"), n.stderr()[-3000:]
