@@ -47,6 +47,7 @@ import random
 import re
 import signal
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -571,11 +572,7 @@ def _numpy():
 
 def _rng_state() -> dict[str, Any]:
     """This process's RNG states as tensors, ints and floats (weights_only-loadable)."""
-    version, internal, gauss = random.getstate()
-    state: dict[str, Any] = {
-        "python": {"version": version, "state": _python_key(internal), "gauss_next": gauss},
-        "torch": torch.get_rng_state(),
-    }
+    state: dict[str, Any] = {"python": _python_rng.state(), "torch": torch.get_rng_state()}
     np = _numpy()
     if np is not None:
         state["numpy"] = _numpy_rng.state(np)
@@ -584,15 +581,47 @@ def _rng_state() -> dict[str, Any]:
     return state
 
 
-_python_last: list[Any] = [None, None]  # the latest key tuple and its tensor
+class _PythonRng:
+    """Python's global RNG state, read again only when it may have changed.
+
+    random.getstate() builds 625 ints, and turning them into a tensor takes as long again:
+    together a good part of a small training step's in-memory refresh. In CPython the
+    generator's index and 624-word key sit in the object right after its header; those bytes are
+    compared instead, and the last state stands while they and gauss_next are unchanged
+    (anything that draws, seeds or sets the state rewrites them). The layout is checked against
+    getstate() once per generator; where it differs (another interpreter or build), every call
+    reads getstate()."""
+
+    _AT, _SIZE = 16, 4 + 624 * 4  # after ob_refcnt and ob_type: int index; uint32_t state[624]
+
+    def __init__(self) -> None:
+        self.inst: Any = None
+        self.raw: bytes | None = None
+        self.value: dict[str, Any] | None = None
+        self.usable = False
+
+    def _raw(self) -> bytes:
+        return ctypes.string_at(id(self.inst) + self._AT, self._SIZE)
+
+    def state(self) -> dict[str, Any]:
+        inst = random._inst  # what the module-level functions draw from
+        if (inst is self.inst and self.usable and self.value is not None
+                and getattr(inst, "gauss_next", None) == self.value["gauss_next"] and self._raw() == self.raw):
+            return self.value
+        version, internal, gauss = inst.getstate()
+        self.value = {"version": version, "state": torch.frombuffer(array.array("q", internal), dtype=torch.int64),
+                      "gauss_next": gauss}
+        if inst is not self.inst:
+            self.inst = inst
+            base = type(inst).__mro__[-2]  # the C type that holds the key
+            self.usable = (sys.implementation.name == "cpython" and base.__basicsize__ >= self._AT + self._SIZE
+                           and self._raw() == array.array("i", internal[-1:]).tobytes()
+                           + array.array("I", internal[:-1]).tobytes())
+        self.raw = self._raw() if self.usable else None
+        return self.value
 
 
-def _python_key(internal: tuple[int, ...]) -> torch.Tensor:
-    """Python's Mersenne Twister key as an int64 tensor: one buffer copy instead of 625 pickled
-    ints, and reused while the generator is untouched (comparing is cheaper than converting)."""
-    if internal != _python_last[0]:
-        _python_last[:] = [internal, torch.frombuffer(array.array("q", internal), dtype=torch.int64)]
-    return _python_last[1]
+_python_rng = _PythonRng()
 
 
 class _NumpyRng:

@@ -27,6 +27,7 @@ import contextlib
 import ctypes
 import dataclasses
 import json
+import marshal
 import math
 import mmap
 import os
@@ -354,6 +355,7 @@ class Writer:
         self._offsets: list[int] = []
         self._end = 0
         self._table = b""
+        self._encoded: dict[Any, tuple[Any, bytes]] = {}
 
     def write(self, step: int, state: Mapping[str, Any], *, world: int, rank: int) -> bool:
         """Store `state` (a capture(), whose "rng" holds at least this rank's entry) as `step`.
@@ -362,10 +364,15 @@ class Writer:
         ranks = rng.get("ranks") or []
         mine = ranks[rank] if rank < len(ranks) else (ranks[0] if len(ranks) == 1 else None)
         tensors: list = []
-        body = [["rng", _describe(mine, tensors, (None, "rng"))]]
+        used: dict = {}
+        tree = b'{"\\u0000d":[["rng",' + self._json("rng", _describe(mine, tensors, (None, "rng")), used)
         if self.local_rank == 0:
-            body.append(["state", _describe({k: v for k, v in state.items() if k != "rng"}, tensors)])
-        tree = json.dumps({_T + "d": body}, separators=(",", ":")).encode()
+            entries = [b"[" + self._json(("k", k), _describe(k, tensors), used) + b","
+                       + self._json(("v", k), _describe(v, tensors, (None, k)), used) + b"]"
+                       for k, v in state.items() if k != "rng"]
+            tree += b'],["state",{"\\u0000d":[' + b",".join(entries) + b"]}"
+        tree += b"]]}"
+        self._encoded = used  # only this step's entries: keys that come and go are not kept
         key = tuple((t.dtype, t.shape) for t, _ in tensors)
         if key != self._layout:
             self._plan(key, tensors)
@@ -392,6 +399,17 @@ class Writer:
         slot.set_valid(1)  # last: the slot is whole
         self.next = (self.next + 1) % SLOTS
         return mapped
+
+    def _json(self, name: Any, desc: Any, used: dict) -> bytes:
+        """`desc` as JSON bytes, reused while the entry `name` describes the same as last time:
+        most of a state (model and optimizer layout, hyperparameters, RNG left untouched) is the
+        same from step to step. Sameness is judged on marshal's bytes, several times cheaper than
+        encoding JSON and exact about types (1, 1.0 and True are equal to ==, not here)."""
+        exact = marshal.dumps(desc, 2)  # version 2: no back-references, so equal values give equal bytes
+        last = self._encoded.get(name)
+        out = last[1] if last is not None and last[0] == exact else json.dumps(desc, separators=(",", ":")).encode()
+        used[name] = (exact, out)
+        return out
 
     def _plan(self, key: tuple, tensors: list) -> None:
         """Offsets of a new layout of tensors and the fixed head of the description."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import os
 import subprocess
+import sys
 import time
 
 import pytest
@@ -265,6 +266,24 @@ def test_state_round_trips_exactly_and_only_as_plain_data(tmp_path):
     assert memory.header(path)["step"] == 3  # the refused write never touched the whole step
 
 
+def test_refreshes_reuse_unchanged_description_but_never_a_changed_value(tmp_path):
+    """A refresh re-encodes only the entries that changed since the last one. Values that are
+    equal under == but not the same (1, 1.0, True; 0.0 and -0.0) and keys that come and go are
+    changes: each step reads back exactly what was written."""
+    w = memory.Writer(str(tmp_path), 0)
+    model = {"w": torch.ones(2)}
+    values = [1, 1.0, True, 1, 0.0, -0.0, 0, False, [1, 2], (1, 2), {"a": 1}, {"a": 1.0}]
+    for step, v in enumerate(values, 1):
+        state = {"model": model, "v": v, "user": {"step": step}}  # "v" alone in its entry
+        if step % 3 == 0:
+            state["extra"] = {"seen": step}
+        w.write(step, state, world=1, rank=0)
+        got = memory.read(str(tmp_path), step, world=1, rank=0, local_rank=0)
+        assert got["user"] == {"step": step} and got["v"] == v, step
+        assert type(got["v"]) is type(v) and repr(got["v"]) == repr(v), (step, v)
+        assert ("extra" in got) == (step % 3 == 0) and torch.equal(got["model"]["w"], torch.ones(2))
+
+
 def test_rng_capture_shortcuts_never_go_stale():
     """capture() skips re-reading numpy's and Python's generators while they are untouched;
     whatever is drawn in between, each capture equals the generators' real state."""
@@ -278,7 +297,9 @@ def test_rng_capture_shortcuts_never_go_stale():
         n = rng["numpy"]
         assert torch.equal(n["keys"], torch.from_numpy(keys.astype(np.int64))) and n["pos"] == pos
         assert (n["has_gauss"], n["cached_gaussian"]) == (has_gauss, cached)
-        assert tuple(rng["python"]["state"].tolist()) == random.getstate()[1]
+        version, key, gauss = random.getstate()
+        assert tuple(rng["python"]["state"].tolist()) == key
+        assert (rng["python"]["version"], rng["python"]["gauss_next"]) == (version, gauss)
 
     np.random.seed(3)
     check()
@@ -292,4 +313,20 @@ def test_rng_capture_shortcuts_never_go_stale():
     random.random()
     check()
     np.random.seed(3)
+    check()
+    # Python's generator is compared by its words in place (CPython): draws, a cached Gaussian,
+    # a whole regeneration that leaves the index where it was, seeding, and setstate all show.
+    assert checkpoint._python_rng.usable == (sys.implementation.name == "cpython")
+    before = random.getstate()
+    check()
+    random.gauss(0, 1)  # draws a pair, keeps the second in gauss_next
+    check()
+    random.gauss(0, 1)  # returns gauss_next: the words do not move
+    check()
+    for _ in range(624):  # exactly one twist of 32-bit words: the same index, new words
+        random.getrandbits(32)
+    check()
+    random.setstate(before)
+    check()
+    random.seed(11)
     check()
