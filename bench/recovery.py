@@ -52,13 +52,13 @@ CKPT_MODE = {"torchrun-snapshot": "handwritten"}
 MEMORY_EVERY = {"elasticd-every-step": "1"}  # elasticd's default cadence keeps refreshes under 1% of a step
 
 
-def launcher_cmd(kind: str, trials: int, workdir: Path, extra: tuple[str, ...] = ()) -> list[str]:
+def launcher_cmd(kind: str, trials: int, workdir: Path, extra: tuple[str, ...] = (), nproc: int = 2) -> list[str]:
     if kind.startswith("elasticd"):
-        return [sys.executable, "-m", "elasticd.cli", "run", "--nproc-per-node", "2",
+        return [sys.executable, "-m", "elasticd.cli", "run", "--nproc-per-node", str(nproc),
                 "--max-restarts", str(trials + 5), "--log-dir", str(workdir / "logs"),
                 "--socket", str(workdir / "ctl.sock"), "--no-tee", "--log-format", "json",
                 "--restart-grace", "3", *extra, str(SCRIPT)]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
             "--max-restarts", str(trials + 5), "--monitor-interval", "0.1", str(SCRIPT)]
 
 

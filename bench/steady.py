@@ -1,6 +1,6 @@
 """Steady state: step time under elasticd vs torchrun on the same script, and the launcher's CPU.
 
-Each launcher trains bench/step_logger.py with 2 workers (no sleep between steps) on two
+Each launcher trains bench/step_logger.py with 2 workers (--nproc; no sleep between steps) on two
 workloads: `tiny`, the recovery benchmark's model (a few ms per step, dominated by process
 wake-ups on a small machine), and `compute`, a 1024-wide MLP on a 128 batch (tens of ms of real
 compute and an 8 MB gradient all-reduce per step). The median step interval of rank 0 after the
@@ -52,7 +52,8 @@ class Run:
     samples: list  # (wall time, launcher CPU seconds)
 
 
-def launch(variant: str, workload: str, ckpt_every: int, workdir: Path, cpus: set[int] | None = None) -> Run:
+def launch(variant: str, workload: str, ckpt_every: int, workdir: Path, cpus: set[int] | None = None,
+           nproc: int = 2) -> Run:
     """Start one launcher on the workload, pinned (with everything it starts) to `cpus`."""
     kind, extra = VARIANTS[variant]
     knobs, steps, _skip = WORKLOADS[workload]
@@ -60,7 +61,7 @@ def launch(variant: str, workload: str, ckpt_every: int, workdir: Path, cpus: se
     env = dict(os.environ, BENCH_OUT=str(out), BENCH_STEPS=str(steps), BENCH_STEP_TIME="0",
                BENCH_CKPT_DIR=str(workdir / "ckpt"), BENCH_CKPT_EVERY=str(ckpt_every), **knobs)
     with open(workdir / "launcher.log", "wb") as log:
-        proc = subprocess.Popen(launcher_cmd(kind, 0, workdir, extra), env=env, stdout=log, stderr=log,
+        proc = subprocess.Popen(launcher_cmd(kind, 0, workdir, extra, nproc), env=env, stdout=log, stderr=log,
                                 cwd=HERE.parent, start_new_session=True,
                                 preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
     return Run(proc, out, [])
@@ -98,15 +99,15 @@ def measure(run: Run, begin: float, end: float) -> tuple[float, float]:
     return statistics.median(gaps), cpu
 
 
-def one_run(variant: str, workload: str, ckpt_every: int) -> tuple[float, float]:
+def one_run(variant: str, workload: str, ckpt_every: int, nproc: int) -> tuple[float, float]:
     """One launcher alone on the machine, start-up excluded."""
     with tempfile.TemporaryDirectory(prefix="bench-steady-") as tmp:
-        run = launch(variant, workload, ckpt_every, Path(tmp))
+        run = launch(variant, workload, ckpt_every, Path(tmp), nproc=nproc)
         watch([run])
         return measure(run, *window(run, WORKLOADS[workload][2]))
 
 
-def paired_run(variant: str, workload: str, ckpt_every: int, swap: bool) -> tuple[tuple, tuple]:
+def paired_run(variant: str, workload: str, ckpt_every: int, swap: bool, nproc: int) -> tuple[tuple, tuple]:
     """`variant` and torchrun at the same time, each on its own half of the CPUs (`swap`: the
     other way round), measured over the steps both ran in steady state: whatever the machine does
     meanwhile (a neighbour, the hypervisor) hits both."""
@@ -118,8 +119,8 @@ def paired_run(variant: str, workload: str, ckpt_every: int, swap: bool) -> tupl
         halves.reverse()
     with tempfile.TemporaryDirectory(prefix="bench-steady-a-") as a, \
             tempfile.TemporaryDirectory(prefix="bench-steady-b-") as b:
-        runs = [launch(variant, workload, ckpt_every, Path(a), halves[0]),
-                launch("torchrun", workload, ckpt_every, Path(b), halves[1])]
+        runs = [launch(variant, workload, ckpt_every, Path(a), halves[0], nproc),
+                launch("torchrun", workload, ckpt_every, Path(b), halves[1], nproc)]
         watch(runs)
         skip = WORKLOADS[workload][2]
         spans = [window(r, skip) for r in runs]
@@ -139,6 +140,7 @@ def main() -> None:
     p.add_argument("--variants", default=",".join(v for v in VARIANTS if v != "torchrun"),
                    help="comma-separated elasticd variants to compare with torchrun: " +
                         ", ".join(v for v in VARIANTS if v != "torchrun"))
+    p.add_argument("--nproc", type=int, default=2, help="workers per launcher (default 2)")
     p.add_argument("--paired", action="store_true",
                    help="run each elasticd variant and torchrun at the same time on separate halves of the CPUs")
     args = p.parse_args()
@@ -163,7 +165,7 @@ def main() -> None:
                 for variant in variants[:-1]:
                     product = 1.0
                     for swap in (False, True):  # each launcher on each half: the halves differ a little
-                        mine, theirs = paired_run(variant, w, args.ckpt_every, swap)
+                        mine, theirs = paired_run(variant, w, args.ckpt_every, swap, args.nproc)
                         side = f" on CPU half {int(swap)}"
                         record(r, w, variant, mine, side)
                         record(r, w, "torchrun", theirs, f" beside {variant}, on CPU half {int(not swap)}")
@@ -172,15 +174,16 @@ def main() -> None:
                     ratios[w, "torchrun"].append(1.0)
                 continue
             for variant in variants:
-                record(r, w, variant, one_run(variant, w, args.ckpt_every))
+                record(r, w, variant, one_run(variant, w, args.ckpt_every, args.nproc))
             for variant in variants:
                 ratios[w, variant].append(step[w, variant][-1] / step[w, "torchrun"][-1])
     print()
     how = ("each beside torchrun at the same time on separate halves of the CPUs, both ways round; a round's "
            "ratio is the geometric mean of the two"
            if args.paired else "one launcher at a time, alternating")
-    print(f"steady state, 2 workers, {os.cpu_count()} cores, torch CPU/gloo, {args.rounds} rounds, {how} "
-          "(median over rounds; ratio: median and range of the per-round ratios to torchrun)")
+    print(f"steady state, {args.nproc} worker(s) per launcher, {os.cpu_count()} cores, torch CPU/gloo, "
+          f"{args.rounds} rounds, {how} (median over rounds; ratio: median and range of the per-round ratios "
+          "to torchrun)")
     print(f"{'workload':<9} {'launcher':<28} {'step ms':>8} {'vs torchrun':>12} {'per-round range':>17} "
           f"{'launcher CPU':>13}")
     for w in workloads:
