@@ -29,7 +29,7 @@ from typing import Any
 
 import tenacity
 
-from elasticd import health, logs, memory, workers
+from elasticd import health, logs, memory, proctitle, workers
 from elasticd.config import Config
 from elasticd.rendezvous import Rendezvous, RendezvousFailed, Round
 
@@ -306,7 +306,7 @@ class Agent:
         self.set_state(State.RENDEZVOUS)
         if self.cfg.warm_spawn and reaper:
             self.forkserver = workers.ForkServer(self.token, self.cfg.nproc_per_node, self.cfg.preload,
-                                                 self.run_dir / "spares.log")
+                                                 self.run_dir / "spares.log", self._shown())
         self._top_up_spares()  # they import torch while the nodes meet
         self.memory_dir = memory.create(self.cfg.rdzv_id) if self.cfg.memory_state else None
         if self.memory_dir:
@@ -342,8 +342,12 @@ class Agent:
             fs.request(missing)
         else:
             self.spares += [workers.start_spare(self.token, self.cfg.nproc_per_node, self.cfg.preload,
-                                                self.run_dir / "spares.log") for _ in range(missing)]
+                                                self.run_dir / "spares.log", self._shown()) for _ in range(missing)]
         self._spares_due = None
+
+    def _shown(self) -> list[str]:
+        """The workers' command line as ps shows it (see proctitle)."""
+        return proctitle.title(self.cfg.entrypoint, self.cfg.args)
 
     def _keep(self) -> frozenset[int]:
         """Processes a teardown sweep must spare: the spares and their fork server."""

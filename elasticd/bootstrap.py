@@ -29,6 +29,8 @@ import time
 import traceback
 import types
 
+from elasticd import proctitle
+
 _PR_SET_PDEATHSIG = 1
 
 
@@ -236,9 +238,10 @@ def main() -> None:
         args = wait_for_rank()
         if args is None:
             return
+    entrypoint = os.environ["ELASTICD_ENTRYPOINT"]
+    proctitle.show(proctitle.title(entrypoint, args))  # ps shows `python -u train.py ...`, as under torchrun
     arm_stack_dumps()
     arm_heartbeat()
-    entrypoint = os.environ["ELASTICD_ENTRYPOINT"]
     try:
         run_entrypoint(entrypoint, args)
     except SystemExit:

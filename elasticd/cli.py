@@ -38,6 +38,8 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("entrypoint", nargs="?", default=S,
                    help="module (run as python -m), module:function, or path/to/script.py "
                         "(default: the bundled example entrypoints.train)")
+    p.add_argument("args", nargs=argparse.REMAINDER, default=S, metavar="ARGS",
+                   help="everything after the entrypoint goes to it, as with torchrun")
     g = p.add_argument_group("torchrun-compatible")
     g.add_argument("--nnodes", default=S, help="N or MIN:MAX nodes (default 1)")
     g.add_argument("--nproc-per-node", "--nproc_per_node", dest="nproc_per_node", type=int, default=S,
@@ -112,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"elasticd {__version__}")
     sub = p.add_subparsers(dest="command", parser_class=_Parser)
     run = sub.add_parser("run", help="run a training job on this node",
-                         usage="elasticd run [flags] [ENTRYPOINT] [-- ARGS...]", epilog=EPILOG,
+                         usage="elasticd run [flags] [ENTRYPOINT [ARGS...]] | [flags] -- ARGS...", epilog=EPILOG,
                          formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_run_flags(run)
     st = sub.add_parser("status", help="show the daemon's state", epilog=EPILOG,
@@ -129,12 +131,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     extra: list[str] = []
-    if "--" in argv:
+    if "--" in argv:  # before any entrypoint, `--` ends elasticd's flags: the rest is the default entrypoint's
         i = argv.index("--")
-        argv, extra = argv[:i], argv[i + 1:]
+        head = build_parser().parse_args(argv[:i])
+        if head.command != "run" or "entrypoint" not in vars(head):
+            argv, extra = argv[:i], argv[i + 1:]
     args = build_parser().parse_args(argv)
     if args.command == "run":
-        return _run(args, extra)
+        given = vars(args).pop("args", None) or []  # after the entrypoint, as torchrun takes them
+        return _run(args, extra or (given[1:] if given[:1] == ["--"] else given))
     if extra:
         build_parser().error("arguments after -- are only for 'run'")
     if args.command == "status":

@@ -23,7 +23,7 @@ from typing import BinaryIO
 
 import psutil
 
-from elasticd import health, logs, systemd
+from elasticd import health, logs, proctitle, systemd
 
 log = logs.get("elasticd.workers")
 
@@ -193,7 +193,7 @@ def spawn(spec: GroupSpec, spares: list[Spare] | None = None) -> list[Worker]:
         if proc is None:
             with open(paths["log"], "ab") as out:
                 proc = subprocess.Popen(
-                    [sys.executable, "-m", "elasticd.bootstrap", *spec.args],
+                    proctitle.command("elasticd.bootstrap", proctitle.title(spec.entrypoint, spec.args), spec.args),
                     env=env,
                     stdin=subprocess.DEVNULL,
                     stdout=out,
@@ -220,12 +220,13 @@ def _spare_env(token: str, nproc: int, preload: tuple[str, ...]) -> dict[str, st
     return env
 
 
-def start_spare(token: str, nproc: int, preload: tuple[str, ...], log_path: Path) -> Spare:
+def start_spare(token: str, nproc: int, preload: tuple[str, ...], log_path: Path, shown: list[str]) -> Spare:
     """A warm spare that is a fresh interpreter (never a fork): it imports torch and `preload`,
     then waits on stdin for its rank's environment and arguments. Handing it a rank skips
-    interpreter start-up and imports on a restart. The fallback where the fork server is unfit."""
+    interpreter start-up and imports on a restart. The fallback where the fork server is unfit.
+    `shown`: the workers' command line (proctitle.title), which the spare makes room for."""
     with open(log_path, "ab") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "elasticd.bootstrap"], env=_spare_env(token, nproc, preload),
+        proc = subprocess.Popen(proctitle.command("elasticd.bootstrap", shown), env=_spare_env(token, nproc, preload),
                                 stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True, close_fds=True)
     assert proc.stdin is not None
@@ -234,13 +235,14 @@ def start_spare(token: str, nproc: int, preload: tuple[str, ...], log_path: Path
 
 class ForkServer:
     """Daemon side of elasticd.forkserver: asks for spares and collects them (pid and the write
-    end of the spare's job pipe) without blocking the agent loop."""
+    end of the spare's job pipe) without blocking the agent loop. `shown`: the workers' command
+    line (proctitle.title); the server's own has room for it, and its forks inherit that."""
 
-    def __init__(self, token: str, nproc: int, preload: tuple[str, ...], log_path: Path) -> None:
+    def __init__(self, token: str, nproc: int, preload: tuple[str, ...], log_path: Path, shown: list[str]) -> None:
         self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             with open(log_path, "ab") as out:
-                self.proc = subprocess.Popen([sys.executable, "-m", "elasticd.forkserver"],
+                self.proc = subprocess.Popen(proctitle.command("elasticd.forkserver", shown),
                                              env=_spare_env(token, nproc, preload), stdin=theirs,
                                              stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                                              close_fds=True)

@@ -6,6 +6,7 @@ import json
 import os
 import re
 import signal
+import sys
 import time
 from datetime import datetime
 
@@ -34,9 +35,10 @@ def test_unmodified_torchrun_script_completes(daemons, tmp_path):
     assert all("run_id" in e and "node" in e for e in states)
 
 
-def test_worker_environment_matches_torchrun(daemons, tmp_path):
+@pytest.mark.parametrize("spawn", [(), ("--no-warm-spawn",)], ids=["warm", "cold"])
+def test_worker_environment_matches_torchrun(daemons, tmp_path, spawn):
     out = tmp_path / "env.json"
-    d = daemons("tests.scripts.dump_env", "--nproc-per-node", "2", args=[str(out)])
+    d = daemons("tests.scripts.dump_env", "--nproc-per-node", "2", *spawn, args=[str(out)])
     assert d.wait(60) == 0, d.stderr()[-3000:]
     envs = [json.loads(line) for line in out.read_text().splitlines()]
     assert sorted(int(e["RANK"]) for e in envs) == [0, 1]
@@ -52,11 +54,24 @@ def test_worker_environment_matches_torchrun(daemons, tmp_path):
         assert "NOTIFY_SOCKET" not in e and "WATCHDOG_USEC" not in e
         assert e["__name__"] == "__main__" and e["argv"][1:] == [str(out)]
         assert e["argv"][0].endswith(os.path.join("tests", "scripts", "dump_env.py"))
+        # ps, pgrep -f and /proc/PID/cmdline show what torchrun would have run, NUL for NUL
+        shown = [sys.executable, "-u", "-m", "tests.scripts.dump_env", str(out)]
+        assert e["facts"]["cmdline"] == "\0".join(shown) + "\0"
         facts = e["facts"]  # warm (forked) workers: children of the daemon in their own session
         assert facts["ppid"] == d.pid and facts["sid"] == facts["pid"] and facts["threads"] == 1, facts
-    for key in ("random", "numpy_random"):  # never the copied stream of the process they were forked from
+    for key in ("random", "numpy_random")[:1 if spawn else 2]:  # never the stream of a process forked from
         values = [e["facts"].get(key) for e in envs]
         assert values[0] != values[1], key
+
+
+def test_arguments_after_the_entrypoint_go_to_it_as_with_torchrun(daemons, tmp_path):
+    # `torchrun [flags] train.py ARGS`: ARGS are the script's, even where they look like our flags
+    out = tmp_path / "env.json"
+    d = daemons(None, "--nproc-per-node", "1", "tests.scripts.dump_env", str(out), "--max-restarts", "7", "--", "x")
+    assert d.wait(60) == 0, d.stderr()[-3000:]
+    e = json.loads(out.read_text().splitlines()[0])
+    assert e["argv"][1:] == [str(out), "--max-restarts", "7", "--", "x"]
+    assert e["TORCHELASTIC_MAX_RESTARTS"] == "3"  # elasticd's own default: the flag was not taken as ours
 
 
 def test_script_globals_live_until_shutdown_as_under_python(daemons, tmp_path):

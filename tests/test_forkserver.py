@@ -7,6 +7,7 @@ import json
 import os
 import re
 import signal
+import sys
 
 import psutil
 
@@ -73,6 +74,8 @@ def test_fork_server_with_threads_falls_back_to_fresh_spares(daemons, tmp_path):
     envs = [json.loads(line) for line in out.read_text().splitlines()]
     assert sorted(int(e["RANK"]) for e in envs) == [0, 1]
     assert all(e["facts"]["ppid"] == d.pid for e in envs)
+    shown = "\0".join([sys.executable, "-u", "-m", "tests.scripts.dump_env", str(out)]) + "\0"
+    assert all(e["facts"]["cmdline"] == shown for e in envs)  # fresh spares show the script too
 
 
 def test_fork_server_killed_falls_back_and_restarts_still_work(daemons, tmp_path):
