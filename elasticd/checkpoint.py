@@ -604,7 +604,7 @@ class _PythonRng:
         return ctypes.string_at(id(self.inst) + self._AT, self._SIZE)
 
     def state(self) -> dict[str, Any]:
-        inst = random._inst  # what the module-level functions draw from
+        inst = getattr(random.getstate, "__self__", random)  # the generator behind random's functions
         if (inst is self.inst and self.usable and self.value is not None
                 and getattr(inst, "gauss_next", None) == self.value["gauss_next"] and self._raw() == self.raw):
             return self.value

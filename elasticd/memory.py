@@ -160,6 +160,7 @@ def _aligned(n: int) -> int:
 # decoding builds only plain data (nothing a file could use to run code) and round-trips exactly
 # what torch.load(weights_only=True) would give back.
 _T = "\x00"
+_DICT = json.dumps(_T + "d").encode()  # the tag of a dict, as the JSON of a description spells it
 
 
 def _where(at: Any) -> str:
@@ -365,12 +366,12 @@ class Writer:
         mine = ranks[rank] if rank < len(ranks) else (ranks[0] if len(ranks) == 1 else None)
         tensors: list = []
         used: dict = {}
-        tree = b'{"\\u0000d":[["rng",' + self._json("rng", _describe(mine, tensors, (None, "rng")), used)
+        tree = b"{" + _DICT + b':[["rng",' + self._json("rng", _describe(mine, tensors, (None, "rng")), used)
         if self.local_rank == 0:
             entries = [b"[" + self._json(("k", k), _describe(k, tensors), used) + b","
                        + self._json(("v", k), _describe(v, tensors, (None, k)), used) + b"]"
                        for k, v in state.items() if k != "rng"]
-            tree += b'],["state",{"\\u0000d":[' + b",".join(entries) + b"]}"
+            tree += b'],["state",{' + _DICT + b":[" + b",".join(entries) + b"]}"
         tree += b"]]}"
         self._encoded = used  # only this step's entries: keys that come and go are not kept
         key = tuple((t.dtype, t.shape) for t, _ in tensors)
