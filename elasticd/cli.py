@@ -33,6 +33,15 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(EXIT_USAGE)
 
 
+class _Instead(argparse.Action):
+    """A torchrun flag elasticd covers another way: one error line saying what to use (its help),
+    unless the value is `const`, what elasticd does anyway."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        if values != self.const:
+            parser.error(f"{option_string} {values}: {self.help}")
+
+
 def _add_run_flags(p: argparse.ArgumentParser) -> None:
     S = argparse.SUPPRESS
     p.add_argument("entrypoint", nargs="?", default=S,
@@ -42,8 +51,11 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
                    help="everything after the entrypoint goes to it, as with torchrun")
     g = p.add_argument_group("torchrun-compatible")
     g.add_argument("--nnodes", default=S, help="N or MIN:MAX nodes (default 1)")
-    g.add_argument("--nproc-per-node", "--nproc_per_node", dest="nproc_per_node", type=int, default=S,
-                   help="workers on this node (default 1; the bundled example: one per GPU, else 2)")
+    g.add_argument("--nproc-per-node", "--nproc_per_node", dest="nproc_per_node", default=S,
+                   help="workers on this node: a number, gpu, cpu or auto (default 1; the bundled example: "
+                        "one per GPU, else 2)")
+    g.add_argument("-m", "--module", dest="module", action="store_true", default=S,
+                   help="ENTRYPOINT is a module, run as python -m (elasticd also tells by the name)")
     g.add_argument("--max-restarts", "--max_restarts", dest="max_restarts", type=int, default=S,
                    help="failure restarts of the job before it fails (default 3)")
     g.add_argument("--rdzv-endpoint", "--rdzv_endpoint", dest="rdzv_endpoint", default=S,
@@ -60,6 +72,14 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
                         "checkpoints/<rdzv id>, so a job started again with the same --rdzv-id resumes)")
     g.add_argument("--local-addr", "--local_addr", dest="local_addr", default=S,
                    help="address peers reach this node at (default: the one routing to the endpoint)")
+    g.add_argument("--rdzv-backend", "--rdzv_backend", action=_Instead, const="c10d", default=S,
+                   help="c10d only, the default: a TCPStore at --rdzv-endpoint")
+    g.add_argument("--master-addr", "--master_addr", "--master-port", "--master_port", action=_Instead, default=S,
+                   help="give every node --rdzv-endpoint MASTER_ADDR:MASTER_PORT instead (the node that owns "
+                        "that address hosts the store)")
+    g.add_argument("--node-rank", "--node_rank", action=_Instead, default=S,
+                   help="nodes are ranked at rendezvous: drop it and give every node the same "
+                        "--rdzv-endpoint HOST:PORT and --nnodes")
     e = p.add_argument_group("elasticd")
     e.add_argument("--config", dest="config_file", default=None, help="TOML config file (flags override it)")
     e.add_argument("--log-format", dest="log_format", choices=["auto", "json", "console"], default=S,
@@ -153,10 +173,14 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: argparse.Namespace, extra: list[str]) -> int:
     from elasticd import config, logs
 
-    flags = {k: v for k, v in vars(args).items() if k not in ("command", "config_file")}
+    flags = {k: v for k, v in vars(args).items() if k not in ("command", "config_file", "module")}
     if extra:
         flags["args"] = extra
     try:
+        entrypoint = flags.get("entrypoint")
+        if getattr(args, "module", False) and (not entrypoint or entrypoint.endswith(".py") or os.sep in entrypoint):
+            raise ConfigError(f"-m takes a module name such as pkg.train, got {entrypoint or 'none'}; "
+                              "for a script path drop -m")
         cfg = config.build(flags, args.config_file)
         config.check_entrypoint(cfg.entrypoint)
         if cfg.max_nodes == 1 and cfg.rdzv_endpoint:

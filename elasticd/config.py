@@ -145,8 +145,25 @@ def env_settings(environ: dict[str, str]) -> dict[str, Any]:
     return out
 
 
+def nproc_from_word(value: Any, source: str) -> Any:
+    """torchrun's words for the workers per node: `gpu` (one per visible CUDA device), `cpu` (one
+    per CPU) or `auto` (gpu where there is one, else cpu). Anything else is left to _coerce."""
+    word = value.strip().lower() if isinstance(value, str) else None
+    if word not in ("auto", "gpu", "cpu"):
+        if word is not None and not word.isdigit():
+            raise ConfigError(f"{source}: {value!r} is not a number of workers, auto, gpu or cpu")
+        return value
+    gpus = cuda_devices() if word != "cpu" else 0
+    if word == "gpu" and not gpus:
+        raise ConfigError(f"{source}: gpu means one worker per CUDA device, and none is visible here; "
+                          "give a number of workers, or auto")
+    return gpus or os.cpu_count() or 1
+
+
 def _coerce(key: str, value: Any, source: str) -> Any:
     """Turn a TOML/env/flag value into the field's type, or say which form it needs."""
+    if key == "nproc_per_node":
+        value = nproc_from_word(value, f"{key} in {source}")
     if key not in FIELDS:
         known = ", ".join(sorted(FIELDS))
         raise ConfigError(f"unknown setting {key!r} in {source}; known settings: {known}")
@@ -209,6 +226,11 @@ def build(flags: dict[str, Any], config_file: str | None = None, environ: dict[s
 
 def default_example_nproc() -> int:
     """The bundled example trains on every GPU, or on 2 CPU workers without one."""
+    return cuda_devices() or 2
+
+
+def cuda_devices() -> int:
+    """CUDA devices visible to this process (0 without CUDA or without torch)."""
     try:
         import torch
 
@@ -216,7 +238,7 @@ def default_example_nproc() -> int:
             return torch.cuda.device_count()
     except Exception:
         pass
-    return 2
+    return 0
 
 
 def validate(cfg: Config) -> None:

@@ -34,7 +34,12 @@ def assert_one_error(r: subprocess.CompletedProcess, *needles: str) -> None:
     (["--nnodes", "0", script("faulty.py")], ["--nnodes '0'", "at least 1"]),
     (["--nnodes", "x", script("faulty.py")], ["--nnodes 'x' is not N or MIN:MAX"]),
     (["--nproc-per-node", "0", script("faulty.py")], ["--nproc-per-node 0", "at least 1"]),
-    (["--nproc-per-node", "two", script("faulty.py")], ["--nproc-per-node", "invalid int value"]),
+    (["--nproc-per-node", "two", script("faulty.py")], ["--nproc-per-node", "'two' is not a number of workers"]),
+    (["-m", script("faulty.py")], ["-m takes a module name", "drop -m"]),
+    # torchrun's static rendezvous flags: what to give instead
+    (["--node-rank", "0", script("faulty.py")], ["--node-rank 0", "ranked at rendezvous", "--rdzv-endpoint"]),
+    (["--master_addr=10.0.0.1", script("faulty.py")], ["--master_addr 10.0.0.1", "--rdzv-endpoint MASTER_ADDR"]),
+    (["--rdzv-backend", "static", script("faulty.py")], ["--rdzv-backend static", "c10d only"]),
     (["--max-restarts", "-1", script("faulty.py")], ["--max-restarts -1"]),
     (["--nnodes", "2", script("faulty.py")], ["needs --rdzv-endpoint"]),
     (["--rdzv-endpoint", "localhost:http", script("faulty.py")], ["port 'http' is not a number"]),
@@ -67,7 +72,7 @@ def test_bad_config_file(tmp_path):
     cfg = tmp_path / "c.toml"
     cfg.write_text('nproc_per_node = "many"\n')
     r = run_cli("run", "--config", str(cfg), "--log-dir", str(tmp_path), script("faulty.py"))
-    assert_one_error(r, "nproc_per_node", "'many' is not a whole number")
+    assert_one_error(r, "nproc_per_node", "'many' is not a number of workers, auto, gpu or cpu")
     cfg.write_text('nprocs = 2\n')
     r = run_cli("run", "--config", str(cfg), "--log-dir", str(tmp_path), script("faulty.py"))
     assert_one_error(r, "unknown setting 'nprocs'")

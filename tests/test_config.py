@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from elasticd import config
@@ -24,6 +26,22 @@ def test_precedence_flags_over_env_over_file(tmp_path):
     assert (cfg.nproc_per_node, cfg.max_restarts) == (5, 9)
     cfg = config.build({"nproc_per_node": 2}, path, environ={"ELASTICD_NPROC_PER_NODE": "5"})
     assert (cfg.nproc_per_node, cfg.max_restarts) == (2, 7)
+
+
+def test_nproc_per_node_takes_torchruns_words(tmp_path):
+    """gpu: one worker per visible CUDA device; cpu: one per CPU; auto: gpu where there is one."""
+    gpus = config.cuda_devices()
+    path = write(tmp_path, 'nproc_per_node = "auto"\nentrypoint = "x.py"\n')
+    assert config.build({}, path, environ={}).nproc_per_node == (gpus or os.cpu_count())
+    assert config.build({"nproc_per_node": "CPU"}, path, environ={}).nproc_per_node == os.cpu_count()
+    assert config.build({}, path, environ={"ELASTICD_NPROC_PER_NODE": "3"}).nproc_per_node == 3
+    if gpus:
+        assert config.build({"nproc_per_node": "gpu"}, path, environ={}).nproc_per_node == gpus
+    else:
+        with pytest.raises(ConfigError, match="nproc_per_node in --nproc-per-node: gpu means one worker per CUDA device, and none is visible"):
+            config.build({"nproc_per_node": "gpu"}, path, environ={})
+    with pytest.raises(ConfigError, match="nproc_per_node in environment variable ELASTICD_NPROC_PER_NODE: '4x' is not a number of workers"):
+        config.build({}, path, environ={"ELASTICD_NPROC_PER_NODE": "4x"})
 
 
 def test_defaults():

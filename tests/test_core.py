@@ -64,14 +64,18 @@ def test_worker_environment_matches_torchrun(daemons, tmp_path, spawn):
         assert values[0] != values[1], key
 
 
-def test_arguments_after_the_entrypoint_go_to_it_as_with_torchrun(daemons, tmp_path):
-    # `torchrun [flags] train.py ARGS`: ARGS are the script's, even where they look like our flags
+def test_torchrun_command_line_works_as_is(daemons, tmp_path):
+    # `torchrun --nproc-per-node cpu --rdzv-backend c10d -m pkg.mod ARGS`: ARGS are the script's,
+    # even where they look like our flags
     out = tmp_path / "env.json"
-    d = daemons(None, "--nproc-per-node", "1", "tests.scripts.dump_env", str(out), "--max-restarts", "7", "--", "x")
+    d = daemons(None, "--nproc-per-node", "cpu", "--rdzv-backend", "c10d", "-m", "tests.scripts.dump_env", str(out),
+                "--max-restarts", "7", "--", "x")
     assert d.wait(60) == 0, d.stderr()[-3000:]
-    e = json.loads(out.read_text().splitlines()[0])
-    assert e["argv"][1:] == [str(out), "--max-restarts", "7", "--", "x"]
-    assert e["TORCHELASTIC_MAX_RESTARTS"] == "3"  # elasticd's own default: the flag was not taken as ours
+    envs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted(int(e["RANK"]) for e in envs) == list(range(os.cpu_count() or 1))
+    for e in envs:
+        assert e["argv"][1:] == [str(out), "--max-restarts", "7", "--", "x"]
+        assert e["TORCHELASTIC_MAX_RESTARTS"] == "3"  # elasticd's own default: the flag was not taken as ours
 
 
 def test_script_globals_live_until_shutdown_as_under_python(daemons, tmp_path):
