@@ -53,7 +53,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import structlog
 import torch
@@ -581,6 +581,7 @@ def _rng_state() -> dict[str, Any]:
     return state
 
 
+@dataclasses.dataclass
 class _PythonRng:
     """Python's global RNG state, read again only when it may have changed.
 
@@ -592,13 +593,12 @@ class _PythonRng:
     getstate() once per generator; where it differs (another interpreter or build), every call
     reads getstate()."""
 
-    _AT, _SIZE = 16, 4 + 624 * 4  # after ob_refcnt and ob_type: int index; uint32_t state[624]
-
-    def __init__(self) -> None:
-        self.inst: Any = None
-        self.raw: bytes | None = None
-        self.value: dict[str, Any] | None = None
-        self.usable = False
+    inst: Any = None
+    raw: bytes | None = None
+    value: dict[str, Any] | None = None
+    usable: bool = False
+    _AT: ClassVar[int] = 16  # after ob_refcnt and ob_type: int index; uint32_t state[624]
+    _SIZE: ClassVar[int] = 4 + 624 * 4
 
     def _raw(self) -> bytes:
         return ctypes.string_at(id(self.inst) + self._AT, self._SIZE)
@@ -624,6 +624,7 @@ class _PythonRng:
 _python_rng = _PythonRng()
 
 
+@dataclasses.dataclass
 class _NumpyRng:
     """numpy's global RNG state, read again only when it may have changed.
 
@@ -634,11 +635,10 @@ class _NumpyRng:
     stands. The struct's layout is checked against get_state() once per generator; where it
     differs this shortcut is off."""
 
-    def __init__(self) -> None:
-        self.gen: Any = None
-        self.raw: bytes | None = None
-        self.value: dict[str, Any] | None = None
-        self.usable = False
+    gen: Any = None
+    raw: bytes | None = None
+    value: dict[str, Any] | None = None
+    usable: bool = False
 
     def _raw(self) -> bytes:
         return ctypes.string_at(self.gen.ctypes.state_address, 624 * 4 + 4)
