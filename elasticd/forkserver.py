@@ -12,14 +12,18 @@ there exactly as a fresh-interpreter spare does (bootstrap.take_rank). A refill 
 tens of milliseconds.
 
 Forking is safe only from a process with one thread and no CUDA context: the server checks
-both before every fork and otherwise answers "unfit" with the reason and quits (for instance
-OMP_NUM_THREADS > 1 lets torch start its OpenMP pool at import); the daemon then falls back to
-fresh-interpreter spares. What a fork shares and a fresh process would not is reset in the
+both before every fork and otherwise answers "unfit" with the reason and quits (a preloaded module
+that started a thread); the daemon then falls back to fresh-interpreter spares. numpy's OpenBLAS
+starts a pool of one thread per core at import unless OMP_NUM_THREADS or OPENBLAS_NUM_THREADS is
+1 (so always with one worker per node, as torchrun sets neither then): OpenBLAS ends that pool
+itself before every fork and starts it again at its next call, so the server ends it once, idle,
+after the imports, and its spares start theirs as a fresh interpreter would. What a fork shares and a fresh process would not is reset in the
 spare: Python's `random` is reseeded by the interpreter at fork, numpy's global generator here.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import socket
 import sys
@@ -32,12 +36,25 @@ def unfit_reason() -> str | None:
     """Why this process must not fork a worker, or None."""
     threads = len(os.listdir("/proc/self/task"))
     if threads != 1:
-        return (f"the preloaded modules started {threads - 1} thread(s) (with OMP_NUM_THREADS > 1 torch "
-                "starts its OpenMP pool at import); forking would copy their locks mid-use")
+        return (f"the preloaded modules started {threads - 1} thread(s); forking would copy their locks "
+                "mid-use")
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         return "a preloaded module initialised CUDA; a forked child cannot use it"
     return None
+
+
+def end_idle_blas_pools() -> None:
+    """End the thread pool of every OpenBLAS loaded here (numpy's, started at import), as
+    OpenBLAS's own fork handler does before each fork; its next call starts the pool again with
+    the size it chose at load from this process's environment, the spares' environment."""
+    with open("/proc/self/maps") as maps:
+        paths = {p[5].strip() for line in maps if len(p := line.split(maxsplit=5)) == 6}
+    for path in sorted(p for p in paths if "openblas" in os.path.basename(p)):
+        try:
+            ctypes.CDLL(path).blas_thread_shutdown_()
+        except (OSError, AttributeError):  # another BLAS build: the thread check decides
+            pass
 
 
 def serve(conn: socket.socket) -> int | None:
@@ -108,6 +125,7 @@ def main() -> None:
     bootstrap.die_with_daemon()
     conn = socket.socket(fileno=0)  # a socketpair end; a spare's stdin becomes its job pipe
     bootstrap.preload()
+    end_idle_blas_pools()
     read_end = serve(conn)
     if read_end is None:
         return

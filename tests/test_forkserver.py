@@ -10,6 +10,7 @@ import signal
 import sys
 
 import psutil
+import pytest
 
 from harness import script, wait_until
 
@@ -64,13 +65,13 @@ def test_restart_takes_forked_spares_and_refills_with_forks(daemons, tmp_path):
 
 
 def test_fork_server_with_threads_falls_back_to_fresh_spares(daemons, tmp_path):
-    # With OMP_NUM_THREADS > 1 torch starts its OpenMP pool at import: no fork from there.
+    # A preloaded module that starts a thread: no fork from there.
     out = tmp_path / "env.json"
-    d = daemons("tests.scripts.dump_env", "--nproc-per-node", "2", args=[str(out)],
-                env={"OMP_NUM_THREADS": "2"})
+    d = daemons("tests.scripts.dump_env", "--nproc-per-node", "2", "--preload", "torch,thread_at_import",
+                args=[str(out)], env={"PYTHONPATH": os.path.dirname(script("thread_at_import.py"))})
     assert d.wait(90) == 0, d.stderr()[-3000:]
     off = [e for e in d.events() if e.get("event") == "fork_server_off"]
-    assert len(off) == 1 and "thread" in off[0]["reason"], off
+    assert len(off) == 1 and "started 1 thread(s)" in off[0]["reason"], off
     envs = [json.loads(line) for line in out.read_text().splitlines()]
     assert sorted(int(e["RANK"]) for e in envs) == [0, 1]
     assert all(e["facts"]["ppid"] == d.pid for e in envs)
@@ -93,3 +94,24 @@ def test_fork_server_killed_falls_back_and_restarts_still_work(daemons, tmp_path
                    what=f"rank {rank} training after the restart")
     d.kill(signal.SIGTERM)
     assert d.wait(60) == 0, d.stderr()[-3000:]
+
+
+@pytest.mark.parametrize("nproc, omp", [("1", None), ("2", "2")], ids=["one worker, OMP unset", "OMP_NUM_THREADS=2"])
+def test_spares_forked_despite_openblas_pool_size_threads_as_cold_workers(daemons, tmp_path, monkeypatch, nproc, omp):
+    """One worker per node leaves OMP_NUM_THREADS unset (as torchrun does), and then numpy's
+    OpenBLAS starts a pool of threads when the fork server imports torch: the server still forks
+    (it ends that idle pool), and its workers size their thread pools exactly as cold ones do."""
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        monkeypatch.delenv(var, raising=False)
+    got = {}
+    for mode, flags in (("warm", ()), ("cold", ("--no-warm-spawn",))):
+        out = tmp_path / f"{mode}.json"
+        d = daemons(script("thread_settings.py"), "--nproc-per-node", nproc, *flags, name=mode, args=[str(out)],
+                    env={"OMP_NUM_THREADS": omp} if omp else {})
+        assert d.wait(90) == 0, d.stderr()[-3000:]
+        assert not [e for e in d.events() if e.get("event") == "fork_server_off"], d.stderr()[-3000:]
+        got[mode] = sorted((json.loads(line) for line in out.read_text().splitlines()), key=lambda r: r["rank"])
+    assert got["warm"] == got["cold"]
+    assert [r["omp"] for r in got["warm"]] == [omp] * int(nproc)
+    if (os.cpu_count() or 1) > 1:
+        assert all(r["openblas"] and r["openblas"][0] > 1 for r in got["warm"]), got  # a pool the server had to end

@@ -1,0 +1,36 @@
+"""Appends the thread settings this worker's libraries chose as one JSON line to argv[1]: torch's
+intra-op threads, numpy's OpenBLAS pool size, and the threads running once both have worked.
+A warm worker must choose what a cold one chooses from the same environment."""
+
+import ctypes
+import fcntl
+import json
+import os
+import sys
+
+import numpy
+import torch
+
+
+def openblas_threads() -> list[int]:
+    with open("/proc/self/maps") as maps:
+        paths = {p[5].strip() for line in maps if len(p := line.split(maxsplit=5)) == 6}
+    counts = []
+    for path in sorted(p for p in paths if "openblas" in os.path.basename(p)):
+        lib = ctypes.CDLL(path)
+        for name in ("openblas_get_num_threads", "openblas_get_num_threads64_", "scipy_openblas_get_num_threads64_"):
+            if hasattr(lib, name):
+                counts.append(getattr(lib, name)())
+                break
+    return counts
+
+
+a = numpy.ones((256, 256))
+(a @ a).sum()
+torch.ones(512, 512).matmul(torch.ones(512, 512)).sum()
+record = {"rank": os.environ["RANK"], "omp": os.environ.get("OMP_NUM_THREADS"), "torch": torch.get_num_threads(),
+          "interop": torch.get_num_interop_threads(), "openblas": openblas_threads(),
+          "threads": len(os.listdir("/proc/self/task"))}
+with open(sys.argv[1], "a") as f:
+    fcntl.flock(f, fcntl.LOCK_EX)
+    f.write(json.dumps(record) + "\n")
