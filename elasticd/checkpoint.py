@@ -571,12 +571,15 @@ def _numpy():
 
 
 def _rng_state() -> dict[str, Any]:
-    """This process's RNG states as tensors, ints and floats (weights_only-loadable)."""
+    """This process's RNG states as tensors, ints and floats (weights_only-loadable). CUDA's only
+    where this process has initialised CUDA: reading it would otherwise create a CUDA context on
+    every GPU (and fail in a process forked from one that has), and a process that never used
+    CUDA has drawn nothing from it that a resume would need."""
     state: dict[str, Any] = {"python": _python_rng.state(), "torch": torch.get_rng_state()}
     np = _numpy()
     if np is not None:
         state["numpy"] = _numpy_rng.state(np)
-    if torch.cuda.is_available():
+    if torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 

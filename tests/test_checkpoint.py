@@ -10,6 +10,8 @@ import os
 import pickle
 import random
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -338,6 +340,23 @@ def test_capture_restore_single_process_unwraps_and_restores_rng(tmp_path):
     assert random.random() == expected[1] and np.random.rand() == expected[2]
     with pytest.raises(KeyError, match="scheduler"):
         restore(state, scheduler=torch.optim.lr_scheduler.StepLR(opt2, 2))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_capture_reads_cuda_rng_only_in_a_process_that_uses_cuda():
+    """A CPU job on a GPU machine must not create a CUDA context on every GPU (nor fail in a
+    process forked from one that touched CUDA) just to save RNG states it never drew from."""
+    code = (
+        "import torch\n"
+        "from elasticd.checkpoint import capture\n"
+        "s = capture(model=torch.nn.Linear(2, 2))\n"
+        "assert 'cuda' not in s['rng']['ranks'][0] and not torch.cuda.is_initialized()\n"
+        "torch.ones(1, device='cuda')\n"
+        "s = capture()\n"
+        "assert len(s['rng']['ranks'][0]['cuda']) == torch.cuda.device_count()\n"
+        "print('ok')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
 
 
 def test_rng_state_per_rank_and_derived_for_new_ranks(tmp_path, monkeypatch):
