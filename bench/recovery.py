@@ -1,8 +1,8 @@
 """Recovery after `kill -9` of one worker: elasticd vs torchrun, same script, same machine, one run.
 
-For each launcher: start it with 2 workers on bench/step_logger.py, wait until both ranks train,
-then repeatedly kill -9 one rank (alternating) and time kill -> every rank has logged a step after
-the kill. A trial that does not recover within --trial-timeout counts as a failure; the launcher is
+For each launcher: start it with --nproc workers (2) on bench/step_logger.py, wait until every
+rank trains, then repeatedly kill -9 one rank (in turn) and time kill -> every rank has logged a
+step after the kill. A trial that does not recover within --trial-timeout counts as a failure; the launcher is
 then killed (with its whole tree) and started afresh for the next trial.
 
 The script checkpoints through elasticd.checkpoint under both launchers (disk every --ckpt-every
@@ -14,11 +14,13 @@ The last launcher, `torchrun-snapshot`, runs the same script with the hand-writt
 torchrun tutorial teaches (rank 0 torch.save every --ckpt-every steps, torch.load at start).
 
     python bench/recovery.py --trials 10
+    python bench/recovery.py --device cuda --nproc 1      # NCCL, one worker per GPU
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import statistics
@@ -84,35 +86,36 @@ def latest_pids(rows, since: float) -> dict[int, int]:
     return {r: pid for r, (t, pid) in out.items()}
 
 
-def run_launcher(kind: str, trials: int, trial_timeout: float, warmup: float, ckpt_every: int) -> dict:
+def run_launcher(kind: str, trials: int, trial_timeout: float, warmup: float, ckpt_every: int,
+                 nproc: int = 2, device: str = "cpu") -> dict:
     times, lost, failures = [], [], 0
     with tempfile.TemporaryDirectory(prefix=f"bench-{kind}-") as tmp:
         workdir = Path(tmp)
         out = workdir / "steps.txt"
         env = dict(os.environ, BENCH_OUT=str(out), BENCH_CKPT_DIR=str(workdir / "ckpt"),
                    BENCH_CKPT_EVERY=str(ckpt_every), BENCH_CKPT_MODE=CKPT_MODE.get(kind, "elasticd"),
-                   BENCH_MEMORY_EVERY=MEMORY_EVERY.get(kind, ""))
+                   BENCH_MEMORY_EVERY=MEMORY_EVERY.get(kind, ""), BENCH_DEVICE=device)
         log = open(workdir / "launcher.log", "wb")
         proc = None
         trial = 0
         while trial < trials:
             if proc is None or proc.poll() is not None:
-                proc = subprocess.Popen(launcher_cmd(kind, trials, workdir), env=env, stdout=log, stderr=log,
+                proc = subprocess.Popen(launcher_cmd(kind, trials, workdir, nproc=nproc), env=env, stdout=log, stderr=log,
                                         cwd=HERE.parent, start_new_session=True)
                 start = time.time()
                 deadline = time.monotonic() + 120
-                while len(latest_pids(read_steps(out), start)) < 2 and time.monotonic() < deadline:
+                while len(latest_pids(read_steps(out), start)) < nproc and time.monotonic() < deadline:
                     time.sleep(0.05)
             time.sleep(warmup)
             now = time.time()
             pids = latest_pids(read_steps(out), now - 1.0)
-            if len(pids) < 2:
+            if len(pids) < nproc:
                 failures += 1
                 trial += 1
                 kill_tree(proc)
                 proc = None
                 continue
-            victim = pids[trial % 2]
+            victim = pids[trial % nproc]
             t_kill = time.time()
             os.kill(victim, signal.SIGKILL)
             before = max((r[3] for r in read_steps(out) if r[0] in pids.values()), default=0)
@@ -125,7 +128,7 @@ def run_launcher(kind: str, trials: int, trial_timeout: float, warmup: float, ck
                     if pid not in pids.values():  # a step by a process started after the kill
                         new.setdefault(rank, t)
                         resumed.append(step)
-                if len(new) == 2:
+                if len(new) == nproc:
                     recovered = max(new.values()) - t_kill
                     lost.append(before - (min(resumed) - 1))
                     break
@@ -141,7 +144,22 @@ def run_launcher(kind: str, trials: int, trial_timeout: float, warmup: float, ck
                                                  if recovered is not None else "NOT RECOVERED"), flush=True)
         if proc is not None:
             kill_tree(proc)
-    return {"times": times, "lost": lost, "failures": failures, "trials": trials}
+        log.close()
+        phases = timeline(workdir / "launcher.log")
+    return {"times": times, "lost": lost, "failures": failures, "trials": trials, "timeline": phases}
+
+
+PHASES = ("torn_down", "rendezvous_done", "spawned", "pg_ready", "state_loaded", "first_step")
+
+
+def timeline(log: Path) -> dict[str, float]:
+    """elasticd's recovery timeline ("recovered" events: seconds since the failure was detected),
+    median per phase over the trials; empty for torchrun, which logs none."""
+    events = []
+    for line in log.read_text(errors="replace").splitlines():
+        if '"recovered"' in line and line.startswith("{"):
+            events.append(json.loads(line))
+    return {k: statistics.median(e[k] for e in events) for k in PHASES if events and all(k in e for e in events)}
 
 
 def main() -> None:
@@ -152,13 +170,18 @@ def main() -> None:
                    help="seconds of training between trials (elasticd refills its warm spares meanwhile)")
     p.add_argument("--launchers", default="elasticd,elasticd-every-step,torchrun,torchrun-snapshot")
     p.add_argument("--ckpt-every", type=int, default=50, help="disk checkpoint cadence in steps")
+    p.add_argument("--nproc", type=int, default=2, help="workers per launcher (default 2)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: each worker trains on its own GPU with NCCL (needs --nproc GPUs)")
     args = p.parse_args()
     results = {}
     for kind in args.launchers.split(","):
         print(f"{kind}:", flush=True)
-        results[kind] = run_launcher(kind, args.trials, args.trial_timeout, args.warmup, args.ckpt_every)
+        results[kind] = run_launcher(kind, args.trials, args.trial_timeout, args.warmup, args.ckpt_every,
+                                     args.nproc, args.device)
     print()
-    print(f"recovery after kill -9 of one of 2 workers ({os.cpu_count()} cores, torch CPU/gloo), "
+    backend = "CUDA/NCCL" if args.device == "cuda" else "CPU/gloo"
+    print(f"recovery after kill -9 of one of {args.nproc} workers ({os.cpu_count()} cores, torch {backend}), "
           f"{args.trials} trials each, timeout {args.trial_timeout:g}s, disk checkpoint every {args.ckpt_every} steps")
     print(f"{'launcher':<20} {'median s':>9} {'min s':>7} {'max s':>7} {'recovered':>10} {'steps lost (median/max)':>24}")
     med = {}
@@ -169,6 +192,10 @@ def main() -> None:
         lost_s = f"{statistics.median(lost):g}/{max(lost)}" if lost else "-"
         print(f"{kind:<20} {med[kind]:>9.2f} {min(t, default=float('nan')):>7.2f} "
               f"{max(t, default=float('nan')):>7.2f} {ok:>10} {lost_s:>24}")
+    for kind, r in results.items():
+        if r["timeline"]:
+            print(f"{kind} recovery timeline, median seconds after detection: "
+                  + ", ".join(f"{k} {v:.3f}" for k, v in r["timeline"].items()))
     for other in ("torchrun", "torchrun-snapshot"):
         if "elasticd" in med and other in med:
             print(f"ratio elasticd/{other} median recovery: {med['elasticd'] / med[other]:.2f}x")

@@ -3,8 +3,11 @@
 Each launcher trains bench/step_logger.py with 2 workers (--nproc; no sleep between steps) on two
 workloads: `tiny`, the recovery benchmark's model (a few ms per step, dominated by process
 wake-ups on a small machine), and `compute`, a 1024-wide MLP on a 128 batch (tens of ms of real
-compute and an 8 MB gradient all-reduce per step). The median step interval of rank 0 after the
-first steps is compared, and the launcher process's own CPU time (not its workers') over those
+compute and an 8 MB gradient all-reduce per step); and, where there are GPUs, `gpu`: a 4096-wide
+MLP on the local rank's GPU with NCCL (`--nproc` GPUs; run it without --paired, which splits CPUs,
+not GPUs). Rank 0's mean step time after the first steps (wall time over steps: refreshes of the
+in-memory state every N steps and checkpoint stalls count in full, as they do in a job's
+throughput) is compared, and the launcher process's own CPU time (not its workers') over those
 same steps is divided by their wall time. The script checkpoints as in bench/recovery.py, so
 `elasticd` includes its in-memory state (default cadence); `elasticd --no-memory-state` is the
 launcher alone.
@@ -42,7 +45,9 @@ VARIANTS = {
 WORKLOADS = {  # name: (environment, steps, steps skipped)
     "tiny": ({}, 1500, 100),
     "compute": ({"BENCH_WIDTH": "1024", "BENCH_DEPTH": "2", "BENCH_BATCH": "128"}, 300, 20),
+    "gpu": ({"BENCH_DEVICE": "cuda", "BENCH_WIDTH": "4096", "BENCH_DEPTH": "4", "BENCH_BATCH": "2048"}, 1000, 150),
 }
+CPU_WORKLOADS = "tiny,compute"
 
 
 @dataclasses.dataclass
@@ -90,13 +95,12 @@ def window(run: Run, skip: int) -> tuple[float, float]:
 
 
 def measure(run: Run, begin: float, end: float) -> tuple[float, float]:
-    """Median step interval of rank 0 within [begin, end], and the launcher's own CPU use there
-    (share of one core)."""
+    """Mean step time of rank 0 within [begin, end] (its steps' wall time over their number), and
+    the launcher's own CPU use there (share of one core)."""
     times = [t for _s, t in rank0_steps(run) if begin <= t <= end]
-    gaps = [b - a for a, b in zip(times, times[1:])]
     w = [c for c in run.samples if begin <= c[0] <= end]
     cpu = (w[-1][1] - w[0][1]) / (w[-1][0] - w[0][0]) if len(w) > 1 else float("nan")
-    return statistics.median(gaps), cpu
+    return (times[-1] - times[0]) / (len(times) - 1), cpu
 
 
 def one_run(variant: str, workload: str, ckpt_every: int, nproc: int) -> tuple[float, float]:
@@ -134,7 +138,7 @@ def paired_run(variant: str, workload: str, ckpt_every: int, swap: bool, nproc: 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated: " + ", ".join(WORKLOADS))
+    p.add_argument("--workloads", default=CPU_WORKLOADS, help="comma-separated: " + ", ".join(WORKLOADS))
     p.add_argument("--ckpt-every", type=int, default=500,
                    help="disk checkpoint cadence; elasticd also refreshes the in-memory state (default cadence)")
     p.add_argument("--variants", default=",".join(v for v in VARIANTS if v != "torchrun"),
@@ -149,6 +153,9 @@ def main() -> None:
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         raise SystemExit(f"unknown variant {unknown[0]!r}; choose from {', '.join(VARIANTS)}")
+    unknown = [w for w in workloads if w not in WORKLOADS]
+    if unknown:
+        raise SystemExit(f"unknown workload {unknown[0]!r}; choose from {', '.join(WORKLOADS)}")
     step = {(w, v): [] for w in workloads for v in variants}
     cpu = {(w, v): [] for w in workloads for v in variants}
     ratios = {(w, v): [] for w in workloads for v in variants}
@@ -181,7 +188,8 @@ def main() -> None:
     how = ("each beside torchrun at the same time on separate halves of the CPUs, both ways round; a round's "
            "ratio is the geometric mean of the two"
            if args.paired else "one launcher at a time, alternating")
-    print(f"steady state, {args.nproc} worker(s) per launcher, {os.cpu_count()} cores, torch CPU/gloo, "
+    print(f"steady state, {args.nproc} worker(s) per launcher, {os.cpu_count()} cores, torch "
+          f"{'CUDA/NCCL (gpu), CPU/gloo (others)' if 'gpu' in workloads else 'CPU/gloo'}, "
           f"{args.rounds} rounds, {how} (median over rounds; ratio: median and range of the per-round ratios "
           "to torchrun)")
     print(f"{'workload':<9} {'launcher':<28} {'step ms':>8} {'vs torchrun':>12} {'per-round range':>17} "

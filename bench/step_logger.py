@@ -4,6 +4,8 @@ A small DDP model trained on synthetic data (64 -> $BENCH_WIDTH (256) x $BENCH_D
 $BENCH_BATCH (32)); BENCH_WIDTH=1024 BENCH_DEPTH=3 BENCH_BATCH=256 gives a step with real compute; after every optimizer step each rank appends
 `pid rank restart step wall_time` to $BENCH_OUT (O_APPEND lines, so concurrent ranks never tear).
 When the file $BENCH_HANG_FLAG.<rank> appears, that rank deletes it and spins forever.
+BENCH_DEVICE=cuda trains on the local rank's GPU with NCCL (one GPU per local rank) and waits for
+each step's kernels before logging it, so the logged time is the step's, not its launch's.
 
 With $BENCH_CKPT_DIR it checkpoints through elasticd.checkpoint, the same code under either
 launcher: to disk every $BENCH_CKPT_EVERY steps, and, where the launcher offers a shared-memory
@@ -24,7 +26,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 
 def main():
-    dist.init_process_group("gloo")
+    cuda = os.environ.get("BENCH_DEVICE", "cpu") == "cuda"
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
     width = int(os.environ.get("BENCH_WIDTH", "256"))  # bigger: a step with real compute
@@ -32,9 +38,9 @@ def main():
     batch = int(os.environ.get("BENCH_BATCH", "32"))
     dims = [64] + [width] * depth
     layers = [m for a, b in zip(dims, dims[1:]) for m in (nn.Linear(a, b), nn.ReLU())]
-    model = DDP(nn.Sequential(*layers, nn.Linear(width, 1)))
+    model = DDP(nn.Sequential(*layers, nn.Linear(width, 1)).to(device), device_ids=[device.index] if cuda else None)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    x, y = torch.randn(batch, 64), torch.randn(batch, 1)
+    x, y = torch.randn(batch, 64, device=device), torch.randn(batch, 1, device=device)
     mgr, first, snapshot = None, 1, None
     every = int(os.environ.get("BENCH_CKPT_EVERY", "50"))
     if os.environ.get("BENCH_CKPT_DIR") and os.environ.get("BENCH_CKPT_MODE") == "handwritten":
@@ -66,6 +72,8 @@ def main():
         opt.zero_grad()
         nn.functional.mse_loss(model(x), y).backward()
         opt.step()
+        if cuda:
+            torch.cuda.synchronize()
         if mgr is not None:
             mgr.maybe_save(step, lambda: capture(model=model, optimizer=opt, step=step))  # noqa: B023
         elif snapshot and rank == 0 and step % every == 0:

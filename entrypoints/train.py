@@ -1,10 +1,11 @@
 """Real DDP training on synthetic data: what `elasticd run` trains with no arguments.
 
-A small MLP learns a fixed random teacher network. No downloads; gloo on CPU, NCCL on GPUs, picked
-automatically. It checkpoints with elasticd.checkpoint and resumes exactly where it stopped (model,
-optimizer, scheduler, RNG, sampler position), so a crash costs at most `--checkpoint-every` steps,
-and `elasticd stop` (SIGTERM) saves at the next step boundary and exits 0. It runs unchanged
-under torchrun too (it only reads torchrun's environment).
+A small MLP learns a fixed random teacher network. No downloads; NCCL on GPUs when there is one
+for every local worker, else gloo on CPU (`--device` forces either). It checkpoints with
+elasticd.checkpoint and resumes exactly where it stopped (model, optimizer, scheduler, RNG, sampler
+position), so a crash costs at most `--checkpoint-every` steps, and `elasticd stop` (SIGTERM)
+saves at the next step boundary and exits 0. It runs unchanged under torchrun too (it only reads
+torchrun's environment).
 
     elasticd run                                   # this script, one worker per GPU or 2 on CPU
     elasticd run entrypoints.train -- --steps 500  # longer
@@ -42,7 +43,21 @@ def parse_args(argv=None):
                    help="under elasticd, refresh the in-memory state every N steps (default: as often as "
                         "keeps it under 1%% of step time)")
     p.add_argument("--step-delay", type=float, default=0.0, help="sleep per step, to watch recovery")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="auto: one GPU per local worker (NCCL) when there are enough, else CPU (gloo)")
     return p.parse_args(argv)
+
+
+def pick_device(choice: str, local_rank: int, local_world: int) -> torch.device:
+    """A GPU per local rank with NCCL, or the CPU with gloo: never two ranks on one GPU, which
+    NCCL refuses."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if choice == "cuda" and gpus < local_world:
+        raise SystemExit(f"--device cuda needs one GPU per local worker: {local_world} workers, {gpus} GPUs "
+                         "visible; give --nproc-per-node gpu or --device cpu")
+    if choice == "cuda" or (choice == "auto" and 0 < local_world <= gpus):
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
 
 
 def synthetic_dataset(n: int, dim: int = 32, seed: int = 1234) -> TensorDataset:
@@ -55,13 +70,13 @@ def synthetic_dataset(n: int, dim: int = 32, seed: int = 1234) -> TensorDataset:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    use_cuda = torch.cuda.is_available()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = pick_device(args.device, local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    use_cuda = device.type == "cuda"
     if use_cuda:
-        torch.cuda.set_device(local_rank)
+        torch.cuda.set_device(device)
     dist.init_process_group("nccl" if use_cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     torch.manual_seed(args.seed)
 
     data = synthetic_dataset(args.samples)

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from elasticd import checkpoint
@@ -34,17 +35,24 @@ def final_state(directory):
     return state
 
 
-def test_kill_9_at_three_steps_resumes_bit_identical(daemons, tmp_path):
-    clean = daemons("entrypoints.train", *FLAGS, "--checkpoint-dir", str(tmp_path / "clean"), name="clean",
-                    args=ARGS)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a GPU: NCCL, CUDA tensors in the in-memory state, CUDA RNG"))])
+def test_kill_9_at_three_steps_resumes_bit_identical(daemons, tmp_path, device):
+    nproc = torch.cuda.device_count() if device == "cuda" else 2
+    flags = [*FLAGS[:1], str(nproc), *FLAGS[2:]]
+    args = [*ARGS, "--device", device]
+    env = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}  # the same cuBLAS kernels in every process
+    clean = daemons("entrypoints.train", *flags, "--checkpoint-dir", str(tmp_path / "clean"), name="clean",
+                    args=args, env=env)
     assert clean.wait(120) == 0, clean.stderr()[-3000:]
-    crashed = daemons("entrypoints.train", *FLAGS, "--checkpoint-dir", str(tmp_path / "crashed"),
-                      name="crashed", args=[*ARGS, "--step-delay", "0.05", "--memory-every", "1"])
+    assert f"backend {'nccl' if device == 'cuda' else 'gloo'}" in clean.stdout()
+    crashed = daemons("entrypoints.train", *flags, "--checkpoint-dir", str(tmp_path / "crashed"),
+                      name="crashed", args=[*args, "--step-delay", "0.05", "--memory-every", "1"], env=env)
     for i, step in enumerate((12, 27, 44)):
         attempt = i + 1
         wait_until(lambda: re.search(rf"^step {step}/60", crashed.log_text(0, attempt), re.M), 90,
                    what=f"step {step} in attempt {attempt}")
-        victim = i % 2
+        victim = i % nproc
         os.kill(crashed.worker_pids()[victim], signal.SIGKILL)
         wait_until(lambda: len(crashed.attempt_dirs()) > attempt, 30, what="the restart")
     assert crashed.wait(120) == 0, crashed.stderr()[-3000:]
@@ -87,3 +95,14 @@ def test_stop_saves_a_final_checkpoint_and_exits_0(daemons, tmp_path):
     assert info["step"] == stopped_at >= 20
     ev = [e for e in d.events() if e.get("event") == "workers_stopped"][-1]
     assert ev["exits"] == {"0": 0, "1": 0}
+
+
+def test_default_job_is_the_bundled_example_on_nccl_or_gloo(daemons):
+    """`elasticd run` with no entrypoint and no worker count: one worker per GPU with NCCL where
+    there are GPUs, else two on the CPU with gloo (README's first command)."""
+    d = daemons(None, "--restart-grace", "1", args=["--steps", "20", "--log-every", "10", *ARGS[4:]])
+    assert d.wait(120) == 0, d.stderr()[-3000:]
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    out = d.stdout()
+    assert f"training: world size {gpus or 2}, backend {'nccl' if gpus else 'gloo'}, steps 0->20" in out, out[-2000:]
+    assert "[rank0]: done: 20 steps" in out
