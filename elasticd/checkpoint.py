@@ -550,24 +550,31 @@ def load_latest(directory: str | os.PathLike | None = None, *, group=None) -> di
 # -- capture / restore ----------------------------------------------------------------------------
 
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The module whose state_dict has no DDP `module.` or torch.compile `_orig_mod.` prefix."""
-    from torch.nn.parallel import DataParallel, DistributedDataParallel
-
+    """The module whose state_dict has no DDP `module.` or torch.compile `_orig_mod.` prefix.
+    (torch.compile's wrapper holds the model as its submodule `_orig_mod`; looked up in
+    `_modules`, as a missing attribute costs nn.Module an exception with a formatted message.)"""
     while True:
-        if isinstance(model, (DistributedDataParallel, DataParallel)):
+        if isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
             model = model.module
-        elif isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):
-            model = model._orig_mod
+        elif isinstance(inner := model._modules.get("_orig_mod"), torch.nn.Module):
+            model = inner
         else:
             return model
 
 
 def _numpy():
-    try:
-        import numpy
-    except ImportError:
-        return None
-    return numpy
+    """numpy, or None where it is not installed (looked up once: a failed import searches the
+    whole path again each time)."""
+    if not _np:
+        try:
+            import numpy
+        except ImportError:
+            numpy = None
+        _np.append(numpy)
+    return _np[0]
+
+
+_np: list = []
 
 
 def _rng_state() -> dict[str, Any]:
@@ -600,11 +607,12 @@ class _PythonRng:
     raw: bytes | None = None
     value: dict[str, Any] | None = None
     usable: bool = False
+    key: Any = None  # the generator's index and key in place (ctypes array); read while `inst` lives
     _AT: ClassVar[int] = 16  # after ob_refcnt and ob_type: int index; uint32_t state[624]
     _SIZE: ClassVar[int] = 4 + 624 * 4
 
     def _raw(self) -> bytes:
-        return ctypes.string_at(id(self.inst) + self._AT, self._SIZE)
+        return self.key.raw
 
     def state(self) -> dict[str, Any]:
         inst = getattr(random.getstate, "__self__", random)  # the generator behind random's functions
@@ -617,9 +625,11 @@ class _PythonRng:
         if inst is not self.inst:
             self.inst = inst
             base = type(inst).__mro__[-2]  # the C type that holds the key
-            self.usable = (sys.implementation.name == "cpython" and base.__basicsize__ >= self._AT + self._SIZE
-                           and self._raw() == array.array("i", internal[-1:]).tobytes()
-                           + array.array("I", internal[:-1]).tobytes())
+            self.usable = sys.implementation.name == "cpython" and base.__basicsize__ >= self._AT + self._SIZE
+            if self.usable:
+                self.key = (ctypes.c_char * self._SIZE).from_address(id(inst) + self._AT)
+                self.usable = self._raw() == (array.array("i", internal[-1:]).tobytes()
+                                              + array.array("I", internal[:-1]).tobytes())
         self.raw = self._raw() if self.usable else None
         return self.value
 
@@ -642,9 +652,10 @@ class _NumpyRng:
     raw: bytes | None = None
     value: dict[str, Any] | None = None
     usable: bool = False
+    key: Any = None  # the state struct in place (ctypes array); read while `gen` lives
 
     def _raw(self) -> bytes:
-        return ctypes.string_at(self.gen.ctypes.state_address, 624 * 4 + 4)
+        return self.key.raw
 
     def state(self, np) -> dict[str, Any]:
         get_gen = getattr(np.random, "get_bit_generator", None)
@@ -659,8 +670,9 @@ class _NumpyRng:
             self.gen = gen
             self.usable = False
             try:
-                self.usable = (type(gen).__name__ == "MT19937" and
-                               self._raw() == keys.astype("<u4").tobytes() + int(pos).to_bytes(4, "little", signed=True))
+                if type(gen).__name__ == "MT19937":
+                    self.key = (ctypes.c_char * (624 * 4 + 4)).from_address(gen.ctypes.state_address)
+                    self.usable = self._raw() == keys.astype("<u4").tobytes() + int(pos).to_bytes(4, "little", signed=True)
             except (AttributeError, TypeError, ValueError):
                 pass
         self.raw = self._raw() if self.usable else None
@@ -692,7 +704,10 @@ def _derived_seed(rng: Mapping[str, Any], rank: int) -> int:
     return int.from_bytes(hashlib.sha256(base + rank.to_bytes(8, "little")).digest()[:8], "little") >> 1
 
 
-_local_capture = [False]  # set while CheckpointManager takes an in-memory snapshot (no collective)
+# While CheckpointManager refreshes the in-memory state through a capture() callable: "node" on
+# local rank 0, which keeps the node's whole state, "rng" on the other local ranks, which keep only
+# their own RNG; None otherwise (a checkpoint).
+_local_capture: list[str | None] = [None]
 
 
 def capture(model: torch.nn.Module | None = None, optimizer=None, scheduler=None, scaler=None,
@@ -704,11 +719,13 @@ def capture(model: torch.nn.Module | None = None, optimizer=None, scheduler=None
     copy them yourself if you keep the dict while training goes on. `user_state` is anything
     else (step, best metric, ...) and comes back from restore()."""
     state: dict[str, Any] = {"format": FORMAT}
-    if model is not None:
-        state["model"] = unwrap_model(model).state_dict()
+    refresh = _local_capture[0]
+    if model is not None and refresh != "rng":
+        # an in-memory refresh copies the parameters at once: no detached alias of each is needed
+        state["model"] = unwrap_model(model).state_dict(keep_vars=refresh is not None)
     for key, obj in (("optimizer", optimizer), ("scheduler", scheduler), ("scaler", scaler),
                      ("sampler", sampler)):
-        if obj is None:
+        if obj is None or refresh == "rng":
             continue
         if not callable(getattr(obj, "state_dict", None)):
             hint = "; use elasticd.sampler.ResumableDistributedSampler" if key == "sampler" else ""
@@ -716,10 +733,11 @@ def capture(model: torch.nn.Module | None = None, optimizer=None, scheduler=None
         state[key] = obj.state_dict()
     if rng:
         mine = _rng_state()
-        if _dist_on() and dist.get_world_size() > 1 and _local_capture[0]:
-            ranks = [None] * dist.get_world_size()  # an in-memory snapshot: each rank keeps its own
+        world = dist.get_world_size() if _dist_on() else 1
+        if world > 1 and refresh:
+            ranks = [None] * world  # an in-memory snapshot: each rank keeps its own
             ranks[dist.get_rank()] = mine
-        elif _dist_on() and dist.get_world_size() > 1:
+        elif world > 1:
             ranks = [_from_bytes(b) for b in _all_gather_bytes(_to_bytes(mine), _cpu_group())]
         else:
             ranks = [mine]
@@ -957,6 +975,7 @@ class CheckpointManager:
         self.last_memory_stall = 0.0
         self._memory_writer: memory.Writer | None = None  # made at the first refresh, after loading
         self._memory_resumed: int | None = None  # the in-memory step load_latest() resumed from
+        self._local_rank = int(os.environ.get("LOCAL_RANK", 0))  # 0 keeps the node's state, others their RNG
 
     @property
     def memory_every(self) -> int:
@@ -986,7 +1005,7 @@ class CheckpointManager:
 
     def _load_memory(self) -> tuple[dict[str, Any], Entry] | None:
         """Agree on the newest step every rank holds in memory (a collective), then read it."""
-        world, rank, local = _world(), _rank(), int(os.environ.get("LOCAL_RANK", 0))
+        world, rank, local = _world(), _rank(), self._local_rank
         mine = memory.steps(self.memory_dir, world=world, rank=rank, local_rank=local)
         found = candidates(self.directory) if _looks_at_disk() else []
         view = {"mem": mine, "disk": found[0].step if found else -1}
@@ -1029,16 +1048,15 @@ class CheckpointManager:
             return 0.0
         t0 = time.perf_counter()
         if callable(state):
-            _local_capture[0] = True
+            _local_capture[0] = "rng" if self._local_rank else "node"
             try:
                 state = state()
             finally:
-                _local_capture[0] = False
+                _local_capture[0] = None
         mapped = True
         try:
             if self._memory_writer is None:
-                self._memory_writer = memory.Writer(self.memory_dir, int(os.environ.get("LOCAL_RANK", 0)),
-                                                    keep_step=self._memory_resumed)
+                self._memory_writer = memory.Writer(self.memory_dir, self._local_rank, keep_step=self._memory_resumed)
             mapped = self._memory_writer.write(int(step), state, world=_world(), rank=_rank())
         except (OSError, TypeError) as e:
             log.warning("memory_state_off", directory=self.memory_dir, error=f"{type(e).__name__}: {e}",

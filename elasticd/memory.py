@@ -26,10 +26,12 @@ import base64
 import contextlib
 import ctypes
 import dataclasses
+import itertools
 import json
 import marshal
 import math
 import mmap
+import operator
 import os
 import re
 import shutil
@@ -51,15 +53,18 @@ _FIELDS = struct.Struct("<8sQqqqQQII")  # magic, valid, step, world, rank, data_
 _ALIGN = 64
 SLOTS = 2
 _SMALL = 1 << 20  # bytes below which a tensor is copied with one memmove
+_LAYOUT = operator.attrgetter("dtype", "shape", "is_cpu")  # what a slot's views and copies are made for
+_FIRST = operator.itemgetter(0)
 torch: Any = None  # imported by the worker-side functions only: the daemon never loads torch
 
 
 def _import_torch() -> None:
-    global torch
+    global torch, _TENSORS
     if torch is None:
         import torch as t
 
         torch = t
+        _TENSORS = frozenset((t.Tensor, t.nn.Parameter))
 
 
 # -- daemon side ------------------------------------------------------------------------------
@@ -171,25 +176,30 @@ def _where(at: Any) -> str:
     return "state" + "".join(f"[{k!r}]" for k in reversed(keys))
 
 
-def _describe(obj: Any, tensors: list, at: Any = None) -> Any:
+def _describe(obj: Any, tensors: list, at: Any = None, flat: tuple[dict, dict] | None = None) -> Any:
     """`obj` as JSON, its tensors appended to `tensors` as (tensor, location). `at` is the
     location as a (parent, key) chain, formatted only for an error message. Runs every step:
-    the common types come first."""
+    the common types come first. `flat` (last refresh's, this refresh's): descriptions of
+    dicts of named tensors (a model's state_dict, an optimizer's per-parameter state), made once
+    and then the same object for as long as the names are, see _flat_tensors."""
     cls = type(obj)
     if obj is None or cls in _PLAIN:
         return obj
+    if (cls is dict or cls is OrderedDict) and flat is not None and obj and _STR == set(map(type, obj)) \
+            and _TENSORS.issuperset(map(type, obj.values())):
+        return _flat_tensors(obj, cls, tensors, at, flat)
     if cls is dict:
-        return {_T + "d": [[_describe(k, tensors, at), _describe(v, tensors, (at, k))] for k, v in obj.items()]}
+        return {_T + "d": [[_describe(k, tensors, at), _describe(v, tensors, (at, k), flat)] for k, v in obj.items()]}
     if isinstance(obj, torch.Tensor):
         tensors.append((obj, at))
         return {_T + "t": len(tensors) - 1}
     if cls is list:
-        return [_describe(v, tensors, (at, i)) for i, v in enumerate(obj)]
+        return [_describe(v, tensors, (at, i), flat) for i, v in enumerate(obj)]
     if isinstance(obj, Mapping):
         tag = "o" if isinstance(obj, OrderedDict) else "d"
-        return {_T + tag: [[_describe(k, tensors, at), _describe(v, tensors, (at, k))] for k, v in obj.items()]}
+        return {_T + tag: [[_describe(k, tensors, at), _describe(v, tensors, (at, k), flat)] for k, v in obj.items()]}
     if isinstance(obj, (list, tuple, set, frozenset)) and not isinstance(obj, torch.Size):
-        items = [_describe(v, tensors, (at, i)) for i, v in enumerate(obj)]
+        items = [_describe(v, tensors, (at, i), flat) for i, v in enumerate(obj)]
         return items if isinstance(obj, list) else {_T + ("u" if isinstance(obj, tuple) else "s"): items}
     if isinstance(obj, torch.Size):
         return {_T + "S": list(obj)}
@@ -214,6 +224,24 @@ def _describe(obj: Any, tensors: list, at: Any = None) -> Any:
 
 
 _PLAIN = frozenset((bool, int, float, str))
+_STR = {str}
+_TENSORS: frozenset = frozenset()  # torch.Tensor and nn.Parameter, once torch is imported
+
+
+def _flat_tensors(obj: Mapping, cls: type, tensors: list, at: Any, flat: tuple[dict, dict]) -> Any:
+    """What _describe gives for a dict of str -> tensor, without a Python step per entry: the
+    description depends only on the names and where its tensors start in `tensors`, so the
+    object made for them last refresh is handed out again, and Writer._json knows it by
+    identity (nothing to compare or encode)."""
+    names = tuple(obj)
+    key = (cls, names, len(tensors))
+    desc = flat[0].get(key)
+    if desc is None:
+        tag = _T + ("d" if cls is dict else "o")
+        desc = {tag: [[k, {_T + "t": i}] for i, k in enumerate(names, len(tensors))]}
+    flat[1][key] = desc
+    tensors.extend(zip(obj.values(), zip(itertools.repeat(at), names)))
+    return desc
 
 
 def _rebuild(obj: Any, tensors: list) -> Any:
@@ -307,13 +335,14 @@ class _Slot:
         self.size = 0
         self.layout: tuple = ()
         self.views: list = []
+        self.direct: list = []  # per view: (address, bytes) for one memmove from a contiguous CPU tensor, or None
 
     def reserve(self, size: int) -> bool:
         """Make room for `size` bytes; True when that (re)mapped the slot (a one-off cost)."""
         if size <= self.size:
             return False
         size = max(size + size // 4, 1 << 16)  # room for a description that grows a little
-        self.views, self.layout = [], ()
+        self.views, self.direct, self.layout = [], [], ()
         if self.mm is not None:
             with contextlib.suppress(BufferError):  # a view still alive somewhere: let it go
                 self.mm.close()
@@ -328,7 +357,7 @@ class _Slot:
         self.mm[8:16] = valid.to_bytes(8, "little")
 
     def close(self) -> None:
-        self.views = []
+        self.views, self.direct = [], []
         if self.mm is not None:
             with contextlib.suppress(BufferError):
                 self.mm.close()
@@ -356,7 +385,8 @@ class Writer:
         self._offsets: list[int] = []
         self._end = 0
         self._table = b""
-        self._encoded: dict[Any, tuple[Any, bytes]] = {}
+        self._encoded: dict[Any, tuple[Any, bytes, bytes]] = {}  # entry -> (description, marshal, JSON)
+        self._flat: dict = {}  # descriptions of dicts of named tensors, see _flat_tensors
 
     def write(self, step: int, state: Mapping[str, Any], *, world: int, rank: int) -> bool:
         """Store `state` (a capture(), whose "rng" holds at least this rank's entry) as `step`.
@@ -366,15 +396,16 @@ class Writer:
         mine = ranks[rank] if rank < len(ranks) else (ranks[0] if len(ranks) == 1 else None)
         tensors: list = []
         used: dict = {}
-        tree = b"{" + _DICT + b':[["rng",' + self._json("rng", _describe(mine, tensors, (None, "rng")), used)
+        flat: tuple[dict, dict] = (self._flat, {})
+        tree = b"{" + _DICT + b':[["rng",' + self._json("rng", _describe(mine, tensors, (None, "rng"), flat), used)
         if self.local_rank == 0:
             entries = [b"[" + self._json(("k", k), _describe(k, tensors), used) + b","
-                       + self._json(("v", k), _describe(v, tensors, (None, k)), used) + b"]"
+                       + self._json(("v", k), _describe(v, tensors, (None, k), flat), used) + b"]"
                        for k, v in state.items() if k != "rng"]
             tree += b'],["state",{' + _DICT + b":[" + b",".join(entries) + b"]}"
         tree += b"]]}"
-        self._encoded = used  # only this step's entries: keys that come and go are not kept
-        key = tuple((t.dtype, t.shape) for t, _ in tensors)
+        self._encoded, self._flat = used, flat[1]  # only this step's: names that come and go are not kept
+        key = tuple(map(_LAYOUT, map(_FIRST, tensors)))
         if key != self._layout:
             self._plan(key, tensors)
         offsets, end = self._offsets, self._end
@@ -387,13 +418,13 @@ class Writer:
         if slot.layout != key:  # views into the mapping, made once per layout
             slot.views = [torch.frombuffer(mm, dtype=t.dtype, count=t.numel(), offset=HEADER + o).view(t.shape)
                           if t.numel() else None for o, (t, _) in zip(offsets, tensors)]
+            slot.direct = [(v.data_ptr(), t.nbytes) if v is not None and t.is_cpu and t.nbytes < _SMALL else None
+                           for v, (t, _) in zip(slot.views, tensors)]
             slot.layout = key
-        for view, (t, _) in zip(slot.views, tensors):
-            if view is None:
-                continue
-            if t.is_cpu and t.nbytes < _SMALL and t.is_contiguous():
-                ctypes.memmove(view.data_ptr(), t.data_ptr(), t.nbytes)  # a third of copy_'s overhead
-            else:
+        for view, direct, (t, _) in zip(slot.views, slot.direct, tensors):
+            if direct is not None and t.is_contiguous():
+                ctypes.memmove(direct[0], t.data_ptr(), direct[1])  # a third of copy_'s overhead
+            elif view is not None:
                 view.copy_(t.detach())  # device tensors, and big ones: torch's parallel copy
         mm[HEADER + end:HEADER + end + len(meta)] = meta
         mm[:_FIELDS.size] = _FIELDS.pack(MAGIC, 0, step, world, rank, end, len(meta), zlib.crc32(meta), 0)
@@ -406,10 +437,13 @@ class Writer:
         most of a state (model and optimizer layout, hyperparameters, RNG left untouched) is the
         same from step to step. Sameness is judged on marshal's bytes, several times cheaper than
         encoding JSON and exact about types (1, 1.0 and True are equal to ==, not here)."""
-        exact = marshal.dumps(desc, 2)  # version 2: no back-references, so equal values give equal bytes
         last = self._encoded.get(name)
-        out = last[1] if last is not None and last[0] == exact else json.dumps(desc, separators=(",", ":")).encode()
-        used[name] = (exact, out)
+        if last is not None and last[0] is desc:  # a description made once (_flat_tensors), never changed
+            used[name] = last
+            return last[2]
+        exact = marshal.dumps(desc, 2)  # version 2: no back-references, so equal values give equal bytes
+        out = last[2] if last is not None and last[1] == exact else json.dumps(desc, separators=(",", ":")).encode()
+        used[name] = (desc, exact, out)
         return out
 
     def _plan(self, key: tuple, tensors: list) -> None:

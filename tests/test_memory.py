@@ -284,6 +284,38 @@ def test_refreshes_reuse_unchanged_description_but_never_a_changed_value(tmp_pat
         assert ("extra" in got) == (step % 3 == 0) and torch.equal(got["model"]["w"], torch.ones(2))
 
 
+def test_dicts_of_named_tensors_reuse_their_description_only_while_it_still_fits(tmp_path):
+    """A dict of str -> tensor (a model's state_dict) is described once and then handed out
+    again: while the names, their order, the dict's type and where its tensors start all stay
+    the same. Any of those changing, or a value that is no tensor, is a new description; and a
+    tensor whose layout stays but which is no longer contiguous is still copied right."""
+    from collections import OrderedDict
+
+    w = memory.Writer(str(tmp_path), 0)
+    sq = torch.arange(9.0).view(3, 3)
+    models = [
+        OrderedDict(a=torch.ones(2), b=torch.zeros(3)),
+        OrderedDict(a=torch.full((2,), 2.0), b=torch.ones(3)),             # same names: reused
+        OrderedDict(b=torch.ones(3), a=torch.ones(2)),                      # order changed
+        dict(b=torch.ones(3), a=torch.ones(2)),                             # dict, not OrderedDict
+        OrderedDict(a=torch.ones(2), b=torch.zeros(3), c=sq),               # a name more
+        OrderedDict(a=torch.ones(2), b=torch.zeros(3), c=sq.t()),           # same layout, not contiguous
+        OrderedDict(a=torch.ones(2), b=torch.zeros(3), c=sq),
+        OrderedDict(a=torch.ones(2), b=3),                                  # not all tensors
+        OrderedDict(a=torch.ones(2), b=torch.zeros(3)),
+    ]
+    for step, model in enumerate(models, 1):
+        state = {"model": model, "user": {"step": step}}
+        if step in (6, 7):  # the model's tensors start later: another tensor comes first
+            state = {"first": torch.tensor([7]), **state}
+        w.write(step, state, world=1, rank=0)
+        got = memory.read(str(tmp_path), step, world=1, rank=0, local_rank=0)
+        assert type(got["model"]) is type(model) and list(got["model"]) == list(model), step
+        for k, v in model.items():
+            assert torch.equal(got["model"][k], v) if isinstance(v, torch.Tensor) else got["model"][k] == v, (step, k)
+        assert ("first" in got) == (step in (6, 7))
+
+
 def test_rng_capture_shortcuts_never_go_stale():
     """capture() skips re-reading numpy's and Python's generators while they are untouched;
     whatever is drawn in between, each capture equals the generators' real state."""
