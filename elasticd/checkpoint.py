@@ -1182,9 +1182,9 @@ class CheckpointManager:
             flags = [*local, self._proposal()]
         if flags[2] and self._memory_on and self._cadence.adopt(int(flags[2])):
             if _rank() == 0:  # this rank's measurements; the agreed N may come from another
+                refresh, step = self._cadence.measured
                 log.info("memory_cadence", every=self.memory_every, budget=self._cadence.budget,
-                         refresh_ms=round(1e3 * self._cadence.cost(), 3),
-                         step_ms=round(1e3 * self._cadence.step_time(), 3))
+                         refresh_ms=round(1e3 * refresh, 3), step_ms=round(1e3 * step, 3))
         if flags[0] and not self._stopping:
             self._stopping = True
             log.info("checkpoint_stop_requested", action="saving and stopping at this step")

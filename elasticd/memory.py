@@ -289,9 +289,10 @@ class Cadence:
 
     every: int = 1
     budget: float | None = None
-    costs: deque = dataclasses.field(default_factory=lambda: deque(maxlen=9))
+    costs: deque = dataclasses.field(default_factory=lambda: deque(maxlen=WINDOW))  # refreshes at this `every`
     steps: deque = dataclasses.field(default_factory=lambda: deque(maxlen=15))
     left: float | None = None  # when the caller went back to training
+    measured: tuple[float, float] = (0.0, 0.0)  # (refresh, step) seconds that decided the last change
 
     def step_began(self) -> None:
         now = time.monotonic()
@@ -302,13 +303,24 @@ class Cadence:
         self.left = time.monotonic()
 
     def proposal(self) -> int:
-        """This rank's N; `every` until five refreshes and steps are measured. A refresh that
-        mapped a slot is not counted (the caller leaves it out); of the others the lower
-        quartile stands for the cost, since a refresh is only ever slowed down by the rest of
-        the machine (a preempted copy, workers still warming up after a start)."""
+        """This rank's N. A refresh that mapped a slot is not counted (the caller leaves it
+        out); of the others the lower quartile stands for the cost, since a refresh is only ever
+        slowed down by the rest of the machine (a preempted copy, workers warming up after a
+        start). Refreshes are compared only at the same N: a refresh after N steps of training
+        finds colder caches than one after a single step and costs more (10-15% more at N=3 than
+        at N=1 for the recovery bench's model), and a few slow samples must not raise N (nor
+        the start-up's, when every step is slow). Hence N is proposed from a full window of
+        refreshes at the current N, or as soon as the last five cost four times the budget or
+        more (a big state, or one that grew: no reason to wait)."""
         if self.budget is None or len(self.costs) < 5 or len(self.steps) < 5:
             return self.every
-        return max(1, math.ceil(self.cost() / (self.budget * max(self.step_time(), 1e-6)) - 1e-9))
+        allowed = self.budget * max(self.step_time(), 1e-6)  # refresh seconds per step
+        recent = sorted(itertools.islice(reversed(self.costs), 5))[1]  # the last five, one fast outlier aside
+        if recent >= 4 * self.every * allowed:
+            return math.ceil(recent / allowed - 1e-9)
+        if len(self.costs) < self.costs.maxlen:
+            return self.every
+        return max(1, math.ceil(self.cost() / allowed - 1e-9))
 
     def cost(self) -> float:
         return sorted(self.costs)[len(self.costs) // 4] if self.costs else 0.0
@@ -317,12 +329,18 @@ class Cadence:
         return statistics.median(self.steps) if self.steps else 0.0
 
     def adopt(self, agreed: int) -> bool:
-        """Take the agreed N when it is a quarter larger or at most half (no creeping or
-        flapping between neighbours). Returns whether `every` changed."""
-        if 4 * agreed >= 5 * self.every or 2 * agreed <= self.every:
-            changed, self.every = agreed != self.every, agreed
-            return changed
+        """Take the agreed N when it is a quarter larger or smaller (no creeping or flapping
+        between neighbours), and measure refreshes afresh at it. Returns whether `every`
+        changed."""
+        if 4 * agreed >= 5 * self.every or 5 * agreed <= 4 * self.every:
+            self.measured = (self.cost(), self.step_time())
+            self.every = agreed
+            self.costs.clear()
+            return True
         return False
+
+
+WINDOW = 25  # refreshes at one cadence that settle it (see Cadence.proposal)
 
 
 class _Slot:

@@ -145,6 +145,36 @@ def test_cadence_stays_every_step_when_a_refresh_is_cheap(tmp_path):
     assert memory.steps(str(mem), world=1, rank=0, local_rank=0) == [15, 14]
 
 
+def test_cadence_moves_on_a_full_window_at_its_own_cadence_or_at_once_far_over_budget():
+    """N follows a full window of refreshes measured at the current N: neither the slow
+    refreshes of a start nor a burst of slow ones move it, while a state far over budget is
+    spaced out after five refreshes; each change measures afresh; neighbours do not flap."""
+    c = memory.Cadence(budget=0.01)
+    c.steps.extend([0.023] * 15)  # 23 ms steps: 0.23 ms of refresh per step is the budget
+
+    def refreshes(n, seconds):
+        for _ in range(n):
+            c.costs.append(seconds)
+
+    refreshes(5, 0.0006)  # start-up: 2.6x the budget, from five refreshes
+    assert c.proposal() == 1
+    refreshes(memory.WINDOW - 5, 0.0003)  # a full window: 0.3 ms needs every second step
+    assert c.proposal() == 2 and c.adopt(2) and c.every == 2 and not c.costs
+    assert c.measured == (0.0003, 0.023)
+    refreshes(10, 0.0009)  # a burst at 2x the budget: no change before the window is full
+    assert c.proposal() == 2
+    refreshes(memory.WINDOW - 10, 0.0003)
+    assert c.proposal() == 2 and not c.adopt(2)
+    refreshes(5, 0.01)  # a big state: 10 ms a refresh, 43x the budget, acted on at once
+    assert c.proposal() == 44 and c.adopt(44) and c.every == 44
+    refreshes(memory.WINDOW - 1, 0.0003)  # back down only on a full window at N=44
+    assert c.proposal() == 44
+    refreshes(1, 0.0003)
+    assert c.proposal() == 2 and c.adopt(2)
+    c.every = 10
+    assert not c.adopt(9) and not c.adopt(12) and c.adopt(8) and c.every == 8
+
+
 @pytest.mark.parametrize("kw, hint", [({"memory_every": -1}, "memory_every must be a number of steps"),
                                       ({"memory_budget": 0}, "memory_budget is a share of step time"),
                                       ({"memory_budget": 1.5}, "memory_budget is a share of step time")])
