@@ -17,12 +17,14 @@ that started a thread); the daemon then falls back to fresh-interpreter spares. 
 starts a pool of one thread per core at import unless OMP_NUM_THREADS or OPENBLAS_NUM_THREADS is
 1 (so always with one worker per node, as torchrun sets neither then): OpenBLAS ends that pool
 itself before every fork and starts it again at its next call, so the server ends it once, idle,
-after the imports, and its spares start theirs as a fresh interpreter would. What a fork shares and a fresh process would not is reset in the
-spare: Python's `random` is reseeded by the interpreter at fork, numpy's global generator here.
+after the imports, and its spares start theirs as a fresh interpreter would. What a fork shares
+and a fresh process would not is reset in the spare: Python's `random` is reseeded by the
+interpreter at fork, numpy's global generator here.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import socket
@@ -44,17 +46,24 @@ def unfit_reason() -> str | None:
     return None
 
 
+def openblas_libraries() -> list[ctypes.CDLL]:
+    """Every OpenBLAS this process has loaded (numpy's, scipy's), by the files mapped in it."""
+    with open("/proc/self/maps") as maps:
+        paths = {p[5].strip() for line in maps if len(p := line.split(maxsplit=5)) == 6}
+    libs = []
+    for path in sorted(p for p in paths if "openblas" in os.path.basename(p)):
+        with contextlib.suppress(OSError):
+            libs.append(ctypes.CDLL(path))
+    return libs
+
+
 def end_idle_blas_pools() -> None:
     """End the thread pool of every OpenBLAS loaded here (numpy's, started at import), as
     OpenBLAS's own fork handler does before each fork; its next call starts the pool again with
     the size it chose at load from this process's environment, the spares' environment."""
-    with open("/proc/self/maps") as maps:
-        paths = {p[5].strip() for line in maps if len(p := line.split(maxsplit=5)) == 6}
-    for path in sorted(p for p in paths if "openblas" in os.path.basename(p)):
-        try:
-            ctypes.CDLL(path).blas_thread_shutdown_()
-        except (OSError, AttributeError):  # another BLAS build: the thread check decides
-            pass
+    for lib in openblas_libraries():
+        with contextlib.suppress(AttributeError):  # another BLAS build: the thread check decides
+            lib.blas_thread_shutdown_()
 
 
 def serve(conn: socket.socket) -> int | None:

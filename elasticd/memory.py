@@ -453,10 +453,12 @@ class Writer:
     def _json(self, name: Any, desc: Any, used: dict) -> bytes:
         """`desc` as JSON bytes, reused while the entry `name` describes the same as last time:
         most of a state (model and optimizer layout, hyperparameters, RNG left untouched) is the
-        same from step to step. Sameness is judged on marshal's bytes, several times cheaper than
-        encoding JSON and exact about types (1, 1.0 and True are equal to ==, not here)."""
+        same from step to step. Sameness is judged on identity where the description is the
+        same object (one made once by _flat_tensors, a key, a small number), else on marshal's
+        bytes, several times cheaper than encoding JSON and exact about types (1, 1.0 and True
+        are equal to ==, not here). Descriptions are never changed once made."""
         last = self._encoded.get(name)
-        if last is not None and last[0] is desc:  # a description made once (_flat_tensors), never changed
+        if last is not None and last[0] is desc:
             used[name] = last
             return last[2]
         exact = marshal.dumps(desc, 2)  # version 2: no back-references, so equal values give equal bytes

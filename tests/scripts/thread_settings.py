@@ -2,7 +2,6 @@
 intra-op threads, numpy's OpenBLAS pool size, and the threads running once both have worked.
 A warm worker must choose what a cold one chooses from the same environment."""
 
-import ctypes
 import fcntl
 import json
 import os
@@ -11,13 +10,13 @@ import sys
 import numpy
 import torch
 
+from elasticd import forkserver
+
 
 def openblas_threads() -> list[int]:
-    with open("/proc/self/maps") as maps:
-        paths = {p[5].strip() for line in maps if len(p := line.split(maxsplit=5)) == 6}
+    """Each loaded OpenBLAS's own answer (its getter is named after its build)."""
     counts = []
-    for path in sorted(p for p in paths if "openblas" in os.path.basename(p)):
-        lib = ctypes.CDLL(path)
+    for lib in forkserver.openblas_libraries():
         for name in ("openblas_get_num_threads", "openblas_get_num_threads64_", "scipy_openblas_get_num_threads64_"):
             if hasattr(lib, name):
                 counts.append(getattr(lib, name)())
