@@ -2,8 +2,9 @@
 
 For each launcher: start it with --nproc workers (2) on bench/step_logger.py, wait until every
 rank trains, then repeatedly kill -9 one rank (in turn) and time kill -> every rank has logged a
-step after the kill. A trial that does not recover within --trial-timeout counts as a failure; the launcher is
-then killed (with its whole tree) and started afresh for the next trial.
+step after the kill. A trial that does not recover within --trial-timeout counts as a failure;
+the launcher is then killed (with its whole tree) and started afresh for the next trial.
+elasticd's own recovery timeline (its "recovered" events) is summarised per phase.
 
 The script checkpoints through elasticd.checkpoint under both launchers (disk every --ckpt-every
 steps; in memory where the launcher offers shared memory, i.e. under elasticd), so
@@ -100,8 +101,8 @@ def run_launcher(kind: str, trials: int, trial_timeout: float, warmup: float, ck
         trial = 0
         while trial < trials:
             if proc is None or proc.poll() is not None:
-                proc = subprocess.Popen(launcher_cmd(kind, trials, workdir, nproc=nproc), env=env, stdout=log, stderr=log,
-                                        cwd=HERE.parent, start_new_session=True)
+                proc = subprocess.Popen(launcher_cmd(kind, trials, workdir, nproc=nproc), env=env, stdout=log,
+                                        stderr=log, cwd=HERE.parent, start_new_session=True)
                 start = time.time()
                 deadline = time.monotonic() + 120
                 while len(latest_pids(read_steps(out), start)) < nproc and time.monotonic() < deadline:
