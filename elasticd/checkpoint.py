@@ -38,6 +38,7 @@ import collections
 import ctypes
 import dataclasses
 import errno
+import functools
 import hashlib
 import io
 import json
@@ -562,19 +563,15 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
             return model
 
 
+@functools.cache
 def _numpy():
     """numpy, or None where it is not installed (looked up once: a failed import searches the
     whole path again each time)."""
-    if not _np:
-        try:
-            import numpy
-        except ImportError:
-            numpy = None
-        _np.append(numpy)
-    return _np[0]
-
-
-_np: list = []
+    try:
+        import numpy
+    except ImportError:
+        return None
+    return numpy
 
 
 def _rng_state() -> dict[str, Any]:
