@@ -10,7 +10,8 @@ in-memory state every N steps and checkpoint stalls count in full, as they do in
 throughput) is compared, and the launcher process's own CPU time (not its workers') over those
 same steps is divided by their wall time. The script checkpoints as in bench/recovery.py, so
 `elasticd` includes its in-memory state (default cadence); `elasticd --no-memory-state` is the
-launcher alone.
+launcher alone; `elasticd memory_overlap` (not run by default: it matters on a GPU) refreshes
+the in-memory state with CheckpointManager(memory_overlap=True).
 
 By default launchers run one at a time, alternating within each round so drift on the machine
 hits all alike. With --paired each elasticd variant runs at the same time as torchrun, each
@@ -37,11 +38,13 @@ import psutil
 
 from recovery import HERE, launcher_cmd, read_steps
 
-VARIANTS = {
-    "elasticd": ("elasticd", ()),
-    "elasticd --no-memory-state": ("elasticd", ("--no-memory-state",)),
-    "torchrun": ("torchrun", ()),
+VARIANTS = {  # name: (launcher, its arguments, the script's environment)
+    "elasticd": ("elasticd", (), {}),
+    "elasticd --no-memory-state": ("elasticd", ("--no-memory-state",), {}),
+    "elasticd memory_overlap": ("elasticd", (), {"BENCH_MEMORY_OVERLAP": "1"}),
+    "torchrun": ("torchrun", (), {}),
 }
+DEFAULT_VARIANTS = "elasticd,elasticd --no-memory-state"
 WORKLOADS = {  # name: (environment, steps, steps skipped)
     "tiny": ({}, 1500, 100),
     "compute": ({"BENCH_WIDTH": "1024", "BENCH_DEPTH": "2", "BENCH_BATCH": "128"}, 300, 20),
@@ -60,11 +63,11 @@ class Run:
 def launch(variant: str, workload: str, ckpt_every: int, workdir: Path, cpus: set[int] | None = None,
            nproc: int = 2) -> Run:
     """Start one launcher on the workload, pinned (with everything it starts) to `cpus`."""
-    kind, extra = VARIANTS[variant]
+    kind, extra, script_env = VARIANTS[variant]
     knobs, steps, _skip = WORKLOADS[workload]
     out = workdir / "steps.txt"
     env = dict(os.environ, BENCH_OUT=str(out), BENCH_STEPS=str(steps), BENCH_STEP_TIME="0",
-               BENCH_CKPT_DIR=str(workdir / "ckpt"), BENCH_CKPT_EVERY=str(ckpt_every), **knobs)
+               BENCH_CKPT_DIR=str(workdir / "ckpt"), BENCH_CKPT_EVERY=str(ckpt_every), **knobs, **script_env)
     with open(workdir / "launcher.log", "wb") as log:
         proc = subprocess.Popen(launcher_cmd(kind, 0, workdir, extra, nproc), env=env, stdout=log, stderr=log,
                                 cwd=HERE.parent, start_new_session=True,
@@ -141,7 +144,7 @@ def main() -> None:
     p.add_argument("--workloads", default=CPU_WORKLOADS, help="comma-separated: " + ", ".join(WORKLOADS))
     p.add_argument("--ckpt-every", type=int, default=500,
                    help="disk checkpoint cadence; elasticd also refreshes the in-memory state (default cadence)")
-    p.add_argument("--variants", default=",".join(v for v in VARIANTS if v != "torchrun"),
+    p.add_argument("--variants", default=DEFAULT_VARIANTS,
                    help="comma-separated elasticd variants to compare with torchrun: " +
                         ", ".join(v for v in VARIANTS if v != "torchrun"))
     p.add_argument("--nproc", type=int, default=2, help="workers per launcher (default 2)")

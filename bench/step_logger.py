@@ -10,7 +10,7 @@ each step's kernels before logging it, so the logged time is the step's, not its
 With $BENCH_CKPT_DIR it checkpoints through elasticd.checkpoint, the same code under either
 launcher: to disk every $BENCH_CKPT_EVERY steps, and, where the launcher offers a shared-memory
 directory (elasticd's ELASTICD_MEMORY_DIR), in memory at the library's default cadence or every
-$BENCH_MEMORY_EVERY steps. It resumes from the newest.
+$BENCH_MEMORY_EVERY steps (BENCH_MEMORY_OVERLAP=1: with memory_overlap). It resumes from the newest.
 With BENCH_CKPT_MODE=handwritten it does what a torchrun tutorial does instead: rank 0
 torch.saves model, optimizer and step to one file every $BENCH_CKPT_EVERY steps (to a temporary
 file renamed into place), and every rank torch.loads it at start.
@@ -55,7 +55,8 @@ def main():
         from elasticd.checkpoint import CheckpointManager, capture, restore
 
         memory_every = int(os.environ.get("BENCH_MEMORY_EVERY") or 0) or None  # None: the library's default
-        mgr = CheckpointManager(os.environ["BENCH_CKPT_DIR"], keep=2, every_steps=every, memory_every=memory_every)
+        mgr = CheckpointManager(os.environ["BENCH_CKPT_DIR"], keep=2, every_steps=every, memory_every=memory_every,
+                                memory_overlap=os.environ.get("BENCH_MEMORY_OVERLAP") == "1")
         state = mgr.load_latest()
         if state is not None:
             first = restore(state, model=model, optimizer=opt)["step"] + 1

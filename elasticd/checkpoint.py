@@ -705,6 +705,9 @@ def _derived_seed(rng: Mapping[str, Any], rank: int) -> int:
 # local rank 0, which keeps the node's whole state, "rng" on the other local ranks, which keep only
 # their own RNG; None otherwise (a checkpoint).
 _local_capture: list[str | None] = [None]
+# While a refresh overlaps its device copies with the next step: capture() adds the ids of the
+# tensors only the optimizer writes (its parameters and state) to this set (elasticd.overlap).
+_owned: list[set[int] | None] = [None]
 
 
 def capture(model: torch.nn.Module | None = None, optimizer=None, scheduler=None, scaler=None,
@@ -728,6 +731,9 @@ def capture(model: torch.nn.Module | None = None, optimizer=None, scheduler=None
             hint = "; use elasticd.sampler.ResumableDistributedSampler" if key == "sampler" else ""
             raise TypeError(f"{key}: a {type(obj).__qualname__} has no state_dict(){hint}")
         state[key] = obj.state_dict()
+        if key == "optimizer" and _owned[0] is not None and isinstance(obj, torch.optim.Optimizer):
+            _owned[0].update(id(p) for g in obj.param_groups for p in g["params"])
+            _owned[0].update(id(t) for s in obj.state.values() for t in s.values() if isinstance(t, torch.Tensor))
     if rng:
         mine = _rng_state()
         world = dist.get_world_size() if _dist_on() else 1
@@ -927,13 +933,14 @@ class CheckpointManager:
 
     Under elasticd, maybe_save() also refreshes the in-memory state (elasticd.memory): every
     `memory_every` steps, or by default as often as keeps its cost under `memory_budget` of the
-    step time (every step unless the state is big for the step: memory.Cadence)."""
+    step time (every step unless the state is big for the step: memory.Cadence). With
+    `memory_overlap`, CUDA tensors are copied beside the next step instead (elasticd.overlap)."""
 
     def __init__(self, directory: str | os.PathLike | None = None, keep: int = 3,
                  every_steps: int | None = None, every_seconds: float | None = None, *,
                  handle_sigterm: bool = True, stop_timeout: float = 10.0, errors: str = "raise",
                  sync_every: int = 1, memory_every: int | None = None, memory_budget: float = 0.01,
-                 memory_dir: str | os.PathLike | None = None):
+                 memory_dir: str | os.PathLike | None = None, memory_overlap: bool = False):
         if keep < 1:
             raise ValueError(f"keep must be at least 1, got {keep}")
         if errors not in ("raise", "log"):
@@ -969,6 +976,7 @@ class CheckpointManager:
         self._cadence = memory.Cadence(every=int(memory_every or 1),
                                        budget=memory_budget if memory_every is None else None)
         self._memory_on = bool(self.memory_dir) and memory_every != 0  # off for good after a failed refresh
+        self._memory_overlap = bool(memory_overlap)
         self.last_memory_stall = 0.0
         self._memory_writer: memory.Writer | None = None  # made at the first refresh, after loading
         self._memory_resumed: int | None = None  # the in-memory step load_latest() resumed from
@@ -1044,17 +1052,25 @@ class CheckpointManager:
         if not self.memory_every:
             return 0.0
         t0 = time.perf_counter()
+        owned = None
         if callable(state):
             _local_capture[0] = "rng" if self._local_rank else "node"
+            _owned[0] = set() if self._memory_overlap else None
             try:
                 state = state()
             finally:
-                _local_capture[0] = None
+                _local_capture[0], owned, _owned[0] = None, _owned[0], None
         mapped = True
+        writer = self._memory_writer
         try:
-            if self._memory_writer is None:
-                self._memory_writer = memory.Writer(self.memory_dir, self._local_rank, keep_step=self._memory_resumed)
-            mapped = self._memory_writer.write(int(step), state, world=_world(), rank=_rank())
+            if writer is None:
+                writer = self._memory_writer = memory.Writer(self.memory_dir, self._local_rank,
+                                                             keep_step=self._memory_resumed,
+                                                             overlap=self._memory_overlap)
+            mapped = writer.write(int(step), state, world=_world(), rank=_rank(), owned=owned, started=t0)
+            if writer.notice:
+                log.warning("memory_overlap_off", reason=writer.notice, action="copying synchronously from now on")
+                writer.notice = None
         except (OSError, TypeError) as e:
             log.warning("memory_state_off", directory=self.memory_dir, error=f"{type(e).__name__}: {e}",
                         action="continuing with disk checkpoints only")
@@ -1063,8 +1079,10 @@ class CheckpointManager:
                 self._memory_writer.close()
                 self._memory_writer = None
         self.last_memory_stall = time.perf_counter() - t0
-        if self._memory_on and not mapped:
-            self._cadence.costs.append(self.last_memory_stall)
+        if self._memory_on:
+            if not mapped and not writer.queued:
+                self._cadence.costs.append(self.last_memory_stall)
+            self._cadence.costs.extend(writer.costs())  # overlapped refreshes, once their events passed
         return self.last_memory_stall
 
     # -- saving ----------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ import base64
 import contextlib
 import ctypes
 import dataclasses
+import functools
 import itertools
 import json
 import marshal
@@ -354,6 +355,8 @@ class _Slot:
         self.layout: tuple = ()
         self.views: list = []
         self.direct: list = []  # per view: (address, bytes) for one memmove from a contiguous CPU tensor, or None
+        self.address = 0  # of the mapping
+        self.pinned = False  # page-locked for overlapped device copies (elasticd.overlap)
 
     def reserve(self, size: int) -> bool:
         """Make room for `size` bytes; True when that (re)mapped the slot (a one-off cost)."""
@@ -368,6 +371,9 @@ class _Slot:
         populate = getattr(mmap, "MAP_POPULATE", 0)  # page tables filled now, not on each refresh's first touch
         self.mm = mmap.mmap(self.fd, size, flags=mmap.MAP_SHARED | populate)
         self.size = size
+        head = ctypes.c_char.from_buffer(self.mm)  # an export of the mapping, let go at once
+        self.address = ctypes.addressof(head)
+        del head
         return True
 
     def set_valid(self, valid: int) -> None:
@@ -389,9 +395,14 @@ class Writer:
     other is written first. Every other slot is invalidated at once: a state of an abandoned
     timeline must never outlive the first write of the new one."""
 
-    def __init__(self, path: str, local_rank: int, keep_step: int | None = None) -> None:
+    def __init__(self, path: str, local_rank: int, keep_step: int | None = None, overlap: bool = False) -> None:
         _import_torch()
         self.local_rank = local_rank
+        self.overlap = overlap  # queue device copies to overlap the next step (elasticd.overlap)
+        self.queued = False  # the last write's copies were queued, its cost is measured later
+        self.notice: str | None = None  # why overlapping was turned off, for the caller to report once
+        self._copier: Any = None  # an elasticd.overlap.Copier, made at the first overlapped refresh
+        self._device: Any = None  # the one CUDA device of the layout's tensors, if they have one
         self.slots = [_Slot(slot_path(path, local_rank, k)) for k in range(SLOTS)]
         kept = [k for k in range(SLOTS) if keep_step is not None
                 and (h := header(self.slots[k].file)) and h["step"] == keep_step][:1]
@@ -406,9 +417,13 @@ class Writer:
         self._encoded: dict[Any, tuple[Any, bytes, bytes]] = {}  # entry -> (description, marshal, JSON)
         self._flat: dict = {}  # descriptions of dicts of named tensors, see _flat_tensors
 
-    def write(self, step: int, state: Mapping[str, Any], *, world: int, rank: int) -> bool:
+    def write(self, step: int, state: Mapping[str, Any], *, world: int, rank: int,
+              owned: set[int] | None = None, started: float | None = None) -> bool:
         """Store `state` (a capture(), whose "rng" holds at least this rank's entry) as `step`.
-        Returns whether a slot had to be mapped first (its cost is not a refresh's)."""
+        Returns whether a slot had to be mapped first (its cost is not a refresh's).
+        When overlapping: `owned` holds the ids of the tensors only the optimizer writes, whose
+        copies may run beside the next step; `started` is when the refresh began."""
+        started = time.perf_counter() if started is None else started
         rng = state.get("rng") or {}
         ranks = rng.get("ranks") or []
         mine = ranks[rank] if rank < len(ranks) else (ranks[0] if len(ranks) == 1 else None)
@@ -428,8 +443,17 @@ class Writer:
             self._plan(key, tensors)
         offsets, end = self._offsets, self._end
         meta = self._table + tree + b"}"
+        copier = self._overlapping()
         slot = self.slots[self.next]
-        mapped = slot.reserve(HEADER + end + len(meta))
+        need = HEADER + end + len(meta)
+        if slot.pinned and need > slot.size:  # about to be mapped anew: let the old pages go first
+            self._copier.unpin(slot.address)
+            slot.pinned = False
+        mapped = slot.reserve(need)
+        if copier is not None and not slot.pinned:
+            slot.pinned = copier.pin(slot.address, slot.size)
+            if not slot.pinned:
+                copier = self._off("the GPU driver refused to page-lock the slot (cudaHostRegister)")
         mm = slot.mm
         assert mm is not None
         slot.set_valid(0)
@@ -439,16 +463,63 @@ class Writer:
             slot.direct = [(v.data_ptr(), t.nbytes) if v is not None and t.is_cpu and t.nbytes < _SMALL else None
                            for v, (t, _) in zip(slot.views, tensors)]
             slot.layout = key
+        side: list = []  # device tensors only the optimizer writes: copied beside the next step
+        ordered: list = []  # other device tensors: copied on the training stream, before what follows
         for view, direct, (t, _) in zip(slot.views, slot.direct, tensors):
             if direct is not None and t.is_contiguous():
                 ctypes.memmove(direct[0], t.data_ptr(), direct[1])  # a third of copy_'s overhead
-            elif view is not None:
+            elif view is None:
+                continue
+            elif copier is not None and t.is_cuda:
+                (side if owned is not None and id(t) in owned else ordered).append((view, t))
+            else:
                 view.copy_(t.detach())  # device tensors, and big ones: torch's parallel copy
-        mm[HEADER + end:HEADER + end + len(meta)] = meta
-        mm[:_FIELDS.size] = _FIELDS.pack(MAGIC, 0, step, world, rank, end, len(meta), zlib.crc32(meta), 0)
-        slot.set_valid(1)  # last: the slot is whole
+        head = _FIELDS.pack(MAGIC, 0, step, world, rank, end, len(meta), zlib.crc32(meta), 0)
+        commit = functools.partial(_commit, slot, HEADER + end, meta, head)
+        self.queued = copier is not None
+        if copier is None:
+            commit()
+        else:
+            copier.copy(self.next, side, ordered, commit, started, counted=not mapped)
         self.next = (self.next + 1) % SLOTS
         return mapped
+
+    def _overlapping(self) -> Any:
+        """The Copier for this refresh, or None to copy synchronously. First the last refresh
+        lands, as a synchronous one would have: a slot is only ever invalidated while the other
+        holds a whole step. A refresh that no optimizer step has waited for since may have
+        raced a write (see elasticd.overlap): it is dropped, its slot is the one written next,
+        and overlapping ends."""
+        if self._copier is None:
+            if not self.overlap or self._device is None or not torch.cuda.is_initialized():
+                return None
+            from elasticd import overlap
+
+            try:
+                self._copier = overlap.Copier(self._device)
+            except Exception as e:  # noqa: BLE001 - a CUDA runtime that cannot give a stream: copy as before
+                return self._off(f"no side stream: {type(e).__name__}: {e}")
+        if self._copier.unfired():
+            return self._off("no optimizer step ran between two refreshes (a step replayed from a CUDA "
+                             "graph, or parameters updated by hand)")
+        self._copier.settle()
+        if not self.overlap or self._device is None:
+            return None
+        if self._copier.device != self._device:
+            return self._off("the state's tensors moved to another GPU")
+        return self._copier
+
+    def costs(self) -> list[float]:
+        """Seconds that overlapped refreshes cost the step, once measured (see Copier.costs)."""
+        return self._copier.costs() if self._copier is not None else []
+
+    def _off(self, reason: str) -> None:
+        """Copy synchronously from now on; refreshes in flight land or are dropped first (the
+        slot of a dropped one is written next)."""
+        self.overlap, self.notice = False, reason
+        for key in self._copier.settle() if self._copier is not None else ():
+            self.next = key
+        return None
 
     def _json(self, name: Any, desc: Any, used: dict) -> bytes:
         """`desc` as JSON bytes, reused while the entry `name` describes the same as last time:
@@ -476,11 +547,29 @@ class Writer:
             table.append([end, str(t.dtype).removeprefix("torch."), list(t.shape)])
             end = _aligned(end + t.numel() * t.element_size())
         self._layout, self._offsets, self._end = key, offsets, end
+        devices = {t.device for t, _ in tensors if t.is_cuda}
+        self._device = devices.pop() if len(devices) == 1 else None
         self._table = b'{"tensors":' + json.dumps(table, separators=(",", ":")).encode() + b',"tree":'
 
     def close(self) -> None:
+        if self._copier is not None:
+            self._copier.settle(timeout=10)
+            for s in self.slots:
+                if s.pinned:
+                    self._copier.unpin(s.address)
+                    s.pinned = False
+            self._copier.close()
         for s in self.slots:
             s.close()
+
+
+def _commit(slot: _Slot, at: int, meta: bytes, head: bytes) -> None:
+    """Write a slot's description and header after its tensors, and mark it whole: last."""
+    mm = slot.mm
+    assert mm is not None
+    mm[at:at + len(meta)] = meta
+    mm[:_FIELDS.size] = head
+    slot.set_valid(1)
 
 
 def _invalidate(file: str) -> None:

@@ -120,6 +120,86 @@ def test_single_process_refresh_every_n_steps_and_keep_two(tmp_path):
     assert mgr.last_memory_stall > 0
 
 
+def test_overlap_on_a_cpu_state_copies_synchronously_and_never_touches_cuda(tmp_path):
+    """memory_overlap only queues copies of CUDA tensors: a CPU job's refreshes are the plain
+    synchronous ones (and exact), and nothing CUDA is loaded for them."""
+    code = ("import sys, torch\n"
+            "from elasticd import checkpoint, memory\n"
+            "from elasticd.checkpoint import CheckpointManager\n"
+            f"mem = {str(tmp_path / 'mem')!r}\n"
+            "mgr = CheckpointManager(mem + '-disk', handle_sigterm=False, memory_dir=mem, memory_every=1,"
+            " memory_overlap=True)\n"
+            "model = torch.nn.Linear(3, 1)\n"
+            "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+            "for step in range(1, 5):\n"
+            "    model(torch.ones(2, 3)).sum().backward()\n"
+            "    opt.step()\n"
+            "    mgr.maybe_save(step, lambda: checkpoint.capture(model=model, optimizer=opt, step=step))\n"
+            "    assert not mgr._memory_writer.queued\n"
+            "    got = memory.read(mem, step, world=1, rank=0, local_rank=0)\n"
+            "    assert torch.equal(got['model']['weight'], model.weight.detach())\n"
+            "assert 'elasticd.overlap' not in sys.modules and not torch.cuda.is_initialized()\n"
+            "print('ok')\n")
+    (tmp_path / "mem").mkdir()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+OVERLAP = os.path.join(os.path.dirname(__file__), "scripts", "overlap_refresh.py")
+
+
+@pytest.fixture
+def shm_dir():
+    """A memory directory on tmpfs, as the daemon's: pinning a disk file's pages can be refused."""
+    import shutil
+    import tempfile
+
+    path = tempfile.mkdtemp(prefix="elasticd-test-", dir=memory.ROOT)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@GPU
+def test_overlapped_refresh_lands_whole_and_turns_itself_off_when_unsafe(tmp_path, shm_dir):
+    out = subprocess.run([sys.executable, OVERLAP, "check", shm_dir, str(tmp_path / "disk")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "overlap check ok" in out.stdout, out.stdout + out.stderr
+
+
+@GPU
+def test_sigkill_mid_overlapped_refresh_always_leaves_a_whole_step(tmp_path, shm_dir):
+    """As the synchronous test below, with the copies queued on the GPU and committed by a thread:
+    a refresh killed in flight is never read, and each step read is whole (no optimizer step
+    overwrote the parameter while its copy ran)."""
+    import random
+    import signal
+
+    rng = random.Random(11)
+    last, in_flight = 0, 0
+    for _ in range(6):
+        proc = subprocess.Popen([sys.executable, OVERLAP, "forever", shm_dir, str(tmp_path / "disk")],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            deadline = time.monotonic() + 60
+            while (memory.newest_step(shm_dir) or 0) < last + 3 and time.monotonic() < deadline and proc.poll() is None:
+                time.sleep(0.005)
+            time.sleep(rng.uniform(0.0, 0.05))
+        finally:
+            proc.kill()
+            output = proc.communicate(timeout=30)[0]
+        assert proc.returncode == -signal.SIGKILL, output
+        held = memory.steps(shm_dir, world=1, rank=0, local_rank=0)
+        assert held, "no whole step left"
+        in_flight += len(held) == 1
+        got = memory.read(shm_dir, held[0], world=1, rank=0, local_rank=0)
+        w = got["model"]["w"]
+        assert torch.equal(w, torch.full_like(w, float(held[0]))), (held, w.unique()[:4])
+        assert held[0] >= last + 2, (last, held)
+        last = held[0]
+    assert in_flight, "no kill found a refresh in flight: the test did not test one"
+
+
 def test_cadence_keeps_refreshes_within_budget_and_every_rank_in_step(tmp_path):
     """A 32 MiB state on 2 ms steps costs far more than 1% of a step to refresh every step:
     the ranks space refreshes out, agree on one cadence (rank 1, with its cheap RNG-only slot,
