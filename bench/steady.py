@@ -134,7 +134,7 @@ def paired_run(variant: str, workload: str, ckpt_every: int, swap: bool, nproc: 
         begin, end = max(s[0] for s in spans), min(s[1] for s in spans)
         if end - begin < 2.0:
             raise SystemExit(f"{workload}: the two runs overlapped only {end - begin:.1f} s in steady state; "
-                             "raise the workload's step count")
+                             "raise --steps-scale")
         return measure(runs[0], begin, end), measure(runs[1], begin, end)
 
 
@@ -148,10 +148,14 @@ def main() -> None:
                    help="comma-separated elasticd variants to compare with torchrun: " +
                         ", ".join(v for v in VARIANTS if v != "torchrun"))
     p.add_argument("--nproc", type=int, default=2, help="workers per launcher (default 2)")
+    p.add_argument("--steps-scale", type=float, default=1.0,
+                   help="multiply each workload's step count (a fast machine needs more for --paired)")
     p.add_argument("--paired", action="store_true",
                    help="run each elasticd variant and torchrun at the same time on separate halves of the CPUs")
     args = p.parse_args()
     workloads = args.workloads.split(",")
+    for name, (knobs, steps, skip) in WORKLOADS.items():  # start-up steps stay as they are
+        WORKLOADS[name] = (knobs, skip + max(1, round((steps - skip) * args.steps_scale)), skip)
     variants = [v for v in args.variants.split(",") if v != "torchrun"] + ["torchrun"]
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:

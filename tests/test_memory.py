@@ -145,6 +145,29 @@ def test_overlap_on_a_cpu_state_copies_synchronously_and_never_touches_cuda(tmp_
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
 
+def test_a_refresh_capture_names_exactly_what_only_the_optimizer_writes():
+    """Overlapped copies run beside the next forward and backward only for tensors nothing but
+    the optimizer's step writes: its parameters and its state, as the very objects the refresh
+    copies. Buffers (batch norm's running statistics, updated by forward) are not among them."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(5, 3)).sum().backward()
+    opt.step()
+    checkpoint._local_capture[0], checkpoint._owned[0] = "node", set()
+    try:
+        state = checkpoint.capture(model=model, optimizer=opt, step=1)
+    finally:
+        owned = checkpoint._owned[0]
+        checkpoint._local_capture[0], checkpoint._owned[0] = None, None
+    params = {id(p) for p in model.parameters()}
+    moments = {id(t) for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)}
+    assert len(params) == 4 and len(moments) == 12 and owned == params | moments
+    copied = {k: id(t) for k, t in state["model"].items()}
+    assert {copied[k] for k in ("0.weight", "0.bias", "1.weight", "1.bias")} == params
+    assert not {copied[k] for k in ("1.running_mean", "1.running_var", "1.num_batches_tracked")} & owned
+    assert {id(t) for s in state["optimizer"]["state"].values() for t in s.values()} == moments
+
+
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 OVERLAP = os.path.join(os.path.dirname(__file__), "scripts", "overlap_refresh.py")
 
