@@ -11,8 +11,9 @@ queued instead, and the training loop goes on at once:
   and backward only read them, so the copy runs alongside.
 - Every other device tensor (buffers, which forward may update; user tensors) is copied on the
   training stream itself, so it is ordered before whatever comes next.
-- A thread waits for the copies and only then marks the slot whole. A process killed before that
-  leaves the slot invalid, and the other slot (the previous refresh) stands.
+- A thread marks the slot whole once the copies have landed and the next optimizer step has
+  waited for them. A process killed before that leaves the slot invalid, and the other slot (the
+  previous refresh) stands.
 
 If the next refresh comes and no optimizer step went through the hook since (an optimizer step
 replayed from a CUDA graph, or parameters updated by hand), the copy may have raced a write: it
