@@ -175,8 +175,8 @@ class Agent:
 
     def install_signals(self) -> None:
         signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD):
-            signal.signal(sig, self._on_signal)
+        for name in (*self.cfg.signals_to_handle, "SIGCHLD"):
+            signal.signal(getattr(signal, name), self._on_signal)
 
     def _wait(self, timeout: float) -> None:
         try:
@@ -498,7 +498,8 @@ class Agent:
             master_port=rnd.master_port, restart_count=self.restart_count,
             max_restarts=self.cfg.max_restarts, run_id=self.cfg.rdzv_id,
             attempt_dir=self.run_dir / f"attempt{self.attempt}", token=self.token,
-            stack_signal=self.cfg.stack_signal, checkpoint_dir=self.cfg.checkpoint_dir,
+            stack_signal=self.cfg.stack_signal, checkpoint_dir=self.cfg.checkpoint_dir, role=self.cfg.role,
+            virtual_local_rank=self.cfg.virtual_local_rank, no_python=self.cfg.no_python,
             extra_env={memory.ENV: self.memory_dir} if self.memory_dir else {},
         )
         self._wait_for_spares()
@@ -510,8 +511,8 @@ class Agent:
         elif self.cfg.warm_spawn:
             self._spares_due = time.monotonic() + 10.0
         for w in self.workers:
-            if self.tee:
-                self.tee.follow(w.log_path, f"[rank{w.global_rank}]: ")
+            if self.tee and self.cfg.echoed(w.local_rank):
+                self.tee.follow(w.log_path, workers.console_prefix(self.cfg.role, w.global_rank, w.local_rank))
         self.set_state(State.RUNNING, world_size=rnd.world_size, group_rank=rnd.group_rank,
                        group_world_size=rnd.group_world_size, pids={w.global_rank: w.pid for w in self.workers},
                        master=f"{rnd.master_addr}:{rnd.master_port}")
@@ -540,7 +541,8 @@ class Agent:
             if why and w.proc.poll() is not None:
                 return self._check_workers()  # it exited just now: report the exit, not a hang
             if why:
-                stacks = workers.dump_stacks(self.workers, self.cfg.stack_signal)
+                # a --no-python worker has no stack-dump handler: the signal would only end it
+                stacks = [] if self.cfg.no_python else workers.dump_stacks(self.workers, self.cfg.stack_signal)
                 return Failure("hung", f"hung: {why}", rank=w.global_rank, pid=w.pid,
                                log_path=str(w.log_path), stacks=tuple(map(str, stacks)), node=self.node)
         return None

@@ -8,6 +8,8 @@ semantics of `python script.py ARGS` / `python -m module ARGS`. Before that it:
 - beats the heartbeat on every optimizer step, marks when init_process_group returns, and
   works around a gloo teardown deadlock in destroy_process_group, without importing torch itself;
 - writes TORCHELASTIC_ERROR_FILE (torch's @record format) when the entrypoint raises.
+With ELASTICD_NO_PYTHON (torchrun's --no-python) the entrypoint is an executable: the worker
+becomes it (exec) once it dies with the daemon, and the rest does not apply.
 """
 
 from __future__ import annotations
@@ -231,6 +233,18 @@ def wait_for_rank() -> list[str] | None:
     return job["args"]
 
 
+def exec_program(program: str, args: list[str]) -> None:
+    """Become `program ARGS` (found on PATH as a shell would), keeping pid, session, environment,
+    the log as stdout/stderr and the parent-death signal. A program that cannot be run exits 127,
+    as in a shell, with the reason in the error file."""
+    try:
+        os.execvp(program, [program, *args])
+    except OSError as e:
+        write_error_file(e)
+        print(f"elasticd: cannot run {program}: {e}", file=sys.stderr, flush=True)
+        os._exit(127)
+
+
 def main() -> None:
     die_with_daemon()
     args = sys.argv[1:]
@@ -239,6 +253,8 @@ def main() -> None:
         if args is None:
             return
     entrypoint = os.environ["ELASTICD_ENTRYPOINT"]
+    if os.environ.get("ELASTICD_NO_PYTHON"):
+        exec_program(entrypoint, args)
     proctitle.show(proctitle.title(entrypoint, args))  # ps shows `python -u train.py ...`, as under torchrun
     arm_stack_dumps()
     arm_heartbeat()

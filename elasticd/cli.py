@@ -35,11 +35,20 @@ class _Parser(argparse.ArgumentParser):
 
 class _Instead(argparse.Action):
     """A torchrun flag elasticd covers another way: one error line saying what to use (its help),
-    unless the value is `const`, what elasticd does anyway."""
+    unless the value is one of `const`, what elasticd does anyway."""
 
     def __call__(self, parser, namespace, values, option_string=None) -> None:
-        if values != self.const:
+        if values not in (self.const or ()):
             parser.error(f"{option_string} {values}: {self.help}")
+
+
+class _Static(argparse.Action):
+    """torchrun's static rendezvous flags: kept as (flag, value) for config.check_static, which
+    knows the node count."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        flag = "--" + self.dest.replace("_", "-")
+        namespace.static = [*getattr(namespace, "static", []), (flag, values)]
 
 
 def _add_run_flags(p: argparse.ArgumentParser) -> None:
@@ -72,14 +81,56 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
                         "checkpoints/<rdzv id>, so a job started again with the same --rdzv-id resumes)")
     g.add_argument("--local-addr", "--local_addr", dest="local_addr", default=S,
                    help="address peers reach this node at (default: the one routing to the endpoint)")
-    g.add_argument("--rdzv-backend", "--rdzv_backend", action=_Instead, const="c10d", default=S,
-                   help="c10d only, the default: a TCPStore at --rdzv-endpoint")
-    g.add_argument("--master-addr", "--master_addr", "--master-port", "--master_port", action=_Instead, default=S,
-                   help="give every node --rdzv-endpoint MASTER_ADDR:MASTER_PORT instead (the node that owns "
-                        "that address hosts the store)")
-    g.add_argument("--node-rank", "--node_rank", action=_Instead, default=S,
-                   help="nodes are ranked at rendezvous: drop it and give every node the same "
-                        "--rdzv-endpoint HOST:PORT and --nnodes")
+    g.add_argument("--rdzv-backend", "--rdzv_backend", dest="rdzv_backend", action=_Static, default=S,
+                   help="c10d, the default: a TCPStore at --rdzv-endpoint (static: only on a single node)")
+    g.add_argument("--rdzv-conf", "--rdzv_conf", dest="rdzv_conf", default=S,
+                   help="torchrun's c10d KEY=VALUE,...: join_timeout, last_call_timeout, and "
+                        "keep_alive_interval x keep_alive_max_attempt as --peer-timeout (read_timeout, "
+                        "close_timeout, is_host, use_libuv are accepted and have no effect)")
+    g.add_argument("--master-addr", "--master_addr", dest="master_addr", action=_Static, default=S,
+                   help="static rendezvous: ignored on a single node or with --rdzv-endpoint; across nodes give "
+                        "every node --rdzv-endpoint MASTER_ADDR:MASTER_PORT instead")
+    g.add_argument("--master-port", "--master_port", dest="master_port", action=_Static, default=S,
+                   help="see --master-addr")
+    g.add_argument("--node-rank", "--node_rank", dest="node_rank", action=_Static, default=S,
+                   help="static rendezvous: nodes are ranked as they join (0 on a single node; ignored with "
+                        "--rdzv-endpoint)")
+    g.add_argument("--role", dest="role", default=S, help="the workers' ROLE_NAME (default 'default')")
+    g.add_argument("-r", "--redirects", dest="redirects", default=S,
+                   help="as torchrun: 0-3 (none, stdout, stderr, both) or LOCAL_RANK:N,...; every rank's output "
+                        "is always in its log file, and a rank with both streams redirected (and not teed) is "
+                        "not echoed to the console")
+    g.add_argument("-t", "--tee", dest="tee_streams", default=S,
+                   help="as torchrun: streams also echoed to the console (echoing is elasticd's default)")
+    g.add_argument("--local-ranks-filter", "--local_ranks_filter", dest="local_ranks_filter", default=S,
+                   help="comma-separated local ranks whose output is echoed to the console (default all)")
+    g.add_argument("--signals-to-handle", "--signals_to_handle", dest="signals_to_handle", default=S,
+                   help="comma-separated signals that stop the job gracefully, as SIGTERM does "
+                        "(default SIGTERM,SIGINT,SIGHUP,SIGQUIT; e.g. add SIGUSR1 for SLURM's --signal)")
+    g.add_argument("--shutdown-timeout", "--shutdown_timeout", dest="stop_grace", type=float, default=S,
+                   metavar="SECONDS", help="the same as --stop-grace")
+    g.add_argument("--virtual-local-rank", "--virtual_local_rank", dest="virtual_local_rank", action="store_true",
+                   default=S, help="LOCAL_RANK=0 for every worker, and CUDA_VISIBLE_DEVICES its own GPU")
+    g.add_argument("--no-python", "--no_python", dest="no_python", action="store_true", default=S,
+                   help="ENTRYPOINT is an executable run with ARGS in place of python (no warm spares, "
+                        "heartbeat or stack dumps: it is not Python)")
+    g.add_argument("--run-path", "--run_path", dest="run_path", action="store_true", default=S,
+                   help="ENTRYPOINT is a script path, even without .py")
+    g.add_argument("--start-method", "--start_method", action=_Instead, const=("spawn", "fork", "forkserver"),
+                   default=S, help="spawn, fork or forkserver; accepted and without effect (torchrun uses it for "
+                                   "function entrypoints only; elasticd starts every worker its own way)")
+    g.add_argument("--event-log-handler", "--event_log_handler", action=_Instead, const=("null", "console"),
+                   default=S, help="elasticd's events are structlog lines on stderr (--log-format json for "
+                                   "machines): drop the flag")
+    g.add_argument("--logs-specs", "--logs_specs", action=_Instead, default=S,
+                   help="elasticd writes each rank's output to <log dir>/<run>/attemptN/rankR.log: drop the flag")
+    g.add_argument("--duplicate-stdout-filters", "--duplicate_stdout_filters", "--duplicate-stderr-filters",
+                   "--duplicate_stderr_filters", action=_Instead, default=S, metavar="FILTERS",
+                   help="every rank's output is in <log dir>/<run>/attemptN/rankR.log: grep those instead, and "
+                        "drop the flag")
+    g.add_argument("--numa-binding", "--numa_binding", action=_Instead, default=S,
+                   help="elasticd does not bind workers to NUMA nodes: drop the flag, or bind in the script "
+                        "(os.sched_setaffinity) or under numactl")
     e = p.add_argument_group("elasticd")
     e.add_argument("--config", dest="config_file", default=None, help="TOML config file (flags override it)")
     e.add_argument("--log-format", dest="log_format", choices=["auto", "json", "console"], default=S,
@@ -173,16 +224,26 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: argparse.Namespace, extra: list[str]) -> int:
     from elasticd import config, logs
 
-    flags = {k: v for k, v in vars(args).items() if k not in ("command", "config_file", "module")}
+    cli_only = ("command", "config_file", "module", "run_path", "static")
+    flags = {k: v for k, v in vars(args).items() if k not in cli_only}
     if extra:
         flags["args"] = extra
     try:
         entrypoint = flags.get("entrypoint")
-        if getattr(args, "module", False) and (not entrypoint or entrypoint.endswith(".py") or os.sep in entrypoint):
-            raise ConfigError(f"-m takes a module name such as pkg.train, got {entrypoint or 'none'}; "
-                              "for a script path drop -m")
-        cfg = config.build(flags, args.config_file)
-        config.check_entrypoint(cfg.entrypoint)
+        if getattr(args, "run_path", False):  # as torchrun: it wins over -m and --no-python
+            if not entrypoint:
+                raise ConfigError("--run-path needs a script path as ENTRYPOINT")
+            if not entrypoint.endswith(".py") and os.sep not in entrypoint:
+                flags["entrypoint"] = os.path.join(os.curdir, entrypoint)
+            flags.pop("no_python", None)
+        elif getattr(args, "module", False):
+            if not entrypoint or entrypoint.endswith(".py") or os.sep in entrypoint:
+                raise ConfigError(f"-m takes a module name such as pkg.train, got {entrypoint or 'none'}; "
+                                  "for a script path drop -m")
+            if flags.get("no_python"):
+                raise ConfigError("--no-python and -m cannot go together: -m runs a Python module; drop one")
+        cfg = config.build(flags, args.config_file, static=getattr(args, "static", []))
+        config.check_entrypoint(cfg.entrypoint, no_python=cfg.no_python)
         if cfg.max_nodes == 1 and cfg.rdzv_endpoint:
             config.check_port_free(cfg.rdzv_host, cfg.rdzv_port)
         run_dir = _run_dir(cfg)

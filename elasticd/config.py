@@ -1,4 +1,5 @@
-"""One frozen Config: defaults <- TOML file <- environment <- flags, validated with clear messages.
+"""One frozen Config: defaults <- TOML file <- torchrun's PET_* environment <- ELASTICD_* environment
+<- flags, validated with clear messages.
 
 Every problem raises ConfigError with one line that names the setting and the fix; the CLI turns
 it into exit code 2 before anything starts.
@@ -9,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import errno
 import os
+import shutil
+import signal
 import socket
 import tomllib
 import uuid
@@ -56,6 +59,16 @@ class Config:
     fatal_exit_codes: tuple[int, ...] = ()
     local_addr: str = ""
     stack_signal: str = "SIGUSR1"
+    role: str = "default"  # the workers' ROLE_NAME (torchrun --role)
+    # Which local ranks' output is echoed to the daemon's stdout, torchrun's way: a rank whose
+    # stdout and stderr are both redirected (-r) and neither teed (-t) is not, nor one missing
+    # from a non-empty local_ranks_filter. Every rank's output is always in its log file.
+    redirects: str = "0"
+    tee_streams: str = "0"
+    local_ranks_filter: tuple[int, ...] = ()
+    signals_to_handle: tuple[str, ...] = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")  # each stops gracefully
+    virtual_local_rank: bool = False  # LOCAL_RANK=0, CUDA_VISIBLE_DEVICES = the rank's own GPU
+    no_python: bool = False  # the entrypoint is an executable, run in place of Python (torchrun --no-python)
     warm_spawn: bool = True
     memory_state: bool = True  # workers keep the latest step's state in /dev/shm (elasticd.memory)
     # torch._dynamo too: DDP imports it on first construction (about 1.3 s on a small CPU), which
@@ -78,10 +91,40 @@ class Config:
     def rdzv_port(self) -> int:
         return parse_endpoint(self.rdzv_endpoint)[1]
 
+    def echoed(self, local_rank: int) -> bool:
+        """Whether this local rank's output goes to the daemon's stdout besides its log file."""
+        if not self.tee or (self.local_ranks_filter and local_rank not in self.local_ranks_filter):
+            return False
+        both_redirected = _std(self.redirects, "redirects", local_rank) == 3
+        return not both_redirected or _std(self.tee_streams, "tee_streams", local_rank) != 0
+
 
 FIELDS = {f.name: f for f in dataclasses.fields(Config)}
 # Keys whose TOML / env values are lists.
-_TUPLE_FIELDS = {"args": str, "fatal_exit_codes": int, "preload": str}
+_TUPLE_FIELDS = {"args": str, "fatal_exit_codes": int, "preload": str, "local_ranks_filter": int,
+                 "signals_to_handle": str}
+
+# torchrun reads every flag it was not given from PET_<FLAG> (what Kubeflow's PyTorchJob sets):
+# the variable -> our key for the flags elasticd shares. Those of static rendezvous are checked
+# as the flags are (check_static).
+PET_SETTINGS = {
+    "PET_NNODES": "nnodes", "PET_NPROC_PER_NODE": "nproc_per_node", "PET_MAX_RESTARTS": "max_restarts",
+    "PET_RDZV_ENDPOINT": "rdzv_endpoint", "PET_RDZV_ID": "rdzv_id", "PET_RDZV_CONF": "rdzv_conf",
+    "PET_STANDALONE": "standalone", "PET_MONITOR_INTERVAL": "monitor_interval", "PET_ROLE": "role",
+    "PET_LOG_DIR": "log_dir", "PET_REDIRECTS": "redirects", "PET_TEE": "tee_streams",
+    "PET_LOCAL_RANKS_FILTER": "local_ranks_filter", "PET_LOCAL_ADDR": "local_addr",
+    "PET_SIGNALS_TO_HANDLE": "signals_to_handle", "PET_SHUTDOWN_TIMEOUT": "stop_grace",
+    "PET_VIRTUAL_LOCAL_RANK": "virtual_local_rank", "PET_NO_PYTHON": "no_python",
+}
+PET_STATIC = {"PET_RDZV_BACKEND": "--rdzv-backend", "PET_NODE_RANK": "--node-rank",
+              "PET_MASTER_ADDR": "--master-addr", "PET_MASTER_PORT": "--master-port"}
+
+# torchrun's --rdzv-conf keys (c10d backend) -> what elasticd does with them.
+_RDZV_CONF_KEYS = {"join_timeout": "join_timeout", "last_call_timeout": "last_call_timeout"}
+# Keys whose job elasticd does another way (store calls bounded by --join-timeout, the node that
+# owns the endpoint's address hosts the store): accepted, no effect.
+_RDZV_CONF_ACCEPTED = {"read_timeout", "close_timeout", "is_host", "use_libuv"}
+_KEEP_ALIVE = {"keep_alive_interval": 5.0, "keep_alive_max_attempt": 3.0}  # torch's defaults
 
 
 def parse_nnodes(text: str) -> tuple[int, int]:
@@ -120,6 +163,69 @@ def parse_endpoint(text: str) -> tuple[str, int]:
     return host, port
 
 
+def parse_std(text: str, key: str) -> int | dict[int, int]:
+    """torchrun's redirect/tee value: "N" for every local rank, or "LOCAL_RANK:N,..." (0 none,
+    1 stdout, 2 stderr, 3 both), which is N for the ranks named and 0 for the others."""
+    text = str(text).strip()
+    try:
+        if ":" not in text:
+            every = int(text)
+            if every not in range(4):
+                raise ValueError
+            return every
+        out: dict[int, int] = {}
+        for item in text.split(","):
+            rank, _, value = item.partition(":")
+            out[int(rank)] = int(value)
+            if out[int(rank)] not in range(4) or int(rank) < 0:
+                raise ValueError
+        return out
+    except ValueError:
+        flag = {"redirects": "-r/--redirects", "tee_streams": "-t/--tee"}.get(key, key)
+        raise ConfigError(f"{flag} {text!r}: use 0 (none), 1 (stdout), 2 (stderr) or 3 (both), for every "
+                          "local rank or per rank as LOCAL_RANK:N,... (e.g. 0:3,1:1)") from None
+
+
+def _std(text: str, key: str, local_rank: int) -> int:
+    parsed = parse_std(text, key)
+    return parsed if isinstance(parsed, int) else parsed.get(local_rank, 0)
+
+
+def rdzv_conf_settings(text: str, source: str) -> dict[str, Any]:
+    """torchrun's --rdzv-conf "key=value,...": the settings it stands for here. torch's dead-node
+    rule (a keep-alive every keep_alive_interval, lost after keep_alive_max_attempt misses) is
+    --peer-timeout."""
+    out: dict[str, Any] = {}
+    keep_alive: dict[str, float] = {}
+    for item in filter(None, (i.strip() for i in str(text).split(","))):
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep:
+            raise ConfigError(f"{source} {item!r} is not KEY=VALUE (e.g. join_timeout=900)")
+        if key in _RDZV_CONF_KEYS:
+            out[_RDZV_CONF_KEYS[key]] = value.strip()
+        elif key in _KEEP_ALIVE:
+            try:
+                keep_alive[key] = float(value)
+            except ValueError:
+                raise ConfigError(f"{source} {key}={value!r}: not a number") from None
+        elif key not in _RDZV_CONF_ACCEPTED:
+            known = ", ".join(sorted([*_RDZV_CONF_KEYS, *_KEEP_ALIVE, *_RDZV_CONF_ACCEPTED]))
+            raise ConfigError(f"{source} key {key!r} is not one of torchrun's c10d keys elasticd takes ({known})")
+    if keep_alive:
+        both = {**_KEEP_ALIVE, **keep_alive}
+        out["peer_timeout"] = both["keep_alive_interval"] * both["keep_alive_max_attempt"]
+    return out
+
+
+def _expand(layer: dict[str, Any], source: str) -> dict[str, Any]:
+    """A layer's rdzv_conf becomes the settings it stands for; the layer's own keys win."""
+    if "rdzv_conf" not in layer:
+        return layer
+    layer = dict(layer)
+    return {**rdzv_conf_settings(layer.pop("rdzv_conf"), f"rdzv_conf in {source}"), **layer}
+
+
 def load_toml(path: str) -> dict[str, Any]:
     try:
         with open(path, "rb") as f:
@@ -143,6 +249,13 @@ def env_settings(environ: dict[str, str]) -> dict[str, Any]:
             continue
         out[name] = value.split() if name in _TUPLE_FIELDS else value
     return out
+
+
+def pet_settings(environ: dict[str, str]) -> tuple[dict[str, Any], list[tuple[str, str]]]:
+    """torchrun's PET_* variables: our settings, and the static-rendezvous ones as (flag, value)."""
+    out = {key: environ[name] for name, key in PET_SETTINGS.items() if environ.get(name, "") != ""}
+    static = [(flag, environ[name]) for name, flag in PET_STATIC.items() if environ.get(name, "") != ""]
+    return out, static
 
 
 def nproc_from_word(value: Any, source: str) -> Any:
@@ -202,26 +315,66 @@ def _coerce(key: str, value: Any, source: str) -> Any:
         raise ConfigError(f"{where}: {value!r} is not {expected}") from None
 
 
-def build(flags: dict[str, Any], config_file: str | None = None, environ: dict[str, str] | None = None) -> Config:
-    """Merge the layers (later wins) and validate. `flags` holds only flags the user gave."""
+def build(flags: dict[str, Any], config_file: str | None = None, environ: dict[str, str] | None = None,
+          static: list[tuple[str, str]] = ()) -> Config:
+    """Merge the layers (later wins) and validate. `flags` holds only flags the user gave;
+    `static`, torchrun's static-rendezvous flags given, as (flag, value)."""
     environ = dict(os.environ if environ is None else environ)
+    pet, pet_static = pet_settings(environ)
+    layers = [
+        (load_toml(config_file) if config_file else {}, lambda k: f"config file {config_file}"),
+        (pet, lambda k: f"environment variable {_pet_name(k)}"),
+        (env_settings(environ), lambda k: f"environment variable ELASTICD_{k.upper()}"),
+        (flags, lambda k: "--" + k.replace("_", "-")),
+    ]
     merged: dict[str, Any] = {}
-    if config_file:
-        for k, v in load_toml(config_file).items():
-            merged[k] = _coerce(k, v, f"config file {config_file}")
-    for k, v in env_settings(environ).items():
-        merged[k] = _coerce(k, v, f"environment variable ELASTICD_{k.upper()}")
-    for k, v in flags.items():
-        merged[k] = _coerce(k, v, "--" + k.replace("_", "-"))
+    for layer, where in layers:
+        for k, v in _expand(layer, where("rdzv_conf")).items():
+            merged[k] = _coerce(k, v, where(k))
     if "nproc_per_node" not in merged and merged.get("entrypoint", DEFAULT_ENTRYPOINT) == DEFAULT_ENTRYPOINT:
         merged["nproc_per_node"] = default_example_nproc()
     cfg = Config(**merged)
     validate(cfg)
-    if cfg.standalone or not cfg.rdzv_endpoint:
+    check_static([*pet_static, *static], cfg)
+    if cfg.standalone or not cfg.rdzv_endpoint or cfg.rdzv_port == 0:
         if cfg.max_nodes > 1:
-            raise ConfigError(f"--nnodes {cfg.nnodes} needs --rdzv-endpoint HOST:PORT shared by all nodes")
-        cfg = dataclasses.replace(cfg, rdzv_endpoint="", rdzv_id=cfg.rdzv_id if cfg.rdzv_id != "none" else uuid.uuid4().hex[:12])
+            raise ConfigError(f"--nnodes {cfg.nnodes} needs --rdzv-endpoint HOST:PORT shared by all nodes"
+                              + (" (a fixed port: peers cannot find port 0)" if cfg.rdzv_endpoint else ""))
+        # A private store: a job of its own, which must not resume another's checkpoints.
+        cfg = dataclasses.replace(cfg, rdzv_endpoint="" if cfg.standalone else cfg.rdzv_endpoint,
+                                  rdzv_id=cfg.rdzv_id if cfg.rdzv_id != "none" else uuid.uuid4().hex[:12])
+    if cfg.no_python:  # nothing to warm: the worker becomes the executable
+        cfg = dataclasses.replace(cfg, warm_spawn=False)
     return cfg
+
+
+def _pet_name(key: str) -> str:
+    return next((name for name, k in PET_SETTINGS.items() if k == key), "PET_" + key.upper())
+
+
+def check_static(static: list[tuple[str, str]], cfg: Config) -> None:
+    """torchrun's static rendezvous (--node-rank, --master-addr/--master-port, --rdzv-backend
+    static; its default): on one node there is nothing to rank or meet, and with
+    --rdzv-endpoint torchrun itself ignores them; across nodes without one, say what to give."""
+    for flag, value in static:
+        value = str(value).strip()
+        if flag == "--rdzv-backend":
+            if value not in ("c10d", "static"):
+                raise ConfigError(f"--rdzv-backend {value}: elasticd meets over c10d only, the default: a TCPStore "
+                                  "at --rdzv-endpoint HOST:PORT (drop the flag)")
+            if value == "static" and cfg.max_nodes > 1:
+                raise ConfigError(f"--rdzv-backend static across {cfg.nnodes} nodes: elasticd ranks nodes as they "
+                                  "join; give every node the same --rdzv-endpoint HOST:PORT and drop the flag")
+        elif cfg.max_nodes == 1:
+            if flag == "--node-rank" and value != "0":
+                raise ConfigError(f"--node-rank {value} on a single node (--nnodes {cfg.nnodes}): the only node "
+                                  "is rank 0; drop --node-rank")
+        elif not cfg.rdzv_endpoint:
+            if flag == "--node-rank":
+                raise ConfigError(f"--node-rank {value}: nodes are ranked at rendezvous: drop it and give every "
+                                  "node the same --rdzv-endpoint HOST:PORT and --nnodes")
+            raise ConfigError(f"{flag} {value}: give every node --rdzv-endpoint MASTER_ADDR:MASTER_PORT instead "
+                              "(the node that owns that address hosts the store)")
 
 
 def default_example_nproc() -> int:
@@ -259,10 +412,24 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"--log-format {cfg.log_format!r}: use auto, json or console")
     if not cfg.rdzv_id or "/" in cfg.rdzv_id:
         raise ConfigError(f"--rdzv-id {cfg.rdzv_id!r}: use a non-empty name without '/'")
-    import signal
-
     if not hasattr(signal, cfg.stack_signal) or not cfg.stack_signal.startswith("SIG"):
         raise ConfigError(f"stack_signal {cfg.stack_signal!r} is not a signal name such as SIGUSR1")
+    for name in cfg.signals_to_handle:
+        if not isinstance(getattr(signal, name, None), signal.Signals) or name.startswith("SIG_"):
+            raise ConfigError(f"--signals-to-handle {name!r} is not a signal name such as SIGTERM or SIGUSR1")
+        if name in ("SIGKILL", "SIGSTOP", "SIGCHLD"):
+            raise ConfigError(f"--signals-to-handle {name}: {name} cannot stop the daemon gracefully; leave it out")
+    if not cfg.role or not cfg.role.isprintable():
+        raise ConfigError(f"--role {cfg.role!r}: use a non-empty name")
+    parse_std(cfg.redirects, "redirects")
+    parse_std(cfg.tee_streams, "tee_streams")
+    if any(r < 0 for r in cfg.local_ranks_filter):
+        raise ConfigError(f"--local-ranks-filter {cfg.local_ranks_filter}: local ranks are 0 or more")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if cfg.virtual_local_rank and visible is not None and len(visible.split(",")) < cfg.nproc_per_node:
+        raise ConfigError(f"--virtual-local-rank with {cfg.nproc_per_node} workers per node, but "
+                          f"CUDA_VISIBLE_DEVICES={visible} lists fewer GPUs: list one per worker or lower "
+                          "--nproc-per-node")
 
 
 def check_log_dir(path: Path, flag: str = "--log-dir") -> None:
@@ -292,12 +459,17 @@ def check_port_free(host: str, port: int) -> None:
             raise ConfigError(f"--rdzv-endpoint {host}:{port} cannot be bound here ({e.strerror})") from None
 
 
-def check_entrypoint(entrypoint: str, cwd: str | None = None) -> None:
+def check_entrypoint(entrypoint: str, cwd: str | None = None, no_python: bool = False) -> None:
     """Resolve the entrypoint the way the worker will, without running the user's code."""
     import ast
     import importlib.util
     import sys
 
+    if no_python:
+        if shutil.which(entrypoint, path=os.environ.get("PATH", os.defpath)) is None:
+            raise ConfigError(f"--no-python: entrypoint {entrypoint!r} is not an executable file on PATH or at "
+                              "that path: give a program (e.g. /usr/bin/env or ./run.sh with its x bit set)")
+        return
     if entrypoint.endswith(".py") or os.sep in entrypoint:
         if not os.path.isfile(entrypoint):
             raise ConfigError(f"entrypoint script {entrypoint} does not exist: give a path to a .py file, "

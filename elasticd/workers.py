@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import socket
+import string
 import subprocess
 import sys
 import threading
@@ -50,7 +51,15 @@ class GroupSpec:
     token: str  # identifies this daemon's processes for sweeps
     stack_signal: str = "SIGUSR1"
     checkpoint_dir: str = ""
+    role: str = "default"
+    virtual_local_rank: bool = False  # LOCAL_RANK=0 and CUDA_VISIBLE_DEVICES = the rank's GPU
+    no_python: bool = False  # the entrypoint is an executable the bootstrap becomes
     extra_env: dict[str, str] = field(default_factory=dict)
+
+    def worker_args(self, local_rank: int) -> tuple[str, ...]:
+        """The script's arguments with torchrun's ${local_rank} macro filled in (string.Template's
+        safe_substitute, as torch.distributed.elastic.utils.macros does)."""
+        return tuple(string.Template(a).safe_substitute(local_rank=str(local_rank)) for a in self.args)
 
 
 class Child:
@@ -134,7 +143,7 @@ def worker_env(spec: GroupSpec, local_rank: int, paths: dict[str, Path]) -> dict
         LOCAL_RANK=str(local_rank),
         GROUP_RANK=str(spec.group_rank),
         ROLE_RANK=str(rank),
-        ROLE_NAME="default",
+        ROLE_NAME=spec.role,
         LOCAL_WORLD_SIZE=str(spec.nproc),
         WORLD_SIZE=str(spec.world_size),
         GROUP_WORLD_SIZE=str(spec.group_world_size),
@@ -155,6 +164,12 @@ def worker_env(spec: GroupSpec, local_rank: int, paths: dict[str, Path]) -> dict
         ELASTICD_STACK_SIGNAL=spec.stack_signal,
         ELASTICD_ATTEMPT_DIR=str(spec.attempt_dir),
     )
+    if spec.virtual_local_rank:  # each worker sees its own GPU as device 0, as under torchrun
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        env["CUDA_VISIBLE_DEVICES"] = visible.split(",")[local_rank].strip() if visible is not None else str(local_rank)
+        env["LOCAL_RANK"] = "0"
+    if spec.no_python:
+        env["ELASTICD_NO_PYTHON"] = "1"
     if spec.checkpoint_dir:
         env.setdefault("ELASTICD_CHECKPOINT_DIR", spec.checkpoint_dir)
     if spec.nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
@@ -163,6 +178,15 @@ def worker_env(spec: GroupSpec, local_rank: int, paths: dict[str, Path]) -> dict
     env.setdefault("PYTHONUNBUFFERED", "1")
     env.update(spec.extra_env)
     return env
+
+
+def console_prefix(role: str, rank: int, local_rank: int) -> str:
+    """What a worker's echoed lines start with: `[rankR]: `, or torchrun's
+    TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE (${role_name}, ${rank}, ${local_rank}) where it is set."""
+    template = os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE")
+    if template is None:
+        return f"[rank{rank}]: "
+    return string.Template(template).safe_substitute(role_name=role, rank=rank, local_rank=local_rank)
 
 
 def _paths(spec: GroupSpec, rank: int) -> dict[str, Path]:
@@ -187,13 +211,14 @@ def spawn(spec: GroupSpec, spares: list[Spare] | None = None) -> list[Worker]:
         paths = _paths(spec, rank)
         health.create(str(paths["heartbeat"]))
         env = worker_env(spec, local_rank, paths)
+        args = spec.worker_args(local_rank)
         proc = None
         while spares and proc is None:
-            proc = _assign(spares.pop(0), env, spec.args, paths["log"])
+            proc = _assign(spares.pop(0), env, args, paths["log"])
         if proc is None:
             with open(paths["log"], "ab") as out:
                 proc = subprocess.Popen(
-                    proctitle.command("elasticd.bootstrap", proctitle.title(spec.entrypoint, spec.args), spec.args),
+                    proctitle.command("elasticd.bootstrap", proctitle.title(spec.entrypoint, args), args),
                     env=env,
                     stdin=subprocess.DEVNULL,
                     stdout=out,

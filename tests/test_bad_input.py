@@ -36,10 +36,12 @@ def assert_one_error(r: subprocess.CompletedProcess, *needles: str) -> None:
     (["--nproc-per-node", "0", script("faulty.py")], ["--nproc-per-node 0", "at least 1"]),
     (["--nproc-per-node", "two", script("faulty.py")], ["--nproc-per-node", "'two' is not a number of workers"]),
     (["-m", script("faulty.py")], ["-m takes a module name", "drop -m"]),
-    # torchrun's static rendezvous flags: what to give instead
-    (["--node-rank", "0", script("faulty.py")], ["--node-rank 0", "ranked at rendezvous", "--rdzv-endpoint"]),
-    (["--master_addr=10.0.0.1", script("faulty.py")], ["--master_addr 10.0.0.1", "--rdzv-endpoint MASTER_ADDR"]),
-    (["--rdzv-backend", "static", script("faulty.py")], ["--rdzv-backend static", "c10d only"]),
+    # torchrun's static rendezvous flags across nodes: what to give instead
+    (["--nnodes", "2", "--node-rank", "0", script("faulty.py")], ["--node-rank 0", "ranked at rendezvous",
+                                                                  "--rdzv-endpoint"]),
+    (["--nnodes", "2", "--master_addr=10.0.0.1", script("faulty.py")], ["--master-addr 10.0.0.1",
+                                                                         "--rdzv-endpoint MASTER_ADDR"]),
+    (["--rdzv-backend", "etcd", script("faulty.py")], ["--rdzv-backend etcd", "c10d only"]),
     (["--max-restarts", "-1", script("faulty.py")], ["--max-restarts -1"]),
     (["--nnodes", "2", script("faulty.py")], ["needs --rdzv-endpoint"]),
     (["--rdzv-endpoint", "localhost:http", script("faulty.py")], ["port 'http' is not a number"]),

@@ -1,4 +1,5 @@
-"""Appends this worker's environment, __name__, argv and process facts as one JSON line to argv[1].
+"""Appends this worker's environment, __name__, argv and process facts as one JSON line to argv[1],
+and prints "dumped rank R".
 
 The facts are what a warm worker must share with a cold one: its parent (the daemon), its own
 session, one thread at start, random streams of its own (a fork would copy its parent's), and
@@ -19,3 +20,4 @@ record = dict(os.environ, __name__=__name__, argv=sys.argv, facts=facts)
 with open(sys.argv[1], "a") as f:
     fcntl.flock(f, fcntl.LOCK_EX)
     f.write(json.dumps(record) + "\n")
+print(f"dumped rank {os.environ.get('RANK')}", flush=True)
