@@ -52,6 +52,9 @@ EXIT_OK, EXIT_FAILED = 0, 1
 PUBLISH_EVERY = 0.5  # seconds between status snapshots while running
 RESUME_READ_EVERY = 2.0  # seconds between reads of the checkpoint and in-memory state for status
 SPARE_WAIT = 20.0  # seconds a start waits for spares still being forked (a cold start takes as long)
+# seconds `elasticd stacks` may wait for the loop: a rendezvous wait or teardown drains its inbox
+# late, and the dump itself takes up to a second
+STACKS_ANSWER = 10.0
 PEER_BEAT_EVERY = 1.0  # seconds between liveness beats to peers, and at most a tenth of --peer-timeout
 
 
@@ -190,6 +193,7 @@ class Agent:
             pass
 
     def _drain_inbox(self) -> None:
+        asking = []  # `elasticd stacks` requests: however many came, one dump answers them all
         while self._inbox:
             kind, *rest = self._inbox.popleft()
             if kind == "signal":
@@ -197,6 +201,24 @@ class Agent:
             elif kind == "stop":
                 timeout = rest[0] if rest and rest[0] is not None else self.cfg.stop_grace
                 self.request_stop(float(timeout), "stop command")
+            elif kind == "stacks":
+                asking.append(rest[0])
+        if asking:
+            reply = self._stacks()
+            for deferred in asking:
+                deferred.give(reply)
+
+    def _stacks(self) -> dict:
+        """`elasticd stacks`: every live local worker's threads, as they are now."""
+        live = [w for w in self.workers if w.exit_code is None]
+        if self.cfg.no_python:
+            return {"ok": False, "error": "--no-python workers are not Python: they cannot dump their stacks"}
+        if not live:
+            return {"ok": False, "error": f"no worker is running right now (state {self.state.value}); try again"}
+        dumps = workers.dump_stacks(live, self.cfg.stack_signal)
+        self.event("stacks_dumped", ranks=[w.global_rank for w, _ in dumps])
+        return {"ok": True, "stacks": [{"rank": w.global_rank, "local_rank": w.local_rank, "pid": w.pid,
+                                        "path": str(w.stack_path), "text": text} for w, text in dumps]}
 
     def request_stop(self, grace: float, why: str) -> None:
         if self.stop_requested is not None:
@@ -542,9 +564,9 @@ class Agent:
                 return self._check_workers()  # it exited just now: report the exit, not a hang
             if why:
                 # a --no-python worker has no stack-dump handler: the signal would only end it
-                stacks = [] if self.cfg.no_python else workers.dump_stacks(self.workers, self.cfg.stack_signal)
-                return Failure("hung", f"hung: {why}", rank=w.global_rank, pid=w.pid,
-                               log_path=str(w.log_path), stacks=tuple(map(str, stacks)), node=self.node)
+                dumps = [] if self.cfg.no_python else workers.dump_stacks(self.workers, self.cfg.stack_signal)
+                return Failure("hung", f"hung: {why}", rank=w.global_rank, pid=w.pid, log_path=str(w.log_path),
+                               stacks=tuple(str(d.stack_path) for d, _ in dumps), node=self.node)
         return None
 
     def _watch(self, w: workers.Worker) -> tuple[health.Reader, health.ProcessWatch]:
@@ -735,10 +757,16 @@ def serve(cfg: Config, run_dir: Path) -> int:
     return code
 
 
-def _accept_command(agent: Agent, req: dict) -> dict:
+def _accept_command(agent: Agent, req: dict) -> dict | control.Deferred:
     if req.get("command") == "stop":
         agent.post(("stop", req.get("timeout")))
         return {"ok": True, "accepted": "stop"}
+    if req.get("command") == "stacks":  # the loop dumps them, and answers, at its next tick
+        from elasticd import control
+
+        reply = control.Deferred(timeout=STACKS_ANSWER)
+        agent.post(("stacks", reply))
+        return reply
     return {"ok": False, "error": f"unknown command {req.get('command')!r}"}
 
 

@@ -1,11 +1,12 @@
 """`elasticd run / status / stop`: argument parsing, and every error turned into an exit code.
 
 Exit codes:
-  0  run: the job succeeded, or was stopped on request; status: the daemon is running; stop: done
+  0  run: the job succeeded, or was stopped on request; status: the daemon is running; stop: done;
+     stacks: dumped
   1  run: the job failed (restart budget spent, fatal exit code, rendezvous failed)
   2  bad input: flags, config file, entrypoint, ports, paths (nothing was started)
-  3  status: no daemon is running (LSB "program is not running")
-  4  status/stop: the daemon refused or did not answer (permission, protocol)
+  3  status/stacks: no daemon is running (LSB "program is not running")
+  4  status/stop/stacks: the daemon refused or did not answer (permission, protocol, no workers)
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from elasticd.config import ConfigError
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_RUNNING, EXIT_CONTROL = 0, 1, 2, 3, 4
 
 EPILOG = """exit codes: 0 success (status: running), 1 job failed, 2 bad input (nothing started),
-3 no daemon running (status), 4 daemon refused or did not answer"""
+3 no daemon running (status, stacks), 4 daemon refused or did not answer"""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -196,6 +197,13 @@ def build_parser() -> argparse.ArgumentParser:
                         formatter_class=argparse.RawDescriptionHelpFormatter)
     sp.add_argument("--timeout", type=float, default=None, help="grace before workers are killed")
     sp.add_argument("--socket", default=None, help="control socket path")
+    sk = sub.add_parser("stacks", help="print every thread's stack of each local worker, now",
+                        description="Each running worker of this node dumps all its threads' Python stacks "
+                                    "(faulthandler), as before a hang restart; the job goes on. The dumps are "
+                                    "also appended to the ranks' rankR.stacks.txt.",
+                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sk.add_argument("--json", action="store_true", help="print the reply as JSON")
+    sk.add_argument("--socket", default=None, help="control socket path")
     return p
 
 
@@ -217,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
         return _status(args)
     if args.command == "stop":
         return _stop(args)
+    if args.command == "stacks":
+        return _stacks(args)
     build_parser().print_help()
     return EXIT_USAGE
 
@@ -271,11 +281,24 @@ def _run_dir(cfg) -> Path:
 
 
 def _status(args: argparse.Namespace) -> int:
+    reply = _ask(args, {"command": "status"})
+    if isinstance(reply, int):
+        return reply
+    status = reply["status"]
+    if args.json:
+        print(json.dumps(status, indent=2, default=str))
+    else:
+        print(render_status(status))
+    return EXIT_OK if status.get("state") not in ("SUCCEEDED", "FAILED", "STOPPED") else EXIT_NOT_RUNNING
+
+
+def _ask(args: argparse.Namespace, payload: dict, timeout: float = 5.0) -> dict | int:
+    """The daemon's reply to one request, or the exit code when there is none (the line said)."""
     from elasticd import control
 
     path = args.socket or control.default_socket_path()
     try:
-        reply = control.request(path, {"version": 1, "command": "status"})
+        reply = control.request(path, {"version": 1, **payload}, timeout=timeout)
     except control.NoDaemon as e:
         print(f"elasticd is not running ({e})")
         return EXIT_NOT_RUNNING
@@ -285,12 +308,20 @@ def _status(args: argparse.Namespace) -> int:
     if not reply.get("ok"):
         sys.stderr.write(f"elasticd: error: {reply.get('error')}\n")
         return EXIT_CONTROL
-    status = reply["status"]
+    return reply
+
+
+def _stacks(args: argparse.Namespace) -> int:
+    reply = _ask(args, {"command": "stacks"}, timeout=15.0)
+    if isinstance(reply, int):
+        return reply
     if args.json:
-        print(json.dumps(status, indent=2, default=str))
-    else:
-        print(render_status(status))
-    return EXIT_OK if status.get("state") not in ("SUCCEEDED", "FAILED", "STOPPED") else EXIT_NOT_RUNNING
+        print(json.dumps(reply["stacks"], indent=2))
+        return EXIT_OK
+    for d in reply["stacks"]:
+        print(f"=== rank {d['rank']} (local rank {d['local_rank']}, pid {d['pid']}; also in {d['path']}) ===")
+        print(d["text"].rstrip("\n") or "(no dump within a second: the worker may be stuck in C code)")
+    return EXIT_OK
 
 
 def _stop(args: argparse.Namespace) -> int:

@@ -5,11 +5,14 @@ back on one line; then the connection closes.
 
     {"version": 1, "command": "status"}            -> {"ok": true, "version": 1, "status": {...}}
     {"version": 1, "command": "stop", "timeout": S} -> whatever the daemon's `command` callback says
+    {"version": 1, "command": "stacks"}             -> {"ok": true, "version": 1, "stacks": [...]}
     anything else                                   -> {"ok": false, "version": 1, "error": "..."}
 
 The server only *reads* the immutable snapshot the agent loop publishes and hands commands to the
 loop through the `command` callback (which must only enqueue): it never changes daemon state, so
-the loop stays the single writer. Admission is by the peer's kernel credentials (SO_PEERCRED):
+the loop stays the single writer. A command the loop must carry out before it can answer (stacks)
+gets a Deferred: the connection waits, without holding up the server's thread, until the loop
+gives the reply or the Deferred's timeout passes. Admission is by the peer's kernel credentials (SO_PEERCRED):
 root, the daemon's own user, or members of the operators group. One thread multiplexes every
 connection with `selectors`, each with a hard deadline, so a slow or hostile client neither wedges
 the server nor delays another client.
@@ -43,8 +46,8 @@ MAX_REQUEST = 64 * 1024  # bytes; a status request is ~40
 MAX_REPLY = 16 * 1024 * 1024  # the client's cap on what it reads back
 READ_TIMEOUT = 2.0  # seconds a connection may take to send its request (and to take the reply)
 MAX_CONNECTIONS = 64  # open at once; beyond that new ones get "busy" at once
-COMMANDS = ("status", "stop")
-FORWARDED = frozenset({"stop"})  # handed to the agent loop's `command` callback
+COMMANDS = ("status", "stop", "stacks")
+FORWARDED = frozenset({"stop", "stacks"})  # handed to the agent loop's `command` callback
 _UCRED = struct.Struct("=iII")  # struct ucred: pid_t pid, uid_t uid, gid_t gid
 _SUN_PATH_MAX = 107  # sizeof(sockaddr_un.sun_path) - 1 for the NUL
 
@@ -141,6 +144,19 @@ def refusal(uid: int, operators_group: str | None) -> str:
 # --- server ----------------------------------------------------------------------------------
 
 
+class Deferred:
+    """A reply the agent loop gives later, from its own thread (`give`)."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self.reply: dict | None = None
+        self._wake: Callable[[], None] = lambda: None
+
+    def give(self, reply: dict) -> None:
+        self.reply = reply
+        self._wake()
+
+
 @dataclass
 class _Conn:
     sock: socket.socket
@@ -148,6 +164,7 @@ class _Conn:
     deadline: float
     inbuf: bytearray = field(default_factory=bytearray)
     out: bytes = b""  # set once the reply is known; the connection then only writes
+    waiting: Deferred | None = None  # a reply the loop has yet to give
 
 
 class ControlServer:
@@ -210,8 +227,7 @@ class ControlServer:
             self._closed = True
         self._stop.set()
         if self._thread is not None:
-            with contextlib.suppress(OSError):
-                os.write(self._wake_w, b"x")
+            self._poke()
             self._thread.join(timeout)
             if self._thread.is_alive():  # a callback is stuck; the thread is a daemon thread
                 log.warning("control_thread_did_not_stop", timeout=timeout)
@@ -390,9 +406,14 @@ class ControlServer:
                                 log.warning("control_connection_failed", error=repr(e))
                                 self._drop(sel, conns, conn)
                 now = time.monotonic()
+                for conn in [c for c in conns.values() if c.waiting and c.waiting.reply is not None]:
+                    self._respond(sel, conns, conn, {"version": VERSION, **conn.waiting.reply})
                 for conn in [c for c in conns.values() if c.deadline <= now]:
                     if conn.out:
                         self._drop(sel, conns, conn)  # it does not read its reply; give up
+                    elif conn.waiting:
+                        self._respond(sel, conns, conn, _error(f"the daemon did not answer within "
+                                                               f"{conn.waiting.timeout:g}s; check its logs"))
                     else:
                         self._respond(sel, conns, conn, _error(f"request not received within {READ_TIMEOUT:g}s"))
         except Exception as e:  # noqa: BLE001 - report, then clean up below
@@ -402,6 +423,11 @@ class ControlServer:
                 self._drop(sel, conns, conn)
             sel.close()
             listener.close()
+
+    def _poke(self) -> None:
+        """Wake the server's select (from another thread); a full pipe already will."""
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"d")
 
     def _accept(self, sel: selectors.BaseSelector, conns: dict[int, _Conn]) -> None:
         assert self._listener is not None
@@ -449,10 +475,19 @@ class ControlServer:
         line = bytes(conn.inbuf).split(b"\n", 1)[0]
         if not line.strip():
             return self._drop(sel, conns, conn) if not chunk else self._respond(sel, conns, conn, _error("empty request"))
-        self._respond(sel, conns, conn, self.handle(line))
+        reply = self.handle(line)
+        if isinstance(reply, Deferred):  # not readable meanwhile: a client's EOF must not spin the loop
+            conn.waiting, conn.deadline = reply, time.monotonic() + reply.timeout
+            sel.unregister(conn.sock)
+            reply._wake = self._poke
+            if reply.reply is not None:  # given before the wake-up was in place
+                reply._wake()
+            return
+        self._respond(sel, conns, conn, reply)
 
-    def handle(self, raw: bytes) -> dict:
-        """One request's reply (the transport-free half of the server)."""
+    def handle(self, raw: bytes) -> dict | Deferred:
+        """One request's reply, or the Deferred the loop will give it (the transport-free half of
+        the server)."""
         try:
             req = json.loads(raw)
         except ValueError as e:
@@ -478,11 +513,14 @@ class ControlServer:
             return _error(f"timeout {timeout!r} is not a number of seconds >= 0 or null")
         try:
             reply = self.command(req)
-            if not isinstance(reply, dict):
+            if not isinstance(reply, (dict, Deferred)):
                 raise TypeError(f"command callback returned {type(reply).__name__}, not dict")
         except Exception as e:  # noqa: BLE001
             log.error("control_command_failed", command=cmd, error=repr(e))
             return _error(f"internal error handing {cmd!r} to the daemon: {e!r}")
+        if isinstance(reply, Deferred):
+            log.info("control_command", command=cmd, timeout=timeout, deferred=True)
+            return reply
         log.info("control_command", command=cmd, timeout=timeout, ok=bool(reply.get("ok")))
         return {"version": VERSION, **reply}
 
@@ -492,7 +530,11 @@ class ControlServer:
         except (TypeError, ValueError) as e:
             conn.out = json.dumps(_error(f"internal error encoding the reply: {e}")).encode() + b"\n"
         conn.deadline = time.monotonic() + READ_TIMEOUT
-        sel.modify(conn.sock, selectors.EVENT_WRITE)
+        if conn.waiting:
+            conn.waiting = None
+            sel.register(conn.sock, selectors.EVENT_WRITE)
+        else:
+            sel.modify(conn.sock, selectors.EVENT_WRITE)
         self._flush(sel, conns, conn)
 
     def _flush(self, sel: selectors.BaseSelector, conns: dict[int, _Conn], conn: _Conn) -> None:

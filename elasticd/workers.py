@@ -473,9 +473,11 @@ def reap_orphans(workers: list[Worker], keep: frozenset[int] = frozenset()) -> N
             pass
 
 
-def dump_stacks(workers: list[Worker], sig_name: str, wait: float = 1.0) -> list[Path]:
+def dump_stacks(workers: list[Worker], sig_name: str, wait: float = 1.0,
+                limit: int = 1 << 20) -> list[tuple[Worker, str]]:
     """Ask every live worker for a stack dump of all its threads (the bootstrap registered
-    faulthandler on `sig_name`), wait briefly for the files to fill, and return them."""
+    faulthandler on `sig_name`), wait briefly for the files to fill, and return each worker with
+    what its dump added to its stack file (at most `limit` bytes)."""
     sig = getattr(signal, sig_name)
     live = [w for w in workers if w.proc.poll() is None]
     sizes = {}
@@ -497,7 +499,12 @@ def dump_stacks(workers: list[Worker], sig_name: str, wait: float = 1.0) -> list
                 pending.discard(w.pid)
     if pending:
         time.sleep(0.05)
-    return [w.stack_path for w in live]
+    dumps = []
+    for w in live:
+        with open(w.stack_path, "rb") as f:
+            f.seek(sizes[w.pid])
+            dumps.append((w, f.read(limit).decode(errors="replace")))
+    return dumps
 
 
 class Tee:

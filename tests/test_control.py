@@ -135,6 +135,37 @@ def test_failing_callbacks_become_error_replies(serve):
         control.ensure_ok(reply)
 
 
+def test_deferred_reply_waits_without_holding_up_the_server(serve):
+    """A command the loop answers later (stacks): its client waits, others are served meanwhile,
+    the reply arrives once given, and one never given gets an error at its deadline."""
+    handed = []
+
+    def command(req):
+        handed.append(control.Deferred(timeout=float(req.get("timeout") or 5)))
+        return handed[-1]
+
+    server = serve(command=command)
+    result = {}
+    asking = threading.Thread(target=lambda: result.update(control.request(
+        server.path, {"version": 1, "command": "stacks"}, timeout=10)))
+    asking.start()
+    deadline = time.monotonic() + 5
+    while not handed and time.monotonic() < deadline:
+        time.sleep(0.01)
+    t0 = time.monotonic()
+    assert status(server.path, timeout=3)["ok"] is True and time.monotonic() - t0 < 0.5
+    assert asking.is_alive()  # still waiting for the loop
+    handed[0].give({"ok": True, "stacks": [{"rank": 0, "text": "x"}]})
+    asking.join(5)
+    assert result == {"ok": True, "version": 1, "stacks": [{"rank": 0, "text": "x"}]}
+    t0 = time.monotonic()
+    reply = control.request(server.path, {"version": 1, "command": "stacks", "timeout": 0.5}, timeout=5)
+    assert reply["ok"] is False and "did not answer within 0.5s" in reply["error"], reply
+    assert 0.4 < time.monotonic() - t0 < 2.5
+    handed[1].give({"ok": True})  # too late: nobody is waiting any more, nothing breaks
+    assert status(server.path)["ok"] is True
+
+
 # --- client errors ---------------------------------------------------------------------------
 
 

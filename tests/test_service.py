@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -45,6 +47,34 @@ def test_status_and_stop_against_a_running_daemon(daemons):
     r = d.status()
     assert r.returncode == 3 and "not running" in r.stdout
     assert cli("stop", "--socket", str(d.socket)).returncode == 0
+
+
+def test_stacks_shows_every_workers_threads_and_the_job_goes_on(daemons, tmp_path):
+    d = daemons(script("faulty.py"), "--nproc-per-node", "2", "--stop-grace", "2",
+                args=["--steps", "100000", "--step-time", "0.05"])
+    d.wait_for_step(1, 3, timeout=60)
+    wait_until(lambda: d.status().returncode == 0, 30, what="status to answer")
+    pids = d.worker_pids()
+    r = cli("stacks", "--socket", str(d.socket))
+    assert r.returncode == 0, r.stderr
+    for rank in (0, 1):
+        assert f"=== rank {rank} (local rank {rank}, pid {pids[rank]};" in r.stdout, r.stdout
+    sections = r.stdout.split("=== rank ")[1:]
+    assert all('faulty.py", line' in sec and "in main" in sec for sec in sections), r.stdout  # where each is now
+    with ThreadPoolExecutor(8) as pool:  # asked at once: one dump answers them together
+        replies = list(pool.map(lambda _: control.request(d.socket, {"version": 1, "command": "stacks"}, timeout=20),
+                                range(8)))
+    assert all(r["ok"] and len(r["stacks"]) == 2 for r in replies)
+    assert len([e for e in d.events() if e.get("event") == "stacks_dumped"]) <= 4  # 1 before, 8 asked: 2 or 3
+    dumped = json.loads(cli("stacks", "--socket", str(d.socket), "--json").stdout)
+    assert [x["rank"] for x in dumped] == [0, 1] and all("thread 0x" in x["text"].lower() for x in dumped)
+    assert all('faulty.py", line' in Path(x["path"]).read_text() for x in dumped)  # kept beside the logs
+    d.wait_for_step(1, int(re.findall(r"^step (\d+)", d.log_text(1), re.M)[-1]) + 3, timeout=30)  # trains on
+    assert d.worker_pids() == pids and [e for e in d.events() if e.get("event") == "stacks_dumped"]
+    assert cli("stop", "--socket", str(d.socket), "--timeout", "2").returncode == 0
+    assert d.wait(30) == 0
+    r = cli("stacks", "--socket", str(d.socket))
+    assert r.returncode == 3 and "not running" in r.stdout
 
 
 def test_sigterm_stops_plain_script_after_grace(daemons, tmp_path):
