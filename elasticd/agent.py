@@ -726,14 +726,22 @@ def serve(cfg: Config, run_dir: Path) -> int:
     agent = Agent(cfg, run_dir)
     agent.install_signals()
     guard = workers.start_guard(agent.token)
-    server = control.ControlServer(
-        cfg.socket or control.default_socket_path(),
-        snapshot=lambda: agent.snapshot,
-        command=lambda req: _accept_command(agent, req),
-        operators_group=cfg.operators_group or None,
-    )
-    try:
+
+    def listen(path: Path) -> control.ControlServer:
+        server = control.ControlServer(path, snapshot=lambda: agent.snapshot,
+                                       command=lambda req: _accept_command(agent, req),
+                                       operators_group=cfg.operators_group or None)
         server.start()
+        return server
+
+    try:
+        try:
+            server = listen(Path(cfg.socket) if cfg.socket else control.default_socket_path())
+        except control.AlreadyRunning:
+            if cfg.socket:  # a path the user chose is theirs to change
+                raise
+            # another job of this user on this node holds the default: listen beside it
+            server = listen(control.second_socket_path(control.default_socket_path(), cfg.rdzv_id))
     except control.ControlError as e:
         guard.stdin.close()
         from elasticd.config import ConfigError

@@ -4,7 +4,8 @@ Exit codes:
   0  run: the job succeeded, or was stopped on request; status: the daemon is running; stop: done;
      stacks: dumped
   1  run: the job failed (restart budget spent, fatal exit code, rendezvous failed)
-  2  bad input: flags, config file, entrypoint, ports, paths (nothing was started)
+  2  bad input: flags, config file, entrypoint, ports, paths (nothing was started); stop/stacks:
+     several daemons run here and no --socket says which
   3  status/stacks: no daemon is running (LSB "program is not running")
   4  status/stop/stacks: the daemon refused or did not answer (permission, protocol, no workers)
 """
@@ -281,22 +282,46 @@ def _run_dir(cfg) -> Path:
 
 
 def _status(args: argparse.Namespace) -> int:
-    reply = _ask(args, {"command": "status"})
-    if isinstance(reply, int):
-        return reply
-    status = reply["status"]
-    if args.json:
-        print(json.dumps(status, indent=2, default=str))
-    else:
-        print(render_status(status))
-    return EXIT_OK if status.get("state") not in ("SUCCEEDED", "FAILED", "STOPPED") else EXIT_NOT_RUNNING
+    paths = _daemons(args)
+    code = EXIT_NOT_RUNNING
+    for path in paths:
+        reply = _ask(path, {"command": "status"})
+        if isinstance(reply, int):
+            code = reply if code == EXIT_NOT_RUNNING else code
+            continue
+        status = reply["status"]
+        if len(paths) > 1:
+            status["socket"] = str(path)
+        print(json.dumps(status, indent=2, default=str) if args.json else render_status(status))
+        if status.get("state") not in ("SUCCEEDED", "FAILED", "STOPPED"):
+            code = EXIT_OK
+    return code
 
 
-def _ask(args: argparse.Namespace, payload: dict, timeout: float = 5.0) -> dict | int:
+def _daemons(args: argparse.Namespace) -> list:
+    """The control sockets a call means: --socket, else every daemon found (see
+    control.find_daemons), else the default path (which then says nobody listens)."""
+    from elasticd import control
+
+    if args.socket:
+        return [args.socket]
+    return control.find_daemons() or [control.default_socket_path()]
+
+
+def _one_daemon(args: argparse.Namespace) -> str | None:
+    """The one daemon stop or stacks acts on; None (the line said) when several run."""
+    paths = _daemons(args)
+    if len(paths) > 1:
+        sys.stderr.write(f"elasticd: error: {len(paths)} elasticd daemons run here ("
+                         + ", ".join(map(str, paths)) + "): give --socket with the one you mean\n")
+        return None
+    return paths[0]
+
+
+def _ask(path, payload: dict, timeout: float = 5.0) -> dict | int:
     """The daemon's reply to one request, or the exit code when there is none (the line said)."""
     from elasticd import control
 
-    path = args.socket or control.default_socket_path()
     try:
         reply = control.request(path, {"version": 1, **payload}, timeout=timeout)
     except control.NoDaemon as e:
@@ -312,7 +337,10 @@ def _ask(args: argparse.Namespace, payload: dict, timeout: float = 5.0) -> dict 
 
 
 def _stacks(args: argparse.Namespace) -> int:
-    reply = _ask(args, {"command": "stacks"}, timeout=15.0)
+    path = _one_daemon(args)
+    if path is None:
+        return EXIT_USAGE
+    reply = _ask(path, {"command": "stacks"}, timeout=15.0)
     if isinstance(reply, int):
         return reply
     if args.json:
@@ -320,14 +348,17 @@ def _stacks(args: argparse.Namespace) -> int:
         return EXIT_OK
     for d in reply["stacks"]:
         print(f"=== rank {d['rank']} (local rank {d['local_rank']}, pid {d['pid']}; also in {d['path']}) ===")
-        print(d["text"].rstrip("\n") or "(no dump within a second: the worker may be stuck in C code)")
+        print(d["text"].rstrip("\n") or "(no dump within a second: the worker may be in uninterruptible sleep "
+                                         "or blocking the signal)")
     return EXIT_OK
 
 
 def _stop(args: argparse.Namespace) -> int:
     from elasticd import control
 
-    path = args.socket or control.default_socket_path()
+    path = _one_daemon(args)
+    if path is None:
+        return EXIT_USAGE
     try:
         reply = control.request(path, {"version": 1, "command": "stop", "timeout": args.timeout})
     except control.NoDaemon:
@@ -371,6 +402,8 @@ def render_status(s: dict) -> str:
         f"entrypoint {s.get('entrypoint')}",
         f"  logs {s.get('run_dir')}",
     ]
+    if s.get("socket"):  # one of several daemons: the one to name with --socket
+        lines.append(f"  socket {s['socket']}")
     ckpt = s.get("checkpoint")
     if ckpt:
         lines.append(f"  checkpoint step {ckpt.get('step')} epoch {ckpt.get('epoch')} age {_age(ckpt.get('age'))} "

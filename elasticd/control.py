@@ -91,6 +91,41 @@ def default_socket_path() -> Path:
     return Path(f"/tmp/elasticd-{os.geteuid()}") / "control.sock"
 
 
+SYSTEM_DIR = Path("/run/elasticd")  # the service's socket directory (the unit's RuntimeDirectory)
+
+
+def second_socket_path(first: Path, run_id: str) -> Path:
+    """Where a daemon listens when another daemon of this user holds the default socket (two jobs
+    on one node): beside it, named after its run, so neither needs a flag."""
+    return first.with_name(f"control-{run_id}.sock")
+
+
+def find_daemons() -> list[Path]:
+    """The daemons a CLI call without --socket may mean: $ELASTICD_SOCKET alone where it is set;
+    else every live control.sock / control-RUN.sock in the default directory and, for a user
+    other than root (an operator), in the service's directory. A socket file nobody listens on
+    (a daemon that was SIGKILLed) is left out."""
+    if os.environ.get("ELASTICD_SOCKET"):
+        return [Path(os.environ["ELASTICD_SOCKET"])]
+    dirs = dict.fromkeys([default_socket_path().parent, SYSTEM_DIR])
+    found = []
+    for d in dirs:
+        try:
+            names = sorted(os.listdir(d))
+        except OSError:
+            continue
+        for name in names:
+            if name == "control.sock" or (name.startswith("control-") and name.endswith(".sock")):
+                try:
+                    request(d / name, {"version": VERSION, "command": "status"}, timeout=2.0)
+                except NoDaemon:
+                    continue
+                except ControlError:
+                    pass  # something listens that refuses us or is slow: the caller will say so
+                found.append(d / name)
+    return found
+
+
 # --- admission -------------------------------------------------------------------------------
 
 

@@ -428,3 +428,24 @@ def test_default_socket_path(monkeypatch):
     assert control.default_socket_path() == Path("/run/elasticd/control.sock")
     monkeypatch.setenv("ELASTICD_SOCKET", "/srv/e.sock")
     assert control.default_socket_path() == Path("/srv/e.sock")
+
+
+def test_find_daemons_looks_in_the_users_and_the_services_directory(serve, tmp_path, monkeypatch):
+    for var in ("ELASTICD_SOCKET", "RUNTIME_DIRECTORY"):
+        monkeypatch.delenv(var, raising=False)
+    user, system = tmp_path / "user", tmp_path / "system"
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(user))
+    monkeypatch.setattr(control, "SYSTEM_DIR", system)
+    monkeypatch.setattr(os, "geteuid", lambda: 1234)  # an operator, not root
+    assert control.find_daemons() == []
+    mine = serve(path=user / "elasticd" / "control-job7.sock")
+    service = serve(path=system / "control.sock")
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(str(user / "elasticd" / "control.sock"))  # a SIGKILLed daemon's file: nobody listens
+    stale.close()
+    (user / "elasticd" / "notes.sock.txt").write_text("")
+    assert control.find_daemons() == [mine.path, service.path]
+    assert control.second_socket_path(control.default_socket_path(), "job7") == mine.path
+    monkeypatch.setenv("ELASTICD_SOCKET", str(tmp_path / "elsewhere.sock"))
+    assert control.find_daemons() == [tmp_path / "elsewhere.sock"]
+

@@ -77,6 +77,45 @@ def test_stacks_shows_every_workers_threads_and_the_job_goes_on(daemons, tmp_pat
     assert r.returncode == 3 and "not running" in r.stdout
 
 
+def test_a_second_job_on_the_node_gets_its_own_socket_and_the_cli_finds_both(tmp_path):
+    """Two jobs of one user on one node, neither with --socket (torchrun runs both): the second
+    daemon listens beside the first; status shows both; stop and stacks ask which one."""
+    runtime = tmp_path / "rt"
+    env = {k: v for k, v in os.environ.items() if k != "ELASTICD_SOCKET"}
+    env["RUNTIME_DIRECTORY"] = str(runtime)  # the default socket directory, as systemd sets it
+
+    def cli_here(*args):
+        return subprocess.run([sys.executable, "-m", "elasticd.cli", *args], capture_output=True, text=True,
+                              timeout=60, cwd=ROOT, env=env)
+
+    jobs = []
+    try:
+        for i in range(2):
+            jobs.append(subprocess.Popen(
+                [sys.executable, "-m", "elasticd.cli", "run", "--log-dir", str(tmp_path / f"logs{i}"),
+                 "--log-format", "json", "--stop-grace", "2", script("faulty.py"), "--steps", "100000"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT, env=env, start_new_session=True))
+            wait_until(lambda: len(list(runtime.glob("*.sock"))) == i + 1, 60, what=f"daemon {i}'s socket")
+        first, second = runtime / "control.sock", next(runtime.glob("control-*.sock"))
+        r = wait_until(lambda: (lambda r: r if r.stdout.count("elasticd RUNNING") == 2 else None)(cli_here("status")),
+                       60, what="both daemons running")
+        assert r.returncode == 0 and f"socket {first}" in r.stdout and f"socket {second}" in r.stdout, r.stdout
+        assert len(set(re.findall(r"run (\w+)", r.stdout))) == 2
+        for command in ("stop", "stacks"):
+            r = cli_here(command)
+            assert r.returncode == 2 and "2 elasticd daemons run here" in r.stderr and str(second) in r.stderr
+        for path, job in zip((first, second), jobs):
+            assert cli_here("stop", "--socket", str(path), "--timeout", "2").returncode == 0
+            assert job.wait(30) == 0
+        r = cli_here("status")
+        assert r.returncode == 3 and "not running" in r.stdout
+    finally:
+        for job in jobs:
+            if job.poll() is None:
+                job.kill()
+                job.wait(10)
+
+
 def test_sigterm_stops_plain_script_after_grace(daemons, tmp_path):
     # the script ignores SIGTERM: the grace runs out, then SIGKILL; the daemon still exits 0
     d = daemons("tests.scripts.stubborn", "--nproc-per-node", "1", "--stop-grace", "1", args=[])
