@@ -210,12 +210,11 @@ class Agent:
 
     def _stacks(self) -> dict:
         """`elasticd stacks`: every live local worker's threads, as they are now."""
-        live = [w for w in self.workers if w.exit_code is None]
         if self.cfg.no_python:
             return {"ok": False, "error": "--no-python workers are not Python: they cannot dump their stacks"}
-        if not live:
+        dumps = workers.dump_stacks([w for w in self.workers if w.exit_code is None], self.cfg.stack_signal)
+        if not dumps:
             return {"ok": False, "error": f"no worker is running right now (state {self.state.value}); try again"}
-        dumps = workers.dump_stacks(live, self.cfg.stack_signal)
         self.event("stacks_dumped", ranks=[w.global_rank for w, _ in dumps])
         return {"ok": True, "stacks": [{"rank": w.global_rank, "local_rank": w.local_rank, "pid": w.pid,
                                         "path": str(w.stack_path), "text": text} for w, text in dumps]}

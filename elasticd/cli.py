@@ -359,17 +359,9 @@ def _stop(args: argparse.Namespace) -> int:
     path = _one_daemon(args)
     if path is None:
         return EXIT_USAGE
-    try:
-        reply = control.request(path, {"version": 1, "command": "stop", "timeout": args.timeout})
-    except control.NoDaemon:
-        print("elasticd is not running; nothing to stop")
-        return EXIT_OK
-    except control.ControlError as e:
-        sys.stderr.write(f"elasticd: error: {e}\n")
-        return EXIT_CONTROL
-    if not reply.get("ok"):
-        sys.stderr.write(f"elasticd: error: {reply.get('error')}\n")
-        return EXIT_CONTROL
+    reply = _ask(path, {"command": "stop", "timeout": args.timeout})
+    if isinstance(reply, int):
+        return EXIT_OK if reply == EXIT_NOT_RUNNING else reply  # none running: nothing to stop
     # Wait for the daemon to finish stopping: the socket goes away when it exits.
     deadline = time.monotonic() + (args.timeout if args.timeout is not None else 30.0) + 60.0
     while time.monotonic() < deadline:
