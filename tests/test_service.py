@@ -77,6 +77,19 @@ def test_stacks_shows_every_workers_threads_and_the_job_goes_on(daemons, tmp_pat
     assert r.returncode == 3 and "not running" in r.stdout
 
 
+def test_stacks_before_any_worker_runs_says_so(daemons):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    d = daemons(script("faulty.py"), "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--join-timeout", "60",
+                "--stop-grace", "2")  # waits for a second node that never comes
+    wait_until(lambda: d.status().returncode == 0 and "RENDEZVOUS" in d.status().stdout, 30, what="rendezvous")
+    r = cli("stacks", "--socket", str(d.socket))
+    assert r.returncode == 4 and "no worker is running right now (state RENDEZVOUS)" in r.stderr, (r.stdout, r.stderr)
+    assert cli("stop", "--socket", str(d.socket), "--timeout", "2").returncode == 0
+    assert d.wait(30) == 0
+
+
 def test_a_second_job_on_the_node_gets_its_own_socket_and_the_cli_finds_both(tmp_path):
     """Two jobs of one user on one node, neither with --socket (torchrun runs both): the second
     daemon listens beside the first; status shows both; stop and stacks ask which one."""
