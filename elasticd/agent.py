@@ -272,6 +272,8 @@ class Agent:
             "run_dir": str(self.run_dir),
             "entrypoint": self.cfg.entrypoint,
             "workers": ranks,
+            # seconds since each peer node's liveness beat last moved (--peer-timeout: lost)
+            "peers": {r: round(now - seen, 1) for r, (_, seen) in sorted(rnd.peer_seen.items())} if rnd else {},
             "last_failure": asdict(self.last_failure) if self.last_failure else None,
             "last_recovery": self.last_recovery,
             "checkpoint": checkpoint,

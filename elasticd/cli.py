@@ -404,6 +404,9 @@ def render_status(s: dict) -> str:
         lines.append("  checkpoint none")
     if s.get("memory_step") is not None:
         lines.append(f"  in-memory state step {s['memory_step']}")
+    if s.get("peers"):
+        lines.append("  peer nodes (group rank: last beat) "
+                     + ", ".join(f"{r}: {_age(age)} ago" for r, age in s["peers"].items()))
     lines.append("  RANK  PID      STATE                 BEAT   STEP     RSS")
     for w in s.get("workers") or []:
         rss = f"{w['rss_bytes'] / 2**20:.0f}MiB" if w.get("rss_bytes") else "-"

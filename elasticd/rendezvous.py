@@ -150,7 +150,8 @@ class Round:
     master_port: int = 0
     worker_store: dist.TCPStore | None = None  # held by group rank 0 for the round's workers
     _alive_counter: int = 0
-    _peer_seen: dict[int, tuple[int, float]] = field(default_factory=dict)
+    # group rank -> (its liveness counter, the monotonic time the counter last moved)
+    peer_seen: dict[int, tuple[int, float]] = field(default_factory=dict)
 
     def close(self) -> None:
         self.worker_store = None  # dropping the last reference stops the server
@@ -226,13 +227,13 @@ class Rendezvous:
         rnd._alive_counter = rnd.store.add(f"elasticd/alive/{rnd.group_rank}", 1)
         peers = [r for r in range(rnd.group_world_size) if r != rnd.group_rank]
         keys = [f"elasticd/alive/{r}" for r in peers]
-        present = [k for k in keys if rnd.store.check([k])] if len(rnd._peer_seen) < len(peers) else keys
+        present = [k for k in keys if rnd.store.check([k])] if len(rnd.peer_seen) < len(peers) else keys
         values = dict(zip(present, rnd.store.multi_get(present))) if present else {}
         for r, k in zip(peers, keys):
             count = int(values.get(k, b"0") or 0)
-            seen = rnd._peer_seen.get(r)
+            seen = rnd.peer_seen.get(r)
             if seen is None or count != seen[0]:
-                rnd._peer_seen[r] = (count, now)
+                rnd.peer_seen[r] = (count, now)
             elif now - seen[1] > self.cfg.peer_timeout:
                 return r
         return None

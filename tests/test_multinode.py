@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -74,6 +75,9 @@ def test_lost_node_job_continues_smaller(daemons, tmp_path):
     # its round from a snapshot past any given step number, so none is waited for
     wait_until(lambda: len(other.worker_pids()) == 2 and re.search(r"^step \d+", other.log_text(2), re.M)
                and "world_size" not in host.stdout(), 60, what="both nodes training together")
+    peers = json.loads(host.status("--json").stdout)["peers"]  # the other node, beating
+    assert len(peers) == 1 and 0 <= list(peers.values())[0] < 3, peers
+    assert "peer nodes (group rank: last beat) " in host.status().stdout
     other.kill(signal.SIGKILL)
     assert host.wait(120) == 0, host.stderr()[-3000:]
     assert "[rank0]: done world_size=2 rank=0" in host.stdout()
