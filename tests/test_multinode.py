@@ -75,7 +75,8 @@ def test_lost_node_job_continues_smaller(daemons, tmp_path):
     # its round from a snapshot past any given step number, so none is waited for
     wait_until(lambda: len(other.worker_pids()) == 2 and re.search(r"^step \d+", other.log_text(2), re.M)
                and "world_size" not in host.stdout(), 60, what="both nodes training together")
-    peers = json.loads(host.status("--json").stdout)["peers"]  # the other node, beating
+    # the other node, beating (a round's first snapshot comes before its first look at the peers)
+    peers = wait_until(lambda: json.loads(host.status("--json").stdout)["peers"], 10, what="the peer in status")
     assert len(peers) == 1 and 0 <= list(peers.values())[0] < 3, peers
     assert "peer nodes (group rank: last beat) " in host.status().stdout
     other.kill(signal.SIGKILL)
