@@ -12,10 +12,10 @@ The server only *reads* the immutable snapshot the agent loop publishes and hand
 loop through the `command` callback (which must only enqueue): it never changes daemon state, so
 the loop stays the single writer. A command the loop must carry out before it can answer (stacks)
 gets a Deferred: the connection waits, without holding up the server's thread, until the loop
-gives the reply or the Deferred's timeout passes. Admission is by the peer's kernel credentials (SO_PEERCRED):
-root, the daemon's own user, or members of the operators group. One thread multiplexes every
-connection with `selectors`, each with a hard deadline, so a slow or hostile client neither wedges
-the server nor delays another client.
+gives the reply or the Deferred's timeout passes. Admission is by the peer's kernel credentials
+(SO_PEERCRED): root, the daemon's own user, or members of the operators group. One thread
+multiplexes every connection with `selectors`, each with a hard deadline, so a slow or hostile
+client neither wedges the server nor delays another client.
 """
 
 from __future__ import annotations
