@@ -12,9 +12,9 @@ import pytest
 from harness import ROOT, script
 
 
-def run_cli(*args: str, timeout: float = 60, cwd=ROOT) -> subprocess.CompletedProcess:
+def run_cli(*args: str, timeout: float = 60, cwd=ROOT, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "elasticd.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=cwd, env=dict(os.environ))
+                          timeout=timeout, cwd=cwd, env=dict(os.environ, **(env or {})))
 
 
 def assert_one_error(r: subprocess.CompletedProcess, *needles: str) -> None:

@@ -155,15 +155,8 @@ def test_torchrun_flags_bad_input(args, needles, tmp_path):
 
 
 def test_virtual_local_rank_needs_a_gpu_per_worker(tmp_path):
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="3")
-    import subprocess
-    import sys
-
-    from harness import ROOT
-
-    r = subprocess.run([sys.executable, "-m", "elasticd.cli", "run", "--log-dir", str(tmp_path), "--nproc-per-node",
-                        "2", "--virtual-local-rank", script("faulty.py")], capture_output=True, text=True,
-                       timeout=60, cwd=ROOT, env=env)
+    r = run_cli("run", "--log-dir", str(tmp_path), "--nproc-per-node", "2", "--virtual-local-rank",
+                script("faulty.py"), env={"CUDA_VISIBLE_DEVICES": "3"})
     assert_one_error(r, "--virtual-local-rank with 2 workers", "CUDA_VISIBLE_DEVICES=3")
 
 
@@ -211,19 +204,13 @@ def test_rdzv_conf_maps_to_our_settings_and_explicit_ones_win(tmp_path):
     ({}, [("--rdzv-backend", "etcd")], "c10d only"),
 ])
 def test_static_rendezvous_flags(flags, static, message):
-    build = lambda: config.build({"entrypoint": "x.py", **flags}, None, environ={}, static=static)  # noqa: E731
-    if message is None:
-        build()
-    else:
-        with pytest.raises(ConfigError, match=message):
-            build()
-    if static:  # the same from torchrun's variables
-        pet = {"PET_" + f[2:].replace("-", "_").upper(): v for f, v in static}
+    pet = {"PET_" + f[2:].replace("-", "_").upper(): v for f, v in static}  # the same from torchrun's variables
+    for environ, given in (({}, static), (pet, [])):
         if message is None:
-            config.build({"entrypoint": "x.py", **flags}, None, environ=pet)
+            config.build({"entrypoint": "x.py", **flags}, None, environ=environ, static=given)
         else:
             with pytest.raises(ConfigError, match=message):
-                config.build({"entrypoint": "x.py", **flags}, None, environ=pet)
+                config.build({"entrypoint": "x.py", **flags}, None, environ=environ, static=given)
 
 
 def test_port_zero_endpoint_is_a_job_of_its_own():
