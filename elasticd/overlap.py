@@ -203,9 +203,9 @@ class Copier:
             p = job
             p.fired.wait()
             try:
+                p.copied.synchronize()  # a dropped refresh's copies still land: its slot is written next
+                p.ordered.synchronize()
                 if not p.dropped:
-                    p.copied.synchronize()
-                    p.ordered.synchronize()
                     p.commit()
                     p.committed = True
                     self.finished.append(p)
