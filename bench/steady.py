@@ -10,8 +10,9 @@ in-memory state every N steps and checkpoint stalls count in full, as they do in
 throughput) is compared, and the launcher process's own CPU time (not its workers') over those
 same steps is divided by their wall time. The script checkpoints as in bench/recovery.py, so
 `elasticd` includes its in-memory state (default cadence); `elasticd --no-memory-state` is the
-launcher alone; `elasticd memory_overlap` (not run by default: it matters on a GPU) refreshes
-the in-memory state with CheckpointManager(memory_overlap=True).
+launcher alone; `elasticd synchronous refresh` (not run by default: it matters on a GPU) copies
+GPU tensors into the in-memory state at once (CheckpointManager(memory_overlap=False)) instead
+of beside the next step.
 
 By default launchers run one at a time, alternating within each round so drift on the machine
 hits all alike. With --paired each elasticd variant runs at the same time as torchrun, each
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import statistics
 import subprocess
 import tempfile
@@ -41,7 +43,7 @@ from recovery import HERE, launcher_cmd, read_steps
 VARIANTS = {  # name: (launcher, its arguments, the script's environment)
     "elasticd": ("elasticd", (), {}),
     "elasticd --no-memory-state": ("elasticd", ("--no-memory-state",), {}),
-    "elasticd memory_overlap": ("elasticd", (), {"BENCH_MEMORY_OVERLAP": "1"}),
+    "elasticd synchronous refresh": ("elasticd", (), {"BENCH_MEMORY_OVERLAP": "0"}),
     "torchrun": ("torchrun", (), {}),
 }
 DEFAULT_VARIANTS = "elasticd,elasticd --no-memory-state"
@@ -106,12 +108,23 @@ def measure(run: Run, begin: float, end: float) -> tuple[float, float]:
     return (times[-1] - times[0]) / (len(times) - 1), cpu
 
 
-def one_run(variant: str, workload: str, ckpt_every: int, nproc: int) -> tuple[float, float]:
+def cadence(workdir: Path) -> str:
+    """The in-memory cadence rank 0 settled on (its last `memory_cadence` event), for the log."""
+    found = ""
+    for log in sorted((workdir / "logs").glob("**/rank0.log")):
+        for line in log.read_text(errors="replace").splitlines():
+            if "memory_cadence" in line:  # a console line or a JSON one, as the script's logging is set up
+                e = dict(re.findall(r'"?(every|refresh_ms)"?[=:] ?([0-9.]+)', line))
+                found = f" (in-memory state every {e.get('every')} steps, refresh {e.get('refresh_ms')} ms)"
+    return found
+
+
+def one_run(variant: str, workload: str, ckpt_every: int, nproc: int) -> tuple[float, float, str]:
     """One launcher alone on the machine, start-up excluded."""
     with tempfile.TemporaryDirectory(prefix="bench-steady-") as tmp:
         run = launch(variant, workload, ckpt_every, Path(tmp), nproc=nproc)
         watch([run])
-        return measure(run, *window(run, WORKLOADS[workload][2]))
+        return (*measure(run, *window(run, WORKLOADS[workload][2])), cadence(Path(tmp)))
 
 
 def paired_run(variant: str, workload: str, ckpt_every: int, swap: bool, nproc: int) -> tuple[tuple, tuple]:
@@ -188,7 +201,8 @@ def main() -> None:
                     ratios[w, "torchrun"].append(1.0)
                 continue
             for variant in variants:
-                record(r, w, variant, one_run(variant, w, args.ckpt_every, args.nproc))
+                *result, note = one_run(variant, w, args.ckpt_every, args.nproc)
+                record(r, w, variant, result, note)
             for variant in variants:
                 ratios[w, variant].append(step[w, variant][-1] / step[w, "torchrun"][-1])
     print()
