@@ -17,7 +17,11 @@ queued instead, and the training loop goes on at once:
 
 If the next refresh comes and no optimizer step went through the hook since (an optimizer step
 replayed from a CUDA graph, or parameters updated by hand), the copy may have raced a write: it
-is dropped and the Writer goes back to synchronous refreshes for good.
+is dropped (its copies still land before its slot is written again) and the Writer goes back to
+synchronous refreshes for good.
+
+It is on by default (CheckpointManager(memory_overlap=True)) for states with at least
+memory.OVERLAP_MIN_BYTES on the GPU; smaller ones are cheaper to copy at once.
 
 The cost charged to the cadence is what the refresh cost the step: the host's time, the training
 stream's copies, and however long the optimizer step waited for the side stream, measured with
