@@ -20,6 +20,7 @@ cadence would spend at that charge.
 from __future__ import annotations
 
 import argparse
+import inspect
 import math
 import os
 import shutil
@@ -77,7 +78,9 @@ def main() -> None:
     p.add_argument("--every", default="1,10", help="comma-separated refresh intervals N to measure")
     p.add_argument("--block", type=int, default=60, help="steps per block (a multiple of every N)")
     p.add_argument("--rounds", type=int, default=5, help="blocks of each kind, interleaved")
-    p.add_argument("--budget", type=float, default=0.01, help="the cadence's budget, for the last columns")
+    p.add_argument("--budget", type=float,
+                   default=inspect.signature(CheckpointManager).parameters["memory_budget"].default,
+                   help="the cadence's budget, for the last columns (default: the library's)")
     args = p.parse_args()
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
