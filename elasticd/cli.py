@@ -72,6 +72,10 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--rdzv-endpoint", "--rdzv_endpoint", dest="rdzv_endpoint", default=S,
                    help="HOST:PORT of the rendezvous store, the same on every node")
     g.add_argument("--rdzv-id", "--rdzv_id", dest="rdzv_id", default=S, help="job id shared by all nodes")
+    g.add_argument("--rdzv-secret-file", dest="rdzv_secret_file", default=S, metavar="FILE",
+                   help="the job's secret (the same file on every node, mode 600): what the daemons write to the "
+                        "store is signed with it, so no one without it can steer the job (single-node jobs "
+                        "make their own)")
     g.add_argument("--standalone", action="store_true", default=S,
                    help="single node with a private store on a free loopback port")
     g.add_argument("--monitor-interval", "--monitor_interval", dest="monitor_interval", type=float, default=S,
@@ -233,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace, extra: list[str]) -> int:
-    from elasticd import config, logs
+    from elasticd import config, logs, signing
 
     cli_only = ("command", "config_file", "module", "run_path", "static")
     flags = {k: v for k, v in vars(args).items() if k not in cli_only}
@@ -255,6 +259,8 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
                 raise ConfigError("--no-python and -m cannot go together: -m runs a Python module; drop one")
         cfg = config.build(flags, args.config_file, static=getattr(args, "static", []))
         config.check_entrypoint(cfg.entrypoint, no_python=cfg.no_python)
+        if cfg.rdzv_secret_file:
+            signing.load_secret(cfg.rdzv_secret_file)
         if cfg.max_nodes == 1 and cfg.rdzv_endpoint:
             config.check_port_free(cfg.rdzv_host, cfg.rdzv_port)
         run_dir = _run_dir(cfg)

@@ -36,6 +36,9 @@ class Config:
     max_restarts: int = 3
     rdzv_endpoint: str = ""
     rdzv_id: str = "none"
+    # A file holding the job's secret, the same on every node: every value the daemons exchange
+    # through the store is signed with it (elasticd.signing). Single-node jobs make their own.
+    rdzv_secret_file: str = ""
     standalone: bool = False
     monitor_interval: float = 0.1
     log_dir: str = ""

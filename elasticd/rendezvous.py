@@ -27,8 +27,9 @@ from torch.distributed.elastic.rendezvous import RendezvousClosedError, Rendezvo
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler, RendezvousTimeout
 
-from elasticd import logs
+from elasticd import logs, signing
 from elasticd.config import Config, ConfigError
+from elasticd.signed_backend import SignedBackend
 
 log = logs.get("elasticd.rendezvous")
 
@@ -53,8 +54,9 @@ if hasattr(dynamic_rendezvous, "get_method_name"):
     dynamic_rendezvous.get_method_name = _method_name
 
 _RESTART = "elasticd/restart"
-_DONE = "elasticd/done"
 _MASTER = "elasticd/master"
+MAX_REASON = 8 * 1024  # bytes of a restart reason's JSON
+MAX_COUNT = 1 << 62
 
 
 class RendezvousFailed(Exception):
@@ -144,6 +146,7 @@ class Round:
     group_rank: int
     group_world_size: int
     store: dist.Store  # prefixed per round
+    number: int = 0  # torch's round number: every value of ours in the round is signed for it
     rank_base: int = 0
     world_size: int = 0
     master_addr: str = ""
@@ -158,17 +161,24 @@ class Round:
 
 
 class Rendezvous:
-    """One per daemon. Rounds come from torch's DynamicRendezvousHandler (c10d backend)."""
+    """One per daemon. Rounds come from torch's DynamicRendezvousHandler (c10d backend).
+
+    Everything read back from the store is checked: torch's state by SignedBackend, our own
+    values by `_open` (the job secret's HMAC for the round and key, then the value's form). A
+    value that fails is logged and treated as absent, so a process that reaches the store's port
+    without the secret can disturb the job as a network fault would, never run code in the
+    daemon, point workers elsewhere or spend the restart budget."""
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
+        self.signer = signing.Signer(job_secret(cfg), cfg.rdzv_id)
         self.store, self.is_host = open_store(cfg)
         self.addr = cfg.local_addr or local_address(cfg.rdzv_host, cfg.rdzv_port)
-        backend = C10dRendezvousBackend(self.store, cfg.rdzv_id)
+        self.backend = SignedBackend(C10dRendezvousBackend(self.store, cfg.rdzv_id), self.signer)
         self.handler = DynamicRendezvousHandler.from_backend(
             run_id=cfg.rdzv_id,
             store=self.store,
-            backend=backend,
+            backend=self.backend,
             min_nodes=cfg.min_nodes,
             max_nodes=cfg.max_nodes,
             local_addr=self.addr,
@@ -178,6 +188,8 @@ class Rendezvous:
             keep_alive_max_attempt=max(2, int(cfg.peer_timeout)),
         )
         self._job_key = f"elasticd/{cfg.rdzv_id}"
+        self._restarts_seen = 0  # the budget counter only grows: an older value is a replay
+        self._logged: dict[str, float] = {}
 
     @property
     def endpoint(self) -> str:
@@ -191,49 +203,97 @@ class Rendezvous:
             raise RendezvousFailed(f"the job failed on another node: {why}" if why else
                                    "the job's rendezvous is closed: the job already finished or failed") from None
         except RendezvousError as e:
-            raise RendezvousFailed(f"rendezvous failed: {e}") from None
-        rnd = Round(group_rank=info.rank, group_world_size=info.world_size, store=info.store)
-        rnd.store.set(f"elasticd/nproc/{rnd.group_rank}", str(nproc))
+            hint = (f"; {self.signer.rejected} store value(s) failed verification: give every node the same "
+                    "--rdzv-secret-file" if self.signer.rejected else "")
+            raise RendezvousFailed(f"rendezvous failed: {e}{hint}") from None
+        rnd = Round(group_rank=info.rank, group_world_size=info.world_size, store=info.store,
+                    number=round_number(self.handler))
         keys = [f"elasticd/nproc/{r}" for r in range(rnd.group_world_size)]
-        rnd.store.wait(keys, td(self.cfg.join_timeout))
-        counts = [int(v) for v in rnd.store.multi_get(keys)]
+        rnd.store.set(keys[rnd.group_rank], self._seal(rnd, keys[rnd.group_rank], str(nproc)))
+        counts = self._read_all(rnd, keys, _nproc)
         rnd.rank_base, rnd.world_size = sum(counts[: rnd.group_rank]), sum(counts)
         if rnd.group_rank == 0:
             rnd.worker_store = serve_store(self.addr, 0, max(self.cfg.join_timeout, 60.0))
-            rnd.store.set(_MASTER, f"{self.addr} {rnd.worker_store.port}")
-        rnd.store.wait([_MASTER], td(self.cfg.join_timeout))
-        addr, port = rnd.store.get(_MASTER).decode().split()
-        rnd.master_addr, rnd.master_port = addr, int(port)
+            rnd.store.set(_MASTER, self._seal(rnd, _MASTER, f"{self.addr} {rnd.worker_store.port}"))
+        rnd.master_addr, rnd.master_port = self._read_all(rnd, [_MASTER], _master)[0]
         return rnd
+
+    def _read_all(self, rnd: Round, keys: list[str], parse) -> list:
+        """Wait for every key and return their values once all verify. A key whose value does
+        not is read again (its writer's value may still replace a forger's) until --join-timeout;
+        then the round fails with a line naming the likely cause."""
+        deadline = time.monotonic() + self.cfg.join_timeout
+        rnd.store.wait(keys, td(self.cfg.join_timeout))
+        while True:
+            values = [self._open(rnd, k, v, parse) for k, v in zip(keys, rnd.store.multi_get(keys))]
+            if all(v is not None for v in values):
+                return values
+            if time.monotonic() > deadline:
+                bad = [k for k, v in zip(keys, values) if v is None]
+                raise RendezvousFailed(f"store values {', '.join(bad)} fail verification: give every node the same "
+                                       "--rdzv-secret-file, and firewall the store's port to the job's nodes")
+            time.sleep(0.1)
+
+    def _seal(self, rnd: Round | None, key: str, payload: str) -> bytes:
+        return self.signer.seal(f"{rnd.number if rnd else 'job'}/{key}", payload)
+
+    def _open(self, rnd: Round | None, key: str, raw: bytes, parse):
+        """The parsed value, or None (logged) when it is not sealed for this round and key with
+        the job's secret or is not of its form."""
+        data = self.signer.open(f"{rnd.number if rnd else 'job'}/{key}", raw)
+        value = None
+        if data is not None:
+            try:
+                value = parse(data.decode())
+            except (ValueError, UnicodeDecodeError, RecursionError):
+                value = None
+        if value is None:
+            now = time.monotonic()
+            if now - self._logged.get(key, -60.0) >= 5.0:  # a forger in a loop must not flood the log
+                self._logged[key] = now
+                log.warning("store_value_rejected", key=key, rejected=self.signer.rejected,
+                            why="bad signature" if data is None else "malformed")
+        return value
 
     # --- restart propagation and peer liveness (per round) ---
 
     def request_restart(self, rnd: Round, reason: dict) -> bool:
-        """Ask every node to restart this round. True when we were first (we own the failure)."""
-        first = rnd.store.add("elasticd/restart_votes", 1) == 1
-        if first:
-            rnd.store.set(_RESTART, json.dumps(reason))
-        return first
+        """Ask every node to restart this round. True when we were first (we own the failure).
+        A value in the way that does not verify is a forger's: ours replaces it."""
+        sealed = self._seal(rnd, _RESTART, json.dumps(reason))
+        found = rnd.store.compare_set(_RESTART, "", sealed)
+        if found == sealed:
+            return True
+        if self._open(rnd, _RESTART, found, _reason) is not None:
+            return False
+        rnd.store.set(_RESTART, sealed)
+        return True
 
     def restart_reason(self, rnd: Round) -> dict | None:
         if rnd.group_world_size == 1 or not rnd.store.check([_RESTART]):
             return None
-        return json.loads(rnd.store.get(_RESTART))
+        return self._open(rnd, _RESTART, rnd.store.get(_RESTART), _reason)
+
+    def _beat(self, rnd: Round) -> None:
+        rnd._alive_counter += 1
+        key = f"elasticd/alive/{rnd.group_rank}"
+        rnd.store.set(key, self._seal(rnd, key, str(rnd._alive_counter)))
 
     def beat_and_check_peers(self, rnd: Round, now: float) -> int | None:
-        """Bump our liveness counter and return the group rank of a peer silent for peer_timeout."""
+        """Bump our liveness counter and return the group rank of a peer silent for peer_timeout.
+        Only a counter that verifies and went up counts as a beat."""
         if rnd.group_world_size == 1:
             return None
-        rnd._alive_counter = rnd.store.add(f"elasticd/alive/{rnd.group_rank}", 1)
+        self._beat(rnd)
         peers = [r for r in range(rnd.group_world_size) if r != rnd.group_rank]
         keys = [f"elasticd/alive/{r}" for r in peers]
         present = [k for k in keys if rnd.store.check([k])] if len(rnd.peer_seen) < len(peers) else keys
         values = dict(zip(present, rnd.store.multi_get(present))) if present else {}
         for r, k in zip(peers, keys):
-            count = int(values.get(k, b"0") or 0)
+            count = self._open(rnd, k, values[k], _count) if k in values else 0
             seen = rnd.peer_seen.get(r)
-            if seen is None or count != seen[0]:
-                rnd.peer_seen[r] = (count, now)
+            if seen is None or (count is not None and count > seen[0]):
+                rnd.peer_seen[r] = (count or 0, now)
             elif now - seen[1] > self.cfg.peer_timeout:
                 return r
         return None
@@ -245,12 +305,16 @@ class Rendezvous:
         """Wait until every node of the round is done (or asked for a restart). False on timeout."""
         if rnd.group_world_size == 1:
             return True
-        rnd.store.add(_DONE, 1)
-        alive = f"elasticd/alive/{rnd.group_rank}"
+        keys = [f"elasticd/done/{r}" for r in range(rnd.group_world_size)]
+        mine = keys[rnd.group_rank]
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            rnd.store.add(alive, 1)  # still here: peers still running must not think us lost
-            if int(rnd.store.add(_DONE, 0)) >= rnd.group_world_size or rnd.store.check([_RESTART]):
+            rnd.store.set(mine, self._seal(rnd, mine, "1"))  # again each time: a forger may have written over it
+            self._beat(rnd)  # still here: peers still running must not think us lost
+            if rnd.store.check(keys) and all(self._open(rnd, k, v, _done) for k, v in
+                                             zip(keys, rnd.store.multi_get(keys))):
+                return True
+            if self.restart_reason(rnd) is not None:
                 return True
             time.sleep(poll)
         return False
@@ -258,19 +322,36 @@ class Rendezvous:
     # --- job-wide restart budget (shared by all nodes) ---
 
     def restarts_used(self) -> int:
-        return int(self.store.add(f"{self._job_key}/restarts", 0))
+        key = f"{self._job_key}/restarts"
+        if self.store.check([key]):
+            used = self._open(None, key, self.store.get(key), _count)
+            self._restarts_seen = max(self._restarts_seen, used or 0)
+        return self._restarts_seen
 
     def spend_restart(self) -> int:
-        return int(self.store.add(f"{self._job_key}/restarts", 1))
+        """Add one to the job's signed counter: read, then compare-and-set, again if another
+        node spent one meanwhile. A value that does not verify (or went down: a replay) counts
+        as the highest this node has seen, and is written over."""
+        key = f"{self._job_key}/restarts"
+        for _ in range(100):
+            raw = self.store.get(key) if self.store.check([key]) else b""
+            used = max(self._open(None, key, raw, _count) or 0, self._restarts_seen) if raw else self._restarts_seen
+            sealed = self._seal(None, key, str(used + 1))
+            if self.store.compare_set(key, raw, sealed) == sealed:
+                self._restarts_seen = used + 1
+                return used + 1
+        raise RendezvousFailed("the restart budget in the store changed 100 times while one restart was "
+                               "spent: something other than the job's nodes writes to the store")
 
     def record_job_failure(self, summary: str) -> None:
         """Tell the other nodes why the job failed, before closing the rendezvous."""
-        self.store.set(f"{self._job_key}/failure", summary)
+        key = f"{self._job_key}/failure"
+        self.store.set(key, self._seal(None, key, summary[:MAX_REASON]))
 
     def job_failure(self) -> str | None:
         key = f"{self._job_key}/failure"
         try:
-            return self.store.get(key).decode() if self.store.check([key]) else None
+            return self._open(None, key, self.store.get(key), str) if self.store.check([key]) else None
         except (RuntimeError, dist.DistStoreError):
             return None
 
@@ -281,3 +362,61 @@ class Rendezvous:
             self.handler.shutdown()
         except Exception as e:  # noqa: BLE001 - best effort at exit
             log.warning("rendezvous_shutdown_failed", error=str(e))
+
+
+# --- the secret, the round, and the forms of our values ---
+
+
+def job_secret(cfg: Config) -> bytes:
+    """The key every value in the store is signed with: --rdzv-secret-file's content; for a
+    single-node job without one, a random key only this daemon knows. A multi-node job without
+    one says, once, that anyone reaching the store's port can steer it."""
+    if cfg.rdzv_secret_file:
+        return signing.load_secret(cfg.rdzv_secret_file)
+    if cfg.max_nodes == 1:
+        return signing.new_secret()
+    log.warning("rdzv_no_secret", endpoint=cfg.rdzv_endpoint,
+                fix="give every node --rdzv-secret-file (the same file): without it, anyone who reaches "
+                    "the store's port can restart, stop or redirect the job")
+    return b""
+
+
+def round_number(handler: DynamicRendezvousHandler) -> int:
+    """torch's number of the round just joined: the prefix of the round's keys. Read right after
+    next_rendezvous: the round cannot move on before every participant, us included, leaves it.
+    (torch has no public accessor; the handler's state is the one SignedBackend verified.)"""
+    return int(handler._state_holder.state.round)
+
+
+def _count(text: str) -> int | None:
+    return int(text) if text.isascii() and text.isdigit() and len(text) < 20 and int(text) < MAX_COUNT else None
+
+
+def _nproc(text: str) -> int | None:
+    n = _count(text)
+    return n if n is not None and 1 <= n <= 1 << 20 else None
+
+
+def _done(text: str) -> bool | None:
+    return True if text == "1" else None
+
+
+def _master(text: str) -> tuple[str, int] | None:
+    addr, _, port = text.partition(" ")
+    n = _count(port)
+    if n is None or not 0 < n < 65536 or not addr or len(addr) > 255:
+        return None
+    if not all(c.isalnum() or c in ".-:_%" for c in addr):
+        return None
+    return addr, n
+
+
+def _reason(text: str) -> dict | None:
+    if len(text) > MAX_REASON:
+        return None
+    value = json.loads(text)
+    if not isinstance(value, dict) or not isinstance(value.get("summary"), str):
+        return None
+    if not isinstance(value.get("node", ""), str) or not isinstance(value.get("scale", False), bool):
+        return None
+    return value
