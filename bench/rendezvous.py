@@ -38,12 +38,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def secret_file(workdir: Path) -> str:
+    """The job secret every elasticd node is given, as a multi-node job should be (signed store)."""
+    path = workdir / "job.secret"
+    if not path.exists():
+        path.write_bytes(os.urandom(32).hex().encode())
+        path.chmod(0o600)
+    return str(path)
+
+
 def node_cmd(kind: str, n: int, port: int, workdir: Path, i: int, script: Path, extra=()) -> list[str]:
     if kind == "elasticd":
         return [sys.executable, "-m", "elasticd.cli", "run", "--nnodes", str(n), "--nproc-per-node", "1",
                 "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "bench", "--no-warm-spawn",
                 "--log-dir", str(workdir / f"logs{i}"), "--socket", str(workdir / f"ctl{i}.sock"),
-                "--no-tee", "--log-format", "json", "--join-timeout", "300", *extra, str(script)]
+                "--no-tee", "--log-format", "json", "--join-timeout", "300",
+                "--rdzv-secret-file", secret_file(workdir), *extra, str(script)]
     return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(n), "--nproc-per-node", "1",
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "bench",
             "--rdzv-conf", "join_timeout=300", str(script)]
