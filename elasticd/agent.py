@@ -724,6 +724,7 @@ def serve(cfg: Config, run_dir: Path) -> int:
     """Run the daemon: control socket, sd_notify, death guard, then the agent loop."""
     from elasticd import control, systemd
 
+    logs.adopt_torch()
     agent = Agent(cfg, run_dir)
     agent.install_signals()
     guard = workers.start_guard(agent.token)

@@ -237,7 +237,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace, extra: list[str]) -> int:
-    from elasticd import config, logs, signing
+    from elasticd import config, logs, signing, systemd
+
+    systemd.quiet_torch_cpp()  # before anything imports torch
 
     cli_only = ("command", "config_file", "module", "run_path", "static")
     flags = {k: v for k, v in vars(args).items() if k not in cli_only}

@@ -66,5 +66,15 @@ def setup(fmt: str = "auto", level: int = logging.INFO, stream=None) -> None:
     logging.getLogger("torch").setLevel(logging.WARNING)
 
 
+def adopt_torch() -> None:
+    """Once torch is imported: its loggers write through our handler (one event per line, with
+    the daemon's context), not through the stderr handlers torch's logging setup gives its
+    registered loggers ("torch", "torch.distributed", ...; the "__" artifact loggers stay off)."""
+    for name, logger in list(logging.Logger.manager.loggerDict.items()):
+        if name.split(".")[0] == "torch" and isinstance(logger, logging.Logger) and "__" not in name:
+            logger.handlers.clear()
+            logger.propagate = True
+
+
 def get(name: str = "elasticd") -> Any:
     return structlog.get_logger(name)

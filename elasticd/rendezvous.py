@@ -13,6 +13,7 @@ store as a listening fd. Each round then gets:
 from __future__ import annotations
 
 import datetime
+import functools
 import errno
 import json
 import os
@@ -23,7 +24,12 @@ from dataclasses import dataclass, field
 
 import tenacity
 import torch.distributed as dist
-from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousError, dynamic_rendezvous
+from torch.distributed.elastic.rendezvous import (
+    RendezvousClosedError,
+    RendezvousConnectionError,
+    RendezvousError,
+    dynamic_rendezvous,
+)
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler, RendezvousTimeout
 
@@ -61,6 +67,27 @@ MAX_COUNT = 1 << 62
 
 class RendezvousFailed(Exception):
     """The job cannot form (unreachable store, join timeout, closed): one clear line."""
+
+
+class StoreLost(RendezvousFailed):
+    """A store call failed while the job ran: the node hosting the store is gone or unreachable."""
+
+
+def _store_call(method):
+    """A store error in a Rendezvous method (torch raises DistNetworkError with a C++ stack when
+    the store's host dies) becomes one line naming the store and what to do; the agent then stops
+    its workers and exits 1."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except (dist.DistError, TimeoutError, RendezvousConnectionError) as e:
+            cause = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+            raise StoreLost(f"lost the rendezvous store at {self.endpoint} ({cause}): the node hosting it "
+                            "stopped or the network failed; start the job again on every node") from None
+
+    return wrapper
 
 
 def td(seconds: float) -> datetime.timedelta:
@@ -195,6 +222,7 @@ class Rendezvous:
     def endpoint(self) -> str:
         return f"{self.cfg.rdzv_host}:{self.store.port}"
 
+    @_store_call
     def next_round(self, nproc: int) -> Round:
         try:
             info = self.handler.next_rendezvous()
@@ -202,6 +230,8 @@ class Rendezvous:
             why = self.job_failure()
             raise RendezvousFailed(f"the job failed on another node: {why}" if why else
                                    "the job's rendezvous is closed: the job already finished or failed") from None
+        except RendezvousConnectionError:
+            raise  # the store is gone: _store_call says so
         except RendezvousError as e:
             hint = (f"; {self.signer.rejected} store value(s) failed verification: give every node the same "
                     "--rdzv-secret-file" if self.signer.rejected else "")
@@ -257,6 +287,7 @@ class Rendezvous:
 
     # --- restart propagation and peer liveness (per round) ---
 
+    @_store_call
     def request_restart(self, rnd: Round, reason: dict) -> bool:
         """Ask every node to restart this round. True when we were first (we own the failure).
         A value in the way that does not verify is a forger's: ours replaces it."""
@@ -269,6 +300,7 @@ class Rendezvous:
         rnd.store.set(_RESTART, sealed)
         return True
 
+    @_store_call
     def restart_reason(self, rnd: Round) -> dict | None:
         if rnd.group_world_size == 1 or not rnd.store.check([_RESTART]):
             return None
@@ -279,6 +311,7 @@ class Rendezvous:
         key = f"elasticd/alive/{rnd.group_rank}"
         rnd.store.set(key, self._seal(rnd, key, str(rnd._alive_counter)))
 
+    @_store_call
     def beat_and_check_peers(self, rnd: Round, now: float) -> int | None:
         """Bump our liveness counter and return the group rank of a peer silent for peer_timeout.
         Only a counter that verifies and went up counts as a beat."""
@@ -298,9 +331,11 @@ class Rendezvous:
                 return r
         return None
 
+    @_store_call
     def nodes_waiting(self) -> int:
         return self.handler.num_nodes_waiting()
 
+    @_store_call
     def exit_barrier(self, rnd: Round, timeout: float, poll: float = 0.05) -> bool:
         """Wait until every node of the round is done (or asked for a restart). False on timeout."""
         if rnd.group_world_size == 1:
@@ -321,6 +356,7 @@ class Rendezvous:
 
     # --- job-wide restart budget (shared by all nodes) ---
 
+    @_store_call
     def restarts_used(self) -> int:
         key = f"{self._job_key}/restarts"
         if self.store.check([key]):
@@ -328,6 +364,7 @@ class Rendezvous:
             self._restarts_seen = max(self._restarts_seen, used or 0)
         return self._restarts_seen
 
+    @_store_call
     def spend_restart(self) -> int:
         """Add one to the job's signed counter: read, then compare-and-set, again if another
         node spent one meanwhile. A value that does not verify (or went down: a replay) counts
@@ -343,6 +380,7 @@ class Rendezvous:
         raise RendezvousFailed("the restart budget in the store changed 100 times while one restart was "
                                "spent: something other than the job's nodes writes to the store")
 
+    @_store_call
     def record_job_failure(self, summary: str) -> None:
         """Tell the other nodes why the job failed, before closing the rendezvous."""
         key = f"{self._job_key}/failure"
@@ -356,9 +394,13 @@ class Rendezvous:
             return None
 
     def close(self, job_finished: bool) -> None:
+        """Best effort at exit; torch's keep-alive timer stops even when the store is gone."""
         try:
             if job_finished:
                 self.handler.set_closed()
+        except Exception as e:  # noqa: BLE001 - best effort at exit
+            log.warning("rendezvous_close_failed", error=str(e))
+        try:
             self.handler.shutdown()
         except Exception as e:  # noqa: BLE001 - best effort at exit
             log.warning("rendezvous_shutdown_failed", error=str(e))

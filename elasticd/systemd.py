@@ -106,5 +106,25 @@ def extend_timeout(seconds: float) -> bool:
 
 
 def child_env(env: dict[str, str]) -> dict[str, str]:
-    """A copy of `env` without the service manager's per-process variables (see PRIVATE_ENV)."""
-    return {k: v for k, v in env.items() if k not in PRIVATE_ENV}
+    """A copy of `env` without the service manager's per-process variables (see PRIVATE_ENV),
+    and with the user's TORCH_CPP_LOG_LEVEL where the daemon set its own (logs.quiet_torch_cpp)."""
+    out = {k: v for k, v in env.items() if k not in PRIVATE_ENV and k != USER_CPP_LOG_LEVEL}
+    if USER_CPP_LOG_LEVEL in env:
+        user = env[USER_CPP_LOG_LEVEL]
+        if user:
+            out["TORCH_CPP_LOG_LEVEL"] = user
+        else:
+            out.pop("TORCH_CPP_LOG_LEVEL", None)
+    return out
+
+
+USER_CPP_LOG_LEVEL = "ELASTICD_USER_TORCH_CPP_LOG_LEVEL"
+
+
+def quiet_torch_cpp() -> None:
+    """Before the daemon imports torch: torch's C++ warnings off (a store call to a dead host
+    prints a C++ stack per call, and the daemon says what happened in one line itself). What the
+    user had set is kept aside for the workers (child_env)."""
+    if USER_CPP_LOG_LEVEL not in os.environ:
+        os.environ[USER_CPP_LOG_LEVEL] = os.environ.get("TORCH_CPP_LOG_LEVEL", "")
+        os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"

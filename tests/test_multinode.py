@@ -10,6 +10,7 @@ import socket
 import time
 from datetime import datetime
 
+import psutil
 from harness import script, wait_until
 
 FAST = ("--restart-grace", "1", "--stop-grace", "3", "--peer-timeout", "3", "--last-call-timeout", "0.5")
@@ -162,3 +163,28 @@ def test_node_waiting_for_its_spares_keeps_beating_for_its_peers(daemons):
     assert state_times(slow, "RUNNING")[0] - state_times(fast, "RUNNING")[0] > 3
     for n in (fast, slow):
         assert len(state_times(n, "RUNNING")) == 1 and not state_times(n, "RESTARTING"), n.stderr()[-3000:]
+
+
+def test_store_host_killed_peer_stops_its_workers_with_one_line(daemons):
+    """SIGKILL of the node hosting the store: the other daemon stops its workers and exits 1 with
+    one line naming the lost store, within --peer-timeout; no Python or C++ stack on its stderr."""
+    port = free_port()
+    args = ["--steps", "400", "--step-time", "0.05"]
+    host = daemons(script("ddp_tutorial.py"), "--nproc-per-node", "1", *node_flags(port, "1:2"), name="host", args=args)
+    wait_until(lambda: any(e.get("event") == "rendezvous_store" for e in host.events()), 60, what="the store")
+    other = daemons(script("ddp_tutorial.py"), "--nproc-per-node", "1", *node_flags(port, "1:2"), name="other",
+                    args=args)
+    pids = wait_until(lambda: other.worker_pids() if re.search(r"^step \d+", other.log_text(1), re.M) else None,
+                      60, what="both nodes training")
+    t0 = time.monotonic()
+    host.kill()
+    assert other.wait(30) == 1
+    took = time.monotonic() - t0
+    err = other.stderr()
+    assert took < 3 + 2, took  # --peer-timeout 3 (FAST), plus the teardown
+    assert "Traceback" not in err and "frame #" not in err, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("elasticd: job failed") and f"lost the rendezvous store at 127.0.0.1:{port}" in last, last
+    assert not [p for p in pids.values() if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+    non_json = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith("{")]
+    assert non_json == [last], non_json  # torch's own warnings came as JSON events too
