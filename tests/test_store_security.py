@@ -116,6 +116,10 @@ def _forge_restart(port: int) -> str:
     prefix = alive.split("/", 1)[0]
     c.set(f"{prefix}/elasticd/restart", json.dumps({"summary": "forged", "node": "nowhere"}))
     c.set(f"{prefix}/elasticd/master", f"127.0.0.1 {port}")
+    for _ in range(20):  # values the daemons parse, for a second (< --peer-timeout): they must not crash them
+        for key in ("alive/0", "alive/1", "done/0"):
+            c.set(f"{prefix}/elasticd/{key}", "not a number \xff")
+        time.sleep(0.05)
     return prefix
 
 
@@ -141,8 +145,8 @@ def test_forged_restart_request_is_ignored_across_nodes(daemons, tmp_path):
     out = nodes[0].stdout() + nodes[1].stdout()
     assert "done world_size=2 rank=0 restart=0" in out and "done world_size=2 rank=1 restart=0" in out
     assert not [e for n in nodes for e in n.events() if e.get("new") == "RESTARTING"]
-    assert any(e.get("event") == "store_value_rejected" and e.get("key") == "elasticd/restart"
-               for n in nodes for e in n.events())
+    rejected = {e.get("key") for n in nodes for e in n.events() if e.get("event") == "store_value_rejected"}
+    assert {"elasticd/restart", "elasticd/alive/0", "elasticd/alive/1"} <= rejected, rejected
 
 
 def test_nodes_with_different_secrets_fail_with_a_line_naming_the_secret(daemons, tmp_path):
