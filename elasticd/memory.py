@@ -118,7 +118,7 @@ def remove(path: str | None) -> None:
 def reap_stale() -> list[str]:
     """Our user's memory directories whose daemon is gone (SIGKILL, power cut of the process):
     nobody holds their lock. Anything else stays: a directory without an owner file (being
-    created, or an older elasticd's), another user's, or a symlink (never followed)."""
+    created) or a lock file (an older elasticd's), another user's, or a symlink (never followed)."""
     gone = []
     try:
         root = os.open(ROOT, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
