@@ -31,7 +31,7 @@ import time
 import traceback
 import types
 
-from elasticd import proctitle
+from elasticd import proctitle, safeio
 
 _PR_SET_PDEATHSIG = 1
 
@@ -53,7 +53,7 @@ def arm_stack_dumps() -> None:
     sig = getattr(signal, os.environ.get("ELASTICD_STACK_SIGNAL", "SIGUSR1"))
     # Kept open for the life of the process: faulthandler writes from a signal handler.
     global _stack_file
-    _stack_file = open(path, "a")
+    _stack_file = os.fdopen(safeio.append(path), "a")
     faulthandler.register(sig, file=_stack_file, all_threads=True, chain=False)
 
 
@@ -150,7 +150,7 @@ def write_error_file(exc: BaseException) -> None:
         }
     }
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
+    with os.fdopen(safeio.create(tmp), "w") as f:
         json.dump(data, f)
     os.replace(tmp, path)
 
@@ -221,7 +221,7 @@ def wait_for_rank() -> list[str] | None:
     job = json.loads(line)
     sys.stdout.flush()
     sys.stderr.flush()
-    log = os.open(job["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    log = safeio.create(job["log"], os.O_WRONLY | os.O_APPEND)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(log, 1)
     os.dup2(log, 2)

@@ -322,7 +322,9 @@ def _atomic_write(directory: str, name: str | Callable[[Any], str], kind: str,
     of fill's result (a checksum known only once written)."""
     tmp = os.path.join(directory, f".{kind}-{os.getpid()}-{uuid.uuid4().hex[:12]}.tmp")
     try:
-        with open(tmp, "xb") as f:
+        # new (O_EXCL), never through a symlink, never world-readable: checkpoints hold the weights
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o640)
+        with os.fdopen(fd, "wb") as f:
             result = fill(f)
             f.flush()
             os.fsync(f.fileno())
@@ -1122,7 +1124,7 @@ class CheckpointManager:
         d = self.directory
         try:
             if self._entries is None:
-                os.makedirs(d, exist_ok=True)
+                os.makedirs(d, 0o750, exist_ok=True)
                 for name in os.listdir(d):  # temporaries of a writer that died
                     if _TEMP.match(name):
                         try:

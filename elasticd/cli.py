@@ -265,11 +265,10 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
             signing.load_secret(cfg.rdzv_secret_file)
         if cfg.max_nodes == 1 and cfg.rdzv_endpoint:
             config.check_port_free(cfg.rdzv_host, cfg.rdzv_port)
-        run_dir = _run_dir(cfg)
-        config.check_log_dir(run_dir)
-        if not cfg.checkpoint_dir:
-            cfg = dataclasses.replace(cfg, checkpoint_dir=str(run_dir.parent / "checkpoints" / cfg.rdzv_id))
-        config.check_log_dir(Path(cfg.checkpoint_dir), "--checkpoint-dir")
+        base = config.check_log_dir(_log_base(cfg))
+        checkpoints = Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else base / "checkpoints" / cfg.rdzv_id
+        cfg = dataclasses.replace(cfg, checkpoint_dir=str(config.check_log_dir(checkpoints, "--checkpoint-dir")))
+        run_dir = _run_dir(cfg, base)
     except ConfigError as e:
         sys.stderr.write(f"elasticd: error: {e}\n")
         return EXIT_USAGE
@@ -283,10 +282,15 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
         return EXIT_USAGE
 
 
-def _run_dir(cfg) -> Path:
-    base = Path(cfg.log_dir or os.environ.get("LOGS_DIRECTORY", "").split(":")[0] or "elasticd-runs")
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    return (base / f"{cfg.rdzv_id}-{stamp}-{os.getpid()}").absolute()
+def _log_base(cfg) -> Path:
+    return Path(cfg.log_dir or os.environ.get("LOGS_DIRECTORY", "").split(":")[0] or "elasticd-runs")
+
+
+def _run_dir(cfg, base: Path) -> Path:
+    """This run's directory under the checked base, created fresh (config.make_run_dir)."""
+    from elasticd import config
+
+    return config.make_run_dir(base, f"{cfg.rdzv_id}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
 
 
 def _status(args: argparse.Namespace) -> int:

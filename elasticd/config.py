@@ -435,16 +435,98 @@ def validate(cfg: Config) -> None:
                           "--nproc-per-node")
 
 
-def check_log_dir(path: Path, flag: str = "--log-dir") -> None:
-    """Create a directory now so an unwritable one fails before any worker starts."""
+def check_log_dir(path: Path, flag: str = "--log-dir") -> Path:
+    """The directory, created if missing (new levels 0750) and resolved, once it is proven safe
+    and writable, so a bad one fails before any worker starts.
+
+    The daemon may run as root, and writes there by name: a directory that another user owns, or
+    can add entries to (group/world-writable without the sticky bit), anywhere on the path, would
+    let them plant symlinks that make it write to any file, so it is refused (root is trusted; a
+    sticky directory like /tmp is fine, as the run directory below is always created fresh). The
+    path returned has no symlink left that anyone could swap later."""
+    import tempfile
+
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".write-test-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
+        _make_dirs(path.absolute(), path, flag)
+        resolved = _check_tree(path, path, flag)
+        with tempfile.TemporaryFile(dir=resolved):
+            pass
     except OSError as e:
         reason = os.strerror(e.errno) if e.errno else str(e)
         raise ConfigError(f"{flag} {path} is not writable ({reason}): choose a directory this user can write") from None
+    return resolved
+
+
+def _check_tree(path: Path, shown: Path, flag: str) -> Path:
+    """`path` resolved, once neither it nor a directory above it is unsafe (_unsafe_dir)."""
+    resolved = Path(os.path.realpath(path))
+    for d in (resolved, *resolved.parents):
+        why = _unsafe_dir(d, os.lstat(d))
+        if why:
+            raise ConfigError(f"{flag} {shown}: {why}, or choose another {flag}")
+    return resolved
+
+
+def _make_dirs(path: Path, shown: Path, flag: str) -> None:
+    """mkdir -p, each new level 0750 whatever the umask (os.makedirs gives the parents 0777 less
+    the umask), and only once the deepest level that exists is checked: nothing is created in an
+    unsafe directory."""
+    missing = []
+    while not os.path.lexists(path) and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    if missing:
+        _check_tree(path, shown, flag)
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, 0o750)
+        except FileExistsError:
+            pass
+
+
+def _unsafe_dir(d: Path, st: os.stat_result) -> str | None:
+    """Why someone other than this user or root could change what `d` holds, or None."""
+    import pwd
+    import stat
+
+    me = os.geteuid()
+    if stat.S_ISLNK(st.st_mode):  # realpath resolved them all: one appeared since
+        return f"{d} was just replaced by a symlink"
+    if st.st_uid not in (0, me):
+        try:
+            who = f"uid {st.st_uid} ({pwd.getpwuid(st.st_uid).pw_name})"
+        except KeyError:
+            who = f"uid {st.st_uid}"
+        mine = "root" if me == 0 else "this user or root"
+        return (f"{d} belongs to {who}, who could plant symlinks there that make elasticd write to any "
+                f"file: use a directory owned by {mine}")
+    if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+        who = "other users" if st.st_mode & 0o002 else "its group"
+        return (f"{d} is writable by {who} without the sticky bit, so they could plant symlinks there that "
+                f"make elasticd write to any file: chmod go-w {d}")
+    return None
+
+
+def make_run_dir(base: Path, name: str) -> Path:
+    """This run's directory, created fresh (0750) in a checked base: its name is predictable, and
+    one that exists (someone may have planted it, with links inside) is never reused; a random
+    suffix is tried instead."""
+    import secrets
+
+    from elasticd import safeio
+
+    for suffix in ("", *(f"-{secrets.token_hex(4)}" for _ in range(3))):
+        path = base / f"{name}{suffix}"
+        try:
+            safeio.mkdir(path)
+        except FileExistsError:
+            continue
+        except OSError as e:
+            raise ConfigError(f"--log-dir {base} is not writable ({e.strerror}): choose a directory this user "
+                              "can write") from None
+        return path
+    raise ConfigError(f"--log-dir {base}: a run directory of that name already exists, again and again: "
+                      "choose a --log-dir only this user can write")
 
 
 def check_port_free(host: str, port: int) -> None:

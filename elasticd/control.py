@@ -76,7 +76,8 @@ def default_socket_path() -> Path:
     """Where the daemon listens and the CLI looks when no --socket is given.
 
     $ELASTICD_SOCKET; else systemd's RuntimeDirectory (first entry); else /run/elasticd for root;
-    else a per-user directory, so an unprivileged daemon needs no setup.
+    else a per-user directory, so an unprivileged daemon needs no setup: $XDG_RUNTIME_DIR/elasticd,
+    else /tmp/elasticd-UID (or, where someone else took that name first, see _tmp_dir).
     """
     if os.environ.get("ELASTICD_SOCKET"):
         return Path(os.environ["ELASTICD_SOCKET"])
@@ -88,7 +89,53 @@ def default_socket_path() -> Path:
     xdg = os.environ.get("XDG_RUNTIME_DIR")
     if xdg:
         return Path(xdg) / "elasticd" / "control.sock"
-    return Path(f"/tmp/elasticd-{os.geteuid()}") / "control.sock"
+    return _tmp_dir() / "control.sock"
+
+
+TMP = Path("/tmp")
+
+
+def _tmp_dir() -> Path:
+    """/tmp/elasticd-UID, unless it is there and not this user's private directory (another user
+    made it first, or a symlink, or others may write to it): then this user's own
+    /tmp/elasticd-UID-XXXXXXXX, an existing one or else a new random name. Only this user can
+    have made such a directory, so the daemon and the CLI agree on it, and a squatter can neither
+    keep the daemon from starting nor pose as it."""
+    primary = TMP / f"elasticd-{os.geteuid()}"
+    if not os.path.lexists(primary) or _private(primary):
+        return primary
+    ours = _tmp_fallbacks()
+    return ours[0] if ours else primary.with_name(f"{primary.name}-{secrets.token_hex(4)}")
+
+
+def _tmp_fallbacks() -> list[Path]:
+    """This user's private /tmp/elasticd-UID-* directories, by name."""
+    prefix = f"elasticd-{os.geteuid()}-"
+    try:
+        names = sorted(n for n in os.listdir(TMP) if n.startswith(prefix))
+    except OSError:
+        return []
+    return [TMP / n for n in names if _private(TMP / n)]
+
+
+def _private(d: Path) -> bool:
+    """A real directory (not a symlink) of this user that nobody else may write to."""
+    try:
+        st = os.lstat(d)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o022
+
+
+def _trusted(d: Path) -> bool:
+    """May sockets in `d` be taken for daemons? Only where no one but this user or root can put
+    them: a directory of either (through a symlink of either) that others may not write to."""
+    try:
+        link, st = os.lstat(d), os.stat(d)
+    except OSError:
+        return False
+    owners = (0, os.geteuid())
+    return link.st_uid in owners and st.st_uid in owners and stat.S_ISDIR(st.st_mode) and not st.st_mode & 0o022
 
 
 SYSTEM_DIR = Path("/run/elasticd")  # the service's socket directory (the unit's RuntimeDirectory)
@@ -103,13 +150,15 @@ def second_socket_path(first: Path, run_id: str) -> Path:
 def find_daemons() -> list[Path]:
     """The daemons a CLI call without --socket may mean: $ELASTICD_SOCKET alone where it is set;
     else every live control.sock / control-RUN.sock in the default directory and, for a user
-    other than root (an operator), in the service's directory. A socket file nobody listens on
-    (a daemon that was SIGKILLed) is left out."""
+    other than root (an operator), in the service's directory; and in this user's own
+    /tmp/elasticd-UID-* (see _tmp_dir). A socket file nobody listens on (a daemon that was
+    SIGKILLed), or in a directory someone else could have put it in (_trusted), is left out."""
     if os.environ.get("ELASTICD_SOCKET"):
         return [Path(os.environ["ELASTICD_SOCKET"])]
-    dirs = dict.fromkeys([default_socket_path().parent, SYSTEM_DIR])
+    default = default_socket_path().parent
+    dirs = dict.fromkeys([default, *(_tmp_fallbacks() if default.parent == TMP else ()), SYSTEM_DIR])
     found = []
-    for d in dirs:
+    for d in filter(_trusted, dirs):
         try:
             names = sorted(os.listdir(d))
         except OSError:
@@ -288,7 +337,7 @@ class ControlServer:
         """Make sure the directory exists and nobody but us (or root) can swap files in it."""
         parent = self.path.parent
         created = False
-        if not parent.exists():
+        if not os.path.lexists(parent):
             try:
                 parent.mkdir(parents=True, mode=0o700)
             except FileExistsError:
@@ -299,10 +348,18 @@ class ControlServer:
             else:
                 created = True
                 os.chmod(parent, 0o700)  # exact, whatever the umask
-        st = os.stat(parent)
+        me = os.geteuid()
+        st = os.lstat(parent)
+        if stat.S_ISLNK(st.st_mode) and st.st_uid not in (0, me):
+            raise ControlError(f"socket directory {parent} is a symlink of uid {st.st_uid}, who could point it "
+                               "elsewhere: remove it, or pass another --socket")
+        try:
+            st = os.stat(parent)
+        except OSError as e:
+            raise ControlError(f"socket directory {parent} cannot be used ({e.strerror}): pass another --socket") from None
         if not stat.S_ISDIR(st.st_mode):
             raise ControlError(f"{parent} is not a directory: pass another --socket")
-        me = os.geteuid()
+        self._say_if_squatted(parent)
         if st.st_uid not in (0, me):
             raise ControlError(f"socket directory {parent} belongs to uid {st.st_uid}, who could replace the "
                                "socket: use a directory owned by this user or root")
@@ -322,6 +379,19 @@ class ControlServer:
             log.warning("control_socket_dir_closed_to_operators", directory=str(parent),
                         operators_group=self.operators_group,
                         fix=f"chgrp {self.operators_group} {parent} && chmod g+x {parent}")
+
+    @staticmethod
+    def _say_if_squatted(parent: Path) -> None:
+        """A daemon listening in a /tmp/elasticd-UID-* directory says why (see _tmp_dir)."""
+        primary = TMP / f"elasticd-{os.geteuid()}"
+        if parent.parent != TMP or not parent.name.startswith(f"{primary.name}-"):
+            return
+        try:
+            owner = os.lstat(primary).st_uid
+        except OSError:
+            return
+        log.warning("control_socket_dir_taken", taken=str(primary), owner_uid=owner, directory=str(parent),
+                    fix=f"remove {primary} (someone else made it first), or set XDG_RUNTIME_DIR or ELASTICD_SOCKET")
 
     def _clear_stale(self) -> None:
         """Refuse if a live daemon answers at the path; remove a socket file nobody listens on."""

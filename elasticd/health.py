@@ -21,6 +21,8 @@ import struct
 import time
 from dataclasses import dataclass
 
+from elasticd import safeio
+
 _LAYOUT = struct.Struct("<4sIqqdddddd")
 MAGIC = b"EDHB"
 SIZE = 128
@@ -42,8 +44,9 @@ class Beat:
 
 
 def create(path: str) -> None:
-    """Daemon side: an empty heartbeat file for one rank and attempt."""
-    with open(path, "wb") as f:
+    """Daemon side: an empty heartbeat file for one rank and attempt, created fresh (never through
+    a symlink someone planted; see safeio)."""
+    with os.fdopen(safeio.create(path), "wb") as f:
         f.write(_LAYOUT.pack(MAGIC, 1, 0, -1, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0).ljust(SIZE, b"\0"))
 
 
@@ -68,7 +71,7 @@ class Reader:
         (a step count of 0, a last beat at 0.0: "silent for hours"), so read until two reads agree."""
         if self._fd is None:
             try:
-                self._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+                self._fd = safeio.open_existing(self.path)
             except OSError:
                 return None
         try:
@@ -101,7 +104,7 @@ def mark(path: str, name: str) -> None:
     module GC: over a second with torch on a busy host), which no optimizer step will ever
     report, so the daemon switches to the exit timeout."""
     try:
-        fd = os.open(path, os.O_WRONLY)
+        fd = safeio.open_existing(path, os.O_WRONLY)
     except OSError:
         return
     try:
@@ -118,7 +121,7 @@ class Writer:
     writing them, and a daemon reading in between would see a rank that never beat."""
 
     def __init__(self, path: str):
-        fd = os.open(path, os.O_RDWR)
+        fd = safeio.open_existing(path, os.O_RDWR)
         try:
             self._map = mmap.mmap(fd, SIZE)
         finally:
@@ -148,7 +151,7 @@ def marked(path: str | None, name: str) -> bool:
     if not path:
         return False
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = safeio.open_existing(path)
     except OSError:
         return False
     try:

@@ -2,9 +2,9 @@
 replacement resumes from the step before the crash instead of the last disk checkpoint.
 
 The daemon owns the directory (a private tmpfs directory under /dev/shm, one per daemon run,
-passed to workers as ELASTICD_MEMORY_DIR, removed when the daemon exits); workers write into it
-through CheckpointManager. It survives worker crashes, not the node: disk checkpoints stay the
-source of truth for node loss, a world-size change or a daemon restart.
+passed to workers as ELASTICD_MEMORY_DIR, flocked while the daemon lives, removed when it exits);
+workers write into it through CheckpointManager. It survives worker crashes, not the node: disk
+checkpoints stay the source of truth for node loss, a world-size change or a daemon restart.
 
 Each local rank L owns two preallocated slot files, `l<L>.0` and `l<L>.1`, memory-mapped and
 written in turn, so a refresh is a memory copy of the tensors into the mapping plus a small
@@ -26,6 +26,7 @@ import base64
 import contextlib
 import ctypes
 import dataclasses
+import fcntl
 import functools
 import itertools
 import json
@@ -44,6 +45,8 @@ import zlib
 from collections import OrderedDict, deque
 from collections.abc import Mapping
 from typing import Any
+
+from elasticd import safeio
 
 ENV = "ELASTICD_MEMORY_DIR"
 ROOT = "/dev/shm"
@@ -75,16 +78,29 @@ def _import_torch() -> None:
 
 # -- daemon side ------------------------------------------------------------------------------
 
+LOCK = "lock"  # flocked by the live daemon for as long as the directory is in use
+OWNER = "owner"  # the daemon's pid (for people), written once the lock is held
+_locks: dict[str, int] = {}  # directory -> the lock's descriptor, held until remove()
+
+
 def create(run_id: str) -> str | None:
     """A fresh 0700 directory for this daemon run, or None where there is no tmpfs to use.
-    Directories of daemons that died without cleaning up are removed first."""
+    Directories of daemons that died without cleaning up are removed first.
+
+    The daemon holds an exclusive flock on the directory's lock file for its whole life (close
+    on exec: no worker holds it after the daemon is gone): that, not the pid in `owner`, is what
+    tells a live directory, since a daemon in another pid namespace sharing /dev/shm (a container)
+    has a pid that means nothing here."""
     if not os.path.isdir(ROOT) or not os.access(ROOT, os.W_OK):
         return None
     reap_stale()
     safe = re.sub(r"[^A-Za-z0-9_.-]", "_", run_id)[:64]
     try:
         path = tempfile.mkdtemp(prefix=f"{PREFIX}{safe}-", dir=ROOT)
-        with open(os.path.join(path, "owner"), "w") as f:
+        fd = safeio.create(os.path.join(path, LOCK), os.O_RDONLY)
+        _locks[path] = fd
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with os.fdopen(safeio.create(os.path.join(path, OWNER)), "w") as f:  # last: see reap_stale
             f.write(str(os.getpid()))
     except OSError:
         return None
@@ -94,40 +110,56 @@ def create(run_id: str) -> str | None:
 def remove(path: str | None) -> None:
     if path:
         shutil.rmtree(path, ignore_errors=True)
+        fd = _locks.pop(path, None)
+        if fd is not None:
+            os.close(fd)
 
 
 def reap_stale() -> list[str]:
-    """Our user's memory directories whose daemon is gone (SIGKILL, power cut of the process)."""
+    """Our user's memory directories whose daemon is gone (SIGKILL, power cut of the process):
+    nobody holds their lock. Anything else stays: a directory without an owner file (being
+    created) or a lock file (an older elasticd's), another user's, or a symlink (never followed)."""
     gone = []
     try:
-        names = os.listdir(ROOT)
+        root = os.open(ROOT, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError:
         return gone
-    for name in names:
-        path = os.path.join(ROOT, name)
-        if not name.startswith(PREFIX):
-            continue
-        try:
-            if os.stat(path).st_uid != os.getuid():
-                continue
-            with open(os.path.join(path, "owner")) as f:
-                pid = int(f.read().strip() or 0)
-        except (OSError, ValueError):
-            continue
-        if pid and not _alive(pid):
-            shutil.rmtree(path, ignore_errors=True)
-            gone.append(path)
+    try:
+        for name in os.listdir(root):
+            lock = _take_lock(root, name) if name.startswith(PREFIX) else None
+            if lock is not None:
+                try:
+                    shutil.rmtree(name, dir_fd=root, ignore_errors=True)
+                finally:
+                    os.close(lock)
+                gone.append(os.path.join(ROOT, name))
+    finally:
+        os.close(root)
     return gone
 
 
-def _alive(pid: int) -> bool:
+def _take_lock(root: int, name: str) -> int | None:
+    """The locked lock file of ROOT/name if that is a directory of this user that no live daemon
+    holds, else None."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        d = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=root)
+    except OSError:
+        return None  # a symlink, a file, gone
+    try:
+        if os.fstat(d).st_uid != os.geteuid():
+            return None
+        os.stat(OWNER, dir_fd=d, follow_symlinks=False)
+        lock = os.open(LOCK, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=d)
+    except OSError:
+        return None
+    finally:
+        os.close(d)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(lock)
+        return None
+    return lock
 
 
 def newest_step(path: str | None) -> int | None:
@@ -354,7 +386,7 @@ class _Slot:
 
     def __init__(self, file: str) -> None:
         self.file = file
-        self.fd = os.open(file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        self.fd = os.open(file, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         self.mm: mmap.mmap | None = None
         self.size = 0
         self.layout: tuple = ()

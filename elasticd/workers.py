@@ -24,7 +24,7 @@ from typing import BinaryIO
 
 import psutil
 
-from elasticd import health, logs, proctitle, systemd
+from elasticd import health, logs, proctitle, safeio, systemd
 
 log = logs.get("elasticd.workers")
 
@@ -203,7 +203,7 @@ def spawn(spec: GroupSpec, spares: list[Spare] | None = None) -> list[Worker]:
 
     Call from the agent loop's thread: the parent-death signal the bootstrap arms fires when the
     *thread* that forked the child exits."""
-    spec.attempt_dir.mkdir(parents=True, exist_ok=True)
+    safeio.mkdir(spec.attempt_dir)  # fresh in our fresh run directory: an existing one was planted
     spares = spares if spares is not None else []
     workers = []
     for local_rank in range(spec.nproc):
@@ -216,7 +216,7 @@ def spawn(spec: GroupSpec, spares: list[Spare] | None = None) -> list[Worker]:
         while spares and proc is None:
             proc = _assign(spares.pop(0), env, args, paths["log"])
         if proc is None:
-            with open(paths["log"], "ab") as out:
+            with os.fdopen(safeio.create(paths["log"]), "ab") as out:
                 proc = subprocess.Popen(
                     proctitle.command("elasticd.bootstrap", proctitle.title(spec.entrypoint, args), args),
                     env=env,
@@ -250,7 +250,7 @@ def start_spare(token: str, nproc: int, preload: tuple[str, ...], log_path: Path
     then waits on stdin for its rank's environment and arguments. Handing it a rank skips
     interpreter start-up and imports on a restart. The fallback where the fork server is unfit.
     `shown`: the workers' command line (proctitle.title), which the spare makes room for."""
-    with open(log_path, "ab") as out:
+    with os.fdopen(safeio.append(log_path), "ab") as out:
         proc = subprocess.Popen(proctitle.command("elasticd.bootstrap", shown), env=_spare_env(token, nproc, preload),
                                 stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True, close_fds=True)
@@ -266,7 +266,7 @@ class ForkServer:
     def __init__(self, token: str, nproc: int, preload: tuple[str, ...], log_path: Path, shown: list[str]) -> None:
         self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            with open(log_path, "ab") as out:
+            with os.fdopen(safeio.append(log_path), "ab") as out:
                 self.proc = subprocess.Popen(proctitle.command("elasticd.forkserver", shown),
                                              env=_spare_env(token, nproc, preload), stdin=theirs,
                                              stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
@@ -482,8 +482,8 @@ def dump_stacks(workers: list[Worker], sig_name: str, wait: float = 1.0,
     live = [w for w in workers if w.proc.poll() is None]
     sizes = {}
     for w in live:
-        sizes[w.pid] = w.stack_path.stat().st_size if w.stack_path.exists() else 0
-        with open(w.stack_path, "a") as f:
+        with os.fdopen(safeio.append(w.stack_path), "a") as f:  # the worker may not have made it yet
+            sizes[w.pid] = os.fstat(f.fileno()).st_size
             f.write(f"\n=== elasticd stack dump, rank {w.global_rank}, pid {w.pid}, {time.strftime('%Y-%m-%dT%H:%M:%S%z')} ===\n")
         try:
             os.kill(w.pid, sig)
@@ -501,7 +501,7 @@ def dump_stacks(workers: list[Worker], sig_name: str, wait: float = 1.0,
         time.sleep(0.05)
     dumps = []
     for w in live:
-        with open(w.stack_path, "rb") as f:
+        with os.fdopen(safeio.open_existing(w.stack_path), "rb") as f:
             f.seek(sizes[w.pid])
             dumps.append((w, f.read(limit).decode(errors="replace")))
     return dumps

@@ -308,13 +308,13 @@ def test_daemon_side_create_remove_and_reap(tmp_path, monkeypatch):
     path = memory.create("job/../x")
     assert path and os.path.dirname(path) == str(tmp_path) and "/../" not in path[len(str(tmp_path)):]
     assert os.stat(path).st_mode & 0o777 == 0o700
-    dead = subprocess.Popen(["true"])
-    dead.wait()
-    stale = memory.create("old")
-    with open(os.path.join(stale, "owner"), "w") as f:
-        f.write(str(dead.pid))
+    # a daemon that died without cleaning up: its process is gone, and with it the lock it held
+    code = "import sys; from elasticd import memory; memory.ROOT = sys.argv[1]; print(memory.create('old'))"
+    stale = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True,
+                           check=True, timeout=60).stdout.strip()
+    assert os.path.isdir(stale)
     assert memory.reap_stale() == [stale]
-    assert os.path.isdir(path)  # ours: this process is alive
+    assert os.path.isdir(path)  # ours: this process holds its lock
     memory.remove(path)
     assert not os.path.exists(path)
 

@@ -265,7 +265,7 @@ logs.setup("json")
 def hook(snap):
     while pathlib.Path({str(stall)!r}).exists():
         time.sleep(0.05)
-a = Agent(cfg, pathlib.Path({str(tmp_path / 'run')!r}), on_snapshot=hook)
+a = Agent(cfg, config.make_run_dir(pathlib.Path({str(tmp_path)!r}), "run"), on_snapshot=hook)  # as the CLI makes it
 a.notify = systemd
 a.install_signals()
 sys.exit(a.run())

@@ -1,0 +1,37 @@
+"""Files and directories elasticd creates, made safe for a daemon that runs as root on a shared node.
+
+Every one is created fresh where it is new (an existing entry, or a symlink someone planted, is an
+error, never written through), is never opened through a symlink in its last component, and is
+never readable by other users: files 0640, directories 0750 (the umask can only narrow that).
+Parent directories are safe because the run directory is created fresh under a checked base
+(config.check_log_dir): nobody else can add or swap entries below it.
+"""
+
+from __future__ import annotations
+
+import os
+
+FILE_MODE = 0o640
+DIR_MODE = 0o750
+_SAFE = os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def create(path: str | os.PathLike, flags: int = os.O_WRONLY) -> int:
+    """A new file's descriptor; FileExistsError if anything (a file, a symlink) is already there."""
+    return os.open(path, flags | os.O_CREAT | os.O_EXCL | _SAFE, FILE_MODE)
+
+
+def append(path: str | os.PathLike) -> int:
+    """A descriptor appending to a file several writers open in turn (created if missing); a
+    symlink in its place is an OSError (ELOOP)."""
+    return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _SAFE, FILE_MODE)
+
+
+def open_existing(path: str | os.PathLike, flags: int = os.O_RDONLY) -> int:
+    """A descriptor of an existing file, never through a symlink."""
+    return os.open(path, flags | _SAFE)
+
+
+def mkdir(path: str | os.PathLike) -> None:
+    """A new directory; FileExistsError if anything is already there (it is never reused)."""
+    os.mkdir(path, DIR_MODE)

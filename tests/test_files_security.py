@@ -1,0 +1,331 @@
+"""Issue 18: the daemon runs as root on shared nodes. What it writes must be fresh, private and
+never reached through someone else's symlink; what it reaps must be dead for sure; and a
+squatted socket directory must neither stop it nor let another user pose as it.
+
+Tests that need a second user run as root (as CI does) with uid 65534 (nobody) as the attacker."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from harness import ROOT, script, wait_until
+
+from elasticd import control, health, memory
+
+NOBODY = 65534
+root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another uid")
+
+
+def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "elasticd.cli", *args], capture_output=True, text=True, check=False,
+                          timeout=timeout, cwd=ROOT)
+
+
+def assert_one_error(r: subprocess.CompletedProcess, *needles: str) -> None:
+    assert r.returncode == 2, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("elasticd: error: "), r.stderr
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+# --- finding 3: directories another user controls ------------------------------------------
+
+
+@root_only
+@pytest.mark.parametrize("case", ["owned", "parent owned", "world-writable", "group-writable", "checkpoints"])
+def test_log_or_checkpoint_dir_others_control_is_refused(tmp_path, case):
+    """A base directory another user owns or may add entries to (anywhere on its path) would let
+    them plant symlinks that make a root daemon write to any file: exit 2 with one line naming
+    the directory and the fix, before anything is created in it."""
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    log_dir, ckpt_dir, flag = theirs, tmp_path / "ckpt", "--log-dir"
+    needles = [f"{theirs} belongs to uid {NOBODY}", "use a directory owned by root"]
+    if case in ("owned", "parent owned", "checkpoints"):
+        os.chown(theirs, NOBODY, NOBODY)
+    if case == "parent owned":
+        log_dir = theirs / "runs"
+    elif case == "world-writable":
+        theirs.chmod(0o777)
+        needles = [f"{theirs} is writable by other users without the sticky bit", f"chmod go-w {theirs}"]
+    elif case == "group-writable":
+        theirs.chmod(0o770)
+        needles = [f"{theirs} is writable by its group", f"chmod go-w {theirs}"]
+    elif case == "checkpoints":
+        log_dir, ckpt_dir, flag = tmp_path / "logs", theirs, "--checkpoint-dir"
+    r = run_cli("run", "--log-dir", str(log_dir), "--checkpoint-dir", str(ckpt_dir), "--socket", str(tmp_path / "s"),
+                "--nproc-per-node", "1", script("faulty.py"), "--steps", "1")
+    assert_one_error(r, f"{flag} {log_dir if flag == '--log-dir' else ckpt_dir}: ", *needles,
+                     f"or choose another {flag}")
+    assert os.listdir(theirs) == []  # nothing made in it: no run directory, no checkpoints
+    assert not (tmp_path / "s").exists()  # nothing started
+
+
+def _stamps(seconds: int) -> list[str]:
+    now = time.time()
+    return [time.strftime("%Y%m%d-%H%M%S", time.localtime(now + i)) for i in range(-1, seconds)]
+
+
+@root_only
+def test_planted_run_directory_is_never_written_through(tmp_path):
+    """The run directory's name (<rdzv id>-<time>-<pid>) is predictable. In a shared sticky base
+    (like /tmp) another user plants it ahead, with symlinks where the daemon writes
+    (attempt1/ to their directory, spares.log to a file of root's): the daemon must make its own
+    fresh directory and leave the planted one and the targets alone."""
+    base = tmp_path / "shared"
+    base.mkdir()
+    base.chmod(0o1777)  # world-writable with the sticky bit, as /tmp: accepted
+    precious = tmp_path / "precious"
+    precious.write_text("root's data\n")
+    loot = tmp_path / "loot"
+    loot.mkdir()
+    os.chown(loot, NOBODY, NOBODY)
+    # the daemon's pid is known before it picks the name: it waits for a line on stdin first
+    go = "import sys; sys.stdin.readline(); from elasticd.cli import main; sys.exit(main(sys.argv[1:]))"
+    out = tmp_path / "out.txt"
+    with open(out, "wb") as f:
+        daemon = subprocess.Popen(
+            [sys.executable, "-c", go, "run", "--log-dir", str(base), "--socket", str(tmp_path / "s"),
+             "--rdzv-id", "job", "--nproc-per-node", "1", "--log-format", "json", script("faulty.py"), "--steps", "2"],
+            stdin=subprocess.PIPE, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+    planted = []
+    try:
+        for stamp in _stamps(30):
+            d = base / f"job-{stamp}-{daemon.pid}"
+            d.mkdir()
+            (d / "attempt1").symlink_to(loot)
+            (d / "spares.log").symlink_to(precious)
+            for p in (d, d / "attempt1", d / "spares.log"):
+                os.lchown(p, NOBODY, NOBODY)
+            planted.append(d)
+        daemon.stdin.write(b"go\n")
+        daemon.stdin.close()
+        assert daemon.wait(timeout=120) == 0, out.read_text()[-3000:]
+    finally:
+        if daemon.poll() is None:
+            daemon.kill()
+            daemon.wait()
+    assert precious.read_text() == "root's data\n"
+    assert os.listdir(loot) == []
+    for d in planted:
+        assert sorted(os.listdir(d)) == ["attempt1", "spares.log"]
+    ours = [d for d in base.iterdir() if d not in planted and d.name != "checkpoints"]
+    assert len(ours) == 1 and ours[0].name.startswith(planted[0].name[:4]), ours
+    st = os.lstat(ours[0])
+    assert stat.S_ISDIR(st.st_mode) and st.st_uid == 0 and stat.S_IMODE(st.st_mode) & 0o027 == 0
+    assert "done" in (ours[0] / "attempt1" / "rank0.log").read_text()
+
+
+def test_heartbeat_file_is_never_created_through_a_symlink(tmp_path):
+    """health.create (the daemon pre-creates each rank's heartbeat) must not truncate what a
+    planted symlink points at."""
+    victim = tmp_path / "victim"
+    victim.write_text("keep me")
+    link = tmp_path / "rank0.heartbeat"
+    link.symlink_to(victim)
+    with pytest.raises(FileExistsError):
+        health.create(str(link))
+    assert victim.read_text() == "keep me"
+    fresh = tmp_path / "rank1.heartbeat"
+    health.create(str(fresh))
+    assert health.read(str(fresh)).beats == 0
+
+
+# --- finding 9: modes of what a real run leaves -----------------------------------------------
+
+
+def _modes(top: Path) -> dict[str, int]:
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(top):
+        for name in [*dirnames, *filenames]:
+            p = Path(dirpath) / name
+            out[str(p.relative_to(top))] = stat.S_IMODE(os.lstat(p).st_mode)
+    return out
+
+
+def test_logs_stacks_heartbeats_and_checkpoints_are_not_world_readable(daemons, tmp_path):
+    """A real run with the everyday umask 022 leaves logs, heartbeats, a stack dump, an error
+    file, checkpoints and in-memory state that other users cannot read: files 0640 at most,
+    directories 0750 at most."""
+    flag = tmp_path / "flag"
+    old = os.umask(0o022)
+    try:
+        d = daemons(script("private_files.py"), "--nproc-per-node", "1", "--max-restarts", "1",
+                    "--restart-grace", "1", args=[str(flag)])
+    finally:
+        os.umask(old)
+    wait_until(lambda: "saved" in d.log_text(0, attempt=1), 90, what="the first attempt's checkpoints")
+    mem = wait_until(lambda: [e["directory"] for e in d.events() if e.get("event") == "memory_state"], 10,
+                     what="the memory directory")[0]
+    r = subprocess.run([sys.executable, "-m", "elasticd.cli", "stacks", "--socket", str(d.socket)],
+                       capture_output=True, text=True, timeout=30, cwd=ROOT, check=False)
+    assert r.returncode == 0, r.stderr
+    in_memory = _modes(Path(mem))
+    assert stat.S_IMODE(os.stat(mem).st_mode) == 0o700 and in_memory, in_memory
+    flag.write_text("")
+    assert d.wait(90) == 0, d.stderr()[-3000:]
+    run_dir = d.run_dir()
+    files = {**_modes(run_dir), **{f"checkpoints/{k}": v for k, v in _modes(d.log_dir / "checkpoints").items()},
+             **{f"shm/{k}": v for k, v in in_memory.items()}}
+    for name in ("attempt1/rank0.log", "attempt1/rank0.heartbeat", "attempt1/rank0.stacks.txt",
+                 "attempt1/rank0.error.json", "spares.log"):
+        assert name in files, sorted(files)
+    assert any(k.startswith("checkpoints/") and k.endswith(".pt") for k in files), sorted(files)
+    loose = {k: oct(v) for k, v in files.items() if v & 0o027}  # other users: nothing; group: no writes
+    assert not loose, loose
+    assert stat.S_IMODE(run_dir.stat().st_mode) == 0o750
+
+
+# --- finding 4: /dev/shm reaping --------------------------------------------------------------
+
+
+def test_memory_directory_of_a_live_daemon_in_another_pid_namespace_is_kept(tmp_path, monkeypatch):
+    """A daemon in a container that shares /dev/shm records a pid of its own pid namespace, which
+    names no process here (or an unrelated one). Modelled faithfully without a container: a live
+    process holds the directory (memory.create, as the daemon does) and its owner file names a
+    pid that is dead here; that is what made a daemon starting on the host delete live state. Its
+    lock is what counts: kept while held, reaped once the holder is gone (SIGKILL, no cleanup)."""
+    monkeypatch.setattr(memory, "ROOT", str(tmp_path))
+    code = ("import sys; from elasticd import memory; memory.ROOT = sys.argv[1]; "
+            "print(memory.create('job'), flush=True); sys.stdin.readline()")
+    holder = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        live = holder.stdout.readline().strip()
+        assert live.startswith(str(tmp_path)), live
+        dead = subprocess.Popen(["true"])
+        dead.wait()
+        Path(live, "owner").write_text(str(dead.pid))  # its pid, in its namespace: nobody here
+        (tmp_path / f"{memory.PREFIX}link-x").symlink_to(live)  # never followed
+        other = tmp_path / f"{memory.PREFIX}other-x"
+        if os.geteuid() == 0:  # another user's, its lock free: not ours to delete
+            other.mkdir()
+            (other / "owner").write_text(str(dead.pid))
+            (other / "lock").write_text("")
+            os.chown(other, NOBODY, NOBODY)
+        assert memory.reap_stale() == []
+        assert os.path.isdir(live) and os.path.exists(os.path.join(live, "lock"))
+    finally:
+        holder.kill()
+        holder.wait()
+        holder.stdin.close()
+        holder.stdout.close()
+    assert memory.reap_stale() == [live]  # no holder now: stale
+    assert not os.path.exists(live) and other.is_dir() == (os.geteuid() == 0)
+
+
+
+# --- finding 9: the fallback socket directory --------------------------------------------------
+
+
+def _as_user(uid: int, do) -> dict:
+    """Run `do()` in a forked child with uid/gid `uid` and no runtime directories in its
+    environment; bounded, always reaped; its JSON result."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.close(r)
+            for var in ("ELASTICD_SOCKET", "RUNTIME_DIRECTORY", "XDG_RUNTIME_DIR"):
+                os.environ.pop(var, None)
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            try:
+                result = do()
+            except Exception as e:  # noqa: BLE001 - reported to the test
+                result = {"raised": f"{type(e).__name__}: {e}"}
+            os.write(w, json.dumps(result, default=str).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    deadline = time.monotonic() + 20
+    try:
+        while os.waitpid(pid, os.WNOHANG) == (0, 0):
+            if time.monotonic() > deadline:
+                os.kill(pid, 9)
+                os.waitpid(pid, 0)
+                pytest.fail("the child did not finish in 20 s")
+            time.sleep(0.01)
+        chunks = []
+        while chunk := os.read(r, 65536):
+            chunks.append(chunk)
+    finally:
+        os.close(r)
+    return json.loads(b"".join(chunks) or b"{}")
+
+
+def _serve_and_find() -> dict:
+    """What a daemon of this user does with the default socket path, then what the CLI finds."""
+    path = control.default_socket_path()
+    server = control.ControlServer(path, snapshot=lambda: {"state": "RUNNING", "me": os.getuid()},
+                                   command=lambda req: {"ok": True})
+    server.start()
+    try:
+        found = control.find_daemons()
+        replies = [control.request(p, {"version": 1, "command": "status"}, timeout=3)["status"] for p in found]
+        st = os.lstat(path.parent)
+        return {"path": str(path), "found": [str(p) for p in found], "replies": replies,
+                "dir_uid": st.st_uid, "dir_mode": stat.S_IMODE(st.st_mode)}
+    finally:
+        server.close()
+
+
+@root_only
+@pytest.mark.parametrize("squat", ["another user's directory", "symlink", "writable by others"])
+def test_squatted_fallback_socket_directory_neither_stops_nor_fools_the_daemon(tmp_path, squat):
+    """/tmp/elasticd-UID (an unprivileged daemon's socket directory without XDG_RUNTIME_DIR) is a
+    predictable name in /tmp: another user makes it first, maybe with a socket of theirs inside.
+    The daemon still starts, in a private /tmp/elasticd-UID-XXXXXXXX only this user can have made,
+    and the CLI finds it there, and only it."""
+    uid = 200_000 + os.getpid() % 100_000  # a user of this test alone: nobody else's /tmp/elasticd-UID
+    primary = Path(f"/tmp/elasticd-{uid}")
+    fake = Path(f"/tmp/elasticd-squat-{uid}")
+    for p in (primary, fake):
+        assert not os.path.lexists(p), p
+    impostor = socket.socket(socket.AF_UNIX)
+    try:
+        if squat == "writable by others":
+            primary.mkdir()
+            os.chown(primary, uid, uid)
+            primary.chmod(0o777)
+            where = primary
+        else:
+            fake.mkdir(mode=0o755)
+            os.chown(fake, NOBODY, NOBODY)
+            where = fake
+            if squat == "symlink":
+                primary.symlink_to(fake)
+                os.lchown(primary, NOBODY, NOBODY)
+            else:
+                fake.rename(primary)
+                where = primary
+        impostor.bind(str(where / "control.sock"))  # an impostor the CLI must not ask
+        os.chmod(where / "control.sock", 0o777)
+        impostor.listen(1)
+        got = _as_user(uid, _serve_and_find)
+    finally:
+        impostor.close()
+        shutil.rmtree(fake, ignore_errors=True)
+        if primary.is_symlink():
+            primary.unlink()
+        shutil.rmtree(primary, ignore_errors=True)
+        for p in Path("/tmp").glob(f"elasticd-{uid}-*"):
+            shutil.rmtree(p, ignore_errors=True)
+    assert "raised" not in got, got
+    path = Path(got["path"])
+    assert path.parent.name.startswith(f"elasticd-{uid}-") and path.parent.parent == Path("/tmp"), got
+    assert got["dir_uid"] == uid and got["dir_mode"] == 0o700, got
+    assert got["found"] == [got["path"]] and got["replies"] == [{"state": "RUNNING", "me": uid}], got
