@@ -33,7 +33,7 @@ def assert_one_error(r: subprocess.CompletedProcess, *needles: str) -> None:
     (["--nnodes", "3:2", script("faulty.py")], ["--nnodes '3:2'", "MAX is smaller than MIN"]),
     (["--nnodes", "0", script("faulty.py")], ["--nnodes '0'", "at least 1"]),
     (["--nnodes", "x", script("faulty.py")], ["--nnodes 'x' is not N or MIN:MAX"]),
-    (["--nproc-per-node", "0", script("faulty.py")], ["--nproc-per-node 0", "at least 1"]),
+    (["--nproc-per-node", "0", script("faulty.py")], ["--nproc-per-node: 0 is out of range", "at least 1"]),
     (["--nproc-per-node", "two", script("faulty.py")], ["--nproc-per-node", "'two' is not a number of workers"]),
     (["-m", script("faulty.py")], ["-m takes a module name", "drop -m"]),
     # torchrun's static rendezvous flags across nodes: what to give instead
@@ -42,7 +42,7 @@ def assert_one_error(r: subprocess.CompletedProcess, *needles: str) -> None:
     (["--nnodes", "2", "--master_addr=10.0.0.1", script("faulty.py")], ["--master-addr 10.0.0.1",
                                                                          "--rdzv-endpoint MASTER_ADDR"]),
     (["--rdzv-backend", "etcd", script("faulty.py")], ["--rdzv-backend etcd", "c10d only"]),
-    (["--max-restarts", "-1", script("faulty.py")], ["--max-restarts -1"]),
+    (["--max-restarts", "-1", script("faulty.py")], ["--max-restarts: -1 is out of range", "at least 0"]),
     (["--nnodes", "2", script("faulty.py")], ["needs --rdzv-endpoint"]),
     (["--rdzv-endpoint", "localhost:http", script("faulty.py")], ["port 'http' is not a number"]),
     (["--log-format", "xml", script("faulty.py")], ["--log-format", "invalid choice"]),

@@ -57,11 +57,11 @@ def test_defaults():
     ("require_heartbeat = 3\n", "is not true or false"),
     ("heartbeat_timeout = \"soon\"\n", "is not a number"),
     ("args = 5\n", "is not a list"),
-    ("fatal_exit_codes = [\"x\"]\n", "is not a list"),
-    ("monitor_interval = 0\n", "--monitor-interval 0.0: must be greater than 0"),
+    ("fatal_exit_codes = [\"x\"]\n", "is not a list of whole numbers"),
+    ("monitor_interval = 0\n", "monitor_interval in config file .*: 0.0 is out of range; use a number at least 0.01"),
     ("nnodes = \"4:2\"\n", "MAX is smaller than MIN"),
     ("log_format = \"xml\"\n", "--log-format 'xml'"),
-    ("stack_signal = \"SIGNOPE\"\n", "not a signal name"),
+    ("stack_signal = \"SIGNOPE\"\n", "not a signal name such as SIGUSR1"),
     ("colour = true\n", "unknown setting 'colour'"),
 ])
 def test_bad_values_name_the_key(tmp_path, text, message):
