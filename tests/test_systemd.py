@@ -65,6 +65,17 @@ def test_each_helper_sends_exactly_its_datagram(notify_socket):
     assert nothing_more(s)
 
 
+def test_extend_timeout_clamps_and_never_raises(notify_socket):
+    """A stop with an absurd grace (inf, nan, 1e300, an int beyond any float) asks for as much as
+    systemd can hold, or nothing: it used to raise OverflowError and take the daemon down mid-stop."""
+    most = b"EXTEND_TIMEOUT_USEC=18446744073709551614"  # 2**64 - 2: below USEC_INFINITY
+    nothing = b"EXTEND_TIMEOUT_USEC=0"
+    for seconds, expected in ((float("inf"), most), (1e300, most), (10**400, most), (float("nan"), nothing),
+                              (float("-inf"), nothing), (2592000 * 3 + 5, b"EXTEND_TIMEOUT_USEC=7776005000000")):
+        assert systemd.extend_timeout(seconds) is True
+        assert notify_socket.recv(4096) == expected, seconds
+
+
 def test_abstract_namespace_address(monkeypatch):
     name = f"elasticd-test-notify-{os.getpid()}"
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
