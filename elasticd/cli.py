@@ -35,10 +35,14 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(EXIT_USAGE)
 
 
+# What str.splitlines() (and so many a log reader) takes for the end of a line, as escapes.
+_LINE_BREAKS = {ord(c): repr(c)[1:-1] for c in "\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029"}
+
+
 def _one_line(message: object) -> str:
     """An error as one line, whatever a value quoted in it held (a newline from an environment
     variable must not make a second line that looks like another message)."""
-    return str(message).replace("\r", "\\r").replace("\n", "\\n")
+    return str(message).translate(_LINE_BREAKS)
 
 
 def _grace(text: str) -> float:

@@ -166,8 +166,8 @@ def test_bad_config_files_exit_2_with_one_line(make, needles, tmp_path):
 def test_error_line_stays_one_line_whatever_the_value_holds(tmp_path):
     """A newline in an environment variable quoted in a message must not split it in two."""
     r = run_cli("run", "--log-dir", str(tmp_path), "--nproc-per-node", "2", "--virtual-local-rank",
-                script("faulty.py"), env={"CUDA_VISIBLE_DEVICES": "3\nelasticd: error: forged"})
-    assert_one_error(r, "--virtual-local-rank with 2 workers", "3\\nelasticd: error: forged")
+                script("faulty.py"), env={"CUDA_VISIBLE_DEVICES": "3\nelasticd: error: forged\x1eand\u2028more"})
+    assert_one_error(r, "--virtual-local-rank with 2 workers", "3\\nelasticd: error: forged\\x1eand\\u2028more")
 
 
 def test_stop_timeout_inf_is_refused_and_the_daemon_keeps_running(daemons):
