@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from elasticd import __version__
-from elasticd.config import ConfigError
+from elasticd.config import ConfigError, check_value
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_RUNNING, EXIT_CONTROL = 0, 1, 2, 3, 4
 
@@ -31,8 +31,28 @@ EPILOG = """exit codes: 0 success (status: running), 1 job failed, 2 bad input (
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line, exit 2
-        sys.stderr.write(f"elasticd: error: {message} (see '{self.prog} --help')\n")
+        sys.stderr.write(f"elasticd: error: {_one_line(message)} (see '{self.prog} --help')\n")
         sys.exit(EXIT_USAGE)
+
+
+# What str.splitlines() (and so many a log reader) takes for the end of a line, as escapes.
+_LINE_BREAKS = {ord(c): repr(c)[1:-1] for c in "\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029"}
+
+
+def _one_line(message: object) -> str:
+    """An error as one line, whatever a value quoted in it held (a newline from an environment
+    variable must not make a second line that looks like another message)."""
+    return str(message).translate(_LINE_BREAKS)
+
+
+def _grace(text: str) -> float:
+    """`stop --timeout`: seconds of grace the daemon can honour (not nan, inf or negative)."""
+    try:
+        return check_value("stop_grace", float(text), "stop grace")
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 class _Instead(argparse.Action):
@@ -200,7 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--socket", default=None, help="control socket path")
     sp = sub.add_parser("stop", help="stop the job gracefully", epilog=EPILOG,
                         formatter_class=argparse.RawDescriptionHelpFormatter)
-    sp.add_argument("--timeout", type=float, default=None, help="grace before workers are killed")
+    sp.add_argument("--timeout", type=_grace, default=None, metavar="SECONDS",
+                    help="grace before workers are killed (default: the daemon's stop_grace)")
     sp.add_argument("--socket", default=None, help="control socket path")
     sk = sub.add_parser("stacks", help="print every thread's stack of each local worker, now",
                         description="Each running worker of this node dumps all its threads' Python stacks "
@@ -270,7 +291,7 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
         cfg = dataclasses.replace(cfg, checkpoint_dir=str(config.check_log_dir(checkpoints, "--checkpoint-dir")))
         run_dir = _run_dir(cfg, base)
     except ConfigError as e:
-        sys.stderr.write(f"elasticd: error: {e}\n")
+        sys.stderr.write(f"elasticd: error: {_one_line(e)}\n")
         return EXIT_USAGE
     logs.setup(cfg.log_format)
     from elasticd.agent import serve
@@ -278,7 +299,7 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
     try:
         return serve(cfg, run_dir)
     except ConfigError as e:  # found only when binding (a port in use, a live socket)
-        sys.stderr.write(f"elasticd: error: {e}\n")
+        sys.stderr.write(f"elasticd: error: {_one_line(e)}\n")
         return EXIT_USAGE
 
 

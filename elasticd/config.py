@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import os
+import re
 import shutil
 import signal
 import socket
@@ -21,6 +22,39 @@ from typing import Any
 
 DEFAULT_ENTRYPOINT = "entrypoints.train"
 DEFAULT_RDZV_PORT = 29400
+
+
+# Upper bounds: far above any real job, low enough for every API a value reaches (select and
+# threading take at most about 292 years, timedelta 2.7 million years, systemd's
+# EXTEND_TIMEOUT_USEC a uint64 of microseconds) and for the machine itself.
+MAX_SECONDS = 30 * 86400.0  # 30 days
+MAX_NPROC = 1024  # workers per node (more when a machine has more CPUs: nproc_per_node = "cpu")
+MAX_NODES = 100_000
+MAX_RESTARTS = 1_000_000
+
+# Numeric settings: (least, most, whether `least` itself is allowed). monitor_interval paces the
+# loop that feeds systemd's watchdog and answers stops: not a busy loop, not asleep for long.
+_RANGES: dict[str, tuple[float, float, bool]] = {
+    "nproc_per_node": (1, max(MAX_NPROC, os.cpu_count() or 1), True),
+    "max_restarts": (0, MAX_RESTARTS, True),
+    "monitor_interval": (0.01, 10.0, True),
+    **{k: (0.0, MAX_SECONDS, False) for k in ("heartbeat_timeout", "startup_timeout", "join_timeout",
+                                              "exit_barrier_timeout", "peer_timeout", "kill_timeout")},
+    **{k: (0.0, MAX_SECONDS, True) for k in ("stop_grace", "restart_grace", "restart_backoff",
+                                             "restart_backoff_max", "last_call_timeout")},
+}
+
+# Signals a worker may dump its stacks on (faulthandler registers them; a worker that has not yet
+# registered the handler is ended, as by SIGTERM). Not: signals that stop workers (SIGTERM, SIGINT),
+# cannot be caught (SIGKILL, SIGSTOP), are faults faulthandler reserves (SIGSEGV, SIGBUS, SIGFPE,
+# SIGILL, SIGABRT), or arrive in ordinary operation (SIGCHLD, SIGCONT, SIGPIPE, SIGALRM, SIGPROF...).
+STACK_SIGNALS = tuple(n for n in ("SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT", "SIGPWR") if hasattr(signal, n))
+# Signals that may stop the daemon gracefully: the asynchronous ones a user, scheduler or batch
+# system sends (SLURM's --signal, LSF's SIGXCPU warning...), not faults, job control or SIGCHLD.
+STOP_SIGNALS = tuple(n for n in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGALRM",
+                                 "SIGPWR", "SIGXCPU", "SIGVTALRM", "SIGPROF") if hasattr(signal, n))
+# A job id lands in directory names (<log dir>/<id>-..., checkpoints/<id>) and socket names.
+RDZV_ID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
 
 
 class ConfigError(Exception):
@@ -144,6 +178,8 @@ def parse_nnodes(text: str) -> tuple[int, int]:
         raise ConfigError(f"--nnodes {text!r} is not N or MIN:MAX (e.g. 2 or 1:4)") from None
     if lo < 1:
         raise ConfigError(f"--nnodes {text!r}: the minimum node count must be at least 1")
+    if hi > MAX_NODES:
+        raise ConfigError(f"--nnodes {text!r}: at most {MAX_NODES} nodes")
     if hi < lo:
         raise ConfigError(f"--nnodes {text!r}: MAX is smaller than MIN; write MIN:MAX, e.g. {hi}:{lo}")
     return lo, hi
@@ -237,9 +273,18 @@ def load_toml(path: str) -> dict[str, Any]:
         raise ConfigError(f"config file {path} does not exist: create it or drop --config") from None
     except PermissionError:
         raise ConfigError(f"config file {path} is not readable by this user: fix its permissions") from None
-    except tomllib.TOMLDecodeError as e:
+    except IsADirectoryError:
+        raise ConfigError(f"config file {path} is a directory: give the path of a TOML file") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {path} is not UTF-8 text (byte {e.start}): save it as UTF-8") from None
+    except ValueError as e:  # tomllib.TOMLDecodeError, or a number too long to read
         raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
-    data = dict(data.get("elasticd", data))
+    except OSError as e:
+        raise ConfigError(f"config file {path} cannot be read ({e.strerror or e}): give a readable TOML file") from None
+    data = data.get("elasticd", data)
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path}: elasticd is {type(data).__name__}, not a table; "
+                          "write the settings under [elasticd] or at the top level")
     return {k.replace("-", "_"): v for k, v in data.items()}
 
 
@@ -291,7 +336,7 @@ def _coerce(key: str, value: Any, source: str) -> Any:
                 value = value.replace(",", " ").split()
             if not isinstance(value, (list, tuple)):
                 raise TypeError
-            return tuple(_TUPLE_FIELDS[key](v) for v in value)
+            return check_value(key, tuple(_element(_TUPLE_FIELDS[key], v) for v in value), where)
         if isinstance(default, bool):
             if isinstance(value, bool):
                 return value
@@ -301,21 +346,89 @@ def _coerce(key: str, value: Any, source: str) -> Any:
             if text in ("0", "false", "no", "off"):
                 return False
             raise ValueError
-        if isinstance(default, int):
-            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
-                raise ValueError
-            return int(value)
-        if isinstance(default, float):
-            if isinstance(value, bool):
-                raise ValueError
-            return float(value)
+        if isinstance(default, (int, float)):
+            return check_value(key, _element(type(default), value), where)
         if isinstance(value, (dict, list)):
             raise TypeError
-        return str(value)
-    except (TypeError, ValueError):
+        return check_value(key, str(value), where)
+    except (TypeError, ValueError, OverflowError):
         kind = {tuple: "a list", bool: "true or false", int: "a whole number", float: "a number", str: "a string"}
-        expected = "a list" if key in _TUPLE_FIELDS else kind[type(default)]
+        element = {int: "whole numbers", str: "strings"}.get(_TUPLE_FIELDS.get(key))
+        expected = f"a list of {element}" if element else kind[type(default)]
         raise ConfigError(f"{where}: {value!r} is not {expected}") from None
+
+
+def _element(kind: type, value: Any) -> Any:
+    """A scalar as `kind` (str, int or float), refusing what would change meaning on the way:
+    booleans, tables, lists, and fractions or non-finite numbers as whole numbers."""
+    if isinstance(value, (bool, dict, list, tuple)):
+        raise TypeError
+    if kind is int and isinstance(value, float) and not value.is_integer():
+        raise ValueError
+    return kind(value)
+
+
+def _limits(key: str) -> str:
+    least, most, closed = _RANGES[key]
+    unit = " seconds" + (" (30 days)" if most == MAX_SECONDS else "") if isinstance(least, float) else ""
+    return f"{'at least' if closed else 'greater than'} {least:g} and at most {most:.10g}{unit}"
+
+
+def check_value(key: str, value: Any, where: str) -> Any:
+    """`value` if it is a sane `key` (a number in range, a safe name), else ConfigError naming
+    `where` it came from. The one place every setting's value is judged, whatever its layer."""
+    strings = value if isinstance(value, tuple) else (value,)
+    if any(isinstance(v, str) and "\0" in v for v in strings):
+        raise ConfigError(f"{where}: {value!r} contains a NUL character; remove it")
+    if key in _RANGES:
+        least, most, closed = _RANGES[key]
+        if not (least <= value <= most) or (value == least and not closed):
+            raise ConfigError(f"{where}: {value!r} is out of range; use a number {_limits(key)}")
+    problem = _NAME_RULES[key](value) if key in _NAME_RULES else None
+    if problem:
+        raise ConfigError(f"{where}: {value!r} is not allowed; {problem}")
+    return value
+
+
+def _rdzv_id_problem(v: str) -> str | None:
+    if not RDZV_ID.fullmatch(v) or ".." in v:
+        return ("use 1-128 letters, digits, '.', '_' or '-', not starting with '.' and without '..' "
+                "(e.g. job42, a UUID or $SLURM_JOB_ID)")
+    return None
+
+
+def _group_problem(v: str) -> str | None:
+    if v.isascii() and v.isdigit():
+        return None if int(v) < 2**32 - 1 else "a group id must be below 4294967295"
+    if v and (not v.isprintable() or ":" in v or len(v) > 256):
+        return "use a group name (printable, without ':') or a numeric group id"
+    return None
+
+
+def _signal_problem(name: str, allowed: tuple[str, ...], refusal: str) -> str | None:
+    if name in allowed:
+        return None
+    if name.startswith("SIG_") or not isinstance(getattr(signal, name, None), signal.Signals):
+        return f"{name!r} is not a signal name such as {allowed[0]}"
+    return f"{name} {refusal}; use one of {', '.join(allowed)}"
+
+
+_NAME_RULES = {
+    "rdzv_id": _rdzv_id_problem,
+    "role": lambda v: None if v and v.isprintable() and len(v) <= 128 else "use a printable name of 1-128 characters",
+    "stack_signal": lambda v: _signal_problem(v, STACK_SIGNALS, "cannot be a stack-dump signal"),
+    "signals_to_handle": lambda vs: next(filter(None, (_signal_problem(v, STOP_SIGNALS, "cannot stop the daemon "
+                                                                       "gracefully") for v in vs)), None),
+    "operators_group": _group_problem,
+    "local_addr": lambda v: None if len(v) <= 255 and all(c.isprintable() and not c.isspace() for c in v)
+    else "use an IP address or host name",
+    "preload": lambda vs: next((f"{v!r} is not a module name such as torch.nn" for v in vs
+                                if not all(p.isidentifier() for p in v.split("."))), None),
+    "fatal_exit_codes": lambda vs: None if all(-64 <= v <= 255 for v in vs) else
+    "exit codes are 0-255 (or -N for a worker killed by signal N)",
+    "local_ranks_filter": lambda vs: None if all(0 <= v < _RANGES["nproc_per_node"][1] for v in vs) else
+    f"local ranks are 0 to {_RANGES['nproc_per_node'][1] - 1}",
+}
 
 
 def build(flags: dict[str, Any], config_file: str | None = None, environ: dict[str, str] | None = None,
@@ -398,36 +511,15 @@ def cuda_devices() -> int:
 
 
 def validate(cfg: Config) -> None:
+    """The whole Config: each value (check_value, as every layer's are) and what spans several."""
     parse_nnodes(cfg.nnodes)
     parse_endpoint(cfg.rdzv_endpoint)
-    if cfg.nproc_per_node < 1:
-        raise ConfigError(f"--nproc-per-node {cfg.nproc_per_node}: at least 1 worker per node is needed")
-    if cfg.max_restarts < 0:
-        raise ConfigError(f"--max-restarts {cfg.max_restarts}: must be 0 or more")
-    for name in ("monitor_interval", "heartbeat_timeout", "startup_timeout", "join_timeout",
-                 "exit_barrier_timeout", "peer_timeout", "kill_timeout"):
-        if getattr(cfg, name) <= 0:
-            raise ConfigError(f"--{name.replace('_', '-')} {getattr(cfg, name)}: must be greater than 0")
-    for name in ("stop_grace", "restart_grace", "restart_backoff", "restart_backoff_max", "last_call_timeout"):
-        if getattr(cfg, name) < 0:
-            raise ConfigError(f"--{name.replace('_', '-')} {getattr(cfg, name)}: must be 0 or more")
+    for name in FIELDS:
+        check_value(name, getattr(cfg, name), "--" + name.replace("_", "-"))
     if cfg.log_format not in ("auto", "json", "console"):
         raise ConfigError(f"--log-format {cfg.log_format!r}: use auto, json or console")
-    if not cfg.rdzv_id or "/" in cfg.rdzv_id:
-        raise ConfigError(f"--rdzv-id {cfg.rdzv_id!r}: use a non-empty name without '/'")
-    if not hasattr(signal, cfg.stack_signal) or not cfg.stack_signal.startswith("SIG"):
-        raise ConfigError(f"stack_signal {cfg.stack_signal!r} is not a signal name such as SIGUSR1")
-    for name in cfg.signals_to_handle:
-        if not isinstance(getattr(signal, name, None), signal.Signals) or name.startswith("SIG_"):
-            raise ConfigError(f"--signals-to-handle {name!r} is not a signal name such as SIGTERM or SIGUSR1")
-        if name in ("SIGKILL", "SIGSTOP", "SIGCHLD"):
-            raise ConfigError(f"--signals-to-handle {name}: {name} cannot stop the daemon gracefully; leave it out")
-    if not cfg.role or not cfg.role.isprintable():
-        raise ConfigError(f"--role {cfg.role!r}: use a non-empty name")
     parse_std(cfg.redirects, "redirects")
     parse_std(cfg.tee_streams, "tee_streams")
-    if any(r < 0 for r in cfg.local_ranks_filter):
-        raise ConfigError(f"--local-ranks-filter {cfg.local_ranks_filter}: local ranks are 0 or more")
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if cfg.virtual_local_rank and visible is not None and len(visible.split(",")) < cfg.nproc_per_node:
         raise ConfigError(f"--virtual-local-rank with {cfg.nproc_per_node} workers per node, but "

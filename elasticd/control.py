@@ -39,6 +39,8 @@ from typing import Callable, Iterable
 
 import structlog
 
+from elasticd.config import ConfigError, check_value
+
 log = structlog.get_logger("elasticd.control")
 
 VERSION = 1
@@ -613,9 +615,13 @@ class ControlServer:
                 log.error("control_snapshot_failed", error=repr(e))
                 return _error(f"internal error reading the status: {e!r}")
         timeout = req.get("timeout")
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                    or timeout < 0 or timeout != timeout):
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))):
             return _error(f"timeout {timeout!r} is not a number of seconds >= 0 or null")
+        try:  # the daemon honours it as its stop grace: the same range (no nan, inf, 1e999)
+            if timeout is not None:
+                check_value("stop_grace", timeout, "timeout")
+        except ConfigError as e:
+            return _error(str(e))
         try:
             reply = self.command(req)
             if not isinstance(reply, (dict, Deferred)):

@@ -17,6 +17,7 @@ For the agent loop (the module has no thread of its own, on purpose):
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 
@@ -29,6 +30,7 @@ SEND_TIMEOUT = 1.0  # seconds; a datagram to a wedged systemd must not stall the
 PRIVATE_ENV = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES")
 
 _warned = False
+_MAX_USEC = 2**64 - 2  # systemd's USEC_INFINITY (2**64 - 1) would mean "no timeout at all"
 
 
 def _address(value: str) -> str | bytes:
@@ -101,8 +103,15 @@ def extend_timeout(seconds: float) -> bool:
     """Ask for `seconds` more before systemd's current start/stop timeout fires (counted from now).
 
     Resend before it runs out to keep extending; systemd never extends past what is asked.
+    Clamped, never raising: negative or nan asks for nothing more, inf or a huge value for the
+    most a uint64 of microseconds holds (a stop must not crash the daemon on its way out).
     """
-    return notify(f"EXTEND_TIMEOUT_USEC={max(0, int(seconds * 1_000_000))}")
+    try:
+        usec = float(seconds) * 1_000_000
+    except OverflowError:  # an int beyond any float
+        usec = math.inf
+    usec = 0 if math.isnan(usec) else int(min(max(usec, 0.0), _MAX_USEC))
+    return notify(f"EXTEND_TIMEOUT_USEC={usec}")
 
 
 def child_env(env: dict[str, str]) -> dict[str, str]:

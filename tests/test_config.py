@@ -57,11 +57,11 @@ def test_defaults():
     ("require_heartbeat = 3\n", "is not true or false"),
     ("heartbeat_timeout = \"soon\"\n", "is not a number"),
     ("args = 5\n", "is not a list"),
-    ("fatal_exit_codes = [\"x\"]\n", "is not a list"),
-    ("monitor_interval = 0\n", "--monitor-interval 0.0: must be greater than 0"),
+    ("fatal_exit_codes = [\"x\"]\n", "is not a list of whole numbers"),
+    ("monitor_interval = 0\n", "monitor_interval in config file .*: 0.0 is out of range; use a number at least 0.01"),
     ("nnodes = \"4:2\"\n", "MAX is smaller than MIN"),
     ("log_format = \"xml\"\n", "--log-format 'xml'"),
-    ("stack_signal = \"SIGNOPE\"\n", "not a signal name"),
+    ("stack_signal = \"SIGNOPE\"\n", "not a signal name such as SIGUSR1"),
     ("colour = true\n", "unknown setting 'colour'"),
 ])
 def test_bad_values_name_the_key(tmp_path, text, message):
@@ -101,3 +101,55 @@ def test_example_config_parses():
     keys = set(tomllib.loads(uncommented))
     assert keys <= set(config.FIELDS), keys - set(config.FIELDS)
     assert set(config.FIELDS) == keys, set(config.FIELDS) - keys
+
+
+# --- issue 18: every numeric and name-like setting judged once, whatever layer it came from -------
+
+@pytest.mark.parametrize("flags, environ, text, message", [
+    ({}, {}, "stop_grace = nan\n", ("stop_grace in config file .*: nan is out of range; use a number at least 0 "
+                                    "and at most 2592000 seconds")),
+    ({}, {}, "join_timeout = inf\n", ("join_timeout in config file .*: inf is out of range; use a number greater "
+                                      "than 0")),
+    ({}, {}, "monitor_interval = nan\n", "monitor_interval in config file .*: nan is out of range"),
+    ({}, {}, "exit_barrier_timeout = -inf\n", "exit_barrier_timeout in config file .*: -inf is out of range"),
+    ({}, {}, "max_restarts = 1e7\n", ("max_restarts in config file .*: 10000000 is out of range; use a number at "
+                                     "least 0 and at most 1000000$")),
+    ({"nproc_per_node": "100000"}, {}, "", "nproc_per_node in --nproc-per-node: 100000 is out of range"),
+    ({"rdzv_conf": "join_timeout=inf"}, {}, "", "join_timeout in --join-timeout: inf is out of range"),
+    ({}, {"PET_MONITOR_INTERVAL": "nan"}, "", "environment variable PET_MONITOR_INTERVAL: nan is out of range"),
+    ({}, {"ELASTICD_STOP_GRACE": "1e999"}, "", "environment variable ELASTICD_STOP_GRACE: inf is out of range"),
+    ({}, {}, 'stack_signal = "SIGKILL"\n', "SIGKILL cannot be a stack-dump signal; use one of SIGUSR1"),
+    ({}, {}, 'stack_signal = "SIGSTOP"\n', "SIGSTOP cannot be a stack-dump signal"),
+    ({}, {}, 'stack_signal = "SIG_IGN"\n', "'SIG_IGN' is not a signal name"),
+    ({}, {}, 'signals_to_handle = ["SIGTERM", "SIGCONT"]\n', "SIGCONT cannot stop the daemon gracefully"),
+    ({}, {}, 'rdzv_id = ".."\n', "rdzv_id in config file .*: '..' is not allowed; use 1-128 letters"),
+    ({}, {"ELASTICD_RDZV_ID": "../../etc"}, "", "ELASTICD_RDZV_ID: '../../etc' is not allowed"),
+    ({}, {}, 'log_dir = "/tmp/a\\u0000b"\n', "log_dir in config file .*: '/tmp/a\\\\x00b' contains a NUL"),
+    ({}, {}, 'operators_group = "a\\u0000"\n', "operators_group in config file .*NUL"),
+    ({}, {}, 'local_ranks_filter = [0, 5000]\n', "local ranks are 0 to"),
+    ({}, {}, 'args = [true]\n', "args in config file .*: \\[True\\] is not a list of strings"),
+])
+def test_issue18_values_are_refused_with_their_source(tmp_path, flags, environ, text, message):
+    with pytest.raises(ConfigError, match=message):
+        config.build({"entrypoint": "x.py", **flags}, write(tmp_path, text) if text else None, environ=environ)
+
+
+def test_config_path_that_is_a_directory_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match=f"config file {tmp_path} is a directory"):
+        config.load_toml(str(tmp_path))
+
+
+def test_limits_fit_what_the_values_reach():
+    """The largest accepted timeout fits systemd's EXTEND_TIMEOUT_USEC (a uint64 of
+    microseconds, three of them added at stop), threading and timedelta."""
+    import datetime
+    import threading
+
+    assert 3 * config.MAX_SECONDS * 1e6 < 2**64 and config.MAX_SECONDS < threading.TIMEOUT_MAX
+    datetime.timedelta(seconds=config.MAX_SECONDS)
+    ok = config.build({"entrypoint": "x.py", "stop_grace": str(config.MAX_SECONDS), "join_timeout": "2592000",
+                       "rdzv_id": "torchtitan-llama3_8b.v2", "nproc_per_node": "1024",
+                       "stack_signal": "SIGUSR2"}, None, environ={})
+    assert ok.stop_grace == config.MAX_SECONDS and ok.rdzv_id == "torchtitan-llama3_8b.v2"
+    for good in ("job42", "none", "123456", "3f2b1c9e-8d7a-4e6b-9c1d-2a3b4c5d6e7f", "a" * 128):
+        config.check_value("rdzv_id", good, "--rdzv-id")
