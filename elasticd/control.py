@@ -450,17 +450,13 @@ class ControlServer:
                     else:
                         conn = conns.get(key.fd)
                         if conn is not None:
-                            try:
-                                self._step(sel, conns, conn, events)
-                            except Exception as e:  # noqa: BLE001 - one client must not end the server
-                                log.warning("control_connection_failed", error=repr(e))
-                                self._drop(sel, conns, conn)
+                            self._safe_step(sel, conns, conn, events)
                 now = time.monotonic()
                 for conn in [c for c in conns.values() if c.waiting and c.waiting.reply is not None]:
                     self._respond(sel, conns, conn, {"version": VERSION, **conn.waiting.reply})
                 for conn in [c for c in conns.values() if c.deadline <= now]:
                     if not (conn.out or conn.waiting):  # its request may have come in this very turn
-                        self._step(sel, conns, conn, selectors.EVENT_READ)
+                        self._safe_step(sel, conns, conn, selectors.EVENT_READ)
                         if conn.out or conn.waiting or conn.sock.fileno() not in conns:
                             continue
                     if conn.out:
@@ -516,6 +512,13 @@ class ControlServer:
         if admitted(uid, gid, me, self._gid):
             return True
         return self._gid is not None and admitted(uid, gid, me, self._gid, peer_groups(uid, gid))
+
+    def _safe_step(self, sel: selectors.BaseSelector, conns: dict[int, _Conn], conn: _Conn, events: int) -> None:
+        try:
+            self._step(sel, conns, conn, events)
+        except Exception as e:  # noqa: BLE001 - one client must not end the server
+            log.warning("control_connection_failed", error=repr(e))
+            self._drop(sel, conns, conn)
 
     def _step(self, sel: selectors.BaseSelector, conns: dict[int, _Conn], conn: _Conn, events: int) -> None:
         if conn.out:
@@ -674,7 +677,7 @@ def _over_limit(new: _Conn, others: list[_Conn]) -> str | None:
     Caps per process, per user (the daemon's descendants counted together as "workers"), and
     overall for everyone but root and the daemon's user: idle connections of one process, one
     user or the workers cannot keep the others, least of all the operator, from being served."""
-    if sum(c.pid == new.pid for c in others) >= PER_PROCESS:
+    if new.pid and sum(c.pid == new.pid for c in others) >= PER_PROCESS:  # 0: from another pid namespace
         return f"from pid {new.pid} (at most {PER_PROCESS})"
     workers = new.bucket == "workers"
     cap = PER_WORKERS if workers else PER_USER
