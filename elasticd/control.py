@@ -55,7 +55,7 @@ WRITE_TIMEOUT = 2.0  # seconds it may take to read its reply
 # user (outside the daemon's tree) are held only to their own caps, so the others cannot fill the
 # table on them; the daemon's descendants (workers and what they start) share one small cap.
 MAX_CONNECTIONS = 64  # from everyone but root and the daemon's user
-PER_PROCESS = 4
+PER_PROCESS = 8  # a client may ask a few things at once (a monitor, `stacks` from several threads)
 PER_USER = 16
 PER_WORKERS = 8
 ACCEPT_PER_TURN = 8  # connections taken from the backlog before serving those already open
