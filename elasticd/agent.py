@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import collections
 import enum
-import json
 import os
 import select
 import signal
@@ -86,21 +85,6 @@ class Failure:
 
 class _Interrupted(Exception):
     """Raised from a signal handler to leave a blocking rendezvous."""
-
-
-def read_error_file(path: Path) -> str | None:
-    """The exception line of torch's error-file format (ours or the script's @record)."""
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    msg = data.get("message")
-    if isinstance(msg, dict):
-        text = msg.get("message") or ""
-        stack = (msg.get("extraInfo") or {}).get("py_callstack") or ""
-        last = stack.strip().splitlines()[-1] if stack.strip() else ""
-        return text or last or None
-    return str(msg) if msg else None
 
 
 def backoff_delay(cfg: Config, attempt: int) -> float:
@@ -547,7 +531,7 @@ class Agent:
             w = min(bad, key=lambda w: (w.exit_code >= 0, w.global_rank))  # a signal death is the cause
             kind = "signaled" if w.exit_code < 0 else "exited"
             return Failure(kind, workers.describe_exit(w.exit_code), rank=w.global_rank, pid=w.pid,
-                           exit_code=w.exit_code, exception=read_error_file(w.error_path),
+                           exit_code=w.exit_code, exception=workers.read_error_file(w.error_path),
                            log_path=str(w.log_path), node=self.node)
         if all(w.exit_code is not None for w in self.workers):
             return "done"
@@ -783,5 +767,5 @@ def _accept_command(agent: Agent, req: dict) -> dict | control.Deferred:
 def sys_err(line: str) -> None:
     import sys
 
-    sys.stderr.write(line + "\n")
+    sys.stderr.write(logs.printable(line) + "\n")  # it quotes a worker's exception
     sys.stderr.flush()

@@ -48,6 +48,7 @@ import random
 import re
 import signal
 import socket
+import stat
 import sys
 import threading
 import time
@@ -72,6 +73,9 @@ FORMAT = 1  # of the manifest and of the payload inside each checkpoint file
 MANIFEST = "manifest.json"
 _NAME = re.compile(r"^ckpt-(\d{12,})-([0-9a-f]{16})\.pt$")
 _TEMP = re.compile(r"^\.(ckpt|manifest)-.*\.tmp$")
+_SHA256 = re.compile(r"^[0-9a-f]{16}(?:[0-9a-f]{48})?$")  # full digest, or the name's 16-digit prefix
+MAX_MANIFEST = 4 << 20  # bytes; the manifest of keep=3 is under a kilobyte
+MAX_STEP = 2**62  # steps travel between ranks as int64
 
 log = structlog.get_logger()
 
@@ -99,14 +103,51 @@ class Entry:
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> Entry:
-        """Strict about what could do harm: `file` must be a checkpoint name in the directory
-        itself (a crafted manifest must not make the writer delete or read files elsewhere)."""
-        if not isinstance(d.get("file"), str) or not _NAME.match(d["file"]):
-            raise ValueError(f"not a checkpoint file name: {d.get('file')!r}")
-        opt = lambda k: None if d.get(k) is None else int(d[k])  # noqa: E731
-        return cls(file=d["file"], step=int(d["step"]), epoch=opt("epoch"), position=opt("position"),
-                   world_size=opt("world_size"), time=float(d.get("time") or 0.0),
-                   bytes=int(d.get("bytes") or 0), sha256=str(d.get("sha256") or ""))
+        """The entry, or ValueError saying what is wrong with it. Strict, as whoever can write the
+        directory wrote it: `file` must be a checkpoint name in the directory itself (a crafted
+        manifest must not make the writer delete or read files elsewhere) whose step and checksum
+        agree with the entry's; numbers must be whole and in range (no 1e999, no negative or
+        int64-overflowing step), the time finite."""
+        if not isinstance(d, Mapping):
+            raise ValueError(f"a checkpoint entry is not an object: {_quote(d)}")
+        m = _NAME.match(d["file"]) if isinstance(d.get("file"), str) else None
+        if not m:
+            raise ValueError(f"not a checkpoint file name: {_quote(d.get('file'))}")
+        step = _whole(d, "step", required=True)
+        if step != _name_step(m):
+            raise ValueError(f"step {step} is not the step in the file name {d['file']}")
+        sha = m.group(2) if d.get("sha256") in (None, "") else d["sha256"]
+        if not isinstance(sha, str) or not _SHA256.match(sha) or not sha.startswith(m.group(2)):
+            raise ValueError(f"sha256 {_quote(sha)} is not the checksum in the file name {d['file']}")
+        t = d.get("time") or 0.0
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t < float("inf"):
+            raise ValueError(f"time {_quote(t)} is not a finite time")
+        return cls(file=d["file"], step=step, epoch=_whole(d, "epoch"), position=_whole(d, "position"),
+                   world_size=_whole(d, "world_size"), time=float(t), bytes=_whole(d, "bytes") or 0, sha256=sha)
+
+
+def _quote(value: Any) -> str:
+    """A value from a file, quoted short in a message."""
+    text = repr(value) if isinstance(value, (str, int, float, bool, type(None))) else f"a {type(value).__name__}"
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _whole(d: Mapping[str, Any], key: str, required: bool = False) -> int | None:
+    """d[key] as a whole number in [0, MAX_STEP]; None where it may be missing (ValueError otherwise)."""
+    v = d.get(key)
+    if v is None and not required:
+        return None
+    if type(v) is not int or not 0 <= v <= MAX_STEP:
+        raise ValueError(f"{key} {_quote(v)} is not a whole number from 0 to 2**62")
+    return v
+
+
+def _name_step(m: re.Match) -> int:
+    """The step a checkpoint file's name carries; ValueError beyond MAX_STEP."""
+    digits = m.group(1)
+    if len(digits) > 19 or int(digits) > MAX_STEP:
+        raise ValueError(f"the step in the file name {m.group(0)} is beyond 2**62")
+    return int(digits)
 
 
 # -- process context ------------------------------------------------------------------------------
@@ -378,25 +419,39 @@ def read_manifest(directory: str | os.PathLike) -> list[Entry] | None:
     reported and ignored rather than misread."""
     path = os.path.join(directory, MANIFEST)
     try:
-        with open(path, "rb") as f:
-            doc = json.loads(f.read())
+        doc = json.loads(_read_small(path, MAX_MANIFEST))
+        fmt = doc.get("format") if isinstance(doc, dict) else None
+        if type(fmt) is int and fmt == 1:
+            found = doc.get("checkpoints")
+            if not isinstance(found, list):
+                raise ValueError(f"\"checkpoints\" is not a list: {_quote(found)}")
+            return [Entry.from_json(e) for e in found]
     except FileNotFoundError:
         return None
-    except (OSError, ValueError) as e:
-        log.warning("checkpoint_manifest_unreadable", path=path, error=str(e),
+    except (OSError, ValueError, RecursionError) as e:  # RecursionError: nested past the parser's depth
+        why = "nested too deeply" if isinstance(e, RecursionError) else str(e)[:300]
+        log.warning("checkpoint_manifest_unreadable", path=path, error=why,
                     action="scanning checkpoint files instead")
         return None
-    fmt = doc.get("format") if isinstance(doc, dict) else None
-    if fmt == 1:
-        try:
-            return [Entry.from_json(e) for e in doc["checkpoints"]]
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            log.warning("checkpoint_manifest_unreadable", path=path, error=repr(e),
-                        action="scanning checkpoint files instead")
-            return None
-    log.warning("checkpoint_manifest_unknown_format", path=path, format=fmt, known=FORMAT,
+    log.warning("checkpoint_manifest_unknown_format", path=path, format=_quote(fmt), known=FORMAT,
                 action="scanning checkpoint files instead")
     return None
+
+
+def _read_small(path: str, limit: int) -> bytes:
+    """A regular file's bytes; OSError for anything else (a FIFO would block the reader, the daemon's
+    status included), ValueError beyond `limit` bytes."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            data = f.read(limit + 1)
+    finally:
+        os.close(fd)
+    if len(data) > limit:
+        raise ValueError(f"larger than {limit} bytes")
+    return data
 
 
 def candidates(directory: str | os.PathLike) -> list[Entry]:
@@ -414,11 +469,15 @@ def candidates(directory: str | os.PathLike) -> list[Entry]:
         m = _NAME.match(name)
         if m and name not in known:
             try:
+                step = _name_step(m)
                 st = os.stat(os.path.join(directory, name))
             except FileNotFoundError:
                 continue
-            entries.append(Entry(file=name, step=int(m.group(1)), time=st.st_mtime, bytes=st.st_size,
-                                 sha256=m.group(2)))
+            except ValueError as e:
+                log.warning("checkpoint_skipped", path=os.path.join(directory, name), reason=str(e),
+                            action="trying the previous checkpoint")
+                continue
+            entries.append(Entry(file=name, step=step, time=st.st_mtime, bytes=st.st_size, sha256=m.group(2)))
     order = {id(e): i for i, e in enumerate(entries)}
     return sorted(entries, key=lambda e: (e.time, e.step, order[id(e)]), reverse=True)
 

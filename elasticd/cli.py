@@ -364,7 +364,9 @@ def _ask(path, payload: dict, timeout: float = 5.0) -> dict | int:
         sys.stderr.write(f"elasticd: error: {e}\n")
         return EXIT_CONTROL
     if not reply.get("ok"):
-        sys.stderr.write(f"elasticd: error: {reply.get('error')}\n")
+        from elasticd.logs import printable
+
+        sys.stderr.write(f"elasticd: error: {printable(str(reply.get('error')))}\n")
         return EXIT_CONTROL
     return reply
 
@@ -379,10 +381,13 @@ def _stacks(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(reply["stacks"], indent=2))
         return EXIT_OK
-    for d in reply["stacks"]:
-        print(f"=== rank {d['rank']} (local rank {d['local_rank']}, pid {d['pid']}; also in {d['path']}) ===")
-        print(d["text"].rstrip("\n") or "(no dump within a second: the worker may be in uninterruptible sleep "
-                                         "or blocking the signal)")
+    from elasticd.logs import printable
+
+    for d in reply["stacks"]:  # the workers' own dumps: escaped, their lines kept
+        print(printable(f"=== rank {d['rank']} (local rank {d['local_rank']}, pid {d['pid']}; "
+                        f"also in {d['path']}) ==="))
+        print(printable(d["text"].rstrip("\n"), keep="\n") or "(no dump within a second: the worker may be in "
+                                                                "uninterruptible sleep or blocking the signal)")
     return EXIT_OK
 
 
@@ -418,7 +423,8 @@ def _age(seconds) -> str:
 
 
 def render_status(s: dict) -> str:
-    """The readable form of a status snapshot."""
+    """The readable form of a status snapshot, each line escaped (logs.printable): failures and
+    events quote what workers wrote."""
     lines = [
         f"elasticd {s.get('state')}  run {s.get('run_id')}  node {s.get('node')} (pid {s.get('pid')})",
         f"  group rank {s.get('group_rank')} of {s.get('group_world_size')} nodes, world size {s.get('world_size')}, "
@@ -462,7 +468,9 @@ def render_status(s: dict) -> str:
         for e in events[-8:]:
             extra = " ".join(f"{k}={v}" for k, v in e.items() if k not in ("time", "event"))
             lines.append(f"    {time.strftime('%H:%M:%S', time.localtime(e['time']))} {e['event']} {extra}"[:160])
-    return "\n".join(lines)
+    from elasticd.logs import printable
+
+    return "\n".join(printable(line) for line in lines)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,10 @@ gets a Deferred: the connection waits, without holding up the server's thread, u
 gives the reply or the Deferred's timeout passes. Admission is by the peer's kernel credentials
 (SO_PEERCRED): root, the daemon's own user, or members of the operators group. One thread
 multiplexes every connection with `selectors`, each with a hard deadline, so a slow or hostile
-client neither wedges the server nor delays another client.
+client neither wedges the server nor delays another client. Every malformed request gets an
+error reply (never a dropped connection), and idle connections are capped per process, per user
+and for the daemon's own workers together (`_over_limit`), so nobody can fill the table for the
+others: root and the daemon's user are served whatever the workers and the operators group hold.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import grp
 import json
 import os
 import pwd
+import reprlib
 import secrets
 import selectors
 import socket
@@ -37,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
+import psutil
 import structlog
 
 from elasticd.config import ConfigError, check_value
@@ -46,8 +51,16 @@ log = structlog.get_logger("elasticd.control")
 VERSION = 1
 MAX_REQUEST = 64 * 1024  # bytes; a status request is ~40
 MAX_REPLY = 16 * 1024 * 1024  # the client's cap on what it reads back
-READ_TIMEOUT = 2.0  # seconds a connection may take to send its request (and to take the reply)
-MAX_CONNECTIONS = 64  # open at once; beyond that new ones get "busy" at once
+READ_TIMEOUT = 1.0  # seconds a connection may take to send its whole request (the CLI sends it at once)
+WRITE_TIMEOUT = 2.0  # seconds it may take to read its reply
+# Connections open at once; a newcomer beyond a cap gets "busy" at once. Root and the daemon's
+# user (outside the daemon's tree) are held only to their own caps, so the others cannot fill the
+# table on them; the daemon's descendants (workers and what they start) share one small cap.
+MAX_CONNECTIONS = 64  # from everyone but root and the daemon's user
+PER_PROCESS = 8  # a client may ask a few things at once (a monitor, `stacks` from several threads)
+PER_USER = 16
+PER_WORKERS = 8
+ACCEPT_PER_TURN = 8  # connections taken from the backlog before serving those already open
 COMMANDS = ("status", "stop", "stacks")
 FORWARDED = frozenset({"stop", "stacks"})  # handed to the agent loop's `command` callback
 _UCRED = struct.Struct("=iII")  # struct ucred: pid_t pid, uid_t uid, gid_t gid
@@ -248,6 +261,8 @@ class _Conn:
     sock: socket.socket
     uid: int
     deadline: float
+    pid: int = 0
+    bucket: str = ""  # "workers", or "uid N": whose connection cap it counts against
     inbuf: bytearray = field(default_factory=bytearray)
     out: bytes = b""  # set once the reply is known; the connection then only writes
     waiting: Deferred | None = None  # a reply the loop has yet to give
@@ -507,15 +522,15 @@ class ControlServer:
                     else:
                         conn = conns.get(key.fd)
                         if conn is not None:
-                            try:
-                                self._step(sel, conns, conn, events)
-                            except Exception as e:  # noqa: BLE001 - one client must not end the server
-                                log.warning("control_connection_failed", error=repr(e))
-                                self._drop(sel, conns, conn)
+                            self._safe_step(sel, conns, conn, events)
                 now = time.monotonic()
                 for conn in [c for c in conns.values() if c.waiting and c.waiting.reply is not None]:
                     self._respond(sel, conns, conn, {"version": VERSION, **conn.waiting.reply})
                 for conn in [c for c in conns.values() if c.deadline <= now]:
+                    if not (conn.out or conn.waiting):  # its request may have come in this very turn
+                        self._safe_step(sel, conns, conn, selectors.EVENT_READ)
+                        if conn.out or conn.waiting or conn.sock.fileno() not in conns:
+                            continue
                     if conn.out:
                         self._drop(sel, conns, conn)  # it does not read its reply; give up
                     elif conn.waiting:
@@ -537,8 +552,10 @@ class ControlServer:
             os.write(self._wake_w, b"d")
 
     def _accept(self, sel: selectors.BaseSelector, conns: dict[int, _Conn]) -> None:
+        """Take the waiting connections, a few per turn: a peer that keeps connecting must not
+        keep the loop from reading the requests of those already in."""
         assert self._listener is not None
-        while True:
+        for _ in range(ACCEPT_PER_TURN):
             try:
                 sock, _ = self._listener.accept()
             except (BlockingIOError, InterruptedError):
@@ -548,20 +565,32 @@ class ControlServer:
                 return
             sock.setblocking(False)
             pid, uid, gid = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
-            conn = _Conn(sock, uid, time.monotonic() + READ_TIMEOUT)
+            conn = _Conn(sock, uid, time.monotonic() + READ_TIMEOUT, pid=pid)
             conns[sock.fileno()] = conn
             sel.register(sock, selectors.EVENT_READ)
-            if len(conns) > MAX_CONNECTIONS:
-                self._respond(sel, conns, conn, _error("busy: too many open control connections, retry"))
-            elif not self._admit(uid, gid):
+            if not self._admit(uid, gid):
                 log.warning("control_refused", uid=uid, gid=gid, pid=pid)
                 self._respond(sel, conns, conn, _error(refusal(uid, self.operators_group)))
+                continue
+            conn.bucket = "workers" if _descends_from_us(pid) else f"uid {uid}"
+            busy = _over_limit(conn, [c for c in conns.values() if c is not conn and c.bucket])
+            if busy:
+                conn.bucket = ""  # it holds no slot
+                self._respond(sel, conns, conn, _error(f"busy: too many open control connections {busy}; retry"))
 
     def _admit(self, uid: int, gid: int) -> bool:
+        """Whether the peer's credentials let it in (see `admitted`)."""
         me = os.geteuid()
         if admitted(uid, gid, me, self._gid):
             return True
         return self._gid is not None and admitted(uid, gid, me, self._gid, peer_groups(uid, gid))
+
+    def _safe_step(self, sel: selectors.BaseSelector, conns: dict[int, _Conn], conn: _Conn, events: int) -> None:
+        try:
+            self._step(sel, conns, conn, events)
+        except Exception as e:  # noqa: BLE001 - one client must not end the server
+            log.warning("control_connection_failed", error=repr(e))
+            self._drop(sel, conns, conn)
 
     def _step(self, sel: selectors.BaseSelector, conns: dict[int, _Conn], conn: _Conn, events: int) -> None:
         if conn.out:
@@ -580,9 +609,14 @@ class ControlServer:
         if chunk and b"\n" not in chunk:
             return  # more to come
         line = bytes(conn.inbuf).split(b"\n", 1)[0]
-        if not line.strip():
-            return self._drop(sel, conns, conn) if not chunk else self._respond(sel, conns, conn, _error("empty request"))
-        reply = self.handle(line)
+        if not line.strip():  # nothing at all before EOF: no request to answer
+            return self._drop(sel, conns, conn) if not conn.inbuf else self._respond(sel, conns, conn,
+                                                                                     _error("empty request"))
+        try:
+            reply = self.handle(line)
+        except Exception as e:  # noqa: BLE001 - a bug here must still answer, not drop the client
+            log.error("control_request_failed", error=repr(e))
+            reply = _error(f"internal error handling the request: {type(e).__name__}")
         if isinstance(reply, Deferred):  # not readable meanwhile: a client's EOF must not spin the loop
             conn.waiting, conn.deadline = reply, time.monotonic() + reply.timeout
             sel.unregister(conn.sock)
@@ -595,19 +629,10 @@ class ControlServer:
     def handle(self, raw: bytes) -> dict | Deferred:
         """One request's reply, or the Deferred the loop will give it (the transport-free half of
         the server)."""
-        try:
-            req = json.loads(raw)
-        except ValueError as e:
-            return _error(f"request is not a JSON object ({e.msg} at byte {e.pos})")
-        if not isinstance(req, dict):
-            return _error(f"request is not a JSON object (got {type(req).__name__})")
-        if "version" not in req:
-            return _error(f"request has no \"version\"; this daemon speaks protocol version {VERSION}")
-        if req["version"] != VERSION or isinstance(req["version"], bool):
-            return _error(f"unsupported protocol version {req['version']!r}; this daemon speaks {VERSION}")
-        cmd = req.get("command")
-        if cmd not in COMMANDS:
-            return _error(f"unknown command {cmd!r}; known commands: {', '.join(COMMANDS)}")
+        req, error = parse_request(raw)
+        if error:
+            return error
+        cmd = req["command"]
         if cmd == "status":
             try:
                 return {"ok": True, "version": VERSION, "status": self.snapshot()}
@@ -640,7 +665,7 @@ class ControlServer:
             conn.out = json.dumps(reply, default=str).encode() + b"\n"
         except (TypeError, ValueError) as e:
             conn.out = json.dumps(_error(f"internal error encoding the reply: {e}")).encode() + b"\n"
-        conn.deadline = time.monotonic() + READ_TIMEOUT
+        conn.deadline = time.monotonic() + WRITE_TIMEOUT
         if conn.waiting:
             conn.waiting = None
             sel.register(conn.sock, selectors.EVENT_WRITE)
@@ -674,6 +699,75 @@ class ControlServer:
 
 def _error(message: str) -> dict:
     return {"ok": False, "version": VERSION, "error": message}
+
+
+def _show(value: object) -> str:
+    """A client's value quoted in an error reply: short, whatever its size or depth."""
+    r = reprlib.Repr()
+    r.maxstring = r.maxother = 60
+    r.maxlevel, r.maxlist, r.maxdict = 2, 4, 4
+    text = r.repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def parse_request(raw: bytes) -> tuple[dict, dict | None]:
+    """(the request, None) when it is an object with our `version` and a known `command`; else
+    ({}, the error reply saying what is wrong). Whatever the bytes (not UTF-8, not JSON, nested
+    past the parser's depth, numbers too long to convert, wrong types): never an exception."""
+    try:
+        req = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        return {}, _error(f"request is not UTF-8 (byte {e.start}): send one JSON object")
+    except json.JSONDecodeError as e:
+        return {}, _error(f"request is not a JSON object ({e.msg} at byte {e.pos})")
+    except RecursionError:
+        return {}, _error("request is not a JSON object this daemon reads (nested too deeply)")
+    except ValueError as e:  # e.g. an integer longer than Python converts
+        return {}, _error(f"request is not a JSON object this daemon reads ({str(e)[:100]})")
+    if not isinstance(req, dict):
+        return {}, _error(f"request is not a JSON object (got {type(req).__name__})")
+    if "version" not in req:
+        return {}, _error(f"request has no \"version\"; this daemon speaks protocol version {VERSION}")
+    version = req["version"]
+    if type(version) is not int or version != VERSION:
+        return {}, _error(f"unsupported protocol version {_show(version)}; this daemon speaks {VERSION}")
+    cmd = req.get("command")
+    if not isinstance(cmd, str) or cmd not in COMMANDS:
+        return {}, _error(f"unknown command {_show(cmd)}; known commands: {', '.join(COMMANDS)}")
+    return req, None
+
+
+def _descends_from_us(pid: int) -> bool:
+    """Whether `pid` is one of this daemon's descendants (its workers and whatever they start;
+    the daemon is a child subreaper, so orphans stay in its tree)."""
+    me = os.getpid()
+    try:
+        return any(p.pid == me for p in psutil.Process(pid).parents())
+    except psutil.Error:
+        return False
+
+
+def _over_limit(new: _Conn, others: list[_Conn]) -> str | None:
+    """Why `new` may not open another connection now (the words after "connections"), or None.
+
+    Caps per process, per user (the daemon's descendants counted together as "workers"), and
+    overall for everyone but root and the daemon's user: idle connections of one process, one
+    user or the workers cannot keep the others, least of all the operator, from being served."""
+    if new.pid and sum(c.pid == new.pid for c in others) >= PER_PROCESS:  # 0: from another pid namespace
+        return f"from pid {new.pid} (at most {PER_PROCESS})"
+    workers = new.bucket == "workers"
+    cap = PER_WORKERS if workers else PER_USER
+    if sum(c.bucket == new.bucket for c in others) >= cap:
+        who = "the daemon's workers" if workers else new.bucket
+        return f"from {who} (at most {cap})"
+    if not _privileged(new) and sum(not _privileged(c) for c in others) >= MAX_CONNECTIONS:
+        return f"(at most {MAX_CONNECTIONS} from workers and the operators group)"
+    return None
+
+
+def _privileged(conn: _Conn) -> bool:
+    """Root or the daemon's user, from outside the daemon's tree: the operators the caps protect."""
+    return conn.bucket != "workers" and conn.uid in (0, os.geteuid())
 
 
 # --- client ----------------------------------------------------------------------------------

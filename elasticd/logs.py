@@ -3,17 +3,47 @@
 Every event carries the daemon's context (run id, node, restart count) from one process-wide dict
 the agent loop updates, so events from the control thread carry it too. torch's stdlib logging
 goes through the same renderer.
+
+Text a worker produced (its output, error file, exception message) reaches the operator's
+terminal only through `printable`, so it can neither drive the terminal (ESC/CSI/OSC sequences,
+C1 controls) nor start a line that looks like one of the daemon's own.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import sys
 from typing import Any
 
 import structlog
 
 _context: dict[str, Any] = {}
+
+# C0 controls but tab, DEL, C1 controls: what a terminal interprets instead of printing.
+_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f-\x9f]")
+_NAMED = {"\n": "\\n", "\r": "\\r"}
+
+
+def printable(text: str, keep: str = "") -> str:
+    """`text` with every control character shown escaped (ESC as `\\x1b`, CR as `\\r`) except
+    tab and those in `keep` (a multi-line text keeps "\\n"). Backslashes stay as they are, so
+    escaping twice changes nothing: callers need not know whether a text was escaped already."""
+
+    def show(m: re.Match) -> str:
+        c = m.group()
+        return c if c in keep else _NAMED.get(c) or f"\\x{ord(c):02x}"
+
+    return _CONTROL.sub(show, text)
+
+
+def _printable_values(_logger: Any, _name: str, event: dict[str, Any]) -> dict[str, Any]:
+    """The console renderer prints string values raw (repr() escapes the others): escape them,
+    keeping the lines of a traceback."""
+    for k, v in event.items():
+        if isinstance(v, str):
+            event[k] = printable(v, keep="\n" if k == "exception" else "")
+    return event
 
 
 def bind(**values: Any) -> None:
@@ -32,18 +62,20 @@ def setup(fmt: str = "auto", level: int = logging.INFO, stream=None) -> None:
     stream = stream or sys.stderr
     if fmt == "auto":
         fmt = "console" if stream.isatty() else "json"
+    # JSON escapes every control character itself; the console renderer needs _printable_values.
     renderer: Any = (
         structlog.processors.JSONRenderer()
         if fmt == "json"
         else structlog.dev.ConsoleRenderer(colors=stream.isatty())
     )
+    escape = [] if fmt == "json" else [_printable_values]
     shared = [
         structlog.stdlib.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
         _add_context,
     ]
     structlog.configure(
-        processors=[*shared, structlog.processors.format_exc_info, renderer],
+        processors=[*shared, structlog.processors.format_exc_info, *escape, renderer],
         logger_factory=structlog.WriteLoggerFactory(file=stream),
         wrapper_class=structlog.make_filtering_bound_logger(level),
         cache_logger_on_first_use=False,
@@ -54,6 +86,7 @@ def setup(fmt: str = "auto", level: int = logging.INFO, stream=None) -> None:
             processors=[
                 structlog.stdlib.ProcessorFormatter.remove_processors_meta,
                 structlog.processors.format_exc_info,
+                *escape,
                 renderer,
             ],
             foreign_pre_chain=[structlog.stdlib.add_logger_name, *shared],

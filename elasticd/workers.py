@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import socket
+import stat
 import string
 import subprocess
 import sys
@@ -507,8 +508,71 @@ def dump_stacks(workers: list[Worker], sig_name: str, wait: float = 1.0,
     return dumps
 
 
+MAX_ERROR_FILE = 1 << 20  # bytes of a rank's error file read; torch's format is a few KiB
+MAX_EXCEPTION_TEXT = 2000  # characters of its message kept: it goes into status, logs and peers' stores
+
+
+def read_error_file(path: Path) -> str | None:
+    """The exception line of torch's error-file format (ours or the script's @record), for the
+    failure report. The worker wrote it, and the operator's terminal and the peers show it: it
+    comes back escaped (logs.printable) and cut short; None for a missing or malformed file (the
+    exit code still tells). Opened without following links or blocking, as a worker could leave a
+    FIFO or a link there."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        data = json.loads(os.read(fd, MAX_ERROR_FILE))
+    except (OSError, ValueError, RecursionError):
+        return None
+    finally:
+        os.close(fd)
+    msg = data.get("message") if isinstance(data, dict) else None
+    if isinstance(msg, dict):
+        extra = msg.get("extraInfo")
+        stack = extra.get("py_callstack") if isinstance(extra, dict) else None
+        text = msg.get("message")
+        if not (isinstance(text, str) and text.strip()):
+            text = stack.strip().splitlines()[-1] if isinstance(stack, str) and stack.strip() else None
+    else:
+        text = msg if isinstance(msg, str) else None
+    if not text:
+        return None
+    text = logs.printable(text)
+    return text if len(text) <= MAX_EXCEPTION_TEXT else text[:MAX_EXCEPTION_TEXT] + "..."
+
+
+MAX_ECHO_LINE = 64 * 1024  # bytes; a longer line is echoed in pieces, each with the prefix
+
+
+def echo_line(prefix: str, raw: bytes) -> str:
+    """One line of a worker's output as the console shows it: the rank prefix, then the text with
+    every control character escaped (logs.printable), so a worker can neither drive the
+    operator's terminal nor print a line without its prefix. A carriage return is escaped too:
+    echoed raw it would bring the cursor back over the prefix (a progress bar's redraws would
+    need the prefix again on each segment; this is the place for that)."""
+    return prefix + logs.printable(raw.decode(errors="backslashreplace")) + "\n"
+
+
+def _cut(line: bytes, size: int = MAX_ECHO_LINE) -> list[bytes]:
+    """`line` in pieces of at most `size` bytes, cut between UTF-8 characters."""
+    pieces = []
+    while len(line) > size:
+        at = size
+        while at > size - 4 and line[at] & 0xC0 == 0x80:  # a continuation byte: step back
+            at -= 1
+        pieces.append(line[:at])
+        line = line[at:]
+    pieces.append(line)
+    return pieces
+
+
 class Tee:
-    """Echo new lines of the rank logs to the daemon's stdout, prefixed with the rank.
+    """Echo new lines of the rank logs to the daemon's stdout, prefixed with the rank, escaped
+    (echo_line), a line longer than MAX_ECHO_LINE in pieces.
 
     One thread polls the files, so workers write straight to disk and are never slowed by us.
     Each file stays open while followed: a poll with nothing new is one pread per file. Polls
@@ -569,13 +633,13 @@ class Tee:
             return False
         entry[1] = offset + len(data)
         data = partial + data
-        lines = data.split(b"\n")
-        entry[2] = lines.pop()
+        lines = [piece for ln in data.split(b"\n") for piece in _cut(ln)]
+        entry[2] = lines.pop()  # the unfinished line (a long one's last piece)
         if final and entry[2]:
             lines.append(entry[2])
             entry[2] = b""
         if lines:
-            text = "".join(f"{prefix}{ln.decode(errors='replace')}\n" for ln in lines)
+            text = "".join(echo_line(prefix, ln) for ln in lines)
             try:
                 self._out.write(text)
                 self._out.flush()
