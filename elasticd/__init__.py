@@ -25,7 +25,9 @@ def heartbeat(step: int | None = None) -> None:
     global _writer, _armed
     if not _armed:
         _armed = True
-        path = os.environ.get("ELASTICD_HEARTBEAT_FILE")
+        from elasticd import names
+
+        path = os.environ.get(names.HEARTBEAT_FILE)
         if path:
             from elasticd.health import Writer
 

@@ -31,6 +31,8 @@ import socket
 import sys
 import time
 
+from elasticd import names
+
 _REQUEST = b"s"
 
 
@@ -116,7 +118,7 @@ def _fork_or_exit() -> int:
 
 def become_spare(read_end: int) -> None:
     """In the grandchild: wait until reparented to the daemon, then look like a fresh process."""
-    daemon = int(os.environ["ELASTICD_DAEMON_PID"])
+    daemon = int(os.environ[names.DAEMON_PID])
     deadline = time.monotonic() + 10.0
     while os.getppid() != daemon and time.monotonic() < deadline:
         time.sleep(0.001)  # the middle process is exiting

@@ -15,6 +15,8 @@ import time
 
 import psutil
 
+from elasticd import names
+
 
 def sweep(token: str, rounds: int = 50, pause: float = 0.05) -> int:
     """Kill every process carrying `token` until none is left (bounded). Returns how many died."""
@@ -25,7 +27,7 @@ def sweep(token: str, rounds: int = 50, pause: float = 0.05) -> int:
             if p.pid == me:
                 continue
             try:
-                if p.environ().get("ELASTICD_AGENT") == token and p.status() != psutil.STATUS_ZOMBIE:
+                if p.environ().get(names.AGENT) == token and p.status() != psutil.STATUS_ZOMBIE:
                     p.kill()
                     found.append(p)
             except psutil.Error:

@@ -33,7 +33,7 @@ from torch.distributed.elastic.rendezvous import (
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler, RendezvousTimeout
 
-from elasticd import logs, signing
+from elasticd import logs, names, signing
 from elasticd.config import Config, ConfigError
 from elasticd.signed_backend import SignedBackend
 
@@ -59,8 +59,6 @@ def _method_name(depth: int = 2) -> str:
 if hasattr(dynamic_rendezvous, "get_method_name"):
     dynamic_rendezvous.get_method_name = _method_name
 
-_RESTART = "elasticd/restart"
-_MASTER = "elasticd/master"
 MAX_REASON = 8 * 1024  # bytes of a restart reason's JSON
 MAX_COUNT = 1 << 62
 
@@ -214,7 +212,6 @@ class Rendezvous:
             keep_alive_interval=1,
             keep_alive_max_attempt=max(2, int(cfg.peer_timeout)),
         )
-        self._job_key = f"elasticd/{cfg.rdzv_id}"
         self._restarts_seen = 0  # the budget counter only grows: an older value is a replay
         self._logged: dict[str, float] = {}
 
@@ -238,14 +235,14 @@ class Rendezvous:
             raise RendezvousFailed(f"rendezvous failed: {e}{hint}") from None
         rnd = Round(group_rank=info.rank, group_world_size=info.world_size, store=info.store,
                     number=round_number(self.handler))
-        keys = [f"elasticd/nproc/{r}" for r in range(rnd.group_world_size)]
+        keys = [names.nproc_key(r) for r in range(rnd.group_world_size)]
         rnd.store.set(keys[rnd.group_rank], self._seal(rnd, keys[rnd.group_rank], str(nproc)))
         counts = self._read_all(rnd, keys, _nproc)
         rnd.rank_base, rnd.world_size = sum(counts[: rnd.group_rank]), sum(counts)
         if rnd.group_rank == 0:
             rnd.worker_store = serve_store(self.addr, 0, max(self.cfg.join_timeout, 60.0))
-            rnd.store.set(_MASTER, self._seal(rnd, _MASTER, f"{self.addr} {rnd.worker_store.port}"))
-        rnd.master_addr, rnd.master_port = self._read_all(rnd, [_MASTER], _master)[0]
+            rnd.store.set(names.MASTER, self._seal(rnd, names.MASTER, f"{self.addr} {rnd.worker_store.port}"))
+        rnd.master_addr, rnd.master_port = self._read_all(rnd, [names.MASTER], _master)[0]
         return rnd
 
     def _read_all(self, rnd: Round, keys: list[str], parse) -> list:
@@ -291,24 +288,24 @@ class Rendezvous:
     def request_restart(self, rnd: Round, reason: dict) -> bool:
         """Ask every node to restart this round. True when we were first (we own the failure).
         A value in the way that does not verify is a forger's: ours replaces it."""
-        sealed = self._seal(rnd, _RESTART, json.dumps(reason))
-        found = rnd.store.compare_set(_RESTART, "", sealed)
+        sealed = self._seal(rnd, names.RESTART, json.dumps(reason))
+        found = rnd.store.compare_set(names.RESTART, "", sealed)
         if found == sealed:
             return True
-        if self._open(rnd, _RESTART, found, _reason) is not None:
+        if self._open(rnd, names.RESTART, found, _reason) is not None:
             return False
-        rnd.store.set(_RESTART, sealed)
+        rnd.store.set(names.RESTART, sealed)
         return True
 
     @_store_call
     def restart_reason(self, rnd: Round) -> dict | None:
-        if rnd.group_world_size == 1 or not rnd.store.check([_RESTART]):
+        if rnd.group_world_size == 1 or not rnd.store.check([names.RESTART]):
             return None
-        return self._open(rnd, _RESTART, rnd.store.get(_RESTART), _reason)
+        return self._open(rnd, names.RESTART, rnd.store.get(names.RESTART), _reason)
 
     def _beat(self, rnd: Round) -> None:
         rnd._alive_counter += 1
-        key = f"elasticd/alive/{rnd.group_rank}"
+        key = names.alive_key(rnd.group_rank)
         rnd.store.set(key, self._seal(rnd, key, str(rnd._alive_counter)))
 
     @_store_call
@@ -319,7 +316,7 @@ class Rendezvous:
             return None
         self._beat(rnd)
         peers = [r for r in range(rnd.group_world_size) if r != rnd.group_rank]
-        keys = [f"elasticd/alive/{r}" for r in peers]
+        keys = [names.alive_key(r) for r in peers]
         present = [k for k in keys if rnd.store.check([k])] if len(rnd.peer_seen) < len(peers) else keys
         values = dict(zip(present, rnd.store.multi_get(present))) if present else {}
         for r, k in zip(peers, keys):
@@ -340,7 +337,7 @@ class Rendezvous:
         """Wait until every node of the round is done (or asked for a restart). False on timeout."""
         if rnd.group_world_size == 1:
             return True
-        keys = [f"elasticd/done/{r}" for r in range(rnd.group_world_size)]
+        keys = [names.done_key(r) for r in range(rnd.group_world_size)]
         mine = keys[rnd.group_rank]
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -358,7 +355,7 @@ class Rendezvous:
 
     @_store_call
     def restarts_used(self) -> int:
-        key = f"{self._job_key}/restarts"
+        key = names.restarts_key(self.cfg.rdzv_id)
         if self.store.check([key]):
             used = self._open(None, key, self.store.get(key), _count)
             self._restarts_seen = max(self._restarts_seen, used or 0)
@@ -369,7 +366,7 @@ class Rendezvous:
         """Add one to the job's signed counter: read, then compare-and-set, again if another
         node spent one meanwhile. A value that does not verify (or went down: a replay) counts
         as the highest this node has seen, and is written over."""
-        key = f"{self._job_key}/restarts"
+        key = names.restarts_key(self.cfg.rdzv_id)
         for _ in range(100):
             raw = self.store.get(key) if self.store.check([key]) else b""
             used = max(self._open(None, key, raw, _count) or 0, self._restarts_seen) if raw else self._restarts_seen
@@ -383,11 +380,11 @@ class Rendezvous:
     @_store_call
     def record_job_failure(self, summary: str) -> None:
         """Tell the other nodes why the job failed, before closing the rendezvous."""
-        key = f"{self._job_key}/failure"
+        key = names.failure_key(self.cfg.rdzv_id)
         self.store.set(key, self._seal(None, key, summary[:MAX_REASON]))
 
     def job_failure(self) -> str | None:
-        key = f"{self._job_key}/failure"
+        key = names.failure_key(self.cfg.rdzv_id)
         try:
             return self._open(None, key, self.store.get(key), str) if self.store.check([key]) else None
         except (RuntimeError, dist.DistStoreError):

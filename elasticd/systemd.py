@@ -23,6 +23,8 @@ import socket
 
 import structlog
 
+from elasticd import names
+
 log = structlog.get_logger("elasticd.systemd")
 
 SEND_TIMEOUT = 1.0  # seconds; a datagram to a wedged systemd must not stall the loop for long
@@ -127,7 +129,7 @@ def child_env(env: dict[str, str]) -> dict[str, str]:
     return out
 
 
-USER_CPP_LOG_LEVEL = "ELASTICD_USER_TORCH_CPP_LOG_LEVEL"
+USER_CPP_LOG_LEVEL = names.USER_CPP_LOG_LEVEL
 
 
 def quiet_torch_cpp() -> None:
