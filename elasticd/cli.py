@@ -74,45 +74,32 @@ class _Static(argparse.Action):
 
 
 def _add_run_flags(p: argparse.ArgumentParser) -> None:
+    """`elasticd run`'s flags: one per Config field, from its declaration (config._setting), and
+    the few that are the command line's own. Each is left out of the namespace unless given, so
+    config.build can tell a flag from the layers below it."""
+    from elasticd.config import FIELDS
+
     S = argparse.SUPPRESS
-    p.add_argument("entrypoint", nargs="?", default=S,
-                   help="module (run as python -m), module:function, or path/to/script.py "
-                        "(default: the bundled example entrypoints.train)")
-    p.add_argument("args", nargs=argparse.REMAINDER, default=S, metavar="ARGS",
-                   help="everything after the entrypoint goes to it, as with torchrun")
+    p.add_argument("entrypoint", nargs="?", default=S, help=_help(FIELDS["entrypoint"]))
+    p.add_argument("args", nargs=argparse.REMAINDER, default=S, metavar="ARGS", help=_help(FIELDS["args"]))
     g = p.add_argument_group("torchrun-compatible")
-    g.add_argument("--nnodes", default=S, help="N or MIN:MAX nodes (default 1)")
-    g.add_argument("--nproc-per-node", "--nproc_per_node", dest="nproc_per_node", default=S,
-                   help="workers on this node: a number, gpu, cpu or auto (default 1; the bundled example: "
-                        "one per GPU, else 2)")
+    e = p.add_argument_group("elasticd")
+    e.add_argument("--config", dest="config_file", default=None, help="TOML config file (flags override it)")
+    for f in FIELDS.values():
+        if f.name not in ("entrypoint", "args"):
+            _add_setting(g if f.metadata["torchrun"] else e, f)
     g.add_argument("-m", "--module", dest="module", action="store_true", default=S,
                    help="ENTRYPOINT is a module, run as python -m (elasticd also tells by the name)")
-    g.add_argument("--max-restarts", "--max_restarts", dest="max_restarts", type=int, default=S,
-                   help="failure restarts of the job before it fails (default 3)")
-    g.add_argument("--rdzv-endpoint", "--rdzv_endpoint", dest="rdzv_endpoint", default=S,
-                   help="HOST:PORT of the rendezvous store, the same on every node")
-    g.add_argument("--rdzv-id", "--rdzv_id", dest="rdzv_id", default=S, help="job id shared by all nodes")
-    g.add_argument("--rdzv-secret-file", dest="rdzv_secret_file", default=S, metavar="FILE",
-                   help="the job's secret (the same file on every node, mode 600): what the daemons write to the "
-                        "store is signed with it, so no one without it can steer the job (single-node jobs "
-                        "make their own)")
-    g.add_argument("--standalone", action="store_true", default=S,
-                   help="single node with a private store on a free loopback port")
-    g.add_argument("--monitor-interval", "--monitor_interval", dest="monitor_interval", type=float, default=S,
-                   help="seconds between worker checks (default 0.1)")
-    g.add_argument("--log-dir", "--log_dir", dest="log_dir", default=S,
-                   help="where per-rank logs, error files and stack dumps go (default ./elasticd-runs)")
-    g.add_argument("--checkpoint-dir", dest="checkpoint_dir", default=S,
-                   help="where workers keep checkpoints (ELASTICD_CHECKPOINT_DIR; default <log dir>/"
-                        "checkpoints/<rdzv id>, so a job started again with the same --rdzv-id resumes)")
-    g.add_argument("--local-addr", "--local_addr", dest="local_addr", default=S,
-                   help="address peers reach this node at (default: the one routing to the endpoint)")
-    g.add_argument("--rdzv-backend", "--rdzv_backend", dest="rdzv_backend", action=_Static, default=S,
-                   help="c10d, the default: a TCPStore at --rdzv-endpoint (static: only on a single node)")
+    g.add_argument("--run-path", "--run_path", dest="run_path", action="store_true", default=S,
+                   help="ENTRYPOINT is a script path, even without .py")
+    g.add_argument("--shutdown-timeout", "--shutdown_timeout", dest="stop_grace", type=float, default=S,
+                   metavar="SECONDS", help="the same as --stop-grace")
     g.add_argument("--rdzv-conf", "--rdzv_conf", dest="rdzv_conf", default=S,
                    help="torchrun's c10d KEY=VALUE,...: join_timeout, last_call_timeout, and "
                         "keep_alive_interval x keep_alive_max_attempt as --peer-timeout (read_timeout, "
                         "close_timeout, is_host, use_libuv are accepted and have no effect)")
+    g.add_argument("--rdzv-backend", "--rdzv_backend", dest="rdzv_backend", action=_Static, default=S,
+                   help="c10d, the default: a TCPStore at --rdzv-endpoint (static: only on a single node)")
     g.add_argument("--master-addr", "--master_addr", dest="master_addr", action=_Static, default=S,
                    help="static rendezvous: ignored on a single node or with --rdzv-endpoint; across nodes give "
                         "every node --rdzv-endpoint MASTER_ADDR:MASTER_PORT instead")
@@ -121,27 +108,6 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--node-rank", "--node_rank", dest="node_rank", action=_Static, default=S,
                    help="static rendezvous: nodes are ranked as they join (0 on a single node; ignored with "
                         "--rdzv-endpoint)")
-    g.add_argument("--role", dest="role", default=S, help="the workers' ROLE_NAME (default 'default')")
-    g.add_argument("-r", "--redirects", dest="redirects", default=S,
-                   help="as torchrun: 0-3 (none, stdout, stderr, both) or LOCAL_RANK:N,...; every rank's output "
-                        "is always in its log file, and a rank with both streams redirected (and not teed) is "
-                        "not echoed to the console")
-    g.add_argument("-t", "--tee", dest="tee_streams", default=S,
-                   help="as torchrun: streams also echoed to the console (echoing is elasticd's default)")
-    g.add_argument("--local-ranks-filter", "--local_ranks_filter", dest="local_ranks_filter", default=S,
-                   help="comma-separated local ranks whose output is echoed to the console (default all)")
-    g.add_argument("--signals-to-handle", "--signals_to_handle", dest="signals_to_handle", default=S,
-                   help="comma-separated signals that stop the job gracefully, as SIGTERM does "
-                        "(default SIGTERM,SIGINT,SIGHUP,SIGQUIT; e.g. add SIGUSR1 for SLURM's --signal)")
-    g.add_argument("--shutdown-timeout", "--shutdown_timeout", dest="stop_grace", type=float, default=S,
-                   metavar="SECONDS", help="the same as --stop-grace")
-    g.add_argument("--virtual-local-rank", "--virtual_local_rank", dest="virtual_local_rank", action="store_true",
-                   default=S, help="LOCAL_RANK=0 for every worker, and CUDA_VISIBLE_DEVICES its own GPU")
-    g.add_argument("--no-python", "--no_python", dest="no_python", action="store_true", default=S,
-                   help="ENTRYPOINT is an executable run with ARGS in place of python (no warm spares, "
-                        "heartbeat or stack dumps: it is not Python)")
-    g.add_argument("--run-path", "--run_path", dest="run_path", action="store_true", default=S,
-                   help="ENTRYPOINT is a script path, even without .py")
     g.add_argument("--start-method", "--start_method", action=_Instead, const=("spawn", "fork", "forkserver"),
                    default=S, help="spawn, fork or forkserver; accepted and without effect (torchrun uses it for "
                                    "function entrypoints only; elasticd starts every worker its own way)")
@@ -157,52 +123,28 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--numa-binding", "--numa_binding", action=_Instead, default=S,
                    help="elasticd does not bind workers to NUMA nodes: drop the flag, or bind in the script "
                         "(os.sched_setaffinity) or under numactl")
-    e = p.add_argument_group("elasticd")
-    e.add_argument("--config", dest="config_file", default=None, help="TOML config file (flags override it)")
-    e.add_argument("--log-format", dest="log_format", choices=["auto", "json", "console"], default=S,
-                   help="daemon log format (default: console on a terminal, else JSON)")
-    e.add_argument("--no-tee", dest="tee", action="store_false", default=S,
-                   help="do not echo worker output to the daemon's stdout")
-    e.add_argument("--heartbeat-timeout", dest="heartbeat_timeout", type=float, default=S,
-                   help="a rank silent this long after a beat is hung (default 300 s)")
-    e.add_argument("--startup-timeout", dest="startup_timeout", type=float, default=S,
-                   help="time allowed before the first beat (default 900 s)")
-    e.add_argument("--require-heartbeat", dest="require_heartbeat", action="store_true", default=S,
-                   help="judge workers that never beat by --startup-timeout too")
-    e.add_argument("--stop-grace", dest="stop_grace", type=float, default=S,
-                   help="SIGTERM-to-SIGKILL grace on stop (default 30 s)")
-    e.add_argument("--restart-grace", dest="restart_grace", type=float, default=S,
-                   help="SIGTERM-to-SIGKILL grace when restarting after a failure (default 3 s)")
-    e.add_argument("--kill-timeout", dest="kill_timeout", type=float, default=S,
-                   help="how long to wait for SIGKILLed processes to be reaped (default 5 s)")
-    e.add_argument("--restart-backoff", dest="restart_backoff", type=float, default=S,
-                   help="first wait before a restart (plus up to as much jitter), doubling with each attempt in "
-                        "a row that failed before every rank stepped (default 0.05 s)")
-    e.add_argument("--restart-backoff-max", dest="restart_backoff_max", type=float, default=S,
-                   help="longest wait between restarts (default 30 s)")
-    e.add_argument("--stack-signal", dest="stack_signal", default=S,
-                   help="signal workers dump their stacks on (default SIGUSR1)")
-    e.add_argument("--exit-barrier-timeout", dest="exit_barrier_timeout", type=float, default=S,
-                   help="how long a finished node waits for the others (default 300 s)")
-    e.add_argument("--join-timeout", dest="join_timeout", type=float, default=S,
-                   help="how long to wait for enough nodes (default 600 s)")
-    e.add_argument("--last-call-timeout", dest="last_call_timeout", type=float, default=S,
-                   help="extra wait for more nodes once MIN have joined (default 1 s)")
-    e.add_argument("--peer-timeout", dest="peer_timeout", type=float, default=S,
-                   help="a node silent this long is treated as lost (default 10 s)")
-    e.add_argument("--fatal-exit-codes", dest="fatal_exit_codes", default=S,
-                   help="comma-separated worker exit codes that fail the job without restart")
-    e.add_argument("--no-warm-spawn", dest="warm_spawn", action="store_false", default=S,
-                   help="start every worker as a fresh interpreter instead of a warm spare")
-    e.add_argument("--no-memory-state", dest="memory_state", action="store_false", default=S,
-                   help="do not offer workers a shared-memory directory for in-memory state "
-                        "(ELASTICD_MEMORY_DIR); they resume from disk checkpoints only")
-    e.add_argument("--preload", dest="preload", default=S,
-                   help="comma-separated modules warm spares import ahead (default torch and its "
-                        "distributed, DDP and optim modules)")
-    e.add_argument("--socket", dest="socket", default=S, help="control socket path")
-    e.add_argument("--operators-group", dest="operators_group", default=S,
-                   help="group whose members may use status/stop")
+
+
+def _add_setting(group: argparse._ArgumentGroup, f: dataclasses.Field) -> None:
+    """The flag of one Config field: --NAME-WITH-DASHES unless the field names its own (--no-NAME
+    for a setting that is on by default), torchrun's --name_with_underscores beside each of a
+    torchrun flag's, and a number read as the field's type."""
+    default, meta = f.default, f.metadata
+    flags = meta["flags"] or ((f"--no-{f.name}" if default is True else f"--{f.name}").replace("_", "-"),)
+    if meta["torchrun"]:
+        flags = tuple(dict.fromkeys(s for flag in flags for s in
+                                    (flag, "--" + flag[2:].replace("-", "_") if flag.startswith("--") else flag)))
+    if isinstance(default, bool):
+        kind = {"action": "store_false" if default else "store_true"}
+    else:
+        kind = {"type": type(default)} if isinstance(default, (int, float)) else {}
+    group.add_argument(*flags, dest=f.name, default=argparse.SUPPRESS, help=_help(f), **{**kind, **meta["parse"]})
+
+
+def _help(f: dataclasses.Field) -> str:
+    """A Config field's help text, with its default filled in (a list as a,b,c)."""
+    default = ",".join(map(str, f.default)) if isinstance(f.default, tuple) else f.default
+    return f.metadata["help"].format(default=default)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -247,12 +189,9 @@ def main(argv: list[str] | None = None) -> int:
         return _run(args, extra or (given[1:] if given[:1] == ["--"] else given))
     if extra:
         build_parser().error("arguments after -- are only for 'run'")
-    if args.command == "status":
-        return _status(args)
-    if args.command == "stop":
-        return _stop(args)
-    if args.command == "stacks":
-        return _stacks(args)
+    control_command = {"status": _status, "stop": _stop, "stacks": _stacks}.get(args.command)
+    if control_command:
+        return control_command(args)
     build_parser().print_help()
     return EXIT_USAGE
 
@@ -419,7 +358,9 @@ def _age(seconds) -> str:
     if seconds is None:
         return "-"
     seconds = float(seconds)
-    return f"{seconds:.1f}s" if seconds < 120 else f"{seconds / 60:.1f}m" if seconds < 7200 else f"{seconds / 3600:.1f}h"
+    if seconds < 120:
+        return f"{seconds:.1f}s"
+    return f"{seconds / 60:.1f}m" if seconds < 7200 else f"{seconds / 3600:.1f}h"
 
 
 def render_status(s: dict) -> str:
@@ -450,7 +391,8 @@ def render_status(s: dict) -> str:
     for w in s.get("workers") or []:
         rss = f"{w['rss_bytes'] / 2**20:.0f}MiB" if w.get("rss_bytes") else "-"
         step = "-" if w.get("step") is None else str(w["step"])
-        lines.append(f"  {w['rank']:<5} {w['pid']:<8} {w['state']:<21} {_age(w.get('heartbeat_age')):<6} {step:<8} {rss}")
+        beat = _age(w.get("heartbeat_age"))
+        lines.append(f"  {w['rank']:<5} {w['pid']:<8} {w['state']:<21} {beat:<6} {step:<8} {rss}")
     f = s.get("last_failure")
     if f:
         lines.append(f"  last failure: rank {f.get('rank')} {f.get('reason')}"

@@ -18,7 +18,7 @@ import tomllib
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args, get_origin, get_type_hints
 
 DEFAULT_ENTRYPOINT = "entrypoints.train"
 DEFAULT_RDZV_PORT = 29400
@@ -61,56 +61,99 @@ class ConfigError(Exception):
     """A bad setting: the message is one line naming the problem and the fix."""
 
 
+LOG_FORMATS = ("auto", "json", "console")
+
+
+def _setting(default: Any, doc: str, *flags: str, torchrun: bool = False, **parse: Any) -> Any:
+    """A Config field with its documentation, which `elasticd run --help` is made of (cli).
+
+    `doc`: the help text, where {default} is the default (a list as a,b,c). `flags`: the options
+    that set it, when not --NAME-WITH-DASHES (--no-NAME for a setting that is on by default).
+    `torchrun`: one of torchrun's flags, listed among them and also taken in its --name_with_underscores
+    spelling. `parse`: argparse's metavar, choices or type, where the field's type is not how the
+    flag reads (a float or int field's flag reads a float or int)."""
+    return dataclasses.field(default=default, metadata={"help": doc, "flags": flags, "torchrun": torchrun,
+                                                        "parse": parse})
+
+
 @dataclass(frozen=True)
 class Config:
-    entrypoint: str = DEFAULT_ENTRYPOINT
-    args: tuple[str, ...] = ()
-    nnodes: str = "1"
-    nproc_per_node: int = 1
-    max_restarts: int = 3
-    rdzv_endpoint: str = ""
-    rdzv_id: str = "none"
-    # A file holding the job's secret, the same on every node: every value the daemons exchange
-    # through the store is signed with it (elasticd.signing). Single-node jobs make their own.
-    rdzv_secret_file: str = ""
-    standalone: bool = False
-    monitor_interval: float = 0.1
-    log_dir: str = ""
-    checkpoint_dir: str = ""
-    log_format: str = "auto"
-    tee: bool = True
-    heartbeat_timeout: float = 300.0
-    startup_timeout: float = 900.0
-    require_heartbeat: bool = False
-    stop_grace: float = 30.0
-    restart_grace: float = 3.0
-    kill_timeout: float = 5.0
-    exit_barrier_timeout: float = 300.0
-    join_timeout: float = 600.0
-    last_call_timeout: float = 1.0
-    peer_timeout: float = 10.0
-    restart_backoff: float = 0.05
-    restart_backoff_max: float = 30.0
-    socket: str = ""
-    operators_group: str = ""
-    fatal_exit_codes: tuple[int, ...] = ()
-    local_addr: str = ""
-    stack_signal: str = "SIGUSR1"
-    role: str = "default"  # the workers' ROLE_NAME (torchrun --role)
-    # Which local ranks' output is echoed to the daemon's stdout, torchrun's way: a rank whose
-    # stdout and stderr are both redirected (-r) and neither teed (-t) is not, nor one missing
-    # from a non-empty local_ranks_filter. Every rank's output is always in its log file.
-    redirects: str = "0"
-    tee_streams: str = "0"
-    local_ranks_filter: tuple[int, ...] = ()
-    signals_to_handle: tuple[str, ...] = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")  # each stops gracefully
-    virtual_local_rank: bool = False  # LOCAL_RANK=0, CUDA_VISIBLE_DEVICES = the rank's own GPU
-    no_python: bool = False  # the entrypoint is an executable, run in place of Python (torchrun --no-python)
-    warm_spawn: bool = True
-    memory_state: bool = True  # workers keep the latest step's state in /dev/shm (elasticd.memory)
+    """Every setting of a run, each with its default and help text (the flags' too: see _setting)."""
+
+    # --- what to run (the CLI's ENTRYPOINT and ARGS) ---
+    entrypoint: str = _setting(DEFAULT_ENTRYPOINT, "module (run as python -m), module:function, or "
+                               "path/to/script.py (default: the bundled example {default})")
+    args: tuple[str, ...] = _setting((), "everything after the entrypoint goes to it, as with torchrun")
+
+    # --- torchrun's own flags ---
+    nnodes: str = _setting("1", "N or MIN:MAX nodes (default {default})", torchrun=True)
+    nproc_per_node: int = _setting(1, "workers on this node: a number, gpu, cpu or auto (default {default}; the "
+                                   "bundled example: one per GPU, else 2)", torchrun=True,
+                                   type=str)  # a word or a number: nproc_from_word reads it
+    max_restarts: int = _setting(3, "failure restarts of the job before it fails (default {default})", torchrun=True)
+    rdzv_endpoint: str = _setting("", "HOST:PORT of the rendezvous store, the same on every node", torchrun=True)
+    rdzv_id: str = _setting("none", "job id shared by all nodes", torchrun=True)
+    standalone: bool = _setting(False, "single node with a private store on a free loopback port", torchrun=True)
+    monitor_interval: float = _setting(0.1, "seconds between worker checks (default {default:g})", torchrun=True)
+    log_dir: str = _setting("", "where per-rank logs, error files and stack dumps go (default ./elasticd-runs)",
+                            torchrun=True)
+    local_addr: str = _setting("", "address peers reach this node at (default: the one routing to the endpoint)",
+                               torchrun=True)
+    role: str = _setting("default", "the workers' ROLE_NAME (default {default!r})", torchrun=True)
+    redirects: str = _setting("0", "as torchrun: 0-3 (none, stdout, stderr, both) or LOCAL_RANK:N,...; every "
+                              "rank's output is always in its log file, and a rank with both streams redirected "
+                              "(and not teed) is not echoed to the console", "-r", "--redirects", torchrun=True)
+    tee_streams: str = _setting("0", "as torchrun: streams also echoed to the console (echoing is elasticd's "
+                                "default)", "-t", "--tee", torchrun=True)
+    local_ranks_filter: tuple[int, ...] = _setting((), "comma-separated local ranks whose output is echoed to the "
+                                                   "console (default all)", torchrun=True)
+    signals_to_handle: tuple[str, ...] = _setting(("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT"),
+                                                  "comma-separated signals that stop the job gracefully, as "
+                                                  "SIGTERM does (default {default}; e.g. add SIGUSR1 for SLURM's "
+                                                  "--signal)", torchrun=True)
+    virtual_local_rank: bool = _setting(False, "LOCAL_RANK=0 for every worker, and CUDA_VISIBLE_DEVICES its own GPU",
+                                        torchrun=True)
+    no_python: bool = _setting(False, "ENTRYPOINT is an executable run with ARGS in place of python (no warm "
+                               "spares, heartbeat or stack dumps: it is not Python)", torchrun=True)
+
+    # --- elasticd's own ---
+    rdzv_secret_file: str = _setting("", "the job's secret (the same file on every node, mode 600): what the "
+                                     "daemons write to the store is signed with it, so no one without it can steer "
+                                     "the job (single-node jobs make their own)", metavar="FILE")
+    checkpoint_dir: str = _setting("", "where workers keep checkpoints (ELASTICD_CHECKPOINT_DIR; default <log dir>/"
+                                   "checkpoints/<rdzv id>, so a job started again with the same --rdzv-id resumes)")
+    log_format: str = _setting("auto", "daemon log format (default: console on a terminal, else JSON)",
+                               choices=LOG_FORMATS)
+    tee: bool = _setting(True, "do not echo worker output to the daemon's stdout")
+    heartbeat_timeout: float = _setting(300.0, "a rank silent this long after a beat is hung (default {default:g} s)")
+    startup_timeout: float = _setting(900.0, "time allowed before the first beat (default {default:g} s)")
+    require_heartbeat: bool = _setting(False, "judge workers that never beat by --startup-timeout too")
+    stop_grace: float = _setting(30.0, "SIGTERM-to-SIGKILL grace on stop (default {default:g} s)")
+    restart_grace: float = _setting(3.0, "SIGTERM-to-SIGKILL grace when restarting after a failure "
+                                    "(default {default:g} s)")
+    kill_timeout: float = _setting(5.0, "how long to wait for SIGKILLed processes to be reaped (default {default:g} s)")
+    restart_backoff: float = _setting(0.05, "first wait before a restart (plus up to as much jitter), doubling with "
+                                      "each attempt in a row that failed before every rank stepped "
+                                      "(default {default:g} s)")
+    restart_backoff_max: float = _setting(30.0, "longest wait between restarts (default {default:g} s)")
+    stack_signal: str = _setting("SIGUSR1", "signal workers dump their stacks on (default {default})")
+    exit_barrier_timeout: float = _setting(300.0, "how long a finished node waits for the others "
+                                           "(default {default:g} s)")
+    join_timeout: float = _setting(600.0, "how long to wait for enough nodes (default {default:g} s)")
+    last_call_timeout: float = _setting(1.0, "extra wait for more nodes once MIN have joined (default {default:g} s)")
+    peer_timeout: float = _setting(10.0, "a node silent this long is treated as lost (default {default:g} s)")
+    fatal_exit_codes: tuple[int, ...] = _setting((), "comma-separated worker exit codes that fail the job without "
+                                                 "restart")
+    warm_spawn: bool = _setting(True, "start every worker as a fresh interpreter instead of a warm spare")
+    memory_state: bool = _setting(True, "do not offer workers a shared-memory directory for in-memory state "
+                                  "(ELASTICD_MEMORY_DIR); they resume from disk checkpoints only")
     # torch._dynamo too: DDP imports it on first construction (about 1.3 s on a small CPU), which
     # would otherwise be most of a warm restart.
-    preload: tuple[str, ...] = ("torch", "torch.distributed", "torch.nn.parallel", "torch.optim", "torch._dynamo")
+    preload: tuple[str, ...] = _setting(("torch", "torch.distributed", "torch.nn.parallel", "torch.optim",
+                                         "torch._dynamo"), "comma-separated modules warm spares import ahead "
+                                        "(default torch and its distributed, DDP and optim modules)")
+    socket: str = _setting("", "control socket path")
+    operators_group: str = _setting("", "group whose members may use status/stop")
 
     @property
     def min_nodes(self) -> int:
@@ -129,7 +172,9 @@ class Config:
         return parse_endpoint(self.rdzv_endpoint)[1]
 
     def echoed(self, local_rank: int) -> bool:
-        """Whether this local rank's output goes to the daemon's stdout besides its log file."""
+        """Whether this local rank's output goes to the daemon's stdout besides its log file (every
+        rank's output is always there), torchrun's way: not where its stdout and stderr are both
+        redirected (-r) and neither teed (-t), nor where a non-empty local_ranks_filter leaves it out."""
         if not self.tee or (self.local_ranks_filter and local_rank not in self.local_ranks_filter):
             return False
         both_redirected = _std(self.redirects, "redirects", local_rank) == 3
@@ -137,9 +182,8 @@ class Config:
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(Config)}
-# Keys whose TOML / env values are lists.
-_TUPLE_FIELDS = {"args": str, "fatal_exit_codes": int, "preload": str, "local_ranks_filter": int,
-                 "signals_to_handle": str}
+# Keys whose TOML / env values are lists, and the type of their elements.
+_TUPLE_FIELDS = {k: get_args(t)[0] for k, t in get_type_hints(Config).items() if get_origin(t) is tuple}
 
 # torchrun reads every flag it was not given from PET_<FLAG> (what Kubeflow's PyTorchJob sets):
 # the variable -> our key for the flags elasticd shares. Those of static rendezvous are checked
@@ -505,7 +549,7 @@ def cuda_devices() -> int:
 
         if torch.cuda.is_available():
             return torch.cuda.device_count()
-    except Exception:
+    except Exception:  # noqa: BLE001 - a broken torch or driver: no GPU to count, as without torch
         pass
     return 0
 
@@ -516,7 +560,7 @@ def validate(cfg: Config) -> None:
     parse_endpoint(cfg.rdzv_endpoint)
     for name in FIELDS:
         check_value(name, getattr(cfg, name), "--" + name.replace("_", "-"))
-    if cfg.log_format not in ("auto", "json", "console"):
+    if cfg.log_format not in LOG_FORMATS:
         raise ConfigError(f"--log-format {cfg.log_format!r}: use auto, json or console")
     parse_std(cfg.redirects, "redirects")
     parse_std(cfg.tee_streams, "tee_streams")
@@ -676,8 +720,9 @@ def check_entrypoint(entrypoint: str, cwd: str | None = None, no_python: bool = 
         if origin.endswith(".py"):
             with open(origin, encoding="utf-8") as f:
                 tree = ast.parse(f.read(), origin)
-            names = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
-            names |= {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
-            names |= {a.asname or a.name for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
+            top = tree.body
+            names = {n.name for n in top if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+            names |= {t.id for n in top if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+            names |= {a.asname or a.name for n in top if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
             if func.split(".")[0] not in names:
                 raise ConfigError(f"entrypoint {entrypoint!r}: module {module!r} ({origin}) has no function {func!r}")

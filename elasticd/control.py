@@ -37,9 +37,9 @@ import stat
 import struct
 import threading
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable
 
 import psutil
 import structlog
@@ -61,8 +61,6 @@ PER_PROCESS = 8  # a client may ask a few things at once (a monitor, `stacks` fr
 PER_USER = 16
 PER_WORKERS = 8
 ACCEPT_PER_TURN = 8  # connections taken from the backlog before serving those already open
-COMMANDS = ("status", "stop", "stacks")
-FORWARDED = frozenset({"stop", "stacks"})  # handed to the agent loop's `command` callback
 _UCRED = struct.Struct("=iII")  # struct ucred: pid_t pid, uid_t uid, gid_t gid
 _SUN_PATH_MAX = 107  # sizeof(sockaddr_un.sun_path) - 1 for the NUL
 
@@ -373,7 +371,8 @@ class ControlServer:
         try:
             st = os.stat(parent)
         except OSError as e:
-            raise ControlError(f"socket directory {parent} cannot be used ({e.strerror}): pass another --socket") from None
+            raise ControlError(f"socket directory {parent} cannot be used ({e.strerror}): "
+                               "pass another --socket") from None
         if not stat.S_ISDIR(st.st_mode):
             raise ControlError(f"{parent} is not a directory: pass another --socket")
         self._say_if_squatted(parent)
@@ -628,25 +627,20 @@ class ControlServer:
 
     def handle(self, raw: bytes) -> dict | Deferred:
         """One request's reply, or the Deferred the loop will give it (the transport-free half of
-        the server)."""
+        the server): its command's entry in COMMANDS says how."""
         req, error = parse_request(raw)
         if error:
             return error
-        cmd = req["command"]
-        if cmd == "status":
-            try:
-                return {"ok": True, "version": VERSION, "status": self.snapshot()}
-            except Exception as e:  # noqa: BLE001
-                log.error("control_snapshot_failed", error=repr(e))
-                return _error(f"internal error reading the status: {e!r}")
-        timeout = req.get("timeout")
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))):
-            return _error(f"timeout {timeout!r} is not a number of seconds >= 0 or null")
-        try:  # the daemon honours it as its stop grace: the same range (no nan, inf, 1e999)
-            if timeout is not None:
-                check_value("stop_grace", timeout, "timeout")
-        except ConfigError as e:
-            return _error(str(e))
+        command = COMMANDS[req["command"]]
+        for key, check in command.fields.items():
+            problem = check(req.get(key))
+            if problem:
+                return _error(problem)
+        return command.serve(self, req) if command.serve else self._forward(req)
+
+    def _forward(self, req: dict) -> dict | Deferred:
+        """Hand a request to the agent loop's `command` callback: its reply, or its Deferred."""
+        cmd, timeout = req["command"], req.get("timeout")
         try:
             reply = self.command(req)
             if not isinstance(reply, (dict, Deferred)):
@@ -708,6 +702,52 @@ def _show(value: object) -> str:
     r.maxlevel, r.maxlist, r.maxdict = 2, 4, 4
     text = r.repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+# --- commands --------------------------------------------------------------------------------
+
+
+def _status(server: ControlServer, req: dict) -> dict:
+    """Served here, from the snapshot the loop last published."""
+    try:
+        return {"ok": True, "version": VERSION, "status": server.snapshot()}
+    except Exception as e:  # noqa: BLE001
+        log.error("control_snapshot_failed", error=repr(e))
+        return _error(f"internal error reading the status: {e!r}")
+
+
+def _timeout_problem(timeout: object) -> str | None:
+    """A request's `timeout`: null, or seconds the daemon honours as a stop grace (the same range:
+    no nan, inf, 1e999)."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        return f"timeout {timeout!r} is not a number of seconds >= 0 or null"
+    try:
+        check_value("stop_grace", timeout, "timeout")
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+@dataclass(frozen=True)
+class Command:
+    """How the server handles a command: `serve(server, request)` answers it on the server's
+    thread; without one, the request goes to the agent loop's `command` callback (which gives a
+    reply or a Deferred). `fields` judge the request's own fields first: each gets the field's
+    value (None when absent) and says what is wrong with it, or None."""
+
+    serve: Callable[[ControlServer, dict], dict] | None = None
+    fields: dict[str, Callable[[object], str | None]] = field(default_factory=dict)
+
+
+# Every command the socket takes, by name: adding one is an entry here, plus its `serve`, or its
+# case in the agent's callback (agent._accept_command).
+COMMANDS: dict[str, Command] = {
+    "status": Command(serve=_status),
+    "stop": Command(fields={"timeout": _timeout_problem}),
+    "stacks": Command(fields={"timeout": _timeout_problem}),
+}
 
 
 def parse_request(raw: bytes) -> tuple[dict, dict | None]:
