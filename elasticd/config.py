@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, get_args, get_origin, get_type_hints
 
+from elasticd import names
+
 DEFAULT_ENTRYPOINT = "entrypoints.train"
 DEFAULT_RDZV_PORT = 29400
 
@@ -336,7 +338,7 @@ def env_settings(environ: dict[str, str]) -> dict[str, Any]:
     """ELASTICD_<KEY> variables (ELASTICD_NPROC_PER_NODE=2). ELASTICD_SOCKET is the socket key."""
     out: dict[str, Any] = {}
     for name in FIELDS:
-        value = environ.get("ELASTICD_" + name.upper())
+        value = environ.get(names.SETTING_PREFIX + name.upper())
         if value is None or value == "":
             continue
         out[name] = value.split() if name in _TUPLE_FIELDS else value
@@ -484,7 +486,7 @@ def build(flags: dict[str, Any], config_file: str | None = None, environ: dict[s
     layers = [
         (load_toml(config_file) if config_file else {}, lambda k: f"config file {config_file}"),
         (pet, lambda k: f"environment variable {_pet_name(k)}"),
-        (env_settings(environ), lambda k: f"environment variable ELASTICD_{k.upper()}"),
+        (env_settings(environ), lambda k: f"environment variable {names.SETTING_PREFIX}{k.upper()}"),
         (flags, lambda k: "--" + k.replace("_", "-")),
     ]
     merged: dict[str, Any] = {}
@@ -721,8 +723,8 @@ def check_entrypoint(entrypoint: str, cwd: str | None = None, no_python: bool = 
             with open(origin, encoding="utf-8") as f:
                 tree = ast.parse(f.read(), origin)
             top = tree.body
-            names = {n.name for n in top if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
-            names |= {t.id for n in top if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
-            names |= {a.asname or a.name for n in top if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
-            if func.split(".")[0] not in names:
+            defined = {n.name for n in top if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+            defined |= {t.id for n in top if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+            defined |= {a.asname or a.name for n in top if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
+            if func.split(".")[0] not in defined:
                 raise ConfigError(f"entrypoint {entrypoint!r}: module {module!r} ({origin}) has no function {func!r}")

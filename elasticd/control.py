@@ -44,6 +44,7 @@ from pathlib import Path
 import psutil
 import structlog
 
+from elasticd import names
 from elasticd.config import ConfigError, check_value
 
 log = structlog.get_logger("elasticd.control")
@@ -92,8 +93,8 @@ def default_socket_path() -> Path:
     else a per-user directory, so an unprivileged daemon needs no setup: $XDG_RUNTIME_DIR/elasticd,
     else /tmp/elasticd-UID (or, where someone else took that name first, see _tmp_dir).
     """
-    if os.environ.get("ELASTICD_SOCKET"):
-        return Path(os.environ["ELASTICD_SOCKET"])
+    if os.environ.get(names.SOCKET):
+        return Path(os.environ[names.SOCKET])
     runtime = os.environ.get("RUNTIME_DIRECTORY", "").split(":")[0]
     if runtime:
         return Path(runtime) / "control.sock"
@@ -125,10 +126,10 @@ def _tmp_fallbacks() -> list[Path]:
     """This user's private /tmp/elasticd-UID-* directories, by name."""
     prefix = f"elasticd-{os.geteuid()}-"
     try:
-        names = sorted(n for n in os.listdir(TMP) if n.startswith(prefix))
+        found = sorted(n for n in os.listdir(TMP) if n.startswith(prefix))
     except OSError:
         return []
-    return [TMP / n for n in names if _private(TMP / n)]
+    return [TMP / n for n in found if _private(TMP / n)]
 
 
 def _private(d: Path) -> bool:
@@ -166,17 +167,17 @@ def find_daemons() -> list[Path]:
     other than root (an operator), in the service's directory; and in this user's own
     /tmp/elasticd-UID-* (see _tmp_dir). A socket file nobody listens on (a daemon that was
     SIGKILLed), or in a directory someone else could have put it in (_trusted), is left out."""
-    if os.environ.get("ELASTICD_SOCKET"):
-        return [Path(os.environ["ELASTICD_SOCKET"])]
+    if os.environ.get(names.SOCKET):
+        return [Path(os.environ[names.SOCKET])]
     default = default_socket_path().parent
     dirs = dict.fromkeys([default, *(_tmp_fallbacks() if default.parent == TMP else ()), SYSTEM_DIR])
     found = []
     for d in filter(_trusted, dirs):
         try:
-            names = sorted(os.listdir(d))
+            entries = sorted(os.listdir(d))
         except OSError:
             continue
-        for name in names:
+        for name in entries:
             if name == "control.sock" or (name.startswith("control-") and name.endswith(".sock")):
                 try:
                     request(d / name, {"version": VERSION, "command": "status"}, timeout=2.0)

@@ -13,8 +13,8 @@ store as a listening fd. Each round then gets:
 from __future__ import annotations
 
 import datetime
-import functools
 import errno
+import functools
 import json
 import os
 import socket
