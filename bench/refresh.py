@@ -118,16 +118,16 @@ def main() -> None:
             for mode, n in order:
                 mgr = mgrs.get((n, mode))
                 if mgr is not None:
-                    mgr._cadence.costs.clear()
+                    mgr._memory.cadence.costs.clear()
                 times[mode, n].append(block(model, opt, x, y, mgr, args.block, step, sync, stalls[mode, n]))
                 step += args.block
                 if mgr is not None:  # an overlapped refresh's charge comes once its events passed: the
-                    charged[mode, n] += mgr._cadence.costs  # block's last one in its next block
-        off = [k for k, m in mgrs.items() if k[1] == "overlapped" and not m._memory_writer.overlap]
+                    charged[mode, n] += mgr._memory.cadence.costs  # block's last one in its next block
+        off = [k for k, m in mgrs.items() if k[1] == "overlapped" and not m._memory.writer.overlap]
         for mgr in mgrs.values():
             mgr.close()
-            if mgr._memory_writer is not None:
-                mgr._memory_writer.close()
+            if mgr._memory.writer is not None:
+                mgr._memory.writer.close()
     finally:
         shutil.rmtree(root, ignore_errors=True)
         for d in mems.values():

@@ -285,10 +285,10 @@ class Agent:
         directory = os.environ.get("ELASTICD_CHECKPOINT_DIR") or self.cfg.checkpoint_dir
         if not directory:
             return None
-        from elasticd import checkpoint
+        from elasticd.checkpoint.format import latest_info
 
         try:
-            info = checkpoint.latest_info(directory)
+            info = latest_info(directory)
         except Exception:  # noqa: BLE001 - status must never fail on a damaged directory
             return None
         if not info:

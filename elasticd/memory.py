@@ -65,15 +65,17 @@ OVERLAP_MIN_BYTES = 8 << 20
 _LAYOUT = operator.attrgetter("dtype", "shape", "is_cpu")  # what a slot's views and copies are made for
 _FIRST = operator.itemgetter(0)
 torch: Any = None  # imported by the worker-side functions only: the daemon never loads torch
+_walk: Any = None  # elasticd.checkpoint.walk, which imports torch: imported with it
 
 
 def _import_torch() -> None:
-    global torch, _TENSORS
+    global torch, _walk
     if torch is None:
         import torch as t
 
-        torch = t
-        _TENSORS = frozenset((t.Tensor, t.nn.Parameter))
+        from elasticd.checkpoint import walk
+
+        torch, _walk = t, walk
 
 
 # -- daemon side ------------------------------------------------------------------------------
@@ -206,80 +208,57 @@ _T = "\x00"
 _DICT = json.dumps(_T + "d").encode()  # the tag of a dict, as the JSON of a description spells it
 
 
-def _where(at: Any) -> str:
-    keys = []
-    while at is not None:
-        at, key = at
-        keys.append(key)
-    return "state" + "".join(f"[{k!r}]" for k in reversed(keys))
+class _Description:
+    """How elasticd.checkpoint.walk encodes a state for a slot: JSON, its tensors appended to
+    `tensors` as (tensor, location). Runs every refresh. `last_flat` and `flat` (last refresh's,
+    this refresh's): descriptions of dicts of named tensors (a model's state_dict, an
+    optimizer's per-parameter state), made once and then the same object for as long as the
+    names are, see named_tensors."""
 
+    cannot = "kept in the in-memory state"
 
-def _describe(obj: Any, tensors: list, at: Any = None, flat: tuple[dict, dict] | None = None) -> Any:
-    """`obj` as JSON, its tensors appended to `tensors` as (tensor, location). `at` is the
-    location as a (parent, key) chain, formatted only for an error message. Runs every step:
-    the common types come first. `flat` (last refresh's, this refresh's): descriptions of
-    dicts of named tensors (a model's state_dict, an optimizer's per-parameter state), made once
-    and then the same object for as long as the names are, see _flat_tensors."""
-    cls = type(obj)
-    if obj is None or cls in _PLAIN:
-        return obj
-    if (cls is dict or cls is OrderedDict) and flat is not None and obj and _STR == set(map(type, obj)) \
-            and _TENSORS.issuperset(map(type, obj.values())):
-        return _flat_tensors(obj, cls, tensors, at, flat)
-    if cls is dict:
-        return {_T + "d": [[_describe(k, tensors, at), _describe(v, tensors, (at, k), flat)] for k, v in obj.items()]}
-    if isinstance(obj, torch.Tensor):
-        tensors.append((obj, at))
-        return {_T + "t": len(tensors) - 1}
-    if cls is list:
-        return [_describe(v, tensors, (at, i), flat) for i, v in enumerate(obj)]
-    if isinstance(obj, Mapping):
-        tag = "o" if isinstance(obj, OrderedDict) else "d"
-        return {_T + tag: [[_describe(k, tensors, at), _describe(v, tensors, (at, k), flat)] for k, v in obj.items()]}
-    if isinstance(obj, (list, tuple, set, frozenset)) and not isinstance(obj, torch.Size):
-        items = [_describe(v, tensors, (at, i), flat) for i, v in enumerate(obj)]
-        return items if isinstance(obj, list) else {_T + ("u" if isinstance(obj, tuple) else "s"): items}
-    if isinstance(obj, torch.Size):
-        return {_T + "S": list(obj)}
-    if isinstance(obj, torch.dtype):
-        return {_T + "D": str(obj).removeprefix("torch.")}
-    if isinstance(obj, torch.device):
-        return {_T + "v": str(obj)}
-    if isinstance(obj, (bytes, bytearray)):
+    def __init__(self, last_flat: dict) -> None:
+        self.tensors: list = []
+        self.last_flat, self.flat = last_flat, {}
+
+    def tensor(self, t: Any, at: Any) -> dict:
+        self.tensors.append((t, at))
+        return {_T + "t": len(self.tensors) - 1}
+
+    def named_tensors(self, obj: dict, at: Any) -> dict:
+        """The description of a dict of str -> tensor without a Python step per entry: it
+        depends only on the names and where its tensors start in `tensors`, so the object made
+        for them last refresh is handed out again, and Writer._json knows it by identity
+        (nothing to compare or encode)."""
+        cls, tensors = type(obj), self.tensors
+        key = (cls, tuple(obj), len(tensors))
+        desc = self.last_flat.get(key)
+        if desc is None:
+            tag = _T + ("d" if cls is dict else "o")
+            desc = {tag: [[k, {_T + "t": i}] for i, k in enumerate(key[1], len(tensors))]}
+        self.flat[key] = desc
+        tensors.extend(zip(obj.values(), zip(itertools.repeat(at), key[1])))  # noqa: B905 - hot path
+        return desc
+
+    def mapping(self, ordered: bool, pairs: list) -> dict:
+        return {_T + ("o" if ordered else "d"): pairs}
+
+    def collection(self, is_tuple: bool, items: list) -> dict:
+        return {_T + ("u" if is_tuple else "s"): items}
+
+    def value(self, obj: Any) -> dict:
+        if isinstance(obj, torch.Size):
+            return {_T + "S": list(obj)}
+        if isinstance(obj, torch.dtype):
+            return {_T + "D": str(obj).removeprefix("torch.")}
+        if isinstance(obj, torch.device):
+            return {_T + "v": str(obj)}
+        if isinstance(obj, complex):
+            return {_T + "c": [obj.real, obj.imag]}
         return {_T + "b": base64.b64encode(obj).decode()}
-    if isinstance(obj, complex):
-        return {_T + "c": [obj.real, obj.imag]}
-    if isinstance(obj, int):  # int subclasses (enums): plain values, as torch.load gives them
-        return int(obj)
-    if isinstance(obj, float):
-        return float(obj)
-    if isinstance(obj, str):
-        return str.__str__(obj)
-    if cls.__module__ == "numpy" and getattr(obj, "ndim", None) == 0 and hasattr(obj, "item"):
-        return _describe(obj.item(), tensors, at)
-    raise TypeError(f"{_where(at)}: a {cls.__module__}.{cls.__qualname__} cannot be kept in the "
-                    "in-memory state; store tensors, numbers, strings, lists and dicts")
 
-
-_PLAIN = frozenset((bool, int, float, str))
-_STR = {str}
-_TENSORS: frozenset = frozenset()  # torch.Tensor and nn.Parameter, once torch is imported
-
-
-def _flat_tensors(obj: Mapping, cls: type, tensors: list, at: Any, flat: tuple[dict, dict]) -> Any:
-    """What _describe gives for a dict of str -> tensor, without a Python step per entry: the
-    description depends only on the names and where its tensors start in `tensors`, so the
-    object made for them last refresh is handed out again, and Writer._json knows it by
-    identity (nothing to compare or encode)."""
-    names = tuple(obj)
-    key = (cls, names, len(tensors))
-    desc = flat[0].get(key)
-    if desc is None:
-        tag = _T + ("d" if cls is dict else "o")
-        desc = {tag: [[k, {_T + "t": i}] for i, k in enumerate(names, len(tensors))]}
-    flat[1][key] = desc
-    tensors.extend(zip(obj.values(), zip(itertools.repeat(at), names)))
-    return desc
+    def keeps(self, obj: Any) -> bool:
+        return False
 
 
 def _rebuild(obj: Any, tensors: list) -> Any:
@@ -453,7 +432,7 @@ class Writer:
         self._end = 0
         self._table = b""
         self._encoded: dict[Any, tuple[Any, bytes, bytes]] = {}  # entry -> (description, marshal, JSON)
-        self._flat: dict = {}  # descriptions of dicts of named tensors, see _flat_tensors
+        self._flat: dict = {}  # descriptions of dicts of named tensors, see _Description.named_tensors
 
     def write(self, step: int, state: Mapping[str, Any], *, world: int, rank: int,
               owned: set[int] | None = None, started: float | None = None) -> bool:
@@ -465,17 +444,17 @@ class Writer:
         rng = state.get("rng") or {}
         ranks = rng.get("ranks") or []
         mine = ranks[rank] if rank < len(ranks) else (ranks[0] if len(ranks) == 1 else None)
-        tensors: list = []
+        desc = _Description(self._flat)
+        walk, tensors = _walk.walk, desc.tensors
         used: dict = {}
-        flat: tuple[dict, dict] = (self._flat, {})
-        tree = b"{" + _DICT + b':[["rng",' + self._json("rng", _describe(mine, tensors, (None, "rng"), flat), used)
+        tree = b"{" + _DICT + b':[["rng",' + self._json("rng", walk(mine, desc, (None, "rng")), used)
         if self.local_rank == 0:
-            entries = [b"[" + self._json(("k", k), _describe(k, tensors), used) + b","
-                       + self._json(("v", k), _describe(v, tensors, (None, k), flat), used) + b"]"
+            entries = [b"[" + self._json(("k", k), walk(k, desc), used) + b","
+                       + self._json(("v", k), walk(v, desc, (None, k)), used) + b"]"
                        for k, v in state.items() if k != "rng"]
             tree += b'],["state",{' + _DICT + b":[" + b",".join(entries) + b"]}"
         tree += b"]]}"
-        self._encoded, self._flat = used, flat[1]  # only this step's: names that come and go are not kept
+        self._encoded, self._flat = used, desc.flat  # only this step's: names that come and go are not kept
         key = tuple(map(_LAYOUT, map(_FIRST, tensors)))
         if key != self._layout:
             self._plan(key, tensors)
@@ -497,13 +476,13 @@ class Writer:
         slot.set_valid(0)
         if slot.layout != key:  # views into the mapping, made once per layout
             slot.views = [torch.frombuffer(mm, dtype=t.dtype, count=t.numel(), offset=HEADER + o).view(t.shape)
-                          if t.numel() else None for o, (t, _) in zip(offsets, tensors)]
+                          if t.numel() else None for o, (t, _) in zip(offsets, tensors)]  # noqa: B905
             slot.direct = [(v.data_ptr(), t.nbytes) if v is not None and t.is_cpu and t.nbytes < _SMALL else None
-                           for v, (t, _) in zip(slot.views, tensors)]
+                           for v, (t, _) in zip(slot.views, tensors)]  # noqa: B905
             slot.layout = key
         side: list = []  # device tensors only the optimizer writes: copied beside the next step
         ordered: list = []  # other device tensors: copied on the training stream, before what follows
-        for view, direct, (t, _) in zip(slot.views, slot.direct, tensors):
+        for view, direct, (t, _) in zip(slot.views, slot.direct, tensors):  # noqa: B905 - hot path: equal lengths by construction
             if direct is not None and t.is_contiguous():
                 ctypes.memmove(direct[0], t.data_ptr(), direct[1])  # a third of copy_'s overhead
             elif view is None:
@@ -566,7 +545,7 @@ class Writer:
         """`desc` as JSON bytes, reused while the entry `name` describes the same as last time:
         most of a state (model and optimizer layout, hyperparameters, RNG left untouched) is the
         same from step to step. Sameness is judged on identity where the description is the
-        same object (one made once by _flat_tensors, a key, a small number), else on marshal's
+        same object (one made once by _Description.named_tensors, a key, a small number), else on marshal's
         bytes, several times cheaper than encoding JSON and exact about types (1, 1.0 and True
         are equal to ==, not here). Descriptions are never changed once made."""
         last = self._encoded.get(name)
@@ -583,7 +562,7 @@ class Writer:
         offsets, table, end = [], [], 0
         for t, at in tensors:
             if t.layout != torch.strided or t.is_quantized or t.is_nested:
-                raise TypeError(f"{_where(at)}: a {t.layout} tensor cannot be kept in the in-memory state")
+                raise TypeError(f"{_walk.where(at)}: a {t.layout} tensor cannot be kept in the in-memory state")
             offsets.append(end)
             table.append([end, str(t.dtype).removeprefix("torch."), list(t.shape)])
             end = _aligned(end + t.numel() * t.element_size())

@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, TensorDataset
 
 from elasticd import checkpoint
-from elasticd.checkpoint import CheckpointManager, capture, restore
+from elasticd.checkpoint import CheckpointManager, capture, collectives, restore
 from elasticd.sampler import ResumableDistributedSampler
 
 _fork = multiprocessing.get_context("fork")
@@ -203,7 +203,7 @@ def load_from(rank: int, world: int, dirs_per_scenario: list[list[str]], out: st
         state = mgr.load_latest()
         got.append({"state": state, "file": mgr.loaded.file if mgr.loaded else None})
     if like_nccl:
-        assert len(checkpoint._cpu_groups) == 1
+        assert len(collectives._cpu_groups) == 1
     torch.save(got, f"{out}.{rank}.pt")
 
 

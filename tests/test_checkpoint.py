@@ -23,6 +23,8 @@ from structlog.testing import capture_logs
 import _ckpt_helpers as helpers
 from elasticd import checkpoint
 from elasticd.checkpoint import CheckpointError, CheckpointManager, capture, load_file, load_latest, restore
+from elasticd.checkpoint import files, stop
+from elasticd.checkpoint.snapshot import Snapshot
 from elasticd.sampler import ResumableDistributedSampler
 
 
@@ -74,13 +76,13 @@ def test_directory_from_environment(tmp_path, monkeypatch):
 
 def test_save_is_a_snapshot_and_persists_in_the_background(tmp_path, monkeypatch):
     """The blocking part is the host copy only; the write happens later, one save in flight."""
-    real = checkpoint._write_checkpoint
+    real = files.write_checkpoint
 
     def slow_write(*a, **kw):
         time.sleep(0.4)
         return real(*a, **kw)
 
-    monkeypatch.setattr(checkpoint, "_write_checkpoint", slow_write)
+    monkeypatch.setattr(files, "write_checkpoint", slow_write)
     mgr = manager(tmp_path, keep=5)
     w = torch.zeros(1000)
     first = mgr.save(1, {"w": w})
@@ -92,7 +94,7 @@ def test_save_is_a_snapshot_and_persists_in_the_background(tmp_path, monkeypatch
     assert mgr.last_stall == second
     mgr.wait()
     assert mgr.last_write >= 0.4
-    monkeypatch.setattr(checkpoint, "_write_checkpoint", real)
+    monkeypatch.setattr(files, "write_checkpoint", real)
     mgr.save(3, {"w": torch.arange(5.0)})  # host buffers are reused: a new shape gets a new one
     mgr.save(4, {"w": w * 7})
     mgr.close()
@@ -323,7 +325,7 @@ def test_capture_restore_single_process_unwraps_and_restores_rng(tmp_path):
     state = capture(model=model, optimizer=opt, scaler=scaler, sampler=sampler, step=12, best=0.25)
     expected = (torch.rand(3), random.random(), np.random.rand())
     buf = io.BytesIO()
-    torch.save(checkpoint._snapshot(state), buf)
+    torch.save(Snapshot().take(state), buf)
     state = torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
     assert set(state["model"]) == {"0.weight", "0.bias"}
 
@@ -492,7 +494,7 @@ def test_maybe_save_cadence(tmp_path, monkeypatch):
     mgr._last_time -= 4000  # an hour passed
     assert mgr.maybe_save(10, {"s": 10}) and not mgr.maybe_save(11, {"s": 11})
     assert not mgr.should_stop()
-    monkeypatch.setattr(checkpoint, "_stop", type(checkpoint._stop)())
+    monkeypatch.setattr(stop.PROCESS, "requested", type(stop.PROCESS.requested)())
     checkpoint.request_stop()
     assert mgr.maybe_save(12, {"s": 12})  # the final save
     assert mgr.should_stop() and not mgr.maybe_save(13, {"s": 13})

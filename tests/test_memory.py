@@ -15,6 +15,8 @@ import torch
 import _ckpt_helpers as helpers
 from elasticd import checkpoint, memory
 from elasticd.checkpoint import CheckpointManager
+from elasticd.checkpoint import rng as ckpt_rng
+from elasticd.checkpoint.state import REFRESH, Refresh
 
 
 def final(path):
@@ -138,7 +140,7 @@ def test_overlap_on_a_cpu_or_small_state_copies_synchronously(tmp_path, device):
             f"    model(torch.ones(2, 3, device={device!r})).sum().backward()\n"
             "    opt.step()\n"
             "    mgr.maybe_save(step, lambda: checkpoint.capture(model=model, optimizer=opt, step=step))\n"
-            "    assert mgr._memory_writer.overlap and not mgr._memory_writer.queued\n"
+            "    assert mgr._memory.writer.overlap and not mgr._memory.writer.queued\n"
             "    got = memory.read(mem, step, world=1, rank=0, local_rank=0)\n"
             "    assert torch.equal(got['model']['weight'], model.weight.detach().cpu())\n"
             "assert 'elasticd.overlap' not in sys.modules\n"
@@ -157,12 +159,12 @@ def test_a_refresh_capture_names_exactly_what_only_the_optimizer_writes():
     opt = torch.optim.Adam(model.parameters())
     model(torch.randn(5, 3)).sum().backward()
     opt.step()
-    checkpoint._local_capture[0], checkpoint._owned[0] = "node", set()
+    token = REFRESH.set(refresh := Refresh(whole=True, owned=set()))
     try:
         state = checkpoint.capture(model=model, optimizer=opt, step=1)
     finally:
-        owned = checkpoint._owned[0]
-        checkpoint._local_capture[0], checkpoint._owned[0] = None, None
+        owned = refresh.owned
+        REFRESH.reset(token)
     params = {id(p) for p in model.parameters()}
     moments = {id(t) for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)}
     assert len(params) == 4 and len(moments) == 12 and owned == params | moments
@@ -462,7 +464,7 @@ def test_rng_capture_shortcuts_never_go_stale():
     import numpy as np
 
     def check():
-        rng = checkpoint._rng_state()
+        rng = ckpt_rng.get_state()
         name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
         n = rng["numpy"]
         assert torch.equal(n["keys"], torch.from_numpy(keys.astype(np.int64))) and n["pos"] == pos
@@ -486,7 +488,7 @@ def test_rng_capture_shortcuts_never_go_stale():
     check()
     # Python's generator is compared by its words in place (CPython): draws, a cached Gaussian,
     # a whole regeneration that leaves the index where it was, seeding, and setstate all show.
-    assert checkpoint._python_rng.usable == (sys.implementation.name == "cpython")
+    assert ckpt_rng._python_rng.usable == (sys.implementation.name == "cpython")
     before = random.getstate()
     check()
     random.gauss(0, 1)  # draws a pair, keeps the second in gauss_next

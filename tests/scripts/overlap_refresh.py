@@ -71,14 +71,14 @@ def check(directory, disk):
         for n in range(1, 13):  # back to back: each optimizer step comes while the last copy runs
             step(model, opt, n)
             refresh(model, opt, mgr, n)
-            writer = mgr._memory_writer
+            writer = mgr._memory.writer
             assert writer.queued and writer.overlap, "the refresh was not overlapped"
         deadline = time.monotonic() + 10
         while held(directory) != [11] and time.monotonic() < deadline:
             time.sleep(0.01)  # 11 lands once copied; 12 waits for an optimizer step that never comes
         assert held(directory) == [11], held(directory)
         whole(directory, 11)
-        assert mgr._cadence.costs, "no overlapped refresh's cost reached the cadence"
+        assert mgr._memory.cadence.costs, "no overlapped refresh's cost reached the cadence"
         with torch.no_grad():  # a parameter updated by hand, racing 12's copy: that refresh must go
             model.w.add_(1.0)
             model.seen.fill_(13.0)

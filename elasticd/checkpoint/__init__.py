@@ -1,0 +1,59 @@
+"""Rank-0 checkpoints that survive a crash at any instant, and an exact resume.
+
+Adopting it in a DDP loop (the same code runs under elasticd, torchrun or as one process):
+
+    mgr = CheckpointManager(every_steps=100)            # dir: arg, else $ELASTICD_CHECKPOINT_DIR
+    state = mgr.load_latest()                           # rank 0 reads, every rank receives
+    step = restore(state, model=model, optimizer=opt, sampler=sampler)["step"] if state else 0
+    while step < total_steps:
+        train_one_step(...); sampler.advance(batch_size); step += 1
+        mgr.maybe_save(step, lambda: capture(model=model, optimizer=opt, sampler=sampler, step=step))
+        if mgr.should_stop():                           # SIGTERM (`elasticd stop`): saved above
+            break
+    mgr.close()                                         # waits for the save in flight
+
+Every rank calls the same methods at the same steps: `capture()` gathers each rank's RNG state and
+the save/stop decisions are agreed across ranks, so those calls are collectives.
+
+The modules, one concern each: format (the directory's layout and manifest, torch-free: all the
+daemon reads), files (write, verify, load and broadcast checkpoint files), collectives (bytes
+between ranks over gloo), walk and snapshot (what a state may hold; its host copy), state and rng
+(capture/restore; RNG states), stop (SIGTERM and its watchdog), memory_state (the in-memory
+state's cadence, refreshes and resume) and manager (CheckpointManager). Importing this package
+imports torch only once a name that needs it is used, so `elasticd.checkpoint.format` stays cheap.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from elasticd.checkpoint.format import FORMAT, MANIFEST, Entry, candidates, latest_info, read_manifest
+from elasticd.checkpoint.format import MAX_MANIFEST as MAX_MANIFEST  # public limits, outside __all__
+from elasticd.checkpoint.format import MAX_STEP as MAX_STEP
+
+__all__ = [
+    "FORMAT", "MANIFEST", "CheckpointError", "CheckpointManager", "Entry", "capture", "restore",
+    "load_latest", "load_file", "candidates", "read_manifest", "latest_info",
+    "install_sigterm_handler", "stop_requested", "request_stop", "unwrap_model",
+]
+
+_TORCH_NAMES = {  # name -> the module that defines it (imported at first use: they import torch)
+    "CheckpointError": "manager", "CheckpointManager": "manager",
+    "capture": "state", "restore": "state", "unwrap_model": "state",
+    "load_latest": "files", "load_file": "files",
+    "install_sigterm_handler": "stop", "stop_requested": "stop", "request_stop": "stop",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _TORCH_NAMES.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value  # once: later lookups find it directly
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_TORCH_NAMES))
