@@ -31,7 +31,7 @@ import time
 import traceback
 import types
 
-from elasticd import proctitle, safeio
+from elasticd import names, proctitle, safeio
 
 _PR_SET_PDEATHSIG = 1
 
@@ -41,16 +41,16 @@ def die_with_daemon() -> None:
         ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     except (OSError, AttributeError):
         return
-    expected = os.environ.get("ELASTICD_DAEMON_PID")
+    expected = os.environ.get(names.DAEMON_PID)
     if expected and os.getppid() != int(expected):
         os._exit(1)  # the daemon died between fork and prctl: nobody would watch us
 
 
 def arm_stack_dumps() -> None:
-    path = os.environ.get("ELASTICD_STACK_FILE")
+    path = os.environ.get(names.STACK_FILE)
     if not path:
         return
-    sig = getattr(signal, os.environ.get("ELASTICD_STACK_SIGNAL", "SIGUSR1"))
+    sig = getattr(signal, os.environ.get(names.STACK_SIGNAL, "SIGUSR1"))
     # Kept open for the life of the process: faulthandler writes from a signal handler.
     global _stack_file
     _stack_file = os.fdopen(safeio.append(path), "a")
@@ -100,7 +100,7 @@ def _wrap_process_group_calls(dist_module) -> None:
       then frees its DDP model (returning from main()) deadlocks now and then, in torch under any
       launcher: the Reducer's destructor joins those threads with the GIL held."""
     init, destroy = dist_module.init_process_group, dist_module.destroy_process_group
-    path = os.environ["ELASTICD_HEARTBEAT_FILE"]
+    path = os.environ[names.HEARTBEAT_FILE]
 
     @functools.wraps(init)
     def init_process_group(*args, **kwargs):
@@ -128,7 +128,7 @@ def _after_import(name: str, then) -> None:
 
 
 def arm_heartbeat() -> None:
-    if not os.environ.get("ELASTICD_HEARTBEAT_FILE"):
+    if not os.environ.get(names.HEARTBEAT_FILE):
         return
     _after_import("torch.optim.optimizer", _register_step_hook)
     _after_import("torch.distributed", _wrap_process_group_calls)
@@ -200,7 +200,7 @@ def run_entrypoint(entrypoint: str, args: list[str]) -> None:
 
 def preload() -> None:
     """Import what ELASTICD_WARM_PRELOAD lists (a warm spare, or the fork server of spares)."""
-    for name in filter(None, os.environ.get("ELASTICD_WARM_PRELOAD", "").split(",")):
+    for name in filter(None, os.environ.get(names.WARM_PRELOAD, "").split(",")):
         try:
             importlib.import_module(name)
         except Exception as e:  # noqa: BLE001 - the script will meet the same error cold
@@ -248,12 +248,12 @@ def exec_program(program: str, args: list[str]) -> None:
 def main() -> None:
     die_with_daemon()
     args = sys.argv[1:]
-    if "ELASTICD_WARM_PRELOAD" in os.environ:  # a warm spare; the rank's env has no such key
+    if names.WARM_PRELOAD in os.environ:  # a warm spare; the rank's env has no such key
         args = wait_for_rank()
         if args is None:
             return
-    entrypoint = os.environ["ELASTICD_ENTRYPOINT"]
-    if os.environ.get("ELASTICD_NO_PYTHON"):
+    entrypoint = os.environ[names.ENTRYPOINT]
+    if os.environ.get(names.NO_PYTHON):
         exec_program(entrypoint, args)
     proctitle.show(proctitle.title(entrypoint, args))  # ps shows `python -u train.py ...`, as under torchrun
     arm_stack_dumps()
@@ -266,10 +266,10 @@ def main() -> None:
         write_error_file(exc)
         raise
     finally:
-        if os.environ.get("ELASTICD_HEARTBEAT_FILE"):
+        if os.environ.get(names.HEARTBEAT_FILE):
             from elasticd import health
 
-            health.mark(os.environ["ELASTICD_HEARTBEAT_FILE"], "exiting")
+            health.mark(os.environ[names.HEARTBEAT_FILE], "exiting")
 
 
 if __name__ == "__main__":

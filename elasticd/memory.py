@@ -46,9 +46,9 @@ from collections import OrderedDict, deque
 from collections.abc import Mapping
 from typing import Any
 
-from elasticd import safeio
+from elasticd import names, safeio
 
-ENV = "ELASTICD_MEMORY_DIR"
+ENV = names.MEMORY_DIR
 ROOT = "/dev/shm"
 PREFIX = "elasticd-mem-"
 MAGIC = b"ELDMEM01"
@@ -237,7 +237,7 @@ class _Description:
             tag = _T + ("d" if cls is dict else "o")
             desc = {tag: [[k, {_T + "t": i}] for i, k in enumerate(key[1], len(tensors))]}
         self.flat[key] = desc
-        tensors.extend(zip(obj.values(), zip(itertools.repeat(at), key[1])))  # noqa: B905 - hot path
+        tensors.extend(zip(obj.values(), zip(itertools.repeat(at), key[1])))
         return desc
 
     def mapping(self, ordered: bool, pairs: list) -> dict:
@@ -476,13 +476,13 @@ class Writer:
         slot.set_valid(0)
         if slot.layout != key:  # views into the mapping, made once per layout
             slot.views = [torch.frombuffer(mm, dtype=t.dtype, count=t.numel(), offset=HEADER + o).view(t.shape)
-                          if t.numel() else None for o, (t, _) in zip(offsets, tensors)]  # noqa: B905
+                          if t.numel() else None for o, (t, _) in zip(offsets, tensors)]
             slot.direct = [(v.data_ptr(), t.nbytes) if v is not None and t.is_cpu and t.nbytes < _SMALL else None
-                           for v, (t, _) in zip(slot.views, tensors)]  # noqa: B905
+                           for v, (t, _) in zip(slot.views, tensors)]
             slot.layout = key
         side: list = []  # device tensors only the optimizer writes: copied beside the next step
         ordered: list = []  # other device tensors: copied on the training stream, before what follows
-        for view, direct, (t, _) in zip(slot.views, slot.direct, tensors):  # noqa: B905 - hot path: equal lengths by construction
+        for view, direct, (t, _) in zip(slot.views, slot.direct, tensors):
             if direct is not None and t.is_contiguous():
                 ctypes.memmove(direct[0], t.data_ptr(), direct[1])  # a third of copy_'s overhead
             elif view is None:

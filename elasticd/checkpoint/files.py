@@ -90,7 +90,7 @@ def _read_verified(path: str, sha256: str | None, *,
         f.seek(0)
         try:
             payload = torch.load(same if os.path.exists(same) else f, map_location="cpu", weights_only=True)
-        except Exception as e:  # noqa: BLE001 - torch raises several types for bad or unsafe files
+        except Exception as e:
             raise ValueError(f"not loadable with weights_only=True: {_why(e)}") from e
     check_payload(payload)
     return data, payload

@@ -27,6 +27,8 @@ from typing import Any
 
 import structlog
 
+from elasticd import names
+
 FORMAT = 1  # of the manifest and of the payload inside each checkpoint file
 MANIFEST = "manifest.json"
 NAME = re.compile(r"^ckpt-(\d{12,})-([0-9a-f]{16})\.pt$")
@@ -111,7 +113,7 @@ def _name_step(m: re.Match) -> int:
 
 def resolve_dir(directory: str | os.PathLike | None) -> str:
     """The directory given, else $ELASTICD_CHECKPOINT_DIR (ValueError when neither is set)."""
-    directory = directory if directory is not None else os.environ.get("ELASTICD_CHECKPOINT_DIR")
+    directory = directory if directory is not None else os.environ.get(names.CHECKPOINT_DIR)
     if not directory:
         raise ValueError("no checkpoint directory: pass one or set ELASTICD_CHECKPOINT_DIR")
     return os.fspath(directory)

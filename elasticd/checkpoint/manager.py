@@ -14,7 +14,7 @@ import structlog
 import torch
 import torch.distributed as dist
 
-from elasticd import health
+from elasticd import health, names
 from elasticd.checkpoint import files, stop
 from elasticd.checkpoint.collectives import cpu_group, dist_on, rank, world
 from elasticd.checkpoint.format import FORMAT, Entry, candidates, remove_temporaries, resolve_dir, write_manifest
@@ -30,7 +30,7 @@ class CheckpointError(RuntimeError):
 
 def _mark_state_loaded() -> None:
     """For the daemon's recovery timeline ("state loaded"), when running under elasticd."""
-    path = os.environ.get("ELASTICD_HEARTBEAT_FILE")
+    path = os.environ.get(names.HEARTBEAT_FILE)
     if path:
         health.mark(path, "state_loaded")
 

@@ -11,7 +11,7 @@ import socket
 import threading
 import time
 
-from elasticd import health
+from elasticd import health, names
 
 
 @dataclasses.dataclass
@@ -56,7 +56,7 @@ def _abandoned() -> bool:
     """elasticd is restarting the group after a failure (a peer is dead or hung): the step in
     progress can never finish and the state since the last step is already in memory, so
     SIGTERM keeps its default meaning instead of waiting for a boundary that will not come."""
-    return health.marked(os.environ.get("ELASTICD_HEARTBEAT_FILE"), "abandon")
+    return health.marked(os.environ.get(names.HEARTBEAT_FILE), "abandon")
 
 
 def install_sigterm_handler(stop_timeout: float = 10.0) -> bool:
