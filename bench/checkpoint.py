@@ -70,7 +70,6 @@ def main() -> None:
                     torch.load(plain_path, map_location="cpu", weights_only=True)["model"])))
                 loader = CheckpointManager(os.path.join(root, f"lib-{mb}"), handle_sigterm=False)
                 load_lib.append(timed(lambda: restore(loader.load_latest(), model=fresh)))
-                del fresh
             mgr.close()
             med = statistics.median
             rows.append((mb, nbytes, med(plain), med(stall), med(write), med(refresh) if refresh else None,
@@ -89,7 +88,7 @@ def main() -> None:
     print(f"checkpoint stall, median of {args.trials}, {os.cpu_count()} cores, CPU tensors")
     print(f"{'state':>8} {'torch.save s':>13} {'save() stall s':>15} {'stall ratio':>12} {'memory refresh s':>17} "
           f"{'load plain s':>13} {'load lib s':>11}")
-    for mb, nbytes, plain, stall, _write, refresh, lp, ll in rows:
+    for _mb, nbytes, plain, stall, _write, refresh, lp, ll in rows:
         print(f"{nbytes / 1e6:>6.0f}MB {plain:>13.3f} {stall:>15.3f} {stall / plain:>11.2f}x "
               f"{(f'{refresh:.3f}' if refresh is not None else 'n/a'):>17} {lp:>13.3f} {ll:>11.3f}")
 

@@ -184,7 +184,8 @@ def main() -> None:
     backend = "CUDA/NCCL" if args.device == "cuda" else "CPU/gloo"
     print(f"recovery after kill -9 of one of {args.nproc} workers ({os.cpu_count()} cores, torch {backend}), "
           f"{args.trials} trials each, timeout {args.trial_timeout:g}s, disk checkpoint every {args.ckpt_every} steps")
-    print(f"{'launcher':<20} {'median s':>9} {'min s':>7} {'max s':>7} {'recovered':>10} {'steps lost (median/max)':>24}")
+    print(f"{'launcher':<20} {'median s':>9} {'min s':>7} {'max s':>7} {'recovered':>10} "
+          f"{'steps lost (median/max)':>24}")
     med = {}
     for kind, r in results.items():
         t, lost = r["times"], r["lost"]

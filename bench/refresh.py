@@ -60,7 +60,7 @@ def block(model, opt, x, y, mgr, steps: int, first: int, sync, stalls: list | No
         opt.step()
         sync()
         if mgr is not None:
-            mgr.maybe_save(step, lambda: capture(model=model, optimizer=opt, step=step))  # noqa: B023
+            mgr.maybe_save(step, lambda: capture(model=model, optimizer=opt, step=step))
             if stalls is not None and step % every == 0:
                 stalls.append(mgr.last_memory_stall)
         ends.append(time.perf_counter())

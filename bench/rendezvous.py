@@ -160,7 +160,7 @@ def main() -> None:
         print(f"{n:>5} {med['elasticd']:>11.2f} {med['torchrun']:>11.2f} {med['elasticd'] / med['torchrun']:>6.2f}x"
               + (f"  ({fails} failed)" if fails else ""))
     ok = [t for t in prop if t is not None]
-    print(f"restart propagation (failing node RESTARTING -> healthy node RESTARTING), elasticd: "
+    print("restart propagation (failing node RESTARTING -> healthy node RESTARTING), elasticd: "
           + (f"median {statistics.median(ok):.3f}s, max {max(ok):.3f}s ({len(ok)}/{len(prop)})" if ok else "FAILED"))
 
 

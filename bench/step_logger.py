@@ -1,8 +1,9 @@
 """The benchmark's training script, the same for elasticd and torchrun.
 
 A small DDP model trained on synthetic data (64 -> $BENCH_WIDTH (256) x $BENCH_DEPTH (1) -> 1, batch
-$BENCH_BATCH (32)); BENCH_WIDTH=1024 BENCH_DEPTH=3 BENCH_BATCH=256 gives a step with real compute; after every optimizer step each rank appends
-`pid rank restart step wall_time` to $BENCH_OUT (O_APPEND lines, so concurrent ranks never tear).
+$BENCH_BATCH (32)); BENCH_WIDTH=1024 BENCH_DEPTH=3 BENCH_BATCH=256 gives a step with real compute;
+after every optimizer step each rank appends `pid rank restart step wall_time` to $BENCH_OUT
+(O_APPEND lines, so concurrent ranks never tear).
 When the file $BENCH_HANG_FLAG.<rank> appears, that rank deletes it and spins forever.
 BENCH_DEVICE=cuda trains on the local rank's GPU with NCCL (one GPU per local rank) and waits for
 each step's kernels before logging it, so the logged time is the step's, not its launch's.
@@ -77,7 +78,7 @@ def main():
         if cuda:
             torch.cuda.synchronize()
         if mgr is not None:
-            mgr.maybe_save(step, lambda: capture(model=model, optimizer=opt, step=step))  # noqa: B023
+            mgr.maybe_save(step, lambda: capture(model=model, optimizer=opt, step=step))
         elif snapshot and rank == 0 and step % every == 0:
             torch.save({"model": model.module.state_dict(), "optimizer": opt.state_dict(), "step": step},
                        snapshot + ".tmp")

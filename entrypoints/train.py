@@ -116,7 +116,7 @@ def main(argv=None) -> None:
                 print(f"step {step}/{args.steps} epoch {sampler.epoch} loss {loss.item():.4f} "
                       f"{seen / (time.perf_counter() - t0):.0f} samples/s", flush=True)
             final = step >= args.steps
-            snapshot = lambda: capture(model=model, optimizer=opt, scheduler=sched, sampler=sampler, step=step)  # noqa: E731
+            snapshot = lambda: capture(model=model, optimizer=opt, scheduler=sched, sampler=sampler, step=step)  # noqa: E731, B023 - used in this iteration
             if final:
                 mgr.save(step, snapshot, epoch=sampler.epoch)
             else:

@@ -279,7 +279,7 @@ def memory_on_full_tmpfs(rank: int, world: int, disk: str, mem: str, result: str
     with structlog.testing.capture_logs() as logs:
         mgr = CheckpointManager(disk, handle_sigterm=False, memory_dir=mem, every_steps=2)
         for step in range(1, 5):
-            mgr.maybe_save(step, lambda: capture(model=model, step=step))  # noqa: B023
+            mgr.maybe_save(step, lambda: capture(model=model, step=step))
         mgr.close()
     Path(result).write_text(repr({"memory_every": mgr.memory_every, "disk": checkpoint.latest_info(disk)["step"],
                                   "warnings": [e for e in logs if e["event"] == "memory_state_off"]}))
@@ -295,7 +295,7 @@ def memory_cadence(rank: int, world: int, disk: str, mem: str, result: str) -> N
         mgr = CheckpointManager(disk, handle_sigterm=False, memory_dir=mem)
         for step in range(1, 121):
             time.sleep(0.002)
-            mgr.maybe_save(step, lambda: capture(model=model, step=step))  # noqa: B023
+            mgr.maybe_save(step, lambda: capture(model=model, step=step))
         mgr.close()
     Path(f"{result}.{rank}").write_text(repr({"every": mgr.memory_every,
                                   "events": [e for e in logs if e["event"] == "memory_cadence"]}))

@@ -1,4 +1,5 @@
 import os
+import subprocess
 import sys
 import time
 
@@ -7,7 +8,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from harness import SESSION, leftover_processes  # noqa: E402
+from harness import SESSION, leftover_processes
 
 # Processes a test starts without the Daemon harness (python -c, CLI calls) inherit the tag too.
 os.environ["ELASTICD_TEST_SESSION"] = SESSION
@@ -53,5 +54,5 @@ def daemons(tmp_path):
         d.kill()
         try:
             d.proc.wait(timeout=10)
-        except Exception:
+        except subprocess.TimeoutExpired:
             pass

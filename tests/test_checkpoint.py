@@ -22,8 +22,16 @@ from structlog.testing import capture_logs
 
 import _ckpt_helpers as helpers
 from elasticd import checkpoint
-from elasticd.checkpoint import CheckpointError, CheckpointManager, capture, load_file, load_latest, restore
-from elasticd.checkpoint import files, stop
+from elasticd.checkpoint import (
+    CheckpointError,
+    CheckpointManager,
+    capture,
+    files,
+    load_file,
+    load_latest,
+    restore,
+    stop,
+)
 from elasticd.checkpoint.snapshot import Snapshot
 from elasticd.sampler import ResumableDistributedSampler
 

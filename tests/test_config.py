@@ -38,9 +38,11 @@ def test_nproc_per_node_takes_torchruns_words(tmp_path):
     if gpus:
         assert config.build({"nproc_per_node": "gpu"}, path, environ={}).nproc_per_node == gpus
     else:
-        with pytest.raises(ConfigError, match="nproc_per_node in --nproc-per-node: gpu means one worker per CUDA device, and none is visible"):
+        with pytest.raises(ConfigError, match="nproc_per_node in --nproc-per-node: gpu means one worker per CUDA "
+                                              "device, and none is visible"):
             config.build({"nproc_per_node": "gpu"}, path, environ={})
-    with pytest.raises(ConfigError, match="nproc_per_node in environment variable ELASTICD_NPROC_PER_NODE: '4x' is not a number of workers"):
+    with pytest.raises(ConfigError, match="nproc_per_node in environment variable ELASTICD_NPROC_PER_NODE: '4x' is "
+                                          "not a number of workers"):
         config.build({}, path, environ={"ELASTICD_NPROC_PER_NODE": "4x"})
 
 

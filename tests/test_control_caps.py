@@ -16,9 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from harness import script, wait_until
-
 from elasticd import control
+from harness import script, wait_until
 from scripts.hog_control import hog
 
 NOBODY = 65534

@@ -14,10 +14,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
-from harness import script, wait_until
-
 from elasticd import control
 from elasticd.agent import _accept_command
+from harness import script, wait_until
 
 FAILURES = ("control_connection_failed", "control_server_crashed", "control_request_failed")
 

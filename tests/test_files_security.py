@@ -17,9 +17,9 @@ import time
 from pathlib import Path
 
 import pytest
-from harness import ROOT, script, wait_until
 
 from elasticd import control, health, memory
+from harness import ROOT, script, wait_until
 
 NOBODY = 65534
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another uid")

@@ -50,7 +50,7 @@ def test_restart_takes_forked_spares_and_refills_with_forks(daemons, tmp_path):
     os.kill(first[1], signal.SIGKILL)
     wait_until(lambda: len(d.attempt_dirs()) == 2, 30, what="the restart")
     for rank in (0, 1):
-        wait_until(lambda: re.search(r"^step \d+", d.log_text(rank, 2), re.M), 60,  # noqa: B023
+        wait_until(lambda: re.search(r"^step \d+", d.log_text(rank, 2), re.M), 60,
                    what=f"rank {rank} training after the restart")
     second = d.worker_pids()
     assert set(second.values()) == spares  # the ranks went to the waiting spares
@@ -90,7 +90,7 @@ def test_fork_server_killed_falls_back_and_restarts_still_work(daemons, tmp_path
     os.kill(first[0], signal.SIGKILL)
     wait_until(lambda: len(d.attempt_dirs()) == 2, 30, what="the restart")
     for rank in (0, 1):
-        wait_until(lambda: re.search(r"^step \d+", d.log_text(rank, 2), re.M), 90,  # noqa: B023
+        wait_until(lambda: re.search(r"^step \d+", d.log_text(rank, 2), re.M), 90,
                    what=f"rank {rank} training after the restart")
     d.kill(signal.SIGTERM)
     assert d.wait(60) == 0, d.stderr()[-3000:]

@@ -9,9 +9,9 @@ import sys
 import time
 
 import psutil
-from harness import ROOT, wait_until
 
 from elasticd import health
+from harness import ROOT, wait_until
 
 
 def test_beats_are_read_back_with_steps(tmp_path):

@@ -18,7 +18,6 @@ import _ckpt_helpers as helpers
 from elasticd import checkpoint
 from elasticd.checkpoint import CheckpointManager, load_latest
 
-
 HUGE = 5 << 20  # bytes of a manifest: more than checkpoint.MAX_MANIFEST
 
 

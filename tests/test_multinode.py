@@ -11,6 +11,7 @@ import time
 from datetime import datetime
 
 import psutil
+
 from harness import script, wait_until
 
 FAST = ("--restart-grace", "1", "--stop-grace", "3", "--peer-timeout", "3", "--last-call-timeout", "0.5")
@@ -155,7 +156,8 @@ def test_node_waiting_for_its_spares_keeps_beating_for_its_peers(daemons):
     flags = ("--nproc-per-node", "2", "--max-restarts", "0", *node_flags(port, "2"))
     fast = daemons(script("ddp_tutorial.py"), *flags, name="fast", args=["--steps", "8"])
     slow = daemons(script("ddp_tutorial.py"), *flags, "--preload", "slow_import", name="slow",
-                   args=["--steps", "8"], env={"PYTHONPATH": os.path.dirname(script("slow_import.py")), "SLOW_IMPORT_SECONDS": "12"})
+                   args=["--steps", "8"],
+                   env={"PYTHONPATH": os.path.dirname(script("slow_import.py")), "SLOW_IMPORT_SECONDS": "12"})
     for n in (fast, slow):
         assert n.wait(120) == 0, n.stderr()[-3000:]
     # the slow node started its workers more than a peer timeout after the fast one, all the while

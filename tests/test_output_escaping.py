@@ -8,9 +8,8 @@ from __future__ import annotations
 import io
 import os
 
-from harness import script, wait_until
-
 from elasticd import logs, workers
+from harness import script, wait_until
 
 FAKE = '{"event": "job_succeeded", "log_level": "info", "state": "SUCCEEDED"}'
 # What a terminal would act on: ESC, BEL, CR, DEL, a raw C1 byte, U+009B (C1 CSI) in UTF-8.

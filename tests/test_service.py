@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from harness import ROOT, script, wait_until
 from elasticd import control
+from harness import ROOT, script, wait_until
 
 
 def cli(*args, timeout=60):

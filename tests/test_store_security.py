@@ -17,13 +17,13 @@ import time
 
 import pytest
 import torch.distributed as dist
-from harness import ROOT, script, wait_until
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
 
 from elasticd import rendezvous, signing
 from elasticd.config import ConfigError
 from elasticd.signed_backend import SignedBackend, check_state
+from harness import ROOT, script, wait_until
 
 NOBODY = 65534
 FAST = ("--restart-grace", "1", "--stop-grace", "3", "--peer-timeout", "3", "--last-call-timeout", "0.5")
@@ -178,7 +178,7 @@ def _state(round_: int = 3) -> bytes:
     st.round = round_
     node = _NodeDesc("10.1.2.3", 42, 0)
     st.participants[node] = 0
-    st.last_heartbeats[node] = datetime.datetime.now(datetime.timezone.utc)
+    st.last_heartbeats[node] = datetime.datetime.now(datetime.UTC)
     return pickle.dumps(st)
 
 

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import io
 
-from harness import wait_until
-
 from elasticd import workers
+from harness import wait_until
 
 
 def test_tee_echoes_whole_lines_of_a_file_that_appears_after_follow(tmp_path):

@@ -124,7 +124,8 @@ def test_virtual_local_rank_gives_each_worker_its_own_device(daemons, tmp_path):
     assert [(envs[r]["LOCAL_RANK"], envs[r]["CUDA_VISIBLE_DEVICES"]) for r in ("0", "1")] == [("0", "5"), ("0", "7")]
 
 
-@pytest.mark.parametrize("sig, flags", [(signal.SIGQUIT, ()), (signal.SIGUSR2, ("--signals-to-handle", "SIGTERM,SIGUSR2"))],
+@pytest.mark.parametrize("sig, flags", [(signal.SIGQUIT, ()),
+                                       (signal.SIGUSR2, ("--signals-to-handle", "SIGTERM,SIGUSR2"))],
                          ids=["SIGQUIT-default", "SIGUSR2-given"])
 def test_handled_signals_stop_the_job_gracefully(daemons, sig, flags):
     d = daemons(script("faulty.py"), "--nproc-per-node", "2", "--stop-grace", "5", *flags,
