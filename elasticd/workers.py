@@ -282,6 +282,10 @@ class ForkServer:
     def usable(self) -> bool:
         return self.unfit is None and self.proc.poll() is None
 
+    def fileno(self) -> int:
+        """The connection to the server: readable when a spare (or its refusal) arrives."""
+        return self._sock.fileno()
+
     def request(self, n: int) -> None:
         for _ in range(n):
             try:
