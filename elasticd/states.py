@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 
-class State(enum.StrEnum):
+class State(str, enum.Enum):
     """Where the agent is; the values are what status and the `state` events show."""
 
     INIT = "INIT"
@@ -76,7 +76,7 @@ def check_transition(old: State, new: State) -> None:
                                 f"machine (elasticd/states.py TRANSITIONS)")
 
 
-class RestartCause(enum.StrEnum):
+class RestartCause(str, enum.Enum):
     """Why a running group ended before it finished. The values are the `kind` that status's
     `last_failure` has always shown."""
 
