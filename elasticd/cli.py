@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from elasticd import __version__
+from elasticd import __version__, names
 from elasticd.config import ConfigError, check_value
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_RUNNING, EXIT_CONTROL = 0, 1, 2, 3, 4
@@ -156,16 +156,16 @@ def build_parser() -> argparse.ArgumentParser:
                          usage="elasticd run [flags] [ENTRYPOINT [ARGS...]] | [flags] -- ARGS...", epilog=EPILOG,
                          formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_run_flags(run)
-    st = sub.add_parser("status", help="show the daemon's state", epilog=EPILOG,
+    st = sub.add_parser(names.STATUS, help="show the daemon's state", epilog=EPILOG,
                         formatter_class=argparse.RawDescriptionHelpFormatter)
     st.add_argument("--json", action="store_true", help="print the status as JSON")
     st.add_argument("--socket", default=None, help="control socket path")
-    sp = sub.add_parser("stop", help="stop the job gracefully", epilog=EPILOG,
+    sp = sub.add_parser(names.STOP, help="stop the job gracefully", epilog=EPILOG,
                         formatter_class=argparse.RawDescriptionHelpFormatter)
     sp.add_argument("--timeout", type=_grace, default=None, metavar="SECONDS",
                     help="grace before workers are killed (default: the daemon's stop_grace)")
     sp.add_argument("--socket", default=None, help="control socket path")
-    sk = sub.add_parser("stacks", help="print every thread's stack of each local worker, now",
+    sk = sub.add_parser(names.STACKS, help="print every thread's stack of each local worker, now",
                         description="Each running worker of this node dumps all its threads' Python stacks "
                                     "(faulthandler), as before a hang restart; the job goes on. The dumps are "
                                     "also appended to the ranks' rankR.stacks.txt.",
@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         return _run(args, extra or (given[1:] if given[:1] == ["--"] else given))
     if extra:
         build_parser().error("arguments after -- are only for 'run'")
-    control_command = {"status": _status, "stop": _stop, "stacks": _stacks}.get(args.command)
+    control_command = {names.STATUS: _status, names.STOP: _stop, names.STACKS: _stacks}.get(args.command)
     if control_command:
         return control_command(args)
     build_parser().print_help()
@@ -257,7 +257,7 @@ def _status(args: argparse.Namespace) -> int:
     paths = _daemons(args)
     code = EXIT_NOT_RUNNING
     for path in paths:
-        reply = _ask(path, {"command": "status"})
+        reply = _ask(path, {"command": names.STATUS})
         if isinstance(reply, int):
             code = reply if code == EXIT_NOT_RUNNING else code
             continue
@@ -314,7 +314,7 @@ def _stacks(args: argparse.Namespace) -> int:
     path = _one_daemon(args)
     if path is None:
         return EXIT_USAGE
-    reply = _ask(path, {"command": "stacks"}, timeout=15.0)
+    reply = _ask(path, {"command": names.STACKS}, timeout=15.0)
     if isinstance(reply, int):
         return reply
     if args.json:
@@ -336,14 +336,14 @@ def _stop(args: argparse.Namespace) -> int:
     path = _one_daemon(args)
     if path is None:
         return EXIT_USAGE
-    reply = _ask(path, {"command": "stop", "timeout": args.timeout})
+    reply = _ask(path, {"command": names.STOP, "timeout": args.timeout})
     if isinstance(reply, int):
         return EXIT_OK if reply == EXIT_NOT_RUNNING else reply  # none running: nothing to stop
     # Wait for the daemon to finish stopping: the socket goes away when it exits.
     deadline = time.monotonic() + (args.timeout if args.timeout is not None else 30.0) + 60.0
     while time.monotonic() < deadline:
         try:
-            control.request(path, {"version": 1, "command": "status"}, timeout=2.0)
+            control.request(path, {"version": 1, "command": names.STATUS}, timeout=2.0)
         except control.NoDaemon:
             print("elasticd stopped")
             return EXIT_OK

@@ -180,7 +180,7 @@ def find_daemons() -> list[Path]:
         for name in entries:
             if name == "control.sock" or (name.startswith("control-") and name.endswith(".sock")):
                 try:
-                    request(d / name, {"version": VERSION, "command": "status"}, timeout=2.0)
+                    request(d / name, {"version": VERSION, "command": names.STATUS}, timeout=2.0)
                 except NoDaemon:
                     continue
                 except ControlError:
@@ -419,7 +419,7 @@ class ControlServer:
         if not stat.S_ISSOCK(st.st_mode):
             raise ControlError(f"{self.path} exists and is not a socket: remove it or pass another --socket")
         try:
-            request(self.path, {"version": VERSION, "command": "status"}, timeout=1.0)
+            request(self.path, {"version": VERSION, "command": names.STATUS}, timeout=1.0)
         except NoDaemon:
             try:
                 os.unlink(self.path)
@@ -745,9 +745,9 @@ class Command:
 # Every command the socket takes, by name: adding one is an entry here, plus its `serve`, or its
 # case in the agent's callback (agent._accept_command).
 COMMANDS: dict[str, Command] = {
-    "status": Command(serve=_status),
-    "stop": Command(fields={"timeout": _timeout_problem}),
-    "stacks": Command(fields={"timeout": _timeout_problem}),
+    names.STATUS: Command(serve=_status),
+    names.STOP: Command(fields={"timeout": _timeout_problem}),
+    names.STACKS: Command(fields={"timeout": _timeout_problem}),
 }
 
 

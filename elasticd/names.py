@@ -1,6 +1,6 @@
 """Every name elasticd shares across processes, in one place: the worker environment it adds to
-torchrun's, and the keys of the rendezvous store. (Control commands are control.COMMANDS; the
-settings' ELASTICD_<KEY> variables come from config's fields.)
+torchrun's, the control socket's commands, and the keys of the rendezvous store. (The settings'
+ELASTICD_<KEY> variables come from config's fields.)
 
 Imported by worker-side code too, so it imports nothing.
 """
@@ -21,6 +21,12 @@ WARM_PRELOAD = "ELASTICD_WARM_PRELOAD"  # modules a warm spare or the fork serve
 SOCKET = "ELASTICD_SOCKET"  # the control socket, for the CLI and the daemon (also the `socket` setting)
 USER_CPP_LOG_LEVEL = "ELASTICD_USER_TORCH_CPP_LOG_LEVEL"  # the user's TORCH_CPP_LOG_LEVEL, kept for workers
 SETTING_PREFIX = "ELASTICD_"  # ELASTICD_<SETTING> variables are a config layer
+
+# --- control commands (how each is served: control.COMMANDS; the loop's side: agent.FORWARDED) ---
+
+STATUS = "status"  # the daemon's snapshot, served by the control thread
+STOP = "stop"  # a graceful stop, with an optional grace `timeout`
+STACKS = "stacks"  # every local worker's thread stacks, now
 
 # --- rendezvous store keys (each value signed: elasticd.signing) ---
 

@@ -25,7 +25,7 @@ from typing import BinaryIO
 
 import psutil
 
-from elasticd import health, logs, proctitle, safeio, systemd
+from elasticd import health, logs, names, proctitle, safeio, systemd
 
 log = logs.get("elasticd.workers")
 
@@ -136,7 +136,7 @@ def make_subreaper() -> bool:
 
 
 def worker_env(spec: GroupSpec, local_rank: int, paths: dict[str, Path]) -> dict[str, str]:
-    """torchrun's contract (LocalElasticAgent._start_workers, torch 2.13) plus ELASTICD_*."""
+    """torchrun's contract (LocalElasticAgent._start_workers, torch 2.13) plus ours (names)."""
     env = systemd.child_env(dict(os.environ))  # systemd's notify socket and watchdog are the daemon's
     rank = spec.rank_base + local_rank
     env.update(
@@ -157,22 +157,24 @@ def worker_env(spec: GroupSpec, local_rank: int, paths: dict[str, Path]) -> dict
         TORCHELASTIC_USE_AGENT_STORE="True",
         TORCH_NCCL_ASYNC_ERROR_HANDLING=os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
         TORCHELASTIC_ERROR_FILE=str(paths["error"]),
-        ELASTICD_AGENT=spec.token,
-        ELASTICD_DAEMON_PID=str(os.getpid()),
-        ELASTICD_ENTRYPOINT=spec.entrypoint,
-        ELASTICD_HEARTBEAT_FILE=str(paths["heartbeat"]),
-        ELASTICD_STACK_FILE=str(paths["stack"]),
-        ELASTICD_STACK_SIGNAL=spec.stack_signal,
-        ELASTICD_ATTEMPT_DIR=str(spec.attempt_dir),
     )
+    env.update({
+        names.AGENT: spec.token,
+        names.DAEMON_PID: str(os.getpid()),
+        names.ENTRYPOINT: spec.entrypoint,
+        names.HEARTBEAT_FILE: str(paths["heartbeat"]),
+        names.STACK_FILE: str(paths["stack"]),
+        names.STACK_SIGNAL: spec.stack_signal,
+        names.ATTEMPT_DIR: str(spec.attempt_dir),
+    })
     if spec.virtual_local_rank:  # each worker sees its own GPU as device 0, as under torchrun
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         env["CUDA_VISIBLE_DEVICES"] = visible.split(",")[local_rank].strip() if visible is not None else str(local_rank)
         env["LOCAL_RANK"] = "0"
     if spec.no_python:
-        env["ELASTICD_NO_PYTHON"] = "1"
+        env[names.NO_PYTHON] = "1"
     if spec.checkpoint_dir:
-        env.setdefault("ELASTICD_CHECKPOINT_DIR", spec.checkpoint_dir)
+        env.setdefault(names.CHECKPOINT_DIR, spec.checkpoint_dir)
     if spec.nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
         env["OMP_NUM_THREADS"] = "1"
     # Output goes to a file: without this, Python holds prints back in a block buffer.
@@ -238,8 +240,7 @@ def _spare_env(token: str, nproc: int, preload: tuple[str, ...]) -> dict[str, st
     """The environment every worker shares, so what is read at import or library load
     (OMP_NUM_THREADS, PYTHONUNBUFFERED) is already right in a warm process."""
     env = systemd.child_env(dict(os.environ))
-    env.update(ELASTICD_AGENT=token, ELASTICD_DAEMON_PID=str(os.getpid()),
-               ELASTICD_WARM_PRELOAD=",".join(preload))
+    env.update({names.AGENT: token, names.DAEMON_PID: str(os.getpid()), names.WARM_PRELOAD: ",".join(preload)})
     if nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
         env["OMP_NUM_THREADS"] = "1"
     env.setdefault("PYTHONUNBUFFERED", "1")
@@ -281,6 +282,10 @@ class ForkServer:
     @property
     def usable(self) -> bool:
         return self.unfit is None and self.proc.poll() is None
+
+    def fileno(self) -> int:
+        """The connection to the server: readable when a spare (or its refusal) arrives."""
+        return self._sock.fileno()
 
     def request(self, n: int) -> None:
         for _ in range(n):
@@ -355,7 +360,7 @@ def discard_spares(spares: list[Spare]) -> None:
 def start_guard(token: str) -> subprocess.Popen:
     """See elasticd.guard: kills our workers' tree if the daemon dies without doing it."""
     env = systemd.child_env(dict(os.environ))
-    env.pop("ELASTICD_AGENT", None)
+    env.pop(names.AGENT, None)
     return subprocess.Popen([sys.executable, "-m", "elasticd.guard", token], stdin=subprocess.PIPE,
                             stdout=subprocess.DEVNULL, env=env, close_fds=True)
 
@@ -401,7 +406,7 @@ def find_tree(token: str, workers: list[Worker]) -> list[psutil.Process]:
         if p.pid == me or p.pid in found:
             continue
         try:
-            if os.getsid(p.pid) in sids or p.environ().get("ELASTICD_AGENT") == token:
+            if os.getsid(p.pid) in sids or p.environ().get(names.AGENT) == token:
                 found[p.pid] = p
         except (OSError, psutil.Error):
             continue
@@ -411,7 +416,7 @@ def find_tree(token: str, workers: list[Worker]) -> list[psutil.Process]:
 def _is_ours(p: psutil.Process, token: str) -> bool:
     """The guard process and other helpers of the daemon do not carry the token; keep them."""
     try:
-        return p.environ().get("ELASTICD_AGENT") == token or p.status() == psutil.STATUS_ZOMBIE
+        return p.environ().get(names.AGENT) == token or p.status() == psutil.STATUS_ZOMBIE
     except psutil.ZombieProcess:
         return True
     except psutil.Error:
@@ -485,7 +490,8 @@ def dump_stacks(workers: list[Worker], sig_name: str, wait: float = 1.0,
     for w in live:
         with os.fdopen(safeio.append(w.stack_path), "a") as f:  # the worker may not have made it yet
             sizes[w.pid] = os.fstat(f.fileno()).st_size
-            f.write(f"\n=== elasticd stack dump, rank {w.global_rank}, pid {w.pid}, {time.strftime('%Y-%m-%dT%H:%M:%S%z')} ===\n")
+            stamp = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+            f.write(f"\n=== elasticd stack dump, rank {w.global_rank}, pid {w.pid}, {stamp} ===\n")
         try:
             os.kill(w.pid, sig)
             os.kill(w.pid, signal.SIGCONT)  # a stopped worker dumps only once continued

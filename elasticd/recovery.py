@@ -1,0 +1,74 @@
+"""What a restart costs: the backoff before it and the recovery timeline after it.
+
+Backoff is for crash loops: its exponent is the number of consecutive failed attempts that never
+trained, so a job that trained for hours does not pay 30 s per crash. The timeline marks the
+latest restart's steps (monotonic times) and is reported once every new rank has stepped.
+"""
+
+from __future__ import annotations
+
+import time
+
+import tenacity
+
+from elasticd import health
+from elasticd.config import Config
+
+# the steps of a recovery, in the order they happen; reported as seconds since the failure was detected
+STEPS = ("torn_down", "rendezvous_done", "spawned", "pg_ready", "state_loaded", "first_step")
+
+
+def backoff_delay(cfg: Config, attempt: int) -> float:
+    """Exponential backoff with jitter (tenacity's policy) before restart number `attempt`."""
+    if cfg.restart_backoff <= 0:
+        return 0.0
+    wait = tenacity.wait_exponential_jitter(initial=cfg.restart_backoff, max=cfg.restart_backoff_max,
+                                            jitter=cfg.restart_backoff)
+    state = tenacity.RetryCallState(retry_object=tenacity.Retrying(), fn=None, args=(), kwargs={})
+    state.attempt_number = attempt
+    return float(wait(state))
+
+
+class Recovery:
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.marks: dict[str, float] = {}  # the restart under way: step -> monotonic time
+        self.last: dict[str, float] | None = None  # the latest recovery, reported
+        self.attempt_started = time.monotonic()
+        self.crash_streak = 0  # consecutive failed attempts that never trained (backoff exponent)
+
+    def detected(self) -> None:
+        """A failure (or scale event) was detected: a new timeline starts."""
+        self.marks = {"detected": time.monotonic()}
+
+    def mark(self, step: str) -> None:
+        if self.marks:
+            self.marks[step] = time.monotonic()
+
+    def started(self) -> None:
+        """A new attempt began (the rendezvous is done)."""
+        self.attempt_started = time.monotonic()
+
+    def trained(self, beats: list[health.Beat | None]) -> bool:
+        """Did the failed attempt get anywhere? Every rank stepped, or (for a script that never
+        beats) it ran longer than the longest backoff."""
+        if time.monotonic() - self.attempt_started >= self.cfg.restart_backoff_max:
+            return True
+        return bool(beats) and all(b and b.beats for b in beats)
+
+    def backoff(self, trained: bool) -> float:
+        """The wait before the next round: a trained attempt starts a new crash streak."""
+        self.crash_streak = 0 if trained else self.crash_streak + 1
+        return backoff_delay(self.cfg, max(1, self.crash_streak))
+
+    def report(self, beats: list[health.Beat]) -> dict[str, float]:
+        """Once every new rank stepped (`beats`, one each): the timeline, which becomes `last`."""
+        t = dict(self.marks)
+        # the workers' own marks: the slowest rank decides when the group is ready
+        for mark in ("pg_ready", "state_loaded"):
+            if all(getattr(b, mark) for b in beats):
+                t[mark] = max(getattr(b, mark) for b in beats)
+        t["first_step"] = max(b.first for b in beats)
+        self.last = {k: round(t[k] - t["detected"], 3) for k in STEPS if k in t}
+        self.marks = {}
+        return self.last

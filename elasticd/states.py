@@ -1,0 +1,142 @@
+"""The agent's state machine as types: its states, the transitions allowed between them, and why
+a running group ends early (restart causes, failures, scale events).
+
+INIT → RENDEZVOUS ────────────→ RUNNING ──all local workers exit 0──→ EXIT_BARRIER → SUCCEEDED
+           ▲                      │ a RestartCause: crash / signal / hang / peer asked / node lost / scale
+           │                      ▼
+           └── next round ── RESTARTING (stop the local group, budget + backoff) ──budget spent──→ FAILED
+
+RENDEZVOUS, RUNNING ──stop request or SIGTERM──→ STOPPING (workers checkpoint & exit) → STOPPED
+RENDEZVOUS ──stop while blocked joining──→ STOPPED
+RENDEZVOUS, RUNNING, RESTARTING, EXIT_BARRIER, STOPPING ──store lost / rendezvous failed──→ FAILED
+
+The agent checks every transition against TRANSITIONS where it happens (Agent.set_state): one
+that is not in the table is a bug in the agent and raises IllegalTransition.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+
+class State(str, enum.Enum):
+    """Where the agent is; the values are what status and the `state` events show."""
+
+    INIT = "INIT"
+    """Constructed, nothing started. Next: RENDEZVOUS."""
+    RENDEZVOUS = "RENDEZVOUS"
+    """Connecting to the store, meeting the other nodes, then spawning the local workers (waiting
+    for spares still being forked). Next: RUNNING; STOPPING (stop requested between rounds);
+    STOPPED (stop requested while blocked in the rendezvous); FAILED (rendezvous failed)."""
+    RUNNING = "RUNNING"
+    """The local workers run; the loop watches their exits and heartbeats and the peers. Next:
+    EXIT_BARRIER (every local worker exited 0); RESTARTING (a RestartCause); STOPPING (stop
+    request or signal); FAILED (the store was lost)."""
+    RESTARTING = "RESTARTING"
+    """The local group is torn down; the restart budget is spent and the backoff waited out.
+    Next: RENDEZVOUS (the next round, also when a stop came during the backoff: it is acted on
+    there); FAILED (budget spent, a fatal exit code, or the store was lost)."""
+    EXIT_BARRIER = "EXIT_BARRIER"
+    """Local workers are done; waiting for the other nodes to be done too. Next: SUCCEEDED;
+    FAILED (the store was lost)."""
+    STOPPING = "STOPPING"
+    """A stop was requested: the workers get the grace to checkpoint and exit, then the exit
+    barrier. Next: STOPPED; FAILED (the store was lost in the exit barrier)."""
+    SUCCEEDED = "SUCCEEDED"
+    """Final: the job finished (exit code 0)."""
+    FAILED = "FAILED"
+    """Final: the job failed (exit code 1); first_failure says why."""
+    STOPPED = "STOPPED"
+    """Final: stopped on request (exit code 0)."""
+
+
+TRANSITIONS: dict[State, frozenset[State]] = {
+    State.INIT: frozenset({State.RENDEZVOUS}),
+    State.RENDEZVOUS: frozenset({State.RUNNING, State.STOPPING, State.STOPPED, State.FAILED}),
+    State.RUNNING: frozenset({State.EXIT_BARRIER, State.RESTARTING, State.STOPPING, State.FAILED}),
+    State.RESTARTING: frozenset({State.RENDEZVOUS, State.FAILED}),
+    State.EXIT_BARRIER: frozenset({State.SUCCEEDED, State.FAILED}),
+    State.STOPPING: frozenset({State.STOPPED, State.FAILED}),
+    State.SUCCEEDED: frozenset(),
+    State.FAILED: frozenset(),
+    State.STOPPED: frozenset(),
+}
+
+
+class IllegalTransition(RuntimeError):
+    """A transition TRANSITIONS does not allow: a bug in the agent, never a job's fault."""
+
+
+def check_transition(old: State, new: State) -> None:
+    if new not in TRANSITIONS[old]:
+        raise IllegalTransition(f"agent state {old.value} -> {new.value} is not a transition of the state "
+                                f"machine (elasticd/states.py TRANSITIONS)")
+
+
+class RestartCause(str, enum.Enum):
+    """Why a running group ended before it finished. The values are the `kind` that status's
+    `last_failure` has always shown."""
+
+    CRASH = "exited"
+    """A local worker exited non-zero. Spends the job's restart budget."""
+    SIGNAL = "signaled"
+    """A local worker was killed by a signal. Spends the budget."""
+    HANG = "hung"
+    """A local worker stopped beating, or stayed stopped or a zombie. Spends the budget."""
+    PEER = "peer"
+    """Another node asked for a restart (its own failure spent the budget)."""
+    NODE_LOST = "node lost"
+    """A peer node went silent for --peer-timeout. Spends nothing."""
+    SCALE = "scale"
+    """Nodes are waiting to join. Not a failure: spends nothing, and the workers may save first."""
+    RENDEZVOUS = "fatal"
+    """The rendezvous itself failed (store lost, job failed elsewhere): no restart, the job fails."""
+
+    @property
+    def spends_budget(self) -> bool:
+        return self in (RestartCause.CRASH, RestartCause.SIGNAL, RestartCause.HANG)
+
+
+@dataclass(frozen=True)
+class Failure:
+    """What went wrong first, with everything an engineer needs to find it."""
+
+    kind: RestartCause
+    reason: str
+    rank: int | None = None
+    pid: int | None = None
+    exit_code: int | None = None
+    exception: str | None = None
+    log_path: str | None = None
+    stacks: tuple[str, ...] = ()
+    node: str = ""
+    at: float = field(default_factory=time.time)
+
+    def summary(self) -> str:
+        parts = [f"rank {self.rank}" if self.rank is not None else f"node {self.node}", self.reason]
+        if self.exception:
+            parts.append(self.exception)
+        if self.log_path:
+            parts.append(f"log {self.log_path}")
+        if self.stacks:
+            parts.append(f"stacks {', '.join(self.stacks)}")
+        return "; ".join(parts)
+
+
+@dataclass(frozen=True)
+class Scale:
+    """Nodes are waiting to join a running round: every node restarts to take them in."""
+
+    waiting: int
+    node: str
+    kind: ClassVar[RestartCause] = RestartCause.SCALE
+
+    @property
+    def reason(self) -> str:
+        return f"{self.waiting} node(s) waiting to join"
+
+    def summary(self) -> str:
+        return f"node {self.node}; {self.reason}"

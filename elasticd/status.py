@@ -1,0 +1,112 @@
+"""The status the control socket serves: an immutable snapshot the agent loop publishes (at every
+state change and every PUBLISH_EVERY seconds while running), with the recent events and what a
+restart would resume from.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from elasticd import memory, names
+from elasticd.config import Config
+from elasticd.rendezvous import Round
+from elasticd.states import Failure, State
+
+PUBLISH_EVERY = 0.5  # seconds between status snapshots while running
+RESUME_READ_EVERY = 2.0  # seconds between reads of the checkpoint and in-memory state for status
+
+
+class StatusBoard:
+    def __init__(self, cfg: Config, node: str, run_dir: Path, event: Callable[..., None],
+                 on_snapshot: Callable[[dict], None] | None = None) -> None:
+        self.cfg = cfg
+        self.node = node
+        self.run_dir = run_dir
+        self.event = event  # Agent.event, for the checkpoints it sees
+        self.on_snapshot = on_snapshot or (lambda snap: None)
+        self.started = time.time()
+        self.events: collections.deque = collections.deque(maxlen=50)
+        self.snapshot: dict[str, Any] = {}
+        self.last_publish = 0.0
+        self._next_resume_read = 0.0
+        self._last_checkpoint: str | None = None  # path of the newest checkpoint reported
+        self._checkpoint: dict[str, Any] | None = None  # its manifest entry, as last read
+        self._memory_step: int | None = None  # the newest in-memory state, as last read
+
+    def record(self, name: str, fields: dict[str, Any]) -> None:
+        self.events.append({"time": time.time(), "event": name, **fields})
+
+    def due(self, now: float) -> bool:
+        return now - self.last_publish > PUBLISH_EVERY
+
+    def read_afresh(self) -> None:
+        """The next snapshot reads the resume points again (a new state's snapshot reads everything)."""
+        self._next_resume_read = 0.0
+
+    def publish(self, *, state: State, rnd: Round | None, attempt: int, restarts: int, ranks: list[dict],
+                last_failure: Failure | None, last_recovery: dict[str, float] | None,
+                memory_dir: str | None, now: float) -> None:
+        self.last_publish = now
+        checkpoint, memory_step = self._resume_points(now, memory_dir)
+        self.snapshot = {
+            "state": state.value,
+            "run_id": self.cfg.rdzv_id,
+            "node": self.node,
+            "pid": os.getpid(),
+            "group_rank": rnd.group_rank if rnd else None,
+            "group_world_size": rnd.group_world_size if rnd else None,
+            "world_size": rnd.world_size if rnd else None,
+            "round": attempt,
+            "restarts": restarts,
+            "max_restarts": self.cfg.max_restarts,
+            "uptime": round(time.time() - self.started, 1),
+            "run_dir": str(self.run_dir),
+            "entrypoint": self.cfg.entrypoint,
+            "workers": ranks,
+            # seconds since each peer node's liveness beat last moved (--peer-timeout: lost)
+            "peers": {r: round(now - seen, 1) for r, (_, seen) in sorted(rnd.peer_seen.items())} if rnd else {},
+            "last_failure": asdict(last_failure) if last_failure else None,
+            "last_recovery": last_recovery,
+            "checkpoint": checkpoint,
+            "memory_step": memory_step,
+            "events": list(self.events)[-10:],
+        }
+        self.on_snapshot(self.snapshot)
+
+    def _resume_points(self, now: float, memory_dir: str | None) -> tuple[dict[str, Any] | None, int | None]:
+        """What a restart would resume from: the newest checkpoint on this node (with its age)
+        and the newest in-memory step. Read every RESUME_READ_EVERY seconds, not at every
+        publish: they are files (the checkpoint directory perhaps on a shared filesystem that
+        every node's daemon would keep busy), and status does not need them to the step."""
+        if now >= self._next_resume_read:
+            self._next_resume_read = now + RESUME_READ_EVERY
+            self._checkpoint = self._read_checkpoint()
+            self._memory_step = memory.newest_step(memory_dir)
+        info = self._checkpoint
+        if info and info.get("time"):
+            info = {**info, "age": round(time.time() - info["time"], 1)}
+        return info, self._memory_step
+
+    def _read_checkpoint(self) -> dict[str, Any] | None:
+        """The newest checkpoint on this node, from its manifest (the daemon never writes any)."""
+        directory = os.environ.get(names.CHECKPOINT_DIR) or self.cfg.checkpoint_dir
+        if not directory:
+            return None
+        from elasticd.checkpoint.format import latest_info  # torch-free: all the daemon reads of it
+
+        try:
+            info = latest_info(directory)
+        except Exception:  # noqa: BLE001 - status must never fail on a damaged directory
+            return None
+        if not info:
+            return None
+        if info.get("path") != self._last_checkpoint:
+            self._last_checkpoint = info.get("path")
+            self.event("checkpoint_seen", step=info.get("step"), epoch=info.get("epoch"), path=info.get("path"))
+        return info
