@@ -342,7 +342,7 @@ class Agent:
 
     def _stop(self) -> int:
         grace = self.stop_request.grace
-        self.set_state(State.STOPPING)
+        self.set_state(State.STOPPING, cause=RestartCause.STOP.value)
         if self.notify is not None:
             self.notify.stopping()
             self.notify.extend_timeout(grace + self.cfg.kill_timeout + self.cfg.exit_barrier_timeout)

@@ -77,8 +77,8 @@ def check_transition(old: State, new: State) -> None:
 
 
 class RestartCause(str, enum.Enum):
-    """Why a running group ended before it finished. The values are the `kind` that status's
-    `last_failure` has always shown."""
+    """Why a running group ended before it finished (all but STOP and RENDEZVOUS restart it). The
+    values are the `kind` that status's `last_failure` has always shown."""
 
     CRASH = "exited"
     """A local worker exited non-zero. Spends the job's restart budget."""
@@ -94,6 +94,9 @@ class RestartCause(str, enum.Enum):
     """Nodes are waiting to join. Not a failure: spends nothing, and the workers may save first."""
     RENDEZVOUS = "fatal"
     """The rendezvous itself failed (store lost, job failed elsewhere): no restart, the job fails."""
+    STOP = "stop"
+    """A stop request or signal: the group gets its grace and ends for good (STOPPING). Spends
+    nothing; shown as the STOPPING event's cause."""
 
     @property
     def spends_budget(self) -> bool:
