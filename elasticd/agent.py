@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from elasticd import logs, memory, names, workers
+from elasticd import logs, memory, names, supervise, workers
 from elasticd.config import Config
 from elasticd.group import LocalGroup
 from elasticd.inbox import Inbox
@@ -80,6 +80,7 @@ class Agent:
         self.spares = SparePool(cfg, self.token, run_dir, self.event)
         self.recovery = Recovery(cfg)
         self.peers: Peers | None = None  # once the store is reached
+        supervise.report_to(self.event)
 
     # --- the inbox: the only way other threads and signal handlers reach the loop ---
 
@@ -369,7 +370,8 @@ def serve(cfg: Config, run_dir: Path) -> int:
     logs.adopt_torch()
     agent = Agent(cfg, run_dir)
     agent.install_signals()
-    guard = workers.start_guard(agent.token)
+    guard = supervise.Kept("guard", lambda: workers.start_guard(agent.token),
+                           risk="until a new guard is up, a SIGKILLed daemon leaves its workers' children behind")
 
     def listen(path: Path) -> control.ControlServer:
         server = control.ControlServer(path, snapshot=lambda: agent.status.snapshot,
@@ -387,7 +389,7 @@ def serve(cfg: Config, run_dir: Path) -> int:
             # another job of this user on this node holds the default: listen beside it
             server = listen(control.second_socket_path(control.default_socket_path(), cfg.rdzv_id))
     except control.ControlError as e:
-        guard.stdin.close()
+        guard.close()
         from elasticd.config import ConfigError
 
         raise ConfigError(str(e)) from None
@@ -399,11 +401,7 @@ def serve(cfg: Config, run_dir: Path) -> int:
         code = agent.run()
     finally:
         server.close()
-        guard.stdin.close()
-        try:
-            guard.wait(timeout=10)
-        except Exception:  # noqa: BLE001 - never hang the exit on the guard
-            guard.kill()
+        guard.close()
     if agent.state == State.FAILED and agent.first_failure:
         sys_err(f"elasticd: job failed after {agent.restart_count} restart(s): {agent.first_failure.summary()}")
     return code

@@ -384,6 +384,10 @@ def render_status(s: dict) -> str:
         lines.append("  checkpoint none")
     if s.get("memory_step") is not None:
         lines.append(f"  in-memory state step {s['memory_step']}")
+    down = {n: p for n, p in (s.get("parts") or {}).items() if p.get("state") != "up"}
+    if down:
+        lines.append("  parts not up: " + "; ".join(f"{n} {p.get('state')} after {p.get('restarts')} restart(s): "
+                                                    f"{p.get('why')}" for n, p in down.items()))
     if s.get("peers"):
         lines.append("  peer nodes (group rank: last beat) "
                      + ", ".join(f"{r}: {_age(age)} ago" for r, age in s["peers"].items()))

@@ -44,7 +44,7 @@ from pathlib import Path
 import psutil
 import structlog
 
-from elasticd import names
+from elasticd import names, supervise
 from elasticd.config import ConfigError, check_value
 
 log = structlog.get_logger("elasticd.control")
@@ -315,7 +315,7 @@ class ControlServer:
         self._clear_stale()
         self._listener = self._bind()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self._thread = threading.Thread(target=self._serve, name="elasticd-control", daemon=True)
+        self._thread = supervise.thread("control", self._serve)
         self._thread.start()
         log.info("control_socket_listening", path=str(self.path), operators_group=self.operators_group)
 
@@ -331,7 +331,7 @@ class ControlServer:
             self._thread.join(timeout)
             if self._thread.is_alive():  # a callback is stuck; the thread is a daemon thread
                 log.warning("control_thread_did_not_stop", timeout=timeout)
-        elif self._listener is not None:
+        if self._listener is not None and not self.running:
             self._listener.close()
         for fd in (self._wake_r, self._wake_w):
             if fd >= 0 and not (self._thread and self._thread.is_alive()):
@@ -538,13 +538,10 @@ class ControlServer:
                                                                f"{conn.waiting.timeout:g}s; check its logs"))
                     else:
                         self._respond(sel, conns, conn, _error(f"request not received within {READ_TIMEOUT:g}s"))
-        except Exception as e:  # noqa: BLE001 - report, then clean up below
-            log.error("control_server_crashed", error=repr(e))
-        finally:
+        finally:  # a crash goes on to supervise.thread, which serves again with the same listener
             for conn in list(conns.values()):
                 self._drop(sel, conns, conn)
             sel.close()
-            listener.close()
 
     def _poke(self) -> None:
         """Wake the server's select (from another thread); a full pipe already will."""

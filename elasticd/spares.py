@@ -1,6 +1,10 @@
 """The warm spares of one daemon run: processes waiting for a rank, and the fork server that
 forks them (workers.ForkServer), or fresh interpreters where the server is unfit.
 
+A fork server that dies (an OOM killer's pick: torch imported, a large RSS) is started again
+after a backoff (supervise.Part), while fresh-interpreter spares cover the gap; an unfit one would
+be unfit again, and stays off.
+
 Spares are asked for while the nodes meet, handed to workers.spawn at a start, and refilled:
 at once after a start when the fork server makes them (a fork each: nothing the starting
 workers would notice), otherwise once the new workers are past start-up (a fresh interpreter's
@@ -13,7 +17,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from elasticd import proctitle, workers
+from elasticd import proctitle, supervise, workers
 from elasticd.config import Config
 
 REFILL_AFTER = 10.0  # seconds after a start that fresh-interpreter spares are refilled at the latest
@@ -28,13 +32,19 @@ class SparePool:
         self.spares: list[workers.Spare] = []  # warm processes waiting for a rank
         self.forkserver: workers.ForkServer | None = None
         self.refill_due: float | None = None  # when fresh-interpreter spares are refilled at the latest
+        self.part: supervise.Part | None = None  # the fork server's health, once there is one
+        self.respawn_at: float | None = None  # when a dead fork server is started again
+
+    def _start_server(self) -> None:
+        self.forkserver = workers.ForkServer(self.token, self.cfg.nproc_per_node, self.cfg.preload,
+                                             self.log_path, self._shown())
 
     def start(self, reaper: bool) -> None:
         """Start the fork server (its spares are reparented to us: needs `reaper`) and ask for
         the spares, which import torch while the nodes meet."""
         if self.cfg.warm_spawn and reaper:
-            self.forkserver = workers.ForkServer(self.token, self.cfg.nproc_per_node, self.cfg.preload,
-                                                 self.log_path, self._shown())
+            self.part = supervise.part("fork_server", event=self.event)
+            self._start_server()
         self.top_up()
 
     @property
@@ -52,6 +62,9 @@ class SparePool:
         if not self.cfg.warm_spawn:
             return
         self.collect()
+        self._fill()
+
+    def _fill(self) -> None:
         self.spares = [p for p in self.spares if p.proc.poll() is None]
         fs = self.forkserver
         missing = self.cfg.nproc_per_node - len(self.spares) - (fs.pending if fs else 0)
@@ -63,19 +76,30 @@ class SparePool:
         self.refill_due = None
 
     def collect(self) -> None:
-        """Take the spares the fork server forked; if it quit, say why and fall back."""
-        fs = self.forkserver
-        if fs is None:
+        """Take the spares the fork server forked and replace those that died (killed: an OOM
+        killer's pick too); if the server quit, fall back to fresh interpreters and start it again
+        after a backoff (not an unfit one), or once that is due."""
+        if any(p.proc.poll() is not None for p in self.spares):
+            self._fill()
+        fs, part = self.forkserver, self.part
+        if fs is None or part is None:
+            if part and self.respawn_at is not None and time.monotonic() >= self.respawn_at:
+                self.respawn_at = None
+                self._start_server()
+                part.restarted()
+                self._fill()
             return
         if fs.pending:
             self.spares += fs.collect()
         if not fs.usable:
-            self.event("fork_server_off", level="warning",
-                       reason=fs.unfit or workers.describe_exit(fs.proc.poll() or 0),
-                       fallback="warm spares are fresh interpreters importing torch themselves")
             fs.close()
             self.forkserver = None
-            self.top_up()
+            if fs.unfit:
+                part.off(fs.unfit, level="warning")
+            else:
+                delay = part.failed(workers.describe_exit(fs.proc.poll() or 0))
+                self.respawn_at = None if delay is None else time.monotonic() + delay
+            self._fill()
 
     def after_spawn(self) -> None:
         """A start took spares: refill now from the fork server, else once the workers stepped."""

@@ -13,7 +13,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from elasticd import memory, names
+from elasticd import memory, names, supervise
 from elasticd.config import Config
 from elasticd.rendezvous import Round
 from elasticd.states import Failure, State
@@ -75,6 +75,7 @@ class StatusBoard:
             "last_recovery": last_recovery,
             "checkpoint": checkpoint,
             "memory_step": memory_step,
+            "parts": supervise.report(),  # elasticd's own processes and threads (supervise.py)
             "events": list(self.events)[-10:],
         }
         self.on_snapshot(self.snapshot)

@@ -25,7 +25,7 @@ from typing import BinaryIO
 
 import psutil
 
-from elasticd import health, logs, names, proctitle, safeio, systemd
+from elasticd import health, logs, names, proctitle, safeio, supervise, systemd
 
 log = logs.get("elasticd.workers")
 
@@ -592,7 +592,7 @@ class Tee:
         self._files: dict[Path, list] = {}  # path -> [prefix, offset, partial, fd or None until it exists]
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="elasticd-tee", daemon=True)
+        self._thread = supervise.thread("tee", self._run)
 
     def start(self) -> None:
         self._thread.start()

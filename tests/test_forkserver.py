@@ -85,7 +85,7 @@ def test_fork_server_killed_falls_back_and_restarts_still_work(daemons, tmp_path
               and p.pid not in spares and p.pid not in first.values()]
     assert len(server) == 1
     server[0].kill()
-    wait_until(lambda: [e for e in d.events() if e.get("event") == "fork_server_off"], 15,
+    wait_until(lambda: [e for e in d.events() if e.get("event") == "fork_server_died"], 15,
                what="the daemon noticing the fork server is gone")
     os.kill(first[0], signal.SIGKILL)
     wait_until(lambda: len(d.attempt_dirs()) == 2, 30, what="the restart")
