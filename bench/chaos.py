@@ -3,7 +3,7 @@
 The job (bench/chaos_train.py: AdamW, dropout, LR warm-up, a DataLoader worker, a numpy draw per
 step, elasticd.checkpoint on disk and in memory) runs once without faults and once with N faults,
 one every --steps-per-fault steps (once the previous fault is recovered from and the warm spares
-are back). Faults:
+are back), drawn from a shuffled deck of the kinds (every kind once per round). Faults:
 
     kill9 / segv / sigterm     kill -9, SIGSEGV, SIGTERM of one worker (SIGTERM: the library saves
                                at the next step and the unfinished job exits 143)
@@ -131,9 +131,10 @@ class Job:
 
     def helpers(self) -> tuple[int | None, list[int]]:
         """(fork server pid, warm spare pids): the daemon's token-carrying children that are no
-        worker; the fork server is the oldest of those forked from it."""
+        worker; the fork server is the one whose stdin is its socket to the daemon (a forked
+        spare's is its job pipe, and looks the same otherwise)."""
         workers = set(self.workers().values())
-        ours = []
+        server, spares = None, []
         try:
             children = psutil.Process(self.proc.pid).children()
         except psutil.Error:
@@ -141,14 +142,16 @@ class Job:
         for p in children:
             try:
                 token = p.environ().get(TOKEN)
-                if token and p.pid not in workers and p.status() != psutil.STATUS_ZOMBIE:
-                    self.tokens.add(token)
-                    ours.append((p.create_time(), p.pid, "elasticd.forkserver" in " ".join(p.cmdline())))
-            except psutil.Error:
+                if not token or p.pid in workers or p.status() == psutil.STATUS_ZOMBIE:
+                    continue
+                self.tokens.add(token)
+                if os.readlink(f"/proc/{p.pid}/fd/0").startswith("socket:"):
+                    server = p.pid
+                else:
+                    spares.append(p.pid)
+            except (psutil.Error, OSError):
                 continue
-        ours.sort()
-        server = next((pid for _t, pid, forked in ours if forked), None)
-        return server, [pid for _t, pid, _f in ours if pid != server]
+        return server, spares
 
     def loader_of(self, pid: int) -> int | None:
         try:
@@ -258,8 +261,8 @@ def stepping(job: Job, since: float, old: set[int], new_processes: bool) -> floa
 
 
 def inject(job: Job, kind: str, args, rng: random.Random, hb: float) -> tuple[float, list[int], float]:
-    """Do the fault; returns (its time, the pids hit, the time recovery counts from for
-    stepping)."""
+    """Do the fault; returns (its time, the pids hit, the time after which steps count as
+    recovered)."""
     workers = job.workers()
     rank = rng.randrange(2)
     if kind in ("kill9", "segv", "sigterm", "stop"):
@@ -296,7 +299,7 @@ def inject(job: Job, kind: str, args, rng: random.Random, hb: float) -> tuple[fl
         new = wait_for(lambda: (w := job.workers()) and not old & set(w.values()) and w, args.fault_timeout)
         if new:
             _signal(new[rng.randrange(2)], signal.SIGKILL)
-        return t, [workers[rank], *(new or {}).values()], t
+        return t, [workers[rank], *(new or {}).values()], time.time()  # the spawned pair counts as old
     if kind == "save":
         last = job.steps()[-1][2]
         target = (last // args.ckpt_every + 1) * args.ckpt_every
@@ -308,11 +311,16 @@ def inject(job: Job, kind: str, args, rng: random.Random, hb: float) -> tuple[fl
     raise ValueError(kind)
 
 
-def pick(rng: random.Random, job: Job, kinds: list[str]) -> str:
-    """A random kind among those possible now (no fork server left to kill: another kind)."""
+def pick(rng: random.Random, job: Job, kinds: list[str], deck: list[str]) -> str:
+    """The next kind from a shuffled deck of all kinds (so that every kind comes once per round),
+    skipping a fork-server kill while there is none to kill."""
     server, _spares = job.helpers()
-    possible = [k for k in kinds if k != "forkserver" or server is not None]
-    return rng.choice(possible)
+    while True:
+        if not deck:
+            deck += rng.sample(kinds, len(kinds))
+        kind = deck.pop()
+        if kind != "forkserver" or server is not None or kinds == ["forkserver"]:
+            return kind
 
 
 def chaos_run(args, steps: int) -> dict:
@@ -320,6 +328,7 @@ def chaos_run(args, steps: int) -> dict:
     kinds = args.kinds.split(",")
     job = Job(Path(args.workdir) / "chaos", args, steps, gated=True)
     faults: list[Fault] = []
+    deck: list[str] = []
     ok = wait_for(lambda: stepping(job, 0, set(), False), 120, 0.05)
     for i in range(args.faults):
         if ok is None:
@@ -342,9 +351,10 @@ def chaos_run(args, steps: int) -> dict:
             fault.restarted = wait_for(lambda: len(job.events("state")) > attempts + 1, 5, 0.05) is not None
             break
         job.open_gate(target + args.steps_per_fault)  # room to step while recovering
-        kind = pick(rng, job, kinds)
+        kind = pick(rng, job, kinds, deck)
         t, victims, since = inject(job, kind, args, rng, args.heartbeat_timeout)
         fault = Fault(kind, at, [v for v in victims if v])
+        old |= set(fault.victims)
         faults.append(fault)
         restart = kind not in NO_RESTART
         done = wait_for(lambda: stepping(job, since, old, restart), args.fault_timeout)
@@ -353,7 +363,7 @@ def chaos_run(args, steps: int) -> dict:
         if done is None:
             ok = None
             continue
-        fault.recovery_s = done - t
+        fault.recovery_s = round(done - t, 3)
         new_rows = [(p, s) for p, _r, s, tt in job.steps() if tt > since and p not in old]
         fault.restarted = bool(new_rows)
         if fault.restarted:
@@ -386,10 +396,9 @@ def summarize(args, steps: int, clean: dict, chaos: dict) -> dict:
     finished = chaos["code"] == 0 and chaos["final_step"] == steps
     survived = sum(f.recovery_s is not None for f in faults) if finished else 0
     rec = [f.recovery_s for f in faults if f.restarted and f.recovery_s and f.kind != "exit"]
-    single = [f.recovery_s for f in faults if f.kind == "kill9" and f.recovery_s]
-    server = next((i for i, f in enumerate(faults) if f.kind == "forkserver"), None)
-    after = [f.recovery_s for f in faults[server + 1:] if f.restarted and f.recovery_s and f.kind != "exit"] \
-        if server is not None else []
+    server = next((i for i, f in enumerate(faults) if f.kind == "forkserver"), len(faults))
+    before, after = ([f.recovery_s for f in part if f.restarted and f.recovery_s and f.kind != "exit"]
+                     for part in (faults[:server], faults[server + 1:]))
     per_kind = {}
     for f in faults:
         k = per_kind.setdefault(f.kind, {"n": 0, "survived": 0, "restarted": 0, "recovery_s": []})
@@ -404,8 +413,9 @@ def summarize(args, steps: int, clean: dict, chaos: dict) -> dict:
         "survived": survived, "finished": finished,
         "bit_identical": clean["hash"] is not None and clean["hash"] == chaos["hash"],
         "orphans": len(chaos["orphans"]) + len(clean["orphans"]), "orphan_list": chaos["orphans"] + clean["orphans"],
-        "recovery_median_s": _med(rec), "recovery_max_s": max(rec, default=None),
-        "single_kill9_median_s": _med(single), "after_forkserver_median_s": _med(after),
+        "recovery_median_s": _med(rec), "recovery_max_s": _round(max(rec, default=None)),
+        "before_forkserver_median_s": _med(before), "after_forkserver_median_s": _med(after),
+        "single_kill9_median_s": _med([f.recovery_s for f in faults if f.kind == "kill9" and f.recovery_s]),
         "steps_lost_median": _med(lost), "steps_lost_max": max(lost, default=None),
         "unexpected_restarts": sum(f.restarted for f in faults if f.kind in NO_RESTART),
         "wall_s": round(chaos["wall_s"], 2), "clean_wall_s": round(clean["wall_s"], 2),
@@ -418,6 +428,10 @@ def _med(xs):
     return round(statistics.median(xs), 3) if xs else None
 
 
+def _round(x):
+    return None if x is None else round(x, 3)
+
+
 def table(r: dict) -> str:
     lines = [f"chaos: {r['faults']} faults (seed {r['seed']}), {r['steps']} steps, {r['cores']} cores",
              f"{'fault':<12} {'n':>3} {'survived':>9} {'restarted':>10} {'recovery median/max s':>22}"]
@@ -428,8 +442,9 @@ def table(r: dict) -> str:
     lines += [
         f"survived {r['survived']}/{r['faults']}, bit-identical {r['bit_identical']}, orphans {r['orphans']}, "
         f"unexpected restarts {r['unexpected_restarts']}",
-        f"recovery median {r['recovery_median_s']} s, max {r['recovery_max_s']} s; single kill -9 median "
-        f"{r['single_kill9_median_s']} s; after the fork server was killed {r['after_forkserver_median_s']} s",
+        f"recovery median {r['recovery_median_s']} s, max {r['recovery_max_s']} s; kill -9 of one worker median "
+        f"{r['single_kill9_median_s']} s; before / after the fork server was killed {r['before_forkserver_median_s']}"
+        f" / {r['after_forkserver_median_s']} s",
         f"steps lost median {r['steps_lost_median']}, max {r['steps_lost_max']}; wall {r['wall_s']} s vs "
         f"fault-free {r['clean_wall_s']} s",
     ]
