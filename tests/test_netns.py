@@ -34,7 +34,7 @@ def test_store_host_killed_peer_in_another_namespace_stops_its_workers_with_one_
     assert other.wait(30) == 1, other.stderr()[-3000:]
     took = time.monotonic() - t0
     err = other.stderr()
-    assert took < 3 + 2, took  # --peer-timeout 3 (FAST), plus the teardown
+    assert took < 3 + 3, took  # --peer-timeout 3 (FAST), plus the teardown (3.2-3.9 s here, more under load)
     assert "Traceback" not in err and "frame #" not in err, err[-3000:]
     last = err.strip().splitlines()[-1]
     assert last.startswith("elasticd: job failed") and f"lost the rendezvous store at {store}" in last, last

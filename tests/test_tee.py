@@ -57,19 +57,29 @@ def test_tee_echoes_the_latest_redraw_of_a_bar_as_a_prefixed_line(tmp_path):
         tee.close()
 
 
+def cpu_seconds(p: psutil.Process) -> float:
+    t = p.cpu_times()
+    return t.user + t.system
+
+
 def test_a_tqdm_bar_in_a_real_job_is_cheap_to_echo_and_kept_whole_in_the_log(daemons):
     """Thousands of tqdm redraws (no newline until the end): the daemon echoes a few prefixed
-    lines a second, holds no more memory and uses under 1% of a core; the log keeps every byte."""
+    lines a second, holds no more memory and spends under 1% of a core on it (over its own cost
+    while the job is quiet: its loop's, which a loaded host makes vary); the log keeps every byte."""
     updates = 20000
-    d = daemons(script("progress.py"), "--nproc-per-node", "1", "--no-warm-spawn", args=[str(updates), "3"])
+    d = daemons(script("progress.py"), "--nproc-per-node", "1", "--no-warm-spawn", args=[str(updates), "3", "2.5"])
     daemon = psutil.Process(d.pid)
-    wait_until(lambda: "train:" in d.log_text(0), 60, what="the bar")
-    rss0, cpu0, t0 = daemon.memory_info().rss, daemon.cpu_times(), time.monotonic()
+    wait_until(lambda: "quiet" in d.log_text(0), 60, what="the quiet phase")
+    time.sleep(0.5)  # the echo of "quiet" and the tee's back-off
+    cpu0, t0 = cpu_seconds(daemon), time.monotonic()
+    wait_until(lambda: "train:" in d.log_text(0), 10, what="the bar")
+    quiet = (cpu_seconds(daemon) - cpu0) / (time.monotonic() - t0)
+    rss0, cpu0, t0 = daemon.memory_info().rss, cpu_seconds(daemon), time.monotonic()
     rss = rss0
     while "done" not in d.log_text(0) and time.monotonic() - t0 < 60:
         rss = max(rss, daemon.memory_info().rss)
         time.sleep(0.1)
-    cpu1, seconds = daemon.cpu_times(), time.monotonic() - t0
+    busy, seconds = cpu_seconds(daemon) - cpu0, time.monotonic() - t0
     assert d.wait(60) == 0, d.stderr()[-3000:]
     log = (d.run_dir() / "attempt1" / "rank0.log").read_bytes()
     assert {int(n) for n in re.findall(rb"\| (\d+)/%d " % updates, log)} == set(range(updates + 1))
@@ -79,5 +89,4 @@ def test_a_tqdm_bar_in_a_real_job_is_cheap_to_echo_and_kept_whole_in_the_log(dae
     assert all("\\r" not in ln for ln in bars) and f"{updates}/{updates}" in bars[-1], bars[-3:]
     assert len(bars) <= seconds / workers.REDRAW_INTERVAL + 3, len(bars)
     assert rss - rss0 < 4 << 20, (rss0, rss)
-    cpu = (cpu1.user - cpu0.user + cpu1.system - cpu0.system) / seconds
-    assert seconds > 2 and cpu < 0.01, (seconds, cpu)
+    assert seconds > 2 and busy / seconds < quiet + 0.01, (seconds, busy / seconds, quiet)
