@@ -15,7 +15,7 @@ from elasticd.config import Config
 from elasticd.rendezvous import Round
 from elasticd.states import Failure, RestartCause
 
-ODD_STATE_HOLD = 1.0  # seconds a stopped or zombie worker must stay so before it counts as hung
+ODD_STATE_HOLD = 1.0  # seconds a zombie worker must stay so before it counts as hung
 
 
 class LocalGroup:
@@ -30,7 +30,7 @@ class LocalGroup:
         self.seen_beats = False  # a worker of this run has beaten: from then on every worker must
         self.tee = workers.Tee() if cfg.tee else None
         self._watches: dict[int, tuple[health.Reader, health.ProcessWatch]] = {}  # pid -> held-open files
-        self._odd_since: dict[int, float] = {}  # pid -> when it was first seen stopped or a zombie
+        self._odd_since: dict[int, float] = {}  # pid -> when it was first seen a zombie
 
     def start(self, rnd: Round, restart_count: int, memory_dir: str | None, spares: list[workers.Spare]) -> None:
         """Spawn the workers of a new attempt, taking warm spares first. From the loop's thread
@@ -149,7 +149,7 @@ class LocalGroup:
 
     def _lasting(self, pid: int, why: str | None, now: float) -> str | None:
         """A process state counts only once it has lasted ODD_STATE_HOLD seconds: a dying
-        multi-threaded process shows as a zombie, and a debugger attaching stops it, for a moment."""
+        multi-threaded process shows as a zombie for a moment."""
         if why is None:
             self._odd_since.pop(pid, None)
             return None

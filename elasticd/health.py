@@ -181,7 +181,10 @@ def verdict(beat: Beat | None, started: float, now: float, *, expect_beats: bool
 
 
 def process_verdict(pid: int) -> str | None:
-    """A worker that is alive but stopped (SIGSTOP, state T) or a zombie never beats again."""
+    """A worker that is alive but a zombie never beats again. A stopped one (state T: SIGSTOP, or
+    t: a debugger, strace or py-spy attached) is not judged by its state: someone inspecting a
+    slow or stuck job must not have it restarted under them, and a stop that lasts is caught by
+    the heartbeat timeout like any other silence."""
     import psutil  # daemon side only: workers import this module for Writer
 
     try:
@@ -194,11 +197,7 @@ def process_verdict(pid: int) -> str | None:
 def _status_verdict(status: str) -> str | None:
     import psutil
 
-    if status in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP):
-        return f"process stopped (state T, status {status})"
-    if status == psutil.STATUS_ZOMBIE:
-        return "process is a zombie"
-    return None
+    return "process is a zombie" if status == psutil.STATUS_ZOMBIE else None
 
 
 class ProcessWatch:
@@ -208,7 +207,7 @@ class ProcessWatch:
     rather than describe a new process that reused the pid."""
 
     # proc(5) state letters that mean "will never beat again", named as psutil names them
-    _STATUS = {b"T": "stopped", b"t": "tracing-stop", b"Z": "zombie"}
+    _STATUS = {b"Z": "zombie"}
     _PAGE = os.sysconf("SC_PAGE_SIZE")
 
     def __init__(self, pid: int):

@@ -552,14 +552,14 @@ def read_error_file(path: Path) -> str | None:
 
 
 MAX_ECHO_LINE = 64 * 1024  # bytes; a longer line is echoed in pieces, each with the prefix
+REDRAW_INTERVAL = 0.5  # seconds; a progress bar's redraws are echoed at most this often per rank
 
 
 def echo_line(prefix: str, raw: bytes) -> str:
     """One line of a worker's output as the console shows it: the rank prefix, then the text with
     every control character escaped (logs.printable), so a worker can neither drive the
-    operator's terminal nor print a line without its prefix. A carriage return is escaped too:
-    echoed raw it would bring the cursor back over the prefix (a progress bar's redraws would
-    need the prefix again on each segment; this is the place for that)."""
+    operator's terminal nor print a line without its prefix. The Tee has already split the
+    output at carriage returns (see Tee): one that is left here is escaped like the rest."""
     return prefix + logs.printable(raw.decode(errors="backslashreplace")) + "\n"
 
 
@@ -576,20 +576,59 @@ def _cut(line: bytes, size: int = MAX_ECHO_LINE) -> list[bytes]:
     return pieces
 
 
+def _split(data: bytes, final: bool) -> tuple[list[bytes], bytes | None, bytes]:
+    """Output as the console echoes it: (finished lines, the latest finished redraw or None,
+    the unfinished rest). A line is what a terminal would show of it, the text after its last
+    carriage return ("\r\n" ends a line). A redraw is a segment ended by "\r" after the last
+    newline: a progress bar draws each state as "\r" + text, so the text after the last "\r"
+    is still being drawn and waits for the next "\r" or "\n" (or the file's end)."""
+    *done, tail = data.split(b"\n")
+    lines = [piece for ln in done for piece in _cut(ln.removesuffix(b"\r").rpartition(b"\r")[2])]
+    held = b""
+    if tail.endswith(b"\r") and not final:  # maybe the first half of "\r\n"
+        tail, held = tail[:-1], b"\r"
+    before, cr, rest = tail.rpartition(b"\r")
+    redraw = _cut(before.rpartition(b"\r")[2])[0] if cr else None
+    *long, rest = _cut(rest + held)
+    return lines + long, redraw or None, rest
+
+
+@dataclass
+class _Followed:
+    """A rank log the Tee follows: where it read up to, what it holds back (an unfinished line,
+    a redraw not yet due), and the file, open from the moment it exists."""
+
+    prefix: str
+    offset: int
+    partial: bytes = b""
+    redraw: bytes | None = None
+    next_redraw: float = 0.0
+    fd: int | None = None
+
+
 class Tee:
     """Echo new lines of the rank logs to the daemon's stdout, prefixed with the rank, escaped
     (echo_line), a line longer than MAX_ECHO_LINE in pieces.
+
+    A progress bar (tqdm: "\r" + the bar, again and again, one newline at the end) is echoed as
+    a prefixed line per redraw, the latest one at most every REDRAW_INTERVAL, the rest dropped
+    (the log file keeps every byte). Never "\r" + prefix on a terminal: worker bytes must not
+    move the operator's cursor, and a line without the prefix must never show. The bar is held
+    as at most one unfinished segment, so memory stays bounded and a poll costs a few scans of
+    what it read, in C.
 
     One thread polls the files, so workers write straight to disk and are never slowed by us.
     Each file stays open while followed: a poll with nothing new is one pread per file. Polls
     come every `interval` while output flows and back off to `idle_interval` while it does not:
     each wake-up costs the daemon CPU, and a quiet job should cost next to nothing to watch."""
 
-    def __init__(self, out=None, interval: float = 0.05, idle_interval: float = 0.25):
+    def __init__(self, out=None, interval: float = 0.05, idle_interval: float = 0.25,
+                 redraw_interval: float = REDRAW_INTERVAL):
         self._out = out or sys.stdout
         self._interval = interval
         self._idle_interval = idle_interval
-        self._files: dict[Path, list] = {}  # path -> [prefix, offset, partial, fd or None until it exists]
+        self._redraw_interval = redraw_interval
+        self._files: dict[Path, _Followed] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = supervise.thread("tee", self._run)
@@ -599,7 +638,7 @@ class Tee:
 
     def follow(self, path: Path, prefix: str) -> None:
         with self._lock:
-            self._files[path] = [prefix, path.stat().st_size if path.exists() else 0, b"", None]
+            self._files[path] = _Followed(prefix, path.stat().st_size if path.exists() else 0)
 
     def forget(self, paths: list[Path]) -> None:
         """Print what is left of these files (their last lines) and stop following them."""
@@ -607,8 +646,8 @@ class Tee:
             for p in paths:
                 self._pump(p, final=True)
                 entry = self._files.pop(p, None)
-                if entry is not None and entry[3] is not None:
-                    os.close(entry[3])
+                if entry is not None and entry.fd is not None:
+                    os.close(entry.fd)
 
     def close(self) -> None:
         self._stop.set()
@@ -624,28 +663,31 @@ class Tee:
             wait = self._interval if any(flowing) else min(2 * wait, self._idle_interval)
 
     def _pump(self, path: Path, final: bool = False) -> bool:
-        """Echo what the file gained since the last call; whether it gained anything."""
+        """Echo what the file gained since the last call, and a redraw that has come due;
+        whether the file gained anything."""
         entry = self._files.get(path)
         if entry is None:
             return False
-        prefix, offset, partial, fd = entry
         try:
-            if fd is None:  # a warm spare opens its rank's log itself, maybe after follow()
-                fd = entry[3] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-            data = os.pread(fd, 1 << 20, offset)
+            if entry.fd is None:  # a warm spare opens its rank's log itself, maybe after follow()
+                entry.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            data = os.pread(entry.fd, 1 << 20, entry.offset)
         except OSError:
-            return False
-        if not data and not final:
-            return False
-        entry[1] = offset + len(data)
-        data = partial + data
-        lines = [piece for ln in data.split(b"\n") for piece in _cut(ln)]
-        entry[2] = lines.pop()  # the unfinished line (a long one's last piece)
-        if final and entry[2]:
-            lines.append(entry[2])
-            entry[2] = b""
+            data = b""
+        lines: list[bytes] = []
+        if data or final:
+            entry.offset += len(data)
+            lines, redraw, entry.partial = _split(entry.partial + data, final)
+            if lines or redraw:
+                entry.redraw = redraw  # a later line or redraw replaces one not yet shown
+        if final:
+            lines += [entry.partial] if entry.partial else [entry.redraw] if entry.redraw else []
+            entry.partial, entry.redraw = b"", None
+        elif entry.redraw is not None and time.monotonic() >= entry.next_redraw:
+            lines.append(entry.redraw)
+            entry.redraw, entry.next_redraw = None, time.monotonic() + self._redraw_interval
         if lines:
-            text = "".join(echo_line(prefix, ln) for ln in lines)
+            text = "".join(echo_line(entry.prefix, ln) for ln in lines)
             try:
                 self._out.write(text)
                 self._out.flush()

@@ -53,15 +53,16 @@ def leftover_processes(exclude: set[int] = frozenset()) -> list[psutil.Process]:
 
 
 class Daemon:
-    """One `elasticd run` as a separate process (a node), with its own log dir and socket."""
+    """One `elasticd run` as a separate process (a node), with its own log dir and socket; `prefix`
+    runs it through a command that execs it (netns.Network.prefix: inside a network namespace)."""
 
     def __init__(self, tmp_path: Path, entrypoint: str | None, *flags: str, args=(), name: str = "node0",
-                 env: dict | None = None, log_format: str = "json"):
+                 env: dict | None = None, log_format: str = "json", prefix: tuple[str, ...] = ()):
         self.dir = tmp_path / name
         self.dir.mkdir(parents=True, exist_ok=True)
         self.log_dir = self.dir / "logs"
         self.socket = self.dir / "control.sock"
-        cmd = [sys.executable, "-m", "elasticd.cli", "run", "--log-dir", str(self.log_dir),
+        cmd = [*prefix, sys.executable, "-m", "elasticd.cli", "run", "--log-dir", str(self.log_dir),
                "--socket", str(self.socket), "--log-format", log_format, *flags]
         if entrypoint:
             cmd.append(entrypoint)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 
 from harness import script, wait_until
@@ -22,7 +24,8 @@ def restart_time(d) -> float:
     return datetime.fromisoformat(e["timestamp"].replace("Z", "+00:00")).timestamp()
 
 
-def test_sigstop_detected_fast_and_run_completes(daemons):
+def test_sigstop_past_the_heartbeat_timeout_is_a_hang(daemons):
+    """A stopped worker is judged by its silence (the heartbeat timeout), never by its state."""
     d = daemons(script("hang.py"), "--nproc-per-node", "2", *HB, args=["--steps", "40"])
     d.wait_for_step(1, 3, timeout=60)
     pid = d.worker_pids()[1]
@@ -30,10 +33,34 @@ def test_sigstop_detected_fast_and_run_completes(daemons):
     os.kill(pid, signal.SIGSTOP)
     assert d.wait(90) == 0, d.stderr()[-3000:]
     cause = hang_events(d)[0]["cause"]
-    assert "rank 1; hung: process stopped" in cause
-    assert restart_time(d) - t0 < 2 + 1  # heartbeat timeout + 1 s (process state catches it at once)
+    assert "hung: no heartbeat for" in cause, cause  # rank 0 waits in all_reduce: silent as long
+    assert 2 - 0.5 < restart_time(d) - t0 < 2 + 1  # the heartbeat timeout, not the state
     stacks = (d.run_dir() / "attempt1" / "rank1.stacks.txt").read_text()
     assert "most recent call first" in stacks and "hang.py" in stacks
+
+
+def test_debugger_attach_and_a_short_stop_never_restart(daemons):
+    """gdb -p, strace -p, py-spy dump --native: a ptrace attach stops the worker (state t) for as
+    long as someone looks. Neither that nor a SIGSTOP shorter than the heartbeat timeout restarts
+    anything: same pids, training goes on."""
+    d = daemons(script("hang.py"), "--nproc-per-node", "2", "--heartbeat-timeout", "6", "--max-restarts", "0",
+                args=["--steps", "60"])
+    d.wait_for_step(1, 3, timeout=60)
+    pids = d.worker_pids()
+    holds = [subprocess.Popen([sys.executable, script("ptrace_hold.py"), str(pids[rank]), "3", how],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank, how in ((1, "attach"), (0, "seize"))]
+    for held in holds:
+        out, err = held.communicate(timeout=30)
+        assert held.returncode == 0 and "detached" in out, err
+        looks = out.splitlines()[:-1]
+        assert looks and all(ln.startswith("state t tracer ") and not ln.endswith(" 0") for ln in looks), looks
+    os.kill(pids[1], signal.SIGSTOP)
+    time.sleep(3)
+    os.kill(pids[1], signal.SIGCONT)
+    assert d.worker_pids() == pids and not hang_events(d)
+    assert d.wait(90) == 0, d.stderr()[-3000:]
+    assert not hang_events(d) and "done" in d.log_text(1)
 
 
 def test_endless_loop_detected_within_timeout(daemons):

@@ -1,0 +1,126 @@
+"""Network namespaces for tests: nodes on addresses of their own, and links a test can cut.
+
+`Network(n)` makes a switch namespace holding a bridge, and n node namespaces, each with loopback
+and one veth (`DEV`, at 10.231.S.(i+1)/24) plugged into the bridge. Nothing outside the
+namespaces it made is touched (the addresses exist only inside them). close() kills whatever
+still runs inside them and deletes them, their links with them; the `netns` fixture calls it
+after the test, failed or not. Every `ip` call is bounded in time. Needs root and iproute2.
+
+Use: `Daemon(..., prefix=net.prefix(i))` runs a node inside namespace i (`ip netns exec` execs,
+so the daemon keeps its pid). `cut(i)` takes node i's port on the switch down: its packets are
+then lost, as in a partition (its own link stays up, so nothing fails fast); `heal(i)` undoes it.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import time
+
+import pytest
+
+DEV = "eth0"  # the node's interface inside its namespace (GLOO_SOCKET_IFNAME for its workers)
+BRIDGE = "br0"
+IP_TIMEOUT = 10.0  # seconds any one `ip` command may take
+
+
+def unavailable() -> str | None:
+    """Why namespaces cannot be made here, or None."""
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    if shutil.which("ip") is None:
+        return "iproute2's `ip` is missing"
+    return None
+
+
+def ip(*args: str) -> str:
+    done = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=IP_TIMEOUT)
+    if done.returncode != 0:
+        raise RuntimeError(f"ip {' '.join(args)}: {done.stderr.strip()}")
+    return done.stdout
+
+
+class Network:
+    def __init__(self, nodes: int, subnet: int = 0):
+        tag = "ed" + secrets.token_hex(3)  # unique names: test sessions may run side by side
+        self.switch = f"{tag}-sw"
+        self.nodes = [f"{tag}-n{i}" for i in range(nodes)]
+        self.subnet = subnet
+        self._made: list[str] = []
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self) -> None:
+        for ns in (self.switch, *self.nodes):
+            ip("netns", "add", ns)
+            self._made.append(ns)
+            ip("-n", ns, "link", "set", "lo", "up")
+        ip("-n", self.switch, "link", "add", BRIDGE, "type", "bridge")
+        ip("-n", self.switch, "link", "set", BRIDGE, "up")
+        for i, ns in enumerate(self.nodes):
+            ip("-n", self.switch, "link", "add", self._port(i), "type", "veth", "peer", "name", DEV, "netns", ns)
+            ip("-n", self.switch, "link", "set", self._port(i), "master", BRIDGE, "up")
+            ip("-n", ns, "addr", "add", f"{self.addr(i)}/24", "dev", DEV)
+            ip("-n", ns, "link", "set", DEV, "up")
+
+    @staticmethod
+    def _port(i: int) -> str:
+        return f"p{i}"
+
+    def addr(self, i: int) -> str:
+        return f"10.231.{self.subnet}.{i + 1}"
+
+    def prefix(self, i: int) -> tuple[str, ...]:
+        """The command prefix that runs a program as node i."""
+        return ("ip", "netns", "exec", self.nodes[i])
+
+    def cut(self, i: int) -> None:
+        ip("-n", self.switch, "link", "set", self._port(i), "down")
+
+    def heal(self, i: int) -> None:
+        ip("-n", self.switch, "link", "set", self._port(i), "up")
+
+    def pids(self, ns: str) -> list[int]:
+        return [int(p) for p in ip("netns", "pids", ns).split()]
+
+    def close(self, timeout: float = 10.0) -> None:
+        """SIGKILL what runs inside our namespaces, wait (bounded) for it to go, delete them."""
+        deadline = time.monotonic() + timeout
+        for ns in reversed(self._made):
+            while (left := self.pids(ns)) and time.monotonic() < deadline:
+                for pid in left:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                time.sleep(0.05)
+            ip("netns", "del", ns)
+        self._made.clear()
+
+
+@pytest.fixture(name="netns")
+def netns_fixture():
+    """Factory: netns(n, subnet=0) -> a Network of n nodes, closed after the test whatever happened.
+    Skips the test (with the reason) where namespaces cannot be made."""
+    reason = unavailable()
+    if reason:
+        pytest.skip(reason)
+    made: list[Network] = []
+
+    def make(nodes: int, subnet: int = 0) -> Network:
+        try:
+            net = Network(nodes, subnet)
+        except RuntimeError as e:  # a container without CAP_NET_ADMIN, a kernel without veth
+            pytest.skip(f"cannot make network namespaces here: {e}")
+        made.append(net)
+        return net
+
+    yield make
+    for net in made:
+        net.close()
