@@ -56,3 +56,16 @@ def daemons(tmp_path):
             d.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             pass
+
+
+@pytest.fixture
+def open_dir():
+    """A 0755 directory under /tmp that another user can reach (tmp_path's parents are 0700)."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    d = Path(tempfile.mkdtemp(prefix="elasticd-open-", dir="/tmp"))
+    os.chmod(d, 0o755)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)

@@ -150,3 +150,43 @@ class Daemon:
 
 def script(name: str) -> str:
     return str(SCRIPTS / name)
+
+
+def as_user(uid: int, fn, *args, gid: int | None = None, timeout: float = 20.0, clear_env: tuple[str, ...] = ()):
+    """fn(*args) in a forked child switched to uid/gid (no supplementary groups): a real
+    unprivileged process (root only). Its JSON-able result comes back; an exception it raises
+    comes back as {"raised": "Type: message"}. Bounded: the child is killed after `timeout`."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: no pytest machinery, just fn
+        code = 1
+        try:
+            os.close(r)
+            for var in clear_env:
+                os.environ.pop(var, None)
+            os.setgroups([])
+            os.setgid(uid if gid is None else gid)
+            os.setuid(uid)
+            try:
+                result = fn(*args)
+            except Exception as e:  # noqa: BLE001 - reported to the test
+                result = {"raised": f"{type(e).__name__}: {e}"}
+            os.write(w, json.dumps(result, default=str).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    deadline = time.monotonic() + timeout
+    try:
+        while os.waitpid(pid, os.WNOHANG) == (0, 0):
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                raise AssertionError(f"the process as uid {uid} did not finish in {timeout:g} s")
+            time.sleep(0.01)
+        chunks = []
+        while chunk := os.read(r, 65536):
+            chunks.append(chunk)
+    finally:
+        os.close(r)
+    return json.loads(b"".join(chunks) or b"null")

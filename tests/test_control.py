@@ -5,10 +5,8 @@ from __future__ import annotations
 import grp
 import json
 import os
-import shutil
 import socket
 import stat
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -16,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from elasticd import control
+from harness import as_user
 
 NOBODY = 65534
 
@@ -346,52 +345,19 @@ def test_admission_policy():
     assert control.refusal(1001, None).startswith("permission denied: uid 1001 is not root")
 
 
-def _request_as(uid: int, gid: int, path: Path) -> dict:
-    """Run control.request in a forked child with other credentials; bounded, always reaped."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child: no pytest machinery, just the request
-        code = 1
-        try:
-            os.close(r)
-            os.setgroups([])
-            os.setgid(gid)
-            os.setuid(uid)
-            try:
-                reply = control.request(path, {"version": 1, "command": "status"}, timeout=3)
-            except control.ControlError as e:
-                reply = {"raised": type(e).__name__, "message": str(e)}
-            os.write(w, json.dumps(reply).encode())
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(w)
-    deadline = time.monotonic() + 10
-    try:
-        while os.waitpid(pid, os.WNOHANG) == (0, 0):
-            if time.monotonic() > deadline:
-                os.kill(pid, 9)
-                os.waitpid(pid, 0)
-                pytest.fail("the child's request did not finish in 10 s")
-            time.sleep(0.01)
-        chunks = []
-        while chunk := os.read(r, 65536):
-            chunks.append(chunk)
-    finally:
-        os.close(r)
-    return json.loads(b"".join(chunks) or b"{}")
-
-
-@pytest.fixture
-def open_dir():
-    """A 0755 directory nobody can traverse (tmp_path's parents are 0700)."""
-    d = Path(tempfile.mkdtemp(prefix="elasticd-ctl-", dir="/tmp"))
-    os.chmod(d, 0o755)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a client as another uid")
+def _request_as(uid: int, gid: int, path: Path) -> dict:
+    """control.request as another user (harness.as_user)."""
+
+    def ask():
+        try:
+            return control.request(path, {"version": 1, "command": "status"}, timeout=3)
+        except control.ControlError as e:
+            return {"raised": type(e).__name__, "message": str(e)}
+
+    return as_user(uid, ask, gid=gid, timeout=10)
+
+
 def test_other_uid_is_refused_by_credentials_not_file_mode(serve, open_dir):
     server = serve(path=open_dir / "c.sock")
     os.chmod(server.path, 0o666)  # let the file mode through: the credential check alone must refuse

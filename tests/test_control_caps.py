@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import grp
 import os
-import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -47,15 +45,6 @@ def _idle_peers(d) -> int:
                     if os.readlink(f"/proc/{d.pid}/fd/{fd}").startswith("socket:")])
     except OSError:
         return 0
-
-
-@pytest.fixture
-def open_dir():
-    """A 0755 directory another user can reach (tmp_path's parents are 0700)."""
-    d = Path(tempfile.mkdtemp(prefix="elasticd-caps-", dir="/tmp"))
-    os.chmod(d, 0o755)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run the hog as another uid")

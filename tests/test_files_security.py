@@ -6,7 +6,6 @@ Tests that need a second user run as root (as CI does) with uid 65534 (nobody) a
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import socket
@@ -19,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from elasticd import control, health, memory
-from harness import ROOT, script, wait_until
+from harness import ROOT, as_user, script, wait_until
 
 NOBODY = 65534
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another uid")
@@ -228,45 +227,6 @@ def test_memory_directory_of_a_live_daemon_in_another_pid_namespace_is_kept(tmp_
 # --- finding 9: the fallback socket directory --------------------------------------------------
 
 
-def _as_user(uid: int, do) -> dict:
-    """Run `do()` in a forked child with uid/gid `uid` and no runtime directories in its
-    environment; bounded, always reaped; its JSON result."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            os.close(r)
-            for var in ("ELASTICD_SOCKET", "RUNTIME_DIRECTORY", "XDG_RUNTIME_DIR"):
-                os.environ.pop(var, None)
-            os.setgroups([])
-            os.setgid(uid)
-            os.setuid(uid)
-            try:
-                result = do()
-            except Exception as e:  # noqa: BLE001 - reported to the test
-                result = {"raised": f"{type(e).__name__}: {e}"}
-            os.write(w, json.dumps(result, default=str).encode())
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(w)
-    deadline = time.monotonic() + 20
-    try:
-        while os.waitpid(pid, os.WNOHANG) == (0, 0):
-            if time.monotonic() > deadline:
-                os.kill(pid, 9)
-                os.waitpid(pid, 0)
-                pytest.fail("the child did not finish in 20 s")
-            time.sleep(0.01)
-        chunks = []
-        while chunk := os.read(r, 65536):
-            chunks.append(chunk)
-    finally:
-        os.close(r)
-    return json.loads(b"".join(chunks) or b"{}")
-
-
 def _serve_and_find() -> dict:
     """What a daemon of this user does with the default socket path, then what the CLI finds."""
     path = control.default_socket_path()
@@ -315,7 +275,7 @@ def test_squatted_fallback_socket_directory_neither_stops_nor_fools_the_daemon(t
         impostor.bind(str(where / "control.sock"))  # an impostor the CLI must not ask
         os.chmod(where / "control.sock", 0o777)
         impostor.listen(1)
-        got = _as_user(uid, _serve_and_find)
+        got = as_user(uid, _serve_and_find, clear_env=("ELASTICD_SOCKET", "RUNTIME_DIRECTORY", "XDG_RUNTIME_DIR"))
     finally:
         impostor.close()
         shutil.rmtree(fake, ignore_errors=True)

@@ -23,7 +23,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _
 from elasticd import rendezvous, signing
 from elasticd.config import ConfigError
 from elasticd.signed_backend import SignedBackend, check_state
-from harness import ROOT, script, wait_until
+from harness import ROOT, as_user, script, wait_until
 
 NOBODY = 65534
 FAST = ("--restart-grace", "1", "--stop-grace", "3", "--peer-timeout", "3", "--last-call-timeout", "0.5")
@@ -32,39 +32,6 @@ needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="switching to an unpri
 
 def td(s: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=s)
-
-
-def as_nobody(fn, *args, timeout: float = 30.0):
-    """Run fn(*args) in a forked child that has dropped to uid/gid 65534 (no groups); its return
-    value comes back as JSON. Bounded: the child is killed after `timeout`."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the attacker
-        code = 1
-        try:
-            os.close(r)
-            os.setgroups([])
-            os.setgid(NOBODY)
-            os.setuid(NOBODY)
-            assert os.geteuid() == NOBODY
-            os.write(w, json.dumps(fn(*args)).encode())
-            code = 0
-        except BaseException as e:  # noqa: BLE001 - reported to the parent
-            os.write(w, json.dumps({"error": repr(e)}).encode())
-        finally:
-            os._exit(code)
-    os.close(w)
-    deadline = time.monotonic() + timeout
-    while os.waitpid(pid, os.WNOHANG) == (0, 0):
-        if time.monotonic() > deadline:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            raise AssertionError("the attacker process did not finish")
-        time.sleep(0.05)
-    with os.fdopen(r, "rb") as f:
-        out = json.loads(f.read() or b"null")
-    assert not (isinstance(out, dict) and "error" in out), out
-    return out
 
 
 class _Evil:
@@ -100,7 +67,8 @@ def test_unprivileged_store_writer_runs_no_code_and_spends_no_budget(daemons, tm
     pids = wait_until(lambda: d.worker_pids() if len(d.worker_pids()) == 2 else None, 60, what="workers")
     d.wait_for_step(1, 3, timeout=60)
     os.chmod(tmp_path, 0o777)  # the attacker may name the marker; only the daemon could write it
-    as_nobody(_plant_pickle_and_budget, port, str(marker))
+    got = as_user(NOBODY, _plant_pickle_and_budget, port, str(marker), timeout=30)
+    assert isinstance(got, str), got  # the run id it found
     rejected = lambda: any(e.get("event") == "rdzv_state_rejected" for e in d.events())  # noqa: E731
     wait_until(lambda: rejected() or marker.exists(), 15, what="the daemon to read the forged state")
     assert not marker.exists(), "the forged pickle ran in the daemon"
@@ -139,7 +107,8 @@ def test_forged_restart_request_is_ignored_across_nodes(daemons, tmp_path):
                      *node_flags(port, "2"), name=f"n{i}", args=args) for i in range(2)]
     wait_until(lambda: all(len(n.worker_pids()) == 1 for n in nodes), 60, what="both nodes running")
     wait_until(lambda: re.search(r"^step 3\b", nodes[1].log_text(1), re.M), 60, what="training")
-    as_nobody(_forge_restart, port)
+    got = as_user(NOBODY, _forge_restart, port, timeout=30)
+    assert isinstance(got, str), got
     for n in nodes:
         assert n.wait(120) == 0, n.stderr()[-3000:]
     out = nodes[0].stdout() + nodes[1].stdout()
