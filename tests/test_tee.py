@@ -64,8 +64,10 @@ def cpu_seconds(p: psutil.Process) -> float:
 
 def test_a_tqdm_bar_in_a_real_job_is_cheap_to_echo_and_kept_whole_in_the_log(daemons):
     """Thousands of tqdm redraws (no newline until the end): the daemon echoes a few prefixed
-    lines a second, holds no more memory and spends under 1% of a core on it (over its own cost
-    while the job is quiet: its loop's, which a loaded host makes vary); the log keeps every byte."""
+    lines a second, holds no more memory and spends little CPU on it (over its own cost while the
+    job is quiet: its loop's, which a loaded host makes vary; measured 0.25-1.3% of a core on the
+    2-core VM, so the bound here is 3%, against the saturated core a held bar once cost); the log
+    keeps every byte."""
     updates = 20000
     d = daemons(script("progress.py"), "--nproc-per-node", "1", "--no-warm-spawn", args=[str(updates), "3", "2.5"])
     daemon = psutil.Process(d.pid)
@@ -89,4 +91,4 @@ def test_a_tqdm_bar_in_a_real_job_is_cheap_to_echo_and_kept_whole_in_the_log(dae
     assert all("\\r" not in ln for ln in bars) and f"{updates}/{updates}" in bars[-1], bars[-3:]
     assert len(bars) <= seconds / workers.REDRAW_INTERVAL + 3, len(bars)
     assert rss - rss0 < 4 << 20, (rss0, rss)
-    assert seconds > 2 and busy / seconds < quiet + 0.01, (seconds, busy / seconds, quiet)
+    assert seconds > 2 and busy / seconds < quiet + 0.03, (seconds, busy / seconds, quiet)
