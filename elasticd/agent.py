@@ -32,7 +32,7 @@ from elasticd.group import LocalGroup
 from elasticd.inbox import Inbox
 from elasticd.peers import Peers
 from elasticd.recovery import Recovery
-from elasticd.rendezvous import Rendezvous, RendezvousFailed, Round
+from elasticd.rendezvous import BudgetSpent, Rendezvous, RendezvousFailed, Round, StoreUnreachable
 from elasticd.spares import SparePool
 from elasticd.states import Failure, RestartCause, Scale, State, check_transition
 from elasticd.status import StatusBoard
@@ -163,15 +163,24 @@ class Agent:
             log.info("memory_state", directory=self.memory_dir)
         try:
             self.rdzv = self._blocking(Rendezvous, self.cfg)
-            self.peers = Peers(self.cfg, self.rdzv, self.node)
-            log.info("rendezvous_store", endpoint=self.rdzv.endpoint, hosted_here=self.rdzv.is_host)
+            self.peers = Peers(self.cfg, self.rdzv, self.node, wake=lambda: self.post(("wake",)))
+            log.info("rendezvous_store", endpoint=self.rdzv.endpoint, hosted_here=self.rdzv.is_host,
+                     node_id=self.rdzv.node_id)
             code = self._loop()
         except _Interrupted:
             code = self._finish(State.STOPPED, EXIT_OK)
+        except BudgetSpent as e:
+            # the round after our failure (or another node's) found the budget spent
+            self.event("restart_budget_spent", level="error", max_restarts=self.cfg.max_restarts, why=str(e))
+            self.last_failure = Failure(RestartCause.RENDEZVOUS, f"the job failed: {e}", node=self.node)
+            self.first_failure = self.first_failure or self.last_failure
+            code = self._finish(State.FAILED, EXIT_FAILED)
         except RendezvousFailed as e:
             self.last_failure = self.first_failure = Failure(RestartCause.RENDEZVOUS, str(e), node=self.node)
             code = self._finish(State.FAILED, EXIT_FAILED)
         finally:
+            if self.peers is not None:
+                self.peers.close()
             self._teardown(0.0)
             self.spares.close()
             memory.remove(self.memory_dir)  # workers are gone: nobody resumes from it any more
@@ -197,12 +206,15 @@ class Agent:
             why = self.group.check()
             if why is None and self.group.finished:
                 self.set_state(State.EXIT_BARRIER)
-                ok = self._blocking(self.rdzv.exit_barrier, self.round, cfg.exit_barrier_timeout, stoppable=False)
+                ok = self._barrier()
                 if not ok:
                     self.event("exit_barrier_timeout", level="warning", timeout=cfg.exit_barrier_timeout)
                 return self._finish(State.SUCCEEDED, EXIT_OK)
             if why is None:
-                why = self.peers.check(self.round, time.monotonic())
+                try:
+                    why = self.peers.check(self.round, time.monotonic(), self.group.beats())
+                except StoreUnreachable as e:
+                    why = Failure(RestartCause.STORE_UNREACHABLE, str(e), node=self.node)
             if why is None:
                 now = time.monotonic()
                 self._after_start_up(now)
@@ -213,22 +225,19 @@ class Agent:
             if code is not None:
                 return code
 
-    def _idle(self, until: float, done: Callable[[], bool] | None = None, *, stoppable: bool = True,
-              beat: bool = False) -> None:
+    def _idle(self, until: float, done: Callable[[], bool] | None = None, *, stoppable: bool = True) -> None:
         """The loop's one way to wait: until `done()` holds (checked before every wait), the
         monotonic deadline `until` passes or, if `stoppable`, a stop is requested; without
         `done`, until the first wake-up (the running loop looks at its workers after each). It
         wakes at least every monitor_interval, and at once for a signal (SIGCHLD too), a command,
         a helper thread's result or a spare, and each time does what the loop owes meanwhile:
-        feed systemd's watchdog, take the spares forked, answer the inbox and, with `beat`, beat
-        this node's liveness (peers take a node silent for --peer-timeout for dead)."""
+        feed systemd's watchdog, take the spares forked, answer the inbox. (The peers' liveness
+        beats on a thread of its own, peers.py, whatever the loop does.)"""
         while not (done and done()) and (left := until - time.monotonic()) > 0:
             self.inbox.wait(min(left, self.cfg.monitor_interval), also=self.spares.waitables())
             self._tick()
             self.spares.collect()
             self._drain_inbox()
-            if beat:
-                self.peers.beat(self.round, time.monotonic())
             if done is None or (stoppable and self.stop_request is not None):
                 return
 
@@ -269,14 +278,17 @@ class Agent:
     def _start_round(self) -> None:
         self.round = rnd = self._blocking(self.rdzv.next_round, self.cfg.nproc_per_node)
         self.recovery.mark("rendezvous_done")
-        self.restart_count = self.rdzv.restarts_used()
+        self.restart_count = self._blocking(self.rdzv.restarts_used)
         logs.bind(group_rank=rnd.group_rank, restart=self.restart_count)
+        if rnd.lost:
+            self.event("nodes_lost", level="warning", lost=rnd.lost, round=rnd.number,
+                       group_world_size=rnd.group_world_size)
         self.recovery.started()
-        self.peers.new_round()
+        self.peers.new_round(rnd)
         # At the first start the fork server may still be importing torch, and a cold start would
-        # take as long: wait for its spares, beating for the peers meanwhile (without it they would
-        # take this node for dead). A peer found silent meanwhile is acted on once running.
-        self._idle(time.monotonic() + SPARE_WAIT, lambda: not self.spares.pending, stoppable=False, beat=True)
+        # take as long: wait for its spares (the peers' liveness beats meanwhile on its own thread).
+        # A peer found silent meanwhile is acted on once running.
+        self._idle(time.monotonic() + SPARE_WAIT, lambda: not self.spares.pending, stoppable=False)
         self.group.start(rnd, self.restart_count, self.memory_dir, self.spares.spares)
         self.recovery.mark("spawned")
         self.spares.after_spawn()
@@ -297,16 +309,31 @@ class Agent:
         self.spares.refill_if_due(stepped, now)
 
     def _restart(self, why: Failure | Scale) -> int | None:
-        """Tear the group down and decide: next round, or the job has failed."""
+        """Tear the group down and decide: next round, or the job has failed. The restart
+        request tells every node why; whether it costs the job's budget is decided by the next
+        round's closing (rendezvous.py), which knows whether a node was lost."""
         self.recovery.detected()
         self.set_state(State.RESTARTING, cause=why.summary())
         spends = why.kind.spends_budget
         if spends:
             self.last_failure = why
             self.first_failure = self.first_failure or why
-            self.rdzv.request_restart(self.round, {"summary": why.summary(), "node": self.node})
+        reason: dict[str, Any] | None = {"summary": why.summary(), "node": self.node}
+        if spends:
+            reason["spends"] = True
         elif why.kind is RestartCause.SCALE:
-            self.rdzv.request_restart(self.round, {"summary": why.reason, "node": self.node, "scale": True})
+            reason.update(summary=why.reason, scale=True, waiting=list(why.ids))
+        elif why.kind is RestartCause.NODE_LOST:
+            reason["lost"] = list(why.lost)
+        else:  # another node asked (its reason is in the store), or we cannot reach the store
+            reason = None
+        if why.kind is RestartCause.STORE_UNREACHABLE:
+            self.event("store_unreachable", level="error", why=why.reason)
+        if reason is not None:
+            try:
+                self.rdzv.request_restart(self.round, reason)
+            except StoreUnreachable as e:
+                self.event("restart_request_failed", level="warning", why=str(e))
         trained = self.recovery.trained(self.group.beats())
         # a node joining finds every rank healthy: they may save at their next boundary
         self._teardown(self.cfg.restart_grace, abandon=why.kind is not RestartCause.SCALE)
@@ -314,23 +341,23 @@ class Agent:
         if why.kind is RestartCause.CRASH and why.exit_code in self.cfg.fatal_exit_codes:
             self.event("fatal_exit_code", level="error", exit_code=why.exit_code, rank=why.rank)
             return self._fail_job(why)
-        if spends:
-            used = self.rdzv.spend_restart()
-            if used > self.cfg.max_restarts:
-                self.event("restart_budget_spent", level="error", max_restarts=self.cfg.max_restarts)
-                return self._fail_job(why)
+        # a failure that will find the budget spent (unless a node was lost) waits no backoff
+        if spends and self.rdzv.restarts_used() < self.cfg.max_restarts:
             delay = self.recovery.backoff(trained)
-            self.event("restart_backoff", delay=round(delay, 3), restart=used, budget=self.cfg.max_restarts,
-                       crash_streak=self.recovery.crash_streak)
+            self.event("restart_backoff", delay=round(delay, 3), restarts_used=self.restart_count,
+                       budget=self.cfg.max_restarts, crash_streak=self.recovery.crash_streak)
             # waited out in full (a SIGCHLD must not cut it short), but not past a stop request
             self._idle(time.monotonic() + delay, lambda: self.stop_request is not None)
         self.set_state(State.RENDEZVOUS)
         return None
 
     def _fail_job(self, failure: Failure) -> int:
-        self.rdzv.record_job_failure(f"{failure.summary()} (node {self.node})")
-        self.rdzv.close(job_finished=True)
-        return self._finish(State.FAILED, EXIT_FAILED)
+        summary = f"{failure.summary()} (node {self.node})"
+        try:
+            self.rdzv.record_job_failure(summary)
+        except StoreUnreachable as e:
+            self.event("job_failure_not_recorded", level="warning", why=str(e))
+        return self._finish(State.FAILED, EXIT_FAILED, why=f"failed: {summary}")
 
     def _teardown(self, grace: float, abandon: bool = False) -> None:
         """Stop the local group (see LocalGroup.stop) and close its round's worker store."""
@@ -349,13 +376,22 @@ class Agent:
             self.notify.extend_timeout(grace + self.cfg.kill_timeout + self.cfg.exit_barrier_timeout)
         self._teardown(grace)
         if self.round is not None and self.round.group_world_size > 1:
-            self._blocking(self.rdzv.exit_barrier, self.round, self.cfg.exit_barrier_timeout, stoppable=False)
+            self._barrier()
         return self._finish(State.STOPPED, EXIT_OK)
 
-    def _finish(self, state: State, code: int) -> int:
+    def _barrier(self) -> bool:
+        """The exit barrier (rendezvous.exit_barrier); a store that stops answering ends it."""
+        try:
+            return self._blocking(self.rdzv.exit_barrier, self.round, self.cfg.exit_barrier_timeout, stoppable=False)
+        except StoreUnreachable as e:
+            self.event("exit_barrier_store_unreachable", level="warning", why=str(e))
+            return False
+
+    def _finish(self, state: State, code: int, why: str = "") -> int:
         self._teardown(0.0)
         if self.rdzv is not None:
-            self.rdzv.close(job_finished=state in (State.SUCCEEDED, State.FAILED))
+            self.rdzv.close(job_finished=state in (State.SUCCEEDED, State.FAILED),
+                            why=why or ("finished" if state == State.SUCCEEDED else "failed"))
         fields: dict[str, Any] = {"exit_code": code, "restarts": self.restart_count}
         if state == State.FAILED and self.first_failure:
             fields["first_failure"] = self.first_failure.summary()

@@ -28,36 +28,42 @@ STATUS = "status"  # the daemon's snapshot, served by the control thread
 STOP = "stop"  # a graceful stop, with an optional grace `timeout`
 STACKS = "stacks"  # every local worker's thread stacks, now
 
-# --- rendezvous store keys (each value signed: elasticd.signing) ---
+# --- control-plane store keys (elasticd.rendezvous; each value signed: elasticd.signing) ---
+# Every key of a job is under elasticd/<job>/; a round's under elasticd/<job>/r<round>/.
 
-# per round, under torch's round prefix
-RESTART = "elasticd/restart"  # the first failure's reason: every node restarts the round
-MASTER = "elasticd/master"  # "addr port" of the round's worker store, hosted by group rank 0
+# per job
+ROUND = "round"  # the newest round any node has entered: where a node that arrives joins
+CLOSED = "closed"  # set once the job has ended (why): nodes that arrive later leave with that line
+RESTARTS = "restarts"  # the job's restart budget spent so far (a signed compare-and-set)
+FAILURE = "failure"  # why the job failed, for nodes that find it closed
+
+# per round
+ARRIVED = "arrived"  # a counter: each node that enters the round takes the next number
+MEMBERS = "members"  # the round as closed: its nodes in group-rank order, and the nodes found lost
+MASTER = "master"  # "addr port" of the round's worker store, hosted by group rank 0
+RESTART = "restart"  # the first restart request's reason: every node of the round restarts
+DONE_COUNT = "done_count"  # a counter of nodes at the exit barrier
+ALL_DONE = "all_done"  # set once every node's done key verifies
 
 
-def nproc_key(group_rank: int) -> str:
-    """A node's worker count, from which every node computes the ranks."""
-    return f"elasticd/nproc/{group_rank}"
+def job_key(job: str, name: str) -> str:
+    return f"elasticd/{job}/{name}"
 
 
-def alive_key(group_rank: int) -> str:
-    """A node's liveness counter, raised about once a second."""
-    return f"elasticd/alive/{group_rank}"
+def round_key(job: str, number: int, name: str) -> str:
+    return f"elasticd/{job}/r{number}/{name}"
 
 
-def done_key(group_rank: int) -> str:
+def arrival_key(job: str, number: int, index: int) -> str:
+    """The record of the node that took arrival number `index` in a round (id, address, nproc)."""
+    return round_key(job, number, f"node/{index}")
+
+
+def done_key(job: str, number: int, group_rank: int) -> str:
     """Set by a node at the exit barrier."""
-    return f"elasticd/done/{group_rank}"
+    return round_key(job, number, f"done/{group_rank}")
 
 
-# per job, outside the rounds
-
-
-def restarts_key(run_id: str) -> str:
-    """The job's restart budget spent so far."""
-    return f"elasticd/{run_id}/restarts"
-
-
-def failure_key(run_id: str) -> str:
-    """Why the job failed, for nodes that find the rendezvous closed."""
-    return f"elasticd/{run_id}/failure"
+def alive_key(job: str, node_id: str) -> str:
+    """A node's liveness counter, raised every few tenths of a second for as long as its daemon runs."""
+    return f"elasticd/{job}/alive/{node_id}"

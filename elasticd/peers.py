@@ -1,55 +1,168 @@
 """The other nodes of the round, as the agent loop sees them through the store: their restart
-requests, their liveness (and ours: the beat they watch), and nodes waiting to join.
+requests, their liveness (and ours), nodes waiting to join, and whether the store still answers.
 
-A restart request is read every tick (a failure anywhere restarts every node within one);
-liveness only has to beat --peer-timeout, so its round trips come every min(1 s, a tenth of it),
-and the waiting count (torch's rendezvous state) once a second.
+Two threads, each with its own store connection, so the loop never blocks on the store:
+- liveness: beats this node's counter every BEAT_EVERY seconds for as long as the daemon runs,
+  and reads the counters of the next WATCHED nodes in the ring of the round (constant traffic
+  per node, whatever the number of nodes); it also notices a store that stops answering;
+- the restart waiter: blocks on the round's restart key (the store answers when it is set), so a
+  request reaches every node at once without polling.
+
+A node is lost when it has been silent for --peer-timeout, or silent for LOST_SILENCE (and for
+more than two of our steps) with evidence that it is gone rather than slow: none of our workers
+has stepped since it went quiet (their collectives wait on it). A daemon stopped for a few
+seconds (its workers still training) or a starved one (its beats late, not missing) is never lost.
 """
 
 from __future__ import annotations
 
+import threading
+import time
+from collections.abc import Callable
+
+from elasticd import kv as kvmod
+from elasticd import logs, supervise
 from elasticd.config import Config
-from elasticd.rendezvous import Rendezvous, Round
+from elasticd.health import Beat
+from elasticd.rendezvous import BEAT_EVERY, LOST_SILENCE, WAIT_SLICE, Rendezvous, Round, StoreLost
 from elasticd.states import Failure, RestartCause, Scale
 
-BEAT_EVERY = 1.0  # seconds between liveness beats to peers, and at most a tenth of --peer-timeout
+log = logs.get("elasticd.peers")
+
+WATCHED = 2  # ring neighbours each node watches (and so each node is watched by as many)
 WAITING_EVERY = 1.0  # seconds between reads of the nodes waiting to join
 
 
 class Peers:
-    def __init__(self, cfg: Config, rdzv: Rendezvous, node: str) -> None:
+    def __init__(self, cfg: Config, rdzv: Rendezvous, node: str, wake: Callable[[], None]) -> None:
         self.cfg = cfg
         self.rdzv = rdzv
         self.node = node
-        self._next_beat = 0.0
+        self._wake = wake
+        self._round: Round | None = None
+        self._restart: tuple[int, dict] | None = None  # (round number, reason) the waiter saw
         self._next_waiting_check = 0.0
+        self.unreachable_since: float | None = None  # when the store stopped answering our beats
+        self.lost_store: str | None = None  # set when its host refuses us: the store is gone
+        self._problem = ""
+        self._stop = threading.Event()
+        self._waiters: list[threading.Thread] = []
+        self._beat_kv = rdzv.kv.clone()
+        self._wait_kv = rdzv.kv.clone()
+        self._thread = supervise.thread("liveness", self._beat_loop,
+                                        risk="until it is back, peers may take this node for lost")
+        self._thread.start()
 
-    def new_round(self) -> None:
-        """A new round tells its peers at once that we are alive."""
-        self._next_beat = 0.0
+    def close(self) -> None:
+        """Stop both threads and wait (bounded) for them to leave their store calls: a thread
+        still inside one when the interpreter exits would abort it."""
+        self._stop.set()
+        self._round = None
+        for t in (self._thread, *self._waiters):
+            t.join(timeout=WAIT_SLICE + 2 * self.rdzv.kv.timeout if hasattr(self.rdzv.kv, "timeout") else 5.0)
+        self._beat_kv.close()
+        self._wait_kv.close()
 
-    def beat(self, rnd: Round, now: float) -> int | None:
-        """Beat this node's liveness when due; returns the group rank of a peer silent for --peer-timeout."""
-        if now < self._next_beat:
-            return None
-        self._next_beat = now + min(BEAT_EVERY, self.cfg.peer_timeout / 10)
-        return self.rdzv.beat_and_check_peers(rnd, now)
-
-    def check(self, rnd: Round, now: float) -> Failure | Scale | None:
-        """Why this node must restart because of the others, if it must."""
+    def new_round(self, rnd: Round) -> None:
+        """Watch this round's ring neighbours and wait for its restart request."""
+        self._round = rnd
+        self._restart = None
+        self._next_waiting_check = time.monotonic() + WAITING_EVERY
+        self._waiters = [t for t in self._waiters if t.is_alive()]
         if rnd.group_world_size > 1:
-            reason = self.rdzv.restart_reason(rnd)
-            if reason is not None:
-                return Failure(RestartCause.PEER, f"peer asked for restart: {reason.get('summary', reason)}",
-                               node=reason.get("node", "?"))
-            lost = self.beat(rnd, now)
-            if lost is not None:
-                return Failure(RestartCause.NODE_LOST,
-                               f"node with group rank {lost} went silent for {self.cfg.peer_timeout:g}s",
-                               node=self.node)
+            waiter = threading.Thread(target=self._wait_restart, args=(rnd,), name="elasticd-restart-wait",
+                                      daemon=True)
+            waiter.start()
+            self._waiters.append(waiter)
+
+    # --- the threads ---
+
+    def _beat_loop(self) -> None:
+        count = 0
+        while not self._stop.wait(BEAT_EVERY):
+            count += 1
+            rnd = self._round
+            try:
+                self.rdzv.beat(self._beat_kv, count)
+                if rnd is not None:
+                    watched = rnd.neighbours(WATCHED)
+                    beats = self.rdzv.read_beats(self._beat_kv, [m.node_id for m in watched])
+                    now = time.monotonic()
+                    for m in watched:
+                        g = rnd.members.index(m)
+                        seen = rnd.peer_seen.get(g)
+                        value = beats[m.node_id]
+                        if seen is None or (value is not None and value > seen[0]):
+                            rnd.peer_seen[g] = (value or 0, now)
+                self.unreachable_since = None
+            except kvmod.Unreachable as e:
+                self._problem = str(e)
+                if e.refused:
+                    self.lost_store = str(e)
+                    self._wake()
+                    return
+                if self.unreachable_since is None:
+                    self.unreachable_since = time.monotonic()
+                    log.warning("store_not_answering", why=str(e))
+                elif time.monotonic() - self.unreachable_since >= self.cfg.peer_timeout:
+                    self._wake()
+
+    def _wait_restart(self, rnd: Round) -> None:
+        key = self.rdzv.restart_key(rnd)
+        while self._round is rnd and not self._stop.is_set():
+            try:
+                if self._wait_kv.wait(key, WAIT_SLICE):
+                    reason = self.rdzv.read_restart(self._wait_kv, rnd)
+                    if reason is not None:
+                        self._restart = (rnd.number, reason)
+                        self._wake()
+                        return
+                    time.sleep(0.1)  # a forger's value: the real one may replace it
+            except kvmod.Unreachable:
+                time.sleep(min(1.0, BEAT_EVERY * 2))  # the liveness thread judges the store
+
+    # --- the loop's view ---
+
+    def check(self, rnd: Round, now: float, beats: list[Beat | None]) -> Failure | Scale | None:
+        """Why this node must restart because of the others, if it must."""
+        if self.lost_store is not None:
+            raise StoreLost(f"lost the rendezvous store at {self.rdzv.endpoint} ({self.lost_store}): the node "
+                            "hosting it stopped; start the job again on every node")
+        if self.unreachable_since is not None and now - self.unreachable_since >= self.cfg.peer_timeout:
+            return Failure(RestartCause.STORE_UNREACHABLE,
+                           f"cannot reach the rendezvous store at {self.rdzv.endpoint} for "
+                           f"{now - self.unreachable_since:.1f}s ({self._problem}); stopped the workers, joining "
+                           "again once it answers", node=self.node)
+        if self._restart is not None and self._restart[0] == rnd.number:
+            reason = self._restart[1]
+            return Failure(RestartCause.PEER, f"peer asked for restart: {reason.get('summary', reason)}",
+                           node=reason.get("node", "?"))
+        lost = self.lost_neighbour(rnd, now, beats)
+        if lost is not None:
+            return lost
         if rnd.group_world_size < self.cfg.max_nodes and now >= self._next_waiting_check:
             self._next_waiting_check = now + WAITING_EVERY
-            waiting = self.rdzv.nodes_waiting()
+            waiting = self.rdzv.nodes_waiting(rnd)
             if waiting:
-                return Scale(waiting, self.node)
+                return Scale(len(waiting), self.node, tuple(waiting))
+        return None
+
+    def lost_neighbour(self, rnd: Round, now: float, beats: list[Beat | None]) -> Failure | None:
+        """A watched node silent for --peer-timeout, or for long enough with our workers stuck."""
+        stepped = [b for b in beats if b is not None and b.beats]
+        progress = max((b.last for b in stepped), default=None)
+        pace = max((b.last - b.first) / (b.beats - 1) for b in stepped if b.beats > 1) if any(
+            b.beats > 1 for b in stepped) else None
+        for g, (_, since) in list(rnd.peer_seen.items()):
+            silent = now - since
+            node_id = rnd.members[g].node_id
+            if silent >= self.cfg.peer_timeout:
+                why = f"went silent for {silent:.1f}s (--peer-timeout {self.cfg.peer_timeout:g})"
+            elif (progress is not None and pace is not None and silent >= max(LOST_SILENCE, 2.5 * pace)
+                  and progress < since + 2 * BEAT_EVERY):
+                why = f"went silent for {silent:.1f}s while our workers waited on it (no step since)"
+            else:
+                continue
+            return Failure(RestartCause.NODE_LOST, f"node {node_id} (group rank {g}) {why}", node=self.node,
+                           lost=(node_id,))
         return None

@@ -1,13 +1,24 @@
-"""Thin adapter over torch's public c10d rendezvous: join a round, watch peers, exit barrier.
+"""elasticd's rendezvous: the nodes meet in numbered rounds over the control plane's key-value
+store (kv.py: a c10d TCPStore we host on the endpoint's node, or etcd), and within a round they
+ask each other to restart, beat and leave together.
 
-We create the TCPStore ourselves so it binds to the endpoint's address only (torch's own helper
-binds every interface) and so binding never races: the socket is bound once and handed to the
-store as a listening fd. Each round then gets:
-- a prefixed view of the store (torch's `torch.rendezvous.<run>.<round>`) for our per-round keys:
-  restart requests, per-node liveness counters, the exit barrier;
-- a brand-new worker store on a freshly bound port, hosted by group rank 0, for
-  TORCHELASTIC_USE_AGENT_STORE workers. Nothing of an earlier attempt (keys such as gloo/NCCL
-  addresses, a peer still shutting down) can be read by a later one.
+Every node's store traffic is constant per period, whatever the number of nodes N (torch's c10d
+rendezvous rewrites one pickled state of every participant on each node's keep-alive: O(N) bytes
+per node per second, O(N^2) in all, plus compare-and-set retries):
+- joining a round is a counter increment (the node's arrival number) and one record; the first
+  arrival closes the round (every arrival once MAX nodes are in, every expected node once a round
+  restarts, or MIN nodes and --last-call-timeout) and writes the members in group-rank order in one
+  value each node reads once; group ranks keep the previous round's order, so the node holding
+  rank 0 keeps it while it lives;
+- a restart request is one key per round that every node waits on (a blocking wait on a second
+  connection: the store tells it, no polling), liveness one counter per node that a few
+  neighbours in a ring read (peers.py), nodes waiting to join one counter read once a second;
+- the exit barrier is a counter plus one key the last node sets once every node's verifies.
+
+Nothing read from the store is trusted: every value is sealed with the job secret's HMAC over its
+full key (signing.py) and parsed for its form; a value that fails is logged and treated as
+absent. The counters (arrivals, the barrier) are unsigned by nature: a forger bumping them only
+makes the readers look at records that do not verify, a delay, never a decision.
 """
 
 from __future__ import annotations
@@ -17,73 +28,58 @@ import errno
 import functools
 import json
 import os
+import secrets
 import socket
-import sys
 import time
 from dataclasses import dataclass, field
 
 import tenacity
 import torch.distributed as dist
-from torch.distributed.elastic.rendezvous import (
-    RendezvousClosedError,
-    RendezvousConnectionError,
-    RendezvousError,
-    dynamic_rendezvous,
-)
-from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler, RendezvousTimeout
 
+from elasticd import kv as kvmod
 from elasticd import logs, names, signing
 from elasticd.config import Config, ConfigError
-from elasticd.signed_backend import SignedBackend
 
 log = logs.get("elasticd.rendezvous")
 
-# We build the worker store ourselves; stop torch's handler from also opening one on all interfaces.
-os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-
-
-def _method_name(depth: int = 2) -> str:
-    """torch's dynamic_rendezvous.get_method_name, the same name at a fraction of the cost.
-
-    torch names every rendezvous event after its caller with two inspect.stack() calls, which
-    read source lines and scan sys.modules for every frame, even when events go nowhere. The
-    keep-alive timer records several events a second while a job runs: that alone was a third of
-    the daemon's CPU while watching. Frame 0 is this function, as in torch's."""
-    try:
-        return sys._getframe(depth).f_code.co_name
-    except ValueError:  # the stack is not that deep
-        return "no_method_name"
-
-
-if hasattr(dynamic_rendezvous, "get_method_name"):
-    dynamic_rendezvous.get_method_name = _method_name
-
+BEAT_EVERY = 0.25  # seconds between a node's liveness beats
+LOST_SILENCE = 1.25  # seconds of silence that, with evidence, make a node lost (five beats missed)
+CLOSE_POLL = 0.05  # how often the node closing a round looks at the arrivals
 MAX_REASON = 8 * 1024  # bytes of a restart reason's JSON
 MAX_COUNT = 1 << 62
+WAIT_SLICE = 1.0  # seconds a blocking wait lasts before its caller looks around (stop, closed job)
 
 
 class RendezvousFailed(Exception):
-    """The job cannot form (unreachable store, join timeout, closed): one clear line."""
+    """The job cannot form or go on (join timeout, closed, store gone): one clear line."""
 
 
 class StoreLost(RendezvousFailed):
-    """A store call failed while the job ran: the node hosting the store is gone or unreachable."""
+    """The store's host answers that nothing listens there any more: the job's store is gone."""
+
+
+class BudgetSpent(RendezvousFailed):
+    """The round that would have followed a failure found the job's restart budget spent."""
+
+
+class StoreUnreachable(Exception):
+    """The store did not answer in time (a partition, a lost etcd quorum): stop the workers, and
+    join again once it answers."""
 
 
 def _store_call(method):
-    """A store error in a Rendezvous method (torch raises DistNetworkError with a C++ stack when
-    the store's host dies) becomes one line naming the store and what to do; the agent then stops
-    its workers and exits 1."""
+    """A kv.Unreachable in a Rendezvous method becomes StoreLost (refused: the store is gone for
+    good) or StoreUnreachable (silence), each one line naming the store."""
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
         try:
             return method(self, *args, **kwargs)
-        except (dist.DistError, TimeoutError, RendezvousConnectionError) as e:
-            cause = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-            raise StoreLost(f"lost the rendezvous store at {self.endpoint} ({cause}): the node hosting it "
-                            "stopped or the network failed; start the job again on every node") from None
+        except kvmod.Unreachable as e:
+            if e.refused:
+                raise StoreLost(f"lost the rendezvous store at {self.endpoint} ({e}): the node hosting it "
+                                "stopped; start the job again on every node") from None
+            raise StoreUnreachable(f"cannot reach the rendezvous store at {self.endpoint} ({e})") from None
 
     return wrapper
 
@@ -98,7 +94,7 @@ def bind_listener(host: str, port: int) -> socket.socket:
     s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         s.bind((host, port))
-        s.listen(1024)
+        s.listen(4096)
     except OSError:
         s.close()
         raise
@@ -113,26 +109,15 @@ def serve_store(host: str, port: int, timeout: float) -> dist.TCPStore:
                          master_listen_fd=listener.detach())
 
 
-def connect_store(host: str, port: int, timeout: float, deadline_s: float) -> dist.TCPStore:
-    """Client connection, retried with backoff until `deadline_s` (the join timeout)."""
-    retry = tenacity.Retrying(
-        stop=tenacity.stop_after_delay(deadline_s),
-        wait=tenacity.wait_exponential_jitter(initial=0.1, max=2.0),
-        retry=tenacity.retry_if_exception_type((RuntimeError, OSError, TimeoutError, dist.DistStoreError)),
-        before_sleep=lambda st: log.info("store_connect_retry", endpoint=f"{host}:{port}",
-                                         attempt=st.attempt_number),
-        reraise=True,
-    )
-    try:
-        for attempt in retry:
-            with attempt:
-                return dist.TCPStore(host, port, None, False, td(min(timeout, max(deadline_s, 1.0))))
-    except (RuntimeError, OSError, TimeoutError, dist.DistStoreError) as e:
-        raise RendezvousFailed(
-            f"cannot reach the rendezvous store at {host}:{port} within {deadline_s:g}s ({type(e).__name__}): "
-            "check --rdzv-endpoint and that elasticd runs on the host node"
-        ) from None
-    raise AssertionError("unreachable")
+def tcp_connector(host: str, port: int):
+    """How TCPStoreKV connects: a plain connect first, so that a refused one is known at once
+    (TCPStore's own client retries a refused connect until its timeout), then the store client."""
+
+    def connect(timeout: float) -> dist.TCPStore:
+        socket.create_connection((host, port), timeout=min(timeout, 2.0)).close()
+        return dist.TCPStore(host, port, None, False, td(timeout))
+
+    return connect
 
 
 def local_address(host: str, port: int) -> str:
@@ -147,12 +132,21 @@ def local_address(host: str, port: int) -> str:
         return socket.getfqdn()
 
 
-def open_store(cfg: Config) -> tuple[dist.TCPStore, bool]:
-    """Host the store when the endpoint is one of our addresses and its port is free; else join."""
+def op_timeout(cfg: Config) -> float:
+    """How long one store call may take: half the peer timeout, so a node cut off from the store
+    knows it within --peer-timeout."""
+    return max(0.5, min(cfg.peer_timeout / 2, 30.0))
+
+
+def open_store(cfg: Config) -> tuple[kvmod.KV, dist.TCPStore | None]:
+    """Host the c10d store when the endpoint is one of our addresses and its port is free, else
+    connect to it (retried with backoff until --join-timeout). Returns the KV and, on the host, the
+    server (kept alive for as long as the daemon runs)."""
     host, port = cfg.rdzv_host, cfg.rdzv_port
-    store_timeout = max(cfg.join_timeout, 60.0)
+    server = None
     try:
-        return serve_store(host, port, store_timeout), True
+        server = serve_store(host, port, max(cfg.join_timeout, 60.0))
+        port = server.port
     except OSError as e:
         if cfg.max_nodes == 1:
             if e.errno == errno.EADDRINUSE:
@@ -161,113 +155,109 @@ def open_store(cfg: Config) -> tuple[dist.TCPStore, bool]:
                               "a single-node job hosts its own store") from None
         if e.errno not in (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES):
             raise RendezvousFailed(f"cannot use --rdzv-endpoint {host}:{port} ({e.strerror})") from None
-    return connect_store(host, port, store_timeout, cfg.join_timeout), False
+    store = kvmod.TCPStoreKV(tcp_connector(host, port), f"{host}:{port}", op_timeout(cfg))
+    retry = tenacity.Retrying(
+        stop=tenacity.stop_after_delay(cfg.join_timeout),
+        wait=tenacity.wait_exponential_jitter(initial=0.1, max=2.0),
+        retry=tenacity.retry_if_exception_type(kvmod.Unreachable),
+        before_sleep=lambda st: log.info("store_connect_retry", endpoint=store.endpoint, attempt=st.attempt_number),
+        reraise=True,
+    )
+    try:
+        for attempt in retry:
+            with attempt:
+                store.get(names.job_key(cfg.rdzv_id, names.ROUND))
+    except kvmod.Unreachable:
+        raise RendezvousFailed(f"cannot reach the rendezvous store at {host}:{port} within {cfg.join_timeout:g}s: "
+                               "check --rdzv-endpoint and that elasticd runs on the host node") from None
+    return store, server
+
+
+@dataclass(frozen=True)
+class Member:
+    node_id: str
+    nproc: int
+    addr: str
 
 
 @dataclass
 class Round:
-    """One completed rendezvous round: this node's place and the keys it shares with peers."""
+    """One closed round: this node's place in it, its members, the nodes found lost as it formed."""
 
+    number: int
     group_rank: int
-    group_world_size: int
-    store: dist.Store  # prefixed per round
-    number: int = 0  # torch's round number: every value of ours in the round is signed for it
+    members: list[Member]
+    lost: list[str] = field(default_factory=list)  # node ids of the previous round that never came
     rank_base: int = 0
     world_size: int = 0
     master_addr: str = ""
     master_port: int = 0
     worker_store: dist.TCPStore | None = None  # held by group rank 0 for the round's workers
-    _alive_counter: int = 0
-    # group rank -> (its liveness counter, the monotonic time the counter last moved)
+    # watched group rank -> (its beat count, the monotonic time it last went up): peers.py
     peer_seen: dict[int, tuple[int, float]] = field(default_factory=dict)
+
+    @property
+    def group_world_size(self) -> int:
+        return len(self.members)
+
+    @property
+    def node_id(self) -> str:
+        return self.members[self.group_rank].node_id
+
+    def neighbours(self, count: int) -> list[Member]:
+        """The next `count` nodes after this one in group-rank order, around the ring: whom this
+        node watches (and so every node is watched by `count` others)."""
+        n = len(self.members)
+        return [self.members[(self.group_rank + k) % n] for k in range(1, min(count, n - 1) + 1)]
 
     def close(self) -> None:
         self.worker_store = None  # dropping the last reference stops the server
 
 
+def new_node_id() -> str:
+    """Unique per daemon run: the host's name (as a key-safe string), the pid and a random tag."""
+    host = "".join(c if c.isalnum() or c in "-_." else "_" for c in socket.gethostname())[:64] or "node"
+    return f"{host}-{os.getpid()}-{secrets.token_hex(3)}"
+
+
 class Rendezvous:
-    """One per daemon. Rounds come from torch's DynamicRendezvousHandler (c10d backend).
+    """One per daemon: rounds, restart requests, the exit barrier, the job's budget and end."""
 
-    Everything read back from the store is checked: torch's state by SignedBackend, our own
-    values by `_open` (the job secret's HMAC for the round and key, then the value's form). A
-    value that fails is logged and treated as absent, so a process that reaches the store's port
-    without the secret can disturb the job as a network fault would, never run code in the
-    daemon, point workers elsewhere or spend the restart budget."""
-
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, store: kvmod.KV | None = None):
         self.cfg = cfg
         self.signer = signing.Signer(job_secret(cfg), cfg.rdzv_id)
-        self.store, self.is_host = open_store(cfg)
+        self.server = None
+        if store is None:
+            store, self.server = open_store(cfg)
+        self.kv = store
+        self.is_host = self.server is not None
         self.addr = cfg.local_addr or local_address(cfg.rdzv_host, cfg.rdzv_port)
-        self.backend = SignedBackend(C10dRendezvousBackend(self.store, cfg.rdzv_id), self.signer)
-        self.handler = DynamicRendezvousHandler.from_backend(
-            run_id=cfg.rdzv_id,
-            store=self.store,
-            backend=self.backend,
-            min_nodes=cfg.min_nodes,
-            max_nodes=cfg.max_nodes,
-            local_addr=self.addr,
-            timeout=RendezvousTimeout(join=td(cfg.join_timeout), last_call=td(cfg.last_call_timeout),
-                                      close=td(30), heartbeat=td(5)),
-            keep_alive_interval=1,
-            keep_alive_max_attempt=max(2, int(cfg.peer_timeout)),
-        )
+        self.node_id = new_node_id()
+        self.last: Round | None = None  # the last round this node was a member of
         self._restarts_seen = 0  # the budget counter only grows: an older value is a replay
         self._logged: dict[str, float] = {}
 
     @property
     def endpoint(self) -> str:
-        return f"{self.cfg.rdzv_host}:{self.store.port}"
+        return self.kv.endpoint
 
-    @_store_call
-    def next_round(self, nproc: int) -> Round:
-        try:
-            info = self.handler.next_rendezvous()
-        except RendezvousClosedError:
-            why = self.job_failure()
-            raise RendezvousFailed(f"the job failed on another node: {why}" if why else
-                                   "the job's rendezvous is closed: the job already finished or failed") from None
-        except RendezvousConnectionError:
-            raise  # the store is gone: _store_call says so
-        except RendezvousError as e:
-            hint = (f"; {self.signer.rejected} store value(s) failed verification: give every node the same "
-                    "--rdzv-secret-file" if self.signer.rejected else "")
-            raise RendezvousFailed(f"rendezvous failed: {e}{hint}") from None
-        rnd = Round(group_rank=info.rank, group_world_size=info.world_size, store=info.store,
-                    number=round_number(self.handler))
-        keys = [names.nproc_key(r) for r in range(rnd.group_world_size)]
-        rnd.store.set(keys[rnd.group_rank], self._seal(rnd, keys[rnd.group_rank], str(nproc)))
-        counts = self._read_all(rnd, keys, _nproc)
-        rnd.rank_base, rnd.world_size = sum(counts[: rnd.group_rank]), sum(counts)
-        if rnd.group_rank == 0:
-            rnd.worker_store = serve_store(self.addr, 0, max(self.cfg.join_timeout, 60.0))
-            rnd.store.set(names.MASTER, self._seal(rnd, names.MASTER, f"{self.addr} {rnd.worker_store.port}"))
-        rnd.master_addr, rnd.master_port = self._read_all(rnd, [names.MASTER], _master)[0]
-        return rnd
+    def _job(self, name: str) -> str:
+        return names.job_key(self.cfg.rdzv_id, name)
 
-    def _read_all(self, rnd: Round, keys: list[str], parse) -> list:
-        """Wait for every key and return their values once all verify. A key whose value does
-        not is read again (its writer's value may still replace a forger's) until --join-timeout;
-        then the round fails with a line naming the likely cause."""
-        deadline = time.monotonic() + self.cfg.join_timeout
-        rnd.store.wait(keys, td(self.cfg.join_timeout))
-        while True:
-            values = [self._open(rnd, k, v, parse) for k, v in zip(keys, rnd.store.multi_get(keys))]
-            if all(v is not None for v in values):
-                return values
-            if time.monotonic() > deadline:
-                bad = [k for k, v in zip(keys, values) if v is None]
-                raise RendezvousFailed(f"store values {', '.join(bad)} fail verification: give every node the same "
-                                       "--rdzv-secret-file, and firewall the store's port to the job's nodes")
-            time.sleep(0.1)
+    def _key(self, number: int, name: str) -> str:
+        return names.round_key(self.cfg.rdzv_id, number, name)
 
-    def _seal(self, rnd: Round | None, key: str, payload: str) -> bytes:
-        return self.signer.seal(f"{rnd.number if rnd else 'job'}/{key}", payload)
+    # --- sealed values ---
 
-    def _open(self, rnd: Round | None, key: str, raw: bytes, parse):
-        """The parsed value, or None (logged) when it is not sealed for this round and key with
-        the job's secret or is not of its form."""
-        data = self.signer.open(f"{rnd.number if rnd else 'job'}/{key}", raw)
+    def seal(self, key: str, payload: str) -> bytes:
+        return self.signer.seal(key, payload)
+
+    def open(self, key: str, raw: bytes | None, parse):
+        """The parsed value, or None: absent, or (logged) not sealed for this key with the job's
+        secret, or not of its form."""
+        if raw is None:
+            return None
+        data = self.signer.open(key, raw)
         value = None
         if data is not None:
             try:
@@ -282,96 +272,291 @@ class Rendezvous:
                             why="bad signature" if data is None else "malformed")
         return value
 
-    # --- restart propagation and peer liveness (per round) ---
+    # --- rounds ---
+
+    @_store_call
+    def current_round(self) -> int:
+        """Where a node joins: after its own last round, or the newest round any node entered."""
+        newest = self.open(self._job(names.ROUND), self.kv.get(self._job(names.ROUND)), _count) or 0
+        return max(newest, self.last.number + 1 if self.last else 0)
+
+    def _enter(self, number: int) -> None:
+        """Raise the job's round key to `number` (compare-and-set: it never goes down)."""
+        key = self._job(names.ROUND)
+        for _ in range(100):
+            raw = self.kv.get(key)
+            if (self.open(key, raw, _count) or -1) >= number:
+                return
+            if self.kv.compare_set(key, raw, self.seal(key, str(number))):
+                return
+
+    def next_round(self, nproc: int) -> Round:
+        """Join rounds until this node is a member of one (a node that arrives after a round
+        closed waits for that round's restart and joins the next). Raises RendezvousFailed when
+        the job has ended or --join-timeout passes; a store that stops answering is retried
+        until then."""
+        deadline = time.monotonic() + self.cfg.join_timeout
+        while True:
+            try:
+                rnd = self._try_round(nproc, deadline)
+            except StoreUnreachable as e:
+                if time.monotonic() > deadline:
+                    raise RendezvousFailed(f"{e}, for --join-timeout {self.cfg.join_timeout:g}s: check the "
+                                           "network and the store's host") from None
+                log.warning("store_unreachable", why=str(e), retry_in=1.0)
+                time.sleep(1.0)
+                continue
+            if rnd is not None:
+                self.last = rnd
+                return rnd
+
+    @_store_call
+    def _try_round(self, nproc: int, deadline: float) -> Round | None:
+        self._check_open()
+        number = self.current_round()
+        self._enter(number)
+        index = self.kv.add(self._key(number, names.ARRIVED), 1)
+        prev = self.last.group_rank if self.last and self.last.number == number - 1 else -1
+        key = names.arrival_key(self.cfg.rdzv_id, number, index)
+        self.kv.set(key, self.seal(key, json.dumps({"id": self.node_id, "nproc": nproc, "addr": self.addr,
+                                                    "prev": prev})))
+        closing = self._members(number, index, deadline)
+        if closing["failed"]:
+            raise BudgetSpent(closing["failed"])
+        ids = [m.node_id for m in closing["members"]]
+        if self.node_id not in ids:  # late: take part in the next round
+            log.info("rendezvous_waiting", round=number, arrival=index)
+            self._await_restart(number, deadline)
+            self.last = None
+            self._enter(number + 1)
+            return None
+        rnd = Round(number=number, group_rank=ids.index(self.node_id), members=closing["members"],
+                    lost=closing["lost"])
+        rnd.rank_base = sum(m.nproc for m in rnd.members[: rnd.group_rank])
+        rnd.world_size = sum(m.nproc for m in rnd.members)
+        master = self._key(number, names.MASTER)
+        if rnd.group_rank == 0:
+            rnd.worker_store = serve_store(self.addr, 0, max(self.cfg.join_timeout, 60.0))
+            self.kv.set(master, self.seal(master, f"{self.addr} {rnd.worker_store.port}"))
+        rnd.master_addr, rnd.master_port = self._await(master, _master, deadline)
+        return rnd
+
+    def _check_open(self) -> None:
+        why = self.open(self._job(names.CLOSED), self.kv.get(self._job(names.CLOSED)), str)
+        if why is not None:
+            raise RendezvousFailed(f"the job has ended ({why}): nothing to join; give a new --rdzv-id to start "
+                                   "a new job")
+
+    def _await(self, key: str, parse, deadline: float):
+        """A sealed value someone else writes: wait for it (in slices, checking that the job
+        still runs) and read it until it verifies, or fail at the deadline."""
+        while time.monotonic() < deadline:
+            if self.kv.wait(key, min(WAIT_SLICE, max(0.01, deadline - time.monotonic()))):
+                value = self.open(key, self.kv.get(key), parse)
+                if value is not None:
+                    return value
+                time.sleep(0.1)  # a forger's value: its writer's may still replace it
+            self._check_open()
+        raise RendezvousFailed(f"timed out after --join-timeout {self.cfg.join_timeout:g}s waiting for {key} (a "
+                               "node of the round stopped, or values fail verification: give every node the same "
+                               "--rdzv-secret-file)")
+
+    def _await_restart(self, number: int, deadline: float) -> None:
+        self._await(self._key(number, names.RESTART), _reason, deadline)
+
+    def _members(self, number: int, index: int, deadline: float) -> dict:
+        """The closed round's members: as the closer (the first arrival) or, after a wait that
+        leaves time for the closer to have died, as any node (compare-and-set: one closing wins)."""
+        key = self._key(number, names.MEMBERS)
+        patience = self.cfg.last_call_timeout + self.cfg.restart_grace + self.cfg.kill_timeout + 2 * LOST_SILENCE
+        wait_until = min(time.monotonic() + patience, deadline)
+        while index != 1 and time.monotonic() < wait_until:
+            if self.kv.wait(key, min(WAIT_SLICE, max(0.01, wait_until - time.monotonic()))):
+                found = self.open(key, self.kv.get(key), _members)
+                if found is not None:
+                    return found
+            self._check_open()
+        return self._close(number, deadline)
+
+    def _close(self, number: int, deadline: float) -> dict:
+        """Close the round once enough nodes are in, write its members, return what was written."""
+        cfg = self.cfg
+        key = self._key(number, names.MEMBERS)
+        expected, gone, reason = self._expected(number)
+        lost: set[str] = set(gone)
+        records: dict[int, dict] = {}
+        silence: dict[str, tuple[int, float]] = {}  # missing node -> (its beat count, since when)
+        reached_min = None
+        while True:
+            now = time.monotonic()
+            raw = self.kv.get(key)
+            if raw is not None and (found := self.open(key, raw, _members)) is not None:
+                return found
+            arrived = min(self.kv.add(self._key(number, names.ARRIVED), 0), cfg.max_nodes + 64)
+            new = [i for i in range(1, arrived + 1) if i not in records]
+            for i, raw in zip(new, self.kv.multi_get([names.arrival_key(cfg.rdzv_id, number, i) for i in new])):
+                rec = self.open(names.arrival_key(cfg.rdzv_id, number, i), raw, _record) if raw else None
+                if rec is not None:
+                    records[i] = rec
+            ids = {r["id"] for r in records.values()}
+            count = len(ids)
+            if count >= cfg.min_nodes and reached_min is None:
+                reached_min = now
+            if expected is not None:
+                missing = sorted(expected - ids - lost)
+                beats = self.read_beats(self.kv, missing)
+                for node_id in missing:
+                    seen = silence.get(node_id)
+                    if seen is None or (beats[node_id] is not None and beats[node_id] > seen[0]):
+                        silence[node_id] = (beats[node_id] or 0, now)
+                    elif now - seen[1] >= LOST_SILENCE:  # the round ended and it neither came nor beat
+                        lost.add(node_id)
+                        log.warning("node_lost", node=node_id, round=number, silent=round(now - seen[1], 2))
+            full = count >= cfg.max_nodes
+            everyone = expected is not None and not (expected - ids - lost) and count >= cfg.min_nodes
+            late = reached_min is not None and now - reached_min >= cfg.last_call_timeout and (
+                expected is None or now - reached_min >= cfg.restart_grace + cfg.kill_timeout + LOST_SILENCE)
+            if full or everyone or late:
+                chosen = sorted(records.items(), key=lambda kv: (kv[1]["prev"] if kv[1]["prev"] >= 0 else MAX_COUNT,
+                                                                 kv[0]))
+                members, seen_ids = [], set()
+                for _, r in chosen:
+                    if r["id"] not in seen_ids and len(members) < cfg.max_nodes:
+                        seen_ids.add(r["id"])
+                        members.append([r["id"], r["nproc"], r["addr"]])
+                found_lost = sorted(lost & (expected or set()) | gone)
+                verdict: dict = {"members": members, "lost": found_lost}
+                if reason.get("spends") and not found_lost:  # a failure, not a node lost: it costs the budget
+                    used = self.spend_restart(number)
+                    if used > cfg.max_restarts:
+                        verdict["failed"] = (f"restart budget spent ({used - 1} of --max-restarts {cfg.max_restarts} "
+                                             f"used) at: {reason.get('summary', '?')}")[:MAX_REASON]
+                value = json.dumps(verdict)
+                self.kv.compare_set(key, None, self.seal(key, value))
+                continue  # read back what won
+            if now > deadline:
+                hint = (f"; {self.signer.rejected} store value(s) failed verification: give every node the same "
+                        "--rdzv-secret-file" if self.signer.rejected else
+                        ": start elasticd on the other nodes, or lower --nnodes")
+                raise RendezvousFailed(f"only {count} of the {cfg.min_nodes} nodes needed joined within --join-timeout "
+                                       f"{cfg.join_timeout:g}s{hint}")
+            time.sleep(CLOSE_POLL)
+
+    def _expected(self, number: int) -> tuple[set[str] | None, set[str], dict]:
+        """Whom a restarted round waits for: the previous round's members (as that round's
+        closing wrote them) but those its restart request named lost, plus the nodes that were
+        waiting to join; the lost; and the restart request. (None, {}, {}) for a first round."""
+        if number == 0:
+            return None, set(), {}
+        restart = self._key(number - 1, names.RESTART)
+        reason = self.open(restart, self.kv.get(restart), _reason) or {}
+        prev = self._key(number - 1, names.MEMBERS)
+        closed = self.open(prev, self.kv.get(prev), _members)
+        if closed is not None:
+            members = closed["members"]
+        elif self.last is not None and self.last.number == number - 1:
+            members = self.last.members  # what it was when we read it (a forger has written over it)
+        else:
+            return None, set(), reason
+        gone = set(reason.get("lost", []))
+        return {m.node_id for m in members} - gone | set(reason.get("waiting", [])), gone, reason
+
+    # --- within a round ---
 
     @_store_call
     def request_restart(self, rnd: Round, reason: dict) -> bool:
         """Ask every node to restart this round. True when we were first (we own the failure).
         A value in the way that does not verify is a forger's: ours replaces it."""
-        sealed = self._seal(rnd, names.RESTART, json.dumps(reason))
-        found = rnd.store.compare_set(names.RESTART, "", sealed)
-        if found == sealed:
+        key = self._key(rnd.number, names.RESTART)
+        sealed = self.seal(key, json.dumps(reason))
+        if self.kv.compare_set(key, None, sealed):
             return True
-        if self._open(rnd, names.RESTART, found, _reason) is not None:
+        if self.open(key, self.kv.get(key), _reason) is not None:
             return False
-        rnd.store.set(names.RESTART, sealed)
+        self.kv.set(key, sealed)
         return True
 
-    @_store_call
-    def restart_reason(self, rnd: Round) -> dict | None:
-        if rnd.group_world_size == 1 or not rnd.store.check([names.RESTART]):
-            return None
-        return self._open(rnd, names.RESTART, rnd.store.get(names.RESTART), _reason)
+    def restart_key(self, rnd: Round) -> str:
+        return self._key(rnd.number, names.RESTART)
 
-    def _beat(self, rnd: Round) -> None:
-        rnd._alive_counter += 1
-        key = names.alive_key(rnd.group_rank)
-        rnd.store.set(key, self._seal(rnd, key, str(rnd._alive_counter)))
+    def read_restart(self, store: kvmod.KV, rnd: Round) -> dict | None:
+        key = self.restart_key(rnd)
+        return self.open(key, store.get(key), _reason)
 
-    @_store_call
-    def beat_and_check_peers(self, rnd: Round, now: float) -> int | None:
-        """Bump our liveness counter and return the group rank of a peer silent for peer_timeout.
-        Only a counter that verifies and went up counts as a beat."""
-        if rnd.group_world_size == 1:
-            return None
-        self._beat(rnd)
-        peers = [r for r in range(rnd.group_world_size) if r != rnd.group_rank]
-        keys = [names.alive_key(r) for r in peers]
-        present = [k for k in keys if rnd.store.check([k])] if len(rnd.peer_seen) < len(peers) else keys
-        values = dict(zip(present, rnd.store.multi_get(present))) if present else {}
-        for r, k in zip(peers, keys):
-            count = self._open(rnd, k, values[k], _count) if k in values else 0
-            seen = rnd.peer_seen.get(r)
-            if seen is None or (count is not None and count > seen[0]):
-                rnd.peer_seen[r] = (count or 0, now)
-            elif now - seen[1] > self.cfg.peer_timeout:
-                return r
-        return None
+    def beat(self, store: kvmod.KV, count: int) -> None:
+        key = names.alive_key(self.cfg.rdzv_id, self.node_id)
+        store.set(key, self.seal(key, str(count)))
+
+    def read_beats(self, store: kvmod.KV, node_ids: list[str]) -> dict[str, int | None]:
+        keys = [names.alive_key(self.cfg.rdzv_id, n) for n in node_ids]
+        return {n: self.open(k, raw, _count) for n, k, raw in zip(node_ids, keys, store.multi_get(keys))}
 
     @_store_call
-    def nodes_waiting(self) -> int:
-        return self.handler.num_nodes_waiting()
+    def nodes_waiting(self, rnd: Round) -> list[str]:
+        """Nodes that arrived after the round closed and wait for the next one (records that
+        verify, among the next few arrival numbers)."""
+        arrived = self.kv.add(self._key(rnd.number, names.ARRIVED), 0)
+        if arrived <= rnd.group_world_size:
+            return []
+        first = rnd.group_world_size + 1
+        indices = list(range(first, min(arrived, first + 15) + 1))
+        keys = [names.arrival_key(self.cfg.rdzv_id, rnd.number, i) for i in indices]
+        ids = {m.node_id for m in rnd.members}
+        found = [self.open(k, raw, _record) for k, raw in zip(keys, self.kv.multi_get(keys)) if raw]
+        return sorted({r["id"] for r in found if r is not None and r["id"] not in ids})
 
     @_store_call
-    def exit_barrier(self, rnd: Round, timeout: float, poll: float = 0.05) -> bool:
-        """Wait until every node of the round is done (or asked for a restart). False on timeout."""
+    def exit_barrier(self, rnd: Round, timeout: float) -> bool:
+        """Wait until every node of the round is done (or one asked for a restart). False on timeout."""
         if rnd.group_world_size == 1:
             return True
-        keys = [names.done_key(r) for r in range(rnd.group_world_size)]
-        mine = keys[rnd.group_rank]
+        job, n = self.cfg.rdzv_id, rnd.group_world_size
+        mine = names.done_key(job, rnd.number, rnd.group_rank)
+        self.kv.set(mine, self.seal(mine, "1"))
+        count = self.kv.add(self._key(rnd.number, names.DONE_COUNT), 1)
+        all_done = self._key(rnd.number, names.ALL_DONE)
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            rnd.store.set(mine, self._seal(rnd, mine, "1"))  # again each time: a forger may have written over it
-            self._beat(rnd)  # still here: peers still running must not think us lost
-            if rnd.store.check(keys) and all(self._open(rnd, k, v, _done) for k, v in
-                                             zip(keys, rnd.store.multi_get(keys))):
+        while True:
+            if count >= n:
+                keys = [names.done_key(job, rnd.number, g) for g in range(n)]
+                if all(self.open(k, raw, _done) for k, raw in zip(keys, self.kv.multi_get(keys))):
+                    self.kv.set(all_done, self.seal(all_done, "1"))
+                    return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            if self.kv.wait(all_done, min(WAIT_SLICE, left)) and self.open(all_done, self.kv.get(all_done), _done):
                 return True
-            if self.restart_reason(rnd) is not None:
+            if self.read_restart(self.kv, rnd) is not None:
                 return True
-            time.sleep(poll)
-        return False
+            count = self.kv.add(self._key(rnd.number, names.DONE_COUNT), 0)
 
-    # --- job-wide restart budget (shared by all nodes) ---
+    # --- job-wide restart budget and end (shared by all nodes) ---
 
-    @_store_call
     def restarts_used(self) -> int:
-        key = names.restarts_key(self.cfg.rdzv_id)
-        if self.store.check([key]):
-            used = self._open(None, key, self.store.get(key), _count)
-            self._restarts_seen = max(self._restarts_seen, used or 0)
+        """The budget spent so far (the highest seen, if the store does not answer now)."""
+        key = self._job(names.RESTARTS)
+        try:
+            used = self.open(key, self.kv.get(key), _budget)
+        except kvmod.Unreachable:
+            return self._restarts_seen
+        self._restarts_seen = max(self._restarts_seen, used[0] if used else 0)
         return self._restarts_seen
 
-    @_store_call
-    def spend_restart(self) -> int:
-        """Add one to the job's signed counter: read, then compare-and-set, again if another
-        node spent one meanwhile. A value that does not verify (or went down: a replay) counts
-        as the highest this node has seen, and is written over."""
-        key = names.restarts_key(self.cfg.rdzv_id)
+    def spend_restart(self, number: int) -> int:
+        """Spend one restart for round `number` (its closer does, once however many closers try):
+        the job's signed counter holds the count and the round that last spent, and moves by
+        compare-and-set. A value that does not verify (or went down: a replay) counts as the
+        highest this node has seen, and is written over."""
+        key = self._job(names.RESTARTS)
         for _ in range(100):
-            raw = self.store.get(key) if self.store.check([key]) else b""
-            used = max(self._open(None, key, raw, _count) or 0, self._restarts_seen) if raw else self._restarts_seen
-            sealed = self._seal(None, key, str(used + 1))
-            if self.store.compare_set(key, raw, sealed) == sealed:
+            raw = self.kv.get(key)
+            used, spent_for = self.open(key, raw, _budget) or (0, -1)
+            if spent_for >= number:
+                self._restarts_seen = max(self._restarts_seen, used)
+                return used
+            used = max(used, self._restarts_seen)
+            if self.kv.compare_set(key, raw, self.seal(key, f"{used + 1} {number}")):
                 self._restarts_seen = used + 1
                 return used + 1
         raise RendezvousFailed("the restart budget in the store changed 100 times while one restart was "
@@ -379,31 +564,30 @@ class Rendezvous:
 
     @_store_call
     def record_job_failure(self, summary: str) -> None:
-        """Tell the other nodes why the job failed, before closing the rendezvous."""
-        key = names.failure_key(self.cfg.rdzv_id)
-        self.store.set(key, self._seal(None, key, summary[:MAX_REASON]))
+        """Tell the other nodes why the job failed, before closing it."""
+        key = self._job(names.FAILURE)
+        self.kv.set(key, self.seal(key, summary[:MAX_REASON]))
 
     def job_failure(self) -> str | None:
-        key = names.failure_key(self.cfg.rdzv_id)
+        key = self._job(names.FAILURE)
         try:
-            return self._open(None, key, self.store.get(key), str) if self.store.check([key]) else None
-        except (RuntimeError, dist.DistStoreError):
+            return self.open(key, self.kv.get(key), str)
+        except kvmod.Unreachable:
             return None
 
-    def close(self, job_finished: bool) -> None:
-        """Best effort at exit; torch's keep-alive timer stops even when the store is gone."""
+    def close(self, job_finished: bool, why: str = "finished") -> None:
+        """Best effort at exit: a finished or failed job is closed, so that nodes arriving later
+        (or rejoining after a partition) leave with that line instead of waiting."""
+        if not job_finished:
+            return
+        key = self._job(names.CLOSED)
         try:
-            if job_finished:
-                self.handler.set_closed()
-        except Exception as e:  # noqa: BLE001 - best effort at exit
+            self.kv.set(key, self.seal(key, why[:MAX_REASON]))
+        except kvmod.Unreachable as e:
             log.warning("rendezvous_close_failed", error=str(e))
-        try:
-            self.handler.shutdown()
-        except Exception as e:  # noqa: BLE001 - best effort at exit
-            log.warning("rendezvous_shutdown_failed", error=str(e))
 
 
-# --- the secret, the round, and the forms of our values ---
+# --- the secret and the forms of our values ---
 
 
 def job_secret(cfg: Config) -> bytes:
@@ -420,34 +604,65 @@ def job_secret(cfg: Config) -> bytes:
     return b""
 
 
-def round_number(handler: DynamicRendezvousHandler) -> int:
-    """torch's number of the round just joined: the prefix of the round's keys. Read right after
-    next_rendezvous: the round cannot move on before every participant, us included, leaves it.
-    (torch has no public accessor; the handler's state is the one SignedBackend verified.)"""
-    return int(handler._state_holder.state.round)
-
-
 def _count(text: str) -> int | None:
     return int(text) if text.isascii() and text.isdigit() and len(text) < 20 and int(text) < MAX_COUNT else None
 
 
-def _nproc(text: str) -> int | None:
-    n = _count(text)
-    return n if n is not None and 1 <= n <= 1 << 20 else None
+def _budget(text: str) -> tuple[int, int] | None:
+    used, _, number = text.partition(" ")
+    a, b = _count(used), _count(number)
+    return (a, b) if a is not None and b is not None else None
 
 
 def _done(text: str) -> bool | None:
     return True if text == "1" else None
 
 
+def _safe_name(text: object, limit: int = 255) -> bool:
+    return isinstance(text, str) and 0 < len(text) <= limit and all(c.isalnum() or c in ".-:_%" for c in text)
+
+
 def _master(text: str) -> tuple[str, int] | None:
     addr, _, port = text.partition(" ")
     n = _count(port)
-    if n is None or not 0 < n < 65536 or not addr or len(addr) > 255:
-        return None
-    if not all(c.isalnum() or c in ".-:_%" for c in addr):
+    if n is None or not 0 < n < 65536 or not _safe_name(addr):
         return None
     return addr, n
+
+
+def _record(text: str) -> dict | None:
+    if len(text) > 1024:
+        return None
+    r = json.loads(text)
+    if not isinstance(r, dict) or not _safe_name(r.get("id"), 128) or not _safe_name(r.get("addr")):
+        return None
+    nproc, prev = r.get("nproc"), r.get("prev")
+    if type(nproc) is not int or not 1 <= nproc <= 1 << 20 or type(prev) is not int or not -1 <= prev < 1 << 20:
+        return None
+    return r
+
+
+def _members(text: str) -> dict | None:
+    if len(text) > 64 * 1024 * 1024:
+        return None
+    value = json.loads(text)
+    if not isinstance(value, dict) or not isinstance(value.get("members"), list) or not value["members"]:
+        return None
+    members = []
+    for m in value["members"]:
+        if not (isinstance(m, list) and len(m) == 3 and _safe_name(m[0], 128) and type(m[1]) is int
+                and 1 <= m[1] <= 1 << 20 and _safe_name(m[2])):
+            return None
+        members.append(Member(m[0], m[1], m[2]))
+    lost = value.get("lost", [])
+    if not isinstance(lost, list) or not all(_safe_name(x, 128) for x in lost):
+        return None
+    if len({m.node_id for m in members}) != len(members):
+        return None
+    failed = value.get("failed")
+    if failed is not None and not isinstance(failed, str):
+        return None
+    return {"members": members, "lost": lost, "failed": failed}
 
 
 def _reason(text: str) -> dict | None:
@@ -456,6 +671,11 @@ def _reason(text: str) -> dict | None:
     value = json.loads(text)
     if not isinstance(value, dict) or not isinstance(value.get("summary"), str):
         return None
-    if not isinstance(value.get("node", ""), str) or not isinstance(value.get("scale", False), bool):
+    if not isinstance(value.get("node", ""), str) or not all(isinstance(value.get(k, False), bool)
+                                                             for k in ("scale", "spends")):
         return None
+    for name in ("lost", "waiting"):
+        ids = value.get(name, [])
+        if not isinstance(ids, list) or len(ids) > 1 << 16 or not all(_safe_name(x, 128) for x in ids):
+            return None
     return value

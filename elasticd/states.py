@@ -89,7 +89,11 @@ class RestartCause(str, enum.Enum):
     PEER = "peer"
     """Another node asked for a restart (its own failure spent the budget)."""
     NODE_LOST = "node lost"
-    """A peer node went silent for --peer-timeout. Spends nothing."""
+    """A peer node went silent for --peer-timeout, or for a few beats while our workers waited on
+    it (peers.py). Spends nothing."""
+    STORE_UNREACHABLE = "store unreachable"
+    """This node could not reach the store for --peer-timeout (cut off from the others, or etcd
+    lost its quorum): its workers stop, and it joins again once the store answers. Spends nothing."""
     SCALE = "scale"
     """Nodes are waiting to join. Not a failure: spends nothing, and the workers may save first."""
     RENDEZVOUS = "fatal"
@@ -116,6 +120,7 @@ class Failure:
     log_path: str | None = None
     stacks: tuple[str, ...] = ()
     node: str = ""
+    lost: tuple[str, ...] = ()  # node ids found lost (NODE_LOST)
     at: float = field(default_factory=time.time)
 
     def summary(self) -> str:
@@ -135,6 +140,7 @@ class Scale:
 
     waiting: int
     node: str
+    ids: tuple[str, ...] = ()  # the waiting nodes' ids: the next round waits for them
     kind: ClassVar[RestartCause] = RestartCause.SCALE
 
     @property

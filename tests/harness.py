@@ -138,6 +138,12 @@ class Daemon:
         except OSError:
             return ""
 
+    def all_logs(self) -> str:
+        """Every rank log of the latest attempt: which group rank (and so which global ranks) a
+        node gets depends on the order the nodes arrived in."""
+        dirs = self.attempt_dirs()
+        return "".join(p.read_text(errors="replace") for p in sorted(dirs[-1].glob("rank*.log"))) if dirs else ""
+
     def wait_for_step(self, rank: int, step: int, timeout: float, attempt: int | None = None) -> None:
         pat = re.compile(rf"^step {step}\b", re.M)
         wait_until(lambda: pat.search(self.log_text(rank, attempt)), timeout,

@@ -75,7 +75,7 @@ def test_lost_node_job_continues_smaller(daemons, tmp_path):
                     *node_flags(port, "1:2"), name="other", args=args)
     # a step of the other node's rank is a step of both nodes (DDP): the host may have resumed
     # its round from a snapshot past any given step number, so none is waited for
-    wait_until(lambda: len(other.worker_pids()) == 2 and re.search(r"^step \d+", other.log_text(2), re.M)
+    wait_until(lambda: len(other.worker_pids()) == 2 and re.search(r"^step \d+", other.all_logs(), re.M)
                and "world_size" not in host.stdout(), 60, what="both nodes training together")
     # the other node, beating (a round's first snapshot comes before its first look at the peers)
     peers = wait_until(lambda: json.loads(host.status("--json").stdout)["peers"], 10, what="the peer in status")
@@ -93,7 +93,7 @@ def test_joining_node_grows_the_job(daemons, tmp_path):
     flags = ("--nproc-per-node", "2", "--max-restarts", "0", *node_flags(port, "2:3"))
     a = daemons(script("ddp_tutorial.py"), *flags, name="a", args=args)
     b = daemons(script("ddp_tutorial.py"), *flags, name="b", args=args)
-    wait_until(lambda: re.search(r"^step 5\b", a.log_text(0), re.M), 90, what="the 2-node job to train")
+    wait_until(lambda: re.search(r"^step 5\b", a.all_logs(), re.M), 90, what="the 2-node job to train")
     c = daemons(script("ddp_tutorial.py"), *flags, name="c", args=args)
     for n in (a, b, c):
         assert n.wait(150) == 0, n.stderr()[-3000:]
@@ -129,25 +129,6 @@ def test_restart_budget_is_per_job(daemons):
     assert runs == 2 * 3  # the first attempt plus 2 restarts, on each node: 2 restarts for the whole job
 
 
-def test_rendezvous_events_are_named_without_walking_the_stack():
-    """torch names every rendezvous event after the caller of its _record() with two
-    inspect.stack() calls, several times a second from the keep-alive timer: ours gives the same
-    name from the frame alone."""
-    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
-
-    from elasticd import rendezvous
-
-    def _record():
-        return dynamic_rendezvous.get_method_name()
-
-    def keep_alive():
-        return _record()
-
-    assert dynamic_rendezvous.get_method_name is rendezvous._method_name
-    assert keep_alive() == "keep_alive"
-    assert dynamic_rendezvous.get_method_name(10_000) == "no_method_name"
-
-
 def test_node_waiting_for_its_spares_keeps_beating_for_its_peers(daemons):
     """One node's fork server is still importing its preload list when the first round starts:
     that node waits for its spares (a cold start would take as long) but goes on beating, so its
@@ -176,7 +157,7 @@ def test_store_host_killed_peer_stops_its_workers_with_one_line(daemons):
     wait_until(lambda: any(e.get("event") == "rendezvous_store" for e in host.events()), 60, what="the store")
     other = daemons(script("ddp_tutorial.py"), "--nproc-per-node", "1", *node_flags(port, "1:2"), name="other",
                     args=args)
-    pids = wait_until(lambda: other.worker_pids() if re.search(r"^step \d+", other.log_text(1), re.M) else None,
+    pids = wait_until(lambda: other.worker_pids() if re.search(r"^step \d+", other.all_logs(), re.M) else None,
                       60, what="both nodes training")
     t0 = time.time()
     host.kill()

@@ -26,7 +26,7 @@ def test_store_host_killed_peer_in_another_namespace_stops_its_workers_with_one_
     host = daemons(script("ddp_tutorial.py"), *flags, name="host", args=args, env=env, prefix=net.prefix(0))
     wait_until(lambda: any(e.get("event") == "rendezvous_store" for e in host.events()), 60, what="the store")
     other = daemons(script("ddp_tutorial.py"), *flags, name="other", args=args, env=env, prefix=net.prefix(1))
-    pids = wait_until(lambda: other.worker_pids() if re.search(r"^step \d+", other.log_text(1), re.M) else None,
+    pids = wait_until(lambda: other.worker_pids() if re.search(r"^step \d+", other.all_logs(), re.M) else None,
                       60, what="both nodes training")
     assert net.pids(net.nodes[1]) and set(pids.values()) <= set(net.pids(net.nodes[1]))
     t0 = time.monotonic()
