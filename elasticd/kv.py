@@ -10,10 +10,19 @@ at a time, so a thread that blocks in `wait` uses its own connection (`clone`).
 from __future__ import annotations
 
 import datetime
+import os
+import re
+import socket
+import struct
+import threading
 from collections.abc import Callable
 from typing import Protocol
 
 import torch.distributed as dist
+
+from elasticd import logs
+
+log = logs.get("elasticd.kv")
 
 _ABSENT = b"\x00elasticd-absent\x00"  # compare_set's expected value for "read, do not write"
 
@@ -57,6 +66,30 @@ def _td(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=seconds)
 
 
+def bound_replies(store: dist.TCPStore, seconds: float) -> bool:
+    """Make every reply the store client waits for time out after `seconds`: TCPStore's own
+    timeout bounds `wait` and `get` of a missing key, but a compare_set, add or check sent to a
+    store that stopped answering (its host cut off, or its process stopped) waits forever. The
+    client's socket gets SO_RCVTIMEO / SO_SNDTIMEO, so such a call raises "Socket Timeout".
+    torch exposes the socket only in the client's repr (`SocketImpl(fd=N, ...)`); if that ever
+    changes, calls stay unbounded and this says so once (False)."""
+    found = re.search(r"SocketImpl\(fd=(\d+)", repr(store))
+    if not found:
+        if not _warned:
+            _warned.append(True)
+            log.warning("store_replies_unbounded", why="no socket in the TCPStore client's repr")
+        return False
+    fd = int(found.group(1))
+    with socket.socket(fileno=os.dup(fd)) as s:  # the same socket: options apply to it, not to the fd
+        timeval = struct.pack("ll", int(seconds), int((seconds % 1) * 1e6))
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+    return True
+
+
+_warned: list[bool] = []
+
+
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()
     return text.splitlines()[0][:200] if text else type(e).__name__
@@ -76,14 +109,40 @@ class TCPStoreKV:
         self.endpoint = endpoint
         self.timeout = timeout
         self.store: dist.TCPStore | None = None
+        self._connecting: threading.Thread | None = None
 
     def _client(self) -> dist.TCPStore:
         if self.store is None:
-            try:
-                self.store = self._connect(self.timeout)
-            except (dist.DistError, RuntimeError, TimeoutError, OSError) as e:
-                raise Unreachable(f"store {self.endpoint}: {_first_line(e)}", _refused(e)) from None
+            self.store = self._bounded_connect()
         return self.store
+
+    def _bounded_connect(self) -> dist.TCPStore:
+        """Connect on a helper thread, waited for `timeout`: TCPStore's own client waits without
+        end for the reply to its handshake from a host whose kernel accepts connections while
+        the store does not answer (a stopped or wedged process). A connect still stuck there is
+        not repeated: at most one helper thread is ever left waiting."""
+        if self._connecting is not None and self._connecting.is_alive():
+            raise Unreachable(f"store {self.endpoint}: the previous connection attempt still waits for a reply")
+        box: dict = {}
+
+        def connect() -> None:
+            try:
+                box["store"] = self._connect(self.timeout)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                box["error"] = e
+
+        helper = threading.Thread(target=connect, name="elasticd-store-connect", daemon=True)
+        helper.start()
+        helper.join(self.timeout + 1.0)
+        if helper.is_alive():
+            self._connecting = helper
+            raise Unreachable(f"store {self.endpoint}: no reply to the connection within {self.timeout:g}s")
+        if "error" in box:
+            e = box["error"]
+            raise Unreachable(f"store {self.endpoint}: {_first_line(e)}", _refused(e)) from None
+        store = box["store"]
+        bound_replies(store, self.timeout + 1.0)
+        return store
 
     def _call(self, name: str, *args):
         store = self._client()
@@ -114,9 +173,10 @@ class TCPStoreKV:
         return self._call("compare_set", key, b"" if expected is None else expected, desired) == desired
 
     def wait(self, key: str, timeout: float) -> bool:
+        """(At most `self.timeout` at a time: the connection's own bound on a reply.)"""
         store = self._client()
         try:
-            store.wait([key], _td(max(timeout, 0.001)))
+            store.wait([key], _td(min(max(timeout, 0.001), self.timeout)))
             return True
         except (dist.DistError, RuntimeError, OSError) as e:
             if isinstance(e, dist.DistStoreError) and "time" in str(e).lower():

@@ -3,8 +3,9 @@ requests, their liveness (and ours), nodes waiting to join, and whether the stor
 
 Two threads, each with its own store connection, so the loop never blocks on the store:
 - liveness: beats this node's counter every BEAT_EVERY seconds for as long as the daemon runs,
-  and reads the counters of the next WATCHED nodes in the ring of the round (constant traffic
-  per node, whatever the number of nodes); it also notices a store that stops answering;
+  reads the counters of the next WATCHED nodes in the ring of the round and, once a second, the
+  nodes waiting to join (constant traffic per node, whatever the number of nodes); it also
+  notices a store that stops answering;
 - the restart waiter: blocks on the round's restart key (the store answers when it is set), so a
   request reaches every node at once without polling.
 
@@ -42,6 +43,7 @@ class Peers:
         self._round: Round | None = None
         self._restart: tuple[int, dict] | None = None  # (round number, reason) the waiter saw
         self._next_waiting_check = 0.0
+        self.waiting: tuple[int, list[str]] = (-1, [])  # (round, ids of nodes waiting to join it)
         self.unreachable_since: float | None = None  # when the store stopped answering our beats
         self.lost_store: str | None = None  # set when its host refuses us: the store is gone
         self._problem = ""
@@ -78,23 +80,31 @@ class Peers:
     # --- the threads ---
 
     def _beat_loop(self) -> None:
-        count = 0
+        count, last_ok = 0, time.monotonic()
         while not self._stop.wait(BEAT_EVERY):
             count += 1
             rnd = self._round
             try:
                 self.rdzv.beat(self._beat_kv, count)
+                # our own key read back with the neighbours': a set is not answered by the store,
+                # so only a read tells that it still answers
+                watched = rnd.neighbours(WATCHED) if rnd is not None else []
+                beats = self.rdzv.read_beats(self._beat_kv, [self.rdzv.node_id, *(m.node_id for m in watched)])
                 if rnd is not None:
-                    watched = rnd.neighbours(WATCHED)
-                    beats = self.rdzv.read_beats(self._beat_kv, [m.node_id for m in watched])
                     now = time.monotonic()
-                    for m in watched:
-                        g = rnd.members.index(m)
+                    for k, m in enumerate(watched, 1):
+                        g = (rnd.group_rank + k) % rnd.group_world_size
                         seen = rnd.peer_seen.get(g)
                         value = beats[m.node_id]
                         if seen is None or (value is not None and value > seen[0]):
                             rnd.peer_seen[g] = (value or 0, now)
-                self.unreachable_since = None
+                    if rnd.group_world_size < self.cfg.max_nodes and now >= self._next_waiting_check:
+                        self._next_waiting_check = now + WAITING_EVERY
+                        waiting = self.rdzv.waiting_ids(self._beat_kv, rnd)
+                        self.waiting = (rnd.number, waiting)
+                        if waiting:
+                            self._wake()
+                self.unreachable_since, last_ok = None, time.monotonic()
             except kvmod.Unreachable as e:
                 self._problem = str(e)
                 if e.refused:
@@ -102,7 +112,7 @@ class Peers:
                     self._wake()
                     return
                 if self.unreachable_since is None:
-                    self.unreachable_since = time.monotonic()
+                    self.unreachable_since = last_ok  # silent since our last beat it took
                     log.warning("store_not_answering", why=str(e))
                 elif time.monotonic() - self.unreachable_since >= self.cfg.peer_timeout:
                     self._wake()
@@ -140,11 +150,9 @@ class Peers:
         lost = self.lost_neighbour(rnd, now, beats)
         if lost is not None:
             return lost
-        if rnd.group_world_size < self.cfg.max_nodes and now >= self._next_waiting_check:
-            self._next_waiting_check = now + WAITING_EVERY
-            waiting = self.rdzv.nodes_waiting(rnd)
-            if waiting:
-                return Scale(len(waiting), self.node, tuple(waiting))
+        number, waiting = self.waiting
+        if waiting and number == rnd.number:
+            return Scale(len(waiting), self.node, tuple(waiting))
         return None
 
     def lost_neighbour(self, rnd: Round, now: float, beats: list[Beat | None]) -> Failure | None:

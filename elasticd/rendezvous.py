@@ -491,18 +491,17 @@ class Rendezvous:
         keys = [names.alive_key(self.cfg.rdzv_id, n) for n in node_ids]
         return {n: self.open(k, raw, _count) for n, k, raw in zip(node_ids, keys, store.multi_get(keys))}
 
-    @_store_call
-    def nodes_waiting(self, rnd: Round) -> list[str]:
+    def waiting_ids(self, store: kvmod.KV, rnd: Round) -> list[str]:
         """Nodes that arrived after the round closed and wait for the next one (records that
         verify, among the next few arrival numbers)."""
-        arrived = self.kv.add(self._key(rnd.number, names.ARRIVED), 0)
+        arrived = store.add(self._key(rnd.number, names.ARRIVED), 0)
         if arrived <= rnd.group_world_size:
             return []
         first = rnd.group_world_size + 1
         indices = list(range(first, min(arrived, first + 15) + 1))
         keys = [names.arrival_key(self.cfg.rdzv_id, rnd.number, i) for i in indices]
         ids = {m.node_id for m in rnd.members}
-        found = [self.open(k, raw, _record) for k, raw in zip(keys, self.kv.multi_get(keys)) if raw]
+        found = [self.open(k, raw, _record) for k, raw in zip(keys, store.multi_get(keys)) if raw]
         return sorted({r["id"] for r in found if r is not None and r["id"] not in ids})
 
     @_store_call
