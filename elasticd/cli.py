@@ -388,8 +388,10 @@ def render_status(s: dict) -> str:
     if down:
         lines.append("  parts not up: " + "; ".join(f"{n} {p.get('state')} after {p.get('restarts')} restart(s): "
                                                     f"{p.get('why')}" for n, p in down.items()))
+    if s.get("lost_nodes"):
+        lines.append("  nodes lost when this round formed: " + ", ".join(s["lost_nodes"]))
     if s.get("peers"):
-        lines.append("  peer nodes (group rank: last beat) "
+        lines.append("  watched peer nodes (group rank: last beat) "
                      + ", ".join(f"{r}: {_age(age)} ago" for r, age in s["peers"].items()))
     lines.append("  RANK  PID      STATE                 BEAT   STEP     RSS")
     for w in s.get("workers") or []:

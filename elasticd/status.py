@@ -69,8 +69,10 @@ class StatusBoard:
             "run_dir": str(self.run_dir),
             "entrypoint": self.cfg.entrypoint,
             "workers": ranks,
-            # seconds since each peer node's liveness beat last moved (--peer-timeout: lost)
+            # seconds since each watched peer node's liveness beat last moved (its ring neighbours)
             "peers": {r: round(now - seen, 1) for r, (_, seen) in sorted(rnd.peer_seen.items())} if rnd else {},
+            "node_id": rnd.node_id if rnd else None,
+            "lost_nodes": list(rnd.lost) if rnd else [],  # nodes of the previous round found lost
             "last_failure": asdict(last_failure) if last_failure else None,
             "last_recovery": last_recovery,
             "checkpoint": checkpoint,
