@@ -14,7 +14,7 @@ import structlog
 import torch
 import torch.distributed as dist
 
-from elasticd import memory
+from elasticd import memory, names
 from elasticd.checkpoint.collectives import all_gather_bytes, cpu_group, dist_on, rank, world
 from elasticd.checkpoint.files import looks_at_disk
 from elasticd.checkpoint.format import Entry, candidates
@@ -42,7 +42,8 @@ class MemoryState:
         self.last_stall = 0.0
         self.writer: memory.Writer | None = None  # made at the first refresh, after loading
         self.resumed: int | None = None  # the step load() resumed from
-        self.local_rank = int(os.environ.get("LOCAL_RANK", 0))  # 0 keeps the node's state, others their RNG
+        # 0 keeps the node's state, others their RNG: the real local rank, also under --virtual-local-rank
+        self.local_rank = int(os.environ.get(names.LOCAL_RANK) or os.environ.get("LOCAL_RANK", 0))
 
     @property
     def every(self) -> int:
