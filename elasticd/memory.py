@@ -3,14 +3,22 @@ replacement resumes from the step before the crash instead of the last disk chec
 
 The daemon owns the directory (a private tmpfs directory under /dev/shm, one per daemon run,
 passed to workers as ELASTICD_MEMORY_DIR, flocked while the daemon lives, removed when it exits);
-workers write into it through CheckpointManager. It survives worker crashes, not the node: disk
-checkpoints stay the source of truth for node loss, a world-size change or a daemon restart.
+workers of every attempt of that run write into it through CheckpointManager. It survives worker
+crashes and a change of world size (the node's slots are named by local rank, not global rank),
+not the node itself nor its daemon: a lost node's ranks are served by the nodes that still hold
+the state (elasticd.checkpoint.memory_state), and disk checkpoints stay the fallback.
 
 Each local rank L owns two preallocated slot files, `l<L>.0` and `l<L>.1`, memory-mapped and
 written in turn, so a refresh is a memory copy of the tensors into the mapping plus a small
 JSON description of everything else: no serializer, no allocation, no file created per step.
 Local rank 0's slot holds the whole state (DDP state is the same on every rank, as for rank-0
 disk checkpoints) with its RNG; the other local ranks' slots hold their own RNG state only.
+
+Every slot records the step, the world size, global rank and local world size that wrote it, and
+its lineage: a number the ranks agree on at each load (CheckpointManager.load_latest), written
+with every later step. Steps of one lineage come from one uninterrupted run, so (step, lineage)
+names one state wherever it is held, and a node that missed a resume (cut off, then back) can
+never offer a same-numbered step of an abandoned timeline as if it were the current one.
 
 Slot layout: a 4 KiB header, the tensors' bytes (64-byte aligned), then the description.
 A write first marks the slot invalid, copies, writes the description and its CRC, and marks
@@ -44,16 +52,17 @@ import time
 import zlib
 from collections import OrderedDict, deque
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 from elasticd import names, safeio
 
 ENV = names.MEMORY_DIR
 ROOT = "/dev/shm"
 PREFIX = "elasticd-mem-"
-MAGIC = b"ELDMEM01"
+MAGIC = b"ELDMEM02"
 HEADER = 4096
-_FIELDS = struct.Struct("<8sQqqqQQII")  # magic, valid, step, world, rank, data_len, meta_len, crc, 0
+# magic, valid, step, world, rank, data_len, meta_len, crc, local world size (0: unknown), lineage
+_FIELDS = struct.Struct("<8sQqqqQQIIq")
 _ALIGN = 64
 SLOTS = 2
 _SMALL = 1 << 20  # bytes below which a tensor is copied with one memmove
@@ -190,11 +199,11 @@ def header(file: str) -> dict[str, int] | None:
 def _parse(raw: bytes, size: int) -> dict[str, int] | None:
     if len(raw) < _FIELDS.size:
         return None
-    magic, valid, step, world, rank, data_len, meta_len, crc, _ = _FIELDS.unpack(raw)
+    magic, valid, step, world, rank, data_len, meta_len, crc, local_world, lineage = _FIELDS.unpack(raw)
     if magic != MAGIC or valid != 1 or HEADER + data_len + meta_len > size:
         return None
     return {"step": step, "world": world, "rank": rank, "data_len": data_len, "meta_len": meta_len,
-            "crc": crc}
+            "crc": crc, "local_world": local_world, "lineage": lineage}
 
 
 def _aligned(n: int) -> int:
@@ -407,13 +416,17 @@ class _Slot:
 class Writer:
     """Refreshes this local rank's slots, alternating between the two.
 
-    `keep_step`: the step this process just resumed from memory; its slot is left alone and the
-    other is written first. Every other slot is invalidated at once: a state of an abandoned
-    timeline must never outlive the first write of the new one."""
+    `keep`: the (step, lineage) this process just resumed from memory, held in its own slot; that
+    slot is left alone and the other is written first. Every other slot is invalidated at once: a
+    state of an abandoned timeline must never outlive the first write of the new one. Every write
+    is stamped with `lineage` (agreed at the load) and `local_world` (LOCAL_WORLD_SIZE; 0 when
+    unknown), which tells a later resume which local ranks of this node existed."""
 
-    def __init__(self, path: str, local_rank: int, keep_step: int | None = None, overlap: bool = False) -> None:
+    def __init__(self, path: str, local_rank: int, keep: tuple[int, int] | None = None, overlap: bool = False,
+                 *, lineage: int = 0, local_world: int = 0) -> None:
         _import_torch()
         self.local_rank = local_rank
+        self.lineage, self.local_world = int(lineage), int(local_world)
         self.overlap = overlap  # queue device copies to overlap the next step (elasticd.overlap)
         self.queued = False  # the last write's copies were queued, its cost is measured later
         self.notice: str | None = None  # why overlapping was turned off, for the caller to report once
@@ -421,8 +434,8 @@ class Writer:
         self._device: Any = None  # the one CUDA device of the layout's tensors, if they have one
         self._device_bytes = 0  # of the layout's CUDA tensors
         self.slots = [_Slot(slot_path(path, local_rank, k)) for k in range(SLOTS)]
-        kept = [k for k in range(SLOTS) if keep_step is not None
-                and (h := header(self.slots[k].file)) and h["step"] == keep_step][:1]
+        kept = [k for k in range(SLOTS) if keep is not None
+                and (h := header(self.slots[k].file)) and (h["step"], h["lineage"]) == tuple(keep)][:1]
         for k in range(SLOTS):
             if k not in kept:
                 _invalidate(self.slots[k].file)
@@ -491,7 +504,8 @@ class Writer:
                 (side if owned is not None and id(t) in owned else ordered).append((view, t))
             else:
                 view.copy_(t.detach())  # device tensors, and big ones: torch's parallel copy
-        head = _FIELDS.pack(MAGIC, 0, step, world, rank, end, len(meta), zlib.crc32(meta), 0)
+        head = _FIELDS.pack(MAGIC, 0, step, world, rank, end, len(meta), zlib.crc32(meta), self.local_world,
+                            self.lineage)
         commit = functools.partial(_commit, slot, HEADER + end, meta, head)
         self.queued = copier is not None
         if copier is None:
@@ -599,62 +613,122 @@ def _invalidate(file: str) -> None:
         f.write(bytes(8))
 
 
-def _held(path: str, local_rank: int, world: int, rank: int | None = None) -> dict[int, int]:
-    """step -> slot index of a local rank's valid slots written at this world size (and, when
-    given, by this global rank). Local rank 0's hold the node's whole state."""
-    out = {}
-    for k in range(SLOTS):
+class Held(NamedTuple):
+    """A valid slot, as its header describes it."""
+
+    step: int
+    lineage: int
+    world: int  # the world size that wrote it
+    rank: int  # the global rank that wrote it
+    local_world: int  # its node's local world size then (0: unknown)
+    k: int  # which of the local rank's two slots
+
+
+def held(path: str | None, local_rank: int) -> list[Held]:
+    """A local rank's valid slots, newest step first: of any world size and lineage (headers only;
+    local rank 0's hold the node's whole state)."""
+    out = []
+    for k in range(SLOTS) if path else ():
         h = header(slot_path(path, local_rank, k))
-        if h and h["world"] == world and rank in (None, h["rank"]):
-            out[h["step"]] = k
-    return out
+        if h:
+            out.append(Held(h["step"], h["lineage"], h["world"], h["rank"], h["local_world"], k))
+    return sorted(out, reverse=True)
 
 
-def steps(path: str | None, *, world: int, rank: int, local_rank: int) -> list[int]:
-    """Steps this rank could resume from: the node's whole state and its own RNG, same world size."""
-    if not path:
-        return []
-    return sorted(set(_held(path, 0, world)) & set(_held(path, local_rank, world, rank)), reverse=True)
+def _find(path: str, local_rank: int, step: int, lineage: int) -> str:
+    for h in held(path, local_rank):
+        if (h.step, h.lineage) == (step, lineage):
+            return slot_path(path, local_rank, h.k)
+    raise ValueError(f"in-memory state at step {step} is gone")
 
 
-def _load_slot(file: str, step: int, world: int) -> Any:
+def _decode(buf: Any, size: int, name: str, step: int, lineage: int) -> tuple[dict[str, int], Any]:
+    """A slot's header and state from its bytes (a mapping of the file, or the bytes received from
+    another rank): checked for the step and lineage expected, the description's checksum and a
+    layout that stays inside the tensors' bytes. Every tensor is copied out."""
+    h = _parse(bytes(buf[:_FIELDS.size]), size)
+    if not h or (h["step"], h["lineage"]) != (step, lineage):
+        raise ValueError(f"in-memory slot {name} no longer holds step {step}")
+    start = HEADER + h["data_len"]
+    meta = bytes(buf[start:start + h["meta_len"]])
+    if zlib.crc32(meta) != h["crc"]:
+        raise ValueError(f"in-memory slot {name} is damaged (checksum)")
+    desc = json.loads(meta)
+    tensors = []
+    for offset, dtype, shape in desc["tensors"]:
+        dt = getattr(torch, dtype)
+        n = 1
+        for d in shape:
+            n *= d
+        if not isinstance(dt, torch.dtype) or offset < 0 or offset + n * dt.itemsize > h["data_len"]:
+            raise ValueError(f"in-memory slot {name} is damaged (layout)")
+        tensors.append(torch.frombuffer(buf, dtype=dt, count=n, offset=HEADER + offset).view(shape).clone()
+                       if n else torch.empty(shape, dtype=dt))
+    return h, _rebuild(desc["tree"], tensors)
+
+
+def _load_slot(file: str, step: int, lineage: int) -> Any:
     _import_torch()
-
+    name = os.path.basename(file)
     with open(file, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         with mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) as mm:
-            h = _parse(mm[:_FIELDS.size], size)
-            if not h or h["step"] != step or h["world"] != world:
-                raise ValueError(f"in-memory slot {os.path.basename(file)} no longer holds step {step}")
-            start = HEADER + h["data_len"]
-            meta = mm[start:start + h["meta_len"]]
-            if zlib.crc32(meta) != h["crc"]:
-                raise ValueError(f"in-memory slot {os.path.basename(file)} is damaged (checksum)")
-            desc = json.loads(meta)
-            tensors = []
-            for offset, dtype, shape in desc["tensors"]:
-                dt = getattr(torch, dtype)
-                n = 1
-                for d in shape:
-                    n *= d
-                if not isinstance(dt, torch.dtype) or offset + n * dt.itemsize > h["data_len"]:
-                    raise ValueError(f"in-memory slot {os.path.basename(file)} is damaged (layout)")
-                tensors.append(torch.frombuffer(mm, dtype=dt, count=n, offset=HEADER + offset).view(shape).clone()
-                               if n else torch.empty(shape, dtype=dt))
-            out = _rebuild(desc["tree"], tensors)
-            del tensors
+            h, out = _decode(mm, size, name, step, lineage)
             if _parse(mm[:_FIELDS.size], size) != h:
-                raise ValueError(f"in-memory slot {os.path.basename(file)} changed while being read")
+                raise ValueError(f"in-memory slot {name} changed while being read")
             return out
 
 
+def load(path: str, local_rank: int, step: int, lineage: int) -> dict[str, Any]:
+    """What a local rank's slot holds at (step, lineage): {"rng": ..., "state": {...}} for local
+    rank 0 (the node's whole state), {"rng": ...} for the others. ValueError when it is gone,
+    damaged or changed while being read."""
+    return _load_slot(_find(path, local_rank, step, lineage), step, lineage)
+
+
+def raw(path: str, step: int, lineage: int) -> bytearray:
+    """The node's whole state at (step, lineage) as its slot's bytes (header, tensors,
+    description), copied out and checked: what a rank sends to ranks whose node lacks it."""
+    file = _find(path, 0, step, lineage)
+    name = os.path.basename(file)
+    with open(file, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        h = _parse(f.read(_FIELDS.size), size)
+        if not h or (h["step"], h["lineage"]) != (step, lineage):
+            raise ValueError(f"in-memory slot {name} no longer holds step {step}")
+        buf = bytearray(HEADER + h["data_len"] + h["meta_len"])
+        f.seek(0)
+        if f.readinto(buf) != len(buf):
+            raise ValueError(f"in-memory slot {name} is truncated")
+        f.seek(0)
+        if _parse(f.read(_FIELDS.size), size) != h:
+            raise ValueError(f"in-memory slot {name} changed while being read")
+    return buf
+
+
+def decode(buf: bytearray, step: int, lineage: int) -> dict[str, Any]:
+    """The state in bytes that raw() gave on another node, checked as a slot is read."""
+    _import_torch()
+    return _decode(buf, len(buf), "received", step, lineage)[1]
+
+
+def steps(path: str | None, *, world: int, rank: int, local_rank: int) -> list[int]:
+    """Steps this rank could resume from at an unchanged world (tools and tests; a resume goes
+    through held()): the node's whole state and this rank's own RNG, written at this world size."""
+    node = {h.step for h in held(path, 0) if h.world == world}
+    return sorted(node & {h.step for h in held(path, local_rank) if h.world == world and h.rank == rank},
+                  reverse=True)
+
+
 def read(path: str, step: int, *, world: int, rank: int, local_rank: int) -> dict[str, Any]:
-    """The state at `step` with this rank's RNG in place (the other ranks' entries are None)."""
-    node, mine = _held(path, 0, world), _held(path, local_rank, world, rank)
-    if step not in node or step not in mine:
+    """The state at `step` of an unchanged world with this rank's RNG in place (the other ranks'
+    entries are None); see steps()."""
+    node = [h for h in held(path, 0) if h.step == step and h.world == world]
+    mine = [h for h in held(path, local_rank) if h.step == step and h.world == world and h.rank == rank]
+    if not node or not mine:
         raise ValueError(f"in-memory state at step {step} is gone")
-    body = _load_slot(slot_path(path, 0, node[step]), step, world)
-    own = body if local_rank == 0 else _load_slot(slot_path(path, local_rank, mine[step]), step, world)
+    body = load(path, 0, step, node[0].lineage)
+    own = body if local_rank == 0 else load(path, local_rank, step, mine[0].lineage)
     state = dict(body["state"])
     if own.get("rng") is not None:
         ranks: list[Any] = [None] * world
@@ -663,10 +737,12 @@ def read(path: str, step: int, *, world: int, rank: int, local_rank: int) -> dic
     return state
 
 
-def keep_only(path: str, *, local_rank: int, world: int, rank: int, step: int | None) -> None:
-    """Invalidate this local rank's slots except the one holding `step` (None: all of them), so
-    that no state of an abandoned timeline can be mixed with the one resumed from."""
-    keep = _held(path, local_rank, world, rank).get(step) if step is not None else None
+def keep_only(path: str | None, *, local_rank: int, keep: tuple[int, int] | None) -> None:
+    """Invalidate this local rank's slots except the one holding `keep`, a (step, lineage) (None:
+    all of them), so that no state of an abandoned timeline can be mixed with the one resumed from."""
+    if not path:
+        return
+    kept = [h.k for h in held(path, local_rank) if keep is not None and (h.step, h.lineage) == tuple(keep)][:1]
     for k in range(SLOTS):
-        if k != keep:
+        if k not in kept:
             _invalidate(slot_path(path, local_rank, k))

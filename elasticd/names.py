@@ -17,6 +17,8 @@ STACK_SIGNAL = "ELASTICD_STACK_SIGNAL"  # the signal that asks for them
 ATTEMPT_DIR = "ELASTICD_ATTEMPT_DIR"  # this attempt's directory of logs and error files
 CHECKPOINT_DIR = "ELASTICD_CHECKPOINT_DIR"  # where elasticd.checkpoint keeps the job's checkpoints
 MEMORY_DIR = "ELASTICD_MEMORY_DIR"  # the daemon's /dev/shm directory of in-memory state (elasticd.memory)
+LOCAL_RANK = "ELASTICD_LOCAL_RANK"  # the worker's local rank, which names its in-memory slots (LOCAL_RANK is 0 for
+#                                     every worker under --virtual-local-rank)
 WARM_PRELOAD = "ELASTICD_WARM_PRELOAD"  # modules a warm spare or the fork server imports ahead
 SOCKET = "ELASTICD_SOCKET"  # the control socket, for the CLI and the daemon (also the `socket` setting)
 USER_CPP_LOG_LEVEL = "ELASTICD_USER_TORCH_CPP_LOG_LEVEL"  # the user's TORCH_CPP_LOG_LEVEL, kept for workers

@@ -166,6 +166,7 @@ def worker_env(spec: GroupSpec, local_rank: int, paths: dict[str, Path]) -> dict
         names.STACK_FILE: str(paths["stack"]),
         names.STACK_SIGNAL: spec.stack_signal,
         names.ATTEMPT_DIR: str(spec.attempt_dir),
+        names.LOCAL_RANK: str(local_rank),
     })
     if spec.virtual_local_rank:  # each worker sees its own GPU as device 0, as under torchrun
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")

@@ -36,7 +36,7 @@ def _child(target, rank: int, world: int, store: str | None, args: tuple) -> Non
     try:
         torch.set_num_threads(1)
         if store is not None:
-            os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
+            os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
             dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                                     timeout=timedelta(seconds=30))
         target(rank, world, *args)
@@ -137,6 +137,77 @@ def train(rank: int, world: int, directory: str, total: int, out: str | None, cr
         loaded = mgr.loaded and {"file": mgr.loaded.file, "step": mgr.loaded.step}
         torch.save({"model": inner.state_dict(), "optimizer": opt.state_dict(), "step": step, "loaded": loaded},
                    f"{out}.{rank}.pt")
+
+
+# -- nodes lost and added ---------------------------------------------------------------------------
+
+def train_on_nodes(rank: int, world: int, nodes: list[dict], total: int, crash_after: int | None, out: str,
+                   every: int = 3, samples: int = 96) -> None:
+    """`train`'s loop for a job spread over simulated nodes: each node {"mem", "disk", "ranks"} has
+    its own memory directory (the daemon's) and disk directory (no shared filesystem), and runs
+    the global ranks listed, as local ranks 0, 1, ... Disk checkpoints every 5 steps, the
+    in-memory state every `every`. Each sample's index is recorded per step (`out`.idx.RANK), the
+    state right after loading (`out`.loaded.RANK) and at every refresh (`out`.sSTEP.RANK). With
+    crash_after every rank stops dead after that step."""
+    from elasticd.checkpoint import rng as rng_state
+
+    node = next(n for n in nodes if rank in n["ranks"])
+    os.environ.update(LOCAL_RANK=str(node["ranks"].index(rank)), LOCAL_WORLD_SIZE=str(len(node["ranks"])))
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(samples, 6, generator=g), torch.randn(samples, 1, generator=g),
+                         torch.arange(samples))
+    model = DDP(nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 1)))
+    torch.manual_seed(100 + rank)
+    random.seed(rank)
+    np.random.seed(rank)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    sampler = ResumableDistributedSampler(data, num_replicas=world, rank=rank, seed=7)
+    loader = DataLoader(data, batch_size=2, sampler=sampler, generator=torch.Generator())
+    mgr = CheckpointManager(node["disk"], keep=2, every_steps=5, handle_sigterm=False, memory_dir=node["mem"],
+                            memory_every=every)
+
+    def held(**extra) -> dict:
+        return {"model": model.module.state_dict(), "optimizer": opt.state_dict(), "rng": rng_state.get_state(),
+                **extra}
+
+    step = 0
+    state = mgr.load_latest()
+    if state is not None:
+        step = restore(state, model=model, optimizer=opt, sampler=sampler)["step"]
+    torch.save(held(file=mgr.loaded and mgr.loaded.file, step=step), f"{out}.loaded.{rank}")
+    seen: list = []
+    while step < total and not (crash_after and step >= crash_after):
+        sampler.set_epoch(sampler.epoch)
+        for x, y, i in loader:
+            scale = 1.0 + 0.1 * random.random() + 0.1 * float(np.random.rand())
+            loss = F.mse_loss(model(x), y) * scale
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sampler.advance(len(x))
+            step += 1
+            seen.append([step, sampler.epoch, i.tolist()])
+            mgr.maybe_save(step, lambda: capture(model=model, optimizer=opt, sampler=sampler, step=step))
+            if step % every == 0:
+                torch.save(held(), f"{out}.s{step}.{rank}")
+            if step >= total or step == crash_after:
+                break
+        else:
+            sampler.set_epoch(sampler.epoch + 1)
+    mgr.wait()
+    Path(f"{out}.idx.{rank}").write_text(repr(seen))
+    if crash_after:
+        os._exit(0)  # no final save, no teardown: a crash
+    mgr.close()
+
+
+def load_on_own_nodes(rank: int, world: int, mems: list[str], disk: str, out: str) -> None:
+    """Every rank a node of its own with memory directory mems[rank]: what load_latest gives."""
+    os.environ.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    mgr = CheckpointManager(disk, handle_sigterm=False, memory_dir=mems[rank], memory_every=1)
+    state = mgr.load_latest()
+    torch.save({"state": state, "file": mgr.loaded and mgr.loaded.file}, f"{out}.{rank}")
 
 
 # -- crash-at-any-instant writer ------------------------------------------------------------------
@@ -256,7 +327,7 @@ def refresh_memory_forever(rank: int, world: int, directory: str) -> None:
     from elasticd import memory
 
     held = memory.steps(directory, world=1, rank=0, local_rank=0)
-    writer = memory.Writer(directory, 0, keep_step=held[0] if held else None)
+    writer = memory.Writer(directory, 0, keep=(held[0], 0) if held else None)
     w = torch.empty(2048, 1024)
     for step in range((held[0] if held else 0) + 1, 10**9):
         w.fill_(float(step))

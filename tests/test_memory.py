@@ -1,5 +1,5 @@
 """In-memory state: ranks resume from the step before a crash, agree on it, and fall back to disk
-when it is missing, partial, damaged, older or from another world size."""
+when it is missing, partial, damaged or older (world-size changes: test_memory_elastic.py)."""
 
 from __future__ import annotations
 
@@ -89,16 +89,20 @@ def test_falls_back_to_disk_and_stays_bit_exact(tmp_path, reference, damage):
         assert_same(reference[r], tensors)
 
 
-def test_other_world_size_is_ignored_and_stale_steps_are_dropped(tmp_path):
+def test_a_smaller_world_resumes_from_memory_and_drops_stale_steps(tmp_path):
     mem = tmp_path / "mem"
     mem.mkdir()
     crashed_run(tmp_path, mem)
-    # one process now: world size 1, so the world-2 states are not candidates
+    held_rng = memory.load(str(mem), 0, 10, memory.held(str(mem), 0)[0].lineage)["rng"]
+    # one process now, local rank 0 of the same node: world size 1 resumes from the node's memory
     mgr = CheckpointManager(tmp_path / "run", handle_sigterm=False, memory_dir=mem)
     state = mgr.load_latest()
-    assert mgr.loaded.step == 8 and state["user"]["step"] == 8
-    assert memory.newest_step(str(mem)) is None  # this rank's slots (local rank 0's) were dropped
-    assert memory.steps(str(mem), world=2, rank=1, local_rank=1) == []
+    assert mgr.loaded.step == 10 and mgr.loaded.file.startswith("memory:") and mgr.loaded.world_size == 2
+    assert state["user"]["step"] == 10
+    (mine,) = state["rng"]["ranks"]  # its own RNG, that old rank 0 held
+    assert torch.equal(mine["torch"], held_rng["torch"])
+    assert [h.step for h in memory.held(str(mem), 0)] == [10]  # this rank's other slot (step 9) was dropped
+    assert [h.step for h in memory.held(str(mem), 1)] == [10, 9]  # no local rank 1 here: left alone
 
 
 def refresh_loop(tmp_path, steps: int, pause: float = 0.0, **kw):

@@ -122,6 +122,8 @@ def test_virtual_local_rank_gives_each_worker_its_own_device(daemons, tmp_path):
     assert d.wait(60) == 0, d.stderr()[-3000:]
     envs = {e["RANK"]: e for e in map(json.loads, out.read_text().splitlines())}
     assert [(envs[r]["LOCAL_RANK"], envs[r]["CUDA_VISIBLE_DEVICES"]) for r in ("0", "1")] == [("0", "5"), ("0", "7")]
+    # each still has its own in-memory slots (named by the real local rank)
+    assert [envs[r]["ELASTICD_LOCAL_RANK"] for r in ("0", "1")] == ["0", "1"]
 
 
 @pytest.mark.parametrize("sig, flags", [(signal.SIGQUIT, ()),

@@ -74,6 +74,24 @@ def broadcast_bytes(data: bytes | bytearray | torch.Tensor | None, src: int,
     return _tensor_bytes(buf)
 
 
+def send_bytes(data: bytes | bytearray, dst: int, group) -> None:
+    """Raw bytes to one rank (its recv_bytes), as uint8 tensors: the length, then the bytes."""
+    dist.send(torch.tensor([len(data)], dtype=torch.int64), dst, group=group)
+    if data:
+        dist.send(torch.frombuffer(data if isinstance(data, bytearray) else bytearray(data), dtype=torch.uint8),
+                  dst, group=group)
+
+
+def recv_bytes(src: int, group) -> bytearray:
+    """What send_bytes on rank `src` sent, received straight into a bytearray."""
+    n = torch.zeros(1, dtype=torch.int64)
+    dist.recv(n, src, group=group)
+    buf = bytearray(int(n.item()))
+    if buf:
+        dist.recv(torch.frombuffer(buf, dtype=torch.uint8), src, group=group)
+    return buf
+
+
 def all_gather_bytes(data: bytes, group) -> list[bytes]:
     ranks = dist.get_world_size()
     n = torch.tensor([len(data)], dtype=torch.int64)

@@ -110,10 +110,12 @@ class CheckpointManager:
 
     # -- loading ---------------------------------------------------------------------------------
     def load_latest(self) -> dict[str, Any] | None:
-        """The newest state: this node's in-memory state when every rank has it at a step at
-        least as new as the newest disk checkpoint, else the module function's disk checkpoint.
-        Records the entry in `self.loaded` (its file is "memory:..." for in-memory state)."""
-        got = self._memory.load(self.directory) if self._memory.every else None
+        """The newest state: the in-memory state when every rank can resume from it at a step at
+        least as new as the newest disk checkpoint (at this world size or another: ranks whose
+        node lacks it receive it from one that holds it; see memory_state.choose), else the
+        module function's disk checkpoint. Records the entry in `self.loaded` (its file is
+        "memory:..." for in-memory state)."""
+        got = self._memory.load(self.directory) if self._memory.wanted else None
         if got is None:
             got = files.load_latest_entry(self.directory)
         _mark_state_loaded()

@@ -1,9 +1,20 @@
 """The in-memory state as a CheckpointManager drives it: when to refresh (memory.Cadence, agreed
 across ranks), the refresh itself (memory.Writer, with capture() told it is one), and resuming
-from it when every rank holds a step at least as new as the newest disk checkpoint."""
+from it, at the same world size or another one (choose() has the rules).
+
+Resuming after a world-size change. In DDP every node's local rank 0 slot holds the whole state
+(model, optimizer, scheduler, scaler, sampler, user values), the same on every node at a step;
+what is per rank is only the RNG. So after a node is lost the survivors resume from their own
+memory, and after nodes join, a rank whose node lacks the step receives the slot's bytes from a
+rank that holds it (point to point over the library's gloo group, no pickle: memory.raw() and
+memory.decode()). The sampler's state (epoch, positions consumed) does not depend on the world
+size, so the rest of the epoch is dealt out over the new world and each sample is still seen once.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import os
 import time
@@ -14,13 +25,82 @@ import structlog
 import torch
 import torch.distributed as dist
 
-from elasticd import memory
-from elasticd.checkpoint.collectives import all_gather_bytes, cpu_group, dist_on, rank, world
+from elasticd import memory, names
+from elasticd.checkpoint.collectives import all_gather_bytes, cpu_group, dist_on, rank, recv_bytes, send_bytes, world
 from elasticd.checkpoint.files import looks_at_disk
 from elasticd.checkpoint.format import Entry, candidates
 from elasticd.checkpoint.state import REFRESH, Refresh
 
 log = structlog.get_logger()
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """The step a resume from memory takes, the same on every rank (see choose())."""
+
+    step: int
+    lineage: int
+    world: int  # the world size that wrote it
+    holders: tuple[int, ...]  # ranks whose node holds its whole state
+    keepers: tuple[int, ...]  # ranks whose own slot holds their RNG at it: they keep it
+
+
+def choose(views: list[dict[str, Any]]) -> tuple[Choice | None, str]:
+    """The newest (step, lineage) that every rank of the new world can resume from, from what
+    each rank (its index in `views`) reported: "whole", its node's local rank 0 slots as
+    [step, lineage, local world size, world size]; "own", its own local rank's slots as
+    [step, lineage]; "local", its local rank; "disk", the newest disk checkpoint it sees (-1).
+
+    - The whole state must be held by at least one rank's node: every other rank receives it
+      from one that holds it, so no rank is ever asked to resume a step it cannot get.
+    - A step older than the newest disk checkpoint is not taken (the disk's is; equal: memory).
+    - A rank that took part in the step's lineage (its own slot holds a step of it, or its node
+      held that lineage's whole state with at least local rank + 1 local ranks) must hold its own
+      RNG at the step: for a same-world crash resume that keeps the run bit-exact, and a torn
+      refresh on one rank means the step before. A rank that did not (its node was lost or is
+      new, or this local rank did not exist on it) gets its RNG re-derived (derived_base()).
+    - Ties (the same step in two lineages, from a node that missed a resume): the one more ranks
+      hold, then the larger lineage number, so that every rank picks the same.
+
+    Returns (the choice or None, why none)."""
+    disk = max(v["disk"] for v in views)
+    holders: dict[tuple[int, int], list[int]] = {}
+    wrote: dict[tuple[int, int], int] = {}
+    for r, v in enumerate(views):
+        for step, lineage, _local_world, world_size in v["whole"]:
+            holders.setdefault((step, lineage), []).append(r)
+            wrote[(step, lineage)] = world_size
+    if not holders:
+        return None, "no step held in memory"
+    why = ""
+    for (step, lineage), have in sorted(holders.items(), key=lambda kv: (kv[0][0], len(kv[1]), kv[0][1]),
+                                        reverse=True):
+        if step < disk:
+            return None, why or f"disk checkpoint at step {disk} is newer"
+        lacking = [r for r, v in enumerate(views) if not _fits(v, step, lineage)]
+        if not lacking:
+            keepers = tuple(r for r, v in enumerate(views) if [step, lineage] in v["own"])
+            return Choice(step, lineage, wrote[(step, lineage)], tuple(have), keepers), ""
+        why = why or f"rank {lacking[0]} lacks its own RNG state at step {step}"
+    return None, why
+
+
+def _fits(view: dict[str, Any], step: int, lineage: int) -> bool:
+    if [step, lineage] in view["own"]:
+        return True
+    took_part = (any(x == lineage for _, x in view["own"])
+                 or any(x == lineage and lw > view["local"] for _, x, lw, _ in view["whole"]))
+    return not took_part
+
+
+def derived_base(step: int, world_size: int) -> int:
+    """The base of the RNG seeds of ranks that resume from memory without their own RNG state:
+    a hash of the step and the new world size, so a rank's seed (rng.derived_seed: a hash of this
+    base and its global rank) is reproducible, differs from rank to rank and from resume to
+    resume, and a resume repeated at the same step and world draws the same numbers again. (The
+    lost ranks' own states cannot be copied: they were only ever in the lost node's memory.)"""
+    data = b"elasticd in-memory resume" + step.to_bytes(8, "little", signed=True) + world_size.to_bytes(8, "little")
+    return int.from_bytes(hashlib.sha256(data).digest()[:8], "little") >> 1
 
 
 class MemoryState:
@@ -38,11 +118,18 @@ class MemoryState:
                              f"got {budget}")
         self.cadence = memory.Cadence(every=int(every or 1), budget=budget if every is None else None)
         self.on = bool(self.directory) and every != 0
+        # Whether load() takes part in the resume from memory (a collective): on every rank alike
+        # under elasticd or with a directory given, even where this node has no directory (it
+        # can still receive the state); never under a launcher that gives none.
+        self.wanted = every != 0 and (self.on or names.AGENT in os.environ)
         self.overlap = bool(overlap)
         self.last_stall = 0.0
         self.writer: memory.Writer | None = None  # made at the first refresh, after loading
-        self.resumed: int | None = None  # the step load() resumed from
-        self.local_rank = int(os.environ.get("LOCAL_RANK", 0))  # 0 keeps the node's state, others their RNG
+        self.resumed: tuple[int, int] | None = None  # the (step, lineage) load() resumed from, in this rank's slot
+        self.lineage = 0  # stamped on every refresh: agreed at load(), 0 without one
+        # 0 keeps the node's state, others their RNG: the real local rank, also under --virtual-local-rank
+        self.local_rank = int(os.environ.get(names.LOCAL_RANK) or os.environ.get("LOCAL_RANK", 0))
+        self.local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 0))  # 0: unknown
 
     @property
     def every(self) -> int:
@@ -61,42 +148,99 @@ class MemoryState:
                      refresh_ms=round(1e3 * refresh, 3), step_ms=round(1e3 * step, 3))
 
     def load(self, disk: str) -> tuple[dict[str, Any], Entry] | None:
-        """Agree on the newest step every rank holds in memory (a collective), then read it;
-        None when a disk checkpoint in `disk` is newer or any rank cannot read it."""
+        """Agree on the step to resume from memory (a collective; rules: choose()), at this
+        world size or another, then read it where this rank's node holds it and send it to the
+        ranks whose node does not; None when a disk checkpoint in `disk` is newer, no step
+        qualifies or any rank cannot read what it needs. Every rank agrees on a new lineage
+        here for the steps it will write, whatever is resumed."""
         world_size, my_rank, local = world(), rank(), self.local_rank
-        mine = memory.steps(self.directory, world=world_size, rank=my_rank, local_rank=local)
+        node = memory.held(self.directory, 0)
+        own = node if local == 0 else memory.held(self.directory, local)
         found = candidates(disk) if looks_at_disk() else []
-        view = {"mem": mine, "disk": found[0].step if found else -1}
+        view = {"whole": [[h.step, h.lineage, h.local_world, h.world] for h in node],
+                "own": [[h.step, h.lineage] for h in own], "local": local,
+                "disk": found[0].step if found else -1,
+                "next": int.from_bytes(os.urandom(8), "little") >> 1 or 1}  # rank 0's is taken
         multi = dist_on() and world_size > 1
         views = ([json.loads(b) for b in all_gather_bytes(json.dumps(view).encode(), cpu_group())]
                  if multi else [view])
-        common = set.intersection(*(set(v["mem"]) for v in views))
-        newest_disk = max(v["disk"] for v in views)
-        step = max(common) if common else None
-        state, why = None, None
-        if step is None or step < newest_disk:
-            why = "no step held by every rank" if step is None else f"disk checkpoint at step {newest_disk} is newer"
-        else:
-            try:
-                state = memory.read(self.directory, step, world=world_size, rank=my_rank, local_rank=local)
-            except Exception as e:  # noqa: BLE001 - any damage means: use the disk
-                why = f"unreadable: {type(e).__name__}: {e}"
-        ok = state is not None
-        if multi:
-            t = torch.tensor([int(ok)], dtype=torch.int64)
-            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=cpu_group())
-            ok = bool(t.item())
-        if not ok:
-            if any(v["mem"] for v in views):
+        self.lineage = int(views[0]["next"])
+        choice, why = choose(views)
+        state, source = None, None
+        if choice is not None:
+            state, source, why = self._fetch(choice, world_size, my_rank, multi)
+            ok = state is not None
+            if multi:
+                t = torch.tensor([int(ok)], dtype=torch.int64)
+                dist.all_reduce(t, op=dist.ReduceOp.MIN, group=cpu_group())
+                ok = bool(t.item())
+            if not ok:
+                choice, state = None, None
+        if choice is None or state is None:
+            if any(v["whole"] for v in views):
                 log.info("memory_state_skipped", reason=why or "another rank could not read it",
                          action="loading the newest disk checkpoint")
-            memory.keep_only(self.directory, local_rank=local, world=world_size, rank=my_rank, step=None)
+            memory.keep_only(self.directory, local_rank=local, keep=None)
             return None
-        memory.keep_only(self.directory, local_rank=local, world=world_size, rank=my_rank, step=step)
-        self.resumed = step
-        assert state is not None
-        return state, Entry(file=f"memory:{self.directory}/w{world_size}-s{step:012d}", step=step,
-                            world_size=world_size)
+        self.resumed = (choice.step, choice.lineage) if my_rank in choice.keepers else None
+        memory.keep_only(self.directory, local_rank=local, keep=self.resumed)
+        received = [r for r in range(world_size) if r not in choice.holders]
+        if my_rank == 0 and (received or choice.world != world_size):
+            log.info("memory_state_shared", step=choice.step, world_was=choice.world, world=world_size,
+                     received_by=received, rng_derived=[r for r in range(world_size) if r not in choice.keepers])
+        return state, Entry(file=f"memory:{source}/w{choice.world}-s{choice.step:012d}", step=choice.step,
+                            world_size=choice.world)
+
+    def _fetch(self, choice: Choice, world_size: int, my_rank: int,
+               multi: bool) -> tuple[dict[str, Any] | None, str | None, str | None]:
+        """This rank's state at the chosen step: read from its node's slot, or received from the
+        holder assigned to it (receivers are dealt out over the holders in turn, so each holder
+        sends to a share of them); with its own RNG where its slot holds it, else the seed base
+        that restore() derives its RNG from. Returns (state or None, where it came from, why not).
+        Every holder assigned a receiver sends to it, bytes or nothing, whatever happened here."""
+        step, lineage = choice.step, choice.lineage
+        receivers = [r for r in range(world_size) if r not in choice.holders]
+        sender = {r: choice.holders[i % len(choice.holders)] for i, r in enumerate(receivers)}
+        body, source, why = None, self.directory, None
+        if my_rank in sender:
+            source = f"rank{sender[my_rank]}"
+            data = recv_bytes(sender[my_rank], cpu_group())
+            try:
+                body = memory.decode(data, step, lineage)
+            except Exception as e:  # noqa: BLE001 - nothing (the sender failed) or damage: use the disk
+                why = f"not received from rank {sender[my_rank]}: {type(e).__name__}: {e}" if data else \
+                    f"rank {sender[my_rank]} could not read it"
+            del data
+        else:
+            to = [r for r in receivers if sender[r] == my_rank]
+            data = bytearray()
+            try:
+                if to:
+                    data = memory.raw(self.directory, step, lineage)
+                    body = memory.decode(data, step, lineage)
+                else:
+                    body = memory.load(self.directory, 0, step, lineage)
+            except Exception as e:  # noqa: BLE001 - any damage means: use the disk
+                why, data = f"unreadable: {type(e).__name__}: {e}", bytearray()
+            for dst in to:
+                send_bytes(data, dst, cpu_group())
+            del data
+        if body is None:
+            return None, None, why
+        state = dict(body["state"])
+        if body.get("rng") is None:  # captured with rng=False: no rank's RNG is touched
+            return state, source, None
+        mine = None
+        if my_rank in choice.keepers:
+            try:
+                mine = body["rng"] if self.local_rank == 0 else \
+                    memory.load(self.directory, self.local_rank, step, lineage).get("rng")
+            except Exception as e:  # noqa: BLE001
+                return None, None, f"own RNG state unreadable: {type(e).__name__}: {e}"
+        ranks: list[Any] = [None] * world_size
+        ranks[my_rank] = mine
+        state["rng"] = {"world_size": world_size, "ranks": ranks, "seed": derived_base(step, world_size)}
+        return state, source, None
 
     def refresh(self, step: int, state: Mapping[str, Any] | Callable[[], Mapping[str, Any]]) -> float:
         """Write `state` (or what the callable, around capture(), returns) as `step`; the stall
@@ -118,8 +262,9 @@ class MemoryState:
         writer = self.writer
         try:
             if writer is None:
-                writer = self.writer = memory.Writer(self.directory, self.local_rank, keep_step=self.resumed,
-                                                     overlap=self.overlap)
+                writer = self.writer = memory.Writer(self.directory, self.local_rank, keep=self.resumed,
+                                                     overlap=self.overlap, lineage=self.lineage,
+                                                     local_world=self.local_world)
             mapped = writer.write(int(step), state, world=world(), rank=rank(), owned=owned, started=t0)
             if writer.notice:
                 log.warning("memory_overlap_off", reason=writer.notice, action="copying synchronously from now on")

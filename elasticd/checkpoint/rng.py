@@ -151,7 +151,14 @@ def set_state(state: Mapping[str, Any]) -> None:
 
 
 def derived_seed(rng: Mapping[str, Any], rank: int) -> int:
-    """For a rank the checkpoint has no RNG state for (the world grew): reproducible, distinct."""
-    known = [r for r in rng.get("ranks") or [] if r is not None]
-    base = bytes(known[0]["torch"].tolist()) if known else b""
+    """For a rank the state has no RNG state for (the world grew, or the rank's node was lost):
+    reproducible, distinct per rank. The base is the state's own `seed` where it has one (an
+    in-memory resume sets it from the step and the world size: memory_state.derived_base), else
+    the first rank's torch state that a disk checkpoint holds."""
+    seed = rng.get("seed")
+    if isinstance(seed, int):
+        base = seed.to_bytes(8, "little")
+    else:
+        known = [r for r in rng.get("ranks") or [] if r is not None]
+        base = bytes(known[0]["torch"].tolist()) if known else b""
     return int.from_bytes(hashlib.sha256(base + rank.to_bytes(8, "little")).digest()[:8], "little") >> 1
