@@ -153,7 +153,11 @@ class TCPStoreKV:
             raise Unreachable(f"store {self.endpoint}: {_first_line(e)}", _refused(e)) from None
 
     def set(self, key: str, value: bytes) -> None:
+        """Then one round trip: c10d's set has no reply, so without it a read on another
+        connection right after could still miss the value, and a store that stopped answering
+        would go unnoticed."""
         self._call("set", key, value)
+        self._call("check", [key])
 
     def get(self, key: str) -> bytes | None:
         found = self._call("compare_set", key, _ABSENT, _ABSENT)
