@@ -98,8 +98,6 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
                    help="torchrun's c10d KEY=VALUE,...: join_timeout, last_call_timeout, and "
                         "keep_alive_interval x keep_alive_max_attempt as --peer-timeout (read_timeout, "
                         "close_timeout, is_host, use_libuv are accepted and have no effect)")
-    g.add_argument("--rdzv-backend", "--rdzv_backend", dest="rdzv_backend", action=_Static, default=S,
-                   help="c10d, the default: a TCPStore at --rdzv-endpoint (static: only on a single node)")
     g.add_argument("--master-addr", "--master_addr", dest="master_addr", action=_Static, default=S,
                    help="static rendezvous: ignored on a single node or with --rdzv-endpoint; across nodes give "
                         "every node --rdzv-endpoint MASTER_ADDR:MASTER_PORT instead")

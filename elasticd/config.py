@@ -93,7 +93,11 @@ class Config:
                                    "bundled example: one per GPU, else 2)", torchrun=True,
                                    type=str)  # a word or a number: nproc_from_word reads it
     max_restarts: int = _setting(3, "failure restarts of the job before it fails (default {default})", torchrun=True)
-    rdzv_endpoint: str = _setting("", "HOST:PORT of the rendezvous store, the same on every node", torchrun=True)
+    rdzv_backend: str = _setting("c10d", "c10d (default: a TCPStore at --rdzv-endpoint, hosted by the node that "
+                                 "owns its address) or etcd (an etcd cluster, --rdzv-endpoint H1:2379,H2:2379,...: "
+                                 "no node is special); torchrun's etcd-v2 and static are accepted", torchrun=True)
+    rdzv_endpoint: str = _setting("", "HOST:PORT of the rendezvous store, the same on every node (etcd: the "
+                                  "members, comma-separated)", torchrun=True)
     rdzv_id: str = _setting("none", "job id shared by all nodes", torchrun=True)
     standalone: bool = _setting(False, "single node with a private store on a free loopback port", torchrun=True)
     monitor_interval: float = _setting(0.1, "seconds between worker checks (default {default:g})", torchrun=True)
@@ -154,6 +158,11 @@ class Config:
     preload: tuple[str, ...] = _setting(("torch", "torch.distributed", "torch.nn.parallel", "torch.optim",
                                          "torch._dynamo"), "comma-separated modules warm spares import ahead "
                                         "(default torch and its distributed, DDP and optim modules)")
+    etcd_cacert: str = _setting("", "etcd: CA certificate file that verifies the members (turns on TLS)")
+    etcd_cert: str = _setting("", "etcd: client certificate file (TLS client authentication)")
+    etcd_key: str = _setting("", "etcd: the client certificate's key file")
+    etcd_user: str = _setting("", "etcd: user name (etcd authentication; with --etcd-password-file)")
+    etcd_password_file: str = _setting("", "etcd: file holding the user's password (mode 600)")
     socket: str = _setting("", "control socket path")
     operators_group: str = _setting("", "group whose members may use status/stop")
 
@@ -167,11 +176,22 @@ class Config:
 
     @property
     def rdzv_host(self) -> str:
-        return parse_endpoint(self.rdzv_endpoint)[0]
+        return parse_endpoint(self._first_endpoint)[0]
 
     @property
     def rdzv_port(self) -> int:
-        return parse_endpoint(self.rdzv_endpoint)[1]
+        return parse_endpoint(self._first_endpoint)[1]
+
+    @property
+    def etcd(self) -> bool:
+        return self.rdzv_backend in ("etcd", "etcd-v2")
+
+    @property
+    def _first_endpoint(self) -> str:
+        """etcd's endpoint is a list of members: the first stands for it where one address is
+        needed (the address of ours that routes to it)."""
+        first = self.rdzv_endpoint.split(",")[0].strip()
+        return first.split("://", 1)[-1] if self.etcd else first
 
     def echoed(self, local_rank: int) -> bool:
         """Whether this local rank's output goes to the daemon's stdout besides its log file (every
@@ -192,14 +212,15 @@ _TUPLE_FIELDS = {k: get_args(t)[0] for k, t in get_type_hints(Config).items() if
 # as the flags are (check_static).
 PET_SETTINGS = {
     "PET_NNODES": "nnodes", "PET_NPROC_PER_NODE": "nproc_per_node", "PET_MAX_RESTARTS": "max_restarts",
-    "PET_RDZV_ENDPOINT": "rdzv_endpoint", "PET_RDZV_ID": "rdzv_id", "PET_RDZV_CONF": "rdzv_conf",
+    "PET_RDZV_ENDPOINT": "rdzv_endpoint", "PET_RDZV_ID": "rdzv_id", "PET_RDZV_BACKEND": "rdzv_backend",
+    "PET_RDZV_CONF": "rdzv_conf",
     "PET_STANDALONE": "standalone", "PET_MONITOR_INTERVAL": "monitor_interval", "PET_ROLE": "role",
     "PET_LOG_DIR": "log_dir", "PET_REDIRECTS": "redirects", "PET_TEE": "tee_streams",
     "PET_LOCAL_RANKS_FILTER": "local_ranks_filter", "PET_LOCAL_ADDR": "local_addr",
     "PET_SIGNALS_TO_HANDLE": "signals_to_handle", "PET_SHUTDOWN_TIMEOUT": "stop_grace",
     "PET_VIRTUAL_LOCAL_RANK": "virtual_local_rank", "PET_NO_PYTHON": "no_python",
 }
-PET_STATIC = {"PET_RDZV_BACKEND": "--rdzv-backend", "PET_NODE_RANK": "--node-rank",
+PET_STATIC = {"PET_NODE_RANK": "--node-rank",
               "PET_MASTER_ADDR": "--master-addr", "PET_MASTER_PORT": "--master-port"}
 
 # torchrun's --rdzv-conf keys (c10d backend) -> what elasticd does with them.
@@ -466,6 +487,7 @@ _NAME_RULES = {
     "signals_to_handle": lambda vs: next(filter(None, (_signal_problem(v, STOP_SIGNALS, "cannot stop the daemon "
                                                                        "gracefully") for v in vs)), None),
     "operators_group": _group_problem,
+    "rdzv_backend": lambda v: None if v in RDZV_BACKENDS else f"use {', '.join(RDZV_BACKENDS)}",
     "local_addr": lambda v: None if len(v) <= 255 and all(c.isprintable() and not c.isspace() for c in v)
     else "use an IP address or host name",
     "preload": lambda vs: next((f"{v!r} is not a module name such as torch.nn" for v in vs
@@ -498,7 +520,7 @@ def build(flags: dict[str, Any], config_file: str | None = None, environ: dict[s
     cfg = Config(**merged)
     validate(cfg)
     check_static([*pet_static, *static], cfg)
-    if cfg.standalone or not cfg.rdzv_endpoint or cfg.rdzv_port == 0:
+    if not cfg.etcd and (cfg.standalone or not cfg.rdzv_endpoint or cfg.rdzv_port == 0):
         if cfg.max_nodes > 1:
             raise ConfigError(f"--nnodes {cfg.nnodes} needs --rdzv-endpoint HOST:PORT shared by all nodes"
                               + (" (a fixed port: peers cannot find port 0)" if cfg.rdzv_endpoint else ""))
@@ -514,20 +536,19 @@ def _pet_name(key: str) -> str:
     return next((name for name, k in PET_SETTINGS.items() if k == key), "PET_" + key.upper())
 
 
+RDZV_BACKENDS = ("c10d", "etcd", "etcd-v2", "static")  # torchrun's names; etcd-v2 is our etcd (its v3 API)
+
+
 def check_static(static: list[tuple[str, str]], cfg: Config) -> None:
     """torchrun's static rendezvous (--node-rank, --master-addr/--master-port, --rdzv-backend
     static; its default): on one node there is nothing to rank or meet, and with
     --rdzv-endpoint torchrun itself ignores them; across nodes without one, say what to give."""
+    if cfg.rdzv_backend == "static" and cfg.max_nodes > 1:
+        raise ConfigError(f"--rdzv-backend static across {cfg.nnodes} nodes: elasticd ranks nodes as they "
+                          "join; give every node the same --rdzv-endpoint HOST:PORT and drop the flag")
     for flag, value in static:
         value = str(value).strip()
-        if flag == "--rdzv-backend":
-            if value not in ("c10d", "static"):
-                raise ConfigError(f"--rdzv-backend {value}: elasticd meets over c10d only, the default: a TCPStore "
-                                  "at --rdzv-endpoint HOST:PORT (drop the flag)")
-            if value == "static" and cfg.max_nodes > 1:
-                raise ConfigError(f"--rdzv-backend static across {cfg.nnodes} nodes: elasticd ranks nodes as they "
-                                  "join; give every node the same --rdzv-endpoint HOST:PORT and drop the flag")
-        elif cfg.max_nodes == 1:
+        if cfg.max_nodes == 1:
             if flag == "--node-rank" and value != "0":
                 raise ConfigError(f"--node-rank {value} on a single node (--nnodes {cfg.nnodes}): the only node "
                                   "is rank 0; drop --node-rank")
@@ -559,7 +580,19 @@ def cuda_devices() -> int:
 def validate(cfg: Config) -> None:
     """The whole Config: each value (check_value, as every layer's are) and what spans several."""
     parse_nnodes(cfg.nnodes)
-    parse_endpoint(cfg.rdzv_endpoint)
+    if cfg.etcd:
+        if not cfg.rdzv_endpoint:
+            raise ConfigError(f"--rdzv-backend {cfg.rdzv_backend} needs --rdzv-endpoint with the etcd members, "
+                              "e.g. h1:2379,h2:2379,h3:2379")
+        for member in cfg.rdzv_endpoint.split(","):
+            parse_endpoint(member.strip().split("://", 1)[-1])
+    else:
+        parse_endpoint(cfg.rdzv_endpoint)
+        if "," in cfg.rdzv_endpoint:
+            raise ConfigError(f"--rdzv-endpoint {cfg.rdzv_endpoint!r} lists several stores: c10d has one "
+                              "(HOST:PORT); for an etcd cluster give --rdzv-backend etcd")
+    if (cfg.etcd_user == "") != (cfg.etcd_password_file == ""):
+        raise ConfigError("--etcd-user and --etcd-password-file go together: give both, or neither")
     for name in FIELDS:
         check_value(name, getattr(cfg, name), "--" + name.replace("_", "-"))
     if cfg.log_format not in LOG_FORMATS:

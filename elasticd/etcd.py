@@ -68,6 +68,9 @@ class Refused(kv.Unreachable):
     """The cluster answered and refused (authentication, permission, a malformed or too large
     request): sending it again, to this member or another, would not help."""
 
+    def __init__(self, message: str):
+        super().__init__(message, refused=True)
+
 
 class _Failed(Exception):
     """One attempt on one endpoint failed; `applied_maybe`: the request may have reached etcd."""

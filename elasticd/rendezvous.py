@@ -76,6 +76,9 @@ def _store_call(method):
         try:
             return method(self, *args, **kwargs)
         except kvmod.Unreachable as e:
+            if e.refused and self.cfg.etcd:
+                raise StoreLost(f"the etcd cluster refused us ({e}): check the credentials and the user's "
+                                "permissions on the elasticd/ prefix") from None
             if e.refused:
                 raise StoreLost(f"lost the rendezvous store at {self.endpoint} ({e}): the node hosting it "
                                 "stopped; start the job again on every node") from None
@@ -138,10 +141,44 @@ def op_timeout(cfg: Config) -> float:
     return max(0.5, min(cfg.peer_timeout / 2, 30.0))
 
 
+def open_etcd(cfg: Config) -> kvmod.KV:
+    """The etcd cluster at --rdzv-endpoint (etcd.py), retried with backoff until --join-timeout;
+    a cluster that refuses us (credentials, permissions) or a bad TLS/password file is one line."""
+    from elasticd import etcd
+
+    def connect() -> kvmod.KV:
+        return etcd.connect(cfg.rdzv_endpoint, op_timeout(cfg), cacert=cfg.etcd_cacert or None,
+                            cert=cfg.etcd_cert or None, key=cfg.etcd_key or None, user=cfg.etcd_user or None,
+                            password_file=cfg.etcd_password_file or None)
+
+    retry = tenacity.Retrying(
+        stop=tenacity.stop_after_delay(cfg.join_timeout),
+        wait=tenacity.wait_exponential_jitter(initial=0.1, max=2.0),
+        retry=tenacity.retry_if_exception(lambda e: isinstance(e, kvmod.Unreachable) and not e.refused),
+        before_sleep=lambda st: log.info("store_connect_retry", endpoint=cfg.rdzv_endpoint, attempt=st.attempt_number),
+        reraise=True,
+    )
+    try:
+        for attempt in retry:
+            with attempt:
+                return connect()
+    except ValueError as e:
+        raise ConfigError(f"--rdzv-endpoint / --etcd-*: {e}") from None
+    except etcd.Refused as e:
+        raise RendezvousFailed(f"the etcd cluster refused us ({e}): check --etcd-user, --etcd-password-file and "
+                               "the user's permissions on the elasticd/ prefix") from None
+    except kvmod.Unreachable as e:
+        raise RendezvousFailed(f"cannot reach the etcd cluster at {cfg.rdzv_endpoint} within {cfg.join_timeout:g}s "
+                               f"({e}): check --rdzv-endpoint and that a quorum of members runs") from None
+    raise AssertionError("unreachable")
+
+
 def open_store(cfg: Config) -> tuple[kvmod.KV, dist.TCPStore | None]:
     """Host the c10d store when the endpoint is one of our addresses and its port is free, else
     connect to it (retried with backoff until --join-timeout). Returns the KV and, on the host, the
-    server (kept alive for as long as the daemon runs)."""
+    server (kept alive for as long as the daemon runs). With --rdzv-backend etcd, the cluster."""
+    if cfg.etcd:
+        return open_etcd(cfg), None
     host, port = cfg.rdzv_host, cfg.rdzv_port
     server = None
     try:

@@ -197,14 +197,16 @@ def test_rdzv_conf_maps_to_our_settings_and_explicit_ones_win(tmp_path):
 
 
 @pytest.mark.parametrize("flags, static, message", [
-    ({}, [("--node-rank", "0"), ("--master-addr", "10.0.0.1"), ("--master-port", "29500"),
-          ("--rdzv-backend", "static")], None),  # one node: nothing to rank or meet
+    ({"rdzv_backend": "static"}, [("--node-rank", "0"), ("--master-addr", "10.0.0.1"), ("--master-port", "29500")],
+     None),  # one node: nothing to rank or meet
     ({"nnodes": "2", "rdzv_endpoint": "h:1"}, [("--node-rank", "1"), ("--master-addr", "x")], None),  # c10d: ignored
     ({}, [("--node-rank", "1")], "--node-rank 1 on a single node"),
     ({"nnodes": "2"}, [("--node-rank", "1")], "nodes are ranked at rendezvous"),
     ({"nnodes": "2"}, [("--master-addr", "10.0.0.1")], "--rdzv-endpoint MASTER_ADDR:MASTER_PORT"),
-    ({"nnodes": "2", "rdzv_endpoint": "h:1"}, [("--rdzv-backend", "static")], "ranks nodes as they join"),
-    ({}, [("--rdzv-backend", "etcd")], "c10d only"),
+    ({"nnodes": "2", "rdzv_endpoint": "h:1", "rdzv_backend": "static"}, [], "ranks nodes as they join"),
+    ({"rdzv_backend": "zookeeper"}, [], "use c10d, etcd, etcd-v2, static"),
+    ({"rdzv_backend": "etcd-v2"}, [], "needs --rdzv-endpoint with the etcd members"),
+    ({"rdzv_backend": "c10d", "rdzv_endpoint": "h:1,h:2", "nnodes": "2"}, [], "give --rdzv-backend etcd"),
 ])
 def test_static_rendezvous_flags(flags, static, message):
     pet = {"PET_" + f[2:].replace("-", "_").upper(): v for f, v in static}  # the same from torchrun's variables
