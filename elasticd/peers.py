@@ -21,6 +21,7 @@ class Peers:
         self.cfg = cfg
         self.rdzv = rdzv
         self.node = node
+        self._max_nodes = cfg.max_nodes  # parsed once: check() runs every tick
         self._next_beat = 0.0
         self._next_waiting_check = 0.0
 
@@ -47,7 +48,7 @@ class Peers:
                 return Failure(RestartCause.NODE_LOST,
                                f"node with group rank {lost} went silent for {self.cfg.peer_timeout:g}s",
                                node=self.node)
-        if rnd.group_world_size < self.cfg.max_nodes and now >= self._next_waiting_check:
+        if rnd.group_world_size < self._max_nodes and now >= self._next_waiting_check:
             self._next_waiting_check = now + WAITING_EVERY
             waiting = self.rdzv.nodes_waiting()
             if waiting:
