@@ -29,11 +29,15 @@ class Inbox:
         signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
 
     def wait(self, timeout: float, also: Sequence = ()) -> None:
-        """Sleep until something is posted, a signal comes, one of `also` is readable, or `timeout`."""
+        """Sleep until something is posted, a signal comes, one of `also` is readable, or `timeout`.
+        The wake-up pipe is emptied only when it woke us: a timeout (the loop's every tick) costs
+        no read."""
         try:
-            select.select([self._wake_r, *also], [], [], max(0.0, timeout))
+            ready = select.select([self._wake_r, *also], [], [], max(0.0, timeout))[0]
         except InterruptedError:
-            pass
+            ready = [self._wake_r]
+        if self._wake_r not in ready:
+            return
         try:
             while os.read(self._wake_r, 4096):
                 pass
