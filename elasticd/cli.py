@@ -221,7 +221,7 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
         config.check_entrypoint(cfg.entrypoint, no_python=cfg.no_python)
         if cfg.rdzv_secret_file:
             signing.load_secret(cfg.rdzv_secret_file)
-        if cfg.max_nodes == 1 and cfg.rdzv_endpoint:
+        if cfg.max_nodes == 1 and cfg.rdzv_endpoint and not cfg.etcd:  # a single node hosts a c10d store
             config.check_port_free(cfg.rdzv_host, cfg.rdzv_port)
         base = config.check_log_dir(_log_base(cfg))
         checkpoints = Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else base / "checkpoints" / cfg.rdzv_id
