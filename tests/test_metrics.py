@@ -245,7 +245,8 @@ def test_gpu_check_passes_without_a_gpu_and_fails_on_a_sick_one(tmp_path):
     r = subprocess.run([check], capture_output=True, text=True, timeout=30, env={"PATH": bare})
     assert r.returncode == 0 and r.stdout.strip().splitlines()[-1].startswith("no GPU"), r
     fake = tmp_path / "nvidia-smi"
-    fake.write_text('#!/bin/sh\necho "0, 00000000:01:00.0, 0, No, No, 41"\necho "1, 00000000:41:00.0, 2, No, [N/A], 50"\n')
+    fake.write_text('#!/bin/sh\necho "0, 00000000:01:00.0, 0, No, No, 41"\n'
+                    'echo "1, 00000000:41:00.0, 2, No, [N/A], 50"\n')
     fake.chmod(0o755)
     os.symlink(fake, os.path.join(bare, "nvidia-smi"))
     r = subprocess.run([check], capture_output=True, text=True, timeout=30, env={"PATH": bare})
