@@ -114,8 +114,13 @@ class Figures:
         for local_rank, b in zip(local_ranks, beats):
             if b is None:
                 continue
-            step_rate, work_rate = self._rates.setdefault(local_rank, (_Rate(), _Rate()))
+            if local_rank not in self._rates:
+                self._rates[local_rank] = (_Rate(), _Rate())
+                self._rates[local_rank][1].add(0, 0.0)  # from the attempt's start: no work yet
+            step_rate, work_rate = self._rates[local_rank]
             if b.beats:
+                if not step_rate.points:
+                    step_rate.add(1, b.first)  # from its first beat: a figure as soon as it took two steps
                 step_rate.add(b.beats, b.last)
             work_rate.add(b.figure("work_steps"), b.figure("work_total"))
             self.rank_times[local_rank] = (step_rate.value(), work_rate.value())

@@ -228,7 +228,9 @@ class Exporter:
         from prometheus_client import start_http_server
 
         host, port = self.address
-        self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        served = start_http_server(port, addr=host, registry=self.registry)
+        if isinstance(served, tuple):  # (server, thread) since prometheus-client 0.17: closable
+            self._server, self._thread = served
         log.info("metrics_serving", address=f"{host}:{port}", path="/metrics")
 
     def published(self, snapshot: dict[str, Any], now: float) -> None:
@@ -266,8 +268,8 @@ class Exporter:
                 log.warning("metrics_textfile_failed", path=str(self.textfile), error=str(e))
 
     def close(self) -> None:
-        if self.textfile is not None:
-            self.write_textfile()  # the final state
+        if self.textfile is not None and self._state is not None:
+            self.write_textfile()  # the final state (none if the job never started)
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()

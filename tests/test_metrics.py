@@ -56,11 +56,11 @@ def test_heartbeat_figures_round_trip(tmp_path):
 
 def test_steps_lost_and_goodput():
     f = Figures(started=0.0)
-    f.observe(1, [0, 1], [beat(step=0, beats=7, first=10, last=10), beat(step=0, beats=7, first=10, last=10)], now=10)
-    f.observe(1, [0, 1], [beat(step=57, beats=57, first=10, last=60), beat(step=57, beats=57, first=10.5, last=60)],
+    f.observe(1, [0, 1], [beat(step=0, beats=1, first=10, last=10), beat(step=0, beats=1, first=10, last=10)], now=10)
+    f.observe(1, [0, 1], [beat(step=57, beats=51, first=10, last=60), beat(step=57, beats=51, first=10.5, last=60)],
               now=60)
     f.on_restart(Failure(RestartCause.SIGNAL, "killed by SIGKILL", rank=1), [beat(step=57), beat(step=57)])
-    f.observe(1, [0, 1], [beat(step=57, beats=57, first=10.5, last=60)] * 2, now=60.1)  # the RESTARTING snapshot
+    f.observe(1, [0, 1], [beat(step=57, beats=51, first=10.5, last=60)] * 2, now=60.1)  # the RESTARTING snapshot
     assert f.steps_lost_last is None  # the old attempt's beats tell nothing of the resume
     f.observe(2, [], [], now=61)  # torn down
     f.observe(2, [0, 1], [beat(step=50, beats=1, first=70, last=70, resumed=50)] * 2, now=70)
@@ -255,3 +255,37 @@ def test_gpu_check_passes_without_a_gpu_and_fails_on_a_sick_one(tmp_path):
     r = subprocess.run([check], capture_output=True, text=True, timeout=30,
                        env={"PATH": bare, "ELASTICD_EXPECTED_GPUS": "1"})
     assert r.returncode == 0 and r.stdout.strip() == "1 GPU(s) healthy", r
+
+
+def test_health_check_results(tmp_path):
+    """Pass, fail with its last line, a timeout (its whole session killed), a program that cannot run."""
+    import time
+
+    from elasticd.healthcheck import HealthCheck
+
+    def run(command: str, timeout: str = "10"):
+        cfg = config.build({"entrypoint": "x.py", "health_check": command, "health_check_timeout": timeout},
+                           environ={})
+        events = []
+        check = HealthCheck(cfg, "token", lambda name, **kw: events.append(name), wake=lambda: None)
+        check.begin()
+        wait = time.monotonic() + 20
+        while check.running and time.monotonic() < wait:
+            time.sleep(0.02)
+        return check.take(), check, events
+
+    ok, check, events = run("sh -c 'echo checking; echo fine'")
+    assert ok.ok and ok.output == "fine" and events == ["health_check_passed"] and check.report()["state"] == "passing"
+    bad, check, events = run("sh -c 'echo checking; printf \"GPU 2: \\033[31mhot\\n\"; exit 4'")
+    assert not bad.ok and bad.reason.endswith("exited 4: GPU 2: \\x1b[31mhot"), bad  # escaped
+    assert events == ["health_check_failed"] and check.report()["state"] == "failing" and check.failures == 1
+    marker = tmp_path / "grandchild"
+    slow, _, _ = run(f"sh -c 'sleep 30 & echo $! > {marker}; wait'", timeout="0.5")
+    assert not slow.ok and "timed out after 0.5s" in slow.reason
+    pid = int(marker.read_text())
+    deadline = time.monotonic() + 5
+    while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+    missing, _, _ = run(str(tmp_path / "nope"))
+    assert not missing.ok and "cannot run" in missing.reason

@@ -141,7 +141,7 @@ def test_prometheus_scrapes_a_job_through_a_kill_9(daemons, tmp_path, prometheus
     assert s["steps_lost"]["last"] in (reached - resumed, reached - resumed - 1), (s["steps_lost"], reached, resumed)
     assert 0 < s["steps_lost"]["last"] <= 10 and resumed % 10 == 0
     assert s["restarts_by_cause"]["signal"] == 1 and s["budget_left"] == 2
-    assert 0 < s["goodput"]["ratio"] < 1 and s["goodput"]["lost_seconds"] > 0
+    assert 0 < s["goodput"]["ratio"] < 1 and s["goodput"]["lost_seconds"] > 0, json.dumps(s)
     assert s["checkpoint_costs"]["saves"] >= 2 and s["step"] >= resumed
     assert all(w["step_time"] and w["work_time"] for w in s["workers"])
     assert s["health"]["state"] == "passing" and s["health"]["runs"] >= 2  # first start, restart (and periodic)
