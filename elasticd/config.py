@@ -177,8 +177,8 @@ class Config:
     straggler_action: str = _setting("report", "what to do about a straggler: report (an event, a metric and a "
                                      "status field; nothing is restarted)", choices=STRAGGLER_ACTIONS)
     health_check: str = _setting("", "an executable (with arguments) run before every start and restart and every "
-                                 "--health-check-interval; failing it, this node refuses to start (fixed size) or "
-                                 "leaves the job (elastic), exit code 5", metavar="CMD")
+                                 "--health-check-interval; failing it, this node does not start, or stops its workers "
+                                 "and leaves the job, with exit code 5", metavar="CMD")
     health_check_interval: float = _setting(60.0, "seconds between health checks while training (default "
                                             "{default:g}; 0: only before starts)")
     health_check_timeout: float = _setting(60.0, "a health check running longer fails (default {default:g} s)")
