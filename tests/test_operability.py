@@ -139,9 +139,11 @@ def test_prometheus_scrapes_a_job_through_a_kill_9(daemons, tmp_path, prometheus
     reached = max(int(n) for n in re.findall(r"^step (\d+)", d.log_text(0, 1), re.M))
     resumed = int(re.search(r"^resumed at step (\d+)", d.log_text(0, 2), re.M).group(1))
     assert s["steps_lost"]["last"] in (reached - resumed, reached - resumed - 1), (s["steps_lost"], reached, resumed)
-    assert 0 < s["steps_lost"]["last"] <= 10 and resumed % 10 == 0
+    # (a kill right after a save loses none; one while its write is in flight, up to two intervals)
+    assert 0 <= s["steps_lost"]["last"] <= 20 and resumed % 10 == 0
     assert s["restarts_by_cause"]["signal"] == 1 and s["budget_left"] == 2
-    assert 0 < s["goodput"]["ratio"] < 1 and s["goodput"]["lost_seconds"] > 0, json.dumps(s)
+    assert 0 < s["goodput"]["ratio"] < 1, json.dumps(s)
+    assert (s["goodput"]["lost_seconds"] > 0) == (s["steps_lost"]["last"] > 0), json.dumps(s)
     assert s["checkpoint_costs"]["saves"] >= 2 and s["step"] >= resumed
     assert all(w["step_time"] and w["work_time"] for w in s["workers"])
     assert s["health"]["state"] == "passing" and s["health"]["runs"] >= 2  # first start, restart (and periodic)
@@ -179,6 +181,8 @@ def test_straggling_rank_is_reported_and_nothing_restarts(daemons):
     times = [w["step_time"] for w in s["workers"]]
     assert max(times) < 1.2 * min(times), times
     assert "straggler: rank 2 (local 2) on node" in d.status().stdout
+    # the in-memory state is on by default here: its refreshes' cost and cadence come through
+    assert s["memory_refresh"]["refreshes"] > 0 and s["memory_refresh"]["every"] >= 1, s["memory_refresh"]
     text = scrape(port)
     assert value(text, r'elasticd_stragglers\{') == 1
     assert value(text, r'elasticd_rank_straggler_ratio\{local_rank="2"') > 1.2
