@@ -22,6 +22,14 @@ def heartbeat(step: int | None = None) -> None:
 
     Calls from optimizer.step() happen automatically under elasticd; call this from loops that
     have no optimizer step, or to report the step number yourself."""
+    writer = _writer if _armed else _beat_writer()
+    if writer is not None:
+        writer.beat(step)
+
+
+def _beat_writer():
+    """This process's heartbeat file writer (elasticd.health.Writer), opened at the first call;
+    None outside elasticd. The bootstrap's hooks and the checkpoint library write through it."""
     global _writer, _armed
     if not _armed:
         _armed = True
@@ -35,5 +43,4 @@ def heartbeat(step: int | None = None) -> None:
                 _writer = Writer(path)
             except OSError:
                 _writer = None
-    if _writer is not None:
-        _writer.beat(step)
+    return _writer

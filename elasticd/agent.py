@@ -9,7 +9,8 @@ polls workers (exits, heartbeats, process state) and peers every monitor_interva
 SIGCHLD), acts, and publishes an immutable status snapshot for the control socket. Its helpers
 each own one concern: the local workers (group.py), the warm spares (spares.py), the other nodes
 (peers.py), backoff and recovery timeline (recovery.py), the status snapshot (status.py), the
-inbox (inbox.py).
+inbox (inbox.py); and, for operators, the job's figures (figures.py), stragglers (stragglers.py)
+and the node's health check (healthcheck.py), which it calls at a few hooks.
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ from typing import TYPE_CHECKING, Any
 
 from elasticd import logs, memory, names, supervise, workers
 from elasticd.config import Config
+from elasticd.figures import Figures
 from elasticd.group import LocalGroup
+from elasticd.healthcheck import EXIT_UNHEALTHY, HealthCheck
 from elasticd.inbox import Inbox
 from elasticd.peers import Peers
 from elasticd.recovery import Recovery
@@ -36,9 +39,10 @@ from elasticd.rendezvous import BudgetSpent, Rendezvous, RendezvousFailed, Round
 from elasticd.spares import SparePool
 from elasticd.states import Failure, RestartCause, Scale, State, check_transition
 from elasticd.status import StatusBoard
+from elasticd.stragglers import Stragglers
 
 if TYPE_CHECKING:
-    from elasticd import control
+    from elasticd import control, healthcheck, metrics
 
 log = logs.get("elasticd.agent")
 
@@ -80,6 +84,11 @@ class Agent:
         self.spares = SparePool(cfg, self.token, run_dir, self.event)
         self.recovery = Recovery(cfg)
         self.peers: Peers | None = None  # once the store is reached
+        self.figures = Figures(time.monotonic())
+        self.stragglers = Stragglers(cfg, self.node, self.event, time.time)
+        self.health_check = HealthCheck(cfg, self.token, self.event, wake=lambda: self.post(("wake",)))
+        self.metrics: metrics.Exporter | None = None  # serve() binds it
+        self.left_line: str | None = None  # the one line a node that left the job exits with
         supervise.report_to(self.event)
 
     # --- the inbox: the only way other threads and signal handlers reach the loop ---
@@ -144,9 +153,25 @@ class Agent:
 
     def publish(self) -> None:
         now = time.monotonic()
+        ranks = self.group.rows(now)
         self.status.publish(state=self.state, rnd=self.round, attempt=self.group.attempt,
-                            restarts=self.restart_count, ranks=self.group.rows(now), last_failure=self.last_failure,
-                            last_recovery=self.recovery.last, memory_dir=self.memory_dir, now=now)
+                            restarts=self.restart_count, ranks=ranks, last_failure=self.last_failure,
+                            last_recovery=self.recovery.last, memory_dir=self.memory_dir, now=now,
+                            figures=self._figures(ranks, now))
+        if self.metrics is not None:
+            self.metrics.published(self.status.snapshot, now)
+
+    def _figures(self, ranks: list[dict], now: float) -> dict[str, Any]:
+        """The operators' figures of a status snapshot (and so of the metrics), from the
+        workers' heartbeats as of now; each worker's row gets its own."""
+        beats = self.group.beats()
+        self.figures.observe(self.group.attempt, [w.local_rank for w in self.group.workers], beats, now)
+        self.stragglers.observe(self.group.attempt, [(w.global_rank, w.local_rank) for w in self.group.workers],
+                                beats, now)
+        self.figures.annotate(ranks)
+        self.stragglers.annotate(ranks)
+        return {**self.figures.report(now), "stragglers": self.stragglers.report(),
+                "straggler_reports": self.stragglers.reports, "health": self.health_check.report()}
 
     # --- the loop ---
 
@@ -181,6 +206,7 @@ class Agent:
         finally:
             if self.peers is not None:
                 self.peers.close()
+            self.health_check.close()
             self._teardown(0.0)
             self.spares.close()
             memory.remove(self.memory_dir)  # workers are gone: nobody resumes from it any more
@@ -196,7 +222,9 @@ class Agent:
                 return self._stop()
 
             if self.state == State.RENDEZVOUS:
-                self._start_round()
+                code = self._start_round()
+                if code is not None:
+                    return code
                 continue
 
             # RUNNING: act on exits, hangs and peers.
@@ -217,6 +245,9 @@ class Agent:
                     why = Failure(RestartCause.STORE_UNREACHABLE, str(e), node=self.node)
             if why is None:
                 now = time.monotonic()
+                unhealthy = self.health_check.poll(now)
+                if unhealthy is not None:
+                    return self._leave(unhealthy)
                 self._after_start_up(now)
                 if self.status.due(now):
                     self.publish()
@@ -275,8 +306,15 @@ class Agent:
             else:
                 self._next_watchdog = float("inf")
 
-    def _start_round(self) -> None:
+    def _start_round(self) -> int | None:
+        """Meet the other nodes and start this node's workers; an exit code if this node must
+        not start (its health check failed)."""
+        first = self.round is None
+        if first and (unhealthy := self._health_gate()):
+            return self._leave(unhealthy)  # never joined: a fixed-size job waits for it, an elastic one goes on
         self.round = rnd = self._blocking(self.rdzv.next_round, self.cfg.nproc_per_node)
+        if not first and (unhealthy := self._health_gate()):
+            return self._leave(unhealthy)  # the check begun at the restart's teardown failed
         self.recovery.mark("rendezvous_done")
         self.restart_count = self._blocking(self.rdzv.restarts_used)
         logs.bind(group_rank=rnd.group_rank, restart=self.restart_count)
@@ -296,6 +334,38 @@ class Agent:
                        group_world_size=rnd.group_world_size,
                        pids={w.global_rank: w.pid for w in self.group.workers},
                        master=f"{rnd.master_addr}:{rnd.master_port}")
+        return None
+
+    def _health_gate(self) -> healthcheck.Result | None:
+        """Before a start: the health check's result (waiting for it, stoppable), if it failed."""
+        if not self.health_check.on:
+            return None
+        self.health_check.begin()  # unless the one begun at the restart's teardown still runs
+        self._idle(math.inf, lambda: not self.health_check.running, stoppable=True)
+        if self.stop_request is not None:
+            return None  # acted on by the loop
+        result = self.health_check.take() or self.health_check.last
+        return result if result is not None and not result.ok else None
+
+    def _leave(self, check: healthcheck.Result) -> int:
+        """This node's health check failed: stop its workers, ask the other nodes to restart
+        with the reason (their status shows it) and leave the job, exit code 5. The rendezvous
+        is not closed: the others go on without this node (elastic), or wait for it to come
+        back healthy (fixed size: systemd starts it again)."""
+        why = self.health_check.failure(check, self.node)
+        self.last_failure = self.first_failure = why
+        if self.round is not None and self.round.group_world_size > 1:
+            try:  # named lost: the next round does not wait for this node
+                self.rdzv.request_restart(self.round, {"summary": self.health_check.left_summary(check, self.node),
+                                                       "node": self.node, "lost": [self.rdzv.node_id]})
+            except StoreUnreachable as e:
+                self.event("restart_request_failed", level="warning", why=str(e))
+        self._teardown(self.cfg.restart_grace, abandon=True)
+        joined = self.round is not None
+        self.left_line = (f"elasticd: this node left the job: {why.reason}" if joined else
+                          f"elasticd: not starting: this node's {why.reason}")
+        self.set_state(State.LEFT, exit_code=EXIT_UNHEALTHY, cause=why.summary())
+        return EXIT_UNHEALTHY
 
     def _after_start_up(self, now: float) -> None:
         """Once every new worker has stepped (first beat): report the recovery timeline and
@@ -305,7 +375,9 @@ class Agent:
         beats = self.group.beats()
         stepped = all(b and b.beats for b in beats)
         if stepped and self.recovery.marks:
-            self.event("recovered", **self.recovery.report(beats))
+            timeline = self.recovery.report(beats)
+            self.event("recovered", **timeline)
+            self.figures.on_recovered(timeline)
         self.spares.refill_if_due(stepped, now)
 
     def _restart(self, why: Failure | Scale) -> int | None:
@@ -313,6 +385,8 @@ class Agent:
         request tells every node why; whether it costs the job's budget is decided by the next
         round's closing (rendezvous.py), which knows whether a node was lost."""
         self.recovery.detected()
+        self.figures.on_restart(why, self.group.beats())
+        self.health_check.peer_left(why)
         self.set_state(State.RESTARTING, cause=why.summary())
         spends = why.kind.spends_budget
         if spends:
@@ -338,6 +412,7 @@ class Agent:
         # a node joining finds every rank healthy: they may save at their next boundary
         self._teardown(self.cfg.restart_grace, abandon=why.kind is not RestartCause.SCALE)
         self.recovery.mark("torn_down")
+        self.health_check.begin()  # before the next start: runs beside the backoff and the rendezvous
         if why.kind is RestartCause.CRASH and why.exit_code in self.cfg.fatal_exit_codes:
             self.event("fatal_exit_code", level="error", exit_code=why.exit_code, rank=why.rank)
             return self._fail_job(why)
@@ -363,8 +438,8 @@ class Agent:
         """Stop the local group (see LocalGroup.stop) and close its round's worker store."""
         if not self.group.workers:
             return
-        self.group.stop(0.0 if self._forced() else grace, abandon=abandon, keep=self.spares.keep(),
-                        cut_short=self._forced)
+        self.group.stop(0.0 if self._forced() else grace, abandon=abandon,
+                        keep=self.spares.keep() | self.health_check.pids(), cut_short=self._forced)
         if self.round is not None:
             self.round.close()
 
@@ -406,6 +481,7 @@ def serve(cfg: Config, run_dir: Path) -> int:
     logs.adopt_torch()
     agent = Agent(cfg, run_dir)
     agent.install_signals()
+    exporter = _metrics_exporter(cfg, agent)
     guard = supervise.Kept("guard", lambda: workers.start_guard(agent.token),
                            risk="until a new guard is up, a SIGKILLed daemon leaves its workers' children behind")
 
@@ -426,6 +502,8 @@ def serve(cfg: Config, run_dir: Path) -> int:
             server = listen(control.second_socket_path(control.default_socket_path(), cfg.rdzv_id))
     except control.ControlError as e:
         guard.close()
+        if exporter is not None:
+            exporter.close()
         from elasticd.config import ConfigError
 
         raise ConfigError(str(e)) from None
@@ -438,9 +516,32 @@ def serve(cfg: Config, run_dir: Path) -> int:
     finally:
         server.close()
         guard.close()
-    if agent.state == State.FAILED and agent.first_failure:
+        if exporter is not None:
+            exporter.close()
+    if agent.left_line:
+        sys_err(agent.left_line)
+    elif agent.state == State.FAILED and agent.first_failure:
         sys_err(f"elasticd: job failed after {agent.restart_count} restart(s): {agent.first_failure.summary()}")
     return code
+
+
+def _metrics_exporter(cfg: Config, agent: Agent) -> metrics.Exporter | None:
+    """--metrics-address / --metrics-textfile: the exporter, serving (bound) before the job starts;
+    an address that cannot be bound is a ConfigError (one line, exit 2)."""
+    if not (cfg.metrics_address or cfg.metrics_textfile):
+        return None
+    from elasticd import metrics
+    from elasticd.config import ConfigError, parse_metrics_address
+
+    address = parse_metrics_address(cfg.metrics_address) if cfg.metrics_address else None
+    exporter = metrics.Exporter(address, cfg.metrics_textfile or None, lambda: agent.status.snapshot)
+    try:
+        exporter.start()
+    except OSError as e:
+        raise ConfigError(f"--metrics-address {cfg.metrics_address} cannot be bound here ({e.strerror or e}): "
+                          "give a free port on one of this node's addresses") from None
+    agent.metrics = exporter
+    return exporter
 
 
 def _accept_command(agent: Agent, req: dict) -> dict | control.Deferred:

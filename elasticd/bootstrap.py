@@ -5,7 +5,8 @@ module:function. The user's code then runs with the `__main__`, sys.argv, sys.pa
 semantics of `python script.py ARGS` / `python -m module ARGS`. Before that it:
 - dies with the daemon (parent-death signal), even if the daemon is SIGKILLed;
 - dumps every thread's stack to the rank's stack file on ELASTICD_STACK_SIGNAL (faulthandler);
-- beats the heartbeat on every optimizer step, marks when init_process_group returns, and
+- beats the heartbeat on every optimizer step (with the rank's own work since the last gradient
+  sync, timed around backward()), marks when init_process_group returns, and
   works around a gloo teardown deadlock in destroy_process_group, without importing torch itself;
 - writes TORCHELASTIC_ERROR_FILE (torch's @record format) when the entrypoint raises.
 With ELASTICD_NO_PYTHON (torchrun's --no-python) the entrypoint is an executable: the worker
@@ -61,9 +62,34 @@ _stack_file = None
 
 
 def _register_step_hook(optimizer_module) -> None:
-    from elasticd import heartbeat
+    from elasticd import _beat_writer
 
-    optimizer_module.register_optimizer_step_post_hook(lambda *_: heartbeat())
+    writer = _beat_writer()
+    if writer is not None:
+        optimizer_module.register_optimizer_step_post_hook(lambda *_: writer.optimizer_stepped())
+
+
+def _time_backward(autograd_module) -> None:
+    """Note when each backward() begins and returns (the rank's own work per step is the time
+    between one step's gradient sync and the next backward: health.Writer.optimizer_stepped).
+    Tensor.backward() calls torch.autograd.backward through the module, so wrapping it there
+    covers both; two clock reads per backward."""
+    from elasticd import _beat_writer
+
+    writer = _beat_writer()
+    if writer is None:
+        return
+    backward, clock = autograd_module.backward, time.monotonic
+
+    @functools.wraps(backward)
+    def timed_backward(*args, **kwargs):
+        writer.backward_in = clock()
+        try:
+            return backward(*args, **kwargs)
+        finally:
+            writer.backward_out = clock()
+
+    autograd_module.backward = timed_backward
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
@@ -131,6 +157,7 @@ def arm_heartbeat() -> None:
     if not os.environ.get(names.HEARTBEAT_FILE):
         return
     _after_import("torch.optim.optimizer", _register_step_hook)
+    _after_import("torch.autograd", _time_backward)
     _after_import("torch.distributed", _wrap_process_group_calls)
 
 

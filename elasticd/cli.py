@@ -8,6 +8,7 @@ Exit codes:
      several daemons run here and no --socket says which
   3  status/stacks: no daemon is running (LSB "program is not running")
   4  status/stop/stacks: the daemon refused or did not answer (permission, protocol, no workers)
+  5  run: this node's health check failed: it did not start, or it left the job
 """
 
 from __future__ import annotations
@@ -23,10 +24,12 @@ from pathlib import Path
 from elasticd import __version__, names
 from elasticd.config import ConfigError, check_value
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_RUNNING, EXIT_CONTROL = 0, 1, 2, 3, 4
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_RUNNING, EXIT_CONTROL, EXIT_UNHEALTHY = 0, 1, 2, 3, 4, 5
+FINAL_STATES = ("SUCCEEDED", "FAILED", "STOPPED", "LEFT")
 
 EPILOG = """exit codes: 0 success (status: running), 1 job failed, 2 bad input (nothing started),
-3 no daemon running (status, stacks), 4 daemon refused or did not answer"""
+3 no daemon running (status, stacks), 4 daemon refused or did not answer,
+5 this node's health check failed (run: it did not start, or left the job)"""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -219,6 +222,15 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
                 raise ConfigError("--no-python and -m cannot go together: -m runs a Python module; drop one")
         cfg = config.build(flags, args.config_file, static=getattr(args, "static", []))
         config.check_entrypoint(cfg.entrypoint, no_python=cfg.no_python)
+        if cfg.health_check:
+            config.check_health_check(cfg.health_check)
+        if cfg.metrics_textfile:
+            textfile = Path(cfg.metrics_textfile)
+            if not textfile.absolute().parent.is_dir():
+                raise ConfigError(f"--metrics-textfile {textfile}: directory {textfile.absolute().parent} does not "
+                                  "exist: create it (node_exporter's textfile directory, readable by node_exporter)")
+            directory = config.check_log_dir(textfile.absolute().parent, "--metrics-textfile's directory")
+            cfg = dataclasses.replace(cfg, metrics_textfile=str(directory / textfile.name))
         if cfg.rdzv_secret_file:
             signing.load_secret(cfg.rdzv_secret_file)
         if cfg.max_nodes == 1 and cfg.rdzv_endpoint and not cfg.etcd:  # a single node hosts a c10d store
@@ -263,7 +275,7 @@ def _status(args: argparse.Namespace) -> int:
         if len(paths) > 1:
             status["socket"] = str(path)
         print(json.dumps(status, indent=2, default=str) if args.json else render_status(status))
-        if status.get("state") not in ("SUCCEEDED", "FAILED", "STOPPED"):
+        if status.get("state") not in FINAL_STATES:
             code = EXIT_OK
     return code
 
@@ -361,6 +373,58 @@ def _age(seconds) -> str:
     return f"{seconds / 60:.1f}m" if seconds < 7200 else f"{seconds / 3600:.1f}h"
 
 
+def _ms(seconds) -> str:
+    if seconds is None:
+        return "-"
+    seconds = float(seconds)
+    return f"{seconds * 1e3:.1f}ms" if seconds < 1 else f"{seconds:.2f}s"
+
+
+def _figures_lines(s: dict) -> list[str]:
+    """Goodput, steps, restarts by cause, checkpoint and refresh costs, health and stragglers: a
+    line each at most (the table stays one screen; --json has everything)."""
+    lines = []
+    goodput = s.get("goodput") or {}
+    ratio = goodput.get("ratio")
+    lost = s.get("steps_lost") or {}
+    lost_text = f"steps lost {lost.get('total', 0)}"
+    if lost.get("last") is not None:
+        lost_text += f" (last restart {lost['last']})"
+    if lost.get("unknown"):
+        lost_text += f", {lost['unknown']} restart(s) unknown"
+    lines.append(f"  goodput {'-' if ratio is None else f'{100 * ratio:.1f}%'} (productive "
+                 f"{_age(goodput.get('productive_seconds'))} of {_age(goodput.get('wall_seconds'))})  step "
+                 f"{'-' if s.get('step') is None else s['step']} at {_ms(s.get('step_time'))}/step (own work "
+                 f"{_ms(s.get('work_time'))})  {lost_text}")
+    causes = {c: n for c, n in (s.get("restarts_by_cause") or {}).items() if n}
+    if causes:
+        lines.append("  restarts by cause: " + ", ".join(f"{c.replace('_', ' ')} {n}" for c, n in causes.items())
+                     + f"; budget left {s.get('budget_left')}")
+    ckpt, mem = s.get("checkpoint_costs") or {}, s.get("memory_refresh") or {}
+    costs = []
+    if ckpt.get("saves"):
+        costs.append(f"saves {ckpt['saves']}: stall {_ms(ckpt.get('last_stall_seconds'))} last, "
+                     f"{_ms(ckpt.get('stall_seconds_total'))} total, write {_ms(ckpt.get('last_write_seconds'))}")
+    if mem.get("refreshes"):
+        costs.append(f"in-memory refresh every {mem.get('every') or '-'} step(s), {_ms(mem.get('last_seconds'))} "
+                     f"last, {_ms(mem.get('seconds_total'))} total")
+    if costs:
+        lines.append("  " + "; ".join(costs))
+    health = s.get("health") or {}
+    if health.get("check"):
+        last = health.get("last") or {}
+        when = f", {_age(time.time() - last['at'])} ago" if last.get("at") else ""
+        lines.append(f"  health check {health.get('state')}: {health.get('check')}"
+                     + (f" ({last.get('reason')}, {_ms(last.get('seconds'))}{when})" if last else ""))
+    for left in (health.get("peers_left") or [])[-2:]:
+        lines.append(f"  node {left.get('node')} left the job: health check failed: {left.get('reason')}")
+    for st in s.get("stragglers") or []:
+        lines.append(f"  straggler: rank {st.get('rank')} (local {st.get('local_rank')}) on node {st.get('node')}: "
+                     f"{st.get('ratio'):.2f}x the node's median own work per step ({_ms(st.get('work_time'))} vs "
+                     f"{_ms(st.get('median'))}) for {_age(time.time() - st.get('since', time.time()))}")
+    return lines
+
+
 def render_status(s: dict) -> str:
     """The readable form of a status snapshot, each line escaped (logs.printable): failures and
     events quote what workers wrote."""
@@ -391,12 +455,15 @@ def render_status(s: dict) -> str:
     if s.get("peers"):
         lines.append("  watched peer nodes (group rank: last beat) "
                      + ", ".join(f"{r}: {_age(age)} ago" for r, age in s["peers"].items()))
-    lines.append("  RANK  PID      STATE                 BEAT   STEP     RSS")
+    lines += _figures_lines(s)
+    lines.append("  RANK  PID      STATE                 BEAT   STEP     TIME/STEP  OWN WORK   RSS")
     for w in s.get("workers") or []:
         rss = f"{w['rss_bytes'] / 2**20:.0f}MiB" if w.get("rss_bytes") else "-"
         step = "-" if w.get("step") is None else str(w["step"])
         beat = _age(w.get("heartbeat_age"))
-        lines.append(f"  {w['rank']:<5} {w['pid']:<8} {w['state']:<21} {beat:<6} {step:<8} {rss}")
+        work = _ms(w.get("work_time")) + ("!" if w.get("straggler") else "")
+        lines.append(f"  {w['rank']:<5} {w['pid']:<8} {w['state']:<21} {beat:<6} {step:<8} "
+                     f"{_ms(w.get('step_time')):<10} {work:<10} {rss}")
     f = s.get("last_failure")
     if f:
         lines.append(f"  last failure: rank {f.get('rank')} {f.get('reason')}"

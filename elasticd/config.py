@@ -43,8 +43,12 @@ _RANGES: dict[str, tuple[float, float, bool]] = {
     **{k: (0.0, MAX_SECONDS, False) for k in ("heartbeat_timeout", "startup_timeout", "join_timeout",
                                               "exit_barrier_timeout", "peer_timeout", "kill_timeout")},
     **{k: (0.0, MAX_SECONDS, True) for k in ("stop_grace", "restart_grace", "restart_backoff",
-                                             "restart_backoff_max", "last_call_timeout")},
+                                             "restart_backoff_max", "last_call_timeout", "health_check_interval")},
+    "health_check_timeout": (0.0, MAX_SECONDS, False),
+    "straggler_threshold": (0.0, 100.0, True),  # 0: off; 0.2: 20% above the median
+    "straggler_window": (1.0, MAX_SECONDS, True),
 }
+STRAGGLER_ACTIONS = ("report",)  # "restart" and "exclude-node" may come: stragglers.Straggler carries what they need
 
 # Signals a worker may dump its stacks on (faulthandler registers them; a worker that has not yet
 # registered the handler is ended, as by SIGTERM). Not: signals that stop workers (SIGTERM, SIGINT),
@@ -165,6 +169,28 @@ class Config:
     etcd_password_file: str = _setting("", "etcd: file holding the user's password (mode 600)")
     socket: str = _setting("", "control socket path")
     operators_group: str = _setting("", "group whose members may use status/stop")
+
+    # --- operability: metrics, stragglers, node health ---
+    metrics_address: str = _setting("", "HOST:PORT to serve Prometheus metrics on (off by default); one address, "
+                                    "never all interfaces unless --metrics-all-interfaces", metavar="HOST:PORT")
+    metrics_all_interfaces: bool = _setting(False, "allow --metrics-address 0.0.0.0:PORT or [::]:PORT (every "
+                                            "interface)")
+    metrics_textfile: str = _setting("", "also write the metrics to this file (e.g. node_exporter's textfile "
+                                     "collector directory/elasticd.prom), replaced atomically every few seconds",
+                                     metavar="FILE")
+    straggler_threshold: float = _setting(0.2, "a rank whose own work per step stays this share above the node's "
+                                          "median for --straggler-window is reported (default {default:g}, 20 "
+                                          "percent; 0: off)")
+    straggler_window: float = _setting(30.0, "how long a rank must stay slow to be a straggler (default "
+                                       "{default:g} s)")
+    straggler_action: str = _setting("report", "what to do about a straggler: report (an event, a metric and a "
+                                     "status field; nothing is restarted)", choices=STRAGGLER_ACTIONS)
+    health_check: str = _setting("", "an executable (with arguments) run before every start and restart and every "
+                                 "--health-check-interval; failing it, this node does not start, or stops its workers "
+                                 "and leaves the job, with exit code 5", metavar="CMD")
+    health_check_interval: float = _setting(60.0, "seconds between health checks while training (default "
+                                            "{default:g}; 0: only before starts)")
+    health_check_timeout: float = _setting(60.0, "a health check running longer fails (default {default:g} s)")
 
     @property
     def min_nodes(self) -> int:
@@ -480,7 +506,40 @@ def _signal_problem(name: str, allowed: tuple[str, ...], refusal: str) -> str | 
     return f"{name} {refusal}; use one of {', '.join(allowed)}"
 
 
+def parse_metrics_address(text: str) -> tuple[str, int]:
+    """--metrics-address HOST:PORT (IPv6 as [addr]:PORT): a host and a fixed port, both required."""
+    problem, host, port = _metrics_address(str(text))
+    if problem:
+        raise ConfigError(f"--metrics-address {text!r}: {problem}")
+    return host, port
+
+
+def _metrics_address(text: str) -> tuple[str | None, str, int]:
+    """(what is wrong or None, host, port)."""
+    host, sep, port_text = text.rpartition(":")
+    if not sep or not host or "]" in port_text:
+        return "use HOST:PORT (e.g. 127.0.0.1:9400 or [::1]:9400)", "", 0
+    if host.startswith("[") != host.endswith("]") or (":" in host and not host.startswith("[")):
+        return "write an IPv6 address in brackets, e.g. [::1]:9400", "", 0
+    host = host[1:-1] if host.startswith("[") else host
+    if not port_text.isascii() or not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
+        return "the port must be a number from 1 to 65535 (a fixed port Prometheus can be pointed at)", "", 0
+    if not host or len(host) > 255 or not all(c.isalnum() or c in ".-:_%" for c in host):
+        return f"{host!r} is not an IP address or host name", "", 0
+    return None, host, int(port_text)
+
+
+ALL_INTERFACES = ("0.0.0.0", "::", "0:0:0:0:0:0:0:0")
+
+
 _NAME_RULES = {
+    "metrics_address": lambda v: _metrics_address(v)[0] if v else None,
+    "straggler_action": lambda v: None if v in STRAGGLER_ACTIONS else
+    f"use {' or '.join(STRAGGLER_ACTIONS)} (restart and exclude-node are not implemented yet)",
+    "health_check": lambda v: None if v.isprintable() and len(v) <= 4096 else
+    "use a printable command line of at most 4096 characters",
+    "metrics_textfile": lambda v: None if not v or (v.isprintable() and not v.endswith("/")) else
+    "use a printable file path, e.g. /var/lib/node_exporter/textfile/elasticd.prom",
     "rdzv_id": _rdzv_id_problem,
     "role": lambda v: None if v and v.isprintable() and len(v) <= 128 else "use a printable name of 1-128 characters",
     "stack_signal": lambda v: _signal_problem(v, STACK_SIGNALS, "cannot be a stack-dump signal"),
@@ -599,6 +658,21 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"--log-format {cfg.log_format!r}: use auto, json or console")
     parse_std(cfg.redirects, "redirects")
     parse_std(cfg.tee_streams, "tee_streams")
+    if cfg.metrics_address:
+        host, port = parse_metrics_address(cfg.metrics_address)
+        if host in ALL_INTERFACES and not cfg.metrics_all_interfaces:
+            raise ConfigError(f"--metrics-address {cfg.metrics_address} would serve metrics on every interface: "
+                              f"give one address (e.g. 127.0.0.1:{port} or this node's own), or add "
+                              "--metrics-all-interfaces")
+    if cfg.health_check:
+        import shlex
+
+        try:
+            if not shlex.split(cfg.health_check):
+                raise ValueError("empty")
+        except ValueError as e:
+            raise ConfigError(f"--health-check {cfg.health_check!r} is not a command line ({e}): give an "
+                              "executable and its arguments, quoted as in a shell") from None
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if cfg.virtual_local_rank and visible is not None and len(visible.split(",")) < cfg.nproc_per_node:
         raise ConfigError(f"--virtual-local-rank with {cfg.nproc_per_node} workers per node, but "
@@ -713,6 +787,16 @@ def check_port_free(host: str, port: int) -> None:
                     f"--rdzv-endpoint port {port} on {host} is in use by another process: pick a free port"
                 ) from None
             raise ConfigError(f"--rdzv-endpoint {host}:{port} cannot be bound here ({e.strerror})") from None
+
+
+def check_health_check(command: str) -> None:
+    """--health-check's program exists and may be run (its arguments are its own)."""
+    import shlex
+
+    program = shlex.split(command)[0]
+    if shutil.which(program, path=os.environ.get("PATH", os.defpath)) is None:
+        raise ConfigError(f"--health-check {command!r}: {program!r} is not an executable file on PATH or at that "
+                          "path: give a program with its x bit set (e.g. deploy/healthcheck/gpu-check)")
 
 
 def check_entrypoint(entrypoint: str, cwd: str | None = None, no_python: bool = False) -> None:

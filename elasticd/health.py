@@ -11,6 +11,12 @@ then one-off marks (0.0 until set): exiting f64 (the entrypoint returned or rais
 written by the worker; and abandon f64, written by the daemon just before it SIGTERMs a group
 it is restarting after a failure. The marks feed the hang verdict (exiting), the recovery
 timeline, and the checkpoint library's SIGTERM handling (abandon: die now, nothing to save).
+
+Then running figures, f64 each, written by the worker for status and metrics (FIGURES): its own
+work per step (the time outside the gradient sync, summed, and the steps that measured it: what
+the straggler check compares), the step the checkpoint library resumed from, and the library's
+save and in-memory refresh costs and cadence. Each is one aligned store into the mapping, at
+most a few per step.
 """
 
 from __future__ import annotations
@@ -25,9 +31,23 @@ from elasticd import safeio
 
 _LAYOUT = struct.Struct("<4sIqqdddddd")
 MAGIC = b"EDHB"
-SIZE = 128
+SIZE = 256
 _BEATS, _STEP, _LAST, _FIRST = 8, 16, 24, 32  # offsets of the fields a beat writes
 MARKS = {"exiting": 40, "pg_ready": 48, "state_loaded": 56, "abandon": 64}  # offsets
+# Running figures after the marks, in this order from offset 72 (f64 each; counts too):
+FIGURES = (
+    "work_total",  # seconds of the rank's own work (outside backward()'s gradient sync), summed over steps
+    "work_steps",  # steps that measured it
+    "resumed",  # the step the checkpoint library resumed from (0: a fresh start); valid once state_loaded
+    "saves",  # CheckpointManager.save() calls
+    "save_stall_total", "save_write_total",  # seconds: training blocked / background write (rank 0)
+    "save_stall_last", "save_write_last",
+    "refreshes", "refresh_total", "refresh_last",  # in-memory refreshes and the seconds they blocked training
+    "refresh_every",  # the in-memory cadence: steps between refreshes (0: off)
+)
+_FIGURES = struct.Struct(f"<{len(FIGURES)}d")
+_FIGURES_AT = 72
+_FIGURE_INDEX = {name: _FIGURES_AT // 8 + i for i, name in enumerate(FIGURES)}  # index of the f64 view
 EXIT_TIMEOUT = 60.0  # the least time a finished rank gets to leave the interpreter
 
 
@@ -41,6 +61,13 @@ class Beat:
     pg_ready: float = 0.0
     state_loaded: float = 0.0
     abandon: float = 0.0
+    figures: tuple[float, ...] = (0.0,) * len(FIGURES)  # FIGURES, in order
+
+    def figure(self, name: str) -> float:
+        return self.figures[FIGURES.index(name)]
+
+
+_READ = _FIGURES_AT + _FIGURES.size
 
 
 def create(path: str) -> None:
@@ -75,9 +102,9 @@ class Reader:
             except OSError:
                 return None
         try:
-            data = os.pread(self._fd, _LAYOUT.size, 0)
+            data = os.pread(self._fd, _READ, 0)
             for _ in range(10):
-                again = os.pread(self._fd, _LAYOUT.size, 0)
+                again = os.pread(self._fd, _READ, 0)
                 if again == data:
                     break
                 data = again
@@ -85,10 +112,11 @@ class Reader:
             return None
         if len(data) < _LAYOUT.size:
             return None
-        magic, _version, beats, step, last, first, *marks = _LAYOUT.unpack(data)
+        magic, _version, beats, step, last, first, *marks = _LAYOUT.unpack_from(data)
         if magic != MAGIC:
             return None
-        return Beat(beats, step, last, first, *marks)
+        figures = _FIGURES.unpack_from(data, _FIGURES_AT) if len(data) >= _READ else (0.0,) * len(FIGURES)
+        return Beat(beats, step, last, first, *marks, figures=figures)
 
     def close(self) -> None:
         if self._fd is not None:
@@ -131,6 +159,12 @@ class Writer:
         self.beats = 0
         self.step = -1
         self._explicit = False  # once the script names its step, automatic beats keep it
+        # the rank's own work per step (bootstrap's backward() wrapper sets the times)
+        self.backward_in = 0.0  # CLOCK_MONOTONIC when the latest backward() began
+        self.backward_out = 0.0  # ... and when it returned (the gradients synced)
+        self._synced = 0.0  # backward_out as of the previous optimizer step
+        self._work_total = 0.0
+        self._work_steps = 0
 
     def beat(self, step: int | None = None) -> None:
         now = time.monotonic()
@@ -144,6 +178,33 @@ class Writer:
         self._floats[_LAST // 8] = now
         self._ints[_STEP // 8] = self.step
         self._ints[_BEATS // 8] = self.beats
+
+    def optimizer_stepped(self) -> None:
+        """An optimizer step: a beat, and the rank's own work since the previous step's gradient
+        sync, if backward() ran in between: from the sync's end to the next backward()'s start
+        (data, forward, optimizer, anything the script does; not the wait for other ranks in
+        DDP's gradient all-reduce, which ends backward() at the same time on every rank)."""
+        self.beat()
+        start, end = self._synced, self.backward_in
+        if start and end > start:
+            self._work_total += end - start
+            self._work_steps += 1
+            self._floats[_FIGURE_INDEX["work_total"]] = self._work_total
+            self._floats[_FIGURE_INDEX["work_steps"]] = self._work_steps
+        self._synced = self.backward_out
+
+    def name_step(self, step: int) -> None:
+        """The script's own step number from now on (the checkpoint library's), without a beat."""
+        self.step, self._explicit = int(step), True
+        self._ints[_STEP // 8] = self.step
+
+    def note(self, name: str, value: float) -> None:
+        """Set one of FIGURES."""
+        self._floats[_FIGURE_INDEX[name]] = value
+
+    def add(self, name: str, value: float) -> None:
+        """Add to one of FIGURES (a count or a total)."""
+        self._floats[_FIGURE_INDEX[name]] += value
 
 
 def marked(path: str | None, name: str) -> bool:

@@ -9,6 +9,7 @@ INIT → RENDEZVOUS ────────────→ RUNNING ──all lo
 RENDEZVOUS, RUNNING ──stop request or SIGTERM──→ STOPPING (workers checkpoint & exit) → STOPPED
 RENDEZVOUS ──stop while blocked joining──→ STOPPED
 RENDEZVOUS, RUNNING, RESTARTING, EXIT_BARRIER, STOPPING ──store lost / rendezvous failed──→ FAILED
+RENDEZVOUS, RUNNING ──this node's health check failed──→ LEFT
 
 The agent checks every transition against TRANSITIONS where it happens (Agent.set_state): one
 that is not in the table is a bug in the agent and raises IllegalTransition.
@@ -30,11 +31,12 @@ class State(str, enum.Enum):
     RENDEZVOUS = "RENDEZVOUS"
     """Connecting to the store, meeting the other nodes, then spawning the local workers (waiting
     for spares still being forked). Next: RUNNING; STOPPING (stop requested between rounds);
-    STOPPED (stop requested while blocked in the rendezvous); FAILED (rendezvous failed)."""
+    STOPPED (stop requested while blocked in the rendezvous); FAILED (rendezvous failed); LEFT
+    (the health check before a start failed)."""
     RUNNING = "RUNNING"
     """The local workers run; the loop watches their exits and heartbeats and the peers. Next:
     EXIT_BARRIER (every local worker exited 0); RESTARTING (a RestartCause); STOPPING (stop
-    request or signal); FAILED (the store was lost)."""
+    request or signal); FAILED (the store was lost); LEFT (the periodic health check failed)."""
     RESTARTING = "RESTARTING"
     """The local group is torn down; the restart budget is spent and the backoff waited out.
     Next: RENDEZVOUS (the next round, also when a stop came during the backoff: it is acted on
@@ -51,18 +53,23 @@ class State(str, enum.Enum):
     """Final: the job failed (exit code 1); first_failure says why."""
     STOPPED = "STOPPED"
     """Final: stopped on request (exit code 0)."""
+    LEFT = "LEFT"
+    """Final: this node's health check failed (exit code 5): it refused to start, or stopped its
+    workers and left the job, having asked the others to restart without it (the reason is their
+    restart's cause). The job goes on without it if it is elastic and enough nodes remain."""
 
 
 TRANSITIONS: dict[State, frozenset[State]] = {
     State.INIT: frozenset({State.RENDEZVOUS}),
-    State.RENDEZVOUS: frozenset({State.RUNNING, State.STOPPING, State.STOPPED, State.FAILED}),
-    State.RUNNING: frozenset({State.EXIT_BARRIER, State.RESTARTING, State.STOPPING, State.FAILED}),
+    State.RENDEZVOUS: frozenset({State.RUNNING, State.STOPPING, State.STOPPED, State.FAILED, State.LEFT}),
+    State.RUNNING: frozenset({State.EXIT_BARRIER, State.RESTARTING, State.STOPPING, State.FAILED, State.LEFT}),
     State.RESTARTING: frozenset({State.RENDEZVOUS, State.FAILED}),
     State.EXIT_BARRIER: frozenset({State.SUCCEEDED, State.FAILED}),
     State.STOPPING: frozenset({State.STOPPED, State.FAILED}),
     State.SUCCEEDED: frozenset(),
     State.FAILED: frozenset(),
     State.STOPPED: frozenset(),
+    State.LEFT: frozenset(),
 }
 
 
@@ -101,6 +108,9 @@ class RestartCause(str, enum.Enum):
     STOP = "stop"
     """A stop request or signal: the group gets its grace and ends for good (STOPPING). Spends
     nothing; shown as the STOPPING event's cause."""
+    HEALTH = "unhealthy"
+    """This node's health check failed: it leaves the job (LEFT). Spends nothing; the other nodes
+    restart without it (for them, a PEER restart whose reason is the check's)."""
 
     @property
     def spends_budget(self) -> bool:

@@ -51,7 +51,8 @@ class StatusBoard:
 
     def publish(self, *, state: State, rnd: Round | None, attempt: int, restarts: int, ranks: list[dict],
                 last_failure: Failure | None, last_recovery: dict[str, float] | None,
-                memory_dir: str | None, now: float) -> None:
+                memory_dir: str | None, now: float, figures: dict[str, Any] | None = None) -> None:
+        """`figures`: the operability figures (figures.py, stragglers.py, healthcheck.py) merged in."""
         self.last_publish = now
         checkpoint, memory_step = self._resume_points(now, memory_dir)
         self.snapshot = {
@@ -65,6 +66,7 @@ class StatusBoard:
             "round": attempt,
             "restarts": restarts,
             "max_restarts": self.cfg.max_restarts,
+            "budget_left": max(0, self.cfg.max_restarts - restarts),
             "uptime": round(time.time() - self.started, 1),
             "run_dir": str(self.run_dir),
             "entrypoint": self.cfg.entrypoint,
@@ -78,6 +80,7 @@ class StatusBoard:
             "checkpoint": checkpoint,
             "memory_step": memory_step,
             "parts": supervise.report(),  # elasticd's own processes and threads (supervise.py)
+            **(figures or {}),
             "events": list(self.events)[-10:],
         }
         self.on_snapshot(self.snapshot)

@@ -14,6 +14,7 @@ import structlog
 import torch
 import torch.distributed as dist
 
+import elasticd
 from elasticd import health, names
 from elasticd.checkpoint import files, stop
 from elasticd.checkpoint.collectives import cpu_group, dist_on, rank, world
@@ -28,11 +29,21 @@ class CheckpointError(RuntimeError):
     """A save that did not complete (the previous checkpoint is intact and still latest)."""
 
 
-def _mark_state_loaded() -> None:
-    """For the daemon's recovery timeline ("state loaded"), when running under elasticd."""
+def _mark_state_loaded(step: int) -> None:
+    """For the daemon's recovery timeline ("state loaded") and its count of steps lost (the step
+    resumed from, 0 for a fresh start), when running under elasticd."""
+    writer = elasticd._beat_writer()
+    if writer is not None:
+        writer.note("resumed", step)
     path = os.environ.get(names.HEARTBEAT_FILE)
     if path:
         health.mark(path, "state_loaded")
+
+
+def _figures():
+    """The heartbeat file's writer, through which the daemon reads this rank's save and refresh
+    costs (health.FIGURES); None outside elasticd."""
+    return elasticd._beat_writer()
 
 
 def _failure(directory: str, err: BaseException) -> str:
@@ -118,7 +129,7 @@ class CheckpointManager:
         got = self._memory.load(self.directory) if self._memory.wanted else None
         if got is None:
             got = files.load_latest_entry(self.directory)
-        _mark_state_loaded()
+        _mark_state_loaded(got[1].step or 0 if got is not None else 0)
         if got is None:
             self.loaded = None
             return None
@@ -150,6 +161,7 @@ class CheckpointManager:
         self._last_step, self._last_time = int(step), time.monotonic()
         if rank() != 0:
             self.last_stall = time.perf_counter() - t0
+            self._report_stall()
             return self.last_stall
         sampler = state.get("sampler") if isinstance(state, Mapping) else None
         if isinstance(sampler, Mapping):
@@ -162,7 +174,15 @@ class CheckpointManager:
                                         name="elasticd-checkpoint-writer")
         self._thread.start()
         self.last_stall = time.perf_counter() - t0
+        self._report_stall()
         return self.last_stall
+
+    def _report_stall(self) -> None:
+        writer = _figures()
+        if writer is not None:
+            writer.add("saves", 1)
+            writer.add("save_stall_total", self.last_stall)
+            writer.note("save_stall_last", self.last_stall)
 
     def _persist(self, payload: dict[str, Any], meta: dict[str, Any]) -> None:
         t0 = time.perf_counter()
@@ -187,6 +207,10 @@ class CheckpointManager:
                     pass
             self.last_saved = entry
             self.last_write = time.perf_counter() - t0
+            writer = _figures()
+            if writer is not None:  # two stores from this thread; the training thread writes other fields
+                writer.add("save_write_total", self.last_write)
+                writer.note("save_write_last", self.last_write)
             log.info("checkpoint_saved", path=os.path.join(d, entry.file), step=entry.step,
                       bytes=entry.bytes, seconds=round(self.last_write, 3))
         except BaseException as e:  # noqa: BLE001 - reported to the training thread
@@ -256,6 +280,9 @@ class CheckpointManager:
         requested (then once: the final save). Call it on every rank at every step boundary.
         The in-memory state is refreshed every `memory_every` steps (see memory.Cadence)."""
         cadence = self._memory.cadence
+        writer = _figures()
+        if writer is not None:
+            writer.name_step(step)  # status and metrics show the training step, not a count of beats
         cadence.step_began()
         try:
             return self._maybe_save(step, state, epoch, position)

@@ -25,6 +25,7 @@ import structlog
 import torch
 import torch.distributed as dist
 
+import elasticd
 from elasticd import memory, names
 from elasticd.checkpoint.collectives import all_gather_bytes, cpu_group, dist_on, rank, recv_bytes, send_bytes, world
 from elasticd.checkpoint.files import looks_at_disk
@@ -142,7 +143,12 @@ class MemoryState:
 
     def adopt(self, agreed: int) -> None:
         """The cadence agreed across ranks (the largest proposal)."""
-        if self.on and self.cadence.adopt(agreed) and rank() == 0:
+        if not (self.on and self.cadence.adopt(agreed)):
+            return
+        figures = elasticd._beat_writer()
+        if figures is not None:
+            figures.note("refresh_every", self.every)
+        if rank() == 0:
             refresh, step = self.cadence.measured  # this rank's; the agreed N may come from another
             log.info("memory_cadence", every=self.every, budget=self.cadence.budget,
                      refresh_ms=round(1e3 * refresh, 3), step_ms=round(1e3 * step, 3))
@@ -277,6 +283,12 @@ class MemoryState:
                 self.writer.close()
                 self.writer = None
         self.last_stall = time.perf_counter() - t0
+        figures = elasticd._beat_writer()
+        if figures is not None:
+            figures.add("refreshes", 1)
+            figures.add("refresh_total", self.last_stall)
+            figures.note("refresh_last", self.last_stall)
+            figures.note("refresh_every", self.every)
         if self.on:
             if not mapped and not writer.queued:
                 self.cadence.costs.append(self.last_stall)

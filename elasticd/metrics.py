@@ -1,0 +1,277 @@
+"""Prometheus metrics, made from the status snapshot the agent loop publishes.
+
+`--metrics-address HOST:PORT` serves them over HTTP (prometheus-client's own server, on its own
+thread, bound to that one address); `--metrics-textfile FILE` writes them for node_exporter's
+textfile collector (replaced atomically every TEXTFILE_EVERY seconds and at every state change).
+Either way the figures are those of the latest snapshot: the collector reads it at scrape time,
+so the loop never waits on a scrape, and `elasticd status --json` holds every number exported.
+
+Every series carries the labels run_id and node. METRICS lists them all (name, type, help,
+labels); README's table is checked against it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+
+from elasticd import __version__, logs, safeio
+from elasticd.states import State
+
+log = logs.get("elasticd.metrics")
+
+TEXTFILE_EVERY = 5.0  # seconds between textfile writes (besides state changes)
+RANK = ("rank", "local_rank")
+
+# name, type, help, labels (besides run_id and node)
+METRICS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
+    ("elasticd_info", "gauge", "Always 1; the daemon's version as a label", ("version",)),
+    ("elasticd_state", "gauge", "1 for the agent's current state, 0 for the others", ("state",)),
+    ("elasticd_uptime_seconds", "gauge", "Seconds since the daemon started", ()),
+    ("elasticd_world_size", "gauge", "Workers in the job this round (all nodes)", ()),
+    ("elasticd_group_rank", "gauge", "This node's rank among the job's nodes this round", ()),
+    ("elasticd_group_world_size", "gauge", "Nodes in the job this round", ()),
+    ("elasticd_round", "gauge", "Attempts this node has started (its workers' generations)", ()),
+    ("elasticd_restarts_total", "counter", "Restarts of this node's workers, by cause as this node saw it: crash, "
+     "signal, hang, peer (another node asked), node_lost, scale", ("cause",)),
+    ("elasticd_restart_budget_used", "gauge", "Failure restarts the job has spent (all nodes together)", ()),
+    ("elasticd_restart_budget_left", "gauge", "Failure restarts the job may still spend before it fails", ()),
+    ("elasticd_last_failure_timestamp_seconds", "gauge", "Unix time of the last failure that spent the budget "
+     "here", ()),
+    ("elasticd_recovery_seconds", "histogram", "Seconds from a failure's detection to every new rank's first "
+     "step", ()),
+    ("elasticd_last_recovery_phase_seconds", "gauge", "The last recovery's timeline: seconds after the failure "
+     "was detected at which each phase ended", ("phase",)),
+    ("elasticd_steps_lost_total", "counter", "Training steps done again after restarts (the step reached before "
+     "a restart less the step the next attempt resumed from)", ()),
+    ("elasticd_last_restart_steps_lost", "gauge", "Training steps the last restart lost", ()),
+    ("elasticd_steps_lost_unknown_total", "counter", "Restarts whose steps lost are unknown (the script does not "
+     "use elasticd.checkpoint)", ()),
+    ("elasticd_goodput_ratio", "gauge", "Productive training time over wall time since the daemon started; lost "
+     "steps count as lost", ()),
+    ("elasticd_productive_seconds", "gauge", "Seconds of productive training since the daemon started", ()),
+    ("elasticd_lost_seconds", "gauge", "Seconds of training lost to steps done again", ()),
+    ("elasticd_training_step", "gauge", "The highest training step this node's ranks reported", ()),
+    ("elasticd_step_seconds", "gauge", "Seconds per training step, median over this node's ranks", ()),
+    ("elasticd_step_work_seconds", "gauge", "Seconds of own work per step (outside the gradient sync), median "
+     "over this node's ranks: compare nodes with it", ()),
+    ("elasticd_checkpoint_saves_total", "counter", "Checkpoint saves (elasticd.checkpoint)", ()),
+    ("elasticd_checkpoint_stall_seconds_total", "counter", "Seconds training was blocked by checkpoint saves", ()),
+    ("elasticd_checkpoint_write_seconds_total", "counter", "Seconds of background checkpoint writes", ()),
+    ("elasticd_checkpoint_last_stall_seconds", "gauge", "Seconds the last checkpoint save blocked training", ()),
+    ("elasticd_checkpoint_last_write_seconds", "gauge", "Seconds the last checkpoint took to write", ()),
+    ("elasticd_checkpoint_step", "gauge", "Step of the newest checkpoint on this node", ()),
+    ("elasticd_checkpoint_age_seconds", "gauge", "Seconds since the newest checkpoint on this node was saved", ()),
+    ("elasticd_memory_refreshes_total", "counter", "In-memory state refreshes", ()),
+    ("elasticd_memory_refresh_seconds_total", "counter", "Seconds training was blocked by in-memory refreshes", ()),
+    ("elasticd_memory_refresh_last_seconds", "gauge", "Seconds the last in-memory refresh blocked training", ()),
+    ("elasticd_memory_refresh_interval_steps", "gauge", "The in-memory refresh cadence: steps between refreshes",
+     ()),
+    ("elasticd_memory_step", "gauge", "The newest step held in memory on this node", ()),
+    ("elasticd_rank_heartbeat_age_seconds", "gauge", "Seconds since each local rank's last heartbeat", RANK),
+    ("elasticd_rank_rss_bytes", "gauge", "Resident memory of each local rank's worker process", RANK),
+    ("elasticd_rank_step", "gauge", "Each local rank's training step", RANK),
+    ("elasticd_rank_step_seconds", "gauge", "Each local rank's seconds per step, beat to beat", RANK),
+    ("elasticd_rank_step_work_seconds", "gauge", "Each local rank's own work per step (outside the gradient sync)",
+     RANK),
+    ("elasticd_rank_straggler_ratio", "gauge", "Each local rank's own work per step over the node's median, over "
+     "the straggler window", RANK),
+    ("elasticd_stragglers", "gauge", "Local ranks reported as stragglers now", ()),
+    ("elasticd_straggler_reports_total", "counter", "Stragglers reported", ()),
+    ("elasticd_health_check_up", "gauge", "1 if the last health check passed, 0 if it failed (absent before the "
+     "first or without --health-check)", ()),
+    ("elasticd_health_check_runs_total", "counter", "Health checks run", ()),
+    ("elasticd_health_check_failures_total", "counter", "Health checks that failed", ()),
+    ("elasticd_health_check_duration_seconds", "gauge", "Seconds the last health check took", ()),
+    ("elasticd_health_check_timestamp_seconds", "gauge", "Unix time the last health check finished", ()),
+    ("elasticd_peers_left_total", "counter", "Other nodes that left the job after failing their health check", ()),
+    ("elasticd_peer_beat_age_seconds", "gauge", "Seconds since each peer node's liveness beat last moved",
+     ("peer_group_rank",)),
+)
+_BY_NAME = {m[0]: m for m in METRICS}
+PHASES = ("torn_down", "rendezvous_done", "spawned", "pg_ready", "state_loaded", "first_step")
+
+
+class SnapshotCollector:
+    """prometheus-client collector: the metrics of the latest status snapshot, made at scrape time."""
+
+    def __init__(self, snapshot: Callable[[], dict[str, Any]]) -> None:
+        self.snapshot = snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.snapshot()
+        if s:
+            yield from families(s)
+
+
+def families(s: dict[str, Any]) -> Iterator[Metric]:
+    """Every metric of METRICS with its samples from the snapshot `s` (a metric with no value now,
+    e.g. a step time before the first steps, is left out)."""
+    base = {"run_id": str(s.get("run_id")), "node": str(s.get("node"))}
+    samples: dict[str, list[tuple[dict[str, str], Any]]] = {name: [] for name in _BY_NAME}
+
+    def put(name: str, value: Any, **labels: Any) -> None:
+        if value is not None:
+            samples[name].append(({k: str(v) for k, v in labels.items()}, float(value)))
+
+    put("elasticd_info", 1, version=__version__)
+    for state in State:
+        put("elasticd_state", int(s.get("state") == state.value), state=state.value)
+    put("elasticd_uptime_seconds", s.get("uptime"))
+    put("elasticd_world_size", s.get("world_size"))
+    put("elasticd_group_rank", s.get("group_rank"))
+    put("elasticd_group_world_size", s.get("group_world_size"))
+    put("elasticd_round", s.get("round"))
+    for cause, n in (s.get("restarts_by_cause") or {}).items():
+        put("elasticd_restarts_total", n, cause=cause)
+    put("elasticd_restart_budget_used", s.get("restarts"))
+    put("elasticd_restart_budget_left", s.get("budget_left"))
+    if s.get("last_failure"):
+        put("elasticd_last_failure_timestamp_seconds", s["last_failure"].get("at"))
+    for phase, seconds in (s.get("last_recovery") or {}).items():
+        put("elasticd_last_recovery_phase_seconds", seconds, phase=phase)
+    lost = s.get("steps_lost") or {}
+    put("elasticd_steps_lost_total", lost.get("total"))
+    put("elasticd_last_restart_steps_lost", lost.get("last"))
+    put("elasticd_steps_lost_unknown_total", lost.get("unknown"))
+    goodput = s.get("goodput") or {}
+    put("elasticd_goodput_ratio", goodput.get("ratio"))
+    put("elasticd_productive_seconds", goodput.get("productive_seconds"))
+    put("elasticd_lost_seconds", goodput.get("lost_seconds"))
+    put("elasticd_training_step", s.get("step"))
+    put("elasticd_step_seconds", s.get("step_time"))
+    put("elasticd_step_work_seconds", s.get("work_time"))
+    ckpt = s.get("checkpoint_costs") or {}
+    put("elasticd_checkpoint_saves_total", ckpt.get("saves"))
+    put("elasticd_checkpoint_stall_seconds_total", ckpt.get("stall_seconds_total"))
+    put("elasticd_checkpoint_write_seconds_total", ckpt.get("write_seconds_total"))
+    if ckpt.get("saves"):
+        put("elasticd_checkpoint_last_stall_seconds", ckpt.get("last_stall_seconds"))
+        put("elasticd_checkpoint_last_write_seconds", ckpt.get("last_write_seconds"))
+    newest = s.get("checkpoint") or {}
+    put("elasticd_checkpoint_step", newest.get("step"))
+    put("elasticd_checkpoint_age_seconds", newest.get("age"))
+    mem = s.get("memory_refresh") or {}
+    put("elasticd_memory_refreshes_total", mem.get("refreshes"))
+    put("elasticd_memory_refresh_seconds_total", mem.get("seconds_total"))
+    if mem.get("refreshes"):
+        put("elasticd_memory_refresh_last_seconds", mem.get("last_seconds"))
+        put("elasticd_memory_refresh_interval_steps", mem.get("every"))
+    put("elasticd_memory_step", s.get("memory_step"))
+    for w in s.get("workers") or []:
+        who = {"rank": w.get("rank"), "local_rank": w.get("local_rank")}
+        put("elasticd_rank_heartbeat_age_seconds", w.get("heartbeat_age"), **who)
+        put("elasticd_rank_rss_bytes", w.get("rss_bytes"), **who)
+        put("elasticd_rank_step", w.get("step"), **who)
+        put("elasticd_rank_step_seconds", w.get("step_time"), **who)
+        put("elasticd_rank_step_work_seconds", w.get("work_time"), **who)
+        put("elasticd_rank_straggler_ratio", w.get("straggler_ratio"), **who)
+    put("elasticd_stragglers", len(s.get("stragglers") or []))
+    put("elasticd_straggler_reports_total", s.get("straggler_reports", 0))
+    health = s.get("health") or {}
+    last = health.get("last")
+    if last:
+        put("elasticd_health_check_up", int(bool(last.get("ok"))))
+        put("elasticd_health_check_duration_seconds", last.get("seconds"))
+        put("elasticd_health_check_timestamp_seconds", last.get("at"))
+    if health.get("check"):
+        put("elasticd_health_check_runs_total", health.get("runs"))
+        put("elasticd_health_check_failures_total", health.get("failures"))
+    put("elasticd_peers_left_total", len(health.get("peers_left") or []))
+    for peer, age in (s.get("peers") or {}).items():
+        put("elasticd_peer_beat_age_seconds", age, peer_group_rank=peer)
+
+    for name, kind, doc, labels in METRICS:
+        names = [*base, *labels]
+        if kind == "histogram":
+            rec = s.get("recoveries") or {}
+            if not rec:
+                continue
+            family = HistogramMetricFamily(name, doc, labels=list(base))
+            cumulative, buckets = 0, []
+            for le, n in rec.get("buckets") or []:
+                cumulative += n
+                buckets.append((str(float(le)) if le != "+Inf" else "+Inf", cumulative))
+            family.add_metric(list(base.values()), buckets, rec.get("sum", 0.0))
+            yield family
+            continue
+        family = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(name, doc, labels=names)
+        for labels_of, value in samples[name]:
+            family.add_metric([*base.values(), *(labels_of[k] for k in labels)], value)
+        yield family
+
+
+class Exporter:
+    """The HTTP endpoint and the textfile, both made from the latest snapshot."""
+
+    def __init__(self, address: tuple[str, int] | None, textfile: str | None,
+                 snapshot: Callable[[], dict[str, Any]]) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(SnapshotCollector(snapshot))
+        self.textfile = Path(textfile) if textfile else None
+        self.address = address
+        self._server = None
+        self._thread = None
+        self._next_write = 0.0
+        self._state: str | None = None
+        self._warned = False
+
+    def start(self) -> None:
+        """Bind and serve (an OSError, e.g. the port in use, is the caller's: exit 2)."""
+        if self.address is None:
+            return
+        from prometheus_client import start_http_server
+
+        host, port = self.address
+        served = start_http_server(port, addr=host, registry=self.registry)
+        if isinstance(served, tuple):  # (server, thread) since prometheus-client 0.17: closable
+            self._server, self._thread = served
+        log.info("metrics_serving", address=f"{host}:{port}", path="/metrics")
+
+    def published(self, snapshot: dict[str, Any], now: float) -> None:
+        """After each status publish (the loop's thread): the textfile, when due or the state changed."""
+        if self.textfile is None:
+            return
+        state = snapshot.get("state")
+        if now < self._next_write and state == self._state:
+            return
+        self._next_write, self._state = now + TEXTFILE_EVERY, state
+        self.write_textfile()
+
+    def write_textfile(self) -> None:
+        """The metrics into a new file beside the textfile, then renamed over it (0644: node_exporter
+        runs as its own user); a failure is logged once and retried at the next write."""
+        assert self.textfile is not None
+        tmp = self.textfile.with_name(f".{self.textfile.name}.{os.getpid()}.tmp")
+        try:
+            data = generate_latest(self.registry)
+            try:
+                os.unlink(tmp)  # our own leftover from a write that failed half-way
+            except FileNotFoundError:
+                pass
+            fd = safeio.create(tmp)
+            try:
+                os.fchmod(fd, 0o644)
+                os.write(fd, data)
+            finally:
+                os.close(fd)
+            os.replace(tmp, self.textfile)
+            self._warned = False
+        except OSError as e:
+            if not self._warned:
+                self._warned = True
+                log.warning("metrics_textfile_failed", path=str(self.textfile), error=str(e))
+
+    def close(self) -> None:
+        if self.textfile is not None and self._state is not None:
+            self.write_textfile()  # the final state (none if the job never started)
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
