@@ -34,7 +34,7 @@ def _when(event: dict) -> float:
 def _nodes(daemons, cluster, n: int, steps_: int, extra=()):
     job = "etcd-" + secrets.token_hex(3)
     flags = ("--nproc-per-node", "1", "--nnodes", f"1:{n}", "--rdzv-backend", "etcd",
-             "--rdzv-endpoint", cluster.endpoints, "--rdzv-id", job, *extra)
+             "--rdzv-endpoint", cluster.endpoints, "--rdzv-id", job, "--last-call-timeout", "60", *extra)
     nodes = []
     for i in range(n):
         nodes.append(daemons(script("node_train.py"), *flags, name=f"n{i}", args=[str(steps_), "0.02"]))
