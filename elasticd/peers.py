@@ -53,7 +53,8 @@ class Peers:
         self._wait_kv = rdzv.kv.clone()
         self._thread = supervise.thread("liveness", self._beat_loop,
                                         risk="until it is back, peers may take this node for lost")
-        self._thread.start()
+        if cfg.max_nodes > 1:  # a single-node job has no one to beat for (its store is in-process)
+            self._thread.start()
 
     def close(self) -> None:
         """Stop both threads and wait (bounded) for them to leave their store calls: a thread
@@ -61,7 +62,8 @@ class Peers:
         self._stop.set()
         self._round = None
         for t in (self._thread, *self._waiters):
-            t.join(timeout=WAIT_SLICE + 2 * self.rdzv.kv.timeout if hasattr(self.rdzv.kv, "timeout") else 5.0)
+            if t.ident is not None:
+                t.join(timeout=WAIT_SLICE + 2 * getattr(self.rdzv.kv, "timeout", 2.5))
         self._beat_kv.close()
         self._wait_kv.close()
 
