@@ -48,6 +48,15 @@ CLOSE_POLL = 0.05  # how often the node closing a round looks at the arrivals
 MAX_REASON = 8 * 1024  # bytes of a restart reason's JSON
 MAX_COUNT = 1 << 62
 WAIT_SLICE = 1.0  # seconds a blocking wait lasts before its caller looks around (stop, closed job)
+# A key that nodes wait on is never read before a wait has said that it is there: torch's libuv
+# TCPStore server (2.13) wakes every client waiting on a key when any client compare-and-sets it
+# while it is missing, which is how kv.get reads. Such a read wakes all the waiters (the key still
+# missing), each of them reads it in turn and wakes the others again: with N nodes waiting on a
+# round's members that was a quarter of a million requests for one round of 1024 nodes
+# (bench/scale.py). So the node closing a round pauses in a wait on the members key instead of
+# reading it, the exit barrier looks for a restart request with a short wait, and a wait that
+# returns without a value that verifies is followed by a pause.
+LOOK_WAIT = 0.05  # seconds of a wait that only asks whether a key is there yet
 
 
 class RendezvousFailed(Exception):
@@ -412,6 +421,7 @@ class Rendezvous:
                 found = self.open(key, self.kv.get(key), _members)
                 if found is not None:
                     return found
+                time.sleep(CLOSE_POLL)  # woken with no value that verifies (see LOOK_WAIT)
             self._check_open()
         return self._close(number, deadline)
 
@@ -426,9 +436,6 @@ class Rendezvous:
         reached_min = None
         while True:
             now = time.monotonic()
-            raw = self.kv.get(key)
-            if raw is not None and (found := self.open(key, raw, _members)) is not None:
-                return found
             arrived = min(self.kv.add(self._key(number, names.ARRIVED), 0), cfg.max_nodes + 64)
             new = [i for i in range(1, arrived + 1) if i not in records]
             for i, raw in zip(new, self.kv.multi_get([names.arrival_key(cfg.rdzv_id, number, i) for i in new])):
@@ -470,14 +477,20 @@ class Rendezvous:
                                              f"used) at: {reason.get('summary', '?')}")[:MAX_REASON]
                 value = json.dumps(verdict)
                 self.kv.compare_set(key, None, self.seal(key, value))
-                continue  # read back what won
+                found = self.open(key, self.kv.get(key), _members)  # what won: ours, or another closer's
+                if found is not None:
+                    return found
             if now > deadline:
                 hint = (f"; {self.signer.rejected} store value(s) failed verification: give every node the same "
                         "--rdzv-secret-file" if self.signer.rejected else
                         ": start elasticd on the other nodes, or lower --nnodes")
                 raise RendezvousFailed(f"only {count} of the {cfg.min_nodes} nodes needed joined within --join-timeout "
                                        f"{cfg.join_timeout:g}s{hint}")
-            time.sleep(CLOSE_POLL)
+            if self.kv.wait(key, CLOSE_POLL):  # the pause between looks: another node closed the round
+                found = self.open(key, self.kv.get(key), _members)
+                if found is not None:
+                    return found
+                time.sleep(CLOSE_POLL)  # a value in the way that does not verify
 
     def _expected(self, number: int) -> tuple[set[str] | None, set[str], dict]:
         """Whom a restarted round waits for: the previous round's members (as that round's
@@ -563,8 +576,8 @@ class Rendezvous:
                 return False
             if self.kv.wait(all_done, min(WAIT_SLICE, left)) and self.open(all_done, self.kv.get(all_done), _done):
                 return True
-            if self.read_restart(self.kv, rnd) is not None:
-                return True
+            if self.kv.wait(self.restart_key(rnd), LOOK_WAIT) and self.read_restart(self.kv, rnd) is not None:
+                return True  # a node asked for a restart (looked for with a wait: see LOOK_WAIT)
             count = self.kv.add(self._key(rnd.number, names.DONE_COUNT), 0)
 
     # --- job-wide restart budget and end (shared by all nodes) ---
