@@ -47,6 +47,7 @@ LOST_SILENCE = 1.25  # seconds of silence that, with evidence, make a node lost 
 CLOSE_POLL = 0.05  # how often the node closing a round looks at the arrivals
 MAX_REASON = 8 * 1024  # bytes of a restart reason's JSON
 MAX_COUNT = 1 << 62
+BARRIER_GRACE = 2.0  # seconds before a node that was not last at the exit barrier checks it itself
 WAIT_SLICE = 1.0  # seconds a blocking wait lasts before its caller looks around (stop, closed job)
 # A key that nodes wait on is never read before a wait has said that it is there: torch's libuv
 # TCPStore server (2.13) wakes every client waiting on a key when any client compare-and-sets it
@@ -562,11 +563,15 @@ class Rendezvous:
         job, n = self.cfg.rdzv_id, rnd.group_world_size
         mine = names.done_key(job, rnd.number, rnd.group_rank)
         self.kv.set(mine, self.seal(mine, "1"))
-        count = self.kv.add(self._key(rnd.number, names.DONE_COUNT), 1)
+        arrival = count = self.kv.add(self._key(rnd.number, names.DONE_COUNT), 1)
         all_done = self._key(rnd.number, names.ALL_DONE)
-        deadline = time.monotonic() + timeout
+        started = time.monotonic()
+        deadline = started + timeout
         while True:
-            if count >= n:
+            # the last to arrive checks every node's done key, once: N nodes each reading N keys
+            # would be O(N^2); the others do only if all_done is late (a forged count, a last
+            # node that died), after BARRIER_GRACE
+            if count >= n and (arrival >= n or time.monotonic() - started >= BARRIER_GRACE):
                 keys = [names.done_key(job, rnd.number, g) for g in range(n)]
                 if all(self.open(k, raw, _done) for k, raw in zip(keys, self.kv.multi_get(keys))):
                     self.kv.set(all_done, self.seal(all_done, "1"))
@@ -692,7 +697,7 @@ def _record(text: str) -> dict | None:
 
 
 def _members(text: str) -> dict | None:
-    if len(text) > 64 * 1024 * 1024:
+    if len(text) > signing.MAX_VALUE:
         return None
     value = json.loads(text)
     if not isinstance(value, dict) or not isinstance(value.get("members"), list) or not value["members"]:

@@ -21,7 +21,9 @@ from elasticd.config import ConfigError
 MIN_SECRET = 16  # bytes: 128 bits, the least an HMAC key should carry
 MAX_SECRET = 4096
 MAC_HEX = 64  # hex digits of an HMAC-SHA256
-MAX_VALUE = 64 * 1024  # bytes: the largest of our own values (a restart reason) is well under
+# bytes: the largest of our own values is a round's members (about 100 bytes a node: 100,000 nodes
+# at most); a larger value is refused before its HMAC is computed
+MAX_VALUE = 32 * 1024 * 1024
 
 
 def new_secret() -> bytes:
