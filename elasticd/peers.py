@@ -53,7 +53,9 @@ class Peers:
         self._wait_kv = rdzv.kv.clone()
         self._thread = supervise.thread("liveness", self._beat_loop,
                                         risk="until it is back, peers may take this node for lost")
-        if cfg.max_nodes > 1:  # a single-node job has no one to beat for (its store is in-process)
+        # a single-node c10d job has no one to beat for, and its store is in-process; on etcd the
+        # beats also tell that the store still answers
+        if cfg.max_nodes > 1 or cfg.etcd:
             self._thread.start()
 
     def close(self) -> None:
