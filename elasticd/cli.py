@@ -486,5 +486,19 @@ def render_status(s: dict) -> str:
     return "\n".join(printable(line) for line in lines)
 
 
+def entry() -> None:
+    """The `elasticd` command: main(), then leave at once, without the interpreter's finalization.
+    By then the daemon has stopped its workers and said its last line; a helper thread may still
+    be inside a blocking torch store call (a rendezvous left by a stop), and finalizing around it
+    aborts the process (SIGABRT, "terminate called without an active exception")."""
+    code = main()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code if isinstance(code, int) else 1)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()
