@@ -802,14 +802,14 @@ class ElasticdNodes:
                 beats = self.fake_beats(now)  # as the agent reads its workers' heartbeat files, just before
                 try:
                     if self.stall is None:
-                        why = node.peers.check(rnd, now, beats)
+                        why = node.peers.check(rnd, now, lambda: beats)
                         if why is not None and why.kind not in (RestartCause.PEER,):
                             self.unexpected_count += 1
                             if len(self.unexpected) < 3:
                                 self.unexpected.append(f"{node.rdzv.node_id}: {why.kind}: {why.reason}")
                     else:
                         for path, evidence in (("evidence", beats), ("fallback", [])):
-                            why = node.peers.lost_neighbour(rnd, now, evidence)
+                            why = node.peers.lost_neighbour(rnd, now, lambda: evidence)
                             if why is not None:
                                 node.detected[path].setdefault(why.lost[0], now)
                 except StoreLost as e:

@@ -240,7 +240,7 @@ class Agent:
                 return self._finish(State.SUCCEEDED, EXIT_OK)
             if why is None:
                 try:
-                    why = self.peers.check(self.round, time.monotonic(), self.group.beats())
+                    why = self.peers.check(self.round, time.monotonic(), self.group.beats)
                 except StoreUnreachable as e:
                     why = Failure(RestartCause.STORE_UNREACHABLE, str(e), node=self.node)
             if why is None:
@@ -427,12 +427,8 @@ class Agent:
         return None
 
     def _fail_job(self, failure: Failure) -> int:
-        summary = f"{failure.summary()} (node {self.node})"
-        try:
-            self.rdzv.record_job_failure(summary)
-        except StoreUnreachable as e:
-            self.event("job_failure_not_recorded", level="warning", why=str(e))
-        return self._finish(State.FAILED, EXIT_FAILED, why=f"failed: {summary}")
+        # the job's closing carries why: a node arriving later leaves with it
+        return self._finish(State.FAILED, EXIT_FAILED, why=f"failed: {failure.summary()} (node {self.node})")
 
     def _teardown(self, grace: float, abandon: bool = False) -> None:
         """Stop the local group (see LocalGroup.stop) and close its round's worker store."""

@@ -35,9 +35,8 @@ STACKS = "stacks"  # every local worker's thread stacks, now
 
 # per job
 ROUND = "round"  # the newest round any node has entered: where a node that arrives joins
-CLOSED = "closed"  # set once the job has ended (why): nodes that arrive later leave with that line
+CLOSED = "closed"  # set once the job has ended, with why (a failure's summary): later nodes leave with it
 RESTARTS = "restarts"  # the job's restart budget spent so far (a signed compare-and-set)
-FAILURE = "failure"  # why the job failed, for nodes that find it closed
 
 # per round
 ARRIVED = "arrived"  # a counter: each node that enters the round takes the next number

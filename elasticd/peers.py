@@ -137,8 +137,9 @@ class Peers:
 
     # --- the loop's view ---
 
-    def check(self, rnd: Round, now: float, beats: list[Beat | None]) -> Failure | Scale | None:
-        """Why this node must restart because of the others, if it must."""
+    def check(self, rnd: Round, now: float, beats: Callable[[], list[Beat | None]]) -> Failure | Scale | None:
+        """Why this node must restart because of the others, if it must. `beats` reads our
+        workers' heartbeats, only when a watched node is silent (the loop calls this every tick)."""
         if self.lost_store is not None:
             raise StoreLost(f"lost the rendezvous store at {self.rdzv.endpoint} ({self.lost_store}): the node "
                             "hosting it stopped; start the job again on every node")
@@ -159,12 +160,13 @@ class Peers:
             return Scale(len(waiting), self.node, tuple(waiting))
         return None
 
-    def lost_neighbour(self, rnd: Round, now: float, beats: list[Beat | None]) -> Failure | None:
+    def lost_neighbour(self, rnd: Round, now: float, beats: Callable[[], list[Beat | None]]) -> Failure | None:
         """A watched node silent for --peer-timeout, or for long enough with our workers stuck."""
-        stepped = [b for b in beats if b is not None and b.beats]
+        if all(now - since < min(LOST_SILENCE, self.cfg.peer_timeout) for _, since in list(rnd.peer_seen.values())):
+            return None  # nobody silent: no need to read our workers' heartbeats
+        stepped = [b for b in beats() if b is not None and b.beats]
         progress = max((b.last for b in stepped), default=None)
-        pace = max((b.last - b.first) / (b.beats - 1) for b in stepped if b.beats > 1) if any(
-            b.beats > 1 for b in stepped) else None
+        pace = max(((b.last - b.first) / (b.beats - 1) for b in stepped if b.beats > 1), default=None)
         for g, (_, since) in list(rnd.peer_seen.items()):
             silent = now - since
             node_id = rnd.members[g].node_id

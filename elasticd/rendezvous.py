@@ -616,19 +616,6 @@ class Rendezvous:
         raise RendezvousFailed("the restart budget in the store changed 100 times while one restart was "
                                "spent: something other than the job's nodes writes to the store")
 
-    @_store_call
-    def record_job_failure(self, summary: str) -> None:
-        """Tell the other nodes why the job failed, before closing it."""
-        key = self._job(names.FAILURE)
-        self.kv.set(key, self.seal(key, summary[:MAX_REASON]))
-
-    def job_failure(self) -> str | None:
-        key = self._job(names.FAILURE)
-        try:
-            return self.open(key, self.kv.get(key), str)
-        except kvmod.Unreachable:
-            return None
-
     def close(self, job_finished: bool, why: str = "finished") -> None:
         """Best effort at exit: a finished or failed job is closed, so that nodes arriving later
         (or rejoining after a partition) leave with that line instead of waiting."""

@@ -20,6 +20,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+import pytest
+
 SKIP_REASON = "no etcd binary on PATH (apt-get install etcd-server, or put etcd 3.4+ on PATH)"
 # Raft timing for a loopback cluster on a busy 2-core machine: a lost leader is replaced in about
 # a second, without elections started by a scheduling hiccup.
@@ -199,3 +201,14 @@ class EtcdCluster:
             pass
         for i in order:
             self.members[i].stop(grace)
+
+
+@pytest.fixture(name="own_cluster")
+def own_cluster_fixture(tmp_path):
+    """A 3-member cluster of the test's own, for tests that stop or kill members (skipped, saying
+    why, where etcd is not installed)."""
+    if etcd_binary() is None:
+        pytest.skip(SKIP_REASON)
+    c = EtcdCluster(tmp_path / "etcd").start()
+    yield c
+    c.stop()

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from elasticd import etcd, kv, rendezvous
-from etcd_cluster import SKIP_REASON, EtcdCluster, etcd_binary, free_port
+from etcd_cluster import SKIP_REASON, EtcdCluster, etcd_binary, free_port, own_cluster_fixture  # noqa: F401 (the fixture)
 
 needs_etcd = pytest.mark.skipif(etcd_binary() is None, reason=SKIP_REASON)
 
@@ -27,16 +27,6 @@ def cluster(tmp_path_factory):
     if etcd_binary() is None:
         pytest.skip(SKIP_REASON)
     c = EtcdCluster(tmp_path_factory.mktemp("etcd")).start()
-    yield c
-    c.stop()
-
-
-@pytest.fixture
-def own_cluster(tmp_path):
-    """A 3-member cluster of the test's own, for tests that stop or kill members."""
-    if etcd_binary() is None:
-        pytest.skip(SKIP_REASON)
-    c = EtcdCluster(tmp_path / "etcd").start()
     yield c
     c.stop()
 

@@ -9,26 +9,10 @@ from __future__ import annotations
 import secrets
 import signal
 import time
-from datetime import datetime
 
-import pytest
-
-from etcd_cluster import SKIP_REASON, EtcdCluster, etcd_binary
+from etcd_cluster import own_cluster_fixture  # noqa: F401 (the fixture)
 from harness import script, wait_until
-from test_nodeloss import LOADED_MARGIN, RECOVERY_GOAL, holds_rank0, stepping_alone, steps
-
-
-@pytest.fixture
-def cluster(tmp_path):
-    if etcd_binary() is None:
-        pytest.skip(SKIP_REASON)
-    c = EtcdCluster(tmp_path / "etcd").start()
-    yield c
-    c.stop()
-
-
-def _when(event: dict) -> float:
-    return datetime.fromisoformat(event["timestamp"].replace("Z", "+00:00")).timestamp()
+from test_nodeloss import LOADED_MARGIN, RECOVERY_GOAL, _when, holds_rank0, resumed_at, stepping_alone, steps
 
 
 def _nodes(daemons, cluster, n: int, steps_: int, extra=()):
@@ -47,12 +31,12 @@ def _together(nodes, at_least: int) -> bool:
     return all(any(w == len(nodes) and s >= at_least for s, w, *_ in steps(n)) for n in nodes)
 
 
-def test_etcd_member_and_rank0_node_lost_the_others_go_on(daemons, cluster):
-    nodes = _nodes(daemons, cluster, 3, steps_=260)
+def test_etcd_member_and_rank0_node_lost_the_others_go_on(daemons, own_cluster):
+    nodes = _nodes(daemons, own_cluster, 3, steps_=260)
     wait_until(lambda: _together(nodes, 30), 120, what="three nodes training")
     # an etcd member (the leader, the hardest case) killed mid-training: nobody restarts
     t_member = time.time()
-    cluster.members[cluster.leader()].kill()
+    own_cluster.members[own_cluster.leader()].kill()
     time.sleep(4)
     assert not [e for n in nodes for e in n.events() if e.get("new") == "RESTARTING" and _when(e) > t_member]
     # the node holding group rank 0 killed: the other two go on at world size 2
@@ -64,7 +48,7 @@ def test_etcd_member_and_rank0_node_lost_the_others_go_on(daemons, cluster):
     firsts = [wait_until(lambda n=n: next((s for s in steps(n) if s[1] == 2 and s[2] > t_kill), None), 30,
                          what="a survivor stepping at world size 2") for n in survivors]
     recovery = max(f[2] for f in firsts) - t_kill
-    lost = max(max(s for s, *_ in steps(n, attempt[id(n)])) - resumed_at_world(n, 2) for n in survivors)
+    lost = max(max(s for s, *_ in steps(n, attempt[id(n)])) - resumed_at(n, 2) for n in survivors)
     print(f"etcd: rank-0 node lost, survivors stepping again {recovery:.2f}s later, {lost} step(s) lost")
     assert recovery < RECOVERY_GOAL + LOADED_MARGIN, recovery
     assert 0 <= lost <= 2, lost
@@ -73,18 +57,11 @@ def test_etcd_member_and_rank0_node_lost_the_others_go_on(daemons, cluster):
         assert "Traceback" not in n.stderr()
 
 
-def resumed_at_world(d, world: int) -> int:
-    import re
-
-    m = re.findall(rf"^resumed at step (\d+) world {world}$", d.all_logs(), re.M)
-    return int(m[-1]) if m else -1
-
-
-def test_lost_quorum_stops_the_workers_and_they_start_again_when_it_returns(daemons, cluster):
-    nodes = _nodes(daemons, cluster, 2, steps_=100000, extra=("--peer-timeout", "4"))
+def test_lost_quorum_stops_the_workers_and_they_start_again_when_it_returns(daemons, own_cluster):
+    nodes = _nodes(daemons, own_cluster, 2, steps_=100000, extra=("--peer-timeout", "4"))
     wait_until(lambda: _together(nodes, 20), 120, what="two nodes training")
     pids = [n.worker_pids() for n in nodes]
-    stopped = [m for m in cluster.members if m is not cluster.members[cluster.leader()]]
+    stopped = [m for m in own_cluster.members if m is not own_cluster.members[own_cluster.leader()]]
     t_lost = time.time()
     for m in stopped:
         m.stop()
@@ -110,10 +87,10 @@ def stepping_after(d, t: float) -> bool:
     return any(tt > t for _, _, tt, *_ in steps(d))
 
 
-def test_etcd_gone_for_good_ends_the_job_with_one_line_after_join_timeout(daemons, cluster):
-    (node,) = _nodes(daemons, cluster, 1, steps_=100000, extra=("--peer-timeout", "2", "--join-timeout", "6"))
+def test_etcd_gone_for_good_ends_the_job_with_one_line_after_join_timeout(daemons, own_cluster):
+    (node,) = _nodes(daemons, own_cluster, 1, steps_=100000, extra=("--peer-timeout", "2", "--join-timeout", "6"))
     wait_until(lambda: stepping_alone(node, 0), 120, what="training")
-    cluster.stop()
+    own_cluster.stop()
     assert node.wait(60) == 1, node.stderr()[-3000:]
     err = node.stderr()
     last = err.strip().splitlines()[-1]

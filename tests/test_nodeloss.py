@@ -72,18 +72,14 @@ def stepping_alone(d, after: float):
     return got[0] if got else None
 
 
-def resumed_at(d) -> int:
-    m = re.findall(r"^resumed at step (\d+) world 1$", d.all_logs(), re.M)
+def resumed_at(d, world: int = 1) -> int:
+    """The step the latest resume at this world size started from (-1: none)."""
+    m = re.findall(rf"^resumed at step (\d+) world {world}$", d.all_logs(), re.M)
     return int(m[-1]) if m else -1
 
 
 def _when(event: dict) -> float:
     return datetime.fromisoformat(event["timestamp"].replace("Z", "+00:00")).timestamp()
-
-
-def no_workers_left(d) -> bool:
-    return not [p for p in d.worker_pids().values() if psutil.pid_exists(p)
-                and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
 
 
 @pytest.mark.parametrize("lose_rank0", [False, True], ids=["other-node", "rank0-node"])
