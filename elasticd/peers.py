@@ -45,6 +45,7 @@ class Peers:
         self._next_waiting_check = 0.0
         self.waiting: tuple[int, list[str]] = (-1, [])  # (round, ids of nodes waiting to join it)
         self.unreachable_since: float | None = None  # when the store stopped answering our beats
+        self._last_ok = time.monotonic()  # when it last answered (a beat, or a round formed)
         self.lost_store: str | None = None  # set when its host refuses us: the store is gone
         self._problem = ""
         self._stop = threading.Event()
@@ -71,6 +72,8 @@ class Peers:
 
     def new_round(self, rnd: Round) -> None:
         """Watch this round's ring neighbours and wait for its restart request."""
+        # the round was formed through the store: it answers (an outage's mark must not end this round)
+        self.unreachable_since, self._last_ok = None, time.monotonic()
         self._round = rnd
         self._restart = None
         self._next_waiting_check = time.monotonic() + WAITING_EVERY
@@ -84,7 +87,7 @@ class Peers:
     # --- the threads ---
 
     def _beat_loop(self) -> None:
-        count, last_ok = 0, time.monotonic()
+        count = 0
         while not self._stop.wait(BEAT_EVERY):
             count += 1
             rnd = self._round
@@ -108,7 +111,7 @@ class Peers:
                         self.waiting = (rnd.number, waiting)
                         if waiting:
                             self._wake()
-                self.unreachable_since, last_ok = None, time.monotonic()
+                self.unreachable_since, self._last_ok = None, time.monotonic()
             except kvmod.Unreachable as e:
                 self._problem = str(e)
                 if e.refused:
@@ -116,7 +119,7 @@ class Peers:
                     self._wake()
                     return
                 if self.unreachable_since is None:
-                    self.unreachable_since = last_ok  # silent since our last beat it took
+                    self.unreachable_since = self._last_ok  # silent since it last answered us
                     log.warning("store_not_answering", why=str(e))
                 elif time.monotonic() - self.unreachable_since >= self.cfg.peer_timeout:
                     self._wake()
