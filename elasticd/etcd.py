@@ -6,8 +6,10 @@ serves on its client port, etcd 3.4 to 3.6): POST /v3/kv/range, /v3/kv/put, /v3/
 this module speaks, with the standard library's http.client: no new dependency, and none of the
 v2 API that etcd 3.6 removed (README, "Rendezvous on etcd", says why not python-etcd or etcd3).
 
-Failover. A call has one deadline (the connection's timeout). It goes to the member in use; when
-that member cannot answer (connection refused, a dropped connection, no reply within its share of
+Failover. A call has one deadline (the connection's timeout). It goes to the member in use (at
+first this node's own member when etcd runs beside it, else one picked at random, so that the
+nodes spread over the members and one member's loss touches a share of them); when that
+member cannot answer (connection refused, a dropped connection, no reply within its share of
 the deadline, a 5xx, "etcdserver: no leader") the call moves to the next endpoint, round and
 round with a short backoff, until the deadline passes: then `kv.Unreachable`, one line naming
 every endpoint and the last error each gave. Every request carries gRPC's "hasleader" metadata,
@@ -38,8 +40,10 @@ from __future__ import annotations
 
 import base64
 import http.client
+import ipaddress
 import json
 import math
+import random
 import select
 import socket
 import ssl
@@ -48,15 +52,20 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import psutil
+
 from elasticd import kv
 
 DEFAULT_PORT = 2379
 MAX_TXN_OPS = 128  # etcd's default --max-txn-ops
 # Seconds one member gets to answer one request before the call tries the next endpoint (a share
-# of the call's timeout when that is shorter, so every member gets a turn). A healthy
-# member answers in milliseconds; a follower whose leader just died holds a request until a new
-# leader is elected (about a second with etcd's defaults) or its own 7 s timeout.
-ATTEMPT_TIMEOUT = 2.0
+# of the call's timeout when that is shorter, so every member gets a turn). A healthy member
+# answers in milliseconds. Well under the liveness rule's 1.25 s of silence (LOST_SILENCE): a
+# member cut off mid-request costs a node's beats half a second, so its peers never take it for
+# lost (at 2 s they did, with a partitioned member). A follower whose leader just died holds a
+# request until a new leader is elected (about a second): the call goes round the members until
+# one answers, within its deadline.
+ATTEMPT_TIMEOUT = 0.5
 WATCH_RENEW = 5.0  # seconds a watch runs before the key is read again and the watch renewed
 _BACKOFF = (0.05, 0.5)  # after every endpoint failed once: first pause, longest pause
 _HEADERS = {"Content-Type": "application/json", "Grpc-Metadata-Hasleader": "true"}
@@ -168,12 +177,36 @@ def connect(endpoints: str, timeout: float, *, cacert: str | None = None, cert: 
         except (OSError, UnicodeDecodeError) as e:
             raise ValueError(f"etcd password file {password_file}: {_line(e)}") from None
     store = EtcdKV(endpoints, timeout, cacert=cacert, cert=cert, key=key, user=user, password=password)
+    store._current = preferred_endpoint(store.endpoints)
     try:
         store.status()
     except BaseException:
         store.close()
         raise
     return store
+
+
+def preferred_endpoint(endpoints: Sequence[Endpoint]) -> int:
+    """The member to talk to first: the first one on this machine (etcd run beside the node: its
+    own member fails only with the node, and a partition that cuts a member off cuts off only
+    that member's node), else one at random (the nodes spread over the members)."""
+    mine = {a.address.split("%")[0] for addrs in psutil.net_if_addrs().values() for a in addrs}
+    for i, ep in enumerate(endpoints):
+        if _addresses(ep.host) & mine:
+            return i
+    return random.randrange(len(endpoints))
+
+
+def _addresses(host: str) -> set[str]:
+    """host's addresses (an IP literal as it is, a name as the resolver gives it; none if it cannot)."""
+    try:
+        return {str(ipaddress.ip_address(host))}
+    except ValueError:
+        pass
+    try:
+        return {str(ai[4][0]).split("%")[0] for ai in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)}
+    except (OSError, UnicodeError):
+        return set()
 
 
 class EtcdKV:
@@ -437,14 +470,19 @@ class EtcdKV:
             if self._user is not None and i in self._tokens:
                 headers["Authorization"] = self._tokens[i]
         end = time.monotonic() + window
-        conn = self._new_connection(ep, max(window, 0.001))
+        # the member gets one attempt's time to take the watch (a cut-off one is left as a call
+        # would leave it); the stream itself then runs for the window
+        start = max(min(window, self._attempt_cap), 0.001)
+        conn = self._new_connection(ep, start)
         try:
             body = {"create_request": {"key": _b64(key), "start_revision": str(start_revision)}}
             try:
                 conn.request("POST", "/v3/watch", body=json.dumps(body).encode(), headers=headers)
                 resp = conn.getresponse()
             except TimeoutError:
-                return False
+                if end - time.monotonic() <= 0:
+                    return False
+                raise _Failed(f"watch: no answer within {start:g} s", applied_maybe=False) from None
             except (OSError, http.client.HTTPException) as e:
                 raise _Failed(_line(e), applied_maybe=False) from None
             if resp.status != 200:

@@ -1,5 +1,7 @@
-"""A real etcd cluster on loopback for tests and benchmarks: N members (3 by default), each with
-its own data directory and two free ports, bound to 127.0.0.1 only; started, checked healthy
+"""A real etcd cluster for tests and benchmarks: N members (3 by default), each with its own data
+directory and two free ports, bound to 127.0.0.1 only, or, given a tests/netns.Network, member i
+inside node i's namespace on that node's address (as etcd co-located with the training nodes:
+a node lost or cut off takes its member with it); started, checked healthy
 within a bound, members stopped / killed / started again one by one, and the whole cluster
 stopped (SIGTERM, then SIGKILL after a grace) at the end. Members die with the process that
 started them (parent-death signal), so a killed test run leaves no etcd behind.
@@ -46,9 +48,14 @@ def _die_with_parent() -> None:
 class Member:
     def __init__(self, cluster: EtcdCluster, index: int):
         self.cluster = cluster
+        self.index = index
         self.name = f"m{index}"
-        self.client_port = free_port()
-        self.peer_port = free_port()
+        net = cluster.net
+        self.host = "127.0.0.1" if net is None else net.addr(index)
+        self.prefix: tuple[str, ...] = () if net is None else net.prefix(index)
+        # a namespace of the test's own has every port free
+        self.client_port = free_port() if net is None else 2379
+        self.peer_port = free_port() if net is None else 2380
         self.dir = cluster.root / self.name
         self.data_dir = self.dir / "data"
         self.log = self.dir / "etcd.log"
@@ -56,7 +63,11 @@ class Member:
 
     @property
     def endpoint(self) -> str:
-        return f"127.0.0.1:{self.client_port}"
+        return f"{self.host}:{self.client_port}"
+
+    @property
+    def peer_url(self) -> str:
+        return f"http://{self.host}:{self.peer_port}"
 
     @property
     def url(self) -> str:
@@ -67,8 +78,7 @@ class Member:
         c = self.cluster
         cmd = [c.binary, "--name", self.name, "--data-dir", str(self.data_dir),
                "--listen-client-urls", self.url, "--advertise-client-urls", self.url,
-               "--listen-peer-urls", f"http://127.0.0.1:{self.peer_port}",
-               "--initial-advertise-peer-urls", f"http://127.0.0.1:{self.peer_port}",
+               "--listen-peer-urls", self.peer_url, "--initial-advertise-peer-urls", self.peer_url,
                "--initial-cluster", c.initial_cluster, "--initial-cluster-state", "new",
                "--initial-cluster-token", c.token,
                "--heartbeat-interval", str(HEARTBEAT_MS), "--election-timeout", str(ELECTION_MS),
@@ -77,8 +87,8 @@ class Member:
         # (the fixture stops it; the parent-death signal covers a killed run).
         env = {k: v for k, v in os.environ.items() if k != "ELASTICD_TEST_SESSION"}
         with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
-                                         preexec_fn=_die_with_parent)
+            self.proc = subprocess.Popen([*self.prefix, *cmd], stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                         env=env, preexec_fn=_die_with_parent)
 
     def signal(self, sig: int) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -103,11 +113,16 @@ class Member:
         return self.proc is not None and self.proc.poll() is None
 
     def get_json(self, path: str, timeout: float = 1.0, method: str = "GET", body: dict | None = None) -> dict:
+        """A request to this member's client URL (from inside its namespace, where it has one)."""
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(f"{self.url}{path}", data=data, method=method,
                                      headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=timeout, context=self.cluster.client_tls) as r:
-            return json.loads(r.read())
+
+        def ask() -> dict:
+            with urllib.request.urlopen(req, timeout=timeout, context=self.cluster.client_tls) as r:
+                return json.loads(r.read())
+
+        return ask() if self.cluster.net is None else self.cluster.net.call(self.index, ask, timeout + 5)
 
     def healthy(self) -> bool:
         try:
@@ -123,12 +138,14 @@ class Member:
 
 
 class EtcdCluster:
-    """`size` members on 127.0.0.1. `extra`: more etcd flags for every member (TLS, ...);
-    `scheme`/`client_tls`: how the members' client URLs are served and reached by the helpers."""
+    """`size` members on 127.0.0.1, or in the first `size` namespaces of `net`. `extra`: more etcd
+    flags for every member (TLS, ...); `scheme`/`client_tls`: how the members' client URLs are
+    served and reached by the helpers."""
 
     def __init__(self, root: Path, size: int = 3, extra: tuple[str, ...] = (), scheme: str = "http",
-                 client_tls=None, binary: str | None = None):
+                 client_tls=None, binary: str | None = None, net=None):
         self.root = Path(root)
+        self.net = net
         self.binary = binary or etcd_binary()
         if self.binary is None:
             raise RuntimeError(SKIP_REASON)
@@ -141,7 +158,7 @@ class EtcdCluster:
 
     @property
     def initial_cluster(self) -> str:
-        return ",".join(f"{m.name}=http://127.0.0.1:{m.peer_port}" for m in self.members)
+        return ",".join(f"{m.name}={m.peer_url}" for m in self.members)
 
     @property
     def endpoints(self) -> str:

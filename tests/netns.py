@@ -7,17 +7,21 @@ still runs inside them and deletes them, their links with them; the `netns` fixt
 after the test, failed or not. Every `ip` call is bounded in time. Needs root and iproute2.
 
 Use: `Daemon(..., prefix=net.prefix(i))` runs a node inside namespace i (`ip netns exec` execs,
-so the daemon keeps its pid). `cut(i)` takes node i's port on the switch down: its packets are
-then lost, as in a partition (its own link stays up, so nothing fails fast); `heal(i)` undoes it.
+so the daemon keeps its pid); `call(i, fn)` runs a function of the test inside it (a helper
+thread that enters the namespace: the sockets fn opens live there). `cut(i)` takes node i's
+port on the switch down: its packets are then lost, as in a partition (its own link stays up, so
+nothing fails fast); `heal(i)` undoes it.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import secrets
 import shutil
 import signal
 import subprocess
+import threading
 import time
 
 import pytest
@@ -25,6 +29,7 @@ import pytest
 DEV = "eth0"  # the node's interface inside its namespace (GLOO_SOCKET_IFNAME for its workers)
 BRIDGE = "br0"
 IP_TIMEOUT = 10.0  # seconds any one `ip` command may take
+CLONE_NEWNET = 0x40000000
 
 
 def unavailable() -> str | None:
@@ -79,6 +84,32 @@ class Network:
     def prefix(self, i: int) -> tuple[str, ...]:
         """The command prefix that runs a program as node i."""
         return ("ip", "netns", "exec", self.nodes[i])
+
+    def call(self, i: int, fn, timeout: float = 10.0):
+        """fn() run inside node i's namespace, its result returned (its exception raised). A
+        network namespace is per thread (setns), so a thread of its own enters it and ends."""
+        out: dict = {}
+
+        def run() -> None:
+            try:
+                fd = os.open(f"/run/netns/{self.nodes[i]}", os.O_RDONLY)
+                try:
+                    if ctypes.CDLL(None, use_errno=True).setns(fd, CLONE_NEWNET) != 0:
+                        raise OSError(ctypes.get_errno(), f"setns into {self.nodes[i]}")
+                finally:
+                    os.close(fd)
+                out["value"] = fn()
+            except BaseException as e:  # noqa: BLE001 (handed to the caller)
+                out["error"] = e
+
+        t = threading.Thread(target=run, name=f"in-{self.nodes[i]}", daemon=True)
+        t.start()
+        t.join(timeout)
+        if t.is_alive():
+            raise TimeoutError(f"a call inside {self.nodes[i]} took over {timeout} s")
+        if "error" in out:
+            raise out["error"]
+        return out["value"]
 
     def cut(self, i: int) -> None:
         ip("-n", self.switch, "link", "set", self._port(i), "down")

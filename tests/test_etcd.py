@@ -8,11 +8,13 @@ from __future__ import annotations
 import datetime
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import threading
 import time
 
+import psutil
 import pytest
 
 from elasticd import etcd, kv, rendezvous
@@ -369,6 +371,54 @@ def test_member_sigkilled_mid_way(own_cluster, victim):
     assert s.add("k/counter", 1) == total + 1
     for x in (s, adder, waiter):
         x.close()
+
+
+def test_first_member_tried_is_the_nodes_own_else_one_at_random():
+    """etcd beside the node: its own member first (an address of this machine, by literal or by
+    name); none here (documentation addresses this machine does not have): the nodes spread
+    over the members."""
+    mine = {a.address for addrs in psutil.net_if_addrs().values() for a in addrs}
+    a, b, c = [ip for ip in (f"{net}.{i}" for net in ("198.51.100", "203.0.113") for i in range(1, 9))
+               if ip not in mine][:3]
+    assert etcd.preferred_endpoint(etcd.parse_endpoints(f"{a}:2379,127.0.0.1:2379,{b}")) == 1
+    assert etcd.preferred_endpoint(etcd.parse_endpoints(f"{a}:2379,localhost:2379")) == 1
+    far = etcd.parse_endpoints(f"{a},{b},{c}")
+    assert {etcd.preferred_endpoint(far) for _ in range(200)} == {0, 1, 2}
+
+
+@needs_etcd
+def test_member_that_stops_answering_costs_a_call_one_attempt(own_cluster):
+    """The member in use stops answering (SIGSTOP: the kernel still takes the bytes in, as with
+    a member cut off mid-request): the next call moves on after one attempt's time (well under
+    the 1.25 s of silence that makes a node lost), later calls go to the member that answered,
+    and a connection made now (its first member the stopped one) serves calls and waits."""
+    c = own_cluster
+    first = (c.leader() + 1) % 3  # a follower: the cluster keeps its leader and quorum
+    endpoints = ",".join(c.members[i].endpoint for i in [first] + [i for i in range(3) if i != first])
+    s = etcd.connect(endpoints, timeout=5)
+    s.set("k/a", b"1")
+    c.members[first].signal(signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        s.set("k/b", b"2")
+        took = time.monotonic() - t0
+        assert took < etcd.ATTEMPT_TIMEOUT + 0.4, took
+        t0 = time.monotonic()
+        assert s.get("k/b") == b"2" and s.add("k/n", 1) == 1
+        assert time.monotonic() - t0 < 0.3
+        fresh = etcd.connect(endpoints, timeout=5)
+        woke = {}
+        t = threading.Thread(target=lambda: woke.update(found=fresh.clone().wait("k/c", 10), at=time.monotonic()))
+        t.start()
+        time.sleep(1.0)
+        t_set = time.monotonic()
+        s.set("k/c", b"3")
+        t.join(12)
+        assert woke.get("found") is True and woke["at"] - t_set < 1.0, woke
+        fresh.close()
+    finally:
+        c.members[first].signal(signal.SIGCONT)
+    s.close()
 
 
 @needs_etcd
