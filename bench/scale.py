@@ -1,6 +1,7 @@
 """The control plane at scale: N simulated nodes run elasticd's real rendezvous, liveness and
 restart code (rendezvous.Rendezvous + peers.Peers, no workers) against one c10d TCPStore served
-by a process of its own; side by side, torch's c10d DynamicRendezvousHandler as torchrun uses it.
+by a process of its own, or (--backend etcd) a 3-member etcd cluster on loopback; side by side
+on c10d, torch's c10d DynamicRendezvousHandler as torchrun uses it.
 
 Design. The N nodes live as threads in P worker processes (--procs, default 8: N/P nodes each),
 so that no single GIL bounds them and both cores are used. Every simulated node is what a daemon
@@ -23,6 +24,16 @@ same server. What the simulation changes, and why:
 - a store call is bounded at 5 s (STORE_CALL_TIMEOUT: the daemon's, at the default --peer-timeout)
   while --peer-timeout is 3 s, to time the fallback path of node loss quickly.
 
+--backend etcd: the store is a real 3-member etcd cluster on 127.0.0.1 (tests/etcd_cluster.py; the
+data directories in a temporary directory, as bench/etcd_kv.py makes them, so on this machine's
+disk, and fsync on, as a deployment runs it). Each node's connection is made as
+rendezvous.open_etcd makes a daemon's (etcd.connect with every member's endpoint, checked to
+answer with a leader; Peers clones it twice), with the same 5 s bound on a call. Requests are
+counted on the wire in etcd's unit: every HTTP request elasticd's etcd client sends a member (a
+range, put or txn, each watch opened; EtcdRequests); the store's CPU is the three members'
+summed. torch's side is not run: its etcd rendezvous backend needs python-etcd and etcd's v2 API,
+neither of which elasticd uses (etcd 3.4 serves v2 only with --enable-v2, 3.6 not at all).
+
 For each N, elasticd:
 - round_s: all N call next_round at the same instant T (threads released at a shared
   CLOCK_MONOTONIC time) -> the last one returns;
@@ -36,7 +47,15 @@ For each N, elasticd:
   watchers' Peers.lost_neighbour return NODE_LOST, on the evidence path: the beats handed in are
   fake worker heartbeats of workers stepping every --step-time seconds until the node went
   silent, then stalled (their collectives wait on it), as real ones would be. The fallback (no
-  evidence: silence for --peer-timeout, 3 s here) is timed on the same event (table only).
+  evidence: silence for --peer-timeout, 3 s here) is timed on the same event (table only);
+- recovery_s: the control plane's part of a node's loss, on a second event: one node silenced ->
+  every survivor has returned from its next next_round (detection on the evidence path, the
+  watcher's restart request naming the lost node as the agent writes it, its propagation, the
+  round of those left). The workers' teardown a daemon does in between is not simulated; the
+  end-to-end figure (survivors stepping again) is the tests'. It needs a round whose restart key
+  is unset, so the nodes first rejoin after the propagation phase's restart (the N-1 not
+  silenced for detection; that round's closing finds that node lost), with --nnodes N-2:2N from
+  then on, as an elastic job that may lose two nodes.
 The nodes are configured --nnodes N:2N with --last-call-timeout 0: the round closes the moment N
 nodes are in (as N:N would), and the liveness threads run the waiting-nodes check an elastic job
 runs (a full N:N round skips it), so the steady state is the costlier of the two.
@@ -56,6 +75,7 @@ lower one. The table shows what else ran on the machine during the steady window
 
     PYTHONPATH=$PWD python bench/scale.py                 # 16, 64, 256, 1024, 2048
     PYTHONPATH=$PWD python bench/scale.py --nodes 1024 --json
+    PYTHONPATH=$PWD python bench/scale.py --backend etcd  # 16, 64, 256 (etcd 3.4+ on PATH)
 """
 
 from __future__ import annotations
@@ -78,7 +98,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 STORE_SERVER = ROOT / "tests" / "scripts" / "store_server.py"
 SIZES = (16, 64, 256, 1024, 2048)
-KEYS = ("nodes", "round_s", "torchrun_round_s", "propagation_s", "detection_s", "store_requests_per_s", "store_cpu")
+ETCD_SIZES = (16, 64, 256)
+KEYS = ("nodes", "round_s", "torchrun_round_s", "propagation_s", "detection_s", "recovery_s", "store_requests_per_s",
+        "store_cpu")
 
 
 class PhaseTimeout(Exception):
@@ -241,12 +263,47 @@ def steady_window(store, workers: list[Child], warmup: float, window: float) -> 
             "errors": [e for y in b for e in y.get("errors", [])][:3]}
 
 
+class StoreCpu:
+    """The store's processes as psutil sees them, summed: the c10d store process, or the etcd
+    cluster's members (a write there costs all three: the leader and two followers fsync it)."""
+
+    def __init__(self, pids: list[int]):
+        import psutil
+
+        self._procs = [psutil.Process(pid) for pid in pids]
+
+    def cpu_times(self) -> tuple[float, float]:
+        times = [p.cpu_times() for p in self._procs]
+        return sum(t.user for t in times), sum(t.system for t in times)
+
+
+def start_etcd(start_timeout: float):
+    """A 3-member etcd cluster on loopback (tests/etcd_cluster.py), its data directories in a
+    temporary directory as bench/etcd_kv.py makes them (/tmp: this VM's one disk); fsync on, as a
+    real deployment runs it."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from etcd_cluster import SKIP_REASON, EtcdCluster, etcd_binary
+
+    if etcd_binary() is None:
+        raise RuntimeError(SKIP_REASON)
+    root = Path(tempfile.mkdtemp(prefix="elasticd-scale-etcd-"))
+    try:
+        return EtcdCluster(root).start(timeout=min(start_timeout, 60.0)), root
+    except BaseException:
+        import shutil
+
+        shutil.rmtree(root, ignore_errors=True)
+        raise
+
+
 class Session:
-    """One store process and P worker processes for one size of one system."""
+    """One store (a c10d store process, or an etcd cluster) and P worker processes for one size of
+    one system."""
 
     def __init__(self, kind: str, n: int, args, work: Path, extra: list[str] = ()):
         self.kind, self.n, self.args = kind, n, args
         self.store: Child | None = None
+        self.cluster = None  # the etcd cluster (--backend etcd) and its data directories
         self.workers: list[Child] = []
         try:
             self._start(work, extra)
@@ -256,7 +313,13 @@ class Session:
 
     def _start(self, work: Path, extra: list[str]) -> None:
         args, n, kind = self.args, self.n, self.kind
-        self.port = self._start_store(work)
+        if args.backend == "etcd":
+            self.cluster = start_etcd(args.start_timeout)
+            self.store_ps = StoreCpu([m.proc.pid for m in self.cluster[0].members])
+            self.port = 0
+            extra = [*extra, "--backend", "etcd", "--endpoints", self.cluster[0].endpoints]
+        else:
+            self.port = self._start_store(work)
         for i, (first, count) in enumerate(split(n, args.procs)):
             argv = [sys.executable, str(Path(__file__).resolve()), "--worker", kind, "--port", str(self.port),
                     "--total", str(n), "--first", str(first), "--count", str(count), *extra,
@@ -268,14 +331,12 @@ class Session:
         self.ready = ask_all(self.workers, {"cmd": "ready"}, args.start_timeout)
 
     def _start_store(self, work: Path) -> int:
-        import psutil
-
         self.store = Child([sys.executable, str(Path(__file__).resolve()), "--serve-store"],
                            work / f"store-{self.kind}-{self.n}.log")
         word, _, port = self.store.line(self.args.start_timeout).decode().partition(" ")
         if word != "serving":
             raise RuntimeError(f"the store did not start: {self.store.tail()}")
-        self.store_ps = psutil.Process(self.store.proc.pid)
+        self.store_ps = StoreCpu([self.store.proc.pid])
         return int(port)
 
     def round(self) -> dict:
@@ -299,6 +360,8 @@ class Session:
                "state": next((r["state"] for r in replies if r.get("state")), None),
                "rejected": sum(r.get("rejected", 0) for r in replies),
                "requests": sum(r.get("requests", 0) for r in replies),
+               "sent": sum(r.get("sent", 0) for r in replies),
+               "arrived": next((r["arrived"] for r in replies if r.get("arrived")), None),
                "clients_cores": (cpu1 - cpu0) / (t1 - t0), "store_cores": (store1 - store0) / (t1 - t0)}
         if done == self.n and not errors:
             sizes = {s for r in replies for s in r["sizes"]}
@@ -322,11 +385,19 @@ class Session:
         for c in [*self.workers, self.store]:
             if c is not None:
                 c.stop()
+        if self.cluster is not None:
+            import shutil
+
+            cluster, root = self.cluster
+            cluster.stop()
+            shutil.rmtree(root, ignore_errors=True)
 
 
 def run_elasticd(n: int, args, work: Path) -> dict:
+    from elasticd import rendezvous
+
     out: dict = {"round_s": None, "propagation_s": None, "detection_s": None, "fallback_s": None,
-                 "requests_per_s": None, "store_cpu": None, "notes": []}
+                 "recovery_s": None, "requests_per_s": None, "store_cpu": None, "notes": []}
     t = time.monotonic()
     try:
         s = Session("elasticd", n, args, work)
@@ -337,7 +408,8 @@ def run_elasticd(n: int, args, work: Path) -> dict:
         log(f"elasticd n={n}: {n} nodes up in {time.monotonic() - t:.1f}s; forming a round")
         r = s.round()
         if "round_s" not in r:
-            out["notes"].append(f"elasticd: no round of {n} within {args.timeout:g}s ({r['done']} joined; "
+            out["notes"].append(f"elasticd: no round of {n} within {args.timeout:g}s ({r['done']} joined; the "
+                                f"store's arrival counter: {r['arrived']}; {r['sent']} requests sent; "
                                 f"{r['rejected']} store values failed verification; our clients used "
                                 f"{r['clients_cores']:.2f} cores, the store {r['store_cores']:.2f}; {r['errors']})")
             return out
@@ -402,21 +474,74 @@ def run_elasticd(n: int, args, work: Path) -> dict:
         fb = [v for x in found for v in x["fallback"]]
         false = [v for x in found for v in x["false"]]
         if watchers and len(ev) == watchers:
-            out["detection_s"] = max(ev) - t_s
+            out["detection_s"] = too_early(max(ev) - t_s, min(ev) - t_s, rendezvous.LOST_SILENCE, "evidence",
+                                           out["notes"], n)
         else:
             out["notes"].append(f"elasticd n={n}: {len(ev)} of {watchers} watchers found the silent node lost "
                                 f"(evidence) within {bound:g}s")
         if watchers and len(fb) == watchers:
-            out["fallback_s"] = max(fb) - t_s
+            out["fallback_s"] = too_early(max(fb) - t_s, min(fb) - t_s, args.peer_timeout, "peer_timeout",
+                                          out["notes"], n)
         if false:
             out["notes"].append(f"elasticd n={n}: {len(false)} healthy node(s) taken for lost after the stall: "
                                 f"{false[:3]}")
-        log(f"elasticd n={n}: detection {out['detection_s']} (fallback {out['fallback_s']})")
+        log(f"elasticd n={n}: detection {out['detection_s']} (fallback {out['fallback_s']}); recovery")
+        if n >= 3:
+            out["recovery_s"] = recovery(s, n, args, out["notes"])
+        log(f"elasticd n={n}: recovery {out['recovery_s']}")
     except (PhaseTimeout, RuntimeError, KeyError) as e:
         out["notes"].append(f"elasticd n={n}: {e}")
     finally:
         s.close()
     return out
+
+
+def too_early(last: float, first: float, silence: float, path: str, notes: list[str], n: int) -> float | None:
+    """The detection time, or None where a watcher found the node lost sooner than `silence` (what
+    the verdict needs) allows, less what it can have missed before the silence began (its last
+    look and the beat before): it had lost sight of the node before it went silent (its beats were
+    late: an overloaded store), so the figure would time a false verdict, not a detection."""
+    from elasticd.rendezvous import BEAT_EVERY
+
+    if first >= silence - 2 * BEAT_EVERY:
+        return last
+    notes.append(f"elasticd n={n}: a watcher found the node lost {first:.3f}s after it went silent ({path}): its "
+                 "beats were already late (the store overloaded); not a detection")
+    return None
+
+
+def recovery(s: Session, n: int, args, notes: list[str]) -> float | None:
+    """One node silenced -> every survivor has returned from its next next_round, the round
+    restarted without it: detection on the evidence path, the watcher's restart request naming
+    it, the request's propagation and the next round's formation (the workers' teardown, which a
+    daemon does in between, is not simulated). It needs a round whose restart key is unset: the
+    nodes first rejoin after the propagation phase's restart (N-1 of them: that round's closing
+    finds the node silenced for detection lost), with --nnodes N-2:2N from then on, as an
+    elastic job that may lose two nodes."""
+    t0 = time.monotonic()
+    setup = ask_all(s.workers, {"cmd": "rejoin", "min": n - 2, "timeout": args.timeout}, args.timeout + 30)
+    sizes = {x for r in setup for x in r["sizes"]}
+    if sum(r["done"] for r in setup) != n - 1 or sizes != {n - 1}:
+        errors = [e for r in setup for e in r["errors"]][:3]
+        notes.append(f"elasticd n={n}: the rejoin before the recovery phase formed rounds of {sorted(sizes)} "
+                     f"({sum(r['done'] for r in setup)} of {n - 1} joined): {errors}")
+        return None
+    log(f"elasticd n={n}: the {n - 1} left rejoined in {max(r['end'] for r in setup) - t0:.3f}s; silencing one")
+    w, local = s.where([r["ranks"] for r in setup], (n - 1) // 2)
+    s.workers[w].send({"cmd": "silence", "local": local})
+    t_s = s.workers[w].recv(30)["t"]
+    bound = args.peer_timeout + args.timeout
+    got = ask_all(s.workers, {"cmd": "recover", "since": t_s, "timeout": bound}, bound + 30)
+    done = sum(r["done"] for r in got)
+    sizes = {x for r in got for x in r["sizes"]}
+    if done != n - 2 or sizes != {n - 2}:
+        notes.append(f"elasticd n={n}: recovery: {done} of {n - 2} survivors in a next round within {bound:g}s "
+                     f"(rounds of {sorted(sizes)}): {[e for r in got for e in r['errors']][:3]}")
+        return None
+    from elasticd.rendezvous import LOST_SILENCE
+
+    took = max(r["end"] for r in got) - t_s
+    return too_early(took, took, LOST_SILENCE, "recovery", notes, n)
 
 
 def run_torch(n: int, args, work: Path, keep_alive: float) -> dict:
@@ -466,7 +591,8 @@ def table(rows: list[dict], keep_alives: list[float]) -> str:
     cols = [("nodes", "nodes", 0), ("round_s", "round_s", 3)]
     cols += [(f"torchrun_round_s@{k:g}", f"torch_round_s(ka {k:g}s)", 3) for k in keep_alives]
     cols += [("propagation_s", "propagation_s", 3), ("detection_s", "detection_s(evidence)", 3),
-             ("fallback_s", "detection_s(peer_timeout)", 3), ("store_requests_per_s", "store_req/s", 0),
+             ("fallback_s", "detection_s(peer_timeout)", 3), ("recovery_s", "recovery_s", 3),
+             ("store_requests_per_s", "store_req/s", 0),
              ("store_cpu", "store_cpu", 3), ("barrier_requests_per_s", "exit_barrier_req/s", 0),
              ("barrier_store_cpu", "exit_barrier_store_cpu", 3), ("barrier_release_s", "exit_barrier_release_s", 3),
              ("client_cpu", "our_clients_cpu", 2),
@@ -487,10 +613,11 @@ def table(rows: list[dict], keep_alives: list[float]) -> str:
 def measure(n: int, args, work: Path, keep_alives: list[float]) -> dict:
     row: dict = {"nodes": n}
     e = run_elasticd(n, args, work) if not args.no_elasticd else {
-        "round_s": None, "propagation_s": None, "detection_s": None, "fallback_s": None, "requests_per_s": None,
-        "store_cpu": None, "notes": []}
+        "round_s": None, "propagation_s": None, "detection_s": None, "fallback_s": None, "recovery_s": None,
+        "requests_per_s": None, "store_cpu": None, "notes": []}
     row.update(round_s=e["round_s"], propagation_s=e["propagation_s"], detection_s=e["detection_s"],
-               fallback_s=e["fallback_s"], store_requests_per_s=e["requests_per_s"], store_cpu=e["store_cpu"],
+               fallback_s=e["fallback_s"], recovery_s=e["recovery_s"], store_requests_per_s=e["requests_per_s"],
+               store_cpu=e["store_cpu"],
                barrier_requests_per_s=e.get("barrier_requests_per_s"), barrier_store_cpu=e.get("barrier_store_cpu"),
                barrier_release_s=e.get("barrier_release_s"),
                client_cpu=e.get("client_cpu"), other_cpu=e.get("other_cpu"))
@@ -511,7 +638,11 @@ def measure(n: int, args, work: Path, keep_alives: list[float]) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--nodes", type=int, action="append", help=f"one size (repeatable; default {SIZES})")
+    p.add_argument("--nodes", type=int, action="append", help=f"one size (repeatable; default {SIZES}, with "
+                   f"etcd {ETCD_SIZES})")
+    p.add_argument("--backend", choices=("c10d", "etcd"), default="c10d", help="elasticd's store: one c10d "
+                   "TCPStore (default), or a 3-member etcd cluster on loopback (etcd on PATH; torch's side is "
+                   "skipped)")
     p.add_argument("--json", action="store_true", help="one JSON object per size (the keys: " + ", ".join(KEYS) + ")")
     p.add_argument("--procs", type=int, default=8, help="processes the simulated nodes are spread over")
     p.add_argument("--timeout", type=float, default=180.0, help="bound of a round's formation, seconds")
@@ -540,6 +671,7 @@ def main() -> int:
     for name in ("--port", "--total", "--first", "--count"):
         p.add_argument(name, type=int, help=argparse.SUPPRESS)
     p.add_argument("--secret", help=argparse.SUPPRESS)
+    p.add_argument("--endpoints", help=argparse.SUPPRESS)
     p.add_argument("--join-timeout", type=float, help=argparse.SUPPRESS)
     p.add_argument("--keep-alive", type=float, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -548,7 +680,9 @@ def main() -> int:
     if args.worker:
         return worker_main(args)
 
-    sizes = args.nodes or list(SIZES)
+    sizes = args.nodes or list(ETCD_SIZES if args.backend == "etcd" else SIZES)
+    if args.backend == "etcd":  # torch's etcd backend speaks etcd's v2 API, through python-etcd: not ours
+        args.no_torch = True
     keep_alives = [float(x) for x in args.torch_keepalive.split(",") if x.strip()]
     _more_files()
     rows = []
@@ -571,7 +705,8 @@ def main() -> int:
                 print(json.dumps({k: row.get(k) for k in KEYS}), flush=True)
     if not args.json:
         print(table(rows, keep_alives if not args.no_torch else []))
-        print(f"\nelasticd: --peer-timeout {args.peer_timeout:g}s, fake workers stepping every {args.step_time:g}s "
+        print(f"\nelasticd on {'a 3-member etcd cluster' if args.backend == 'etcd' else 'a c10d TCPStore'}: "
+              f"--peer-timeout {args.peer_timeout:g}s, fake workers stepping every {args.step_time:g}s "
               f"(evidence path); {args.procs} processes; cores: CPU seconds per second (this machine has "
               f"{os.cpu_count()})")
         for r in rows:
@@ -680,6 +815,56 @@ class CountingClient:
         return sum(c.n for c in list(cls.registry))
 
 
+def _retried(call, timeout: float):
+    """`call` until the store answers (as a daemon's start-up retries it), for `timeout` seconds."""
+    from elasticd import kv as kvmod
+    from elasticd import rendezvous
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return call()
+        except (kvmod.Unreachable, rendezvous.StoreUnreachable):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def _etcd_connect(endpoints: str):
+    """A node's etcd connection as rendezvous.open_etcd makes it (every member's endpoint, checked
+    to answer with a leader), with the bench's bound on a call; Peers clones it twice."""
+    from elasticd import etcd
+
+    return etcd.connect(endpoints, STORE_CALL_TIMEOUT)
+
+
+class EtcdRequests:
+    """elasticd's etcd client counted on the wire: every HTTP request it sends a member (a range,
+    put or txn, and each watch it opens), by wrapping EtcdKV's two senders in the worker processes.
+    A proxy over the KV calls would miss what a wait costs (a read, then a watch per slice);
+    c10d's figures count TCPStore requests, which a KV call makes one or two of."""
+
+    n = 0
+    _lock = threading.Lock()
+
+    @classmethod
+    def install(cls) -> None:
+        from elasticd import etcd
+
+        for name in ("_post", "_watch"):
+            setattr(etcd.EtcdKV, name, cls._counted(getattr(etcd.EtcdKV, name)))
+
+    @classmethod
+    def _counted(cls, send):
+        def counted(kv, *a, **kw):
+            kv.bench_requests = getattr(kv, "bench_requests", 0) + 1  # per connection: one thread at a time
+            with cls._lock:
+                cls.n += 1
+            return send(kv, *a, **kw)
+
+        return counted
+
+
 def worker_main(args) -> int:
     import logging
 
@@ -718,46 +903,40 @@ class ElasticdNodes:
             signing.MAX_VALUE = 16 << 20
         self.args = args
         total = args.total
+        etcd = args.backend == "etcd"
         self.cfg = cfg = config.build({
-            "nnodes": f"{total}:{2 * total}", "rdzv_endpoint": f"127.0.0.1:{args.port}", "rdzv_id": "scale",
+            "nnodes": f"{total}:{2 * total}", "rdzv_id": "scale", "rdzv_backend": args.backend,
+            "rdzv_endpoint": args.endpoints if etcd else f"127.0.0.1:{args.port}",
             "nproc_per_node": 1, "last_call_timeout": 0, "peer_timeout": args.peer_timeout,
             "join_timeout": args.join_timeout, "monitor_interval": args.monitor_interval,
             "rdzv_secret_file": args.secret, "local_addr": "127.0.0.1"}, environ={})
+        if etcd:
+            EtcdRequests.install()
         connect = rendezvous.tcp_connector("127.0.0.1", args.port)
 
         def counted(timeout: float):
             return CountingClient(connect(timeout))
 
+        self.mode = "run"  # what the agent loops do: run, detect (the stall), recover, idle
+        self.restart_lock = threading.Lock()
         self.nodes = []
         ids = set()
         for i in range(args.count):
-            kv = kvmod.TCPStoreKV(counted, f"127.0.0.1:{args.port}", STORE_CALL_TIMEOUT)
+            if etcd:
+                kv = _retried(lambda: _etcd_connect(cfg.rdzv_endpoint), args.join_timeout)
+            else:
+                kv = kvmod.TCPStoreKV(counted, f"127.0.0.1:{args.port}", STORE_CALL_TIMEOUT)
             rdzv = rendezvous.Rendezvous(cfg, store=kv)
             while rdzv.node_id in ids:  # one host, one pid: the id's random tag must not repeat
                 rdzv.node_id = rendezvous.new_node_id()
             ids.add(rdzv.node_id)
-            deadline = time.monotonic() + args.join_timeout
-            while True:  # connected, as open_store leaves a daemon's store (retried as it does)
-                try:
-                    rdzv.current_round()
-                    break
-                except rendezvous.StoreUnreachable:
-                    if time.monotonic() > deadline:
-                        raise
-                    time.sleep(0.2)
-            node = Node(rdzv)
+            # connected, as open_store leaves a daemon's store (retried as it does)
+            _retried(rdzv.current_round, args.join_timeout)
+            node = Node(rdzv, self.woken)
             node.peers = Peers(cfg, rdzv, f"sim{args.first + i}", wake=node.woken)
             # The restart waiter's connection, which a daemon opens at its first round's wait and
             # keeps for the next rounds, is opened here: the measured phases see any later round.
-            deadline = time.monotonic() + args.join_timeout
-            while True:
-                try:
-                    node.peers._wait_kv.get(names.job_key(cfg.rdzv_id, names.ROUND))
-                    break
-                except kvmod.Unreachable:
-                    if time.monotonic() > deadline:
-                        raise
-                    time.sleep(0.2)
+            _retried(lambda: node.peers._wait_kv.get(names.job_key(cfg.rdzv_id, names.ROUND)), args.join_timeout)
             self.nodes.append(node)
         self.stall: float | None = None
         self.t_start = time.monotonic()
@@ -794,28 +973,84 @@ class ElasticdNodes:
             # request, only the CPU a real node would spend on its own
             nodes = self.nodes if tick % every == 0 else self.watchers
             tick += 1
+            mode = self.mode
+            if mode == "recover":
+                nodes = self.nodes  # a restart request's wake-up is answered at once (woken)
             for node in nodes:
                 rnd = node.rnd
-                if rnd is None or node.silenced:
+                if rnd is None or node.silenced or mode == "idle":
                     continue
                 now = time.monotonic()
                 beats = self.fake_beats(now)  # as the agent reads its workers' heartbeat files, just before
                 try:
-                    if self.stall is None:
+                    if mode == "recover":
+                        self.recover_check(node, rnd, now, beats)
+                    elif mode == "run":
                         why = node.peers.check(rnd, now, lambda: beats)
                         if why is not None and why.kind not in (RestartCause.PEER,):
-                            self.unexpected_count += 1
-                            if len(self.unexpected) < 3:
-                                self.unexpected.append(f"{node.rdzv.node_id}: {why.kind}: {why.reason}")
+                            self.note_unexpected(f"{node.rdzv.node_id}: {why.kind}: {why.reason}")
                     else:
                         for path, evidence in (("evidence", beats), ("fallback", [])):
                             why = node.peers.lost_neighbour(rnd, now, lambda: evidence)
                             if why is not None:
                                 node.detected[path].setdefault(why.lost[0], now)
                 except StoreLost as e:
-                    self.unexpected_count += 1
-                    self.unexpected.append(str(e))
+                    self.note_unexpected(str(e))
             time.sleep(max(0.0, period - (time.monotonic() - start)))
+
+    def note_unexpected(self, what: str) -> None:
+        self.unexpected_count += 1
+        if len(self.unexpected) < 3:
+            self.unexpected.append(what)
+
+    def recover_check(self, node: Node, rnd, now: float, beats) -> None:
+        """The agent loop after a node's loss, as the daemon's: a lost neighbour makes this node
+        ask for a restart naming it; a restart asked (by anyone) sends it to the next round."""
+        from elasticd.rendezvous import StoreUnreachable
+        from elasticd.states import RestartCause
+
+        if node.restarting:
+            return
+        why = node.peers.check(rnd, now, lambda: beats)
+        if why is None:
+            return
+        if why.kind is RestartCause.NODE_LOST:
+            try:
+                node.rdzv.request_restart(rnd, {"summary": why.summary(), "node": node.rdzv.node_id,
+                                                "lost": list(why.lost)})
+            except StoreUnreachable as e:
+                self.note_unexpected(f"restart request: {e}")
+        elif why.kind is not RestartCause.PEER:
+            self.note_unexpected(f"{node.rdzv.node_id}: {why.kind}: {why.reason}")
+            return
+        self.restart(node)
+
+    def woken(self, node: Node) -> None:
+        """A node's Peers woke its agent loop: in the recovery phase, a restart asked is acted on
+        at once (the daemon's loop wakes on it; a tick of ours would add up to --monitor-interval)."""
+        restart = node.peers._restart if node.peers is not None else None
+        if self.mode == "recover" and restart is not None and node.rnd is not None and restart[0] == node.rnd.number:
+            self.restart(node)
+
+    def restart(self, node: Node) -> None:
+        """Join the next round (once), as a daemon does after its restart: the workers' teardown
+        is not simulated."""
+        with self.restart_lock:
+            if node.restarting:
+                return
+            node.restarting = True
+
+        def rejoin() -> None:
+            try:
+                rnd = node.rdzv.next_round(1)
+                end = time.monotonic()
+                node.peers.new_round(rnd)
+                node.rnd = rnd
+                node.recovered = end  # last: the coordinator's wait reads node.rnd once this is set
+            except Exception as e:  # noqa: BLE001 - reported
+                node.error = f"recovery: {type(e).__name__}: {e}"
+
+        threading.Thread(target=rejoin, daemon=True).start()
 
     def handle(self, cmd: str, msg: dict) -> dict:
         if cmd == "ready":
@@ -823,7 +1058,7 @@ class ElasticdNodes:
         if cmd == "round":
             return self.round(msg["at"], msg["timeout"])
         if cmd == "counts":
-            return {"t": time.monotonic(), "requests": CountingClient.total(), "cpu": _cpu(),
+            return {"t": time.monotonic(), "requests": CountingClient.total() + EtcdRequests.n, "cpu": _cpu(),
                     "unexpected": self.unexpected_count, "errors": self.unexpected[:3]}
         if cmd == "barrier":  # nodes done with training wait at the exit barrier (all but a straggler)
             def barrier(node: Node) -> None:
@@ -860,8 +1095,28 @@ class ElasticdNodes:
             t = time.monotonic()
             node.peers._stop.set()  # its liveness thread beats no more (and its waiter leaves)
             return {"t": t, "id": node.rdzv.node_id}
+        if cmd == "rejoin":  # after the propagation phase's restart; the recovery phase's --nnodes
+            import dataclasses
+
+            self.mode = "idle"
+            cfg = dataclasses.replace(self.cfg, nnodes=f"{msg['min']}:{2 * self.args.total}")
+            for node in self.nodes:
+                node.rdzv.cfg = node.peers.cfg = cfg
+            return self.round(time.monotonic(), msg["timeout"])
+        if cmd == "recover":
+            live = [x for x in self.nodes if not x.silenced]
+            self.stall = msg["since"]
+            self.mode = "recover"
+            _wait_all(live, lambda x: x.recovered is not None or x.error is not None, msg["timeout"])
+            self.mode = "idle"
+            done = [x for x in live if x.recovered is not None and x.rnd is not None]
+            return {"done": len(done), "end": max((x.recovered for x in done), default=0.0),
+                    "sizes": sorted({x.rnd.group_world_size for x in done}),
+                    "lost": sorted({m for x in done for m in x.rnd.lost}),
+                    "errors": [x.error for x in live if x.error][:3]}
         if cmd == "stall":
             self.stall = msg["since"]
+            self.mode = "detect"
             target = msg["target"]
             from elasticd.peers import WATCHED
 
@@ -878,6 +1133,23 @@ class ElasticdNodes:
                     "false": false[:5]}
         raise ValueError(cmd)
 
+    def arrived(self) -> str:
+        """How far a round that did not form got: its arrival counter (every node takes a number
+        from it first), as the store holds it."""
+        from elasticd import names
+
+        rdzv = self.nodes[0].rdzv
+        kv = rdzv.kv.clone()  # its own connection: the nodes' threads may still be in theirs
+        try:
+            key = names.job_key(rdzv.cfg.rdzv_id, names.ROUND)
+            number = rdzv.open(key, kv.get(key), int) or 0
+            raw = kv.get(names.round_key(rdzv.cfg.rdzv_id, number, names.ARRIVED))
+            return f"round {number}: {raw.decode() if raw else 0} arrived"
+        except Exception as e:  # noqa: BLE001 - reported
+            return f"{type(e).__name__}: {e}"
+        finally:
+            kv.close()
+
     def round(self, at: float, timeout: float) -> dict:
         def join(node: Node) -> None:
             time.sleep(max(0.0, at - time.monotonic()))
@@ -891,13 +1163,17 @@ class ElasticdNodes:
             except Exception as e:  # noqa: BLE001 - reported
                 node.error = f"{type(e).__name__}: {e}"
 
-        for node in self.nodes:
+        live = [x for x in self.nodes if not x.silenced]
+        sent = CountingClient.total() + EtcdRequests.n
+        for node in live:
+            node.rnd = None
             threading.Thread(target=join, args=(node,), daemon=True).start()
-        _wait_all(self.nodes, lambda x: x.rnd is not None or x.error is not None,
+        _wait_all(live, lambda x: x.rnd is not None or x.error is not None,
                   max(0.0, at - time.monotonic()) + timeout)
-        done = [x for x in self.nodes if x.rnd is not None]
+        sent = CountingClient.total() + EtcdRequests.n - sent
+        done = [x for x in live if x.rnd is not None]
         closer = [x for x in done if x.rnd.group_rank == 0]
-        busiest = max(self.nodes, key=lambda x: x.round_requests)
+        busiest = max(live, key=lambda x: x.round_requests)
         if busiest.round_requests > 100:
             store = getattr(busiest.rdzv.kv, "store", None)
             print(f"busiest node {busiest.rdzv.node_id}: {busiest.round_requests} requests in next_round; its "
@@ -905,10 +1181,11 @@ class ElasticdNodes:
         return {"done": len(done), "end": max((x.end for x in done), default=0.0),
                 "closer": [closer[0].end, closer[0].round_requests] if closer else None,
                 "rejected": sum(x.rdzv.signer.rejected for x in self.nodes),
-                "requests": sum(x.round_requests for x in done),
+                "requests": sum(x.round_requests for x in done), "sent": sent,
+                "arrived": self.arrived() if len(done) < len(live) else None,
                 "errors": [x.error for x in self.nodes if x.error][:3],
                 "sizes": sorted({x.rnd.group_world_size for x in done}),
-                "ranks": [x.rnd.group_rank if x.rnd is not None else -1 for x in self.nodes]}
+                "ranks": [x.rnd.group_rank if x.rnd is not None and not x.silenced else -1 for x in self.nodes]}
 
 
 # A store call's bound: the daemon's default (rendezvous.op_timeout at the default --peer-timeout of
@@ -918,10 +1195,13 @@ STORE_CALL_TIMEOUT = 5.0
 
 
 class Node:
-    def __init__(self, rdzv):
+    def __init__(self, rdzv, on_wake):
         self.rdzv = rdzv
+        self.on_wake = on_wake
         self.peers = None
         self.rnd = None
+        self.restarting = False  # the recovery phase: joining the next round
+        self.recovered: float | None = None  # when that next_round returned
         self.end = 0.0
         self.error: str | None = None
         self.seen: float | None = None
@@ -932,12 +1212,13 @@ class Node:
 
     def requests(self) -> int:
         store = getattr(self.rdzv.kv, "store", None)
-        return store.n if store is not None else 0
+        return store.n if store is not None else getattr(self.rdzv.kv, "bench_requests", 0)
 
     def woken(self) -> None:
         """The wake-up Peers gives the agent loop; the restart waiter's is the one timed."""
         if self.seen is None and self.peers is not None and self.peers._restart is not None:
             self.seen = time.monotonic()
+        self.on_wake(self)
 
 
 def logging_level() -> int:
