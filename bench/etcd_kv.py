@@ -3,7 +3,7 @@
 Both on loopback (tests/etcd_cluster.py starts the cluster: one data directory per member on the
 same disk), one connection each, N calls of each operation, median and 90th percentile in ms:
 
-    set, get (present / absent), multi_get (8 keys), add (one counter), compare_set (a swap that
+    set, get (present / absent), multi_get (8 keys), take (one roll), compare_set (a swap that
     succeeds), wait propagation (a clone blocked in wait, another connection sets the key: set's
     start to the waiter's return)
 
@@ -70,7 +70,7 @@ def measure(s: kv.KV, n: int, tag: str) -> dict:
     res["get absent"] = timed(lambda i: s.get(f"{p}absent/{i}"), n)
     keys = [f"{p}set/{i}" for i in range(8)]
     res["multi_get 8"] = timed(lambda i: s.multi_get(keys), n)
-    res["add"] = timed(lambda i: s.add(f"{p}counter", 1), n)
+    res["take"] = timed(lambda i: s.take(f"{p}counter"), n)
     s.set(f"{p}cas", b"0")
     res["compare_set"] = timed(lambda i: s.compare_set(f"{p}cas", str(i).encode(), str(i + 1).encode()), n)
     res["wait propagation"] = wait_propagation(s, n, tag)

@@ -20,13 +20,14 @@ at once instead of holding the request until its own timeout. A member that answ
 Retries and ambiguity. A request that never reached etcd (refused connection, a kept-alive
 connection found closed before sending, "no leader") is simply sent again elsewhere. One whose
 reply was lost after etcd may have applied it (the member died or stalled mid-request) is also
-sent again: harmless for set, get, multi_get and wait; `add` is then at-least-once (a lost reply
-can count twice; every value it returns is still one no other add returned), and `compare_set`
-answers True if the key then holds `desired`. The c10d TCPStore's timeouts are no better.
+sent again: harmless for set, get, multi_get, taken and wait; `take` is then at-least-once (a
+lost reply can skip a number; every number it returns is still one no other take returned), and
+`compare_set` answers True if the key then holds `desired`. The c10d TCPStore's timeouts are no
+better.
 
-`add` writes the sum in a transaction that compares the key's mod_revision with the one it
-read (or last wrote itself), retried on conflict: the failed branch returns the key as it is,
-so a conflict costs one more round trip. `compare_set` is one transaction comparing the value
+`take` is one put that asks for the key's previous version: the roll is the key's version,
+which every put raises by one, so N nodes arriving together cost N requests, none retried.
+`compare_set` is one transaction comparing the value
 (or create_revision 0: absent). `wait` reads the key and, when it is absent, watches it from the
 read's revision + 1, so a write between the two is not missed; the watch is renewed (read again,
 watch again) every few seconds, so a member that lost its cluster silently cannot hide the key
@@ -50,7 +51,7 @@ import ssl
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import psutil
 
@@ -66,7 +67,9 @@ MAX_TXN_OPS = 128  # etcd's default --max-txn-ops
 # request until a new leader is elected (about a second): the call goes round the members until
 # one answers, within its deadline.
 ATTEMPT_TIMEOUT = 0.5
-WATCH_RENEW = 5.0  # seconds a watch runs before the key is read again and the watch renewed
+# Seconds a watch runs before the key is read again and the watch renewed: how long a member
+# that lost its cluster (or was cut off from us) without closing the stream can hide a put.
+WATCH_RENEW = 2.0
 _BACKOFF = (0.05, 0.5)  # after every endpoint failed once: first pause, longest pause
 _HEADERS = {"Content-Type": "application/json", "Grpc-Metadata-Hasleader": "true"}
 # Answers that mean the member did not take the request in (safe to send again anywhere).
@@ -229,8 +232,9 @@ class EtcdKV:
         self._user, self._password = user, password
         self._tokens: dict[int, str] = {}  # endpoint index -> auth token (simple tokens are per member)
         self._conns: dict[int, http.client.HTTPConnection] = {}
-        self._counters: dict[str, tuple[bytes, int]] = {}  # add's last write per key: value, mod_revision
         self._current = 0
+        self._streams: dict[threading.Thread, _Stream] = {}  # wait's open watch per thread, between slices
+        self._streams_lock = threading.Lock()
         self._lock = threading.Lock()
         self._closed = False
         # A member gets this long to answer before the call moves on (when there are others): a
@@ -259,25 +263,16 @@ class EtcdKV:
             out.extend(_value(_field(r, "response_range") or {}) for r in replies)
         return out
 
-    def add(self, key: str, amount: int) -> int:
-        k = _b64(key)
-        # First guess: the counter as this connection last wrote it (absent: mod_revision 0), so a
-        # counter only this connection moves costs one round trip; a wrong guess costs one more.
-        value, mod = self._counters.get(key, (None, 0))
-        while True:
-            new = _int(value, key) + int(amount)
-            resp, _ = self._call("/v3/kv/txn", {
-                "compare": [{"target": "MOD", "key": k, "mod_revision": str(mod), "result": "EQUAL"}],
-                "success": [{"request_put": {"key": k, "value": _b64(str(new).encode())}}],
-                "failure": [{"request_range": {"key": k}}],
-            })
-            if _field(resp, "succeeded"):
-                if len(self._counters) >= 4096:
-                    self._counters.clear()
-                self._counters[key] = (str(new).encode(), int(_field(_field(resp, "header") or {}, "revision") or 0))
-                return new
-            rng = _field((_field(resp, "responses") or [{}])[0], "response_range") or {}
-            value, mod = _value(rng), _kv_int(rng, "mod_revision")
+    def take(self, key: str) -> int:
+        # The roll is the key's version, which etcd raises by one at every put: one put that
+        # returns the version before it is an atomic fetch-and-add with nothing to retry (a
+        # compare-and-swap of a value made N nodes arriving together cost O(N^2) requests).
+        resp, _ = self._call("/v3/kv/put", {"key": _b64(key), "value": "", "prev_kv": True})
+        return int(_field(_field(resp, "prev_kv") or {}, "version") or 0) + 1
+
+    def taken(self, key: str) -> int:
+        resp, _ = self._call("/v3/kv/range", {"key": _b64(key)})
+        return _kv_int(resp, "version")
 
     def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> bool:
         if expected is not None and expected == b"":
@@ -298,22 +293,41 @@ class EtcdKV:
         return False
 
     def wait(self, key: str, timeout: float) -> bool:
+        # A caller waits on one key in slices (stop flags are looked at between them): the watch
+        # stays open from one slice to the next until it is due for renewal, so a waiter costs
+        # the cluster one read and one watch per WATCH_RENEW, not per slice. Each thread has its
+        # own (a waiter of the next round may start before the last one has left).
         deadline = time.monotonic() + max(float(timeout), 0.0)
         while True:
-            value, _, revision = self._range(key)
-            if value is not None:
-                return True
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return False
+            st = self._streams.get(threading.current_thread())
+            if st is not None and (st.key != key or time.monotonic() >= st.renew_at):
+                self._end_stream(st)
+                st = None
+            if st is None:
+                value, _, revision = self._range(key)
+                if value is not None:
+                    return True
+                if deadline - time.monotonic() <= 0:
+                    return False
             try:
-                if self._watch(key, revision + 1, min(left, WATCH_RENEW)):
+                if st is None:
+                    st = self._watch(key, revision + 1, deadline)
+                    if st is None:
+                        return False
+                    self._keep_stream(st)
+                if self._next_put(st, min(deadline, st.renew_at)):
+                    self._end_stream(st)
                     return True
             except _Failed:
+                if st is not None:
+                    self._end_stream(st)
                 with self._lock:
                     self._drop(self._current)
                     self._current = (self._current + 1) % len(self.endpoints)
                 time.sleep(min(_BACKOFF[0], max(deadline - time.monotonic(), 0)))
+                continue
+            if time.monotonic() >= deadline:
+                return False  # the stream stays open for this thread's next slice
 
     def clone(self) -> EtcdKV:
         c = EtcdKV([e.url for e in self.endpoints], self.timeout, user=self._user, password=self._password,
@@ -323,6 +337,16 @@ class EtcdKV:
         return c
 
     def close(self) -> None:
+        with self._streams_lock:
+            streams, self._streams = self._streams, {}
+        for thread, st in streams.items():
+            if thread is threading.current_thread() or not thread.is_alive():
+                st.conn.close()
+            else:  # its thread may be reading it: the end of the stream wakes it, and it closes it
+                try:
+                    st.conn.sock.shutdown(socket.SHUT_RDWR)
+                except (OSError, AttributeError):
+                    pass
         with self._lock:
             self._closed = True
             for i in list(self._conns):
@@ -459,20 +483,19 @@ class EtcdKV:
 
     # --- wait ------------------------------------------------------------------------------
 
-    def _watch(self, key: str, start_revision: int, window: float) -> bool:
-        """Watch `key` from `start_revision` on the member in use, on a connection of its own, for
-        at most `window` seconds: True at the key's first put, False when the window passes.
-        _Failed when the member fails or cancels the watch (the caller reads again elsewhere)."""
+    def _watch(self, key: str, start_revision: int, deadline: float) -> _Stream | None:
+        """A watch of `key` from `start_revision` on the member in use, on a connection of its
+        own; None when `deadline` passed before the member took it. _Failed when the member
+        cannot take it (the caller reads again elsewhere)."""
         with self._lock:
             i = self._current
             ep = self.endpoints[i]
             headers = dict(_HEADERS)
             if self._user is not None and i in self._tokens:
                 headers["Authorization"] = self._tokens[i]
-        end = time.monotonic() + window
         # the member gets one attempt's time to take the watch (a cut-off one is left as a call
-        # would leave it); the stream itself then runs for the window
-        start = max(min(window, self._attempt_cap), 0.001)
+        # would leave it); the stream then runs until it is due for renewal
+        start = max(min(deadline - time.monotonic(), self._attempt_cap), 0.001)
         conn = self._new_connection(ep, start)
         try:
             body = {"create_request": {"key": _b64(key), "start_revision": str(start_revision)}}
@@ -480,43 +503,106 @@ class EtcdKV:
                 conn.request("POST", "/v3/watch", body=json.dumps(body).encode(), headers=headers)
                 resp = conn.getresponse()
             except TimeoutError:
-                if end - time.monotonic() <= 0:
-                    return False
+                if deadline - time.monotonic() <= 0:
+                    conn.close()
+                    return None
                 raise _Failed(f"watch: no answer within {start:g} s", applied_maybe=False) from None
             except (OSError, http.client.HTTPException) as e:
                 raise _Failed(_line(e), applied_maybe=False) from None
             if resp.status != 200:
                 raise _Failed(f"watch: HTTP {resp.status} {resp.reason}", applied_maybe=False)
-            while True:
-                left = end - time.monotonic()
-                if left <= 0:
-                    return False
-                conn.sock.settimeout(left)
-                try:
-                    line = resp.readline()
-                except TimeoutError:
-                    return False
-                except (OSError, http.client.HTTPException, ValueError) as e:
-                    raise _Failed(f"watch: {_line(e)}", applied_maybe=False) from None
-                if not line:
-                    raise _Failed("watch: the member closed the stream", applied_maybe=False)
-                if not line.strip():
-                    continue
-                try:
-                    msg = json.loads(line)
-                except ValueError:
-                    raise _Failed("watch: an answer that is not JSON", applied_maybe=False) from None
-                if "error" in msg:
-                    raise _Failed(f"watch: {_error_text(msg)}", applied_maybe=False)
-                result = msg.get("result") or {}
-                for event in _field(result, "events") or []:
-                    if event.get("type", "PUT") == "PUT":
-                        return True
-                if _field(result, "canceled") or _field(result, "compact_revision"):
-                    why = _field(result, "cancel_reason") or "compacted"
-                    raise _Failed(f"watch canceled: {why}", applied_maybe=False)
-        finally:
+        except BaseException:
             conn.close()
+            raise
+        return _Stream(key, conn, resp, time.monotonic() + WATCH_RENEW)
+
+    def _next_put(self, st: _Stream, until: float) -> bool:
+        """Read the stream until the key's first put (True) or `until` (False). _Failed when the
+        member fails, closes or cancels it, or sends what cannot be read: the stream is then
+        given up and the key read again, so nothing half-read can hide a put. The waiting is
+        select's: a read begins only once bytes are there, and is bounded (a socket file
+        cannot be read again after a timeout, and http.client's chunked reader blocks for the
+        next chunk at the end of each one)."""
+        sock = st.conn.sock
+        while True:
+            while b"\n" in st.pending:
+                line, _, rest = bytes(st.pending).partition(b"\n")
+                st.pending = bytearray(rest)
+                if line.strip() and _is_put(line):
+                    return True
+            left = until - time.monotonic()
+            if left <= 0:
+                return False
+            try:
+                sock.settimeout(0.0)
+                waiting = st.resp.fp.peek(1)  # bytes an earlier read took in, or any that came since
+                if not waiting and not select.select([sock], [], [], left)[0]:
+                    return False
+                sock.settimeout(self._attempt_cap)  # what has begun to arrive comes whole by then
+                st.pending += _payload(st.resp)
+            except (OSError, ValueError, AttributeError) as e:
+                raise _Failed(f"watch: {_line(e)}", applied_maybe=False) from None
+
+    def _keep_stream(self, st: _Stream) -> None:
+        """Keep this thread's stream for its next slice; the streams of threads that have ended
+        are closed here."""
+        with self._streams_lock:
+            for thread in [t for t in self._streams if not t.is_alive()]:
+                self._streams.pop(thread).conn.close()
+            self._streams[threading.current_thread()] = st
+
+    def _end_stream(self, st: _Stream) -> None:
+        with self._streams_lock:
+            if self._streams.get(threading.current_thread()) is st:
+                del self._streams[threading.current_thread()]
+        st.conn.close()
+
+
+@dataclass
+class _Stream:
+    """An open watch: its key, connection, streamed reply, when it is read afresh, and the
+    bytes of a message not yet whole."""
+
+    key: str
+    conn: http.client.HTTPConnection
+    resp: http.client.HTTPResponse
+    renew_at: float
+    pending: bytearray = field(default_factory=bytearray)
+
+
+def _payload(resp: http.client.HTTPResponse) -> bytes:
+    """The next piece of a streamed reply's body: one chunk (chunked), or what has come."""
+    fp = resp.fp
+    if not resp.chunked:
+        data = fp.read1(65536)
+    else:
+        size = int(fp.readline(256).split(b";")[0].strip() or b"0", 16)
+        data = fp.read(size) if size else b""
+        if len(data) < size or (size and fp.read(2) != b"\r\n"):
+            raise ValueError("a chunk cut short")
+    if not data:
+        raise _Failed("watch: the member closed the stream", applied_maybe=False)
+    return data
+
+
+def _is_put(line: bytes) -> bool:
+    """Whether one message of a watch stream reports a put of the key; _Failed for an error, a
+    cancelled or compacted watch, or what is not a message."""
+    try:
+        msg = json.loads(line)
+    except ValueError:
+        raise _Failed("watch: an answer that is not JSON", applied_maybe=False) from None
+    if not isinstance(msg, dict):
+        raise _Failed("watch: an answer that is not an object", applied_maybe=False)
+    if "error" in msg:
+        raise _Failed(f"watch: {_error_text(msg)}", applied_maybe=False)
+    result = msg.get("result") or {}
+    if any(event.get("type", "PUT") == "PUT" for event in _field(result, "events") or []):
+        return True
+    if _field(result, "canceled") or _field(result, "compact_revision"):
+        why = _field(result, "cancel_reason") or "compacted"
+        raise _Failed(f"watch canceled: {why}", applied_maybe=False)
+    return False
 
 
 # --- the wire form ---------------------------------------------------------------------------
@@ -542,15 +628,6 @@ def _value(range_reply: dict) -> bytes | None:
 def _kv_int(range_reply: dict, name: str) -> int:
     kvs = _field(range_reply, "kvs") or []
     return int(_field(kvs[0], name) or 0) if kvs else 0
-
-
-def _int(value: bytes | None, key: str) -> int:
-    if value is None:
-        return 0
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"add: key {key!r} holds {value[:40]!r}, not an integer") from None
 
 
 def _error_text(reply) -> str:

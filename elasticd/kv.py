@@ -47,8 +47,13 @@ class KV(Protocol):
 
     def multi_get(self, keys: list[str]) -> list[bytes | None]: ...
 
-    def add(self, key: str, amount: int) -> int:
-        """Atomically add to an integer counter (created at 0) and return the new value."""
+    def take(self, key: str) -> int:
+        """The next number of the roll at `key` (1, 2, ...), no other call's: at least once (a
+        reply lost and the call sent again skips a number). Contention-free on every store: N
+        nodes take N numbers with N requests."""
+
+    def taken(self, key: str) -> int:
+        """How many numbers of the roll at `key` were taken (0: none), without taking one."""
 
     def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> bool:
         """Set `desired` if the key holds `expected` (None: the key is absent); True if it did."""
@@ -168,8 +173,11 @@ class TCPStoreKV:
             return list(self._call("multi_get", keys))
         return [self.get(k) for k in keys]
 
-    def add(self, key: str, amount: int) -> int:
-        return int(self._call("add", key, amount))
+    def take(self, key: str) -> int:
+        return int(self._call("add", key, 1))
+
+    def taken(self, key: str) -> int:
+        return int(self._call("add", key, 0))
 
     def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> bool:
         if expected is not None and expected in (b"", _ABSENT):

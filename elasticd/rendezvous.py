@@ -362,7 +362,7 @@ class Rendezvous:
         self._check_open()
         number = self.current_round()
         self._enter(number)
-        index = self.kv.add(self._key(number, names.ARRIVED), 1)
+        index = self.kv.take(self._key(number, names.ARRIVED))
         prev = self.last.group_rank if self.last and self.last.number == number - 1 else -1
         key = names.arrival_key(self.cfg.rdzv_id, number, index)
         self.kv.set(key, self.seal(key, json.dumps({"id": self.node_id, "nproc": nproc, "addr": self.addr,
@@ -438,7 +438,7 @@ class Rendezvous:
         reached_min = None
         while True:
             now = time.monotonic()
-            arrived = min(self.kv.add(self._key(number, names.ARRIVED), 0), cfg.max_nodes + 64)
+            arrived = min(self.kv.taken(self._key(number, names.ARRIVED)), cfg.max_nodes + 64)
             new = [i for i in range(1, arrived + 1) if i not in records]
             for i, raw in zip(new, self.kv.multi_get([names.arrival_key(cfg.rdzv_id, number, i) for i in new])):
                 rec = self.open(names.arrival_key(cfg.rdzv_id, number, i), raw, _record) if raw else None
@@ -557,7 +557,7 @@ class Rendezvous:
     def waiting_ids(self, store: kvmod.KV, rnd: Round) -> list[str]:
         """Nodes that arrived after the round closed and wait for the next one (records that
         verify, among the next few arrival numbers)."""
-        arrived = store.add(self._key(rnd.number, names.ARRIVED), 0)
+        arrived = store.taken(self._key(rnd.number, names.ARRIVED))
         if arrived <= rnd.group_world_size:
             return []
         first = rnd.group_world_size + 1
@@ -575,7 +575,7 @@ class Rendezvous:
         job, n = self.cfg.rdzv_id, rnd.group_world_size
         mine = names.done_key(job, rnd.number, rnd.group_rank)
         self.kv.set(mine, self.seal(mine, "1"))
-        arrival = count = self.kv.add(self._key(rnd.number, names.DONE_COUNT), 1)
+        arrival = count = self.kv.take(self._key(rnd.number, names.DONE_COUNT))
         all_done = self._key(rnd.number, names.ALL_DONE)
         started = time.monotonic()
         deadline = started + timeout
@@ -595,7 +595,7 @@ class Rendezvous:
                 return True
             if self.kv.wait(self.restart_key(rnd), LOOK_WAIT) and self.read_restart(self.kv, rnd) is not None:
                 return True  # a node asked for a restart (looked for with a wait: see LOOK_WAIT)
-            count = self.kv.add(self._key(rnd.number, names.DONE_COUNT), 0)
+            count = self.kv.taken(self._key(rnd.number, names.DONE_COUNT))
 
     # --- job-wide restart budget and end (shared by all nodes) ---
 

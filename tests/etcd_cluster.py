@@ -207,6 +207,24 @@ class EtcdCluster:
             raise RuntimeError(f"no single live leader: {leaders}")
         return by_id[next(iter(leaders))]
 
+    def move_leader(self, index: int, timeout: float = 10.0) -> None:
+        """Hand the leadership to member `index` (etcd's own transfer, asked of the leader) and
+        wait (bounded) until the live members agree it leads."""
+        target = self.members[index].get_json("/v3/maintenance/status", method="POST", body={})["header"]["member_id"]
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                leader = self.leader()
+                if leader == index:
+                    return
+                self.members[leader].get_json("/v3/maintenance/transfer-leadership", method="POST",
+                                              body={"targetID": target}, timeout=5.0)
+            except (OSError, ValueError, KeyError, RuntimeError):
+                pass  # an election under way: ask again
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"member {index} did not take the leadership within {timeout} s")
+            time.sleep(0.1)
+
     def stop(self, grace: float = 3.0) -> None:
         """Every member stopped: SIGTERM, then SIGKILL after `grace`; one at a time, the leader last
         (a leader told to stop hands its leadership to a follower first, and waits seconds for one

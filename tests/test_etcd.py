@@ -13,6 +13,7 @@ import socket
 import subprocess
 import threading
 import time
+import urllib.request
 
 import psutil
 import pytest
@@ -73,7 +74,7 @@ def prefix(request):
 # --- the same semantics on both stores -------------------------------------------------------------
 
 
-def test_get_set_compare_set_add_multi_get(connect, prefix):
+def test_get_set_compare_set_take_multi_get(connect, prefix):
     s = connect()
     k = prefix
     assert s.get(k + "absent") is None
@@ -98,14 +99,13 @@ def test_get_set_compare_set_add_multi_get(connect, prefix):
     with pytest.raises(ValueError):
         s.compare_set(k + "cas", b"", b"x")
 
-    # add: a counter created at 0
-    assert s.add(k + "n", 1) == 1
-    assert s.add(k + "n", 5) == 6
-    assert s.add(k + "n", -2) == 4
-    assert s.get(k + "n") == b"4"
-    assert s.add(k + "n2", 0) == 0
+    # take: a roll numbered from 1; taken reads how far it got
+    assert s.taken(k + "n") == 0
+    assert [s.take(k + "n") for _ in range(3)] == [1, 2, 3]
+    assert s.taken(k + "n") == 3 and s.taken(k + "n") == 3  # reading takes nothing
+    assert s.take(k + "n") == 4
 
-    assert s.multi_get([k + "a", k + "absent", k + "cas", k + "n"]) == [b"\x00\xff binary\n", None, b"third", b"4"]
+    assert s.multi_get([k + "a", k + "absent", k + "cas"]) == [b"\x00\xff binary\n", None, b"third"]
     assert s.multi_get([]) == []
     assert isinstance(s.endpoint, str) and s.endpoint
     s.close()
@@ -151,36 +151,67 @@ def test_clone(connect, prefix):
     assert c.get(prefix + "k") == b"from s"
     c.set(prefix + "k2", b"from clone")
     assert s.get(prefix + "k2") == b"from clone"
-    assert c.add(prefix + "n", 2) == 2 and s.add(prefix + "n", 3) == 5
+    assert c.take(prefix + "n") == 1 and s.take(prefix + "n") == 2 and c.taken(prefix + "n") == 2
     c.close()
     assert s.get(prefix + "k") == b"from s"  # closing a clone leaves the original working
     s.close()
 
 
-def test_add_is_atomic_under_contention(connect, prefix):
-    """4 threads x 50 adds, each thread its own connection: exactly 200, every value returned once."""
+def test_take_is_atomic_under_contention(connect, prefix):
+    """4 threads x 50 takes, each thread its own connection: exactly 200, every number returned once."""
     s = connect()
     conns = [s.clone() for _ in range(4)]
     results: list[list[int]] = [[] for _ in conns]
     errors = []
 
-    def adder(i):
+    def taker(i):
         try:
             for _ in range(50):
-                results[i].append(conns[i].add(prefix + "counter", 1))
+                results[i].append(conns[i].take(prefix + "counter"))
         except Exception as e:  # noqa: BLE001 - reported by the test
             errors.append(repr(e))
 
-    threads = [threading.Thread(target=adder, args=(i,)) for i in range(4)]
+    threads = [threading.Thread(target=taker, args=(i,)) for i in range(4)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(60)
     assert not errors
-    assert s.get(prefix + "counter") == b"200"
+    assert s.taken(prefix + "counter") == 200
     assert sorted(v for r in results for v in r) == list(range(1, 201))
     for c in conns:
         c.close()
+    s.close()
+
+
+def _watches_started(cluster) -> int:
+    """Watch streams the members have started (their own Prometheus counter)."""
+    pattern = re.compile(r'^grpc_server_started_total\{grpc_method="Watch",grpc_service="etcdserverpb.Watch",'
+                         r'grpc_type="bidi_stream"\} (\d+)', re.M)
+    total = 0
+    for m in cluster.members:
+        with urllib.request.urlopen(f"{m.url}/metrics", timeout=5) as r:
+            total += int(pattern.search(r.read().decode()).group(1))
+    return total
+
+
+def test_a_wait_in_slices_keeps_one_watch(cluster, prefix):
+    """A waiter looks around between slices of its wait (as the daemon's restart waiter does every
+    second): the slices share one watch on the cluster until it is due for renewal, and a key set
+    between two slices is still seen at once."""
+    s = etcd.connect(cluster.endpoints, timeout=5)
+    waiter = s.clone()
+    before = _watches_started(cluster)
+    for _ in range(10):
+        assert waiter.wait(prefix + "k", 0.1) is False
+    assert _watches_started(cluster) - before == 1
+    s.set(prefix + "k", b"v")  # between two slices
+    t0 = time.monotonic()
+    assert waiter.wait(prefix + "k", 2) is True
+    assert time.monotonic() - t0 < 0.5
+    assert waiter.wait(prefix + "other", 0.1) is False  # another key: a watch of its own
+    assert _watches_started(cluster) - before == 2
+    waiter.close()
     s.close()
 
 
@@ -242,7 +273,7 @@ class ReplyDropper:
 def test_lost_reply_is_resolved(cluster, prefix):
     """A request applied by a member whose reply never came is sent again to the next endpoint:
     set and get as if nothing happened; compare_set answers True (the key holds desired);
-    add counts twice (at-least-once, as documented)."""
+    take skips a number (at-least-once, as documented)."""
     dropper = ReplyDropper(cluster.members[0].client_port)
     endpoints = f"{dropper.endpoint},{cluster.members[1].endpoint}"
     try:
@@ -255,8 +286,8 @@ def test_lost_reply_is_resolved(cluster, prefix):
         assert s.get(prefix + "cas") == b"mine"
 
         s = etcd.EtcdKV(endpoints, timeout=5)
-        assert s.add(prefix + "n", 1) == 2  # applied via the dropper, then again
-        assert s.get(prefix + "n") == b"2"
+        assert s.take(prefix + "n") == 2  # applied via the dropper, then again
+        assert s.taken(prefix + "n") == 2
         assert dropper.forwarded == 3
     finally:
         dropper.close()
@@ -292,7 +323,7 @@ def test_all_endpoints_dead_or_silent():
     raises Unreachable within its timeout, one line naming the endpoints."""
     dead = ",".join(f"127.0.0.1:{free_port()}" for _ in range(3))
     s = etcd.EtcdKV(dead, timeout=0.5)
-    for op in (lambda: s.get("k"), lambda: s.set("k", b"v"), lambda: s.add("k", 1),
+    for op in (lambda: s.get("k"), lambda: s.set("k", b"v"), lambda: s.take("k"),
                lambda: s.compare_set("k", None, b"v"), lambda: s.multi_get(["a", "b"]), lambda: s.wait("k", 5)):
         t0 = time.monotonic()
         with pytest.raises(kv.Unreachable) as e:
@@ -320,7 +351,7 @@ def test_all_endpoints_dead_or_silent():
 @needs_etcd
 @pytest.mark.parametrize("victim", ["leader", "follower"])
 def test_member_sigkilled_mid_way(own_cluster, victim):
-    """The member in use (the leader, or a follower) is SIGKILLed while one connection adds in a
+    """The member in use (the leader, or a follower) is SIGKILLed while one connection takes in a
     loop and another waits for a key: every call goes on (failing over), the waiter sees the key."""
     c = own_cluster
     leader = c.leader()
@@ -336,7 +367,7 @@ def test_member_sigkilled_mid_way(own_cluster, victim):
     def add_loop():
         try:
             while not stop.is_set():
-                returned.append(adder.add("k/counter", 1))
+                returned.append(adder.take("k/counter"))
         except Exception as e:  # noqa: BLE001 - reported by the test
             errors.append(repr(e))
 
@@ -364,11 +395,11 @@ def test_member_sigkilled_mid_way(own_cluster, victim):
     assert not errors
     assert woke.get("found") is True and woke["at"] - killed_at < 6
     assert first_op < 5, f"the first call after the kill took {first_op:.1f} s"
-    assert returned == sorted(set(returned))  # each add returned a value no other add did
-    total = int(s.get("k/counter"))
-    # at-least-once: an add in flight on the killed member may have been applied before its retry
+    assert returned == sorted(set(returned))  # each take returned a number no other take did
+    total = s.taken("k/counter")
+    # at-least-once: a take in flight on the killed member may have been applied before its retry
     assert total in (len(returned), len(returned) + 1)
-    assert s.add("k/counter", 1) == total + 1
+    assert s.take("k/counter") == total + 1
     for x in (s, adder, waiter):
         x.close()
 
@@ -404,7 +435,7 @@ def test_member_that_stops_answering_costs_a_call_one_attempt(own_cluster):
         took = time.monotonic() - t0
         assert took < etcd.ATTEMPT_TIMEOUT + 0.4, took
         t0 = time.monotonic()
-        assert s.get("k/b") == b"2" and s.add("k/n", 1) == 1
+        assert s.get("k/b") == b"2" and s.take("k/n") == 1
         assert time.monotonic() - t0 < 0.3
         fresh = etcd.connect(endpoints, timeout=5)
         woke = {}
@@ -432,8 +463,8 @@ def test_quorum_lost_then_regained(own_cluster):
     for m in down:
         m.stop()
     ops = {"set": lambda: s.set("q/k", b"w"), "get": lambda: s.get("q/k"), "multi_get": lambda: s.multi_get(["q/k"]),
-           "add": lambda: s.add("q/n", 1), "compare_set": lambda: s.compare_set("q/k", b"v", b"x"),
-           "wait": lambda: s.wait("q/absent", 5)}
+           "take": lambda: s.take("q/n"), "taken": lambda: s.taken("q/n"),
+           "compare_set": lambda: s.compare_set("q/k", b"v", b"x"), "wait": lambda: s.wait("q/absent", 5)}
     for name, op in ops.items():
         t0 = time.monotonic()
         with pytest.raises(kv.Unreachable) as e:
@@ -449,7 +480,7 @@ def test_quorum_lost_then_regained(own_cluster):
     # is "unknown", never "not done").
     assert s.get("q/k") in (b"v", b"w")
     s.set("q/k", b"back")
-    assert s.add("q/n", 1) == 1
+    assert s.take("q/n") in (1, 2)  # a take that raised may have been applied too
     assert s.compare_set("q/k", b"back", b"again") is True
     s.close()
 
@@ -471,7 +502,7 @@ def test_user_password_auth(tmp_path):
         s = etcd.connect(c.endpoints, timeout=3, user="root", password_file=str(tmp_path / "pw"))
         s.set("a/k", b"v")
         assert s.get("a/k") == b"v"
-        assert s.add("a/n", 2) == 2
+        assert s.take("a/n") == 1
 
         for user, password in [("root", "wrong"), ("nobody", "x")]:
             t0 = time.monotonic()
