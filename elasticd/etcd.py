@@ -65,7 +65,7 @@ MAX_TXN_OPS = 128  # etcd's default --max-txn-ops
 # member cut off mid-request costs a node's beats half a second, so its peers never take it for
 # lost (at 2 s they did, with a partitioned member). A follower whose leader just died holds a
 # request until a new leader is elected (about a second): the call goes round the members until
-# one answers, within its deadline.
+# one answers, within its deadline, the time doubling with each round (an overloaded cluster).
 ATTEMPT_TIMEOUT = 0.5
 # Seconds a watch runs before the key is read again and the watch renewed: how long a member
 # that lost its cluster (or was cut off from us) without closing the stream can hide a put.
@@ -382,8 +382,12 @@ class EtcdKV:
                 if left <= 0:
                     raise kv.Unreachable(self._summary(errors))
                 i = self._current
+                # each round of failures doubles a member's time: a member cut off costs half a
+                # second, while a cluster that is only slow (overloaded) is not sent every
+                # request again and again at half-second intervals
+                cap = self._attempt_cap * 2 ** (failures // len(self.endpoints))
                 try:
-                    return self._attempt(i, path, data, time.monotonic() + min(left, self._attempt_cap)), lost_reply
+                    return self._attempt(i, path, data, time.monotonic() + min(left, cap)), lost_reply
                 except _Failed as f:
                     errors[str(self.endpoints[i])] = f.reason
                     lost_reply |= f.applied_maybe
@@ -535,7 +539,10 @@ class EtcdKV:
                 return False
             try:
                 sock.settimeout(0.0)
-                waiting = st.resp.fp.peek(1)  # bytes an earlier read took in, or any that came since
+                try:
+                    waiting = st.resp.fp.peek(1)  # bytes an earlier read took in, or any that came since
+                except ssl.SSLWantReadError:  # TLS: nothing to decrypt yet (plain sockets give b"")
+                    waiting = b""
                 if not waiting and not select.select([sock], [], [], left)[0]:
                     return False
                 sock.settimeout(self._attempt_cap)  # what has begun to arrive comes whole by then

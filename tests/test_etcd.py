@@ -190,7 +190,7 @@ def _watches_started(cluster) -> int:
                          r'grpc_type="bidi_stream"\} (\d+)', re.M)
     total = 0
     for m in cluster.members:
-        with urllib.request.urlopen(f"{m.url}/metrics", timeout=5) as r:
+        with urllib.request.urlopen(f"{m.url}/metrics", timeout=5, context=cluster.client_tls) as r:
             total += int(pattern.search(r.read().decode()).group(1))
     return total
 
@@ -558,6 +558,13 @@ def test_tls_with_client_certificates(tmp_path):
         waiter = s.clone()
         threading.Timer(0.2, s.set, args=("t/later", b"x")).start()
         assert waiter.wait("t/later", 5) is True
+        before = _watches_started(c)  # a wait in slices keeps its watch over TLS too
+        for _ in range(5):
+            assert waiter.wait("t/sliced", 0.1) is False
+        assert _watches_started(c) - before == 1
+        threading.Timer(0.2, s.set, args=("t/sliced", b"x")).start()
+        t0 = time.monotonic()
+        assert waiter.wait("t/sliced", 5) is True and time.monotonic() - t0 < 1.5
         waiter.close()
 
         https = ",".join(f"https://{ep}" for ep in c.endpoints.split(","))
