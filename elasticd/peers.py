@@ -99,6 +99,12 @@ class Peers:
                 beats = self.rdzv.read_beats(self._beat_kv, [self.rdzv.node_id, *(m.node_id for m in watched)])
                 if rnd is not None:
                     now = time.monotonic()
+                    # time we could not see the store (our calls stalled: an etcd election, a
+                    # starved daemon) is nobody's silence: the others' beats were held up too
+                    blind = now - self._last_ok - BEAT_EVERY
+                    if blind > BEAT_EVERY:
+                        for g, (value, since) in list(rnd.peer_seen.items()):
+                            rnd.peer_seen[g] = (value, min(now, since + blind))
                     for k, m in enumerate(watched, 1):
                         g = (rnd.group_rank + k) % rnd.group_world_size
                         seen = rnd.peer_seen.get(g)
