@@ -434,7 +434,6 @@ class Rendezvous:
         lost: set[str] = set(gone)
         records: dict[int, dict] = {}
         silence: dict[str, tuple[int, float]] = {}  # missing node -> (its beat count, since when)
-        heard = self._heard(number)
         reached_min = None
         while True:
             now = time.monotonic()
@@ -453,8 +452,6 @@ class Rendezvous:
                 beats = self.read_beats(self.kv, missing)
                 for node_id in missing:
                     seen = silence.get(node_id)
-                    if seen is None and node_id in heard and (beats[node_id] or 0) == heard[node_id][0]:
-                        seen = silence[node_id] = heard[node_id]  # silent since before the round began
                     if seen is None or (beats[node_id] is not None and beats[node_id] > seen[0]):
                         silence[node_id] = (beats[node_id] or 0, now)
                     elif now - seen[1] >= LOST_SILENCE:  # the round ended and it neither came nor beat
@@ -495,15 +492,6 @@ class Rendezvous:
                 if found is not None:
                     return found
                 time.sleep(CLOSE_POLL)  # a value in the way that does not verify
-
-    def _heard(self, number: int) -> dict[str, tuple[int, float]]:
-        """What our liveness thread last saw of the previous round's nodes it watched: node ->
-        (beat count, since when). A node that went silent before this round began (a crash it
-        caused reached the store first) has then been silent that long already."""
-        last = self.last
-        if last is None or last.number != number - 1:
-            return {}
-        return {last.members[g].node_id: seen for g, seen in list(last.peer_seen.items()) if g < len(last.members)}
 
     def _expected(self, number: int) -> tuple[set[str] | None, set[str], dict]:
         """Whom a restarted round waits for: the previous round's members (as that round's
