@@ -530,8 +530,7 @@ class EtcdKV:
         sock = st.conn.sock
         while True:
             while b"\n" in st.pending:
-                line, _, rest = bytes(st.pending).partition(b"\n")
-                st.pending = bytearray(rest)
+                line, _, st.pending = st.pending.partition(b"\n")
                 if line.strip() and _is_put(line):
                     return True
             left = until - time.monotonic()
