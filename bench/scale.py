@@ -926,7 +926,9 @@ class ElasticdNodes:
                 kv = _retried(lambda: _etcd_connect(cfg.rdzv_endpoint), args.join_timeout)
             else:
                 kv = kvmod.TCPStoreKV(counted, f"127.0.0.1:{args.port}", STORE_CALL_TIMEOUT)
-            rdzv = rendezvous.Rendezvous(cfg, store=kv)
+            # the store's host begins the run (a daemon on the endpoint's node does): here the
+            # first simulated node; the others, as daemons that connect, wait for its run
+            rdzv = rendezvous.Rendezvous(cfg, store=kv, begins_run=not etcd and args.first + i == 0)
             while rdzv.node_id in ids:  # one host, one pid: the id's random tag must not repeat
                 rdzv.node_id = rendezvous.new_node_id()
             ids.add(rdzv.node_id)
@@ -936,7 +938,7 @@ class ElasticdNodes:
             node.peers = Peers(cfg, rdzv, f"sim{args.first + i}", wake=node.woken)
             # The restart waiter's connection, which a daemon opens at its first round's wait and
             # keeps for the next rounds, is opened here: the measured phases see any later round.
-            _retried(lambda: node.peers._wait_kv.get(names.job_key(cfg.rdzv_id, names.ROUND)), args.join_timeout)
+            _retried(lambda: node.peers._wait_kv.get(names.job_key(rdzv.scope, names.ROUND)), args.join_timeout)
             self.nodes.append(node)
         self.stall: float | None = None
         self.t_start = time.monotonic()
@@ -1141,9 +1143,9 @@ class ElasticdNodes:
         rdzv = self.nodes[0].rdzv
         kv = rdzv.kv.clone()  # its own connection: the nodes' threads may still be in theirs
         try:
-            key = names.job_key(rdzv.cfg.rdzv_id, names.ROUND)
+            key = names.job_key(rdzv.scope, names.ROUND)
             number = rdzv.open(key, kv.get(key), int) or 0
-            raw = kv.get(names.round_key(rdzv.cfg.rdzv_id, number, names.ARRIVED))
+            raw = kv.get(rdzv.arrivals_key(number))
             return f"round {number}: {raw.decode() if raw else 0} arrived"
         except Exception as e:  # noqa: BLE001 - reported
             return f"{type(e).__name__}: {e}"

@@ -130,6 +130,9 @@ class Config:
     rdzv_secret_file: str = _setting("", "the job's secret (the same file on every node, mode 600): what the "
                                      "daemons write to the store is signed with it, so no one without it can steer "
                                      "the job (single-node jobs make their own)", metavar="FILE")
+    insecure_no_secret: bool = _setting(False, "let a multi-node job run without --rdzv-secret-file: anyone who "
+                                        "reaches the store can then restart, stop or redirect it (only on a network "
+                                        "no one else reaches)")
     checkpoint_dir: str = _setting("", "where workers keep checkpoints (ELASTICD_CHECKPOINT_DIR; default <log dir>/"
                                    "checkpoints/<rdzv id>, so a job started again with the same --rdzv-id resumes)")
     log_format: str = _setting("auto", "daemon log format (default: console on a terminal, else JSON)",
@@ -586,6 +589,11 @@ def build(flags: dict[str, Any], config_file: str | None = None, environ: dict[s
         # A private store: a job of its own, which must not resume another's checkpoints.
         cfg = dataclasses.replace(cfg, rdzv_endpoint="" if cfg.standalone else cfg.rdzv_endpoint,
                                   rdzv_id=cfg.rdzv_id if cfg.rdzv_id != "none" else uuid.uuid4().hex[:12])
+    if cfg.max_nodes > 1 and not cfg.rdzv_secret_file and not cfg.insecure_no_secret:
+        raise ConfigError(f"--nnodes {cfg.nnodes} without --rdzv-secret-file: anyone who reaches the store could "
+                          "restart, stop or redirect the job; give every node the same secret file (head -c 32 "
+                          "/dev/urandom | base64 > FILE && chmod 600 FILE), or --insecure-no-secret on a network "
+                          "only the job's nodes reach")
     if cfg.no_python:  # nothing to warm: the worker becomes the executable
         cfg = dataclasses.replace(cfg, warm_spawn=False)
     return cfg

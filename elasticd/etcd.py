@@ -59,6 +59,7 @@ from elasticd import kv
 
 DEFAULT_PORT = 2379
 MAX_TXN_OPS = 128  # etcd's default --max-txn-ops
+MAX_KEYS = 100_000  # keys one listing returns at most (a round has one per node; more is a forger's)
 # Seconds one member gets to answer one request before the call tries the next endpoint (a share
 # of the call's timeout when that is shorter, so every member gets a turn). A healthy member
 # answers in milliseconds. Well under the liveness rule's 1.25 s of silence (LOST_SILENCE): a
@@ -274,9 +275,20 @@ class EtcdKV:
         resp, _ = self._call("/v3/kv/range", {"key": _b64(key)})
         return _kv_int(resp, "version")
 
+    def keys(self, prefix: str) -> list[str]:
+        end = prefix.encode()[:-1] + bytes([prefix.encode()[-1] + 1])  # every key with the prefix: etcd's range end
+        resp, _ = self._call("/v3/kv/range", {"key": _b64(prefix), "range_end": _b64(end), "keys_only": True,
+                                              "limit": MAX_KEYS})
+        found = []
+        for item in _field(resp, "kvs") or []:
+            try:
+                found.append(base64.b64decode(item["key"], validate=True).decode())
+            except (KeyError, TypeError, ValueError):
+                continue  # not a key of ours
+        return found
+
     def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> bool:
-        if expected is not None and expected == b"":
-            raise ValueError("expected value may not be empty")  # as kv.TCPStoreKV: b"" means absent there
+        # b"" (someone's empty value) is compared as the value it is: absent is None
         k = _b64(key)
         compare = ({"target": "CREATE", "key": k, "create_revision": "0", "result": "EQUAL"} if expected is None
                    else {"target": "VALUE", "key": k, "value": _b64(expected), "result": "EQUAL"})

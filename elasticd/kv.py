@@ -1,6 +1,7 @@
 """The control plane's key-value store: the few operations elasticd's rendezvous, liveness,
-restart and exit-barrier protocol (rounds.py) needs, over a c10d TCPStore (the default) or an
-etcd cluster (etcd.py).
+restart and exit-barrier protocol (rendezvous.py) needs, over a c10d TCPStore (the default for
+several nodes), an etcd cluster (etcd.py) or, for a single-node job, a dict in the daemon
+(`LocalKV`: nothing listens, so no other process can touch the job's control plane).
 
 Every call is bounded: a store that does not answer within the timeout raises `Unreachable`
 (one line naming the endpoint), never a C++ stack or a hang. A store connection serves one call
@@ -12,6 +13,7 @@ from __future__ import annotations
 import datetime
 import os
 import re
+import secrets
 import socket
 import struct
 import threading
@@ -24,7 +26,10 @@ from elasticd import logs
 
 log = logs.get("elasticd.kv")
 
-_ABSENT = b"\x00elasticd-absent\x00"  # compare_set's expected value for "read, do not write"
+# compare_set's expected value for "read, do not write": random per process, so that no one
+# writing to the store can make a key that exists read as absent (TCPStore answers a compare_set
+# of a missing key with the expected value)
+_ABSENT = b"\x00elasticd-absent-" + secrets.token_hex(16).encode() + b"\x00"
 
 
 class Unreachable(Exception):
@@ -35,6 +40,15 @@ class Unreachable(Exception):
     def __init__(self, message: str, refused: bool = False):
         super().__init__(message)
         self.refused = refused
+
+
+class BadCounter(Exception):
+    """A counter's key holds something that is not a number (someone else wrote it): the store
+    answered, and `raw` is what sits there, for the caller to replace."""
+
+    def __init__(self, key: str, raw: bytes):
+        super().__init__(f"counter {key} holds a value that is not a number")
+        self.key, self.raw = key, raw
 
 
 class KV(Protocol):
@@ -50,13 +64,20 @@ class KV(Protocol):
     def take(self, key: str) -> int:
         """The next number of the roll at `key` (1, 2, ...), no other call's: at least once (a
         reply lost and the call sent again skips a number). Contention-free on every store: N
-        nodes take N numbers with N requests."""
+        nodes take N numbers with N requests. `BadCounter` when the key holds no number."""
 
     def taken(self, key: str) -> int:
         """How many numbers of the roll at `key` were taken (0: none), without taking one."""
 
     def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> bool:
-        """Set `desired` if the key holds `expected` (None: the key is absent); True if it did."""
+        """Set `desired` if the key holds `expected` (None: the key is absent); True if it did.
+        `expected` is the raw value a caller read, whatever it is: b"" (written by someone else)
+        is a value like any other (on a TCPStore, absent or empty: both are garbage to replace)."""
+
+    def keys(self, prefix: str) -> list[str]:
+        """The keys that begin with `prefix`: for finding records when a counter that numbers
+        them cannot be trusted (someone raised it); not for every call (on a TCPStore it lists
+        the whole store)."""
 
     def wait(self, key: str, timeout: float) -> bool:
         """Block until the key exists (True) or `timeout` seconds pass (False)."""
@@ -174,15 +195,28 @@ class TCPStoreKV:
         return [self.get(k) for k in keys]
 
     def take(self, key: str) -> int:
-        return int(self._call("add", key, 1))
+        return self._add(key, 1)
 
     def taken(self, key: str) -> int:
-        return int(self._call("add", key, 0))
+        return self._add(key, 0)
+
+    def _add(self, key: str, amount: int) -> int:
+        """TCPStore's add on a key that holds no number drops the connection (the server's stoll
+        fails): told apart from an unreachable store by reading the key, which then answers."""
+        try:
+            return int(self._call("add", key, amount))
+        except Unreachable:
+            raw = self.get(key)  # an Unreachable here: the store really does not answer
+            if raw is None or raw.strip().lstrip(b"-").isdigit():
+                raise
+            raise BadCounter(key, raw) from None
 
     def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> bool:
-        if expected is not None and expected in (b"", _ABSENT):
-            raise ValueError("expected value may not be empty")
-        return self._call("compare_set", key, b"" if expected is None else expected, desired) == desired
+        # TCPStore's empty expected value means "absent or empty": both are garbage to replace
+        return self._call("compare_set", key, expected or b"", desired) == desired
+
+    def keys(self, prefix: str) -> list[str]:
+        return [k for k in self._call("list_keys") if k.startswith(prefix)]
 
     def wait(self, key: str, timeout: float) -> bool:
         """(At most `self.timeout` at a time: the connection's own bound on a reply.)"""
@@ -201,3 +235,63 @@ class TCPStoreKV:
 
     def close(self) -> None:
         self.store = None  # dropping the last reference closes the connection
+
+
+class LocalKV:
+    """The KV of a single-node job: a dict and a condition variable in the daemon. No socket, so
+    no other process (another local user included) can read, fill or steer the control plane;
+    a clone shares the dict (the liveness thread and the restart waiter see the loop's writes)."""
+
+    endpoint = "in-process"
+    timeout = 1.0
+
+    def __init__(self, _shared: tuple[dict[str, bytes], threading.Condition] | None = None) -> None:
+        self._data, self._cond = _shared or ({}, threading.Condition())
+
+    def set(self, key: str, value: bytes) -> None:
+        with self._cond:
+            self._data[key] = bytes(value)
+            self._cond.notify_all()
+
+    def get(self, key: str) -> bytes | None:
+        with self._cond:
+            return self._data.get(key)
+
+    def multi_get(self, keys: list[str]) -> list[bytes | None]:
+        with self._cond:
+            return [self._data.get(k) for k in keys]
+
+    def _add(self, key: str, amount: int) -> int:
+        with self._cond:
+            value = int(self._data.get(key, b"0")) + amount
+            self._data[key] = str(value).encode()
+            self._cond.notify_all()
+            return value
+
+    def take(self, key: str) -> int:
+        return self._add(key, 1)
+
+    def taken(self, key: str) -> int:
+        return self._add(key, 0)
+
+    def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> bool:
+        with self._cond:
+            if self._data.get(key) != expected:
+                return False
+            self._data[key] = bytes(desired)
+            self._cond.notify_all()
+            return True
+
+    def keys(self, prefix: str) -> list[str]:
+        with self._cond:
+            return [k for k in self._data if k.startswith(prefix)]
+
+    def wait(self, key: str, timeout: float) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: key in self._data, timeout=max(timeout, 0.0))
+
+    def clone(self) -> LocalKV:
+        return LocalKV((self._data, self._cond))
+
+    def close(self) -> None:
+        pass

@@ -31,15 +31,19 @@ STOP = "stop"  # a graceful stop, with an optional grace `timeout`
 STACKS = "stacks"  # every local worker's thread stacks, now
 
 # --- control-plane store keys (elasticd.rendezvous; each value signed: elasticd.signing) ---
-# Every key of a job is under elasticd/<job>/; a round's under elasticd/<job>/r<round>/.
+# A job's run is under elasticd/<job>/<run>/ (<run>: a random nonce, elasticd/<job>/run, so that
+# a value of an earlier run of the same --rdzv-id never verifies in this one); a round's under
+# elasticd/<job>/<run>/r<round>/. Rendezvous passes "<job>/<run>" as `job` below.
 
-# per job
+RUN = "run"  # elasticd/<job>/run: the run's nonce and when it began (the only key outside a run)
+
+# per run
 ROUND = "round"  # the newest round any node has entered: where a node that arrives joins
-CLOSED = "closed"  # set once the job has ended, with why (a failure's summary): later nodes leave with it
+CLOSED = "closed"  # set once the job has ended, with when and why (a failure's summary): later nodes leave with it
 RESTARTS = "restarts"  # the job's restart budget spent so far (a signed compare-and-set)
 
 # per round
-ARRIVED = "arrived"  # a counter: each node that enters the round takes the next number
+ARRIVED = "arrived"  # a counter (under a tag only the job's nodes can make): each arrival takes a number
 MEMBERS = "members"  # the round as closed: its nodes in group-rank order, and the nodes found lost
 MASTER = "master"  # "addr port" of the round's worker store, hosted by group rank 0
 RESTART = "restart"  # the first restart request's reason: every node of the round restarts
@@ -55,9 +59,15 @@ def round_key(job: str, number: int, name: str) -> str:
     return f"elasticd/{job}/r{number}/{name}"
 
 
-def arrival_key(job: str, number: int, index: int) -> str:
-    """The record of the node that took arrival number `index` in a round (id, address, nproc)."""
-    return round_key(job, number, f"node/{index}")
+def arrivals_key(job: str, number: int, tag: str) -> str:
+    """The round's arrival counter: `tag` is derived from the job secret, so no one without it can
+    raise the counter before the round's first node has taken its number."""
+    return round_key(job, number, f"{ARRIVED}/{tag}")
+
+
+def arrival_key(job: str, number: int, tag: str, index: int) -> str:
+    """The record of the node that claimed arrival number `index` in a round (id, address, nproc)."""
+    return round_key(job, number, f"node/{tag}/{index}")
 
 
 def done_key(job: str, number: int, group_rank: int) -> str:

@@ -25,7 +25,7 @@ from elasticd import kv as kvmod
 from elasticd import logs, supervise
 from elasticd.config import Config
 from elasticd.health import Beat
-from elasticd.rendezvous import BEAT_EVERY, LOST_SILENCE, WAIT_SLICE, Rendezvous, Round, StoreLost
+from elasticd.rendezvous import BEAT_EVERY, GARBAGE_BACKOFF, LOST_SILENCE, WAIT_SLICE, Rendezvous, Round, StoreLost
 from elasticd.states import Failure, RestartCause, Scale
 
 log = logs.get("elasticd.peers")
@@ -132,6 +132,7 @@ class Peers:
 
     def _wait_restart(self, rnd: Round) -> None:
         key = self.rdzv.restart_key(rnd)
+        pause = 0.1
         while self._round is rnd and not self._stop.is_set():
             try:
                 if self._wait_kv.wait(key, WAIT_SLICE):
@@ -140,7 +141,8 @@ class Peers:
                         self._restart = (rnd.number, reason)
                         self._wake()
                         return
-                    time.sleep(0.1)  # a forger's value: the real one may replace it
+                    self._stop.wait(pause)  # a forger's value: the real one may replace it
+                    pause = min(2 * pause, GARBAGE_BACKOFF)
             except kvmod.Unreachable:
                 time.sleep(min(1.0, BEAT_EVERY * 2))  # the liveness thread judges the store
 

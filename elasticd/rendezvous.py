@@ -5,7 +5,8 @@ ask each other to restart, beat and leave together.
 Every node's store traffic is constant per period, whatever the number of nodes N (torch's c10d
 rendezvous rewrites one pickled state of every participant on each node's keep-alive: O(N) bytes
 per node per second, O(N^2) in all, plus compare-and-set retries):
-- joining a round is a counter increment (the node's arrival number) and one record; the first
+- joining a round is a counter increment (the node's arrival number) and one record claimed at
+  that number (create-only: a number whose key someone else filled is skipped); the first
   arrival closes the round (every arrival once MAX nodes are in, every expected node once a round
   restarts, or MIN nodes and --last-call-timeout) and writes the members in group-rank order in one
   value each node reads once; group ranks keep the previous round's order, so the node holding
@@ -16,9 +17,16 @@ per node per second, O(N^2) in all, plus compare-and-set retries):
 - the exit barrier is a counter plus one key the last node sets once every node's verifies.
 
 Nothing read from the store is trusted: every value is sealed with the job secret's HMAC over its
-full key (signing.py) and parsed for its form; a value that fails is logged and treated as
-absent. The counters (arrivals, the barrier) are unsigned by nature: a forger bumping them only
-makes the readers look at records that do not verify, a delay, never a decision.
+full key (signing.py), and every key names the run (a nonce each run draws), so a value of an
+earlier run never verifies in this one; a value is parsed for its form. A value that fails is
+garbage: never a decision and never a crash. Where a node must write a key that holds garbage it
+writes over it (compare-and-set against what is there); an arrival record that failed is never
+read again. The counters (arrivals, the barrier) cannot be signed: they are only hints (a counter
+raised past any real number makes the closer list the round's records; one that holds no number
+is set back). None of this stops denial of service: whoever reaches the store can delete, fill or
+overwrite its keys, and the job then waits, restarts or fails; it cannot be steered (made to
+restart for a reason, run a value, connect workers elsewhere) without the secret. A single-node
+job has no store anyone can reach: its KV is a dict in the daemon (kv.LocalKV).
 """
 
 from __future__ import annotations
@@ -58,6 +66,11 @@ WAIT_SLICE = 1.0  # seconds a blocking wait lasts before its caller looks around
 # reading it, the exit barrier looks for a restart request with a short wait, and a wait that
 # returns without a value that verifies is followed by a pause.
 LOOK_WAIT = 0.05  # seconds of a wait that only asks whether a key is there yet
+CLOCK_SKEW = 60.0  # seconds nodes' clocks may differ: a job's end issued earlier than our start - this is old
+REJECTED_LOGS = 20  # at most this many store_value_rejected lines per REJECTED_WINDOW seconds
+REJECTED_WINDOW = 10.0
+RUN_GRACE = 2.0  # seconds a node joining a c10d store waits for its host to begin the run before it does
+GARBAGE_BACKOFF = 2.0  # the longest pause between reads of a key that holds a value that does not verify
 
 
 class RendezvousFailed(Exception):
@@ -186,20 +199,18 @@ def open_etcd(cfg: Config) -> kvmod.KV:
 def open_store(cfg: Config) -> tuple[kvmod.KV, dist.TCPStore | None]:
     """Host the c10d store when the endpoint is one of our addresses and its port is free, else
     connect to it (retried with backoff until --join-timeout). Returns the KV and, on the host, the
-    server (kept alive for as long as the daemon runs). With --rdzv-backend etcd, the cluster."""
+    server (kept alive for as long as the daemon runs). With --rdzv-backend etcd, the cluster; for
+    a single-node c10d job, a KV in this process (nothing listens: no one else can touch it)."""
     if cfg.etcd:
         return open_etcd(cfg), None
+    if cfg.max_nodes == 1:
+        return kvmod.LocalKV(), None
     host, port = cfg.rdzv_host, cfg.rdzv_port
     server = None
     try:
         server = serve_store(host, port, max(cfg.join_timeout, 60.0))
         port = server.port
     except OSError as e:
-        if cfg.max_nodes == 1:
-            if e.errno == errno.EADDRINUSE:
-                raise ConfigError(f"--rdzv-endpoint port {port} on {host} is in use: pick a free port") from None
-            raise ConfigError(f"--rdzv-endpoint {host}:{port} cannot be bound here ({e.strerror}): "
-                              "a single-node job hosts its own store") from None
         if e.errno not in (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES):
             raise RendezvousFailed(f"cannot use --rdzv-endpoint {host}:{port} ({e.strerror})") from None
     store = kvmod.TCPStoreKV(tcp_connector(host, port), f"{host}:{port}", op_timeout(cfg))
@@ -270,7 +281,9 @@ def new_node_id() -> str:
 class Rendezvous:
     """One per daemon: rounds, restart requests, the exit barrier, the job's budget and end."""
 
-    def __init__(self, cfg: Config, store: kvmod.KV | None = None):
+    def __init__(self, cfg: Config, store: kvmod.KV | None = None, begins_run: bool | None = None):
+        """`store`: one opened already (else open_store); `begins_run`: whether this node writes
+        the run's nonce (by default: the store is new, hosted here or in-process)."""
         self.cfg = cfg
         self.signer = signing.Signer(job_secret(cfg), cfg.rdzv_id)
         self.server = None
@@ -283,16 +296,85 @@ class Rendezvous:
         self.last: Round | None = None  # the last round this node was a member of
         self._restarts_seen = 0  # the budget counter only grows: an older value is a replay
         self._logged: dict[str, float] = {}
+        self._log_window: list[float] = [0.0, 0, 0]  # window start, lines in it, lines suppressed
+        self._bad: set[str] = set()  # arrival records that failed verification: never read again
+        self._waiting_seen: tuple[int, dict[str, str | None]] = (-1, {})  # waiting_ids' cache, per round
+        self._listed = 0.0  # when the round's records were last listed (a counter past any real number)
+        self.started = time.time()  # a job's end issued before this (less CLOCK_SKEW) is of an earlier run
+        self.run = self._join_run(self.is_host or store.endpoint == kvmod.LocalKV.endpoint
+                                  if begins_run is None else begins_run)
+        self.scope = f"{cfg.rdzv_id}/{self.run}"  # every key of this run is under elasticd/<scope>/
+        log.info("rendezvous_run", run=self.run)
 
     @property
     def endpoint(self) -> str:
         return self.kv.endpoint
 
     def _job(self, name: str) -> str:
-        return names.job_key(self.cfg.rdzv_id, name)
+        return names.job_key(self.scope, name)
 
     def _key(self, number: int, name: str) -> str:
-        return names.round_key(self.cfg.rdzv_id, number, name)
+        return names.round_key(self.scope, number, name)
+
+    def _tag(self, number: int) -> str:
+        """Names the round's arrival keys: no one without the secret can make it, so no one can
+        raise the counter or fill the records before the round's first node arrives."""
+        return self.signer.mac(f"arrivals/{self.scope}/{number}", b"")[:16]
+
+    def arrivals_key(self, number: int) -> str:
+        return names.arrivals_key(self.scope, number, self._tag(number))
+
+    def arrival_key(self, number: int, index: int) -> str:
+        return names.arrival_key(self.scope, number, self._tag(number), index)
+
+    # --- the run ---
+
+    @_store_call
+    def _join_run(self, begins: bool) -> str:
+        """This daemon's run: a nonce bound into every key, so nothing written in an earlier run of
+        the same --rdzv-id (and the same secret) verifies in this one. A new store (hosted here, or
+        in-process) is ours to begin: its host writes the run before any other node can join, and
+        writes over anything found there. Elsewhere a node takes the run it finds, or begins one
+        (create-only, so one node's wins) where there is none (an etcd cluster, whose keys outlive
+        runs; a c10d store someone else hosts, after RUN_GRACE), where a value in the way does not
+        verify, or (on etcd) where the run it finds ended before this daemon started. (On a c10d
+        store whose host began the run, a value that does not verify is never written over: its
+        writer has another secret, or is not one of the job's nodes.)"""
+        key = names.job_key(self.cfg.rdzv_id, names.RUN)
+        mine = secrets.token_hex(8)
+        sealed = self.seal(key, f"{mine} {time.time():.3f}")
+        if begins:
+            if not self.kv.compare_set(key, None, sealed):  # someone wrote it before we could: ours stands
+                self._rejected(key, "written before the store's host began the run")
+                self.kv.set(key, sealed)
+            return mine
+        started = time.monotonic()
+        deadline = started + self.cfg.join_timeout
+        pause = CLOSE_POLL
+        while True:
+            raw = self.kv.get(key)
+            run = self.open(key, raw, _run)
+            if run is not None and not (self.cfg.etcd and self._ended_before_us(run)):
+                return run
+            if raw is None and not self.cfg.etcd and time.monotonic() - started < RUN_GRACE:
+                self.kv.wait(key, RUN_GRACE)  # the store's host writes it as it starts
+                continue
+            if (raw is None or self.cfg.etcd) and self.kv.compare_set(key, raw, sealed):
+                log.info("rendezvous_new_run", run=mine, previous=run or "")
+                return mine
+            if time.monotonic() > deadline:
+                raise RendezvousFailed(f"no run of job {self.cfg.rdzv_id} to join at {self.endpoint} within "
+                                       f"--join-timeout {self.cfg.join_timeout:g}s: its record there does not verify "
+                                       "(give every node the same --rdzv-secret-file), or something other than the "
+                                       "job's nodes writes to the store")
+            time.sleep(pause)  # another node's run won, or a value changed under us: look again
+            pause = min(2 * pause, GARBAGE_BACKOFF)
+
+    def _ended_before_us(self, run: str) -> bool:
+        """Whether that run (of this --rdzv-id, on etcd) ended before this daemon started."""
+        key = names.job_key(f"{self.cfg.rdzv_id}/{run}", names.CLOSED)
+        closed = self.open(key, self.kv.get(key), _closed)
+        return closed is not None and closed[0] < self.started - CLOCK_SKEW
 
     # --- sealed values ---
 
@@ -312,12 +394,28 @@ class Rendezvous:
             except (ValueError, UnicodeDecodeError, RecursionError):
                 value = None
         if value is None:
-            now = time.monotonic()
-            if now - self._logged.get(key, -60.0) >= 5.0:  # a forger in a loop must not flood the log
-                self._logged[key] = now
-                log.warning("store_value_rejected", key=key, rejected=self.signer.rejected,
-                            why="bad signature" if data is None else "malformed")
+            self._rejected(key, "bad signature" if data is None else "malformed")
         return value
+
+    def _rejected(self, key: str, why: str) -> None:
+        """One line per key per 5 s, and at most REJECTED_LOGS lines per REJECTED_WINDOW in all:
+        a forger writing many keys in a loop must not flood the log."""
+        now = time.monotonic()
+        if now - self._logged.get(key, -60.0) < 5.0:
+            return
+        window = self._log_window
+        if now - window[0] >= REJECTED_WINDOW:
+            window[:] = [now, 0, window[2]]
+        if window[1] >= REJECTED_LOGS:
+            window[2] += 1
+            return
+        if len(self._logged) > 4096:
+            self._logged.clear()
+        self._logged[key] = now
+        window[1] += 1
+        log.warning("store_value_rejected", key=key[:200], rejected=self.signer.rejected, why=why,
+                    suppressed=window[2])
+        window[2] = 0
 
     # --- rounds ---
 
@@ -361,12 +459,11 @@ class Rendezvous:
     def _try_round(self, nproc: int, deadline: float) -> Round | None:
         self._check_open()
         number = self.current_round()
+        self._bad.clear()  # keys of earlier rounds: never read again anyway
         self._enter(number)
-        index = self.kv.take(self._key(number, names.ARRIVED))
         prev = self.last.group_rank if self.last and self.last.number == number - 1 else -1
-        key = names.arrival_key(self.cfg.rdzv_id, number, index)
-        self.kv.set(key, self.seal(key, json.dumps({"id": self.node_id, "nproc": nproc, "addr": self.addr,
-                                                    "prev": prev})))
+        index = self._claim(number, json.dumps({"id": self.node_id, "nproc": nproc, "addr": self.addr,
+                                                "prev": prev}))
         closing = self._members(number, index, deadline)
         if closing["failed"]:
             raise BudgetSpent(closing["failed"])
@@ -388,21 +485,58 @@ class Rendezvous:
         rnd.master_addr, rnd.master_port = self._await(master, _master, deadline)
         return rnd
 
+    def _claim(self, number: int, record: str) -> int:
+        """Take an arrival number and write our record there, create-only: a number whose key
+        holds anything already (a forger's value) is skipped, so no one can make our record go
+        unread by writing there first. The number is only a hint for finding records."""
+        counter = self.arrivals_key(number)
+        for _ in range(self.cfg.max_nodes + 64):
+            index = self._counter(self.kv, counter, number, take=True)
+            key = self.arrival_key(number, index)
+            if self.kv.compare_set(key, None, self.seal(key, record)):
+                return index
+        raise RendezvousFailed(f"every arrival number of round {number} this node took was already written: something "
+                               f"other than the job's nodes writes to the store at {self.endpoint}")
+
+    def _counter(self, store: kvmod.KV, key: str, number: int, take: bool) -> int:
+        """A counter's next number (take) or its count; one that holds no number (someone wrote
+        over it) is set back above every arrival record of round `number` (the only counter read
+        with no number in hand is the barrier's, for which 0 does)."""
+        try:
+            return store.take(key) if take else store.taken(key)
+        except kvmod.BadCounter as e:
+            self._rejected(key, "not a number")
+            floor = 0
+            if key == self.arrivals_key(number):
+                prefix = self.arrival_key(number, 0)[:-1]
+                floor = max((int(k[len(prefix):]) for k in store.keys(prefix) if k[len(prefix):].isdigit()), default=0)
+            store.compare_set(key, e.raw, str(min(floor, MAX_COUNT)).encode())
+            try:
+                return store.take(key) if take else store.taken(key)
+            except kvmod.BadCounter:  # written over again at once: a store someone keeps writing to
+                raise kvmod.Unreachable(f"store {self.endpoint}: {key} keeps being overwritten") from None
+
     def _check_open(self) -> None:
-        why = self.open(self._job(names.CLOSED), self.kv.get(self._job(names.CLOSED)), str)
-        if why is not None:
-            raise RendezvousFailed(f"the job has ended ({why}): nothing to join; give a new --rdzv-id to start "
-                                   "a new job")
+        closed = self.open(self._job(names.CLOSED), self.kv.get(self._job(names.CLOSED)), _closed)
+        if closed is None:
+            return
+        issued, why = closed
+        if issued < self.started - CLOCK_SKEW:  # sealed for this run, yet older than us: never a verdict on us
+            self._rejected(self._job(names.CLOSED), f"issued {self.started - issued:.0f}s before this daemon started")
+            return
+        raise RendezvousFailed(f"the job has ended ({why}): nothing to join; give a new --rdzv-id to start a new job")
 
     def _await(self, key: str, parse, deadline: float):
         """A sealed value someone else writes: wait for it (in slices, checking that the job
         still runs) and read it until it verifies, or fail at the deadline."""
+        pause = 0.1
         while time.monotonic() < deadline:
             if self.kv.wait(key, min(WAIT_SLICE, max(0.01, deadline - time.monotonic()))):
                 value = self.open(key, self.kv.get(key), parse)
                 if value is not None:
                     return value
-                time.sleep(0.1)  # a forger's value: its writer's may still replace it
+                time.sleep(pause)  # a forger's value: its writer's may still replace it
+                pause = min(2 * pause, GARBAGE_BACKOFF)
             self._check_open()
         raise RendezvousFailed(f"timed out after --join-timeout {self.cfg.join_timeout:g}s waiting for {key} (a "
                                "node of the round stopped, or values fail verification: give every node the same "
@@ -417,14 +551,47 @@ class Rendezvous:
         key = self._key(number, names.MEMBERS)
         patience = self.cfg.last_call_timeout + self.cfg.restart_grace + self.cfg.kill_timeout + 2 * LOST_SILENCE
         wait_until = min(time.monotonic() + patience, deadline)
+        pause = CLOSE_POLL
         while index != 1 and time.monotonic() < wait_until:
             if self.kv.wait(key, min(WAIT_SLICE, max(0.01, wait_until - time.monotonic()))):
                 found = self.open(key, self.kv.get(key), _members)
                 if found is not None:
                     return found
-                time.sleep(CLOSE_POLL)  # woken with no value that verifies (see LOOK_WAIT)
+                time.sleep(pause)  # woken with no value that verifies (see LOOK_WAIT); the closer replaces it
+                pause = min(2 * pause, GARBAGE_BACKOFF)
             self._check_open()
         return self._close(number, deadline)
+
+    def _new_records(self, number: int, known: set[str], store: kvmod.KV | None = None, first: int = 1) -> list[str]:
+        """Keys of round `number`'s arrival records from number `first` on not yet read (nor
+        rejected). From the counter while it is believable; past MAX + 64 numbers someone raised
+        it, and the records are found by listing the round's keys (at most every half second)."""
+        store = store or self.kv
+        cap = self.cfg.max_nodes + 64
+        arrived = self._counter(store, self.arrivals_key(number), number, take=False)
+        if arrived <= cap:
+            keys = [self.arrival_key(number, i) for i in range(first, arrived + 1)]
+        else:
+            now = time.monotonic()
+            if now - self._listed < 0.5:
+                return []
+            self._listed = now
+            prefix = self.arrival_key(number, 0)[:-1]
+            keys = sorted(store.keys(prefix), key=lambda k: (len(k), k))
+        return [k for k in keys if k not in known and k not in self._bad]
+
+    def _read_records(self, keys: list[str], store: kvmod.KV | None = None) -> dict[str, dict]:
+        """The records at `keys` that verify; a key that holds one that does not joins _bad."""
+        found = {}
+        for key, raw in zip(keys, (store or self.kv).multi_get(keys)):
+            if raw is None:
+                continue  # taken, not written yet
+            rec = self.open(key, raw, _record)
+            if rec is None:
+                self._bad.add(key)
+            else:
+                found[key] = rec
+        return found
 
     def _close(self, number: int, deadline: float) -> dict:
         """Close the round once enough nodes are in, write its members, return what was written."""
@@ -432,17 +599,12 @@ class Rendezvous:
         key = self._key(number, names.MEMBERS)
         expected, gone, reason = self._expected(number)
         lost: set[str] = set(gone)
-        records: dict[int, dict] = {}
+        records: dict[str, dict] = {}  # arrival key -> its record
         silence: dict[str, tuple[int, float]] = {}  # missing node -> (its beat count, since when)
         reached_min = None
         while True:
             now = time.monotonic()
-            arrived = min(self.kv.taken(self._key(number, names.ARRIVED)), cfg.max_nodes + 64)
-            new = [i for i in range(1, arrived + 1) if i not in records]
-            for i, raw in zip(new, self.kv.multi_get([names.arrival_key(cfg.rdzv_id, number, i) for i in new])):
-                rec = self.open(names.arrival_key(cfg.rdzv_id, number, i), raw, _record) if raw else None
-                if rec is not None:
-                    records[i] = rec
+            records.update(self._read_records(self._new_records(number, set(records))))
             ids = {r["id"] for r in records.values()}
             count = len(ids)
             if count >= cfg.min_nodes and reached_min is None:
@@ -463,7 +625,7 @@ class Rendezvous:
                 expected is None or now - reached_min >= cfg.restart_grace + cfg.kill_timeout + LOST_SILENCE)
             if full or everyone or late:
                 chosen = sorted(records.items(), key=lambda kv: (kv[1]["prev"] if kv[1]["prev"] >= 0 else MAX_COUNT,
-                                                                 kv[0]))
+                                                                 len(kv[0]), kv[0]))
                 members, seen_ids = [], set()
                 for _, r in chosen:
                     if r["id"] not in seen_ids and len(members) < cfg.max_nodes:
@@ -476,9 +638,7 @@ class Rendezvous:
                     if used > cfg.max_restarts:
                         verdict["failed"] = (f"restart budget spent ({used - 1} of --max-restarts {cfg.max_restarts} "
                                              f"used) at: {reason.get('summary', '?')}")[:MAX_REASON]
-                value = json.dumps(verdict)
-                self.kv.compare_set(key, None, self.seal(key, value))
-                found = self.open(key, self.kv.get(key), _members)  # what won: ours, or another closer's
+                found = self._write_members(key, json.dumps(verdict))
                 if found is not None:
                     return found
             if now > deadline:
@@ -492,6 +652,19 @@ class Rendezvous:
                 if found is not None:
                     return found
                 time.sleep(CLOSE_POLL)  # a value in the way that does not verify
+
+    def _write_members(self, key: str, value: str) -> dict | None:
+        """Write the round's members unless another closer did: what won, ours or theirs. A value
+        in the way that does not verify is written over (compare-and-set against it)."""
+        raw = None
+        for _ in range(8):
+            if self.kv.compare_set(key, raw, self.seal(key, value)):
+                return _members(value)
+            raw = self.kv.get(key)
+            found = self.open(key, raw, _members)
+            if found is not None:
+                return found
+        return None  # it changed under us each time: look again at the next poll
 
     def _expected(self, number: int) -> tuple[set[str] | None, set[str], dict]:
         """Whom a restarted round waits for: the previous round's members (as that round's
@@ -535,35 +708,37 @@ class Rendezvous:
         return self.open(key, store.get(key), _reason)
 
     def beat(self, store: kvmod.KV, count: int) -> None:
-        key = names.alive_key(self.cfg.rdzv_id, self.node_id)
+        key = names.alive_key(self.scope, self.node_id)
         store.set(key, self.seal(key, str(count)))
 
     def read_beats(self, store: kvmod.KV, node_ids: list[str]) -> dict[str, int | None]:
-        keys = [names.alive_key(self.cfg.rdzv_id, n) for n in node_ids]
+        keys = [names.alive_key(self.scope, n) for n in node_ids]
         return {n: self.open(k, raw, _count) for n, k, raw in zip(node_ids, keys, store.multi_get(keys))}
 
     def waiting_ids(self, store: kvmod.KV, rnd: Round) -> list[str]:
-        """Nodes that arrived after the round closed and wait for the next one (records that
-        verify, among the next few arrival numbers)."""
-        arrived = store.taken(self._key(rnd.number, names.ARRIVED))
-        if arrived <= rnd.group_world_size:
-            return []
-        first = rnd.group_world_size + 1
-        indices = list(range(first, min(arrived, first + 15) + 1))
-        keys = [names.arrival_key(self.cfg.rdzv_id, rnd.number, i) for i in indices]
+        """Nodes that arrived after the round closed and wait for the next one: records that
+        verify, of nodes that are not members. Each record is read once (the liveness thread
+        asks every second: a new arrival costs one read, none costs the counter's)."""
+        if self._waiting_seen[0] != rnd.number:
+            self._waiting_seen = (rnd.number, {})
+        seen = self._waiting_seen[1]
+        # members claimed the first numbers (a late node's number follows theirs)
+        new = self._new_records(rnd.number, set(seen), store, first=rnd.group_world_size + 1)[:16]
+        if new:
+            found = self._read_records(new, store)
+            seen.update({k: found[k]["id"] if k in found else None for k in new})
         ids = {m.node_id for m in rnd.members}
-        found = [self.open(k, raw, _record) for k, raw in zip(keys, store.multi_get(keys)) if raw]
-        return sorted({r["id"] for r in found if r is not None and r["id"] not in ids})
+        return sorted({i for i in seen.values() if i is not None and i not in ids})
 
     @_store_call
     def exit_barrier(self, rnd: Round, timeout: float) -> bool:
         """Wait until every node of the round is done (or one asked for a restart). False on timeout."""
         if rnd.group_world_size == 1:
             return True
-        job, n = self.cfg.rdzv_id, rnd.group_world_size
+        job, n = self.scope, rnd.group_world_size
         mine = names.done_key(job, rnd.number, rnd.group_rank)
         self.kv.set(mine, self.seal(mine, "1"))
-        arrival = count = self.kv.take(self._key(rnd.number, names.DONE_COUNT))
+        arrival = count = self._counter(self.kv, self._key(rnd.number, names.DONE_COUNT), rnd.number, take=True)
         all_done = self._key(rnd.number, names.ALL_DONE)
         started = time.monotonic()
         deadline = started + timeout
@@ -583,7 +758,7 @@ class Rendezvous:
                 return True
             if self.kv.wait(self.restart_key(rnd), LOOK_WAIT) and self.read_restart(self.kv, rnd) is not None:
                 return True  # a node asked for a restart (looked for with a wait: see LOOK_WAIT)
-            count = self.kv.taken(self._key(rnd.number, names.DONE_COUNT))
+            count = self._counter(self.kv, self._key(rnd.number, names.DONE_COUNT), rnd.number, take=False)
 
     # --- job-wide restart budget and end (shared by all nodes) ---
 
@@ -623,7 +798,7 @@ class Rendezvous:
             return
         key = self._job(names.CLOSED)
         try:
-            self.kv.set(key, self.seal(key, why[:MAX_REASON]))
+            self.kv.set(key, self.seal(key, f"{time.time():.3f} {why[:MAX_REASON]}"))
         except kvmod.Unreachable as e:
             log.warning("rendezvous_close_failed", error=str(e))
 
@@ -634,15 +809,34 @@ class Rendezvous:
 def job_secret(cfg: Config) -> bytes:
     """The key every value in the store is signed with: --rdzv-secret-file's content; for a
     single-node job without one, a random key only this daemon knows. A multi-node job without
-    one says, once, that anyone reaching the store's port can steer it."""
+    one runs only with --insecure-no-secret (config.validate), and says so once."""
     if cfg.rdzv_secret_file:
         return signing.load_secret(cfg.rdzv_secret_file)
     if cfg.max_nodes == 1:
         return signing.new_secret()
     log.warning("rdzv_no_secret", endpoint=cfg.rdzv_endpoint,
-                fix="give every node --rdzv-secret-file (the same file): without it, anyone who reaches "
-                    "the store's port can restart, stop or redirect the job")
+                fix="give every node --rdzv-secret-file (the same file): with --insecure-no-secret, anyone who "
+                    "reaches the store can restart, stop or redirect the job")
     return b""
+
+
+def _run(text: str) -> str | None:
+    nonce, _, created = text.partition(" ")
+    return nonce if len(nonce) == 16 and all(c in "0123456789abcdef" for c in nonce) and _time(created) else None
+
+
+def _time(text: str) -> float | None:
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if 0 < value < 1e11 else None  # finite, after 1970, before year 5000
+
+
+def _closed(text: str) -> tuple[float, str] | None:
+    issued, _, why = text.partition(" ")
+    when = _time(issued)
+    return (when, why) if when is not None and len(why) <= MAX_REASON else None
 
 
 def _count(text: str) -> int | None:

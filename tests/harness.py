@@ -154,6 +154,22 @@ class Daemon:
                               capture_output=True, text=True, timeout=30, cwd=ROOT)
 
 
+def secret_flags() -> tuple[str, ...]:
+    """--rdzv-secret-file with a secret shared by every node a test starts (a multi-node job
+    refuses to run without one): a mode-600 file in this session's own temporary directory."""
+    if not _secret:
+        import tempfile
+
+        path = Path(tempfile.mkdtemp(prefix="elasticd-test-secret-")) / "job.secret"
+        path.write_bytes(os.urandom(24).hex().encode())
+        path.chmod(0o600)
+        _secret.append(str(path))
+    return ("--rdzv-secret-file", _secret[0])
+
+
+_secret: list[str] = []
+
+
 def script(name: str) -> str:
     return str(SCRIPTS / name)
 

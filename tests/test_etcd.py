@@ -34,9 +34,14 @@ def cluster(tmp_path_factory):
     c.stop()
 
 
-@pytest.fixture(params=["tcpstore", "etcd"])
+@pytest.fixture(params=["tcpstore", "etcd", "local"])
 def connect(request):
-    """A function making a new connection (a kv.KV) to one store: a c10d TCPStore, or the etcd cluster."""
+    """A function making a new connection (a kv.KV) to one store: a c10d TCPStore, the etcd cluster,
+    or a single-node job's in-process store (each connection a clone of the first)."""
+    if request.param == "local":
+        first = kv.LocalKV()
+        yield first.clone
+        return
     if request.param == "etcd":
         c = request.getfixturevalue("cluster")
         made = []
@@ -96,8 +101,13 @@ def test_get_set_compare_set_take_multi_get(connect, prefix):
     assert s.get(k + "cas") == b"third"
     assert s.compare_set(k + "cas-absent", b"something", b"x") is False
     assert s.get(k + "cas-absent") is None  # a failed compare_set creates nothing
-    with pytest.raises(ValueError):
-        s.compare_set(k + "cas", b"", b"x")
+    # b"" is a value like any other (someone else's: garbage to write over), never an error
+    assert s.compare_set(k + "cas", b"", b"x") is False  # the key holds b"third"
+    assert s.compare_set(k + "empty", b"", b"filled") is True and s.get(k + "empty") == b"filled"
+
+    # keys: what is there under a prefix (for records a raised counter no longer finds)
+    assert sorted(s.keys(k + "c")) == [k + "cas"]
+    assert set(s.keys(k)) >= {k + "a", k + "cas", k + "empty"} and s.keys(k + "nothing/") == []
 
     # take: a roll numbered from 1; taken reads how far it got
     assert s.taken(k + "n") == 0

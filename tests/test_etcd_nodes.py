@@ -22,7 +22,7 @@ import pytest
 
 import netns as netns_mod
 from etcd_cluster import ELECTION_MS, SKIP_REASON, EtcdCluster, etcd_binary
-from harness import script, wait_until
+from harness import script, secret_flags, wait_until
 from test_nodeloss import LOADED_MARGIN, RECOVERY_GOAL, _when, holds_rank0, resumed_at, stepping_alone, steps
 
 
@@ -63,7 +63,8 @@ def layout_fixture(tmp_path):
 def _nodes(daemons, layout: Layout, n: int, steps_: int, extra=()):
     job = "etcd-" + secrets.token_hex(3)
     flags = ("--nproc-per-node", "1", "--nnodes", f"1:{n}", "--rdzv-backend", "etcd",
-             "--rdzv-endpoint", layout.cluster.endpoints, "--rdzv-id", job, "--last-call-timeout", "60", *extra)
+             "--rdzv-endpoint", layout.cluster.endpoints, "--rdzv-id", job, "--last-call-timeout", "60",
+             *secret_flags(), *extra)
     nodes = []
     for i in range(n):
         nodes.append(daemons(script("node_train.py"), *flags, name=f"n{i}", args=[str(steps_), "0.02"],

@@ -12,7 +12,7 @@ from datetime import datetime
 
 import psutil
 
-from harness import script, wait_until
+from harness import script, secret_flags, wait_until
 
 FAST = ("--restart-grace", "1", "--stop-grace", "3", "--peer-timeout", "3", "--last-call-timeout", "0.5")
 
@@ -23,8 +23,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def node_flags(port: int, nnodes: str, job: str = "job") -> tuple[str, ...]:
-    return ("--nnodes", nnodes, "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", job, *FAST)
+def node_flags(port: int, nnodes: str, job: str = "job", secret: bool = True) -> tuple[str, ...]:
+    return ("--nnodes", nnodes, "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", job, *FAST,
+            *(secret_flags() if secret else ()))
 
 
 def state_times(d, new: str) -> list[float]:
@@ -110,7 +111,7 @@ def test_unreachable_endpoint_fails_clearly_within_join_timeout(daemons):
         port = blocker.getsockname()[1]
         t0 = time.monotonic()
         d = daemons(script("faulty.py"), "--nproc-per-node", "1", "--nnodes", "2",
-                    "--rdzv-endpoint", f"127.0.0.1:{port}", "--join-timeout", "3")
+                    "--rdzv-endpoint", f"127.0.0.1:{port}", "--join-timeout", "3", *secret_flags())
         assert d.wait(60) == 1
         assert time.monotonic() - t0 < 3 + 10
     assert f"cannot reach the rendezvous store at 127.0.0.1:{port} within 3s" in d.stderr()

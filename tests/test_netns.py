@@ -9,7 +9,7 @@ import time
 
 import psutil
 
-from harness import script, wait_until
+from harness import script, secret_flags, wait_until
 from netns import DEV, netns_fixture  # noqa: F401 (the netns fixture)
 from test_multinode import FAST
 
@@ -21,7 +21,8 @@ def test_store_host_killed_peer_in_another_namespace_stops_its_workers_with_one_
     stops its workers and exits 1 within --peer-timeout, with one line naming the lost store."""
     net = netns(2)
     store = f"{net.addr(0)}:{PORT}"
-    flags = ("--nproc-per-node", "1", "--nnodes", "1:2", "--rdzv-endpoint", store, "--rdzv-id", "job", *FAST)
+    flags = ("--nproc-per-node", "1", "--nnodes", "1:2", "--rdzv-endpoint", store, "--rdzv-id", "job", *FAST,
+             *secret_flags())
     args, env = ["--steps", "400", "--step-time", "0.05"], {"GLOO_SOCKET_IFNAME": DEV}
     host = daemons(script("ddp_tutorial.py"), *flags, name="host", args=args, env=env, prefix=net.prefix(0))
     wait_until(lambda: any(e.get("event") == "rendezvous_store" for e in host.events()), 60, what="the store")

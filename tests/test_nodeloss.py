@@ -20,7 +20,7 @@ from datetime import datetime
 import psutil
 import pytest
 
-from harness import SESSION, script, wait_until
+from harness import SESSION, script, secret_flags, wait_until
 from netns import DEV, netns_fixture  # noqa: F401 (the netns fixture)
 
 PORT = 29400
@@ -37,7 +37,7 @@ def _start_store(net, i: int = 0) -> subprocess.Popen:
 
 def _nodes(daemons, net, names, steps: int, delay: float = 0.02, extra=()):
     flags = ("--nproc-per-node", "1", "--nnodes", f"1:{len(names)}", "--rdzv-endpoint", f"{net.addr(0)}:{PORT}",
-             "--rdzv-id", "job", "--last-call-timeout", "60", *extra)  # the first round waits for every node
+             "--rdzv-id", "job", "--last-call-timeout", "60", *secret_flags(), *extra)  # the first round waits for all
     env = {"GLOO_SOCKET_IFNAME": DEV}
     started = []
     for k, name in enumerate(names):

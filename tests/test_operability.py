@@ -16,7 +16,7 @@ import urllib.request
 
 import pytest
 
-from harness import ROOT, script, wait_until
+from harness import ROOT, script, secret_flags, wait_until
 
 FAST = ("--restart-grace", "1", "--stop-grace", "5")
 NODE = ("--restart-grace", "1", "--stop-grace", "3", "--peer-timeout", "3", "--last-call-timeout", "0.5")
@@ -209,7 +209,7 @@ def test_failing_health_check_takes_a_node_out_of_an_elastic_job(daemons, tmp_pa
     check = check_script(tmp_path, f'if [ -e {sick} ]; then echo "GPU 3: 2 uncorrected ECC errors"; exit 1; fi\n'
                                    'echo ok\n')
     flags = ("--nproc-per-node", "1", "--nnodes", "1:2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id",
-             "hc", *NODE)
+             "hc", *NODE, *secret_flags())
     args = ["--steps", "400", "--step-time", "0.03", "--checkpoint-every", "10"]
     a = daemons(script("ops_train.py"), *flags, name="a", args=args)
     wait_until(lambda: any(e.get("event") == "rendezvous_store" for e in a.events()), 60, what="the store")

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from elasticd import control
-from harness import ROOT, script, wait_until
+from harness import ROOT, script, secret_flags, wait_until
 
 
 def cli(*args, timeout=60):
@@ -82,7 +82,7 @@ def test_stacks_before_any_worker_runs_says_so(daemons):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     d = daemons(script("faulty.py"), "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--join-timeout", "60",
-                "--stop-grace", "2")  # waits for a second node that never comes
+                "--stop-grace", "2", *secret_flags())  # waits for a second node that never comes
     wait_until(lambda: d.status().returncode == 0 and "RENDEZVOUS" in d.status().stdout, 30, what="rendezvous")
     r = cli("stacks", "--socket", str(d.socket))
     assert r.returncode == 4 and "no worker is running right now (state RENDEZVOUS)" in r.stderr, (r.stdout, r.stderr)
