@@ -263,7 +263,10 @@ class LocalKV:
 
     def _add(self, key: str, amount: int) -> int:
         with self._cond:
-            value = int(self._data.get(key, b"0")) + amount
+            raw = self._data.get(key, b"0")
+            if not raw.strip().lstrip(b"-").isdigit():  # as TCPStore (only the fuzz tests write there)
+                raise BadCounter(key, raw)
+            value = int(raw) + amount
             self._data[key] = str(value).encode()
             self._cond.notify_all()
             return value

@@ -11,6 +11,7 @@ import os
 import pickle
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -152,6 +153,85 @@ def _forge_restart(port: int) -> str:
             c.set(key, "not a number \xff")
         time.sleep(0.05)
     return prefix
+
+
+def _record(port: int, seconds: float) -> dict:
+    """Every value of the job, read again and again until its store goes away (the run ends)."""
+    deadline, seen, c = time.monotonic() + seconds, {}, None
+    while time.monotonic() < deadline:
+        try:
+            c = c or dist.TCPStore("127.0.0.1", port, None, False, td(1))
+            for k in c.list_keys():
+                if k.startswith("elasticd/"):
+                    seen[k] = base64.b64encode(c.get(k)).decode()
+        except Exception:  # noqa: BLE001 - the store is gone (or not there yet)
+            c = None
+            if seen:
+                break
+        time.sleep(0.02)
+    return seen
+
+
+def _replay(port: int, recorded: dict, seconds: float) -> dict:
+    """Run A's values into run B's store, under A's keys and under B's (its run id put in), over
+    and over; a listener on A's worker-store port, where a replayed master would send workers."""
+    c = dist.TCPStore("127.0.0.1", port, None, False, td(5))
+    scope_a = next(k for k in recorded if k.endswith("/round")).rsplit("/", 1)[0]
+    scope_b = next(k for k in c.list_keys() if re.fullmatch(r"elasticd/rep/[0-9a-f]{16}/round", k)).rsplit("/", 1)[0]
+    master = base64.b64decode(recorded[f"{scope_a}/r0/master"]).split(b" ")[-1]
+    trap = socket.socket()
+    trap.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    trap.bind(("127.0.0.1", int(master)))
+    trap.listen()
+    trap.setblocking(False)
+    values = [(k, base64.b64decode(v)) for k, v in recorded.items() if not k.endswith("/run")]
+    caught, deadline = 0, time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        for k, v in values:
+            c.set(k, v)
+            c.set(k.replace(scope_a, scope_b), v)
+        try:
+            trap.accept()[0].close()
+            caught += 1
+        except BlockingIOError:
+            pass
+        time.sleep(0.1)
+    return {"a": scope_a, "b": scope_b, "caught": caught, "replayed": len(values)}
+
+
+@needs_root
+def test_values_of_an_earlier_run_of_the_job_replayed_into_the_next_steer_nothing(daemons, tmp_path):
+    """Run A of --rdzv-id rep is recorded by an unprivileged user; run B (same id, same secret,
+    same port: a job started again) gets every value back, under A's keys and B's. Before runs
+    were told apart, a replayed `closed` made every node of B exit 1 and a replayed master sent
+    a worker to the attacker's port."""
+    import threading
+
+    from test_multinode import free_port, node_flags
+
+    port = free_port()
+    recorded: list = []
+    spy = threading.Thread(target=lambda: recorded.append(as_user(NOBODY, _record, port, 90, timeout=100)))
+    spy.start()
+    a = [daemons(script("ddp_tutorial.py"), "--nproc-per-node", "1", *node_flags(port, "2", job="rep"),
+                 name=f"a{i}", args=["--steps", "20", "--step-time", "0.05"]) for i in range(2)]
+    for n in a:
+        assert n.wait(120) == 0, n.stderr()[-3000:]
+    spy.join(120)
+    assert recorded and any(k.endswith("/r0/master") for k in recorded[0]), recorded
+    b = [daemons(script("ddp_tutorial.py"), "--nproc-per-node", "1", *node_flags(port, "2", job="rep"),
+                 name=f"b{i}", args=["--steps", "200", "--step-time", "0.05"]) for i in range(2)]
+    wait_until(lambda: all(len(n.worker_pids()) == 1 for n in b), 60, what="run B training")
+    got = as_user(NOBODY, _replay, port, recorded[0], 6, timeout=60)
+    assert isinstance(got, dict) and got.get("replayed"), got
+    for n in b:
+        assert n.wait(120) == 0, n.stderr()[-3000:]
+    assert got["a"] != got["b"] and got["caught"] == 0, got
+    out = b[0].stdout() + b[1].stdout()
+    assert "done world_size=2 rank=0 restart=0" in out and "done world_size=2 rank=1 restart=0" in out
+    assert not [e for n in b for e in n.events() if e.get("new") == "RESTARTING"]
+    rejected = {e.get("key") for n in b for e in n.events() if e.get("event") == "store_value_rejected"}
+    assert any(k.startswith(got["b"]) for k in rejected), rejected
 
 
 def secret_file(path, content: bytes = b"0123456789abcdef0123456789abcdef") -> str:
