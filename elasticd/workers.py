@@ -394,11 +394,13 @@ def _signal_group(w: Worker, sig: int) -> None:
         pass
 
 
-def find_tree(token: str, workers: list[Worker]) -> list[psutil.Process]:
+def find_tree(token: str, workers: list[Worker], spared: frozenset[int] = frozenset()) -> list[psutil.Process]:
     """Every live process of this daemon's workers: descendants of the daemon (it is a
     subreaper, so orphans stay below it), members of the workers' sessions, and anything else
-    carrying our ELASTICD_AGENT token in its environment (a descendant that left the session).
-    Raises OSError or psutil.Error when /proc cannot be read (no file descriptor left)."""
+    carrying our ELASTICD_AGENT token in its environment (a descendant that left the session);
+    never a member of a `spared` session (a health check's: it carries the token too, and no
+    worker can join a session it did not start in). Raises OSError or psutil.Error when /proc
+    cannot be read (no file descriptor left)."""
     me = os.getpid()
     sids = {w.pid for w in workers}
     found: dict[int, psutil.Process] = {}
@@ -412,7 +414,16 @@ def find_tree(token: str, workers: list[Worker]) -> list[psutil.Process]:
                 found[p.pid] = p
         except (OSError, psutil.Error):
             continue
-    return [p for p in found.values() if _is_ours(p, token)]
+    return [p for p in found.values() if not _in_session(p.pid, spared) and _is_ours(p, token)]
+
+
+def _in_session(pid: int, sessions: frozenset[int]) -> bool:
+    if not sessions:
+        return False
+    try:
+        return os.getsid(pid) in sessions
+    except OSError:
+        return False
 
 
 def _is_ours(p: psutil.Process, token: str) -> bool:
@@ -426,9 +437,10 @@ def _is_ours(p: psutil.Process, token: str) -> bool:
 
 
 def stop(workers: list[Worker], token: str, grace: float, kill_timeout: float,
-         keep: frozenset[int] = frozenset(), cut_short=lambda: False) -> list[int]:
+         keep: frozenset[int] = frozenset(), cut_short=lambda: False,
+         spared: frozenset[int] = frozenset()) -> list[int]:
     """SIGTERM every worker's process group, wait up to `grace`, SIGKILL what is left, then sweep
-    the whole tree (sparing the processes `keep`). `cut_short()`
+    the whole tree (sparing the processes `keep` and the sessions `spared`). `cut_short()`
     turning true ends the grace early (a second stop signal). Every wait is bounded: returns the
     pids that could not be reaped (a process in uninterruptible sleep cannot be), which the
     caller reports. A sweep that cannot read /proc (no file descriptor left) is tried again
@@ -452,7 +464,7 @@ def stop(workers: list[Worker], token: str, grace: float, kill_timeout: float,
         poll(workers)
         done = {w.pid for w in workers if w.exit_code is not None}
         try:
-            leftover = [p for p in find_tree(token, workers) if p.pid not in done and p.pid not in keep]
+            leftover = [p for p in find_tree(token, workers, spared) if p.pid not in done and p.pid not in keep]
             failed = None
         except (OSError, psutil.Error) as e:  # EMFILE: /proc cannot be read now
             failed = e
