@@ -435,7 +435,8 @@ class Agent:
         if not self.group.workers:
             return
         self.group.stop(0.0 if self._forced() else grace, abandon=abandon,
-                        keep=self.spares.keep() | self.health_check.pids(), cut_short=self._forced)
+                        keep=self.spares.keep() | self.health_check.pids(), cut_short=self._forced,
+                        spared=self.health_check.sessions())
         if self.round is not None:
             self.round.close()
 

@@ -9,6 +9,8 @@ Exit codes:
   3  status/stacks: no daemon is running (LSB "program is not running")
   4  status/stop/stacks: the daemon refused or did not answer (permission, protocol, no workers)
   5  run: this node's health check failed: it did not start, or it left the job
+141  status/stop/stacks: the reader of the output went away (`elasticd status | head`): quiet, as
+     git (128 + SIGPIPE, what a shell shows for a command a closed pipe ended)
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import argparse
 import dataclasses
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -25,11 +28,13 @@ from elasticd import __version__, names
 from elasticd.config import ConfigError, check_value
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_RUNNING, EXIT_CONTROL, EXIT_UNHEALTHY = 0, 1, 2, 3, 4, 5
+EXIT_PIPE = 128 + signal.SIGPIPE
 FINAL_STATES = ("SUCCEEDED", "FAILED", "STOPPED", "LEFT")
 
 EPILOG = """exit codes: 0 success (status: running), 1 job failed, 2 bad input (nothing started),
 3 no daemon running (status, stacks), 4 daemon refused or did not answer,
-5 this node's health check failed (run: it did not start, or left the job)"""
+5 this node's health check failed (run: it did not start, or left the job),
+141 the output's reader went away (status | head)"""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -192,9 +197,25 @@ def main(argv: list[str] | None = None) -> int:
         build_parser().error("arguments after -- are only for 'run'")
     control_command = {names.STATUS: _status, names.STOP: _stop, names.STACKS: _stacks}.get(args.command)
     if control_command:
-        return control_command(args)
+        try:
+            code = control_command(args)
+            sys.stdout.flush()  # a closed pipe shows here, not at exit
+        except BrokenPipeError:
+            return _reader_gone()
+        return code
     build_parser().print_help()
     return EXIT_USAGE
+
+
+def _reader_gone() -> int:
+    """The reader of our output left (`elasticd status | head`): no traceback and no second try
+    at exit, as git and systemctl do; what is left to print goes to /dev/null."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    finally:
+        os.close(devnull)
+    return EXIT_PIPE
 
 
 def _run(args: argparse.Namespace, extra: list[str]) -> int:
@@ -248,8 +269,19 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
     try:
         return serve(cfg, run_dir)
     except ConfigError as e:  # found only when binding (a port in use, a live socket)
+        _forget_run_dir(run_dir)
         sys.stderr.write(f"elasticd: error: {_one_line(e)}\n")
         return EXIT_USAGE
+
+
+def _forget_run_dir(run_dir: Path) -> None:
+    """A start that failed leaves no run directory behind: nothing ran, and an empty directory
+    per failed try (systemd retries every few seconds) would only bury the real runs. Removed
+    only while empty (rmdir), so nothing anyone wrote there is lost."""
+    try:
+        os.rmdir(run_dir)
+    except OSError:
+        pass
 
 
 def _log_base(cfg) -> Path:

@@ -120,15 +120,18 @@ class LocalGroup:
         return {"ok": True, "stacks": [{"rank": w.global_rank, "local_rank": w.local_rank, "pid": w.pid,
                                         "path": str(w.stack_path), "text": text} for w, text in dumps]}
 
-    def stop(self, grace: float, *, abandon: bool, keep: frozenset[int], cut_short: Callable[[], bool]) -> None:
-        """Stop every worker (see workers.stop). `abandon`: a restart after a failure; the
-        workers are told (a heartbeat-file mark) so that the checkpoint library ends them at
-        SIGTERM instead of waiting for a step boundary that a broken collective will never reach."""
+    def stop(self, grace: float, *, abandon: bool, keep: frozenset[int], cut_short: Callable[[], bool],
+             spared: frozenset[int] = frozenset()) -> None:
+        """Stop every worker (see workers.stop; `keep` and the sessions `spared` are left alone).
+        `abandon`: a restart after a failure; the workers are told (a heartbeat-file mark) so that
+        the checkpoint library ends them at SIGTERM instead of waiting for a step boundary that a
+        broken collective will never reach."""
         t0 = time.monotonic()
         if abandon:
             for w in self.workers:
                 health.mark(str(w.heartbeat_path), "abandon")
-        stuck = workers.stop(self.workers, self.token, grace, self.cfg.kill_timeout, keep=keep, cut_short=cut_short)
+        stuck = workers.stop(self.workers, self.token, grace, self.cfg.kill_timeout, keep=keep, cut_short=cut_short,
+                             spared=spared)
         if self.tee:
             self.tee.forget([w.log_path for w in self.workers])
         self.event("workers_stopped", seconds=round(time.monotonic() - t0, 3),

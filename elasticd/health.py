@@ -17,6 +17,13 @@ work per step (the time outside the gradient sync, summed, and the steps that me
 the straggler check compares), the step the checkpoint library resumed from, and the library's
 save and in-memory refresh costs and cadence. Each is one aligned store into the mapping, at
 most a few per step.
+
+The worker owns the file and may write anything into it: the daemon's Reader takes only values
+in their range (counts and figures finite, from 0 to MAX_FIGURE; times finite, not negative and
+not ahead of the host's clock; beats not negative; a step from -1) and keeps the last good
+reading of a field in place of anything else (`sanitised`), said once per field and reader. A
+NaN or an infinity must never reach the daemon's arithmetic (int(nan) raises, and ended the
+daemon).
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ import mmap
 import os
 import struct
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from elasticd import safeio
 
@@ -49,6 +56,8 @@ _FIGURES = struct.Struct(f"<{len(FIGURES)}d")
 _FIGURES_AT = 72
 _FIGURE_INDEX = {name: _FIGURES_AT // 8 + i for i, name in enumerate(FIGURES)}  # index of the f64 view
 EXIT_TIMEOUT = 60.0  # the least time a finished rank gets to leave the interpreter
+MAX_FIGURE = float(2**53)  # the largest count or total a f64 holds exactly; anything above is no figure
+CLOCK_SLACK = 1.0  # seconds a worker's time may be ahead of the daemon's reading (the same clock)
 
 
 @dataclass(frozen=True)
@@ -68,6 +77,40 @@ class Beat:
 
 
 _READ = _FIGURES_AT + _FIGURES.size
+_TIMES = ("last", "first", *MARKS)
+_UNWRITTEN = Beat(0, -1, 0.0, 0.0)  # what create() writes
+
+
+def sanitised(beat: Beat, now: float, kept: Beat | None = None) -> tuple[Beat, list[tuple[str, float]]]:
+    """`beat` with every value out of its range replaced by the last good reading of it (`kept`,
+    else the value of a file never written: 0, -1 for the step), and the (field, value) pairs
+    dropped (see the module's docstring). With no good time of its latest beat, a rank counts as
+    not yet beaten: a bad time must not make it silent since the host booted (a hang at once)."""
+    base = kept or _UNWRITTEN
+    dropped: list[tuple[str, float]] = []
+    fields: dict = {}
+    if beat.beats < 0:
+        dropped.append(("beats", beat.beats))
+        fields["beats"] = base.beats
+    if beat.step < -1:
+        dropped.append(("step", beat.step))
+        fields["step"] = base.step
+    for name in _TIMES:
+        t = getattr(beat, name)
+        if not 0.0 <= t <= now + CLOCK_SLACK:  # false for NaN too
+            dropped.append((name, t))
+            fields[name] = getattr(base, name)
+    figures = []
+    for name, value, good in zip(FIGURES, beat.figures, base.figures):
+        if not 0.0 <= value <= MAX_FIGURE:
+            dropped.append((name, value))
+            value = good
+        figures.append(value)
+    if not dropped:
+        return beat, dropped
+    if fields.get("last", 1.0) == 0.0 or fields.get("first", 1.0) == 0.0:
+        fields["beats"] = 0
+    return replace(beat, **fields, figures=tuple(figures)), dropped
 
 
 def create(path: str) -> None:
@@ -92,6 +135,8 @@ class Reader:
     def __init__(self, path: str):
         self.path = path
         self._fd: int | None = None
+        self._said: set[str] = set()  # fields whose dropped values were logged
+        self._kept: Beat | None = None  # the latest reading, every value in its range
 
     def read(self) -> Beat | None:
         """The fields as of one instant: a read that a beat overlapped can mix old and new bytes
@@ -116,7 +161,22 @@ class Reader:
         if magic != MAGIC:
             return None
         figures = _FIGURES.unpack_from(data, _FIGURES_AT) if len(data) >= _READ else (0.0,) * len(FIGURES)
-        return Beat(beats, step, last, first, *marks, figures=figures)
+        beat, dropped = sanitised(Beat(beats, step, last, first, *marks, figures=figures), time.monotonic(),
+                                  self._kept)
+        for name, value in dropped:
+            self._say(name, value)
+        self._kept = beat
+        return beat
+
+    def _say(self, name: str, value: float) -> None:
+        """One line per field and reader (a worker rewrites a bad value at every step)."""
+        if name in self._said:
+            return
+        self._said.add(name)
+        from elasticd import logs  # daemon side only: workers import this module for Writer
+
+        logs.get("elasticd.health").warning("heartbeat_value_dropped", path=self.path, field=name,
+                                            value=repr(value), hint="out of its range: read as never written")
 
     def close(self) -> None:
         if self._fd is not None:

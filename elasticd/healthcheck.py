@@ -2,10 +2,14 @@
 and every --health-check-interval while training.
 
 A check passes when it exits 0 within --health-check-timeout; its last line of output is the
-reason shown when it fails. It runs on a helper thread (the loop never waits on it, except
+reason shown when it fails (only the last OUTPUT_KEPT bytes are kept: a check printing 100 MB
+costs the daemon 64 KiB). It runs on a helper thread (the loop never waits on it, except
 before a start, where the loop idles as it does for a rendezvous: stoppable, feeding the
 watchdog), in its own session, with the daemon's token in its environment (so a SIGKILLed
-daemon's guard ends it too), without systemd's notify socket.
+daemon's guard ends it too), without systemd's notify socket. What is waited for is the check
+process itself, not the end of its output: whatever it leaves running in its session (a
+background child holding the pipe) is killed and said, and a teardown's sweep spares that
+session while the check runs (`sessions`).
 
 What a failing check does is the agent's (Agent._leave): the node stops its workers, asks the
 other nodes to restart with the reason as the restart's summary (so every node's status shows
@@ -15,7 +19,9 @@ waits for it; an elastic job goes on without it.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import selectors
 import shlex
 import signal
 import subprocess
@@ -25,12 +31,16 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import psutil
+
 from elasticd import logs, names, systemd
 from elasticd.config import Config
 from elasticd.states import Failure, RestartCause
 
 EXIT_UNHEALTHY = 5  # `elasticd run`'s exit code when this node's health check failed
 MAX_REASON = 300  # characters of the check's output kept as its reason
+OUTPUT_KEPT = 64 * 1024  # bytes of the check's output kept (its end, where the last line is)
+REAP_WAIT = 5.0  # seconds to wait for killed processes to go
 # in the summary a leaving node broadcasts ("node N left the job: health check failed: ...")
 LEFT = "left the job: health check failed"
 
@@ -82,6 +92,11 @@ class HealthCheck:
         proc = self._proc
         return frozenset({proc.pid}) if proc is not None else frozenset()
 
+    def sessions(self) -> frozenset[int]:
+        """The session of the check running now (it leads its own: its id is the check's pid),
+        whose processes carry the daemon's token but are the check's, never a worker's."""
+        return self.pids()
+
     def take(self) -> Result | None:
         """The result of the latest check that finished since the last take(), if any."""
         result, self._fresh = self._fresh, None
@@ -101,29 +116,38 @@ class HealthCheck:
         env = systemd.child_env(dict(os.environ))
         env[names.AGENT] = self.token
         try:
-            self._proc = proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                                 stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, env=env, start_new_session=True)
         except OSError as e:
             self._finish(False, f"`{self.cfg.health_check}` cannot run: {e.strerror or e}", "", t0)
             return
+        self._proc = proc
         try:
-            out, _ = proc.communicate(timeout=self.cfg.health_check_timeout)
-        except subprocess.TimeoutExpired:
-            _kill(proc)
-            out = b""
+            output, exited = _collect(proc, t0 + self.cfg.health_check_timeout)
+            left = _end_session(proc)  # the check has exited (a zombie until reaped here) or timed out
+        finally:
+            assert proc.stdout is not None
+            proc.stdout.close()
+            self._proc = None
+        if self._closed:
+            return  # ended by close(): the daemon is leaving, it judges nothing any more
+        if not exited:
             self._finish(False, f"`{self.cfg.health_check}` timed out after {self.cfg.health_check_timeout:g}s",
                          "", t0)
             return
-        finally:
-            self._proc = None
-        lines = [ln.strip() for ln in out.decode(errors="replace").splitlines() if ln.strip()]
+        lines = [ln.strip() for ln in output.decode(errors="replace").splitlines() if ln.strip()]
         last = logs.printable(lines[-1])[:MAX_REASON] if lines else ""
+        behind = f" (left {len(left)} process(es) behind, killed)" if left else ""
+        if left:
+            self.event("health_check_left_processes", level="warning", pids=left[:10], killed=len(left),
+                       hint="the check exited with these still in its session; make it wait for them")
         if proc.returncode == 0:
-            self._finish(True, "passed", last, t0)
+            self._finish(True, "passed" + behind, last, t0)
         else:
             how = (f"was killed by {_signal_name(-proc.returncode)}" if proc.returncode < 0
                    else f"exited {proc.returncode}")
-            self._finish(False, f"`{self.cfg.health_check}` {how}" + (f": {last}" if last else ""), last, t0)
+            self._finish(False, f"`{self.cfg.health_check}` {how}" + (f": {last}" if last else "") + behind,
+                         last, t0)
 
     def _finish(self, ok: bool, reason: str, output: str, t0: float) -> None:
         result = Result(ok, reason, output, round(time.monotonic() - t0, 3), time.time())
@@ -158,22 +182,95 @@ class HealthCheck:
                 "peers_left": list(self.peers_left)}
 
     def close(self) -> None:
-        """The daemon is leaving: end a check still running."""
+        """The daemon is leaving: end a check still running (its thread reaps it)."""
         self._closed = True
         proc = self._proc
         if proc is not None:
-            _kill(proc)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)  # its own session's group: whatever it started too
 
 
-def _kill(proc: subprocess.Popen) -> None:
+def _collect(proc: subprocess.Popen, deadline: float) -> tuple[bytes, bool]:
+    """The end of the check's output (its last OUTPUT_KEPT bytes) and whether it exited before
+    the deadline. What is waited for is the check process (its pidfd), not the end of the pipe,
+    which a child it left running may hold for ever; the check is left a zombie, so that its
+    session cannot be mistaken for another (see _end_session)."""
+    assert proc.stdout is not None
+    out = proc.stdout.fileno()
+    os.set_blocking(out, False)
+    tail = bytearray()
+    exit_fd = _pidfd(proc.pid)
+    with selectors.DefaultSelector() as sel:
+        sel.register(out, selectors.EVENT_READ)
+        if exit_fd is not None:
+            sel.register(exit_fd, selectors.EVENT_READ)
+        try:
+            while not _exited(proc.pid):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return bytes(tail), False
+                for key, _ in sel.select(left if exit_fd is not None else min(left, 0.05)):
+                    if key.fd == out and not _read(out, tail):
+                        sel.unregister(out)  # its end: only the exit is left to wait for
+            while time.monotonic() < deadline and _read(out, tail, drain=True):
+                pass  # what it wrote before exiting (none of it waits for a writer)
+        finally:
+            if exit_fd is not None:
+                os.close(exit_fd)
+    return bytes(tail), True
+
+
+def _pidfd(pid: int) -> int | None:
+    """A descriptor readable once `pid` exits (Linux 5.3); None: the exit is polled."""
     try:
-        os.killpg(proc.pid, signal.SIGKILL)  # its own session: whatever it started too
-    except (ProcessLookupError, PermissionError):
-        pass
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
+
+
+def _exited(pid: int) -> bool:
+    """Whether our child `pid` has exited, without reaping it."""
     try:
-        proc.wait(timeout=5)
-    except subprocess.TimeoutExpired:
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:
+        return True
+
+
+def _read(fd: int, tail: bytearray, drain: bool = False) -> bool:
+    """One read of the pipe into `tail`, which keeps its last OUTPUT_KEPT bytes; False at the
+    pipe's end, or (`drain`) when nothing is there now."""
+    try:
+        chunk = os.read(fd, OUTPUT_KEPT)
+    except BlockingIOError:
+        return not drain
+    except OSError:
+        return False
+    tail += chunk
+    del tail[:-OUTPUT_KEPT]
+    return bool(chunk)
+
+
+def _end_session(proc: subprocess.Popen) -> list[int]:
+    """Kill every process left in the check's session (the check's pid names it) and reap the
+    check; the pids killed besides the check itself."""
+    found = []
+    try:
+        for p in psutil.process_iter():
+            with contextlib.suppress(OSError):
+                if os.getsid(p.pid) == proc.pid:
+                    found.append(p)
+    except (OSError, psutil.Error):  # /proc unreadable (no descriptor left): its group still goes
         pass
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    for p in found:
+        with contextlib.suppress(OSError, psutil.Error):
+            p.kill()
+    with contextlib.suppress(OSError, psutil.Error):
+        psutil.wait_procs([p for p in found if p.pid != proc.pid], timeout=REAP_WAIT)  # ours once orphaned
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=REAP_WAIT)
+    return [p.pid for p in found if p.pid != proc.pid]
 
 
 def _signal_name(signum: int) -> str:

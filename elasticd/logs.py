@@ -14,6 +14,8 @@ from __future__ import annotations
 import logging
 import re
 import sys
+import threading
+import time
 from typing import Any
 
 import structlog
@@ -111,3 +113,24 @@ def adopt_torch() -> None:
 
 def get(name: str = "elasticd") -> Any:
     return structlog.get_logger(name)
+
+
+class Throttle:
+    """At most one event per key every `interval` seconds, however often someone outside (a
+    client of the metrics port, a worker) repeats its cause: `throttle(key)` is None while the
+    key is held back, else how many were held back since the last one said."""
+
+    def __init__(self, interval: float = 60.0) -> None:
+        self.interval = interval
+        self._next: dict[str, float] = {}
+        self._held: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, key: str) -> int | None:
+        now = time.monotonic()
+        with self._lock:
+            if now < self._next.get(key, 0.0):
+                self._held[key] = self._held.get(key, 0) + 1
+                return None
+            self._next[key] = now + self.interval
+            return self._held.pop(key, 0)

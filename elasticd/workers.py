@@ -394,10 +394,13 @@ def _signal_group(w: Worker, sig: int) -> None:
         pass
 
 
-def find_tree(token: str, workers: list[Worker]) -> list[psutil.Process]:
+def find_tree(token: str, workers: list[Worker], spared: frozenset[int] = frozenset()) -> list[psutil.Process]:
     """Every live process of this daemon's workers: descendants of the daemon (it is a
     subreaper, so orphans stay below it), members of the workers' sessions, and anything else
-    carrying our ELASTICD_AGENT token in its environment (a descendant that left the session)."""
+    carrying our ELASTICD_AGENT token in its environment (a descendant that left the session);
+    never a member of a `spared` session (a health check's: it carries the token too, and no
+    worker can join a session it did not start in). Raises OSError or psutil.Error when /proc
+    cannot be read (no file descriptor left)."""
     me = os.getpid()
     sids = {w.pid for w in workers}
     found: dict[int, psutil.Process] = {}
@@ -411,7 +414,16 @@ def find_tree(token: str, workers: list[Worker]) -> list[psutil.Process]:
                 found[p.pid] = p
         except (OSError, psutil.Error):
             continue
-    return [p for p in found.values() if _is_ours(p, token)]
+    return [p for p in found.values() if not _in_session(p.pid, spared) and _is_ours(p, token)]
+
+
+def _in_session(pid: int, sessions: frozenset[int]) -> bool:
+    if not sessions:
+        return False
+    try:
+        return os.getsid(pid) in sessions
+    except OSError:
+        return False
 
 
 def _is_ours(p: psutil.Process, token: str) -> bool:
@@ -425,11 +437,15 @@ def _is_ours(p: psutil.Process, token: str) -> bool:
 
 
 def stop(workers: list[Worker], token: str, grace: float, kill_timeout: float,
-         keep: frozenset[int] = frozenset(), cut_short=lambda: False) -> list[int]:
+         keep: frozenset[int] = frozenset(), cut_short=lambda: False,
+         spared: frozenset[int] = frozenset()) -> list[int]:
     """SIGTERM every worker's process group, wait up to `grace`, SIGKILL what is left, then sweep
-    the whole tree. `cut_short()` turning true ends the grace early (a second stop signal).
-    Every wait is bounded: returns the pids that could not be reaped (a process
-    in uninterruptible sleep cannot be), which the caller reports."""
+    the whole tree (sparing the processes `keep` and the sessions `spared`). `cut_short()`
+    turning true ends the grace early (a second stop signal). Every wait is bounded: returns the
+    pids that could not be reaped (a process in uninterruptible sleep cannot be), which the
+    caller reports. A sweep that cannot read /proc (no file descriptor left) is tried again
+    until `kill_timeout`, then said in one line: the job goes on (the guard sweeps if the daemon
+    dies)."""
     live = [w for w in workers if w.proc.poll() is None]
     if live and grace > 0:
         for w in live:
@@ -443,21 +459,30 @@ def stop(workers: list[Worker], token: str, grace: float, kill_timeout: float,
             _signal_group(w, signal.SIGKILL)
     deadline = time.monotonic() + kill_timeout
     leftover: list[psutil.Process] = []
+    failed: Exception | None = None
     while True:
         poll(workers)
         done = {w.pid for w in workers if w.exit_code is not None}
-        leftover = [p for p in find_tree(token, workers) if p.pid not in done and p.pid not in keep]
+        try:
+            leftover = [p for p in find_tree(token, workers, spared) if p.pid not in done and p.pid not in keep]
+            failed = None
+        except (OSError, psutil.Error) as e:  # EMFILE: /proc cannot be read now
+            failed = e
         for p in leftover:
             try:
                 p.kill()
-            except psutil.Error:
+            except (OSError, psutil.Error):
                 pass
         reap_orphans(workers, keep)
-        if not leftover and all(w.exit_code is not None for w in workers):
+        if not (leftover or failed) and all(w.exit_code is not None for w in workers):
             return []
         if time.monotonic() >= deadline:
+            if failed is not None:
+                log.error("teardown_sweep_failed", error=str(failed), workers=[w.pid for w in workers],
+                          hint="their sessions were killed; a descendant that left them may live on")
             stuck = [p.pid for p in leftover] + [w.pid for w in workers if w.exit_code is None]
-            log.error("processes_unkillable", pids=stuck, hint="likely in uninterruptible sleep (state D)")
+            if stuck:
+                log.error("processes_unkillable", pids=stuck, hint="likely in uninterruptible sleep (state D)")
             return stuck
         time.sleep(0.02)
 
@@ -468,7 +493,7 @@ def reap_orphans(workers: list[Worker], keep: frozenset[int] = frozenset()) -> N
     mine = {w.pid for w in workers} | keep
     try:
         children = psutil.Process().children()
-    except psutil.Error:
+    except (OSError, psutil.Error):  # EMFILE too: the next teardown reaps them
         return
     for p in children:
         if p.pid in mine:

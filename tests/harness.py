@@ -17,6 +17,15 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "tests" / "scripts"
 
 
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def wait_until(predicate, timeout: float, interval: float = 0.05, what: str = "condition"):
     """Poll `predicate` until truthy; fail the test (never hang) after `timeout` seconds."""
     deadline = time.monotonic() + timeout
