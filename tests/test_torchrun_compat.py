@@ -199,8 +199,8 @@ def test_rdzv_conf_maps_to_our_settings_and_explicit_ones_win(tmp_path):
 @pytest.mark.parametrize("flags, static, message", [
     ({"rdzv_backend": "static"}, [("--node-rank", "0"), ("--master-addr", "10.0.0.1"), ("--master-port", "29500")],
      None),  # one node: nothing to rank or meet
-    ({"nnodes": "2", "rdzv_endpoint": "h:1", "insecure_no_secret": True}, [("--node-rank", "1"), ("--master-addr", "x")],
-     None),  # c10d: ignored
+    ({"nnodes": "2", "rdzv_endpoint": "h:1", "insecure_no_secret": True},
+     [("--node-rank", "1"), ("--master-addr", "x")], None),  # c10d: ignored
     ({}, [("--node-rank", "1")], "--node-rank 1 on a single node"),
     ({"nnodes": "2"}, [("--node-rank", "1")], "nodes are ranked at rendezvous"),
     ({"nnodes": "2"}, [("--master-addr", "10.0.0.1")], "--rdzv-endpoint MASTER_ADDR:MASTER_PORT"),
