@@ -213,17 +213,14 @@ def connect(endpoints: str, timeout: float, *, cacert: str | None = None, cert: 
     answers with a leader (and the user authenticates) within `check_timeout` (default: `timeout`),
     else NoAnswer (Refused for bad credentials; Misconfigured, at once, when no endpoint can ever
     answer: names that do not resolve, certificates that do not verify); ValueError for malformed
-    endpoints or options, or TLS or password files that cannot be read. `timeout` then bounds every
+    endpoints or options, or TLS files that cannot be loaded; config.ConfigError for a password
+    file that breaks a secret file's rules (signing.read_private). `timeout` then bounds every
     call of the returned store. TLS (https) is used when any of cacert / cert / key is given or
     an endpoint says https://."""
     if password_file is not None:
         if password is not None:
             raise ValueError("etcd: give a password or a password file, not both")
-        try:
-            with open(password_file, encoding="utf-8") as f:
-                password = f.read().rstrip("\r\n")
-        except (OSError, UnicodeDecodeError) as e:
-            raise ValueError(f"etcd password file {password_file}: {_line(e)}") from None
+        password = signing.load_password(password_file)
     store = EtcdKV(endpoints, timeout, cacert=cacert, cert=cert, key=key, user=user, password=password)
     store._current = preferred_endpoint(store.endpoints)
     try:

@@ -1,19 +1,24 @@
-"""The etcd password, through the CLI: a user over plain http, where the password and its token
-would cross the network in clear, is refused unless --etcd-allow-plain-password says so; each
-refusal one line, exit 2, nothing started."""
+"""The etcd password, through the CLI: its file follows the job secret's rules (a regular file,
+not a link, owned by this user or root, mode 600), and a user over plain http, where the password
+and its token would cross the network in clear, is refused unless --etcd-allow-plain-password
+says so; each refusal one line, exit 2, nothing started."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 
 from elasticd import config
+from etcd_cluster import free_port
 from fake_member import FakeMember, response
 from harness import ROOT
 from test_etcd_hostile import final_lines, run_flags
+
+NOBODY = 65534
 
 
 def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -33,6 +38,25 @@ def assert_refused(r: subprocess.CompletedProcess, *needles: str) -> None:
     assert len(lines) == 1 and lines[0].startswith("elasticd: error: "), r.stderr
     for needle in needles:
         assert needle in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("case", ["world-readable", "symlink", "foreign owner"])
+def test_an_unsafe_password_file_is_refused(case, tmp_path):
+    """The job secret's rules hold for the etcd password file: a regular file, not a link, owned
+    by this user or root, mode 600 (one line, exit 2, nothing started)."""
+    pw = password_file(tmp_path / "pw", mode=0o644 if case == "world-readable" else 0o600)
+    needle = {"world-readable": "chmod 600", "symlink": "not a symbolic link", "foreign owner": "owned by uid"}[case]
+    if case == "symlink":
+        (tmp_path / "link").symlink_to(pw)
+        pw = str(tmp_path / "link")
+    elif case == "foreign owner":
+        if os.geteuid() != 0:
+            pytest.skip("chown needs root")
+        os.chown(pw, NOBODY, NOBODY)
+    r = cli("--log-dir", str(tmp_path / "logs"), "--socket", str(tmp_path / "s"),
+            *run_flags(f"127.0.0.1:{free_port()}", "--etcd-user", "u", "--etcd-password-file", pw,
+                       "--etcd-allow-plain-password", "--join-timeout", "1"))
+    assert_refused(r, "--etcd-password-file", needle)
 
 
 @pytest.mark.parametrize("endpoint, tls", [("127.0.0.1:2379", ()), ("h1:2379,http://h2:2379", ("--etcd-cacert",
