@@ -254,6 +254,8 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
             cfg = dataclasses.replace(cfg, metrics_textfile=str(directory / textfile.name))
         if cfg.rdzv_secret_file:
             signing.load_secret(cfg.rdzv_secret_file)
+        if cfg.etcd and cfg.etcd_password_file:
+            signing.load_password(cfg.etcd_password_file)
         if cfg.max_nodes == 1 and cfg.rdzv_endpoint and not cfg.etcd:  # a single node hosts a c10d store
             config.check_port_free(cfg.rdzv_host, cfg.rdzv_port)
         base = config.check_log_dir(_log_base(cfg))

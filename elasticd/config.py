@@ -170,6 +170,8 @@ class Config:
     etcd_key: str = _setting("", "etcd: the client certificate's key file")
     etcd_user: str = _setting("", "etcd: user name (etcd authentication; with --etcd-password-file)")
     etcd_password_file: str = _setting("", "etcd: file holding the user's password (mode 600)")
+    etcd_allow_plain_password: bool = _setting(False, "etcd: allow --etcd-user over plain http, where the password "
+                                               "and the token it buys cross the network in clear")
     socket: str = _setting("", "control socket path")
     operators_group: str = _setting("", "group whose members may use status/stop")
 
@@ -662,6 +664,11 @@ def validate(cfg: Config) -> None:
         raise ConfigError("--etcd-user and --etcd-password-file go together: give both, or neither")
     for name in FIELDS:
         check_value(name, getattr(cfg, name), "--" + name.replace("_", "-"))
+    plain = _plain_etcd_member(cfg) if cfg.etcd and cfg.etcd_user else None
+    if plain and not cfg.etcd_allow_plain_password:
+        raise ConfigError(f"--etcd-user over plain http would send the password (and the token it buys) in clear "
+                          f"to {plain}: serve etcd over TLS (https:// endpoints, --etcd-cacert), or on a network "
+                          "you trust add --etcd-allow-plain-password")
     if cfg.log_format not in LOG_FORMATS:
         raise ConfigError(f"--log-format {cfg.log_format!r}: use auto, json or console")
     parse_std(cfg.redirects, "redirects")
@@ -686,6 +693,17 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"--virtual-local-rank with {cfg.nproc_per_node} workers per node, but "
                           f"CUDA_VISIBLE_DEVICES={visible} lists fewer GPUs: list one per worker or lower "
                           "--nproc-per-node")
+
+
+def _plain_etcd_member(cfg: Config) -> str | None:
+    """The first etcd member reached over plain http, as etcd.parse_endpoints reads the list (a
+    TLS option makes https the default, an explicit http:// overrides it); None if all use TLS."""
+    tls = bool(cfg.etcd_cacert or cfg.etcd_cert or cfg.etcd_key)
+    for member in filter(None, (m.strip() for m in cfg.rdzv_endpoint.split(","))):
+        scheme = member.split("://", 1)[0] if "://" in member else ("https" if tls else "http")
+        if scheme != "https":
+            return member
+    return None
 
 
 def check_log_dir(path: Path, flag: str = "--log-dir") -> Path:

@@ -16,6 +16,18 @@ every endpoint and the last error each gave. Every request carries gRPC's "hasle
 so a member cut off from its cluster's leader (quorum lost, or partitioned away) says "no leader"
 at once instead of holding the request until its own timeout. A member that answers but refuses
 (bad password, no permission, a request too large) raises `Refused` (an Unreachable) at once.
+Where every endpoint fails in a way that waiting cannot heal (a host name that does not resolve,
+a certificate that does not verify), `connect()` raises `Misconfigured` at once instead.
+
+A member is not trusted to be well-behaved. Its reply is read under the attempt's deadline as a
+whole (status line, headers and body: a member trickling a byte at a time cannot stretch it, as
+a timeout per recv would let it), at most MAX_REPLY bytes of it (a Content-Length of 10^13 or a
+chunk size of -1 is refused, not read into memory), and decoded strictly (each field of the form
+etcd gives it: an object, a list, digits, base64): whatever cannot be read, too deep, too large,
+or not of its form, is a failed attempt on that member like a dropped connection (the call
+moves on; logged at most once a minute per member), never an exception of another kind.
+`close()` shuts the sockets of a call in progress on another thread down, so the call fails at
+once instead of holding its thread (and a daemon told to stop) until its member lets go.
 
 Retries and ambiguity. A request that never reached etcd (refused connection, a kept-alive
 connection found closed before sending, "no leader") is simply sent again elsewhere. One whose
@@ -40,11 +52,14 @@ One EtcdKV serves one call at a time (a lock keeps it so); a thread that blocks 
 from __future__ import annotations
 
 import base64
+import functools
 import http.client
+import io
 import ipaddress
 import json
 import math
 import random
+import re
 import select
 import socket
 import ssl
@@ -55,7 +70,9 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from elasticd import kv
+from elasticd import kv, logs, signing
+
+log = logs.get("elasticd.etcd")
 
 DEFAULT_PORT = 2379
 MAX_TXN_OPS = 128  # etcd's default --max-txn-ops
@@ -72,6 +89,14 @@ ATTEMPT_TIMEOUT = 0.5
 # that lost its cluster (or was cut off from us) without closing the stream can hide a put.
 WATCH_RENEW = 2.0
 _BACKOFF = (0.05, 0.5)  # after every endpoint failed once: first pause, longest pause
+# Bytes of a reply a member may send: one value as large as a sealed signing.MAX_VALUE, in base64,
+# and a mebibyte for the rest (JSON, header). A larger one is a failed attempt, never read whole.
+MAX_REPLY = (signing.MAX_VALUE + signing.MAC_HEX + 1) * 4 // 3 + 1024 * 1024
+_FRAMING = 1024 * 1024  # bytes of status line, headers and chunk sizes a reply may add
+# JSON items (',' '[' '{') a reply may hold: the largest of ours, a transaction of MAX_TXN_OPS reads,
+# has about 2,000; millions of tiny ones would cost gigabytes once parsed.
+MAX_ITEMS = 100_000
+REJECTED_EVERY = 60.0  # seconds between two log lines about one member's unreadable replies
 _HEADERS = {"Content-Type": "application/json", "Grpc-Metadata-Hasleader": "true"}
 # Answers that mean the member did not take the request in (safe to send again anywhere).
 _NOT_APPLIED = ("etcdserver: no leader", "etcdserver: too many requests", "etcdserver: not capable")
@@ -85,14 +110,32 @@ class Refused(kv.Unreachable):
         super().__init__(message, refused=True)
 
 
-class _Failed(Exception):
-    """One attempt on one endpoint failed; `applied_maybe`: the request may have reached etcd."""
+class NoAnswer(kv.Unreachable):
+    """No member answered within the call's deadline. `causes`: what the endpoints' last attempts
+    failed of (refused, timeout, dns, tls, leader, reply, dropped, other), for the operator's hint."""
 
-    def __init__(self, reason: str, applied_maybe: bool, reauth: bool = False):
+    def __init__(self, message: str, causes: frozenset[str] = frozenset()):
+        super().__init__(message)
+        self.causes = causes
+
+
+class Misconfigured(NoAnswer):
+    """Every endpoint failed in a way that retrying cannot heal (a host name that does not
+    resolve, a certificate that does not verify): connect() says so at once."""
+
+
+class _Failed(Exception):
+    """One attempt on one endpoint failed. `applied_maybe`: the request may have reached etcd;
+    `cause`: what kind of failure (see NoAnswer); `lasting`: waiting will not heal it."""
+
+    def __init__(self, reason: str, applied_maybe: bool, reauth: bool = False, cause: str = "other",
+                 lasting: bool = False):
         super().__init__(reason)
         self.reason = reason
         self.applied_maybe = applied_maybe
         self.reauth = reauth
+        self.cause = cause
+        self.lasting = lasting
 
 
 @dataclass(frozen=True)
@@ -166,24 +209,23 @@ def tls_context(cacert: str | None = None, cert: str | None = None, key: str | N
 
 def connect(endpoints: str, timeout: float, *, cacert: str | None = None, cert: str | None = None,
             key: str | None = None, user: str | None = None, password: str | None = None,
-            password_file: str | None = None) -> EtcdKV:
+            password_file: str | None = None, check_timeout: float | None = None) -> EtcdKV:
     """An EtcdKV on the cluster at `endpoints` ("h1:2379,h2:2379,h3:2379"), checked: a member
-    answers with a leader (and the user authenticates) within `timeout`, else kv.Unreachable
-    (Refused for bad credentials); ValueError for malformed endpoints or options, or TLS or
-    password files that cannot be read. `timeout` then bounds every call of the returned store.
-    TLS (https) is used when any of cacert / cert / key is given or an endpoint says https://."""
+    answers with a leader (and the user authenticates) within `check_timeout` (default: `timeout`),
+    else NoAnswer (Refused for bad credentials; Misconfigured, at once, when no endpoint can ever
+    answer: names that do not resolve, certificates that do not verify); ValueError for malformed
+    endpoints or options, or TLS files that cannot be loaded; config.ConfigError for a password
+    file that breaks a secret file's rules (signing.read_private). `timeout` then bounds every
+    call of the returned store. TLS (https) is used when any of cacert / cert / key is given or
+    an endpoint says https://."""
     if password_file is not None:
         if password is not None:
             raise ValueError("etcd: give a password or a password file, not both")
-        try:
-            with open(password_file, encoding="utf-8") as f:
-                password = f.read().rstrip("\r\n")
-        except (OSError, UnicodeDecodeError) as e:
-            raise ValueError(f"etcd password file {password_file}: {_line(e)}") from None
+        password = signing.load_password(password_file)
     store = EtcdKV(endpoints, timeout, cacert=cacert, cert=cert, key=key, user=user, password=password)
     store._current = preferred_endpoint(store.endpoints)
     try:
-        store.status()
+        store.status(timeout=check_timeout, fail_fast=True)
     except BaseException:
         store.close()
         raise
@@ -232,12 +274,13 @@ class EtcdKV:
             self._tls = tls_context(cacert, cert, key)
         self._user, self._password = user, password
         self._tokens: dict[int, str] = {}  # endpoint index -> auth token (simple tokens are per member)
-        self._conns: dict[int, http.client.HTTPConnection] = {}
+        self._conns: dict[int, http.client.HTTPConnection] = {}  # changed under _conns_lock (close reads it)
+        self._conns_lock = threading.Lock()
         self._current = 0
         self._streams: dict[threading.Thread, _Stream] = {}  # wait's open watch per thread, between slices
         self._streams_lock = threading.Lock()
-        self._lock = threading.Lock()
-        self._closed = False
+        self._lock = threading.Lock()  # one call at a time
+        self._closing = threading.Event()
         # A member gets this long to answer before the call moves on (when there are others): a
         # stalled member, or a follower holding a request for a leader that just died, must not
         # eat the time a healthy one needs.
@@ -247,7 +290,7 @@ class EtcdKV:
     # --- the KV operations -------------------------------------------------------------------
 
     def set(self, key: str, value: bytes) -> None:
-        self._call("/v3/kv/put", {"key": _b64(key), "value": _b64(value)})
+        self._call("/v3/kv/put", {"key": _b64(key), "value": _b64(value)}, _header)
 
     def get(self, key: str) -> bytes | None:
         return self._range(key)[0]
@@ -256,53 +299,38 @@ class EtcdKV:
         out: list[bytes | None] = []
         for i in range(0, len(keys), MAX_TXN_OPS):
             chunk = keys[i:i + MAX_TXN_OPS]
-            resp, _ = self._call("/v3/kv/txn", {"success": [{"request_range": {"key": _b64(k)}} for k in chunk]})
-            replies = _field(resp, "responses") or []
-            if len(replies) != len(chunk):
-                raise kv.Unreachable(f"etcd {self.endpoint}: a transaction of {len(chunk)} reads "
-                                     f"answered {len(replies)}")
-            out.extend(_value(_field(r, "response_range") or {}) for r in replies)
+            values, _ = self._call("/v3/kv/txn", {"success": [{"request_range": {"key": _b64(k)}} for k in chunk]},
+                                   functools.partial(_reads, len(chunk)))
+            out.extend(values)
         return out
 
     def take(self, key: str) -> int:
         # The roll is the key's version, which etcd raises by one at every put: one put that
         # returns the version before it is an atomic fetch-and-add with nothing to retry (a
         # compare-and-swap of a value made N nodes arriving together cost O(N^2) requests).
-        resp, _ = self._call("/v3/kv/put", {"key": _b64(key), "value": "", "prev_kv": True})
-        return int(_field(_field(resp, "prev_kv") or {}, "version") or 0) + 1
+        version, _ = self._call("/v3/kv/put", {"key": _b64(key), "value": "", "prev_kv": True}, _prev_version)
+        return version + 1
 
     def taken(self, key: str) -> int:
-        resp, _ = self._call("/v3/kv/range", {"key": _b64(key)})
-        return _kv_int(resp, "version")
+        return self._call("/v3/kv/range", {"key": _b64(key)}, _version)[0]
 
     def keys(self, prefix: str) -> list[str]:
         end = prefix.encode()[:-1] + bytes([prefix.encode()[-1] + 1])  # every key with the prefix: etcd's range end
-        resp, _ = self._call("/v3/kv/range", {"key": _b64(prefix), "range_end": _b64(end), "keys_only": True,
-                                              "limit": MAX_KEYS})
-        found = []
-        for item in _field(resp, "kvs") or []:
-            try:
-                found.append(base64.b64decode(item["key"], validate=True).decode())
-            except (KeyError, TypeError, ValueError):
-                continue  # not a key of ours
-        return found
+        return self._call("/v3/kv/range", {"key": _b64(prefix), "range_end": _b64(end), "keys_only": True,
+                                           "limit": MAX_KEYS}, _keys)[0]
 
     def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> bool:
         # b"" (someone's empty value) is compared as the value it is: absent is None
         k = _b64(key)
         compare = ({"target": "CREATE", "key": k, "create_revision": "0", "result": "EQUAL"} if expected is None
                    else {"target": "VALUE", "key": k, "value": _b64(expected), "result": "EQUAL"})
-        resp, lost_reply = self._call("/v3/kv/txn", {
+        (succeeded, value), lost_reply = self._call("/v3/kv/txn", {
             "compare": [compare],
             "success": [{"request_put": {"key": k, "value": _b64(desired)}}],
             "failure": [{"request_range": {"key": k}}],
-        })
-        if _field(resp, "succeeded"):
-            return True
-        if lost_reply:  # an earlier attempt may have set it: the key holding `desired` says it did
-            rng = _field((_field(resp, "responses") or [{}])[0], "response_range") or {}
-            return _value(rng) == desired
-        return False
+        }, _txn_outcome)
+        # an earlier attempt may have set it: then the key holding `desired` says it did
+        return succeeded or (lost_reply and value == desired)
 
     def wait(self, key: str, timeout: float) -> bool:
         # A caller waits on one key in slices (stop flags are looked at between them): the watch
@@ -330,13 +358,15 @@ class EtcdKV:
                 if self._next_put(st, min(deadline, st.renew_at)):
                     self._end_stream(st)
                     return True
-            except _Failed:
+            except _Failed as f:
                 if st is not None:
                     self._end_stream(st)
                 with self._lock:
+                    if f.cause == "reply":
+                        self._rejected(self._current, f.reason)
                     self._drop(self._current)
                     self._current = (self._current + 1) % len(self.endpoints)
-                time.sleep(min(_BACKOFF[0], max(deadline - time.monotonic(), 0)))
+                self._closing.wait(min(_BACKOFF[0], max(deadline - time.monotonic(), 0)))
                 continue
             if time.monotonic() >= deadline:
                 return False  # the stream stays open for this thread's next slice
@@ -349,72 +379,88 @@ class EtcdKV:
         return c
 
     def close(self) -> None:
+        """End every connection now, without waiting for a call in progress on another thread:
+        its socket is shut down, so that call fails at once ("closed") instead of waiting for a
+        member that trickles or stalls (a daemon told to stop exits promptly). The thread that
+        owns a socket closes it (closing it under a reader could hand its number to a new file)."""
+        with self._conns_lock:
+            self._closing.set()
+            conns = list(self._conns.values())
+        for conn in conns:
+            _shut(conn.sock)
         with self._streams_lock:
             streams, self._streams = self._streams, {}
         for thread, st in streams.items():
             if thread is threading.current_thread() or not thread.is_alive():
                 st.conn.close()
             else:  # its thread may be reading it: the end of the stream wakes it, and it closes it
-                try:
-                    st.conn.sock.shutdown(socket.SHUT_RDWR)
-                except (OSError, AttributeError):
-                    pass
-        with self._lock:
-            self._closed = True
-            for i in list(self._conns):
-                self._drop(i)
+                _shut(st.conn.sock)
+        if self._lock.acquire(blocking=False):  # no call in progress: nobody else will close them
+            try:
+                self._drop_all()
+            finally:
+                self._lock.release()
 
-    def status(self) -> dict:
+    def status(self, timeout: float | None = None, fail_fast: bool = False) -> dict:
         """The member in use's status (version, leader, revision): a cheap check that the cluster
-        answers with a leader, and that the user authenticates."""
-        return self._call("/v3/maintenance/status", {})[0]
+        answers with a leader, and that the user authenticates (`timeout`: the call's, when not
+        the store's; `fail_fast`: Misconfigured once every endpoint failed for good)."""
+        return self._call("/v3/maintenance/status", {}, _status, timeout=timeout, fail_fast=fail_fast)[0]
 
     # --- requests, failover -------------------------------------------------------------------
 
     def _range(self, key: str) -> tuple[bytes | None, int, int]:
         """(value or None, the key's mod_revision (0 when absent), the store's revision)."""
-        resp, _ = self._call("/v3/kv/range", {"key": _b64(key)})
-        header = _field(resp, "header") or {}
-        return _value(resp), _kv_int(resp, "mod_revision"), int(_field(header, "revision") or 0)
+        return self._call("/v3/kv/range", {"key": _b64(key)}, _range_reply)[0]
 
-    def _call(self, path: str, body: dict) -> tuple[dict, bool]:
-        """POST to the member in use, failing over until the deadline. Returns the decoded reply and
-        whether an earlier attempt failed after the request may have reached etcd."""
+    def _call(self, path: str, body: dict, decode, *, timeout: float | None = None, fail_fast: bool = False):
+        """POST to the member in use, failing over until the deadline. Returns `decode(reply)` and
+        whether an earlier attempt failed after the request may have reached etcd. A reply that
+        `decode` cannot read (any exception) is that member's failed attempt."""
         data = json.dumps(body).encode()
         with self._lock:
-            if self._closed:
-                raise kv.Unreachable(f"etcd {self.endpoint}: this connection was closed")
-            deadline = time.monotonic() + self.timeout
-            errors: dict[str, str] = {}
+            timeout = self.timeout if timeout is None else timeout
+            deadline = time.monotonic() + timeout
+            errors: dict[int, _Failed] = {}  # endpoint index -> its last failure
             lost_reply = False
             failures = 0
             reauthed: set[int] = set()
             while True:
+                if self._closing.is_set():
+                    self._drop_all()
+                    raise kv.Unreachable(f"etcd {self.endpoint}: this connection was closed")
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise kv.Unreachable(self._summary(errors))
+                    raise NoAnswer(f"etcd {self.endpoint}: no answer within {timeout:g} s ({self._summary(errors)})",
+                                   frozenset(f.cause for f in errors.values()))
                 i = self._current
                 # each round of failures doubles a member's time: a member cut off costs half a
                 # second, while a cluster that is only slow (overloaded) is not sent every
                 # request again and again at half-second intervals
                 cap = self._attempt_cap * 2 ** (failures // len(self.endpoints))
                 try:
-                    return self._attempt(i, path, data, time.monotonic() + min(left, cap)), lost_reply
+                    reply = self._attempt(i, path, data, time.monotonic() + min(left, cap))
+                    return _decoded(decode, reply), lost_reply
                 except _Failed as f:
-                    errors[str(self.endpoints[i])] = f.reason
+                    errors[i] = f
                     lost_reply |= f.applied_maybe
                     self._drop(i)
+                    if f.cause == "reply":
+                        self._rejected(i, f.reason)
                     if f.reauth:
                         self._tokens.pop(i, None)
                         if i not in reauthed:  # a token the member no longer knows: log in again, same member
                             reauthed.add(i)
                             continue
                         raise Refused(f"etcd {self.endpoints[i]}: {f.reason}") from None
+                    if fail_fast and len(errors) == len(self.endpoints) and all(e.lasting for e in errors.values()):
+                        causes = frozenset(e.cause for e in errors.values())
+                        raise Misconfigured(self._summary(errors), causes) from None
                     self._current = (i + 1) % len(self.endpoints)
                     failures += 1
                     if failures % len(self.endpoints) == 0:  # every endpoint failed once more: pause
                         pause = min(_BACKOFF[0] * 2 ** (failures // len(self.endpoints) - 1), _BACKOFF[1])
-                        time.sleep(max(min(pause, deadline - time.monotonic()), 0))
+                        self._closing.wait(max(min(pause, deadline - time.monotonic()), 0))
 
     def _attempt(self, i: int, path: str, data: bytes, end: float) -> dict:
         """One request to endpoint i (logging in first where needed), answered by `end`."""
@@ -423,79 +469,120 @@ class EtcdKV:
             if i not in self._tokens:
                 reply = self._post(i, "/v3/auth/authenticate", json.dumps(
                     {"name": self._user, "password": self._password}).encode(), end, headers, authenticating=True)
-                self._tokens[i] = str(reply.get("token", ""))
+                self._tokens[i] = _decoded(_token, reply)
             headers["Authorization"] = self._tokens[i]
         return self._post(i, path, data, end, headers)
 
     def _post(self, i: int, path: str, data: bytes, end: float, headers: dict,
               authenticating: bool = False) -> dict:
-        limit = end - time.monotonic()
-        if limit <= 0:
-            raise _Failed("timed out", applied_maybe=False)
-        conn = self._connection(i, limit)
+        if end <= time.monotonic():
+            raise _Failed("timed out", applied_maybe=False, cause="timeout")
+        conn = self._connection(i, end)
         try:
+            conn.sock.settimeout(_left(end))  # sending: sendall's timeout bounds it in total
+            conn.response_class = functools.partial(_response, deadline=end)
             conn.request("POST", path, body=data, headers=headers)
             resp = conn.getresponse()
-            raw = resp.read()
-        except (OSError, http.client.HTTPException) as e:
-            raise _Failed(_line(e), applied_maybe=True) from None
+            raw = _body(resp)
+        except Exception as e:  # noqa: BLE001 - whatever the member sends or does: a failed attempt
+            raise _Failed(_line(e), applied_maybe=True, cause=_cause(e)) from None
         if resp.will_close:
             self._drop(i)
+        return self._judge(i, resp, raw, authenticating)
+
+    def _judge(self, i: int, resp: http.client.HTTPResponse, raw: bytes, authenticating: bool) -> dict:
+        """The reply of a 200 that is a JSON object; else the failure its status and error say."""
         try:
-            reply = json.loads(raw) if raw else {}
-        except ValueError:
-            reply = {}
-        if resp.status == 200 and isinstance(reply, dict):
-            return reply
-        message = _error_text(reply) or f"HTTP {resp.status} {resp.reason}"
+            reply = _parse(raw) if raw else {}
+        except Exception:  # noqa: BLE001 - not JSON (or too much of it): judged by its status below
+            reply = None
+        if resp.status == 200:
+            if isinstance(reply, dict):
+                return reply
+            raise _Failed("a reply that is not a JSON object", applied_maybe=True, cause="reply")
+        message = _error_text(reply) or f"HTTP {resp.status} {_line(resp.reason)}"
         code = reply.get("code") if isinstance(reply, dict) else None
         if resp.status == 401 or code == 16:  # Unauthenticated: the token expired or the member restarted
             if authenticating or self._user is None:
                 raise Refused(f"etcd {self.endpoints[i]}: {message}")
             raise _Failed(message, applied_maybe=False, reauth=True)
         if any(m in message for m in _NOT_APPLIED):
-            raise _Failed(message, applied_maybe=False)
+            raise _Failed(message, applied_maybe=False, cause="leader" if "leader" in message else "other")
         if resp.status >= 500 or resp.status in (408, 429) or code in (4, 8, 10, 13, 14):
             raise _Failed(message, applied_maybe=True)
         raise Refused(f"etcd {self.endpoints[i]}: {message}")
 
-    def _connection(self, i: int, limit: float) -> http.client.HTTPConnection:
-        """The kept-alive connection to endpoint i, or a new one (connected within `limit`); one the
+    def _connection(self, i: int, end: float) -> http.client.HTTPConnection:
+        """The kept-alive connection to endpoint i, or a new one (connected by `end`); one the
         member closed while idle (it died, or timed the connection out) is replaced before use, so
         a request is never sent into a dead connection."""
         conn = self._conns.get(i)
         if conn is not None and (conn.sock is None or _dropped(conn.sock)):
             self._drop(i)
             conn = None
-        if conn is None:
-            conn = self._new_connection(self.endpoints[i], limit)
-            self._conns[i] = conn
-        else:
-            conn.sock.settimeout(limit)
-        return conn
+        return conn if conn is not None else self._new_connection(self.endpoints[i], end, slot=i)
 
-    def _new_connection(self, ep: Endpoint, limit: float) -> http.client.HTTPConnection:
-        if ep.scheme == "https":
-            conn = http.client.HTTPSConnection(ep.host, ep.port, timeout=limit, context=self._tls)
-        else:
-            conn = http.client.HTTPConnection(ep.host, ep.port, timeout=limit)
+    def _new_connection(self, ep: Endpoint, end: float, slot: int | None = None) -> http.client.HTTPConnection:
+        """A connection to `ep`, connected (and its TLS handshake done) by `end`; `slot`: the
+        endpoint index it is kept under, from before it connects (close() shuts it down there)."""
+        conn = http.client.HTTPConnection(ep.host, ep.port)
+        conn.auto_open = 0  # http.client never connects by itself (it would not speak TLS)
+        with self._conns_lock:
+            if self._closing.is_set():
+                raise _Failed("this connection was closed", applied_maybe=False, cause="closed")
+            if slot is not None:
+                self._conns[slot] = conn
+        failure: Exception = OSError(f"no address for {ep.host}")
+        for family, kind, proto, _, address in _resolve(ep):
+            try:
+                conn.sock = socket.socket(family, kind, proto)
+                if self._closing.is_set():
+                    raise _Failed("this connection was closed", applied_maybe=False, cause="closed")
+                conn.sock.settimeout(_left(end))
+                conn.sock.connect(address)
+                conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                if ep.scheme == "https":
+                    self._handshake(conn, ep, end)
+                return conn
+            except _Failed:
+                conn.close()
+                raise
+            except Exception as e:  # noqa: BLE001 - the next address, else a failed attempt
+                failure = e
+                conn.close()
+        # a TLS handshake that failed did reach the member, but no request was sent yet
+        raise _Failed(_line(failure), applied_maybe=False, cause=_cause(failure))
+
+    def _handshake(self, conn: http.client.HTTPConnection, ep: Endpoint, end: float) -> None:
+        """TLS on conn's connected socket, the member's certificate verified (a failure to verify
+        does not heal by waiting: the CA or the name is wrong)."""
+        conn.sock = self._tls.wrap_socket(conn.sock, server_hostname=ep.host, do_handshake_on_connect=False)
+        conn.sock.settimeout(_left(end))
         try:
-            conn.connect()
-            conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        except (OSError, http.client.HTTPException) as e:
-            conn.close()
-            # a TLS handshake that failed did reach the member, but no request was sent yet
-            raise _Failed(_line(e), applied_maybe=False) from None
-        return conn
+            conn.sock.do_handshake()
+        except ssl.SSLCertVerificationError as e:
+            raise _Failed(f"TLS: {_line(e)}", applied_maybe=False, cause="tls", lasting=True) from None
 
     def _drop(self, i: int) -> None:
-        conn = self._conns.pop(i, None)
+        with self._conns_lock:
+            conn = self._conns.pop(i, None)
         if conn is not None:
             conn.close()
 
-    def _summary(self, errors: dict[str, str]) -> str:
-        what = "; ".join(f"{ep}: {err}" for ep, err in errors.items()) or "no attempt finished"
-        return f"etcd {self.endpoint}: no answer within {self.timeout:g} s ({what})"
+    def _drop_all(self) -> None:
+        for i in list(self._conns):
+            self._drop(i)
+
+    def _summary(self, errors: dict[int, _Failed]) -> str:
+        """Every endpoint's last error, on one line."""
+        return "; ".join(f"{self.endpoints[i]}: {f.reason}" for i, f in errors.items()) or "no attempt finished"
+
+    def _rejected(self, i: int, why: str) -> None:
+        """Log a member's reply that could not be read: once a minute per member at most (one
+        that sends garbage to every request must not write a line per request)."""
+        held = _REJECTIONS.due(str(self.endpoints[i]))
+        if held is not None:
+            log.warning("etcd_reply_rejected", endpoint=str(self.endpoints[i]), why=why, held_back=held)
 
     # --- wait ------------------------------------------------------------------------------
 
@@ -512,21 +599,24 @@ class EtcdKV:
         # the member gets one attempt's time to take the watch (a cut-off one is left as a call
         # would leave it); the stream then runs until it is due for renewal
         start = max(min(deadline - time.monotonic(), self._attempt_cap), 0.001)
-        conn = self._new_connection(ep, start)
+        taken_by = time.monotonic() + start
+        conn = self._new_connection(ep, taken_by)
         try:
             body = {"create_request": {"key": _b64(key), "start_revision": str(start_revision)}}
             try:
+                conn.sock.settimeout(_left(taken_by))
+                conn.response_class = functools.partial(_response, deadline=taken_by)
                 conn.request("POST", "/v3/watch", body=json.dumps(body).encode(), headers=headers)
                 resp = conn.getresponse()
             except TimeoutError:
                 if deadline - time.monotonic() <= 0:
                     conn.close()
                     return None
-                raise _Failed(f"watch: no answer within {start:g} s", applied_maybe=False) from None
-            except (OSError, http.client.HTTPException) as e:
-                raise _Failed(_line(e), applied_maybe=False) from None
+                raise _Failed(f"watch: no answer within {start:g} s", applied_maybe=False, cause="timeout") from None
+            except Exception as e:  # noqa: BLE001 - whatever the member sends or does: it cannot take the watch
+                raise _Failed(f"watch: {_line(e)}", applied_maybe=False, cause=_cause(e)) from None
             if resp.status != 200:
-                raise _Failed(f"watch: HTTP {resp.status} {resp.reason}", applied_maybe=False)
+                raise _Failed(f"watch: HTTP {resp.status} {_line(resp.reason)}", applied_maybe=False)
         except BaseException:
             conn.close()
             raise
@@ -536,19 +626,20 @@ class EtcdKV:
         """Read the stream until the key's first put (True) or `until` (False). _Failed when the
         member fails, closes or cancels it, or sends what cannot be read: the stream is then
         given up and the key read again, so nothing half-read can hide a put. The waiting is
-        select's: a read begins only once bytes are there, and is bounded (a socket file
+        select's: a read begins only once bytes are there, and what has begun to arrive must
+        come whole within one attempt's time, at most MAX_REPLY bytes of it (a socket file
         cannot be read again after a timeout, and http.client's chunked reader blocks for the
         next chunk at the end of each one)."""
         sock = st.conn.sock
         while True:
-            while b"\n" in st.pending:
-                line, _, st.pending = st.pending.partition(b"\n")
-                if line.strip() and _is_put(line):
-                    return True
+            if _put_in(st, until + self._attempt_cap):
+                return True
             left = until - time.monotonic()
             if left <= 0:
                 return False
             try:
+                reader = st.resp.fp.raw
+                reader.limit(time.monotonic() + self._attempt_cap)
                 sock.settimeout(0.0)
                 try:
                     waiting = st.resp.fp.peek(1)  # bytes an earlier read took in, or any that came since
@@ -556,10 +647,15 @@ class EtcdKV:
                     waiting = b""
                 if not waiting and not select.select([sock], [], [], left)[0]:
                     return False
-                sock.settimeout(self._attempt_cap)  # what has begun to arrive comes whole by then
+                sock.settimeout(self._attempt_cap)
+                reader.limit(time.monotonic() + self._attempt_cap)
                 st.pending += _payload(st.resp)
-            except (OSError, ValueError, AttributeError) as e:
-                raise _Failed(f"watch: {_line(e)}", applied_maybe=False) from None
+            except _Failed:
+                raise
+            except Exception as e:  # noqa: BLE001 - whatever the member sends or does: the stream is given up
+                raise _Failed(f"watch: {_line(e)}", applied_maybe=False, cause=_cause(e)) from None
+            if len(st.pending) > MAX_REPLY:
+                raise _Failed(f"watch: a message of more than {MAX_REPLY} bytes", applied_maybe=False, cause="reply")
 
     def _keep_stream(self, st: _Stream) -> None:
         """Keep this thread's stream for its next slice; the streams of threads that have ended
@@ -588,42 +684,226 @@ class _Stream:
     pending: bytearray = field(default_factory=bytearray)
 
 
+def _put_in(st: _Stream, end: float) -> bool:
+    """Whether a whole message among the stream's pending bytes reports a put of the key (the
+    messages read are dropped); _Failed for one that cannot be read, or when reading them
+    takes past `end` (a member may send a flood of them)."""
+    start = 0
+    try:
+        while (newline := st.pending.find(b"\n", start)) >= 0:
+            line, start = bytes(st.pending[start:newline]), newline + 1
+            if line.strip() and _is_put(line):
+                return True
+            if time.monotonic() > end:
+                raise _Failed("watch: more messages than can be read in time", applied_maybe=False, cause="reply")
+        return False
+    finally:
+        del st.pending[:start]
+
+
+_CHUNK_SIZE = re.compile(rb"[0-9A-Fa-f]{1,16}")
+
+
 def _payload(resp: http.client.HTTPResponse) -> bytes:
     """The next piece of a streamed reply's body: one chunk (chunked), or what has come."""
     fp = resp.fp
     if not resp.chunked:
         data = fp.read1(65536)
     else:
-        size = int(fp.readline(256).split(b";")[0].strip() or b"0", 16)
+        text = fp.readline(256).split(b";")[0].strip() or b"0"
+        if not _CHUNK_SIZE.fullmatch(text) or int(text, 16) > MAX_REPLY:
+            raise ValueError(f"a chunk size of {text[:20]!r}")
+        size = int(text, 16)
         data = fp.read(size) if size else b""
         if len(data) < size or (size and fp.read(2) != b"\r\n"):
             raise ValueError("a chunk cut short")
     if not data:
-        raise _Failed("watch: the member closed the stream", applied_maybe=False)
+        raise _Failed("watch: the member closed the stream", applied_maybe=False, cause="dropped")
     return data
 
 
 def _is_put(line: bytes) -> bool:
     """Whether one message of a watch stream reports a put of the key; _Failed for an error, a
-    cancelled or compacted watch, or what is not a message."""
+    cancelled or compacted watch, or what is not a message of that form."""
     try:
-        msg = json.loads(line)
-    except ValueError:
-        raise _Failed("watch: an answer that is not JSON", applied_maybe=False) from None
-    if not isinstance(msg, dict):
-        raise _Failed("watch: an answer that is not an object", applied_maybe=False)
-    if "error" in msg:
-        raise _Failed(f"watch: {_error_text(msg)}", applied_maybe=False)
-    result = msg.get("result") or {}
-    if any(event.get("type", "PUT") == "PUT" for event in _field(result, "events") or []):
+        msg = _obj(_parse(line), "a watch message")
+        if "error" in msg:
+            raise _Failed(f"watch: {_error_text(msg)}", applied_maybe=False)
+        result = _obj(msg.get("result") or {}, "a watch result")
+        if any(_obj(event, "an event").get("type", "PUT") == "PUT" for event in _list(result, "events")):
+            return True
+        if _field(result, "canceled") or _field(result, "compact_revision"):
+            why = _line(_field(result, "cancel_reason") or "compacted")
+            raise _Failed(f"watch canceled: {why}", applied_maybe=False)
+        return False
+    except _Failed:
+        raise
+    except Exception as e:  # noqa: BLE001 - whatever the line held: the stream is given up
+        raise _Failed(f"watch: a message that is not etcd's ({_line(e)})", applied_maybe=False, cause="reply") from None
+
+
+# --- reading a member's reply ------------------------------------------------------------------
+
+
+class _Reader(io.RawIOBase):
+    """A socket's bytes as http.client reads a reply, bounded: each read waits only for what is
+    left of one deadline (a member trickling a byte at a time cannot stretch the reply past it,
+    as it could a timeout per recv), and no more than a reply's bytes come through (a chunk size
+    of -1 or a Content-Length of 10^13 cannot fill the memory)."""
+
+    def __init__(self, sock: socket.socket, deadline: float):
+        super().__init__()
+        self._sock = sock
+        self._io = sock.makefile("rb", buffering=0)
+        self.limit(deadline)
+
+    def limit(self, deadline: float) -> None:
+        """From now on: read by `deadline`, at most a whole reply's bytes."""
+        self.deadline = deadline
+        self.budget = MAX_REPLY + _FRAMING
+
+    def readable(self) -> bool:
         return True
-    if _field(result, "canceled") or _field(result, "compact_revision"):
-        why = _field(result, "cancel_reason") or "compacted"
-        raise _Failed(f"watch canceled: {why}", applied_maybe=False)
-    return False
+
+    def fileno(self) -> int:
+        return self._io.fileno()
+
+    def readinto(self, buffer) -> int | None:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("timed out")
+        if self.budget <= 0:
+            raise ValueError(f"a reply of more than {MAX_REPLY} bytes")
+        timeout = self._sock.gettimeout()
+        if timeout is None or timeout > left:  # 0 (a look without waiting) stays 0
+            self._sock.settimeout(left)
+        n = self._io.readinto(memoryview(buffer).cast("B")[:self.budget])
+        self.budget -= n or 0
+        return n
+
+    def close(self) -> None:
+        self._io.close()
+        super().close()
+
+
+class _Timed:
+    """A socket as an http.client response takes it in: its file is a _Reader."""
+
+    def __init__(self, sock: socket.socket, deadline: float):
+        self.sock, self.deadline = sock, deadline
+
+    def makefile(self, mode: str) -> io.BufferedReader:
+        return io.BufferedReader(_Reader(self.sock, self.deadline))
+
+
+def _response(sock: socket.socket, *args, deadline: float, **kwargs) -> http.client.HTTPResponse:
+    """http.client's response, read under one deadline for the whole of it (conn.response_class)."""
+    return http.client.HTTPResponse(_Timed(sock, deadline), *args, **kwargs)
+
+
+def _body(resp: http.client.HTTPResponse) -> bytes:
+    """A reply's whole body, read in pieces; ValueError past MAX_REPLY (a Content-Length above it
+    before a byte is read), IncompleteRead when it ends before its Content-Length."""
+    if resp.length is not None and resp.length > MAX_REPLY:
+        raise ValueError(f"a reply of {resp.length} bytes, more than the {MAX_REPLY} a member may send")
+    pieces, size = [], 0
+    while piece := resp.read(65536):
+        size += len(piece)
+        if size > MAX_REPLY:
+            raise ValueError(f"a reply of more than {MAX_REPLY} bytes")
+        pieces.append(piece)
+    if resp.length:  # http.client returns what came when the connection ends early
+        raise http.client.IncompleteRead(b"".join(pieces), resp.length)
+    return b"".join(pieces)
+
+
+def _parse(raw: bytes):
+    """A member's JSON; ValueError when it holds more items than a reply of ours can (parsing
+    millions of tiny ones would cost gigabytes), RecursionError when nested too deep."""
+    if raw.count(b",") + raw.count(b"[") + raw.count(b"{") > MAX_ITEMS:
+        raise ValueError(f"more than {MAX_ITEMS} JSON items")
+    return json.loads(raw)
+
+
+def _decoded(decode, reply):
+    """decode(reply); whatever it raises (a field missing, of another type, bad base64...) is a
+    failed attempt on that member: it may have applied the request."""
+    try:
+        return decode(reply)
+    except Exception as e:  # noqa: BLE001 - a reply that is not etcd's: never a traceback
+        raise _Failed(f"a reply that is not etcd's ({_line(e)})", applied_maybe=True, cause="reply") from None
+
+
+def _left(end: float) -> float:
+    left = end - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("timed out")
+    return left
+
+
+def _resolve(ep: Endpoint) -> list[tuple]:
+    """The addresses of ep's host; _Failed when its name does not resolve (lasting, unless the
+    resolver says to try again later)."""
+    try:
+        return socket.getaddrinfo(ep.host, ep.port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise _Failed(f"cannot resolve host {ep.host} ({e.strerror})", applied_maybe=False, cause="dns",
+                      lasting=e.errno != socket.EAI_AGAIN) from None
+    except (OSError, UnicodeError) as e:
+        raise _Failed(f"cannot resolve host {ep.host} ({_line(e)})", applied_maybe=False, cause="dns",
+                      lasting=True) from None
+
+
+def _cause(e: BaseException) -> str:
+    """The kind of a failed attempt's exception (NoAnswer.causes)."""
+    if isinstance(e, ConnectionRefusedError):
+        return "refused"
+    if isinstance(e, TimeoutError):
+        return "timeout"
+    if isinstance(e, ConnectionError | EOFError | http.client.IncompleteRead | http.client.RemoteDisconnected):
+        return "dropped"
+    if isinstance(e, OSError):
+        return "other"
+    return "reply"  # what came is not an HTTP reply, or too large
+
+
+def _shut(sock: socket.socket | None) -> None:
+    """Shut a socket down both ways: a thread blocked reading it wakes at once (its owner
+    closes it). The base class's shutdown, as TLS's would unwrap under the reader."""
+    if sock is None:
+        return
+    try:
+        socket.socket.shutdown(sock, socket.SHUT_RDWR)
+    except (OSError, ValueError):
+        pass
+
+
+class _Every:
+    """One log line per key every `period` seconds, and how many were held back in between."""
+
+    def __init__(self, period: float):
+        self.period = period
+        self._lock = threading.Lock()
+        self._next: dict[str, float] = {}
+        self._held: dict[str, int] = {}
+
+    def due(self, key: str) -> int | None:
+        """None: hold this one back; else the lines held back since the last one."""
+        now = time.monotonic()
+        with self._lock:
+            if now < self._next.get(key, 0.0):
+                self._held[key] = self._held.get(key, 0) + 1
+                return None
+            self._next[key] = now + self.period
+            return self._held.pop(key, 0)
+
+
+_REJECTIONS = _Every(REJECTED_EVERY)
 
 
 # --- the wire form ---------------------------------------------------------------------------
+# Each reply decoded strictly, as etcd's gateway gives it: int64s as strings of digits, bytes in
+# base64, a field at its default left out. Anything else raises (a failed attempt: _decoded).
 
 
 def _b64(data: str | bytes) -> str:
@@ -638,32 +918,148 @@ def _field(d: dict, name: str):
     return d.get(head + "".join(p.title() for p in rest))
 
 
+def _obj(x, what: str = "a reply") -> dict:
+    if not isinstance(x, dict):
+        raise ValueError(f"{what} that is not a JSON object")
+    return x
+
+
+def _list(d: dict, name: str) -> list:
+    x = _field(d, name)
+    if x is None:
+        return []
+    if not isinstance(x, list):
+        raise ValueError(f"{name} that is not a list")
+    return x
+
+
+def _int(d: dict, name: str) -> int:
+    """An int64 field (a string of digits; 0 when left out)."""
+    x = _field(d, name)
+    if x is None:
+        return 0
+    if isinstance(x, str) and x.isascii() and x.isdigit() and len(x) <= 19:
+        x = int(x)
+    if isinstance(x, bool) or not isinstance(x, int) or not 0 <= x < 2**63:
+        raise ValueError(f"{name} that is not a number from 0 to 2^63-1")
+    return x
+
+
+def _bool(d: dict, name: str) -> bool:
+    x = _field(d, name)
+    if x is not None and not isinstance(x, bool):
+        raise ValueError(f"{name} that is not true or false")
+    return bool(x)
+
+
+def _header(reply) -> dict:
+    """The header etcd puts in every reply."""
+    return _obj(_field(_obj(reply), "header"), "a header")
+
+
+def _status(reply) -> dict:
+    _header(reply)
+    return reply
+
+
+def _first_kv(range_reply: dict) -> dict | None:
+    kvs = _list(_obj(range_reply, "a range"), "kvs")
+    return _obj(kvs[0], "a key-value") if kvs else None
+
+
 def _value(range_reply: dict) -> bytes | None:
-    kvs = _field(range_reply, "kvs") or []
-    return base64.b64decode(kvs[0].get("value", "")) if kvs else None
+    kv_ = _first_kv(range_reply)
+    if kv_ is None:
+        return None
+    value = kv_.get("value", "")
+    if not isinstance(value, str):
+        raise ValueError("a value that is not base64 text")
+    return base64.b64decode(value, validate=True)
 
 
 def _kv_int(range_reply: dict, name: str) -> int:
-    kvs = _field(range_reply, "kvs") or []
-    return int(_field(kvs[0], name) or 0) if kvs else 0
+    kv_ = _first_kv(range_reply)
+    return _int(kv_, name) if kv_ is not None else 0
+
+
+def _range_reply(reply) -> tuple[bytes | None, int, int]:
+    revision = _int(_header(reply), "revision")
+    return _value(reply), _kv_int(reply, "mod_revision"), revision
+
+
+def _keys(reply) -> list[str]:
+    """The keys of a keys-only range (one not text, or not ours, is left out)."""
+    _header(reply)
+    kvs = _field(reply, "kvs") or []
+    if not isinstance(kvs, list):
+        raise ValueError("kvs that is not a list")
+    found = []
+    for item in kvs:
+        try:
+            found.append(base64.b64decode(item["key"], validate=True).decode())
+        except (KeyError, TypeError, ValueError):
+            continue
+    return found
+
+
+def _version(reply) -> int:
+    _header(reply)
+    return _kv_int(reply, "version")
+
+
+def _prev_version(reply) -> int:
+    _header(reply)
+    prev = _field(reply, "prev_kv")
+    return 0 if prev is None else _int(_obj(prev, "prev_kv"), "version")
+
+
+def _reads(n: int, reply) -> list[bytes | None]:
+    """The values of a transaction of n reads, in order."""
+    _header(reply)
+    replies = _list(reply, "responses")
+    if len(replies) != n:
+        raise ValueError(f"a transaction of {n} reads answered {len(replies)}")
+    return [_value(_field(_obj(r, "a response"), "response_range")) for r in replies]
+
+
+def _txn_outcome(reply) -> tuple[bool, bytes | None]:
+    """compare_set's transaction: whether it succeeded, else the key's value (its failure read)."""
+    _header(reply)
+    if _bool(reply, "succeeded"):
+        return True, None
+    replies = _list(reply, "responses")
+    return False, _value(_field(_obj(replies[0], "a response"), "response_range")) if replies else None
+
+
+_TOKEN = re.compile(r"[!-~]{1,4096}")  # printable ASCII, no space: it goes into a header as it is
+
+
+def _token(reply) -> str:
+    token = _obj(reply).get("token")
+    if not isinstance(token, str) or not _TOKEN.fullmatch(token):
+        raise ValueError("an authentication token that is not one")
+    return token
 
 
 def _error_text(reply) -> str:
+    """The message of an error reply (text only: a member's nested JSON is not printed)."""
     if not isinstance(reply, dict):
         return ""
     err = reply.get("error")
     if isinstance(err, dict):  # a stream's error: {"error": {"grpc_code": 14, "message": ...}}
         err = err.get("message")
-    return _line(reply.get("message") or err or "")
+    text = next((m for m in (reply.get("message"), err) if isinstance(m, str) and m.strip()), None)
+    return _line(text) if text else ""
 
 
 def _line(e: object) -> str:
+    """One short printable line (a member's words land in logs and on terminals)."""
     text = str(e).strip() or type(e).__name__
     if isinstance(e, ConnectionRefusedError):
         text = "connection refused"
     elif isinstance(e, TimeoutError):
         text = "timed out"
-    return " ".join(text.split())[:200]
+    return "".join(c if c.isprintable() else "?" for c in " ".join(text.split())[:200])
 
 
 def _dropped(sock: socket.socket) -> bool:
@@ -702,4 +1098,5 @@ def _tls_closed(sock: ssl.SSLSocket) -> bool:
             pass
 
 
-__all__ = ["DEFAULT_PORT", "EtcdKV", "Endpoint", "Refused", "connect", "parse_endpoints", "tls_context"]
+__all__ = ["DEFAULT_PORT", "MAX_REPLY", "EtcdKV", "Endpoint", "Misconfigured", "NoAnswer", "Refused", "connect",
+           "parse_endpoints", "tls_context"]

@@ -61,14 +61,16 @@ class Peers:
 
     def close(self) -> None:
         """Stop both threads and wait (bounded) for them to leave their store calls: a thread
-        still inside one when the interpreter exits would abort it."""
+        still inside one when the interpreter exits would abort it. Their connections are closed
+        first: an etcd call in progress then ends at once (a member that trickles its reply
+        must not hold a stopping daemon up)."""
         self._stop.set()
         self._round = None
+        self._beat_kv.close()
+        self._wait_kv.close()
         for t in (self._thread, *self._waiters):
             if t.ident is not None:
                 t.join(timeout=WAIT_SLICE + 2 * getattr(self.rdzv.kv, "timeout", 2.5))
-        self._beat_kv.close()
-        self._wait_kv.close()
 
     def new_round(self, rnd: Round) -> None:
         """Watch this round's ring neighbours and wait for its restart request."""
@@ -119,6 +121,8 @@ class Peers:
                             self._wake()
                 self.unreachable_since, self._last_ok = None, time.monotonic()
             except kvmod.Unreachable as e:
+                if self._stop.is_set():
+                    return  # closed: the daemon stops
                 self._problem = str(e)
                 if e.refused:
                     self.lost_store = str(e)

@@ -165,20 +165,30 @@ def op_timeout(cfg: Config) -> float:
 
 
 def open_etcd(cfg: Config) -> kvmod.KV:
-    """The etcd cluster at --rdzv-endpoint (etcd.py), retried with backoff until --join-timeout;
-    a cluster that refuses us (credentials, permissions) or a bad TLS/password file is one line."""
+    """The etcd cluster at --rdzv-endpoint (etcd.py), retried with backoff until --join-timeout
+    while what failed may heal (refused, timed out, no leader), with the cause in each retry's
+    line; one line at once for what cannot (names that do not resolve, certificates that do not
+    verify, a cluster that refuses us, a bad TLS or password file)."""
     from elasticd import etcd
 
+    deadline = time.monotonic() + cfg.join_timeout
+
     def connect() -> kvmod.KV:
+        # the check of the last try ends with --join-timeout; the store's calls keep op_timeout
+        check = max(min(op_timeout(cfg), deadline - time.monotonic()), 0.05)
         return etcd.connect(cfg.rdzv_endpoint, op_timeout(cfg), cacert=cfg.etcd_cacert or None,
                             cert=cfg.etcd_cert or None, key=cfg.etcd_key or None, user=cfg.etcd_user or None,
-                            password_file=cfg.etcd_password_file or None)
+                            password_file=cfg.etcd_password_file or None, check_timeout=check)
+
+    def may_heal(e: BaseException) -> bool:
+        return isinstance(e, kvmod.Unreachable) and not e.refused and not isinstance(e, etcd.Misconfigured)
 
     retry = tenacity.Retrying(
         stop=tenacity.stop_after_delay(cfg.join_timeout),
         wait=tenacity.wait_exponential_jitter(initial=0.1, max=2.0),
-        retry=tenacity.retry_if_exception(lambda e: isinstance(e, kvmod.Unreachable) and not e.refused),
-        before_sleep=lambda st: log.info("store_connect_retry", endpoint=cfg.rdzv_endpoint, attempt=st.attempt_number),
+        retry=tenacity.retry_if_exception(may_heal),
+        before_sleep=lambda st: log.info("store_connect_retry", endpoint=cfg.rdzv_endpoint, attempt=st.attempt_number,
+                                         why=str(st.outcome.exception()) if st.outcome else ""),
         reraise=True,
     )
     try:
@@ -190,10 +200,31 @@ def open_etcd(cfg: Config) -> kvmod.KV:
     except etcd.Refused as e:
         raise RendezvousFailed(f"the etcd cluster refused us ({e}): check --etcd-user, --etcd-password-file and "
                                "the user's permissions on the elasticd/ prefix") from None
+    except etcd.Misconfigured as e:
+        raise RendezvousFailed(f"cannot use the etcd cluster at {cfg.rdzv_endpoint} ({e}): {etcd_hint(e)}") from None
     except kvmod.Unreachable as e:
         raise RendezvousFailed(f"cannot reach the etcd cluster at {cfg.rdzv_endpoint} within {cfg.join_timeout:g}s "
-                               f"({e}): check --rdzv-endpoint and that a quorum of members runs") from None
+                               f"({e}): {etcd_hint(e)}") from None
     raise AssertionError("unreachable")
+
+
+# What to check, by what the members' last attempts failed of (etcd.NoAnswer.causes).
+_ETCD_HINTS = {
+    "dns": "check the host names in --rdzv-endpoint",
+    "tls": "check --etcd-cacert (the CA that signed the members' certificates) and that the members' "
+           "certificates name the hosts in --rdzv-endpoint",
+    "refused": "nothing listens there: check the ports in --rdzv-endpoint and that etcd runs on those hosts",
+    "timeout": "check that the members run and that this node can reach them (firewall, routes)",
+    "leader": "the members have no leader: check that a quorum of them runs",
+    "reply": "what answers there is not etcd's client port: check --rdzv-endpoint",
+}
+
+
+def etcd_hint(e: BaseException) -> str:
+    """What the operator should check, by the causes an etcd failure names."""
+    causes = getattr(e, "causes", ())
+    return "; ".join(h for cause, h in _ETCD_HINTS.items() if cause in causes) or \
+        "check --rdzv-endpoint and that a quorum of members runs"
 
 
 def open_store(cfg: Config) -> tuple[kvmod.KV, dist.TCPStore | None]:
@@ -329,7 +360,6 @@ class Rendezvous:
 
     # --- the run ---
 
-    @_store_call
     def _join_run(self, begins: bool) -> str:
         """This daemon's run: a nonce bound into every key, so nothing written in an earlier run of
         the same --rdzv-id (and the same secret) verifies in this one. A new store (hosted here, or
@@ -340,6 +370,20 @@ class Rendezvous:
         verify, or (on etcd) where the run it finds ended before this daemon started. (On a c10d
         store whose host began the run, a value that does not verify is never written over: its
         writer has another secret, or is not one of the job's nodes.)"""
+        deadline = time.monotonic() + self.cfg.join_timeout
+        while True:  # the store may not answer for a while (a partition, an etcd election)
+            try:
+                return self._find_run(begins, deadline)
+            except StoreUnreachable as e:
+                if time.monotonic() > deadline:
+                    raise RendezvousFailed(f"{e}, for --join-timeout {self.cfg.join_timeout:g}s: check the "
+                                           "network and the store's host") from None
+                log.warning("store_unreachable", why=str(e), retry_in=1.0)
+                time.sleep(1.0)
+
+    @_store_call
+    def _find_run(self, begins: bool, deadline: float) -> str:
+        """One try of _join_run (a store call that gets no answer ends it: StoreUnreachable)."""
         key = names.job_key(self.cfg.rdzv_id, names.RUN)
         mine = secrets.token_hex(8)
         sealed = self.seal(key, f"{mine} {time.time():.3f}")
@@ -349,7 +393,6 @@ class Rendezvous:
                 self.kv.set(key, sealed)
             return mine
         started = time.monotonic()
-        deadline = started + self.cfg.join_timeout
         pause = CLOSE_POLL
         while True:
             raw = self.kv.get(key)

@@ -1,4 +1,5 @@
-"""The job secret, and the signatures on every value the daemons exchange through the store.
+"""The job secret, and the signatures on every value the daemons exchange through the store; the
+rules every file holding a secret follows (the job's, etcd's password: read_private).
 
 The rendezvous store (a c10d TCPStore, as under torchrun) has no authentication: anyone who can
 reach its port reads and writes every key. So nothing a daemon reads from it is trusted unless it
@@ -32,35 +33,55 @@ def new_secret() -> bytes:
 
 
 def load_secret(path: str) -> bytes:
-    """Read --rdzv-secret-file: a regular file (not a link), owned by this user or root, that no
-    one else can read or write. Every node of the job reads the same bytes."""
+    """Read --rdzv-secret-file (read_private's rules). Every node of the job reads the same bytes."""
     where = f"--rdzv-secret-file {path}"
+    data = read_private(path, where, MAX_SECRET + 1, "create it on every node with the same content, e.g. "
+                        "head -c 32 /dev/urandom | base64 > FILE && chmod 600 FILE").strip()  # + a newline
+    if len(data) > MAX_SECRET:
+        raise ConfigError(f"{where} is larger than {MAX_SECRET} bytes: a secret of 32 random bytes is enough")
+    if len(data) < MIN_SECRET:
+        raise ConfigError(f"{where} holds {len(data)} bytes, fewer than {MIN_SECRET}: write at least "
+                          "32 random bytes, e.g. head -c 32 /dev/urandom | base64 > FILE")
+    return data
+
+
+def load_password(path: str, flag: str = "--etcd-password-file") -> str:
+    """Read a password file (read_private's rules): its text, less the newline that ends it."""
+    where = f"{flag} {path}"
+    data = read_private(path, where, MAX_SECRET, "create it (mode 600) holding the password")
+    try:
+        return data.decode("utf-8").rstrip("\r\n")
+    except UnicodeDecodeError:
+        raise ConfigError(f"{where} is not UTF-8 text: write the password as UTF-8") from None
+
+
+def read_private(path: str, where: str, limit: int, missing: str) -> bytes:
+    """The content of a file holding a secret, at most `limit` bytes: a regular file (not a link),
+    owned by this user or root, that no one else can read or write; else ConfigError naming
+    `where` and the fix (`missing`: the fix when there is no file). Whoever can read it knows the
+    secret, and whoever can write it (or swap it) chooses it: the job secret, etcd's password."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except FileNotFoundError:
-        raise ConfigError(f"{where} does not exist: create it on every node with the same content, e.g. "
-                          "head -c 32 /dev/urandom | base64 > FILE && chmod 600 FILE") from None
+        raise ConfigError(f"{where} does not exist: {missing}") from None
     except OSError as e:
         raise ConfigError(f"{where} cannot be opened ({os.strerror(e.errno or 0)}): give a regular file "
                           "this user can read (not a symbolic link)") from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise ConfigError(f"{where} is not a regular file: give a file holding the job's secret")
+            raise ConfigError(f"{where} is not a regular file: give a file holding the secret")
         if st.st_uid not in (os.geteuid(), 0):
             raise ConfigError(f"{where} is owned by uid {st.st_uid}, not by this user or root: "
                               "anyone who owns it can change the secret; chown it")
         if st.st_mode & 0o077:
             raise ConfigError(f"{where} can be read or written by other users (mode {stat.S_IMODE(st.st_mode):o}): "
                               f"chmod 600 {path}")
-        data = os.read(fd, MAX_SECRET + 1).strip()
+        data = os.read(fd, limit + 1)
     finally:
         os.close(fd)
-    if len(data) > MAX_SECRET:
-        raise ConfigError(f"{where} is larger than {MAX_SECRET} bytes: a secret of 32 random bytes is enough")
-    if len(data) < MIN_SECRET:
-        raise ConfigError(f"{where} holds {len(data)} bytes, fewer than {MIN_SECRET}: write at least "
-                          "32 random bytes, e.g. head -c 32 /dev/urandom | base64 > FILE")
+    if len(data) > limit:
+        raise ConfigError(f"{where} is larger than {limit} bytes: give the file of the secret itself")
     return data
 
 

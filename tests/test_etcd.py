@@ -509,6 +509,7 @@ def test_user_password_auth(tmp_path):
                            ("/v3/auth/enable", {})]:
             m.get_json(path, method="POST", body=body)
         (tmp_path / "pw").write_text("s3cret\n")
+        (tmp_path / "pw").chmod(0o600)  # a secret's file: no one else may read it
         s = etcd.connect(c.endpoints, timeout=3, user="root", password_file=str(tmp_path / "pw"))
         s.set("a/k", b"v")
         assert s.get("a/k") == b"v"
