@@ -4,7 +4,7 @@ etcd answers its v3 gRPC API also as JSON over HTTP/1.1 (the gRPC-JSON gateway e
 serves on its client port, etcd 3.4 to 3.6): POST /v3/kv/range, /v3/kv/put, /v3/kv/txn,
 /v3/watch (a stream of JSON lines), /v3/auth/authenticate; keys and values in base64. That is all
 this module speaks, with the standard library's http.client: no new dependency, and none of the
-v2 API that etcd 3.6 removed (README, "Rendezvous on etcd", says why not python-etcd or etcd3).
+v2 API that etcd 3.6 removed (docs/multinode.md, "Rendezvous on etcd", says why not python-etcd or etcd3).
 
 Failover. A call has one deadline (the connection's timeout). It goes to the member in use (at
 first this node's own member when etcd runs beside it, else one picked at random, so that the

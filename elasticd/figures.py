@@ -7,7 +7,7 @@ it reads nothing itself but the heartbeats it is handed: the workers' own clock 
 last beat) and the running figures the worker side writes into its heartbeat file
 (health.FIGURES: its own work per step, the step resumed from, save and refresh costs).
 
-Definitions (README, "Metrics"):
+Definitions (docs/metrics.md, "How the figures are reckoned"):
 - productive time: per attempt, from the moment every local rank has stepped to the latest beat
   of any of them (a hang's silence, a start-up, a restart are not productive), less the time of
   the steps lost;

@@ -13,7 +13,7 @@ and waits on each without end (400 idle connections were 400 threads, and the de
 daemon needed to restart its workers).
 
 Every series carries the labels run_id and node. METRICS lists them all (name, type, help,
-labels); README's table is checked against it.
+labels); docs/metrics-reference.md is generated from it (python3 -m elasticd.docs).
 """
 
 from __future__ import annotations

@@ -99,7 +99,7 @@ def test_stop_saves_a_final_checkpoint_and_exits_0(daemons, tmp_path):
 
 def test_default_job_is_the_bundled_example_on_nccl_or_gloo(daemons):
     """`elasticd run` with no entrypoint and no worker count: one worker per GPU with NCCL where
-    there are GPUs, else two on the CPU with gloo (README's first command)."""
+    there are GPUs, else two on the CPU with gloo (README's quick start)."""
     d = daemons(None, "--restart-grace", "1", args=["--steps", "20", "--log-every", "10", *ARGS[4:]])
     assert d.wait(120) == 0, d.stderr()[-3000:]
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -220,7 +220,7 @@ HARDENING = {
 
 
 def test_unit_file_is_hardened():
-    """The hardening directives (README, "Running as a service: hardening") are all there, the
+    """The hardening directives (docs/service.md, "Running as a service: hardening") are all there, the
     capabilities dropped include ptrace and the clock, and the caches live where the service may write."""
     s = _settings(UNIT.read_text())
     for key, value in HARDENING.items():
@@ -234,7 +234,7 @@ def test_unit_file_is_hardened():
 
 def test_unit_file_security_exposure(tmp_path):
     """systemd-analyze's offline exposure score stays at or below what the hardening reached
-    (9.6 UNSAFE before it, 7.1 after; README)."""
+    (9.6 UNSAFE before it, 7.1 after; docs/service.md)."""
     if shutil.which("systemd-analyze") is None:
         pytest.skip("systemd-analyze is not installed: apt-get install systemd")
     unit = tmp_path / "elasticd.service"
