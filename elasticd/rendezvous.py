@@ -542,22 +542,24 @@ class Rendezvous:
                                f"other than the job's nodes writes to the store at {self.endpoint}")
 
     def _counter(self, store: kvmod.KV, key: str, number: int, take: bool) -> int:
-        """A counter's next number (take) or its count; one that holds no number (someone wrote
-        over it) is set back above every arrival record of round `number` (the only counter read
-        with no number in hand is the barrier's, for which 0 does)."""
-        try:
-            return store.take(key) if take else store.taken(key)
-        except kvmod.BadCounter as e:
-            self._rejected(key, "not a number")
+        """A counter's next number (take) or its count. One that holds no number, or one below
+        zero (someone wrote over it: its numbers would fall outside every reader's range), is set
+        back above every arrival record of round `number` (the barrier's counter, to 0)."""
+        for _ in range(2):
+            try:
+                value = store.take(key) if take else store.taken(key)
+                if value >= int(take):
+                    return value
+                raw = str(value).encode()
+            except kvmod.BadCounter as e:
+                raw = e.raw
+            self._rejected(key, "not a count")
             floor = 0
             if key == self.arrivals_key(number):
                 prefix = self.arrival_key(number, 0)[:-1]
                 floor = max((int(k[len(prefix):]) for k in store.keys(prefix) if k[len(prefix):].isdigit()), default=0)
-            store.compare_set(key, e.raw, str(min(floor, MAX_COUNT)).encode())
-            try:
-                return store.take(key) if take else store.taken(key)
-            except kvmod.BadCounter:  # written over again at once: a store someone keeps writing to
-                raise kvmod.Unreachable(f"store {self.endpoint}: {key} keeps being overwritten") from None
+            store.compare_set(key, raw, str(min(floor, MAX_COUNT)).encode())
+        raise kvmod.Unreachable(f"store {self.endpoint}: {key} keeps being overwritten")
 
     def _check_open(self) -> None:
         closed = self.open(self._job(names.CLOSED), self.kv.get(self._job(names.CLOSED)), _closed)

@@ -68,7 +68,7 @@ def store(request):
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                            timeout=datetime.timedelta(seconds=10))
     port = server.port
-    yield (lambda: kv.TCPStoreKV(rendezvous.tcp_connector("127.0.0.1", port), f"127.0.0.1:{port}", timeout=3)), cfg
+    yield (lambda: kv.TCPStoreKV(rendezvous.tcp_connector("127.0.0.1", port), f"127.0.0.1:{port}", timeout=10)), cfg
     del server
 
 
@@ -84,8 +84,9 @@ def _keys(r: rendezvous.Rendezvous) -> list[str]:
     return keys
 
 
-SHAPES = ["{}", "[]", "null", "1e999", "-1", "nan", "99999999999999999999", "[" * 5000, '{"members": [[]]}',
-          '{"summary": 1}', "127.0.0.1 0", "1 2 3", '{"members": [["a", 1, "h"]], "lost": [1]}', "\x00", "é"]
+SHAPES = ["{}", "[]", "null", "1e999", "-1", "-1000000", "nan", "99999999999999999999", "9223372036854775807",
+          "[" * 5000, '{"members": [[]]}', '{"summary": 1}', "127.0.0.1 0", "1 2 3",
+          '{"members": [["a", 1, "h"]], "lost": [1]}', "\x00", "é"]
 values = st.one_of(st.binary(max_size=80), st.sampled_from([s.encode() for s in SHAPES]),
                    st.tuples(st.just("sealed"), st.one_of(st.text(max_size=60), st.sampled_from(SHAPES))))
 

@@ -155,47 +155,46 @@ def _forge_restart(port: int) -> str:
     return prefix
 
 
-def _record(port: int, seconds: float) -> dict:
-    """Every value of the job, read again and again until its store goes away (the run ends)."""
-    deadline, seen, c = time.monotonic() + seconds, {}, None
-    while time.monotonic() < deadline:
-        try:
-            c = c or dist.TCPStore("127.0.0.1", port, None, False, td(1))
-            for k in c.list_keys():
-                if k.startswith("elasticd/"):
-                    seen[k] = base64.b64encode(c.get(k)).decode()
-        except Exception:  # noqa: BLE001 - the store is gone (or not there yet)
-            c = None
-            if seen:
-                break
-        time.sleep(0.02)
-    return seen
+def _record(port: int) -> dict:
+    """Every value of the job, as it stands while the job trains."""
+    c = dist.TCPStore("127.0.0.1", port, None, False, td(10))
+    return {k: base64.b64encode(c.get(k)).decode() for k in c.list_keys() if k.startswith("elasticd/")}
 
 
-def _replay(port: int, recorded: dict, seconds: float) -> dict:
-    """Run A's values into run B's store, under A's keys and under B's (its run id put in), over
-    and over; a listener on A's worker-store port, where a replayed master would send workers."""
-    c = dist.TCPStore("127.0.0.1", port, None, False, td(5))
+def _replay(port: int, recorded: dict, seconds: float, started: str) -> dict:
+    """Run A's values into run B's store from the moment B's run is there, under A's keys and
+    under B's (its run id put in), over and over while B's nodes meet; a listener on A's
+    worker-store port, where a replayed master would send B's workers."""
     scope_a = next(k for k in recorded if k.endswith("/round")).rsplit("/", 1)[0]
-    scope_b = next(k for k in c.list_keys() if re.fullmatch(r"elasticd/rep/[0-9a-f]{16}/round", k)).rsplit("/", 1)[0]
     master = base64.b64decode(recorded[f"{scope_a}/r0/master"]).split(b" ")[-1]
     trap = socket.socket()
     trap.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     trap.bind(("127.0.0.1", int(master)))
     trap.listen()
     trap.setblocking(False)
+    c, scope_b, deadline = None, None, time.monotonic() + 60
+    while scope_b is None and time.monotonic() < deadline:
+        try:
+            c = c or dist.TCPStore("127.0.0.1", port, None, False, td(2))
+            run = c.get("elasticd/rep/run").split(b" ")[1].decode()  # "<mac> <run> <time>": plain text
+            scope_b = f"elasticd/rep/{run}"
+        except Exception:  # noqa: BLE001 - B's store is not up yet
+            c = None
+            time.sleep(0.01)
     values = [(k, base64.b64decode(v)) for k, v in recorded.items() if not k.endswith("/run")]
     caught, deadline = 0, time.monotonic() + seconds
     while time.monotonic() < deadline:
         for k, v in values:
             c.set(k, v)
             c.set(k.replace(scope_a, scope_b), v)
+        if not os.path.exists(started):
+            open(started, "w").close()  # the test starts B's second node now
         try:
             trap.accept()[0].close()
             caught += 1
         except BlockingIOError:
             pass
-        time.sleep(0.1)
+        time.sleep(0.05)
     return {"a": scope_a, "b": scope_b, "caught": caught, "replayed": len(values)}
 
 
@@ -210,19 +209,32 @@ def test_values_of_an_earlier_run_of_the_job_replayed_into_the_next_steer_nothin
     from test_multinode import free_port, node_flags
 
     port = free_port()
-    recorded: list = []
-    spy = threading.Thread(target=lambda: recorded.append(as_user(NOBODY, _record, port, 90, timeout=100)))
-    spy.start()
     a = [daemons(script("ddp_tutorial.py"), "--nproc-per-node", "1", *node_flags(port, "2", job="rep"),
-                 name=f"a{i}", args=["--steps", "20", "--step-time", "0.05"]) for i in range(2)]
+                 name=f"a{i}", args=["--steps", "60", "--step-time", "0.05"]) for i in range(2)]
+    wait_until(lambda: all(len(n.worker_pids()) == 1 for n in a), 60, what="run A training")
+    recorded = [as_user(NOBODY, _record, port, timeout=30)]
     for n in a:
         assert n.wait(120) == 0, n.stderr()[-3000:]
-    spy.join(120)
-    assert recorded and any(k.endswith("/r0/master") for k in recorded[0]), recorded
+    assert any(k.endswith("/r0/master") for k in recorded[0]), recorded
+    replayed: list = []
+    import tempfile
+    from pathlib import Path
+
+    signals = Path(tempfile.mkdtemp(prefix="elasticd-attack-"))  # not under tmp_path: its parents are root's, 0700
+    signals.chmod(0o777)
+    started = signals / "started"
+    attacker = threading.Thread(target=lambda: replayed.append(as_user(NOBODY, _replay, port, recorded[0], 6,
+                                                                        str(started), timeout=90)))
+    attacker.start()
     b = [daemons(script("ddp_tutorial.py"), "--nproc-per-node", "1", *node_flags(port, "2", job="rep"),
-                 name=f"b{i}", args=["--steps", "200", "--step-time", "0.05"]) for i in range(2)]
-    wait_until(lambda: all(len(n.worker_pids()) == 1 for n in b), 60, what="run B training")
-    got = as_user(NOBODY, _replay, port, recorded[0], 6, timeout=60)
+                 name="b0", args=["--steps", "60", "--step-time", "0.05"])]
+    wait_until(started.exists, 60, what="the replay under way")  # B's host is up, its round not formed
+    b.append(daemons(script("ddp_tutorial.py"), "--nproc-per-node", "1", *node_flags(port, "2", job="rep"),
+                     name="b1", args=["--steps", "60", "--step-time", "0.05"]))
+    attacker.join(100)
+    started.unlink(missing_ok=True)
+    signals.rmdir()
+    got = replayed[0] if replayed else None
     assert isinstance(got, dict) and got.get("replayed"), got
     for n in b:
         assert n.wait(120) == 0, n.stderr()[-3000:]
