@@ -11,8 +11,9 @@ import stat
 
 import pytest
 
-from elasticd import cli, config
+from elasticd import config
 from elasticd.config import ConfigError
+from elasticd.ops import cli
 from harness import script, wait_until
 from test_bad_input import assert_one_error, run_cli
 

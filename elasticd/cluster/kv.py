@@ -1,7 +1,8 @@
 """The control plane's key-value store: the few operations elasticd's rendezvous, liveness,
-restart and exit-barrier protocol (rendezvous.py) needs, over a c10d TCPStore (the default for
-several nodes), an etcd cluster (etcd.py) or, for a single-node job, a dict in the daemon
-(`LocalKV`: nothing listens, so no other process can touch the job's control plane).
+restart and exit-barrier protocol (rendezvous.py) needs, over a c10d TCPStore (tcpstore.py, the
+default for several nodes), an etcd cluster (etcd.py) or, for a single-node job, a dict in the
+daemon (`LocalKV`: nothing listens, so no other process can touch the job's control plane). This
+module imports no torch: only tcpstore.py does.
 
 Every call is bounded: a store that does not answer within the timeout raises `Unreachable`
 (one line naming the endpoint), never a C++ stack or a hang. A store connection serves one call
@@ -10,26 +11,8 @@ at a time, so a thread that blocks in `wait` uses its own connection (`clone`).
 
 from __future__ import annotations
 
-import datetime
-import os
-import re
-import secrets
-import socket
-import struct
 import threading
-from collections.abc import Callable
 from typing import Protocol
-
-import torch.distributed as dist
-
-from elasticd import logs
-
-log = logs.get("elasticd.kv")
-
-# compare_set's expected value for "read, do not write": random per process, so that no one
-# writing to the store can make a key that exists read as absent (TCPStore answers a compare_set
-# of a missing key with the expected value)
-_ABSENT = b"\x00elasticd-absent-" + secrets.token_hex(16).encode() + b"\x00"
 
 
 class Unreachable(Exception):
@@ -86,155 +69,6 @@ class KV(Protocol):
         """A second connection to the same store, for a thread that blocks in `wait`."""
 
     def close(self) -> None: ...
-
-
-def _td(seconds: float) -> datetime.timedelta:
-    return datetime.timedelta(seconds=seconds)
-
-
-def bound_replies(store: dist.TCPStore, seconds: float) -> bool:
-    """Make every reply the store client waits for time out after `seconds`: TCPStore's own
-    timeout bounds `wait` and `get` of a missing key, but a compare_set, add or check sent to a
-    store that stopped answering (its host cut off, or its process stopped) waits forever. The
-    client's socket gets SO_RCVTIMEO / SO_SNDTIMEO, so such a call raises "Socket Timeout".
-    torch exposes the socket only in the client's repr (`SocketImpl(fd=N, ...)`); if that ever
-    changes, calls stay unbounded and this says so once (False)."""
-    found = re.search(r"SocketImpl\(fd=(\d+)", repr(store))
-    if not found:
-        if not _warned:
-            _warned.append(True)
-            log.warning("store_replies_unbounded", why="no socket in the TCPStore client's repr")
-        return False
-    fd = int(found.group(1))
-    with socket.socket(fileno=os.dup(fd)) as s:  # the same socket: options apply to it, not to the fd
-        timeval = struct.pack("ll", int(seconds), int((seconds % 1) * 1e6))
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
-    return True
-
-
-_warned: list[bool] = []
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0][:200] if text else type(e).__name__
-
-
-def _refused(e: BaseException) -> bool:
-    return "refused" in str(e).lower() or isinstance(e, ConnectionRefusedError)
-
-
-class TCPStoreKV:
-    """KV over a c10d TCPStore client connection, made by `connect(timeout)`. A call that fails
-    drops the connection (a reply may still be on its way and must never answer the next call);
-    the next call makes a new one."""
-
-    def __init__(self, connect: Callable[[float], dist.TCPStore], endpoint: str, timeout: float):
-        self._connect = connect
-        self.endpoint = endpoint
-        self.timeout = timeout
-        self.store: dist.TCPStore | None = None
-        self._connecting: threading.Thread | None = None
-
-    def _client(self) -> dist.TCPStore:
-        if self.store is None:
-            self.store = self._bounded_connect()
-        return self.store
-
-    def _bounded_connect(self) -> dist.TCPStore:
-        """Connect on a helper thread, waited for `timeout`: TCPStore's own client waits without
-        end for the reply to its handshake from a host whose kernel accepts connections while
-        the store does not answer (a stopped or wedged process). A connect still stuck there is
-        not repeated: at most one helper thread is ever left waiting."""
-        if self._connecting is not None and self._connecting.is_alive():
-            raise Unreachable(f"store {self.endpoint}: the previous connection attempt still waits for a reply")
-        box: dict = {}
-
-        def connect() -> None:
-            try:
-                box["store"] = self._connect(self.timeout)
-            except BaseException as e:  # noqa: BLE001 - handed to the caller
-                box["error"] = e
-
-        helper = threading.Thread(target=connect, name="elasticd-store-connect", daemon=True)
-        helper.start()
-        helper.join(self.timeout + 1.0)
-        if helper.is_alive():
-            self._connecting = helper
-            raise Unreachable(f"store {self.endpoint}: no reply to the connection within {self.timeout:g}s")
-        if "error" in box:
-            e = box["error"]
-            raise Unreachable(f"store {self.endpoint}: {_first_line(e)}", _refused(e)) from None
-        store = box["store"]
-        bound_replies(store, self.timeout + 1.0)
-        return store
-
-    def _call(self, name: str, *args):
-        store = self._client()
-        try:
-            return getattr(store, name)(*args)
-        except (dist.DistError, RuntimeError, TimeoutError, OSError) as e:
-            self.store = None
-            raise Unreachable(f"store {self.endpoint}: {_first_line(e)}", _refused(e)) from None
-
-    def set(self, key: str, value: bytes) -> None:
-        """Then one round trip: c10d's set has no reply, so without it a read on another
-        connection right after could still miss the value, and a store that stopped answering
-        would go unnoticed."""
-        self._call("set", key, value)
-        self._call("check", [key])
-
-    def get(self, key: str) -> bytes | None:
-        found = self._call("compare_set", key, _ABSENT, _ABSENT)
-        return None if found == _ABSENT else found
-
-    def multi_get(self, keys: list[str]) -> list[bytes | None]:
-        if keys and self._call("check", keys):
-            return list(self._call("multi_get", keys))
-        return [self.get(k) for k in keys]
-
-    def take(self, key: str) -> int:
-        return self._add(key, 1)
-
-    def taken(self, key: str) -> int:
-        return self._add(key, 0)
-
-    def _add(self, key: str, amount: int) -> int:
-        """TCPStore's add on a key that holds no number drops the connection (the server's stoll
-        fails): told apart from an unreachable store by reading the key, which then answers."""
-        try:
-            return int(self._call("add", key, amount))
-        except Unreachable:
-            raw = self.get(key)  # an Unreachable here: the store really does not answer
-            if raw is None or raw.strip().lstrip(b"-").isdigit():
-                raise
-            raise BadCounter(key, raw) from None
-
-    def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> bool:
-        # TCPStore's empty expected value means "absent or empty": both are garbage to replace
-        return self._call("compare_set", key, expected or b"", desired) == desired
-
-    def keys(self, prefix: str) -> list[str]:
-        return [k for k in self._call("list_keys") if k.startswith(prefix)]
-
-    def wait(self, key: str, timeout: float) -> bool:
-        """(At most `self.timeout` at a time: the connection's own bound on a reply.)"""
-        store = self._client()
-        try:
-            store.wait([key], _td(min(max(timeout, 0.001), self.timeout)))
-            return True
-        except (dist.DistError, RuntimeError, OSError) as e:
-            if isinstance(e, dist.DistStoreError) and "time" in str(e).lower():
-                return False  # the key did not come: the connection is fine
-            self.store = None
-            raise Unreachable(f"store {self.endpoint}: {_first_line(e)}", _refused(e)) from None
-
-    def clone(self) -> TCPStoreKV:
-        return TCPStoreKV(self._connect, self.endpoint, self.timeout)
-
-    def close(self) -> None:
-        self.store = None  # dropping the last reference closes the connection
 
 
 class LocalKV:
