@@ -80,7 +80,7 @@ class Job:
                    CHAOS_STEP_DELAY=str(args.step_delay), CHAOS_CKPT_EVERY=str(args.ckpt_every),
                    CHAOS_GATE=str(self.gate or ""), PYTHONPATH=os.pathsep.join(
                        filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-        cmd = [sys.executable, "-m", "elasticd.cli", "run", "--nproc-per-node", "2", "--log-dir", str(work / "logs"),
+        cmd = [sys.executable, "-m", "elasticd", "run", "--nproc-per-node", "2", "--log-dir", str(work / "logs"),
                "--socket", str(work / "ctl.sock"), "--log-format", "json", "--no-tee", "--restart-grace", "2",
                "--max-restarts", str(3 * args.faults + 10), "--heartbeat-timeout", str(args.heartbeat_timeout),
                str(HERE / "chaos_train.py")]

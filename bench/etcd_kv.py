@@ -28,7 +28,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from elasticd import etcd, kv, rendezvous
+from elasticd.cluster import etcd, kv, tcpstore
 from etcd_cluster import SKIP_REASON, EtcdCluster, etcd_binary
 
 
@@ -125,7 +125,7 @@ def main() -> int:
     root = tempfile.mkdtemp(prefix="elasticd-bench-etcd-")
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                            timeout=datetime.timedelta(seconds=10))
-    tcp = kv.TCPStoreKV(rendezvous.tcp_connector("127.0.0.1", server.port), f"127.0.0.1:{server.port}", 10)
+    tcp = tcpstore.TCPStoreKV(tcpstore.tcp_connector("127.0.0.1", server.port), f"127.0.0.1:{server.port}", 10)
     cluster = EtcdCluster(os.path.join(root, "steady")).start()
     try:
         store = etcd.connect(cluster.endpoints, timeout=10)

@@ -22,7 +22,7 @@ def per_call(fn, n: int = 200_000, repeats: int = 5) -> float:
 
 
 def main() -> None:
-    from elasticd import health
+    from elasticd.worker import health
 
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "hb")

@@ -57,7 +57,7 @@ MEMORY_EVERY = {"elasticd-every-step": "1"}  # elasticd's default cadence keeps 
 
 def launcher_cmd(kind: str, trials: int, workdir: Path, extra: tuple[str, ...] = (), nproc: int = 2) -> list[str]:
     if kind.startswith("elasticd"):
-        return [sys.executable, "-m", "elasticd.cli", "run", "--nproc-per-node", str(nproc),
+        return [sys.executable, "-m", "elasticd", "run", "--nproc-per-node", str(nproc),
                 "--max-restarts", str(trials + 5), "--log-dir", str(workdir / "logs"),
                 "--socket", str(workdir / "ctl.sock"), "--no-tee", "--log-format", "json",
                 "--restart-grace", "3", *extra, str(SCRIPT)]

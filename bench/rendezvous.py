@@ -49,7 +49,7 @@ def secret_file(workdir: Path) -> str:
 
 def node_cmd(kind: str, n: int, port: int, workdir: Path, i: int, script: Path, extra=()) -> list[str]:
     if kind == "elasticd":
-        return [sys.executable, "-m", "elasticd.cli", "run", "--nnodes", str(n), "--nproc-per-node", "1",
+        return [sys.executable, "-m", "elasticd", "run", "--nnodes", str(n), "--nproc-per-node", "1",
                 "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "bench", "--no-warm-spawn",
                 "--log-dir", str(workdir / f"logs{i}"), "--socket", str(workdir / f"ctl{i}.sock"),
                 "--no-tee", "--log-format", "json", "--join-timeout", "300",

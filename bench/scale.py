@@ -5,13 +5,13 @@ on c10d, torch's c10d DynamicRendezvousHandler as torchrun uses it.
 
 Design. The N nodes live as threads in P worker processes (--procs, default 8: N/P nodes each),
 so that no single GIL bounds them and both cores are used. Every simulated node is what a daemon
-holds: its own Rendezvous with its own store connection (a kv.TCPStoreKV made as the daemon makes
-it, with rendezvous.tcp_connector), its own Peers (the liveness thread and, per round, the
+holds: its own Rendezvous with its own store connection (a tcpstore.TCPStoreKV made as the daemon makes
+it, with tcpstore.tcp_connector), its own Peers (the liveness thread and, per round, the
 restart-waiter thread, each on its own cloned connection) and a thread that calls next_round. So
 the store sees what it would see from N daemons: the same keys and requests, from 3 connections
 per node. What a daemon's agent loop does with Peers (check() every --monitor-interval) one thread
 per process does for its nodes. The store is a process of its own hosting a TCPStore server as
-the daemon hosts it (rendezvous.serve_store), whose CPU psutil measures; torch's side uses the
+the daemon hosts it (tcpstore.serve_store), whose CPU psutil measures; torch's side uses the
 same server. What the simulation changes, and why:
 - the worker processes run with sys.setswitchinterval(0.05) (--switch-interval): with hundreds
   of threads per interpreter, Python's 5 ms hand-over of the GIL spent the 2 cores on waking
@@ -394,7 +394,7 @@ class Session:
 
 
 def run_elasticd(n: int, args, work: Path) -> dict:
-    from elasticd import rendezvous
+    from elasticd.cluster import rendezvous
 
     out: dict = {"round_s": None, "propagation_s": None, "detection_s": None, "fallback_s": None,
                  "recovery_s": None, "requests_per_s": None, "store_cpu": None, "notes": []}
@@ -501,7 +501,7 @@ def too_early(last: float, first: float, silence: float, path: str, notes: list[
     the verdict needs) allows, less what it can have missed before the silence began (its last
     look and the beat before): it had lost sight of the node before it went silent (its beats were
     late: an overloaded store), so the figure would time a false verdict, not a detection."""
-    from elasticd.rendezvous import BEAT_EVERY
+    from elasticd.cluster.rendezvous import BEAT_EVERY
 
     if first >= silence - 2 * BEAT_EVERY:
         return last
@@ -538,7 +538,7 @@ def recovery(s: Session, n: int, args, notes: list[str]) -> float | None:
         notes.append(f"elasticd n={n}: recovery: {done} of {n - 2} survivors in a next round within {bound:g}s "
                      f"(rounds of {sorted(sizes)}): {[e for r in got for e in r['errors']][:3]}")
         return None
-    from elasticd.rendezvous import LOST_SILENCE
+    from elasticd.cluster.rendezvous import LOST_SILENCE
 
     took = max(r["end"] for r in got) - t_s
     return too_early(took, took, LOST_SILENCE, "recovery", notes, n)
@@ -659,9 +659,10 @@ def main() -> int:
     p.add_argument("--no-elasticd", action="store_true", help="torch only")
     p.add_argument("--no-private-hosts", action="store_true", help="run our processes without the private "
                    "/etc/hosts that keeps torch's reverse DNS lookups off the resolver")
-    p.add_argument("--lift-value-limit", action="store_true", help="raise elasticd.signing.MAX_VALUE (64 KiB) in "
-                   "the simulated nodes: a round's members value outgrows it at about 1800 nodes here (fewer with "
-                   "longer host names), and every node then rejects it")
+    p.add_argument("--lift-value-limit", action="store_true", help="raise "
+                   "elasticd.cluster.signing.MAX_VALUE (64 KiB) in the simulated nodes: a round's members value "
+                   "outgrows it at about 1800 nodes here (fewer with longer host names), and every node then "
+                   "rejects it")
     p.add_argument("--keep-logs", metavar="DIR", help="keep the processes' logs in DIR")
     p.add_argument("--switch-interval", type=float, default=0.05, help="the worker processes' "
                    "sys.setswitchinterval (default %(default)s; Python's is 0.005, which with hundreds of threads "
@@ -721,11 +722,11 @@ def main() -> int:
 
 
 def serve_store() -> int:
-    """The store process: a TCPStore server hosted as the daemon hosts it (rendezvous.serve_store:
+    """The store process: a TCPStore server hosted as the daemon hosts it (tcpstore.serve_store:
     a listener bound to the endpoint's IPv4 address), until the coordinator closes our stdin."""
-    from elasticd import rendezvous
+    from elasticd.cluster import tcpstore
 
-    store = rendezvous.serve_store("127.0.0.1", 0, 3600.0)
+    store = tcpstore.serve_store("127.0.0.1", 0, 3600.0)
     print(f"serving {store.port}", flush=True)
     sys.stdin.buffer.read()
     os._exit(0)
@@ -772,7 +773,7 @@ class CountingClient:
         self.trace: collections.deque = collections.deque(maxlen=24)
         CountingClient.registry.append(self)
 
-    def __repr__(self) -> str:  # kv.bound_replies finds the socket in it
+    def __repr__(self) -> str:  # tcpstore.bound_replies finds the socket in it
         return repr(self._s)
 
     def _do(self, name: str, *a):
@@ -817,8 +818,8 @@ class CountingClient:
 
 def _retried(call, timeout: float):
     """`call` until the store answers (as a daemon's start-up retries it), for `timeout` seconds."""
-    from elasticd import kv as kvmod
-    from elasticd import rendezvous
+    from elasticd.cluster import kv as kvmod
+    from elasticd.cluster import rendezvous
 
     deadline = time.monotonic() + timeout
     while True:
@@ -833,7 +834,7 @@ def _retried(call, timeout: float):
 def _etcd_connect(endpoints: str):
     """A node's etcd connection as rendezvous.open_etcd makes it (every member's endpoint, checked
     to answer with a leader), with the bench's bound on a call; Peers clones it twice."""
-    from elasticd import etcd
+    from elasticd.cluster import etcd
 
     return etcd.connect(endpoints, STORE_CALL_TIMEOUT)
 
@@ -849,7 +850,7 @@ class EtcdRequests:
 
     @classmethod
     def install(cls) -> None:
-        from elasticd import etcd
+        from elasticd.cluster import etcd
 
         for name in ("_post", "_watch"):
             setattr(etcd.EtcdKV, name, cls._counted(getattr(etcd.EtcdKV, name)))
@@ -892,13 +893,13 @@ def worker_main(args) -> int:
 
 class ElasticdNodes:
     def __init__(self, args):
-        from elasticd import config, logs, names, rendezvous
-        from elasticd import kv as kvmod
-        from elasticd.peers import Peers
+        from elasticd import config, logs, names
+        from elasticd.cluster import rendezvous, tcpstore
+        from elasticd.cluster.peers import Peers
 
         logs.setup("json", level=logging_level(), stream=sys.stderr)
         if args.lift_value_limit:
-            from elasticd import signing
+            from elasticd.cluster import signing
 
             signing.MAX_VALUE = 16 << 20
         self.args = args
@@ -912,7 +913,7 @@ class ElasticdNodes:
             "rdzv_secret_file": args.secret, "local_addr": "127.0.0.1"}, environ={})
         if etcd:
             EtcdRequests.install()
-        connect = rendezvous.tcp_connector("127.0.0.1", args.port)
+        connect = tcpstore.tcp_connector("127.0.0.1", args.port)
 
         def counted(timeout: float):
             return CountingClient(connect(timeout))
@@ -925,7 +926,7 @@ class ElasticdNodes:
             if etcd:
                 kv = _retried(lambda: _etcd_connect(cfg.rdzv_endpoint), args.join_timeout)
             else:
-                kv = kvmod.TCPStoreKV(counted, f"127.0.0.1:{args.port}", STORE_CALL_TIMEOUT)
+                kv = tcpstore.TCPStoreKV(counted, f"127.0.0.1:{args.port}", STORE_CALL_TIMEOUT)
             # the store's host begins the run (a daemon on the endpoint's node does): here the
             # first simulated node; the others, as daemons that connect, wait for its run
             rdzv = rendezvous.Rendezvous(cfg, store=kv, begins_run=not etcd and args.first + i == 0)
@@ -951,7 +952,7 @@ class ElasticdNodes:
     def fake_beats(self, now: float):
         """Our workers' heartbeats as the agent loop reads them: stepping every --step-time,
         stalled since the silent node went quiet (their collectives wait on it)."""
-        from elasticd.health import Beat
+        from elasticd.worker.health import Beat
 
         step = self.args.step_time
         last = min(now, self.stall) if self.stall is not None else now
@@ -962,8 +963,8 @@ class ElasticdNodes:
         """What each node's agent loop does with Peers every monitor_interval (for all of this
         process's nodes): check() while running; after the stall, the node-loss verdicts with
         the evidence of our stalled workers and without it (--peer-timeout)."""
-        from elasticd.rendezvous import StoreLost
-        from elasticd.states import RestartCause
+        from elasticd.cluster.rendezvous import StoreLost
+        from elasticd.daemon.states import RestartCause
 
         period = self.args.monitor_interval
         every = max(1, round(1.0 / period))
@@ -1008,8 +1009,8 @@ class ElasticdNodes:
     def recover_check(self, node: Node, rnd, now: float, beats) -> None:
         """The agent loop after a node's loss, as the daemon's: a lost neighbour makes this node
         ask for a restart naming it; a restart asked (by anyone) sends it to the next round."""
-        from elasticd.rendezvous import StoreUnreachable
-        from elasticd.states import RestartCause
+        from elasticd.cluster.rendezvous import StoreUnreachable
+        from elasticd.daemon.states import RestartCause
 
         if node.restarting:
             return
@@ -1120,7 +1121,7 @@ class ElasticdNodes:
             self.stall = msg["since"]
             self.mode = "detect"
             target = msg["target"]
-            from elasticd.peers import WATCHED
+            from elasticd.cluster.peers import WATCHED
 
             watchers = [x for x in self.nodes if not x.silenced and x.rnd is not None
                         and target in [m.node_id for m in x.rnd.neighbours(WATCHED)]]

@@ -28,7 +28,7 @@ def heartbeat(step: int | None = None) -> None:
 
 
 def _beat_writer():
-    """This process's heartbeat file writer (elasticd.health.Writer), opened at the first call;
+    """This process's heartbeat file writer (elasticd.worker.health.Writer), opened at the first call;
     None outside elasticd. The bootstrap's hooks and the checkpoint library write through it."""
     global _writer, _armed
     if not _armed:
@@ -37,7 +37,7 @@ def _beat_writer():
 
         path = os.environ.get(names.HEARTBEAT_FILE)
         if path:
-            from elasticd.health import Writer
+            from elasticd.worker.health import Writer
 
             try:
                 _writer = Writer(path)

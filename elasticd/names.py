@@ -11,12 +11,12 @@ AGENT = "ELASTICD_AGENT"  # the daemon's token: the cleanup sweep and the guard 
 DAEMON_PID = "ELASTICD_DAEMON_PID"  # the parent-death check compares its parent with it
 ENTRYPOINT = "ELASTICD_ENTRYPOINT"  # what bootstrap runs: a script, module, module:function or executable
 NO_PYTHON = "ELASTICD_NO_PYTHON"  # set: ENTRYPOINT is an executable bootstrap execs (torchrun --no-python)
-HEARTBEAT_FILE = "ELASTICD_HEARTBEAT_FILE"  # the rank's heartbeat file (elasticd.health)
+HEARTBEAT_FILE = "ELASTICD_HEARTBEAT_FILE"  # the rank's heartbeat file (elasticd.worker.health)
 STACK_FILE = "ELASTICD_STACK_FILE"  # where faulthandler appends the rank's stacks
 STACK_SIGNAL = "ELASTICD_STACK_SIGNAL"  # the signal that asks for them
 ATTEMPT_DIR = "ELASTICD_ATTEMPT_DIR"  # this attempt's directory of logs and error files
 CHECKPOINT_DIR = "ELASTICD_CHECKPOINT_DIR"  # where elasticd.checkpoint keeps the job's checkpoints
-MEMORY_DIR = "ELASTICD_MEMORY_DIR"  # the daemon's /dev/shm directory of in-memory state (elasticd.memory)
+MEMORY_DIR = "ELASTICD_MEMORY_DIR"  # the daemon's /dev/shm directory of in-memory state (elasticd.checkpoint.memory)
 LOCAL_RANK = "ELASTICD_LOCAL_RANK"  # the worker's local rank, which names its in-memory slots (LOCAL_RANK is 0 for
 #                                     every worker under --virtual-local-rank)
 WARM_PRELOAD = "ELASTICD_WARM_PRELOAD"  # modules a warm spare or the fork server imports ahead
@@ -30,7 +30,7 @@ STATUS = "status"  # the daemon's snapshot, served by the control thread
 STOP = "stop"  # a graceful stop, with an optional grace `timeout`
 STACKS = "stacks"  # every local worker's thread stacks, now
 
-# --- control-plane store keys (elasticd.rendezvous; each value signed: elasticd.signing) ---
+# --- control-plane store keys (elasticd.cluster.rendezvous; each value signed: elasticd.cluster.signing) ---
 # A job's run is under elasticd/<job>/<run>/ (<run>: a random nonce, elasticd/<job>/run, so that
 # a value of an earlier run of the same --rdzv-id never verifies in this one); a round's under
 # elasticd/<job>/<run>/r<round>/. Rendezvous passes "<job>/<run>" as `job` below.

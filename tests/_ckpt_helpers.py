@@ -324,7 +324,7 @@ def refresh_memory_forever(rank: int, world: int, directory: str) -> None:
     """Resumes from the newest step in memory, as a restarted worker does, then refreshes the
     in-memory state back to back with 8 MiB of tensors that all equal the step, so that a SIGKILL
     at a random instant lands mid-copy most of the time."""
-    from elasticd import memory
+    from elasticd.checkpoint import memory
 
     held = memory.steps(directory, world=1, rank=0, local_rank=0)
     writer = memory.Writer(directory, 0, keep=(held[0], 0) if held else None)

@@ -71,7 +71,7 @@ class Daemon:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.log_dir = self.dir / "logs"
         self.socket = self.dir / "control.sock"
-        cmd = [*prefix, sys.executable, "-m", "elasticd.cli", "run", "--log-dir", str(self.log_dir),
+        cmd = [*prefix, sys.executable, "-m", "elasticd", "run", "--log-dir", str(self.log_dir),
                "--socket", str(self.socket), "--log-format", log_format, *flags]
         if entrypoint:
             cmd.append(entrypoint)
@@ -159,7 +159,7 @@ class Daemon:
                    what=f"rank {rank} to reach step {step}")
 
     def status(self, *extra: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "elasticd.cli", "status", "--socket", str(self.socket), *extra],
+        return subprocess.run([sys.executable, "-m", "elasticd", "status", "--socket", str(self.socket), *extra],
                               capture_output=True, text=True, timeout=30, cwd=ROOT)
 
 

@@ -15,7 +15,7 @@ from harness import ROOT, script, wait_until
 
 
 def run_cli(*args: str, timeout: float = 60, cwd=ROOT, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "elasticd.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "elasticd", *args], capture_output=True, text=True,
                           timeout=timeout, cwd=cwd, env=dict(os.environ, **(env or {})))
 
 

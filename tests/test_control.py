@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from elasticd import control
+from elasticd.control import channel as control
 from harness import as_user
 
 NOBODY = 65534

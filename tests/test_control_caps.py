@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from elasticd import control
+from elasticd.control import channel as control
 from harness import script, wait_until
 from scripts.hog_control import hog
 
@@ -114,7 +114,7 @@ def test_one_process_holds_at_most_its_cap_and_the_others_are_served(tmp_path):
         try:
             assert b"busy: too many open control connections from pid" in _answered(extra, 3)
             assert not any(_answered(s, 0.01) for s in held)  # those wait for their request
-            r = subprocess.run([sys.executable, "-m", "elasticd.cli", "status", "--socket", str(server.path)],
+            r = subprocess.run([sys.executable, "-m", "elasticd", "status", "--socket", str(server.path)],
                                capture_output=True, text=True, timeout=30)
             assert r.returncode == 0, r.stderr  # another process is served
             held.pop().close()

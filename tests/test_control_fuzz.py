@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
-from elasticd import control
-from elasticd.agent import _accept_command
+from elasticd.control import channel as control
+from elasticd.daemon.agent import _accept_command
 from harness import script, wait_until
 
 FAILURES = ("control_connection_failed", "control_server_crashed", "control_request_failed")

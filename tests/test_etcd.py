@@ -1,4 +1,4 @@
-"""elasticd/etcd.py: the control plane's KV on a real etcd cluster (tests/etcd_cluster.py: 3
+"""elasticd/cluster/etcd.py: the control plane's KV on a real etcd cluster (tests/etcd_cluster.py: 3
 members on loopback), held to the same semantics as the c10d TCPStore's (one set of tests run
 against both), plus what only a cluster has: a member SIGKILLed under load, quorum lost and
 regained, every endpoint dead or silent, authentication and TLS."""
@@ -18,7 +18,7 @@ import urllib.request
 import psutil
 import pytest
 
-from elasticd import etcd, kv, rendezvous
+from elasticd.cluster import etcd, kv, tcpstore
 from etcd_cluster import SKIP_REASON, EtcdCluster, etcd_binary, free_port, own_cluster_fixture  # noqa: F401 (the fixture)
 
 needs_etcd = pytest.mark.skipif(etcd_binary() is None, reason=SKIP_REASON)
@@ -61,7 +61,7 @@ def connect(request):
     port = server.port
 
     def open_tcp():
-        return kv.TCPStoreKV(rendezvous.tcp_connector("127.0.0.1", port), f"127.0.0.1:{port}", timeout=5)
+        return tcpstore.TCPStoreKV(tcpstore.tcp_connector("127.0.0.1", port), f"127.0.0.1:{port}", timeout=5)
 
     yield open_tcp
     del server
@@ -229,7 +229,7 @@ def test_a_wait_in_slices_keeps_one_watch(cluster, prefix):
 
 
 def test_compare_set_is_strict(cluster, prefix):
-    """True only when this call swapped expected for desired. (kv.TCPStoreKV answers True in both
+    """True only when this call swapped expected for desired. (tcpstore.TCPStoreKV answers True in both
     cases below: c10d's compare_set returns the key's value after the call, which is `desired`
     also when the key held it already, and `expected` for an absent key.)"""
     s = etcd.connect(cluster.endpoints, timeout=5)

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from elasticd import etcd, kv
+from elasticd.cluster import etcd, kv
 from fake_member import FakeMember, healthy_reply
 
 TIMEOUT = 0.15  # each store call's: a reply that cannot be read costs it whole

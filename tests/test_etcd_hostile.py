@@ -1,4 +1,4 @@
-"""elasticd/etcd.py against members that misbehave. A fake member on a loopback port
+"""elasticd/cluster/etcd.py against members that misbehave. A fake member on a loopback port
 (tests/fake_member.py) answers crafted replies: wrong shapes, bad base64, JSON nested 200,000 deep,
 a Content-Length of 10^13, bad chunking, a reply trickled a byte at a time; every EtcdKV call then
 returns or raises kv.Unreachable within its deadline, never another exception, fails over to a
@@ -14,7 +14,7 @@ import time
 import pytest
 from structlog.testing import capture_logs
 
-from elasticd import etcd, kv
+from elasticd.cluster import etcd, kv
 from fake_member import FakeMember, healthy_reply, json_reply, response
 from harness import wait_until
 

@@ -22,7 +22,7 @@ NOBODY = 65534
 
 
 def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "elasticd.cli", "run", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "elasticd", "run", *args], capture_output=True, text=True,
                           timeout=timeout, cwd=ROOT)
 
 

@@ -17,7 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from elasticd import control, health, memory
+from elasticd.checkpoint import memory
+from elasticd.control import channel as control
+from elasticd.worker import health
 from harness import ROOT, as_user, script, wait_until
 
 NOBODY = 65534
@@ -25,7 +27,7 @@ root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as a
 
 
 def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "elasticd.cli", *args], capture_output=True, text=True, check=False,
+    return subprocess.run([sys.executable, "-m", "elasticd", *args], capture_output=True, text=True, check=False,
                           timeout=timeout, cwd=ROOT)
 
 
@@ -90,7 +92,7 @@ def test_planted_run_directory_is_never_written_through(tmp_path):
     loot.mkdir()
     os.chown(loot, NOBODY, NOBODY)
     # the daemon's pid is known before it picks the name: it waits for a line on stdin first
-    go = "import sys; sys.stdin.readline(); from elasticd.cli import main; sys.exit(main(sys.argv[1:]))"
+    go = "import sys; sys.stdin.readline(); from elasticd.ops.cli import main; sys.exit(main(sys.argv[1:]))"
     out = tmp_path / "out.txt"
     with open(out, "wb") as f:
         daemon = subprocess.Popen(
@@ -166,7 +168,7 @@ def test_logs_stacks_heartbeats_and_checkpoints_are_not_world_readable(daemons, 
     wait_until(lambda: "saved" in d.log_text(0, attempt=1), 90, what="the first attempt's checkpoints")
     mem = wait_until(lambda: [e["directory"] for e in d.events() if e.get("event") == "memory_state"], 10,
                      what="the memory directory")[0]
-    r = subprocess.run([sys.executable, "-m", "elasticd.cli", "stacks", "--socket", str(d.socket)],
+    r = subprocess.run([sys.executable, "-m", "elasticd", "stacks", "--socket", str(d.socket)],
                        capture_output=True, text=True, timeout=30, cwd=ROOT, check=False)
     assert r.returncode == 0, r.stderr
     in_memory = _modes(Path(mem))

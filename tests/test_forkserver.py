@@ -23,7 +23,7 @@ def _forked_spares(daemon_pid: int, workers: set[int]) -> set[int]:
     found = set()
     for p in psutil.Process(daemon_pid).children():
         try:
-            if p.pid in workers or "elasticd.forkserver" not in " ".join(p.cmdline()):
+            if p.pid in workers or "elasticd.worker.forkserver" not in " ".join(p.cmdline()):
                 continue
             cpu = p.cpu_times()
             torch_mapped = any("libtorch" in m.path for m in p.memory_maps())
@@ -81,7 +81,7 @@ def test_fork_server_with_threads_falls_back_to_fresh_spares(daemons, tmp_path):
 
 def test_fork_server_killed_falls_back_and_restarts_still_work(daemons, tmp_path):
     d, first, spares = _training_with_spares(daemons, tmp_path)
-    server = [p for p in psutil.Process(d.pid).children() if "elasticd.forkserver" in " ".join(p.cmdline())
+    server = [p for p in psutil.Process(d.pid).children() if "elasticd.worker.forkserver" in " ".join(p.cmdline())
               and p.pid not in spares and p.pid not in first.values()]
     assert len(server) == 1
     server[0].kill()

@@ -23,8 +23,9 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from elasticd import cli, config
+from elasticd import config
 from elasticd.config import ConfigError
+from elasticd.ops import cli
 from harness import ROOT
 
 MISSING = "/nonexistent/elasticd-fuzz/train.py"
@@ -202,13 +203,13 @@ def test_stop_timeout_flag(value):
 @settings(max_examples=6, **SETTINGS)
 @given(content=st.one_of(documents.map(toml_document), st.binary(max_size=64)), env=environments, flags=flag_lists)
 def test_real_cli_process(content, env, flags):
-    """A few through a real `python -m elasticd.cli run`, as an operator would."""
+    """A few through a real `python -m elasticd run`, as an operator would."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "c.toml"
         path.write_bytes(content)
         argv = ["run", "--config", str(path), "--log-dir", str(Path(tmp) / "logs"),
                 *(f"{opt}={value}" for opt, value in flags), MISSING]
-        r = subprocess.run([sys.executable, "-m", "elasticd.cli", *argv], capture_output=True, text=True,
+        r = subprocess.run([sys.executable, "-m", "elasticd", *argv], capture_output=True, text=True,
                            timeout=60, cwd=ROOT, env={**os.environ, **env}, check=False)
         assert_one_line(r.returncode, r.stderr)
         assert not (Path(tmp) / "logs").exists()

@@ -10,7 +10,7 @@ import time
 
 import psutil
 
-from elasticd import health
+from elasticd.worker import health
 from harness import ROOT, wait_until
 
 

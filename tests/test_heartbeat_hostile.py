@@ -11,7 +11,7 @@ import urllib.request
 
 import pytest
 
-from elasticd import health
+from elasticd.worker import health
 from harness import free_port, script, wait_until
 
 FAST = ("--restart-grace", "1", "--stop-grace", "3")

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import _ckpt_helpers as helpers
-from elasticd import checkpoint, memory
-from elasticd.checkpoint import CheckpointManager
+from elasticd import checkpoint
+from elasticd.checkpoint import CheckpointManager, memory
 from elasticd.checkpoint import rng as ckpt_rng
 from elasticd.checkpoint.state import REFRESH, Refresh
 
@@ -147,7 +147,7 @@ def test_overlap_on_a_cpu_or_small_state_copies_synchronously(tmp_path, device):
             "    assert mgr._memory.writer.overlap and not mgr._memory.writer.queued\n"
             "    got = memory.read(mem, step, world=1, rank=0, local_rank=0)\n"
             "    assert torch.equal(got['model']['weight'], model.weight.detach().cpu())\n"
-            "assert 'elasticd.overlap' not in sys.modules\n"
+            "assert 'elasticd.checkpoint.overlap' not in sys.modules\n"
             f"assert torch.cuda.is_initialized() == ({device!r} == 'cuda')\n"
             "print('ok')\n")
     (tmp_path / "mem").mkdir()

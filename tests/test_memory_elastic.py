@@ -19,7 +19,8 @@ import pytest
 import torch
 
 import _ckpt_helpers as helpers
-from elasticd import checkpoint, memory
+from elasticd import checkpoint
+from elasticd.checkpoint import memory
 from elasticd.checkpoint import rng as rng_state
 from elasticd.checkpoint.memory_state import choose, derived_base
 

@@ -14,11 +14,13 @@ import sys
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from elasticd import config, health, metrics
+from elasticd import config
 from elasticd.config import ConfigError
-from elasticd.figures import Figures
-from elasticd.states import Failure, RestartCause
-from elasticd.stragglers import Stragglers
+from elasticd.daemon.states import Failure, RestartCause
+from elasticd.ops import metrics
+from elasticd.ops.figures import Figures
+from elasticd.ops.stragglers import Stragglers
+from elasticd.worker import health
 from harness import ROOT
 
 DEPLOY = ROOT / "deploy"
@@ -141,7 +143,7 @@ def test_every_metric_is_named_by_convention_documented_and_exposed():
         assert re.fullmatch(r"elasticd_[a-z_]+", name) and doc, name
         assert name.endswith("_total") == (kind == "counter"), name
         assert not re.search(r"_(ms|milliseconds|minutes|hours|kilobytes|megabytes|percent)(_|$)", name), name
-        assert f"`{name}`" in reference, f"docs/metrics-reference.md lacks {name}: run python3 -m elasticd.docs"
+        assert f"`{name}`" in reference, f"docs/metrics-reference.md lacks {name}: run python3 -m elasticd.ops.docs"
     text = metrics.generate_latest(_registry(SNAPSHOT)).decode()
     exposed = {f.name for f in text_string_to_metric_families(text)}
     assert {n.removesuffix("_total") for n in names} <= exposed
@@ -187,7 +189,7 @@ def test_metrics_on_every_interface_needs_the_flag():
 
 
 def _cli(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "elasticd.cli", *args], capture_output=True, text=True, timeout=60,
+    return subprocess.run([sys.executable, "-m", "elasticd", *args], capture_output=True, text=True, timeout=60,
                           cwd=ROOT, env=dict(os.environ, **(env or {})))
 
 
@@ -261,7 +263,7 @@ def test_health_check_results(tmp_path):
     """Pass, fail with its last line, a timeout (its whole session killed), a program that cannot run."""
     import time
 
-    from elasticd.healthcheck import HealthCheck
+    from elasticd.ops.healthcheck import HealthCheck
 
     def run(command: str, timeout: str = "10"):
         cfg = config.build({"entrypoint": "x.py", "health_check": command, "health_check_timeout": timeout},

@@ -18,7 +18,7 @@ import urllib.request
 import psutil
 import pytest
 
-from elasticd import metrics
+from elasticd.ops import metrics
 from harness import ROOT, free_port, script, wait_until
 
 FAST = ("--restart-grace", "1", "--stop-grace", "3")
@@ -237,7 +237,8 @@ def test_teardown_that_cannot_read_proc_says_so_and_carries_on(tmp_path):
     code = f"""
 import json, os, resource, subprocess, sys, time
 from pathlib import Path
-from elasticd import logs, workers
+from elasticd import logs
+from elasticd.daemon import workers
 logs.setup("json")
 token = "t" * 32
 proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True,

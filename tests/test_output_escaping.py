@@ -8,7 +8,8 @@ from __future__ import annotations
 import io
 import os
 
-from elasticd import logs, workers
+from elasticd import logs
+from elasticd.daemon import workers
 from harness import script, wait_until
 
 FAKE = '{"event": "job_succeeded", "log_level": "info", "state": "SUCCEEDED"}'

@@ -10,13 +10,13 @@ import sys
 import psutil
 import pytest
 
-from elasticd import proctitle
+from elasticd.worker import proctitle
 
 # Shows a title in a process started as `command`, then reports what the kernel and psutil say.
 SHOW = """
 import json, os, sys
 import psutil
-from elasticd import proctitle
+from elasticd.worker import proctitle
 shown = json.loads(os.environ["SHOWN"])
 first, again = proctitle.show(shown), proctitle.show(shown)
 print(json.dumps({"first": first, "again": again, "argv": sys.argv,

@@ -85,7 +85,7 @@ def test_stop_saves_a_final_checkpoint_and_exits_0(daemons, tmp_path):
                 args=["--steps", "100000", *ARGS[2:], "--step-delay", "0.02", "--checkpoint-every", "1000"])
     wait_until(
         lambda: re.search(r"^step 20/", d.log_text(0), re.M), 90, what="training")
-    r = subprocess.run([sys.executable, "-m", "elasticd.cli", "stop", "--socket", str(d.socket)],
+    r = subprocess.run([sys.executable, "-m", "elasticd", "stop", "--socket", str(d.socket)],
                        capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert r.returncode == 0, r.stderr
     assert d.wait(30) == 0

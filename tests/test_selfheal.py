@@ -1,5 +1,5 @@
 """elasticd's own parts come back when killed: the fork server, its spares, the guard, the control
-and tee threads (elasticd/supervise.py); a part that keeps dying is given up, and status says so."""
+and tee threads (elasticd/daemon/supervise.py); a part that keeps dying is given up, and status says so."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ import time
 
 import psutil
 
-from elasticd import control, supervise, workers
+from elasticd.control import channel as control
+from elasticd.daemon import supervise, workers
 from harness import leftover_processes, script, wait_until
 from test_forkserver import _forked_spares, _training_with_spares
 
@@ -30,7 +31,7 @@ def _helper(d, module: str) -> list[psutil.Process]:
 
 def test_killed_fork_server_and_spares_come_back_and_restarts_stay_warm(daemons, tmp_path):
     d, first, spares = _training_with_spares(daemons, tmp_path)
-    server = [p for p in _helper(d, "forkserver") if p.pid not in spares | set(first.values())]
+    server = [p for p in _helper(d, "worker.forkserver") if p.pid not in spares | set(first.values())]
     assert len(server) == 1
     server[0].kill()
     up = wait_until(lambda: p if (p := _parts(d).get("fork_server", {})).get("restarts") == 1
@@ -58,11 +59,11 @@ def test_killed_guard_comes_back_and_still_sweeps_after_daemon_sigkill(daemons):
     d = daemons(script("faulty.py"), "--nproc-per-node", "1", "--restart-grace", "1",
                 args=["--steps", "100000", "--spawn-child", "--step-time", "0.05"])
     d.wait_for_step(0, 2, timeout=60)
-    old = _helper(d, "guard")
+    old = _helper(d, "daemon.guard")
     assert len(old) == 1
     old[0].kill()
     wait_until(lambda: _parts(d).get("guard", {}).get("restarts") == 1, 20, what="a new guard")
-    new = _helper(d, "guard")
+    new = _helper(d, "daemon.guard")
     assert len(new) == 1 and new[0].pid != old[0].pid
     died = [e for e in d.events() if e.get("event") == "guard_died"]
     assert died and "behind" in died[0]["risk"]

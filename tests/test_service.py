@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from elasticd import control
+from elasticd.control import channel as control
 from harness import ROOT, script, secret_flags, wait_until
 
 
 def cli(*args, timeout=60):
-    return subprocess.run([sys.executable, "-m", "elasticd.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "elasticd", *args], capture_output=True, text=True,
                           timeout=timeout, cwd=ROOT)
 
 
@@ -98,14 +98,14 @@ def test_a_second_job_on_the_node_gets_its_own_socket_and_the_cli_finds_both(tmp
     env["RUNTIME_DIRECTORY"] = str(runtime)  # the default socket directory, as systemd sets it
 
     def cli_here(*args):
-        return subprocess.run([sys.executable, "-m", "elasticd.cli", *args], capture_output=True, text=True,
+        return subprocess.run([sys.executable, "-m", "elasticd", *args], capture_output=True, text=True,
                               timeout=60, cwd=ROOT, env=env)
 
     jobs = []
     try:
         for i in range(2):
             jobs.append(subprocess.Popen(
-                [sys.executable, "-m", "elasticd.cli", "run", "--log-dir", str(tmp_path / f"logs{i}"),
+                [sys.executable, "-m", "elasticd", "run", "--log-dir", str(tmp_path / f"logs{i}"),
                  "--log-format", "json", "--stop-grace", "2", script("faulty.py"), "--steps", "100000"],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT, env=env, start_new_session=True))
             wait_until(lambda: len(list(runtime.glob("*.sock"))) == i + 1, 60, what=f"daemon {i}'s socket")
@@ -257,8 +257,9 @@ def test_sd_notify_stopping_and_stalled_loop_starves_watchdog(tmp_path):
     stall = tmp_path / "stall"
     prog = f"""
 import sys, time, pathlib
-from elasticd import config, logs, systemd
-from elasticd.agent import Agent
+from elasticd import config, logs
+from elasticd.daemon import systemd
+from elasticd.daemon.agent import Agent
 cfg = config.build({{"entrypoint": {script("silent.py")!r}, "args": ["60"], "nproc_per_node": 1,
                      "stop_grace": 1, "warm_spawn": False}})
 logs.setup("json")
@@ -300,7 +301,7 @@ sys.exit(a.run())
 
 
 def test_abstract_notify_socket(monkeypatch):
-    from elasticd import systemd
+    from elasticd.daemon import systemd
 
     s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     name = f"elasticd-test-{os.getpid()}"

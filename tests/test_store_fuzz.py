@@ -15,7 +15,8 @@ import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from elasticd import config, kv, names, rendezvous
+from elasticd import config, names
+from elasticd.cluster import kv, rendezvous, tcpstore
 from etcd_cluster import SKIP_REASON, EtcdCluster, etcd_binary
 from harness import secret_flags
 
@@ -53,7 +54,7 @@ def store(request):
         yield local.clone, cfg
         return
     if request.param == "etcd":
-        from elasticd import etcd
+        from elasticd.cluster import etcd
 
         endpoints = request.getfixturevalue("etcd_cluster").endpoints
 
@@ -68,7 +69,8 @@ def store(request):
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                            timeout=datetime.timedelta(seconds=10))
     port = server.port
-    yield (lambda: kv.TCPStoreKV(rendezvous.tcp_connector("127.0.0.1", port), f"127.0.0.1:{port}", timeout=10)), cfg
+    yield (lambda: tcpstore.TCPStoreKV(tcpstore.tcp_connector("127.0.0.1", port), f"127.0.0.1:{port}",
+                                       timeout=10)), cfg
     del server
 
 

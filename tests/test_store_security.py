@@ -20,7 +20,7 @@ import psutil
 import pytest
 import torch.distributed as dist
 
-from elasticd import rendezvous, signing
+from elasticd.cluster import rendezvous, signing
 from elasticd.config import ConfigError
 from harness import ROOT, as_user, script, wait_until
 
@@ -318,7 +318,7 @@ def test_load_secret_refuses_unsafe_files(tmp_path):
 def test_cli_refuses_a_world_readable_secret_in_one_line(tmp_path):
     loose = secret_file(tmp_path / "loose")
     os.chmod(loose, 0o644)
-    r = subprocess.run([sys.executable, "-m", "elasticd.cli", "run", "--rdzv-secret-file", loose,
+    r = subprocess.run([sys.executable, "-m", "elasticd", "run", "--rdzv-secret-file", loose,
                         "--log-dir", str(tmp_path / "logs")], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert r.returncode == 2, r.stderr
     assert r.stderr.count("\n") == 1 and "chmod 600" in r.stderr, r.stderr

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import structlog
 
-from elasticd import systemd
+from elasticd.daemon import systemd
 
 ROOT = Path(__file__).resolve().parent.parent
 UNIT = ROOT / "systemd" / "elasticd.service"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import psutil
 
-from elasticd import workers
+from elasticd.daemon import workers
 from harness import script, wait_until
 
 

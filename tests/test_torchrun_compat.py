@@ -11,9 +11,10 @@ import stat
 
 import pytest
 
-from elasticd import cli, config
+from elasticd import config
 from elasticd.config import ConfigError
-from harness import script, wait_until
+from elasticd.ops import cli
+from harness import ROOT, script, wait_until
 from test_bad_input import assert_one_error, run_cli
 
 # A value torchrun's parser would take for each flag that takes one (what our parser is fed).
@@ -165,8 +166,11 @@ def test_virtual_local_rank_needs_a_gpu_per_worker(tmp_path):
 
 def test_run_path_takes_a_script_without_py(tmp_path):
     (tmp_path / "train").write_text("import os, sys\nopen(sys.argv[1], 'a').write(os.environ['RANK'] + '\\n')\n")
+    # run from tmp_path (where "train" is), yet with this checkout's elasticd: the interpreter's
+    # current directory no longer finds it first, an installed one elsewhere would be run instead
+    here = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     r = run_cli("run", "--log-dir", str(tmp_path / "logs"), "--socket", str(tmp_path / "s"), "--run-path",
-                "--nproc-per-node", "2", "train", str(tmp_path / "ranks"), cwd=tmp_path)
+                "--nproc-per-node", "2", "train", str(tmp_path / "ranks"), cwd=tmp_path, env={"PYTHONPATH": here})
     assert r.returncode == 0, r.stderr[-3000:]
     assert sorted((tmp_path / "ranks").read_text().split()) == ["0", "1"]
 

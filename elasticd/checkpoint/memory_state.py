@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 
 import elasticd
-from elasticd import memory, names
+from elasticd import names
+from elasticd.checkpoint import memory
 from elasticd.checkpoint.collectives import all_gather_bytes, cpu_group, dist_on, rank, recv_bytes, send_bytes, world
 from elasticd.checkpoint.files import looks_at_disk
 from elasticd.checkpoint.format import Entry, candidates

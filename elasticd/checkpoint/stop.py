@@ -11,7 +11,8 @@ import socket
 import threading
 import time
 
-from elasticd import health, names
+from elasticd import names
+from elasticd.worker import health
 
 
 @dataclasses.dataclass

@@ -13,7 +13,8 @@ import sys
 import time
 
 import elasticd
-from elasticd import health, names
+from elasticd import names
+from elasticd.worker import health
 
 BAD = (math.nan, math.inf, -math.inf, 1e300, -5.0, float(2**60))
 

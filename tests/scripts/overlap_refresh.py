@@ -1,4 +1,4 @@
-"""Overlapped in-memory refreshes on a GPU (elasticd.overlap), in a process of its own.
+"""Overlapped in-memory refreshes on a GPU (elasticd.checkpoint.overlap), in a process of its own.
 
 usage: overlap_refresh.py check|forever MEMORY_DIR DISK_DIR
 
@@ -21,8 +21,7 @@ import time
 import structlog
 import torch
 
-from elasticd import memory
-from elasticd.checkpoint import CheckpointManager, capture
+from elasticd.checkpoint import CheckpointManager, capture, memory
 
 
 class Model(torch.nn.Module):

@@ -10,7 +10,7 @@ import sys
 import numpy
 import torch
 
-from elasticd import forkserver
+from elasticd.worker import forkserver
 
 
 def openblas_threads() -> list[int]:

@@ -10,10 +10,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from elasticd import health, memory, workers
+from elasticd.checkpoint import memory
+from elasticd.cluster.rendezvous import Round
 from elasticd.config import Config
-from elasticd.rendezvous import Round
-from elasticd.states import Failure, RestartCause
+from elasticd.daemon import workers
+from elasticd.daemon.states import Failure, RestartCause
+from elasticd.worker import health
 
 ODD_STATE_HOLD = 1.0  # seconds a zombie worker must stay so before it counts as hung
 

@@ -13,10 +13,12 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from elasticd import memory, names, supervise
+from elasticd import names
+from elasticd.checkpoint import memory
+from elasticd.cluster.rendezvous import Round
 from elasticd.config import Config
-from elasticd.rendezvous import Round
-from elasticd.states import Failure, State
+from elasticd.daemon import supervise
+from elasticd.daemon.states import Failure, State
 
 PUBLISH_EVERY = 0.5  # seconds between status snapshots while running
 RESUME_READ_EVERY = 2.0  # seconds between reads of the checkpoint and in-memory state for status

@@ -1,11 +1,11 @@
-"""The control plane's key-value store: the few operations elasticd's rendezvous, liveness,
-restart and exit-barrier protocol (rendezvous.py) needs, over a c10d TCPStore (the default for
-several nodes), an etcd cluster (etcd.py) or, for a single-node job, a dict in the daemon
-(`LocalKV`: nothing listens, so no other process can touch the job's control plane).
+"""The control plane's store on a c10d TCPStore (torch.distributed): the one store the daemon
+hosts itself (`serve_store`, on the rendezvous endpoint's node and per round for the workers) and
+the KV client over it (`TCPStoreKV`, connected with `tcp_connector`). The only module of the
+cluster package whose store needs torch: kv.py (the protocol, `LocalKV`) and etcd.py stay
+torch-free, so the CLI and an etcd-only caller never load it.
 
-Every call is bounded: a store that does not answer within the timeout raises `Unreachable`
-(one line naming the endpoint), never a C++ stack or a hang. A store connection serves one call
-at a time, so a thread that blocks in `wait` uses its own connection (`clone`).
+Every call is bounded: a store that does not answer within the timeout raises `kv.Unreachable`
+(one line naming the endpoint), never a C++ stack or a hang (`bound_replies`).
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ import socket
 import struct
 import threading
 from collections.abc import Callable
-from typing import Protocol
 
 import torch.distributed as dist
 
 from elasticd import logs
+from elasticd.cluster.kv import BadCounter, Unreachable, counts
 
-log = logs.get("elasticd.kv")
+log = logs.get("elasticd.tcpstore")
 
 # compare_set's expected value for "read, do not write": random per process, so that no one
 # writing to the store can make a key that exists read as absent (TCPStore answers a compare_set
@@ -32,64 +32,40 @@ log = logs.get("elasticd.kv")
 _ABSENT = b"\x00elasticd-absent-" + secrets.token_hex(16).encode() + b"\x00"
 
 
-class Unreachable(Exception):
-    """The store did not answer within the call's timeout, or its connection failed. `refused`:
-    its host answered that nothing listens there any more (a c10d store whose daemon is gone: it
-    will never come back with the job's state), as opposed to silence (a partition, a lost quorum)."""
-
-    def __init__(self, message: str, refused: bool = False):
-        super().__init__(message)
-        self.refused = refused
-
-
-class BadCounter(Exception):
-    """A counter's key holds something that is not a number (someone else wrote it): the store
-    answered, and `raw` is what sits there, for the caller to replace."""
-
-    def __init__(self, key: str, raw: bytes):
-        super().__init__(f"counter {key} holds a value that is not a number")
-        self.key, self.raw = key, raw
-
-
-class KV(Protocol):
-    endpoint: str
-
-    def set(self, key: str, value: bytes) -> None: ...
-
-    def get(self, key: str) -> bytes | None:
-        """The value, or None when the key does not exist (never blocks for it)."""
-
-    def multi_get(self, keys: list[str]) -> list[bytes | None]: ...
-
-    def take(self, key: str) -> int:
-        """The next number of the roll at `key` (1, 2, ...), no other call's: at least once (a
-        reply lost and the call sent again skips a number). Contention-free on every store: N
-        nodes take N numbers with N requests. `BadCounter` when the key holds no number."""
-
-    def taken(self, key: str) -> int:
-        """How many numbers of the roll at `key` were taken (0: none), without taking one."""
-
-    def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> bool:
-        """Set `desired` if the key holds `expected` (None: the key is absent); True if it did.
-        `expected` is the raw value a caller read, whatever it is: b"" (written by someone else)
-        is a value like any other (on a TCPStore, absent or empty: both are garbage to replace)."""
-
-    def keys(self, prefix: str) -> list[str]:
-        """The keys that begin with `prefix`: for finding records when a counter that numbers
-        them cannot be trusted (someone raised it); not for every call (on a TCPStore it lists
-        the whole store)."""
-
-    def wait(self, key: str, timeout: float) -> bool:
-        """Block until the key exists (True) or `timeout` seconds pass (False)."""
-
-    def clone(self) -> KV:
-        """A second connection to the same store, for a thread that blocks in `wait`."""
-
-    def close(self) -> None: ...
-
-
-def _td(seconds: float) -> datetime.timedelta:
+def td(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=seconds)
+
+
+def bind_listener(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    s = socket.socket(family, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        s.bind((host, port))
+        s.listen(4096)
+    except OSError:
+        s.close()
+        raise
+    return s
+
+
+def serve_store(host: str, port: int, timeout: float) -> dist.TCPStore:
+    """A TCPStore server listening on host:port only; the store owns (and closes) the socket."""
+    listener = bind_listener(host, port)
+    bound = listener.getsockname()[1]
+    return dist.TCPStore(host, bound, None, True, td(timeout), wait_for_workers=False,
+                         master_listen_fd=listener.detach())
+
+
+def tcp_connector(host: str, port: int):
+    """How TCPStoreKV connects: a plain connect first, so that a refused one is known at once
+    (TCPStore's own client retries a refused connect until its timeout), then the store client."""
+
+    def connect(timeout: float) -> dist.TCPStore:
+        socket.create_connection((host, port), timeout=min(timeout, 2.0)).close()
+        return dist.TCPStore(host, port, None, False, td(timeout))
+
+    return connect
 
 
 def bound_replies(store: dist.TCPStore, seconds: float) -> bool:
@@ -114,14 +90,6 @@ def bound_replies(store: dist.TCPStore, seconds: float) -> bool:
 
 
 _warned: list[bool] = []
-
-
-def _counts(raw: bytes) -> bool:
-    """Whether TCPStore's add can count on from this value: a 64-bit integer (its stoll)."""
-    try:
-        return -(1 << 63) <= int(raw) < (1 << 62)
-    except ValueError:
-        return False
 
 
 def _first_line(e: BaseException) -> str:
@@ -215,7 +183,7 @@ class TCPStoreKV:
             return int(self._call("add", key, amount))
         except Unreachable:
             raw = self.get(key)  # an Unreachable here: the store really does not answer
-            if raw is None or _counts(raw):
+            if raw is None or counts(raw):
                 raise
             raise BadCounter(key, raw) from None
 
@@ -230,7 +198,7 @@ class TCPStoreKV:
         """(At most `self.timeout` at a time: the connection's own bound on a reply.)"""
         store = self._client()
         try:
-            store.wait([key], _td(min(max(timeout, 0.001), self.timeout)))
+            store.wait([key], td(min(max(timeout, 0.001), self.timeout)))
             return True
         except (dist.DistError, RuntimeError, OSError) as e:
             if isinstance(e, dist.DistStoreError) and "time" in str(e).lower():
@@ -243,66 +211,3 @@ class TCPStoreKV:
 
     def close(self) -> None:
         self.store = None  # dropping the last reference closes the connection
-
-
-class LocalKV:
-    """The KV of a single-node job: a dict and a condition variable in the daemon. No socket, so
-    no other process (another local user included) can read, fill or steer the control plane;
-    a clone shares the dict (the liveness thread and the restart waiter see the loop's writes)."""
-
-    endpoint = "in-process"
-    timeout = 1.0
-
-    def __init__(self, _shared: tuple[dict[str, bytes], threading.Condition] | None = None) -> None:
-        self._data, self._cond = _shared or ({}, threading.Condition())
-
-    def set(self, key: str, value: bytes) -> None:
-        with self._cond:
-            self._data[key] = bytes(value)
-            self._cond.notify_all()
-
-    def get(self, key: str) -> bytes | None:
-        with self._cond:
-            return self._data.get(key)
-
-    def multi_get(self, keys: list[str]) -> list[bytes | None]:
-        with self._cond:
-            return [self._data.get(k) for k in keys]
-
-    def _add(self, key: str, amount: int) -> int:
-        with self._cond:
-            raw = self._data.get(key, b"0")
-            if not _counts(raw):  # as TCPStore (only the fuzz tests write there)
-                raise BadCounter(key, raw)
-            value = int(raw) + amount
-            self._data[key] = str(value).encode()
-            self._cond.notify_all()
-            return value
-
-    def take(self, key: str) -> int:
-        return self._add(key, 1)
-
-    def taken(self, key: str) -> int:
-        return self._add(key, 0)
-
-    def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> bool:
-        with self._cond:
-            if self._data.get(key) != expected:
-                return False
-            self._data[key] = bytes(desired)
-            self._cond.notify_all()
-            return True
-
-    def keys(self, prefix: str) -> list[str]:
-        with self._cond:
-            return [k for k in self._data if k.startswith(prefix)]
-
-    def wait(self, key: str, timeout: float) -> bool:
-        with self._cond:
-            return self._cond.wait_for(lambda: key in self._data, timeout=max(timeout, 0.0))
-
-    def clone(self) -> LocalKV:
-        return LocalKV((self._data, self._cond))
-
-    def close(self) -> None:
-        pass

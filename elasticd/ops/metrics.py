@@ -13,7 +13,7 @@ and waits on each without end (400 idle connections were 400 threads, and the de
 daemon needed to restart its workers).
 
 Every series carries the labels run_id and node. METRICS lists them all (name, type, help,
-labels); docs/metrics-reference.md is generated from it (python3 -m elasticd.docs).
+labels); docs/metrics-reference.md is generated from it (python3 -m elasticd.ops.docs).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.exposition import MetricsHandler
 
 from elasticd import __version__, logs, safeio
-from elasticd.states import State
+from elasticd.daemon.states import State
 
 log = logs.get("elasticd.metrics")
 

@@ -1,6 +1,6 @@
 """The agent's main loop: the only code that changes daemon state.
 
-It walks the state machine of elasticd/states.py (State, and the TRANSITIONS that set_state
+It walks the state machine of elasticd/daemon/states.py (State, and the TRANSITIONS that set_state
 checks at every change).
 
 Signals and control commands only post to the inbox; the loop waits in one place (_idle), which
@@ -27,22 +27,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from elasticd import logs, memory, names, supervise, workers
+from elasticd import logs, names
+from elasticd.checkpoint import memory
+from elasticd.cluster.peers import Peers
+from elasticd.cluster.rendezvous import BudgetSpent, Rendezvous, RendezvousFailed, Round, StoreUnreachable
 from elasticd.config import Config
-from elasticd.figures import Figures
-from elasticd.group import LocalGroup
-from elasticd.healthcheck import EXIT_UNHEALTHY, HealthCheck
-from elasticd.inbox import Inbox
-from elasticd.peers import Peers
-from elasticd.recovery import Recovery
-from elasticd.rendezvous import BudgetSpent, Rendezvous, RendezvousFailed, Round, StoreUnreachable
-from elasticd.spares import SparePool
-from elasticd.states import Failure, RestartCause, Scale, State, check_transition
-from elasticd.status import StatusBoard
-from elasticd.stragglers import Stragglers
+from elasticd.daemon import supervise, workers
+from elasticd.daemon.group import LocalGroup
+from elasticd.daemon.inbox import Inbox
+from elasticd.daemon.recovery import Recovery
+from elasticd.daemon.spares import SparePool
+from elasticd.daemon.states import Failure, RestartCause, Scale, State, check_transition
+from elasticd.daemon.status import StatusBoard
+from elasticd.ops.figures import Figures
+from elasticd.ops.healthcheck import EXIT_UNHEALTHY, HealthCheck
+from elasticd.ops.stragglers import Stragglers
 
 if TYPE_CHECKING:
-    from elasticd import control, healthcheck, metrics
+    from elasticd.control import channel as control
+    from elasticd.ops import healthcheck, metrics
 
 log = logs.get("elasticd.agent")
 
@@ -75,8 +78,8 @@ class Agent:
         self.first_failure: Failure | None = None
         self.last_failure: Failure | None = None
         self.stop_request: StopRequest | None = None
-        self.memory_dir: str | None = None  # in-memory state directory (elasticd.memory), ours to remove
-        self.notify = None  # elasticd.systemd once serve() wires it
+        self.memory_dir: str | None = None  # in-memory state directory (elasticd.checkpoint.memory), ours to remove
+        self.notify = None  # elasticd.daemon.systemd once serve() wires it
         self._next_watchdog = 0.0
         self.inbox = Inbox()
         self.status = StatusBoard(cfg, self.node, run_dir, self.event, on_snapshot)
@@ -473,7 +476,8 @@ class Agent:
 
 def serve(cfg: Config, run_dir: Path) -> int:
     """Run the daemon: control socket, sd_notify, death guard, then the agent loop."""
-    from elasticd import control, systemd
+    from elasticd.control import channel as control
+    from elasticd.daemon import systemd
 
     logs.adopt_torch()
     agent = Agent(cfg, run_dir)
@@ -527,8 +531,8 @@ def _metrics_exporter(cfg: Config, agent: Agent) -> metrics.Exporter | None:
     an address that cannot be bound is a ConfigError (one line, exit 2)."""
     if not (cfg.metrics_address or cfg.metrics_textfile):
         return None
-    from elasticd import metrics
     from elasticd.config import ConfigError, parse_metrics_address
+    from elasticd.ops import metrics
 
     address = parse_metrics_address(cfg.metrics_address) if cfg.metrics_address else None
     exporter = metrics.Exporter(address, cfg.metrics_textfile or None, lambda: agent.status.snapshot)
@@ -554,7 +558,7 @@ def _stop_command(agent: Agent, req: dict) -> dict:
 
 def _stacks_command(agent: Agent, req: dict) -> control.Deferred:
     """The loop dumps them, and answers, at its next tick."""
-    from elasticd import control
+    from elasticd.control import channel as control
 
     reply = control.Deferred(timeout=STACKS_ANSWER)
     agent.post((names.STACKS, reply))

@@ -70,7 +70,8 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from elasticd import kv, logs, signing
+from elasticd import logs
+from elasticd.cluster import kv, signing
 
 log = logs.get("elasticd.etcd")
 

@@ -80,7 +80,7 @@ class IllegalTransition(RuntimeError):
 def check_transition(old: State, new: State) -> None:
     if new not in TRANSITIONS[old]:
         raise IllegalTransition(f"agent state {old.value} -> {new.value} is not a transition of the state "
-                                f"machine (elasticd/states.py TRANSITIONS)")
+                                f"machine (elasticd/daemon/states.py TRANSITIONS)")
 
 
 class RestartCause(str, enum.Enum):

@@ -33,9 +33,10 @@ from typing import Any
 
 import psutil
 
-from elasticd import logs, names, systemd
+from elasticd import logs, names
 from elasticd.config import Config
-from elasticd.states import Failure, RestartCause
+from elasticd.daemon import systemd
+from elasticd.daemon.states import Failure, RestartCause
 
 EXIT_UNHEALTHY = 5  # `elasticd run`'s exit code when this node's health check failed
 MAX_REASON = 300  # characters of the check's output kept as its reason

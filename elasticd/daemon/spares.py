@@ -17,8 +17,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from elasticd import proctitle, supervise, workers
 from elasticd.config import Config
+from elasticd.daemon import supervise, workers
+from elasticd.worker import proctitle
 
 REFILL_AFTER = 10.0  # seconds after a start that fresh-interpreter spares are refilled at the latest
 

@@ -1,6 +1,6 @@
 """elasticd's rendezvous: the nodes meet in numbered rounds over the control plane's key-value
-store (kv.py: a c10d TCPStore we host on the endpoint's node, or etcd), and within a round they
-ask each other to restart, beat and leave together.
+store (kv.py: a c10d TCPStore we host on the endpoint's node, tcpstore.py, or etcd), and within
+a round they ask each other to restart, beat and leave together.
 
 Every node's store traffic is constant per period, whatever the number of nodes N (torch's c10d
 rendezvous rewrites one pickled state of every participant on each node's keep-alive: O(N) bytes
@@ -31,7 +31,6 @@ job has no store anyone can reach: its KV is a dict in the daemon (kv.LocalKV).
 
 from __future__ import annotations
 
-import datetime
 import errno
 import functools
 import json
@@ -44,8 +43,10 @@ from dataclasses import dataclass, field
 import tenacity
 import torch.distributed as dist
 
-from elasticd import kv as kvmod
-from elasticd import logs, names, signing
+from elasticd import logs, names
+from elasticd.cluster import kv as kvmod
+from elasticd.cluster import signing
+from elasticd.cluster.tcpstore import TCPStoreKV, serve_store, tcp_connector
 from elasticd.config import Config, ConfigError
 
 log = logs.get("elasticd.rendezvous")
@@ -110,42 +111,6 @@ def _store_call(method):
     return wrapper
 
 
-def td(seconds: float) -> datetime.timedelta:
-    return datetime.timedelta(seconds=seconds)
-
-
-def bind_listener(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    s = socket.socket(family, socket.SOCK_STREAM)
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        s.bind((host, port))
-        s.listen(4096)
-    except OSError:
-        s.close()
-        raise
-    return s
-
-
-def serve_store(host: str, port: int, timeout: float) -> dist.TCPStore:
-    """A TCPStore server listening on host:port only; the store owns (and closes) the socket."""
-    listener = bind_listener(host, port)
-    bound = listener.getsockname()[1]
-    return dist.TCPStore(host, bound, None, True, td(timeout), wait_for_workers=False,
-                         master_listen_fd=listener.detach())
-
-
-def tcp_connector(host: str, port: int):
-    """How TCPStoreKV connects: a plain connect first, so that a refused one is known at once
-    (TCPStore's own client retries a refused connect until its timeout), then the store client."""
-
-    def connect(timeout: float) -> dist.TCPStore:
-        socket.create_connection((host, port), timeout=min(timeout, 2.0)).close()
-        return dist.TCPStore(host, port, None, False, td(timeout))
-
-    return connect
-
-
 def local_address(host: str, port: int) -> str:
     """The address of ours that routes to the rendezvous host: what peers can reach us at."""
     if host in ("127.0.0.1", "localhost", "::1"):
@@ -169,7 +134,7 @@ def open_etcd(cfg: Config) -> kvmod.KV:
     while what failed may heal (refused, timed out, no leader), with the cause in each retry's
     line; one line at once for what cannot (names that do not resolve, certificates that do not
     verify, a cluster that refuses us, a bad TLS or password file)."""
-    from elasticd import etcd
+    from elasticd.cluster import etcd
 
     deadline = time.monotonic() + cfg.join_timeout
 
@@ -244,7 +209,7 @@ def open_store(cfg: Config) -> tuple[kvmod.KV, dist.TCPStore | None]:
     except OSError as e:
         if e.errno not in (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES):
             raise RendezvousFailed(f"cannot use --rdzv-endpoint {host}:{port} ({e.strerror})") from None
-    store = kvmod.TCPStoreKV(tcp_connector(host, port), f"{host}:{port}", op_timeout(cfg))
+    store = TCPStoreKV(tcp_connector(host, port), f"{host}:{port}", op_timeout(cfg))
     retry = tenacity.Retrying(
         stop=tenacity.stop_after_delay(cfg.join_timeout),
         wait=tenacity.wait_exponential_jitter(initial=0.1, max=2.0),

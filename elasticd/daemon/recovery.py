@@ -11,8 +11,8 @@ import time
 
 import tenacity
 
-from elasticd import health
 from elasticd.config import Config
+from elasticd.worker import health
 
 # the steps of a recovery, in the order they happen; reported as seconds since the failure was detected
 STEPS = ("torn_down", "rendezvous_done", "spawned", "pg_ready", "state_loaded", "first_step")

@@ -21,12 +21,21 @@ import threading
 import time
 from collections.abc import Callable
 
-from elasticd import kv as kvmod
-from elasticd import logs, supervise
+from elasticd import logs
+from elasticd.cluster import kv as kvmod
+from elasticd.cluster.rendezvous import (
+    BEAT_EVERY,
+    GARBAGE_BACKOFF,
+    LOST_SILENCE,
+    WAIT_SLICE,
+    Rendezvous,
+    Round,
+    StoreLost,
+)
 from elasticd.config import Config
-from elasticd.health import Beat
-from elasticd.rendezvous import BEAT_EVERY, GARBAGE_BACKOFF, LOST_SILENCE, WAIT_SLICE, Rendezvous, Round, StoreLost
-from elasticd.states import Failure, RestartCause, Scale
+from elasticd.daemon import supervise
+from elasticd.daemon.states import Failure, RestartCause, Scale
+from elasticd.worker.health import Beat
 
 log = logs.get("elasticd.peers")
 

@@ -219,7 +219,9 @@ def _reader_gone() -> int:
 
 
 def _run(args: argparse.Namespace, extra: list[str]) -> int:
-    from elasticd import config, logs, signing, systemd
+    from elasticd import config, logs
+    from elasticd.cluster import signing
+    from elasticd.daemon import systemd
 
     systemd.quiet_torch_cpp()  # before anything imports torch
 
@@ -266,7 +268,7 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
         sys.stderr.write(f"elasticd: error: {_one_line(e)}\n")
         return EXIT_USAGE
     logs.setup(cfg.log_format)
-    from elasticd.agent import serve
+    from elasticd.daemon.agent import serve
 
     try:
         return serve(cfg, run_dir)
@@ -317,7 +319,7 @@ def _status(args: argparse.Namespace) -> int:
 def _daemons(args: argparse.Namespace) -> list:
     """The control sockets a call means: --socket, else every daemon found (see
     control.find_daemons), else the default path (which then says nobody listens)."""
-    from elasticd import control
+    from elasticd.control import channel as control
 
     if args.socket:
         return [args.socket]
@@ -336,7 +338,7 @@ def _one_daemon(args: argparse.Namespace) -> str | None:
 
 def _ask(path, payload: dict, timeout: float = 5.0) -> dict | int:
     """The daemon's reply to one request, or the exit code when there is none (the line said)."""
-    from elasticd import control
+    from elasticd.control import channel as control
 
     try:
         reply = control.request(path, {"version": 1, **payload}, timeout=timeout)
@@ -375,7 +377,7 @@ def _stacks(args: argparse.Namespace) -> int:
 
 
 def _stop(args: argparse.Namespace) -> int:
-    from elasticd import control
+    from elasticd.control import channel as control
 
     path = _one_daemon(args)
     if path is None:

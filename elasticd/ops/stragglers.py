@@ -27,8 +27,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from elasticd import health
 from elasticd.config import Config
+from elasticd.worker import health
 
 SAMPLE_EVERY = 1.0  # seconds between comparisons
 

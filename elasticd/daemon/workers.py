@@ -25,7 +25,9 @@ from typing import BinaryIO
 
 import psutil
 
-from elasticd import health, logs, names, proctitle, safeio, supervise, systemd
+from elasticd import logs, names, safeio
+from elasticd.daemon import supervise, systemd
+from elasticd.worker import health, proctitle
 
 log = logs.get("elasticd.workers")
 
@@ -222,7 +224,7 @@ def spawn(spec: GroupSpec, spares: list[Spare] | None = None) -> list[Worker]:
         if proc is None:
             with os.fdopen(safeio.create(paths["log"]), "ab") as out:
                 proc = subprocess.Popen(
-                    proctitle.command("elasticd.bootstrap", proctitle.title(spec.entrypoint, args), args),
+                    proctitle.command("elasticd.worker.bootstrap", proctitle.title(spec.entrypoint, args), args),
                     env=env,
                     stdin=subprocess.DEVNULL,
                     stdout=out,
@@ -254,15 +256,15 @@ def start_spare(token: str, nproc: int, preload: tuple[str, ...], log_path: Path
     interpreter start-up and imports on a restart. The fallback where the fork server is unfit.
     `shown`: the workers' command line (proctitle.title), which the spare makes room for."""
     with os.fdopen(safeio.append(log_path), "ab") as out:
-        proc = subprocess.Popen(proctitle.command("elasticd.bootstrap", shown), env=_spare_env(token, nproc, preload),
-                                stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True, close_fds=True)
+        proc = subprocess.Popen(proctitle.command("elasticd.worker.bootstrap", shown),
+                                env=_spare_env(token, nproc, preload), stdin=subprocess.PIPE, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True, close_fds=True)
     assert proc.stdin is not None
     return Spare(proc, proc.stdin)
 
 
 class ForkServer:
-    """Daemon side of elasticd.forkserver: asks for spares and collects them (pid and the write
+    """Daemon side of elasticd.worker.forkserver: asks for spares and collects them (pid and the write
     end of the spare's job pipe) without blocking the agent loop. `shown`: the workers' command
     line (proctitle.title); the server's own has room for it, and its forks inherit that."""
 
@@ -270,7 +272,7 @@ class ForkServer:
         self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             with os.fdopen(safeio.append(log_path), "ab") as out:
-                self.proc = subprocess.Popen(proctitle.command("elasticd.forkserver", shown),
+                self.proc = subprocess.Popen(proctitle.command("elasticd.worker.forkserver", shown),
                                              env=_spare_env(token, nproc, preload), stdin=theirs,
                                              stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                                              close_fds=True)
@@ -359,10 +361,10 @@ def discard_spares(spares: list[Spare]) -> None:
 
 
 def start_guard(token: str) -> subprocess.Popen:
-    """See elasticd.guard: kills our workers' tree if the daemon dies without doing it."""
+    """See elasticd.daemon.guard: kills our workers' tree if the daemon dies without doing it."""
     env = systemd.child_env(dict(os.environ))
     env.pop(names.AGENT, None)
-    return subprocess.Popen([sys.executable, "-m", "elasticd.guard", token], stdin=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-m", "elasticd.daemon.guard", token], stdin=subprocess.PIPE,
                             stdout=subprocess.DEVNULL, env=env, close_fds=True)
 
 

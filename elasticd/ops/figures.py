@@ -23,8 +23,8 @@ import collections
 import statistics
 from typing import Any
 
-from elasticd import health
-from elasticd.states import Failure, RestartCause, Scale
+from elasticd.daemon.states import Failure, RestartCause, Scale
+from elasticd.worker import health
 
 # Prometheus-style label of each restart cause (restarts_total{cause=...})
 CAUSES = {

@@ -44,8 +44,9 @@ from pathlib import Path
 import psutil
 import structlog
 
-from elasticd import names, supervise
+from elasticd import names
 from elasticd.config import ConfigError, check_value
+from elasticd.daemon import supervise
 
 log = structlog.get_logger("elasticd.control")
 

@@ -3,7 +3,7 @@
 A fresh interpreter importing torch costs a core a second or two; refilling the spares that way
 after every (re)start takes that CPU from the training workers for their first seconds (on a
 busy node, idle scheduling priority does not hide it: caches and memory bandwidth are shared).
-So the daemon starts one fork server per run, `python -m elasticd.forkserver`, which imports
+So the daemon starts one fork server per run, `python -m elasticd.worker.forkserver`, which imports
 torch and the preload list once, while the nodes meet. For each spare the daemon asks for it
 forks twice: the grandchild is reparented to the daemon (a child subreaper), which then waits on
 it, signals it and reads its exit status as for any worker it started itself. The spare waits on
@@ -131,7 +131,7 @@ def become_spare(read_end: int) -> None:
 
 
 def main() -> None:
-    from elasticd import bootstrap
+    from elasticd.worker import bootstrap
 
     bootstrap.die_with_daemon()
     conn = socket.socket(fileno=0)  # a socketpair end; a spare's stdin becomes its job pipe

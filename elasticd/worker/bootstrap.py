@@ -1,6 +1,6 @@
 """Runs inside every worker before the user's code, then gets out of the way.
 
-`python -m elasticd.bootstrap ARGS...` with ELASTICD_ENTRYPOINT naming a script, module or
+`python -m elasticd.worker.bootstrap ARGS...` with ELASTICD_ENTRYPOINT naming a script, module or
 module:function. The user's code then runs with the `__main__`, sys.argv, sys.path and exit-code
 semantics of `python script.py ARGS` / `python -m module ARGS`. Before that it:
 - dies with the daemon (parent-death signal), even if the daemon is SIGKILLed;
@@ -32,7 +32,8 @@ import time
 import traceback
 import types
 
-from elasticd import names, proctitle, safeio
+from elasticd import names, safeio
+from elasticd.worker import proctitle
 
 _PR_SET_PDEATHSIG = 1
 
@@ -131,7 +132,7 @@ def _wrap_process_group_calls(dist_module) -> None:
     @functools.wraps(init)
     def init_process_group(*args, **kwargs):
         result = init(*args, **kwargs)
-        from elasticd import health
+        from elasticd.worker import health
 
         health.mark(path, "pg_ready")
         return result
@@ -294,7 +295,7 @@ def main() -> None:
         raise
     finally:
         if os.environ.get(names.HEARTBEAT_FILE):
-            from elasticd import health
+            from elasticd.worker import health
 
             health.mark(os.environ[names.HEARTBEAT_FILE], "exiting")
 

@@ -66,7 +66,7 @@ _FIELDS = struct.Struct("<8sQqqqQQIIq")
 _ALIGN = 64
 SLOTS = 2
 _SMALL = 1 << 20  # bytes below which a tensor is copied with one memmove
-# CUDA bytes below which a refresh copies at once instead of overlapping (elasticd.overlap). On an
+# CUDA bytes below which a refresh copies at once instead of overlapping (elasticd.checkpoint.overlap). On an
 # H100 node an overlapped refresh of the recovery bench's tiny model was charged about 1.2 ms, a
 # synchronous one about 0.5 ms; 0.7 ms is what a synchronous copy of 8 MiB into shared memory
 # takes there (~12 GB/s), so below this size queuing the copies costs more than it saves.
@@ -381,7 +381,7 @@ class _Slot:
         self.views: list = []
         self.direct: list = []  # per view: (address, bytes) for one memmove from a contiguous CPU tensor, or None
         self.address = 0  # of the mapping
-        self.pinned = False  # page-locked for overlapped device copies (elasticd.overlap)
+        self.pinned = False  # page-locked for overlapped device copies (elasticd.checkpoint.overlap)
 
     def reserve(self, size: int) -> bool:
         """Make room for `size` bytes; True when that (re)mapped the slot (a one-off cost)."""
@@ -427,10 +427,10 @@ class Writer:
         _import_torch()
         self.local_rank = local_rank
         self.lineage, self.local_world = int(lineage), int(local_world)
-        self.overlap = overlap  # queue device copies to overlap the next step (elasticd.overlap)
+        self.overlap = overlap  # queue device copies to overlap the next step (elasticd.checkpoint.overlap)
         self.queued = False  # the last write's copies were queued, its cost is measured later
         self.notice: str | None = None  # why overlapping was turned off, for the caller to report once
-        self._copier: Any = None  # an elasticd.overlap.Copier, made at the first overlapped refresh
+        self._copier: Any = None  # an elasticd.checkpoint.overlap.Copier, made at the first overlapped refresh
         self._device: Any = None  # the one CUDA device of the layout's tensors, if they have one
         self._device_bytes = 0  # of the layout's CUDA tensors
         self.slots = [_Slot(slot_path(path, local_rank, k)) for k in range(SLOTS)]
@@ -519,12 +519,12 @@ class Writer:
         """The Copier for this refresh, or None to copy synchronously. First the last refresh
         lands, as a synchronous one would have: a slot is only ever invalidated while the other
         holds a whole step. A refresh that no optimizer step has waited for since may have
-        raced a write (see elasticd.overlap): it is dropped, its slot is the one written next,
+        raced a write (see elasticd.checkpoint.overlap): it is dropped, its slot is the one written next,
         and overlapping ends."""
         if self._copier is None:
             if not self._worth_overlapping() or not torch.cuda.is_initialized():
                 return None
-            from elasticd import overlap
+            from elasticd.checkpoint import overlap
 
             try:
                 self._copier = overlap.Copier(self._device)
