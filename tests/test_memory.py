@@ -315,7 +315,7 @@ def test_daemon_side_create_remove_and_reap(tmp_path, monkeypatch):
     assert path and os.path.dirname(path) == str(tmp_path) and "/../" not in path[len(str(tmp_path)):]
     assert os.stat(path).st_mode & 0o777 == 0o700
     # a daemon that died without cleaning up: its process is gone, and with it the lock it held
-    code = "import sys; from elasticd import memory; memory.ROOT = sys.argv[1]; print(memory.create('old'))"
+    code = "import sys; from elasticd.checkpoint import memory; memory.ROOT = sys.argv[1]; print(memory.create('old'))"
     stale = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True,
                            check=True, timeout=60).stdout.strip()
     assert os.path.isdir(stale)
