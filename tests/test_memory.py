@@ -134,7 +134,7 @@ def test_overlap_on_a_cpu_or_small_state_copies_synchronously(tmp_path, device):
     the plain synchronous ones (and exact), and no side stream or thread is made for them; a
     CPU job loads nothing CUDA."""
     code = ("import sys, torch\n"
-            "from elasticd import checkpoint, memory\n"
+            "from elasticd import checkpoint\nfrom elasticd.checkpoint import memory\n"
             "from elasticd.checkpoint import CheckpointManager\n"
             f"mem = {str(tmp_path / 'mem')!r}\n"
             "mgr = CheckpointManager(mem + '-disk', handle_sigterm=False, memory_dir=mem, memory_every=1)\n"
