@@ -122,12 +122,15 @@ class Peers:
                         value = beats[m.node_id]
                         if seen is None or (value is not None and value > seen[0]):
                             rnd.peer_seen[g] = (value or 0, now)
-                    if rnd.group_world_size < self.cfg.max_nodes and now >= self._next_waiting_check:
+                    if now >= self._next_waiting_check:
                         self._next_waiting_check = now + WAITING_EVERY
-                        waiting = self.rdzv.waiting_ids(self._beat_kv, rnd)
-                        self.waiting = (rnd.number, waiting)
-                        if waiting:
-                            self._wake()
+                        if rnd.group_rank == 0 and rnd.group_world_size > 1:
+                            self.rdzv.keep_master(self._beat_kv, rnd)
+                        if rnd.group_world_size < self.cfg.max_nodes:
+                            waiting = self.rdzv.waiting_ids(self._beat_kv, rnd)
+                            self.waiting = (rnd.number, waiting)
+                            if waiting:
+                                self._wake()
                 self.unreachable_since, self._last_ok = None, time.monotonic()
             except kvmod.Unreachable as e:
                 if self._stop.is_set():

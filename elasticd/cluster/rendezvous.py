@@ -721,6 +721,15 @@ class Rendezvous:
         key = names.alive_key(self.scope, self.node_id)
         store.set(key, self.seal(key, str(count)))
 
+    def keep_master(self, store: kvmod.KV, rnd: Round) -> None:
+        """Group rank 0, once a second: its worker store's address put back if someone wrote over
+        it (or removed it), since it is written once and a node still meeting the round waits for
+        it: garbage left there would hold that node until --join-timeout."""
+        key = self._key(rnd.number, names.MASTER)
+        raw = store.get(key)
+        if self.open(key, raw, _master) is None:
+            store.compare_set(key, raw, self.seal(key, f"{rnd.master_addr} {rnd.master_port}"))
+
     def read_beats(self, store: kvmod.KV, node_ids: list[str]) -> dict[str, int | None]:
         keys = [names.alive_key(self.scope, n) for n in node_ids]
         return {n: self.open(k, raw, _count) for n, k, raw in zip(node_ids, keys, store.multi_get(keys))}
