@@ -197,7 +197,7 @@ def test_memory_directory_of_a_live_daemon_in_another_pid_namespace_is_kept(tmp_
     pid that is dead here; that is what made a daemon starting on the host delete live state. Its
     lock is what counts: kept while held, reaped once the holder is gone (SIGKILL, no cleanup)."""
     monkeypatch.setattr(memory, "ROOT", str(tmp_path))
-    code = ("import sys; from elasticd import memory; memory.ROOT = sys.argv[1]; "
+    code = ("import sys; from elasticd.checkpoint import memory; memory.ROOT = sys.argv[1]; "
             "print(memory.create('job'), flush=True); sys.stdin.readline()")
     holder = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True)

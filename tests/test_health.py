@@ -62,7 +62,7 @@ def test_reads_never_see_a_beat_half_written(tmp_path):
     daemon read as "silent for hours" and restarted a healthy job)."""
     path = str(tmp_path / "hb")
     health.create(path)
-    prog = f"from elasticd import health\nw = health.Writer({path!r})\nwhile True: w.beat()\n"
+    prog = f"from elasticd.worker import health\nw = health.Writer({path!r})\nwhile True: w.beat()\n"
     p = subprocess.Popen([sys.executable, "-c", prog], cwd=ROOT)
     reader = health.Reader(path)
     try:

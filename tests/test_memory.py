@@ -134,7 +134,7 @@ def test_overlap_on_a_cpu_or_small_state_copies_synchronously(tmp_path, device):
     the plain synchronous ones (and exact), and no side stream or thread is made for them; a
     CPU job loads nothing CUDA."""
     code = ("import sys, torch\n"
-            "from elasticd import checkpoint, memory\n"
+            "from elasticd import checkpoint\nfrom elasticd.checkpoint import memory\n"
             "from elasticd.checkpoint import CheckpointManager\n"
             f"mem = {str(tmp_path / 'mem')!r}\n"
             "mgr = CheckpointManager(mem + '-disk', handle_sigterm=False, memory_dir=mem, memory_every=1)\n"
@@ -315,7 +315,7 @@ def test_daemon_side_create_remove_and_reap(tmp_path, monkeypatch):
     assert path and os.path.dirname(path) == str(tmp_path) and "/../" not in path[len(str(tmp_path)):]
     assert os.stat(path).st_mode & 0o777 == 0o700
     # a daemon that died without cleaning up: its process is gone, and with it the lock it held
-    code = "import sys; from elasticd import memory; memory.ROOT = sys.argv[1]; print(memory.create('old'))"
+    code = "import sys; from elasticd.checkpoint import memory; memory.ROOT = sys.argv[1]; print(memory.create('old'))"
     stale = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True,
                            check=True, timeout=60).stdout.strip()
     assert os.path.isdir(stale)
