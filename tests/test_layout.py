@@ -9,12 +9,16 @@ a module runs in, and these checks keep it true.
   `elasticd status` is quick and the daemon reads checkpoints without it (a subprocess each).
 - No module or package is named like a standard-library module or one of our dependencies, and
   every package is one that pyproject installs.
+- Every elasticd import the code, tests and benchmarks write (in code strings too) resolves in
+  this checkout alone: an interpreter whose site-packages holds another elasticd (an editable
+  install of another copy) would otherwise find a module that moved away there, and pass.
 """
 
 from __future__ import annotations
 
 import ast
 import json
+import re
 import subprocess
 import sys
 import tomllib
@@ -171,3 +175,48 @@ def test_every_package_is_installed():
     stray = sorted(str(d.relative_to(ROOT)) for d in PACKAGE.rglob("*")
                    if d.is_dir() and d.name != "__pycache__" and not (d / "__init__.py").exists())
     assert stray == [], f"folders without __init__.py (not installed): {stray}"
+
+
+IMPORTED = re.compile(r"\bfrom (elasticd(?:\.\w+)*) import (\w+(?: as \w+)?(?:, *\w+(?: as \w+)?)*)"
+                      r"|\bimport (elasticd(?:\.\w+)*)")
+STARTED = re.compile(r'(?:"-m", |command\()"(elasticd(?:\.\w+)*)"')
+
+
+def test_every_elasticd_import_resolves_in_this_checkout():
+    """Read as text, so that code in strings (`python -c`, a worker's script) counts; run in an
+    interpreter that finds modules through sys.path only (no editable-install finder), this
+    checkout first."""
+    statements, started = set(), set()
+    for folder in ("elasticd", "tests", "bench", "entrypoints"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            if path.name == "test_layout.py":
+                continue
+            text = path.read_text()
+            for m in IMPORTED.finditer(text):
+                if m.group(1):
+                    names = ", ".join(n.split(" as ")[0].strip() for n in m.group(2).split(","))
+                    statements.add(f"from {m.group(1)} import {names}")
+                else:
+                    statements.add(f"import {m.group(3)}")
+            started.update(STARTED.findall(text))
+    assert len(statements) > 50 and "elasticd.worker.bootstrap" in started, (len(statements), started)
+    code = f"""
+import importlib.machinery, importlib.util, json, sys
+sys.meta_path[:] = [f for f in sys.meta_path if f in (importlib.machinery.BuiltinImporter,
+                    importlib.machinery.FrozenImporter, importlib.machinery.PathFinder)]
+sys.path.insert(0, {str(ROOT)!r})
+failed = []
+for statement in {sorted(statements)!r}:
+    try:
+        exec(statement, {{}})
+    except Exception as e:
+        failed.append(f"{{statement}}: {{type(e).__name__}}: {{e}}")
+for module in {sorted(started)!r}:
+    spec = importlib.util.find_spec(module)
+    if spec is None or not (spec.origin or "").startswith({str(PACKAGE)!r}):
+        failed.append(f"python -m {{module}}: not in this checkout")
+print(json.dumps(failed))
+"""
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads(r.stdout.splitlines()[-1]) == []
