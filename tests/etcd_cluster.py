@@ -247,3 +247,14 @@ def own_cluster_fixture(tmp_path):
     c = EtcdCluster(tmp_path / "etcd").start()
     yield c
     c.stop()
+
+
+@pytest.fixture(name="cluster", scope="module")
+def shared_cluster_fixture(tmp_path_factory):
+    """One healthy 3-member cluster for a module's tests that only read and write (each uses its
+    own keys)."""
+    if etcd_binary() is None:
+        pytest.skip(SKIP_REASON)
+    c = EtcdCluster(tmp_path_factory.mktemp("etcd")).start()
+    yield c
+    c.stop()

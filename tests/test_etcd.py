@@ -19,19 +19,16 @@ import psutil
 import pytest
 
 from elasticd.cluster import etcd, kv, tcpstore
-from etcd_cluster import SKIP_REASON, EtcdCluster, etcd_binary, free_port, own_cluster_fixture  # noqa: F401 (the fixture)
+from etcd_cluster import (  # noqa: F401 (the fixtures)
+    SKIP_REASON,
+    EtcdCluster,
+    etcd_binary,
+    free_port,
+    own_cluster_fixture,
+    shared_cluster_fixture,
+)
 
 needs_etcd = pytest.mark.skipif(etcd_binary() is None, reason=SKIP_REASON)
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    """One healthy 3-member cluster for the tests that only read and write (each uses its own keys)."""
-    if etcd_binary() is None:
-        pytest.skip(SKIP_REASON)
-    c = EtcdCluster(tmp_path_factory.mktemp("etcd")).start()
-    yield c
-    c.stop()
 
 
 @pytest.fixture(params=["tcpstore", "etcd", "local"])

@@ -17,19 +17,10 @@ from hypothesis import strategies as st
 
 from elasticd import config, names
 from elasticd.cluster import kv, rendezvous, tcpstore
-from etcd_cluster import SKIP_REASON, EtcdCluster, etcd_binary
+from etcd_cluster import shared_cluster_fixture  # noqa: F401 (the fixture: cluster)
 from harness import secret_flags
 
 _jobs = itertools.count()
-
-
-@pytest.fixture(scope="module")
-def etcd_cluster(tmp_path_factory):
-    if etcd_binary() is None:
-        pytest.skip(SKIP_REASON)
-    c = EtcdCluster(tmp_path_factory.mktemp("etcd")).start()
-    yield c
-    c.stop()
 
 
 @pytest.fixture(params=["tcpstore", "etcd", "local"])
@@ -41,7 +32,7 @@ def store(request):
         settings_ = {"entrypoint": "x.py", "nnodes": "1:2", "rdzv_id": f"fuzz{next(_jobs)}", "last_call_timeout": 0,
                      "join_timeout": 4, "peer_timeout": 2, "rdzv_secret_file": secret, **extra}
         if request.param == "etcd":
-            settings_.update(rdzv_backend="etcd", rdzv_endpoint=request.getfixturevalue("etcd_cluster").endpoints)
+            settings_.update(rdzv_backend="etcd", rdzv_endpoint=request.getfixturevalue("cluster").endpoints)
         elif request.param == "tcpstore":
             settings_["rdzv_endpoint"] = f"127.0.0.1:{port}"
         else:
@@ -56,7 +47,7 @@ def store(request):
     if request.param == "etcd":
         from elasticd.cluster import etcd
 
-        endpoints = request.getfixturevalue("etcd_cluster").endpoints
+        endpoints = request.getfixturevalue("cluster").endpoints
 
         def connect():
             made.append(etcd.connect(endpoints, timeout=5))

@@ -581,7 +581,7 @@ class EtcdKV:
     def _rejected(self, i: int, why: str) -> None:
         """Log a member's reply that could not be read: once a minute per member at most (one
         that sends garbage to every request must not write a line per request)."""
-        held = _REJECTIONS.due(str(self.endpoints[i]))
+        held = _REJECTIONS(str(self.endpoints[i]))
         if held is not None:
             log.warning("etcd_reply_rejected", endpoint=str(self.endpoints[i]), why=why, held_back=held)
 
@@ -879,27 +879,7 @@ def _shut(sock: socket.socket | None) -> None:
         pass
 
 
-class _Every:
-    """One log line per key every `period` seconds, and how many were held back in between."""
-
-    def __init__(self, period: float):
-        self.period = period
-        self._lock = threading.Lock()
-        self._next: dict[str, float] = {}
-        self._held: dict[str, int] = {}
-
-    def due(self, key: str) -> int | None:
-        """None: hold this one back; else the lines held back since the last one."""
-        now = time.monotonic()
-        with self._lock:
-            if now < self._next.get(key, 0.0):
-                self._held[key] = self._held.get(key, 0) + 1
-                return None
-            self._next[key] = now + self.period
-            return self._held.pop(key, 0)
-
-
-_REJECTIONS = _Every(REJECTED_EVERY)
+_REJECTIONS = logs.Throttle(REJECTED_EVERY)
 
 
 # --- the wire form ---------------------------------------------------------------------------

@@ -336,15 +336,23 @@ class Rendezvous:
         store whose host began the run, a value that does not verify is never written over: its
         writer has another secret, or is not one of the job's nodes.)"""
         deadline = time.monotonic() + self.cfg.join_timeout
-        while True:  # the store may not answer for a while (a partition, an etcd election)
-            try:
-                return self._find_run(begins, deadline)
-            except StoreUnreachable as e:
-                if time.monotonic() > deadline:
-                    raise RendezvousFailed(f"{e}, for --join-timeout {self.cfg.join_timeout:g}s: check the "
-                                           "network and the store's host") from None
-                log.warning("store_unreachable", why=str(e), retry_in=1.0)
-                time.sleep(1.0)
+        while True:
+            run = self._answered(lambda: self._find_run(begins, deadline), deadline)
+            if run is not None:
+                return run
+
+    def _answered(self, call, deadline: float):
+        """call(), or None after a second's pause when the store did not answer it (a partition,
+        an etcd election); RendezvousFailed once that goes on past the deadline."""
+        try:
+            return call()
+        except StoreUnreachable as e:
+            if time.monotonic() > deadline:
+                raise RendezvousFailed(f"{e}, for --join-timeout {self.cfg.join_timeout:g}s: check the "
+                                       "network and the store's host") from None
+            log.warning("store_unreachable", why=str(e), retry_in=1.0)
+            time.sleep(1.0)
+            return None
 
     @_store_call
     def _find_run(self, begins: bool, deadline: float) -> str:
@@ -450,15 +458,7 @@ class Rendezvous:
         until then."""
         deadline = time.monotonic() + self.cfg.join_timeout
         while True:
-            try:
-                rnd = self._try_round(nproc, deadline)
-            except StoreUnreachable as e:
-                if time.monotonic() > deadline:
-                    raise RendezvousFailed(f"{e}, for --join-timeout {self.cfg.join_timeout:g}s: check the "
-                                           "network and the store's host") from None
-                log.warning("store_unreachable", why=str(e), retry_in=1.0)
-                time.sleep(1.0)
-                continue
+            rnd = self._answered(lambda: self._try_round(nproc, deadline), deadline)  # None: late, or no answer
             if rnd is not None:
                 self.last = rnd
                 return rnd
