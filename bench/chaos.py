@@ -51,9 +51,24 @@ import psutil
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-KINDS = ("kill9", "segv", "stop", "stop_short", "loader", "both", "spare", "forkserver", "sigterm",
-         "restart", "save")
-NO_RESTART = {"spare", "forkserver", "stop_short"}  # faults the job should ride out in the same processes
+KINDS = (
+    "kill9",
+    "segv",
+    "stop",
+    "stop_short",
+    "loader",
+    "both",
+    "spare",
+    "forkserver",
+    "sigterm",
+    "restart",
+    "save",
+)
+NO_RESTART = {
+    "spare",
+    "forkserver",
+    "stop_short",
+}  # faults the job should ride out in the same processes
 TOKEN = "ELASTICD_AGENT"
 
 
@@ -76,18 +91,49 @@ class Job:
         self.gate = work / "gate" if gated else None
         self.open_gate(args.steps_per_fault + 1)
         self.stderr = work / "daemon.err"
-        env = dict(os.environ, CHAOS_OUT=str(self.out), CHAOS_CKPT_DIR=str(self.ckpt), CHAOS_STEPS=str(steps),
-                   CHAOS_STEP_DELAY=str(args.step_delay), CHAOS_CKPT_EVERY=str(args.ckpt_every),
-                   CHAOS_GATE=str(self.gate or ""), PYTHONPATH=os.pathsep.join(
-                       filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-        cmd = [sys.executable, "-m", "elasticd", "run", "--nproc-per-node", "2", "--log-dir", str(work / "logs"),
-               "--socket", str(work / "ctl.sock"), "--log-format", "json", "--no-tee", "--restart-grace", "2",
-               "--max-restarts", str(3 * args.faults + 10), "--heartbeat-timeout", str(args.heartbeat_timeout),
-               str(HERE / "chaos_train.py")]
+        env = dict(
+            os.environ,
+            CHAOS_OUT=str(self.out),
+            CHAOS_CKPT_DIR=str(self.ckpt),
+            CHAOS_STEPS=str(steps),
+            CHAOS_STEP_DELAY=str(args.step_delay),
+            CHAOS_CKPT_EVERY=str(args.ckpt_every),
+            CHAOS_GATE=str(self.gate or ""),
+            PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        )
+        cmd = [
+            sys.executable,
+            "-m",
+            "elasticd",
+            "run",
+            "--nproc-per-node",
+            "2",
+            "--log-dir",
+            str(work / "logs"),
+            "--socket",
+            str(work / "ctl.sock"),
+            "--log-format",
+            "json",
+            "--no-tee",
+            "--restart-grace",
+            "2",
+            "--max-restarts",
+            str(3 * args.faults + 10),
+            "--heartbeat-timeout",
+            str(args.heartbeat_timeout),
+            str(HERE / "chaos_train.py"),
+        ]
         self.t0 = time.monotonic()
         with open(work / "daemon.out", "wb") as o, open(self.stderr, "wb") as e:
-            self.proc = subprocess.Popen(cmd, stdout=o, stderr=e, stdin=subprocess.DEVNULL, cwd=ROOT, env=env,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(
+                cmd,
+                stdout=o,
+                stderr=e,
+                stdin=subprocess.DEVNULL,
+                cwd=ROOT,
+                env=env,
+                start_new_session=True,
+            )
         self.ended: float | None = None
         threading.Thread(target=self._reap, daemon=True).start()
         self.tokens: set[str] = set()
@@ -260,13 +306,20 @@ def stepping(job: Job, since: float, old: set[int], new_processes: bool) -> floa
     return max(first.values()) if len(first) == 2 else None
 
 
-def inject(job: Job, kind: str, args, rng: random.Random, hb: float) -> tuple[float, list[int], float]:
+def inject(
+    job: Job, kind: str, args, rng: random.Random, hb: float
+) -> tuple[float, list[int], float]:
     """Do the fault; returns (its time, the pids hit, the time after which steps count as
     recovered)."""
     workers = job.workers()
     rank = rng.randrange(2)
     if kind in ("kill9", "segv", "sigterm", "stop"):
-        sig = {"kill9": signal.SIGKILL, "segv": signal.SIGSEGV, "sigterm": signal.SIGTERM, "stop": signal.SIGSTOP}[kind]
+        sig = {
+            "kill9": signal.SIGKILL,
+            "segv": signal.SIGSEGV,
+            "sigterm": signal.SIGTERM,
+            "stop": signal.SIGSTOP,
+        }[kind]
         t = time.time()
         _signal(workers[rank], sig)
         return t, [workers[rank]], t
@@ -296,14 +349,24 @@ def inject(job: Job, kind: str, args, rng: random.Random, hb: float) -> tuple[fl
         t = time.time()
         _signal(workers[rank], signal.SIGKILL)
         old = set(workers.values())
-        new = wait_for(lambda: (w := job.workers()) and not old & set(w.values()) and w, args.fault_timeout)
+        new = wait_for(
+            lambda: (w := job.workers()) and not old & set(w.values()) and w, args.fault_timeout
+        )
         if new:
             _signal(new[rng.randrange(2)], signal.SIGKILL)
-        return t, [workers[rank], *(new or {}).values()], time.time()  # the spawned pair counts as old
+        return (
+            t,
+            [workers[rank], *(new or {}).values()],
+            time.time(),
+        )  # the spawned pair counts as old
     if kind == "save":
         last = job.steps()[-1][2]
         target = (last // args.ckpt_every + 1) * args.ckpt_every
-        hit = wait_for(lambda: any(r == 0 and s == target for _p, r, s, _t in job.steps()), args.fault_timeout, 0.002)
+        hit = wait_for(
+            lambda: any(r == 0 and s == target for _p, r, s, _t in job.steps()),
+            args.fault_timeout,
+            0.002,
+        )
         t = time.time()
         if hit:
             _signal(workers[0], signal.SIGKILL)
@@ -336,19 +399,28 @@ def chaos_run(args, steps: int) -> dict:
         target = (i + 1) * args.steps_per_fault
         job.open_gate(target + 1)  # the job waits at the fault's step while the spares come back
         job.note_tokens()
-        wait_for(lambda: len(job.helpers()[1]) >= 2, args.settle_timeout, 0.05)  # bounded: without a fork
-        wait_for(lambda: job.steps()[-1][2] >= target, args.fault_timeout, 0.005)  # server they take a while
+        wait_for(
+            lambda: len(job.helpers()[1]) >= 2, args.settle_timeout, 0.05
+        )  # bounded: without a fork
+        wait_for(
+            lambda: job.steps()[-1][2] >= target, args.fault_timeout, 0.005
+        )  # server they take a while
         old = set(job.workers().values())
         attempts = len(job.events("state"))
         at = job.steps()[-1][2]
         if i == args.faults - 1 and args.exit_fault:
             job.open_gate(steps)
-            hit = wait_for(lambda: next((p for p, _r, s, _t in job.steps() if s == steps), None),
-                           args.fault_timeout, 0.002)
+            hit = wait_for(
+                lambda: next((p for p, _r, s, _t in job.steps() if s == steps), None),
+                args.fault_timeout,
+                0.002,
+            )
             _signal(hit, signal.SIGKILL)
             fault = Fault("exit", steps, [hit] if hit else [], recovery_s=0.0 if hit else None)
             faults.append(fault)
-            fault.restarted = wait_for(lambda: len(job.events("state")) > attempts + 1, 5, 0.05) is not None
+            fault.restarted = (
+                wait_for(lambda: len(job.events("state")) > attempts + 1, 5, 0.05) is not None
+            )
             break
         job.open_gate(target + args.steps_per_fault)  # room to step while recovering
         kind = pick(rng, job, kinds, deck)
@@ -374,8 +446,14 @@ def chaos_run(args, steps: int) -> dict:
     code, wall = job.wait(args.fault_timeout + steps * (args.step_delay + 0.05))
     time.sleep(0.5)  # the guard's sweep, if any, has finished
     digest, final = state_hash(job.ckpt)
-    return {"code": code, "wall_s": wall, "faults": faults, "hash": digest, "final_step": final,
-            "orphans": orphans(job.tokens)}
+    return {
+        "code": code,
+        "wall_s": wall,
+        "faults": faults,
+        "hash": digest,
+        "final_step": final,
+        "orphans": orphans(job.tokens),
+    }
 
 
 def clean_start(args, steps: int) -> Job:
@@ -388,7 +466,13 @@ def clean_start(args, steps: int) -> Job:
 def clean_finish(job: Job, args, steps: int) -> dict:
     code, wall = job.wait(120 + steps * (args.step_delay + 0.05))
     digest, final = state_hash(job.ckpt)
-    return {"code": code, "wall_s": wall, "hash": digest, "final_step": final, "orphans": orphans(job.tokens)}
+    return {
+        "code": code,
+        "wall_s": wall,
+        "hash": digest,
+        "final_step": final,
+        "orphans": orphans(job.tokens),
+    }
 
 
 def summarize(args, steps: int, clean: dict, chaos: dict) -> dict:
@@ -397,8 +481,10 @@ def summarize(args, steps: int, clean: dict, chaos: dict) -> dict:
     survived = sum(f.recovery_s is not None for f in faults) if finished else 0
     rec = [f.recovery_s for f in faults if f.restarted and f.recovery_s and f.kind != "exit"]
     server = next((i for i, f in enumerate(faults) if f.kind == "forkserver"), len(faults))
-    before, after = ([f.recovery_s for f in part if f.restarted and f.recovery_s and f.kind != "exit"]
-                     for part in (faults[:server], faults[server + 1:]))
+    before, after = (
+        [f.recovery_s for f in part if f.restarted and f.recovery_s and f.kind != "exit"]
+        for part in (faults[:server], faults[server + 1 :])
+    )
     per_kind = {}
     for f in faults:
         k = per_kind.setdefault(f.kind, {"n": 0, "survived": 0, "restarted": 0, "recovery_s": []})
@@ -409,17 +495,29 @@ def summarize(args, steps: int, clean: dict, chaos: dict) -> dict:
             k["recovery_s"].append(round(f.recovery_s, 3))
     lost = [f.steps_lost for f in faults if f.steps_lost is not None]
     return {
-        "faults": len(faults), "requested": args.faults, "seed": args.seed, "steps": steps,
-        "survived": survived, "finished": finished,
+        "faults": len(faults),
+        "requested": args.faults,
+        "seed": args.seed,
+        "steps": steps,
+        "survived": survived,
+        "finished": finished,
         "bit_identical": clean["hash"] is not None and clean["hash"] == chaos["hash"],
-        "orphans": len(chaos["orphans"]) + len(clean["orphans"]), "orphan_list": chaos["orphans"] + clean["orphans"],
-        "recovery_median_s": _med(rec), "recovery_max_s": _round(max(rec, default=None)),
-        "before_forkserver_median_s": _med(before), "after_forkserver_median_s": _med(after),
-        "single_kill9_median_s": _med([f.recovery_s for f in faults if f.kind == "kill9" and f.recovery_s]),
-        "steps_lost_median": _med(lost), "steps_lost_max": max(lost, default=None),
+        "orphans": len(chaos["orphans"]) + len(clean["orphans"]),
+        "orphan_list": chaos["orphans"] + clean["orphans"],
+        "recovery_median_s": _med(rec),
+        "recovery_max_s": _round(max(rec, default=None)),
+        "before_forkserver_median_s": _med(before),
+        "after_forkserver_median_s": _med(after),
+        "single_kill9_median_s": _med(
+            [f.recovery_s for f in faults if f.kind == "kill9" and f.recovery_s]
+        ),
+        "steps_lost_median": _med(lost),
+        "steps_lost_max": max(lost, default=None),
         "unexpected_restarts": sum(f.restarted for f in faults if f.kind in NO_RESTART),
-        "wall_s": round(chaos["wall_s"], 2), "clean_wall_s": round(clean["wall_s"], 2),
-        "per_kind": per_kind, "fault_log": [asdict(f) for f in faults],
+        "wall_s": round(chaos["wall_s"], 2),
+        "clean_wall_s": round(clean["wall_s"], 2),
+        "per_kind": per_kind,
+        "fault_log": [asdict(f) for f in faults],
         "cores": os.cpu_count(),
     }
 
@@ -433,8 +531,10 @@ def _round(x):
 
 
 def table(r: dict) -> str:
-    lines = [f"chaos: {r['faults']} faults (seed {r['seed']}), {r['steps']} steps, {r['cores']} cores",
-             f"{'fault':<12} {'n':>3} {'survived':>9} {'restarted':>10} {'recovery median/max s':>22}"]
+    lines = [
+        f"chaos: {r['faults']} faults (seed {r['seed']}), {r['steps']} steps, {r['cores']} cores",
+        f"{'fault':<12} {'n':>3} {'survived':>9} {'restarted':>10} {'recovery median/max s':>22}",
+    ]
     for kind, k in sorted(r["per_kind"].items()):
         rec = k["recovery_s"]
         rs = f"{statistics.median(rec):.2f}/{max(rec):.2f}" if rec else "-"
@@ -456,17 +556,32 @@ def main(argv=None) -> int:
     p.add_argument("--faults", type=int, default=40)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--json", action="store_true", help="also print one JSON object (last line)")
-    p.add_argument("--kinds", default=",".join(KINDS), help="the kinds drawn from (exit is always the last)")
+    p.add_argument(
+        "--kinds", default=",".join(KINDS), help="the kinds drawn from (exit is always the last)"
+    )
     p.add_argument("--no-exit-fault", dest="exit_fault", action="store_false")
     p.add_argument("--steps-per-fault", type=int, default=100)
     p.add_argument("--step-delay", type=float, default=0.02)
     p.add_argument("--ckpt-every", type=int, default=20, help="disk checkpoint cadence in steps")
     p.add_argument("--heartbeat-timeout", type=float, default=3.0)
-    p.add_argument("--fault-timeout", type=float, default=30.0, help="a fault not recovered from within this fails")
-    p.add_argument("--settle-timeout", type=float, default=10.0, help="longest wait for the spares between faults")
+    p.add_argument(
+        "--fault-timeout",
+        type=float,
+        default=30.0,
+        help="a fault not recovered from within this fails",
+    )
+    p.add_argument(
+        "--settle-timeout",
+        type=float,
+        default=10.0,
+        help="longest wait for the spares between faults",
+    )
     p.add_argument("--workdir", default=None)
-    p.add_argument("--side-by-side", action="store_true",
-                   help="run the fault-free job at the same time (quicker; its wall time then means little)")
+    p.add_argument(
+        "--side-by-side",
+        action="store_true",
+        help="run the fault-free job at the same time (quicker; its wall time then means little)",
+    )
     args = p.parse_args(argv)
     steps = (args.faults + 1) * args.steps_per_fault
     with tempfile.TemporaryDirectory(prefix="chaos-") as tmp:
@@ -482,7 +597,11 @@ def main(argv=None) -> int:
     print(table(r), flush=True)
     if args.json:
         print(json.dumps(r), flush=True)
-    return 0 if r["survived"] == r["faults"] == args.faults and r["bit_identical"] and not r["orphans"] else 1
+    return (
+        0
+        if r["survived"] == r["faults"] == args.faults and r["bit_identical"] and not r["orphans"]
+        else 1
+    )
 
 
 if __name__ == "__main__":

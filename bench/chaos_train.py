@@ -13,6 +13,7 @@ SIGTERM (the library's stop request) saves at the next step boundary; an unfinis
 exits 143, so the launcher restarts it rather than taking the stop for success.
 """
 
+import functools
 import os
 import sys
 import time
@@ -46,12 +47,26 @@ def main() -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50))  # warm-up
     sampler = ResumableDistributedSampler(data, num_replicas=world, rank=rank, seed=7)
-    loader = DataLoader(data, batch_size=8, sampler=sampler, num_workers=1, persistent_workers=True,
-                        generator=torch.Generator())  # iterators must not draw from the global RNG
-    mgr = CheckpointManager(os.environ["CHAOS_CKPT_DIR"], keep=2, every_steps=int(os.environ["CHAOS_CKPT_EVERY"]),
-                            memory_every=1)
+    loader = DataLoader(
+        data,
+        batch_size=8,
+        sampler=sampler,
+        num_workers=1,
+        persistent_workers=True,
+        generator=torch.Generator(),
+    )  # iterators must not draw from the global RNG
+    mgr = CheckpointManager(
+        os.environ["CHAOS_CKPT_DIR"],
+        keep=2,
+        every_steps=int(os.environ["CHAOS_CKPT_EVERY"]),
+        memory_every=1,
+    )
     state = mgr.load_latest()
-    step = restore(state, model=model, optimizer=opt, scheduler=sched, sampler=sampler)["step"] if state else 0
+    step = (
+        restore(state, model=model, optimizer=opt, scheduler=sched, sampler=sampler)["step"]
+        if state
+        else 0
+    )
     out = os.open(os.environ["CHAOS_OUT"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     stopped = False
     while step < total and not stopped:
@@ -69,7 +84,9 @@ def main() -> None:
             sched.step()
             sampler.advance(len(x))
             step += 1
-            snapshot = lambda: capture(model=model, optimizer=opt, scheduler=sched, sampler=sampler, step=step)  # noqa: E731
+            snapshot = functools.partial(
+                capture, model=model, optimizer=opt, scheduler=sched, sampler=sampler, step=step
+            )
             if step == total:
                 mgr.save(step, snapshot)
             else:

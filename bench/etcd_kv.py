@@ -39,7 +39,10 @@ def timed(fn, n: int) -> dict:
         fn(i)
         out.append((time.perf_counter() - t0) * 1000)
     out.sort()
-    return {"median_ms": round(statistics.median(out), 3), "p90_ms": round(out[int(0.9 * (n - 1))], 3)}
+    return {
+        "median_ms": round(statistics.median(out), 3),
+        "p90_ms": round(out[int(0.9 * (n - 1))], 3),
+    }
 
 
 def wait_propagation(s: kv.KV, n: int, tag: str) -> dict:
@@ -48,7 +51,9 @@ def wait_propagation(s: kv.KV, n: int, tag: str) -> dict:
     for i in range(n):
         key = f"bench/{tag}/wait/{i}"
         done = {}
-        th = threading.Thread(target=lambda k=key, d=done: d.update(ok=waiter.wait(k, 10), at=time.perf_counter()))
+        th = threading.Thread(
+            target=lambda k=key, d=done: d.update(ok=waiter.wait(k, 10), at=time.perf_counter())
+        )
         th.start()
         time.sleep(0.02)  # the waiter is blocked (read done, watch open)
         t0 = time.perf_counter()
@@ -58,7 +63,10 @@ def wait_propagation(s: kv.KV, n: int, tag: str) -> dict:
         out.append((done["at"] - t0) * 1000)
     waiter.close()
     out.sort()
-    return {"median_ms": round(statistics.median(out), 3), "p90_ms": round(out[int(0.9 * (n - 1))], 3)}
+    return {
+        "median_ms": round(statistics.median(out), 3),
+        "p90_ms": round(out[int(0.9 * (n - 1))], 3),
+    }
 
 
 def measure(s: kv.KV, n: int, tag: str) -> dict:
@@ -72,7 +80,9 @@ def measure(s: kv.KV, n: int, tag: str) -> dict:
     res["multi_get 8"] = timed(lambda i: s.multi_get(keys), n)
     res["take"] = timed(lambda i: s.take(f"{p}counter"), n)
     s.set(f"{p}cas", b"0")
-    res["compare_set"] = timed(lambda i: s.compare_set(f"{p}cas", str(i).encode(), str(i + 1).encode()), n)
+    res["compare_set"] = timed(
+        lambda i: s.compare_set(f"{p}cas", str(i).encode(), str(i + 1).encode()), n
+    )
     res["wait propagation"] = wait_propagation(s, n, tag)
     return res
 
@@ -90,7 +100,9 @@ def failover(root: str) -> dict:
             c.members[first].kill()
             t0 = time.perf_counter()
             s.set("f/k", b"1")
-            out[f"next set after SIGKILL of the {victim} in use"] = round(time.perf_counter() - t0, 3)
+            out[f"next set after SIGKILL of the {victim} in use"] = round(
+                time.perf_counter() - t0, 3
+            )
             s.close()
         finally:
             c.stop()
@@ -104,7 +116,9 @@ def failover(root: str) -> dict:
         try:
             s.get("q/k")
         except kv.Unreachable as e:
-            out["get with quorum lost, timeout 2 s: Unreachable after"] = round(time.perf_counter() - t0, 3)
+            out["get with quorum lost, timeout 2 s: Unreachable after"] = round(
+                time.perf_counter() - t0, 3
+            )
             out["its message"] = str(e)
         s.close()
     finally:
@@ -123,9 +137,16 @@ def main() -> int:
     import torch.distributed as dist
 
     root = tempfile.mkdtemp(prefix="elasticd-bench-etcd-")
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                           timeout=datetime.timedelta(seconds=10))
-    tcp = tcpstore.TCPStoreKV(tcpstore.tcp_connector("127.0.0.1", server.port), f"127.0.0.1:{server.port}", 10)
+    server = dist.TCPStore(
+        "127.0.0.1",
+        0,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=10),
+    )
+    tcp = tcpstore.TCPStoreKV(
+        tcpstore.tcp_connector("127.0.0.1", server.port), f"127.0.0.1:{server.port}", 10
+    )
     cluster = EtcdCluster(os.path.join(root, "steady")).start()
     try:
         store = etcd.connect(cluster.endpoints, timeout=10)
@@ -140,7 +161,9 @@ def main() -> int:
     print(f"{'operation':<18} {'TCPStore median / p90 ms':>26} {'etcd x3 median / p90 ms':>26}")
     for op in result["etcd"]:
         t, e = result["tcpstore"][op], result["etcd"][op]
-        print(f"{op:<18} {t['median_ms']:>15.3f} / {t['p90_ms']:<8.3f} {e['median_ms']:>15.3f} / {e['p90_ms']:<8.3f}")
+        print(
+            f"{op:<18} {t['median_ms']:>15.3f} / {t['p90_ms']:<8.3f} {e['median_ms']:>15.3f} / {e['p90_ms']:<8.3f}"
+        )
     for what, v in result["etcd failover (s)"].items():
         print(f"{what}: {v}")
     return 0

@@ -28,8 +28,14 @@ def one_trial(kind: str, fault: str, hb_timeout: float, bound: float) -> float |
         env = dict(os.environ, BENCH_OUT=str(out), BENCH_HANG_FLAG=str(flag))
         extra = ("--heartbeat-timeout", str(hb_timeout))
         with open(workdir / "launcher.log", "wb") as log:
-            proc = subprocess.Popen(launcher_cmd(kind, 3, workdir, extra), env=env, stdout=log, stderr=log,
-                                    cwd=HERE.parent, start_new_session=True)
+            proc = subprocess.Popen(
+                launcher_cmd(kind, 3, workdir, extra),
+                env=env,
+                stdout=log,
+                stderr=log,
+                cwd=HERE.parent,
+                start_new_session=True,
+            )
         try:
             start = time.time()
             deadline = time.monotonic() + 120
@@ -60,7 +66,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--trials", type=int, default=3)
     p.add_argument("--heartbeat-timeout", type=float, default=2.0)
-    p.add_argument("--bound", type=float, default=30.0, help="give up on a trial after this many seconds")
+    p.add_argument(
+        "--bound", type=float, default=30.0, help="give up on a trial after this many seconds"
+    )
     p.add_argument("--launchers", default="elasticd,torchrun")
     args = p.parse_args()
     rows = []
@@ -69,13 +77,18 @@ def main() -> None:
             times = []
             for i in range(args.trials):
                 t = one_trial(kind, fault, args.heartbeat_timeout, args.bound)
-                print(f"  {kind} {fault} trial {i + 1}: " + (f"{t:.2f}s" if t is not None else
-                                                              f"not recovered within {args.bound:g}s"), flush=True)
+                print(
+                    f"  {kind} {fault} trial {i + 1}: "
+                    + (f"{t:.2f}s" if t is not None else f"not recovered within {args.bound:g}s"),
+                    flush=True,
+                )
                 times.append(t)
             rows.append((fault, kind, times))
     print()
-    print(f"hang -> every rank stepping again, 2 workers, {os.cpu_count()} cores, torch CPU/gloo; "
-          f"elasticd --heartbeat-timeout {args.heartbeat_timeout:g}s; bound {args.bound:g}s")
+    print(
+        f"hang -> every rank stepping again, 2 workers, {os.cpu_count()} cores, torch CPU/gloo; "
+        f"elasticd --heartbeat-timeout {args.heartbeat_timeout:g}s; bound {args.bound:g}s"
+    )
     print(f"{'fault':<8} {'launcher':<10} {'median s':>9} {'recovered':>10}")
     for fault, kind, times in rows:
         ok = [t for t in times if t is not None]

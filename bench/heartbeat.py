@@ -1,6 +1,6 @@
 """Cost of one heartbeat: elasticd.heartbeat() and the automatic optimizer-step hook.
 
-    python bench/heartbeat.py
+python bench/heartbeat.py
 """
 
 from __future__ import annotations
@@ -48,8 +48,10 @@ def main() -> None:
     print("heartbeat cost per call (median of 5 runs)")
     print(f"  elasticd.heartbeat()          {1e6 * (beat - off):6.2f} us")
     print(f"  elasticd.heartbeat(step=N)    {1e6 * (beat_step - off):6.2f} us")
-    print(f"  optimizer.step() hook added   {1e6 * (hooked - bare):6.2f} us "
-          f"(tiny SGD step {1e6 * bare:.1f} us -> {1e6 * hooked:.1f} us)")
+    print(
+        f"  optimizer.step() hook added   {1e6 * (hooked - bare):6.2f} us "
+        f"(tiny SGD step {1e6 * bare:.1f} us -> {1e6 * hooked:.1f} us)"
+    )
 
 
 if __name__ == "__main__":

@@ -52,17 +52,49 @@ def read_steps(path: Path) -> list[tuple[int, int, int, int, float]]:
 
 
 CKPT_MODE = {"torchrun-snapshot": "handwritten"}
-MEMORY_EVERY = {"elasticd-every-step": "1"}  # elasticd's default cadence keeps refreshes under 1% of a step
+MEMORY_EVERY = {
+    "elasticd-every-step": "1"
+}  # elasticd's default cadence keeps refreshes under 1% of a step
 
 
-def launcher_cmd(kind: str, trials: int, workdir: Path, extra: tuple[str, ...] = (), nproc: int = 2) -> list[str]:
+def launcher_cmd(
+    kind: str, trials: int, workdir: Path, extra: tuple[str, ...] = (), nproc: int = 2
+) -> list[str]:
     if kind.startswith("elasticd"):
-        return [sys.executable, "-m", "elasticd", "run", "--nproc-per-node", str(nproc),
-                "--max-restarts", str(trials + 5), "--log-dir", str(workdir / "logs"),
-                "--socket", str(workdir / "ctl.sock"), "--no-tee", "--log-format", "json",
-                "--restart-grace", "3", *extra, str(SCRIPT)]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-            "--max-restarts", str(trials + 5), "--monitor-interval", "0.1", str(SCRIPT)]
+        return [
+            sys.executable,
+            "-m",
+            "elasticd",
+            "run",
+            "--nproc-per-node",
+            str(nproc),
+            "--max-restarts",
+            str(trials + 5),
+            "--log-dir",
+            str(workdir / "logs"),
+            "--socket",
+            str(workdir / "ctl.sock"),
+            "--no-tee",
+            "--log-format",
+            "json",
+            "--restart-grace",
+            "3",
+            *extra,
+            str(SCRIPT),
+        ]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        "--max-restarts",
+        str(trials + 5),
+        "--monitor-interval",
+        "0.1",
+        str(SCRIPT),
+    ]
 
 
 def kill_tree(proc: subprocess.Popen) -> None:
@@ -87,25 +119,46 @@ def latest_pids(rows, since: float) -> dict[int, int]:
     return {r: pid for r, (t, pid) in out.items()}
 
 
-def run_launcher(kind: str, trials: int, trial_timeout: float, warmup: float, ckpt_every: int,
-                 nproc: int = 2, device: str = "cpu") -> dict:
+def run_launcher(
+    kind: str,
+    trials: int,
+    trial_timeout: float,
+    warmup: float,
+    ckpt_every: int,
+    nproc: int = 2,
+    device: str = "cpu",
+) -> dict:
     times, lost, failures = [], [], 0
     with tempfile.TemporaryDirectory(prefix=f"bench-{kind}-") as tmp:
         workdir = Path(tmp)
         out = workdir / "steps.txt"
-        env = dict(os.environ, BENCH_OUT=str(out), BENCH_CKPT_DIR=str(workdir / "ckpt"),
-                   BENCH_CKPT_EVERY=str(ckpt_every), BENCH_CKPT_MODE=CKPT_MODE.get(kind, "elasticd"),
-                   BENCH_MEMORY_EVERY=MEMORY_EVERY.get(kind, ""), BENCH_DEVICE=device)
+        env = dict(
+            os.environ,
+            BENCH_OUT=str(out),
+            BENCH_CKPT_DIR=str(workdir / "ckpt"),
+            BENCH_CKPT_EVERY=str(ckpt_every),
+            BENCH_CKPT_MODE=CKPT_MODE.get(kind, "elasticd"),
+            BENCH_MEMORY_EVERY=MEMORY_EVERY.get(kind, ""),
+            BENCH_DEVICE=device,
+        )
         log = open(workdir / "launcher.log", "wb")
         proc = None
         trial = 0
         while trial < trials:
             if proc is None or proc.poll() is not None:
-                proc = subprocess.Popen(launcher_cmd(kind, trials, workdir, nproc=nproc), env=env, stdout=log,
-                                        stderr=log, cwd=HERE.parent, start_new_session=True)
+                proc = subprocess.Popen(
+                    launcher_cmd(kind, trials, workdir, nproc=nproc),
+                    env=env,
+                    stdout=log,
+                    stderr=log,
+                    cwd=HERE.parent,
+                    start_new_session=True,
+                )
                 start = time.time()
                 deadline = time.monotonic() + 120
-                while len(latest_pids(read_steps(out), start)) < nproc and time.monotonic() < deadline:
+                while (
+                    len(latest_pids(read_steps(out), start)) < nproc and time.monotonic() < deadline
+                ):
                     time.sleep(0.05)
             time.sleep(warmup)
             now = time.time()
@@ -141,13 +194,26 @@ def run_launcher(kind: str, trials: int, trial_timeout: float, warmup: float, ck
                 proc = None
             else:
                 times.append(recovered)
-            print(f"  {kind} trial {trial}: " + (f"{recovered:.2f}s, {lost[-1]} steps lost"
-                                                 if recovered is not None else "NOT RECOVERED"), flush=True)
+            print(
+                f"  {kind} trial {trial}: "
+                + (
+                    f"{recovered:.2f}s, {lost[-1]} steps lost"
+                    if recovered is not None
+                    else "NOT RECOVERED"
+                ),
+                flush=True,
+            )
         if proc is not None:
             kill_tree(proc)
         log.close()
         phases = timeline(workdir / "launcher.log")
-    return {"times": times, "lost": lost, "failures": failures, "trials": trials, "timeline": phases}
+    return {
+        "times": times,
+        "lost": lost,
+        "failures": failures,
+        "trials": trials,
+        "timeline": phases,
+    }
 
 
 PHASES = ("torn_down", "rendezvous_done", "spawned", "pg_ready", "state_loaded", "first_step")
@@ -160,44 +226,71 @@ def timeline(log: Path) -> dict[str, float]:
     for line in log.read_text(errors="replace").splitlines():
         if '"recovered"' in line and line.startswith("{"):
             events.append(json.loads(line))
-    return {k: statistics.median(e[k] for e in events) for k in PHASES if events and all(k in e for e in events)}
+    return {
+        k: statistics.median(e[k] for e in events)
+        for k in PHASES
+        if events and all(k in e for e in events)
+    }
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--trials", type=int, default=10)
     p.add_argument("--trial-timeout", type=float, default=30.0)
-    p.add_argument("--warmup", type=float, default=6.0,
-                   help="seconds of training between trials (elasticd refills its warm spares meanwhile)")
+    p.add_argument(
+        "--warmup",
+        type=float,
+        default=6.0,
+        help="seconds of training between trials (elasticd refills its warm spares meanwhile)",
+    )
     p.add_argument("--launchers", default="elasticd,elasticd-every-step,torchrun,torchrun-snapshot")
     p.add_argument("--ckpt-every", type=int, default=50, help="disk checkpoint cadence in steps")
     p.add_argument("--nproc", type=int, default=2, help="workers per launcher (default 2)")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                   help="cuda: each worker trains on its own GPU with NCCL (needs --nproc GPUs)")
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cuda: each worker trains on its own GPU with NCCL (needs --nproc GPUs)",
+    )
     args = p.parse_args()
     results = {}
     for kind in args.launchers.split(","):
         print(f"{kind}:", flush=True)
-        results[kind] = run_launcher(kind, args.trials, args.trial_timeout, args.warmup, args.ckpt_every,
-                                     args.nproc, args.device)
+        results[kind] = run_launcher(
+            kind,
+            args.trials,
+            args.trial_timeout,
+            args.warmup,
+            args.ckpt_every,
+            args.nproc,
+            args.device,
+        )
     print()
     backend = "CUDA/NCCL" if args.device == "cuda" else "CPU/gloo"
-    print(f"recovery after kill -9 of one of {args.nproc} workers ({os.cpu_count()} cores, torch {backend}), "
-          f"{args.trials} trials each, timeout {args.trial_timeout:g}s, disk checkpoint every {args.ckpt_every} steps")
-    print(f"{'launcher':<20} {'median s':>9} {'min s':>7} {'max s':>7} {'recovered':>10} "
-          f"{'steps lost (median/max)':>24}")
+    print(
+        f"recovery after kill -9 of one of {args.nproc} workers ({os.cpu_count()} cores, torch {backend}), "
+        f"{args.trials} trials each, timeout {args.trial_timeout:g}s, disk checkpoint every {args.ckpt_every} steps"
+    )
+    print(
+        f"{'launcher':<20} {'median s':>9} {'min s':>7} {'max s':>7} {'recovered':>10} "
+        f"{'steps lost (median/max)':>24}"
+    )
     med = {}
     for kind, r in results.items():
         t, lost = r["times"], r["lost"]
         med[kind] = statistics.median(t) if t else float("nan")
         ok = f"{r['trials'] - r['failures']}/{r['trials']}"
         lost_s = f"{statistics.median(lost):g}/{max(lost)}" if lost else "-"
-        print(f"{kind:<20} {med[kind]:>9.2f} {min(t, default=float('nan')):>7.2f} "
-              f"{max(t, default=float('nan')):>7.2f} {ok:>10} {lost_s:>24}")
+        print(
+            f"{kind:<20} {med[kind]:>9.2f} {min(t, default=float('nan')):>7.2f} "
+            f"{max(t, default=float('nan')):>7.2f} {ok:>10} {lost_s:>24}"
+        )
     for kind, r in results.items():
         if r["timeline"]:
-            print(f"{kind} recovery timeline, median seconds after detection: "
-                  + ", ".join(f"{k} {v:.3f}" for k, v in r["timeline"].items()))
+            print(
+                f"{kind} recovery timeline, median seconds after detection: "
+                + ", ".join(f"{k} {v:.3f}" for k, v in r["timeline"].items())
+            )
     for other in ("torchrun", "torchrun-snapshot"):
         if "elasticd" in med and other in med:
             print(f"ratio elasticd/{other} median recovery: {med['elasticd'] / med[other]:.2f}x")

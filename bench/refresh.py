@@ -40,8 +40,11 @@ def build(device: torch.device, width: int, depth: int, batch: int, optimizer: s
     dims = [64] + [width] * depth
     layers = [m for a, b in zip(dims, dims[1:]) for m in (torch.nn.Linear(a, b), torch.nn.ReLU())]
     model = torch.nn.Sequential(*layers, torch.nn.Linear(width, 1)).to(device)
-    opt = (torch.optim.AdamW(model.parameters(), lr=1e-4) if optimizer == "adamw"
-           else torch.optim.SGD(model.parameters(), lr=0.01))
+    opt = (
+        torch.optim.AdamW(model.parameters(), lr=1e-4)
+        if optimizer == "adamw"
+        else torch.optim.SGD(model.parameters(), lr=0.01)
+    )
     x, y = torch.randn(batch, 64, device=device), torch.randn(batch, 1, device=device)
     return model, opt, x, y
 
@@ -78,9 +81,12 @@ def main() -> None:
     p.add_argument("--every", default="1,10", help="comma-separated refresh intervals N to measure")
     p.add_argument("--block", type=int, default=60, help="steps per block (a multiple of every N)")
     p.add_argument("--rounds", type=int, default=5, help="blocks of each kind, interleaved")
-    p.add_argument("--budget", type=float,
-                   default=inspect.signature(CheckpointManager).parameters["memory_budget"].default,
-                   help="the cadence's budget, for the last columns (default: the library's)")
+    p.add_argument(
+        "--budget",
+        type=float,
+        default=inspect.signature(CheckpointManager).parameters["memory_budget"].default,
+        help="the cadence's budget, for the last columns (default: the library's)",
+    )
     args = p.parse_args()
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
@@ -89,8 +95,10 @@ def main() -> None:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     everies = [int(n) for n in args.every.split(",")]
     if any(args.block % n or args.block < 2 * n for n in everies):
-        raise SystemExit(f"--block {args.block} must be a multiple of every N in --every {args.every}, "
-                         "at least twice as large")
+        raise SystemExit(
+            f"--block {args.block} must be a multiple of every N in --every {args.every}, "
+            "at least twice as large"
+        )
     model, opt, x, y = build(device, args.width, args.depth, args.batch, args.optimizer)
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
     root = tempfile.mkdtemp(prefix="bench-refresh-")
@@ -100,29 +108,47 @@ def main() -> None:
         for n in everies:
             for mode in MODES[1:]:
                 mems[n, mode] = tempfile.mkdtemp(prefix="bench-refresh-mem-", dir=shm)
-                mgrs[n, mode] = CheckpointManager(os.path.join(root, f"{n}-{mode}"), handle_sigterm=False,
-                                                  memory_dir=mems[n, mode], memory_every=n,
-                                                  memory_overlap=mode == "overlapped")
-        block(model, opt, x, y, None, args.block, 1, sync)  # warm-up: kernels, allocator, optimizer state
+                mgrs[n, mode] = CheckpointManager(
+                    os.path.join(root, f"{n}-{mode}"),
+                    handle_sigterm=False,
+                    memory_dir=mems[n, mode],
+                    memory_every=n,
+                    memory_overlap=mode == "overlapped",
+                )
+        block(
+            model, opt, x, y, None, args.block, 1, sync
+        )  # warm-up: kernels, allocator, optimizer state
         nbytes = sum(t.nbytes for t in model.state_dict().values())
-        nbytes += sum(t.nbytes for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor))
+        nbytes += sum(
+            t.nbytes for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)
+        )
         for mgr in mgrs.values():  # map and (overlapped) pin each slot: one-off costs
             block(model, opt, x, y, mgr, 2 * max(everies), 1, sync)
-        times: dict = {key: [] for key in [("none", 0)] + [(m, n) for n in everies for m in MODES[1:]]}
+        times: dict = {
+            key: [] for key in [("none", 0)] + [(m, n) for n in everies for m in MODES[1:]]
+        }
         charged: dict = {key: [] for key in times}
         stalls: dict = {key: [] for key in times}
         step = 1
         for r in range(args.rounds):
             order = list(times)
-            order = order[r % len(order):] + order[:r % len(order)]  # rotate: no kind always follows another
+            order = (
+                order[r % len(order) :] + order[: r % len(order)]
+            )  # rotate: no kind always follows another
             for mode, n in order:
                 mgr = mgrs.get((n, mode))
                 if mgr is not None:
                     mgr._memory.cadence.costs.clear()
-                times[mode, n].append(block(model, opt, x, y, mgr, args.block, step, sync, stalls[mode, n]))
+                times[mode, n].append(
+                    block(model, opt, x, y, mgr, args.block, step, sync, stalls[mode, n])
+                )
                 step += args.block
-                if mgr is not None:  # an overlapped refresh's charge comes once its events passed: the
-                    charged[mode, n] += mgr._memory.cadence.costs  # block's last one in its next block
+                if (
+                    mgr is not None
+                ):  # an overlapped refresh's charge comes once its events passed: the
+                    charged[mode, n] += (
+                        mgr._memory.cadence.costs
+                    )  # block's last one in its next block
         off = [k for k, m in mgrs.items() if k[1] == "overlapped" and not m._memory.writer.overlap]
         for mgr in mgrs.values():
             mgr.close()
@@ -135,13 +161,19 @@ def main() -> None:
     med = statistics.median
     base = med(times["none", 0])
     what = torch.cuda.get_device_name(device) if cuda else f"CPU, {os.cpu_count()} cores"
-    print(f"in-memory refresh of a {nbytes / 1e6:.0f} MB state ({args.width}x{args.depth} MLP, batch {args.batch}, "
-          f"{args.optimizer}) on {what}, torch {torch.__version__}; median of {args.rounds} blocks of "
-          f"{args.block} steps each; step without refreshes {1e3 * base:.3f} ms")
+    print(
+        f"in-memory refresh of a {nbytes / 1e6:.0f} MB state ({args.width}x{args.depth} MLP, batch {args.batch}, "
+        f"{args.optimizer}) on {what}, torch {torch.__version__}; median of {args.rounds} blocks of "
+        f"{args.block} steps each; step without refreshes {1e3 * base:.3f} ms"
+    )
     if off:
-        print(f"  overlapping turned itself off for N in {sorted(n for n, _ in off)}: those rows are synchronous")
-    print(f"{'refresh':<12} {'N':>4} {'step ms':>9} {'true cost ms':>13} {'charged ms':>11} {'host ms':>8} "
-          f"{'N at budget':>12} {'cost there':>11}")
+        print(
+            f"  overlapping turned itself off for N in {sorted(n for n, _ in off)}: those rows are synchronous"
+        )
+    print(
+        f"{'refresh':<12} {'N':>4} {'step ms':>9} {'true cost ms':>13} {'charged ms':>11} {'host ms':>8} "
+        f"{'N at budget':>12} {'cost there':>11}"
+    )
     for (mode, n), ts in times.items():
         if mode == "none":
             continue
@@ -149,8 +181,10 @@ def main() -> None:
         charge = med(charged[mode, n]) if charged[mode, n] else float("nan")
         at = max(1, math.ceil(charge / (args.budget * base))) if charge == charge else 0
         share = true / (at * base) if at else float("nan")
-        print(f"{mode:<12} {n:>4} {1e3 * med(ts):>9.3f} {1e3 * true:>13.3f} {1e3 * charge:>11.3f} "
-              f"{1e3 * med(stalls[mode, n]):>8.3f} {at:>12} {100 * share:>10.2f}%")
+        print(
+            f"{mode:<12} {n:>4} {1e3 * med(ts):>9.3f} {1e3 * true:>13.3f} {1e3 * charge:>11.3f} "
+            f"{1e3 * med(stalls[mode, n]):>8.3f} {at:>12} {100 * share:>10.2f}%"
+        )
 
 
 if __name__ == "__main__":

@@ -47,16 +47,56 @@ def secret_file(workdir: Path) -> str:
     return str(path)
 
 
-def node_cmd(kind: str, n: int, port: int, workdir: Path, i: int, script: Path, extra=()) -> list[str]:
+def node_cmd(
+    kind: str, n: int, port: int, workdir: Path, i: int, script: Path, extra=()
+) -> list[str]:
     if kind == "elasticd":
-        return [sys.executable, "-m", "elasticd", "run", "--nnodes", str(n), "--nproc-per-node", "1",
-                "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "bench", "--no-warm-spawn",
-                "--log-dir", str(workdir / f"logs{i}"), "--socket", str(workdir / f"ctl{i}.sock"),
-                "--no-tee", "--log-format", "json", "--join-timeout", "300",
-                "--rdzv-secret-file", secret_file(workdir), *extra, str(script)]
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(n), "--nproc-per-node", "1",
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "bench",
-            "--rdzv-conf", "join_timeout=300", str(script)]
+        return [
+            sys.executable,
+            "-m",
+            "elasticd",
+            "run",
+            "--nnodes",
+            str(n),
+            "--nproc-per-node",
+            "1",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{port}",
+            "--rdzv-id",
+            "bench",
+            "--no-warm-spawn",
+            "--log-dir",
+            str(workdir / f"logs{i}"),
+            "--socket",
+            str(workdir / f"ctl{i}.sock"),
+            "--no-tee",
+            "--log-format",
+            "json",
+            "--join-timeout",
+            "300",
+            "--rdzv-secret-file",
+            secret_file(workdir),
+            *extra,
+            str(script),
+        ]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        str(n),
+        "--nproc-per-node",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        "bench",
+        "--rdzv-conf",
+        "join_timeout=300",
+        str(script),
+    ]
 
 
 def rendezvous_once(kind: str, n: int, timeout: float) -> float | None:
@@ -67,8 +107,17 @@ def rendezvous_once(kind: str, n: int, timeout: float) -> float | None:
         port = free_port()
         logs = [open(workdir / f"node{i}.log", "wb") for i in range(n)]
         t0 = time.time()
-        procs = [subprocess.Popen(node_cmd(kind, n, port, workdir, i, TRIVIAL), env=env, stdout=logs[i],
-                                  stderr=logs[i], cwd=HERE.parent, start_new_session=True) for i in range(n)]
+        procs = [
+            subprocess.Popen(
+                node_cmd(kind, n, port, workdir, i, TRIVIAL),
+                env=env,
+                stdout=logs[i],
+                stderr=logs[i],
+                cwd=HERE.parent,
+                start_new_session=True,
+            )
+            for i in range(n)
+        ]
         try:
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline:
@@ -108,9 +157,24 @@ def propagation_once(timeout: float) -> float | None:
         procs = []
         for i in range(2):
             with open(logs[i], "wb") as f:
-                procs.append(subprocess.Popen(
-                    node_cmd("elasticd", 2, port, workdir, i, HERE / "step_logger.py", ("--max-restarts", "3")),
-                    env=env, stdout=f, stderr=f, cwd=HERE.parent, start_new_session=True))
+                procs.append(
+                    subprocess.Popen(
+                        node_cmd(
+                            "elasticd",
+                            2,
+                            port,
+                            workdir,
+                            i,
+                            HERE / "step_logger.py",
+                            ("--max-restarts", "3"),
+                        ),
+                        env=env,
+                        stdout=f,
+                        stderr=f,
+                        cwd=HERE.parent,
+                        start_new_session=True,
+                    )
+                )
         try:
             deadline = time.monotonic() + timeout
             while len(latest_pids(read_steps(out), 0)) < 2 and time.monotonic() < deadline:
@@ -144,12 +208,17 @@ def main() -> None:
             for kind in ("elasticd", "torchrun"):  # alternate, so drift hits both alike
                 t = rendezvous_once(kind, n, args.timeout)
                 table.setdefault((kind, n), []).append(t)
-                print(f"  {n} nodes {kind} trial {trial + 1}: " + (f"{t:.2f}s" if t is not None else "FAILED"),
-                      flush=True)
+                print(
+                    f"  {n} nodes {kind} trial {trial + 1}: "
+                    + (f"{t:.2f}s" if t is not None else "FAILED"),
+                    flush=True,
+                )
     prop = [propagation_once(120) for _ in range(args.trials)]
     print()
-    print(f"launch -> every rank past init_process_group, 1 worker per simulated node, loopback, "
-          f"{os.cpu_count()} cores, median of {args.trials}")
+    print(
+        f"launch -> every rank past init_process_group, 1 worker per simulated node, loopback, "
+        f"{os.cpu_count()} cores, median of {args.trials}"
+    )
     print(f"{'nodes':>5} {'elasticd s':>11} {'torchrun s':>11} {'ratio':>7}")
     for n in sizes:
         med = {}
@@ -157,11 +226,19 @@ def main() -> None:
             ok = [t for t in table[(kind, n)] if t is not None]
             med[kind] = statistics.median(ok) if ok else float("nan")
         fails = sum(t is None for k in ("elasticd", "torchrun") for t in table[(k, n)])
-        print(f"{n:>5} {med['elasticd']:>11.2f} {med['torchrun']:>11.2f} {med['elasticd'] / med['torchrun']:>6.2f}x"
-              + (f"  ({fails} failed)" if fails else ""))
+        print(
+            f"{n:>5} {med['elasticd']:>11.2f} {med['torchrun']:>11.2f} {med['elasticd'] / med['torchrun']:>6.2f}x"
+            + (f"  ({fails} failed)" if fails else "")
+        )
     ok = [t for t in prop if t is not None]
-    print("restart propagation (failing node RESTARTING -> healthy node RESTARTING), elasticd: "
-          + (f"median {statistics.median(ok):.3f}s, max {max(ok):.3f}s ({len(ok)}/{len(prop)})" if ok else "FAILED"))
+    print(
+        "restart propagation (failing node RESTARTING -> healthy node RESTARTING), elasticd: "
+        + (
+            f"median {statistics.median(ok):.3f}s, max {max(ok):.3f}s ({len(ok)}/{len(prop)})"
+            if ok
+            else "FAILED"
+        )
+    )
 
 
 if __name__ == "__main__":

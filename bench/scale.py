@@ -99,8 +99,16 @@ ROOT = Path(__file__).resolve().parents[1]
 STORE_SERVER = ROOT / "tests" / "scripts" / "store_server.py"
 SIZES = (16, 64, 256, 1024, 2048)
 ETCD_SIZES = (16, 64, 256)
-KEYS = ("nodes", "round_s", "torchrun_round_s", "propagation_s", "detection_s", "recovery_s", "store_requests_per_s",
-        "store_cpu")
+KEYS = (
+    "nodes",
+    "round_s",
+    "torchrun_round_s",
+    "propagation_s",
+    "detection_s",
+    "recovery_s",
+    "store_requests_per_s",
+    "store_cpu",
+)
 
 
 class PhaseTimeout(Exception):
@@ -128,7 +136,9 @@ def _env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
     env.setdefault("OMP_NUM_THREADS", "1")
-    env["TORCH_CPP_LOG_LEVEL"] = "ERROR"  # as the daemon sets it (systemd.quiet_torch_cpp): no line per wait timeout
+    env["TORCH_CPP_LOG_LEVEL"] = (
+        "ERROR"  # as the daemon sets it (systemd.quiet_torch_cpp): no line per wait timeout
+    )
     return env
 
 
@@ -141,11 +151,28 @@ class Child:
     def __init__(self, argv: list[str], log_path: Path):
         self.log_path = log_path
         if Child.hosts is not None:
-            argv = ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c",
-                    'mount --bind "$0" /etc/hosts && exec "$@"', str(Child.hosts), *argv]
+            argv = [
+                "unshare",
+                "--mount",
+                "--propagation",
+                "private",
+                "--",
+                "sh",
+                "-c",
+                'mount --bind "$0" /etc/hosts && exec "$@"',
+                str(Child.hosts),
+                *argv,
+            ]
         self._log = open(log_path, "wb")  # closed in stop()
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
-                                     env=_env(), preexec_fn=_more_files, cwd=ROOT)
+        self.proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            env=_env(),
+            preexec_fn=_more_files,
+            cwd=ROOT,
+        )
         self._buf = b""
 
     def tail(self, n: int = 1500) -> str:
@@ -173,7 +200,9 @@ class Child:
             if ready:
                 chunk = os.read(self.proc.stdout.fileno(), 1 << 16)
                 if not chunk:
-                    raise RuntimeError(f"process {self.proc.pid} exited ({self.proc.poll()}): {self.tail()}")
+                    raise RuntimeError(
+                        f"process {self.proc.pid} exited ({self.proc.poll()}): {self.tail()}"
+                    )
                 self._buf += chunk
         line, _, self._buf = self._buf.partition(b"\n")
         return line
@@ -209,8 +238,20 @@ def private_hosts(work: Path) -> Path | None:
         return None
     hosts = work / "hosts"
     hosts.write_text(Path("/etc/hosts").read_text() + "\n::ffff:127.0.0.1 scale-loopback\n")
-    probe = subprocess.run(["unshare", "--mount", "--propagation", "private", "--", "sh", "-c",
-                            'mount --bind "$0" /etc/hosts && exec true', str(hosts)], capture_output=True)
+    probe = subprocess.run(
+        [
+            "unshare",
+            "--mount",
+            "--propagation",
+            "private",
+            "--",
+            "sh",
+            "-c",
+            'mount --bind "$0" /etc/hosts && exec true',
+            str(hosts),
+        ],
+        capture_output=True,
+    )
     return hosts if probe.returncode == 0 else None
 
 
@@ -257,10 +298,14 @@ def steady_window(store, workers: list[Child], warmup: float, window: float) -> 
     clients = sum((y["cpu"] - x["cpu"]) / (y["t"] - x["t"]) for x, y in zip(a, b))
     store_cpu = (s1 - s0) / (t1 - t0)
     machine = (m1 - m0) / (t1 - t0)
-    return {"requests_per_s": rate, "store_cpu": store_cpu, "client_cpu": clients,
-            "other_cpu": max(0.0, machine - store_cpu - clients),
-            "unexpected": sum((y.get("unexpected", 0)) for y in b),
-            "errors": [e for y in b for e in y.get("errors", [])][:3]}
+    return {
+        "requests_per_s": rate,
+        "store_cpu": store_cpu,
+        "client_cpu": clients,
+        "other_cpu": max(0.0, machine - store_cpu - clients),
+        "unexpected": sum((y.get("unexpected", 0)) for y in b),
+        "errors": [e for y in b for e in y.get("errors", [])][:3],
+    }
 
 
 class StoreCpu:
@@ -321,18 +366,42 @@ class Session:
         else:
             self.port = self._start_store(work)
         for i, (first, count) in enumerate(split(n, args.procs)):
-            argv = [sys.executable, str(Path(__file__).resolve()), "--worker", kind, "--port", str(self.port),
-                    "--total", str(n), "--first", str(first), "--count", str(count), *extra,
-                    "--secret", str(args.secret_path), "--peer-timeout", str(args.peer_timeout),
-                    "--monitor-interval", str(args.monitor_interval), "--step-time", str(args.step_time),
-                    "--join-timeout", str(args.timeout), "--switch-interval", str(args.switch_interval),
-                    *(["--lift-value-limit"] if args.lift_value_limit else [])]
+            argv = [
+                sys.executable,
+                str(Path(__file__).resolve()),
+                "--worker",
+                kind,
+                "--port",
+                str(self.port),
+                "--total",
+                str(n),
+                "--first",
+                str(first),
+                "--count",
+                str(count),
+                *extra,
+                "--secret",
+                str(args.secret_path),
+                "--peer-timeout",
+                str(args.peer_timeout),
+                "--monitor-interval",
+                str(args.monitor_interval),
+                "--step-time",
+                str(args.step_time),
+                "--join-timeout",
+                str(args.timeout),
+                "--switch-interval",
+                str(args.switch_interval),
+                *(["--lift-value-limit"] if args.lift_value_limit else []),
+            ]
             self.workers.append(Child(argv, work / f"{kind}-{n}-w{i}.log"))
         self.ready = ask_all(self.workers, {"cmd": "ready"}, args.start_timeout)
 
     def _start_store(self, work: Path) -> int:
-        self.store = Child([sys.executable, str(Path(__file__).resolve()), "--serve-store"],
-                           work / f"store-{self.kind}-{self.n}.log")
+        self.store = Child(
+            [sys.executable, str(Path(__file__).resolve()), "--serve-store"],
+            work / f"store-{self.kind}-{self.n}.log",
+        )
         word, _, port = self.store.line(self.args.start_timeout).decode().partition(" ")
         if word != "serving":
             raise RuntimeError(f"the store did not start: {self.store.tail()}")
@@ -348,21 +417,32 @@ class Session:
             w.send({"cmd": "round", "at": at, "timeout": self.args.timeout})
         procs = [psutil.Process(w.proc.pid) for w in self.workers]
         time.sleep(max(0.0, at - time.monotonic()))
-        cpu0, store0 = sum(sum(p.cpu_times()[:2]) for p in procs), sum(self.store_ps.cpu_times()[:2])
+        cpu0, store0 = (
+            sum(sum(p.cpu_times()[:2]) for p in procs),
+            sum(self.store_ps.cpu_times()[:2]),
+        )
         t0 = time.monotonic()
         deadline = time.monotonic() + self.args.timeout + 30
         replies = [w.recv(max(0.1, deadline - time.monotonic())) for w in self.workers]
         t1 = time.monotonic()
-        cpu1, store1 = sum(sum(p.cpu_times()[:2]) for p in procs), sum(self.store_ps.cpu_times()[:2])
+        cpu1, store1 = (
+            sum(sum(p.cpu_times()[:2]) for p in procs),
+            sum(self.store_ps.cpu_times()[:2]),
+        )
         done = sum(r["done"] for r in replies)
         errors = [e for r in replies for e in r["errors"]][:3]
-        out = {"done": done, "errors": errors, "ranks": [r["ranks"] for r in replies],
-               "state": next((r["state"] for r in replies if r.get("state")), None),
-               "rejected": sum(r.get("rejected", 0) for r in replies),
-               "requests": sum(r.get("requests", 0) for r in replies),
-               "sent": sum(r.get("sent", 0) for r in replies),
-               "arrived": next((r["arrived"] for r in replies if r.get("arrived")), None),
-               "clients_cores": (cpu1 - cpu0) / (t1 - t0), "store_cores": (store1 - store0) / (t1 - t0)}
+        out = {
+            "done": done,
+            "errors": errors,
+            "ranks": [r["ranks"] for r in replies],
+            "state": next((r["state"] for r in replies if r.get("state")), None),
+            "rejected": sum(r.get("rejected", 0) for r in replies),
+            "requests": sum(r.get("requests", 0) for r in replies),
+            "sent": sum(r.get("sent", 0) for r in replies),
+            "arrived": next((r["arrived"] for r in replies if r.get("arrived")), None),
+            "clients_cores": (cpu1 - cpu0) / (t1 - t0),
+            "store_cores": (store1 - store0) / (t1 - t0),
+        }
         if done == self.n and not errors:
             sizes = {s for r in replies for s in r["sizes"]}
             if sizes != {self.n}:
@@ -396,8 +476,16 @@ class Session:
 def run_elasticd(n: int, args, work: Path) -> dict:
     from elasticd.cluster import rendezvous
 
-    out: dict = {"round_s": None, "propagation_s": None, "detection_s": None, "fallback_s": None,
-                 "recovery_s": None, "requests_per_s": None, "store_cpu": None, "notes": []}
+    out: dict = {
+        "round_s": None,
+        "propagation_s": None,
+        "detection_s": None,
+        "fallback_s": None,
+        "recovery_s": None,
+        "requests_per_s": None,
+        "store_cpu": None,
+        "notes": [],
+    }
     t = time.monotonic()
     try:
         s = Session("elasticd", n, args, work)
@@ -408,40 +496,72 @@ def run_elasticd(n: int, args, work: Path) -> dict:
         log(f"elasticd n={n}: {n} nodes up in {time.monotonic() - t:.1f}s; forming a round")
         r = s.round()
         if "round_s" not in r:
-            out["notes"].append(f"elasticd: no round of {n} within {args.timeout:g}s ({r['done']} joined; the "
-                                f"store's arrival counter: {r['arrived']}; {r['sent']} requests sent; "
-                                f"{r['rejected']} store values failed verification; our clients used "
-                                f"{r['clients_cores']:.2f} cores, the store {r['store_cores']:.2f}; {r['errors']})")
+            out["notes"].append(
+                f"elasticd: no round of {n} within {args.timeout:g}s ({r['done']} joined; the "
+                f"store's arrival counter: {r['arrived']}; {r['sent']} requests sent; "
+                f"{r['rejected']} store values failed verification; our clients used "
+                f"{r['clients_cores']:.2f} cores, the store {r['store_cores']:.2f}; {r['errors']})"
+            )
             return out
         out["round_s"] = r["round_s"]
-        log(f"elasticd n={n}: round {r['round_s']:.3f}s (the closer's next_round returned at "
+        log(
+            f"elasticd n={n}: round {r['round_s']:.3f}s (the closer's next_round returned at "
             f"{r.get('closer_s', 0):.3f}s after {r.get('closer_requests')} requests; {r.get('round_requests')} "
             f"requests in all; our clients used {r['clients_cores']:.2f} cores, the store {r['store_cores']:.2f}); "
-            "steady window")
+            "steady window"
+        )
         st = steady_window(s.store_ps, s.workers, args.warmup, args.window)
-        out.update(requests_per_s=st["requests_per_s"], store_cpu=st["store_cpu"], client_cpu=st["client_cpu"],
-                   other_cpu=st["other_cpu"])
+        out.update(
+            requests_per_s=st["requests_per_s"],
+            store_cpu=st["store_cpu"],
+            client_cpu=st["client_cpu"],
+            other_cpu=st["other_cpu"],
+        )
         if st["unexpected"] or st["errors"]:
-            out["notes"].append(f"elasticd n={n}: in the steady window {st['unexpected']} unexpected verdicts "
-                                f"(a healthy node found lost or the store unreachable): {st['errors']}")
+            out["notes"].append(
+                f"elasticd n={n}: in the steady window {st['unexpected']} unexpected verdicts "
+                f"(a healthy node found lost or the store unreachable): {st['errors']}"
+            )
 
         # the exit barrier: every node but one has finished and waits for it; then it finishes too
         w, local = s.where(r["ranks"], n - 1)
-        ask_all(s.workers, [{"cmd": "barrier", "timeout": 60.0, "straggler": local if i == w else None,
-                             "straggler_only": False} for i in range(len(s.workers))], 30)
+        ask_all(
+            s.workers,
+            [
+                {
+                    "cmd": "barrier",
+                    "timeout": 60.0,
+                    "straggler": local if i == w else None,
+                    "straggler_only": False,
+                }
+                for i in range(len(s.workers))
+            ],
+            30,
+        )
         st = steady_window(s.store_ps, s.workers, 1.0, args.window)
         out.update(barrier_requests_per_s=st["requests_per_s"], barrier_store_cpu=st["store_cpu"])
         t_last = time.monotonic()
-        ends = ask_all(s.workers, [{"cmd": "barrier", "timeout": 60.0, "straggler": local, "straggler_only": True}
-                                   if i == w else {"cmd": "barrier_wait", "timeout": 60.0}
-                                   for i in range(len(s.workers))], 90)
+        ends = ask_all(
+            s.workers,
+            [
+                {"cmd": "barrier", "timeout": 60.0, "straggler": local, "straggler_only": True}
+                if i == w
+                else {"cmd": "barrier_wait", "timeout": 60.0}
+                for i in range(len(s.workers))
+            ],
+            90,
+        )
         released = sum(e["done"] for e in ends)
         out["barrier_release_s"] = max(e["last"] for e in ends) - t_last
-        log(f"elasticd n={n}: {n - 1} nodes at the exit barrier: {st['requests_per_s']:.0f} requests/s, store "
+        log(
+            f"elasticd n={n}: {n - 1} nodes at the exit barrier: {st['requests_per_s']:.0f} requests/s, store "
             f"{st['store_cpu']:.3f} cores; the last node in -> {released} of {n} released in "
-            f"{out['barrier_release_s']:.3f}s")
+            f"{out['barrier_release_s']:.3f}s"
+        )
         if released != n:
-            out["notes"].append(f"elasticd n={n}: only {released} of {n} nodes left the exit barrier within 60s")
+            out["notes"].append(
+                f"elasticd n={n}: only {released} of {n} nodes left the exit barrier within 60s"
+            )
 
         # propagation: a node in the middle of the ring asks for a restart
         w, local = s.where(r["ranks"], n // 2)
@@ -455,10 +575,14 @@ def run_elasticd(n: int, args, work: Path) -> dict:
             out["propagation_p50"] = lat[len(lat) // 2]
             if lat[-1] > 0.5:
                 slow = sum(1 for v in lat if v > 0.5)
-                out["notes"].append(f"elasticd n={n}: propagation median {lat[len(lat) // 2]:.3f}s, {slow} node(s) "
-                                    f"over 0.5s (the slowest {lat[-1]:.3f}s)")
+                out["notes"].append(
+                    f"elasticd n={n}: propagation median {lat[len(lat) // 2]:.3f}s, {slow} node(s) "
+                    f"over 0.5s (the slowest {lat[-1]:.3f}s)"
+                )
         else:
-            out["notes"].append(f"elasticd n={n}: only {count} of {n} nodes saw the restart within 10s")
+            out["notes"].append(
+                f"elasticd n={n}: only {count} of {n} nodes saw the restart within 10s"
+            )
         log(f"elasticd n={n}: propagation {out['propagation_s']}; silencing a node")
 
         # detection: silence a node, its workers' peers stall; its two watchers must find it lost
@@ -468,24 +592,36 @@ def run_elasticd(n: int, args, work: Path) -> dict:
         reply = s.workers[w].recv(30)
         t_s, target_id = reply["t"], reply["id"]
         bound = args.peer_timeout + 10.0
-        found = ask_all(s.workers, {"cmd": "stall", "since": t_s, "target": target_id, "timeout": bound}, bound + 30)
+        found = ask_all(
+            s.workers,
+            {"cmd": "stall", "since": t_s, "target": target_id, "timeout": bound},
+            bound + 30,
+        )
         watchers = sum(x["watchers"] for x in found)
         ev = [v for x in found for v in x["evidence"]]
         fb = [v for x in found for v in x["fallback"]]
         false = [v for x in found for v in x["false"]]
         if watchers and len(ev) == watchers:
-            out["detection_s"] = too_early(max(ev) - t_s, min(ev) - t_s, rendezvous.LOST_SILENCE, "evidence",
-                                           out["notes"], n)
+            out["detection_s"] = too_early(
+                max(ev) - t_s, min(ev) - t_s, rendezvous.LOST_SILENCE, "evidence", out["notes"], n
+            )
         else:
-            out["notes"].append(f"elasticd n={n}: {len(ev)} of {watchers} watchers found the silent node lost "
-                                f"(evidence) within {bound:g}s")
+            out["notes"].append(
+                f"elasticd n={n}: {len(ev)} of {watchers} watchers found the silent node lost "
+                f"(evidence) within {bound:g}s"
+            )
         if watchers and len(fb) == watchers:
-            out["fallback_s"] = too_early(max(fb) - t_s, min(fb) - t_s, args.peer_timeout, "peer_timeout",
-                                          out["notes"], n)
+            out["fallback_s"] = too_early(
+                max(fb) - t_s, min(fb) - t_s, args.peer_timeout, "peer_timeout", out["notes"], n
+            )
         if false:
-            out["notes"].append(f"elasticd n={n}: {len(false)} healthy node(s) taken for lost after the stall: "
-                                f"{false[:3]}")
-        log(f"elasticd n={n}: detection {out['detection_s']} (fallback {out['fallback_s']}); recovery")
+            out["notes"].append(
+                f"elasticd n={n}: {len(false)} healthy node(s) taken for lost after the stall: "
+                f"{false[:3]}"
+            )
+        log(
+            f"elasticd n={n}: detection {out['detection_s']} (fallback {out['fallback_s']}); recovery"
+        )
         if n >= 3:
             out["recovery_s"] = recovery(s, n, args, out["notes"])
         log(f"elasticd n={n}: recovery {out['recovery_s']}")
@@ -496,7 +632,9 @@ def run_elasticd(n: int, args, work: Path) -> dict:
     return out
 
 
-def too_early(last: float, first: float, silence: float, path: str, notes: list[str], n: int) -> float | None:
+def too_early(
+    last: float, first: float, silence: float, path: str, notes: list[str], n: int
+) -> float | None:
     """The detection time, or None where a watcher found the node lost sooner than `silence` (what
     the verdict needs) allows, less what it can have missed before the silence began (its last
     look and the beat before): it had lost sight of the node before it went silent (its beats were
@@ -505,8 +643,10 @@ def too_early(last: float, first: float, silence: float, path: str, notes: list[
 
     if first >= silence - 2 * BEAT_EVERY:
         return last
-    notes.append(f"elasticd n={n}: a watcher found the node lost {first:.3f}s after it went silent ({path}): its "
-                 "beats were already late (the store overloaded); not a detection")
+    notes.append(
+        f"elasticd n={n}: a watcher found the node lost {first:.3f}s after it went silent ({path}): its "
+        "beats were already late (the store overloaded); not a detection"
+    )
     return None
 
 
@@ -519,14 +659,20 @@ def recovery(s: Session, n: int, args, notes: list[str]) -> float | None:
     finds the node silenced for detection lost), with --nnodes N-2:2N from then on, as an
     elastic job that may lose two nodes."""
     t0 = time.monotonic()
-    setup = ask_all(s.workers, {"cmd": "rejoin", "min": n - 2, "timeout": args.timeout}, args.timeout + 30)
+    setup = ask_all(
+        s.workers, {"cmd": "rejoin", "min": n - 2, "timeout": args.timeout}, args.timeout + 30
+    )
     sizes = {x for r in setup for x in r["sizes"]}
     if sum(r["done"] for r in setup) != n - 1 or sizes != {n - 1}:
         errors = [e for r in setup for e in r["errors"]][:3]
-        notes.append(f"elasticd n={n}: the rejoin before the recovery phase formed rounds of {sorted(sizes)} "
-                     f"({sum(r['done'] for r in setup)} of {n - 1} joined): {errors}")
+        notes.append(
+            f"elasticd n={n}: the rejoin before the recovery phase formed rounds of {sorted(sizes)} "
+            f"({sum(r['done'] for r in setup)} of {n - 1} joined): {errors}"
+        )
         return None
-    log(f"elasticd n={n}: the {n - 1} left rejoined in {max(r['end'] for r in setup) - t0:.3f}s; silencing one")
+    log(
+        f"elasticd n={n}: the {n - 1} left rejoined in {max(r['end'] for r in setup) - t0:.3f}s; silencing one"
+    )
     w, local = s.where([r["ranks"] for r in setup], (n - 1) // 2)
     s.workers[w].send({"cmd": "silence", "local": local})
     t_s = s.workers[w].recv(30)["t"]
@@ -535,8 +681,10 @@ def recovery(s: Session, n: int, args, notes: list[str]) -> float | None:
     done = sum(r["done"] for r in got)
     sizes = {x for r in got for x in r["sizes"]}
     if done != n - 2 or sizes != {n - 2}:
-        notes.append(f"elasticd n={n}: recovery: {done} of {n - 2} survivors in a next round within {bound:g}s "
-                     f"(rounds of {sorted(sizes)}): {[e for r in got for e in r['errors']][:3]}")
+        notes.append(
+            f"elasticd n={n}: recovery: {done} of {n - 2} survivors in a next round within {bound:g}s "
+            f"(rounds of {sorted(sizes)}): {[e for r in got for e in r['errors']][:3]}"
+        )
         return None
     from elasticd.cluster.rendezvous import LOST_SILENCE
 
@@ -553,21 +701,33 @@ def run_torch(n: int, args, work: Path, keep_alive: float) -> dict:
         out["notes"].append(f"torch (keep-alive {keep_alive:g}s): {n} nodes did not start: {e}")
         return out
     try:
-        log(f"torch ka={keep_alive:g} n={n}: {n} handlers up in {time.monotonic() - t:.1f}s; next_rendezvous")
+        log(
+            f"torch ka={keep_alive:g} n={n}: {n} handlers up in {time.monotonic() - t:.1f}s; next_rendezvous"
+        )
         r = s.round()
         if "round_s" not in r:
-            out["notes"].append(f"torch (keep-alive {keep_alive:g}s): no round of {n} within {args.timeout:g}s "
-                                f"({r['done']} of {n} returned; the state in the store: {r['state']}; our clients "
-                                f"used {r['clients_cores']:.2f} cores, the store {r['store_cores']:.2f}; "
-                                f"{r['errors']})")
+            out["notes"].append(
+                f"torch (keep-alive {keep_alive:g}s): no round of {n} within {args.timeout:g}s "
+                f"({r['done']} of {n} returned; the state in the store: {r['state']}; our clients "
+                f"used {r['clients_cores']:.2f} cores, the store {r['store_cores']:.2f}; "
+                f"{r['errors']})"
+            )
             return out
         out["round_s"] = r["round_s"]
-        log(f"torch ka={keep_alive:g} n={n}: round {r['round_s']:.3f}s (our clients used {r['clients_cores']:.2f} "
-            f"cores, the store {r['store_cores']:.2f}); steady window")
-        window = args.torch_window if args.torch_window is not None else max(args.window, 2 * keep_alive)
+        log(
+            f"torch ka={keep_alive:g} n={n}: round {r['round_s']:.3f}s (our clients used {r['clients_cores']:.2f} "
+            f"cores, the store {r['store_cores']:.2f}); steady window"
+        )
+        window = (
+            args.torch_window if args.torch_window is not None else max(args.window, 2 * keep_alive)
+        )
         st = steady_window(s.store_ps, s.workers, args.warmup, window)
-        out.update(requests_per_s=st["requests_per_s"], store_cpu=st["store_cpu"], client_cpu=st["client_cpu"],
-                   other_cpu=st["other_cpu"])
+        out.update(
+            requests_per_s=st["requests_per_s"],
+            store_cpu=st["store_cpu"],
+            client_cpu=st["client_cpu"],
+            other_cpu=st["other_cpu"],
+        )
         if st["errors"]:
             out["notes"].append(f"torch n={n}: errors in the steady window: {st['errors']}")
     except (PhaseTimeout, RuntimeError, KeyError) as e:
@@ -590,21 +750,35 @@ def fmt(v, digits: int = 3) -> str:
 def table(rows: list[dict], keep_alives: list[float]) -> str:
     cols = [("nodes", "nodes", 0), ("round_s", "round_s", 3)]
     cols += [(f"torchrun_round_s@{k:g}", f"torch_round_s(ka {k:g}s)", 3) for k in keep_alives]
-    cols += [("propagation_s", "propagation_s", 3), ("detection_s", "detection_s(evidence)", 3),
-             ("fallback_s", "detection_s(peer_timeout)", 3), ("recovery_s", "recovery_s", 3),
-             ("store_requests_per_s", "store_req/s", 0),
-             ("store_cpu", "store_cpu", 3), ("barrier_requests_per_s", "exit_barrier_req/s", 0),
-             ("barrier_store_cpu", "exit_barrier_store_cpu", 3), ("barrier_release_s", "exit_barrier_release_s", 3),
-             ("client_cpu", "our_clients_cpu", 2),
-             ("other_cpu", "others_cpu", 2)]
+    cols += [
+        ("propagation_s", "propagation_s", 3),
+        ("detection_s", "detection_s(evidence)", 3),
+        ("fallback_s", "detection_s(peer_timeout)", 3),
+        ("recovery_s", "recovery_s", 3),
+        ("store_requests_per_s", "store_req/s", 0),
+        ("store_cpu", "store_cpu", 3),
+        ("barrier_requests_per_s", "exit_barrier_req/s", 0),
+        ("barrier_store_cpu", "exit_barrier_store_cpu", 3),
+        ("barrier_release_s", "exit_barrier_release_s", 3),
+        ("client_cpu", "our_clients_cpu", 2),
+        ("other_cpu", "others_cpu", 2),
+    ]
     for k in keep_alives:
-        cols += [(f"torch_requests_per_s@{k:g}", f"torch_req/s(ka {k:g}s)", 0),
-                 (f"torch_store_cpu@{k:g}", f"torch_store_cpu(ka {k:g}s)", 3),
-                 (f"torch_client_cpu@{k:g}", f"torch_clients_cpu(ka {k:g}s)", 2)]
+        cols += [
+            (f"torch_requests_per_s@{k:g}", f"torch_req/s(ka {k:g}s)", 0),
+            (f"torch_store_cpu@{k:g}", f"torch_store_cpu(ka {k:g}s)", 3),
+            (f"torch_client_cpu@{k:g}", f"torch_clients_cpu(ka {k:g}s)", 2),
+        ]
     cells = [[title for _, title, _ in cols]]
     for r in rows:
-        cells.append([fmt(r.get(key), d) if d else (str(round(r[key])) if r.get(key) is not None else "timeout")
-                      for key, _, d in cols])
+        cells.append(
+            [
+                fmt(r.get(key), d)
+                if d
+                else (str(round(r[key])) if r.get(key) is not None else "timeout")
+                for key, _, d in cols
+            ]
+        )
     widths = [max(len(row[i]) for row in cells) for i in range(len(cols))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells]
     return "\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:]])
@@ -612,15 +786,34 @@ def table(rows: list[dict], keep_alives: list[float]) -> str:
 
 def measure(n: int, args, work: Path, keep_alives: list[float]) -> dict:
     row: dict = {"nodes": n}
-    e = run_elasticd(n, args, work) if not args.no_elasticd else {
-        "round_s": None, "propagation_s": None, "detection_s": None, "fallback_s": None, "recovery_s": None,
-        "requests_per_s": None, "store_cpu": None, "notes": []}
-    row.update(round_s=e["round_s"], propagation_s=e["propagation_s"], detection_s=e["detection_s"],
-               fallback_s=e["fallback_s"], recovery_s=e["recovery_s"], store_requests_per_s=e["requests_per_s"],
-               store_cpu=e["store_cpu"],
-               barrier_requests_per_s=e.get("barrier_requests_per_s"), barrier_store_cpu=e.get("barrier_store_cpu"),
-               barrier_release_s=e.get("barrier_release_s"),
-               client_cpu=e.get("client_cpu"), other_cpu=e.get("other_cpu"))
+    e = (
+        run_elasticd(n, args, work)
+        if not args.no_elasticd
+        else {
+            "round_s": None,
+            "propagation_s": None,
+            "detection_s": None,
+            "fallback_s": None,
+            "recovery_s": None,
+            "requests_per_s": None,
+            "store_cpu": None,
+            "notes": [],
+        }
+    )
+    row.update(
+        round_s=e["round_s"],
+        propagation_s=e["propagation_s"],
+        detection_s=e["detection_s"],
+        fallback_s=e["fallback_s"],
+        recovery_s=e["recovery_s"],
+        store_requests_per_s=e["requests_per_s"],
+        store_cpu=e["store_cpu"],
+        barrier_requests_per_s=e.get("barrier_requests_per_s"),
+        barrier_store_cpu=e.get("barrier_store_cpu"),
+        barrier_release_s=e.get("barrier_release_s"),
+        client_cpu=e.get("client_cpu"),
+        other_cpu=e.get("other_cpu"),
+    )
     notes = list(e["notes"])
     for k in keep_alives:
         if args.no_torch:
@@ -631,42 +824,89 @@ def measure(n: int, args, work: Path, keep_alives: list[float]) -> dict:
         row[f"torch_store_cpu@{k:g}"] = tr["store_cpu"]
         row[f"torch_client_cpu@{k:g}"] = tr.get("client_cpu")
         notes += tr["notes"]
-    row["torchrun_round_s"] = row.get(f"torchrun_round_s@{keep_alives[0]:g}") if keep_alives else None
+    row["torchrun_round_s"] = (
+        row.get(f"torchrun_round_s@{keep_alives[0]:g}") if keep_alives else None
+    )
     row["notes"] = notes
     return row
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--nodes", type=int, action="append", help=f"one size (repeatable; default {SIZES}, with "
-                   f"etcd {ETCD_SIZES})")
-    p.add_argument("--backend", choices=("c10d", "etcd"), default="c10d", help="elasticd's store: one c10d "
-                   "TCPStore (default), or a 3-member etcd cluster on loopback (etcd on PATH; torch's side is "
-                   "skipped)")
-    p.add_argument("--json", action="store_true", help="one JSON object per size (the keys: " + ", ".join(KEYS) + ")")
-    p.add_argument("--procs", type=int, default=8, help="processes the simulated nodes are spread over")
-    p.add_argument("--timeout", type=float, default=180.0, help="bound of a round's formation, seconds")
-    p.add_argument("--start-timeout", type=float, default=600.0, help="bound of starting the nodes, seconds")
-    p.add_argument("--warmup", type=float, default=3.0, help="seconds after the round before the steady window")
+    p.add_argument(
+        "--nodes",
+        type=int,
+        action="append",
+        help=f"one size (repeatable; default {SIZES}, with etcd {ETCD_SIZES})",
+    )
+    p.add_argument(
+        "--backend",
+        choices=("c10d", "etcd"),
+        default="c10d",
+        help="elasticd's store: one c10d "
+        "TCPStore (default), or a 3-member etcd cluster on loopback (etcd on PATH; torch's side is "
+        "skipped)",
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="one JSON object per size (the keys: " + ", ".join(KEYS) + ")",
+    )
+    p.add_argument(
+        "--procs", type=int, default=8, help="processes the simulated nodes are spread over"
+    )
+    p.add_argument(
+        "--timeout", type=float, default=180.0, help="bound of a round's formation, seconds"
+    )
+    p.add_argument(
+        "--start-timeout", type=float, default=600.0, help="bound of starting the nodes, seconds"
+    )
+    p.add_argument(
+        "--warmup", type=float, default=3.0, help="seconds after the round before the steady window"
+    )
     p.add_argument("--window", type=float, default=6.0, help="steady window, seconds")
-    p.add_argument("--torch-window", type=float, help="torch's steady window (default: the window, at least two "
-                   "keep-alive intervals)")
-    p.add_argument("--peer-timeout", type=float, default=3.0, help="the nodes' --peer-timeout (fallback path)")
-    p.add_argument("--monitor-interval", type=float, default=0.1, help="the agent loop's period (both systems)")
-    p.add_argument("--step-time", type=float, default=0.1, help="the fake workers' step time (evidence path)")
-    p.add_argument("--torch-keepalive", default="5", help="keep_alive_interval(s) of torch's handler, e.g. 5,1")
+    p.add_argument(
+        "--torch-window",
+        type=float,
+        help="torch's steady window (default: the window, at least two keep-alive intervals)",
+    )
+    p.add_argument(
+        "--peer-timeout", type=float, default=3.0, help="the nodes' --peer-timeout (fallback path)"
+    )
+    p.add_argument(
+        "--monitor-interval", type=float, default=0.1, help="the agent loop's period (both systems)"
+    )
+    p.add_argument(
+        "--step-time", type=float, default=0.1, help="the fake workers' step time (evidence path)"
+    )
+    p.add_argument(
+        "--torch-keepalive", default="5", help="keep_alive_interval(s) of torch's handler, e.g. 5,1"
+    )
     p.add_argument("--no-torch", action="store_true", help="elasticd only")
     p.add_argument("--no-elasticd", action="store_true", help="torch only")
-    p.add_argument("--no-private-hosts", action="store_true", help="run our processes without the private "
-                   "/etc/hosts that keeps torch's reverse DNS lookups off the resolver")
-    p.add_argument("--lift-value-limit", action="store_true", help="raise "
-                   "elasticd.cluster.signing.MAX_VALUE (64 KiB) in the simulated nodes: a round's members value "
-                   "outgrows it at about 1800 nodes here (fewer with longer host names), and every node then "
-                   "rejects it")
+    p.add_argument(
+        "--no-private-hosts",
+        action="store_true",
+        help="run our processes without the private "
+        "/etc/hosts that keeps torch's reverse DNS lookups off the resolver",
+    )
+    p.add_argument(
+        "--lift-value-limit",
+        action="store_true",
+        help="raise "
+        "elasticd.cluster.signing.MAX_VALUE (64 KiB) in the simulated nodes: a round's members value "
+        "outgrows it at about 1800 nodes here (fewer with longer host names), and every node then "
+        "rejects it",
+    )
     p.add_argument("--keep-logs", metavar="DIR", help="keep the processes' logs in DIR")
-    p.add_argument("--switch-interval", type=float, default=0.05, help="the worker processes' "
-                   "sys.setswitchinterval (default %(default)s; Python's is 0.005, which with hundreds of threads "
-                   "per process spends the CPU on handing the GIL around)")
+    p.add_argument(
+        "--switch-interval",
+        type=float,
+        default=0.05,
+        help="the worker processes' "
+        "sys.setswitchinterval (default %(default)s; Python's is 0.005, which with hundreds of threads "
+        "per process spends the CPU on handing the GIL around)",
+    )
     p.add_argument("--worker", choices=("elasticd", "torch"), help=argparse.SUPPRESS)
     p.add_argument("--serve-store", action="store_true", help=argparse.SUPPRESS)
     for name in ("--port", "--total", "--first", "--count"):
@@ -682,7 +922,9 @@ def main() -> int:
         return worker_main(args)
 
     sizes = args.nodes or list(ETCD_SIZES if args.backend == "etcd" else SIZES)
-    if args.backend == "etcd":  # torch's etcd backend speaks etcd's v2 API, through python-etcd: not ours
+    if (
+        args.backend == "etcd"
+    ):  # torch's etcd backend speaks etcd's v2 API, through python-etcd: not ours
         args.no_torch = True
     keep_alives = [float(x) for x in args.torch_keepalive.split(",") if x.strip()]
     _more_files()
@@ -695,8 +937,10 @@ def main() -> int:
         args.secret_path.chmod(0o600)
         Child.hosts = None if args.no_private_hosts else private_hosts(work)
         if Child.hosts is None:
-            log("warning: no private /etc/hosts (needs root and unshare): a reverse DNS lookup torch's store makes "
-                "per connection may stall it for seconds where the resolver drops queries")
+            log(
+                "warning: no private /etc/hosts (needs root and unshare): a reverse DNS lookup torch's store makes "
+                "per connection may stall it for seconds where the resolver drops queries"
+            )
         for n in sizes:
             row = measure(n, args, work, keep_alives)
             rows.append(row)
@@ -706,10 +950,12 @@ def main() -> int:
                 print(json.dumps({k: row.get(k) for k in KEYS}), flush=True)
     if not args.json:
         print(table(rows, keep_alives if not args.no_torch else []))
-        print(f"\nelasticd on {'a 3-member etcd cluster' if args.backend == 'etcd' else 'a c10d TCPStore'}: "
-              f"--peer-timeout {args.peer_timeout:g}s, fake workers stepping every {args.step_time:g}s "
-              f"(evidence path); {args.procs} processes; cores: CPU seconds per second (this machine has "
-              f"{os.cpu_count()})")
+        print(
+            f"\nelasticd on {'a 3-member etcd cluster' if args.backend == 'etcd' else 'a c10d TCPStore'}: "
+            f"--peer-timeout {args.peer_timeout:g}s, fake workers stepping every {args.step_time:g}s "
+            f"(evidence path); {args.procs} processes; cores: CPU seconds per second (this machine has "
+            f"{os.cpu_count()})"
+        )
         for r in rows:
             for note in r["notes"]:
                 print(f"note: {note}")
@@ -780,14 +1026,26 @@ class CountingClient:
         self.n += 1
         if not TRACE:
             return getattr(self._s, name)(*a)
-        key = a[0] if a and isinstance(a[0], str) else (a[0][:2] if a and isinstance(a[0], list) else "")
+        key = (
+            a[0]
+            if a and isinstance(a[0], str)
+            else (a[0][:2] if a and isinstance(a[0], list) else "")
+        )
         try:
             result = getattr(self._s, name)(*a)
         except Exception as e:
-            self.trace.append((round(time.monotonic(), 3), name, key, f"{type(e).__name__}: {str(e)[:80]}"))
+            self.trace.append(
+                (round(time.monotonic(), 3), name, key, f"{type(e).__name__}: {str(e)[:80]}")
+            )
             raise
-        self.trace.append((round(time.monotonic(), 3), name, key, repr(result[:40] if isinstance(result, bytes)
-                                                                       else result)[:60]))
+        self.trace.append(
+            (
+                round(time.monotonic(), 3),
+                name,
+                key,
+                repr(result[:40] if isinstance(result, bytes) else result)[:60],
+            )
+        )
         return result
 
     def set(self, *a):
@@ -858,7 +1116,9 @@ class EtcdRequests:
     @classmethod
     def _counted(cls, send):
         def counted(kv, *a, **kw):
-            kv.bench_requests = getattr(kv, "bench_requests", 0) + 1  # per connection: one thread at a time
+            kv.bench_requests = (
+                getattr(kv, "bench_requests", 0) + 1
+            )  # per connection: one thread at a time
             with cls._lock:
                 cls.n += 1
             return send(kv, *a, **kw)
@@ -905,12 +1165,22 @@ class ElasticdNodes:
         self.args = args
         total = args.total
         etcd = args.backend == "etcd"
-        self.cfg = cfg = config.build({
-            "nnodes": f"{total}:{2 * total}", "rdzv_id": "scale", "rdzv_backend": args.backend,
-            "rdzv_endpoint": args.endpoints if etcd else f"127.0.0.1:{args.port}",
-            "nproc_per_node": 1, "last_call_timeout": 0, "peer_timeout": args.peer_timeout,
-            "join_timeout": args.join_timeout, "monitor_interval": args.monitor_interval,
-            "rdzv_secret_file": args.secret, "local_addr": "127.0.0.1"}, environ={})
+        self.cfg = cfg = config.build(
+            {
+                "nnodes": f"{total}:{2 * total}",
+                "rdzv_id": "scale",
+                "rdzv_backend": args.backend,
+                "rdzv_endpoint": args.endpoints if etcd else f"127.0.0.1:{args.port}",
+                "nproc_per_node": 1,
+                "last_call_timeout": 0,
+                "peer_timeout": args.peer_timeout,
+                "join_timeout": args.join_timeout,
+                "monitor_interval": args.monitor_interval,
+                "rdzv_secret_file": args.secret,
+                "local_addr": "127.0.0.1",
+            },
+            environ={},
+        )
         if etcd:
             EtcdRequests.install()
         connect = tcpstore.tcp_connector("127.0.0.1", args.port)
@@ -939,7 +1209,10 @@ class ElasticdNodes:
             node.peers = Peers(cfg, rdzv, f"sim{args.first + i}", wake=node.woken)
             # The restart waiter's connection, which a daemon opens at its first round's wait and
             # keeps for the next rounds, is opened here: the measured phases see any later round.
-            _retried(lambda: node.peers._wait_kv.get(names.job_key(rdzv.scope, names.ROUND)), args.join_timeout)
+            _retried(
+                lambda: node.peers._wait_kv.get(names.job_key(rdzv.scope, names.ROUND)),
+                args.join_timeout,
+            )
             self.nodes.append(node)
         self.stall: float | None = None
         self.t_start = time.monotonic()
@@ -984,7 +1257,9 @@ class ElasticdNodes:
                 if rnd is None or node.silenced or mode == "idle":
                     continue
                 now = time.monotonic()
-                beats = self.fake_beats(now)  # as the agent reads its workers' heartbeat files, just before
+                beats = self.fake_beats(
+                    now
+                )  # as the agent reads its workers' heartbeat files, just before
                 try:
                     if mode == "recover":
                         self.recover_check(node, rnd, now, beats)
@@ -1019,8 +1294,10 @@ class ElasticdNodes:
             return
         if why.kind is RestartCause.NODE_LOST:
             try:
-                node.rdzv.request_restart(rnd, {"summary": why.summary(), "node": node.rdzv.node_id,
-                                                "lost": list(why.lost)})
+                node.rdzv.request_restart(
+                    rnd,
+                    {"summary": why.summary(), "node": node.rdzv.node_id, "lost": list(why.lost)},
+                )
             except StoreUnreachable as e:
                 self.note_unexpected(f"restart request: {e}")
         elif why.kind is not RestartCause.PEER:
@@ -1032,7 +1309,12 @@ class ElasticdNodes:
         """A node's Peers woke its agent loop: in the recovery phase, a restart asked is acted on
         at once (the daemon's loop wakes on it; a tick of ours would add up to --monitor-interval)."""
         restart = node.peers._restart if node.peers is not None else None
-        if self.mode == "recover" and restart is not None and node.rnd is not None and restart[0] == node.rnd.number:
+        if (
+            self.mode == "recover"
+            and restart is not None
+            and node.rnd is not None
+            and restart[0] == node.rnd.number
+        ):
             self.restart(node)
 
     def restart(self, node: Node) -> None:
@@ -1061,9 +1343,17 @@ class ElasticdNodes:
         if cmd == "round":
             return self.round(msg["at"], msg["timeout"])
         if cmd == "counts":
-            return {"t": time.monotonic(), "requests": CountingClient.total() + EtcdRequests.n, "cpu": _cpu(),
-                    "unexpected": self.unexpected_count, "errors": self.unexpected[:3]}
-        if cmd == "barrier":  # nodes done with training wait at the exit barrier (all but a straggler)
+            return {
+                "t": time.monotonic(),
+                "requests": CountingClient.total() + EtcdRequests.n,
+                "cpu": _cpu(),
+                "unexpected": self.unexpected_count,
+                "errors": self.unexpected[:3],
+            }
+        if (
+            cmd == "barrier"
+        ):  # nodes done with training wait at the exit barrier (all but a straggler)
+
             def barrier(node: Node) -> None:
                 try:
                     node.rdzv.exit_barrier(node.rnd, msg["timeout"])
@@ -1071,22 +1361,40 @@ class ElasticdNodes:
                 except Exception as e:  # noqa: BLE001 - reported
                     node.error = f"exit barrier: {type(e).__name__}: {e}"
 
-            chosen = [x for i, x in enumerate(self.nodes) if (i == msg["straggler"]) == msg["straggler_only"]]
+            chosen = [
+                x
+                for i, x in enumerate(self.nodes)
+                if (i == msg["straggler"]) == msg["straggler_only"]
+            ]
             for node in chosen:
                 threading.Thread(target=barrier, args=(node,), daemon=True).start()
             if not msg["straggler_only"]:
                 return {}
-            _wait_all(self.nodes, lambda x: x.barrier_end is not None or x.error is not None, msg["timeout"])
-            return {"done": sum(x.barrier_end is not None for x in self.nodes),
-                    "last": max((x.barrier_end for x in self.nodes if x.barrier_end), default=0.0)}
+            _wait_all(
+                self.nodes,
+                lambda x: x.barrier_end is not None or x.error is not None,
+                msg["timeout"],
+            )
+            return {
+                "done": sum(x.barrier_end is not None for x in self.nodes),
+                "last": max((x.barrier_end for x in self.nodes if x.barrier_end), default=0.0),
+            }
         if cmd == "barrier_wait":
-            _wait_all(self.nodes, lambda x: x.barrier_end is not None or x.error is not None, msg["timeout"])
-            return {"done": sum(x.barrier_end is not None for x in self.nodes),
-                    "last": max((x.barrier_end for x in self.nodes if x.barrier_end), default=0.0)}
+            _wait_all(
+                self.nodes,
+                lambda x: x.barrier_end is not None or x.error is not None,
+                msg["timeout"],
+            )
+            return {
+                "done": sum(x.barrier_end is not None for x in self.nodes),
+                "last": max((x.barrier_end for x in self.nodes if x.barrier_end), default=0.0),
+            }
         if cmd == "restart":
             node = self.nodes[msg["local"]]
             t0 = time.monotonic()
-            node.rdzv.request_restart(node.rnd, {"summary": "bench: restart asked", "node": node.rdzv.node_id})
+            node.rdzv.request_restart(
+                node.rnd, {"summary": "bench: restart asked", "node": node.rdzv.node_id}
+            )
             return {"t0": t0}
         if cmd == "seen":
             _wait_all(self.nodes, lambda x: x.seen is not None, msg["timeout"])
@@ -1110,30 +1418,57 @@ class ElasticdNodes:
             live = [x for x in self.nodes if not x.silenced]
             self.stall = msg["since"]
             self.mode = "recover"
-            _wait_all(live, lambda x: x.recovered is not None or x.error is not None, msg["timeout"])
+            _wait_all(
+                live, lambda x: x.recovered is not None or x.error is not None, msg["timeout"]
+            )
             self.mode = "idle"
             done = [x for x in live if x.recovered is not None and x.rnd is not None]
-            return {"done": len(done), "end": max((x.recovered for x in done), default=0.0),
-                    "sizes": sorted({x.rnd.group_world_size for x in done}),
-                    "lost": sorted({m for x in done for m in x.rnd.lost}),
-                    "errors": [x.error for x in live if x.error][:3]}
+            return {
+                "done": len(done),
+                "end": max((x.recovered for x in done), default=0.0),
+                "sizes": sorted({x.rnd.group_world_size for x in done}),
+                "lost": sorted({m for x in done for m in x.rnd.lost}),
+                "errors": [x.error for x in live if x.error][:3],
+            }
         if cmd == "stall":
             self.stall = msg["since"]
             self.mode = "detect"
             target = msg["target"]
             from elasticd.cluster.peers import WATCHED
 
-            watchers = [x for x in self.nodes if not x.silenced and x.rnd is not None
-                        and target in [m.node_id for m in x.rnd.neighbours(WATCHED)]]
+            watchers = [
+                x
+                for x in self.nodes
+                if not x.silenced
+                and x.rnd is not None
+                and target in [m.node_id for m in x.rnd.neighbours(WATCHED)]
+            ]
             self.watchers = watchers
-            _wait_all(watchers, lambda x: target in x.detected["evidence"] and target in x.detected["fallback"],
-                      msg["timeout"])
-            false = [f"{x.rdzv.node_id} took {lost} for lost" for x in self.nodes
-                     for lost in x.detected["evidence"] if lost != target]
-            return {"watchers": len(watchers),
-                    "evidence": [x.detected["evidence"][target] for x in watchers if target in x.detected["evidence"]],
-                    "fallback": [x.detected["fallback"][target] for x in watchers if target in x.detected["fallback"]],
-                    "false": false[:5]}
+            _wait_all(
+                watchers,
+                lambda x: target in x.detected["evidence"] and target in x.detected["fallback"],
+                msg["timeout"],
+            )
+            false = [
+                f"{x.rdzv.node_id} took {lost} for lost"
+                for x in self.nodes
+                for lost in x.detected["evidence"]
+                if lost != target
+            ]
+            return {
+                "watchers": len(watchers),
+                "evidence": [
+                    x.detected["evidence"][target]
+                    for x in watchers
+                    if target in x.detected["evidence"]
+                ],
+                "fallback": [
+                    x.detected["fallback"][target]
+                    for x in watchers
+                    if target in x.detected["fallback"]
+                ],
+                "false": false[:5],
+            }
         raise ValueError(cmd)
 
     def arrived(self) -> str:
@@ -1161,7 +1496,9 @@ class ElasticdNodes:
                 rnd = node.rdzv.next_round(1)
                 node.end = time.monotonic()
                 node.round_requests = node.requests() - before
-                node.peers.new_round(rnd)  # as the agent does at once: watch the ring, wait for restarts
+                node.peers.new_round(
+                    rnd
+                )  # as the agent does at once: watch the ring, wait for restarts
                 node.rnd = rnd
             except Exception as e:  # noqa: BLE001 - reported
                 node.error = f"{type(e).__name__}: {e}"
@@ -1171,24 +1508,37 @@ class ElasticdNodes:
         for node in live:
             node.rnd = None
             threading.Thread(target=join, args=(node,), daemon=True).start()
-        _wait_all(live, lambda x: x.rnd is not None or x.error is not None,
-                  max(0.0, at - time.monotonic()) + timeout)
+        _wait_all(
+            live,
+            lambda x: x.rnd is not None or x.error is not None,
+            max(0.0, at - time.monotonic()) + timeout,
+        )
         sent = CountingClient.total() + EtcdRequests.n - sent
         done = [x for x in live if x.rnd is not None]
         closer = [x for x in done if x.rnd.group_rank == 0]
         busiest = max(live, key=lambda x: x.round_requests)
         if busiest.round_requests > 100:
             store = getattr(busiest.rdzv.kv, "store", None)
-            print(f"busiest node {busiest.rdzv.node_id}: {busiest.round_requests} requests in next_round; its "
-                  f"last calls: {list(store.trace) if store is not None else None}", file=sys.stderr, flush=True)
-        return {"done": len(done), "end": max((x.end for x in done), default=0.0),
-                "closer": [closer[0].end, closer[0].round_requests] if closer else None,
-                "rejected": sum(x.rdzv.signer.rejected for x in self.nodes),
-                "requests": sum(x.round_requests for x in done), "sent": sent,
-                "arrived": self.arrived() if len(done) < len(live) else None,
-                "errors": [x.error for x in self.nodes if x.error][:3],
-                "sizes": sorted({x.rnd.group_world_size for x in done}),
-                "ranks": [x.rnd.group_rank if x.rnd is not None and not x.silenced else -1 for x in self.nodes]}
+            print(
+                f"busiest node {busiest.rdzv.node_id}: {busiest.round_requests} requests in next_round; its "
+                f"last calls: {list(store.trace) if store is not None else None}",
+                file=sys.stderr,
+                flush=True,
+            )
+        return {
+            "done": len(done),
+            "end": max((x.end for x in done), default=0.0),
+            "closer": [closer[0].end, closer[0].round_requests] if closer else None,
+            "rejected": sum(x.rdzv.signer.rejected for x in self.nodes),
+            "requests": sum(x.round_requests for x in done),
+            "sent": sent,
+            "arrived": self.arrived() if len(done) < len(live) else None,
+            "errors": [x.error for x in self.nodes if x.error][:3],
+            "sizes": sorted({x.rnd.group_world_size for x in done}),
+            "ranks": [
+                x.rnd.group_rank if x.rnd is not None and not x.silenced else -1 for x in self.nodes
+            ],
+        }
 
 
 # A store call's bound: the daemon's default (rendezvous.op_timeout at the default --peer-timeout of
@@ -1302,7 +1652,9 @@ class TorchNodes:
         import logging
 
         import torch.distributed as dist
-        from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+        from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
+            C10dRendezvousBackend,
+        )
         from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
             DynamicRendezvousHandler,
             RendezvousTimeout,
@@ -1316,13 +1668,22 @@ class TorchNodes:
         self.handlers = []
         self.backends = []
         for _ in range(args.count):
-            inner = dist.TCPStore("127.0.0.1", args.port, None, False, td(seconds=60), multi_tenant=True)
+            inner = dist.TCPStore(
+                "127.0.0.1", args.port, None, False, td(seconds=60), multi_tenant=True
+            )
             store = counting(inner)
             backend = C10dRendezvousBackend(store, "scale")
             h = DynamicRendezvousHandler.from_backend(
-                "scale", store, backend, args.total, args.total, local_addr="127.0.0.1",
+                "scale",
+                store,
+                backend,
+                args.total,
+                args.total,
+                local_addr="127.0.0.1",
                 timeout=RendezvousTimeout(join=td(seconds=args.join_timeout)),
-                keep_alive_interval=args.keep_alive, keep_alive_max_attempt=3)
+                keep_alive_interval=args.keep_alive,
+                keep_alive_max_attempt=3,
+            )
             self.handlers.append(h)
             self.backends.append(backend)
         self.results: list = [None] * len(self.handlers)
@@ -1345,8 +1706,12 @@ class TorchNodes:
         if cmd == "ready":
             return {"ready": len(self.handlers)}
         if cmd == "counts":
-            return {"t": time.monotonic(), "requests": sum(s.n for s in self.counting.registry), "cpu": _cpu(),
-                    "errors": self.monitor_errors[:3]}
+            return {
+                "t": time.monotonic(),
+                "requests": sum(s.n for s in self.counting.registry),
+                "cpu": _cpu(),
+                "errors": self.monitor_errors[:3],
+            }
         if cmd == "round":
             at = msg["at"]
             before = sum(s.n for s in self.counting.registry)
@@ -1362,8 +1727,11 @@ class TorchNodes:
 
             for i in range(len(self.handlers)):
                 threading.Thread(target=join, args=(i,), daemon=True).start()
-            _wait_all(range(len(self.handlers)), lambda i: self.results[i] is not None,
-                      max(0.0, at - time.monotonic()) + msg["timeout"])
+            _wait_all(
+                range(len(self.handlers)),
+                lambda i: self.results[i] is not None,
+                max(0.0, at - time.monotonic()) + msg["timeout"],
+            )
             done = [r for r in self.results if r]
             if done:
                 threading.Thread(target=self._monitor, daemon=True).start()
@@ -1375,13 +1743,23 @@ class TorchNodes:
                     got = self.backends[0].get_state()
                     if got is not None:
                         st = pickle.loads(got[0])
-                        state = {"participants": len(st.participants), "wait_list": len(st.wait_list),
-                                 "complete": st.complete, "bytes": len(got[0])}
+                        state = {
+                            "participants": len(st.participants),
+                            "wait_list": len(st.wait_list),
+                            "complete": st.complete,
+                            "bytes": len(got[0]),
+                        }
                 except Exception as e:  # noqa: BLE001 - reported
                     state = {"error": f"{type(e).__name__}: {e}"}
-            return {"done": len(done), "state": state, "end": max((r[0] for r in done), default=0.0),
-                    "errors": self.errors[:3], "requests": sum(s.n for s in self.counting.registry) - before,
-                    "sizes": sorted({r[2] for r in done}), "ranks": [r[1] if r else -1 for r in self.results]}
+            return {
+                "done": len(done),
+                "state": state,
+                "end": max((r[0] for r in done), default=0.0),
+                "errors": self.errors[:3],
+                "requests": sum(s.n for s in self.counting.registry) - before,
+                "sizes": sorted({r[2] for r in done}),
+                "ranks": [r[1] if r else -1 for r in self.results],
+            }
         raise ValueError(cmd)
 
 

@@ -24,6 +24,7 @@ median over rounds and the median and range of the per-round ratios to torchrun.
     python bench/steady.py --rounds 5
     python bench/steady.py --paired --rounds 5
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,7 +51,11 @@ DEFAULT_VARIANTS = "elasticd,elasticd --no-memory-state"
 WORKLOADS = {  # name: (environment, steps, steps skipped)
     "tiny": ({}, 1500, 100),
     "compute": ({"BENCH_WIDTH": "1024", "BENCH_DEPTH": "2", "BENCH_BATCH": "128"}, 300, 20),
-    "gpu": ({"BENCH_DEVICE": "cuda", "BENCH_WIDTH": "4096", "BENCH_DEPTH": "4", "BENCH_BATCH": "2048"}, 1000, 150),
+    "gpu": (
+        {"BENCH_DEVICE": "cuda", "BENCH_WIDTH": "4096", "BENCH_DEPTH": "4", "BENCH_BATCH": "2048"},
+        1000,
+        150,
+    ),
 }
 CPU_WORKLOADS = "tiny,compute"
 
@@ -62,18 +67,38 @@ class Run:
     samples: list  # (wall time, launcher CPU seconds)
 
 
-def launch(variant: str, workload: str, ckpt_every: int, workdir: Path, cpus: set[int] | None = None,
-           nproc: int = 2) -> Run:
+def launch(
+    variant: str,
+    workload: str,
+    ckpt_every: int,
+    workdir: Path,
+    cpus: set[int] | None = None,
+    nproc: int = 2,
+) -> Run:
     """Start one launcher on the workload, pinned (with everything it starts) to `cpus`."""
     kind, extra, script_env = VARIANTS[variant]
     knobs, steps, _skip = WORKLOADS[workload]
     out = workdir / "steps.txt"
-    env = dict(os.environ, BENCH_OUT=str(out), BENCH_STEPS=str(steps), BENCH_STEP_TIME="0",
-               BENCH_CKPT_DIR=str(workdir / "ckpt"), BENCH_CKPT_EVERY=str(ckpt_every), **knobs, **script_env)
+    env = dict(
+        os.environ,
+        BENCH_OUT=str(out),
+        BENCH_STEPS=str(steps),
+        BENCH_STEP_TIME="0",
+        BENCH_CKPT_DIR=str(workdir / "ckpt"),
+        BENCH_CKPT_EVERY=str(ckpt_every),
+        **knobs,
+        **script_env,
+    )
     with open(workdir / "launcher.log", "wb") as log:
-        proc = subprocess.Popen(launcher_cmd(kind, 0, workdir, extra, nproc), env=env, stdout=log, stderr=log,
-                                cwd=HERE.parent, start_new_session=True,
-                                preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
+        proc = subprocess.Popen(
+            launcher_cmd(kind, 0, workdir, extra, nproc),
+            env=env,
+            stdout=log,
+            stderr=log,
+            cwd=HERE.parent,
+            start_new_session=True,
+            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
+        )
     return Run(proc, out, [])
 
 
@@ -113,7 +138,9 @@ def cadence(workdir: Path) -> str:
     found = ""
     for log in sorted((workdir / "logs").glob("**/rank0.log")):
         for line in log.read_text(errors="replace").splitlines():
-            if "memory_cadence" in line:  # a console line or a JSON one, as the script's logging is set up
+            if (
+                "memory_cadence" in line
+            ):  # a console line or a JSON one, as the script's logging is set up
                 e = dict(re.findall(r'"?(every|refresh_ms)"?[=:] ?([0-9.]+)', line))
                 found = f" (in-memory state every {e.get('every')} steps, refresh {e.get('refresh_ms')} ms)"
     return found
@@ -127,44 +154,70 @@ def one_run(variant: str, workload: str, ckpt_every: int, nproc: int) -> tuple[f
         return (*measure(run, *window(run, WORKLOADS[workload][2])), cadence(Path(tmp)))
 
 
-def paired_run(variant: str, workload: str, ckpt_every: int, swap: bool, nproc: int) -> tuple[tuple, tuple]:
+def paired_run(
+    variant: str, workload: str, ckpt_every: int, swap: bool, nproc: int
+) -> tuple[tuple, tuple]:
     """`variant` and torchrun at the same time, each on its own half of the CPUs (`swap`: the
     other way round), measured over the steps both ran in steady state: whatever the machine does
     meanwhile (a neighbour, the hypervisor) hits both."""
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
-        raise SystemExit("--paired needs at least 2 CPUs (one half for each launcher); run without it")
-    halves = [set(cpus[:len(cpus) // 2]), set(cpus[len(cpus) // 2:])]
+        raise SystemExit(
+            "--paired needs at least 2 CPUs (one half for each launcher); run without it"
+        )
+    halves = [set(cpus[: len(cpus) // 2]), set(cpus[len(cpus) // 2 :])]
     if swap:
         halves.reverse()
-    with tempfile.TemporaryDirectory(prefix="bench-steady-a-") as a, \
-            tempfile.TemporaryDirectory(prefix="bench-steady-b-") as b:
-        runs = [launch(variant, workload, ckpt_every, Path(a), halves[0], nproc),
-                launch("torchrun", workload, ckpt_every, Path(b), halves[1], nproc)]
+    with (
+        tempfile.TemporaryDirectory(prefix="bench-steady-a-") as a,
+        tempfile.TemporaryDirectory(prefix="bench-steady-b-") as b,
+    ):
+        runs = [
+            launch(variant, workload, ckpt_every, Path(a), halves[0], nproc),
+            launch("torchrun", workload, ckpt_every, Path(b), halves[1], nproc),
+        ]
         watch(runs)
         skip = WORKLOADS[workload][2]
         spans = [window(r, skip) for r in runs]
         begin, end = max(s[0] for s in spans), min(s[1] for s in spans)
         if end - begin < 2.0:
-            raise SystemExit(f"{workload}: the two runs overlapped only {end - begin:.1f} s in steady state; "
-                             "raise --steps-scale")
+            raise SystemExit(
+                f"{workload}: the two runs overlapped only {end - begin:.1f} s in steady state; "
+                "raise --steps-scale"
+            )
         return measure(runs[0], begin, end), measure(runs[1], begin, end)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--workloads", default=CPU_WORKLOADS, help="comma-separated: " + ", ".join(WORKLOADS))
-    p.add_argument("--ckpt-every", type=int, default=500,
-                   help="disk checkpoint cadence; elasticd also refreshes the in-memory state (default cadence)")
-    p.add_argument("--variants", default=DEFAULT_VARIANTS,
-                   help="comma-separated elasticd variants to compare with torchrun: " +
-                        ", ".join(v for v in VARIANTS if v != "torchrun"))
+    p.add_argument(
+        "--workloads", default=CPU_WORKLOADS, help="comma-separated: " + ", ".join(WORKLOADS)
+    )
+    p.add_argument(
+        "--ckpt-every",
+        type=int,
+        default=500,
+        help="disk checkpoint cadence; elasticd also refreshes the in-memory state (default cadence)",
+    )
+    p.add_argument(
+        "--variants",
+        default=DEFAULT_VARIANTS,
+        help="comma-separated elasticd variants to compare with torchrun: "
+        + ", ".join(v for v in VARIANTS if v != "torchrun"),
+    )
     p.add_argument("--nproc", type=int, default=2, help="workers per launcher (default 2)")
-    p.add_argument("--steps-scale", type=float, default=1.0,
-                   help="multiply each workload's step count (a fast machine needs more for --paired)")
-    p.add_argument("--paired", action="store_true",
-                   help="run each elasticd variant and torchrun at the same time on separate halves of the CPUs")
+    p.add_argument(
+        "--steps-scale",
+        type=float,
+        default=1.0,
+        help="multiply each workload's step count (a fast machine needs more for --paired)",
+    )
+    p.add_argument(
+        "--paired",
+        action="store_true",
+        help="run each elasticd variant and torchrun at the same time on separate halves of the CPUs",
+    )
     args = p.parse_args()
     workloads = args.workloads.split(",")
     for name, (knobs, steps, skip) in WORKLOADS.items():  # start-up steps stay as they are
@@ -183,21 +236,33 @@ def main() -> None:
     def record(r: int, w: str, variant: str, result: tuple[float, float], note: str = "") -> None:
         step[w, variant].append(result[0])
         cpu[w, variant].append(result[1])
-        print(f"  round {r + 1} {w} {variant}{note}: step {1e3 * result[0]:.3f} ms, "
-              f"launcher CPU {100 * result[1]:.2f}% of a core", flush=True)
+        print(
+            f"  round {r + 1} {w} {variant}{note}: step {1e3 * result[0]:.3f} ms, "
+            f"launcher CPU {100 * result[1]:.2f}% of a core",
+            flush=True,
+        )
 
     for r in range(args.rounds):
         for w in workloads:
             if args.paired:
                 for variant in variants[:-1]:
                     product = 1.0
-                    for swap in (False, True):  # each launcher on each half: the halves differ a little
+                    for swap in (
+                        False,
+                        True,
+                    ):  # each launcher on each half: the halves differ a little
                         mine, theirs = paired_run(variant, w, args.ckpt_every, swap, args.nproc)
                         side = f" on CPU half {int(swap)}"
                         record(r, w, variant, mine, side)
-                        record(r, w, "torchrun", theirs, f" beside {variant}, on CPU half {int(not swap)}")
+                        record(
+                            r,
+                            w,
+                            "torchrun",
+                            theirs,
+                            f" beside {variant}, on CPU half {int(not swap)}",
+                        )
                         product *= mine[0] / theirs[0]
-                    ratios[w, variant].append(product ** 0.5)
+                    ratios[w, variant].append(product**0.5)
                     ratios[w, "torchrun"].append(1.0)
                 continue
             for variant in variants:
@@ -206,21 +271,30 @@ def main() -> None:
             for variant in variants:
                 ratios[w, variant].append(step[w, variant][-1] / step[w, "torchrun"][-1])
     print()
-    how = ("each beside torchrun at the same time on separate halves of the CPUs, both ways round; a round's "
-           "ratio is the geometric mean of the two"
-           if args.paired else "one launcher at a time, alternating")
-    print(f"steady state, {args.nproc} worker(s) per launcher, {os.cpu_count()} cores, torch "
-          f"{'CUDA/NCCL (gpu), CPU/gloo (others)' if 'gpu' in workloads else 'CPU/gloo'}, "
-          f"{args.rounds} rounds, {how} (median over rounds; ratio: median and range of the per-round ratios "
-          "to torchrun)")
-    print(f"{'workload':<9} {'launcher':<28} {'step ms':>8} {'vs torchrun':>12} {'per-round range':>17} "
-          f"{'launcher CPU':>13}")
+    how = (
+        "each beside torchrun at the same time on separate halves of the CPUs, both ways round; a round's "
+        "ratio is the geometric mean of the two"
+        if args.paired
+        else "one launcher at a time, alternating"
+    )
+    print(
+        f"steady state, {args.nproc} worker(s) per launcher, {os.cpu_count()} cores, torch "
+        f"{'CUDA/NCCL (gpu), CPU/gloo (others)' if 'gpu' in workloads else 'CPU/gloo'}, "
+        f"{args.rounds} rounds, {how} (median over rounds; ratio: median and range of the per-round ratios "
+        "to torchrun)"
+    )
+    print(
+        f"{'workload':<9} {'launcher':<28} {'step ms':>8} {'vs torchrun':>12} {'per-round range':>17} "
+        f"{'launcher CPU':>13}"
+    )
     for w in workloads:
         for variant in variants:
             rs = ratios[w, variant]
-            print(f"{w:<9} {variant:<28} {1e3 * statistics.median(step[w, variant]):>8.3f} "
-                  f"{statistics.median(rs):>11.3f}x {min(rs):>8.3f}-{max(rs):.3f}x "
-                  f"{100 * statistics.median(cpu[w, variant]):>12.2f}%")
+            print(
+                f"{w:<9} {variant:<28} {1e3 * statistics.median(step[w, variant]):>8.3f} "
+                f"{statistics.median(rs):>11.3f}x {min(rs):>8.3f}-{max(rs):.3f}x "
+                f"{100 * statistics.median(cpu[w, variant]):>12.2f}%"
+            )
 
 
 if __name__ == "__main__":

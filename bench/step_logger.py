@@ -29,7 +29,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 def main():
     cuda = os.environ.get("BENCH_DEVICE", "cpu") == "cuda"
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
+    device = (
+        torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        if cuda
+        else torch.device("cpu")
+    )
     if cuda:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if cuda else "gloo")
@@ -40,7 +44,10 @@ def main():
     batch = int(os.environ.get("BENCH_BATCH", "32"))
     dims = [64] + [width] * depth
     layers = [m for a, b in zip(dims, dims[1:]) for m in (nn.Linear(a, b), nn.ReLU())]
-    model = DDP(nn.Sequential(*layers, nn.Linear(width, 1)).to(device), device_ids=[device.index] if cuda else None)
+    model = DDP(
+        nn.Sequential(*layers, nn.Linear(width, 1)).to(device),
+        device_ids=[device.index] if cuda else None,
+    )
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x, y = torch.randn(batch, 64, device=device), torch.randn(batch, 1, device=device)
     mgr, first, snapshot = None, 1, None
@@ -56,9 +63,16 @@ def main():
     elif os.environ.get("BENCH_CKPT_DIR"):
         from elasticd.checkpoint import CheckpointManager, capture, restore
 
-        memory_every = int(os.environ.get("BENCH_MEMORY_EVERY") or 0) or None  # None: the library's default
-        mgr = CheckpointManager(os.environ["BENCH_CKPT_DIR"], keep=2, every_steps=every, memory_every=memory_every,
-                                memory_overlap=os.environ.get("BENCH_MEMORY_OVERLAP") != "0")
+        memory_every = (
+            int(os.environ.get("BENCH_MEMORY_EVERY") or 0) or None
+        )  # None: the library's default
+        mgr = CheckpointManager(
+            os.environ["BENCH_CKPT_DIR"],
+            keep=2,
+            every_steps=every,
+            memory_every=memory_every,
+            memory_overlap=os.environ.get("BENCH_MEMORY_OVERLAP") != "0",
+        )
         state = mgr.load_latest()
         if state is not None:
             first = restore(state, model=model, optimizer=opt)["step"] + 1
@@ -80,8 +94,10 @@ def main():
         if mgr is not None:
             mgr.maybe_save(step, lambda: capture(model=model, optimizer=opt, step=step))
         elif snapshot and rank == 0 and step % every == 0:
-            torch.save({"model": model.module.state_dict(), "optimizer": opt.state_dict(), "step": step},
-                       snapshot + ".tmp")
+            torch.save(
+                {"model": model.module.state_dict(), "optimizer": opt.state_dict(), "step": step},
+                snapshot + ".tmp",
+            )
             os.replace(snapshot + ".tmp", snapshot)
         os.write(out, f"{os.getpid()} {rank} {restart} {step} {time.time():.6f}\n".encode())
         time.sleep(step_time)

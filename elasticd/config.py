@@ -40,25 +40,62 @@ _RANGES: dict[str, tuple[float, float, bool]] = {
     "nproc_per_node": (1, max(MAX_NPROC, os.cpu_count() or 1), True),
     "max_restarts": (0, MAX_RESTARTS, True),
     "monitor_interval": (0.01, 10.0, True),
-    **{k: (0.0, MAX_SECONDS, False) for k in ("heartbeat_timeout", "startup_timeout", "join_timeout",
-                                              "exit_barrier_timeout", "peer_timeout", "kill_timeout")},
-    **{k: (0.0, MAX_SECONDS, True) for k in ("stop_grace", "restart_grace", "restart_backoff",
-                                             "restart_backoff_max", "last_call_timeout", "health_check_interval")},
+    **{
+        k: (0.0, MAX_SECONDS, False)
+        for k in (
+            "heartbeat_timeout",
+            "startup_timeout",
+            "join_timeout",
+            "exit_barrier_timeout",
+            "peer_timeout",
+            "kill_timeout",
+        )
+    },
+    **{
+        k: (0.0, MAX_SECONDS, True)
+        for k in (
+            "stop_grace",
+            "restart_grace",
+            "restart_backoff",
+            "restart_backoff_max",
+            "last_call_timeout",
+            "health_check_interval",
+        )
+    },
     "health_check_timeout": (0.0, MAX_SECONDS, False),
     "straggler_threshold": (0.0, 100.0, True),  # 0: off; 0.2: 20% above the median
     "straggler_window": (1.0, MAX_SECONDS, True),
 }
-STRAGGLER_ACTIONS = ("report",)  # "restart" and "exclude-node" may come: stragglers.Straggler carries what they need
+STRAGGLER_ACTIONS = (
+    "report",
+)  # "restart" and "exclude-node" may come: stragglers.Straggler carries what they need
 
 # Signals a worker may dump its stacks on (faulthandler registers them; a worker that has not yet
 # registered the handler is ended, as by SIGTERM). Not: signals that stop workers (SIGTERM, SIGINT),
 # cannot be caught (SIGKILL, SIGSTOP), are faults faulthandler reserves (SIGSEGV, SIGBUS, SIGFPE,
 # SIGILL, SIGABRT), or arrive in ordinary operation (SIGCHLD, SIGCONT, SIGPIPE, SIGALRM, SIGPROF...).
-STACK_SIGNALS = tuple(n for n in ("SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT", "SIGPWR") if hasattr(signal, n))
+STACK_SIGNALS = tuple(
+    n for n in ("SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT", "SIGPWR") if hasattr(signal, n)
+)
 # Signals that may stop the daemon gracefully: the asynchronous ones a user, scheduler or batch
 # system sends (SLURM's --signal, LSF's SIGXCPU warning...), not faults, job control or SIGCHLD.
-STOP_SIGNALS = tuple(n for n in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGALRM",
-                                 "SIGPWR", "SIGXCPU", "SIGVTALRM", "SIGPROF") if hasattr(signal, n))
+STOP_SIGNALS = tuple(
+    n
+    for n in (
+        "SIGTERM",
+        "SIGINT",
+        "SIGHUP",
+        "SIGQUIT",
+        "SIGUSR1",
+        "SIGUSR2",
+        "SIGALRM",
+        "SIGPWR",
+        "SIGXCPU",
+        "SIGVTALRM",
+        "SIGPROF",
+    )
+    if hasattr(signal, n)
+)
 # A job id lands in directory names (<log dir>/<id>-..., checkpoints/<id>) and socket names.
 RDZV_ID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
 
@@ -78,8 +115,10 @@ def _setting(default: Any, doc: str, *flags: str, torchrun: bool = False, **pars
     `torchrun`: one of torchrun's flags, listed among them and also taken in its --name_with_underscores
     spelling. `parse`: argparse's metavar, choices or type, where the field's type is not how the
     flag reads (a float or int field's flag reads a float or int)."""
-    return dataclasses.field(default=default, metadata={"help": doc, "flags": flags, "torchrun": torchrun,
-                                                        "parse": parse})
+    return dataclasses.field(
+        default=default,
+        metadata={"help": doc, "flags": flags, "torchrun": torchrun, "parse": parse},
+    )
 
 
 @dataclass(frozen=True)
@@ -87,115 +126,239 @@ class Config:
     """Every setting of a run, each with its default and help text (the flags' too: see _setting)."""
 
     # --- what to run (the CLI's ENTRYPOINT and ARGS) ---
-    entrypoint: str = _setting(DEFAULT_ENTRYPOINT, "module (run as python -m), module:function, or "
-                               "path/to/script.py (default: the bundled example {default})")
-    args: tuple[str, ...] = _setting((), "everything after the entrypoint goes to it, as with torchrun")
+    entrypoint: str = _setting(
+        DEFAULT_ENTRYPOINT,
+        "module (run as python -m), module:function, or "
+        "path/to/script.py (default: the bundled example {default})",
+    )
+    args: tuple[str, ...] = _setting(
+        (), "everything after the entrypoint goes to it, as with torchrun"
+    )
 
     # --- torchrun's own flags ---
     nnodes: str = _setting("1", "N or MIN:MAX nodes (default {default})", torchrun=True)
-    nproc_per_node: int = _setting(1, "workers on this node: a number, gpu, cpu or auto (default {default}; the "
-                                   "bundled example: one per GPU, else 2)", torchrun=True,
-                                   type=str)  # a word or a number: nproc_from_word reads it
-    max_restarts: int = _setting(3, "failure restarts of the job before it fails (default {default})", torchrun=True)
-    rdzv_backend: str = _setting("c10d", "c10d (default: a TCPStore at --rdzv-endpoint, hosted by the node that "
-                                 "owns its address) or etcd (an etcd cluster, --rdzv-endpoint H1:2379,H2:2379,...: "
-                                 "no node is special); torchrun's etcd-v2 and static are accepted", torchrun=True)
-    rdzv_endpoint: str = _setting("", "HOST:PORT of the rendezvous store, the same on every node (etcd: the "
-                                  "members, comma-separated)", torchrun=True)
+    nproc_per_node: int = _setting(
+        1,
+        "workers on this node: a number, gpu, cpu or auto (default {default}; the "
+        "bundled example: one per GPU, else 2)",
+        torchrun=True,
+        type=str,
+    )  # a word or a number: nproc_from_word reads it
+    max_restarts: int = _setting(
+        3, "failure restarts of the job before it fails (default {default})", torchrun=True
+    )
+    rdzv_backend: str = _setting(
+        "c10d",
+        "c10d (default: a TCPStore at --rdzv-endpoint, hosted by the node that "
+        "owns its address) or etcd (an etcd cluster, --rdzv-endpoint H1:2379,H2:2379,...: "
+        "no node is special); torchrun's etcd-v2 and static are accepted",
+        torchrun=True,
+    )
+    rdzv_endpoint: str = _setting(
+        "",
+        "HOST:PORT of the rendezvous store, the same on every node (etcd: the "
+        "members, comma-separated)",
+        torchrun=True,
+    )
     rdzv_id: str = _setting("none", "job id shared by all nodes", torchrun=True)
-    standalone: bool = _setting(False, "single node with a private store on a free loopback port", torchrun=True)
-    monitor_interval: float = _setting(0.1, "seconds between worker checks (default {default:g})", torchrun=True)
-    log_dir: str = _setting("", "where per-rank logs, error files and stack dumps go (default ./elasticd-runs)",
-                            torchrun=True)
-    local_addr: str = _setting("", "address peers reach this node at (default: the one routing to the endpoint)",
-                               torchrun=True)
+    standalone: bool = _setting(
+        False, "single node with a private store on a free loopback port", torchrun=True
+    )
+    monitor_interval: float = _setting(
+        0.1, "seconds between worker checks (default {default:g})", torchrun=True
+    )
+    log_dir: str = _setting(
+        "",
+        "where per-rank logs, error files and stack dumps go (default ./elasticd-runs)",
+        torchrun=True,
+    )
+    local_addr: str = _setting(
+        "",
+        "address peers reach this node at (default: the one routing to the endpoint)",
+        torchrun=True,
+    )
     role: str = _setting("default", "the workers' ROLE_NAME (default {default!r})", torchrun=True)
-    redirects: str = _setting("0", "as torchrun: 0-3 (none, stdout, stderr, both) or LOCAL_RANK:N,...; every "
-                              "rank's output is always in its log file, and a rank with both streams redirected "
-                              "(and not teed) is not echoed to the console", "-r", "--redirects", torchrun=True)
-    tee_streams: str = _setting("0", "as torchrun: streams also echoed to the console (echoing is elasticd's "
-                                "default)", "-t", "--tee", torchrun=True)
-    local_ranks_filter: tuple[int, ...] = _setting((), "comma-separated local ranks whose output is echoed to the "
-                                                   "console (default all)", torchrun=True)
-    signals_to_handle: tuple[str, ...] = _setting(("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT"),
-                                                  "comma-separated signals that stop the job gracefully, as "
-                                                  "SIGTERM does (default {default}; e.g. add SIGUSR1 for SLURM's "
-                                                  "--signal)", torchrun=True)
-    virtual_local_rank: bool = _setting(False, "LOCAL_RANK=0 for every worker, and CUDA_VISIBLE_DEVICES its own GPU",
-                                        torchrun=True)
-    no_python: bool = _setting(False, "ENTRYPOINT is an executable run with ARGS in place of python (no warm "
-                               "spares, heartbeat or stack dumps: it is not Python)", torchrun=True)
+    redirects: str = _setting(
+        "0",
+        "as torchrun: 0-3 (none, stdout, stderr, both) or LOCAL_RANK:N,...; every "
+        "rank's output is always in its log file, and a rank with both streams redirected "
+        "(and not teed) is not echoed to the console",
+        "-r",
+        "--redirects",
+        torchrun=True,
+    )
+    tee_streams: str = _setting(
+        "0",
+        "as torchrun: streams also echoed to the console (echoing is elasticd's default)",
+        "-t",
+        "--tee",
+        torchrun=True,
+    )
+    local_ranks_filter: tuple[int, ...] = _setting(
+        (),
+        "comma-separated local ranks whose output is echoed to the console (default all)",
+        torchrun=True,
+    )
+    signals_to_handle: tuple[str, ...] = _setting(
+        ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT"),
+        "comma-separated signals that stop the job gracefully, as "
+        "SIGTERM does (default {default}; e.g. add SIGUSR1 for SLURM's "
+        "--signal)",
+        torchrun=True,
+    )
+    virtual_local_rank: bool = _setting(
+        False, "LOCAL_RANK=0 for every worker, and CUDA_VISIBLE_DEVICES its own GPU", torchrun=True
+    )
+    no_python: bool = _setting(
+        False,
+        "ENTRYPOINT is an executable run with ARGS in place of python (no warm "
+        "spares, heartbeat or stack dumps: it is not Python)",
+        torchrun=True,
+    )
 
     # --- elasticd's own ---
-    rdzv_secret_file: str = _setting("", "the job's secret (the same file on every node, mode 600): what the "
-                                     "daemons write to the store is signed with it, so no one without it can steer "
-                                     "the job (single-node jobs make their own)", metavar="FILE")
-    insecure_no_secret: bool = _setting(False, "let a multi-node job run without --rdzv-secret-file: anyone who "
-                                        "reaches the store can then restart, stop or redirect it (only on a network "
-                                        "no one else reaches)")
-    checkpoint_dir: str = _setting("", "where workers keep checkpoints (ELASTICD_CHECKPOINT_DIR; default <log dir>/"
-                                   "checkpoints/<rdzv id>, so a job started again with the same --rdzv-id resumes)")
-    log_format: str = _setting("auto", "daemon log format (default: console on a terminal, else JSON)",
-                               choices=LOG_FORMATS)
+    rdzv_secret_file: str = _setting(
+        "",
+        "the job's secret (the same file on every node, mode 600): what the "
+        "daemons write to the store is signed with it, so no one without it can steer "
+        "the job (single-node jobs make their own)",
+        metavar="FILE",
+    )
+    insecure_no_secret: bool = _setting(
+        False,
+        "let a multi-node job run without --rdzv-secret-file: anyone who "
+        "reaches the store can then restart, stop or redirect it (only on a network "
+        "no one else reaches)",
+    )
+    checkpoint_dir: str = _setting(
+        "",
+        "where workers keep checkpoints (ELASTICD_CHECKPOINT_DIR; default <log dir>/"
+        "checkpoints/<rdzv id>, so a job started again with the same --rdzv-id resumes)",
+    )
+    log_format: str = _setting(
+        "auto", "daemon log format (default: console on a terminal, else JSON)", choices=LOG_FORMATS
+    )
     tee: bool = _setting(True, "do not echo worker output to the daemon's stdout")
-    heartbeat_timeout: float = _setting(300.0, "a rank silent this long after a beat is hung (default {default:g} s)")
-    startup_timeout: float = _setting(900.0, "time allowed before the first beat (default {default:g} s)")
-    require_heartbeat: bool = _setting(False, "judge workers that never beat by --startup-timeout too")
+    heartbeat_timeout: float = _setting(
+        300.0, "a rank silent this long after a beat is hung (default {default:g} s)"
+    )
+    startup_timeout: float = _setting(
+        900.0, "time allowed before the first beat (default {default:g} s)"
+    )
+    require_heartbeat: bool = _setting(
+        False, "judge workers that never beat by --startup-timeout too"
+    )
     stop_grace: float = _setting(30.0, "SIGTERM-to-SIGKILL grace on stop (default {default:g} s)")
-    restart_grace: float = _setting(3.0, "SIGTERM-to-SIGKILL grace when restarting after a failure "
-                                    "(default {default:g} s)")
-    kill_timeout: float = _setting(5.0, "how long to wait for SIGKILLed processes to be reaped (default {default:g} s)")
-    restart_backoff: float = _setting(0.05, "first wait before a restart (plus up to as much jitter), doubling with "
-                                      "each attempt in a row that failed before every rank stepped "
-                                      "(default {default:g} s)")
-    restart_backoff_max: float = _setting(30.0, "longest wait between restarts (default {default:g} s)")
-    stack_signal: str = _setting("SIGUSR1", "signal workers dump their stacks on (default {default})")
-    exit_barrier_timeout: float = _setting(300.0, "how long a finished node waits for the others "
-                                           "(default {default:g} s)")
-    join_timeout: float = _setting(600.0, "how long to wait for enough nodes (default {default:g} s)")
-    last_call_timeout: float = _setting(1.0, "extra wait for more nodes once MIN have joined (default {default:g} s)")
-    peer_timeout: float = _setting(10.0, "a node silent this long is treated as lost (default {default:g} s)")
-    fatal_exit_codes: tuple[int, ...] = _setting((), "comma-separated worker exit codes that fail the job without "
-                                                 "restart")
-    warm_spawn: bool = _setting(True, "start every worker as a fresh interpreter instead of a warm spare")
-    memory_state: bool = _setting(True, "do not offer workers a shared-memory directory for in-memory state "
-                                  "(ELASTICD_MEMORY_DIR); they resume from disk checkpoints only")
+    restart_grace: float = _setting(
+        3.0, "SIGTERM-to-SIGKILL grace when restarting after a failure (default {default:g} s)"
+    )
+    kill_timeout: float = _setting(
+        5.0, "how long to wait for SIGKILLed processes to be reaped (default {default:g} s)"
+    )
+    restart_backoff: float = _setting(
+        0.05,
+        "first wait before a restart (plus up to as much jitter), doubling with "
+        "each attempt in a row that failed before every rank stepped "
+        "(default {default:g} s)",
+    )
+    restart_backoff_max: float = _setting(
+        30.0, "longest wait between restarts (default {default:g} s)"
+    )
+    stack_signal: str = _setting(
+        "SIGUSR1", "signal workers dump their stacks on (default {default})"
+    )
+    exit_barrier_timeout: float = _setting(
+        300.0, "how long a finished node waits for the others (default {default:g} s)"
+    )
+    join_timeout: float = _setting(
+        600.0, "how long to wait for enough nodes (default {default:g} s)"
+    )
+    last_call_timeout: float = _setting(
+        1.0, "extra wait for more nodes once MIN have joined (default {default:g} s)"
+    )
+    peer_timeout: float = _setting(
+        10.0, "a node silent this long is treated as lost (default {default:g} s)"
+    )
+    fatal_exit_codes: tuple[int, ...] = _setting(
+        (), "comma-separated worker exit codes that fail the job without restart"
+    )
+    warm_spawn: bool = _setting(
+        True, "start every worker as a fresh interpreter instead of a warm spare"
+    )
+    memory_state: bool = _setting(
+        True,
+        "do not offer workers a shared-memory directory for in-memory state "
+        "(ELASTICD_MEMORY_DIR); they resume from disk checkpoints only",
+    )
     # torch._dynamo too: DDP imports it on first construction (about 1.3 s on a small CPU), which
     # would otherwise be most of a warm restart.
-    preload: tuple[str, ...] = _setting(("torch", "torch.distributed", "torch.nn.parallel", "torch.optim",
-                                         "torch._dynamo"), "comma-separated modules warm spares import ahead "
-                                        "(default torch and its distributed, DDP and optim modules)")
-    etcd_cacert: str = _setting("", "etcd: CA certificate file that verifies the members (turns on TLS)")
+    preload: tuple[str, ...] = _setting(
+        ("torch", "torch.distributed", "torch.nn.parallel", "torch.optim", "torch._dynamo"),
+        "comma-separated modules warm spares import ahead "
+        "(default torch and its distributed, DDP and optim modules)",
+    )
+    etcd_cacert: str = _setting(
+        "", "etcd: CA certificate file that verifies the members (turns on TLS)"
+    )
     etcd_cert: str = _setting("", "etcd: client certificate file (TLS client authentication)")
     etcd_key: str = _setting("", "etcd: the client certificate's key file")
-    etcd_user: str = _setting("", "etcd: user name (etcd authentication; with --etcd-password-file)")
+    etcd_user: str = _setting(
+        "", "etcd: user name (etcd authentication; with --etcd-password-file)"
+    )
     etcd_password_file: str = _setting("", "etcd: file holding the user's password (mode 600)")
-    etcd_allow_plain_password: bool = _setting(False, "etcd: allow --etcd-user over plain http, where the password "
-                                               "and the token it buys cross the network in clear")
+    etcd_allow_plain_password: bool = _setting(
+        False,
+        "etcd: allow --etcd-user over plain http, where the password "
+        "and the token it buys cross the network in clear",
+    )
     socket: str = _setting("", "control socket path")
     operators_group: str = _setting("", "group whose members may use status/stop")
 
     # --- operability: metrics, stragglers, node health ---
-    metrics_address: str = _setting("", "HOST:PORT to serve Prometheus metrics on (off by default); one address, "
-                                    "never all interfaces unless --metrics-all-interfaces", metavar="HOST:PORT")
-    metrics_all_interfaces: bool = _setting(False, "allow --metrics-address 0.0.0.0:PORT or [::]:PORT (every "
-                                            "interface)")
-    metrics_textfile: str = _setting("", "also write the metrics to this file (e.g. node_exporter's textfile "
-                                     "collector directory/elasticd.prom), replaced atomically every few seconds",
-                                     metavar="FILE")
-    straggler_threshold: float = _setting(0.2, "a rank whose own work per step stays this share above the node's "
-                                          "median for --straggler-window is reported (default {default:g}, 20 "
-                                          "percent; 0: off)")
-    straggler_window: float = _setting(30.0, "how long a rank must stay slow to be a straggler (default "
-                                       "{default:g} s)")
-    straggler_action: str = _setting("report", "what to do about a straggler: report (an event, a metric and a "
-                                     "status field; nothing is restarted)", choices=STRAGGLER_ACTIONS)
-    health_check: str = _setting("", "an executable (with arguments) run before every start and restart and every "
-                                 "--health-check-interval; failing it, this node does not start, or stops its workers "
-                                 "and leaves the job, with exit code 5", metavar="CMD")
-    health_check_interval: float = _setting(60.0, "seconds between health checks while training (default "
-                                            "{default:g}; 0: only before starts)")
-    health_check_timeout: float = _setting(60.0, "a health check running longer fails (default {default:g} s)")
+    metrics_address: str = _setting(
+        "",
+        "HOST:PORT to serve Prometheus metrics on (off by default); one address, "
+        "never all interfaces unless --metrics-all-interfaces",
+        metavar="HOST:PORT",
+    )
+    metrics_all_interfaces: bool = _setting(
+        False, "allow --metrics-address 0.0.0.0:PORT or [::]:PORT (every interface)"
+    )
+    metrics_textfile: str = _setting(
+        "",
+        "also write the metrics to this file (e.g. node_exporter's textfile "
+        "collector directory/elasticd.prom), replaced atomically every few seconds",
+        metavar="FILE",
+    )
+    straggler_threshold: float = _setting(
+        0.2,
+        "a rank whose own work per step stays this share above the node's "
+        "median for --straggler-window is reported (default {default:g}, 20 "
+        "percent; 0: off)",
+    )
+    straggler_window: float = _setting(
+        30.0, "how long a rank must stay slow to be a straggler (default {default:g} s)"
+    )
+    straggler_action: str = _setting(
+        "report",
+        "what to do about a straggler: report (an event, a metric and a "
+        "status field; nothing is restarted)",
+        choices=STRAGGLER_ACTIONS,
+    )
+    health_check: str = _setting(
+        "",
+        "an executable (with arguments) run before every start and restart and every "
+        "--health-check-interval; failing it, this node does not start, or stops its workers "
+        "and leaves the job, with exit code 5",
+        metavar="CMD",
+    )
+    health_check_interval: float = _setting(
+        60.0,
+        "seconds between health checks while training (default {default:g}; 0: only before starts)",
+    )
+    health_check_timeout: float = _setting(
+        60.0, "a health check running longer fails (default {default:g} s)"
+    )
 
     @property
     def min_nodes(self) -> int:
@@ -236,23 +399,39 @@ class Config:
 
 FIELDS = {f.name: f for f in dataclasses.fields(Config)}
 # Keys whose TOML / env values are lists, and the type of their elements.
-_TUPLE_FIELDS = {k: get_args(t)[0] for k, t in get_type_hints(Config).items() if get_origin(t) is tuple}
+_TUPLE_FIELDS = {
+    k: get_args(t)[0] for k, t in get_type_hints(Config).items() if get_origin(t) is tuple
+}
 
 # torchrun reads every flag it was not given from PET_<FLAG> (what Kubeflow's PyTorchJob sets):
 # the variable -> our key for the flags elasticd shares. Those of static rendezvous are checked
 # as the flags are (check_static).
 PET_SETTINGS = {
-    "PET_NNODES": "nnodes", "PET_NPROC_PER_NODE": "nproc_per_node", "PET_MAX_RESTARTS": "max_restarts",
-    "PET_RDZV_ENDPOINT": "rdzv_endpoint", "PET_RDZV_ID": "rdzv_id", "PET_RDZV_BACKEND": "rdzv_backend",
+    "PET_NNODES": "nnodes",
+    "PET_NPROC_PER_NODE": "nproc_per_node",
+    "PET_MAX_RESTARTS": "max_restarts",
+    "PET_RDZV_ENDPOINT": "rdzv_endpoint",
+    "PET_RDZV_ID": "rdzv_id",
+    "PET_RDZV_BACKEND": "rdzv_backend",
     "PET_RDZV_CONF": "rdzv_conf",
-    "PET_STANDALONE": "standalone", "PET_MONITOR_INTERVAL": "monitor_interval", "PET_ROLE": "role",
-    "PET_LOG_DIR": "log_dir", "PET_REDIRECTS": "redirects", "PET_TEE": "tee_streams",
-    "PET_LOCAL_RANKS_FILTER": "local_ranks_filter", "PET_LOCAL_ADDR": "local_addr",
-    "PET_SIGNALS_TO_HANDLE": "signals_to_handle", "PET_SHUTDOWN_TIMEOUT": "stop_grace",
-    "PET_VIRTUAL_LOCAL_RANK": "virtual_local_rank", "PET_NO_PYTHON": "no_python",
+    "PET_STANDALONE": "standalone",
+    "PET_MONITOR_INTERVAL": "monitor_interval",
+    "PET_ROLE": "role",
+    "PET_LOG_DIR": "log_dir",
+    "PET_REDIRECTS": "redirects",
+    "PET_TEE": "tee_streams",
+    "PET_LOCAL_RANKS_FILTER": "local_ranks_filter",
+    "PET_LOCAL_ADDR": "local_addr",
+    "PET_SIGNALS_TO_HANDLE": "signals_to_handle",
+    "PET_SHUTDOWN_TIMEOUT": "stop_grace",
+    "PET_VIRTUAL_LOCAL_RANK": "virtual_local_rank",
+    "PET_NO_PYTHON": "no_python",
 }
-PET_STATIC = {"PET_NODE_RANK": "--node-rank",
-              "PET_MASTER_ADDR": "--master-addr", "PET_MASTER_PORT": "--master-port"}
+PET_STATIC = {
+    "PET_NODE_RANK": "--node-rank",
+    "PET_MASTER_ADDR": "--master-addr",
+    "PET_MASTER_PORT": "--master-port",
+}
 
 # torchrun's --rdzv-conf keys (c10d backend) -> what elasticd does with them.
 _RDZV_CONF_KEYS = {"join_timeout": "join_timeout", "last_call_timeout": "last_call_timeout"}
@@ -279,7 +458,9 @@ def parse_nnodes(text: str) -> tuple[int, int]:
     if hi > MAX_NODES:
         raise ConfigError(f"--nnodes {text!r}: at most {MAX_NODES} nodes")
     if hi < lo:
-        raise ConfigError(f"--nnodes {text!r}: MAX is smaller than MIN; write MIN:MAX, e.g. {hi}:{lo}")
+        raise ConfigError(
+            f"--nnodes {text!r}: MAX is smaller than MIN; write MIN:MAX, e.g. {hi}:{lo}"
+        )
     return lo, hi
 
 
@@ -294,7 +475,9 @@ def parse_endpoint(text: str) -> tuple[str, int]:
     try:
         port = int(port_text)
     except ValueError:
-        raise ConfigError(f"--rdzv-endpoint {text!r}: port {port_text!r} is not a number (use HOST:PORT)") from None
+        raise ConfigError(
+            f"--rdzv-endpoint {text!r}: port {port_text!r} is not a number (use HOST:PORT)"
+        ) from None
     if not host or not 0 <= port <= 65535:
         raise ConfigError(f"--rdzv-endpoint {text!r} is not HOST:PORT with a port in 0..65535")
     return host, port
@@ -319,8 +502,10 @@ def parse_std(text: str, key: str) -> int | dict[int, int]:
         return out
     except ValueError:
         flag = {"redirects": "-r/--redirects", "tee_streams": "-t/--tee"}.get(key, key)
-        raise ConfigError(f"{flag} {text!r}: use 0 (none), 1 (stdout), 2 (stderr) or 3 (both), for every "
-                          "local rank or per rank as LOCAL_RANK:N,... (e.g. 0:3,1:1)") from None
+        raise ConfigError(
+            f"{flag} {text!r}: use 0 (none), 1 (stdout), 2 (stderr) or 3 (both), for every "
+            "local rank or per rank as LOCAL_RANK:N,... (e.g. 0:3,1:1)"
+        ) from None
 
 
 def _std(text: str, key: str, local_rank: int) -> int:
@@ -348,7 +533,9 @@ def rdzv_conf_settings(text: str, source: str) -> dict[str, Any]:
                 raise ConfigError(f"{source} {key}={value!r}: not a number") from None
         elif key not in _RDZV_CONF_ACCEPTED:
             known = ", ".join(sorted([*_RDZV_CONF_KEYS, *_KEEP_ALIVE, *_RDZV_CONF_ACCEPTED]))
-            raise ConfigError(f"{source} key {key!r} is not one of torchrun's c10d keys elasticd takes ({known})")
+            raise ConfigError(
+                f"{source} key {key!r} is not one of torchrun's c10d keys elasticd takes ({known})"
+            )
     if keep_alive:
         both = {**_KEEP_ALIVE, **keep_alive}
         out["peer_timeout"] = both["keep_alive_interval"] * both["keep_alive_max_attempt"]
@@ -368,21 +555,33 @@ def load_toml(path: str) -> dict[str, Any]:
         with open(path, "rb") as f:
             data = tomllib.load(f)
     except FileNotFoundError:
-        raise ConfigError(f"config file {path} does not exist: create it or drop --config") from None
+        raise ConfigError(
+            f"config file {path} does not exist: create it or drop --config"
+        ) from None
     except PermissionError:
-        raise ConfigError(f"config file {path} is not readable by this user: fix its permissions") from None
+        raise ConfigError(
+            f"config file {path} is not readable by this user: fix its permissions"
+        ) from None
     except IsADirectoryError:
-        raise ConfigError(f"config file {path} is a directory: give the path of a TOML file") from None
+        raise ConfigError(
+            f"config file {path} is a directory: give the path of a TOML file"
+        ) from None
     except UnicodeDecodeError as e:
-        raise ConfigError(f"config file {path} is not UTF-8 text (byte {e.start}): save it as UTF-8") from None
+        raise ConfigError(
+            f"config file {path} is not UTF-8 text (byte {e.start}): save it as UTF-8"
+        ) from None
     except ValueError as e:  # tomllib.TOMLDecodeError, or a number too long to read
         raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
     except OSError as e:
-        raise ConfigError(f"config file {path} cannot be read ({e.strerror or e}): give a readable TOML file") from None
+        raise ConfigError(
+            f"config file {path} cannot be read ({e.strerror or e}): give a readable TOML file"
+        ) from None
     data = data.get("elasticd", data)
     if not isinstance(data, dict):
-        raise ConfigError(f"config file {path}: elasticd is {type(data).__name__}, not a table; "
-                          "write the settings under [elasticd] or at the top level")
+        raise ConfigError(
+            f"config file {path}: elasticd is {type(data).__name__}, not a table; "
+            "write the settings under [elasticd] or at the top level"
+        )
     return {k.replace("-", "_"): v for k, v in data.items()}
 
 
@@ -400,7 +599,9 @@ def env_settings(environ: dict[str, str]) -> dict[str, Any]:
 def pet_settings(environ: dict[str, str]) -> tuple[dict[str, Any], list[tuple[str, str]]]:
     """torchrun's PET_* variables: our settings, and the static-rendezvous ones as (flag, value)."""
     out = {key: environ[name] for name, key in PET_SETTINGS.items() if environ.get(name, "") != ""}
-    static = [(flag, environ[name]) for name, flag in PET_STATIC.items() if environ.get(name, "") != ""]
+    static = [
+        (flag, environ[name]) for name, flag in PET_STATIC.items() if environ.get(name, "") != ""
+    ]
     return out, static
 
 
@@ -414,8 +615,10 @@ def nproc_from_word(value: Any, source: str) -> Any:
         return value
     gpus = cuda_devices() if word != "cpu" else 0
     if word == "gpu" and not gpus:
-        raise ConfigError(f"{source}: gpu means one worker per CUDA device, and none is visible here; "
-                          "give a number of workers, or auto")
+        raise ConfigError(
+            f"{source}: gpu means one worker per CUDA device, and none is visible here; "
+            "give a number of workers, or auto"
+        )
     return gpus or os.cpu_count() or 1
 
 
@@ -450,7 +653,13 @@ def _coerce(key: str, value: Any, source: str) -> Any:
             raise TypeError
         return check_value(key, str(value), where)
     except (TypeError, ValueError, OverflowError):
-        kind = {tuple: "a list", bool: "true or false", int: "a whole number", float: "a number", str: "a string"}
+        kind = {
+            tuple: "a list",
+            bool: "true or false",
+            int: "a whole number",
+            float: "a number",
+            str: "a string",
+        }
         element = {int: "whole numbers", str: "strings"}.get(_TUPLE_FIELDS.get(key))
         expected = f"a list of {element}" if element else kind[type(default)]
         raise ConfigError(f"{where}: {value!r} is not {expected}") from None
@@ -468,7 +677,11 @@ def _element(kind: type, value: Any) -> Any:
 
 def _limits(key: str) -> str:
     least, most, closed = _RANGES[key]
-    unit = " seconds" + (" (30 days)" if most == MAX_SECONDS else "") if isinstance(least, float) else ""
+    unit = (
+        " seconds" + (" (30 days)" if most == MAX_SECONDS else "")
+        if isinstance(least, float)
+        else ""
+    )
     return f"{'at least' if closed else 'greater than'} {least:g} and at most {most:.10g}{unit}"
 
 
@@ -490,8 +703,10 @@ def check_value(key: str, value: Any, where: str) -> Any:
 
 def _rdzv_id_problem(v: str) -> str | None:
     if not RDZV_ID.fullmatch(v) or ".." in v:
-        return ("use 1-128 letters, digits, '.', '_' or '-', not starting with '.' and without '..' "
-                "(e.g. job42, a UUID or $SLURM_JOB_ID)")
+        return (
+            "use 1-128 letters, digits, '.', '_' or '-', not starting with '.' and without '..' "
+            "(e.g. job42, a UUID or $SLURM_JOB_ID)"
+        )
     return None
 
 
@@ -528,7 +743,11 @@ def _metrics_address(text: str) -> tuple[str | None, str, int]:
         return "write an IPv6 address in brackets, e.g. [::1]:9400", "", 0
     host = host[1:-1] if host.startswith("[") else host
     if not port_text.isascii() or not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
-        return "the port must be a number from 1 to 65535 (a fixed port Prometheus can be pointed at)", "", 0
+        return (
+            "the port must be a number from 1 to 65535 (a fixed port Prometheus can be pointed at)",
+            "",
+            0,
+        )
     if not host or len(host) > 255 or not all(c.isalnum() or c in ".-:_%" for c in host):
         return f"{host!r} is not an IP address or host name", "", 0
     return None, host, int(port_text)
@@ -539,32 +758,69 @@ ALL_INTERFACES = ("0.0.0.0", "::", "0:0:0:0:0:0:0:0")
 
 _NAME_RULES = {
     "metrics_address": lambda v: _metrics_address(v)[0] if v else None,
-    "straggler_action": lambda v: None if v in STRAGGLER_ACTIONS else
-    f"use {' or '.join(STRAGGLER_ACTIONS)} (restart and exclude-node are not implemented yet)",
-    "health_check": lambda v: None if v.isprintable() and len(v) <= 4096 else
-    "use a printable command line of at most 4096 characters",
-    "metrics_textfile": lambda v: None if not v or (v.isprintable() and not v.endswith("/")) else
-    "use a printable file path, e.g. /var/lib/node_exporter/textfile/elasticd.prom",
+    "straggler_action": lambda v: (
+        None
+        if v in STRAGGLER_ACTIONS
+        else f"use {' or '.join(STRAGGLER_ACTIONS)} (restart and exclude-node are not implemented yet)"
+    ),
+    "health_check": lambda v: (
+        None
+        if v.isprintable() and len(v) <= 4096
+        else "use a printable command line of at most 4096 characters"
+    ),
+    "metrics_textfile": lambda v: (
+        None
+        if not v or (v.isprintable() and not v.endswith("/"))
+        else "use a printable file path, e.g. /var/lib/node_exporter/textfile/elasticd.prom"
+    ),
     "rdzv_id": _rdzv_id_problem,
-    "role": lambda v: None if v and v.isprintable() and len(v) <= 128 else "use a printable name of 1-128 characters",
+    "role": lambda v: (
+        None
+        if v and v.isprintable() and len(v) <= 128
+        else "use a printable name of 1-128 characters"
+    ),
     "stack_signal": lambda v: _signal_problem(v, STACK_SIGNALS, "cannot be a stack-dump signal"),
-    "signals_to_handle": lambda vs: next(filter(None, (_signal_problem(v, STOP_SIGNALS, "cannot stop the daemon "
-                                                                       "gracefully") for v in vs)), None),
+    "signals_to_handle": lambda vs: next(
+        filter(
+            None,
+            (_signal_problem(v, STOP_SIGNALS, "cannot stop the daemon gracefully") for v in vs),
+        ),
+        None,
+    ),
     "operators_group": _group_problem,
     "rdzv_backend": lambda v: None if v in RDZV_BACKENDS else f"use {', '.join(RDZV_BACKENDS)}",
-    "local_addr": lambda v: None if len(v) <= 255 and all(c.isprintable() and not c.isspace() for c in v)
-    else "use an IP address or host name",
-    "preload": lambda vs: next((f"{v!r} is not a module name such as torch.nn" for v in vs
-                                if not all(p.isidentifier() for p in v.split("."))), None),
-    "fatal_exit_codes": lambda vs: None if all(-64 <= v <= 255 for v in vs) else
-    "exit codes are 0-255 (or -N for a worker killed by signal N)",
-    "local_ranks_filter": lambda vs: None if all(0 <= v < _RANGES["nproc_per_node"][1] for v in vs) else
-    f"local ranks are 0 to {_RANGES['nproc_per_node'][1] - 1}",
+    "local_addr": lambda v: (
+        None
+        if len(v) <= 255 and all(c.isprintable() and not c.isspace() for c in v)
+        else "use an IP address or host name"
+    ),
+    "preload": lambda vs: next(
+        (
+            f"{v!r} is not a module name such as torch.nn"
+            for v in vs
+            if not all(p.isidentifier() for p in v.split("."))
+        ),
+        None,
+    ),
+    "fatal_exit_codes": lambda vs: (
+        None
+        if all(-64 <= v <= 255 for v in vs)
+        else "exit codes are 0-255 (or -N for a worker killed by signal N)"
+    ),
+    "local_ranks_filter": lambda vs: (
+        None
+        if all(0 <= v < _RANGES["nproc_per_node"][1] for v in vs)
+        else f"local ranks are 0 to {_RANGES['nproc_per_node'][1] - 1}"
+    ),
 }
 
 
-def build(flags: dict[str, Any], config_file: str | None = None, environ: dict[str, str] | None = None,
-          static: list[tuple[str, str]] = ()) -> Config:
+def build(
+    flags: dict[str, Any],
+    config_file: str | None = None,
+    environ: dict[str, str] | None = None,
+    static: list[tuple[str, str]] = (),
+) -> Config:
     """Merge the layers (later wins) and validate. `flags` holds only flags the user gave;
     `static`, torchrun's static-rendezvous flags given, as (flag, value)."""
     environ = dict(os.environ if environ is None else environ)
@@ -572,30 +828,43 @@ def build(flags: dict[str, Any], config_file: str | None = None, environ: dict[s
     layers = [
         (load_toml(config_file) if config_file else {}, lambda k: f"config file {config_file}"),
         (pet, lambda k: f"environment variable {_pet_name(k)}"),
-        (env_settings(environ), lambda k: f"environment variable {names.SETTING_PREFIX}{k.upper()}"),
+        (
+            env_settings(environ),
+            lambda k: f"environment variable {names.SETTING_PREFIX}{k.upper()}",
+        ),
         (flags, lambda k: "--" + k.replace("_", "-")),
     ]
     merged: dict[str, Any] = {}
     for layer, where in layers:
         for k, v in _expand(layer, where("rdzv_conf")).items():
             merged[k] = _coerce(k, v, where(k))
-    if "nproc_per_node" not in merged and merged.get("entrypoint", DEFAULT_ENTRYPOINT) == DEFAULT_ENTRYPOINT:
+    if (
+        "nproc_per_node" not in merged
+        and merged.get("entrypoint", DEFAULT_ENTRYPOINT) == DEFAULT_ENTRYPOINT
+    ):
         merged["nproc_per_node"] = default_example_nproc()
     cfg = Config(**merged)
     validate(cfg)
     check_static([*pet_static, *static], cfg)
     if not cfg.etcd and (cfg.standalone or not cfg.rdzv_endpoint or cfg.rdzv_port == 0):
         if cfg.max_nodes > 1:
-            raise ConfigError(f"--nnodes {cfg.nnodes} needs --rdzv-endpoint HOST:PORT shared by all nodes"
-                              + (" (a fixed port: peers cannot find port 0)" if cfg.rdzv_endpoint else ""))
+            raise ConfigError(
+                f"--nnodes {cfg.nnodes} needs --rdzv-endpoint HOST:PORT shared by all nodes"
+                + (" (a fixed port: peers cannot find port 0)" if cfg.rdzv_endpoint else "")
+            )
         # A private store: a job of its own, which must not resume another's checkpoints.
-        cfg = dataclasses.replace(cfg, rdzv_endpoint="" if cfg.standalone else cfg.rdzv_endpoint,
-                                  rdzv_id=cfg.rdzv_id if cfg.rdzv_id != "none" else uuid.uuid4().hex[:12])
+        cfg = dataclasses.replace(
+            cfg,
+            rdzv_endpoint="" if cfg.standalone else cfg.rdzv_endpoint,
+            rdzv_id=cfg.rdzv_id if cfg.rdzv_id != "none" else uuid.uuid4().hex[:12],
+        )
     if cfg.max_nodes > 1 and not cfg.rdzv_secret_file and not cfg.insecure_no_secret:
-        raise ConfigError(f"--nnodes {cfg.nnodes} without --rdzv-secret-file: anyone who reaches the store could "
-                          "restart, stop or redirect the job; give every node the same secret file (head -c 32 "
-                          "/dev/urandom | base64 > FILE && chmod 600 FILE), or --insecure-no-secret on a network "
-                          "only the job's nodes reach")
+        raise ConfigError(
+            f"--nnodes {cfg.nnodes} without --rdzv-secret-file: anyone who reaches the store could "
+            "restart, stop or redirect the job; give every node the same secret file (head -c 32 "
+            "/dev/urandom | base64 > FILE && chmod 600 FILE), or --insecure-no-secret on a network "
+            "only the job's nodes reach"
+        )
     if cfg.no_python:  # nothing to warm: the worker becomes the executable
         cfg = dataclasses.replace(cfg, warm_spawn=False)
     return cfg
@@ -605,7 +874,12 @@ def _pet_name(key: str) -> str:
     return next((name for name, k in PET_SETTINGS.items() if k == key), "PET_" + key.upper())
 
 
-RDZV_BACKENDS = ("c10d", "etcd", "etcd-v2", "static")  # torchrun's names; etcd-v2 is our etcd (its v3 API)
+RDZV_BACKENDS = (
+    "c10d",
+    "etcd",
+    "etcd-v2",
+    "static",
+)  # torchrun's names; etcd-v2 is our etcd (its v3 API)
 
 
 def check_static(static: list[tuple[str, str]], cfg: Config) -> None:
@@ -613,20 +887,28 @@ def check_static(static: list[tuple[str, str]], cfg: Config) -> None:
     static; its default): on one node there is nothing to rank or meet, and with
     --rdzv-endpoint torchrun itself ignores them; across nodes without one, say what to give."""
     if cfg.rdzv_backend == "static" and cfg.max_nodes > 1:
-        raise ConfigError(f"--rdzv-backend static across {cfg.nnodes} nodes: elasticd ranks nodes as they "
-                          "join; give every node the same --rdzv-endpoint HOST:PORT and drop the flag")
+        raise ConfigError(
+            f"--rdzv-backend static across {cfg.nnodes} nodes: elasticd ranks nodes as they "
+            "join; give every node the same --rdzv-endpoint HOST:PORT and drop the flag"
+        )
     for flag, value in static:
         value = str(value).strip()
         if cfg.max_nodes == 1:
             if flag == "--node-rank" and value != "0":
-                raise ConfigError(f"--node-rank {value} on a single node (--nnodes {cfg.nnodes}): the only node "
-                                  "is rank 0; drop --node-rank")
+                raise ConfigError(
+                    f"--node-rank {value} on a single node (--nnodes {cfg.nnodes}): the only node "
+                    "is rank 0; drop --node-rank"
+                )
         elif not cfg.rdzv_endpoint:
             if flag == "--node-rank":
-                raise ConfigError(f"--node-rank {value}: nodes are ranked at rendezvous: drop it and give every "
-                                  "node the same --rdzv-endpoint HOST:PORT and --nnodes")
-            raise ConfigError(f"{flag} {value}: give every node --rdzv-endpoint MASTER_ADDR:MASTER_PORT instead "
-                              "(the node that owns that address hosts the store)")
+                raise ConfigError(
+                    f"--node-rank {value}: nodes are ranked at rendezvous: drop it and give every "
+                    "node the same --rdzv-endpoint HOST:PORT and --nnodes"
+                )
+            raise ConfigError(
+                f"{flag} {value}: give every node --rdzv-endpoint MASTER_ADDR:MASTER_PORT instead "
+                "(the node that owns that address hosts the store)"
+            )
 
 
 def default_example_nproc() -> int:
@@ -651,24 +933,30 @@ def validate(cfg: Config) -> None:
     parse_nnodes(cfg.nnodes)
     if cfg.etcd:
         if not cfg.rdzv_endpoint:
-            raise ConfigError(f"--rdzv-backend {cfg.rdzv_backend} needs --rdzv-endpoint with the etcd members, "
-                              "e.g. h1:2379,h2:2379,h3:2379")
+            raise ConfigError(
+                f"--rdzv-backend {cfg.rdzv_backend} needs --rdzv-endpoint with the etcd members, "
+                "e.g. h1:2379,h2:2379,h3:2379"
+            )
         for member in cfg.rdzv_endpoint.split(","):
             parse_endpoint(member.strip().split("://", 1)[-1])
     else:
         parse_endpoint(cfg.rdzv_endpoint)
         if "," in cfg.rdzv_endpoint:
-            raise ConfigError(f"--rdzv-endpoint {cfg.rdzv_endpoint!r} lists several stores: c10d has one "
-                              "(HOST:PORT); for an etcd cluster give --rdzv-backend etcd")
+            raise ConfigError(
+                f"--rdzv-endpoint {cfg.rdzv_endpoint!r} lists several stores: c10d has one "
+                "(HOST:PORT); for an etcd cluster give --rdzv-backend etcd"
+            )
     if (cfg.etcd_user == "") != (cfg.etcd_password_file == ""):
         raise ConfigError("--etcd-user and --etcd-password-file go together: give both, or neither")
     for name in FIELDS:
         check_value(name, getattr(cfg, name), "--" + name.replace("_", "-"))
     plain = _plain_etcd_member(cfg) if cfg.etcd and cfg.etcd_user else None
     if plain and not cfg.etcd_allow_plain_password:
-        raise ConfigError(f"--etcd-user over plain http would send the password (and the token it buys) in clear "
-                          f"to {plain}: serve etcd over TLS (https:// endpoints, --etcd-cacert), or on a network "
-                          "you trust add --etcd-allow-plain-password")
+        raise ConfigError(
+            f"--etcd-user over plain http would send the password (and the token it buys) in clear "
+            f"to {plain}: serve etcd over TLS (https:// endpoints, --etcd-cacert), or on a network "
+            "you trust add --etcd-allow-plain-password"
+        )
     if cfg.log_format not in LOG_FORMATS:
         raise ConfigError(f"--log-format {cfg.log_format!r}: use auto, json or console")
     parse_std(cfg.redirects, "redirects")
@@ -676,9 +964,11 @@ def validate(cfg: Config) -> None:
     if cfg.metrics_address:
         host, port = parse_metrics_address(cfg.metrics_address)
         if host in ALL_INTERFACES and not cfg.metrics_all_interfaces:
-            raise ConfigError(f"--metrics-address {cfg.metrics_address} would serve metrics on every interface: "
-                              f"give one address (e.g. 127.0.0.1:{port} or this node's own), or add "
-                              "--metrics-all-interfaces")
+            raise ConfigError(
+                f"--metrics-address {cfg.metrics_address} would serve metrics on every interface: "
+                f"give one address (e.g. 127.0.0.1:{port} or this node's own), or add "
+                "--metrics-all-interfaces"
+            )
     if cfg.health_check:
         import shlex
 
@@ -686,13 +976,21 @@ def validate(cfg: Config) -> None:
             if not shlex.split(cfg.health_check):
                 raise ValueError("empty")
         except ValueError as e:
-            raise ConfigError(f"--health-check {cfg.health_check!r} is not a command line ({e}): give an "
-                              "executable and its arguments, quoted as in a shell") from None
+            raise ConfigError(
+                f"--health-check {cfg.health_check!r} is not a command line ({e}): give an "
+                "executable and its arguments, quoted as in a shell"
+            ) from None
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if cfg.virtual_local_rank and visible is not None and len(visible.split(",")) < cfg.nproc_per_node:
-        raise ConfigError(f"--virtual-local-rank with {cfg.nproc_per_node} workers per node, but "
-                          f"CUDA_VISIBLE_DEVICES={visible} lists fewer GPUs: list one per worker or lower "
-                          "--nproc-per-node")
+    if (
+        cfg.virtual_local_rank
+        and visible is not None
+        and len(visible.split(",")) < cfg.nproc_per_node
+    ):
+        raise ConfigError(
+            f"--virtual-local-rank with {cfg.nproc_per_node} workers per node, but "
+            f"CUDA_VISIBLE_DEVICES={visible} lists fewer GPUs: list one per worker or lower "
+            "--nproc-per-node"
+        )
 
 
 def _plain_etcd_member(cfg: Config) -> str | None:
@@ -724,7 +1022,9 @@ def check_log_dir(path: Path, flag: str = "--log-dir") -> Path:
             pass
     except OSError as e:
         reason = os.strerror(e.errno) if e.errno else str(e)
-        raise ConfigError(f"{flag} {path} is not writable ({reason}): choose a directory this user can write") from None
+        raise ConfigError(
+            f"{flag} {path} is not writable ({reason}): choose a directory this user can write"
+        ) from None
     return resolved
 
 
@@ -769,12 +1069,16 @@ def _unsafe_dir(d: Path, st: os.stat_result) -> str | None:
         except KeyError:
             who = f"uid {st.st_uid}"
         mine = "root" if me == 0 else "this user or root"
-        return (f"{d} belongs to {who}, who could plant symlinks there that make elasticd write to any "
-                f"file: use a directory owned by {mine}")
+        return (
+            f"{d} belongs to {who}, who could plant symlinks there that make elasticd write to any "
+            f"file: use a directory owned by {mine}"
+        )
     if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
         who = "other users" if st.st_mode & 0o002 else "its group"
-        return (f"{d} is writable by {who} without the sticky bit, so they could plant symlinks there that "
-                f"make elasticd write to any file: chmod go-w {d}")
+        return (
+            f"{d} is writable by {who} without the sticky bit, so they could plant symlinks there that "
+            f"make elasticd write to any file: chmod go-w {d}"
+        )
     return None
 
 
@@ -793,11 +1097,15 @@ def make_run_dir(base: Path, name: str) -> Path:
         except FileExistsError:
             continue
         except OSError as e:
-            raise ConfigError(f"--log-dir {base} is not writable ({e.strerror}): choose a directory this user "
-                              "can write") from None
+            raise ConfigError(
+                f"--log-dir {base} is not writable ({e.strerror}): choose a directory this user "
+                "can write"
+            ) from None
         return path
-    raise ConfigError(f"--log-dir {base}: a run directory of that name already exists, again and again: "
-                      "choose a --log-dir only this user can write")
+    raise ConfigError(
+        f"--log-dir {base}: a run directory of that name already exists, again and again: "
+        "choose a --log-dir only this user can write"
+    )
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -812,7 +1120,9 @@ def check_port_free(host: str, port: int) -> None:
                 raise ConfigError(
                     f"--rdzv-endpoint port {port} on {host} is in use by another process: pick a free port"
                 ) from None
-            raise ConfigError(f"--rdzv-endpoint {host}:{port} cannot be bound here ({e.strerror})") from None
+            raise ConfigError(
+                f"--rdzv-endpoint {host}:{port} cannot be bound here ({e.strerror})"
+            ) from None
 
 
 def check_health_check(command: str) -> None:
@@ -821,8 +1131,10 @@ def check_health_check(command: str) -> None:
 
     program = shlex.split(command)[0]
     if shutil.which(program, path=os.environ.get("PATH", os.defpath)) is None:
-        raise ConfigError(f"--health-check {command!r}: {program!r} is not an executable file on PATH or at that "
-                          "path: give a program with its x bit set (e.g. deploy/healthcheck/gpu-check)")
+        raise ConfigError(
+            f"--health-check {command!r}: {program!r} is not an executable file on PATH or at that "
+            "path: give a program with its x bit set (e.g. deploy/healthcheck/gpu-check)"
+        )
 
 
 def check_entrypoint(entrypoint: str, cwd: str | None = None, no_python: bool = False) -> None:
@@ -833,13 +1145,17 @@ def check_entrypoint(entrypoint: str, cwd: str | None = None, no_python: bool = 
 
     if no_python:
         if shutil.which(entrypoint, path=os.environ.get("PATH", os.defpath)) is None:
-            raise ConfigError(f"--no-python: entrypoint {entrypoint!r} is not an executable file on PATH or at "
-                              "that path: give a program (e.g. /usr/bin/env or ./run.sh with its x bit set)")
+            raise ConfigError(
+                f"--no-python: entrypoint {entrypoint!r} is not an executable file on PATH or at "
+                "that path: give a program (e.g. /usr/bin/env or ./run.sh with its x bit set)"
+            )
         return
     if entrypoint.endswith(".py") or os.sep in entrypoint:
         if not os.path.isfile(entrypoint):
-            raise ConfigError(f"entrypoint script {entrypoint} does not exist: give a path to a .py file, "
-                              "a module name, or module:function")
+            raise ConfigError(
+                f"entrypoint script {entrypoint} does not exist: give a path to a .py file, "
+                "a module name, or module:function"
+            )
         return
     module, _, func = entrypoint.partition(":")
     if not module or (":" in entrypoint and not func):
@@ -854,20 +1170,41 @@ def check_entrypoint(entrypoint: str, cwd: str | None = None, no_python: bool = 
     finally:
         sys.path.pop(0)
     if spec is None:
-        raise ConfigError(f"entrypoint module {module!r} cannot be found{why}: check the name, "
-                          "the working directory, or install its package")
+        raise ConfigError(
+            f"entrypoint module {module!r} cannot be found{why}: check the name, "
+            "the working directory, or install its package"
+        )
     if spec.submodule_search_locations is not None and not func:
         main = importlib.util.find_spec(module + ".__main__") if spec.origin else None
         if main is None:
-            raise ConfigError(f"entrypoint {module!r} is a package without __main__: name a module in it")
+            raise ConfigError(
+                f"entrypoint {module!r} is a package without __main__: name a module in it"
+            )
     if func:
         origin = spec.origin or ""
         if origin.endswith(".py"):
             with open(origin, encoding="utf-8") as f:
                 tree = ast.parse(f.read(), origin)
             top = tree.body
-            defined = {n.name for n in top if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
-            defined |= {t.id for n in top if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
-            defined |= {a.asname or a.name for n in top if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
+            defined = {
+                n.name
+                for n in top
+                if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+            }
+            defined |= {
+                t.id
+                for n in top
+                if isinstance(n, ast.Assign)
+                for t in n.targets
+                if isinstance(t, ast.Name)
+            }
+            defined |= {
+                a.asname or a.name
+                for n in top
+                if isinstance(n, (ast.Import, ast.ImportFrom))
+                for a in n.names
+            }
             if func.split(".")[0] not in defined:
-                raise ConfigError(f"entrypoint {entrypoint!r}: module {module!r} ({origin}) has no function {func!r}")
+                raise ConfigError(
+                    f"entrypoint {entrypoint!r}: module {module!r} ({origin}) has no function {func!r}"
+                )

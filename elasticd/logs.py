@@ -106,7 +106,11 @@ def adopt_torch() -> None:
     the daemon's context), not through the stderr handlers torch's logging setup gives its
     registered loggers ("torch", "torch.distributed", ...; the "__" artifact loggers stay off)."""
     for name, logger in list(logging.Logger.manager.loggerDict.items()):
-        if name.split(".")[0] == "torch" and isinstance(logger, logging.Logger) and "__" not in name:
+        if (
+            name.split(".")[0] == "torch"
+            and isinstance(logger, logging.Logger)
+            and "__" not in name
+        ):
             logger.handlers.clear()
             logger.propagate = True
 

@@ -7,10 +7,16 @@ Imported by worker-side code too, so it imports nothing.
 
 # --- the worker environment (set by workers.worker_env, read inside the worker) ---
 
-AGENT = "ELASTICD_AGENT"  # the daemon's token: the cleanup sweep and the guard find descendants by it
+AGENT = (
+    "ELASTICD_AGENT"  # the daemon's token: the cleanup sweep and the guard find descendants by it
+)
 DAEMON_PID = "ELASTICD_DAEMON_PID"  # the parent-death check compares its parent with it
-ENTRYPOINT = "ELASTICD_ENTRYPOINT"  # what bootstrap runs: a script, module, module:function or executable
-NO_PYTHON = "ELASTICD_NO_PYTHON"  # set: ENTRYPOINT is an executable bootstrap execs (torchrun --no-python)
+ENTRYPOINT = (
+    "ELASTICD_ENTRYPOINT"  # what bootstrap runs: a script, module, module:function or executable
+)
+NO_PYTHON = (
+    "ELASTICD_NO_PYTHON"  # set: ENTRYPOINT is an executable bootstrap execs (torchrun --no-python)
+)
 HEARTBEAT_FILE = "ELASTICD_HEARTBEAT_FILE"  # the rank's heartbeat file (elasticd.worker.health)
 STACK_FILE = "ELASTICD_STACK_FILE"  # where faulthandler appends the rank's stacks
 STACK_SIGNAL = "ELASTICD_STACK_SIGNAL"  # the signal that asks for them
@@ -20,8 +26,12 @@ MEMORY_DIR = "ELASTICD_MEMORY_DIR"  # the daemon's /dev/shm directory of in-memo
 LOCAL_RANK = "ELASTICD_LOCAL_RANK"  # the worker's local rank, which names its in-memory slots (LOCAL_RANK is 0 for
 #                                     every worker under --virtual-local-rank)
 WARM_PRELOAD = "ELASTICD_WARM_PRELOAD"  # modules a warm spare or the fork server imports ahead
-SOCKET = "ELASTICD_SOCKET"  # the control socket, for the CLI and the daemon (also the `socket` setting)
-USER_CPP_LOG_LEVEL = "ELASTICD_USER_TORCH_CPP_LOG_LEVEL"  # the user's TORCH_CPP_LOG_LEVEL, kept for workers
+SOCKET = (
+    "ELASTICD_SOCKET"  # the control socket, for the CLI and the daemon (also the `socket` setting)
+)
+USER_CPP_LOG_LEVEL = (
+    "ELASTICD_USER_TORCH_CPP_LOG_LEVEL"  # the user's TORCH_CPP_LOG_LEVEL, kept for workers
+)
 SETTING_PREFIX = "ELASTICD_"  # ELASTICD_<SETTING> variables are a config layer
 
 # --- control commands (how each is served: control.COMMANDS; the loop's side: agent.FORWARDED) ---
@@ -43,7 +53,9 @@ CLOSED = "closed"  # set once the job has ended, with when and why (a failure's 
 RESTARTS = "restarts"  # the job's restart budget spent so far (a signed compare-and-set)
 
 # per round
-ARRIVED = "arrived"  # a counter (under a tag only the job's nodes can make): each arrival takes a number
+ARRIVED = (
+    "arrived"  # a counter (under a tag only the job's nodes can make): each arrival takes a number
+)
 MEMBERS = "members"  # the round as closed: its nodes in group-rank order, and the nodes found lost
 MASTER = "master"  # "addr port" of the round's worker store, hosted by group rank 0
 RESTART = "restart"  # the first restart request's reason: every node of the round restarts

@@ -51,7 +51,9 @@ def _world_and_rank(num_replicas: int | None, rank: int | None) -> tuple[int, in
     """From the arguments, else torch.distributed when initialized, else torchrun's env, else 1/0."""
     initialized = dist.is_available() and dist.is_initialized()
     if num_replicas is None:
-        num_replicas = dist.get_world_size() if initialized else int(os.environ.get("WORLD_SIZE", 1))
+        num_replicas = (
+            dist.get_world_size() if initialized else int(os.environ.get("WORLD_SIZE", 1))
+        )
     if rank is None:
         rank = dist.get_rank() if initialized else int(os.environ.get("RANK", 0))
     return num_replicas, rank
@@ -65,11 +67,24 @@ class ResumableDistributedSampler(DistributedSampler):
     world size); `len()` is what is left of the current epoch for this rank.
     """
 
-    def __init__(self, dataset, num_replicas: int | None = None, rank: int | None = None,
-                 shuffle: bool = True, seed: int = 0, drop_last: bool = False) -> None:
+    def __init__(
+        self,
+        dataset,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+    ) -> None:
         num_replicas, rank = _world_and_rank(num_replicas, rank)
-        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle,
-                         seed=seed, drop_last=drop_last)
+        super().__init__(
+            dataset,
+            num_replicas=num_replicas,
+            rank=rank,
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=drop_last,
+        )
         self.consumed = 0  # leading positions of this epoch's global order already trained on
 
     # -- the epoch's order --------------------------------------------------------------------
@@ -91,14 +106,14 @@ class ResumableDistributedSampler(DistributedSampler):
     def __iter__(self) -> Iterator[int]:
         order = self._order()
         n = len(order)
-        rest = order[min(self.consumed, n):]
+        rest = order[min(self.consumed, n) :]
         total = self._remaining_count()
         if total > len(rest):  # pad from the start of the order, as DistributedSampler does
             pad = total - len(rest)
             rest += (order * math.ceil(pad / n))[:pad]
         else:
             rest = rest[:total]
-        return iter(rest[self.rank::self.num_replicas])
+        return iter(rest[self.rank :: self.num_replicas])
 
     def __len__(self) -> int:
         return self._remaining_count() // self.num_replicas
@@ -146,11 +161,15 @@ class ResumableDistributedSampler(DistributedSampler):
         drop_last stays as constructed. A dataset of a different length cannot be resumed."""
         fmt = int(state.get("format", 1))
         if fmt > STATE_FORMAT:
-            raise ValueError(f"sampler state format {fmt} is newer than this elasticd reads ({STATE_FORMAT})")
+            raise ValueError(
+                f"sampler state format {fmt} is newer than this elasticd reads ({STATE_FORMAT})"
+            )
         n = len(self.dataset)  # type: ignore[arg-type]
         if int(state["dataset_len"]) != n:
-            raise ValueError(f"sampler state was saved for a dataset of {state['dataset_len']} samples, "
-                             f"this one has {n}: the epoch's order cannot be resumed")
+            raise ValueError(
+                f"sampler state was saved for a dataset of {state['dataset_len']} samples, "
+                f"this one has {n}: the epoch's order cannot be resumed"
+            )
         self.epoch = int(state["epoch"])
         self.seed = int(state["seed"])
         self.shuffle = bool(state["shuffle"])

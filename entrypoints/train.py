@@ -14,6 +14,7 @@ torchrun's environment).
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import time
 
@@ -36,15 +37,28 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--log-every", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--checkpoint-dir", default=None,
-                   help="default: $ELASTICD_CHECKPOINT_DIR (set by elasticd), else ./checkpoints")
+    p.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        help="default: $ELASTICD_CHECKPOINT_DIR (set by elasticd), else ./checkpoints",
+    )
     p.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints")
-    p.add_argument("--memory-every", type=int, default=None,
-                   help="under elasticd, refresh the in-memory state every N steps (default: as often as "
-                        "keeps it under 1%% of step time)")
-    p.add_argument("--step-delay", type=float, default=0.0, help="sleep per step, to watch recovery")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                   help="auto: one GPU per local worker (NCCL) when there are enough, else CPU (gloo)")
+    p.add_argument(
+        "--memory-every",
+        type=int,
+        default=None,
+        help="under elasticd, refresh the in-memory state every N steps (default: as often as "
+        "keeps it under 1%% of step time)",
+    )
+    p.add_argument(
+        "--step-delay", type=float, default=0.0, help="sleep per step, to watch recovery"
+    )
+    p.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="auto: one GPU per local worker (NCCL) when there are enough, else CPU (gloo)",
+    )
     return p.parse_args(argv)
 
 
@@ -53,8 +67,10 @@ def pick_device(choice: str, local_rank: int, local_world: int) -> torch.device:
     NCCL refuses."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if choice == "cuda" and gpus < local_world:
-        raise SystemExit(f"--device cuda needs one GPU per local worker: {local_world} workers, {gpus} GPUs "
-                         "visible; give --nproc-per-node gpu or --device cpu")
+        raise SystemExit(
+            f"--device cuda needs one GPU per local worker: {local_world} workers, {gpus} GPUs "
+            "visible; give --nproc-per-node gpu or --device cpu"
+        )
     if choice == "cuda" or (choice == "auto" and 0 < local_world <= gpus):
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
@@ -80,23 +96,41 @@ def main(argv=None) -> None:
     torch.manual_seed(args.seed)
 
     data = synthetic_dataset(args.samples)
-    sampler = ResumableDistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
-    loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler, drop_last=True,
-                        generator=torch.Generator().manual_seed(args.seed))
-    model = DDP(nn.Sequential(nn.Linear(32, args.hidden), nn.ReLU(), nn.Linear(args.hidden, 1)).to(device),
-                device_ids=[local_rank] if use_cuda else None)
+    sampler = ResumableDistributedSampler(
+        data, num_replicas=world, rank=rank, shuffle=True, seed=args.seed
+    )
+    loader = DataLoader(
+        data,
+        batch_size=args.batch_size,
+        sampler=sampler,
+        drop_last=True,
+        generator=torch.Generator().manual_seed(args.seed),
+    )
+    model = DDP(
+        nn.Sequential(nn.Linear(32, args.hidden), nn.ReLU(), nn.Linear(args.hidden, 1)).to(device),
+        device_ids=[local_rank] if use_cuda else None,
+    )
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.steps)
     loss_fn = nn.MSELoss()
 
     ckpt_dir = args.checkpoint_dir or os.environ.get("ELASTICD_CHECKPOINT_DIR") or "checkpoints"
-    mgr = CheckpointManager(ckpt_dir, keep=3, every_steps=args.checkpoint_every, memory_every=args.memory_every)
+    mgr = CheckpointManager(
+        ckpt_dir, keep=3, every_steps=args.checkpoint_every, memory_every=args.memory_every
+    )
     state = mgr.load_latest()
-    step = restore(state, model=model, optimizer=opt, scheduler=sched, sampler=sampler)["step"] if state else 0
+    step = (
+        restore(state, model=model, optimizer=opt, scheduler=sched, sampler=sampler)["step"]
+        if state
+        else 0
+    )
     if rank == 0:
-        print(f"training: world size {world}, backend {dist.get_backend()}, steps {step}->{args.steps}, "
-              f"restart {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-              + (f", resumed from step {step}" if state else ""), flush=True)
+        print(
+            f"training: world size {world}, backend {dist.get_backend()}, steps {step}->{args.steps}, "
+            f"restart {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+            + (f", resumed from step {step}" if state else ""),
+            flush=True,
+        )
 
     t0, seen, stopped = time.perf_counter(), 0, False
     loss = torch.zeros(())
@@ -113,15 +147,22 @@ def main(argv=None) -> None:
             step += 1
             seen += x.shape[0] * world
             if rank == 0 and (step % args.log_every == 0 or step == args.steps):
-                print(f"step {step}/{args.steps} epoch {sampler.epoch} loss {loss.item():.4f} "
-                      f"{seen / (time.perf_counter() - t0):.0f} samples/s", flush=True)
+                print(
+                    f"step {step}/{args.steps} epoch {sampler.epoch} loss {loss.item():.4f} "
+                    f"{seen / (time.perf_counter() - t0):.0f} samples/s",
+                    flush=True,
+                )
             final = step >= args.steps
-            snapshot = lambda: capture(model=model, optimizer=opt, scheduler=sched, sampler=sampler, step=step)  # noqa: E731, B023 - used in this iteration
+            snapshot = functools.partial(
+                capture, model=model, optimizer=opt, scheduler=sched, sampler=sampler, step=step
+            )
             if final:
                 mgr.save(step, snapshot, epoch=sampler.epoch)
             else:
                 mgr.maybe_save(step, snapshot, epoch=sampler.epoch)
-            if mgr.should_stop():  # SIGTERM: elasticd stop / systemctl stop; maybe_save saved this step
+            if (
+                mgr.should_stop()
+            ):  # SIGTERM: elasticd stop / systemctl stop; maybe_save saved this step
                 stopped = True
                 if rank == 0:
                     print(f"stopping at step {step} on request; checkpoint saved", flush=True)
@@ -133,7 +174,10 @@ def main(argv=None) -> None:
             sampler.set_epoch(sampler.epoch + 1)
     mgr.close()
     if rank == 0 and not stopped:
-        print(f"done: {step} steps in {time.perf_counter() - t0:.1f}s, final loss {loss.item():.4f}", flush=True)
+        print(
+            f"done: {step} steps in {time.perf_counter() - t0:.1f}s, final loss {loss.item():.4f}",
+            flush=True,
+        )
     dist.destroy_process_group()
 
 

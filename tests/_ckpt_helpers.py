@@ -36,9 +36,19 @@ def _child(target, rank: int, world: int, store: str | None, args: tuple) -> Non
     try:
         torch.set_num_threads(1)
         if store is not None:
-            os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
-            dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                                    timeout=timedelta(seconds=30))
+            os.environ.update(
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                WORLD_SIZE=str(world),
+                LOCAL_WORLD_SIZE=str(world),
+            )
+            dist.init_process_group(
+                "gloo",
+                init_method=f"file://{store}",
+                rank=rank,
+                world_size=world,
+                timeout=timedelta(seconds=30),
+            )
         target(rank, world, *args)
         if store is not None:
             dist.destroy_process_group()
@@ -56,7 +66,9 @@ def start(target, world: int, tmp: Path, *args, distributed: bool = True) -> lis
     store = None
     if distributed:
         store = str(tmp / f"store-{time.monotonic_ns()}")
-    procs = [_fork.Process(target=_child, args=(target, r, world, store, args)) for r in range(world)]
+    procs = [
+        _fork.Process(target=_child, args=(target, r, world, store, args)) for r in range(world)
+    ]
     for p in procs:
         p.start()
     return procs
@@ -75,15 +87,27 @@ def join(procs, timeout: float) -> list[int]:
     return [p.exitcode for p in procs]
 
 
-def run(target, world: int, tmp: Path, *args, timeout: float = 60, distributed: bool = True) -> None:
+def run(
+    target, world: int, tmp: Path, *args, timeout: float = 60, distributed: bool = True
+) -> None:
     codes = join(start(target, world, tmp, *args, distributed=distributed), timeout)
     assert codes == [0] * world, f"exit codes {codes}"
 
 
 # -- a deterministic training loop ----------------------------------------------------------------
 
-def train(rank: int, world: int, directory: str, total: int, out: str | None, crash_after: int | None,
-          every_steps: int = 4, rng: bool = True, memory_dir: str | None = None) -> None:
+
+def train(
+    rank: int,
+    world: int,
+    directory: str,
+    total: int,
+    out: str | None,
+    crash_after: int | None,
+    every_steps: int = 4,
+    rng: bool = True,
+    memory_dir: str | None = None,
+) -> None:
     """Tiny regression with dropout, SGD+momentum, StepLR, python/numpy/torch RNG all in the
     gradients, a ResumableDistributedSampler and a DataLoader; resumes from `directory`.
 
@@ -103,12 +127,20 @@ def train(rank: int, world: int, directory: str, total: int, out: str | None, cr
     # generator=: iterator creation must not draw from the global RNG, or a resumed run (which
     # creates its iterator at a different point) diverges.
     loader = DataLoader(data, batch_size=4, sampler=sampler, generator=torch.Generator())
-    mgr = CheckpointManager(directory, keep=2, every_steps=every_steps, handle_sigterm=False, memory_dir=memory_dir,
-                            memory_every=1)  # a tight loop: the cost budget would space the refreshes out
+    mgr = CheckpointManager(
+        directory,
+        keep=2,
+        every_steps=every_steps,
+        handle_sigterm=False,
+        memory_dir=memory_dir,
+        memory_every=1,
+    )  # a tight loop: the cost budget would space the refreshes out
     step = 0
     state = mgr.load_latest()
     if state is not None:
-        step = restore(state, model=model, optimizer=opt, scheduler=sched, sampler=sampler, rng=rng)["step"]
+        step = restore(
+            state, model=model, optimizer=opt, scheduler=sched, sampler=sampler, rng=rng
+        )["step"]
     epoch = sampler.epoch
     while step < total:
         sampler.set_epoch(epoch)
@@ -121,8 +153,12 @@ def train(rank: int, world: int, directory: str, total: int, out: str | None, cr
             sched.step()
             sampler.advance(len(x))
             step += 1
-            mgr.maybe_save(step, lambda: capture(model=model, optimizer=opt, scheduler=sched,
-                                                 sampler=sampler, step=step))
+            mgr.maybe_save(
+                step,
+                lambda: capture(
+                    model=model, optimizer=opt, scheduler=sched, sampler=sampler, step=step
+                ),
+            )
             if step == crash_after:
                 mgr.wait()
                 if dist.is_initialized():
@@ -135,14 +171,30 @@ def train(rank: int, world: int, directory: str, total: int, out: str | None, cr
     if out is not None:
         inner = model.module if isinstance(model, DDP) else model
         loaded = mgr.loaded and {"file": mgr.loaded.file, "step": mgr.loaded.step}
-        torch.save({"model": inner.state_dict(), "optimizer": opt.state_dict(), "step": step, "loaded": loaded},
-                   f"{out}.{rank}.pt")
+        torch.save(
+            {
+                "model": inner.state_dict(),
+                "optimizer": opt.state_dict(),
+                "step": step,
+                "loaded": loaded,
+            },
+            f"{out}.{rank}.pt",
+        )
 
 
 # -- nodes lost and added ---------------------------------------------------------------------------
 
-def train_on_nodes(rank: int, world: int, nodes: list[dict], total: int, crash_after: int | None, out: str,
-                   every: int = 3, samples: int = 96) -> None:
+
+def train_on_nodes(
+    rank: int,
+    world: int,
+    nodes: list[dict],
+    total: int,
+    crash_after: int | None,
+    out: str,
+    every: int = 3,
+    samples: int = 96,
+) -> None:
     """`train`'s loop for a job spread over simulated nodes: each node {"mem", "disk", "ranks"} has
     its own memory directory (the daemon's) and disk directory (no shared filesystem), and runs
     the global ranks listed, as local ranks 0, 1, ... Disk checkpoints every 5 steps, the
@@ -152,11 +204,16 @@ def train_on_nodes(rank: int, world: int, nodes: list[dict], total: int, crash_a
     from elasticd.checkpoint import rng as rng_state
 
     node = next(n for n in nodes if rank in n["ranks"])
-    os.environ.update(LOCAL_RANK=str(node["ranks"].index(rank)), LOCAL_WORLD_SIZE=str(len(node["ranks"])))
+    os.environ.update(
+        LOCAL_RANK=str(node["ranks"].index(rank)), LOCAL_WORLD_SIZE=str(len(node["ranks"]))
+    )
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
-    data = TensorDataset(torch.randn(samples, 6, generator=g), torch.randn(samples, 1, generator=g),
-                         torch.arange(samples))
+    data = TensorDataset(
+        torch.randn(samples, 6, generator=g),
+        torch.randn(samples, 1, generator=g),
+        torch.arange(samples),
+    )
     model = DDP(nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 1)))
     torch.manual_seed(100 + rank)
     random.seed(rank)
@@ -164,12 +221,22 @@ def train_on_nodes(rank: int, world: int, nodes: list[dict], total: int, crash_a
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     sampler = ResumableDistributedSampler(data, num_replicas=world, rank=rank, seed=7)
     loader = DataLoader(data, batch_size=2, sampler=sampler, generator=torch.Generator())
-    mgr = CheckpointManager(node["disk"], keep=2, every_steps=5, handle_sigterm=False, memory_dir=node["mem"],
-                            memory_every=every)
+    mgr = CheckpointManager(
+        node["disk"],
+        keep=2,
+        every_steps=5,
+        handle_sigterm=False,
+        memory_dir=node["mem"],
+        memory_every=every,
+    )
 
     def held(**extra) -> dict:
-        return {"model": model.module.state_dict(), "optimizer": opt.state_dict(), "rng": rng_state.get_state(),
-                **extra}
+        return {
+            "model": model.module.state_dict(),
+            "optimizer": opt.state_dict(),
+            "rng": rng_state.get_state(),
+            **extra,
+        }
 
     step = 0
     state = mgr.load_latest()
@@ -188,7 +255,9 @@ def train_on_nodes(rank: int, world: int, nodes: list[dict], total: int, crash_a
             sampler.advance(len(x))
             step += 1
             seen.append([step, sampler.epoch, i.tolist()])
-            mgr.maybe_save(step, lambda: capture(model=model, optimizer=opt, sampler=sampler, step=step))
+            mgr.maybe_save(
+                step, lambda: capture(model=model, optimizer=opt, sampler=sampler, step=step)
+            )
             if step % every == 0:
                 torch.save(held(), f"{out}.s{step}.{rank}")
             if step >= total or step == crash_after:
@@ -212,6 +281,7 @@ def load_on_own_nodes(rank: int, world: int, mems: list[str], disk: str, out: st
 
 # -- crash-at-any-instant writer ------------------------------------------------------------------
 
+
 def save_forever(directory: str) -> None:
     """Saves ~1 MiB checkpoints back to back until killed; each is internally consistent."""
     torch.set_num_threads(1)
@@ -233,6 +303,7 @@ def start_saver(directory: str):
 
 # -- disk full ------------------------------------------------------------------------------------
 
+
 def fill_disk(rank: int, world: int, directory: str, result: str) -> None:
     """Saves step 1, then step 2 under RLIMIT_FSIZE (writes fail with EFBIG, as on a full disk),
     then step 3 with the limit lifted again."""
@@ -253,15 +324,19 @@ def fill_disk(rank: int, world: int, directory: str, result: str) -> None:
     resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
     after_error = sorted(os.listdir(directory))
     latest = checkpoint.load_latest(directory)["step"]
-    Path(result).write_text(repr({"message": message, "stall": stall, "files": after_error, "latest": latest}))
+    Path(result).write_text(
+        repr({"message": message, "stall": stall, "files": after_error, "latest": latest})
+    )
     mgr.save(3, {"step": 3, "w": torch.ones(256, 1024)})
     mgr.close()
 
 
 # -- distributed load ------------------------------------------------------------------------------
 
-def load_from(rank: int, world: int, dirs_per_scenario: list[list[str]], out: str,
-              like_nccl: bool = False) -> None:
+
+def load_from(
+    rank: int, world: int, dirs_per_scenario: list[list[str]], out: str, like_nccl: bool = False
+) -> None:
     """For each scenario, this rank loads from its own directory; saves what it got.
 
     like_nccl: the default group claims another backend, so our traffic takes a gloo group."""
@@ -287,6 +362,7 @@ def gather_rng(rank: int, world: int, out: str) -> None:
 
 
 # -- SIGTERM at one rank ----------------------------------------------------------------------------
+
 
 def until_stopped(rank: int, world: int, directory: str, progress: str, out: str) -> None:
     """A loop that only saves when asked to stop; rank 1 reports its step for the test."""
@@ -320,6 +396,7 @@ def stuck_after_sigterm(rank: int, world: int, progress: str) -> None:
 
 # -- in-memory state --------------------------------------------------------------------------
 
+
 def refresh_memory_forever(rank: int, world: int, directory: str) -> None:
     """Resumes from the newest step in memory, as a restarted worker does, then refreshes the
     in-memory state back to back with 8 MiB of tensors that all equal the step, so that a SIGKILL
@@ -331,9 +408,16 @@ def refresh_memory_forever(rank: int, world: int, directory: str) -> None:
     w = torch.empty(2048, 1024)
     for step in range((held[0] if held else 0) + 1, 10**9):
         w.fill_(float(step))
-        writer.write(step, {"model": {"w": w, "b": torch.full((3,), step)}, "user": {"step": step},
-                            "rng": {"world_size": 1, "ranks": [{"torch": torch.full((5,), step)}]}},
-                     world=1, rank=0)
+        writer.write(
+            step,
+            {
+                "model": {"w": w, "b": torch.full((3,), step)},
+                "user": {"step": step},
+                "rng": {"world_size": 1, "ranks": [{"torch": torch.full((5,), step)}]},
+            },
+            world=1,
+            rank=0,
+        )
 
 
 def memory_on_full_tmpfs(rank: int, world: int, disk: str, mem: str, result: str) -> None:
@@ -345,15 +429,24 @@ def memory_on_full_tmpfs(rank: int, world: int, disk: str, mem: str, result: str
 
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (32 * 1024, hard))  # a disk checkpoint fits, a slot does not
+    resource.setrlimit(
+        resource.RLIMIT_FSIZE, (32 * 1024, hard)
+    )  # a disk checkpoint fits, a slot does not
     model = torch.nn.Linear(3, 1)
     with structlog.testing.capture_logs() as logs:
         mgr = CheckpointManager(disk, handle_sigterm=False, memory_dir=mem, every_steps=2)
         for step in range(1, 5):
             mgr.maybe_save(step, lambda: capture(model=model, step=step))
         mgr.close()
-    Path(result).write_text(repr({"memory_every": mgr.memory_every, "disk": checkpoint.latest_info(disk)["step"],
-                                  "warnings": [e for e in logs if e["event"] == "memory_state_off"]}))
+    Path(result).write_text(
+        repr(
+            {
+                "memory_every": mgr.memory_every,
+                "disk": checkpoint.latest_info(disk)["step"],
+                "warnings": [e for e in logs if e["event"] == "memory_state_off"],
+            }
+        )
+    )
 
 
 def memory_cadence(rank: int, world: int, disk: str, mem: str, result: str) -> None:
@@ -368,5 +461,11 @@ def memory_cadence(rank: int, world: int, disk: str, mem: str, result: str) -> N
             time.sleep(0.002)
             mgr.maybe_save(step, lambda: capture(model=model, step=step))
         mgr.close()
-    Path(f"{result}.{rank}").write_text(repr({"every": mgr.memory_every,
-                                  "events": [e for e in logs if e["event"] == "memory_cadence"]}))
+    Path(f"{result}.{rank}").write_text(
+        repr(
+            {
+                "every": mgr.memory_every,
+                "events": [e for e in logs if e["event"] == "memory_cadence"],
+            }
+        )
+    )

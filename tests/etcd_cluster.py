@@ -76,19 +76,50 @@ class Member:
     def start(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
         c = self.cluster
-        cmd = [c.binary, "--name", self.name, "--data-dir", str(self.data_dir),
-               "--listen-client-urls", self.url, "--advertise-client-urls", self.url,
-               "--listen-peer-urls", self.peer_url, "--initial-advertise-peer-urls", self.peer_url,
-               "--initial-cluster", c.initial_cluster, "--initial-cluster-state", "new",
-               "--initial-cluster-token", c.token,
-               "--heartbeat-interval", str(HEARTBEAT_MS), "--election-timeout", str(ELECTION_MS),
-               "--logger", "zap", "--log-outputs", "stderr", "--log-level", "warn", *c.extra]
+        cmd = [
+            c.binary,
+            "--name",
+            self.name,
+            "--data-dir",
+            str(self.data_dir),
+            "--listen-client-urls",
+            self.url,
+            "--advertise-client-urls",
+            self.url,
+            "--listen-peer-urls",
+            self.peer_url,
+            "--initial-advertise-peer-urls",
+            self.peer_url,
+            "--initial-cluster",
+            c.initial_cluster,
+            "--initial-cluster-state",
+            "new",
+            "--initial-cluster-token",
+            c.token,
+            "--heartbeat-interval",
+            str(HEARTBEAT_MS),
+            "--election-timeout",
+            str(ELECTION_MS),
+            "--logger",
+            "zap",
+            "--log-outputs",
+            "stderr",
+            "--log-level",
+            "warn",
+            *c.extra,
+        ]
         # Not tagged with the test session: a module's cluster outlives each test's leak check
         # (the fixture stops it; the parent-death signal covers a killed run).
         env = {k: v for k, v in os.environ.items() if k != "ELASTICD_TEST_SESSION"}
         with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen([*self.prefix, *cmd], stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                         env=env, preexec_fn=_die_with_parent)
+            self.proc = subprocess.Popen(
+                [*self.prefix, *cmd],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                env=env,
+                preexec_fn=_die_with_parent,
+            )
 
     def signal(self, sig: int) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -112,17 +143,27 @@ class Member:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def get_json(self, path: str, timeout: float = 1.0, method: str = "GET", body: dict | None = None) -> dict:
+    def get_json(
+        self, path: str, timeout: float = 1.0, method: str = "GET", body: dict | None = None
+    ) -> dict:
         """A request to this member's client URL (from inside its namespace, where it has one)."""
         data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(f"{self.url}{path}", data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            f"{self.url}{path}",
+            data=data,
+            method=method,
+            headers={"Content-Type": "application/json"},
+        )
 
         def ask() -> dict:
             with urllib.request.urlopen(req, timeout=timeout, context=self.cluster.client_tls) as r:
                 return json.loads(r.read())
 
-        return ask() if self.cluster.net is None else self.cluster.net.call(self.index, ask, timeout + 5)
+        return (
+            ask()
+            if self.cluster.net is None
+            else self.cluster.net.call(self.index, ask, timeout + 5)
+        )
 
     def healthy(self) -> bool:
         try:
@@ -142,8 +183,16 @@ class EtcdCluster:
     flags for every member (TLS, ...); `scheme`/`client_tls`: how the members' client URLs are
     served and reached by the helpers."""
 
-    def __init__(self, root: Path, size: int = 3, extra: tuple[str, ...] = (), scheme: str = "http",
-                 client_tls=None, binary: str | None = None, net=None):
+    def __init__(
+        self,
+        root: Path,
+        size: int = 3,
+        extra: tuple[str, ...] = (),
+        scheme: str = "http",
+        client_tls=None,
+        binary: str | None = None,
+        net=None,
+    ):
         self.root = Path(root)
         self.net = net
         self.binary = binary or etcd_binary()
@@ -192,15 +241,22 @@ class EtcdCluster:
                 return time.monotonic() - t0
             dead = [m for m in members if not m.alive()]
             if dead or time.monotonic() - t0 > timeout:
-                logs = "\n".join(f"--- {m.name} ({'alive' if m.alive() else 'exited'}):\n{m.log_tail()}"
-                                 for m in members)
-                raise RuntimeError(f"etcd cluster not healthy after {time.monotonic() - t0:.1f} s\n{logs}")
+                logs = "\n".join(
+                    f"--- {m.name} ({'alive' if m.alive() else 'exited'}):\n{m.log_tail()}"
+                    for m in members
+                )
+                raise RuntimeError(
+                    f"etcd cluster not healthy after {time.monotonic() - t0:.1f} s\n{logs}"
+                )
             time.sleep(0.05)
 
     def leader(self) -> int:
         """The index of the member that leads, as the live members report it."""
-        status = {i: m.get_json("/v3/maintenance/status", method="POST", body={})
-                  for i, m in enumerate(self.members) if m.alive()}
+        status = {
+            i: m.get_json("/v3/maintenance/status", method="POST", body={})
+            for i, m in enumerate(self.members)
+            if m.alive()
+        }
         by_id = {st["header"]["member_id"]: i for i, st in status.items()}
         leaders = {st.get("leader") for st in status.values()}
         if len(leaders) != 1 or next(iter(leaders)) not in by_id:
@@ -210,15 +266,21 @@ class EtcdCluster:
     def move_leader(self, index: int, timeout: float = 10.0) -> None:
         """Hand the leadership to member `index` (etcd's own transfer, asked of the leader) and
         wait (bounded) until the live members agree it leads."""
-        target = self.members[index].get_json("/v3/maintenance/status", method="POST", body={})["header"]["member_id"]
+        target = self.members[index].get_json("/v3/maintenance/status", method="POST", body={})[
+            "header"
+        ]["member_id"]
         deadline = time.monotonic() + timeout
         while True:
             try:
                 leader = self.leader()
                 if leader == index:
                     return
-                self.members[leader].get_json("/v3/maintenance/transfer-leadership", method="POST",
-                                              body={"targetID": target}, timeout=5.0)
+                self.members[leader].get_json(
+                    "/v3/maintenance/transfer-leadership",
+                    method="POST",
+                    body={"targetID": target},
+                    timeout=5.0,
+                )
             except (OSError, ValueError, KeyError, RuntimeError):
                 pass  # an election under way: ask again
             if time.monotonic() > deadline:

@@ -72,7 +72,9 @@ class FakeMember:
     def close(self) -> None:
         self.stopping.set()
         try:
-            self.sock.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread (close alone does not)
+            self.sock.shutdown(
+                socket.SHUT_RDWR
+            )  # wakes the accepting thread (close alone does not)
         except OSError:
             pass
         self.sock.close()
@@ -121,7 +123,12 @@ def read_request(conn: socket.socket) -> tuple[str, dict] | None:
 
 def response(body: bytes, status: str = "200 OK", headers: tuple[str, ...] = ()) -> bytes:
     """A whole HTTP/1.1 reply with its Content-Length."""
-    head = [f"HTTP/1.1 {status}", "Content-Type: application/json", f"Content-Length: {len(body)}", *headers]
+    head = [
+        f"HTTP/1.1 {status}",
+        "Content-Type: application/json",
+        f"Content-Length: {len(body)}",
+        *headers,
+    ]
     return ("\r\n".join(head) + "\r\n\r\n").encode() + body
 
 
@@ -140,8 +147,19 @@ def healthy_reply(path: str, body: dict, store: dict[bytes, bytes] | None = None
 
     def read(key: str) -> dict:
         value = store.get(base64.b64decode(key))
-        kvs = [] if value is None else [{"key": key, "value": b64(value), "version": "1",
-                                         "mod_revision": "5", "create_revision": "5"}]
+        kvs = (
+            []
+            if value is None
+            else [
+                {
+                    "key": key,
+                    "value": b64(value),
+                    "version": "1",
+                    "mod_revision": "5",
+                    "create_revision": "5",
+                }
+            ]
+        )
         return {"header": header, **({"kvs": kvs, "count": "1"} if kvs else {})}
 
     if path == "/v3/kv/range":
@@ -150,9 +168,16 @@ def healthy_reply(path: str, body: dict, store: dict[bytes, bytes] | None = None
         store[base64.b64decode(body.get("key", ""))] = base64.b64decode(body.get("value", ""))
         return {"header": header}
     if path == "/v3/kv/txn":  # reads only (multi_get), or a compare_set that always succeeds
-        return {"header": header, "succeeded": True, "responses": [
-            {"response_range": read(op["request_range"]["key"])} if "request_range" in op else {"response_put": {}}
-            for op in body.get("success", [])]}
+        return {
+            "header": header,
+            "succeeded": True,
+            "responses": [
+                {"response_range": read(op["request_range"]["key"])}
+                if "request_range" in op
+                else {"response_put": {}}
+                for op in body.get("success", [])
+            ],
+        }
     if path == "/v3/auth/authenticate":
         return {"header": header, "token": "tok.1"}
     if path == "/v3/watch":

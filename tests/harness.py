@@ -65,23 +65,53 @@ class Daemon:
     """One `elasticd run` as a separate process (a node), with its own log dir and socket; `prefix`
     runs it through a command that execs it (netns.Network.prefix: inside a network namespace)."""
 
-    def __init__(self, tmp_path: Path, entrypoint: str | None, *flags: str, args=(), name: str = "node0",
-                 env: dict | None = None, log_format: str = "json", prefix: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        tmp_path: Path,
+        entrypoint: str | None,
+        *flags: str,
+        args=(),
+        name: str = "node0",
+        env: dict | None = None,
+        log_format: str = "json",
+        prefix: tuple[str, ...] = (),
+    ):
         self.dir = tmp_path / name
         self.dir.mkdir(parents=True, exist_ok=True)
         self.log_dir = self.dir / "logs"
         self.socket = self.dir / "control.sock"
-        cmd = [*prefix, sys.executable, "-m", "elasticd", "run", "--log-dir", str(self.log_dir),
-               "--socket", str(self.socket), "--log-format", log_format, *flags]
+        cmd = [
+            *prefix,
+            sys.executable,
+            "-m",
+            "elasticd",
+            "run",
+            "--log-dir",
+            str(self.log_dir),
+            "--socket",
+            str(self.socket),
+            "--log-format",
+            log_format,
+            *flags,
+        ]
         if entrypoint:
             cmd.append(entrypoint)
         if args:
             cmd += ["--", *args]
         self.stdout_path, self.stderr_path = self.dir / "stdout.txt", self.dir / "stderr.txt"
-        full_env = dict(os.environ, ELASTICD_TEST_SESSION=SESSION, PYTHONUNBUFFERED="1", **(env or {}))
+        full_env = dict(
+            os.environ, ELASTICD_TEST_SESSION=SESSION, PYTHONUNBUFFERED="1", **(env or {})
+        )
         with open(self.stdout_path, "wb") as out, open(self.stderr_path, "wb") as err:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
-                                         cwd=ROOT, env=full_env, start_new_session=True)
+            self.proc = subprocess.Popen(
+                cmd,
+                stdout=out,
+                stderr=err,
+                stdin=subprocess.DEVNULL,
+                cwd=ROOT,
+                env=full_env,
+                start_new_session=True,
+            )
 
     @property
     def pid(self) -> int:
@@ -92,7 +122,9 @@ class Daemon:
             return self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             self.kill()
-            raise AssertionError(f"daemon did not finish within {timeout}s\n{self.stderr()[-4000:]}") from None
+            raise AssertionError(
+                f"daemon did not finish within {timeout}s\n{self.stderr()[-4000:]}"
+            ) from None
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         if self.proc.poll() is None:
@@ -115,8 +147,11 @@ class Daemon:
         return out
 
     def run_dir(self) -> Path:
-        dirs = wait_until(lambda: [d for d in self.log_dir.glob("*") if d.is_dir() and d.name != "checkpoints"],
-                          30, what="run dir")
+        dirs = wait_until(
+            lambda: [d for d in self.log_dir.glob("*") if d.is_dir() and d.name != "checkpoints"],
+            30,
+            what="run dir",
+        )
         return dirs[0]
 
     def attempt_dirs(self) -> list[Path]:
@@ -125,7 +160,9 @@ class Daemon:
     def worker_pids(self) -> dict[int, int]:
         """Global rank -> pid of this daemon's live workers of the latest attempt, from its events
         (warm-spawned workers get their environment after exec, so /proc/PID/environ won't tell)."""
-        running = [e for e in self.events() if e.get("event") == "state" and e.get("new") == "RUNNING"]
+        running = [
+            e for e in self.events() if e.get("event") == "state" and e.get("new") == "RUNNING"
+        ]
         if not running:
             return {}
         out = {}
@@ -151,16 +188,30 @@ class Daemon:
         """Every rank log of the latest attempt: which group rank (and so which global ranks) a
         node gets depends on the order the nodes arrived in."""
         dirs = self.attempt_dirs()
-        return "".join(p.read_text(errors="replace") for p in sorted(dirs[-1].glob("rank*.log"))) if dirs else ""
+        return (
+            "".join(p.read_text(errors="replace") for p in sorted(dirs[-1].glob("rank*.log")))
+            if dirs
+            else ""
+        )
 
-    def wait_for_step(self, rank: int, step: int, timeout: float, attempt: int | None = None) -> None:
+    def wait_for_step(
+        self, rank: int, step: int, timeout: float, attempt: int | None = None
+    ) -> None:
         pat = re.compile(rf"^step {step}\b", re.M)
-        wait_until(lambda: pat.search(self.log_text(rank, attempt)), timeout,
-                   what=f"rank {rank} to reach step {step}")
+        wait_until(
+            lambda: pat.search(self.log_text(rank, attempt)),
+            timeout,
+            what=f"rank {rank} to reach step {step}",
+        )
 
     def status(self, *extra: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "elasticd", "status", "--socket", str(self.socket), *extra],
-                              capture_output=True, text=True, timeout=30, cwd=ROOT)
+        return subprocess.run(
+            [sys.executable, "-m", "elasticd", "status", "--socket", str(self.socket), *extra],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            cwd=ROOT,
+        )
 
 
 def secret_flags() -> tuple[str, ...]:
@@ -183,7 +234,14 @@ def script(name: str) -> str:
     return str(SCRIPTS / name)
 
 
-def as_user(uid: int, fn, *args, gid: int | None = None, timeout: float = 20.0, clear_env: tuple[str, ...] = ()):
+def as_user(
+    uid: int,
+    fn,
+    *args,
+    gid: int | None = None,
+    timeout: float = 20.0,
+    clear_env: tuple[str, ...] = (),
+):
     """fn(*args) in a forked child switched to uid/gid (no supplementary groups): a real
     unprivileged process (root only). Its JSON-able result comes back; an exception it raises
     comes back as {"raised": "Type: message"}. Bounded: the child is killed after `timeout`."""

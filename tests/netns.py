@@ -69,7 +69,20 @@ class Network:
         ip("-n", self.switch, "link", "add", BRIDGE, "type", "bridge")
         ip("-n", self.switch, "link", "set", BRIDGE, "up")
         for i, ns in enumerate(self.nodes):
-            ip("-n", self.switch, "link", "add", self._port(i), "type", "veth", "peer", "name", DEV, "netns", ns)
+            ip(
+                "-n",
+                self.switch,
+                "link",
+                "add",
+                self._port(i),
+                "type",
+                "veth",
+                "peer",
+                "name",
+                DEV,
+                "netns",
+                ns,
+            )
             ip("-n", self.switch, "link", "set", self._port(i), "master", BRIDGE, "up")
             ip("-n", ns, "addr", "add", f"{self.addr(i)}/24", "dev", DEV)
             ip("-n", ns, "link", "set", DEV, "up")

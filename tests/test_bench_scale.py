@@ -26,11 +26,26 @@ KEYS = {
     "store_cpu",
 }
 # short windows, two processes
-SHORT = ["--nodes", "16", "--json", "--procs", "2", "--window", "1", "--warmup", "0.5", "--timeout", "30"]
+SHORT = [
+    "--nodes",
+    "16",
+    "--json",
+    "--procs",
+    "2",
+    "--window",
+    "1",
+    "--warmup",
+    "0.5",
+    "--timeout",
+    "30",
+]
 
 
 def run_bench(*extra: str) -> tuple[dict, str]:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    )
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "scale.py"), *SHORT, *extra],
         capture_output=True,
@@ -51,7 +66,10 @@ def run_bench(*extra: str) -> tuple[dict, str]:
 def assert_elasticd_phases(r: dict, err: str) -> None:
     assert 0 < r["round_s"] < 10, (r, err)
     assert 0 <= r["propagation_s"] < 1, (r, err)
-    assert 0.5 <= r["detection_s"] < 3, (r, err)  # evidence path: LOST_SILENCE (1.25 s) after the last beat seen
+    assert 0.5 <= r["detection_s"] < 3, (
+        r,
+        err,
+    )  # evidence path: LOST_SILENCE (1.25 s) after the last beat seen
     # detection, the restart request naming the lost node, the round of the 14 left
     assert 0.5 <= r["recovery_s"] < 6, (r, err)
 
@@ -70,7 +88,9 @@ def test_scale_bench_on_etcd_at_16_nodes():
         pytest.skip(SKIP_REASON)
     r, err = run_bench("--backend", "etcd")  # about 17 s on an idle 2-core machine
     assert_elasticd_phases(r, err)
-    assert r["torchrun_round_s"] is None, r  # torch's etcd backend (python-etcd, etcd's v2 API) is not run
+    assert r["torchrun_round_s"] is None, (
+        r
+    )  # torch's etcd backend (python-etcd, etcd's v2 API) is not run
     # HTTP requests: per node 4 puts and 4 reads of 3 counters a second, a read and a watch on the
     # restart key, the waiting-nodes check
     assert 100 < r["store_requests_per_s"] < 1000, r

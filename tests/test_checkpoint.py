@@ -51,11 +51,18 @@ def events(logs, name):
 
 # -- saving -----------------------------------------------------------------------------------------
 
+
 def test_save_load_keep_and_manifest(tmp_path):
     mgr = manager(tmp_path, keep=2)
     for step in (1, 2, 3):
-        stall = mgr.save(step, {"step": step, "w": torch.full((3,), float(step)),
-                                "sampler": {"epoch": 1, "consumed": 10 * step}})
+        stall = mgr.save(
+            step,
+            {
+                "step": step,
+                "w": torch.full((3,), float(step)),
+                "sampler": {"epoch": 1, "consumed": 10 * step},
+            },
+        )
         assert isinstance(stall, float) and stall >= 0
     assert mgr.wait().step == 3
     assert len(ckpt_files(tmp_path)) == 2
@@ -107,7 +114,12 @@ def test_save_is_a_snapshot_and_persists_in_the_background(tmp_path, monkeypatch
     mgr.save(4, {"w": w * 7})
     mgr.close()
     got = [load_file(tmp_path / f)["w"] for f in ckpt_files(tmp_path)]
-    assert [g.tolist() for g in got] == [[0.0] * 1000, [1.0] * 1000, [0.0, 1.0, 2.0, 3.0, 4.0], [7.0] * 1000]
+    assert [g.tolist() for g in got] == [
+        [0.0] * 1000,
+        [1.0] * 1000,
+        [0.0, 1.0, 2.0, 3.0, 4.0],
+        [7.0] * 1000,
+    ]
 
 
 def test_unsafe_state_is_refused_at_save(tmp_path):
@@ -190,6 +202,7 @@ def test_unwritable_directory_is_a_clear_error(tmp_path):
 
 # -- loading ----------------------------------------------------------------------------------------
 
+
 def test_truncated_newest_falls_back_to_previous(tmp_path):
     mgr = manager(tmp_path)
     for step in (1, 2):
@@ -201,12 +214,18 @@ def test_truncated_newest_falls_back_to_previous(tmp_path):
         state = manager(tmp_path).load_latest()
     assert state["step"] == 1
     skipped = events(logs, "checkpoint_skipped")
-    assert len(skipped) == 1 and skipped[0]["path"] == str(newest) and skipped[0]["log_level"] == "warning"
+    assert (
+        len(skipped) == 1
+        and skipped[0]["path"] == str(newest)
+        and skipped[0]["log_level"] == "warning"
+    )
     assert "checksum mismatch" in skipped[0]["reason"]
     # Rendered, it is one line that names the file.
     out = io.StringIO()
-    structlog.configure(processors=[structlog.processors.JSONRenderer()],
-                        logger_factory=structlog.WriteLoggerFactory(file=out))
+    structlog.configure(
+        processors=[structlog.processors.JSONRenderer()],
+        logger_factory=structlog.WriteLoggerFactory(file=out),
+    )
     try:
         load_latest(tmp_path)
     finally:
@@ -231,7 +250,9 @@ def test_corrupt_or_missing_manifest_falls_back_to_scanning(tmp_path):
     assert events(logs, "checkpoint_manifest_unknown_format")
     manifest.unlink()
     assert load_latest(tmp_path)["step"] == 3
-    (tmp_path / ckpt_files(tmp_path)[-1]).write_bytes(b"garbage")  # scanned: name holds the checksum
+    (tmp_path / ckpt_files(tmp_path)[-1]).write_bytes(
+        b"garbage"
+    )  # scanned: name holds the checksum
     with capture_logs():
         assert load_latest(tmp_path)["step"] == 2
     mgr = manager(tmp_path, keep=2)  # and the next save writes a good manifest again
@@ -270,9 +291,26 @@ def test_reads_a_format_1_layout(tmp_path):
     sha = hashlib.sha256(data).hexdigest()
     name = f"ckpt-000000000007-{sha[:16]}.pt"
     (tmp_path / name).write_bytes(data)
-    (tmp_path / "manifest.json").write_text(json.dumps({"format": 1, "latest": name, "checkpoints": [
-        {"file": name, "step": 7, "epoch": 0, "position": 12, "world_size": 2, "time": 1.0,
-         "bytes": len(data), "sha256": sha}]}))
+    (tmp_path / "manifest.json").write_text(
+        json.dumps(
+            {
+                "format": 1,
+                "latest": name,
+                "checkpoints": [
+                    {
+                        "file": name,
+                        "step": 7,
+                        "epoch": 0,
+                        "position": 12,
+                        "world_size": 2,
+                        "time": 1.0,
+                        "bytes": len(data),
+                        "sha256": sha,
+                    }
+                ],
+            }
+        )
+    )
     assert torch.equal(load_latest(tmp_path)["a"], torch.arange(3))
     assert checkpoint.latest_info(tmp_path)["position"] == 12
 
@@ -294,10 +332,14 @@ def test_malicious_pickle_is_refused_and_never_runs(tmp_path):
     time.sleep(0.01)
     import hashlib
 
-    for i, data in enumerate([
-        None,  # a torch.save zip file with the pickle inside
-        pickle.dumps({"format": 1, "step": 9, "state": Evil(str(marker))}, protocol=2),  # a bare pickle
-    ]):
+    for i, data in enumerate(
+        [
+            None,  # a torch.save zip file with the pickle inside
+            pickle.dumps(
+                {"format": 1, "step": 9, "state": Evil(str(marker))}, protocol=2
+            ),  # a bare pickle
+        ]
+    ):
         if data is None:
             buf = io.BytesIO()
             torch.save({"format": 1, "step": 9, "meta": {}, "state": {"x": Evil(str(marker))}}, buf)
@@ -316,6 +358,7 @@ def test_malicious_pickle_is_refused_and_never_runs(tmp_path):
 
 
 # -- capture / restore ------------------------------------------------------------------------------
+
 
 def test_capture_restore_single_process_unwraps_and_restores_rng(tmp_path):
     import numpy as np
@@ -344,8 +387,14 @@ def test_capture_restore_single_process_unwraps_and_restores_rng(tmp_path):
     torch.manual_seed(0)
     user = restore(state, model=model2, optimizer=opt2, scaler=scaler2, sampler=sampler2)
     assert user == {"step": 12, "best": 0.25}
-    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), model2.state_dict().values()))
-    assert opt2.param_groups[0]["lr"] == 0.1 and sampler2.consumed == 4 and scaler2.get_scale() == 128.0
+    assert all(
+        torch.equal(a, b) for a, b in zip(model.state_dict().values(), model2.state_dict().values())
+    )
+    assert (
+        opt2.param_groups[0]["lr"] == 0.1
+        and sampler2.consumed == 4
+        and scaler2.get_scale() == 128.0
+    )
     assert torch.equal(torch.rand(3), expected[0])
     assert random.random() == expected[1] and np.random.rand() == expected[2]
     with pytest.raises(KeyError, match="scheduler"):
@@ -364,7 +413,8 @@ def test_capture_reads_cuda_rng_only_in_a_process_that_uses_cuda():
         "torch.ones(1, device='cuda')\n"
         "s = capture()\n"
         "assert len(s['rng']['ranks'][0]['cuda']) == torch.cuda.device_count()\n"
-        "print('ok')\n")
+        "print('ok')\n"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
 
@@ -399,8 +449,15 @@ def test_broadcast_restore_only_the_sender_has_the_directory(tmp_path, like_nccl
     mgr.close()
     torn = d1 / ckpt_files(d1)[-1]
     torn.write_bytes(torn.read_bytes()[:100])
-    scenarios = [[str(d0), str(empty)], [str(empty), str(d1)], [str(d0), str(d1)], [str(empty), str(empty)]]
-    helpers.run(helpers.load_from, 2, tmp_path, scenarios, str(tmp_path / "got"), like_nccl, timeout=60)
+    scenarios = [
+        [str(d0), str(empty)],
+        [str(empty), str(d1)],
+        [str(d0), str(d1)],
+        [str(empty), str(empty)],
+    ]
+    helpers.run(
+        helpers.load_from, 2, tmp_path, scenarios, str(tmp_path / "got"), like_nccl, timeout=60
+    )
     got = [torch.load(tmp_path / f"got.{r}.pt", weights_only=True) for r in range(2)]
     for r0, r1 in zip(*got):
         assert r0["file"] == r1["file"]
@@ -417,10 +474,13 @@ def test_broadcast_restore_only_the_sender_has_the_directory(tmp_path, like_nccl
 
 # -- exact resume -----------------------------------------------------------------------------------
 
+
 def final_tensors(path):
     got = torch.load(path, weights_only=True)
-    return {**{f"model.{k}": v for k, v in got["model"].items()},
-            **{f"opt.{k}.{n}": t for k, s in got["optimizer"]["state"].items() for n, t in s.items()}}
+    return {
+        **{f"model.{k}": v for k, v in got["model"].items()},
+        **{f"opt.{k}.{n}": t for k, s in got["optimizer"]["state"].items() for n, t in s.items()},
+    }
 
 
 def assert_identical(a, b):
@@ -439,14 +499,18 @@ def test_resume_is_bit_exact_single_process(tmp_path):
     helpers.train(0, 1, str(tmp_path / "norng"), 14, None, crash_after=10)
     helpers.train(0, 1, str(tmp_path / "norng"), 14, str(tmp_path / "norng"), None, rng=False)
     ref = final_tensors(tmp_path / "ref.0.pt")
-    assert not all(torch.equal(v, final_tensors(tmp_path / "norng.0.pt")[k]) for k, v in ref.items())
+    assert not all(
+        torch.equal(v, final_tensors(tmp_path / "norng.0.pt")[k]) for k, v in ref.items()
+    )
 
 
 def test_resume_is_bit_exact_with_two_gloo_ranks(tmp_path):
     ref, run = tmp_path / "ref", tmp_path / "run"
     procs_ref = helpers.start(helpers.train, 2, tmp_path, str(ref), 14, str(ref), None)
     assert helpers.join(procs_ref, 90) == [0, 0]
-    helpers.run(helpers.train, 2, tmp_path, str(run), 14, None, 10, timeout=90)  # crash after step 10
+    helpers.run(
+        helpers.train, 2, tmp_path, str(run), 14, None, 10, timeout=90
+    )  # crash after step 10
     info = checkpoint.latest_info(run)
     assert (info["step"], info["epoch"], info["position"], info["world_size"]) == (8, 1, 16, 2)
     helpers.run(helpers.train, 2, tmp_path, str(run), 14, str(run), None, timeout=90)
@@ -455,6 +519,7 @@ def test_resume_is_bit_exact_with_two_gloo_ranks(tmp_path):
 
 
 # -- stopping ---------------------------------------------------------------------------------------
+
 
 def test_sigterm_to_one_rank_saves_and_stops_every_rank(tmp_path):
     d, progress, out = tmp_path / "ckpt", tmp_path / "progress", tmp_path / "stopped"
@@ -477,7 +542,9 @@ def test_sigterm_to_one_rank_saves_and_stops_every_rank(tmp_path):
 
 def test_sigterm_while_stuck_still_ends_the_process(tmp_path):
     progress = tmp_path / "progress"
-    (proc,) = helpers.start(helpers.stuck_after_sigterm, 1, tmp_path, str(progress), distributed=False)
+    (proc,) = helpers.start(
+        helpers.stuck_after_sigterm, 1, tmp_path, str(progress), distributed=False
+    )
     try:
         deadline = time.monotonic() + 30
         while not progress.exists():

@@ -30,15 +30,25 @@ def test_status_into_a_pipe_closed_after_one_line_is_quiet(daemons, unbuffered):
     env.pop("PYTHONUNBUFFERED", None)
     if unbuffered:
         env["PYTHONUNBUFFERED"] = "1"
-    cli = subprocess.Popen([sys.executable, "-m", "elasticd", "status", "--json", "--socket", str(d.socket)],
-                           stdout=w, stderr=subprocess.PIPE, cwd=ROOT, env=env)
+    cli = subprocess.Popen(
+        [sys.executable, "-m", "elasticd", "status", "--json", "--socket", str(d.socket)],
+        stdout=w,
+        stderr=subprocess.PIPE,
+        cwd=ROOT,
+        env=env,
+    )
     os.close(w)
     line = b""
     while not line.endswith(b"\n"):
-        line += os.read(r, 1) or pytest.fail("the CLI wrote no line")  # byte by byte: the rest stays
+        line += os.read(r, 1) or pytest.fail(
+            "the CLI wrote no line"
+        )  # byte by byte: the rest stays
     os.close(r)
     _, err = cli.communicate(timeout=30)
-    assert line == b"{\n" and cli.returncode == 141 and err == b"", (cli.returncode, err.decode()[-2000:])
+    assert line == b"{\n" and cli.returncode == 141 and err == b"", (
+        cli.returncode,
+        err.decode()[-2000:],
+    )
     d.kill(signal.SIGTERM)
     assert d.wait(30) == 0
 
@@ -49,8 +59,24 @@ def test_a_start_whose_metrics_port_is_taken_leaves_no_run_directory(tmp_path):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        r = subprocess.run([sys.executable, "-m", "elasticd", "run", "--log-dir", str(logs), "--socket",
-                            str(tmp_path / "s"), "--metrics-address", f"127.0.0.1:{port}", script("silent.py")],
-                           capture_output=True, text=True, timeout=60, cwd=ROOT)
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "elasticd",
+                "run",
+                "--log-dir",
+                str(logs),
+                "--socket",
+                str(tmp_path / "s"),
+                "--metrics-address",
+                f"127.0.0.1:{port}",
+                script("silent.py"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=ROOT,
+        )
     assert r.returncode == 2 and "cannot be bound here" in r.stderr, r.stderr
     assert sorted(p.name for p in logs.iterdir()) == ["checkpoints"], list(logs.iterdir())

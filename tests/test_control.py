@@ -24,7 +24,10 @@ def no_server_thread_left():
     """Every test ends with its server threads gone (close() must join them)."""
     yield
     deadline = time.monotonic() + 5
-    while any(t.name == "elasticd-control" for t in threading.enumerate()) and time.monotonic() < deadline:
+    while (
+        any(t.name == "elasticd-control" for t in threading.enumerate())
+        and time.monotonic() < deadline
+    ):
         time.sleep(0.01)
     assert not [t for t in threading.enumerate() if t.name == "elasticd-control"]
 
@@ -34,10 +37,18 @@ def serve(tmp_path):
     """Start ControlServers that are closed at the end whatever happens."""
     servers = []
 
-    def start(path=None, snapshot=lambda: {"state": "RUNNING"}, command=lambda r: {"ok": True, "accepted": "stop"},
-              operators_group=None):
-        s = control.ControlServer(path or tmp_path / "c.sock", snapshot=snapshot, command=command,
-                                  operators_group=operators_group)
+    def start(
+        path=None,
+        snapshot=lambda: {"state": "RUNNING"},
+        command=lambda r: {"ok": True, "accepted": "stop"},
+        operators_group=None,
+    ):
+        s = control.ControlServer(
+            path or tmp_path / "c.sock",
+            snapshot=snapshot,
+            command=command,
+            operators_group=operators_group,
+        )
         servers.append(s)
         s.start()
         return s
@@ -74,15 +85,25 @@ def status(path, **kw) -> dict:
 def test_status_round_trip_serves_the_latest_snapshot(serve, tmp_path):
     published = {"snap": {"state": "RENDEZVOUS", "workers": []}}
     server = serve(snapshot=lambda: published["snap"])
-    assert status(server.path) == {"ok": True, "version": 1, "status": {"state": "RENDEZVOUS", "workers": []}}
+    assert status(server.path) == {
+        "ok": True,
+        "version": 1,
+        "status": {"state": "RENDEZVOUS", "workers": []},
+    }
     published["snap"] = {"state": "RUNNING", "workers": [{"rank": 0, "pid": 123}]}
     assert status(server.path)["status"]["workers"] == [{"rank": 0, "pid": 123}]
     # EOF-terminated request (no newline) works as well as newline-terminated
-    assert raw(server.path, b'{"version": 1, "command": "status"}', shut=True)["status"]["state"] == "RUNNING"
+    assert (
+        raw(server.path, b'{"version": 1, "command": "status"}', shut=True)["status"]["state"]
+        == "RUNNING"
+    )
 
 
 def test_large_snapshot_arrives_whole(serve):
-    big = {"state": "RUNNING", "blob": "x" * (3 << 20)}  # larger than a socket buffer: partial writes
+    big = {
+        "state": "RUNNING",
+        "blob": "x" * (3 << 20),
+    }  # larger than a socket buffer: partial writes
     server = serve(snapshot=lambda: big)
     assert status(server.path, timeout=10)["status"] == big
 
@@ -92,7 +113,10 @@ def test_stop_is_forwarded_to_the_command_callback(serve):
     server = serve(command=lambda req: seen.append(req) or {"ok": True, "accepted": "stop"})
     reply = control.request(server.path, {"version": 1, "command": "stop", "timeout": 7.5})
     assert reply == {"ok": True, "version": 1, "accepted": "stop"}
-    assert control.request(server.path, {"version": 1, "command": "stop", "timeout": None})["accepted"] == "stop"
+    assert (
+        control.request(server.path, {"version": 1, "command": "stop", "timeout": None})["accepted"]
+        == "stop"
+    )
     assert control.request(server.path, {"version": 1, "command": "stop"})["ok"] is True
     assert [r.get("timeout") for r in seen] == [7.5, None, None]
     assert seen[0] == {"version": 1, "command": "stop", "timeout": 7.5}
@@ -145,8 +169,11 @@ def test_deferred_reply_waits_without_holding_up_the_server(serve):
 
     server = serve(command=command)
     result = {}
-    asking = threading.Thread(target=lambda: result.update(control.request(
-        server.path, {"version": 1, "command": "stacks"}, timeout=10)))
+    asking = threading.Thread(
+        target=lambda: result.update(
+            control.request(server.path, {"version": 1, "command": "stacks"}, timeout=10)
+        )
+    )
     asking.start()
     deadline = time.monotonic() + 5
     while not handed and time.monotonic() < deadline:
@@ -158,7 +185,9 @@ def test_deferred_reply_waits_without_holding_up_the_server(serve):
     asking.join(5)
     assert result == {"ok": True, "version": 1, "stacks": [{"rank": 0, "text": "x"}]}
     t0 = time.monotonic()
-    reply = control.request(server.path, {"version": 1, "command": "stacks", "timeout": 0.5}, timeout=5)
+    reply = control.request(
+        server.path, {"version": 1, "command": "stacks", "timeout": 0.5}, timeout=5
+    )
     assert reply["ok"] is False and "did not answer within 0.5s" in reply["error"], reply
     assert 0.4 < time.monotonic() - t0 < 2.5
     handed[1].give({"ok": True})  # too late: nobody is waiting any more, nothing breaks
@@ -213,7 +242,11 @@ def test_client_distinguishes_a_silent_peer_and_a_foreign_one(tmp_path):
 def test_socket_is_0600_right_after_start_and_nothing_else_is_left(serve, tmp_path):
     server = serve()
     st = os.lstat(server.path)
-    assert stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == os.geteuid()
+    assert (
+        stat.S_ISSOCK(st.st_mode)
+        and stat.S_IMODE(st.st_mode) == 0o600
+        and st.st_uid == os.geteuid()
+    )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.sock"]  # the private bind dir is gone
 
 
@@ -223,10 +256,14 @@ def test_operators_group_gets_a_0660_socket(serve, tmp_path):
     st = os.lstat(server.path)
     assert stat.S_IMODE(st.st_mode) == 0o660 and st.st_gid == NOBODY
     with pytest.raises(control.ControlError, match="groupadd no-such-group-xyz"):
-        control.ControlServer(tmp_path / "d.sock", dict, dict, operators_group="no-such-group-xyz").start()
+        control.ControlServer(
+            tmp_path / "d.sock", dict, dict, operators_group="no-such-group-xyz"
+        ).start()
 
 
-def test_missing_parent_is_created_private_and_runtime_dir_goes_to_operators(serve, tmp_path, monkeypatch):
+def test_missing_parent_is_created_private_and_runtime_dir_goes_to_operators(
+    serve, tmp_path, monkeypatch
+):
     server = serve(path=tmp_path / "run" / "elasticd" / "c.sock")
     assert stat.S_IMODE(os.stat(server.path.parent).st_mode) == 0o700
     runtime = tmp_path / "runtime"
@@ -267,7 +304,9 @@ def test_stale_socket_file_is_replaced_on_start(serve, tmp_path):
 def test_second_server_on_a_live_path_is_refused(serve, tmp_path):
     first = serve(snapshot=lambda: {"state": "FIRST"})
     second = control.ControlServer(first.path, snapshot=dict, command=dict)
-    with pytest.raises(control.AlreadyRunning, match=f"another elasticd is running at {first.path}"):
+    with pytest.raises(
+        control.AlreadyRunning, match=f"another elasticd is running at {first.path}"
+    ):
         second.start()
     second.close()
     assert status(first.path)["status"]["state"] == "FIRST"  # the live one is untouched
@@ -288,7 +327,9 @@ def test_close_unlinks_ends_the_thread_and_is_idempotent(tmp_path):
 
 
 def test_close_leaves_a_successors_socket_alone(serve, tmp_path):
-    old = control.ControlServer(tmp_path / "c.sock", snapshot=lambda: {"state": "OLD"}, command=dict)
+    old = control.ControlServer(
+        tmp_path / "c.sock", snapshot=lambda: {"state": "OLD"}, command=dict
+    )
     old.start()
     os.unlink(old.path)  # someone removed it; a new daemon took the path
     serve(snapshot=lambda: {"state": "NEW"})
@@ -360,11 +401,16 @@ def _request_as(uid: int, gid: int, path: Path) -> dict:
 
 def test_other_uid_is_refused_by_credentials_not_file_mode(serve, open_dir):
     server = serve(path=open_dir / "c.sock")
-    os.chmod(server.path, 0o666)  # let the file mode through: the credential check alone must refuse
+    os.chmod(
+        server.path, 0o666
+    )  # let the file mode through: the credential check alone must refuse
     reply = _request_as(NOBODY, NOBODY, server.path)
-    assert reply == {"ok": False, "version": 1,
-                     "error": "permission denied: uid 65534 is not root or the daemon's user "
-                              "(set operators_group to admit a group)"}, reply
+    assert reply == {
+        "ok": False,
+        "version": 1,
+        "error": "permission denied: uid 65534 is not root or the daemon's user "
+        "(set operators_group to admit a group)",
+    }, reply
     assert status(server.path)["ok"] is True  # root still is
 
 
@@ -375,7 +421,10 @@ def test_operators_group_member_is_admitted_and_file_mode_guards_the_rest(serve,
     assert _request_as(NOBODY, NOBODY, server.path)["status"] == {"state": "RUNNING"}
     # uid 65533 in gid 65533 is not in the group: the 0660 socket file stops it before the server does
     reply = _request_as(65533, 65533, server.path)
-    assert reply.get("raised") == "PermissionDenied" and "permission denied connecting" in reply["message"], reply
+    assert (
+        reply.get("raised") == "PermissionDenied"
+        and "permission denied connecting" in reply["message"]
+    ), reply
 
 
 # --- default path ------------------------------------------------------------------------------
@@ -414,4 +463,3 @@ def test_find_daemons_looks_in_the_users_and_the_services_directory(serve, tmp_p
     assert control.second_socket_path(control.default_socket_path(), "job7") == mine.path
     monkeypatch.setenv("ELASTICD_SOCKET", str(tmp_path / "elsewhere.sock"))
     assert control.find_daemons() == [tmp_path / "elsewhere.sock"]
-

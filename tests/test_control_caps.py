@@ -31,10 +31,20 @@ def _served_while(d, report: Path, expected_holders: int) -> None:
         t0 = time.monotonic()
         r = d.status()
         took = time.monotonic() - t0
-        assert r.returncode == 0 and "RUNNING" in r.stdout, (r.returncode, r.stdout[-500:], r.stderr[-500:])
+        assert r.returncode == 0 and "RUNNING" in r.stdout, (
+            r.returncode,
+            r.stdout[-500:],
+            r.stderr[-500:],
+        )
         assert took < STATUS_BOUND, took
-    lines = wait_until(lambda: (t := report.read_text() if report.exists() else "").count("\n") == expected_holders
-                       and t.splitlines(), 30, what="the hogs' reports")
+    lines = wait_until(
+        lambda: (
+            (t := report.read_text() if report.exists() else "").count("\n") == expected_holders
+            and t.splitlines()
+        ),
+        30,
+        what="the hogs' reports",
+    )
     opened = sum(int(ln.split()[1]) for ln in lines)
     busy = sum(int(ln.split()[3]) for ln in lines)
     assert opened >= 200 and busy > 0, lines  # they tried for more than the caps allow
@@ -43,8 +53,13 @@ def _served_while(d, report: Path, expected_holders: int) -> None:
 def _idle_peers(d) -> int:
     """Connections the daemon holds on its control socket now (from /proc: a socket count)."""
     try:
-        return len([fd for fd in os.listdir(f"/proc/{d.pid}/fd")
-                    if os.readlink(f"/proc/{d.pid}/fd/{fd}").startswith("socket:")])
+        return len(
+            [
+                fd
+                for fd in os.listdir(f"/proc/{d.pid}/fd")
+                if os.readlink(f"/proc/{d.pid}/fd/{fd}").startswith("socket:")
+            ]
+        )
     except OSError:
         return 0
 
@@ -52,8 +67,17 @@ def _idle_peers(d) -> int:
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run the hog as another uid")
 def test_another_admitted_users_idle_connections_do_not_starve_status(daemons, tmp_path, open_dir):
     group = grp.getgrgid(NOBODY).gr_name
-    d = daemons(script("silent.py"), "--nproc-per-node", "1", "--no-warm-spawn", "--operators-group", group,
-                "--socket", str(open_dir / "c.sock"), args=["60"])
+    d = daemons(
+        script("silent.py"),
+        "--nproc-per-node",
+        "1",
+        "--no-warm-spawn",
+        "--operators-group",
+        group,
+        "--socket",
+        str(open_dir / "c.sock"),
+        args=["60"],
+    )
     d.socket = open_dir / "c.sock"
     wait_until(lambda: d.status().returncode == 0, 30, what="the daemon's socket")
     report = open_dir / "report"
@@ -83,8 +107,13 @@ def test_another_admitted_users_idle_connections_do_not_starve_status(daemons, t
 def test_the_workers_idle_connections_do_not_starve_status(daemons, tmp_path):
     report = tmp_path / "report"
     sock = tmp_path / "node0" / "control.sock"
-    d = daemons(script("hog_control.py"), "--nproc-per-node", "1", "--no-warm-spawn",
-                args=[str(sock), "20", "10", "6", str(report)])  # a worker and 20 children of it
+    d = daemons(
+        script("hog_control.py"),
+        "--nproc-per-node",
+        "1",
+        "--no-warm-spawn",
+        args=[str(sock), "20", "10", "6", str(report)],
+    )  # a worker and 20 children of it
     _served_while(d, report, 20)
     assert d.wait(60) == 0
 
@@ -114,8 +143,12 @@ def test_one_process_holds_at_most_its_cap_and_the_others_are_served(tmp_path):
         try:
             assert b"busy: too many open control connections from pid" in _answered(extra, 3)
             assert not any(_answered(s, 0.01) for s in held)  # those wait for their request
-            r = subprocess.run([sys.executable, "-m", "elasticd", "status", "--socket", str(server.path)],
-                               capture_output=True, text=True, timeout=30)
+            r = subprocess.run(
+                [sys.executable, "-m", "elasticd", "status", "--socket", str(server.path)],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
             assert r.returncode == 0, r.stderr  # another process is served
             held.pop().close()
             assert control.request(server.path, {"version": 1, "command": "status"})["ok"] is True
@@ -135,7 +168,9 @@ def test_the_daemons_descendants_share_one_cap(tmp_path):
                 code = 1
                 try:
                     socks = [_connect(server.path) for _ in range(2)]
-                    os.write(w, b"".join(b"B" if b"busy" in _answered(s, 0.5) else b"." for s in socks))
+                    os.write(
+                        w, b"".join(b"B" if b"busy" in _answered(s, 0.5) else b"." for s in socks)
+                    )
                     code = 0
                 finally:
                     os._exit(code)

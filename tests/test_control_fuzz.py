@@ -22,7 +22,9 @@ FAILURES = ("control_connection_failed", "control_server_crashed", "control_requ
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
     max_leaves=12,
 )
 
@@ -55,9 +57,13 @@ def requests(draw) -> bytes:
         opener = draw(st.sampled_from(["[", '{"a":']))
         closer = "]" if opener == "[" else "}"
         deep = opener * depth + "1" + closer * depth * draw(st.sampled_from([0, 1]))
-        return (f'{{"version": 1, "command": "status", "x": {deep}}}' if draw(st.booleans()) else deep).encode()
+        return (
+            f'{{"version": 1, "command": "status", "x": {deep}}}' if draw(st.booleans()) else deep
+        ).encode()
     digits = draw(st.integers(1, 5000))
-    number = draw(st.sampled_from(["9" * digits, "1e999", "-1e999", "NaN", "Infinity", f"0.{'1' * digits}"]))
+    number = draw(
+        st.sampled_from(["9" * digits, "1e999", "-1e999", "NaN", "Infinity", f"0.{'1' * digits}"])
+    )
     return f'{{"version": {number}, "command": "status", "timeout": {number}}}'.encode()
 
 
@@ -111,8 +117,11 @@ class FakeAgent:
 @pytest.fixture
 def server(tmp_path):
     agent = FakeAgent()
-    s = control.ControlServer(tmp_path / "c.sock", snapshot=lambda: {"state": "RUNNING", "workers": []},
-                              command=lambda req: _accept_command(agent, req))
+    s = control.ControlServer(
+        tmp_path / "c.sock",
+        snapshot=lambda: {"state": "RUNNING", "workers": []},
+        command=lambda req: _accept_command(agent, req),
+    )
     s.start()
     yield s
     s.close()
@@ -121,15 +130,22 @@ def server(tmp_path):
 def test_random_requests_always_get_a_well_formed_reply(server):
     with capture_logs() as logs:
 
-        @settings(max_examples=1500, deadline=None, derandomize=True, database=None,
-                  suppress_health_check=list(HealthCheck))
+        @settings(
+            max_examples=1500,
+            deadline=None,
+            derandomize=True,
+            database=None,
+            suppress_health_check=list(HealthCheck),
+        )
         @given(data=requests(), newline=st.booleans())
         def one(data, newline):
             check_reply(exchange(server.path, data, newline), data)
 
         one()
     assert server.running
-    assert not [e for e in logs if e["event"] in FAILURES], [e for e in logs if e["event"] in FAILURES][:3]
+    assert not [e for e in logs if e["event"] in FAILURES], [
+        e for e in logs if e["event"] in FAILURES
+    ][:3]
     assert control.request(server.path, {"version": 1, "command": "status"})["ok"] is True
 
 
@@ -137,14 +153,23 @@ def test_hostile_requests_get_the_error_that_names_the_problem(server):
     cases = [
         (b"\xff\xfe{}", "not UTF-8"),
         (b"[" * 30000, "nested too deeply"),
-        (b'{"version": 1, "command": "status", "x": ' + b"[" * 20000 + b"]" * 20000 + b"}", "nested too deeply"),
+        (
+            b'{"version": 1, "command": "status", "x": ' + b"[" * 20000 + b"]" * 20000 + b"}",
+            "nested too deeply",
+        ),
         (b'{"version": ' + b"9" * 5000 + b', "command": "status"}', "this daemon reads"),
         (b'{"version": 1e999, "command": "status"}', "unsupported protocol version inf"),
         (b'{"version": 1.0, "command": "status"}', "unsupported protocol version 1.0"),
         (b'{"version": 1, "command": ["status"]}', "unknown command ['status']"),
         (b'{"version": 1, "command": "' + b"x" * 60000 + b'"}', "unknown command 'xxxx"),
-        (b'{"version": 1, "command": {"a": {"b": {"c": 1}}}}', "unknown command {'a': {'b': {...}}}"),
-        (b'{"version": 1, "command": "status", "error": "not a reply"}', None),  # extra fields are fine
+        (
+            b'{"version": 1, "command": {"a": {"b": {"c": 1}}}}',
+            "unknown command {'a': {'b': {...}}}",
+        ),
+        (
+            b'{"version": 1, "command": "status", "error": "not a reply"}',
+            None,
+        ),  # extra fields are fine
         (b'{"version": 1, "command": "stop", "timeout": "soon"}', "timeout"),
         (b'{"version": 1, "command": "status"', "not a JSON object"),  # truncated
         (b"   ", "empty request"),
@@ -159,15 +184,22 @@ def test_hostile_requests_get_the_error_that_names_the_problem(server):
     for size in (control.MAX_REQUEST + 1, 4 * control.MAX_REQUEST):
         obj = check_reply(exchange(server.path, b"x" * size, True), b"x" * size)
         assert obj is None or "larger than" in obj["error"]
-    assert server.running and control.request(server.path, {"version": 1, "command": "status"})["ok"]
+    assert (
+        server.running and control.request(server.path, {"version": 1, "command": "status"})["ok"]
+    )
 
 
 def test_a_running_daemon_survives_random_requests(daemons):
     d = daemons(script("silent.py"), "--nproc-per-node", "1", "--no-warm-spawn", args=["60"])
     wait_until(lambda: d.status().returncode == 0, 30, what="the daemon's socket")
 
-    @settings(max_examples=200, deadline=None, derandomize=True, database=None,
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=200,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
     @given(data=requests(), newline=st.booleans())
     def one(data, newline):
         req, error = control.parse_request(data.split(b"\n", 1)[0])

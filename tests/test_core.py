@@ -19,8 +19,13 @@ FAST = ("--restart-grace", "1", "--stop-grace", "5")
 
 def test_unmodified_torchrun_script_completes(daemons, tmp_path):
     snap = tmp_path / "snapshot.pt"
-    d = daemons(script("ddp_tutorial.py"), "--nproc-per-node", "2", *FAST,
-                args=["--steps", "12", "--snapshot", str(snap)])
+    d = daemons(
+        script("ddp_tutorial.py"),
+        "--nproc-per-node",
+        "2",
+        *FAST,
+        args=["--steps", "12", "--snapshot", str(snap)],
+    )
     assert d.wait(120) == 0, d.stderr()[-3000:]
     out = d.stdout()
     assert "[rank0]: done world_size=2 rank=0 restart=0" in out
@@ -42,12 +47,28 @@ def test_worker_environment_matches_torchrun(daemons, tmp_path, spawn):
     envs = [json.loads(line) for line in out.read_text().splitlines()]
     assert sorted(int(e["RANK"]) for e in envs) == [0, 1]
     for e in envs:
-        for key in ("LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE", "WORLD_SIZE",
-                    "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                    "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID",
-                    "TORCHELASTIC_USE_AGENT_STORE", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCHELASTIC_ERROR_FILE"):
+        for key in (
+            "LOCAL_RANK",
+            "GROUP_RANK",
+            "ROLE_RANK",
+            "ROLE_NAME",
+            "LOCAL_WORLD_SIZE",
+            "WORLD_SIZE",
+            "GROUP_WORLD_SIZE",
+            "ROLE_WORLD_SIZE",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+            "TORCHELASTIC_RESTART_COUNT",
+            "TORCHELASTIC_MAX_RESTARTS",
+            "TORCHELASTIC_RUN_ID",
+            "TORCHELASTIC_USE_AGENT_STORE",
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+            "TORCHELASTIC_ERROR_FILE",
+        ):
             assert key in e, key
-        assert e["WORLD_SIZE"] == "2" and e["LOCAL_WORLD_SIZE"] == "2" and e["ROLE_NAME"] == "default"
+        assert (
+            e["WORLD_SIZE"] == "2" and e["LOCAL_WORLD_SIZE"] == "2" and e["ROLE_NAME"] == "default"
+        )
         assert e["TORCHELASTIC_USE_AGENT_STORE"] == "True" and e["OMP_NUM_THREADS"] == "1"
         assert e["MASTER_ADDR"] == "127.0.0.1"
         assert "NOTIFY_SOCKET" not in e and "WATCHDOG_USEC" not in e
@@ -57,8 +78,12 @@ def test_worker_environment_matches_torchrun(daemons, tmp_path, spawn):
         shown = [sys.executable, "-u", "-m", "tests.scripts.dump_env", str(out)]
         assert e["facts"]["cmdline"] == "\0".join(shown) + "\0"
         facts = e["facts"]  # warm (forked) workers: children of the daemon in their own session
-        assert facts["ppid"] == d.pid and facts["sid"] == facts["pid"] and facts["threads"] == 1, facts
-    for key in ("random", "numpy_random")[:1 if spawn else 2]:  # never the stream of a process forked from
+        assert facts["ppid"] == d.pid and facts["sid"] == facts["pid"] and facts["threads"] == 1, (
+            facts
+        )
+    for key in ("random", "numpy_random")[
+        : 1 if spawn else 2
+    ]:  # never the stream of a process forked from
         values = [e["facts"].get(key) for e in envs]
         assert values[0] != values[1], key
 
@@ -67,22 +92,44 @@ def test_torchrun_command_line_works_as_is(daemons, tmp_path):
     # `torchrun --nproc-per-node cpu --rdzv-backend c10d -m pkg.mod ARGS`: ARGS are the script's,
     # even where they look like our flags
     out = tmp_path / "env.json"
-    d = daemons(None, "--nproc-per-node", "cpu", "--rdzv-backend", "c10d", "-m", "tests.scripts.dump_env", str(out),
-                "--max-restarts", "7", "--", "x")
+    d = daemons(
+        None,
+        "--nproc-per-node",
+        "cpu",
+        "--rdzv-backend",
+        "c10d",
+        "-m",
+        "tests.scripts.dump_env",
+        str(out),
+        "--max-restarts",
+        "7",
+        "--",
+        "x",
+    )
     assert d.wait(60) == 0, d.stderr()[-3000:]
     envs = [json.loads(line) for line in out.read_text().splitlines()]
     assert sorted(int(e["RANK"]) for e in envs) == list(range(os.cpu_count() or 1))
     for e in envs:
         assert e["argv"][1:] == [str(out), "--max-restarts", "7", "--", "x"]
-        assert e["TORCHELASTIC_MAX_RESTARTS"] == "3"  # elasticd's own default: the flag was not taken as ours
+        assert (
+            e["TORCHELASTIC_MAX_RESTARTS"] == "3"
+        )  # elasticd's own default: the flag was not taken as ours
 
 
 def test_script_globals_live_until_shutdown_as_under_python(daemons, tmp_path):
     # `python script.py` frees the script's objects after atexit, at shutdown; freeing them
     # earlier on a live interpreter can deadlock gloo's destructor (DDP's reducer at exit)
-    warm = daemons(script("exit_order.py"), "--nproc-per-node", "2", name="warm", args=[str(tmp_path / "warm")])
-    cold = daemons("tests.scripts.exit_order", "--nproc-per-node", "1", "--no-warm-spawn", name="cold",
-                   args=[str(tmp_path / "cold")])
+    warm = daemons(
+        script("exit_order.py"), "--nproc-per-node", "2", name="warm", args=[str(tmp_path / "warm")]
+    )
+    cold = daemons(
+        "tests.scripts.exit_order",
+        "--nproc-per-node",
+        "1",
+        "--no-warm-spawn",
+        name="cold",
+        args=[str(tmp_path / "cold")],
+    )
     assert warm.wait(60) == 0, warm.stderr()[-3000:]
     assert cold.wait(60) == 0, cold.stderr()[-3000:]
     for name in ("warm.0", "warm.1", "cold.0"):
@@ -98,8 +145,15 @@ def test_process_group_teardown_never_deadlocks(daemons, tmp_path):
 
 
 def test_kill_9_of_a_worker_restarts_and_completes(daemons, tmp_path):
-    d = daemons(script("ddp_tutorial.py"), "--nproc-per-node", "2", "--max-restarts", "3", *FAST,
-                args=["--steps", "30", "--step-time", "0.05", "--snapshot", str(tmp_path / "snap.pt")])
+    d = daemons(
+        script("ddp_tutorial.py"),
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "3",
+        *FAST,
+        args=["--steps", "30", "--step-time", "0.05", "--snapshot", str(tmp_path / "snap.pt")],
+    )
     d.wait_for_step(1, 5, timeout=60)
     os.kill(d.worker_pids()[1], signal.SIGKILL)
     assert d.wait(120) == 0, d.stderr()[-3000:]
@@ -114,22 +168,44 @@ def test_kill_9_of_a_worker_restarts_and_completes(daemons, tmp_path):
 def test_twenty_kill_9_in_a_row_all_recover(daemons, tmp_path):
     """Every one of 20 kill -9s is followed by a restart in which every rank trains again."""
     kills = 20
-    d = daemons(script("ddp_tutorial.py"), "--nproc-per-node", "2", "--max-restarts", str(kills), *FAST,
-                "--restart-grace", "0.5",
-                args=["--steps", "100000", "--step-time", "0.02", "--snapshot", str(tmp_path / "snap.pt"),
-                      "--save-every", "2"])
+    d = daemons(
+        script("ddp_tutorial.py"),
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        str(kills),
+        *FAST,
+        "--restart-grace",
+        "0.5",
+        args=[
+            "--steps",
+            "100000",
+            "--step-time",
+            "0.02",
+            "--snapshot",
+            str(tmp_path / "snap.pt"),
+            "--save-every",
+            "2",
+        ],
+    )
     for i in range(kills):
         attempt = i + 1
         for rank in (0, 1):
-            wait_until(lambda: re.search(r"^step \d+", d.log_text(rank, attempt), re.M), 60,
-                       what=f"rank {rank} training in attempt {attempt}")
+            wait_until(
+                lambda: re.search(r"^step \d+", d.log_text(rank, attempt), re.M),
+                60,
+                what=f"rank {rank} training in attempt {attempt}",
+            )
         victim = i % 2
         pid = wait_until(lambda: d.worker_pids().get(victim), 30, what="worker pid")
         os.kill(pid, signal.SIGKILL)
         wait_until(lambda: len(d.attempt_dirs()) > attempt, 30, what=f"restart after kill {i + 1}")
     for rank in (0, 1):
-        wait_until(lambda: re.search(r"^step \d+", d.log_text(rank, kills + 1), re.M), 60,
-                   what=f"rank {rank} training after the last kill")
+        wait_until(
+            lambda: re.search(r"^step \d+", d.log_text(rank, kills + 1), re.M),
+            60,
+            what=f"rank {rank} training after the last kill",
+        )
     d.kill(signal.SIGTERM)
     assert d.wait(60) == 0
     restarts = [e for e in d.events() if e.get("event") == "state" and e.get("new") == "RESTARTING"]
@@ -137,10 +213,19 @@ def test_twenty_kill_9_in_a_row_all_recover(daemons, tmp_path):
 
 
 def test_exception_in_worker_restarts_and_reports_error_file(daemons):
-    d = daemons(script("faulty.py"), "--nproc-per-node", "2", "--max-restarts", "2", *FAST,
-                args=["--steps", "6", "--raise-at", "2", "--only-first-attempt"])
+    d = daemons(
+        script("faulty.py"),
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "2",
+        *FAST,
+        args=["--steps", "6", "--raise-at", "2", "--only-first-attempt"],
+    )
     assert d.wait(120) == 0, d.stderr()[-3000:]
-    restarting = [e for e in d.events() if e.get("event") == "state" and e.get("new") == "RESTARTING"]
+    restarting = [
+        e for e in d.events() if e.get("event") == "state" and e.get("new") == "RESTARTING"
+    ]
     assert len(restarting) == 1
     assert "ValueError: injected failure at step 2" in restarting[0]["cause"]
     err = json.loads((d.run_dir() / "attempt1" / "rank1.error.json").read_text())
@@ -148,8 +233,15 @@ def test_exception_in_worker_restarts_and_reports_error_file(daemons):
 
 
 def test_budget_exhausted_names_rank_and_cause(daemons):
-    d = daemons(script("faulty.py"), "--nproc-per-node", "2", "--max-restarts", "1", *FAST,
-                args=["--steps", "6", "--raise-at", "2"])
+    d = daemons(
+        script("faulty.py"),
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "1",
+        *FAST,
+        args=["--steps", "6", "--raise-at", "2"],
+    )
     assert d.wait(120) == 1
     err = d.stderr()
     line = [ln for ln in err.splitlines() if ln.startswith("elasticd: job failed")]
@@ -164,16 +256,31 @@ def _backoffs(d) -> list[tuple[dict, float]]:
     out = []
     for i, e in enumerate(events):
         if e.get("event") == "restart_backoff":
-            nxt = next(n for n in events[i + 1:] if n.get("event") == "state" and n.get("new") == "RENDEZVOUS")
-            gap = (datetime.fromisoformat(nxt["timestamp"]) - datetime.fromisoformat(e["timestamp"])).total_seconds()
+            nxt = next(
+                n
+                for n in events[i + 1 :]
+                if n.get("event") == "state" and n.get("new") == "RENDEZVOUS"
+            )
+            gap = (
+                datetime.fromisoformat(nxt["timestamp"]) - datetime.fromisoformat(e["timestamp"])
+            ).total_seconds()
             out.append((e, gap))
     return out
 
 
 def test_crash_loop_backs_off_exponentially_and_waits_it_out(daemons):
     # every attempt fails before any rank reports a step: a crash loop
-    d = daemons(script("faulty.py"), "--nproc-per-node", "2", "--max-restarts", "2", "--restart-backoff", "0.3",
-                *FAST, args=["--steps", "6", "--raise-at", "1", "--step-time", "0"])
+    d = daemons(
+        script("faulty.py"),
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "2",
+        "--restart-backoff",
+        "0.3",
+        *FAST,
+        args=["--steps", "6", "--raise-at", "1", "--step-time", "0"],
+    )
     assert d.wait(120) == 1, d.stderr()[-3000:]
     backoffs = _backoffs(d)
     assert [e["crash_streak"] for e, _ in backoffs] == [1, 2]
@@ -184,8 +291,17 @@ def test_crash_loop_backs_off_exponentially_and_waits_it_out(daemons):
 
 def test_attempt_that_trained_restarts_after_the_first_backoff(daemons):
     # every attempt steps, then fails: each restart is a new streak, never a growing wait
-    d = daemons(script("faulty.py"), "--nproc-per-node", "2", "--max-restarts", "2", "--restart-backoff", "0.3",
-                *FAST, args=["--steps", "6", "--raise-at", "3", "--step-time", "0.02", "--beat"])
+    d = daemons(
+        script("faulty.py"),
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "2",
+        "--restart-backoff",
+        "0.3",
+        *FAST,
+        args=["--steps", "6", "--raise-at", "3", "--step-time", "0.02", "--beat"],
+    )
     assert d.wait(120) == 1, d.stderr()[-3000:]
     backoffs = _backoffs(d)
     assert [e["crash_streak"] for e, _ in backoffs] == [0, 0]
@@ -194,16 +310,32 @@ def test_attempt_that_trained_restarts_after_the_first_backoff(daemons):
 
 
 def test_fatal_exit_code_fails_without_restart(daemons):
-    d = daemons(script("faulty.py"), "--nproc-per-node", "2", "--max-restarts", "3", "--fatal-exit-codes", "3,7",
-                *FAST, args=["--steps", "6", "--exit-at", "2", "--exit-code", "7"])
+    d = daemons(
+        script("faulty.py"),
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "3",
+        "--fatal-exit-codes",
+        "3,7",
+        *FAST,
+        args=["--steps", "6", "--exit-at", "2", "--exit-code", "7"],
+    )
     assert d.wait(120) == 1
-    assert not [e for e in d.events() if e.get("event") == "state" and e.get("new") == "RENDEZVOUS"][1:]
+    assert not [
+        e for e in d.events() if e.get("event") == "state" and e.get("new") == "RENDEZVOUS"
+    ][1:]
     assert "exit code 7" in d.stderr()
 
 
 def test_sigkill_of_daemon_takes_workers_and_grandchildren(daemons):
-    d = daemons(script("faulty.py"), "--nproc-per-node", "2", *FAST,
-                args=["--steps", "100000", "--spawn-child", "--step-time", "0.05"])
+    d = daemons(
+        script("faulty.py"),
+        "--nproc-per-node",
+        "2",
+        *FAST,
+        args=["--steps", "100000", "--spawn-child", "--step-time", "0.05"],
+    )
     d.wait_for_step(1, 2, timeout=60)
     tree = [p for p in psutil.Process(d.pid).children(recursive=True)]
     grandchildren = [p for p in tree if p.ppid() != d.pid]
@@ -213,7 +345,9 @@ def test_sigkill_of_daemon_takes_workers_and_grandchildren(daemons):
     wait_until(lambda: not leftover_processes(), 10, what="every worker and grandchild gone")
     # A process tearing down its memory has no readable environment yet is not a zombie: it is
     # no longer found as ours above, so wait for every process of the tree itself to finish.
-    wait_until(lambda: all(_dead(p) for p in tree), 10, what="every process of the daemon's tree dead")
+    wait_until(
+        lambda: all(_dead(p) for p in tree), 10, what="every process of the daemon's tree dead"
+    )
 
 
 def _dead(p: psutil.Process) -> bool:
@@ -224,7 +358,9 @@ def _dead(p: psutil.Process) -> bool:
 
 
 def test_worker_output_is_prefixed_and_logged_per_rank(daemons):
-    d = daemons(script("faulty.py"), "--nproc-per-node", "2", args=["--steps", "2", "--step-time", "0"])
+    d = daemons(
+        script("faulty.py"), "--nproc-per-node", "2", args=["--steps", "2", "--step-time", "0"]
+    )
     assert d.wait(60) == 0
     out = d.stdout()
     assert "[rank0]: step 2" in out and "[rank1]: step 2" in out

@@ -42,11 +42,17 @@ def anchors(path: Path) -> set[str]:
 
 
 def test_slug_is_githubs():
-    assert slug("Control plane at scale (`bench/scale.py`)") == "control-plane-at-scale-benchscalepy"
-    assert slug("In-memory state: lose a step, not a checkpoint interval") == \
-        "in-memory-state-lose-a-step-not-a-checkpoint-interval"
-    assert slug("Traps in torch's elastic pieces (torch 2.13) to design around") == \
-        "traps-in-torchs-elastic-pieces-torch-213-to-design-around"
+    assert (
+        slug("Control plane at scale (`bench/scale.py`)") == "control-plane-at-scale-benchscalepy"
+    )
+    assert (
+        slug("In-memory state: lose a step, not a checkpoint interval")
+        == "in-memory-state-lose-a-step-not-a-checkpoint-interval"
+    )
+    assert (
+        slug("Traps in torch's elastic pieces (torch 2.13) to design around")
+        == "traps-in-torchs-elastic-pieces-torch-213-to-design-around"
+    )
     assert slug("etcd operations (`bench/etcd_kv.py`)") == "etcd-operations-benchetcd_kvpy"
 
 
@@ -79,7 +85,9 @@ def test_every_docs_page_is_linked_from_readme():
 
 def test_readme_is_a_front_door_with_cis_test_command():
     readme = (ROOT / "README.md").read_text()
-    assert len(readme.splitlines()) < 200, "README.md is a front door: move the details to a docs/ page"
+    assert len(readme.splitlines()) < 200, (
+        "README.md is a front door: move the details to a docs/ page"
+    )
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     command = ci[ci.index("# README's test command, exactly:") + 1]
     assert f"Run the tests:\n\n```\n{command}\n```\n" in readme

@@ -53,12 +53,19 @@ def connect(request):
         return
     import torch.distributed as dist
 
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                           timeout=datetime.timedelta(seconds=10))
+    server = dist.TCPStore(
+        "127.0.0.1",
+        0,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=10),
+    )
     port = server.port
 
     def open_tcp():
-        return tcpstore.TCPStoreKV(tcpstore.tcp_connector("127.0.0.1", port), f"127.0.0.1:{port}", timeout=5)
+        return tcpstore.TCPStoreKV(
+            tcpstore.tcp_connector("127.0.0.1", port), f"127.0.0.1:{port}", timeout=5
+        )
 
     yield open_tcp
     del server
@@ -193,8 +200,11 @@ def test_take_is_atomic_under_contention(connect, prefix):
 
 def _watches_started(cluster) -> int:
     """Watch streams the members have started (their own Prometheus counter)."""
-    pattern = re.compile(r'^grpc_server_started_total\{grpc_method="Watch",grpc_service="etcdserverpb.Watch",'
-                         r'grpc_type="bidi_stream"\} (\d+)', re.M)
+    pattern = re.compile(
+        r'^grpc_server_started_total\{grpc_method="Watch",grpc_service="etcdserverpb.Watch",'
+        r'grpc_type="bidi_stream"\} (\d+)',
+        re.M,
+    )
     total = 0
     for m in cluster.members:
         with urllib.request.urlopen(f"{m.url}/metrics", timeout=5, context=cluster.client_tls) as r:
@@ -305,7 +315,13 @@ def test_lost_reply_is_resolved(cluster, prefix):
 
 def test_endpoints_parsed():
     eps = etcd.parse_endpoints("h1:2379, h2 ,https://h3:1234,[::1]:2380,http://[fe80::1]")
-    assert [str(e) for e in eps] == ["h1:2379", "h2:2379", "https://h3:1234", "[::1]:2380", "[fe80::1]:2379"]
+    assert [str(e) for e in eps] == [
+        "h1:2379",
+        "h2:2379",
+        "https://h3:1234",
+        "[::1]:2380",
+        "[fe80::1]:2379",
+    ]
     assert [e.scheme for e in etcd.parse_endpoints("h1,h2", tls=True)] == ["https", "https"]
     for bad in ["", "h1,,h2", "h1:port", "h1:0", "ftp://h1", "h1:2379/path"]:
         with pytest.raises(ValueError):
@@ -330,8 +346,14 @@ def test_all_endpoints_dead_or_silent():
     raises Unreachable within its timeout, one line naming the endpoints."""
     dead = ",".join(f"127.0.0.1:{free_port()}" for _ in range(3))
     s = etcd.EtcdKV(dead, timeout=0.5)
-    for op in (lambda: s.get("k"), lambda: s.set("k", b"v"), lambda: s.take("k"),
-               lambda: s.compare_set("k", None, b"v"), lambda: s.multi_get(["a", "b"]), lambda: s.wait("k", 5)):
+    for op in (
+        lambda: s.get("k"),
+        lambda: s.set("k", b"v"),
+        lambda: s.take("k"),
+        lambda: s.compare_set("k", None, b"v"),
+        lambda: s.multi_get(["a", "b"]),
+        lambda: s.wait("k", 5),
+    ):
         t0 = time.monotonic()
         with pytest.raises(kv.Unreachable) as e:
             op()
@@ -364,7 +386,9 @@ def test_member_sigkilled_mid_way(own_cluster, victim):
     leader = c.leader()
     first = leader if victim == "leader" else (leader + 1) % 3
     order = [first] + [i for i in range(3) if i != first]
-    endpoints = ",".join(c.members[i].endpoint for i in order)  # the victim first: it is the one in use
+    endpoints = ",".join(
+        c.members[i].endpoint for i in order
+    )  # the victim first: it is the one in use
     s = etcd.connect(endpoints, timeout=5)
     adder, waiter = s.clone(), s.clone()
     s.set("k/before", b"1")
@@ -416,8 +440,11 @@ def test_first_member_tried_is_the_nodes_own_else_one_at_random():
     name); none here (documentation addresses this machine does not have): the nodes spread
     over the members."""
     mine = {a.address for addrs in psutil.net_if_addrs().values() for a in addrs}
-    a, b, c = [ip for ip in (f"{net}.{i}" for net in ("198.51.100", "203.0.113") for i in range(1, 9))
-               if ip not in mine][:3]
+    a, b, c = [
+        ip
+        for ip in (f"{net}.{i}" for net in ("198.51.100", "203.0.113") for i in range(1, 9))
+        if ip not in mine
+    ][:3]
     assert etcd.preferred_endpoint(etcd.parse_endpoints(f"{a}:2379,127.0.0.1:2379,{b}")) == 1
     assert etcd.preferred_endpoint(etcd.parse_endpoints(f"{a}:2379,localhost:2379")) == 1
     far = etcd.parse_endpoints(f"{a},{b},{c}")
@@ -432,7 +459,9 @@ def test_member_that_stops_answering_costs_a_call_one_attempt(own_cluster):
     and a connection made now (its first member the stopped one) serves calls and waits."""
     c = own_cluster
     first = (c.leader() + 1) % 3  # a follower: the cluster keeps its leader and quorum
-    endpoints = ",".join(c.members[i].endpoint for i in [first] + [i for i in range(3) if i != first])
+    endpoints = ",".join(
+        c.members[i].endpoint for i in [first] + [i for i in range(3) if i != first]
+    )
     s = etcd.connect(endpoints, timeout=5)
     s.set("k/a", b"1")
     c.members[first].signal(signal.SIGSTOP)
@@ -446,7 +475,9 @@ def test_member_that_stops_answering_costs_a_call_one_attempt(own_cluster):
         assert time.monotonic() - t0 < 0.3
         fresh = etcd.connect(endpoints, timeout=5)
         woke = {}
-        t = threading.Thread(target=lambda: woke.update(found=fresh.clone().wait("k/c", 10), at=time.monotonic()))
+        t = threading.Thread(
+            target=lambda: woke.update(found=fresh.clone().wait("k/c", 10), at=time.monotonic())
+        )
         t.start()
         time.sleep(1.0)
         t_set = time.monotonic()
@@ -469,9 +500,15 @@ def test_quorum_lost_then_regained(own_cluster):
     down = [m for i, m in enumerate(c.members) if i != 0][:2]
     for m in down:
         m.stop()
-    ops = {"set": lambda: s.set("q/k", b"w"), "get": lambda: s.get("q/k"), "multi_get": lambda: s.multi_get(["q/k"]),
-           "take": lambda: s.take("q/n"), "taken": lambda: s.taken("q/n"),
-           "compare_set": lambda: s.compare_set("q/k", b"v", b"x"), "wait": lambda: s.wait("q/absent", 5)}
+    ops = {
+        "set": lambda: s.set("q/k", b"w"),
+        "get": lambda: s.get("q/k"),
+        "multi_get": lambda: s.multi_get(["q/k"]),
+        "take": lambda: s.take("q/n"),
+        "taken": lambda: s.taken("q/n"),
+        "compare_set": lambda: s.compare_set("q/k", b"v", b"x"),
+        "wait": lambda: s.wait("q/absent", 5),
+    }
     for name, op in ops.items():
         t0 = time.monotonic()
         with pytest.raises(kv.Unreachable) as e:
@@ -500,10 +537,12 @@ def test_user_password_auth(tmp_path):
     c = EtcdCluster(tmp_path / "etcd", size=1).start()
     try:
         m = c.members[0]
-        for path, body in [("/v3/auth/user/add", {"name": "root", "password": "s3cret"}),
-                           ("/v3/auth/role/add", {"name": "root"}),
-                           ("/v3/auth/user/grant", {"user": "root", "role": "root"}),
-                           ("/v3/auth/enable", {})]:
+        for path, body in [
+            ("/v3/auth/user/add", {"name": "root", "password": "s3cret"}),
+            ("/v3/auth/role/add", {"name": "root"}),
+            ("/v3/auth/user/grant", {"user": "root", "role": "root"}),
+            ("/v3/auth/enable", {}),
+        ]:
             m.get_json(path, method="POST", body=body)
         (tmp_path / "pw").write_text("s3cret\n")
         (tmp_path / "pw").chmod(0o600)  # a secret's file: no one else may read it
@@ -543,21 +582,74 @@ def _openssl(*args, cwd):
 def test_tls_with_client_certificates(tmp_path):
     d = tmp_path / "pki"
     d.mkdir()
-    _openssl("req", "-x509", *_EC, "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "1",
-             "-subj", "/CN=elasticd test CA", cwd=d)
+    _openssl(
+        "req",
+        "-x509",
+        *_EC,
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        "-days",
+        "1",
+        "-subj",
+        "/CN=elasticd test CA",
+        cwd=d,
+    )
     # the member's certificate serves clients and is also the client certificate its own gateway
     # presents to the member's gRPC (etcd 3.4), hence clientAuth too
-    for name, ext in [("server", "subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth"),
-                      ("client", "extendedKeyUsage=clientAuth")]:
+    for name, ext in [
+        ("server", "subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth"),
+        ("client", "extendedKeyUsage=clientAuth"),
+    ]:
         (d / f"{name}.ext").write_text(ext + "\n")
-        _openssl("req", *_EC, "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
-                 "-subj", f"/CN={name}", cwd=d)
-        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-                 "-out", f"{name}.pem", "-days", "1", "-extfile", f"{name}.ext", cwd=d)
+        _openssl(
+            "req",
+            *_EC,
+            "-nodes",
+            "-keyout",
+            f"{name}.key",
+            "-out",
+            f"{name}.csr",
+            "-subj",
+            f"/CN={name}",
+            cwd=d,
+        )
+        _openssl(
+            "x509",
+            "-req",
+            "-in",
+            f"{name}.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            f"{name}.pem",
+            "-days",
+            "1",
+            "-extfile",
+            f"{name}.ext",
+            cwd=d,
+        )
     tls = dict(cacert=str(d / "ca.pem"), cert=str(d / "client.pem"), key=str(d / "client.key"))
-    c = EtcdCluster(tmp_path / "etcd", size=1, scheme="https", client_tls=etcd.tls_context(**tls),
-                    extra=("--cert-file", str(d / "server.pem"), "--key-file", str(d / "server.key"),
-                           "--trusted-ca-file", str(d / "ca.pem"), "--client-cert-auth")).start()
+    c = EtcdCluster(
+        tmp_path / "etcd",
+        size=1,
+        scheme="https",
+        client_tls=etcd.tls_context(**tls),
+        extra=(
+            "--cert-file",
+            str(d / "server.pem"),
+            "--key-file",
+            str(d / "server.key"),
+            "--trusted-ca-file",
+            str(d / "ca.pem"),
+            "--client-cert-auth",
+        ),
+    ).start()
     try:
         s = etcd.connect(c.endpoints, timeout=3, **tls)
         assert s.endpoint.startswith("https://127.0.0.1:")
@@ -576,9 +668,13 @@ def test_tls_with_client_certificates(tmp_path):
         waiter.close()
 
         https = ",".join(f"https://{ep}" for ep in c.endpoints.split(","))
-        with pytest.raises(kv.Unreachable, match="CERTIFICATE_VERIFY_FAILED"):  # the system's CAs do not know it
+        with pytest.raises(
+            kv.Unreachable, match="CERTIFICATE_VERIFY_FAILED"
+        ):  # the system's CAs do not know it
             etcd.connect(https, timeout=0.5)
-        with pytest.raises(kv.Unreachable):  # no client certificate: the member refuses the handshake
+        with pytest.raises(
+            kv.Unreachable
+        ):  # no client certificate: the member refuses the handshake
             etcd.connect(c.endpoints, timeout=0.5, cacert=tls["cacert"])
         s.close()
     finally:

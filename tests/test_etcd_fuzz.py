@@ -24,8 +24,10 @@ WAIT = 0.1
 # key first: its own deadline plus one call's).
 OPS = {
     "get": (lambda s: s.get("k"), lambda r: r is None or type(r) is bytes),
-    "multi_get": (lambda s: s.multi_get(["a", "b"]),
-                  lambda r: type(r) is list and len(r) == 2 and all(v is None or type(v) is bytes for v in r)),
+    "multi_get": (
+        lambda s: s.multi_get(["a", "b"]),
+        lambda r: type(r) is list and len(r) == 2 and all(v is None or type(v) is bytes for v in r),
+    ),
     "set": (lambda s: s.set("k", b"v"), lambda r: r is None),
     "take": (lambda s: s.take("n"), lambda r: type(r) is int and r >= 1),
     "taken": (lambda s: s.taken("n"), lambda r: type(r) is int and r >= 0),
@@ -35,14 +37,48 @@ OPS = {
 }
 SLACK = 0.6  # seconds past an operation's deadline allowed for a loaded 2-core machine
 
-FIELDS = ["header", "kvs", "key", "value", "version", "mod_revision", "revision", "count", "prev_kv",
-          "succeeded", "responses", "response_range", "token", "result", "events", "type", "canceled",
-          "compact_revision", "error", "message", "code", "kv"]
+FIELDS = [
+    "header",
+    "kvs",
+    "key",
+    "value",
+    "version",
+    "mod_revision",
+    "revision",
+    "count",
+    "prev_kv",
+    "succeeded",
+    "responses",
+    "response_range",
+    "token",
+    "result",
+    "events",
+    "type",
+    "canceled",
+    "compact_revision",
+    "error",
+    "message",
+    "code",
+    "kv",
+]
 scalars = st.one_of(
-    st.none(), st.booleans(), st.integers(-2**80, 2**80), st.floats(), st.text(max_size=8),
-    st.sampled_from(["", "7", "-1", "9" * 25, "1e3", "0x10", "!!!", "aGk=", "aGk", "==", "PUT", "DELETE"]))
-json_values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
-    st.sampled_from(FIELDS) | st.text(max_size=4), inner, max_size=4), max_leaves=10)
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**80), 2**80),
+    st.floats(),
+    st.text(max_size=8),
+    st.sampled_from(
+        ["", "7", "-1", "9" * 25, "1e3", "0x10", "!!!", "aGk=", "aGk", "==", "PUT", "DELETE"]
+    ),
+)
+json_values = st.recursive(
+    scalars,
+    lambda inner: (
+        st.lists(inner, max_size=3)
+        | st.dictionaries(st.sampled_from(FIELDS) | st.text(max_size=4), inner, max_size=4)
+    ),
+    max_leaves=10,
+)
 
 
 def mutate(reply, steps: list[int], value):
@@ -54,7 +90,7 @@ def mutate(reply, steps: list[int], value):
         key = list(reply)[steps[0] % len(reply)]
         return {**reply, key: mutate(reply[key], steps[1:], value)}
     i = steps[0] % len(reply)
-    return [*reply[:i], mutate(reply[i], steps[1:], value), *reply[i + 1:]]
+    return [*reply[:i], mutate(reply[i], steps[1:], value), *reply[i + 1 :]]
 
 
 bodies = st.one_of(
@@ -64,14 +100,46 @@ bodies = st.one_of(
     st.tuples(st.just("deep"), st.sampled_from([900, 5_000, 200_000])),
     st.tuples(st.just("items"), st.sampled_from([50_000, 200_000])),
 )
-framings = st.sampled_from(["length", "length", "length", "chunked", "no length, closed", "cut short",
-                            "bad chunk size", "chunk cut short", "length 10^13", "slow", "status line garbage"])
-statuses = st.sampled_from(["200 OK"] * 6 + ["400 Bad Request", "401 Unauthorized", "404 Not Found",
-                                             "429 Too Many Requests", "500 Internal Server Error",
-                                             "503 Service Unavailable", "204 No Content", "302 Found", "999 X"])
-replies = st.fixed_dictionaries({"body": bodies, "framing": framings, "status": statuses,
-                                 "pieces": st.integers(1, 4), "bad_size": st.sampled_from(
-                                     [b"zz", b"-1", b"", b"1000000000000000", b"ffffffffffffffffffff", b"3;x"])})
+framings = st.sampled_from(
+    [
+        "length",
+        "length",
+        "length",
+        "chunked",
+        "no length, closed",
+        "cut short",
+        "bad chunk size",
+        "chunk cut short",
+        "length 10^13",
+        "slow",
+        "status line garbage",
+    ]
+)
+statuses = st.sampled_from(
+    ["200 OK"] * 6
+    + [
+        "400 Bad Request",
+        "401 Unauthorized",
+        "404 Not Found",
+        "429 Too Many Requests",
+        "500 Internal Server Error",
+        "503 Service Unavailable",
+        "204 No Content",
+        "302 Found",
+        "999 X",
+    ]
+)
+replies = st.fixed_dictionaries(
+    {
+        "body": bodies,
+        "framing": framings,
+        "status": statuses,
+        "pieces": st.integers(1, 4),
+        "bad_size": st.sampled_from(
+            [b"zz", b"-1", b"", b"1000000000000000", b"ffffffffffffffffffff", b"3;x"]
+        ),
+    }
+)
 
 
 def body_bytes(spec: dict, path: str, request: dict) -> bytes:
@@ -92,7 +160,7 @@ def send(member: FakeMember, conn, spec: dict, body: bytes) -> bool:
     framing, status = spec["framing"], spec["status"]
     head = f"HTTP/1.1 {status}\r\nContent-Type: application/json\r\n"
     n = max(1, len(body) // spec["pieces"])
-    pieces = [body[i:i + n] for i in range(0, len(body), n)] or [b""]
+    pieces = [body[i : i + n] for i in range(0, len(body), n)] or [b""]
     if framing == "status line garbage":
         conn.sendall(b"HTTQ/9 nope\r\n\r\n" + body)
         return False
@@ -109,14 +177,16 @@ def send(member: FakeMember, conn, spec: dict, body: bytes) -> bool:
         conn.sendall(f"{head}Transfer-Encoding: chunked\r\n\r\n".encode())
         for piece in pieces:
             size = spec["bad_size"] if framing == "bad chunk size" else f"{len(piece):x}".encode()
-            cut = piece[:len(piece) // 2] if framing == "chunk cut short" else piece
+            cut = piece[: len(piece) // 2] if framing == "chunk cut short" else piece
             conn.sendall(size + b"\r\n" + cut + b"\r\n")
         if framing == "chunked":
             conn.sendall(b"0\r\n\r\n")
             return True
         return False
     conn.sendall(f"{head}Content-Length: {len(body)}\r\n\r\n".encode())
-    if framing == "slow":  # a piece every 0.1 s: longer than a call may take, for all but the shortest
+    if (
+        framing == "slow"
+    ):  # a piece every 0.1 s: longer than a call may take, for all but the shortest
         for piece in pieces:
             if not member.sleep(0.1):
                 return False
@@ -139,8 +209,13 @@ def member():
         yield m
 
 
-@settings(max_examples=20, deadline=3000, derandomize=True, database=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=20,
+    deadline=3000,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(spec=replies, op=st.sampled_from(sorted(OPS)))
 def test_every_operation_returns_its_type_or_unreachable_in_time(member, spec, op):
     member.current["spec"] = spec

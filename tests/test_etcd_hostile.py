@@ -73,15 +73,20 @@ def outcome(fn, *args):
 CHUNKED = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
 CRAFTED = {
     "kvs holding a number": json_reply({"header": HEADER, "kvs": [1]}),
-    "a value that is not base64": json_reply({"header": HEADER, "kvs": [{"key": "aw==", "value": "!!not base64!!"}]}),
+    "a value that is not base64": json_reply(
+        {"header": HEADER, "kvs": [{"key": "aw==", "value": "!!not base64!!"}]}
+    ),
     "JSON nested 200,000 deep": response(b"[" * 200_000),
     "a Content-Length of 10^13": b"HTTP/1.1 200 OK\r\nContent-Length: 10000000000000\r\n\r\n{",
     "a chunk of 2^60 bytes": CHUNKED + b"1000000000000000\r\n{",
-    "a body larger than any reply": (b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n"
-                                     + b" " * (etcd.MAX_REPLY + 1024)),
+    "a body larger than any reply": (
+        b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n" + b" " * (etcd.MAX_REPLY + 1024)
+    ),
     "a million items": json_reply({"header": HEADER, "x": [{}] * 1_000_000}),
     "a header that is a list": json_reply({"header": [], "kvs": []}),
-    "a version that is not a number": json_reply({"header": HEADER, "kvs": [{"value": "", "version": "1e3"}]}),
+    "a version that is not a number": json_reply(
+        {"header": HEADER, "kvs": [{"value": "", "version": "1e3"}]}
+    ),
 }
 
 
@@ -106,8 +111,11 @@ def test_a_bad_member_fails_over_to_a_good_one():
     """The member in use answers garbage: every call goes on to the next endpoint and succeeds
     there, and the garbage is logged once for all of them (held-back lines counted)."""
     store = {b"k": b"v"}
-    with FakeMember(always(json_reply({"header": [HEADER], "kvs": [1], "prev_kv": "x"}))) as bad, \
-            FakeMember(healthy(store)) as good, capture_logs() as logs:
+    with (
+        FakeMember(always(json_reply({"header": [HEADER], "kvs": [1], "prev_kv": "x"}))) as bad,
+        FakeMember(healthy(store)) as good,
+        capture_logs() as logs,
+    ):
         for _ in range(5):
             s = etcd.EtcdKV(f"{bad.endpoint},{good.endpoint}", timeout=2)  # the bad member first
             assert s.get("k") == b"v"
@@ -123,8 +131,11 @@ def test_a_bad_member_fails_over_to_a_good_one():
     assert "not etcd's" in rejected[0]["why"]
 
 
-@pytest.mark.parametrize("head", [b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n", b"HTTP/1.1 200 OK\r\nX-A:"],
-                         ids=["body", "headers"])
+@pytest.mark.parametrize(
+    "head",
+    [b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n", b"HTTP/1.1 200 OK\r\nX-A:"],
+    ids=["body", "headers"],
+)
 def test_a_trickled_reply_ends_at_the_deadline(head):
     """A byte every 0.1 s (in the body, or in the headers): the call's deadline holds for the
     whole reply, not for each byte."""
@@ -144,8 +155,9 @@ def test_close_ends_a_call_in_progress_at_once():
     with FakeMember(trickle(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n")) as m:
         s = etcd.EtcdKV(m.endpoint, timeout=30)
         got = {}
-        caller = threading.Thread(target=lambda: got.update(result=outcome(s.get, "k"), at=time.monotonic()),
-                                  daemon=True)
+        caller = threading.Thread(
+            target=lambda: got.update(result=outcome(s.get, "k"), at=time.monotonic()), daemon=True
+        )
         caller.start()
         wait_until(lambda: m.requests, 5, what="the request")
         time.sleep(0.3)
@@ -161,6 +173,7 @@ def test_close_ends_a_call_in_progress_at_once():
 
 
 # --- a watch stream that misbehaves ------------------------------------------------------------------
+
 
 def chunk(data: bytes) -> bytes:
     return f"{len(data):x}\r\n".encode() + data + b"\r\n"
@@ -210,8 +223,16 @@ def test_a_hostile_watch_stream_ends_in_time(name):
 
 
 def run_flags(endpoint: str, *extra: str) -> tuple[str, ...]:
-    return ("--rdzv-backend", "etcd", "--rdzv-endpoint", endpoint, "--nproc-per-node", "1", "--no-warm-spawn",
-            *extra)
+    return (
+        "--rdzv-backend",
+        "etcd",
+        "--rdzv-endpoint",
+        endpoint,
+        "--nproc-per-node",
+        "1",
+        "--no-warm-spawn",
+        *extra,
+    )
 
 
 def final_lines(stderr: str) -> list[str]:
@@ -229,7 +250,9 @@ def test_a_trickling_member_ends_the_join_at_join_timeout(daemons):
         took = time.monotonic() - t0
     lines = final_lines(d.stderr())
     assert code == 1, d.stderr()[-3000:]
-    assert len(lines) == 1 and "cannot reach the etcd cluster" in lines[0] and "timed out" in lines[0], lines
+    assert (
+        len(lines) == 1 and "cannot reach the etcd cluster" in lines[0] and "timed out" in lines[0]
+    ), lines
     assert "Traceback" not in d.stderr()
     assert took < 2 + 6, took
 
@@ -240,7 +263,9 @@ def test_sigterm_while_a_member_trickles_exits_at_once(daemons):
     answered = ("/v3/maintenance/status",)
     with FakeMember(trickle(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n", 0.2, answered)) as m:
         d = daemons(None, *run_flags(m.endpoint, "--join-timeout", "60"))
-        wait_until(lambda: len(m.requests) >= 2, 30, what="calls hanging on the member")  # past the status check
+        wait_until(
+            lambda: len(m.requests) >= 2, 30, what="calls hanging on the member"
+        )  # past the status check
         time.sleep(0.3)
         t0 = time.monotonic()
         d.kill(signal.SIGTERM)

@@ -38,10 +38,32 @@ def self_signed(tmp_path):
     """A TLS server context with a self-signed certificate for 127.0.0.1 (no client trusts it)."""
     if shutil.which("openssl") is None:
         pytest.skip("no openssl to make a test certificate")
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-                    "-nodes", "-keyout", "key.pem", "-out", "cert.pem", "-days", "1", "-subj", "/CN=127.0.0.1",
-                    "-addext", "subjectAltName=IP:127.0.0.1"], cwd=tmp_path, check=True, capture_output=True,
-                   timeout=30)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-keyout",
+            "key.pem",
+            "-out",
+            "cert.pem",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+        ],
+        cwd=tmp_path,
+        check=True,
+        capture_output=True,
+        timeout=30,
+    )
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.load_cert_chain(tmp_path / "cert.pem", tmp_path / "key.pem")
     return ctx
@@ -57,7 +79,9 @@ def test_a_certificate_that_does_not_verify_fails_at_once(daemons, self_signed):
         took = time.monotonic() - t0
     lines = final_lines(d.stderr())
     assert code == 1, d.stderr()[-3000:]
-    assert len(lines) == 1 and "certificate verify failed" in lines[0] and "--etcd-cacert" in lines[0], lines
+    assert (
+        len(lines) == 1 and "certificate verify failed" in lines[0] and "--etcd-cacert" in lines[0]
+    ), lines
     assert took < 15, took
     assert "Traceback" not in d.stderr()
 
@@ -70,7 +94,9 @@ def test_nothing_listening_is_retried_and_named(daemons):
     code = d.wait(20)
     lines = final_lines(d.stderr())
     assert code == 1, d.stderr()[-3000:]
-    assert len(lines) == 1 and "connection refused" in lines[0] and "nothing listens there" in lines[0], lines
+    assert (
+        len(lines) == 1 and "connection refused" in lines[0] and "nothing listens there" in lines[0]
+    ), lines
     assert "quorum" not in lines[0]
     retries = [e for e in d.events() if e.get("event") == "store_connect_retry"]
     assert retries and all("connection refused" in e["why"] for e in retries), retries

@@ -23,7 +23,15 @@ import pytest
 import netns as netns_mod
 from etcd_cluster import ELECTION_MS, SKIP_REASON, EtcdCluster, etcd_binary
 from harness import script, secret_flags, wait_until
-from test_nodeloss import LOADED_MARGIN, RECOVERY_GOAL, _when, holds_rank0, resumed_at, stepping_alone, steps
+from test_nodeloss import (
+    LOADED_MARGIN,
+    RECOVERY_GOAL,
+    _when,
+    holds_rank0,
+    resumed_at,
+    stepping_alone,
+    steps,
+)
 
 
 @dataclass
@@ -62,15 +70,39 @@ def layout_fixture(tmp_path):
 
 def _nodes(daemons, layout: Layout, n: int, steps_: int, extra=()):
     job = "etcd-" + secrets.token_hex(3)
-    flags = ("--nproc-per-node", "1", "--nnodes", f"1:{n}", "--rdzv-backend", "etcd",
-             "--rdzv-endpoint", layout.cluster.endpoints, "--rdzv-id", job, "--last-call-timeout", "60",
-             *secret_flags(), *extra)
+    flags = (
+        "--nproc-per-node",
+        "1",
+        "--nnodes",
+        f"1:{n}",
+        "--rdzv-backend",
+        "etcd",
+        "--rdzv-endpoint",
+        layout.cluster.endpoints,
+        "--rdzv-id",
+        job,
+        "--last-call-timeout",
+        "60",
+        *secret_flags(),
+        *extra,
+    )
     nodes = []
     for i in range(n):
-        nodes.append(daemons(script("node_train.py"), *flags, name=f"n{i}", args=[str(steps_), "0.02"],
-                             env=layout.env, prefix=layout.prefix(i)))
-        wait_until(lambda d=nodes[-1]: any(e.get("event") == "rendezvous_store" for e in d.events()), 60,
-                   what="the node at the store")
+        nodes.append(
+            daemons(
+                script("node_train.py"),
+                *flags,
+                name=f"n{i}",
+                args=[str(steps_), "0.02"],
+                env=layout.env,
+                prefix=layout.prefix(i),
+            )
+        )
+        wait_until(
+            lambda d=nodes[-1]: any(e.get("event") == "rendezvous_store" for e in d.events()),
+            60,
+            what="the node at the store",
+        )
     return nodes
 
 
@@ -87,7 +119,9 @@ def test_etcd_member_and_rank0_node_lost_the_others_go_on(daemons, layout):
     leader = cluster.members[cluster.leader()]
     leader.kill()
     time.sleep(4)
-    assert not [e for n in nodes for e in n.events() if e.get("new") == "RESTARTING" and _when(e) > t_member]
+    assert not [
+        e for n in nodes for e in n.events() if e.get("new") == "RESTARTING" and _when(e) > t_member
+    ]
     leader.start()  # back with its data: three members again
     cluster.wait_healthy(20)
     # the whole node holding group rank 0 lost (its daemon and its etcd member, which leads the
@@ -100,12 +134,20 @@ def test_etcd_member_and_rank0_node_lost_the_others_go_on(daemons, layout):
     t_kill = time.time()
     victim.kill()
     cluster.members[k].kill()
-    firsts = [wait_until(lambda n=n: next((s for s in steps(n) if s[1] == 2 and s[2] > t_kill), None), 30,
-                         what="a survivor stepping at world size 2") for n in survivors]
+    firsts = [
+        wait_until(
+            lambda n=n: next((s for s in steps(n) if s[1] == 2 and s[2] > t_kill), None),
+            30,
+            what="a survivor stepping at world size 2",
+        )
+        for n in survivors
+    ]
     recovery = max(f[2] for f in firsts) - t_kill
     lost = max(max(s for s, *_ in steps(n, attempt[id(n)])) - resumed_at(n, 2) for n in survivors)
-    print(f"etcd ({'namespaces' if layout.net else 'loopback'}): rank-0 node and its member (the leader) lost, "
-          f"survivors stepping again {recovery:.2f}s later, {lost} step(s) lost")
+    print(
+        f"etcd ({'namespaces' if layout.net else 'loopback'}): rank-0 node and its member (the leader) lost, "
+        f"survivors stepping again {recovery:.2f}s later, {lost} step(s) lost"
+    )
     # the store answers nothing until a new leader is elected: one to two election timeouts
     assert recovery < RECOVERY_GOAL + LOADED_MARGIN + 2 * ELECTION_MS / 1000, recovery
     assert 0 <= lost <= 2, lost
@@ -119,7 +161,9 @@ def test_partitioned_node_stops_its_workers_and_rejoins_when_healed(daemons, lay
     other two go on at world size 2, the cut node says it cannot reach etcd and stops its workers,
     and after the heal all three train together again."""
     if layout.net is None:
-        pytest.skip(f"a partition needs network namespaces: {netns_mod.unavailable() or 'none could be made'}")
+        pytest.skip(
+            f"a partition needs network namespaces: {netns_mod.unavailable() or 'none could be made'}"
+        )
     nodes = _nodes(daemons, layout, 3, steps_=100000)
     wait_until(lambda: _together(nodes, 30), 120, what="three nodes training")
     k = next(i for i, n in enumerate(nodes) if holds_rank0(n))
@@ -127,22 +171,45 @@ def test_partitioned_node_stops_its_workers_and_rejoins_when_healed(daemons, lay
     pids = cut.worker_pids()
     t_cut = time.time()
     layout.net.cut(k)
-    firsts = [wait_until(lambda n=n: next((s for s in steps(n) if s[1] == 2 and s[2] > t_cut), None), 30,
-                         what="the others stepping at world size 2") for n in others]
+    firsts = [
+        wait_until(
+            lambda n=n: next((s for s in steps(n) if s[1] == 2 and s[2] > t_cut), None),
+            30,
+            what="the others stepping at world size 2",
+        )
+        for n in others
+    ]
     recovery = max(f[2] for f in firsts) - t_cut
     print(f"etcd partition: the others stepping again {recovery:.2f}s after the cut")
     assert recovery < RECOVERY_GOAL + LOADED_MARGIN, recovery
     # the cut node: within --peer-timeout (10 s) it knows it is cut off, says so, stops its workers
-    said = wait_until(lambda: [e for e in cut.events() if e.get("event") == "store_unreachable"
-                               and _when(e) > t_cut], 10 + 5 + 5, what="the cut node saying etcd is out of reach")
+    said = wait_until(
+        lambda: [
+            e for e in cut.events() if e.get("event") == "store_unreachable" and _when(e) > t_cut
+        ],
+        10 + 5 + 5,
+        what="the cut node saying etcd is out of reach",
+    )
     assert "etcd" in said[0]["why"], said[0]
-    wait_until(lambda: not [p for p in pids.values() if psutil.pid_exists(p)
-                            and psutil.Process(p).status() != psutil.STATUS_ZOMBIE], 15, what="its workers gone")
+    wait_until(
+        lambda: (
+            not [
+                p
+                for p in pids.values()
+                if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+            ]
+        ),
+        15,
+        what="its workers gone",
+    )
     t_heal = time.time()
     layout.net.heal(k)
     for n in nodes:
-        wait_until(lambda n=n: any(w == 3 and t > t_heal for _, w, t, *_ in steps(n)), 60,
-                   what="all three training again")
+        wait_until(
+            lambda n=n: any(w == 3 and t > t_heal for _, w, t, *_ in steps(n)),
+            60,
+            what="all three training again",
+        )
     for n in nodes:
         n.proc.send_signal(signal.SIGTERM)
     for n in nodes:
@@ -154,21 +221,37 @@ def test_lost_quorum_stops_the_workers_and_they_start_again_when_it_returns(daem
     nodes = _nodes(daemons, layout, 2, steps_=100000, extra=("--peer-timeout", "4"))
     wait_until(lambda: _together(nodes, 20), 120, what="two nodes training")
     pids = [n.worker_pids() for n in nodes]
-    stopped = [m for m in layout.cluster.members if m is not layout.cluster.members[layout.cluster.leader()]]
+    stopped = [
+        m
+        for m in layout.cluster.members
+        if m is not layout.cluster.members[layout.cluster.leader()]
+    ]
     t_lost = time.time()
     for m in stopped:
         m.stop()
     for n, before in zip(nodes, pids):
-        said = wait_until(lambda n=n: [e for e in n.events() if e.get("event") == "store_unreachable"
-                                       and _when(e) > t_lost], 4 + 10, what="the node saying the store is gone")
+        said = wait_until(
+            lambda n=n: [
+                e for e in n.events() if e.get("event") == "store_unreachable" and _when(e) > t_lost
+            ],
+            4 + 10,
+            what="the node saying the store is gone",
+        )
         assert "etcd" in said[0]["why"], said[0]
-        wait_until(lambda before=before, n=n: not set(before.values()) & set(n.worker_pids().values())
-                   or not n.worker_pids(), 15, what="its workers stopped")
+        wait_until(
+            lambda before=before, n=n: (
+                not set(before.values()) & set(n.worker_pids().values()) or not n.worker_pids()
+            ),
+            15,
+            what="its workers stopped",
+        )
     t_back = time.time()
     for m in stopped:
         m.start()
     for n in nodes:
-        wait_until(lambda n=n: stepping_after(n, t_back), 60, what="training again once the quorum is back")
+        wait_until(
+            lambda n=n: stepping_after(n, t_back), 60, what="training again once the quorum is back"
+        )
     for n in nodes:
         n.proc.send_signal(signal.SIGTERM)
     for n in nodes:
@@ -181,7 +264,9 @@ def stepping_after(d, t: float) -> bool:
 
 
 def test_etcd_gone_for_good_ends_the_job_with_one_line_after_join_timeout(daemons, layout):
-    (node,) = _nodes(daemons, layout, 1, steps_=100000, extra=("--peer-timeout", "2", "--join-timeout", "6"))
+    (node,) = _nodes(
+        daemons, layout, 1, steps_=100000, extra=("--peer-timeout", "2", "--join-timeout", "6")
+    )
     wait_until(lambda: stepping_alone(node, 0), 120, what="training")
     layout.cluster.stop()
     assert node.wait(60) == 1, node.stderr()[-3000:]

@@ -27,8 +27,14 @@ root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as a
 
 
 def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "elasticd", *args], capture_output=True, text=True, check=False,
-                          timeout=timeout, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "elasticd", *args],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=timeout,
+        cwd=ROOT,
+    )
 
 
 def assert_one_error(r: subprocess.CompletedProcess, *needles: str) -> None:
@@ -43,7 +49,9 @@ def assert_one_error(r: subprocess.CompletedProcess, *needles: str) -> None:
 
 
 @root_only
-@pytest.mark.parametrize("case", ["owned", "parent owned", "world-writable", "group-writable", "checkpoints"])
+@pytest.mark.parametrize(
+    "case", ["owned", "parent owned", "world-writable", "group-writable", "checkpoints"]
+)
 def test_log_or_checkpoint_dir_others_control_is_refused(tmp_path, case):
     """A base directory another user owns or may add entries to (anywhere on its path) would let
     them plant symlinks that make a root daemon write to any file: exit 2 with one line naming
@@ -58,16 +66,35 @@ def test_log_or_checkpoint_dir_others_control_is_refused(tmp_path, case):
         log_dir = theirs / "runs"
     elif case == "world-writable":
         theirs.chmod(0o777)
-        needles = [f"{theirs} is writable by other users without the sticky bit", f"chmod go-w {theirs}"]
+        needles = [
+            f"{theirs} is writable by other users without the sticky bit",
+            f"chmod go-w {theirs}",
+        ]
     elif case == "group-writable":
         theirs.chmod(0o770)
         needles = [f"{theirs} is writable by its group", f"chmod go-w {theirs}"]
     elif case == "checkpoints":
         log_dir, ckpt_dir, flag = tmp_path / "logs", theirs, "--checkpoint-dir"
-    r = run_cli("run", "--log-dir", str(log_dir), "--checkpoint-dir", str(ckpt_dir), "--socket", str(tmp_path / "s"),
-                "--nproc-per-node", "1", script("faulty.py"), "--steps", "1")
-    assert_one_error(r, f"{flag} {log_dir if flag == '--log-dir' else ckpt_dir}: ", *needles,
-                     f"or choose another {flag}")
+    r = run_cli(
+        "run",
+        "--log-dir",
+        str(log_dir),
+        "--checkpoint-dir",
+        str(ckpt_dir),
+        "--socket",
+        str(tmp_path / "s"),
+        "--nproc-per-node",
+        "1",
+        script("faulty.py"),
+        "--steps",
+        "1",
+    )
+    assert_one_error(
+        r,
+        f"{flag} {log_dir if flag == '--log-dir' else ckpt_dir}: ",
+        *needles,
+        f"or choose another {flag}",
+    )
     assert os.listdir(theirs) == []  # nothing made in it: no run directory, no checkpoints
     assert not (tmp_path / "s").exists()  # nothing started
 
@@ -96,9 +123,31 @@ def test_planted_run_directory_is_never_written_through(tmp_path):
     out = tmp_path / "out.txt"
     with open(out, "wb") as f:
         daemon = subprocess.Popen(
-            [sys.executable, "-c", go, "run", "--log-dir", str(base), "--socket", str(tmp_path / "s"),
-             "--rdzv-id", "job", "--nproc-per-node", "1", "--log-format", "json", script("faulty.py"), "--steps", "2"],
-            stdin=subprocess.PIPE, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+            [
+                sys.executable,
+                "-c",
+                go,
+                "run",
+                "--log-dir",
+                str(base),
+                "--socket",
+                str(tmp_path / "s"),
+                "--rdzv-id",
+                "job",
+                "--nproc-per-node",
+                "1",
+                "--log-format",
+                "json",
+                script("faulty.py"),
+                "--steps",
+                "2",
+            ],
+            stdin=subprocess.PIPE,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            start_new_session=True,
+        )
     planted = []
     try:
         for stamp in _stamps(30):
@@ -161,28 +210,57 @@ def test_logs_stacks_heartbeats_and_checkpoints_are_not_world_readable(daemons, 
     flag = tmp_path / "flag"
     old = os.umask(0o022)
     try:
-        d = daemons(script("private_files.py"), "--nproc-per-node", "1", "--max-restarts", "1",
-                    "--restart-grace", "1", args=[str(flag)])
+        d = daemons(
+            script("private_files.py"),
+            "--nproc-per-node",
+            "1",
+            "--max-restarts",
+            "1",
+            "--restart-grace",
+            "1",
+            args=[str(flag)],
+        )
     finally:
         os.umask(old)
-    wait_until(lambda: "saved" in d.log_text(0, attempt=1), 90, what="the first attempt's checkpoints")
-    mem = wait_until(lambda: [e["directory"] for e in d.events() if e.get("event") == "memory_state"], 10,
-                     what="the memory directory")[0]
-    r = subprocess.run([sys.executable, "-m", "elasticd", "stacks", "--socket", str(d.socket)],
-                       capture_output=True, text=True, timeout=30, cwd=ROOT, check=False)
+    wait_until(
+        lambda: "saved" in d.log_text(0, attempt=1), 90, what="the first attempt's checkpoints"
+    )
+    mem = wait_until(
+        lambda: [e["directory"] for e in d.events() if e.get("event") == "memory_state"],
+        10,
+        what="the memory directory",
+    )[0]
+    r = subprocess.run(
+        [sys.executable, "-m", "elasticd", "stacks", "--socket", str(d.socket)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=ROOT,
+        check=False,
+    )
     assert r.returncode == 0, r.stderr
     in_memory = _modes(Path(mem))
     assert stat.S_IMODE(os.stat(mem).st_mode) == 0o700 and in_memory, in_memory
     flag.write_text("")
     assert d.wait(90) == 0, d.stderr()[-3000:]
     run_dir = d.run_dir()
-    files = {**_modes(run_dir), **{f"checkpoints/{k}": v for k, v in _modes(d.log_dir / "checkpoints").items()},
-             **{f"shm/{k}": v for k, v in in_memory.items()}}
-    for name in ("attempt1/rank0.log", "attempt1/rank0.heartbeat", "attempt1/rank0.stacks.txt",
-                 "attempt1/rank0.error.json", "spares.log"):
+    files = {
+        **_modes(run_dir),
+        **{f"checkpoints/{k}": v for k, v in _modes(d.log_dir / "checkpoints").items()},
+        **{f"shm/{k}": v for k, v in in_memory.items()},
+    }
+    for name in (
+        "attempt1/rank0.log",
+        "attempt1/rank0.heartbeat",
+        "attempt1/rank0.stacks.txt",
+        "attempt1/rank0.error.json",
+        "spares.log",
+    ):
         assert name in files, sorted(files)
     assert any(k.startswith("checkpoints/") and k.endswith(".pt") for k in files), sorted(files)
-    loose = {k: oct(v) for k, v in files.items() if v & 0o027}  # other users: nothing; group: no writes
+    loose = {
+        k: oct(v) for k, v in files.items() if v & 0o027
+    }  # other users: nothing; group: no writes
     assert not loose, loose
     assert stat.S_IMODE(run_dir.stat().st_mode) == 0o750
 
@@ -197,10 +275,16 @@ def test_memory_directory_of_a_live_daemon_in_another_pid_namespace_is_kept(tmp_
     pid that is dead here; that is what made a daemon starting on the host delete live state. Its
     lock is what counts: kept while held, reaped once the holder is gone (SIGKILL, no cleanup)."""
     monkeypatch.setattr(memory, "ROOT", str(tmp_path))
-    code = ("import sys; from elasticd.checkpoint import memory; memory.ROOT = sys.argv[1]; "
-            "print(memory.create('job'), flush=True); sys.stdin.readline()")
-    holder = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True)
+    code = (
+        "import sys; from elasticd.checkpoint import memory; memory.ROOT = sys.argv[1]; "
+        "print(memory.create('job'), flush=True); sys.stdin.readline()"
+    )
+    holder = subprocess.Popen(
+        [sys.executable, "-c", code, str(tmp_path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         live = holder.stdout.readline().strip()
         assert live.startswith(str(tmp_path)), live
@@ -225,22 +309,32 @@ def test_memory_directory_of_a_live_daemon_in_another_pid_namespace_is_kept(tmp_
     assert not os.path.exists(live) and other.is_dir() == (os.geteuid() == 0)
 
 
-
 # --- finding 9: the fallback socket directory --------------------------------------------------
 
 
 def _serve_and_find() -> dict:
     """What a daemon of this user does with the default socket path, then what the CLI finds."""
     path = control.default_socket_path()
-    server = control.ControlServer(path, snapshot=lambda: {"state": "RUNNING", "me": os.getuid()},
-                                   command=lambda req: {"ok": True})
+    server = control.ControlServer(
+        path,
+        snapshot=lambda: {"state": "RUNNING", "me": os.getuid()},
+        command=lambda req: {"ok": True},
+    )
     server.start()
     try:
         found = control.find_daemons()
-        replies = [control.request(p, {"version": 1, "command": "status"}, timeout=3)["status"] for p in found]
+        replies = [
+            control.request(p, {"version": 1, "command": "status"}, timeout=3)["status"]
+            for p in found
+        ]
         st = os.lstat(path.parent)
-        return {"path": str(path), "found": [str(p) for p in found], "replies": replies,
-                "dir_uid": st.st_uid, "dir_mode": stat.S_IMODE(st.st_mode)}
+        return {
+            "path": str(path),
+            "found": [str(p) for p in found],
+            "replies": replies,
+            "dir_uid": st.st_uid,
+            "dir_mode": stat.S_IMODE(st.st_mode),
+        }
     finally:
         server.close()
 
@@ -252,7 +346,9 @@ def test_squatted_fallback_socket_directory_neither_stops_nor_fools_the_daemon(t
     predictable name in /tmp: another user makes it first, maybe with a socket of theirs inside.
     The daemon still starts, in a private /tmp/elasticd-UID-XXXXXXXX only this user can have made,
     and the CLI finds it there, and only it."""
-    uid = 200_000 + os.getpid() % 100_000  # a user of this test alone: nobody else's /tmp/elasticd-UID
+    uid = (
+        200_000 + os.getpid() % 100_000
+    )  # a user of this test alone: nobody else's /tmp/elasticd-UID
     primary = Path(f"/tmp/elasticd-{uid}")
     fake = Path(f"/tmp/elasticd-squat-{uid}")
     for p in (primary, fake):
@@ -277,7 +373,11 @@ def test_squatted_fallback_socket_directory_neither_stops_nor_fools_the_daemon(t
         impostor.bind(str(where / "control.sock"))  # an impostor the CLI must not ask
         os.chmod(where / "control.sock", 0o777)
         impostor.listen(1)
-        got = as_user(uid, _serve_and_find, clear_env=("ELASTICD_SOCKET", "RUNTIME_DIRECTORY", "XDG_RUNTIME_DIR"))
+        got = as_user(
+            uid,
+            _serve_and_find,
+            clear_env=("ELASTICD_SOCKET", "RUNTIME_DIRECTORY", "XDG_RUNTIME_DIR"),
+        )
     finally:
         impostor.close()
         shutil.rmtree(fake, ignore_errors=True)
@@ -288,6 +388,10 @@ def test_squatted_fallback_socket_directory_neither_stops_nor_fools_the_daemon(t
             shutil.rmtree(p, ignore_errors=True)
     assert "raised" not in got, got
     path = Path(got["path"])
-    assert path.parent.name.startswith(f"elasticd-{uid}-") and path.parent.parent == Path("/tmp"), got
+    assert path.parent.name.startswith(f"elasticd-{uid}-") and path.parent.parent == Path("/tmp"), (
+        got
+    )
     assert got["dir_uid"] == uid and got["dir_mode"] == 0o700, got
-    assert got["found"] == [got["path"]] and got["replies"] == [{"state": "RUNNING", "me": uid}], got
+    assert got["found"] == [got["path"]] and got["replies"] == [{"state": "RUNNING", "me": uid}], (
+        got
+    )

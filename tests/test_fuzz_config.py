@@ -29,24 +29,86 @@ from elasticd.ops import cli
 from harness import ROOT
 
 MISSING = "/nonexistent/elasticd-fuzz/train.py"
-SETTINGS = {"deadline": None, "derandomize": True, "database": None,
-            "suppress_health_check": [HealthCheck.too_slow, HealthCheck.filter_too_much]}
+SETTINGS = {
+    "deadline": None,
+    "derandomize": True,
+    "database": None,
+    "suppress_health_check": [HealthCheck.too_slow, HealthCheck.filter_too_much],
+}
 
 # Values that sit on the edges the checks draw, and names that once got through.
-EDGES = ["inf", "-inf", "nan", "NaN", "1e999", "-1", "0", "1", "0.001", "2592000", "2592001", "1024", "1025",
-         "100000", "SIGKILL", "SIGSTOP", "SIGSEGV", "SIGUSR1", "SIGUSR2", "SIG_IGN", "SIGTERM,SIGKILL", "9",
-         "..", ".", "../x", "a/b", "none", "job42", "auto", "gpu", "cpu", "1:4", "4:2", "0:3,1:1", "x\0y", "a\nb",
-         "torch,os", "torch.nn", "1,2,300", "localhost:29400", "[::1]:0", "host:http", "true", "yes", "", " "]
+EDGES = [
+    "inf",
+    "-inf",
+    "nan",
+    "NaN",
+    "1e999",
+    "-1",
+    "0",
+    "1",
+    "0.001",
+    "2592000",
+    "2592001",
+    "1024",
+    "1025",
+    "100000",
+    "SIGKILL",
+    "SIGSTOP",
+    "SIGSEGV",
+    "SIGUSR1",
+    "SIGUSR2",
+    "SIG_IGN",
+    "SIGTERM,SIGKILL",
+    "9",
+    "..",
+    ".",
+    "../x",
+    "a/b",
+    "none",
+    "job42",
+    "auto",
+    "gpu",
+    "cpu",
+    "1:4",
+    "4:2",
+    "0:3,1:1",
+    "x\0y",
+    "a\nb",
+    "torch,os",
+    "torch.nn",
+    "1,2,300",
+    "localhost:29400",
+    "[::1]:0",
+    "host:http",
+    "true",
+    "yes",
+    "",
+    " ",
+]
 KEYS = sorted(config.FIELDS) + ["rdzv_conf"]
 
 scalars = st.one_of(
-    st.integers(), st.integers(min_value=-5, max_value=1100), st.floats(), st.floats(min_value=0, max_value=3e6),
-    st.booleans(), st.text(max_size=20), st.sampled_from(EDGES),
+    st.integers(),
+    st.integers(min_value=-5, max_value=1100),
+    st.floats(),
+    st.floats(min_value=0, max_value=3e6),
+    st.booleans(),
+    st.text(max_size=20),
+    st.sampled_from(EDGES),
 )
-values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4)
-                      | st.dictionaries(st.text(max_size=6), inner, max_size=3), max_leaves=8)
-keys = st.one_of(st.sampled_from(KEYS), st.sampled_from(KEYS), st.sampled_from([k.replace("_", "-") for k in KEYS]),
-                 st.text(min_size=0, max_size=12))
+values = st.recursive(
+    scalars,
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
+keys = st.one_of(
+    st.sampled_from(KEYS),
+    st.sampled_from(KEYS),
+    st.sampled_from([k.replace("_", "-") for k in KEYS]),
+    st.text(min_size=0, max_size=12),
+)
 documents = st.tuples(st.dictionaries(keys, values, max_size=6), st.booleans())
 
 
@@ -56,7 +118,9 @@ def toml_value(v) -> str:
     if isinstance(v, int):
         return str(v)
     if isinstance(v, float):
-        return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf") if math.isinf(v) else repr(v)
+        return (
+            "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf") if math.isinf(v) else repr(v)
+        )
     if isinstance(v, str):  # a TOML basic string: JSON's escapes are TOML's, \u0000 included
         return json.dumps(v, ensure_ascii=False).replace("\x7f", "\\u007f")
     if isinstance(v, list):
@@ -71,18 +135,32 @@ def toml_document(doc: tuple[dict, bool]) -> bytes:
 
 
 # The environment torchrun's launchers set (PET_*) and ours (ELASTICD_*), plus names that mean nothing.
-ENV_NAMES = sorted({*config.PET_SETTINGS, *config.PET_STATIC, *("ELASTICD_" + k.upper() for k in config.FIELDS),
-                    "ELASTICD_BOGUS", "PET_BOGUS"})
-env_values = st.one_of(st.sampled_from(EDGES), st.text(max_size=20), st.integers().map(str),
-                       st.floats().map(repr)).map(lambda s: s.replace("\0", ""))
+ENV_NAMES = sorted(
+    {
+        *config.PET_SETTINGS,
+        *config.PET_STATIC,
+        *("ELASTICD_" + k.upper() for k in config.FIELDS),
+        "ELASTICD_BOGUS",
+        "PET_BOGUS",
+    }
+)
+env_values = st.one_of(
+    st.sampled_from(EDGES), st.text(max_size=20), st.integers().map(str), st.floats().map(repr)
+).map(lambda s: s.replace("\0", ""))
 environments = st.dictionaries(st.sampled_from(ENV_NAMES), env_values, max_size=5)
 
 
 def _value_flags() -> list[str]:
     """Every `elasticd run` option that takes a value, from the parser itself."""
-    run = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices["run"]
-    return sorted(opt for a in run._actions for opt in a.option_strings
-                  if a.nargs is None and not isinstance(a, argparse._HelpAction) and opt != "--config")
+    run = next(
+        a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction)
+    ).choices["run"]
+    return sorted(
+        opt
+        for a in run._actions
+        for opt in a.option_strings
+        if a.nargs is None and not isinstance(a, argparse._HelpAction) and opt != "--config"
+    )
 
 
 VALUE_FLAGS = _value_flags()
@@ -98,8 +176,12 @@ def assert_sane(cfg: config.Config) -> None:
     assert cfg.stack_signal in config.STACK_SIGNALS
     assert set(cfg.signals_to_handle) <= set(config.STOP_SIGNALS)
     assert 1 <= cfg.min_nodes <= cfg.max_nodes <= config.MAX_NODES
-    strings = [v for f in config.FIELDS for v in (getattr(cfg, f) if isinstance(getattr(cfg, f), tuple)
-                                                  else (getattr(cfg, f),)) if isinstance(v, str)]
+    strings = [
+        v
+        for f in config.FIELDS
+        for v in (getattr(cfg, f) if isinstance(getattr(cfg, f), tuple) else (getattr(cfg, f),))
+        if isinstance(v, str)
+    ]
     assert not any("\0" in s for s in strings)
 
 
@@ -162,8 +244,16 @@ def test_random_toml_documents(doc):
 
 
 @settings(max_examples=300, **SETTINGS)
-@given(data=st.one_of(st.binary(max_size=200), documents.map(toml_document).flatmap(
-    lambda b: st.integers(0, max(len(b) - 1, 0)).map(lambda i: b[:i] + b"\x00\xff\"[=\n"[i % 6:][:1] + b[i + 1:]))))
+@given(
+    data=st.one_of(
+        st.binary(max_size=200),
+        documents.map(toml_document).flatmap(
+            lambda b: st.integers(0, max(len(b) - 1, 0)).map(
+                lambda i: b[:i] + b'\x00\xff"[=\n'[i % 6 :][:1] + b[i + 1 :]
+            )
+        ),
+    )
+)
 def test_random_bytes_as_the_config_file(data):
     build_or_error({"entrypoint": "x.py"}, config_file(data), {})
 
@@ -178,7 +268,13 @@ def test_random_environment_and_flag_values(env, flags):
 @given(doc=documents, env=environments, flags=flag_lists)
 def test_cli_in_process(doc, env, flags):
     """The CLI's own path (argparse, layers, validation, entrypoint check): exit 2, one line."""
-    argv = ["run", "--config", config_file(toml_document(doc)), *(f"{opt}={value}" for opt, value in flags), MISSING]
+    argv = [
+        "run",
+        "--config",
+        config_file(toml_document(doc)),
+        *(f"{opt}={value}" for opt, value in flags),
+        MISSING,
+    ]
     with environment(env):
         code, stderr = run_main(argv)
     assert_one_line(code, stderr)
@@ -189,7 +285,9 @@ def test_cli_in_process(doc, env, flags):
 def test_stop_timeout_flag(value):
     """`elasticd stop --timeout X` with no daemon to ask: a bad X is one line and exit 2 before
     any request; a good one finds nobody to stop (exit 0)."""
-    code, stderr = run_main(["stop", "--socket", "/nonexistent/elasticd-fuzz.sock", f"--timeout={value}"])
+    code, stderr = run_main(
+        ["stop", "--socket", "/nonexistent/elasticd-fuzz.sock", f"--timeout={value}"]
+    )
     try:
         ok = 0 <= float(value) <= config.MAX_SECONDS
     except ValueError:
@@ -201,15 +299,33 @@ def test_stop_timeout_flag(value):
 
 
 @settings(max_examples=6, **SETTINGS)
-@given(content=st.one_of(documents.map(toml_document), st.binary(max_size=64)), env=environments, flags=flag_lists)
+@given(
+    content=st.one_of(documents.map(toml_document), st.binary(max_size=64)),
+    env=environments,
+    flags=flag_lists,
+)
 def test_real_cli_process(content, env, flags):
     """A few through a real `python -m elasticd run`, as an operator would."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "c.toml"
         path.write_bytes(content)
-        argv = ["run", "--config", str(path), "--log-dir", str(Path(tmp) / "logs"),
-                *(f"{opt}={value}" for opt, value in flags), MISSING]
-        r = subprocess.run([sys.executable, "-m", "elasticd", *argv], capture_output=True, text=True,
-                           timeout=60, cwd=ROOT, env={**os.environ, **env}, check=False)
+        argv = [
+            "run",
+            "--config",
+            str(path),
+            "--log-dir",
+            str(Path(tmp) / "logs"),
+            *(f"{opt}={value}" for opt, value in flags),
+            MISSING,
+        ]
+        r = subprocess.run(
+            [sys.executable, "-m", "elasticd", *argv],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=ROOT,
+            env={**os.environ, **env},
+            check=False,
+        )
         assert_one_line(r.returncode, r.stderr)
         assert not (Path(tmp) / "logs").exists()

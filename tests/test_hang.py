@@ -10,7 +10,16 @@ import time
 
 from harness import script, wait_until
 
-HB = ("--heartbeat-timeout", "2", "--startup-timeout", "60", "--restart-grace", "0.5", "--max-restarts", "2")
+HB = (
+    "--heartbeat-timeout",
+    "2",
+    "--startup-timeout",
+    "60",
+    "--restart-grace",
+    "0.5",
+    "--max-restarts",
+    "2",
+)
 
 
 def hang_events(d):
@@ -43,18 +52,34 @@ def test_debugger_attach_and_a_short_stop_never_restart(daemons):
     """gdb -p, strace -p, py-spy dump --native: a ptrace attach stops the worker (state t) for as
     long as someone looks. Neither that nor a SIGSTOP shorter than the heartbeat timeout restarts
     anything: same pids, training goes on."""
-    d = daemons(script("hang.py"), "--nproc-per-node", "2", "--heartbeat-timeout", "6", "--max-restarts", "0",
-                args=["--steps", "60"])
+    d = daemons(
+        script("hang.py"),
+        "--nproc-per-node",
+        "2",
+        "--heartbeat-timeout",
+        "6",
+        "--max-restarts",
+        "0",
+        args=["--steps", "60"],
+    )
     d.wait_for_step(1, 3, timeout=60)
     pids = d.worker_pids()
-    holds = [subprocess.Popen([sys.executable, script("ptrace_hold.py"), str(pids[rank]), "3", how],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for rank, how in ((1, "attach"), (0, "seize"))]
+    holds = [
+        subprocess.Popen(
+            [sys.executable, script("ptrace_hold.py"), str(pids[rank]), "3", how],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank, how in ((1, "attach"), (0, "seize"))
+    ]
     for held in holds:
         out, err = held.communicate(timeout=30)
         assert held.returncode == 0 and "detached" in out, err
         looks = out.splitlines()[:-1]
-        assert looks and all(ln.startswith("state t tracer ") and not ln.endswith(" 0") for ln in looks), looks
+        assert looks and all(
+            ln.startswith("state t tracer ") and not ln.endswith(" 0") for ln in looks
+        ), looks
     os.kill(pids[1], signal.SIGSTOP)
     time.sleep(3)
     os.kill(pids[1], signal.SIGCONT)
@@ -64,7 +89,13 @@ def test_debugger_attach_and_a_short_stop_never_restart(daemons):
 
 
 def test_endless_loop_detected_within_timeout(daemons):
-    d = daemons(script("hang.py"), "--nproc-per-node", "2", *HB, args=["--steps", "10", "--mode", "loop", "--at", "3"])
+    d = daemons(
+        script("hang.py"),
+        "--nproc-per-node",
+        "2",
+        *HB,
+        args=["--steps", "10", "--mode", "loop", "--at", "3"],
+    )
     wait_until(lambda: "entering an endless loop" in d.log_text(1, 1), 60, what="the loop to start")
     t0 = time.time()
     assert d.wait(90) == 0, d.stderr()[-3000:]
@@ -76,8 +107,13 @@ def test_endless_loop_detected_within_timeout(daemons):
 
 
 def test_deadlock_detected_with_stacks_of_every_rank(daemons):
-    d = daemons(script("hang.py"), "--nproc-per-node", "2", *HB,
-                args=["--steps", "8", "--mode", "deadlock", "--at", "3"])
+    d = daemons(
+        script("hang.py"),
+        "--nproc-per-node",
+        "2",
+        *HB,
+        args=["--steps", "8", "--mode", "deadlock", "--at", "3"],
+    )
     assert d.wait(120) == 0, d.stderr()[-3000:]
     ev = hang_events(d)[0]
     assert "hung: no heartbeat" in ev["cause"] and "stacks" in ev["cause"]
@@ -89,15 +125,32 @@ def test_deadlock_detected_with_stacks_of_every_rank(daemons):
 
 
 def test_script_that_never_beats_is_not_judged(daemons):
-    d = daemons(script("silent.py"), "--nproc-per-node", "1", "--heartbeat-timeout", "0.5",
-                "--startup-timeout", "0.5", args=["3"])
+    d = daemons(
+        script("silent.py"),
+        "--nproc-per-node",
+        "1",
+        "--heartbeat-timeout",
+        "0.5",
+        "--startup-timeout",
+        "0.5",
+        args=["3"],
+    )
     assert d.wait(60) == 0, d.stderr()[-3000:]
     assert not hang_events(d)
 
 
 def test_require_heartbeat_judges_a_silent_script(daemons):
-    d = daemons(script("silent.py"), "--nproc-per-node", "1", "--startup-timeout", "1", "--require-heartbeat",
-                "--max-restarts", "0", args=["30"])
+    d = daemons(
+        script("silent.py"),
+        "--nproc-per-node",
+        "1",
+        "--startup-timeout",
+        "1",
+        "--require-heartbeat",
+        "--max-restarts",
+        "0",
+        args=["30"],
+    )
     assert d.wait(60) == 1
     assert "no heartbeat within startup timeout" in d.stderr()
 
@@ -105,7 +158,15 @@ def test_require_heartbeat_judges_a_silent_script(daemons):
 def test_slow_interpreter_exit_is_not_a_hang(daemons):
     """After the entrypoint returns no optimizer step reports progress; a teardown longer than
     the heartbeat timeout (atexit, destroy_process_group, module GC) is not judged hung."""
-    d = daemons(script("hang.py"), "--nproc-per-node", "2", "--heartbeat-timeout", "1", "--max-restarts", "0",
-                args=["--steps", "3", "--step-time", "0.05", "--exit-delay", "3"])
+    d = daemons(
+        script("hang.py"),
+        "--nproc-per-node",
+        "2",
+        "--heartbeat-timeout",
+        "1",
+        "--max-restarts",
+        "0",
+        args=["--steps", "3", "--step-time", "0.05", "--exit-delay", "3"],
+    )
     assert d.wait(90) == 0, d.stderr()[-3000:]
     assert not hang_events(d)

@@ -41,16 +41,22 @@ def test_silence_past_the_timeout_is_a_hang_and_exit_gets_its_own_limit(tmp_path
     b = health.read(path)
     assert b.exiting >= b.last
     assert health.verdict(b, b.first, b.exiting + health.EXIT_TIMEOUT - 1, **kw) is None
-    assert "interpreter exit hung" in health.verdict(b, b.first, b.exiting + health.EXIT_TIMEOUT + 1, **kw)
+    assert "interpreter exit hung" in health.verdict(
+        b, b.first, b.exiting + health.EXIT_TIMEOUT + 1, **kw
+    )
 
 
 def test_startup_timeout_applies_only_when_beats_are_expected(tmp_path):
     path = str(tmp_path / "hb")
     health.create(path)
     b = health.read(path)
-    assert health.verdict(b, 0.0, 11.0, expect_beats=False, heartbeat_timeout=2, startup_timeout=10) is None
-    assert "startup timeout" in health.verdict(b, 0.0, 11.0, expect_beats=True, heartbeat_timeout=2,
-                                               startup_timeout=10)
+    assert (
+        health.verdict(b, 0.0, 11.0, expect_beats=False, heartbeat_timeout=2, startup_timeout=10)
+        is None
+    )
+    assert "startup timeout" in health.verdict(
+        b, 0.0, 11.0, expect_beats=True, heartbeat_timeout=2, startup_timeout=10
+    )
     (tmp_path / "bad").write_bytes(b"junk" * 20)
     assert health.read(str(tmp_path / "bad")) is None
     assert health.read(str(tmp_path / "missing")) is None
@@ -62,7 +68,9 @@ def test_reads_never_see_a_beat_half_written(tmp_path):
     daemon read as "silent for hours" and restarted a healthy job)."""
     path = str(tmp_path / "hb")
     health.create(path)
-    prog = f"from elasticd.worker import health\nw = health.Writer({path!r})\nwhile True: w.beat()\n"
+    prog = (
+        f"from elasticd.worker import health\nw = health.Writer({path!r})\nwhile True: w.beat()\n"
+    )
     p = subprocess.Popen([sys.executable, "-c", prog], cwd=ROOT)
     reader = health.Reader(path)
     try:
@@ -70,7 +78,9 @@ def test_reads_never_see_a_beat_half_written(tmp_path):
         deadline = time.monotonic() + 1.0
         while time.monotonic() < deadline:
             b = reader.read()
-            assert b.beats > 0 and b.last > 0.0 and b.first > 0.0 and b.step in (b.beats - 1, b.beats), b
+            assert (
+                b.beats > 0 and b.last > 0.0 and b.first > 0.0 and b.step in (b.beats - 1, b.beats)
+            ), b
     finally:
         p.kill()
         p.wait()
@@ -78,20 +88,28 @@ def test_reads_never_see_a_beat_half_written(tmp_path):
 
 
 def test_process_watch_sees_a_zombie_not_a_stop_and_nothing_once_reaped():
-    p = subprocess.Popen([sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)"],
-                         stdout=subprocess.PIPE)
+    p = subprocess.Popen(
+        [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)"],
+        stdout=subprocess.PIPE,
+    )
     watch = health.ProcessWatch(p.pid)
     try:
         assert p.stdout.readline() == b"up\n"  # started: its size no longer changes
         assert watch.verdict() is None
         assert watch.rss() == psutil.Process(p.pid).memory_info().rss
         os.kill(p.pid, signal.SIGSTOP)
-        wait_until(lambda: psutil.Process(p.pid).status() == psutil.STATUS_STOPPED, 5, what="state T")
-        assert watch.verdict() is health.process_verdict(p.pid) is None  # judged by its silence only
+        wait_until(
+            lambda: psutil.Process(p.pid).status() == psutil.STATUS_STOPPED, 5, what="state T"
+        )
+        assert (
+            watch.verdict() is health.process_verdict(p.pid) is None
+        )  # judged by its silence only
         os.kill(p.pid, signal.SIGKILL)
         wait_until(lambda: watch.verdict() == "process is a zombie", 5, what="the zombie")
         p.wait()
-        assert watch.verdict() is None and watch.rss() is None  # never a process that reuses the pid
+        assert (
+            watch.verdict() is None and watch.rss() is None
+        )  # never a process that reuses the pid
     finally:
         if p.poll() is None:
             p.kill()

@@ -41,9 +41,21 @@ def test_heartbeat_reader_keeps_only_values_in_their_range(tmp_path):
     health.create(path)
     w = health.Writer(path)
     w.beat(step=7)
-    good = {"work_total": 1.5, "work_steps": 3.0, "resumed": 5.0, "saves": 2.0, "refresh_every": 4.0}
-    bad = {"save_stall_total": math.nan, "save_write_total": math.inf, "save_stall_last": -math.inf,
-           "save_write_last": 1e300, "refreshes": -5.0, "refresh_total": float(2**60)}
+    good = {
+        "work_total": 1.5,
+        "work_steps": 3.0,
+        "resumed": 5.0,
+        "saves": 2.0,
+        "refresh_every": 4.0,
+    }
+    bad = {
+        "save_stall_total": math.nan,
+        "save_write_total": math.inf,
+        "save_stall_last": -math.inf,
+        "save_write_last": 1e300,
+        "refreshes": -5.0,
+        "refresh_total": float(2**60),
+    }
     for name, value in {**good, **bad}.items():
         w.note(name, value)
 
@@ -77,15 +89,28 @@ def test_heartbeat_reader_keeps_only_values_in_their_range(tmp_path):
 
 def test_hostile_heartbeat_values_leave_the_daemon_running_and_the_job_finishes(daemons):
     port = free_port()
-    d = daemons(script("hostile_beat.py"), "--nproc-per-node", "1", *FAST, "--metrics-address", f"127.0.0.1:{port}",
-                args=["1.5"])
+    d = daemons(
+        script("hostile_beat.py"),
+        "--nproc-per-node",
+        "1",
+        *FAST,
+        "--metrics-address",
+        f"127.0.0.1:{port}",
+        args=["1.5"],
+    )
     wait_until(lambda: "step 5" in d.log_text(0), 60, what="the hostile worker beating")
     text = scrape(port)
     assert "elasticd_checkpoint_saves_total{" in text
     r = d.status("--json")
-    assert r.returncode == 0 and json.loads(r.stdout, parse_constant=lambda c: pytest.fail(f"{c} in status"))
+    assert r.returncode == 0 and json.loads(
+        r.stdout, parse_constant=lambda c: pytest.fail(f"{c} in status")
+    )
     assert d.wait(60) == 0, d.stderr()[-3000:]
-    assert [e for e in events(d, "state") if e.get("new") == "RESTARTING"]  # its first attempt crashed
+    assert [
+        e for e in events(d, "state") if e.get("new") == "RESTARTING"
+    ]  # its first attempt crashed
     dropped = events(d, "heartbeat_value_dropped")
-    assert dropped and len(dropped) == len({(e["path"], e["field"]) for e in dropped})  # once per field
+    assert dropped and len(dropped) == len(
+        {(e["path"], e["field"]) for e in dropped}
+    )  # once per field
     no_traceback(d)

@@ -41,8 +41,11 @@ MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
 
 
 def worker_side(name: str) -> bool:
-    return (name == "elasticd.sampler" or name.startswith(("elasticd.worker.", "elasticd.checkpoint."))
-            or name in ("elasticd.worker", "elasticd.checkpoint"))
+    return (
+        name == "elasticd.sampler"
+        or name.startswith(("elasticd.worker.", "elasticd.checkpoint."))
+        or name in ("elasticd.worker", "elasticd.checkpoint")
+    )
 
 
 def daemon_side(name: str) -> bool:
@@ -66,8 +69,13 @@ def imports(name: str) -> list[tuple[str, int]]:
                 anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
                 base = ".".join([*anchor, base] if base else anchor)
             targets = [base] + [f"{base}.{a.name}" for a in node.names]
-        elif (isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) == "import_module"
-              and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+        elif (
+            isinstance(node, ast.Call)
+            and getattr(node.func, "attr", getattr(node.func, "id", "")) == "import_module"
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
             targets = [node.args[0].value]
         for target in targets:
             parts = target.split(".")
@@ -102,18 +110,25 @@ def test_the_layout_is_what_the_checks_assume():
 @pytest.mark.parametrize("name", sorted(m for m in MODULES if worker_side(m)))
 def test_worker_side_imports_nothing_daemon_side(name):
     chain = chain_to_daemon_side(name)
-    assert chain is None, (f"{MODULES[name].relative_to(ROOT)} runs in the workers but reaches the daemon side: "
-                           + " -> ".join(chain) + "; move the shared part to a top-level module")
+    assert chain is None, (
+        f"{MODULES[name].relative_to(ROOT)} runs in the workers but reaches the daemon side: "
+        + " -> ".join(chain)
+        + "; move the shared part to a top-level module"
+    )
 
 
 def test_the_import_reader_sees_every_form(tmp_path, monkeypatch):
     """The static check is only as good as its reading of imports: each form here is one the
     worker side must not use to reach the daemon, in a module that is not really there."""
-    forms = ["from elasticd.daemon import agent", "import elasticd.cluster.kv",
-             "def f():\n    from elasticd import ops", "from ..control import channel",
-             "import importlib\nimportlib.import_module('elasticd.ops.cli')",
-             "from elasticd import names  # fine\nfrom elasticd.worker import health  # fine\n"
-             "from elasticd.daemon.states import State"]
+    forms = [
+        "from elasticd.daemon import agent",
+        "import elasticd.cluster.kv",
+        "def f():\n    from elasticd import ops",
+        "from ..control import channel",
+        "import importlib\nimportlib.import_module('elasticd.ops.cli')",
+        "from elasticd import names  # fine\nfrom elasticd.worker import health  # fine\n"
+        "from elasticd.daemon.states import State",
+    ]
     for i, source in enumerate(forms):
         fake = tmp_path / f"fake{i}.py"
         fake.write_text(source + "\n")
@@ -121,28 +136,45 @@ def test_the_import_reader_sees_every_form(tmp_path, monkeypatch):
         chain = chain_to_daemon_side(f"elasticd.checkpoint.fake{i}")
         assert chain is not None and daemon_side(chain[-1]), (source, chain)
     fine = tmp_path / "fine.py"
-    fine.write_text("import os\nfrom elasticd import names, safeio\nfrom elasticd.checkpoint import format\n")
+    fine.write_text(
+        "import os\nfrom elasticd import names, safeio\nfrom elasticd.checkpoint import format\n"
+    )
     monkeypatch.setitem(MODULES, "elasticd.checkpoint.fine", fine)
     assert chain_to_daemon_side("elasticd.checkpoint.fine") is None
 
 
 def _imported(statement: str) -> dict:
-    code = (f"import json, sys\n{statement}\n"
-            "print(json.dumps(sorted(m for m in sys.modules if m == 'torch' or m.startswith('elasticd'))))")
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    code = (
+        f"import json, sys\n{statement}\n"
+        "print(json.dumps(sorted(m for m in sys.modules if m == 'torch' or m.startswith('elasticd'))))"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout)
 
 
-@pytest.mark.parametrize("module", ["elasticd.ops.cli", "elasticd.cluster.kv", "elasticd.cluster.etcd",
-                                    "elasticd.checkpoint.format", "elasticd.checkpoint", "elasticd.names",
-                                    "elasticd.config"])
+@pytest.mark.parametrize(
+    "module",
+    [
+        "elasticd.ops.cli",
+        "elasticd.cluster.kv",
+        "elasticd.cluster.etcd",
+        "elasticd.checkpoint.format",
+        "elasticd.checkpoint",
+        "elasticd.names",
+        "elasticd.config",
+    ],
+)
 def test_torch_free_modules_load_no_torch(module):
     """Worth keeping: the CLI answers `elasticd status` without torch's seconds of import; the
     daemon reads checkpoints (format) and etcd without it. Daemon code may import torch inside
     the functions that need it."""
     loaded = _imported(f"import {module}")
-    assert "torch" not in loaded, f"importing {module} imports torch; make the import that pulls it in lazy"
+    assert "torch" not in loaded, (
+        f"importing {module} imports torch; make the import that pulls it in lazy"
+    )
 
 
 def test_worker_side_loads_no_daemon_side_module():
@@ -155,30 +187,47 @@ def test_worker_side_loads_no_daemon_side_module():
 
 
 def test_python_dash_m_elasticd_is_the_cli():
-    r = subprocess.run([sys.executable, "-m", "elasticd", "--version"], cwd=ROOT, capture_output=True, text=True,
-                       timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "elasticd", "--version"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0 and r.stdout.strip() == "elasticd 0.1.0", (r.stdout, r.stderr)
 
 
 def test_no_module_is_named_like_another_package():
     """`from elasticd.control import socket` would hide the standard library's socket in the
     importing module, and a script run from the folder would import ours instead."""
-    clashes = sorted(f"{m} ({MODULES[m].relative_to(ROOT)})" for m in MODULES
-                     if m.rpartition(".")[2] in (set(sys.stdlib_module_names) | DEPENDENCIES) and m != "elasticd")
+    clashes = sorted(
+        f"{m} ({MODULES[m].relative_to(ROOT)})"
+        for m in MODULES
+        if m.rpartition(".")[2] in (set(sys.stdlib_module_names) | DEPENDENCIES) and m != "elasticd"
+    )
     assert clashes == [], f"named like a standard-library module or a dependency: {clashes}"
 
 
 def test_every_package_is_installed():
-    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    listed = set(
+        tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    )
     packages = {module_name(p) for p in PACKAGE.rglob("__init__.py")}
-    assert packages <= listed, f"missing from pyproject's [tool.setuptools] packages: {sorted(packages - listed)}"
-    stray = sorted(str(d.relative_to(ROOT)) for d in PACKAGE.rglob("*")
-                   if d.is_dir() and d.name != "__pycache__" and not (d / "__init__.py").exists())
+    assert packages <= listed, (
+        f"missing from pyproject's [tool.setuptools] packages: {sorted(packages - listed)}"
+    )
+    stray = sorted(
+        str(d.relative_to(ROOT))
+        for d in PACKAGE.rglob("*")
+        if d.is_dir() and d.name != "__pycache__" and not (d / "__init__.py").exists()
+    )
     assert stray == [], f"folders without __init__.py (not installed): {stray}"
 
 
-IMPORTED = re.compile(r"\bfrom (elasticd(?:\.\w+)*) import (\w+(?: as \w+)?(?:, *\w+(?: as \w+)?)*)"
-                      r"|\bimport (elasticd(?:\.\w+)*)")
+IMPORTED = re.compile(
+    r"\bfrom (elasticd(?:\.\w+)*) import (\w+(?: as \w+)?(?:, *\w+(?: as \w+)?)*)"
+    r"|\bimport (elasticd(?:\.\w+)*)"
+)
 STARTED = re.compile(r'(?:"-m", |command\()"(elasticd(?:\.\w+)*)"')
 
 
@@ -199,7 +248,10 @@ def test_every_elasticd_import_resolves_in_this_checkout():
                 else:
                     statements.add(f"import {m.group(3)}")
             started.update(STARTED.findall(text))
-    assert len(statements) > 50 and "elasticd.worker.bootstrap" in started, (len(statements), started)
+    assert len(statements) > 50 and "elasticd.worker.bootstrap" in started, (
+        len(statements),
+        started,
+    )
     code = f"""
 import importlib.machinery, importlib.util, json, sys
 sys.meta_path[:] = [f for f in sys.meta_path if f in (importlib.machinery.BuiltinImporter,
@@ -217,6 +269,8 @@ for module in {sorted(started)!r}:
         failed.append(f"python -m {{module}}: not in this checkout")
 print(json.dumps(failed))
 """
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.loads(r.stdout.splitlines()[-1]) == []

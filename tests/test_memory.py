@@ -21,8 +21,10 @@ from elasticd.checkpoint.state import REFRESH, Refresh
 
 def final(path):
     got = torch.load(path, weights_only=True)
-    tensors = {**{f"model.{k}": v for k, v in got["model"].items()},
-               **{f"opt.{k}.{n}": t for k, s in got["optimizer"]["state"].items() for n, t in s.items()}}
+    tensors = {
+        **{f"model.{k}": v for k, v in got["model"].items()},
+        **{f"opt.{k}.{n}": t for k, s in got["optimizer"]["state"].items() for n, t in s.items()},
+    }
     return tensors, got["loaded"]
 
 
@@ -51,7 +53,9 @@ def crashed_run(tmp_path, mem):
 
 
 def resume(tmp_path, run, mem):
-    helpers.run(helpers.train, 2, tmp_path, str(run), 14, str(run), None, 4, True, str(mem), timeout=90)
+    helpers.run(
+        helpers.train, 2, tmp_path, str(run), 14, str(run), None, 4, True, str(mem), timeout=90
+    )
     return [final(f"{run}.{r}.pt") for r in range(2)]
 
 
@@ -97,11 +101,17 @@ def test_a_smaller_world_resumes_from_memory_and_drops_stale_steps(tmp_path):
     # one process now, local rank 0 of the same node: world size 1 resumes from the node's memory
     mgr = CheckpointManager(tmp_path / "run", handle_sigterm=False, memory_dir=mem)
     state = mgr.load_latest()
-    assert mgr.loaded.step == 10 and mgr.loaded.file.startswith("memory:") and mgr.loaded.world_size == 2
+    assert (
+        mgr.loaded.step == 10
+        and mgr.loaded.file.startswith("memory:")
+        and mgr.loaded.world_size == 2
+    )
     assert state["user"]["step"] == 10
     (mine,) = state["rng"]["ranks"]  # its own RNG, that old rank 0 held
     assert torch.equal(mine["torch"], held_rng["torch"])
-    assert [h.step for h in memory.held(str(mem), 0)] == [10]  # this rank's other slot (step 9) was dropped
+    assert [h.step for h in memory.held(str(mem), 0)] == [
+        10
+    ]  # this rank's other slot (step 9) was dropped
     assert [h.step for h in memory.held(str(mem), 1)] == [10, 9]  # no local rank 1 here: left alone
 
 
@@ -122,34 +132,45 @@ def test_single_process_refresh_every_n_steps_and_keep_two(tmp_path):
     assert memory.steps(str(mem), world=1, rank=0, local_rank=0) == [6, 4]
     assert memory.newest_step(str(mem)) == 6
     state = CheckpointManager(tmp_path / "disk", handle_sigterm=False, memory_dir=mem).load_latest()
-    assert state["user"]["step"] == 6 and torch.equal(state["model"]["weight"], model.weight.detach())
+    assert state["user"]["step"] == 6 and torch.equal(
+        state["model"]["weight"], model.weight.detach()
+    )
     assert mgr.last_memory_stall > 0
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a GPU"))])
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+        ),
+    ],
+)
 def test_overlap_on_a_cpu_or_small_state_copies_synchronously(tmp_path, device):
     """memory_overlap (the default) only queues copies of CUDA tensors, and only of a state
     worth it (memory.OVERLAP_MIN_BYTES): a CPU job's refreshes, or a small model's on a GPU, are
     the plain synchronous ones (and exact), and no side stream or thread is made for them; a
     CPU job loads nothing CUDA."""
-    code = ("import sys, torch\n"
-            "from elasticd import checkpoint\nfrom elasticd.checkpoint import memory\n"
-            "from elasticd.checkpoint import CheckpointManager\n"
-            f"mem = {str(tmp_path / 'mem')!r}\n"
-            "mgr = CheckpointManager(mem + '-disk', handle_sigterm=False, memory_dir=mem, memory_every=1)\n"
-            f"model = torch.nn.Linear(3, 1).to({device!r})\n"
-            "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
-            "for step in range(1, 5):\n"
-            f"    model(torch.ones(2, 3, device={device!r})).sum().backward()\n"
-            "    opt.step()\n"
-            "    mgr.maybe_save(step, lambda: checkpoint.capture(model=model, optimizer=opt, step=step))\n"
-            "    assert mgr._memory.writer.overlap and not mgr._memory.writer.queued\n"
-            "    got = memory.read(mem, step, world=1, rank=0, local_rank=0)\n"
-            "    assert torch.equal(got['model']['weight'], model.weight.detach().cpu())\n"
-            "assert 'elasticd.checkpoint.overlap' not in sys.modules\n"
-            f"assert torch.cuda.is_initialized() == ({device!r} == 'cuda')\n"
-            "print('ok')\n")
+    code = (
+        "import sys, torch\n"
+        "from elasticd import checkpoint\nfrom elasticd.checkpoint import memory\n"
+        "from elasticd.checkpoint import CheckpointManager\n"
+        f"mem = {str(tmp_path / 'mem')!r}\n"
+        "mgr = CheckpointManager(mem + '-disk', handle_sigterm=False, memory_dir=mem, memory_every=1)\n"
+        f"model = torch.nn.Linear(3, 1).to({device!r})\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "for step in range(1, 5):\n"
+        f"    model(torch.ones(2, 3, device={device!r})).sum().backward()\n"
+        "    opt.step()\n"
+        "    mgr.maybe_save(step, lambda: checkpoint.capture(model=model, optimizer=opt, step=step))\n"
+        "    assert mgr._memory.writer.overlap and not mgr._memory.writer.queued\n"
+        "    got = memory.read(mem, step, world=1, rank=0, local_rank=0)\n"
+        "    assert torch.equal(got['model']['weight'], model.weight.detach().cpu())\n"
+        "assert 'elasticd.checkpoint.overlap' not in sys.modules\n"
+        f"assert torch.cuda.is_initialized() == ({device!r} == 'cuda')\n"
+        "print('ok')\n"
+    )
     (tmp_path / "mem").mkdir()
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
@@ -174,7 +195,10 @@ def test_a_refresh_capture_names_exactly_what_only_the_optimizer_writes():
     assert len(params) == 4 and len(moments) == 12 and owned == params | moments
     copied = {k: id(t) for k, t in state["model"].items()}
     assert {copied[k] for k in ("0.weight", "0.bias", "1.weight", "1.bias")} == params
-    assert not {copied[k] for k in ("1.running_mean", "1.running_var", "1.num_batches_tracked")} & owned
+    assert (
+        not {copied[k] for k in ("1.running_mean", "1.running_var", "1.num_batches_tracked")}
+        & owned
+    )
     assert {id(t) for s in state["optimizer"]["state"].values() for t in s.values()} == moments
 
 
@@ -195,8 +219,12 @@ def shm_dir():
 
 @GPU
 def test_overlapped_refresh_lands_whole_and_turns_itself_off_when_unsafe(tmp_path, shm_dir):
-    out = subprocess.run([sys.executable, OVERLAP, "check", shm_dir, str(tmp_path / "disk")],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, OVERLAP, "check", shm_dir, str(tmp_path / "disk")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0 and "overlap check ok" in out.stdout, out.stdout + out.stderr
 
 
@@ -211,11 +239,19 @@ def test_sigkill_mid_overlapped_refresh_always_leaves_a_whole_step(tmp_path, shm
     rng = random.Random(11)
     last, in_flight = 0, 0
     for _ in range(6):
-        proc = subprocess.Popen([sys.executable, OVERLAP, "forever", shm_dir, str(tmp_path / "disk")],
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, OVERLAP, "forever", shm_dir, str(tmp_path / "disk")],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         try:
             deadline = time.monotonic() + 60
-            while (memory.newest_step(shm_dir) or 0) < last + 3 and time.monotonic() < deadline and proc.poll() is None:
+            while (
+                (memory.newest_step(shm_dir) or 0) < last + 3
+                and time.monotonic() < deadline
+                and proc.poll() is None
+            ):
                 time.sleep(0.005)
             time.sleep(rng.uniform(0.0, 0.05))
         finally:
@@ -240,13 +276,24 @@ def test_cadence_keeps_refreshes_within_budget_and_every_rank_in_step(tmp_path):
     still works."""
     mem = tmp_path / "mem"
     mem.mkdir()
-    helpers.run(helpers.memory_cadence, 2, tmp_path, str(tmp_path / "disk"), str(mem), str(tmp_path / "result"),
-                timeout=90)
+    helpers.run(
+        helpers.memory_cadence,
+        2,
+        tmp_path,
+        str(tmp_path / "disk"),
+        str(mem),
+        str(tmp_path / "result"),
+        timeout=90,
+    )
     got = [eval((tmp_path / f"result.{r}").read_text()) for r in range(2)]
     every = got[0]["every"]
-    assert every >= 10 and got[1]["every"] == every, got  # 32 MiB take over a millisecond: N = cost / (0.0075 * 2 ms)
+    assert every >= 10 and got[1]["every"] == every, (
+        got
+    )  # 32 MiB take over a millisecond: N = cost / (0.0075 * 2 ms)
     events = got[0]["events"]
-    assert 1 <= len(events) <= 3 and events[-1]["every"] == every and events[-1]["refresh_ms"] > 0.5, got
+    assert (
+        1 <= len(events) <= 3 and events[-1]["every"] == every and events[-1]["refresh_ms"] > 0.5
+    ), got
     assert not got[1]["events"]  # rank 0 reports the cadence
     held = [memory.steps(str(mem), world=2, rank=r, local_rank=r) for r in range(2)]
     assert held[0] == held[1] and held[0], held
@@ -289,9 +336,14 @@ def test_cadence_moves_on_a_full_window_at_its_own_cadence_or_at_once_far_over_b
     assert not c.adopt(9) and not c.adopt(12) and c.adopt(8) and c.every == 8
 
 
-@pytest.mark.parametrize("kw, hint", [({"memory_every": -1}, "memory_every must be a number of steps"),
-                                      ({"memory_budget": 0}, "memory_budget is a share of step time"),
-                                      ({"memory_budget": 1.5}, "memory_budget is a share of step time")])
+@pytest.mark.parametrize(
+    "kw, hint",
+    [
+        ({"memory_every": -1}, "memory_every must be a number of steps"),
+        ({"memory_budget": 0}, "memory_budget is a share of step time"),
+        ({"memory_budget": 1.5}, "memory_budget is a share of step time"),
+    ],
+)
 def test_bad_cadence_settings_are_refused(tmp_path, kw, hint):
     with pytest.raises(ValueError, match=hint):
         CheckpointManager(tmp_path / "disk", handle_sigterm=False, memory_dir=tmp_path, **kw)
@@ -300,7 +352,9 @@ def test_bad_cadence_settings_are_refused(tmp_path, kw, hint):
 def test_unusable_directory_turns_memory_off_and_disk_goes_on(tmp_path):
     not_a_dir = tmp_path / "file"
     not_a_dir.write_text("x")
-    mgr = CheckpointManager(tmp_path / "disk", handle_sigterm=False, memory_dir=not_a_dir, every_steps=2)
+    mgr = CheckpointManager(
+        tmp_path / "disk", handle_sigterm=False, memory_dir=not_a_dir, every_steps=2
+    )
     model = torch.nn.Linear(3, 1)
     for step in range(1, 5):
         mgr.maybe_save(step, lambda: checkpoint.capture(model=model, step=step))
@@ -312,12 +366,19 @@ def test_unusable_directory_turns_memory_off_and_disk_goes_on(tmp_path):
 def test_daemon_side_create_remove_and_reap(tmp_path, monkeypatch):
     monkeypatch.setattr(memory, "ROOT", str(tmp_path))
     path = memory.create("job/../x")
-    assert path and os.path.dirname(path) == str(tmp_path) and "/../" not in path[len(str(tmp_path)):]
+    assert (
+        path and os.path.dirname(path) == str(tmp_path) and "/../" not in path[len(str(tmp_path)) :]
+    )
     assert os.stat(path).st_mode & 0o777 == 0o700
     # a daemon that died without cleaning up: its process is gone, and with it the lock it held
     code = "import sys; from elasticd.checkpoint import memory; memory.ROOT = sys.argv[1]; print(memory.create('old'))"
-    stale = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True,
-                           check=True, timeout=60).stdout.strip()
+    stale = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout.strip()
     assert os.path.isdir(stale)
     assert memory.reap_stale() == [stale]
     assert os.path.isdir(path)  # ours: this process holds its lock
@@ -337,8 +398,9 @@ def test_sigkill_mid_refresh_always_leaves_a_whole_step(tmp_path):
     mem = str(tmp_path)
     last, torn = 0, 0
     for _ in range(15):
-        proc = helpers._fork.Process(target=helpers._child,
-                                     args=(helpers.refresh_memory_forever, 0, 1, None, (mem,)))
+        proc = helpers._fork.Process(
+            target=helpers._child, args=(helpers.refresh_memory_forever, 0, 1, None, (mem,))
+        )
         proc.start()
         try:
             deadline = time.monotonic() + 20
@@ -355,7 +417,9 @@ def test_sigkill_mid_refresh_always_leaves_a_whole_step(tmp_path):
         state = memory.read(mem, held[0], world=1, rank=0, local_rank=0)
         step = held[0]
         assert torch.equal(state["model"]["w"], torch.full((2048, 1024), float(step)))
-        assert torch.equal(state["model"]["b"], torch.full((3,), step)) and state["user"] == {"step": step}
+        assert torch.equal(state["model"]["b"], torch.full((3,), step)) and state["user"] == {
+            "step": step
+        }
         assert torch.equal(state["rng"]["ranks"][0]["torch"], torch.full((5,), step))
         assert step >= last and memory.newest_step(mem) == step
         assert not os.listdir(mem) or set(os.listdir(mem)) == {"l0.0", "l0.1"}  # no file per step
@@ -370,8 +434,15 @@ def test_full_tmpfs_turns_memory_off_and_disk_goes_on(tmp_path):
     result = tmp_path / "result.txt"
     mem = tmp_path / "mem"
     mem.mkdir()
-    helpers.run(helpers.memory_on_full_tmpfs, 1, tmp_path, str(tmp_path / "disk"), str(mem), str(result),
-                distributed=False)
+    helpers.run(
+        helpers.memory_on_full_tmpfs,
+        1,
+        tmp_path,
+        str(tmp_path / "disk"),
+        str(mem),
+        str(result),
+        distributed=False,
+    )
     got = ast.literal_eval(result.read_text())
     assert got["memory_every"] == 0 and got["disk"] == 4, got
     assert len(got["warnings"]) == 1 and "File too large" in got["warnings"][0]["error"], got
@@ -381,13 +452,29 @@ def test_state_round_trips_exactly_and_only_as_plain_data(tmp_path):
     from collections import OrderedDict
 
     state = {
-        "model": OrderedDict(w=torch.randn(3, 4).t(), h=torch.ones(2, dtype=torch.bfloat16),
-                             m=torch.tensor([True, False]), e=torch.empty(0, 3)),
-        "optimizer": {"state": {0: {"momentum_buffer": torch.arange(4.0)}},
-                      "param_groups": [{"params": [0], "lr": 0.1, "betas": (0.9, 0.999), "nesterov": False}]},
-        "user": {"step": 3, "best": float("inf"), "nan": float("nan"), "name": "x", "blob": b"\x00\xff",
-                 "tags": {"a"}, "z": 1 + 2j, "dtype": torch.float16, "dev": torch.device("cpu"),
-                 "size": torch.Size([2, 3]), "none": None},
+        "model": OrderedDict(
+            w=torch.randn(3, 4).t(),
+            h=torch.ones(2, dtype=torch.bfloat16),
+            m=torch.tensor([True, False]),
+            e=torch.empty(0, 3),
+        ),
+        "optimizer": {
+            "state": {0: {"momentum_buffer": torch.arange(4.0)}},
+            "param_groups": [{"params": [0], "lr": 0.1, "betas": (0.9, 0.999), "nesterov": False}],
+        },
+        "user": {
+            "step": 3,
+            "best": float("inf"),
+            "nan": float("nan"),
+            "name": "x",
+            "blob": b"\x00\xff",
+            "tags": {"a"},
+            "z": 1 + 2j,
+            "dtype": torch.float16,
+            "dev": torch.device("cpu"),
+            "size": torch.Size([2, 3]),
+            "none": None,
+        },
     }
     w = memory.Writer(str(tmp_path), 0)
     w.write(3, state, world=1, rank=0)
@@ -403,7 +490,9 @@ def test_state_round_trips_exactly_and_only_as_plain_data(tmp_path):
     assert isinstance(u["size"], torch.Size) and isinstance(u["dtype"], torch.dtype)
     # Whatever the file says, reading builds plain data: an unknown entry is refused.
     path = memory.slot_path(str(tmp_path), 0, 0)
-    with pytest.raises(TypeError, match=r"state\['user'\]\['obj'\]: a builtins.object cannot be kept"):
+    with pytest.raises(
+        TypeError, match=r"state\['user'\]\['obj'\]: a builtins.object cannot be kept"
+    ):
         w.write(4, {"user": {"obj": object()}}, world=1, rank=0)
     with pytest.raises(ValueError, match="unknown entry"):
         memory._rebuild({"\x00x": 1}, [])
@@ -439,13 +528,13 @@ def test_dicts_of_named_tensors_reuse_their_description_only_while_it_still_fits
     sq = torch.arange(9.0).view(3, 3)
     models = [
         OrderedDict(a=torch.ones(2), b=torch.zeros(3)),
-        OrderedDict(a=torch.full((2,), 2.0), b=torch.ones(3)),             # same names: reused
-        OrderedDict(b=torch.ones(3), a=torch.ones(2)),                      # order changed
-        dict(b=torch.ones(3), a=torch.ones(2)),                             # dict, not OrderedDict
-        OrderedDict(a=torch.ones(2), b=torch.zeros(3), c=sq),               # a name more
-        OrderedDict(a=torch.ones(2), b=torch.zeros(3), c=sq.t()),           # same layout, not contiguous
+        OrderedDict(a=torch.full((2,), 2.0), b=torch.ones(3)),  # same names: reused
+        OrderedDict(b=torch.ones(3), a=torch.ones(2)),  # order changed
+        dict(b=torch.ones(3), a=torch.ones(2)),  # dict, not OrderedDict
+        OrderedDict(a=torch.ones(2), b=torch.zeros(3), c=sq),  # a name more
+        OrderedDict(a=torch.ones(2), b=torch.zeros(3), c=sq.t()),  # same layout, not contiguous
         OrderedDict(a=torch.ones(2), b=torch.zeros(3), c=sq),
-        OrderedDict(a=torch.ones(2), b=3),                                  # not all tensors
+        OrderedDict(a=torch.ones(2), b=3),  # not all tensors
         OrderedDict(a=torch.ones(2), b=torch.zeros(3)),
     ]
     for step, model in enumerate(models, 1):
@@ -456,7 +545,11 @@ def test_dicts_of_named_tensors_reuse_their_description_only_while_it_still_fits
         got = memory.read(str(tmp_path), step, world=1, rank=0, local_rank=0)
         assert type(got["model"]) is type(model) and list(got["model"]) == list(model), step
         for k, v in model.items():
-            assert torch.equal(got["model"][k], v) if isinstance(v, torch.Tensor) else got["model"][k] == v, (step, k)
+            assert (
+                torch.equal(got["model"][k], v)
+                if isinstance(v, torch.Tensor)
+                else got["model"][k] == v
+            ), (step, k)
         assert ("first" in got) == (step in (6, 7))
 
 

@@ -42,15 +42,33 @@ def make_nodes(tmp_path, layout: dict[str, list[int]]) -> list[dict]:
     for name, ranks in layout.items():
         for d in ("mem", "disk"):
             (tmp_path / f"{name}-{d}").mkdir(exist_ok=True)
-        nodes.append({"mem": str(tmp_path / f"{name}-mem"), "disk": str(tmp_path / f"{name}-disk"), "ranks": ranks})
+        nodes.append(
+            {
+                "mem": str(tmp_path / f"{name}-mem"),
+                "disk": str(tmp_path / f"{name}-disk"),
+                "ranks": ranks,
+            }
+        )
     return nodes
 
 
-def job(tmp_path, name: str, layout: dict[str, list[int]], total: int, crash_after: int | None = None) -> str:
+def job(
+    tmp_path, name: str, layout: dict[str, list[int]], total: int, crash_after: int | None = None
+) -> str:
     world = sum(len(r) for r in layout.values())
     out = str(tmp_path / name)
-    helpers.run(helpers.train_on_nodes, world, tmp_path, make_nodes(tmp_path, layout), total, crash_after, out,
-                EVERY, SAMPLES, timeout=90)
+    helpers.run(
+        helpers.train_on_nodes,
+        world,
+        tmp_path,
+        make_nodes(tmp_path, layout),
+        total,
+        crash_after,
+        out,
+        EVERY,
+        SAMPLES,
+        timeout=90,
+    )
     return out
 
 
@@ -77,7 +95,9 @@ def seen(out: str, world: int) -> list:
     return [ast.literal_eval(open(f"{out}.idx.{r}").read()) for r in range(world)]
 
 
-def assert_exactly_once(before: str, old_world: int, after: str, new_world: int, resumed: int, total: int):
+def assert_exactly_once(
+    before: str, old_world: int, after: str, new_world: int, resumed: int, total: int
+):
     """Samples trained on up to the resumed step before the crash, and after it by the new world:
     the epoch's every sample once (the steps in between were lost with the crash)."""
     count: Counter = Counter()
@@ -101,13 +121,26 @@ def derived_rng(rank: int, step: int, world: int) -> dict:
     seed = rng_state.derived_seed({"seed": derived_base(step, world)}, rank)
     version, internal, gauss = random.Random(seed).getstate()
     _, keys, pos, has_gauss, cached = np.random.RandomState(seed % 2**32).get_state(legacy=True)
-    return {"python": {"version": version, "state": torch.tensor(internal, dtype=torch.int64), "gauss_next": gauss},
-            "torch": torch.Generator().manual_seed(seed).get_state(),
-            "numpy": {"bit_generator": "MT19937", "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                      "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}}
+    return {
+        "python": {
+            "version": version,
+            "state": torch.tensor(internal, dtype=torch.int64),
+            "gauss_next": gauss,
+        },
+        "torch": torch.Generator().manual_seed(seed).get_state(),
+        "numpy": {
+            "bit_generator": "MT19937",
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
+    }
 
 
-@pytest.mark.parametrize("lost_holds_rank0", [True, False], ids=["lost-node-held-rank-0", "lost-node-did-not"])
+@pytest.mark.parametrize(
+    "lost_holds_rank0", [True, False], ids=["lost-node-held-rank-0", "lost-node-did-not"]
+)
 def test_node_lost_survivors_resume_from_their_own_memory(tmp_path, lost_holds_rank0):
     # 4 ranks on nodes A and B; B is lost; A's two ranks go on as a world of 2
     layout = {"B": [0, 1], "A": [2, 3]} if lost_holds_rank0 else {"A": [0, 1], "B": [2, 3]}
@@ -121,7 +154,9 @@ def test_node_lost_survivors_resume_from_their_own_memory(tmp_path, lost_holds_r
     after = job(tmp_path, "after", {"A": [0, 1]}, total=18)
     for new_rank, old_rank in enumerate(survivors):
         got = load(f"{after}.loaded.{new_rank}")
-        assert got["step"] == 6 and got["file"].startswith(f"memory:{tmp_path / 'A-mem'}/w4-"), got["file"]
+        assert got["step"] == 6 and got["file"].startswith(f"memory:{tmp_path / 'A-mem'}/w4-"), got[
+            "file"
+        ]
         held = load(f"{before}.s6.{old_rank}")
         assert_same_tensors(got["model"], held["model"], "model")
         assert_same_tensors(got["optimizer"], held["optimizer"], "optimizer")
@@ -139,12 +174,16 @@ def test_nodes_added_receive_the_state_from_a_rank_that_holds_it(tmp_path):
         got = load(f"{after}.loaded.{r}")
         assert got["step"] == 6, got
         # A's ranks read their node's slot, C's receive it: rank 2 from rank 0, rank 3 from rank 1
-        assert got["file"].startswith(f"memory:{tmp_path / 'A-mem'}/w2-" if r < 2 else f"memory:rank{r - 2}/w2-")
+        assert got["file"].startswith(
+            f"memory:{tmp_path / 'A-mem'}/w2-" if r < 2 else f"memory:rank{r - 2}/w2-"
+        )
         assert_same_tensors(got["model"], held["model"], "model")
         assert_same_tensors(got["optimizer"], held["optimizer"], "optimizer")
         # A's ranks keep their own RNG; C's are derived from the step, the new world and the rank
         assert_rng(got["rng"], load(f"{before}.s6.{r}")["rng"] if r < 2 else derived_rng(r, 6, 4))
-    assert not torch.equal(load(f"{after}.loaded.2")["rng"]["torch"], load(f"{after}.loaded.3")["rng"]["torch"])
+    assert not torch.equal(
+        load(f"{after}.loaded.2")["rng"]["torch"], load(f"{after}.loaded.3")["rng"]["torch"]
+    )
     assert_exactly_once(before, 2, after, 4, resumed=6, total=15)
     # every node now refreshes one new lineage: a later resume can take C's memory too
     a, c = memory.held(str(tmp_path / "A-mem"), 0), memory.held(str(tmp_path / "C-mem"), 0)
@@ -161,34 +200,58 @@ def test_a_state_that_cannot_be_sent_sends_every_rank_to_the_disk(tmp_path, dama
     for m in mems:
         os.mkdir(m)
     w = memory.Writer(mems[0], 0, lineage=5, local_world=1)
-    w.write(4, {"model": {"w": torch.arange(6.0)}, "user": {"step": 4},
-                "rng": {"world_size": 1, "ranks": [{"torch": torch.ones(3)}]}}, world=1, rank=0)
+    w.write(
+        4,
+        {
+            "model": {"w": torch.arange(6.0)},
+            "user": {"step": 4},
+            "rng": {"world_size": 1, "ranks": [{"torch": torch.ones(3)}]},
+        },
+        world=1,
+        rank=0,
+    )
     w.close()
     if damaged:
         h = memory.header(memory.slot_path(mems[0], 0, 0))
         with open(memory.slot_path(mems[0], 0, 0), "r+b") as f:
             f.seek(memory.HEADER + h["data_len"] + 3)
             f.write(b"#")
-    helpers.run(helpers.load_on_own_nodes, 2, tmp_path, mems, str(tmp_path / "disk"), str(tmp_path / "got"))
+    helpers.run(
+        helpers.load_on_own_nodes, 2, tmp_path, mems, str(tmp_path / "disk"), str(tmp_path / "got")
+    )
     got = [load(str(tmp_path / f"got.{r}")) for r in range(2)]
     if damaged:
         assert [g["state"] for g in got] == [None, None] and memory.held(mems[0], 0) == []
         return
-    assert [g["file"] for g in got] == [f"memory:{mems[0]}/w1-s000000000004", "memory:rank0/w1-s000000000004"]
+    assert [g["file"] for g in got] == [
+        f"memory:{mems[0]}/w1-s000000000004",
+        "memory:rank0/w1-s000000000004",
+    ]
     for g in got:
-        assert torch.equal(g["state"]["model"]["w"], torch.arange(6.0)) and g["state"]["user"] == {"step": 4}
-    assert torch.equal(got[0]["state"]["rng"]["ranks"][0]["torch"], torch.ones(3))  # the holder keeps its own
+        assert torch.equal(g["state"]["model"]["w"], torch.arange(6.0)) and g["state"]["user"] == {
+            "step": 4
+        }
+    assert torch.equal(
+        got[0]["state"]["rng"]["ranks"][0]["torch"], torch.ones(3)
+    )  # the holder keeps its own
     assert got[1]["state"]["rng"]["ranks"] == [None, None]  # the receiver's is derived by restore()
     assert got[1]["state"]["rng"]["seed"] == derived_base(4, 2)
 
 
 # -- the rules, on what ranks report --------------------------------------------------------------
 
+
 def view(whole=(), own=None, local=0, disk=-1):
     """A rank's report: `whole` its node's (step, lineage) of local rank 0, written by 2 local
     ranks of a 4-rank world; `own` its own slots (local rank 0: the same)."""
     whole = [[s, x, 2, 4] for s, x in whole]
-    own = [[s, x] for s, x in own] if own is not None else [w[:2] for w in whole] if local == 0 else []
+    own = (
+        [[s, x] for s, x in own]
+        if own is not None
+        else [w[:2] for w in whole]
+        if local == 0
+        else []
+    )
     return {"whole": whole, "own": own, "local": local, "disk": disk, "next": 1}
 
 
@@ -202,7 +265,10 @@ def test_choose_takes_the_newest_step_any_node_holds_that_every_rank_can_resume(
     assert c.step == 3
     # ... and at no step at all: nothing (the disk's); a local rank its node never had (it ran
     # 2) has none to keep and takes a derived one
-    assert choose([view(a), view(a, own=[], local=1)]) == (None, "rank 1 lacks its own RNG state at step 6")
+    assert choose([view(a), view(a, own=[], local=1)]) == (
+        None,
+        "rank 1 lacks its own RNG state at step 6",
+    )
     assert choose([view(a), view(a, own=[], local=2)])[0].keepers == (0,)
     # a newer disk checkpoint wins; an equal one does not
     assert choose([view(a, disk=7), view()]) == (None, "disk checkpoint at step 7 is newer")
@@ -215,8 +281,16 @@ def test_choose_never_mixes_a_timeline_a_node_missed():
     # holding 6 and 8 of lineage 7: 8 is of an abandoned timeline, but whole and consistent on its own
     a, b = [(9, 9), (6, 7)], [(8, 7), (6, 7)]
     c, _ = choose([view(a), view(b)])
-    assert (c.step, c.lineage, c.holders, c.keepers) == (9, 9, (0,), (0,))  # B's ranks took no part in 9
+    assert (c.step, c.lineage, c.holders, c.keepers) == (
+        9,
+        9,
+        (0,),
+        (0,),
+    )  # B's ranks took no part in 9
     # the same step number in two lineages: the one more ranks hold, whatever the order
-    for views in ([view([(9, 9)]), view([(9, 7)]), view([(9, 7)])], [view([(9, 7)]), view([(9, 9)]), view([(9, 7)])]):
+    for views in (
+        [view([(9, 9)]), view([(9, 7)]), view([(9, 7)])],
+        [view([(9, 7)]), view([(9, 9)]), view([(9, 7)])],
+    ):
         c, _ = choose(views)
         assert (c.step, c.lineage) == (9, 7) and len(c.holders) == 2

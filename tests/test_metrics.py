@@ -50,19 +50,36 @@ def test_heartbeat_figures_round_trip(tmp_path):
     b = health.read(path)
     assert (b.beats, b.step) == (2, 42)
     assert b.figure("work_steps") == 1 and b.figure("work_total") == pytest.approx(0.3)
-    assert (b.figure("saves"), b.figure("save_stall_total"), b.figure("refresh_every"), b.figure("resumed")) == (
-        1, 0.25, 3, 40)
+    assert (
+        b.figure("saves"),
+        b.figure("save_stall_total"),
+        b.figure("refresh_every"),
+        b.figure("resumed"),
+    ) == (1, 0.25, 3, 40)
     health.mark(path, "state_loaded")
     assert health.read(path).state_loaded > 0 and os.path.getsize(path) == health.SIZE
 
 
 def test_steps_lost_and_goodput():
     f = Figures(started=0.0)
-    f.observe(1, [0, 1], [beat(step=0, beats=1, first=10, last=10), beat(step=0, beats=1, first=10, last=10)], now=10)
-    f.observe(1, [0, 1], [beat(step=57, beats=51, first=10, last=60), beat(step=57, beats=51, first=10.5, last=60)],
-              now=60)
-    f.on_restart(Failure(RestartCause.SIGNAL, "killed by SIGKILL", rank=1), [beat(step=57), beat(step=57)])
-    f.observe(1, [0, 1], [beat(step=57, beats=51, first=10.5, last=60)] * 2, now=60.1)  # the RESTARTING snapshot
+    f.observe(
+        1,
+        [0, 1],
+        [beat(step=0, beats=1, first=10, last=10), beat(step=0, beats=1, first=10, last=10)],
+        now=10,
+    )
+    f.observe(
+        1,
+        [0, 1],
+        [beat(step=57, beats=51, first=10, last=60), beat(step=57, beats=51, first=10.5, last=60)],
+        now=60,
+    )
+    f.on_restart(
+        Failure(RestartCause.SIGNAL, "killed by SIGKILL", rank=1), [beat(step=57), beat(step=57)]
+    )
+    f.observe(
+        1, [0, 1], [beat(step=57, beats=51, first=10.5, last=60)] * 2, now=60.1
+    )  # the RESTARTING snapshot
     assert f.steps_lost_last is None  # the old attempt's beats tell nothing of the resume
     f.observe(2, [], [], now=61)  # torn down
     f.observe(2, [0, 1], [beat(step=50, beats=1, first=70, last=70, resumed=50)] * 2, now=70)
@@ -101,7 +118,10 @@ def test_straggler_rule_needs_the_whole_window_and_reports_once():
         s.observe(1, ranks, beats, now=float(t))
         reported = [kw for name, kw in events if name == "straggler"]
         if t < 5:
-            assert not reported, (t, events)  # slow since t=2 (first seen at t=3): not yet a whole window
+            assert not reported, (
+                t,
+                events,
+            )  # slow since t=2 (first seen at t=3): not yet a whole window
     assert len(reported) == 1 and reported[0]["rank"] == 6 and reported[0]["node"] == "n1"
     assert reported[0]["ratio"] > 1.2 and s.report()[0]["rank"] == 6 and s.reports == 1
     rows = [{"local_rank": i} for i in range(3)]
@@ -110,29 +130,80 @@ def test_straggler_rule_needs_the_whole_window_and_reports_once():
     # a new attempt starts afresh; a threshold of 0 turns the rule off
     s.observe(2, ranks, beats, now=20.0)
     assert not s.report()
-    off = Stragglers(config.build({"entrypoint": "x.py", "straggler_threshold": "0"}, environ={}), "n1",
-                     lambda *a, **k: None, clock=lambda: 0.0)
+    off = Stragglers(
+        config.build({"entrypoint": "x.py", "straggler_threshold": "0"}, environ={}),
+        "n1",
+        lambda *a, **k: None,
+        clock=lambda: 0.0,
+    )
     assert not off.on
 
 
 SNAPSHOT = {
-    "state": "RUNNING", "run_id": "job42", "node": "n1", "group_rank": 0, "group_world_size": 2, "world_size": 4,
-    "round": 2, "restarts": 1, "budget_left": 2, "uptime": 100.0,
-    "restarts_by_cause": {"crash": 1, "signal": 0, "hang": 0, "peer": 0, "node_lost": 0, "scale": 0},
-    "last_failure": {"at": 1.7e9}, "last_recovery": {"torn_down": 0.02, "first_step": 0.3},
+    "state": "RUNNING",
+    "run_id": "job42",
+    "node": "n1",
+    "group_rank": 0,
+    "group_world_size": 2,
+    "world_size": 4,
+    "round": 2,
+    "restarts": 1,
+    "budget_left": 2,
+    "uptime": 100.0,
+    "restarts_by_cause": {
+        "crash": 1,
+        "signal": 0,
+        "hang": 0,
+        "peer": 0,
+        "node_lost": 0,
+        "scale": 0,
+    },
+    "last_failure": {"at": 1.7e9},
+    "last_recovery": {"torn_down": 0.02, "first_step": 0.3},
     "recoveries": {"count": 1, "sum": 0.3, "buckets": [[0.1, 0], [0.5, 1], ["+Inf", 0]]},
     "steps_lost": {"total": 3, "last": 3, "unknown": 0},
-    "goodput": {"ratio": 0.95, "productive_seconds": 95.0, "wall_seconds": 100.0, "lost_seconds": 0.1},
-    "step": 500, "step_time": 0.02, "work_time": 0.015,
-    "checkpoint_costs": {"saves": 5, "stall_seconds_total": 0.1, "write_seconds_total": 0.5,
-                         "last_stall_seconds": 0.02, "last_write_seconds": 0.1},
-    "checkpoint": {"step": 500, "age": 3.0}, "memory_step": 499,
+    "goodput": {
+        "ratio": 0.95,
+        "productive_seconds": 95.0,
+        "wall_seconds": 100.0,
+        "lost_seconds": 0.1,
+    },
+    "step": 500,
+    "step_time": 0.02,
+    "work_time": 0.015,
+    "checkpoint_costs": {
+        "saves": 5,
+        "stall_seconds_total": 0.1,
+        "write_seconds_total": 0.5,
+        "last_stall_seconds": 0.02,
+        "last_write_seconds": 0.1,
+    },
+    "checkpoint": {"step": 500, "age": 3.0},
+    "memory_step": 499,
     "memory_refresh": {"refreshes": 250, "seconds_total": 0.07, "last_seconds": 0.0003, "every": 2},
-    "workers": [{"rank": r, "local_rank": r, "heartbeat_age": 0.01, "rss_bytes": 2**28, "step": 500,
-                 "step_time": 0.02, "work_time": 0.015, "straggler_ratio": 1.0} for r in (0, 1)],
-    "stragglers": [], "straggler_reports": 0, "peers": {"1": 0.4},
-    "health": {"check": "/bin/true", "runs": 3, "failures": 0, "peers_left": [],
-               "last": {"ok": True, "seconds": 0.01, "at": 1.7e9}},
+    "workers": [
+        {
+            "rank": r,
+            "local_rank": r,
+            "heartbeat_age": 0.01,
+            "rss_bytes": 2**28,
+            "step": 500,
+            "step_time": 0.02,
+            "work_time": 0.015,
+            "straggler_ratio": 1.0,
+        }
+        for r in (0, 1)
+    ],
+    "stragglers": [],
+    "straggler_reports": 0,
+    "peers": {"1": 0.4},
+    "health": {
+        "check": "/bin/true",
+        "runs": 3,
+        "failures": 0,
+        "peers_left": [],
+        "last": {"ok": True, "seconds": 0.01, "at": 1.7e9},
+    },
 }
 
 
@@ -142,8 +213,12 @@ def test_every_metric_is_named_by_convention_documented_and_exposed():
     for name, kind, doc, _labels in metrics.METRICS:
         assert re.fullmatch(r"elasticd_[a-z_]+", name) and doc, name
         assert name.endswith("_total") == (kind == "counter"), name
-        assert not re.search(r"_(ms|milliseconds|minutes|hours|kilobytes|megabytes|percent)(_|$)", name), name
-        assert f"`{name}`" in reference, f"docs/metrics-reference.md lacks {name}: run python3 -m elasticd.ops.docs"
+        assert not re.search(
+            r"_(ms|milliseconds|minutes|hours|kilobytes|megabytes|percent)(_|$)", name
+        ), name
+        assert f"`{name}`" in reference, (
+            f"docs/metrics-reference.md lacks {name}: run python3 -m elasticd.ops.docs"
+        )
     text = metrics.generate_latest(_registry(SNAPSHOT)).decode()
     exposed = {f.name for f in text_string_to_metric_families(text)}
     assert {n.removesuffix("_total") for n in names} <= exposed
@@ -154,7 +229,9 @@ def test_every_metric_is_named_by_convention_documented_and_exposed():
         if line.startswith("# HELP "):
             assert len(line.split(" ", 3)) == 4, line  # every metric has a help text
     if shutil.which("promtool"):  # Prometheus' own linter of names, units and help
-        r = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True, timeout=30)
+        r = subprocess.run(
+            ["promtool", "check", "metrics"], input=text, capture_output=True, text=True, timeout=30
+        )
         assert r.returncode == 0, r.stdout + r.stderr
 
 
@@ -166,31 +243,51 @@ def _registry(snapshot):
     return registry
 
 
-@pytest.mark.parametrize("flags, message", [
-    ({"metrics_address": "0.0.0.0:9400"}, "would serve metrics on every interface: give one address"),
-    ({"metrics_address": "[::]:9400"}, "would serve metrics on every interface"),
-    ({"metrics_address": "127.0.0.1"}, "use HOST:PORT"),
-    ({"metrics_address": "127.0.0.1:0"}, "the port must be a number from 1 to 65535"),
-    ({"metrics_address": "::1:9400"}, "write an IPv6 address in brackets"),
-    ({"straggler_action": "restart"}, "use report (restart and exclude-node are not implemented yet)"),
-    ({"straggler_threshold": "-1"}, "straggler_threshold in --straggler-threshold: -1.0 is out of range"),
-    ({"health_check": "'unclosed"}, "is not a command line"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (
+            {"metrics_address": "0.0.0.0:9400"},
+            "would serve metrics on every interface: give one address",
+        ),
+        ({"metrics_address": "[::]:9400"}, "would serve metrics on every interface"),
+        ({"metrics_address": "127.0.0.1"}, "use HOST:PORT"),
+        ({"metrics_address": "127.0.0.1:0"}, "the port must be a number from 1 to 65535"),
+        ({"metrics_address": "::1:9400"}, "write an IPv6 address in brackets"),
+        (
+            {"straggler_action": "restart"},
+            "use report (restart and exclude-node are not implemented yet)",
+        ),
+        (
+            {"straggler_threshold": "-1"},
+            "straggler_threshold in --straggler-threshold: -1.0 is out of range",
+        ),
+        ({"health_check": "'unclosed"}, "is not a command line"),
+    ],
+)
 def test_operability_settings_are_judged(flags, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         config.build({"entrypoint": "x.py", **flags}, environ={})
 
 
 def test_metrics_on_every_interface_needs_the_flag():
-    cfg = config.build({"entrypoint": "x.py", "metrics_address": "0.0.0.0:9400", "metrics_all_interfaces": True},
-                       environ={})
+    cfg = config.build(
+        {"entrypoint": "x.py", "metrics_address": "0.0.0.0:9400", "metrics_all_interfaces": True},
+        environ={},
+    )
     assert config.parse_metrics_address(cfg.metrics_address) == ("0.0.0.0", 9400)
     assert config.parse_metrics_address("[::1]:9400") == ("::1", 9400)
 
 
 def _cli(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "elasticd", *args], capture_output=True, text=True, timeout=60,
-                          cwd=ROOT, env=dict(os.environ, **(env or {})))
+    return subprocess.run(
+        [sys.executable, "-m", "elasticd", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env=dict(os.environ, **(env or {})),
+    )
 
 
 def test_bad_metrics_and_health_flags_exit_2_with_one_line(tmp_path, open_dir):
@@ -204,16 +301,31 @@ def test_bad_metrics_and_health_flags_exit_2_with_one_line(tmp_path, open_dir):
         port = taken.getsockname()[1]
         cases = [
             (["--metrics-address", "0.0.0.0:9400"], "--metrics-all-interfaces"),
-            (["--health-check", "/no/such/check --now"], "'/no/such/check' is not an executable file"),
-            (["--metrics-address", f"127.0.0.1:{port}"], f"--metrics-address 127.0.0.1:{port} cannot be bound here"),
-            (["--metrics-textfile", str(tmp_path / "none" / "m.prom")], "directory " + str(tmp_path / "none")
-             + " does not exist"),
-            (["--metrics-textfile", str(open_dir / "m.prom")], "is writable by other users without the sticky bit"),
+            (
+                ["--health-check", "/no/such/check --now"],
+                "'/no/such/check' is not an executable file",
+            ),
+            (
+                ["--metrics-address", f"127.0.0.1:{port}"],
+                f"--metrics-address 127.0.0.1:{port} cannot be bound here",
+            ),
+            (
+                ["--metrics-textfile", str(tmp_path / "none" / "m.prom")],
+                "directory " + str(tmp_path / "none") + " does not exist",
+            ),
+            (
+                ["--metrics-textfile", str(open_dir / "m.prom")],
+                "is writable by other users without the sticky bit",
+            ),
         ]
         for flags, needle in cases:
             r = _cli(*common, *flags, "tests/scripts/faulty.py")
             lines = [ln for ln in r.stderr.splitlines() if ln.strip() and not ln.startswith("{")]
-            assert r.returncode == 2 and len(lines) == 1 and needle in lines[0], (flags, r.returncode, r.stderr)
+            assert r.returncode == 2 and len(lines) == 1 and needle in lines[0], (
+                flags,
+                r.returncode,
+                r.stderr,
+            )
 
 
 def test_deploy_rules_config_and_dashboard():
@@ -226,14 +338,21 @@ def test_deploy_rules_config_and_dashboard():
     used = set(re.findall(r"elasticd_[a-z_]+", " ".join(exprs) + rules))
     used = {n.removesuffix("_bucket") for n in used}
     assert used and used <= names, used - names
-    for alert in ("ElasticdCrashLoop", "ElasticdGoodputLow", "ElasticdRankStraggling", "ElasticdNodeStraggling",
-                  "ElasticdNodeUnhealthy"):
+    for alert in (
+        "ElasticdCrashLoop",
+        "ElasticdGoodputLow",
+        "ElasticdRankStraggling",
+        "ElasticdNodeStraggling",
+        "ElasticdNodeUnhealthy",
+    ):
         assert f"alert: {alert}" in rules
     if not shutil.which("promtool"):
         pytest.skip("promtool is not installed (Debian's prometheus package; .ci/run installs it)")
-    for args in (["check", "rules", str(DEPLOY / "prometheus" / "elasticd-alerts.yml")],
-                 ["check", "config", str(DEPLOY / "prometheus" / "prometheus.yml")],
-                 ["test", "rules", str(DEPLOY / "prometheus" / "elasticd-alerts.test.yml")]):
+    for args in (
+        ["check", "rules", str(DEPLOY / "prometheus" / "elasticd-alerts.yml")],
+        ["check", "config", str(DEPLOY / "prometheus" / "prometheus.yml")],
+        ["test", "rules", str(DEPLOY / "prometheus" / "elasticd-alerts.test.yml")],
+    ):
         r = subprocess.run(["promtool", *args], capture_output=True, text=True, timeout=60)
         assert r.returncode == 0, r.stdout + r.stderr
 
@@ -247,15 +366,22 @@ def test_gpu_check_passes_without_a_gpu_and_fails_on_a_sick_one(tmp_path):
     r = subprocess.run([check], capture_output=True, text=True, timeout=30, env={"PATH": bare})
     assert r.returncode == 0 and r.stdout.strip().splitlines()[-1].startswith("no GPU"), r
     fake = tmp_path / "nvidia-smi"
-    fake.write_text('#!/bin/sh\necho "0, 00000000:01:00.0, 0, No, No, 41"\n'
-                    'echo "1, 00000000:41:00.0, 2, No, [N/A], 50"\n')
+    fake.write_text(
+        '#!/bin/sh\necho "0, 00000000:01:00.0, 0, No, No, 41"\n'
+        'echo "1, 00000000:41:00.0, 2, No, [N/A], 50"\n'
+    )
     fake.chmod(0o755)
     os.symlink(fake, os.path.join(bare, "nvidia-smi"))
     r = subprocess.run([check], capture_output=True, text=True, timeout=30, env={"PATH": bare})
     assert r.returncode == 1 and "GPU 1 (00000000:41:00.0): 2 uncorrected ECC errors" in r.stdout, r
     fake.write_text('#!/bin/sh\necho "0, 00000000:01:00.0, 0, No, No, 41"\n')
-    r = subprocess.run([check], capture_output=True, text=True, timeout=30,
-                       env={"PATH": bare, "ELASTICD_EXPECTED_GPUS": "1"})
+    r = subprocess.run(
+        [check],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={"PATH": bare, "ELASTICD_EXPECTED_GPUS": "1"},
+    )
     assert r.returncode == 0 and r.stdout.strip() == "1 GPU(s) healthy", r
 
 
@@ -266,8 +392,10 @@ def test_health_check_results(tmp_path):
     from elasticd.ops.healthcheck import HealthCheck
 
     def run(command: str, timeout: str = "10"):
-        cfg = config.build({"entrypoint": "x.py", "health_check": command, "health_check_timeout": timeout},
-                           environ={})
+        cfg = config.build(
+            {"entrypoint": "x.py", "health_check": command, "health_check_timeout": timeout},
+            environ={},
+        )
         events = []
         check = HealthCheck(cfg, "token", lambda name, **kw: events.append(name), wake=lambda: None)
         check.begin()
@@ -277,10 +405,19 @@ def test_health_check_results(tmp_path):
         return check.take(), check, events
 
     ok, check, events = run("sh -c 'echo checking; echo fine'")
-    assert ok.ok and ok.output == "fine" and events == ["health_check_passed"] and check.report()["state"] == "passing"
+    assert (
+        ok.ok
+        and ok.output == "fine"
+        and events == ["health_check_passed"]
+        and check.report()["state"] == "passing"
+    )
     bad, check, events = run("sh -c 'echo checking; printf \"GPU 2: \\033[31mhot\\n\"; exit 4'")
     assert not bad.ok and bad.reason.endswith("exited 4: GPU 2: \\x1b[31mhot"), bad  # escaped
-    assert events == ["health_check_failed"] and check.report()["state"] == "failing" and check.failures == 1
+    assert (
+        events == ["health_check_failed"]
+        and check.report()["state"] == "failing"
+        and check.failures == 1
+    )
     marker = tmp_path / "grandchild"
     slow, _, _ = run(f"sh -c 'sleep 30 & echo $! > {marker}; wait'", timeout="0.5")
     assert not slow.ok and "timed out after 0.5s" in slow.reason

@@ -40,7 +40,9 @@ def scrapes(port: int) -> bool:
         return False
 
 
-def idle_connections(port: int, n: int = IDLE, strict: bool = True, within: float = 5.0) -> list[socket.socket]:
+def idle_connections(
+    port: int, n: int = IDLE, strict: bool = True, within: float = 5.0
+) -> list[socket.socket]:
     """`n` connections opened at once (non-blocking, as an attacker would: one after the other,
     a server whose accept queue is full costs a SYN resent a second later each) that never send
     a request. Those not connected `within` seconds fail the test, or (not `strict`) are left out."""
@@ -65,7 +67,9 @@ def idle_connections(port: int, n: int = IDLE, strict: bool = True, within: floa
     close_all([*pending, *failed])
     if strict and len(conns) < n:
         close_all(conns)
-        raise AssertionError(f"{len(conns)} of {n} connections to the metrics port connected within {within:g} s")
+        raise AssertionError(
+            f"{len(conns)} of {n} connections to the metrics port connected within {within:g} s"
+        )
     for s in conns:
         s.setblocking(True)
     return conns
@@ -153,13 +157,19 @@ def test_metrics_server_caps_connections_evicts_idle_ones_and_drops_slowloris():
                 time.sleep(0.25)
         dropped_after = time.monotonic() - t0
         trickle.close()
-        assert metrics.REQUEST_TIMEOUT - 0.5 < dropped_after < metrics.REQUEST_TIMEOUT + 2, dropped_after
+        assert metrics.REQUEST_TIMEOUT - 0.5 < dropped_after < metrics.REQUEST_TIMEOUT + 2, (
+            dropped_after
+        )
 
         slow["on"] = True
-        busy = [threading.Thread(target=lambda: scrapes(port)) for _ in range(metrics.MAX_CONNECTIONS)]
+        busy = [
+            threading.Thread(target=lambda: scrapes(port)) for _ in range(metrics.MAX_CONNECTIONS)
+        ]
         for t in busy:
             t.start()
-        wait_until(lambda: len(serving) == metrics.MAX_CONNECTIONS, 10, what="every slot serving a scrape")
+        wait_until(
+            lambda: len(serving) == metrics.MAX_CONNECTIONS, 10, what="every slot serving a scrape"
+        )
         extra = socket.create_connection(("127.0.0.1", port), timeout=5)
         extra.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
         t0 = time.monotonic()
@@ -182,7 +192,12 @@ def _hold_idle(port: int, pid: int) -> dict:
         with open(f"/proc/{pid}/status") as f:
             threads = next(int(line.split()[1]) for line in f if line.startswith("Threads:"))
         text, took = scrape(port)
-        return {"connected": len(conns), "threads": threads, "scraped": 'elasticd_state{node=' in text, "took": took}
+        return {
+            "connected": len(conns),
+            "threads": threads,
+            "scraped": "elasticd_state{node=" in text,
+            "took": took,
+        }
     finally:
         close_all(conns)
 
@@ -192,9 +207,18 @@ def test_idle_connections_to_the_metrics_port_cost_the_daemon_bounded_threads(da
     from harness import as_user
 
     port = free_port()
-    d = daemons(script("silent.py"), "--nproc-per-node", "1", *FAST, "--metrics-address", f"127.0.0.1:{port}",
-                args=["60"])
-    wait_until(lambda: d.worker_pids() and scrapes(port), 60, what="the daemon running and serving metrics")
+    d = daemons(
+        script("silent.py"),
+        "--nproc-per-node",
+        "1",
+        *FAST,
+        "--metrics-address",
+        f"127.0.0.1:{port}",
+        args=["60"],
+    )
+    wait_until(
+        lambda: d.worker_pids() and scrapes(port), 60, what="the daemon running and serving metrics"
+    )
     threads = psutil.Process(d.pid).num_threads()
     got = as_user(65534, _hold_idle, port, d.pid, timeout=60)
     assert got.get("connected") == IDLE, got
@@ -211,15 +235,26 @@ def test_a_worker_killed_while_file_descriptors_are_scarce_restarts_and_the_job_
     open to its metrics port and more keep coming, and a worker is SIGKILLed: the job restarts
     and exits 0, without a traceback."""
     port = free_port()
-    d = daemons(script("ops_train.py"), "--nproc-per-node", "2", *FAST, "--metrics-address", f"127.0.0.1:{port}",
-                args=["--steps", "250", "--step-time", "0.03", "--checkpoint-every", "10"],
-                prefix=("prlimit", "--nofile=128:128", "--"))
+    d = daemons(
+        script("ops_train.py"),
+        "--nproc-per-node",
+        "2",
+        *FAST,
+        "--metrics-address",
+        f"127.0.0.1:{port}",
+        args=["--steps", "250", "--step-time", "0.03", "--checkpoint-every", "10"],
+        prefix=("prlimit", "--nofile=128:128", "--"),
+    )
     d.wait_for_step(1, 3, timeout=60)
-    conns = idle_connections(port, strict=False)  # all of them, once capped (else until it has no fd left)
+    conns = idle_connections(
+        port, strict=False
+    )  # all of them, once capped (else until it has no fd left)
     pressure = Pressure(port)
     try:
         pids = d.worker_pids()
-        assert 1 in pids and d.proc.poll() is None, d.stderr()[-3000:]  # the job still runs: kill a worker
+        assert 1 in pids and d.proc.poll() is None, d.stderr()[
+            -3000:
+        ]  # the job still runs: kill a worker
         os.kill(pids[1], signal.SIGKILL)
         assert d.wait(60) == 0, d.stderr()[-3000:]
     finally:
@@ -258,7 +293,9 @@ for fd in held:
     os.close(fd)
 print(json.dumps({{"stuck": stuck, "exit": w.exit_code}}))
 """
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30, cwd=ROOT)
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=30, cwd=ROOT
+    )
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-3000:]
     result = json.loads(r.stdout.strip().splitlines()[-1])
     assert result == {"stuck": [], "exit": -signal.SIGTERM}, result

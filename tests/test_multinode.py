@@ -14,7 +14,16 @@ import psutil
 
 from harness import script, secret_flags, wait_until
 
-FAST = ("--restart-grace", "1", "--stop-grace", "3", "--peer-timeout", "3", "--last-call-timeout", "0.5")
+FAST = (
+    "--restart-grace",
+    "1",
+    "--stop-grace",
+    "3",
+    "--peer-timeout",
+    "3",
+    "--last-call-timeout",
+    "0.5",
+)
 
 
 def free_port() -> int:
@@ -24,19 +33,39 @@ def free_port() -> int:
 
 
 def node_flags(port: int, nnodes: str, job: str = "job", secret: bool = True) -> tuple[str, ...]:
-    return ("--nnodes", nnodes, "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", job, *FAST,
-            *(secret_flags() if secret else ()))
+    return (
+        "--nnodes",
+        nnodes,
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        job,
+        *FAST,
+        *(secret_flags() if secret else ()),
+    )
 
 
 def state_times(d, new: str) -> list[float]:
-    return [datetime.fromisoformat(e["timestamp"].replace("Z", "+00:00")).timestamp()
-            for e in d.events() if e.get("event") == "state" and e.get("new") == new]
+    return [
+        datetime.fromisoformat(e["timestamp"].replace("Z", "+00:00")).timestamp()
+        for e in d.events()
+        if e.get("event") == "state" and e.get("new") == new
+    ]
 
 
 def test_two_nodes_complete_with_world_size_4(daemons):
     port = free_port()
-    nodes = [daemons(script("ddp_tutorial.py"), "--nproc-per-node", "2", *node_flags(port, "2"), name=f"n{i}",
-                     args=["--steps", "8"]) for i in range(2)]
+    nodes = [
+        daemons(
+            script("ddp_tutorial.py"),
+            "--nproc-per-node",
+            "2",
+            *node_flags(port, "2"),
+            name=f"n{i}",
+            args=["--steps", "8"],
+        )
+        for i in range(2)
+    ]
     for n in nodes:
         assert n.wait(120) == 0, n.stderr()[-3000:]
     out = nodes[0].stdout() + nodes[1].stdout()
@@ -47,9 +76,25 @@ def test_two_nodes_complete_with_world_size_4(daemons):
 def test_worker_kill_on_non_host_restarts_every_node(daemons, tmp_path):
     port = free_port()
     args = ["--steps", "40", "--step-time", "0.05", "--snapshot", str(tmp_path / "snap.pt")]
-    host = daemons(script("ddp_tutorial.py"), "--nproc-per-node", "2", *node_flags(port, "2"), name="host", args=args)
-    other = daemons(script("ddp_tutorial.py"), "--nproc-per-node", "2", *node_flags(port, "2"), name="other", args=args)
-    ranks = wait_until(lambda: other.worker_pids() if len(other.worker_pids()) == 2 else None, 60, what="workers")
+    host = daemons(
+        script("ddp_tutorial.py"),
+        "--nproc-per-node",
+        "2",
+        *node_flags(port, "2"),
+        name="host",
+        args=args,
+    )
+    other = daemons(
+        script("ddp_tutorial.py"),
+        "--nproc-per-node",
+        "2",
+        *node_flags(port, "2"),
+        name="other",
+        args=args,
+    )
+    ranks = wait_until(
+        lambda: other.worker_pids() if len(other.worker_pids()) == 2 else None, 60, what="workers"
+    )
     victim_rank = max(ranks)
     other.wait_for_step(victim_rank, 4, timeout=60)
     os.kill(ranks[victim_rank], signal.SIGKILL)
@@ -62,24 +107,58 @@ def test_worker_kill_on_non_host_restarts_every_node(daemons, tmp_path):
     t_fail, t_peer = state_times(other, "RESTARTING")[0], state_times(host, "RESTARTING")[0]
     print(f"restart propagation: {t_peer - t_fail:.3f}s")
     assert t_peer - t_fail < 1.5
-    assert "peer asked for restart" in [e for e in host.events() if e.get("new") == "RESTARTING"][0]["cause"]
+    assert (
+        "peer asked for restart"
+        in [e for e in host.events() if e.get("new") == "RESTARTING"][0]["cause"]
+    )
 
 
 def test_lost_node_job_continues_smaller(daemons, tmp_path):
     port = free_port()
     args = ["--steps", "60", "--step-time", "0.05", "--snapshot", str(tmp_path / "snap.pt")]
-    host = daemons(script("ddp_tutorial.py"), "--nproc-per-node", "2", "--max-restarts", "3",
-                   *node_flags(port, "1:2"), name="host", args=args)
-    wait_until(lambda: any(e.get("event") == "rendezvous_store" for e in host.events()), 60, what="the store")
-    assert [e["hosted_here"] for e in host.events() if e.get("event") == "rendezvous_store"] == [True]
-    other = daemons(script("ddp_tutorial.py"), "--nproc-per-node", "2", "--max-restarts", "3",
-                    *node_flags(port, "1:2"), name="other", args=args)
+    host = daemons(
+        script("ddp_tutorial.py"),
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "3",
+        *node_flags(port, "1:2"),
+        name="host",
+        args=args,
+    )
+    wait_until(
+        lambda: any(e.get("event") == "rendezvous_store" for e in host.events()),
+        60,
+        what="the store",
+    )
+    assert [e["hosted_here"] for e in host.events() if e.get("event") == "rendezvous_store"] == [
+        True
+    ]
+    other = daemons(
+        script("ddp_tutorial.py"),
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "3",
+        *node_flags(port, "1:2"),
+        name="other",
+        args=args,
+    )
     # a step of the other node's rank is a step of both nodes (DDP): the host may have resumed
     # its round from a snapshot past any given step number, so none is waited for
-    wait_until(lambda: len(other.worker_pids()) == 2 and re.search(r"^step \d+", other.all_logs(), re.M)
-               and "world_size" not in host.stdout(), 60, what="both nodes training together")
+    wait_until(
+        lambda: (
+            len(other.worker_pids()) == 2
+            and re.search(r"^step \d+", other.all_logs(), re.M)
+            and "world_size" not in host.stdout()
+        ),
+        60,
+        what="both nodes training together",
+    )
     # the other node, beating (a round's first snapshot comes before its first look at the peers)
-    peers = wait_until(lambda: json.loads(host.status("--json").stdout)["peers"], 10, what="the peer in status")
+    peers = wait_until(
+        lambda: json.loads(host.status("--json").stdout)["peers"], 10, what="the peer in status"
+    )
     assert len(peers) == 1 and 0 <= list(peers.values())[0] < 3, peers
     assert "peer nodes (group rank: last beat) " in host.status().stdout
     other.kill(signal.SIGKILL)
@@ -94,7 +173,9 @@ def test_joining_node_grows_the_job(daemons, tmp_path):
     flags = ("--nproc-per-node", "2", "--max-restarts", "0", *node_flags(port, "2:3"))
     a = daemons(script("ddp_tutorial.py"), *flags, name="a", args=args)
     b = daemons(script("ddp_tutorial.py"), *flags, name="b", args=args)
-    wait_until(lambda: re.search(r"^step 5\b", a.all_logs(), re.M), 90, what="the 2-node job to train")
+    wait_until(
+        lambda: re.search(r"^step 5\b", a.all_logs(), re.M), 90, what="the 2-node job to train"
+    )
     c = daemons(script("ddp_tutorial.py"), *flags, name="c", args=args)
     for n in (a, b, c):
         assert n.wait(150) == 0, n.stderr()[-3000:]
@@ -110,8 +191,18 @@ def test_unreachable_endpoint_fails_clearly_within_join_timeout(daemons):
         blocker.bind(("127.0.0.1", 0))
         port = blocker.getsockname()[1]
         t0 = time.monotonic()
-        d = daemons(script("faulty.py"), "--nproc-per-node", "1", "--nnodes", "2",
-                    "--rdzv-endpoint", f"127.0.0.1:{port}", "--join-timeout", "3", *secret_flags())
+        d = daemons(
+            script("faulty.py"),
+            "--nproc-per-node",
+            "1",
+            "--nnodes",
+            "2",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{port}",
+            "--join-timeout",
+            "3",
+            *secret_flags(),
+        )
         assert d.wait(60) == 1
         assert time.monotonic() - t0 < 3 + 10
     assert f"cannot reach the rendezvous store at 127.0.0.1:{port} within 3s" in d.stderr()
@@ -120,14 +211,23 @@ def test_unreachable_endpoint_fails_clearly_within_join_timeout(daemons):
 def test_restart_budget_is_per_job(daemons):
     port = free_port()
     flags = ("--nproc-per-node", "1", "--max-restarts", "2", *node_flags(port, "2"))
-    args = ["--steps", "5", "--rank", "1", "--raise-at", "2"]  # rank 1 (the second node) fails every time
+    args = [
+        "--steps",
+        "5",
+        "--rank",
+        "1",
+        "--raise-at",
+        "2",
+    ]  # rank 1 (the second node) fails every time
     a = daemons(script("faulty.py"), *flags, name="a", args=args)
     b = daemons(script("faulty.py"), *flags, name="b", args=args)
     assert a.wait(120) == 1 and b.wait(120) == 1
     for n in (a, b):
         assert "injected failure at step 2" in n.stderr(), n.stderr()[-2000:]
     runs = sum(len(n.attempt_dirs()) for n in (a, b))
-    assert runs == 2 * 3  # the first attempt plus 2 restarts, on each node: 2 restarts for the whole job
+    assert (
+        runs == 2 * 3
+    )  # the first attempt plus 2 restarts, on each node: 2 restarts for the whole job
 
 
 def test_node_waiting_for_its_spares_keeps_beating_for_its_peers(daemons):
@@ -137,16 +237,24 @@ def test_node_waiting_for_its_spares_keeps_beating_for_its_peers(daemons):
     port = free_port()
     flags = ("--nproc-per-node", "2", "--max-restarts", "0", *node_flags(port, "2"))
     fast = daemons(script("ddp_tutorial.py"), *flags, name="fast", args=["--steps", "8"])
-    slow = daemons(script("ddp_tutorial.py"), *flags, "--preload", "slow_import", name="slow",
-                   args=["--steps", "8"],
-                   env={"PYTHONPATH": os.path.dirname(script("slow_import.py")), "SLOW_IMPORT_SECONDS": "12"})
+    slow = daemons(
+        script("ddp_tutorial.py"),
+        *flags,
+        "--preload",
+        "slow_import",
+        name="slow",
+        args=["--steps", "8"],
+        env={"PYTHONPATH": os.path.dirname(script("slow_import.py")), "SLOW_IMPORT_SECONDS": "12"},
+    )
     for n in (fast, slow):
         assert n.wait(120) == 0, n.stderr()[-3000:]
     # the slow node started its workers more than a peer timeout after the fast one, all the while
     # in the round, and no node took the other for dead (a lost peer restarts the job)
     assert state_times(slow, "RUNNING")[0] - state_times(fast, "RUNNING")[0] > 3
     for n in (fast, slow):
-        assert len(state_times(n, "RUNNING")) == 1 and not state_times(n, "RESTARTING"), n.stderr()[-3000:]
+        assert len(state_times(n, "RUNNING")) == 1 and not state_times(n, "RESTARTING"), n.stderr()[
+            -3000:
+        ]
 
 
 def test_store_host_killed_peer_stops_its_workers_with_one_line(daemons):
@@ -154,21 +262,49 @@ def test_store_host_killed_peer_stops_its_workers_with_one_line(daemons):
     one line naming the lost store, within --peer-timeout; no Python or C++ stack on its stderr."""
     port = free_port()
     args = ["--steps", "400", "--step-time", "0.05"]
-    host = daemons(script("ddp_tutorial.py"), "--nproc-per-node", "1", *node_flags(port, "1:2"), name="host", args=args)
-    wait_until(lambda: any(e.get("event") == "rendezvous_store" for e in host.events()), 60, what="the store")
-    other = daemons(script("ddp_tutorial.py"), "--nproc-per-node", "1", *node_flags(port, "1:2"), name="other",
-                    args=args)
-    pids = wait_until(lambda: other.worker_pids() if re.search(r"^step \d+", other.all_logs(), re.M) else None,
-                      60, what="both nodes training")
+    host = daemons(
+        script("ddp_tutorial.py"),
+        "--nproc-per-node",
+        "1",
+        *node_flags(port, "1:2"),
+        name="host",
+        args=args,
+    )
+    wait_until(
+        lambda: any(e.get("event") == "rendezvous_store" for e in host.events()),
+        60,
+        what="the store",
+    )
+    other = daemons(
+        script("ddp_tutorial.py"),
+        "--nproc-per-node",
+        "1",
+        *node_flags(port, "1:2"),
+        name="other",
+        args=args,
+    )
+    pids = wait_until(
+        lambda: other.worker_pids() if re.search(r"^step \d+", other.all_logs(), re.M) else None,
+        60,
+        what="both nodes training",
+    )
     t0 = time.time()
     host.kill()
     assert other.wait(30) == 1
     err = other.stderr()
     failed = state_times(other, "FAILED")
-    assert failed and failed[0] - t0 < 3, (failed, t0)  # --peer-timeout 3 (FAST): known lost, workers stopped
+    assert failed and failed[0] - t0 < 3, (
+        failed,
+        t0,
+    )  # --peer-timeout 3 (FAST): known lost, workers stopped
     assert "Traceback" not in err and "frame #" not in err, err[-3000:]
     last = err.strip().splitlines()[-1]
-    assert last.startswith("elasticd: job failed") and f"lost the rendezvous store at 127.0.0.1:{port}" in last, last
-    assert not [p for p in pids.values() if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+    assert (
+        last.startswith("elasticd: job failed")
+        and f"lost the rendezvous store at 127.0.0.1:{port}" in last
+    ), last
+    assert not [
+        p for p in pids.values() if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"
+    ]
     non_json = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith("{")]
     assert non_json == [last], non_json  # torch's own warnings came as JSON events too

@@ -29,23 +29,50 @@ LOADED_MARGIN = 1.5  # what a loaded 2-core CI machine may add on top
 
 
 def _start_store(net, i: int = 0) -> subprocess.Popen:
-    proc = subprocess.Popen([*net.prefix(i), sys.executable, script("store_server.py"), net.addr(i), str(PORT)],
-                            stdout=subprocess.PIPE, text=True, env=dict(os.environ, ELASTICD_TEST_SESSION=SESSION))
+    proc = subprocess.Popen(
+        [*net.prefix(i), sys.executable, script("store_server.py"), net.addr(i), str(PORT)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, ELASTICD_TEST_SESSION=SESSION),
+    )
     assert proc.stdout.readline().strip() == "serving"
     return proc
 
 
 def _nodes(daemons, net, names, steps: int, delay: float = 0.02, extra=()):
-    flags = ("--nproc-per-node", "1", "--nnodes", f"1:{len(names)}", "--rdzv-endpoint", f"{net.addr(0)}:{PORT}",
-             "--rdzv-id", "job", "--last-call-timeout", "60", *secret_flags(), *extra)  # the first round waits for all
+    flags = (
+        "--nproc-per-node",
+        "1",
+        "--nnodes",
+        f"1:{len(names)}",
+        "--rdzv-endpoint",
+        f"{net.addr(0)}:{PORT}",
+        "--rdzv-id",
+        "job",
+        "--last-call-timeout",
+        "60",
+        *secret_flags(),
+        *extra,
+    )  # the first round waits for all
     env = {"GLOO_SOCKET_IFNAME": DEV}
     started = []
     for k, name in enumerate(names):
-        started.append(daemons(script("node_train.py"), *flags, name=name, args=[str(steps), str(delay)], env=env,
-                               prefix=net.prefix(k + 1)))
+        started.append(
+            daemons(
+                script("node_train.py"),
+                *flags,
+                name=name,
+                args=[str(steps), str(delay)],
+                env=env,
+                prefix=net.prefix(k + 1),
+            )
+        )
         # the first node arrives first and so takes group rank 0
-        wait_until(lambda d=started[-1]: any(e.get("event") == "rendezvous_store" for e in d.events()), 60,
-                   what=f"{name} at the store")
+        wait_until(
+            lambda d=started[-1]: any(e.get("event") == "rendezvous_store" for e in d.events()),
+            60,
+            what=f"{name} at the store",
+        )
     return started
 
 
@@ -54,9 +81,18 @@ STEP = re.compile(r"^step (\d+) world (\d+) t ([\d.]+) epoch (\d+) samples ([\d,
 
 def steps(d, attempt: int | None = None) -> list[tuple[int, int, float, int, list[int]]]:
     """(step, world, wall time, epoch, samples) of every step a node's workers printed in an attempt."""
-    text = d.all_logs() if attempt is None else "".join(
-        p.read_text(errors="replace") for p in sorted((d.run_dir() / f"attempt{attempt}").glob("rank*.log")))
-    return [(int(a), int(w), float(t), int(e), [int(x) for x in s.split(",")]) for a, w, t, e, s in STEP.findall(text)]
+    text = (
+        d.all_logs()
+        if attempt is None
+        else "".join(
+            p.read_text(errors="replace")
+            for p in sorted((d.run_dir() / f"attempt{attempt}").glob("rank*.log"))
+        )
+    )
+    return [
+        (int(a), int(w), float(t), int(e), [int(x) for x in s.split(",")])
+        for a, w, t, e, s in STEP.findall(text)
+    ]
 
 
 def holds_rank0(d) -> bool:
@@ -83,7 +119,9 @@ def _when(event: dict) -> float:
 
 
 @pytest.mark.parametrize("lose_rank0", [False, True], ids=["other-node", "rank0-node"])
-def test_killed_node_survivor_steps_again_within_seconds_and_loses_at_most_a_refresh(daemons, netns, lose_rank0):
+def test_killed_node_survivor_steps_again_within_seconds_and_loses_at_most_a_refresh(
+    daemons, netns, lose_rank0
+):
     net = netns(3, subnet=30 + lose_rank0)
     store = _start_store(net)
     try:
@@ -95,23 +133,36 @@ def test_killed_node_survivor_steps_again_within_seconds_and_loses_at_most_a_ref
         before = max(s for s, *_ in steps(survivor, attempt))
         t_kill = time.time()
         victim.kill()  # SIGKILL of the daemon: its guard takes the workers with it
-        first = wait_until(lambda: stepping_alone(survivor, t_kill), 30, what="the survivor stepping alone")
+        first = wait_until(
+            lambda: stepping_alone(survivor, t_kill), 30, what="the survivor stepping alone"
+        )
         recovery = first[2] - t_kill
         last_before = max(s for s, *_ in steps(survivor, attempt))
         lost = last_before - resumed_at(survivor)
-        print(f"node lost (rank 0: {lose_rank0}): survivor stepping again {recovery:.2f}s after the kill, "
-              f"{lost} step(s) lost (killed after step {before}-{last_before})")
+        print(
+            f"node lost (rank 0: {lose_rank0}): survivor stepping again {recovery:.2f}s after the kill, "
+            f"{lost} step(s) lost (killed after step {before}-{last_before})"
+        )
         assert recovery < RECOVERY_GOAL + LOADED_MARGIN, recovery
-        assert 0 <= lost <= 2, (last_before, resumed_at(survivor))  # the in-memory cadence is one step here
+        assert 0 <= lost <= 2, (
+            last_before,
+            resumed_at(survivor),
+        )  # the in-memory cadence is one step here
         assert survivor.wait(120) == 0, survivor.stderr()[-3000:]
         events = survivor.events()
         assert [e for e in events if e.get("event") == "nodes_lost"], "the lost node was not named"
-        assert all(e.get("restarts", 0) == 0 for e in events if e.get("new") == "SUCCEEDED")  # no budget spent
+        assert all(
+            e.get("restarts", 0) == 0 for e in events if e.get("new") == "SUCCEEDED"
+        )  # no budget spent
         # every sample of the first epoch seen exactly once: steps up to the resume point on both
         # nodes (what the lost node trained past it was lost with it), then the survivor's
         resume = resumed_at(survivor)
-        seen = [i for s, _, _, e, idx in steps(victim) + steps(survivor, attempt) if e == 0 and s <= resume
-                for i in idx]
+        seen = [
+            i
+            for s, _, _, e, idx in steps(victim) + steps(survivor, attempt)
+            if e == 0 and s <= resume
+            for i in idx
+        ]
         seen += [i for s, w, _, e, idx in steps(survivor) if e == 0 and w == 1 for i in idx]
         assert sorted(seen) == list(range(1024)), (len(seen), len(set(seen)))
     finally:
@@ -132,14 +183,30 @@ def test_partitioned_node_stops_its_workers_and_rejoins_when_healed(daemons, net
         print(f"partition: a stepping again {first[2] - t_cut:.2f}s after the cut")
         assert first[2] - t_cut < RECOVERY_GOAL + LOADED_MARGIN
         # b: within --peer-timeout (10 s) it knows it is cut off, says so, and stops its workers
-        said = wait_until(lambda: [e for e in b.events() if e.get("event") == "store_unreachable"], 10 + 5 + 5,
-                          what="b saying it cannot reach the store")
+        said = wait_until(
+            lambda: [e for e in b.events() if e.get("event") == "store_unreachable"],
+            10 + 5 + 5,
+            what="b saying it cannot reach the store",
+        )
         assert "cannot reach the rendezvous store" in said[0]["why"]
-        wait_until(lambda: not [p for p in pids.values() if psutil.pid_exists(p)
-                                and psutil.Process(p).status() != psutil.STATUS_ZOMBIE], 15, what="b's workers gone")
+        wait_until(
+            lambda: (
+                not [
+                    p
+                    for p in pids.values()
+                    if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+                ]
+            ),
+            15,
+            what="b's workers gone",
+        )
         t_heal = time.time()
         net.heal(2)
-        wait_until(lambda: any(w == 2 and t > t_heal for _, w, t, *_ in steps(a)), 60, what="both training again")
+        wait_until(
+            lambda: any(w == 2 and t > t_heal for _, w, t, *_ in steps(a)),
+            60,
+            what="both training again",
+        )
         for d in (a, b):
             d.proc.send_signal(signal.SIGTERM)
         for d in (a, b):
@@ -163,15 +230,24 @@ def test_slow_nodes_are_never_taken_for_lost(daemons, netns):
         os.kill(b.pid, signal.SIGSTOP)
         time.sleep(5)
         os.kill(b.pid, signal.SIGCONT)
-        hogs = [subprocess.Popen([*net.prefix(2), sys.executable, "-c", "while True: pass"],
-                                 env=dict(os.environ, ELASTICD_TEST_SESSION=SESSION)) for _ in range(3)]
+        hogs = [
+            subprocess.Popen(
+                [*net.prefix(2), sys.executable, "-c", "while True: pass"],
+                env=dict(os.environ, ELASTICD_TEST_SESSION=SESSION),
+            )
+            for _ in range(3)
+        ]
         time.sleep(5)
         for h in hogs:
             h.kill()
         t = time.time()
-        wait_until(lambda: any(w == 2 and tt > t + 1 for _, w, tt, *_ in steps(a)), 30, what="training on")
+        wait_until(
+            lambda: any(w == 2 and tt > t + 1 for _, w, tt, *_ in steps(a)), 30, what="training on"
+        )
         for d in (a, b):
-            restarts = [e for e in d.events() if e.get("new") == "RESTARTING" and _when(e) > t_fault]
+            restarts = [
+                e for e in d.events() if e.get("new") == "RESTARTING" and _when(e) > t_fault
+            ]
             assert not restarts, d.stderr()[-3000:]
             d.proc.send_signal(signal.SIGTERM)
         for d in (a, b):

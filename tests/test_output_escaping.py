@@ -24,8 +24,18 @@ def _assert_inert(data: bytes, where: str) -> None:
 
 def test_worker_escape_sequences_and_fake_events_are_shown_escaped(daemons, tmp_path):
     go = tmp_path / "go"
-    d = daemons(script("hostile_output.py"), "--nproc-per-node", "1", "--max-restarts", "1", "--no-warm-spawn",
-                "--restart-grace", "1", args=[str(go)], log_format="console")
+    d = daemons(
+        script("hostile_output.py"),
+        "--nproc-per-node",
+        "1",
+        "--max-restarts",
+        "1",
+        "--no-warm-spawn",
+        "--restart-grace",
+        "1",
+        args=[str(go)],
+        log_format="console",
+    )
     # attempt 0 failed; attempt 1 waits for `go`: the daemon runs with that failure as its last
     wait_until(lambda: "boom" in d.status().stdout, 60, what="status with the failure")
     status = d.status()
@@ -40,8 +50,9 @@ def test_worker_escape_sequences_and_fake_events_are_shown_escaped(daemons, tmp_
     _assert_inert(out, "the daemon's stdout")
     _assert_inert(err, "the daemon's stderr")
     lines = out.decode().splitlines()
-    assert lines and all(ln.startswith("[rank0]: ") for ln in lines), [ln[:80] for ln in lines if
-                                                                       not ln.startswith("[rank0]: ")]
+    assert lines and all(ln.startswith("[rank0]: ") for ln in lines), [
+        ln[:80] for ln in lines if not ln.startswith("[rank0]: ")
+    ]
     for text in (out.decode(), err.decode()):  # the fake event never starts a line of its own
         assert not [ln for ln in text.splitlines() if ln.lstrip().startswith('{"event"')]
     assert "[rank0]: \\x1b[2J\\x1b[H\\x1b]0;pwned title\\x07clear screen and title" in lines
@@ -50,7 +61,9 @@ def test_worker_escape_sequences_and_fake_events_are_shown_escaped(daemons, tmp_
     assert f"[rank0]: {FAKE}" in lines  # after the long line's first piece: a prefix of its own
     assert "[rank0]: raw bytes \\x9b31m \\x1b[31m red" in lines
     final = [ln for ln in err.decode().splitlines() if ln.startswith("elasticd: job failed")]
-    assert len(final) == 1 and f"RuntimeError: \\x1b]0;owned\\x07boom\\x1b[2J\\r\\n{FAKE}" in final[0], final
+    assert (
+        len(final) == 1 and f"RuntimeError: \\x1b]0;owned\\x07boom\\x1b[2J\\r\\n{FAKE}" in final[0]
+    ), final
 
 
 def test_printable_escapes_what_a_terminal_would_interpret():
@@ -70,19 +83,29 @@ def test_tee_prefixes_every_piece_of_a_long_line_and_cuts_between_characters(tmp
     tee.forget([log])
     lines = out.getvalue().splitlines()
     assert len(lines) == 3 and all(ln.startswith("[rank0]: ") for ln in lines)
-    assert "".join(ln[len("[rank0]: "):] for ln in lines) == "é" * workers.MAX_ECHO_LINE + "\\x1b[2J"
+    assert (
+        "".join(ln[len("[rank0]: ") :] for ln in lines) == "é" * workers.MAX_ECHO_LINE + "\\x1b[2J"
+    )
 
 
 def test_error_file_text_is_escaped_cut_short_and_never_breaks_the_daemon(tmp_path):
     path = tmp_path / "rank0.error.json"
     path.write_text('{"message": {"message": "ValueError: \\u001b[2Jx\\ny", "extraInfo": {}}}')
     assert workers.read_error_file(path) == "ValueError: \\x1b[2Jx\\ny"
-    path.write_text('{"message": {"message": "", "extraInfo": {"py_callstack": "a\\nKeyError: \\u009b"}}}')
+    path.write_text(
+        '{"message": {"message": "", "extraInfo": {"py_callstack": "a\\nKeyError: \\u009b"}}}'
+    )
     assert workers.read_error_file(path) == "KeyError: \\x9b"
     path.write_text('{"message": "%s"}' % ("z" * 10000))
     assert len(workers.read_error_file(path)) == workers.MAX_EXCEPTION_TEXT + 3
-    for hostile in ("[" * 100000, "[1, 2]", '{"message": {"extraInfo": "str"}}', '{"message": [1]}',
-                    '{"message": {"message": 5, "extraInfo": {"py_callstack": 7}}}', "\udcff"):
+    for hostile in (
+        "[" * 100000,
+        "[1, 2]",
+        '{"message": {"extraInfo": "str"}}',
+        '{"message": [1]}',
+        '{"message": {"message": 5, "extraInfo": {"py_callstack": 7}}}',
+        "\udcff",
+    ):
         path.write_text(hostile, errors="surrogateescape")
         assert workers.read_error_file(path) is None, hostile
     path.unlink()

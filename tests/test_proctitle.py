@@ -25,15 +25,20 @@ print(json.dumps({"first": first, "again": again, "argv": sys.argv,
 """
 
 
-@pytest.mark.parametrize("script, args", [("/a/long/path/to/some/train.py", ["--lr", "0.1", "--name", "x y"]),
-                                          ("a.py", [])], ids=["padded", "short"])
+@pytest.mark.parametrize(
+    "script, args",
+    [("/a/long/path/to/some/train.py", ["--lr", "0.1", "--name", "x y"]), ("a.py", [])],
+    ids=["padded", "short"],
+)
 def test_title_is_what_torchrun_shows(tmp_path, script, args):
     (tmp_path / "show_title.py").write_text(SHOW)
     shown = proctitle.title(script, args)
     assert shown == [sys.executable, "-u", script, *args]
     command = proctitle.command("show_title", shown)
     got = _run_in(tmp_path, command, shown)
-    assert got["first"] is True and got["again"] is False  # once only: the area is no longer the original
+    assert (
+        got["first"] is True and got["again"] is False
+    )  # once only: the area is no longer the original
     assert got["argv"][1:] == []  # Python's own view is untouched
     if not args:  # the command is longer than the title: one string, as setproctitle(3) writes it
         assert command == [sys.executable, "-m", "show_title"]
@@ -54,15 +59,25 @@ def test_title_longer_than_the_area_is_cut_and_never_runs_past_it(tmp_path):
 
 
 def test_module_title_and_pgrep_finds_the_script(tmp_path):
-    (tmp_path / "show_title.py").write_text(SHOW + "\nimport time; print(flush=True); time.sleep(30)\n")
+    (tmp_path / "show_title.py").write_text(
+        SHOW + "\nimport time; print(flush=True); time.sleep(30)\n"
+    )
     shown = proctitle.title("my_pkg.train_module", ["--epochs", "5"])
     assert shown == [sys.executable, "-u", "-m", "my_pkg.train_module", "--epochs", "5"]
-    proc = subprocess.Popen(proctitle.command("show_title", shown), stdout=subprocess.PIPE, text=True,
-                            env={"SHOWN": json.dumps(shown), "PYTHONPATH": str(tmp_path)})
+    proc = subprocess.Popen(
+        proctitle.command("show_title", shown),
+        stdout=subprocess.PIPE,
+        text=True,
+        env={"SHOWN": json.dumps(shown), "PYTHONPATH": str(tmp_path)},
+    )
     try:
         assert proc.stdout is not None and proc.stdout.readline()
-        found = subprocess.run(["pgrep", "-f", "my_pkg.train_module --epochs 5"], capture_output=True,
-                               text=True, timeout=10).stdout.split()
+        found = subprocess.run(
+            ["pgrep", "-f", "my_pkg.train_module --epochs 5"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.split()
         assert str(proc.pid) in found
         assert psutil.Process(proc.pid).cmdline() == shown
     finally:
@@ -71,7 +86,12 @@ def test_module_title_and_pgrep_finds_the_script(tmp_path):
 
 
 def _run_in(tmp_path, command: list[str], shown: list[str]) -> dict:
-    out = subprocess.run(command, env={"SHOWN": json.dumps(shown), "PYTHONPATH": str(tmp_path)},
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        command,
+        env={"SHOWN": json.dumps(shown), "PYTHONPATH": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)

@@ -37,8 +37,17 @@ def test_same_indices_as_distributed_sampler(shuffle, drop_last):
     for n in (1, 2, 7, 10, 13, 64):
         for world in (1, 2, 3, 4):
             for seed, epoch in ((0, 0), (5, 3)):
-                ours = samplers(ResumableDistributedSampler, n, world, shuffle=shuffle, seed=seed, drop_last=drop_last)
-                ref = samplers(DistributedSampler, n, world, shuffle=shuffle, seed=seed, drop_last=drop_last)
+                ours = samplers(
+                    ResumableDistributedSampler,
+                    n,
+                    world,
+                    shuffle=shuffle,
+                    seed=seed,
+                    drop_last=drop_last,
+                )
+                ref = samplers(
+                    DistributedSampler, n, world, shuffle=shuffle, seed=seed, drop_last=drop_last
+                )
                 for a, b in zip(ours, ref):
                     a.set_epoch(epoch)
                     b.set_epoch(epoch)
@@ -77,11 +86,15 @@ def test_exact_mid_epoch_resume_same_world(drop_last):
         full.append(list(s))
     consume(first, steps, batch)
     state = first[0].state_dict()
-    assert state["epoch"] == 2 and state["consumed"] == steps * batch * world and state["world_size"] == world
+    assert (
+        state["epoch"] == 2
+        and state["consumed"] == steps * batch * world
+        and state["world_size"] == world
+    )
     assert state == first[1].state_dict()
     again = resume(state, n, world, drop_last=drop_last)
     for r, s in enumerate(again):
-        assert list(s) == full[r][steps * batch:]  # the exact next sample, nothing repeated
+        assert list(s) == full[r][steps * batch :]  # the exact next sample, nothing repeated
         assert len(s) == len(full[r]) - steps * batch
     # The next epoch is a fresh DistributedSampler epoch again.
     ref = samplers(DistributedSampler, n, world, seed=3, drop_last=drop_last)

@@ -21,13 +21,24 @@ from harness import ROOT, script, secret_flags, wait_until
 
 
 def cli(*args, timeout=60):
-    return subprocess.run([sys.executable, "-m", "elasticd", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "elasticd", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+    )
 
 
 def test_status_and_stop_against_a_running_daemon(daemons):
-    d = daemons(script("faulty.py"), "--nproc-per-node", "2", "--stop-grace", "2",
-                args=["--steps", "100000", "--step-time", "0.05"])
+    d = daemons(
+        script("faulty.py"),
+        "--nproc-per-node",
+        "2",
+        "--stop-grace",
+        "2",
+        args=["--steps", "100000", "--step-time", "0.05"],
+    )
     d.wait_for_step(1, 3, timeout=60)
     wait_until(lambda: d.status().returncode == 0, 30, what="status to answer")
     r = d.status()
@@ -50,8 +61,14 @@ def test_status_and_stop_against_a_running_daemon(daemons):
 
 
 def test_stacks_shows_every_workers_threads_and_the_job_goes_on(daemons, tmp_path):
-    d = daemons(script("faulty.py"), "--nproc-per-node", "2", "--stop-grace", "2",
-                args=["--steps", "100000", "--step-time", "0.05"])
+    d = daemons(
+        script("faulty.py"),
+        "--nproc-per-node",
+        "2",
+        "--stop-grace",
+        "2",
+        args=["--steps", "100000", "--step-time", "0.05"],
+    )
     d.wait_for_step(1, 3, timeout=60)
     wait_until(lambda: d.status().returncode == 0, 30, what="status to answer")
     pids = d.worker_pids()
@@ -60,16 +77,32 @@ def test_stacks_shows_every_workers_threads_and_the_job_goes_on(daemons, tmp_pat
     for rank in (0, 1):
         assert f"=== rank {rank} (local rank {rank}, pid {pids[rank]};" in r.stdout, r.stdout
     sections = r.stdout.split("=== rank ")[1:]
-    assert all('faulty.py", line' in sec and "in main" in sec for sec in sections), r.stdout  # where each is now
+    assert all('faulty.py", line' in sec and "in main" in sec for sec in sections), (
+        r.stdout
+    )  # where each is now
     with ThreadPoolExecutor(8) as pool:  # asked at once: one dump answers them together
-        replies = list(pool.map(lambda _: control.request(d.socket, {"version": 1, "command": "stacks"}, timeout=20),
-                                range(8)))
+        replies = list(
+            pool.map(
+                lambda _: control.request(
+                    d.socket, {"version": 1, "command": "stacks"}, timeout=20
+                ),
+                range(8),
+            )
+        )
     assert all(r["ok"] and len(r["stacks"]) == 2 for r in replies)
-    assert len([e for e in d.events() if e.get("event") == "stacks_dumped"]) <= 4  # 1 before, 8 asked: 2 or 3
+    assert (
+        len([e for e in d.events() if e.get("event") == "stacks_dumped"]) <= 4
+    )  # 1 before, 8 asked: 2 or 3
     dumped = json.loads(cli("stacks", "--socket", str(d.socket), "--json").stdout)
-    assert [x["rank"] for x in dumped] == [0, 1] and all("thread 0x" in x["text"].lower() for x in dumped)
-    assert all('faulty.py", line' in Path(x["path"]).read_text() for x in dumped)  # kept beside the logs
-    d.wait_for_step(1, int(re.findall(r"^step (\d+)", d.log_text(1), re.M)[-1]) + 3, timeout=30)  # trains on
+    assert [x["rank"] for x in dumped] == [0, 1] and all(
+        "thread 0x" in x["text"].lower() for x in dumped
+    )
+    assert all(
+        'faulty.py", line' in Path(x["path"]).read_text() for x in dumped
+    )  # kept beside the logs
+    d.wait_for_step(
+        1, int(re.findall(r"^step (\d+)", d.log_text(1), re.M)[-1]) + 3, timeout=30
+    )  # trains on
     assert d.worker_pids() == pids and [e for e in d.events() if e.get("event") == "stacks_dumped"]
     assert cli("stop", "--socket", str(d.socket), "--timeout", "2").returncode == 0
     assert d.wait(30) == 0
@@ -81,11 +114,28 @@ def test_stacks_before_any_worker_runs_says_so(daemons):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    d = daemons(script("faulty.py"), "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--join-timeout", "60",
-                "--stop-grace", "2", *secret_flags())  # waits for a second node that never comes
-    wait_until(lambda: d.status().returncode == 0 and "RENDEZVOUS" in d.status().stdout, 30, what="rendezvous")
+    d = daemons(
+        script("faulty.py"),
+        "--nnodes",
+        "2",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--join-timeout",
+        "60",
+        "--stop-grace",
+        "2",
+        *secret_flags(),
+    )  # waits for a second node that never comes
+    wait_until(
+        lambda: d.status().returncode == 0 and "RENDEZVOUS" in d.status().stdout,
+        30,
+        what="rendezvous",
+    )
     r = cli("stacks", "--socket", str(d.socket))
-    assert r.returncode == 4 and "no worker is running right now (state RENDEZVOUS)" in r.stderr, (r.stdout, r.stderr)
+    assert r.returncode == 4 and "no worker is running right now (state RENDEZVOUS)" in r.stderr, (
+        r.stdout,
+        r.stderr,
+    )
     assert cli("stop", "--socket", str(d.socket), "--timeout", "2").returncode == 0
     assert d.wait(30) == 0
 
@@ -98,25 +148,64 @@ def test_a_second_job_on_the_node_gets_its_own_socket_and_the_cli_finds_both(tmp
     env["RUNTIME_DIRECTORY"] = str(runtime)  # the default socket directory, as systemd sets it
 
     def cli_here(*args):
-        return subprocess.run([sys.executable, "-m", "elasticd", *args], capture_output=True, text=True,
-                              timeout=60, cwd=ROOT, env=env)
+        return subprocess.run(
+            [sys.executable, "-m", "elasticd", *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=ROOT,
+            env=env,
+        )
 
     jobs = []
     try:
         for i in range(2):
-            jobs.append(subprocess.Popen(
-                [sys.executable, "-m", "elasticd", "run", "--log-dir", str(tmp_path / f"logs{i}"),
-                 "--log-format", "json", "--stop-grace", "2", script("faulty.py"), "--steps", "100000"],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT, env=env, start_new_session=True))
-            wait_until(lambda: len(list(runtime.glob("*.sock"))) == i + 1, 60, what=f"daemon {i}'s socket")
+            jobs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "elasticd",
+                        "run",
+                        "--log-dir",
+                        str(tmp_path / f"logs{i}"),
+                        "--log-format",
+                        "json",
+                        "--stop-grace",
+                        "2",
+                        script("faulty.py"),
+                        "--steps",
+                        "100000",
+                    ],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                    cwd=ROOT,
+                    env=env,
+                    start_new_session=True,
+                )
+            )
+            wait_until(
+                lambda: len(list(runtime.glob("*.sock"))) == i + 1, 60, what=f"daemon {i}'s socket"
+            )
         first, second = runtime / "control.sock", next(runtime.glob("control-*.sock"))
-        r = wait_until(lambda: (lambda r: r if r.stdout.count("elasticd RUNNING") == 2 else None)(cli_here("status")),
-                       60, what="both daemons running")
-        assert r.returncode == 0 and f"socket {first}" in r.stdout and f"socket {second}" in r.stdout, r.stdout
+        r = wait_until(
+            lambda: (lambda r: r if r.stdout.count("elasticd RUNNING") == 2 else None)(
+                cli_here("status")
+            ),
+            60,
+            what="both daemons running",
+        )
+        assert (
+            r.returncode == 0 and f"socket {first}" in r.stdout and f"socket {second}" in r.stdout
+        ), r.stdout
         assert len(set(re.findall(r"run (\w+)", r.stdout))) == 2
         for command in ("stop", "stacks"):
             r = cli_here(command)
-            assert r.returncode == 2 and "2 elasticd daemons run here" in r.stderr and str(second) in r.stderr
+            assert (
+                r.returncode == 2
+                and "2 elasticd daemons run here" in r.stderr
+                and str(second) in r.stderr
+            )
         for path, job in zip((first, second), jobs):
             assert cli_here("stop", "--socket", str(path), "--timeout", "2").returncode == 0
             assert job.wait(30) == 0
@@ -156,7 +245,9 @@ def test_unadmitted_user_is_refused(tmp_path):
     sockdir = Path("/tmp") / f"elasticd-test-{os.getpid()}"
     sockdir.mkdir(mode=0o755, exist_ok=True)
     path = sockdir / "c.sock"
-    server = control.ControlServer(path, snapshot=lambda: {"state": "RUNNING"}, command=lambda r: {"ok": True})
+    server = control.ControlServer(
+        path, snapshot=lambda: {"state": "RUNNING"}, command=lambda r: {"ok": True}
+    )
     server.start()
     try:
         assert (path.stat().st_mode & 0o777) == 0o600
@@ -175,9 +266,14 @@ def test_unadmitted_user_is_refused(tmp_path):
         os.close(w)
         _, status = os.waitpid(pid, 0)
         reply = json.loads(os.read(r, 65536) or b"{}")
-        assert reply.get("ok") is False and "permission denied: uid 65534" in reply.get("error", ""), reply
+        assert reply.get("ok") is False and "permission denied: uid 65534" in reply.get(
+            "error", ""
+        ), reply
         # root (us) is admitted
-        assert control.request(path, {"version": 1, "command": "status"})["status"]["state"] == "RUNNING"
+        assert (
+            control.request(path, {"version": 1, "command": "status"})["status"]["state"]
+            == "RUNNING"
+        )
     finally:
         server.close()
         shutil.rmtree(sockdir, ignore_errors=True)
@@ -187,17 +283,27 @@ def test_unadmitted_user_is_refused(tmp_path):
 def test_protocol_errors_and_live_socket_refused(tmp_path):
     path = tmp_path / "c.sock"
     seen = []
-    server = control.ControlServer(path, snapshot=lambda: {"state": "RUNNING"},
-                                   command=lambda r: seen.append(r) or {"ok": True, "accepted": "stop"})
+    server = control.ControlServer(
+        path,
+        snapshot=lambda: {"state": "RUNNING"},
+        command=lambda r: seen.append(r) or {"ok": True, "accepted": "stop"},
+    )
     server.start()
     try:
-        assert control.request(path, {"version": 2, "command": "status"})["error"].startswith("unsupported protocol")
-        assert "unknown command" in control.request(path, {"version": 1, "command": "reboot"})["error"]
+        assert control.request(path, {"version": 2, "command": "status"})["error"].startswith(
+            "unsupported protocol"
+        )
+        assert (
+            "unknown command" in control.request(path, {"version": 1, "command": "reboot"})["error"]
+        )
         with socket.socket(socket.AF_UNIX) as s:
             s.connect(str(path))
             s.sendall(b"not json\n")
             assert b"not a JSON object" in s.recv(4096)
-        assert control.request(path, {"version": 1, "command": "stop", "timeout": 3})["accepted"] == "stop"
+        assert (
+            control.request(path, {"version": 1, "command": "stop", "timeout": 3})["accepted"]
+            == "stop"
+        )
         assert seen and seen[0]["timeout"] == 3
         with pytest.raises(control.ControlError, match="another elasticd is running"):
             control.ControlServer(path, snapshot=dict, command=dict).start()
@@ -235,8 +341,13 @@ def _drain(s, seconds):
 def test_sd_notify_sequence_and_workers_do_not_inherit(daemons, tmp_path):
     s, path = _notify_socket(tmp_path)
     out = tmp_path / "env.json"
-    d = daemons("tests.scripts.dump_env", "--nproc-per-node", "1", args=[str(out)],
-                env={"NOTIFY_SOCKET": str(path), "WATCHDOG_USEC": "400000"})
+    d = daemons(
+        "tests.scripts.dump_env",
+        "--nproc-per-node",
+        "1",
+        args=[str(out)],
+        env={"NOTIFY_SOCKET": str(path), "WATCHDOG_USEC": "400000"},
+    )
     # dump_env exits at once; the daemon finishes; stop semantics are covered elsewhere
     msgs = _drain(s, 8)
     assert d.wait(30) == 0
@@ -297,7 +408,9 @@ sys.exit(a.run())
     flat = [line for m in msgs for line in m.split("\n")]
     assert "STOPPING=1" in flat
     assert any(line.startswith("EXTEND_TIMEOUT_USEC=") for line in flat)
-    assert flat.index("STOPPING=1") < max(i for i, line in enumerate(flat) if line.startswith("STATUS=STOPPED"))
+    assert flat.index("STOPPING=1") < max(
+        i for i, line in enumerate(flat) if line.startswith("STATUS=STOPPED")
+    )
 
 
 def test_abstract_notify_socket(monkeypatch):
@@ -327,15 +440,39 @@ def test_unit_file_verifies_cleanly(tmp_path):
     unit = (ROOT / "systemd" / "elasticd.service").read_text()
     exe = shutil.which("elasticd") or sys.executable
     (tmp_path / "elasticd.service").write_text(unit.replace("/usr/local/bin/elasticd", exe))
-    r = subprocess.run([analyze, "verify", str(tmp_path / "elasticd.service")], capture_output=True, text=True,
-                       timeout=60)
+    r = subprocess.run(
+        [analyze, "verify", str(tmp_path / "elasticd.service")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0 and r.stderr.strip() == "", r.stderr
-    for key in ("Type=notify", "WatchdogSec=", "KillMode=mixed", "TimeoutStopSec=", "Restart=on-failure",
-                "RestartPreventExitStatus=2", "RuntimeDirectory=", "EnvironmentFile=", "LimitMEMLOCK=infinity",
-                "LimitNOFILE="):
+    for key in (
+        "Type=notify",
+        "WatchdogSec=",
+        "KillMode=mixed",
+        "TimeoutStopSec=",
+        "Restart=on-failure",
+        "RestartPreventExitStatus=2",
+        "RuntimeDirectory=",
+        "EnvironmentFile=",
+        "LimitMEMLOCK=infinity",
+        "LimitNOFILE=",
+    ):
         assert key in unit
     settings = [ln for ln in unit.splitlines() if not ln.lstrip().startswith("#")]
     # hardening that would take the GPUs from the workers (see the unit's comments)
-    assert not [ln for ln in settings if ln.startswith(("PrivateDevices", "DevicePolicy", "DeviceAllow",
-                                                        "ProtectClock", "ProtectKernelModules",
-                                                        "MemoryDenyWriteExecute"))]
+    assert not [
+        ln
+        for ln in settings
+        if ln.startswith(
+            (
+                "PrivateDevices",
+                "DevicePolicy",
+                "DeviceAllow",
+                "ProtectClock",
+                "ProtectKernelModules",
+                "MemoryDenyWriteExecute",
+            )
+        )
+    ]

@@ -29,10 +29,20 @@ def store(request):
     secret = secret_flags()[1]
 
     def cfg(**extra):
-        settings_ = {"entrypoint": "x.py", "nnodes": "1:2", "rdzv_id": f"fuzz{next(_jobs)}", "last_call_timeout": 0,
-                     "join_timeout": 4, "peer_timeout": 2, "rdzv_secret_file": secret, **extra}
+        settings_ = {
+            "entrypoint": "x.py",
+            "nnodes": "1:2",
+            "rdzv_id": f"fuzz{next(_jobs)}",
+            "last_call_timeout": 0,
+            "join_timeout": 4,
+            "peer_timeout": 2,
+            "rdzv_secret_file": secret,
+            **extra,
+        }
         if request.param == "etcd":
-            settings_.update(rdzv_backend="etcd", rdzv_endpoint=request.getfixturevalue("cluster").endpoints)
+            settings_.update(
+                rdzv_backend="etcd", rdzv_endpoint=request.getfixturevalue("cluster").endpoints
+            )
         elif request.param == "tcpstore":
             settings_["rdzv_endpoint"] = f"127.0.0.1:{port}"
         else:
@@ -57,31 +67,72 @@ def store(request):
         for s in made:
             s.close()
         return
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                           timeout=datetime.timedelta(seconds=10))
+    server = dist.TCPStore(
+        "127.0.0.1",
+        0,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=10),
+    )
     port = server.port
-    yield (lambda: tcpstore.TCPStoreKV(tcpstore.tcp_connector("127.0.0.1", port), f"127.0.0.1:{port}",
-                                       timeout=10)), cfg
+    yield (
+        (
+            lambda: tcpstore.TCPStoreKV(
+                tcpstore.tcp_connector("127.0.0.1", port), f"127.0.0.1:{port}", timeout=10
+            )
+        ),
+        cfg,
+    )
     del server
 
 
 def _keys(r: rendezvous.Rendezvous) -> list[str]:
     """Every key a node of this run reads or writes, and the run's own."""
     job = r.scope
-    keys = [names.job_key(r.cfg.rdzv_id, names.RUN), names.job_key(job, names.ROUND),
-            names.job_key(job, names.CLOSED), names.job_key(job, names.RESTARTS), names.alive_key(job, r.node_id)]
+    keys = [
+        names.job_key(r.cfg.rdzv_id, names.RUN),
+        names.job_key(job, names.ROUND),
+        names.job_key(job, names.CLOSED),
+        names.job_key(job, names.RESTARTS),
+        names.alive_key(job, r.node_id),
+    ]
     for n in (0, 1):
-        keys += [names.round_key(job, n, k) for k in (names.MEMBERS, names.MASTER, names.RESTART, names.DONE_COUNT,
-                                                      names.ALL_DONE)]
-        keys += [r.arrivals_key(n), *(r.arrival_key(n, i) for i in (1, 2, 3)), names.done_key(job, n, 0)]
+        keys += [
+            names.round_key(job, n, k)
+            for k in (names.MEMBERS, names.MASTER, names.RESTART, names.DONE_COUNT, names.ALL_DONE)
+        ]
+        keys += [
+            r.arrivals_key(n),
+            *(r.arrival_key(n, i) for i in (1, 2, 3)),
+            names.done_key(job, n, 0),
+        ]
     return keys
 
 
-SHAPES = ["{}", "[]", "null", "1e999", "-1", "-1000000", "nan", "99999999999999999999", "9223372036854775807",
-          "[" * 5000, '{"members": [[]]}', '{"summary": 1}', "127.0.0.1 0", "1 2 3",
-          '{"members": [["a", 1, "h"]], "lost": [1]}', "\x00", "é"]
-values = st.one_of(st.binary(max_size=80), st.sampled_from([s.encode() for s in SHAPES]),
-                   st.tuples(st.just("sealed"), st.one_of(st.text(max_size=60), st.sampled_from(SHAPES))))
+SHAPES = [
+    "{}",
+    "[]",
+    "null",
+    "1e999",
+    "-1",
+    "-1000000",
+    "nan",
+    "99999999999999999999",
+    "9223372036854775807",
+    "[" * 5000,
+    '{"members": [[]]}',
+    '{"summary": 1}',
+    "127.0.0.1 0",
+    "1 2 3",
+    '{"members": [["a", 1, "h"]], "lost": [1]}',
+    "\x00",
+    "é",
+]
+values = st.one_of(
+    st.binary(max_size=80),
+    st.sampled_from([s.encode() for s in SHAPES]),
+    st.tuples(st.just("sealed"), st.one_of(st.text(max_size=60), st.sampled_from(SHAPES))),
+)
 
 
 def _value(r: rendezvous.Rendezvous, key: str, v) -> bytes:
@@ -90,7 +141,9 @@ def _value(r: rendezvous.Rendezvous, key: str, v) -> bytes:
     return r.seal(key, v[1]) if isinstance(v, tuple) else v
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(writes=st.lists(st.tuples(st.integers(0, 40), values), max_size=14))
 def test_any_value_under_any_key_is_garbage_never_a_crash_or_a_hang(store, writes):
     connect, make_cfg = store
@@ -141,7 +194,9 @@ def test_a_value_of_an_earlier_run_never_verifies_in_the_next(store):
     rnd_a = a.next_round(1)
     a.close(True, "finished")
     recorded = {k: a.kv.get(k) for k in a.kv.keys(f"elasticd/{a.scope}/")}
-    assert any(k.endswith("/closed") for k in recorded) and any(k.endswith("/master") for k in recorded)
+    assert any(k.endswith("/closed") for k in recorded) and any(
+        k.endswith("/master") for k in recorded
+    )
     b = rendezvous.Rendezvous(cfg, store=connect(), begins_run=True)  # a new run (its store's host)
     assert b.run != a.run
     for k, v in recorded.items():

@@ -70,8 +70,14 @@ def test_extend_timeout_clamps_and_never_raises(notify_socket):
     systemd can hold, or nothing: it used to raise OverflowError and take the daemon down mid-stop."""
     most = b"EXTEND_TIMEOUT_USEC=18446744073709551614"  # 2**64 - 2: below USEC_INFINITY
     nothing = b"EXTEND_TIMEOUT_USEC=0"
-    for seconds, expected in ((float("inf"), most), (1e300, most), (10**400, most), (float("nan"), nothing),
-                              (float("-inf"), nothing), (2592000 * 3 + 5, b"EXTEND_TIMEOUT_USEC=7776005000000")):
+    for seconds, expected in (
+        (float("inf"), most),
+        (1e300, most),
+        (10**400, most),
+        (float("nan"), nothing),
+        (float("-inf"), nothing),
+        (2592000 * 3 + 5, b"EXTEND_TIMEOUT_USEC=7776005000000"),
+    ):
         assert systemd.extend_timeout(seconds) is True
         assert notify_socket.recv(4096) == expected, seconds
 
@@ -128,8 +134,15 @@ def test_watchdog_interval(monkeypatch):
 
 
 def test_child_env_strips_the_service_managers_variables():
-    env = {"NOTIFY_SOCKET": "/run/systemd/notify", "WATCHDOG_USEC": "30000000", "WATCHDOG_PID": "1",
-           "LISTEN_FDS": "1", "LISTEN_PID": "1", "PATH": "/usr/bin", "RANK": "0"}
+    env = {
+        "NOTIFY_SOCKET": "/run/systemd/notify",
+        "WATCHDOG_USEC": "30000000",
+        "WATCHDOG_PID": "1",
+        "LISTEN_FDS": "1",
+        "LISTEN_PID": "1",
+        "PATH": "/usr/bin",
+        "RANK": "0",
+    }
     before = dict(env)
     assert systemd.child_env(env) == {"PATH": "/usr/bin", "RANK": "0"}
     assert env == before  # a copy; the daemon keeps its own
@@ -152,8 +165,13 @@ def _verify(unit_text: str, tmp_path: Path) -> tuple[int, list[str]]:
     analyze = shutil.which("systemd-analyze")
     unit = tmp_path / "elasticd.service"
     unit.write_text(unit_text)
-    r = subprocess.run([analyze, "verify", str(unit)], capture_output=True, text=True, timeout=60,
-                       env=dict(os.environ, SYSTEMD_LOG_COLOR="0", SYSTEMD_PAGER="cat"))
+    r = subprocess.run(
+        [analyze, "verify", str(unit)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=dict(os.environ, SYSTEMD_LOG_COLOR="0", SYSTEMD_PAGER="cat"),
+    )
     lines = [line for line in (r.stderr + r.stdout).splitlines() if line.strip()]
     return r.returncode, [line for line in lines if not any(p.search(line) for p in HARMLESS)]
 
@@ -169,8 +187,12 @@ def test_unit_file_passes_systemd_analyze_verify(tmp_path):
     rc, complaints = _verify(text.replace("/usr/local/bin/elasticd", exe), tmp_path)
     assert rc == 0 and complaints == [], "\n".join(complaints)
     # and verify does catch mistakes here, so the clean result means something
-    rc, complaints = _verify(text.replace("KillMode=mixed", "KillMode=mixed\nKilMode=x").replace(
-        "/usr/local/bin/elasticd", exe), tmp_path)
+    rc, complaints = _verify(
+        text.replace("KillMode=mixed", "KillMode=mixed\nKilMode=x").replace(
+            "/usr/local/bin/elasticd", exe
+        ),
+        tmp_path,
+    )
     assert any("KilMode" in line for line in complaints), complaints
 
 
@@ -189,32 +211,60 @@ def _settings(text: str) -> dict[str, list[str]]:
 def test_unit_file_settings():
     s = _settings(UNIT.read_text())
     expect = {
-        "Service.Type": "notify", "Service.NotifyAccess": "main", "Service.WatchdogSec": "30",
-        "Service.KillMode": "mixed", "Service.Restart": "on-failure", "Service.RestartPreventExitStatus": "2",
-        "Service.RuntimeDirectory": "elasticd", "Service.RuntimeDirectoryMode": "0750",
-        "Service.EnvironmentFile": "-/etc/elasticd/elasticd.env", "Service.LimitMEMLOCK": "infinity",
-        "Service.LimitNOFILE": "1048576", "Unit.After": "network-online.target",
-        "Unit.Wants": "network-online.target", "Install.WantedBy": "multi-user.target",
+        "Service.Type": "notify",
+        "Service.NotifyAccess": "main",
+        "Service.WatchdogSec": "30",
+        "Service.KillMode": "mixed",
+        "Service.Restart": "on-failure",
+        "Service.RestartPreventExitStatus": "2",
+        "Service.RuntimeDirectory": "elasticd",
+        "Service.RuntimeDirectoryMode": "0750",
+        "Service.EnvironmentFile": "-/etc/elasticd/elasticd.env",
+        "Service.LimitMEMLOCK": "infinity",
+        "Service.LimitNOFILE": "1048576",
+        "Unit.After": "network-online.target",
+        "Unit.Wants": "network-online.target",
+        "Install.WantedBy": "multi-user.target",
         "Service.ExecStart": "/usr/local/bin/elasticd run --config /etc/elasticd/elasticd.toml",
     }
     for key, value in expect.items():
         assert s.get(key) == [value], (key, s.get(key))
-    assert "Unit.StartLimitIntervalSec" in s and "Unit.StartLimitBurst" in s  # [Unit], where they work
-    assert int(s["Service.TimeoutStopSec"][0]) > 30 + 5  # longer than the default stop grace + kill timeout
+    assert (
+        "Unit.StartLimitIntervalSec" in s and "Unit.StartLimitBurst" in s
+    )  # [Unit], where they work
+    assert (
+        int(s["Service.TimeoutStopSec"][0]) > 30 + 5
+    )  # longer than the default stop grace + kill timeout
     # Sandboxing that breaks GPU workers: device ACLs (ProtectClock implies one on systemd < 253),
     # W^X memory (PyTorch JIT, Triton), a /proc without cpuinfo/meminfo.
-    for breaking in ("PrivateDevices", "DevicePolicy", "DeviceAllow", "ProtectClock", "MemoryDenyWriteExecute",
-                     "ProcSubset"):
+    for breaking in (
+        "PrivateDevices",
+        "DevicePolicy",
+        "DeviceAllow",
+        "ProtectClock",
+        "MemoryDenyWriteExecute",
+        "ProcSubset",
+    ):
         assert not any(k.endswith("." + breaking) for k in s), breaking
 
 
 HARDENING = {
-    "Service.UMask": "0027", "Service.LogsDirectoryMode": "0750", "Service.NoNewPrivileges": "yes",
-    "Service.ProtectSystem": "strict", "Service.ReadWritePaths": "-/dev/shm", "Service.PrivateTmp": "yes",
-    "Service.ProtectHome": "read-only", "Service.ProtectKernelTunables": "yes",
-    "Service.ProtectControlGroups": "yes", "Service.ProtectKernelLogs": "yes", "Service.ProtectHostname": "yes",
-    "Service.ProtectProc": "invisible", "Service.RestrictSUIDSGID": "yes", "Service.LockPersonality": "yes",
-    "Service.RestrictRealtime": "yes", "Service.SystemCallArchitectures": "native",
+    "Service.UMask": "0027",
+    "Service.LogsDirectoryMode": "0750",
+    "Service.NoNewPrivileges": "yes",
+    "Service.ProtectSystem": "strict",
+    "Service.ReadWritePaths": "-/dev/shm",
+    "Service.PrivateTmp": "yes",
+    "Service.ProtectHome": "read-only",
+    "Service.ProtectKernelTunables": "yes",
+    "Service.ProtectControlGroups": "yes",
+    "Service.ProtectKernelLogs": "yes",
+    "Service.ProtectHostname": "yes",
+    "Service.ProtectProc": "invisible",
+    "Service.RestrictSUIDSGID": "yes",
+    "Service.LockPersonality": "yes",
+    "Service.RestrictRealtime": "yes",
+    "Service.SystemCallArchitectures": "native",
     "Service.CacheDirectory": "elasticd",
 }
 
@@ -226,8 +276,12 @@ def test_unit_file_is_hardened():
     for key, value in HARDENING.items():
         assert s.get(key) == [value], (key, s.get(key))
     dropped = s["Service.CapabilityBoundingSet"][0]
-    assert dropped.startswith("~") and {"CAP_SYS_PTRACE", "CAP_SYS_TIME", "CAP_SYS_BOOT"} <= set(dropped[1:].split())
-    assert not {"CAP_MKNOD", "CAP_SYS_MODULE", "CAP_CHOWN", "CAP_IPC_LOCK"} & set(dropped[1:].split())
+    assert dropped.startswith("~") and {"CAP_SYS_PTRACE", "CAP_SYS_TIME", "CAP_SYS_BOOT"} <= set(
+        dropped[1:].split()
+    )
+    assert not {"CAP_MKNOD", "CAP_SYS_MODULE", "CAP_CHOWN", "CAP_IPC_LOCK"} & set(
+        dropped[1:].split()
+    )
     env = " ".join(s["Service.Environment"])
     assert "TRITON_CACHE_DIR=%C/elasticd/" in env and "XDG_CACHE_HOME=%C/elasticd" in env
 
@@ -239,9 +293,16 @@ def test_unit_file_security_exposure(tmp_path):
         pytest.skip("systemd-analyze is not installed: apt-get install systemd")
     unit = tmp_path / "elasticd.service"
     unit.write_text(UNIT.read_text())
-    r = subprocess.run(["systemd-analyze", "security", "--offline=true", "--no-pager", str(unit)],
-                       capture_output=True, text=True, timeout=60, env=dict(os.environ, SYSTEMD_LOG_COLOR="0"))
-    found = re.search(r"Overall exposure level for elasticd.service: ([0-9.]+)", r.stdout + r.stderr)
+    r = subprocess.run(
+        ["systemd-analyze", "security", "--offline=true", "--no-pager", str(unit)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=dict(os.environ, SYSTEMD_LOG_COLOR="0"),
+    )
+    found = re.search(
+        r"Overall exposure level for elasticd.service: ([0-9.]+)", r.stdout + r.stderr
+    )
     if found is None and "offline" in r.stderr:
         pytest.skip(f"this systemd-analyze has no offline security mode: {r.stderr.strip()[:200]}")
     assert found, r.stdout[-2000:] + r.stderr[-2000:]
@@ -252,7 +313,9 @@ def test_unit_file_security_exposure(tmp_path):
 
 
 def _uncommented_example() -> dict:
-    keys = [line[2:] for line in EXAMPLE.read_text().splitlines() if re.match(r"# [a-z_]+ = ", line)]
+    keys = [
+        line[2:] for line in EXAMPLE.read_text().splitlines() if re.match(r"# [a-z_]+ = ", line)
+    ]
     return tomllib.loads("\n".join(keys))
 
 
@@ -267,10 +330,17 @@ def test_example_config_mirrors_the_settings_and_loads(tmp_path):
     # every value shown is its default, so uncommenting one changes nothing by itself
     for key, value in example.items():
         default = config.FIELDS[key].default
-        assert (tuple(value) if isinstance(value, list) else value) == default, (key, value, default)
+        assert (tuple(value) if isinstance(value, list) else value) == default, (
+            key,
+            value,
+            default,
+        )
     # and the whole file, uncommented, is a valid config
     path = tmp_path / "elasticd.toml"
-    path.write_text("\n".join(line[2:] for line in EXAMPLE.read_text().splitlines()
-                              if re.match(r"# [a-z_]+ = ", line)))
+    path.write_text(
+        "\n".join(
+            line[2:] for line in EXAMPLE.read_text().splitlines() if re.match(r"# [a-z_]+ = ", line)
+        )
+    )
     cfg = config.build({}, config_file=str(path), environ={})
     assert cfg.max_restarts == 3 and cfg.stop_grace == 30

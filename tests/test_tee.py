@@ -28,7 +28,9 @@ def test_tee_echoes_whole_lines_of_a_file_that_appears_after_follow(tmp_path):
             wait_until(lambda: out.getvalue() == "[rank0]: one\n[rank0]: two\n", 5, what="the echo")
             f.write("ial\n")
             f.flush()
-            wait_until(lambda: out.getvalue().endswith("[rank0]: partial\n"), 5, what="the joined line")
+            wait_until(
+                lambda: out.getvalue().endswith("[rank0]: partial\n"), 5, what="the joined line"
+            )
             f.write("last words")
         tee.forget([log])  # a file's last line is printed even without its newline
         assert out.getvalue().endswith("[rank0]: partial\n[rank0]: last words\n")
@@ -37,7 +39,7 @@ def test_tee_echoes_whole_lines_of_a_file_that_appears_after_follow(tmp_path):
 
 
 def test_tee_echoes_the_latest_redraw_of_a_bar_as_a_prefixed_line(tmp_path):
-    """"\r" + text is a redraw: the latest finished one is echoed at most every redraw_interval,
+    """ "\r" + text is a redraw: the latest finished one is echoed at most every redraw_interval,
     the one still being drawn waits for its end; "\r\n" ends a line even when split across reads."""
     out = io.StringIO()
     tee = workers.Tee(out, interval=0.01, idle_interval=0.05, redraw_interval=0.3)
@@ -48,14 +50,23 @@ def test_tee_echoes_the_latest_redraw_of_a_bar_as_a_prefixed_line(tmp_path):
         tee.follow(log, "[rank0]: ")
         with open(log, "ab", buffering=0) as f:
             f.write(b"\r1%\r2%\r3%")
-            wait_until(lambda: out.getvalue() == "[rank0]: 2%\n", 5, what="the latest finished redraw")
+            wait_until(
+                lambda: out.getvalue() == "[rank0]: 2%\n", 5, what="the latest finished redraw"
+            )
             f.write(b"\r4%\r5%\r6%")
-            wait_until(lambda: out.getvalue().endswith("[rank0]: 5%\n"), 5, what="the next one, once due")
+            wait_until(
+                lambda: out.getvalue().endswith("[rank0]: 5%\n"), 5, what="the next one, once due"
+            )
             f.write(b"\r100%\nwindows line\r")
-            wait_until(lambda: out.getvalue().endswith("[rank0]: 100%\n"), 5, what="the bar's last line")
+            wait_until(
+                lambda: out.getvalue().endswith("[rank0]: 100%\n"), 5, what="the bar's last line"
+            )
             f.write(b"\nlast\r")
         tee.forget([log])
-        assert out.getvalue() == "[rank0]: 2%\n[rank0]: 5%\n[rank0]: 100%\n[rank0]: windows line\n[rank0]: last\n"
+        assert (
+            out.getvalue()
+            == "[rank0]: 2%\n[rank0]: 5%\n[rank0]: 100%\n[rank0]: windows line\n[rank0]: last\n"
+        )
     finally:
         tee.close()
 
@@ -64,18 +75,26 @@ def test_tee_wakes_for_a_bar_only_when_its_next_redraw_is_due(tmp_path):
     """While lines flow the tee looks again after `interval`; while only a bar flows (no
     newline), not before its next redraw is due: one wake-up per redraw echoed, not twenty."""
     out = io.StringIO()
-    tee = workers.Tee(out, interval=0.05, idle_interval=0.25, redraw_interval=0.5)  # polled here, no thread
+    tee = workers.Tee(
+        out, interval=0.05, idle_interval=0.25, redraw_interval=0.5
+    )  # polled here, no thread
     log = tmp_path / "rank0.log"
     log.write_bytes(b"")
     tee.follow(log, "[rank0]: ")
     with open(log, "ab", buffering=0) as f:
         f.write(b"\r1%\r2%\r3%")
-        assert 0.4 < tee._pump(log) <= 0.51 and out.getvalue() == "[rank0]: 2%\n"  # echoed: due again in 0.5 s
+        assert (
+            0.4 < tee._pump(log) <= 0.51 and out.getvalue() == "[rank0]: 2%\n"
+        )  # echoed: due again in 0.5 s
         f.write(b"\r4%\r5%")
-        assert 0.3 < tee._pump(log) <= 0.51 and out.getvalue() == "[rank0]: 2%\n"  # held until it is due
+        assert (
+            0.3 < tee._pump(log) <= 0.51 and out.getvalue() == "[rank0]: 2%\n"
+        )  # held until it is due
         assert 0.3 < tee._pump(log) <= 0.51  # nothing new, but a redraw waits
         f.write(b"\r100%\nnext line\n")
-        assert tee._pump(log) == 0.05 and out.getvalue().endswith("[rank0]: 100%\n[rank0]: next line\n")
+        assert tee._pump(log) == 0.05 and out.getvalue().endswith(
+            "[rank0]: 100%\n[rank0]: next line\n"
+        )
         assert tee._pump(log) is None  # nothing flows, nothing held: the caller backs off
     tee.forget([log])
 
@@ -87,7 +106,9 @@ def thread_cpu(pid: int) -> dict[int, float]:
     times = {}
     for tid in os.listdir(f"/proc/{pid}/task"):
         with contextlib.suppress(OSError, ValueError, IndexError):
-            times[int(tid)] = int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0]) / 1e9
+            times[int(tid)] = (
+                int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0]) / 1e9
+            )
     return times
 
 
@@ -107,7 +128,13 @@ def test_a_tqdm_bar_in_a_real_job_is_cheap_to_echo_and_kept_whole_in_the_log(dae
     (its loop's own ticks included: 0.3-0.4% on the 2-core VM, with or without two busy loops on
     it; the tee adds about 0.04%, waking when a redraw is due); the log keeps every byte."""
     updates = 20000
-    d = daemons(script("progress.py"), "--nproc-per-node", "1", "--no-warm-spawn", args=[str(updates), "3", "2.5"])
+    d = daemons(
+        script("progress.py"),
+        "--nproc-per-node",
+        "1",
+        "--no-warm-spawn",
+        args=[str(updates), "3", "2.5"],
+    )
     daemon = psutil.Process(d.pid)
     wait_until(lambda: "quiet" in d.log_text(0), 60, what="the quiet phase")
     log = d.run_dir() / "attempt1" / "rank0.log"
@@ -120,13 +147,17 @@ def test_a_tqdm_bar_in_a_real_job_is_cheap_to_echo_and_kept_whole_in_the_log(dae
     cpu2, seconds = cpu1, 0.0
     while time.monotonic() - t1 < 60:
         sample, t2 = thread_cpu(d.pid), time.monotonic()
-        if b"done" in tail(log):  # the job ends now (its threads with it): the window ended at the last sample
+        if b"done" in tail(
+            log
+        ):  # the job ends now (its threads with it): the window ended at the last sample
             break
         rss, cpu2, seconds = max(rss, daemon.memory_info().rss), sample, t2 - t1
         time.sleep(0.1)
     busy = sum(cpu2[t] - cpu1.get(t, 0.0) for t in cpu2) / max(seconds, 1e-3)  # share of a core
     gone = cpu1.keys() - cpu2.keys()  # a thread that ended would take its time with it
-    print(f"daemon CPU while the bar ran {busy:.3%} of a core over {seconds:.1f} s; quiet {quiet:.3%}")
+    print(
+        f"daemon CPU while the bar ran {busy:.3%} of a core over {seconds:.1f} s; quiet {quiet:.3%}"
+    )
     assert d.wait(60) == 0, d.stderr()[-3000:]
     data = log.read_bytes()
     assert {int(n) for n in re.findall(rb"\| (\d+)/%d " % updates, data)} == set(range(updates + 1))

@@ -34,21 +34,49 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from elasticd.checkpoint.format import FORMAT, MANIFEST, Entry, candidates, latest_info, read_manifest
-from elasticd.checkpoint.format import MAX_MANIFEST as MAX_MANIFEST  # public limits, outside __all__
+from elasticd.checkpoint.format import (
+    FORMAT,
+    MANIFEST,
+    Entry,
+    candidates,
+    latest_info,
+    read_manifest,
+)
+from elasticd.checkpoint.format import (
+    MAX_MANIFEST as MAX_MANIFEST,
+)  # public limits, outside __all__
 from elasticd.checkpoint.format import MAX_STEP as MAX_STEP
 
 __all__ = [
-    "FORMAT", "MANIFEST", "CheckpointError", "CheckpointManager", "Entry", "capture", "restore",
-    "load_latest", "load_file", "candidates", "read_manifest", "latest_info",
-    "install_sigterm_handler", "stop_requested", "request_stop", "unwrap_model",
+    "FORMAT",
+    "MANIFEST",
+    "CheckpointError",
+    "CheckpointManager",
+    "Entry",
+    "capture",
+    "restore",
+    "load_latest",
+    "load_file",
+    "candidates",
+    "read_manifest",
+    "latest_info",
+    "install_sigterm_handler",
+    "stop_requested",
+    "request_stop",
+    "unwrap_model",
 ]
 
 _TORCH_NAMES = {  # name -> the module that defines it (imported at first use: they import torch)
-    "CheckpointError": "manager", "CheckpointManager": "manager",
-    "capture": "state", "restore": "state", "unwrap_model": "state",
-    "load_latest": "files", "load_file": "files",
-    "install_sigterm_handler": "stop", "stop_requested": "stop", "request_stop": "stop",
+    "CheckpointError": "manager",
+    "CheckpointManager": "manager",
+    "capture": "state",
+    "restore": "state",
+    "unwrap_model": "state",
+    "load_latest": "files",
+    "load_file": "files",
+    "install_sigterm_handler": "stop",
+    "stop_requested": "stop",
+    "request_stop": "stop",
 }
 
 

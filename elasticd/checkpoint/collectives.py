@@ -51,8 +51,9 @@ def _tensor_bytes(t: torch.Tensor) -> bytes:
     return ctypes.string_at(t.data_ptr(), t.numel()) if t.numel() else b""
 
 
-def broadcast_bytes(data: bytes | bytearray | torch.Tensor | None, src: int,
-                    group) -> bytes | bytearray | torch.Tensor:
+def broadcast_bytes(
+    data: bytes | bytearray | torch.Tensor | None, src: int, group
+) -> bytes | bytearray | torch.Tensor:
     """Raw bytes (or a uint8 tensor of them) from `src` to every rank, as uint8 tensors (no pickle
     involved). The sender gets its `data` back, the others bytes."""
     mine = dist.get_rank() == src
@@ -66,7 +67,9 @@ def broadcast_bytes(data: bytes | bytearray | torch.Tensor | None, src: int,
         if isinstance(data, torch.Tensor):
             buf = data
         else:
-            buf = torch.frombuffer(data if isinstance(data, bytearray) else bytearray(data), dtype=torch.uint8)
+            buf = torch.frombuffer(
+                data if isinstance(data, bytearray) else bytearray(data), dtype=torch.uint8
+            )
         dist.broadcast(buf, src, group=group)
         return data
     buf = torch.empty(size, dtype=torch.uint8)
@@ -78,8 +81,13 @@ def send_bytes(data: bytes | bytearray, dst: int, group) -> None:
     """Raw bytes to one rank (its recv_bytes), as uint8 tensors: the length, then the bytes."""
     dist.send(torch.tensor([len(data)], dtype=torch.int64), dst, group=group)
     if data:
-        dist.send(torch.frombuffer(data if isinstance(data, bytearray) else bytearray(data), dtype=torch.uint8),
-                  dst, group=group)
+        dist.send(
+            torch.frombuffer(
+                data if isinstance(data, bytearray) else bytearray(data), dtype=torch.uint8
+            ),
+            dst,
+            group=group,
+        )
 
 
 def recv_bytes(src: int, group) -> bytearray:

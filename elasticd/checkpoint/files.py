@@ -19,8 +19,22 @@ import structlog
 import torch
 import torch.distributed as dist
 
-from elasticd.checkpoint.collectives import all_gather_ints, broadcast_bytes, cpu_group, dist_on, from_bytes
-from elasticd.checkpoint.format import FORMAT, NAME, Entry, atomic_write, candidates, file_name, resolve_dir
+from elasticd.checkpoint.collectives import (
+    all_gather_ints,
+    broadcast_bytes,
+    cpu_group,
+    dist_on,
+    from_bytes,
+)
+from elasticd.checkpoint.format import (
+    FORMAT,
+    NAME,
+    Entry,
+    atomic_write,
+    candidates,
+    file_name,
+    resolve_dir,
+)
 
 log = structlog.get_logger()
 
@@ -60,13 +74,21 @@ def write_checkpoint(directory: str, payload: dict[str, Any], meta: dict[str, An
         return w
 
     name, w = atomic_write(directory, lambda w: file_name(step, w.sha.hexdigest()), "ckpt", fill)
-    return Entry(file=name, step=step, epoch=meta.get("epoch"), position=meta.get("position"),
-                 world_size=meta.get("world_size"), time=float(meta["time"]), bytes=w.size,
-                 sha256=w.sha.hexdigest())
+    return Entry(
+        file=name,
+        step=step,
+        epoch=meta.get("epoch"),
+        position=meta.get("position"),
+        world_size=meta.get("world_size"),
+        time=float(meta["time"]),
+        bytes=w.size,
+        sha256=w.sha.hexdigest(),
+    )
 
 
-def _read_verified(path: str, sha256: str | None, *,
-                   for_broadcast: bool = False) -> tuple[torch.Tensor | None, Any]:
+def _read_verified(
+    path: str, sha256: str | None, *, for_broadcast: bool = False
+) -> tuple[torch.Tensor | None, Any]:
     """The file's payload (and, for_broadcast, its bytes as a uint8 tensor), or ValueError/OSError
     saying why it cannot be used. The checksum is streamed and torch.load reads the very file
     that was hashed (through its open descriptor), so a load costs about what a plain torch.load
@@ -84,12 +106,16 @@ def _read_verified(path: str, sha256: str | None, *,
         else:
             digest = hashlib.file_digest(f, "sha256").hexdigest()
         if sha256 and not digest.startswith(sha256):
-            raise ValueError(f"checksum mismatch (sha256 {digest[:16]}..., expected {sha256[:16]}...; "
-                             f"{size} bytes): truncated or corrupt")
+            raise ValueError(
+                f"checksum mismatch (sha256 {digest[:16]}..., expected {sha256[:16]}...; "
+                f"{size} bytes): truncated or corrupt"
+            )
         same = f"/proc/self/fd/{f.fileno()}"
         f.seek(0)
         try:
-            payload = torch.load(same if os.path.exists(same) else f, map_location="cpu", weights_only=True)
+            payload = torch.load(
+                same if os.path.exists(same) else f, map_location="cpu", weights_only=True
+            )
         except Exception as e:
             raise ValueError(f"not loadable with weights_only=True: {_why(e)}") from e
     check_payload(payload)
@@ -98,16 +124,22 @@ def _read_verified(path: str, sha256: str | None, *,
 
 def _why(e: BaseException) -> str:
     why = str(e)
-    why = why[why.find("WeightsUnpickler error:"):] if "WeightsUnpickler error:" in why else why
+    why = why[why.find("WeightsUnpickler error:") :] if "WeightsUnpickler error:" in why else why
     why = " ".join(re.sub(r"\x1b\[[0-9;]*m", "", why).split())  # one event, one line
     return f"{type(e).__name__}: {why[:300]}"
 
 
 def check_payload(payload: Any) -> None:
-    if not isinstance(payload, dict) or "state" not in payload or not isinstance(payload.get("format"), int):
+    if (
+        not isinstance(payload, dict)
+        or "state" not in payload
+        or not isinstance(payload.get("format"), int)
+    ):
         raise ValueError("not an elasticd checkpoint")
     if payload["format"] > FORMAT:
-        raise ValueError(f"written by a newer elasticd (format {payload['format']}, this one reads {FORMAT})")
+        raise ValueError(
+            f"written by a newer elasticd (format {payload['format']}, this one reads {FORMAT})"
+        )
 
 
 def load_file(path: str | os.PathLike, sha256: str | None = None) -> dict[str, Any]:
@@ -118,8 +150,9 @@ def load_file(path: str | os.PathLike, sha256: str | None = None) -> dict[str, A
     return _read_verified(path, sha256 or (m.group(2) if m else None))[1]["state"]
 
 
-def _first_good(directory: str, found: list[Entry], *,
-                for_broadcast: bool = False) -> tuple[torch.Tensor | None, dict, Entry] | None:
+def _first_good(
+    directory: str, found: list[Entry], *, for_broadcast: bool = False
+) -> tuple[torch.Tensor | None, dict, Entry] | None:
     """Pop candidates newest first until one verifies; report each one skipped."""
     while found:
         entry = found.pop(0)
@@ -127,8 +160,13 @@ def _first_good(directory: str, found: list[Entry], *,
         try:
             data, payload = _read_verified(path, entry.sha256, for_broadcast=for_broadcast)
         except (OSError, ValueError) as e:
-            log.warning("checkpoint_skipped", path=path, step=entry.step, reason=str(e),
-                        action="trying the previous checkpoint")
+            log.warning(
+                "checkpoint_skipped",
+                path=path,
+                step=entry.step,
+                reason=str(e),
+                action="trying the previous checkpoint",
+            )
             continue
         return data, payload, entry
     return None
@@ -139,7 +177,9 @@ def looks_at_disk() -> bool:
     return os.environ.get("LOCAL_RANK", "0") == "0"
 
 
-def load_latest_entry(directory: str | os.PathLike | None, group=None) -> tuple[dict[str, Any], Entry] | None:
+def load_latest_entry(
+    directory: str | os.PathLike | None, group=None
+) -> tuple[dict[str, Any], Entry] | None:
     directory = resolve_dir(directory)
     if not dist_on() or dist.get_world_size() == 1:
         got = _first_good(directory, candidates(directory))

@@ -33,7 +33,9 @@ FORMAT = 1  # of the manifest and of the payload inside each checkpoint file
 MANIFEST = "manifest.json"
 NAME = re.compile(r"^ckpt-(\d{12,})-([0-9a-f]{16})\.pt$")
 _TEMP = re.compile(r"^\.(ckpt|manifest)-.*\.tmp$")
-_SHA256 = re.compile(r"^[0-9a-f]{16}(?:[0-9a-f]{48})?$")  # full digest, or the name's 16-digit prefix
+_SHA256 = re.compile(
+    r"^[0-9a-f]{16}(?:[0-9a-f]{48})?$"
+)  # full digest, or the name's 16-digit prefix
 MAX_MANIFEST = 4 << 20  # bytes; the manifest of keep=3 is under a kilobyte
 MAX_STEP = 2**62  # steps travel between ranks as int64
 
@@ -74,12 +76,22 @@ class Entry:
             raise ValueError(f"step {step} is not the step in the file name {d['file']}")
         sha = m.group(2) if d.get("sha256") in (None, "") else d["sha256"]
         if not isinstance(sha, str) or not _SHA256.match(sha) or not sha.startswith(m.group(2)):
-            raise ValueError(f"sha256 {_quote(sha)} is not the checksum in the file name {d['file']}")
+            raise ValueError(
+                f"sha256 {_quote(sha)} is not the checksum in the file name {d['file']}"
+            )
         t = d.get("time") or 0.0
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t < float("inf"):
             raise ValueError(f"time {_quote(t)} is not a finite time")
-        return cls(file=d["file"], step=step, epoch=_whole(d, "epoch"), position=_whole(d, "position"),
-                   world_size=_whole(d, "world_size"), time=float(t), bytes=_whole(d, "bytes") or 0, sha256=sha)
+        return cls(
+            file=d["file"],
+            step=step,
+            epoch=_whole(d, "epoch"),
+            position=_whole(d, "position"),
+            world_size=_whole(d, "world_size"),
+            time=float(t),
+            bytes=_whole(d, "bytes") or 0,
+            sha256=sha,
+        )
 
 
 def file_name(step: int, sha256: str) -> str:
@@ -89,7 +101,11 @@ def file_name(step: int, sha256: str) -> str:
 
 def _quote(value: Any) -> str:
     """A value from a file, quoted short in a message."""
-    text = repr(value) if isinstance(value, (str, int, float, bool, type(None))) else f"a {type(value).__name__}"
+    text = (
+        repr(value)
+        if isinstance(value, (str, int, float, bool, type(None)))
+        else f"a {type(value).__name__}"
+    )
     return text if len(text) <= 60 else text[:57] + "..."
 
 
@@ -121,6 +137,7 @@ def resolve_dir(directory: str | os.PathLike | None) -> str:
 
 # -- writing ----------------------------------------------------------------------------------------
 
+
 def _fsync_dir(directory: str) -> None:
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -129,15 +146,18 @@ def _fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
-def atomic_write(directory: str, name: str | Callable[[Any], str], kind: str,
-                 fill: Callable[[Any], Any]) -> tuple[str, Any]:
+def atomic_write(
+    directory: str, name: str | Callable[[Any], str], kind: str, fill: Callable[[Any], Any]
+) -> tuple[str, Any]:
     """Write via `fill(file)` to a temporary file in `directory`, fsync it, rename it into place
     and fsync the directory; remove the temporary file on any failure. `name` may be a function
     of fill's result (a checksum known only once written)."""
     tmp = os.path.join(directory, f".{kind}-{os.getpid()}-{uuid.uuid4().hex[:12]}.tmp")
     try:
         # new (O_EXCL), never through a symlink, never world-readable: checkpoints hold the weights
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o640)
+        fd = os.open(
+            tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o640
+        )
         with os.fdopen(fd, "wb") as f:
             result = fill(f)
             f.flush()
@@ -176,6 +196,7 @@ def write_manifest(directory: str, entries: list[Entry]) -> None:
 
 # -- reading ----------------------------------------------------------------------------------------
 
+
 def read_manifest(directory: str | os.PathLike) -> list[Entry] | None:
     """Entries oldest first, or None when there is no usable manifest (then scan the files).
 
@@ -188,17 +209,30 @@ def read_manifest(directory: str | os.PathLike) -> list[Entry] | None:
         if type(fmt) is int and fmt == 1:
             found = doc.get("checkpoints")
             if not isinstance(found, list):
-                raise ValueError(f"\"checkpoints\" is not a list: {_quote(found)}")
+                raise ValueError(f'"checkpoints" is not a list: {_quote(found)}')
             return [Entry.from_json(e) for e in found]
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, RecursionError) as e:  # RecursionError: nested past the parser's depth
+    except (
+        OSError,
+        ValueError,
+        RecursionError,
+    ) as e:  # RecursionError: nested past the parser's depth
         why = "nested too deeply" if isinstance(e, RecursionError) else str(e)[:300]
-        log.warning("checkpoint_manifest_unreadable", path=path, error=why,
-                    action="scanning checkpoint files instead")
+        log.warning(
+            "checkpoint_manifest_unreadable",
+            path=path,
+            error=why,
+            action="scanning checkpoint files instead",
+        )
         return None
-    log.warning("checkpoint_manifest_unknown_format", path=path, format=_quote(fmt), known=FORMAT,
-                action="scanning checkpoint files instead")
+    log.warning(
+        "checkpoint_manifest_unknown_format",
+        path=path,
+        format=_quote(fmt),
+        known=FORMAT,
+        action="scanning checkpoint files instead",
+    )
     return None
 
 
@@ -238,10 +272,16 @@ def candidates(directory: str | os.PathLike) -> list[Entry]:
             except FileNotFoundError:
                 continue
             except ValueError as e:
-                log.warning("checkpoint_skipped", path=os.path.join(directory, name), reason=str(e),
-                            action="trying the previous checkpoint")
+                log.warning(
+                    "checkpoint_skipped",
+                    path=os.path.join(directory, name),
+                    reason=str(e),
+                    action="trying the previous checkpoint",
+                )
                 continue
-            entries.append(Entry(file=name, step=step, time=st.st_mtime, bytes=st.st_size, sha256=m.group(2)))
+            entries.append(
+                Entry(file=name, step=step, time=st.st_mtime, bytes=st.st_size, sha256=m.group(2))
+            )
     order = {id(e): i for i, e in enumerate(entries)}
     return sorted(entries, key=lambda e: (e.time, e.step, order[id(e)]), reverse=True)
 

@@ -18,7 +18,14 @@ import elasticd
 from elasticd import names
 from elasticd.checkpoint import files, stop
 from elasticd.checkpoint.collectives import cpu_group, dist_on, rank, world
-from elasticd.checkpoint.format import FORMAT, Entry, candidates, remove_temporaries, resolve_dir, write_manifest
+from elasticd.checkpoint.format import (
+    FORMAT,
+    Entry,
+    candidates,
+    remove_temporaries,
+    resolve_dir,
+    write_manifest,
+)
 from elasticd.checkpoint.memory_state import MemoryState
 from elasticd.checkpoint.snapshot import Snapshot
 from elasticd.worker import health
@@ -49,9 +56,11 @@ def _figures():
 
 def _failure(directory: str, err: BaseException) -> str:
     full = isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-    return (f"saving a checkpoint in {directory} failed: {type(err).__name__}: {err}"
-            + (" (the disk, a quota or a file size limit is full)" if full else "")
-            + "; the previous checkpoint is intact")
+    return (
+        f"saving a checkpoint in {directory} failed: {type(err).__name__}: {err}"
+        + (" (the disk, a quota or a file size limit is full)" if full else "")
+        + "; the previous checkpoint is intact"
+    )
 
 
 class CheckpointManager:
@@ -75,11 +84,22 @@ class CheckpointManager:
     memory_overlap=False copies it at once, for a script that writes its parameters by hand
     between a refresh and its next optimizer step."""
 
-    def __init__(self, directory: str | os.PathLike | None = None, keep: int = 3,
-                 every_steps: int | None = None, every_seconds: float | None = None, *,
-                 handle_sigterm: bool = True, stop_timeout: float = 10.0, errors: str = "raise",
-                 sync_every: int = 1, memory_every: int | None = None, memory_budget: float = 0.0075,
-                 memory_dir: str | os.PathLike | None = None, memory_overlap: bool = True):
+    def __init__(
+        self,
+        directory: str | os.PathLike | None = None,
+        keep: int = 3,
+        every_steps: int | None = None,
+        every_seconds: float | None = None,
+        *,
+        handle_sigterm: bool = True,
+        stop_timeout: float = 10.0,
+        errors: str = "raise",
+        sync_every: int = 1,
+        memory_every: int | None = None,
+        memory_budget: float = 0.0075,
+        memory_dir: str | os.PathLike | None = None,
+        memory_overlap: bool = True,
+    ):
         if keep < 1:
             raise ValueError(f"keep must be at least 1, got {keep}")
         if errors not in ("raise", "log"):
@@ -137,13 +157,22 @@ class CheckpointManager:
         state, self.loaded = got
         self._last_step = self.loaded.step
         if self.loaded.step is not None:
-            path = self.loaded.file if self.loaded.file.startswith("memory:") else \
-                os.path.join(self.directory, self.loaded.file)
-            log.info("checkpoint_loaded", path=path, step=self.loaded.step,
-                     source="memory" if path.startswith("memory:") else "disk")
+            path = (
+                self.loaded.file
+                if self.loaded.file.startswith("memory:")
+                else os.path.join(self.directory, self.loaded.file)
+            )
+            log.info(
+                "checkpoint_loaded",
+                path=path,
+                step=self.loaded.step,
+                source="memory" if path.startswith("memory:") else "disk",
+            )
         return state
 
-    def save_memory(self, step: int, state: Mapping[str, Any] | Callable[[], Mapping[str, Any]]) -> float:
+    def save_memory(
+        self, step: int, state: Mapping[str, Any] | Callable[[], Mapping[str, Any]]
+    ) -> float:
         """Refresh the in-memory state (every rank calls it at the same steps; no collective when
         `state` is a callable around capture()). Returns the stall in seconds. A full or missing
         tmpfs, or a state it cannot hold, turns in-memory state off with one warning; disk
@@ -151,8 +180,14 @@ class CheckpointManager:
         return self._memory.refresh(step, state)
 
     # -- saving ----------------------------------------------------------------------------------
-    def save(self, step: int, state: Mapping[str, Any] | Callable[[], Mapping[str, Any]], *,
-             epoch: int | None = None, position: int | None = None) -> float:
+    def save(
+        self,
+        step: int,
+        state: Mapping[str, Any] | Callable[[], Mapping[str, Any]],
+        *,
+        epoch: int | None = None,
+        position: int | None = None,
+    ) -> float:
         """Checkpoint `state` (or what the callable returns: it is called on every rank, so
         capture() may be passed) as `step`. Returns the stall in seconds. epoch/position default
         to the sampler's state inside `state`."""
@@ -168,11 +203,22 @@ class CheckpointManager:
         if isinstance(sampler, Mapping):
             epoch = sampler.get("epoch") if epoch is None else epoch
             position = sampler.get("consumed") if position is None else position
-        meta = {"step": int(step), "epoch": epoch, "position": position, "world_size": world(),
-                "time": time.time()}
-        payload = {"format": FORMAT, "step": int(step), "meta": meta, "state": self._snap.take(state)}
-        self._thread = threading.Thread(target=self._persist, args=(payload, meta),
-                                        name="elasticd-checkpoint-writer")
+        meta = {
+            "step": int(step),
+            "epoch": epoch,
+            "position": position,
+            "world_size": world(),
+            "time": time.time(),
+        }
+        payload = {
+            "format": FORMAT,
+            "step": int(step),
+            "meta": meta,
+            "state": self._snap.take(state),
+        }
+        self._thread = threading.Thread(
+            target=self._persist, args=(payload, meta), name="elasticd-checkpoint-writer"
+        )
         self._thread.start()
         self.last_stall = time.perf_counter() - t0
         self._report_stall()
@@ -197,7 +243,7 @@ class CheckpointManager:
             # A save at a step already present replaces it; the oldest beyond `keep` go.
             before = self._entries
             entries = [e for e in before if e.step != entry.step and e.file != entry.file] + [entry]
-            kept = entries[-self.keep:]
+            kept = entries[-self.keep :]
             write_manifest(d, kept)  # commit first, delete after: the manifest never dangles
             self._entries = kept
             live = {e.file for e in kept}
@@ -209,16 +255,28 @@ class CheckpointManager:
             self.last_saved = entry
             self.last_write = time.perf_counter() - t0
             writer = _figures()
-            if writer is not None:  # two stores from this thread; the training thread writes other fields
+            if (
+                writer is not None
+            ):  # two stores from this thread; the training thread writes other fields
                 writer.add("save_write_total", self.last_write)
                 writer.note("save_write_last", self.last_write)
-            log.info("checkpoint_saved", path=os.path.join(d, entry.file), step=entry.step,
-                      bytes=entry.bytes, seconds=round(self.last_write, 3))
+            log.info(
+                "checkpoint_saved",
+                path=os.path.join(d, entry.file),
+                step=entry.step,
+                bytes=entry.bytes,
+                seconds=round(self.last_write, 3),
+            )
         except BaseException as e:  # noqa: BLE001 - reported to the training thread
             self._error = e
             self._entries = None  # re-read the directory next time
-            log.error("checkpoint_save_failed", directory=d, step=payload["step"], error=_failure(d, e),
-                      latest=self.last_saved and self.last_saved.file)
+            log.error(
+                "checkpoint_save_failed",
+                directory=d,
+                step=payload["step"],
+                error=_failure(d, e),
+                latest=self.last_saved and self.last_saved.file,
+            )
 
     def _join(self) -> None:
         if self._thread is not None:
@@ -255,8 +313,11 @@ class CheckpointManager:
         Under torch.distributed this is one small all_reduce on CPU every `sync_every`-th call
         (on other calls both are False), so every rank must call in the same pattern."""
         self._calls += 1
-        local = [self._stop.requested.is_set() or self._stopping,
-                 self.every_seconds is not None and time.monotonic() - self._last_time >= self.every_seconds]
+        local = [
+            self._stop.requested.is_set() or self._stopping,
+            self.every_seconds is not None
+            and time.monotonic() - self._last_time >= self.every_seconds,
+        ]
         if dist_on() and dist.get_world_size() > 1:
             if self._stopping:
                 flags = [True, False, 0]  # agreed everywhere already; timers no longer matter
@@ -275,27 +336,42 @@ class CheckpointManager:
             log.info("checkpoint_stop_requested", action="saving and stopping at this step")
         return bool(flags[0]), bool(flags[1])
 
-    def maybe_save(self, step: int, state: Mapping[str, Any] | Callable[[], Mapping[str, Any]], *,
-                   epoch: int | None = None, position: int | None = None) -> bool:
+    def maybe_save(
+        self,
+        step: int,
+        state: Mapping[str, Any] | Callable[[], Mapping[str, Any]],
+        *,
+        epoch: int | None = None,
+        position: int | None = None,
+    ) -> bool:
         """Save if `step` is a multiple of every_steps, every_seconds have passed, or a stop was
         requested (then once: the final save). Call it on every rank at every step boundary.
         The in-memory state is refreshed every `memory_every` steps (see memory.Cadence)."""
         cadence = self._memory.cadence
         writer = _figures()
         if writer is not None:
-            writer.name_step(step)  # status and metrics show the training step, not a count of beats
+            writer.name_step(
+                step
+            )  # status and metrics show the training step, not a count of beats
         cadence.step_began()
         try:
             return self._maybe_save(step, state, epoch, position)
         finally:
             cadence.step_ended()
 
-    def _maybe_save(self, step: int, state: Mapping[str, Any] | Callable[[], Mapping[str, Any]],
-                    epoch: int | None, position: int | None) -> bool:
+    def _maybe_save(
+        self,
+        step: int,
+        state: Mapping[str, Any] | Callable[[], Mapping[str, Any]],
+        epoch: int | None,
+        position: int | None,
+    ) -> bool:
         self._stop.at_boundary()
         stop, time_due = self._agree()
         self._agreed = True
-        step_due = bool(self.every_steps) and step % self.every_steps == 0 and step != self._last_step
+        step_due = (
+            bool(self.every_steps) and step % self.every_steps == 0 and step != self._last_step
+        )
         final = stop and not self._stop_saved
         every = self._memory.every
         memory_due = bool(every) and step % every == 0

@@ -71,7 +71,9 @@ _SMALL = 1 << 20  # bytes below which a tensor is copied with one memmove
 # synchronous one about 0.5 ms; 0.7 ms is what a synchronous copy of 8 MiB into shared memory
 # takes there (~12 GB/s), so below this size queuing the copies costs more than it saves.
 OVERLAP_MIN_BYTES = 8 << 20
-_LAYOUT = operator.attrgetter("dtype", "shape", "is_cpu")  # what a slot's views and copies are made for
+_LAYOUT = operator.attrgetter(
+    "dtype", "shape", "is_cpu"
+)  # what a slot's views and copies are made for
 _FIRST = operator.itemgetter(0)
 torch: Any = None  # imported by the worker-side functions only: the daemon never loads torch
 _walk: Any = None  # elasticd.checkpoint.walk, which imports torch: imported with it
@@ -175,11 +177,16 @@ def _take_lock(root: int, name: str) -> int | None:
 
 def newest_step(path: str | None) -> int | None:
     """The newest whole state in the directory (for status), whatever its world size."""
-    steps = [h["step"] for h in (header(slot_path(path, 0, k)) for k in range(SLOTS)) if h] if path else []
+    steps = (
+        [h["step"] for h in (header(slot_path(path, 0, k)) for k in range(SLOTS)) if h]
+        if path
+        else []
+    )
     return max(steps) if steps else None
 
 
 # -- slots ------------------------------------------------------------------------------------
+
 
 def slot_path(path: str, local_rank: int, k: int) -> str:
     return os.path.join(path, f"l{local_rank}.{k}")
@@ -199,11 +206,21 @@ def header(file: str) -> dict[str, int] | None:
 def _parse(raw: bytes, size: int) -> dict[str, int] | None:
     if len(raw) < _FIELDS.size:
         return None
-    magic, valid, step, world, rank, data_len, meta_len, crc, local_world, lineage = _FIELDS.unpack(raw)
+    magic, valid, step, world, rank, data_len, meta_len, crc, local_world, lineage = _FIELDS.unpack(
+        raw
+    )
     if magic != MAGIC or valid != 1 or HEADER + data_len + meta_len > size:
         return None
-    return {"step": step, "world": world, "rank": rank, "data_len": data_len, "meta_len": meta_len,
-            "crc": crc, "local_world": local_world, "lineage": lineage}
+    return {
+        "step": step,
+        "world": world,
+        "rank": rank,
+        "data_len": data_len,
+        "meta_len": meta_len,
+        "crc": crc,
+        "local_world": local_world,
+        "lineage": lineage,
+    }
 
 
 def _aligned(n: int) -> int:
@@ -275,7 +292,7 @@ def _rebuild(obj: Any, tensors: list) -> Any:
         return [_rebuild(v, tensors) for v in obj]
     if not isinstance(obj, dict):
         return obj
-    (tag, v), = obj.items()
+    ((tag, v),) = obj.items()
     tag = tag[1:]
     if tag == "t":
         return tensors[v]
@@ -301,6 +318,7 @@ def _rebuild(obj: Any, tensors: list) -> Any:
 
 # -- worker side ------------------------------------------------------------------------------
 
+
 @dataclasses.dataclass
 class Cadence:
     """How often the in-memory state is refreshed: at every step that is a multiple of `every`.
@@ -315,10 +333,15 @@ class Cadence:
 
     every: int = 1
     budget: float | None = None
-    costs: deque = dataclasses.field(default_factory=lambda: deque(maxlen=WINDOW))  # refreshes at this `every`
+    costs: deque = dataclasses.field(
+        default_factory=lambda: deque(maxlen=WINDOW)
+    )  # refreshes at this `every`
     steps: deque = dataclasses.field(default_factory=lambda: deque(maxlen=15))
     left: float | None = None  # when the caller went back to training
-    measured: tuple[float, float] = (0.0, 0.0)  # (refresh, step) seconds that decided the last change
+    measured: tuple[float, float] = (
+        0.0,
+        0.0,
+    )  # (refresh, step) seconds that decided the last change
 
     def step_began(self) -> None:
         now = time.monotonic()
@@ -341,7 +364,9 @@ class Cadence:
         if self.budget is None or len(self.costs) < 5 or len(self.steps) < 5:
             return self.every
         allowed = self.budget * max(self.step_time(), 1e-6)  # refresh seconds per step
-        recent = sorted(itertools.islice(reversed(self.costs), 5))[1]  # the last five, one fast outlier aside
+        recent = sorted(itertools.islice(reversed(self.costs), 5))[
+            1
+        ]  # the last five, one fast outlier aside
         if recent >= 4 * self.every * allowed:
             return math.ceil(recent / allowed - 1e-9)
         if len(self.costs) < self.costs.maxlen:
@@ -381,7 +406,9 @@ class _Slot:
         self.views: list = []
         self.direct: list = []  # per view: (address, bytes) for one memmove from a contiguous CPU tensor, or None
         self.address = 0  # of the mapping
-        self.pinned = False  # page-locked for overlapped device copies (elasticd.checkpoint.overlap)
+        self.pinned = (
+            False  # page-locked for overlapped device copies (elasticd.checkpoint.overlap)
+        )
 
     def reserve(self, size: int) -> bool:
         """Make room for `size` bytes; True when that (re)mapped the slot (a one-off cost)."""
@@ -393,7 +420,9 @@ class _Slot:
             with contextlib.suppress(BufferError):  # a view still alive somewhere: let it go
                 self.mm.close()
         os.posix_fallocate(self.fd, 0, size)  # ENOSPC here, not SIGBUS on a store later
-        populate = getattr(mmap, "MAP_POPULATE", 0)  # page tables filled now, not on each refresh's first touch
+        populate = getattr(
+            mmap, "MAP_POPULATE", 0
+        )  # page tables filled now, not on each refresh's first touch
         self.mm = mmap.mmap(self.fd, size, flags=mmap.MAP_SHARED | populate)
         self.size = size
         head = ctypes.c_char.from_buffer(self.mm)  # an export of the mapping, let go at once
@@ -422,20 +451,39 @@ class Writer:
     is stamped with `lineage` (agreed at the load) and `local_world` (LOCAL_WORLD_SIZE; 0 when
     unknown), which tells a later resume which local ranks of this node existed."""
 
-    def __init__(self, path: str, local_rank: int, keep: tuple[int, int] | None = None, overlap: bool = False,
-                 *, lineage: int = 0, local_world: int = 0) -> None:
+    def __init__(
+        self,
+        path: str,
+        local_rank: int,
+        keep: tuple[int, int] | None = None,
+        overlap: bool = False,
+        *,
+        lineage: int = 0,
+        local_world: int = 0,
+    ) -> None:
         _import_torch()
         self.local_rank = local_rank
         self.lineage, self.local_world = int(lineage), int(local_world)
-        self.overlap = overlap  # queue device copies to overlap the next step (elasticd.checkpoint.overlap)
+        self.overlap = (
+            overlap  # queue device copies to overlap the next step (elasticd.checkpoint.overlap)
+        )
         self.queued = False  # the last write's copies were queued, its cost is measured later
-        self.notice: str | None = None  # why overlapping was turned off, for the caller to report once
-        self._copier: Any = None  # an elasticd.checkpoint.overlap.Copier, made at the first overlapped refresh
+        self.notice: str | None = (
+            None  # why overlapping was turned off, for the caller to report once
+        )
+        self._copier: Any = (
+            None  # an elasticd.checkpoint.overlap.Copier, made at the first overlapped refresh
+        )
         self._device: Any = None  # the one CUDA device of the layout's tensors, if they have one
         self._device_bytes = 0  # of the layout's CUDA tensors
         self.slots = [_Slot(slot_path(path, local_rank, k)) for k in range(SLOTS)]
-        kept = [k for k in range(SLOTS) if keep is not None
-                and (h := header(self.slots[k].file)) and (h["step"], h["lineage"]) == tuple(keep)][:1]
+        kept = [
+            k
+            for k in range(SLOTS)
+            if keep is not None
+            and (h := header(self.slots[k].file))
+            and (h["step"], h["lineage"]) == tuple(keep)
+        ][:1]
         for k in range(SLOTS):
             if k not in kept:
                 _invalidate(self.slots[k].file)
@@ -444,11 +492,21 @@ class Writer:
         self._offsets: list[int] = []
         self._end = 0
         self._table = b""
-        self._encoded: dict[Any, tuple[Any, bytes, bytes]] = {}  # entry -> (description, marshal, JSON)
+        self._encoded: dict[
+            Any, tuple[Any, bytes, bytes]
+        ] = {}  # entry -> (description, marshal, JSON)
         self._flat: dict = {}  # descriptions of dicts of named tensors, see _Description.named_tensors
 
-    def write(self, step: int, state: Mapping[str, Any], *, world: int, rank: int,
-              owned: set[int] | None = None, started: float | None = None) -> bool:
+    def write(
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        *,
+        world: int,
+        rank: int,
+        owned: set[int] | None = None,
+        started: float | None = None,
+    ) -> bool:
         """Store `state` (a capture(), whose "rng" holds at least this rank's entry) as `step`.
         Returns whether a slot had to be mapped first (its cost is not a refresh's).
         When overlapping: `owned` holds the ids of the tensors only the optimizer writes, whose
@@ -460,14 +518,25 @@ class Writer:
         desc = _Description(self._flat)
         walk, tensors = _walk.walk, desc.tensors
         used: dict = {}
-        tree = b"{" + _DICT + b':[["rng",' + self._json("rng", walk(mine, desc, (None, "rng")), used)
+        tree = (
+            b"{" + _DICT + b':[["rng",' + self._json("rng", walk(mine, desc, (None, "rng")), used)
+        )
         if self.local_rank == 0:
-            entries = [b"[" + self._json(("k", k), walk(k, desc), used) + b","
-                       + self._json(("v", k), walk(v, desc, (None, k)), used) + b"]"
-                       for k, v in state.items() if k != "rng"]
+            entries = [
+                b"["
+                + self._json(("k", k), walk(k, desc), used)
+                + b","
+                + self._json(("v", k), walk(v, desc, (None, k)), used)
+                + b"]"
+                for k, v in state.items()
+                if k != "rng"
+            ]
             tree += b'],["state",{' + _DICT + b":[" + b",".join(entries) + b"]}"
         tree += b"]]}"
-        self._encoded, self._flat = used, desc.flat  # only this step's: names that come and go are not kept
+        self._encoded, self._flat = (
+            used,
+            desc.flat,
+        )  # only this step's: names that come and go are not kept
         key = tuple(map(_LAYOUT, map(_FIRST, tensors)))
         if key != self._layout:
             self._plan(key, tensors)
@@ -483,15 +552,27 @@ class Writer:
         if copier is not None and not slot.pinned:
             slot.pinned = copier.pin(slot.address, slot.size)
             if not slot.pinned:
-                copier = self._off("the GPU driver refused to page-lock the slot (cudaHostRegister)")
+                copier = self._off(
+                    "the GPU driver refused to page-lock the slot (cudaHostRegister)"
+                )
         mm = slot.mm
         assert mm is not None
         slot.set_valid(0)
         if slot.layout != key:  # views into the mapping, made once per layout
-            slot.views = [torch.frombuffer(mm, dtype=t.dtype, count=t.numel(), offset=HEADER + o).view(t.shape)
-                          if t.numel() else None for o, (t, _) in zip(offsets, tensors)]
-            slot.direct = [(v.data_ptr(), t.nbytes) if v is not None and t.is_cpu and t.nbytes < _SMALL else None
-                           for v, (t, _) in zip(slot.views, tensors)]
+            slot.views = [
+                torch.frombuffer(mm, dtype=t.dtype, count=t.numel(), offset=HEADER + o).view(
+                    t.shape
+                )
+                if t.numel()
+                else None
+                for o, (t, _) in zip(offsets, tensors)
+            ]
+            slot.direct = [
+                (v.data_ptr(), t.nbytes)
+                if v is not None and t.is_cpu and t.nbytes < _SMALL
+                else None
+                for v, (t, _) in zip(slot.views, tensors)
+            ]
             slot.layout = key
         side: list = []  # device tensors only the optimizer writes: copied beside the next step
         ordered: list = []  # other device tensors: copied on the training stream, before what follows
@@ -504,8 +585,18 @@ class Writer:
                 (side if owned is not None and id(t) in owned else ordered).append((view, t))
             else:
                 view.copy_(t.detach())  # device tensors, and big ones: torch's parallel copy
-        head = _FIELDS.pack(MAGIC, 0, step, world, rank, end, len(meta), zlib.crc32(meta), self.local_world,
-                            self.lineage)
+        head = _FIELDS.pack(
+            MAGIC,
+            0,
+            step,
+            world,
+            rank,
+            end,
+            len(meta),
+            zlib.crc32(meta),
+            self.local_world,
+            self.lineage,
+        )
         commit = functools.partial(_commit, slot, HEADER + end, meta, head)
         self.queued = copier is not None
         if copier is None:
@@ -531,8 +622,10 @@ class Writer:
             except Exception as e:  # noqa: BLE001 - a CUDA runtime that cannot give a stream: copy as before
                 return self._off(f"no side stream: {type(e).__name__}: {e}")
         if self._copier.unfired():
-            return self._off("no optimizer step ran between two refreshes (a step replayed from a CUDA "
-                             "graph, or parameters updated by hand)")
+            return self._off(
+                "no optimizer step ran between two refreshes (a step replayed from a CUDA "
+                "graph, or parameters updated by hand)"
+            )
         self._copier.settle()
         if not self._worth_overlapping():
             return None
@@ -566,8 +659,14 @@ class Writer:
         if last is not None and last[0] is desc:
             used[name] = last
             return last[2]
-        exact = marshal.dumps(desc, 2)  # version 2: no back-references, so equal values give equal bytes
-        out = last[2] if last is not None and last[1] == exact else json.dumps(desc, separators=(",", ":")).encode()
+        exact = marshal.dumps(
+            desc, 2
+        )  # version 2: no back-references, so equal values give equal bytes
+        out = (
+            last[2]
+            if last is not None and last[1] == exact
+            else json.dumps(desc, separators=(",", ":")).encode()
+        )
         used[name] = (desc, exact, out)
         return out
 
@@ -576,7 +675,9 @@ class Writer:
         offsets, table, end = [], [], 0
         for t, at in tensors:
             if t.layout != torch.strided or t.is_quantized or t.is_nested:
-                raise TypeError(f"{_walk.where(at)}: a {t.layout} tensor cannot be kept in the in-memory state")
+                raise TypeError(
+                    f"{_walk.where(at)}: a {t.layout} tensor cannot be kept in the in-memory state"
+                )
             offsets.append(end)
             table.append([end, str(t.dtype).removeprefix("torch."), list(t.shape)])
             end = _aligned(end + t.numel() * t.element_size())
@@ -584,7 +685,9 @@ class Writer:
         devices = {t.device for t, _ in tensors if t.is_cuda}
         self._device = devices.pop() if len(devices) == 1 else None
         self._device_bytes = sum(t.nbytes for t, _ in tensors if t.is_cuda)
-        self._table = b'{"tensors":' + json.dumps(table, separators=(",", ":")).encode() + b',"tree":'
+        self._table = (
+            b'{"tensors":' + json.dumps(table, separators=(",", ":")).encode() + b',"tree":'
+        )
 
     def close(self) -> None:
         if self._copier is not None:
@@ -602,8 +705,8 @@ def _commit(slot: _Slot, at: int, meta: bytes, head: bytes) -> None:
     """Write a slot's description and header after its tensors, and mark it whole: last."""
     mm = slot.mm
     assert mm is not None
-    mm[at:at + len(meta)] = meta
-    mm[:_FIELDS.size] = head
+    mm[at : at + len(meta)] = meta
+    mm[: _FIELDS.size] = head
     slot.set_valid(1)
 
 
@@ -646,11 +749,11 @@ def _decode(buf: Any, size: int, name: str, step: int, lineage: int) -> tuple[di
     """A slot's header and state from its bytes (a mapping of the file, or the bytes received from
     another rank): checked for the step and lineage expected, the description's checksum and a
     layout that stays inside the tensors' bytes. Every tensor is copied out."""
-    h = _parse(bytes(buf[:_FIELDS.size]), size)
+    h = _parse(bytes(buf[: _FIELDS.size]), size)
     if not h or (h["step"], h["lineage"]) != (step, lineage):
         raise ValueError(f"in-memory slot {name} no longer holds step {step}")
     start = HEADER + h["data_len"]
-    meta = bytes(buf[start:start + h["meta_len"]])
+    meta = bytes(buf[start : start + h["meta_len"]])
     if zlib.crc32(meta) != h["crc"]:
         raise ValueError(f"in-memory slot {name} is damaged (checksum)")
     desc = json.loads(meta)
@@ -660,10 +763,17 @@ def _decode(buf: Any, size: int, name: str, step: int, lineage: int) -> tuple[di
         n = 1
         for d in shape:
             n *= d
-        if not isinstance(dt, torch.dtype) or offset < 0 or offset + n * dt.itemsize > h["data_len"]:
+        if (
+            not isinstance(dt, torch.dtype)
+            or offset < 0
+            or offset + n * dt.itemsize > h["data_len"]
+        ):
             raise ValueError(f"in-memory slot {name} is damaged (layout)")
-        tensors.append(torch.frombuffer(buf, dtype=dt, count=n, offset=HEADER + offset).view(shape).clone()
-                       if n else torch.empty(shape, dtype=dt))
+        tensors.append(
+            torch.frombuffer(buf, dtype=dt, count=n, offset=HEADER + offset).view(shape).clone()
+            if n
+            else torch.empty(shape, dtype=dt)
+        )
     return h, _rebuild(desc["tree"], tensors)
 
 
@@ -674,7 +784,7 @@ def _load_slot(file: str, step: int, lineage: int) -> Any:
         size = os.fstat(f.fileno()).st_size
         with mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) as mm:
             h, out = _decode(mm, size, name, step, lineage)
-            if _parse(mm[:_FIELDS.size], size) != h:
+            if _parse(mm[: _FIELDS.size], size) != h:
                 raise ValueError(f"in-memory slot {name} changed while being read")
             return out
 
@@ -716,15 +826,19 @@ def steps(path: str | None, *, world: int, rank: int, local_rank: int) -> list[i
     """Steps this rank could resume from at an unchanged world (tools and tests; a resume goes
     through held()): the node's whole state and this rank's own RNG, written at this world size."""
     node = {h.step for h in held(path, 0) if h.world == world}
-    return sorted(node & {h.step for h in held(path, local_rank) if h.world == world and h.rank == rank},
-                  reverse=True)
+    return sorted(
+        node & {h.step for h in held(path, local_rank) if h.world == world and h.rank == rank},
+        reverse=True,
+    )
 
 
 def read(path: str, step: int, *, world: int, rank: int, local_rank: int) -> dict[str, Any]:
     """The state at `step` of an unchanged world with this rank's RNG in place (the other ranks'
     entries are None); see steps()."""
     node = [h for h in held(path, 0) if h.step == step and h.world == world]
-    mine = [h for h in held(path, local_rank) if h.step == step and h.world == world and h.rank == rank]
+    mine = [
+        h for h in held(path, local_rank) if h.step == step and h.world == world and h.rank == rank
+    ]
     if not node or not mine:
         raise ValueError(f"in-memory state at step {step} is gone")
     body = load(path, 0, step, node[0].lineage)
@@ -742,7 +856,11 @@ def keep_only(path: str | None, *, local_rank: int, keep: tuple[int, int] | None
     all of them), so that no state of an abandoned timeline can be mixed with the one resumed from."""
     if not path:
         return
-    kept = [h.k for h in held(path, local_rank) if keep is not None and (h.step, h.lineage) == tuple(keep)][:1]
+    kept = [
+        h.k
+        for h in held(path, local_rank)
+        if keep is not None and (h.step, h.lineage) == tuple(keep)
+    ][:1]
     for k in range(SLOTS):
         if k not in kept:
             _invalidate(slot_path(path, local_rank, k))

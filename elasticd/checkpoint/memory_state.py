@@ -28,7 +28,15 @@ import torch.distributed as dist
 import elasticd
 from elasticd import names
 from elasticd.checkpoint import memory
-from elasticd.checkpoint.collectives import all_gather_bytes, cpu_group, dist_on, rank, recv_bytes, send_bytes, world
+from elasticd.checkpoint.collectives import (
+    all_gather_bytes,
+    cpu_group,
+    dist_on,
+    rank,
+    recv_bytes,
+    send_bytes,
+    world,
+)
 from elasticd.checkpoint.files import looks_at_disk
 from elasticd.checkpoint.format import Entry, candidates
 from elasticd.checkpoint.state import REFRESH, Refresh
@@ -75,8 +83,9 @@ def choose(views: list[dict[str, Any]]) -> tuple[Choice | None, str]:
     if not holders:
         return None, "no step held in memory"
     why = ""
-    for (step, lineage), have in sorted(holders.items(), key=lambda kv: (kv[0][0], len(kv[1]), kv[0][1]),
-                                        reverse=True):
+    for (step, lineage), have in sorted(
+        holders.items(), key=lambda kv: (kv[0][0], len(kv[1]), kv[0][1]), reverse=True
+    ):
         if step < disk:
             return None, why or f"disk checkpoint at step {disk} is newer"
         lacking = [r for r, v in enumerate(views) if not _fits(v, step, lineage)]
@@ -90,8 +99,9 @@ def choose(views: list[dict[str, Any]]) -> tuple[Choice | None, str]:
 def _fits(view: dict[str, Any], step: int, lineage: int) -> bool:
     if [step, lineage] in view["own"]:
         return True
-    took_part = (any(x == lineage for _, x in view["own"])
-                 or any(x == lineage and lw > view["local"] for _, x, lw, _ in view["whole"]))
+    took_part = any(x == lineage for _, x in view["own"]) or any(
+        x == lineage and lw > view["local"] for _, x, lw, _ in view["whole"]
+    )
     return not took_part
 
 
@@ -101,7 +111,11 @@ def derived_base(step: int, world_size: int) -> int:
     base and its global rank) is reproducible, differs from rank to rank and from resume to
     resume, and a resume repeated at the same step and world draws the same numbers again. (The
     lost ranks' own states cannot be copied: they were only ever in the lost node's memory.)"""
-    data = b"elasticd in-memory resume" + step.to_bytes(8, "little", signed=True) + world_size.to_bytes(8, "little")
+    data = (
+        b"elasticd in-memory resume"
+        + step.to_bytes(8, "little", signed=True)
+        + world_size.to_bytes(8, "little")
+    )
     return int.from_bytes(hashlib.sha256(data).digest()[:8], "little") >> 1
 
 
@@ -109,16 +123,23 @@ class MemoryState:
     """This rank's share of the node's in-memory state: on by default under elasticd, which owns
     the directory (memory.ENV); off for good after a refresh that failed."""
 
-    def __init__(self, directory: str | os.PathLike | None, every: int | None, budget: float, overlap: bool):
+    def __init__(
+        self, directory: str | os.PathLike | None, every: int | None, budget: float, overlap: bool
+    ):
         mem = directory if directory is not None else os.environ.get(memory.ENV)
         self.directory = os.fspath(mem) if mem else None
         if every is not None and int(every) < 0:
-            raise ValueError(f"memory_every must be a number of steps (0: off; None: follow memory_budget), "
-                             f"got {every}")
+            raise ValueError(
+                f"memory_every must be a number of steps (0: off; None: follow memory_budget), "
+                f"got {every}"
+            )
         if not 0 < budget < 1:
-            raise ValueError(f"memory_budget is a share of step time, between 0 and 1 (0.01: 1%), "
-                             f"got {budget}")
-        self.cadence = memory.Cadence(every=int(every or 1), budget=budget if every is None else None)
+            raise ValueError(
+                f"memory_budget is a share of step time, between 0 and 1 (0.01: 1%), got {budget}"
+            )
+        self.cadence = memory.Cadence(
+            every=int(every or 1), budget=budget if every is None else None
+        )
         self.on = bool(self.directory) and every != 0
         # Whether load() takes part in the resume from memory (a collective): on every rank alike
         # under elasticd or with a directory given, even where this node has no directory (it
@@ -127,7 +148,9 @@ class MemoryState:
         self.overlap = bool(overlap)
         self.last_stall = 0.0
         self.writer: memory.Writer | None = None  # made at the first refresh, after loading
-        self.resumed: tuple[int, int] | None = None  # the (step, lineage) load() resumed from, in this rank's slot
+        self.resumed: tuple[int, int] | None = (
+            None  # the (step, lineage) load() resumed from, in this rank's slot
+        )
         self.lineage = 0  # stamped on every refresh: agreed at load(), 0 without one
         # 0 keeps the node's state, others their RNG: the real local rank, also under --virtual-local-rank
         self.local_rank = int(os.environ.get(names.LOCAL_RANK) or os.environ.get("LOCAL_RANK", 0))
@@ -151,8 +174,13 @@ class MemoryState:
             figures.note("refresh_every", self.every)
         if rank() == 0:
             refresh, step = self.cadence.measured  # this rank's; the agreed N may come from another
-            log.info("memory_cadence", every=self.every, budget=self.cadence.budget,
-                     refresh_ms=round(1e3 * refresh, 3), step_ms=round(1e3 * step, 3))
+            log.info(
+                "memory_cadence",
+                every=self.every,
+                budget=self.cadence.budget,
+                refresh_ms=round(1e3 * refresh, 3),
+                step_ms=round(1e3 * step, 3),
+            )
 
     def load(self, disk: str) -> tuple[dict[str, Any], Entry] | None:
         """Agree on the step to resume from memory (a collective; rules: choose()), at this
@@ -164,13 +192,19 @@ class MemoryState:
         node = memory.held(self.directory, 0)
         own = node if local == 0 else memory.held(self.directory, local)
         found = candidates(disk) if looks_at_disk() else []
-        view = {"whole": [[h.step, h.lineage, h.local_world, h.world] for h in node],
-                "own": [[h.step, h.lineage] for h in own], "local": local,
-                "disk": found[0].step if found else -1,
-                "next": int.from_bytes(os.urandom(8), "little") >> 1 or 1}  # rank 0's is taken
+        view = {
+            "whole": [[h.step, h.lineage, h.local_world, h.world] for h in node],
+            "own": [[h.step, h.lineage] for h in own],
+            "local": local,
+            "disk": found[0].step if found else -1,
+            "next": int.from_bytes(os.urandom(8), "little") >> 1 or 1,
+        }  # rank 0's is taken
         multi = dist_on() and world_size > 1
-        views = ([json.loads(b) for b in all_gather_bytes(json.dumps(view).encode(), cpu_group())]
-                 if multi else [view])
+        views = (
+            [json.loads(b) for b in all_gather_bytes(json.dumps(view).encode(), cpu_group())]
+            if multi
+            else [view]
+        )
         self.lineage = int(views[0]["next"])
         choice, why = choose(views)
         state, source = None, None
@@ -185,21 +219,34 @@ class MemoryState:
                 choice, state = None, None
         if choice is None or state is None:
             if any(v["whole"] for v in views):
-                log.info("memory_state_skipped", reason=why or "another rank could not read it",
-                         action="loading the newest disk checkpoint")
+                log.info(
+                    "memory_state_skipped",
+                    reason=why or "another rank could not read it",
+                    action="loading the newest disk checkpoint",
+                )
             memory.keep_only(self.directory, local_rank=local, keep=None)
             return None
         self.resumed = (choice.step, choice.lineage) if my_rank in choice.keepers else None
         memory.keep_only(self.directory, local_rank=local, keep=self.resumed)
         received = [r for r in range(world_size) if r not in choice.holders]
         if my_rank == 0 and (received or choice.world != world_size):
-            log.info("memory_state_shared", step=choice.step, world_was=choice.world, world=world_size,
-                     received_by=received, rng_derived=[r for r in range(world_size) if r not in choice.keepers])
-        return state, Entry(file=f"memory:{source}/w{choice.world}-s{choice.step:012d}", step=choice.step,
-                            world_size=choice.world)
+            log.info(
+                "memory_state_shared",
+                step=choice.step,
+                world_was=choice.world,
+                world=world_size,
+                received_by=received,
+                rng_derived=[r for r in range(world_size) if r not in choice.keepers],
+            )
+        return state, Entry(
+            file=f"memory:{source}/w{choice.world}-s{choice.step:012d}",
+            step=choice.step,
+            world_size=choice.world,
+        )
 
-    def _fetch(self, choice: Choice, world_size: int, my_rank: int,
-               multi: bool) -> tuple[dict[str, Any] | None, str | None, str | None]:
+    def _fetch(
+        self, choice: Choice, world_size: int, my_rank: int, multi: bool
+    ) -> tuple[dict[str, Any] | None, str | None, str | None]:
         """This rank's state at the chosen step: read from its node's slot, or received from the
         holder assigned to it (receivers are dealt out over the holders in turn, so each holder
         sends to a share of them); with its own RNG where its slot holds it, else the seed base
@@ -215,8 +262,11 @@ class MemoryState:
             try:
                 body = memory.decode(data, step, lineage)
             except Exception as e:  # noqa: BLE001 - nothing (the sender failed) or damage: use the disk
-                why = f"not received from rank {sender[my_rank]}: {type(e).__name__}: {e}" if data else \
-                    f"rank {sender[my_rank]} could not read it"
+                why = (
+                    f"not received from rank {sender[my_rank]}: {type(e).__name__}: {e}"
+                    if data
+                    else f"rank {sender[my_rank]} could not read it"
+                )
             del data
         else:
             to = [r for r in receivers if sender[r] == my_rank]
@@ -240,16 +290,25 @@ class MemoryState:
         mine = None
         if my_rank in choice.keepers:
             try:
-                mine = body["rng"] if self.local_rank == 0 else \
-                    memory.load(self.directory, self.local_rank, step, lineage).get("rng")
+                mine = (
+                    body["rng"]
+                    if self.local_rank == 0
+                    else memory.load(self.directory, self.local_rank, step, lineage).get("rng")
+                )
             except Exception as e:  # noqa: BLE001
                 return None, None, f"own RNG state unreadable: {type(e).__name__}: {e}"
         ranks: list[Any] = [None] * world_size
         ranks[my_rank] = mine
-        state["rng"] = {"world_size": world_size, "ranks": ranks, "seed": derived_base(step, world_size)}
+        state["rng"] = {
+            "world_size": world_size,
+            "ranks": ranks,
+            "seed": derived_base(step, world_size),
+        }
         return state, source, None
 
-    def refresh(self, step: int, state: Mapping[str, Any] | Callable[[], Mapping[str, Any]]) -> float:
+    def refresh(
+        self, step: int, state: Mapping[str, Any] | Callable[[], Mapping[str, Any]]
+    ) -> float:
         """Write `state` (or what the callable, around capture(), returns) as `step`; the stall
         in seconds. A full or missing tmpfs, or a state it cannot hold, turns the in-memory
         state off with one warning; disk checkpoints go on."""
@@ -269,16 +328,31 @@ class MemoryState:
         writer = self.writer
         try:
             if writer is None:
-                writer = self.writer = memory.Writer(self.directory, self.local_rank, keep=self.resumed,
-                                                     overlap=self.overlap, lineage=self.lineage,
-                                                     local_world=self.local_world)
-            mapped = writer.write(int(step), state, world=world(), rank=rank(), owned=owned, started=t0)
+                writer = self.writer = memory.Writer(
+                    self.directory,
+                    self.local_rank,
+                    keep=self.resumed,
+                    overlap=self.overlap,
+                    lineage=self.lineage,
+                    local_world=self.local_world,
+                )
+            mapped = writer.write(
+                int(step), state, world=world(), rank=rank(), owned=owned, started=t0
+            )
             if writer.notice:
-                log.warning("memory_overlap_off", reason=writer.notice, action="copying synchronously from now on")
+                log.warning(
+                    "memory_overlap_off",
+                    reason=writer.notice,
+                    action="copying synchronously from now on",
+                )
                 writer.notice = None
         except (OSError, TypeError) as e:
-            log.warning("memory_state_off", directory=self.directory, error=f"{type(e).__name__}: {e}",
-                        action="continuing with disk checkpoints only")
+            log.warning(
+                "memory_state_off",
+                directory=self.directory,
+                error=f"{type(e).__name__}: {e}",
+                action="continuing with disk checkpoints only",
+            )
             self.on = False
             if self.writer is not None:
                 self.writer.close()
@@ -293,5 +367,7 @@ class MemoryState:
         if self.on:
             if not mapped and not writer.queued:
                 self.cadence.costs.append(self.last_stall)
-            self.cadence.costs.extend(writer.costs())  # overlapped refreshes, once their events passed
+            self.cadence.costs.extend(
+                writer.costs()
+            )  # overlapped refreshes, once their events passed
         return self.last_stall

@@ -91,7 +91,9 @@ class Copier:
         self.finished: deque[Pending] = deque()  # committed, cost not yet measured
         self.error: BaseException | None = None
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="elasticd-memory-commit", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, name="elasticd-memory-commit", daemon=True
+        )
         self._thread.start()
         atexit.register(self.close)
         if not _hook:
@@ -102,7 +104,9 @@ class Copier:
         Copier's thread: a refused registration leaves its error code in that thread, which
         launches no kernel that could report it as its own."""
         try:
-            return self._call(lambda: int(torch.cuda.cudart().cudaHostRegister(address, size, 0)) == 0)
+            return self._call(
+                lambda: int(torch.cuda.cudart().cudaHostRegister(address, size, 0)) == 0
+            )
         except Exception:  # noqa: BLE001 - no runtime bindings: synchronous copies do
             return False
 
@@ -110,8 +114,15 @@ class Copier:
         with contextlib.suppress(Exception):
             self._call(lambda: torch.cuda.cudart().cudaHostUnregister(address))
 
-    def copy(self, key: int, side: list, ordered: list, commit: Callable[[], None], started: float,
-             counted: bool = True) -> None:
+    def copy(
+        self,
+        key: int,
+        side: list,
+        ordered: list,
+        commit: Callable[[], None],
+        started: float,
+        counted: bool = True,
+    ) -> None:
         """Queue (view, tensor) copies: `side` on the side stream (tensors only the optimizer
         writes), `ordered` on the training stream; the thread then calls `commit`."""
         main = torch.cuda.current_stream(self.device)
@@ -128,8 +139,16 @@ class Copier:
             view.copy_(t.detach(), non_blocking=True)
         done = torch.cuda.Event(enable_timing=True)
         done.record(main)
-        p = Pending(self.device, commit, [t for _, t in side + ordered], began, done, copied,
-                    time.perf_counter() - started, counted)
+        p = Pending(
+            self.device,
+            commit,
+            [t for _, t in side + ordered],
+            began,
+            done,
+            copied,
+            time.perf_counter() - started,
+            counted,
+        )
         if side:
             _waiting.append(p)
         else:
@@ -152,7 +171,9 @@ class Copier:
         self.pending.clear()
         if self.error is not None:
             err, self.error = self.error, None
-            raise OSError(f"an overlapped in-memory refresh failed: {type(err).__name__}: {err}") from err
+            raise OSError(
+                f"an overlapped in-memory refresh failed: {type(err).__name__}: {err}"
+            ) from err
         return dropped
 
     def unfired(self) -> bool:
@@ -194,7 +215,9 @@ class Copier:
         return box[0]
 
     def _run(self) -> None:
-        torch.cuda.set_device(self.device)  # this thread's runtime calls must not touch GPU 0's context
+        torch.cuda.set_device(
+            self.device
+        )  # this thread's runtime calls must not touch GPU 0's context
         while (job := self._jobs.get()) is not None:
             if isinstance(job, tuple):
                 fn, box, ready = job

@@ -59,7 +59,9 @@ class _PythonRng:
     raw: bytes | None = None
     value: dict[str, Any] | None = None
     usable: bool = False
-    key: Any = None  # the generator's index and key in place (ctypes array); read while `inst` lives
+    key: Any = (
+        None  # the generator's index and key in place (ctypes array); read while `inst` lives
+    )
     _AT: ClassVar[int] = 16  # after ob_refcnt and ob_type: int index; uint32_t state[624]
     _SIZE: ClassVar[int] = 4 + 624 * 4
 
@@ -67,26 +69,42 @@ class _PythonRng:
         return self.key.raw
 
     def state(self) -> dict[str, Any]:
-        inst = getattr(random.getstate, "__self__", random)  # the generator behind random's functions
-        if (inst is self.inst and self.usable and self.value is not None
-                and getattr(inst, "gauss_next", None) == self.value["gauss_next"] and self._raw() == self.raw):
+        inst = getattr(
+            random.getstate, "__self__", random
+        )  # the generator behind random's functions
+        if (
+            inst is self.inst
+            and self.usable
+            and self.value is not None
+            and getattr(inst, "gauss_next", None) == self.value["gauss_next"]
+            and self._raw() == self.raw
+        ):
             return self.value
         version, internal, gauss = inst.getstate()
-        self.value = {"version": version, "state": torch.frombuffer(array.array("q", internal), dtype=torch.int64),
-                      "gauss_next": gauss}
+        self.value = {
+            "version": version,
+            "state": torch.frombuffer(array.array("q", internal), dtype=torch.int64),
+            "gauss_next": gauss,
+        }
         if inst is not self.inst:
             self.inst = inst
             base = type(inst).__mro__[-2]  # the C type that holds the key
-            self.usable = sys.implementation.name == "cpython" and base.__basicsize__ >= self._AT + self._SIZE
+            self.usable = (
+                sys.implementation.name == "cpython" and base.__basicsize__ >= self._AT + self._SIZE
+            )
             if self.usable:
                 self.key = (ctypes.c_char * self._SIZE).from_address(id(inst) + self._AT)
-                self.usable = self._raw() == (array.array("i", internal[-1:]).tobytes()
-                                              + array.array("I", internal[:-1]).tobytes())
+                self.usable = self._raw() == (
+                    array.array("i", internal[-1:]).tobytes()
+                    + array.array("I", internal[:-1]).tobytes()
+                )
         self.raw = self._raw() if self.usable else None
         return self.value
 
 
-_python_rng = _PythonRng()  # pure memoisation: the last state read, while the generator is unchanged
+_python_rng = (
+    _PythonRng()
+)  # pure memoisation: the last state read, while the generator is unchanged
 
 
 @dataclasses.dataclass
@@ -112,19 +130,34 @@ class _NumpyRng:
     def state(self, np) -> dict[str, Any]:
         get_gen = getattr(np.random, "get_bit_generator", None)
         gen = get_gen() if get_gen else None
-        if (gen is not None and gen is self.gen and self.usable and self.value is not None
-                and not self.value["has_gauss"] and self._raw() == self.raw):
+        if (
+            gen is not None
+            and gen is self.gen
+            and self.usable
+            and self.value is not None
+            and not self.value["has_gauss"]
+            and self._raw() == self.raw
+        ):
             return self.value
         name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
-        self.value = {"bit_generator": str(name), "keys": torch.from_numpy(keys.astype(np.int64)),
-                      "pos": int(pos), "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
+        self.value = {
+            "bit_generator": str(name),
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        }
         if gen is not self.gen:
             self.gen = gen
             self.usable = False
             try:
                 if type(gen).__name__ == "MT19937":
-                    self.key = (ctypes.c_char * (624 * 4 + 4)).from_address(gen.ctypes.state_address)
-                    expected = keys.astype("<u4").tobytes() + int(pos).to_bytes(4, "little", signed=True)
+                    self.key = (ctypes.c_char * (624 * 4 + 4)).from_address(
+                        gen.ctypes.state_address
+                    )
+                    expected = keys.astype("<u4").tobytes() + int(pos).to_bytes(
+                        4, "little", signed=True
+                    )
                     self.usable = self._raw() == expected
             except (AttributeError, TypeError, ValueError):
                 pass
@@ -138,13 +171,26 @@ _numpy_rng = _NumpyRng()  # pure memoisation, as _python_rng
 def set_state(state: Mapping[str, Any]) -> None:
     py = state["python"]
     key = py["state"]  # an int64 tensor; a list of ints in older checkpoints
-    random.setstate((py["version"], tuple(key.tolist() if isinstance(key, torch.Tensor) else key), py["gauss_next"]))
+    random.setstate(
+        (
+            py["version"],
+            tuple(key.tolist() if isinstance(key, torch.Tensor) else key),
+            py["gauss_next"],
+        )
+    )
     torch.set_rng_state(state["torch"])
     np = numpy_or_none()
     if np is not None and "numpy" in state:
         s = state["numpy"]
-        np.random.set_state((s["bit_generator"], s["keys"].numpy().astype(np.uint32), s["pos"],
-                             s["has_gauss"], s["cached_gaussian"]))
+        np.random.set_state(
+            (
+                s["bit_generator"],
+                s["keys"].numpy().astype(np.uint32),
+                s["pos"],
+                s["has_gauss"],
+                s["cached_gaussian"],
+            )
+        )
     if "cuda" in state and torch.cuda.is_available():
         for i, s in enumerate(state["cuda"][: torch.cuda.device_count()]):
             torch.cuda.set_rng_state(s, i)
@@ -161,4 +207,7 @@ def derived_seed(rng: Mapping[str, Any], rank: int) -> int:
     else:
         known = [r for r in rng.get("ranks") or [] if r is not None]
         base = bytes(known[0]["torch"].tolist()) if known else b""
-    return int.from_bytes(hashlib.sha256(base + rank.to_bytes(8, "little")).digest()[:8], "little") >> 1
+    return (
+        int.from_bytes(hashlib.sha256(base + rank.to_bytes(8, "little")).digest()[:8], "little")
+        >> 1
+    )

@@ -14,7 +14,13 @@ import torch
 import torch.distributed as dist
 
 from elasticd.checkpoint import rng as rng_state
-from elasticd.checkpoint.collectives import all_gather_bytes, cpu_group, dist_on, from_bytes, to_bytes
+from elasticd.checkpoint.collectives import (
+    all_gather_bytes,
+    cpu_group,
+    dist_on,
+    from_bytes,
+    to_bytes,
+)
 from elasticd.checkpoint.collectives import rank as this_rank
 from elasticd.checkpoint.format import FORMAT
 
@@ -25,12 +31,16 @@ class Refresh:
     `lambda: capture(...)`, which takes no argument of ours, with REFRESH set to one of these.
     Outside a refresh (a disk checkpoint, a direct call) REFRESH is None."""
 
-    whole: bool  # local rank 0 keeps the node's whole state; the other local ranks only their own RNG
+    whole: (
+        bool  # local rank 0 keeps the node's whole state; the other local ranks only their own RNG
+    )
     owned: set[int] | None = None  # when overlapping: filled with the ids of the tensors only the
     #                                optimizer writes, its parameters and state (elasticd.checkpoint.overlap)
 
 
-REFRESH: contextvars.ContextVar[Refresh | None] = contextvars.ContextVar("elasticd_refresh", default=None)
+REFRESH: contextvars.ContextVar[Refresh | None] = contextvars.ContextVar(
+    "elasticd_refresh", default=None
+)
 
 
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -46,8 +56,16 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
             return model
 
 
-def capture(model: torch.nn.Module | None = None, optimizer=None, scheduler=None, scaler=None,
-            sampler=None, *, rng: bool = True, **user_state: Any) -> dict[str, Any]:
+def capture(
+    model: torch.nn.Module | None = None,
+    optimizer=None,
+    scheduler=None,
+    scaler=None,
+    sampler=None,
+    *,
+    rng: bool = True,
+    **user_state: Any,
+) -> dict[str, Any]:
     """Everything an exact resume needs, as one weights_only-loadable dict.
 
     A collective under torch.distributed (every rank's RNG state is gathered, so that each rank
@@ -61,8 +79,12 @@ def capture(model: torch.nn.Module | None = None, optimizer=None, scheduler=None
     if model is not None and not rng_only:
         # an in-memory refresh copies the parameters at once: no detached alias of each is needed
         state["model"] = unwrap_model(model).state_dict(keep_vars=refresh is not None)
-    for key, obj in (("optimizer", optimizer), ("scheduler", scheduler), ("scaler", scaler),
-                     ("sampler", sampler)):
+    for key, obj in (
+        ("optimizer", optimizer),
+        ("scheduler", scheduler),
+        ("scaler", scaler),
+        ("sampler", sampler),
+    ):
         if obj is None or rng_only:
             continue
         if not callable(getattr(obj, "state_dict", None)):
@@ -71,7 +93,9 @@ def capture(model: torch.nn.Module | None = None, optimizer=None, scheduler=None
         state[key] = obj.state_dict()
         if key == "optimizer" and owned is not None and isinstance(obj, torch.optim.Optimizer):
             owned.update(id(p) for g in obj.param_groups for p in g["params"])
-            owned.update(id(t) for s in obj.state.values() for t in s.values() if isinstance(t, torch.Tensor))
+            owned.update(
+                id(t) for s in obj.state.values() for t in s.values() if isinstance(t, torch.Tensor)
+            )
     if rng:
         mine = rng_state.get_state()
         world = dist.get_world_size() if dist_on() else 1
@@ -87,21 +111,36 @@ def capture(model: torch.nn.Module | None = None, optimizer=None, scheduler=None
     return state
 
 
-def restore(state: Mapping[str, Any], model: torch.nn.Module | None = None, optimizer=None,
-            scheduler=None, scaler=None, sampler=None, *, strict: bool = True,
-            rng: bool = True) -> dict[str, Any]:
+def restore(
+    state: Mapping[str, Any],
+    model: torch.nn.Module | None = None,
+    optimizer=None,
+    scheduler=None,
+    scaler=None,
+    sampler=None,
+    *,
+    strict: bool = True,
+    rng: bool = True,
+) -> dict[str, Any]:
     """Apply a capture()d state to the given objects; return its user state (step, ...).
 
     Each rank takes its own RNG state; a rank beyond the saved world size is seeded from a value
     derived from the checkpoint and its rank. RNG comes last, after everything that is loaded."""
     from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
-    for key, obj in (("model", model), ("optimizer", optimizer), ("scheduler", scheduler),
-                     ("scaler", scaler), ("sampler", sampler)):
+    for key, obj in (
+        ("model", model),
+        ("optimizer", optimizer),
+        ("scheduler", scheduler),
+        ("scaler", scaler),
+        ("sampler", sampler),
+    ):
         if obj is None:
             continue
         if key not in state:
-            raise KeyError(f"the checkpoint has no {key!r} state (it has: {', '.join(sorted(state))})")
+            raise KeyError(
+                f"the checkpoint has no {key!r} state (it has: {', '.join(sorted(state))})"
+            )
         if key == "model":
             sd = OrderedDict(state["model"])
             consume_prefix_in_state_dict_if_present(sd, "module.")  # a checkpoint saved from DDP

@@ -23,9 +23,12 @@ class StopState:
     requested: threading.Event = dataclasses.field(default_factory=threading.Event)
     boundary: float = 0.0  # monotonic time of the latest step boundary
     gaps: collections.deque[float] = dataclasses.field(  # the latest times between two
-        default_factory=lambda: collections.deque(maxlen=20))
+        default_factory=lambda: collections.deque(maxlen=20)
+    )
     handler_pid: int = 0  # the process that installed the handler (a fork child installs anew)
-    watchdog_fds: list[socket.socket] = dataclasses.field(default_factory=list)  # kept open for its life
+    watchdog_fds: list[socket.socket] = dataclasses.field(
+        default_factory=list
+    )  # kept open for its life
 
     def at_boundary(self) -> None:
         now = time.monotonic()
@@ -79,7 +82,9 @@ def install_sigterm_handler(stop_timeout: float = 10.0) -> bool:
     previous = signal.getsignal(signal.SIGTERM)
 
     def on_sigterm(signum, frame):
-        if stop.requested.is_set() or _abandoned():  # second SIGTERM, or a restart: the default action
+        if (
+            stop.requested.is_set() or _abandoned()
+        ):  # second SIGTERM, or a restart: the default action
             signal.signal(signal.SIGTERM, previous if callable(previous) else signal.SIG_DFL)
             if callable(previous):
                 previous(signum, frame)
@@ -122,8 +127,11 @@ def install_sigterm_handler(stop_timeout: float = 10.0) -> bool:
                 if stop.boundary > signalled:
                     return  # the loop is alive and will save and stop by itself
                 if time.monotonic() - signalled > limit:
-                    os.write(2, f"elasticd.checkpoint: SIGTERM and no step boundary within {limit:.0f}s; "
-                                "exiting\n".encode())
+                    os.write(
+                        2,
+                        f"elasticd.checkpoint: SIGTERM and no step boundary within {limit:.0f}s; "
+                        "exiting\n".encode(),
+                    )
                     os._exit(128 + signal.SIGTERM)
                 time.sleep(0.05)
 

@@ -54,14 +54,18 @@ def walk(obj: Any, enc: Encoding, at: Any = None) -> Any:
     if cls is dict or cls is OrderedDict:
         if obj and _STR == set(map(type, obj)) and _TENSORS.issuperset(map(type, obj.values())):
             return enc.named_tensors(obj, at)
-        return enc.mapping(cls is OrderedDict, [[walk(k, enc, at), walk(v, enc, (at, k))] for k, v in obj.items()])
+        return enc.mapping(
+            cls is OrderedDict, [[walk(k, enc, at), walk(v, enc, (at, k))] for k, v in obj.items()]
+        )
     if isinstance(obj, torch.Tensor):
         return enc.tensor(obj, at)
     if cls is list:
         return [walk(v, enc, (at, i)) for i, v in enumerate(obj)]
     if isinstance(obj, Mapping):
-        return enc.mapping(isinstance(obj, OrderedDict),
-                           [[walk(k, enc, at), walk(v, enc, (at, k))] for k, v in obj.items()])
+        return enc.mapping(
+            isinstance(obj, OrderedDict),
+            [[walk(k, enc, at), walk(v, enc, (at, k))] for k, v in obj.items()],
+        )
     if isinstance(obj, _VALUES):
         return enc.value(obj if cls in _VALUES else _base_value(obj))
     if isinstance(obj, (list, tuple, set, frozenset)):
@@ -71,7 +75,9 @@ def walk(obj: Any, enc: Encoding, at: Any = None) -> Any:
         return str.__str__(obj)
     if cls.__module__ == "numpy" and getattr(obj, "ndim", None) == 0 and hasattr(obj, "item"):
         return walk(obj.item(), enc, at)  # a numpy scalar (a metric, a count)
-    if isinstance(obj, numbers.Integral):  # int subclasses (enums) too: plain values, as torch.load gives them
+    if isinstance(
+        obj, numbers.Integral
+    ):  # int subclasses (enums) too: plain values, as torch.load gives them
         return int(obj)
     if isinstance(obj, numbers.Real):
         return float(obj)
@@ -89,8 +95,10 @@ def _base_value(obj: Any) -> Any:
 
 
 def refused(cls: type, at: Any, cannot: str) -> TypeError:
-    return TypeError(f"{where(at)}: a {cls.__module__}.{cls.__qualname__} cannot be {cannot}; "
-                     "store tensors, numbers, strings, lists and dicts")
+    return TypeError(
+        f"{where(at)}: a {cls.__module__}.{cls.__qualname__} cannot be {cannot}; "
+        "store tensors, numbers, strings, lists and dicts"
+    )
 
 
 def where(at: Any) -> str:

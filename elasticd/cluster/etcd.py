@@ -77,7 +77,9 @@ log = logs.get("elasticd.etcd")
 
 DEFAULT_PORT = 2379
 MAX_TXN_OPS = 128  # etcd's default --max-txn-ops
-MAX_KEYS = 100_000  # keys one listing returns at most (a round has one per node; more is a forger's)
+MAX_KEYS = (
+    100_000  # keys one listing returns at most (a round has one per node; more is a forger's)
+)
 # Seconds one member gets to answer one request before the call tries the next endpoint (a share
 # of the call's timeout when that is shorter, so every member gets a turn). A healthy member
 # answers in milliseconds. Well under the liveness rule's 1.25 s of silence (LOST_SILENCE): a
@@ -129,8 +131,14 @@ class _Failed(Exception):
     """One attempt on one endpoint failed. `applied_maybe`: the request may have reached etcd;
     `cause`: what kind of failure (see NoAnswer); `lasting`: waiting will not heal it."""
 
-    def __init__(self, reason: str, applied_maybe: bool, reauth: bool = False, cause: str = "other",
-                 lasting: bool = False):
+    def __init__(
+        self,
+        reason: str,
+        applied_maybe: bool,
+        reauth: bool = False,
+        cause: str = "other",
+        lasting: bool = False,
+    ):
         super().__init__(reason)
         self.reason = reason
         self.applied_maybe = applied_maybe
@@ -192,7 +200,9 @@ def parse_endpoints(text: str | Sequence[str], tls: bool = False) -> list[Endpoi
     return out
 
 
-def tls_context(cacert: str | None = None, cert: str | None = None, key: str | None = None) -> ssl.SSLContext:
+def tls_context(
+    cacert: str | None = None, cert: str | None = None, key: str | None = None
+) -> ssl.SSLContext:
     """The TLS settings of an https endpoint: the CA bundle that signed the members' certificates
     (the system's trust store when None), and this client's certificate and key when the cluster
     asks for one (--client-cert-auth). Hostnames (or IP addresses) are checked against the
@@ -204,13 +214,24 @@ def tls_context(cacert: str | None = None, cert: str | None = None, key: str | N
         if cert:
             ctx.load_cert_chain(cert, key)
     except (OSError, ssl.SSLError) as e:
-        raise ValueError(f"etcd TLS: cannot load {cacert if cacert and not cert else cert}: {_line(e)}") from None
+        raise ValueError(
+            f"etcd TLS: cannot load {cacert if cacert and not cert else cert}: {_line(e)}"
+        ) from None
     return ctx
 
 
-def connect(endpoints: str, timeout: float, *, cacert: str | None = None, cert: str | None = None,
-            key: str | None = None, user: str | None = None, password: str | None = None,
-            password_file: str | None = None, check_timeout: float | None = None) -> EtcdKV:
+def connect(
+    endpoints: str,
+    timeout: float,
+    *,
+    cacert: str | None = None,
+    cert: str | None = None,
+    key: str | None = None,
+    user: str | None = None,
+    password: str | None = None,
+    password_file: str | None = None,
+    check_timeout: float | None = None,
+) -> EtcdKV:
     """An EtcdKV on the cluster at `endpoints` ("h1:2379,h2:2379,h3:2379"), checked: a member
     answers with a leader (and the user authenticates) within `check_timeout` (default: `timeout`),
     else NoAnswer (Refused for bad credentials; Misconfigured, at once, when no endpoint can ever
@@ -223,7 +244,9 @@ def connect(endpoints: str, timeout: float, *, cacert: str | None = None, cert: 
         if password is not None:
             raise ValueError("etcd: give a password or a password file, not both")
         password = signing.load_password(password_file)
-    store = EtcdKV(endpoints, timeout, cacert=cacert, cert=cert, key=key, user=user, password=password)
+    store = EtcdKV(
+        endpoints, timeout, cacert=cacert, cert=cert, key=key, user=user, password=password
+    )
     store._current = preferred_endpoint(store.endpoints)
     try:
         store.status(timeout=check_timeout, fail_fast=True)
@@ -251,7 +274,10 @@ def _addresses(host: str) -> set[str]:
     except ValueError:
         pass
     try:
-        return {str(ai[4][0]).split("%")[0] for ai in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)}
+        return {
+            str(ai[4][0]).split("%")[0]
+            for ai in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+        }
     except (OSError, UnicodeError):
         return set()
 
@@ -259,9 +285,18 @@ def _addresses(host: str) -> set[str]:
 class EtcdKV:
     """kv.KV on an etcd cluster (see the module's description). The constructor does no I/O."""
 
-    def __init__(self, endpoints: str | Sequence[str], timeout: float, *, cacert: str | None = None,
-                 cert: str | None = None, key: str | None = None, user: str | None = None,
-                 password: str | None = None, _tls: ssl.SSLContext | None = None):
+    def __init__(
+        self,
+        endpoints: str | Sequence[str],
+        timeout: float,
+        *,
+        cacert: str | None = None,
+        cert: str | None = None,
+        key: str | None = None,
+        user: str | None = None,
+        password: str | None = None,
+        _tls: ssl.SSLContext | None = None,
+    ):
         if not (isinstance(timeout, int | float) and math.isfinite(timeout) and timeout > 0):
             raise ValueError(f"etcd timeout must be a positive number of seconds, not {timeout!r}")
         if (user is None) != (password is None):
@@ -274,11 +309,17 @@ class EtcdKV:
         if self._tls is None and (want_tls or any(e.scheme == "https" for e in self.endpoints)):
             self._tls = tls_context(cacert, cert, key)
         self._user, self._password = user, password
-        self._tokens: dict[int, str] = {}  # endpoint index -> auth token (simple tokens are per member)
-        self._conns: dict[int, http.client.HTTPConnection] = {}  # changed under _conns_lock (close reads it)
+        self._tokens: dict[
+            int, str
+        ] = {}  # endpoint index -> auth token (simple tokens are per member)
+        self._conns: dict[
+            int, http.client.HTTPConnection
+        ] = {}  # changed under _conns_lock (close reads it)
         self._conns_lock = threading.Lock()
         self._current = 0
-        self._streams: dict[threading.Thread, _Stream] = {}  # wait's open watch per thread, between slices
+        self._streams: dict[
+            threading.Thread, _Stream
+        ] = {}  # wait's open watch per thread, between slices
         self._streams_lock = threading.Lock()
         self._lock = threading.Lock()  # one call at a time
         self._closing = threading.Event()
@@ -286,7 +327,9 @@ class EtcdKV:
         # stalled member, or a follower holding a request for a leader that just died, must not
         # eat the time a healthy one needs.
         n = len(self.endpoints)
-        self._attempt_cap = self.timeout if n == 1 else min(ATTEMPT_TIMEOUT, max(self.timeout / n, 0.25))
+        self._attempt_cap = (
+            self.timeout if n == 1 else min(ATTEMPT_TIMEOUT, max(self.timeout / n, 0.25))
+        )
 
     # --- the KV operations -------------------------------------------------------------------
 
@@ -299,9 +342,12 @@ class EtcdKV:
     def multi_get(self, keys: list[str]) -> list[bytes | None]:
         out: list[bytes | None] = []
         for i in range(0, len(keys), MAX_TXN_OPS):
-            chunk = keys[i:i + MAX_TXN_OPS]
-            values, _ = self._call("/v3/kv/txn", {"success": [{"request_range": {"key": _b64(k)}} for k in chunk]},
-                                   functools.partial(_reads, len(chunk)))
+            chunk = keys[i : i + MAX_TXN_OPS]
+            values, _ = self._call(
+                "/v3/kv/txn",
+                {"success": [{"request_range": {"key": _b64(k)}} for k in chunk]},
+                functools.partial(_reads, len(chunk)),
+            )
             out.extend(values)
         return out
 
@@ -309,27 +355,41 @@ class EtcdKV:
         # The roll is the key's version, which etcd raises by one at every put: one put that
         # returns the version before it is an atomic fetch-and-add with nothing to retry (a
         # compare-and-swap of a value made N nodes arriving together cost O(N^2) requests).
-        version, _ = self._call("/v3/kv/put", {"key": _b64(key), "value": "", "prev_kv": True}, _prev_version)
+        version, _ = self._call(
+            "/v3/kv/put", {"key": _b64(key), "value": "", "prev_kv": True}, _prev_version
+        )
         return version + 1
 
     def taken(self, key: str) -> int:
         return self._call("/v3/kv/range", {"key": _b64(key)}, _version)[0]
 
     def keys(self, prefix: str) -> list[str]:
-        end = prefix.encode()[:-1] + bytes([prefix.encode()[-1] + 1])  # every key with the prefix: etcd's range end
-        return self._call("/v3/kv/range", {"key": _b64(prefix), "range_end": _b64(end), "keys_only": True,
-                                           "limit": MAX_KEYS}, _keys)[0]
+        end = prefix.encode()[:-1] + bytes(
+            [prefix.encode()[-1] + 1]
+        )  # every key with the prefix: etcd's range end
+        return self._call(
+            "/v3/kv/range",
+            {"key": _b64(prefix), "range_end": _b64(end), "keys_only": True, "limit": MAX_KEYS},
+            _keys,
+        )[0]
 
     def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> bool:
         # b"" (someone's empty value) is compared as the value it is: absent is None
         k = _b64(key)
-        compare = ({"target": "CREATE", "key": k, "create_revision": "0", "result": "EQUAL"} if expected is None
-                   else {"target": "VALUE", "key": k, "value": _b64(expected), "result": "EQUAL"})
-        (succeeded, value), lost_reply = self._call("/v3/kv/txn", {
-            "compare": [compare],
-            "success": [{"request_put": {"key": k, "value": _b64(desired)}}],
-            "failure": [{"request_range": {"key": k}}],
-        }, _txn_outcome)
+        compare = (
+            {"target": "CREATE", "key": k, "create_revision": "0", "result": "EQUAL"}
+            if expected is None
+            else {"target": "VALUE", "key": k, "value": _b64(expected), "result": "EQUAL"}
+        )
+        (succeeded, value), lost_reply = self._call(
+            "/v3/kv/txn",
+            {
+                "compare": [compare],
+                "success": [{"request_put": {"key": k, "value": _b64(desired)}}],
+                "failure": [{"request_range": {"key": k}}],
+            },
+            _txn_outcome,
+        )
         # an earlier attempt may have set it: then the key holding `desired` says it did
         return succeeded or (lost_reply and value == desired)
 
@@ -373,8 +433,13 @@ class EtcdKV:
                 return False  # the stream stays open for this thread's next slice
 
     def clone(self) -> EtcdKV:
-        c = EtcdKV([e.url for e in self.endpoints], self.timeout, user=self._user, password=self._password,
-                   _tls=self._tls)
+        c = EtcdKV(
+            [e.url for e in self.endpoints],
+            self.timeout,
+            user=self._user,
+            password=self._password,
+            _tls=self._tls,
+        )
         c._tokens = dict(self._tokens)
         c._current = self._current
         return c
@@ -406,7 +471,9 @@ class EtcdKV:
         """The member in use's status (version, leader, revision): a cheap check that the cluster
         answers with a leader, and that the user authenticates (`timeout`: the call's, when not
         the store's; `fail_fast`: Misconfigured once every endpoint failed for good)."""
-        return self._call("/v3/maintenance/status", {}, _status, timeout=timeout, fail_fast=fail_fast)[0]
+        return self._call(
+            "/v3/maintenance/status", {}, _status, timeout=timeout, fail_fast=fail_fast
+        )[0]
 
     # --- requests, failover -------------------------------------------------------------------
 
@@ -414,7 +481,15 @@ class EtcdKV:
         """(value or None, the key's mod_revision (0 when absent), the store's revision)."""
         return self._call("/v3/kv/range", {"key": _b64(key)}, _range_reply)[0]
 
-    def _call(self, path: str, body: dict, decode, *, timeout: float | None = None, fail_fast: bool = False):
+    def _call(
+        self,
+        path: str,
+        body: dict,
+        decode,
+        *,
+        timeout: float | None = None,
+        fail_fast: bool = False,
+    ):
         """POST to the member in use, failing over until the deadline. Returns `decode(reply)` and
         whether an earlier attempt failed after the request may have reached etcd. A reply that
         `decode` cannot read (any exception) is that member's failed attempt."""
@@ -432,8 +507,10 @@ class EtcdKV:
                     raise kv.Unreachable(f"etcd {self.endpoint}: this connection was closed")
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise NoAnswer(f"etcd {self.endpoint}: no answer within {timeout:g} s ({self._summary(errors)})",
-                                   frozenset(f.cause for f in errors.values()))
+                    raise NoAnswer(
+                        f"etcd {self.endpoint}: no answer within {timeout:g} s ({self._summary(errors)})",
+                        frozenset(f.cause for f in errors.values()),
+                    )
                 i = self._current
                 # each round of failures doubles a member's time: a member cut off costs half a
                 # second, while a cluster that is only slow (overloaded) is not sent every
@@ -450,17 +527,27 @@ class EtcdKV:
                         self._rejected(i, f.reason)
                     if f.reauth:
                         self._tokens.pop(i, None)
-                        if i not in reauthed:  # a token the member no longer knows: log in again, same member
+                        if (
+                            i not in reauthed
+                        ):  # a token the member no longer knows: log in again, same member
                             reauthed.add(i)
                             continue
                         raise Refused(f"etcd {self.endpoints[i]}: {f.reason}") from None
-                    if fail_fast and len(errors) == len(self.endpoints) and all(e.lasting for e in errors.values()):
+                    if (
+                        fail_fast
+                        and len(errors) == len(self.endpoints)
+                        and all(e.lasting for e in errors.values())
+                    ):
                         causes = frozenset(e.cause for e in errors.values())
                         raise Misconfigured(self._summary(errors), causes) from None
                     self._current = (i + 1) % len(self.endpoints)
                     failures += 1
-                    if failures % len(self.endpoints) == 0:  # every endpoint failed once more: pause
-                        pause = min(_BACKOFF[0] * 2 ** (failures // len(self.endpoints) - 1), _BACKOFF[1])
+                    if (
+                        failures % len(self.endpoints) == 0
+                    ):  # every endpoint failed once more: pause
+                        pause = min(
+                            _BACKOFF[0] * 2 ** (failures // len(self.endpoints) - 1), _BACKOFF[1]
+                        )
                         self._closing.wait(max(min(pause, deadline - time.monotonic()), 0))
 
     def _attempt(self, i: int, path: str, data: bytes, end: float) -> dict:
@@ -468,14 +555,27 @@ class EtcdKV:
         headers = dict(_HEADERS)
         if self._user is not None:
             if i not in self._tokens:
-                reply = self._post(i, "/v3/auth/authenticate", json.dumps(
-                    {"name": self._user, "password": self._password}).encode(), end, headers, authenticating=True)
+                reply = self._post(
+                    i,
+                    "/v3/auth/authenticate",
+                    json.dumps({"name": self._user, "password": self._password}).encode(),
+                    end,
+                    headers,
+                    authenticating=True,
+                )
                 self._tokens[i] = _decoded(_token, reply)
             headers["Authorization"] = self._tokens[i]
         return self._post(i, path, data, end, headers)
 
-    def _post(self, i: int, path: str, data: bytes, end: float, headers: dict,
-              authenticating: bool = False) -> dict:
+    def _post(
+        self,
+        i: int,
+        path: str,
+        data: bytes,
+        end: float,
+        headers: dict,
+        authenticating: bool = False,
+    ) -> dict:
         if end <= time.monotonic():
             raise _Failed("timed out", applied_maybe=False, cause="timeout")
         conn = self._connection(i, end)
@@ -491,7 +591,9 @@ class EtcdKV:
             self._drop(i)
         return self._judge(i, resp, raw, authenticating)
 
-    def _judge(self, i: int, resp: http.client.HTTPResponse, raw: bytes, authenticating: bool) -> dict:
+    def _judge(
+        self, i: int, resp: http.client.HTTPResponse, raw: bytes, authenticating: bool
+    ) -> dict:
         """The reply of a 200 that is a JSON object; else the failure its status and error say."""
         try:
             reply = _parse(raw) if raw else {}
@@ -503,12 +605,16 @@ class EtcdKV:
             raise _Failed("a reply that is not a JSON object", applied_maybe=True, cause="reply")
         message = _error_text(reply) or f"HTTP {resp.status} {_line(resp.reason)}"
         code = reply.get("code") if isinstance(reply, dict) else None
-        if resp.status == 401 or code == 16:  # Unauthenticated: the token expired or the member restarted
+        if (
+            resp.status == 401 or code == 16
+        ):  # Unauthenticated: the token expired or the member restarted
             if authenticating or self._user is None:
                 raise Refused(f"etcd {self.endpoints[i]}: {message}")
             raise _Failed(message, applied_maybe=False, reauth=True)
         if any(m in message for m in _NOT_APPLIED):
-            raise _Failed(message, applied_maybe=False, cause="leader" if "leader" in message else "other")
+            raise _Failed(
+                message, applied_maybe=False, cause="leader" if "leader" in message else "other"
+            )
         if resp.status >= 500 or resp.status in (408, 429) or code in (4, 8, 10, 13, 14):
             raise _Failed(message, applied_maybe=True)
         raise Refused(f"etcd {self.endpoints[i]}: {message}")
@@ -523,7 +629,9 @@ class EtcdKV:
             conn = None
         return conn if conn is not None else self._new_connection(self.endpoints[i], end, slot=i)
 
-    def _new_connection(self, ep: Endpoint, end: float, slot: int | None = None) -> http.client.HTTPConnection:
+    def _new_connection(
+        self, ep: Endpoint, end: float, slot: int | None = None
+    ) -> http.client.HTTPConnection:
         """A connection to `ep`, connected (and its TLS handshake done) by `end`; `slot`: the
         endpoint index it is kept under, from before it connects (close() shuts it down there)."""
         conn = http.client.HTTPConnection(ep.host, ep.port)
@@ -557,12 +665,16 @@ class EtcdKV:
     def _handshake(self, conn: http.client.HTTPConnection, ep: Endpoint, end: float) -> None:
         """TLS on conn's connected socket, the member's certificate verified (a failure to verify
         does not heal by waiting: the CA or the name is wrong)."""
-        conn.sock = self._tls.wrap_socket(conn.sock, server_hostname=ep.host, do_handshake_on_connect=False)
+        conn.sock = self._tls.wrap_socket(
+            conn.sock, server_hostname=ep.host, do_handshake_on_connect=False
+        )
         conn.sock.settimeout(_left(end))
         try:
             conn.sock.do_handshake()
         except ssl.SSLCertVerificationError as e:
-            raise _Failed(f"TLS: {_line(e)}", applied_maybe=False, cause="tls", lasting=True) from None
+            raise _Failed(
+                f"TLS: {_line(e)}", applied_maybe=False, cause="tls", lasting=True
+            ) from None
 
     def _drop(self, i: int) -> None:
         with self._conns_lock:
@@ -576,14 +688,19 @@ class EtcdKV:
 
     def _summary(self, errors: dict[int, _Failed]) -> str:
         """Every endpoint's last error, on one line."""
-        return "; ".join(f"{self.endpoints[i]}: {f.reason}" for i, f in errors.items()) or "no attempt finished"
+        return (
+            "; ".join(f"{self.endpoints[i]}: {f.reason}" for i, f in errors.items())
+            or "no attempt finished"
+        )
 
     def _rejected(self, i: int, why: str) -> None:
         """Log a member's reply that could not be read: once a minute per member at most (one
         that sends garbage to every request must not write a line per request)."""
         held = _REJECTIONS(str(self.endpoints[i]))
         if held is not None:
-            log.warning("etcd_reply_rejected", endpoint=str(self.endpoints[i]), why=why, held_back=held)
+            log.warning(
+                "etcd_reply_rejected", endpoint=str(self.endpoints[i]), why=why, held_back=held
+            )
 
     # --- wait ------------------------------------------------------------------------------
 
@@ -613,11 +730,15 @@ class EtcdKV:
                 if deadline - time.monotonic() <= 0:
                     conn.close()
                     return None
-                raise _Failed(f"watch: no answer within {start:g} s", applied_maybe=False, cause="timeout") from None
+                raise _Failed(
+                    f"watch: no answer within {start:g} s", applied_maybe=False, cause="timeout"
+                ) from None
             except Exception as e:  # noqa: BLE001 - whatever the member sends or does: it cannot take the watch
                 raise _Failed(f"watch: {_line(e)}", applied_maybe=False, cause=_cause(e)) from None
             if resp.status != 200:
-                raise _Failed(f"watch: HTTP {resp.status} {_line(resp.reason)}", applied_maybe=False)
+                raise _Failed(
+                    f"watch: HTTP {resp.status} {_line(resp.reason)}", applied_maybe=False
+                )
         except BaseException:
             conn.close()
             raise
@@ -643,7 +764,9 @@ class EtcdKV:
                 reader.limit(time.monotonic() + self._attempt_cap)
                 sock.settimeout(0.0)
                 try:
-                    waiting = st.resp.fp.peek(1)  # bytes an earlier read took in, or any that came since
+                    waiting = st.resp.fp.peek(
+                        1
+                    )  # bytes an earlier read took in, or any that came since
                 except ssl.SSLWantReadError:  # TLS: nothing to decrypt yet (plain sockets give b"")
                     waiting = b""
                 if not waiting and not select.select([sock], [], [], left)[0]:
@@ -656,7 +779,11 @@ class EtcdKV:
             except Exception as e:  # noqa: BLE001 - whatever the member sends or does: the stream is given up
                 raise _Failed(f"watch: {_line(e)}", applied_maybe=False, cause=_cause(e)) from None
             if len(st.pending) > MAX_REPLY:
-                raise _Failed(f"watch: a message of more than {MAX_REPLY} bytes", applied_maybe=False, cause="reply")
+                raise _Failed(
+                    f"watch: a message of more than {MAX_REPLY} bytes",
+                    applied_maybe=False,
+                    cause="reply",
+                )
 
     def _keep_stream(self, st: _Stream) -> None:
         """Keep this thread's stream for its next slice; the streams of threads that have ended
@@ -696,7 +823,11 @@ def _put_in(st: _Stream, end: float) -> bool:
             if line.strip() and _is_put(line):
                 return True
             if time.monotonic() > end:
-                raise _Failed("watch: more messages than can be read in time", applied_maybe=False, cause="reply")
+                raise _Failed(
+                    "watch: more messages than can be read in time",
+                    applied_maybe=False,
+                    cause="reply",
+                )
         return False
     finally:
         del st.pending[:start]
@@ -731,7 +862,9 @@ def _is_put(line: bytes) -> bool:
         if "error" in msg:
             raise _Failed(f"watch: {_error_text(msg)}", applied_maybe=False)
         result = _obj(msg.get("result") or {}, "a watch result")
-        if any(_obj(event, "an event").get("type", "PUT") == "PUT" for event in _list(result, "events")):
+        if any(
+            _obj(event, "an event").get("type", "PUT") == "PUT" for event in _list(result, "events")
+        ):
             return True
         if _field(result, "canceled") or _field(result, "compact_revision"):
             why = _line(_field(result, "cancel_reason") or "compacted")
@@ -740,7 +873,9 @@ def _is_put(line: bytes) -> bool:
     except _Failed:
         raise
     except Exception as e:  # noqa: BLE001 - whatever the line held: the stream is given up
-        raise _Failed(f"watch: a message that is not etcd's ({_line(e)})", applied_maybe=False, cause="reply") from None
+        raise _Failed(
+            f"watch: a message that is not etcd's ({_line(e)})", applied_maybe=False, cause="reply"
+        ) from None
 
 
 # --- reading a member's reply ------------------------------------------------------------------
@@ -778,7 +913,7 @@ class _Reader(io.RawIOBase):
         timeout = self._sock.gettimeout()
         if timeout is None or timeout > left:  # 0 (a look without waiting) stays 0
             self._sock.settimeout(left)
-        n = self._io.readinto(memoryview(buffer).cast("B")[:self.budget])
+        n = self._io.readinto(memoryview(buffer).cast("B")[: self.budget])
         self.budget -= n or 0
         return n
 
@@ -806,7 +941,9 @@ def _body(resp: http.client.HTTPResponse) -> bytes:
     """A reply's whole body, read in pieces; ValueError past MAX_REPLY (a Content-Length above it
     before a byte is read), IncompleteRead when it ends before its Content-Length."""
     if resp.length is not None and resp.length > MAX_REPLY:
-        raise ValueError(f"a reply of {resp.length} bytes, more than the {MAX_REPLY} a member may send")
+        raise ValueError(
+            f"a reply of {resp.length} bytes, more than the {MAX_REPLY} a member may send"
+        )
     pieces, size = [], 0
     while piece := resp.read(65536):
         size += len(piece)
@@ -832,7 +969,9 @@ def _decoded(decode, reply):
     try:
         return decode(reply)
     except Exception as e:  # noqa: BLE001 - a reply that is not etcd's: never a traceback
-        raise _Failed(f"a reply that is not etcd's ({_line(e)})", applied_maybe=True, cause="reply") from None
+        raise _Failed(
+            f"a reply that is not etcd's ({_line(e)})", applied_maybe=True, cause="reply"
+        ) from None
 
 
 def _left(end: float) -> float:
@@ -848,11 +987,19 @@ def _resolve(ep: Endpoint) -> list[tuple]:
     try:
         return socket.getaddrinfo(ep.host, ep.port, type=socket.SOCK_STREAM)
     except socket.gaierror as e:
-        raise _Failed(f"cannot resolve host {ep.host} ({e.strerror})", applied_maybe=False, cause="dns",
-                      lasting=e.errno != socket.EAI_AGAIN) from None
+        raise _Failed(
+            f"cannot resolve host {ep.host} ({e.strerror})",
+            applied_maybe=False,
+            cause="dns",
+            lasting=e.errno != socket.EAI_AGAIN,
+        ) from None
     except (OSError, UnicodeError) as e:
-        raise _Failed(f"cannot resolve host {ep.host} ({_line(e)})", applied_maybe=False, cause="dns",
-                      lasting=True) from None
+        raise _Failed(
+            f"cannot resolve host {ep.host} ({_line(e)})",
+            applied_maybe=False,
+            cause="dns",
+            lasting=True,
+        ) from None
 
 
 def _cause(e: BaseException) -> str:
@@ -861,7 +1008,9 @@ def _cause(e: BaseException) -> str:
         return "refused"
     if isinstance(e, TimeoutError):
         return "timeout"
-    if isinstance(e, ConnectionError | EOFError | http.client.IncompleteRead | http.client.RemoteDisconnected):
+    if isinstance(
+        e, ConnectionError | EOFError | http.client.IncompleteRead | http.client.RemoteDisconnected
+    ):
         return "dropped"
     if isinstance(e, OSError):
         return "other"
@@ -1009,7 +1158,9 @@ def _txn_outcome(reply) -> tuple[bool, bytes | None]:
     if _bool(reply, "succeeded"):
         return True, None
     replies = _list(reply, "responses")
-    return False, _value(_field(_obj(replies[0], "a response"), "response_range")) if replies else None
+    return False, _value(
+        _field(_obj(replies[0], "a response"), "response_range")
+    ) if replies else None
 
 
 _TOKEN = re.compile(r"[!-~]{1,4096}")  # printable ASCII, no space: it goes into a header as it is
@@ -1079,5 +1230,15 @@ def _tls_closed(sock: ssl.SSLSocket) -> bool:
             pass
 
 
-__all__ = ["DEFAULT_PORT", "MAX_REPLY", "EtcdKV", "Endpoint", "Misconfigured", "NoAnswer", "Refused", "connect",
-           "parse_endpoints", "tls_context"]
+__all__ = [
+    "DEFAULT_PORT",
+    "MAX_REPLY",
+    "EtcdKV",
+    "Endpoint",
+    "Misconfigured",
+    "NoAnswer",
+    "Refused",
+    "connect",
+    "parse_endpoints",
+    "tls_context",
+]

@@ -61,8 +61,9 @@ class Peers:
         self._waiters: list[threading.Thread] = []
         self._beat_kv = rdzv.kv.clone()
         self._wait_kv = rdzv.kv.clone()
-        self._thread = supervise.thread("liveness", self._beat_loop,
-                                        risk="until it is back, peers may take this node for lost")
+        self._thread = supervise.thread(
+            "liveness", self._beat_loop, risk="until it is back, peers may take this node for lost"
+        )
         # a single-node c10d job has no one to beat for, and its store is in-process; on etcd the
         # beats also tell that the store still answers
         if cfg.max_nodes > 1 or cfg.etcd:
@@ -90,8 +91,9 @@ class Peers:
         self._next_waiting_check = time.monotonic() + WAITING_EVERY
         self._waiters = [t for t in self._waiters if t.is_alive()]
         if rnd.group_world_size > 1:
-            waiter = threading.Thread(target=self._wait_restart, args=(rnd,), name="elasticd-restart-wait",
-                                      daemon=True)
+            waiter = threading.Thread(
+                target=self._wait_restart, args=(rnd,), name="elasticd-restart-wait", daemon=True
+            )
             waiter.start()
             self._waiters.append(waiter)
 
@@ -107,7 +109,9 @@ class Peers:
                 # our own key read back with the neighbours': a set is not answered by the store,
                 # so only a read tells that it still answers
                 watched = rnd.neighbours(WATCHED) if rnd is not None else []
-                beats = self.rdzv.read_beats(self._beat_kv, [self.rdzv.node_id, *(m.node_id for m in watched)])
+                beats = self.rdzv.read_beats(
+                    self._beat_kv, [self.rdzv.node_id, *(m.node_id for m in watched)]
+                )
                 if rnd is not None:
                     now = time.monotonic()
                     # time we could not see the store (our calls stalled: an etcd election, a
@@ -164,21 +168,34 @@ class Peers:
 
     # --- the loop's view ---
 
-    def check(self, rnd: Round, now: float, beats: Callable[[], list[Beat | None]]) -> Failure | Scale | None:
+    def check(
+        self, rnd: Round, now: float, beats: Callable[[], list[Beat | None]]
+    ) -> Failure | Scale | None:
         """Why this node must restart because of the others, if it must. `beats` reads our
         workers' heartbeats, only when a watched node is silent (the loop calls this every tick)."""
         if self.lost_store is not None:
-            raise StoreLost(f"lost the rendezvous store at {self.rdzv.endpoint} ({self.lost_store}): the node "
-                            "hosting it stopped; start the job again on every node")
-        if self.unreachable_since is not None and now - self.unreachable_since >= self.cfg.peer_timeout:
-            return Failure(RestartCause.STORE_UNREACHABLE,
-                           f"cannot reach the rendezvous store at {self.rdzv.endpoint} for "
-                           f"{now - self.unreachable_since:.1f}s ({self._problem}); stopped the workers, joining "
-                           "again once it answers", node=self.node)
+            raise StoreLost(
+                f"lost the rendezvous store at {self.rdzv.endpoint} ({self.lost_store}): the node "
+                "hosting it stopped; start the job again on every node"
+            )
+        if (
+            self.unreachable_since is not None
+            and now - self.unreachable_since >= self.cfg.peer_timeout
+        ):
+            return Failure(
+                RestartCause.STORE_UNREACHABLE,
+                f"cannot reach the rendezvous store at {self.rdzv.endpoint} for "
+                f"{now - self.unreachable_since:.1f}s ({self._problem}); stopped the workers, joining "
+                "again once it answers",
+                node=self.node,
+            )
         if self._restart is not None and self._restart[0] == rnd.number:
             reason = self._restart[1]
-            return Failure(RestartCause.PEER, f"peer asked for restart: {reason.get('summary', reason)}",
-                           node=reason.get("node", "?"))
+            return Failure(
+                RestartCause.PEER,
+                f"peer asked for restart: {reason.get('summary', reason)}",
+                node=reason.get("node", "?"),
+            )
         lost = self.lost_neighbour(rnd, now, beats)
         if lost is not None:
             return lost
@@ -187,23 +204,40 @@ class Peers:
             return Scale(len(waiting), self.node, tuple(waiting))
         return None
 
-    def lost_neighbour(self, rnd: Round, now: float, beats: Callable[[], list[Beat | None]]) -> Failure | None:
+    def lost_neighbour(
+        self, rnd: Round, now: float, beats: Callable[[], list[Beat | None]]
+    ) -> Failure | None:
         """A watched node silent for --peer-timeout, or for long enough with our workers stuck."""
-        if all(now - since < min(LOST_SILENCE, self.cfg.peer_timeout) for _, since in list(rnd.peer_seen.values())):
+        if all(
+            now - since < min(LOST_SILENCE, self.cfg.peer_timeout)
+            for _, since in list(rnd.peer_seen.values())
+        ):
             return None  # nobody silent: no need to read our workers' heartbeats
         stepped = [b for b in beats() if b is not None and b.beats]
         progress = max((b.last for b in stepped), default=None)
-        pace = max(((b.last - b.first) / (b.beats - 1) for b in stepped if b.beats > 1), default=None)
+        pace = max(
+            ((b.last - b.first) / (b.beats - 1) for b in stepped if b.beats > 1), default=None
+        )
         for g, (_, since) in list(rnd.peer_seen.items()):
             silent = now - since
             node_id = rnd.members[g].node_id
             if silent >= self.cfg.peer_timeout:
                 why = f"went silent for {silent:.1f}s (--peer-timeout {self.cfg.peer_timeout:g})"
-            elif (progress is not None and pace is not None and silent >= max(LOST_SILENCE, 2.5 * pace)
-                  and progress < since + 2 * BEAT_EVERY):
-                why = f"went silent for {silent:.1f}s while our workers waited on it (no step since)"
+            elif (
+                progress is not None
+                and pace is not None
+                and silent >= max(LOST_SILENCE, 2.5 * pace)
+                and progress < since + 2 * BEAT_EVERY
+            ):
+                why = (
+                    f"went silent for {silent:.1f}s while our workers waited on it (no step since)"
+                )
             else:
                 continue
-            return Failure(RestartCause.NODE_LOST, f"node {node_id} (group rank {g}) {why}", node=self.node,
-                           lost=(node_id,))
+            return Failure(
+                RestartCause.NODE_LOST,
+                f"node {node_id} (group rank {g}) {why}",
+                node=self.node,
+                lost=(node_id,),
+            )
         return None

@@ -70,8 +70,12 @@ LOOK_WAIT = 0.05  # seconds of a wait that only asks whether a key is there yet
 CLOCK_SKEW = 60.0  # seconds nodes' clocks may differ: a job's end issued earlier than our start - this is old
 REJECTED_LOGS = 20  # at most this many store_value_rejected lines per REJECTED_WINDOW seconds
 REJECTED_WINDOW = 10.0
-RUN_GRACE = 2.0  # seconds a node joining a c10d store waits for its host to begin the run before it does
-GARBAGE_BACKOFF = 2.0  # the longest pause between reads of a key that holds a value that does not verify
+RUN_GRACE = (
+    2.0  # seconds a node joining a c10d store waits for its host to begin the run before it does
+)
+GARBAGE_BACKOFF = (
+    2.0  # the longest pause between reads of a key that holds a value that does not verify
+)
 
 
 class RendezvousFailed(Exception):
@@ -101,12 +105,18 @@ def _store_call(method):
             return method(self, *args, **kwargs)
         except kvmod.Unreachable as e:
             if e.refused and self.cfg.etcd:
-                raise StoreLost(f"the etcd cluster refused us ({e}): check the credentials and the user's "
-                                "permissions on the elasticd/ prefix") from None
+                raise StoreLost(
+                    f"the etcd cluster refused us ({e}): check the credentials and the user's "
+                    "permissions on the elasticd/ prefix"
+                ) from None
             if e.refused:
-                raise StoreLost(f"lost the rendezvous store at {self.endpoint} ({e}): the node hosting it "
-                                "stopped; start the job again on every node") from None
-            raise StoreUnreachable(f"cannot reach the rendezvous store at {self.endpoint} ({e})") from None
+                raise StoreLost(
+                    f"lost the rendezvous store at {self.endpoint} ({e}): the node hosting it "
+                    "stopped; start the job again on every node"
+                ) from None
+            raise StoreUnreachable(
+                f"cannot reach the rendezvous store at {self.endpoint} ({e})"
+            ) from None
 
     return wrapper
 
@@ -116,7 +126,9 @@ def local_address(host: str, port: int) -> str:
     if host in ("127.0.0.1", "localhost", "::1"):
         return "127.0.0.1" if host != "::1" else "::1"
     try:
-        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM) as s:
+        with socket.socket(
+            socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM
+        ) as s:
             s.connect((host, port or 1))
             return s.getsockname()[0]
     except OSError:
@@ -141,19 +153,34 @@ def open_etcd(cfg: Config) -> kvmod.KV:
     def connect() -> kvmod.KV:
         # the check of the last try ends with --join-timeout; the store's calls keep op_timeout
         check = max(min(op_timeout(cfg), deadline - time.monotonic()), 0.05)
-        return etcd.connect(cfg.rdzv_endpoint, op_timeout(cfg), cacert=cfg.etcd_cacert or None,
-                            cert=cfg.etcd_cert or None, key=cfg.etcd_key or None, user=cfg.etcd_user or None,
-                            password_file=cfg.etcd_password_file or None, check_timeout=check)
+        return etcd.connect(
+            cfg.rdzv_endpoint,
+            op_timeout(cfg),
+            cacert=cfg.etcd_cacert or None,
+            cert=cfg.etcd_cert or None,
+            key=cfg.etcd_key or None,
+            user=cfg.etcd_user or None,
+            password_file=cfg.etcd_password_file or None,
+            check_timeout=check,
+        )
 
     def may_heal(e: BaseException) -> bool:
-        return isinstance(e, kvmod.Unreachable) and not e.refused and not isinstance(e, etcd.Misconfigured)
+        return (
+            isinstance(e, kvmod.Unreachable)
+            and not e.refused
+            and not isinstance(e, etcd.Misconfigured)
+        )
 
     retry = tenacity.Retrying(
         stop=tenacity.stop_after_delay(cfg.join_timeout),
         wait=tenacity.wait_exponential_jitter(initial=0.1, max=2.0),
         retry=tenacity.retry_if_exception(may_heal),
-        before_sleep=lambda st: log.info("store_connect_retry", endpoint=cfg.rdzv_endpoint, attempt=st.attempt_number,
-                                         why=str(st.outcome.exception()) if st.outcome else ""),
+        before_sleep=lambda st: log.info(
+            "store_connect_retry",
+            endpoint=cfg.rdzv_endpoint,
+            attempt=st.attempt_number,
+            why=str(st.outcome.exception()) if st.outcome else "",
+        ),
         reraise=True,
     )
     try:
@@ -163,13 +190,19 @@ def open_etcd(cfg: Config) -> kvmod.KV:
     except ValueError as e:
         raise ConfigError(f"--rdzv-endpoint / --etcd-*: {e}") from None
     except etcd.Refused as e:
-        raise RendezvousFailed(f"the etcd cluster refused us ({e}): check --etcd-user, --etcd-password-file and "
-                               "the user's permissions on the elasticd/ prefix") from None
+        raise RendezvousFailed(
+            f"the etcd cluster refused us ({e}): check --etcd-user, --etcd-password-file and "
+            "the user's permissions on the elasticd/ prefix"
+        ) from None
     except etcd.Misconfigured as e:
-        raise RendezvousFailed(f"cannot use the etcd cluster at {cfg.rdzv_endpoint} ({e}): {etcd_hint(e)}") from None
+        raise RendezvousFailed(
+            f"cannot use the etcd cluster at {cfg.rdzv_endpoint} ({e}): {etcd_hint(e)}"
+        ) from None
     except kvmod.Unreachable as e:
-        raise RendezvousFailed(f"cannot reach the etcd cluster at {cfg.rdzv_endpoint} within {cfg.join_timeout:g}s "
-                               f"({e}): {etcd_hint(e)}") from None
+        raise RendezvousFailed(
+            f"cannot reach the etcd cluster at {cfg.rdzv_endpoint} within {cfg.join_timeout:g}s "
+            f"({e}): {etcd_hint(e)}"
+        ) from None
     raise AssertionError("unreachable")
 
 
@@ -177,7 +210,7 @@ def open_etcd(cfg: Config) -> kvmod.KV:
 _ETCD_HINTS = {
     "dns": "check the host names in --rdzv-endpoint",
     "tls": "check --etcd-cacert (the CA that signed the members' certificates) and that the members' "
-           "certificates name the hosts in --rdzv-endpoint",
+    "certificates name the hosts in --rdzv-endpoint",
     "refused": "nothing listens there: check the ports in --rdzv-endpoint and that etcd runs on those hosts",
     "timeout": "check that the members run and that this node can reach them (firewall, routes)",
     "leader": "the members have no leader: check that a quorum of them runs",
@@ -188,8 +221,10 @@ _ETCD_HINTS = {
 def etcd_hint(e: BaseException) -> str:
     """What the operator should check, by the causes an etcd failure names."""
     causes = getattr(e, "causes", ())
-    return "; ".join(h for cause, h in _ETCD_HINTS.items() if cause in causes) or \
-        "check --rdzv-endpoint and that a quorum of members runs"
+    return (
+        "; ".join(h for cause, h in _ETCD_HINTS.items() if cause in causes)
+        or "check --rdzv-endpoint and that a quorum of members runs"
+    )
 
 
 def open_store(cfg: Config) -> tuple[kvmod.KV, dist.TCPStore | None]:
@@ -208,13 +243,17 @@ def open_store(cfg: Config) -> tuple[kvmod.KV, dist.TCPStore | None]:
         port = server.port
     except OSError as e:
         if e.errno not in (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES):
-            raise RendezvousFailed(f"cannot use --rdzv-endpoint {host}:{port} ({e.strerror})") from None
+            raise RendezvousFailed(
+                f"cannot use --rdzv-endpoint {host}:{port} ({e.strerror})"
+            ) from None
     store = TCPStoreKV(tcp_connector(host, port), f"{host}:{port}", op_timeout(cfg))
     retry = tenacity.Retrying(
         stop=tenacity.stop_after_delay(cfg.join_timeout),
         wait=tenacity.wait_exponential_jitter(initial=0.1, max=2.0),
         retry=tenacity.retry_if_exception_type(kvmod.Unreachable),
-        before_sleep=lambda st: log.info("store_connect_retry", endpoint=store.endpoint, attempt=st.attempt_number),
+        before_sleep=lambda st: log.info(
+            "store_connect_retry", endpoint=store.endpoint, attempt=st.attempt_number
+        ),
         reraise=True,
     )
     try:
@@ -222,8 +261,10 @@ def open_store(cfg: Config) -> tuple[kvmod.KV, dist.TCPStore | None]:
             with attempt:
                 store.get(names.job_key(cfg.rdzv_id, names.ROUND))
     except kvmod.Unreachable:
-        raise RendezvousFailed(f"cannot reach the rendezvous store at {host}:{port} within {cfg.join_timeout:g}s: "
-                               "check --rdzv-endpoint and that elasticd runs on the host node") from None
+        raise RendezvousFailed(
+            f"cannot reach the rendezvous store at {host}:{port} within {cfg.join_timeout:g}s: "
+            "check --rdzv-endpoint and that elasticd runs on the host node"
+        ) from None
     return store, server
 
 
@@ -270,7 +311,10 @@ class Round:
 
 def new_node_id() -> str:
     """Unique per daemon run: the host's name (as a key-safe string), the pid and a random tag."""
-    host = "".join(c if c.isalnum() or c in "-_." else "_" for c in socket.gethostname())[:64] or "node"
+    host = (
+        "".join(c if c.isalnum() or c in "-_." else "_" for c in socket.gethostname())[:64]
+        or "node"
+    )
     return f"{host}-{os.getpid()}-{secrets.token_hex(3)}"
 
 
@@ -294,11 +338,21 @@ class Rendezvous:
         self._logged: dict[str, float] = {}
         self._log_window: list[float] = [0.0, 0, 0]  # window start, lines in it, lines suppressed
         self._bad: set[str] = set()  # arrival records that failed verification: never read again
-        self._waiting_seen: tuple[int, dict[str, str | None]] = (-1, {})  # waiting_ids' cache, per round
-        self._listed = 0.0  # when the round's records were last listed (a counter past any real number)
-        self.started = time.time()  # a job's end issued before this (less CLOCK_SKEW) is of an earlier run
-        self.run = self._join_run(self.is_host or store.endpoint == kvmod.LocalKV.endpoint
-                                  if begins_run is None else begins_run)
+        self._waiting_seen: tuple[int, dict[str, str | None]] = (
+            -1,
+            {},
+        )  # waiting_ids' cache, per round
+        self._listed = (
+            0.0  # when the round's records were last listed (a counter past any real number)
+        )
+        self.started = (
+            time.time()
+        )  # a job's end issued before this (less CLOCK_SKEW) is of an earlier run
+        self.run = self._join_run(
+            self.is_host or store.endpoint == kvmod.LocalKV.endpoint
+            if begins_run is None
+            else begins_run
+        )
         self.scope = f"{cfg.rdzv_id}/{self.run}"  # every key of this run is under elasticd/<scope>/
         log.info("rendezvous_run", run=self.run)
 
@@ -348,8 +402,10 @@ class Rendezvous:
             return call()
         except StoreUnreachable as e:
             if time.monotonic() > deadline:
-                raise RendezvousFailed(f"{e}, for --join-timeout {self.cfg.join_timeout:g}s: check the "
-                                       "network and the store's host") from None
+                raise RendezvousFailed(
+                    f"{e}, for --join-timeout {self.cfg.join_timeout:g}s: check the "
+                    "network and the store's host"
+                ) from None
             log.warning("store_unreachable", why=str(e), retry_in=1.0)
             time.sleep(1.0)
             return None
@@ -361,7 +417,9 @@ class Rendezvous:
         mine = secrets.token_hex(8)
         sealed = self.seal(key, f"{mine} {time.time():.3f}")
         if begins:
-            if not self.kv.compare_set(key, None, sealed):  # someone wrote it before we could: ours stands
+            if not self.kv.compare_set(
+                key, None, sealed
+            ):  # someone wrote it before we could: ours stands
                 self._rejected(key, "written before the store's host began the run")
                 self.kv.set(key, sealed)
             return mine
@@ -379,10 +437,12 @@ class Rendezvous:
                 log.info("rendezvous_new_run", run=mine, previous=run or "")
                 return mine
             if time.monotonic() > deadline:
-                raise RendezvousFailed(f"no run of job {self.cfg.rdzv_id} to join at {self.endpoint} within "
-                                       f"--join-timeout {self.cfg.join_timeout:g}s: its record there does not verify "
-                                       "(give every node the same --rdzv-secret-file), or something other than the "
-                                       "job's nodes writes to the store")
+                raise RendezvousFailed(
+                    f"no run of job {self.cfg.rdzv_id} to join at {self.endpoint} within "
+                    f"--join-timeout {self.cfg.join_timeout:g}s: its record there does not verify "
+                    "(give every node the same --rdzv-secret-file), or something other than the "
+                    "job's nodes writes to the store"
+                )
             time.sleep(pause)  # another node's run won, or a value changed under us: look again
             pause = min(2 * pause, GARBAGE_BACKOFF)
 
@@ -429,8 +489,13 @@ class Rendezvous:
             self._logged.clear()
         self._logged[key] = now
         window[1] += 1
-        log.warning("store_value_rejected", key=key[:200], rejected=self.signer.rejected, why=why,
-                    suppressed=window[2])
+        log.warning(
+            "store_value_rejected",
+            key=key[:200],
+            rejected=self.signer.rejected,
+            why=why,
+            suppressed=window[2],
+        )
         window[2] = 0
 
     # --- rounds ---
@@ -458,7 +523,9 @@ class Rendezvous:
         until then."""
         deadline = time.monotonic() + self.cfg.join_timeout
         while True:
-            rnd = self._answered(lambda: self._try_round(nproc, deadline), deadline)  # None: late, or no answer
+            rnd = self._answered(
+                lambda: self._try_round(nproc, deadline), deadline
+            )  # None: late, or no answer
             if rnd is not None:
                 self.last = rnd
                 return rnd
@@ -470,8 +537,10 @@ class Rendezvous:
         self._bad.clear()  # keys of earlier rounds: never read again anyway
         self._enter(number)
         prev = self.last.group_rank if self.last and self.last.number == number - 1 else -1
-        index = self._claim(number, json.dumps({"id": self.node_id, "nproc": nproc, "addr": self.addr,
-                                                "prev": prev}))
+        index = self._claim(
+            number,
+            json.dumps({"id": self.node_id, "nproc": nproc, "addr": self.addr, "prev": prev}),
+        )
         closing = self._members(number, index, deadline)
         if closing["failed"]:
             raise BudgetSpent(closing["failed"])
@@ -482,8 +551,12 @@ class Rendezvous:
             self.last = None
             self._enter(number + 1)
             return None
-        rnd = Round(number=number, group_rank=ids.index(self.node_id), members=closing["members"],
-                    lost=closing["lost"])
+        rnd = Round(
+            number=number,
+            group_rank=ids.index(self.node_id),
+            members=closing["members"],
+            lost=closing["lost"],
+        )
         rnd.rank_base = sum(m.nproc for m in rnd.members[: rnd.group_rank])
         rnd.world_size = sum(m.nproc for m in rnd.members)
         master = self._key(number, names.MASTER)
@@ -503,8 +576,10 @@ class Rendezvous:
             key = self.arrival_key(number, index)
             if self.kv.compare_set(key, None, self.seal(key, record)):
                 return index
-        raise RendezvousFailed(f"every arrival number of round {number} this node took was already written: something "
-                               f"other than the job's nodes writes to the store at {self.endpoint}")
+        raise RendezvousFailed(
+            f"every arrival number of round {number} this node took was already written: something "
+            f"other than the job's nodes writes to the store at {self.endpoint}"
+        )
 
     def _counter(self, store: kvmod.KV, key: str, number: int, take: bool) -> int:
         """A counter's next number (take) or its count. One that holds no number, or one below
@@ -522,7 +597,14 @@ class Rendezvous:
             floor = 0
             if key == self.arrivals_key(number):
                 prefix = self.arrival_key(number, 0)[:-1]
-                floor = max((int(k[len(prefix):]) for k in store.keys(prefix) if k[len(prefix):].isdigit()), default=0)
+                floor = max(
+                    (
+                        int(k[len(prefix) :])
+                        for k in store.keys(prefix)
+                        if k[len(prefix) :].isdigit()
+                    ),
+                    default=0,
+                )
             store.compare_set(key, raw, str(min(floor, MAX_COUNT)).encode())
         raise kvmod.Unreachable(f"store {self.endpoint}: {key} keeps being overwritten")
 
@@ -531,10 +613,17 @@ class Rendezvous:
         if closed is None:
             return
         issued, why = closed
-        if issued < self.started - CLOCK_SKEW:  # sealed for this run, yet older than us: never a verdict on us
-            self._rejected(self._job(names.CLOSED), f"issued {self.started - issued:.0f}s before this daemon started")
+        if (
+            issued < self.started - CLOCK_SKEW
+        ):  # sealed for this run, yet older than us: never a verdict on us
+            self._rejected(
+                self._job(names.CLOSED),
+                f"issued {self.started - issued:.0f}s before this daemon started",
+            )
             return
-        raise RendezvousFailed(f"the job has ended ({why}): nothing to join; give a new --rdzv-id to start a new job")
+        raise RendezvousFailed(
+            f"the job has ended ({why}): nothing to join; give a new --rdzv-id to start a new job"
+        )
 
     def _await(self, key: str, parse, deadline: float):
         """A sealed value someone else writes: wait for it (in slices, checking that the job
@@ -548,9 +637,11 @@ class Rendezvous:
                 time.sleep(pause)  # a forger's value: its writer's may still replace it
                 pause = min(2 * pause, GARBAGE_BACKOFF)
             self._check_open()
-        raise RendezvousFailed(f"timed out after --join-timeout {self.cfg.join_timeout:g}s waiting for {key} (a "
-                               "node of the round stopped, or values fail verification: give every node the same "
-                               "--rdzv-secret-file)")
+        raise RendezvousFailed(
+            f"timed out after --join-timeout {self.cfg.join_timeout:g}s waiting for {key} (a "
+            "node of the round stopped, or values fail verification: give every node the same "
+            "--rdzv-secret-file)"
+        )
 
     def _await_restart(self, number: int, deadline: float) -> None:
         self._await(self._key(number, names.RESTART), _reason, deadline)
@@ -559,7 +650,12 @@ class Rendezvous:
         """The closed round's members: as the closer (the first arrival) or, after a wait that
         leaves time for the closer to have died, as any node (compare-and-set: one closing wins)."""
         key = self._key(number, names.MEMBERS)
-        patience = self.cfg.last_call_timeout + self.cfg.restart_grace + self.cfg.kill_timeout + 2 * LOST_SILENCE
+        patience = (
+            self.cfg.last_call_timeout
+            + self.cfg.restart_grace
+            + self.cfg.kill_timeout
+            + 2 * LOST_SILENCE
+        )
         wait_until = min(time.monotonic() + patience, deadline)
         pause = CLOSE_POLL
         while index != 1 and time.monotonic() < wait_until:
@@ -567,12 +663,16 @@ class Rendezvous:
                 found = self.open(key, self.kv.get(key), _members)
                 if found is not None:
                     return found
-                time.sleep(pause)  # woken with no value that verifies (see LOOK_WAIT); the closer replaces it
+                time.sleep(
+                    pause
+                )  # woken with no value that verifies (see LOOK_WAIT); the closer replaces it
                 pause = min(2 * pause, GARBAGE_BACKOFF)
             self._check_open()
         return self._close(number, deadline)
 
-    def _new_records(self, number: int, known: set[str], store: kvmod.KV | None = None, first: int = 1) -> list[str]:
+    def _new_records(
+        self, number: int, known: set[str], store: kvmod.KV | None = None, first: int = 1
+    ) -> list[str]:
         """Keys of round `number`'s arrival records from number `first` on not yet read (nor
         rejected). From the counter while it is believable; past MAX + 64 numbers someone raised
         it, and the records are found by listing the round's keys (at most every half second)."""
@@ -626,16 +726,34 @@ class Rendezvous:
                     seen = silence.get(node_id)
                     if seen is None or (beats[node_id] is not None and beats[node_id] > seen[0]):
                         silence[node_id] = (beats[node_id] or 0, now)
-                    elif now - seen[1] >= LOST_SILENCE:  # the round ended and it neither came nor beat
+                    elif (
+                        now - seen[1] >= LOST_SILENCE
+                    ):  # the round ended and it neither came nor beat
                         lost.add(node_id)
-                        log.warning("node_lost", node=node_id, round=number, silent=round(now - seen[1], 2))
+                        log.warning(
+                            "node_lost", node=node_id, round=number, silent=round(now - seen[1], 2)
+                        )
             full = count >= cfg.max_nodes
-            everyone = expected is not None and not (expected - ids - lost) and count >= cfg.min_nodes
-            late = reached_min is not None and now - reached_min >= cfg.last_call_timeout and (
-                expected is None or now - reached_min >= cfg.restart_grace + cfg.kill_timeout + LOST_SILENCE)
+            everyone = (
+                expected is not None and not (expected - ids - lost) and count >= cfg.min_nodes
+            )
+            late = (
+                reached_min is not None
+                and now - reached_min >= cfg.last_call_timeout
+                and (
+                    expected is None
+                    or now - reached_min >= cfg.restart_grace + cfg.kill_timeout + LOST_SILENCE
+                )
+            )
             if full or everyone or late:
-                chosen = sorted(records.items(), key=lambda kv: (kv[1]["prev"] if kv[1]["prev"] >= 0 else MAX_COUNT,
-                                                                 len(kv[0]), kv[0]))
+                chosen = sorted(
+                    records.items(),
+                    key=lambda kv: (
+                        kv[1]["prev"] if kv[1]["prev"] >= 0 else MAX_COUNT,
+                        len(kv[0]),
+                        kv[0],
+                    ),
+                )
                 members, seen_ids = [], set()
                 for _, r in chosen:
                     if r["id"] not in seen_ids and len(members) < cfg.max_nodes:
@@ -643,21 +761,32 @@ class Rendezvous:
                         members.append([r["id"], r["nproc"], r["addr"]])
                 found_lost = sorted(lost & (expected or set()) | gone)
                 verdict: dict = {"members": members, "lost": found_lost}
-                if reason.get("spends") and not found_lost:  # a failure, not a node lost: it costs the budget
+                if (
+                    reason.get("spends") and not found_lost
+                ):  # a failure, not a node lost: it costs the budget
                     used = self.spend_restart(number)
                     if used > cfg.max_restarts:
-                        verdict["failed"] = (f"restart budget spent ({used - 1} of --max-restarts {cfg.max_restarts} "
-                                             f"used) at: {reason.get('summary', '?')}")[:MAX_REASON]
+                        verdict["failed"] = (
+                            f"restart budget spent ({used - 1} of --max-restarts {cfg.max_restarts} "
+                            f"used) at: {reason.get('summary', '?')}"
+                        )[:MAX_REASON]
                 found = self._write_members(key, json.dumps(verdict))
                 if found is not None:
                     return found
             if now > deadline:
-                hint = (f"; {self.signer.rejected} store value(s) failed verification: give every node the same "
-                        "--rdzv-secret-file" if self.signer.rejected else
-                        ": start elasticd on the other nodes, or lower --nnodes")
-                raise RendezvousFailed(f"only {count} of the {cfg.min_nodes} nodes needed joined within --join-timeout "
-                                       f"{cfg.join_timeout:g}s{hint}")
-            if self.kv.wait(key, CLOSE_POLL):  # the pause between looks: another node closed the round
+                hint = (
+                    f"; {self.signer.rejected} store value(s) failed verification: give every node the same "
+                    "--rdzv-secret-file"
+                    if self.signer.rejected
+                    else ": start elasticd on the other nodes, or lower --nnodes"
+                )
+                raise RendezvousFailed(
+                    f"only {count} of the {cfg.min_nodes} nodes needed joined within --join-timeout "
+                    f"{cfg.join_timeout:g}s{hint}"
+                )
+            if self.kv.wait(
+                key, CLOSE_POLL
+            ):  # the pause between looks: another node closed the round
                 found = self.open(key, self.kv.get(key), _members)
                 if found is not None:
                     return found
@@ -689,7 +818,9 @@ class Rendezvous:
         if closed is not None:
             members = closed["members"]
         elif self.last is not None and self.last.number == number - 1:
-            members = self.last.members  # what it was when we read it (a forger has written over it)
+            members = (
+                self.last.members
+            )  # what it was when we read it (a forger has written over it)
         else:
             return None, set(), reason
         gone = set(reason.get("lost", []))
@@ -732,7 +863,9 @@ class Rendezvous:
 
     def read_beats(self, store: kvmod.KV, node_ids: list[str]) -> dict[str, int | None]:
         keys = [names.alive_key(self.scope, n) for n in node_ids]
-        return {n: self.open(k, raw, _count) for n, k, raw in zip(node_ids, keys, store.multi_get(keys))}
+        return {
+            n: self.open(k, raw, _count) for n, k, raw in zip(node_ids, keys, store.multi_get(keys))
+        }
 
     def waiting_ids(self, store: kvmod.KV, rnd: Round) -> list[str]:
         """Nodes that arrived after the round closed and wait for the next one: records that
@@ -757,7 +890,9 @@ class Rendezvous:
         job, n = self.scope, rnd.group_world_size
         mine = names.done_key(job, rnd.number, rnd.group_rank)
         self.kv.set(mine, self.seal(mine, "1"))
-        arrival = count = self._counter(self.kv, self._key(rnd.number, names.DONE_COUNT), rnd.number, take=True)
+        arrival = count = self._counter(
+            self.kv, self._key(rnd.number, names.DONE_COUNT), rnd.number, take=True
+        )
         all_done = self._key(rnd.number, names.ALL_DONE)
         started = time.monotonic()
         deadline = started + timeout
@@ -773,11 +908,18 @@ class Rendezvous:
             left = deadline - time.monotonic()
             if left <= 0:
                 return False
-            if self.kv.wait(all_done, min(WAIT_SLICE, left)) and self.open(all_done, self.kv.get(all_done), _done):
+            if self.kv.wait(all_done, min(WAIT_SLICE, left)) and self.open(
+                all_done, self.kv.get(all_done), _done
+            ):
                 return True
-            if self.kv.wait(self.restart_key(rnd), LOOK_WAIT) and self.read_restart(self.kv, rnd) is not None:
+            if (
+                self.kv.wait(self.restart_key(rnd), LOOK_WAIT)
+                and self.read_restart(self.kv, rnd) is not None
+            ):
                 return True  # a node asked for a restart (looked for with a wait: see LOOK_WAIT)
-            count = self._counter(self.kv, self._key(rnd.number, names.DONE_COUNT), rnd.number, take=False)
+            count = self._counter(
+                self.kv, self._key(rnd.number, names.DONE_COUNT), rnd.number, take=False
+            )
 
     # --- job-wide restart budget and end (shared by all nodes) ---
 
@@ -807,8 +949,10 @@ class Rendezvous:
             if self.kv.compare_set(key, raw, self.seal(key, f"{used + 1} {number}")):
                 self._restarts_seen = used + 1
                 return used + 1
-        raise RendezvousFailed("the restart budget in the store changed 100 times while one restart was "
-                               "spent: something other than the job's nodes writes to the store")
+        raise RendezvousFailed(
+            "the restart budget in the store changed 100 times while one restart was "
+            "spent: something other than the job's nodes writes to the store"
+        )
 
     def close(self, job_finished: bool, why: str = "finished") -> None:
         """Best effort at exit: a finished or failed job is closed, so that nodes arriving later
@@ -833,15 +977,22 @@ def job_secret(cfg: Config) -> bytes:
         return signing.load_secret(cfg.rdzv_secret_file)
     if cfg.max_nodes == 1:
         return signing.new_secret()
-    log.warning("rdzv_no_secret", endpoint=cfg.rdzv_endpoint,
-                fix="give every node --rdzv-secret-file (the same file): with --insecure-no-secret, anyone who "
-                    "reaches the store can restart, stop or redirect the job")
+    log.warning(
+        "rdzv_no_secret",
+        endpoint=cfg.rdzv_endpoint,
+        fix="give every node --rdzv-secret-file (the same file): with --insecure-no-secret, anyone who "
+        "reaches the store can restart, stop or redirect the job",
+    )
     return b""
 
 
 def _run(text: str) -> str | None:
     nonce, _, created = text.partition(" ")
-    return nonce if len(nonce) == 16 and all(c in "0123456789abcdef" for c in nonce) and _time(created) else None
+    return (
+        nonce
+        if len(nonce) == 16 and all(c in "0123456789abcdef" for c in nonce) and _time(created)
+        else None
+    )
 
 
 def _time(text: str) -> float | None:
@@ -859,7 +1010,11 @@ def _closed(text: str) -> tuple[float, str] | None:
 
 
 def _count(text: str) -> int | None:
-    return int(text) if text.isascii() and text.isdigit() and len(text) < 20 and int(text) < MAX_COUNT else None
+    return (
+        int(text)
+        if text.isascii() and text.isdigit() and len(text) < 20 and int(text) < MAX_COUNT
+        else None
+    )
 
 
 def _budget(text: str) -> tuple[int, int] | None:
@@ -873,7 +1028,11 @@ def _done(text: str) -> bool | None:
 
 
 def _safe_name(text: object, limit: int = 255) -> bool:
-    return isinstance(text, str) and 0 < len(text) <= limit and all(c.isalnum() or c in ".-:_%" for c in text)
+    return (
+        isinstance(text, str)
+        and 0 < len(text) <= limit
+        and all(c.isalnum() or c in ".-:_%" for c in text)
+    )
 
 
 def _master(text: str) -> tuple[str, int] | None:
@@ -891,7 +1050,12 @@ def _record(text: str) -> dict | None:
     if not isinstance(r, dict) or not _safe_name(r.get("id"), 128) or not _safe_name(r.get("addr")):
         return None
     nproc, prev = r.get("nproc"), r.get("prev")
-    if type(nproc) is not int or not 1 <= nproc <= 1 << 20 or type(prev) is not int or not -1 <= prev < 1 << 20:
+    if (
+        type(nproc) is not int
+        or not 1 <= nproc <= 1 << 20
+        or type(prev) is not int
+        or not -1 <= prev < 1 << 20
+    ):
         return None
     return r
 
@@ -900,12 +1064,22 @@ def _members(text: str) -> dict | None:
     if len(text) > signing.MAX_VALUE:
         return None
     value = json.loads(text)
-    if not isinstance(value, dict) or not isinstance(value.get("members"), list) or not value["members"]:
+    if (
+        not isinstance(value, dict)
+        or not isinstance(value.get("members"), list)
+        or not value["members"]
+    ):
         return None
     members = []
     for m in value["members"]:
-        if not (isinstance(m, list) and len(m) == 3 and _safe_name(m[0], 128) and type(m[1]) is int
-                and 1 <= m[1] <= 1 << 20 and _safe_name(m[2])):
+        if not (
+            isinstance(m, list)
+            and len(m) == 3
+            and _safe_name(m[0], 128)
+            and type(m[1]) is int
+            and 1 <= m[1] <= 1 << 20
+            and _safe_name(m[2])
+        ):
             return None
         members.append(Member(m[0], m[1], m[2]))
     lost = value.get("lost", [])
@@ -925,11 +1099,16 @@ def _reason(text: str) -> dict | None:
     value = json.loads(text)
     if not isinstance(value, dict) or not isinstance(value.get("summary"), str):
         return None
-    if not isinstance(value.get("node", ""), str) or not all(isinstance(value.get(k, False), bool)
-                                                             for k in ("scale", "spends")):
+    if not isinstance(value.get("node", ""), str) or not all(
+        isinstance(value.get(k, False), bool) for k in ("scale", "spends")
+    ):
         return None
     for name in ("lost", "waiting"):
         ids = value.get(name, [])
-        if not isinstance(ids, list) or len(ids) > 1 << 16 or not all(_safe_name(x, 128) for x in ids):
+        if (
+            not isinstance(ids, list)
+            or len(ids) > 1 << 16
+            or not all(_safe_name(x, 128) for x in ids)
+        ):
             return None
     return value

@@ -35,13 +35,22 @@ def new_secret() -> bytes:
 def load_secret(path: str) -> bytes:
     """Read --rdzv-secret-file (read_private's rules). Every node of the job reads the same bytes."""
     where = f"--rdzv-secret-file {path}"
-    data = read_private(path, where, MAX_SECRET + 1, "create it on every node with the same content, e.g. "
-                        "head -c 32 /dev/urandom | base64 > FILE && chmod 600 FILE").strip()  # + a newline
+    data = read_private(
+        path,
+        where,
+        MAX_SECRET + 1,
+        "create it on every node with the same content, e.g. "
+        "head -c 32 /dev/urandom | base64 > FILE && chmod 600 FILE",
+    ).strip()  # + a newline
     if len(data) > MAX_SECRET:
-        raise ConfigError(f"{where} is larger than {MAX_SECRET} bytes: a secret of 32 random bytes is enough")
+        raise ConfigError(
+            f"{where} is larger than {MAX_SECRET} bytes: a secret of 32 random bytes is enough"
+        )
     if len(data) < MIN_SECRET:
-        raise ConfigError(f"{where} holds {len(data)} bytes, fewer than {MIN_SECRET}: write at least "
-                          "32 random bytes, e.g. head -c 32 /dev/urandom | base64 > FILE")
+        raise ConfigError(
+            f"{where} holds {len(data)} bytes, fewer than {MIN_SECRET}: write at least "
+            "32 random bytes, e.g. head -c 32 /dev/urandom | base64 > FILE"
+        )
     return data
 
 
@@ -65,23 +74,31 @@ def read_private(path: str, where: str, limit: int, missing: str) -> bytes:
     except FileNotFoundError:
         raise ConfigError(f"{where} does not exist: {missing}") from None
     except OSError as e:
-        raise ConfigError(f"{where} cannot be opened ({os.strerror(e.errno or 0)}): give a regular file "
-                          "this user can read (not a symbolic link)") from None
+        raise ConfigError(
+            f"{where} cannot be opened ({os.strerror(e.errno or 0)}): give a regular file "
+            "this user can read (not a symbolic link)"
+        ) from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise ConfigError(f"{where} is not a regular file: give a file holding the secret")
         if st.st_uid not in (os.geteuid(), 0):
-            raise ConfigError(f"{where} is owned by uid {st.st_uid}, not by this user or root: "
-                              "anyone who owns it can change the secret; chown it")
+            raise ConfigError(
+                f"{where} is owned by uid {st.st_uid}, not by this user or root: "
+                "anyone who owns it can change the secret; chown it"
+            )
         if st.st_mode & 0o077:
-            raise ConfigError(f"{where} can be read or written by other users (mode {stat.S_IMODE(st.st_mode):o}): "
-                              f"chmod 600 {path}")
+            raise ConfigError(
+                f"{where} can be read or written by other users (mode {stat.S_IMODE(st.st_mode):o}): "
+                f"chmod 600 {path}"
+            )
         data = os.read(fd, limit + 1)
     finally:
         os.close(fd)
     if len(data) > limit:
-        raise ConfigError(f"{where} is larger than {limit} bytes: give the file of the secret itself")
+        raise ConfigError(
+            f"{where} is larger than {limit} bytes: give the file of the secret itself"
+        )
     return data
 
 
@@ -104,10 +121,14 @@ class Signer:
 
     def open(self, scope: str, raw: bytes) -> bytes | None:
         """The payload, or None when the value was not sealed here with this secret."""
-        if not isinstance(raw, bytes) or len(raw) > MAX_VALUE + MAC_HEX + 1 or raw[MAC_HEX:MAC_HEX + 1] != b" ":
+        if (
+            not isinstance(raw, bytes)
+            or len(raw) > MAX_VALUE + MAC_HEX + 1
+            or raw[MAC_HEX : MAC_HEX + 1] != b" "
+        ):
             self.rejected += 1
             return None
-        data = raw[MAC_HEX + 1:]
+        data = raw[MAC_HEX + 1 :]
         if not hmac.compare_digest(raw[:MAC_HEX], self.mac(scope, data).encode()):
             self.rejected += 1
             return None

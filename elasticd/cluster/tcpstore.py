@@ -53,8 +53,15 @@ def serve_store(host: str, port: int, timeout: float) -> dist.TCPStore:
     """A TCPStore server listening on host:port only; the store owns (and closes) the socket."""
     listener = bind_listener(host, port)
     bound = listener.getsockname()[1]
-    return dist.TCPStore(host, bound, None, True, td(timeout), wait_for_workers=False,
-                         master_listen_fd=listener.detach())
+    return dist.TCPStore(
+        host,
+        bound,
+        None,
+        True,
+        td(timeout),
+        wait_for_workers=False,
+        master_listen_fd=listener.detach(),
+    )
 
 
 def tcp_connector(host: str, port: int):
@@ -82,7 +89,9 @@ def bound_replies(store: dist.TCPStore, seconds: float) -> bool:
             log.warning("store_replies_unbounded", why="no socket in the TCPStore client's repr")
         return False
     fd = int(found.group(1))
-    with socket.socket(fileno=os.dup(fd)) as s:  # the same socket: options apply to it, not to the fd
+    with socket.socket(
+        fileno=os.dup(fd)
+    ) as s:  # the same socket: options apply to it, not to the fd
         timeval = struct.pack("ll", int(seconds), int((seconds % 1) * 1e6))
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
         s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
@@ -124,7 +133,9 @@ class TCPStoreKV:
         the store does not answer (a stopped or wedged process). A connect still stuck there is
         not repeated: at most one helper thread is ever left waiting."""
         if self._connecting is not None and self._connecting.is_alive():
-            raise Unreachable(f"store {self.endpoint}: the previous connection attempt still waits for a reply")
+            raise Unreachable(
+                f"store {self.endpoint}: the previous connection attempt still waits for a reply"
+            )
         box: dict = {}
 
         def connect() -> None:
@@ -138,7 +149,9 @@ class TCPStoreKV:
         helper.join(self.timeout + 1.0)
         if helper.is_alive():
             self._connecting = helper
-            raise Unreachable(f"store {self.endpoint}: no reply to the connection within {self.timeout:g}s")
+            raise Unreachable(
+                f"store {self.endpoint}: no reply to the connection within {self.timeout:g}s"
+            )
         if "error" in box:
             e = box["error"]
             raise Unreachable(f"store {self.endpoint}: {_first_line(e)}", _refused(e)) from None

@@ -53,7 +53,9 @@ log = structlog.get_logger("elasticd.control")
 VERSION = 1
 MAX_REQUEST = 64 * 1024  # bytes; a status request is ~40
 MAX_REPLY = 16 * 1024 * 1024  # the client's cap on what it reads back
-READ_TIMEOUT = 1.0  # seconds a connection may take to send its whole request (the CLI sends it at once)
+READ_TIMEOUT = (
+    1.0  # seconds a connection may take to send its whole request (the CLI sends it at once)
+)
 WRITE_TIMEOUT = 2.0  # seconds it may take to read its reply
 # Connections open at once; a newcomer beyond a cap gets "busy" at once. Root and the daemon's
 # user (outside the daemon's tree) are held only to their own caps, so the others cannot fill the
@@ -150,7 +152,12 @@ def _trusted(d: Path) -> bool:
     except OSError:
         return False
     owners = (0, os.geteuid())
-    return link.st_uid in owners and st.st_uid in owners and stat.S_ISDIR(st.st_mode) and not st.st_mode & 0o022
+    return (
+        link.st_uid in owners
+        and st.st_uid in owners
+        and stat.S_ISDIR(st.st_mode)
+        and not st.st_mode & 0o022
+    )
 
 
 SYSTEM_DIR = Path("/run/elasticd")  # the service's socket directory (the unit's RuntimeDirectory)
@@ -171,7 +178,9 @@ def find_daemons() -> list[Path]:
     if os.environ.get(names.SOCKET):
         return [Path(os.environ[names.SOCKET])]
     default = default_socket_path().parent
-    dirs = dict.fromkeys([default, *(_tmp_fallbacks() if default.parent == TMP else ()), SYSTEM_DIR])
+    dirs = dict.fromkeys(
+        [default, *(_tmp_fallbacks() if default.parent == TMP else ()), SYSTEM_DIR]
+    )
     found = []
     for d in filter(_trusted, dirs):
         try:
@@ -193,7 +202,9 @@ def find_daemons() -> list[Path]:
 # --- admission -------------------------------------------------------------------------------
 
 
-def admitted(uid: int, gid: int, daemon_uid: int, operators_gid: int | None, groups: Iterable[int] = ()) -> bool:
+def admitted(
+    uid: int, gid: int, daemon_uid: int, operators_gid: int | None, groups: Iterable[int] = ()
+) -> bool:
     """Root, the daemon's own user, or a member of the operators group (primary gid or `groups`).
 
     Pure, so the policy is testable without sockets or users; `peer_groups` does the lookup.
@@ -228,16 +239,20 @@ def resolve_group(group: str | None) -> int | None:
     try:
         return grp.getgrgid(int(group)).gr_gid if group.isdigit() else grp.getgrnam(group).gr_gid
     except KeyError:
-        raise ControlError(f"operators group {group!r} does not exist: create it (groupadd {group}) "
-                           "or unset operators_group") from None
+        raise ControlError(
+            f"operators group {group!r} does not exist: create it (groupadd {group}) "
+            "or unset operators_group"
+        ) from None
 
 
 def refusal(uid: int, operators_group: str | None) -> str:
     """The error a refused peer reads."""
     if operators_group:
         return f"permission denied: uid {uid} is not root, the daemon's user, or in group {operators_group}"
-    return (f"permission denied: uid {uid} is not root or the daemon's user "
-            "(set operators_group to admit a group)")
+    return (
+        f"permission denied: uid {uid} is not root or the daemon's user "
+        "(set operators_group to admit a group)"
+    )
 
 
 # --- server ----------------------------------------------------------------------------------
@@ -276,8 +291,13 @@ class ControlServer:
     server thread and must be quick: neither may wait for the loop.
     """
 
-    def __init__(self, path: str | os.PathLike, snapshot: Callable[[], dict], command: Callable[[dict], dict],
-                 operators_group: str | None = None):
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        snapshot: Callable[[], dict],
+        command: Callable[[dict], dict],
+        operators_group: str | None = None,
+    ):
         self.path = Path(path)
         self.snapshot = snapshot
         self.command = command
@@ -309,8 +329,10 @@ class ControlServer:
         if self._thread is not None or self._closed:
             raise RuntimeError("a ControlServer starts once; make a new one after close()")
         if len(os.fsencode(self.path)) > _SUN_PATH_MAX:
-            raise ControlError(f"control socket path {self.path} is longer than {_SUN_PATH_MAX} bytes: "
-                               "choose a shorter --socket")
+            raise ControlError(
+                f"control socket path {self.path} is longer than {_SUN_PATH_MAX} bytes: "
+                "choose a shorter --socket"
+            )
         self._gid = resolve_group(self.operators_group)
         self._prepare_parent()
         self._clear_stale()
@@ -318,7 +340,9 @@ class ControlServer:
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._thread = supervise.thread("control", self._serve)
         self._thread.start()
-        log.info("control_socket_listening", path=str(self.path), operators_group=self.operators_group)
+        log.info(
+            "control_socket_listening", path=str(self.path), operators_group=self.operators_group
+        )
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop the thread, close every connection, unlink the socket (only if still ours). Idempotent."""
@@ -360,30 +384,39 @@ class ControlServer:
             except FileExistsError:
                 pass
             except OSError as e:
-                raise ControlError(f"cannot create the socket directory {parent} ({e.strerror}): "
-                                   "create it or pass a writable --socket") from None
+                raise ControlError(
+                    f"cannot create the socket directory {parent} ({e.strerror}): "
+                    "create it or pass a writable --socket"
+                ) from None
             else:
                 created = True
                 os.chmod(parent, 0o700)  # exact, whatever the umask
         me = os.geteuid()
         st = os.lstat(parent)
         if stat.S_ISLNK(st.st_mode) and st.st_uid not in (0, me):
-            raise ControlError(f"socket directory {parent} is a symlink of uid {st.st_uid}, who could point it "
-                               "elsewhere: remove it, or pass another --socket")
+            raise ControlError(
+                f"socket directory {parent} is a symlink of uid {st.st_uid}, who could point it "
+                "elsewhere: remove it, or pass another --socket"
+            )
         try:
             st = os.stat(parent)
         except OSError as e:
-            raise ControlError(f"socket directory {parent} cannot be used ({e.strerror}): "
-                               "pass another --socket") from None
+            raise ControlError(
+                f"socket directory {parent} cannot be used ({e.strerror}): pass another --socket"
+            ) from None
         if not stat.S_ISDIR(st.st_mode):
             raise ControlError(f"{parent} is not a directory: pass another --socket")
         self._say_if_squatted(parent)
         if st.st_uid not in (0, me):
-            raise ControlError(f"socket directory {parent} belongs to uid {st.st_uid}, who could replace the "
-                               "socket: use a directory owned by this user or root")
+            raise ControlError(
+                f"socket directory {parent} belongs to uid {st.st_uid}, who could replace the "
+                "socket: use a directory owned by this user or root"
+            )
         if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
-            raise ControlError(f"socket directory {parent} is writable by others without the sticky bit, so "
-                               "they could replace the socket: use a private directory (chmod go-w)")
+            raise ControlError(
+                f"socket directory {parent} is writable by others without the sticky bit, so "
+                "they could replace the socket: use a private directory (chmod go-w)"
+            )
         if self._gid is None:
             return
         runtime = os.environ.get("RUNTIME_DIRECTORY", "").split(":")[0]
@@ -394,9 +427,12 @@ class ControlServer:
             os.chown(parent, -1, self._gid)
             os.chmod(parent, (0o750 if created else stat.S_IMODE(st.st_mode)) | 0o010)
         elif not (st.st_mode & 0o001 or (st.st_mode & 0o010 and st.st_gid == self._gid)):
-            log.warning("control_socket_dir_closed_to_operators", directory=str(parent),
-                        operators_group=self.operators_group,
-                        fix=f"chgrp {self.operators_group} {parent} && chmod g+x {parent}")
+            log.warning(
+                "control_socket_dir_closed_to_operators",
+                directory=str(parent),
+                operators_group=self.operators_group,
+                fix=f"chgrp {self.operators_group} {parent} && chmod g+x {parent}",
+            )
 
     @staticmethod
     def _say_if_squatted(parent: Path) -> None:
@@ -408,8 +444,13 @@ class ControlServer:
             owner = os.lstat(primary).st_uid
         except OSError:
             return
-        log.warning("control_socket_dir_taken", taken=str(primary), owner_uid=owner, directory=str(parent),
-                    fix=f"remove {primary} (someone else made it first), or set XDG_RUNTIME_DIR or ELASTICD_SOCKET")
+        log.warning(
+            "control_socket_dir_taken",
+            taken=str(primary),
+            owner_uid=owner,
+            directory=str(parent),
+            fix=f"remove {primary} (someone else made it first), or set XDG_RUNTIME_DIR or ELASTICD_SOCKET",
+        )
 
     def _clear_stale(self) -> None:
         """Refuse if a live daemon answers at the path; remove a socket file nobody listens on."""
@@ -418,7 +459,9 @@ class ControlServer:
         except FileNotFoundError:
             return
         if not stat.S_ISSOCK(st.st_mode):
-            raise ControlError(f"{self.path} exists and is not a socket: remove it or pass another --socket")
+            raise ControlError(
+                f"{self.path} exists and is not a socket: remove it or pass another --socket"
+            )
         try:
             request(self.path, {"version": VERSION, "command": names.STATUS}, timeout=1.0)
         except NoDaemon:
@@ -427,18 +470,26 @@ class ControlServer:
             except FileNotFoundError:
                 pass
             except OSError as e:
-                raise ControlError(f"stale socket {self.path} cannot be removed ({e.strerror}): "
-                                   "remove it or pass another --socket") from None
+                raise ControlError(
+                    f"stale socket {self.path} cannot be removed ({e.strerror}): "
+                    "remove it or pass another --socket"
+                ) from None
             log.info("control_stale_socket_removed", path=str(self.path))
             return
         except PermissionDenied:
-            raise ControlError(f"{self.path} is a socket this user may not connect to (another user's "
-                               "elasticd?): pass another --socket") from None
+            raise ControlError(
+                f"{self.path} is a socket this user may not connect to (another user's "
+                "elasticd?): pass another --socket"
+            ) from None
         except ControlError as e:  # it accepted us: something is alive there
-            raise AlreadyRunning(f"another elasticd is running at {self.path} ({e}): stop it, "
-                                 "or give this one another --socket") from None
-        raise AlreadyRunning(f"another elasticd is running at {self.path}: stop it with "
-                             f"`elasticd stop --socket {self.path}`, or give this one another --socket")
+            raise AlreadyRunning(
+                f"another elasticd is running at {self.path} ({e}): stop it, "
+                "or give this one another --socket"
+            ) from None
+        raise AlreadyRunning(
+            f"another elasticd is running at {self.path}: stop it with "
+            f"`elasticd stop --socket {self.path}`, or give this one another --socket"
+        )
 
     def _bind(self) -> socket.socket:
         """Bind inside a fresh 0700 directory, set mode and group there, then hard-link into place.
@@ -456,21 +507,29 @@ class ControlServer:
         try:
             os.mkdir(private, 0o700)
         except OSError as e:
-            raise ControlError(f"cannot create the control socket in {parent} ({e.strerror}): "
-                               "pass a writable --socket") from None
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # close-on-exec: workers never see it
+            raise ControlError(
+                f"cannot create the control socket in {parent} ({e.strerror}): "
+                "pass a writable --socket"
+            ) from None
+        sock = socket.socket(
+            socket.AF_UNIX, socket.SOCK_STREAM
+        )  # close-on-exec: workers never see it
         try:
             try:
                 sock.bind(os.fspath(tmp))
             except OSError as e:
-                raise ControlError(f"cannot create the control socket {self.path} ({e.strerror or e}): "
-                                   "pass a writable, shorter --socket") from None
+                raise ControlError(
+                    f"cannot create the control socket {self.path} ({e.strerror or e}): "
+                    "pass a writable, shorter --socket"
+                ) from None
             if self._gid is not None:
                 try:
                     os.chown(tmp, -1, self._gid)
                 except PermissionError:
-                    raise ControlError(f"this user may not give the control socket to group "
-                                       f"{self.operators_group}: join the group or run as root") from None
+                    raise ControlError(
+                        f"this user may not give the control socket to group "
+                        f"{self.operators_group}: join the group or run as root"
+                    ) from None
             os.chmod(tmp, mode)
             sock.listen(64)
             sock.setblocking(False)
@@ -494,12 +553,18 @@ class ControlServer:
                 continue
             except OSError as e:
                 if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK):
-                    raise ControlError(f"cannot create the control socket {self.path} ({e.strerror})") from None
-                os.rename(tmp, self.path)  # no hard links on this filesystem; the path was just checked
+                    raise ControlError(
+                        f"cannot create the control socket {self.path} ({e.strerror})"
+                    ) from None
+                os.rename(
+                    tmp, self.path
+                )  # no hard links on this filesystem; the path was just checked
             st = os.lstat(self.path)
             self._identity = (st.st_dev, st.st_ino)
             return
-        raise ControlError(f"{self.path} keeps being recreated by another process: pass another --socket")
+        raise ControlError(
+            f"{self.path} keeps being recreated by another process: pass another --socket"
+        )
 
     # -- serving --
 
@@ -525,20 +590,36 @@ class ControlServer:
                         if conn is not None:
                             self._safe_step(sel, conns, conn, events)
                 now = time.monotonic()
-                for conn in [c for c in conns.values() if c.waiting and c.waiting.reply is not None]:
+                for conn in [
+                    c for c in conns.values() if c.waiting and c.waiting.reply is not None
+                ]:
                     self._respond(sel, conns, conn, {"version": VERSION, **conn.waiting.reply})
                 for conn in [c for c in conns.values() if c.deadline <= now]:
-                    if not (conn.out or conn.waiting):  # its request may have come in this very turn
+                    if not (
+                        conn.out or conn.waiting
+                    ):  # its request may have come in this very turn
                         self._safe_step(sel, conns, conn, selectors.EVENT_READ)
                         if conn.out or conn.waiting or conn.sock.fileno() not in conns:
                             continue
                     if conn.out:
                         self._drop(sel, conns, conn)  # it does not read its reply; give up
                     elif conn.waiting:
-                        self._respond(sel, conns, conn, _error(f"the daemon did not answer within "
-                                                               f"{conn.waiting.timeout:g}s; check its logs"))
+                        self._respond(
+                            sel,
+                            conns,
+                            conn,
+                            _error(
+                                f"the daemon did not answer within "
+                                f"{conn.waiting.timeout:g}s; check its logs"
+                            ),
+                        )
                     else:
-                        self._respond(sel, conns, conn, _error(f"request not received within {READ_TIMEOUT:g}s"))
+                        self._respond(
+                            sel,
+                            conns,
+                            conn,
+                            _error(f"request not received within {READ_TIMEOUT:g}s"),
+                        )
         finally:  # a crash goes on to supervise.thread, which serves again with the same listener
             for conn in list(conns.values()):
                 self._drop(sel, conns, conn)
@@ -562,7 +643,9 @@ class ControlServer:
                 log.warning("control_accept_failed", error=e.strerror)
                 return
             sock.setblocking(False)
-            pid, uid, gid = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+            pid, uid, gid = _UCRED.unpack(
+                sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+            )
             conn = _Conn(sock, uid, time.monotonic() + READ_TIMEOUT, pid=pid)
             conns[sock.fileno()] = conn
             sel.register(sock, selectors.EVENT_READ)
@@ -574,7 +657,12 @@ class ControlServer:
             busy = _over_limit(conn, [c for c in conns.values() if c is not conn and c.bucket])
             if busy:
                 conn.bucket = ""  # it holds no slot
-                self._respond(sel, conns, conn, _error(f"busy: too many open control connections {busy}; retry"))
+                self._respond(
+                    sel,
+                    conns,
+                    conn,
+                    _error(f"busy: too many open control connections {busy}; retry"),
+                )
 
     def _admit(self, uid: int, gid: int) -> bool:
         """Whether the peer's credentials let it in (see `admitted`)."""
@@ -583,14 +671,18 @@ class ControlServer:
             return True
         return self._gid is not None and admitted(uid, gid, me, self._gid, peer_groups(uid, gid))
 
-    def _safe_step(self, sel: selectors.BaseSelector, conns: dict[int, _Conn], conn: _Conn, events: int) -> None:
+    def _safe_step(
+        self, sel: selectors.BaseSelector, conns: dict[int, _Conn], conn: _Conn, events: int
+    ) -> None:
         try:
             self._step(sel, conns, conn, events)
         except Exception as e:  # noqa: BLE001 - one client must not end the server
             log.warning("control_connection_failed", error=repr(e))
             self._drop(sel, conns, conn)
 
-    def _step(self, sel: selectors.BaseSelector, conns: dict[int, _Conn], conn: _Conn, events: int) -> None:
+    def _step(
+        self, sel: selectors.BaseSelector, conns: dict[int, _Conn], conn: _Conn, events: int
+    ) -> None:
         if conn.out:
             if events & selectors.EVENT_WRITE:
                 self._flush(sel, conns, conn)
@@ -603,19 +695,26 @@ class ControlServer:
             return self._drop(sel, conns, conn)
         conn.inbuf += chunk
         if len(conn.inbuf) > MAX_REQUEST:
-            return self._respond(sel, conns, conn, _error(f"request larger than {MAX_REQUEST} bytes"))
+            return self._respond(
+                sel, conns, conn, _error(f"request larger than {MAX_REQUEST} bytes")
+            )
         if chunk and b"\n" not in chunk:
             return  # more to come
         line = bytes(conn.inbuf).split(b"\n", 1)[0]
         if not line.strip():  # nothing at all before EOF: no request to answer
-            return self._drop(sel, conns, conn) if not conn.inbuf else self._respond(sel, conns, conn,
-                                                                                     _error("empty request"))
+            return (
+                self._drop(sel, conns, conn)
+                if not conn.inbuf
+                else self._respond(sel, conns, conn, _error("empty request"))
+            )
         try:
             reply = self.handle(line)
         except Exception as e:  # noqa: BLE001 - a bug here must still answer, not drop the client
             log.error("control_request_failed", error=repr(e))
             reply = _error(f"internal error handling the request: {type(e).__name__}")
-        if isinstance(reply, Deferred):  # not readable meanwhile: a client's EOF must not spin the loop
+        if isinstance(
+            reply, Deferred
+        ):  # not readable meanwhile: a client's EOF must not spin the loop
             conn.waiting, conn.deadline = reply, time.monotonic() + reply.timeout
             sel.unregister(conn.sock)
             reply._wake = self._poke
@@ -653,11 +752,15 @@ class ControlServer:
         log.info("control_command", command=cmd, timeout=timeout, ok=bool(reply.get("ok")))
         return {"version": VERSION, **reply}
 
-    def _respond(self, sel: selectors.BaseSelector, conns: dict[int, _Conn], conn: _Conn, reply: dict) -> None:
+    def _respond(
+        self, sel: selectors.BaseSelector, conns: dict[int, _Conn], conn: _Conn, reply: dict
+    ) -> None:
         try:
             conn.out = json.dumps(reply, default=str).encode() + b"\n"
         except (TypeError, ValueError) as e:
-            conn.out = json.dumps(_error(f"internal error encoding the reply: {e}")).encode() + b"\n"
+            conn.out = (
+                json.dumps(_error(f"internal error encoding the reply: {e}")).encode() + b"\n"
+            )
         conn.deadline = time.monotonic() + WRITE_TIMEOUT
         if conn.waiting:
             conn.waiting = None
@@ -766,10 +869,14 @@ def parse_request(raw: bytes) -> tuple[dict, dict | None]:
     if not isinstance(req, dict):
         return {}, _error(f"request is not a JSON object (got {type(req).__name__})")
     if "version" not in req:
-        return {}, _error(f"request has no \"version\"; this daemon speaks protocol version {VERSION}")
+        return {}, _error(
+            f'request has no "version"; this daemon speaks protocol version {VERSION}'
+        )
     version = req["version"]
     if type(version) is not int or version != VERSION:
-        return {}, _error(f"unsupported protocol version {_show(version)}; this daemon speaks {VERSION}")
+        return {}, _error(
+            f"unsupported protocol version {_show(version)}; this daemon speaks {VERSION}"
+        )
     cmd = req.get("command")
     if not isinstance(cmd, str) or cmd not in COMMANDS:
         return {}, _error(f"unknown command {_show(cmd)}; known commands: {', '.join(COMMANDS)}")
@@ -792,7 +899,9 @@ def _over_limit(new: _Conn, others: list[_Conn]) -> str | None:
     Caps per process, per user (the daemon's descendants counted together as "workers"), and
     overall for everyone but root and the daemon's user: idle connections of one process, one
     user or the workers cannot keep the others, least of all the operator, from being served."""
-    if new.pid and sum(c.pid == new.pid for c in others) >= PER_PROCESS:  # 0: from another pid namespace
+    if (
+        new.pid and sum(c.pid == new.pid for c in others) >= PER_PROCESS
+    ):  # 0: from another pid namespace
         return f"from pid {new.pid} (at most {PER_PROCESS})"
     workers = new.bucket == "workers"
     cap = PER_WORKERS if workers else PER_USER
@@ -828,14 +937,20 @@ def request(path: str | os.PathLike, payload: dict, timeout: float = 5.0) -> dic
         try:
             s.connect(where)
         except (FileNotFoundError, ConnectionRefusedError, NotADirectoryError):
-            raise NoDaemon(f"no elasticd listens at {where}: start it, or point --socket / "
-                           "ELASTICD_SOCKET at the daemon's socket") from None
+            raise NoDaemon(
+                f"no elasticd listens at {where}: start it, or point --socket / "
+                "ELASTICD_SOCKET at the daemon's socket"
+            ) from None
         except PermissionError:
-            raise PermissionDenied(f"permission denied connecting to {where}: run as root, the daemon's user, "
-                                   "or a member of its operators group") from None
+            raise PermissionDenied(
+                f"permission denied connecting to {where}: run as root, the daemon's user, "
+                "or a member of its operators group"
+            ) from None
         except (TimeoutError, BlockingIOError):
-            raise ProtocolError(f"the daemon at {where} did not accept the connection within {timeout:g}s "
-                                "(its backlog is full)") from None
+            raise ProtocolError(
+                f"the daemon at {where} did not accept the connection within {timeout:g}s "
+                "(its backlog is full)"
+            ) from None
         except OSError as e:
             raise ControlError(f"cannot connect to {where}: {e.strerror or e}") from None
         # The daemon may have answered and closed already (a refused user): still read its reply.
@@ -853,7 +968,9 @@ def request(path: str | os.PathLike, payload: dict, timeout: float = 5.0) -> dic
                     break
                 buf += chunk
         except TimeoutError:
-            raise ProtocolError(f"the daemon at {where} did not answer within {timeout:g}s") from None
+            raise ProtocolError(
+                f"the daemon at {where} did not answer within {timeout:g}s"
+            ) from None
         except ConnectionResetError:
             pass  # whatever complete line arrived is still good
         except OSError as e:
@@ -864,7 +981,9 @@ def request(path: str | os.PathLike, payload: dict, timeout: float = 5.0) -> dic
     try:
         reply = json.loads(line)
     except ValueError:
-        raise ProtocolError(f"the peer at {where} sent a reply that is not JSON (is it elasticd?)") from None
+        raise ProtocolError(
+            f"the peer at {where} sent a reply that is not JSON (is it elasticd?)"
+        ) from None
     if not isinstance(reply, dict):
         raise ProtocolError(f"the peer at {where} sent a reply that is not a JSON object")
     return reply

@@ -30,7 +30,13 @@ from typing import TYPE_CHECKING, Any
 from elasticd import logs, names
 from elasticd.checkpoint import memory
 from elasticd.cluster.peers import Peers
-from elasticd.cluster.rendezvous import BudgetSpent, Rendezvous, RendezvousFailed, Round, StoreUnreachable
+from elasticd.cluster.rendezvous import (
+    BudgetSpent,
+    Rendezvous,
+    RendezvousFailed,
+    Round,
+    StoreUnreachable,
+)
 from elasticd.config import Config
 from elasticd.daemon import supervise, workers
 from elasticd.daemon.group import LocalGroup
@@ -50,7 +56,9 @@ if TYPE_CHECKING:
 log = logs.get("elasticd.agent")
 
 EXIT_OK, EXIT_FAILED = 0, 1
-SPARE_WAIT = 20.0  # seconds a start waits for spares still being forked (a cold start takes as long)
+SPARE_WAIT = (
+    20.0  # seconds a start waits for spares still being forked (a cold start takes as long)
+)
 # seconds `elasticd stacks` may wait for the loop: a rendezvous wait or teardown drains its inbox
 # late, and the dump itself takes up to a second
 STACKS_ANSWER = 10.0
@@ -78,7 +86,9 @@ class Agent:
         self.first_failure: Failure | None = None
         self.last_failure: Failure | None = None
         self.stop_request: StopRequest | None = None
-        self.memory_dir: str | None = None  # in-memory state directory (elasticd.checkpoint.memory), ours to remove
+        self.memory_dir: str | None = (
+            None  # in-memory state directory (elasticd.checkpoint.memory), ours to remove
+        )
         self.notify = None  # elasticd.daemon.systemd once serve() wires it
         self._next_watchdog = 0.0
         self.inbox = Inbox()
@@ -89,7 +99,9 @@ class Agent:
         self.peers: Peers | None = None  # once the store is reached
         self.figures = Figures(time.monotonic())
         self.stragglers = Stragglers(cfg, self.node, self.event, time.time)
-        self.health_check = HealthCheck(cfg, self.token, self.event, wake=lambda: self.post(("wake",)))
+        self.health_check = HealthCheck(
+            cfg, self.token, self.event, wake=lambda: self.post(("wake",))
+        )
         self.metrics: metrics.Exporter | None = None  # serve() binds it
         self.left_line: str | None = None  # the one line a node that left the job exits with
         supervise.report_to(self.event)
@@ -151,16 +163,26 @@ class Agent:
         self.status.read_afresh()  # a new state's snapshot reads everything afresh
         self.publish()
         if self.notify is not None:
-            self.notify.status(f"{state.value}: run {self.cfg.rdzv_id}, restarts {self.restart_count}/"
-                               f"{self.cfg.max_restarts}")
+            self.notify.status(
+                f"{state.value}: run {self.cfg.rdzv_id}, restarts {self.restart_count}/"
+                f"{self.cfg.max_restarts}"
+            )
 
     def publish(self) -> None:
         now = time.monotonic()
         ranks = self.group.rows(now)
-        self.status.publish(state=self.state, rnd=self.round, attempt=self.group.attempt,
-                            restarts=self.restart_count, ranks=ranks, last_failure=self.last_failure,
-                            last_recovery=self.recovery.last, memory_dir=self.memory_dir, now=now,
-                            figures=self._figures(ranks, now))
+        self.status.publish(
+            state=self.state,
+            rnd=self.round,
+            attempt=self.group.attempt,
+            restarts=self.restart_count,
+            ranks=ranks,
+            last_failure=self.last_failure,
+            last_recovery=self.recovery.last,
+            memory_dir=self.memory_dir,
+            now=now,
+            figures=self._figures(ranks, now),
+        )
         if self.metrics is not None:
             self.metrics.published(self.status.snapshot, now)
 
@@ -168,13 +190,23 @@ class Agent:
         """The operators' figures of a status snapshot (and so of the metrics), from the
         workers' heartbeats as of now; each worker's row gets its own."""
         beats = self.group.beats()
-        self.figures.observe(self.group.attempt, [w.local_rank for w in self.group.workers], beats, now)
-        self.stragglers.observe(self.group.attempt, [(w.global_rank, w.local_rank) for w in self.group.workers],
-                                beats, now)
+        self.figures.observe(
+            self.group.attempt, [w.local_rank for w in self.group.workers], beats, now
+        )
+        self.stragglers.observe(
+            self.group.attempt,
+            [(w.global_rank, w.local_rank) for w in self.group.workers],
+            beats,
+            now,
+        )
         self.figures.annotate(ranks)
         self.stragglers.annotate(ranks)
-        return {**self.figures.report(now), "stragglers": self.stragglers.report(),
-                "straggler_reports": self.stragglers.reports, "health": self.health_check.report()}
+        return {
+            **self.figures.report(now),
+            "stragglers": self.stragglers.report(),
+            "straggler_reports": self.stragglers.reports,
+            "health": self.health_check.report(),
+        }
 
     # --- the loop ---
 
@@ -192,19 +224,32 @@ class Agent:
         try:
             self.rdzv = self._blocking(Rendezvous, self.cfg)
             self.peers = Peers(self.cfg, self.rdzv, self.node, wake=lambda: self.post(("wake",)))
-            log.info("rendezvous_store", endpoint=self.rdzv.endpoint, hosted_here=self.rdzv.is_host,
-                     node_id=self.rdzv.node_id)
+            log.info(
+                "rendezvous_store",
+                endpoint=self.rdzv.endpoint,
+                hosted_here=self.rdzv.is_host,
+                node_id=self.rdzv.node_id,
+            )
             code = self._loop()
         except _Interrupted:
             code = self._finish(State.STOPPED, EXIT_OK)
         except BudgetSpent as e:
             # the round after our failure (or another node's) found the budget spent
-            self.event("restart_budget_spent", level="error", max_restarts=self.cfg.max_restarts, why=str(e))
-            self.last_failure = Failure(RestartCause.RENDEZVOUS, f"the job failed: {e}", node=self.node)
+            self.event(
+                "restart_budget_spent",
+                level="error",
+                max_restarts=self.cfg.max_restarts,
+                why=str(e),
+            )
+            self.last_failure = Failure(
+                RestartCause.RENDEZVOUS, f"the job failed: {e}", node=self.node
+            )
             self.first_failure = self.first_failure or self.last_failure
             code = self._finish(State.FAILED, EXIT_FAILED)
         except RendezvousFailed as e:
-            self.last_failure = self.first_failure = Failure(RestartCause.RENDEZVOUS, str(e), node=self.node)
+            self.last_failure = self.first_failure = Failure(
+                RestartCause.RENDEZVOUS, str(e), node=self.node
+            )
             code = self._finish(State.FAILED, EXIT_FAILED)
         finally:
             if self.peers is not None:
@@ -239,7 +284,9 @@ class Agent:
                 self.set_state(State.EXIT_BARRIER)
                 ok = self._barrier()
                 if not ok:
-                    self.event("exit_barrier_timeout", level="warning", timeout=cfg.exit_barrier_timeout)
+                    self.event(
+                        "exit_barrier_timeout", level="warning", timeout=cfg.exit_barrier_timeout
+                    )
                 return self._finish(State.SUCCEEDED, EXIT_OK)
             if why is None:
                 try:
@@ -259,7 +306,9 @@ class Agent:
             if code is not None:
                 return code
 
-    def _idle(self, until: float, done: Callable[[], bool] | None = None, *, stoppable: bool = True) -> None:
+    def _idle(
+        self, until: float, done: Callable[[], bool] | None = None, *, stoppable: bool = True
+    ) -> None:
         """The loop's one way to wait: until `done()` holds (checked before every wait), the
         monotonic deadline `until` passes or, if `stoppable`, a stop is requested; without
         `done`, until the first wake-up (the running loop looks at its workers after each). It
@@ -314,7 +363,9 @@ class Agent:
         not start (its health check failed)."""
         first = self.round is None
         if first and (unhealthy := self._health_gate()):
-            return self._leave(unhealthy)  # never joined: a fixed-size job waits for it, an elastic one goes on
+            return self._leave(
+                unhealthy
+            )  # never joined: a fixed-size job waits for it, an elastic one goes on
         self.round = rnd = self._blocking(self.rdzv.next_round, self.cfg.nproc_per_node)
         if not first and (unhealthy := self._health_gate()):
             return self._leave(unhealthy)  # the check begun at the restart's teardown failed
@@ -322,8 +373,13 @@ class Agent:
         self.restart_count = self._blocking(self.rdzv.restarts_used)
         logs.bind(group_rank=rnd.group_rank, restart=self.restart_count)
         if rnd.lost:
-            self.event("nodes_lost", level="warning", lost=rnd.lost, round=rnd.number,
-                       group_world_size=rnd.group_world_size)
+            self.event(
+                "nodes_lost",
+                level="warning",
+                lost=rnd.lost,
+                round=rnd.number,
+                group_world_size=rnd.group_world_size,
+            )
         self.recovery.started()
         self.peers.new_round(rnd)
         # At the first start the fork server may still be importing torch, and a cold start would
@@ -333,10 +389,14 @@ class Agent:
         self.group.start(rnd, self.restart_count, self.memory_dir, self.spares.spares)
         self.recovery.mark("spawned")
         self.spares.after_spawn()
-        self.set_state(State.RUNNING, world_size=rnd.world_size, group_rank=rnd.group_rank,
-                       group_world_size=rnd.group_world_size,
-                       pids={w.global_rank: w.pid for w in self.group.workers},
-                       master=f"{rnd.master_addr}:{rnd.master_port}")
+        self.set_state(
+            State.RUNNING,
+            world_size=rnd.world_size,
+            group_rank=rnd.group_rank,
+            group_world_size=rnd.group_world_size,
+            pids={w.global_rank: w.pid for w in self.group.workers},
+            master=f"{rnd.master_addr}:{rnd.master_port}",
+        )
         return None
 
     def _health_gate(self) -> healthcheck.Result | None:
@@ -359,14 +419,23 @@ class Agent:
         self.last_failure = self.first_failure = why
         if self.round is not None and self.round.group_world_size > 1:
             try:  # named lost: the next round does not wait for this node
-                self.rdzv.request_restart(self.round, {"summary": self.health_check.left_summary(check, self.node),
-                                                       "node": self.node, "lost": [self.rdzv.node_id]})
+                self.rdzv.request_restart(
+                    self.round,
+                    {
+                        "summary": self.health_check.left_summary(check, self.node),
+                        "node": self.node,
+                        "lost": [self.rdzv.node_id],
+                    },
+                )
             except StoreUnreachable as e:
                 self.event("restart_request_failed", level="warning", why=str(e))
         self._teardown(self.cfg.restart_grace, abandon=True)
         joined = self.round is not None
-        self.left_line = (f"elasticd: this node left the job: {why.reason}" if joined else
-                          f"elasticd: not starting: this node's {why.reason}")
+        self.left_line = (
+            f"elasticd: this node left the job: {why.reason}"
+            if joined
+            else f"elasticd: not starting: this node's {why.reason}"
+        )
         self.set_state(State.LEFT, exit_code=EXIT_UNHEALTHY, cause=why.summary())
         return EXIT_UNHEALTHY
 
@@ -422,8 +491,13 @@ class Agent:
         # a failure that will find the budget spent (unless a node was lost) waits no backoff
         if spends and self.rdzv.restarts_used() < self.cfg.max_restarts:
             delay = self.recovery.backoff(trained)
-            self.event("restart_backoff", delay=round(delay, 3), restarts_used=self.restart_count,
-                       budget=self.cfg.max_restarts, crash_streak=self.recovery.crash_streak)
+            self.event(
+                "restart_backoff",
+                delay=round(delay, 3),
+                restarts_used=self.restart_count,
+                budget=self.cfg.max_restarts,
+                crash_streak=self.recovery.crash_streak,
+            )
             # waited out in full (a SIGCHLD must not cut it short), but not past a stop request
             self._idle(time.monotonic() + delay, lambda: self.stop_request is not None)
         self.set_state(State.RENDEZVOUS)
@@ -431,15 +505,21 @@ class Agent:
 
     def _fail_job(self, failure: Failure) -> int:
         # the job's closing carries why: a node arriving later leaves with it
-        return self._finish(State.FAILED, EXIT_FAILED, why=f"failed: {failure.summary()} (node {self.node})")
+        return self._finish(
+            State.FAILED, EXIT_FAILED, why=f"failed: {failure.summary()} (node {self.node})"
+        )
 
     def _teardown(self, grace: float, abandon: bool = False) -> None:
         """Stop the local group (see LocalGroup.stop) and close its round's worker store."""
         if not self.group.workers:
             return
-        self.group.stop(0.0 if self._forced() else grace, abandon=abandon,
-                        keep=self.spares.keep() | self.health_check.pids(), cut_short=self._forced,
-                        spared=self.health_check.sessions())
+        self.group.stop(
+            0.0 if self._forced() else grace,
+            abandon=abandon,
+            keep=self.spares.keep() | self.health_check.pids(),
+            cut_short=self._forced,
+            spared=self.health_check.sessions(),
+        )
         if self.round is not None:
             self.round.close()
 
@@ -448,7 +528,9 @@ class Agent:
         self.set_state(State.STOPPING, cause=RestartCause.STOP.value)
         if self.notify is not None:
             self.notify.stopping()
-            self.notify.extend_timeout(grace + self.cfg.kill_timeout + self.cfg.exit_barrier_timeout)
+            self.notify.extend_timeout(
+                grace + self.cfg.kill_timeout + self.cfg.exit_barrier_timeout
+            )
         self._teardown(grace)
         if self.round is not None and self.round.group_world_size > 1:
             self._barrier()
@@ -457,7 +539,9 @@ class Agent:
     def _barrier(self) -> bool:
         """The exit barrier (rendezvous.exit_barrier); a store that stops answering ends it."""
         try:
-            return self._blocking(self.rdzv.exit_barrier, self.round, self.cfg.exit_barrier_timeout, stoppable=False)
+            return self._blocking(
+                self.rdzv.exit_barrier, self.round, self.cfg.exit_barrier_timeout, stoppable=False
+            )
         except StoreUnreachable as e:
             self.event("exit_barrier_store_unreachable", level="warning", why=str(e))
             return False
@@ -465,8 +549,10 @@ class Agent:
     def _finish(self, state: State, code: int, why: str = "") -> int:
         self._teardown(0.0)
         if self.rdzv is not None:
-            self.rdzv.close(job_finished=state in (State.SUCCEEDED, State.FAILED),
-                            why=why or ("finished" if state == State.SUCCEEDED else "failed"))
+            self.rdzv.close(
+                job_finished=state in (State.SUCCEEDED, State.FAILED),
+                why=why or ("finished" if state == State.SUCCEEDED else "failed"),
+            )
         fields: dict[str, Any] = {"exit_code": code, "restarts": self.restart_count}
         if state == State.FAILED and self.first_failure:
             fields["first_failure"] = self.first_failure.summary()
@@ -483,13 +569,19 @@ def serve(cfg: Config, run_dir: Path) -> int:
     agent = Agent(cfg, run_dir)
     agent.install_signals()
     exporter = _metrics_exporter(cfg, agent)
-    guard = supervise.Kept("guard", lambda: workers.start_guard(agent.token),
-                           risk="until a new guard is up, a SIGKILLed daemon leaves its workers' children behind")
+    guard = supervise.Kept(
+        "guard",
+        lambda: workers.start_guard(agent.token),
+        risk="until a new guard is up, a SIGKILLed daemon leaves its workers' children behind",
+    )
 
     def listen(path: Path) -> control.ControlServer:
-        server = control.ControlServer(path, snapshot=lambda: agent.status.snapshot,
-                                       command=lambda req: _accept_command(agent, req),
-                                       operators_group=cfg.operators_group or None)
+        server = control.ControlServer(
+            path,
+            snapshot=lambda: agent.status.snapshot,
+            command=lambda req: _accept_command(agent, req),
+            operators_group=cfg.operators_group or None,
+        )
         server.start()
         return server
 
@@ -510,8 +602,15 @@ def serve(cfg: Config, run_dir: Path) -> int:
         raise ConfigError(str(e)) from None
     agent.notify = systemd
     systemd.ready(f"{agent.state.value} run {cfg.rdzv_id}")
-    log.info("daemon_started", run_dir=str(run_dir), socket=str(server.path), entrypoint=cfg.entrypoint,
-             nproc_per_node=cfg.nproc_per_node, nnodes=cfg.nnodes, pid=os.getpid())
+    log.info(
+        "daemon_started",
+        run_dir=str(run_dir),
+        socket=str(server.path),
+        entrypoint=cfg.entrypoint,
+        nproc_per_node=cfg.nproc_per_node,
+        nnodes=cfg.nnodes,
+        pid=os.getpid(),
+    )
     try:
         code = agent.run()
     finally:
@@ -522,7 +621,9 @@ def serve(cfg: Config, run_dir: Path) -> int:
     if agent.left_line:
         sys_err(agent.left_line)
     elif agent.state == State.FAILED and agent.first_failure:
-        sys_err(f"elasticd: job failed after {agent.restart_count} restart(s): {agent.first_failure.summary()}")
+        sys_err(
+            f"elasticd: job failed after {agent.restart_count} restart(s): {agent.first_failure.summary()}"
+        )
     return code
 
 
@@ -535,12 +636,16 @@ def _metrics_exporter(cfg: Config, agent: Agent) -> metrics.Exporter | None:
     from elasticd.ops import metrics
 
     address = parse_metrics_address(cfg.metrics_address) if cfg.metrics_address else None
-    exporter = metrics.Exporter(address, cfg.metrics_textfile or None, lambda: agent.status.snapshot)
+    exporter = metrics.Exporter(
+        address, cfg.metrics_textfile or None, lambda: agent.status.snapshot
+    )
     try:
         exporter.start()
     except OSError as e:
-        raise ConfigError(f"--metrics-address {cfg.metrics_address} cannot be bound here ({e.strerror or e}): "
-                          "give a free port on one of this node's addresses") from None
+        raise ConfigError(
+            f"--metrics-address {cfg.metrics_address} cannot be bound here ({e.strerror or e}): "
+            "give a free port on one of this node's addresses"
+        ) from None
     agent.metrics = exporter
     return exporter
 
@@ -548,7 +653,11 @@ def _metrics_exporter(cfg: Config, agent: Agent) -> metrics.Exporter | None:
 def _accept_command(agent: Agent, req: dict) -> dict | control.Deferred:
     """The loop's side of the control commands the server forwards (control.COMMANDS), by name."""
     handler = FORWARDED.get(req.get("command"))
-    return handler(agent, req) if handler else {"ok": False, "error": f"unknown command {req.get('command')!r}"}
+    return (
+        handler(agent, req)
+        if handler
+        else {"ok": False, "error": f"unknown command {req.get('command')!r}"}
+    )
 
 
 def _stop_command(agent: Agent, req: dict) -> dict:

@@ -21,7 +21,9 @@ ODD_STATE_HOLD = 1.0  # seconds a zombie worker must stay so before it counts as
 
 
 class LocalGroup:
-    def __init__(self, cfg: Config, token: str, run_dir: Path, node: str, event: Callable[..., None]) -> None:
+    def __init__(
+        self, cfg: Config, token: str, run_dir: Path, node: str, event: Callable[..., None]
+    ) -> None:
         self.cfg = cfg
         self.token = token
         self.run_dir = run_dir
@@ -31,29 +33,46 @@ class LocalGroup:
         self.attempt = 0  # local attempts, used for directory names
         self.seen_beats = False  # a worker of this run has beaten: from then on every worker must
         self.tee = workers.Tee() if cfg.tee else None
-        self._watches: dict[int, tuple[health.Reader, health.ProcessWatch]] = {}  # pid -> held-open files
+        self._watches: dict[
+            int, tuple[health.Reader, health.ProcessWatch]
+        ] = {}  # pid -> held-open files
         self._odd_since: dict[int, float] = {}  # pid -> when it was first seen a zombie
 
-    def start(self, rnd: Round, restart_count: int, memory_dir: str | None, spares: list[workers.Spare]) -> None:
+    def start(
+        self, rnd: Round, restart_count: int, memory_dir: str | None, spares: list[workers.Spare]
+    ) -> None:
         """Spawn the workers of a new attempt, taking warm spares first. From the loop's thread
         (see workers.spawn)."""
         self.attempt += 1
         cfg = self.cfg
         spec = workers.GroupSpec(
-            entrypoint=cfg.entrypoint, args=cfg.args, nproc=cfg.nproc_per_node,
-            rank_base=rnd.rank_base, world_size=rnd.world_size, group_rank=rnd.group_rank,
-            group_world_size=rnd.group_world_size, master_addr=rnd.master_addr,
-            master_port=rnd.master_port, restart_count=restart_count,
-            max_restarts=cfg.max_restarts, run_id=cfg.rdzv_id,
-            attempt_dir=self.run_dir / f"attempt{self.attempt}", token=self.token,
-            stack_signal=cfg.stack_signal, checkpoint_dir=cfg.checkpoint_dir, role=cfg.role,
-            virtual_local_rank=cfg.virtual_local_rank, no_python=cfg.no_python,
+            entrypoint=cfg.entrypoint,
+            args=cfg.args,
+            nproc=cfg.nproc_per_node,
+            rank_base=rnd.rank_base,
+            world_size=rnd.world_size,
+            group_rank=rnd.group_rank,
+            group_world_size=rnd.group_world_size,
+            master_addr=rnd.master_addr,
+            master_port=rnd.master_port,
+            restart_count=restart_count,
+            max_restarts=cfg.max_restarts,
+            run_id=cfg.rdzv_id,
+            attempt_dir=self.run_dir / f"attempt{self.attempt}",
+            token=self.token,
+            stack_signal=cfg.stack_signal,
+            checkpoint_dir=cfg.checkpoint_dir,
+            role=cfg.role,
+            virtual_local_rank=cfg.virtual_local_rank,
+            no_python=cfg.no_python,
             extra_env={memory.ENV: memory_dir} if memory_dir else {},
         )
         self.workers = workers.spawn(spec, spares)
         for w in self.workers:
             if self.tee and self.cfg.echoed(w.local_rank):
-                self.tee.follow(w.log_path, workers.console_prefix(self.cfg.role, w.global_rank, w.local_rank))
+                self.tee.follow(
+                    w.log_path, workers.console_prefix(self.cfg.role, w.global_rank, w.local_rank)
+                )
 
     @property
     def finished(self) -> bool:
@@ -65,11 +84,20 @@ class LocalGroup:
         exited = workers.poll(self.workers)
         bad = [w for w in exited if w.exit_code != 0]
         if bad:
-            w = min(bad, key=lambda w: (w.exit_code >= 0, w.global_rank))  # a signal death is the cause
+            w = min(
+                bad, key=lambda w: (w.exit_code >= 0, w.global_rank)
+            )  # a signal death is the cause
             kind = RestartCause.SIGNAL if w.exit_code < 0 else RestartCause.CRASH
-            return Failure(kind, workers.describe_exit(w.exit_code), rank=w.global_rank, pid=w.pid,
-                           exit_code=w.exit_code, exception=workers.read_error_file(w.error_path),
-                           log_path=str(w.log_path), node=self.node)
+            return Failure(
+                kind,
+                workers.describe_exit(w.exit_code),
+                rank=w.global_rank,
+                pid=w.pid,
+                exit_code=w.exit_code,
+                exception=workers.read_error_file(w.error_path),
+                log_path=str(w.log_path),
+                node=self.node,
+            )
         now = time.monotonic()
         for w in self.workers:
             if w.exit_code is not None:
@@ -78,16 +106,31 @@ class LocalGroup:
             if beat and beat.beats:
                 self.seen_beats = True
             why = self._lasting(w.pid, self._watch(w)[1].verdict(), now) or health.verdict(
-                beat, w.started, now, expect_beats=self.cfg.require_heartbeat or self.seen_beats,
-                heartbeat_timeout=self.cfg.heartbeat_timeout, startup_timeout=self.cfg.startup_timeout)
+                beat,
+                w.started,
+                now,
+                expect_beats=self.cfg.require_heartbeat or self.seen_beats,
+                heartbeat_timeout=self.cfg.heartbeat_timeout,
+                startup_timeout=self.cfg.startup_timeout,
+            )
             if why and w.proc.poll() is not None:
                 return self.check()  # it exited just now: report the exit, not a hang
             if why:
                 # a --no-python worker has no stack-dump handler: the signal would only end it
-                dumps = [] if self.cfg.no_python else workers.dump_stacks(self.workers, self.cfg.stack_signal)
-                return Failure(RestartCause.HANG, f"hung: {why}", rank=w.global_rank, pid=w.pid,
-                               log_path=str(w.log_path), stacks=tuple(str(d.stack_path) for d, _ in dumps),
-                               node=self.node)
+                dumps = (
+                    []
+                    if self.cfg.no_python
+                    else workers.dump_stacks(self.workers, self.cfg.stack_signal)
+                )
+                return Failure(
+                    RestartCause.HANG,
+                    f"hung: {why}",
+                    rank=w.global_rank,
+                    pid=w.pid,
+                    log_path=str(w.log_path),
+                    stacks=tuple(str(d.stack_path) for d, _ in dumps),
+                    node=self.node,
+                )
         return None
 
     def beat(self, w: workers.Worker) -> health.Beat | None:
@@ -101,29 +144,61 @@ class LocalGroup:
         rows = []
         for w in self.workers:
             beat = self.beat(w)
-            rows.append({
-                "rank": w.global_rank, "local_rank": w.local_rank, "pid": w.pid,
-                "state": "running" if w.exit_code is None else workers.describe_exit(w.exit_code),
-                "heartbeat_age": round(now - beat.last, 3) if beat and beat.beats else None,
-                "step": beat.step if beat and beat.beats else None,
-                "rss_bytes": self._watch(w)[1].rss() if w.exit_code is None else None,
-                "log": str(w.log_path),
-            })
+            rows.append(
+                {
+                    "rank": w.global_rank,
+                    "local_rank": w.local_rank,
+                    "pid": w.pid,
+                    "state": "running"
+                    if w.exit_code is None
+                    else workers.describe_exit(w.exit_code),
+                    "heartbeat_age": round(now - beat.last, 3) if beat and beat.beats else None,
+                    "step": beat.step if beat and beat.beats else None,
+                    "rss_bytes": self._watch(w)[1].rss() if w.exit_code is None else None,
+                    "log": str(w.log_path),
+                }
+            )
         return rows
 
     def stacks(self, state: str) -> dict:
         """`elasticd stacks`: every live local worker's threads, as they are now."""
         if self.cfg.no_python:
-            return {"ok": False, "error": "--no-python workers are not Python: they cannot dump their stacks"}
-        dumps = workers.dump_stacks([w for w in self.workers if w.exit_code is None], self.cfg.stack_signal)
+            return {
+                "ok": False,
+                "error": "--no-python workers are not Python: they cannot dump their stacks",
+            }
+        dumps = workers.dump_stacks(
+            [w for w in self.workers if w.exit_code is None], self.cfg.stack_signal
+        )
         if not dumps:
-            return {"ok": False, "error": f"no worker is running right now (state {state}); try again"}
+            return {
+                "ok": False,
+                "error": f"no worker is running right now (state {state}); try again",
+            }
         self.event("stacks_dumped", ranks=[w.global_rank for w, _ in dumps])
-        return {"ok": True, "stacks": [{"rank": w.global_rank, "local_rank": w.local_rank, "pid": w.pid,
-                                        "path": str(w.stack_path), "text": text} for w, text in dumps]}
+        return {
+            "ok": True,
+            "stacks": [
+                {
+                    "rank": w.global_rank,
+                    "local_rank": w.local_rank,
+                    "pid": w.pid,
+                    "path": str(w.stack_path),
+                    "text": text,
+                }
+                for w, text in dumps
+            ],
+        }
 
-    def stop(self, grace: float, *, abandon: bool, keep: frozenset[int], cut_short: Callable[[], bool],
-             spared: frozenset[int] = frozenset()) -> None:
+    def stop(
+        self,
+        grace: float,
+        *,
+        abandon: bool,
+        keep: frozenset[int],
+        cut_short: Callable[[], bool],
+        spared: frozenset[int] = frozenset(),
+    ) -> None:
         """Stop every worker (see workers.stop; `keep` and the sessions `spared` are left alone).
         `abandon`: a restart after a failure; the workers are told (a heartbeat-file mark) so that
         the checkpoint library ends them at SIGTERM instead of waiting for a step boundary that a
@@ -132,12 +207,23 @@ class LocalGroup:
         if abandon:
             for w in self.workers:
                 health.mark(str(w.heartbeat_path), "abandon")
-        stuck = workers.stop(self.workers, self.token, grace, self.cfg.kill_timeout, keep=keep, cut_short=cut_short,
-                             spared=spared)
+        stuck = workers.stop(
+            self.workers,
+            self.token,
+            grace,
+            self.cfg.kill_timeout,
+            keep=keep,
+            cut_short=cut_short,
+            spared=spared,
+        )
         if self.tee:
             self.tee.forget([w.log_path for w in self.workers])
-        self.event("workers_stopped", seconds=round(time.monotonic() - t0, 3),
-                   exits={w.global_rank: w.exit_code for w in self.workers}, unkillable=stuck)
+        self.event(
+            "workers_stopped",
+            seconds=round(time.monotonic() - t0, 3),
+            exits={w.global_rank: w.exit_code for w in self.workers},
+            unkillable=stuck,
+        )
         self.workers = []
         for reader, proc in self._watches.values():
             reader.close()
@@ -149,7 +235,10 @@ class LocalGroup:
         them every tick, and opening (and parsing through psutil) each time was most of its CPU."""
         watch = self._watches.get(w.pid)
         if watch is None:
-            watch = self._watches[w.pid] = (health.Reader(str(w.heartbeat_path)), health.ProcessWatch(w.pid))
+            watch = self._watches[w.pid] = (
+                health.Reader(str(w.heartbeat_path)),
+                health.ProcessWatch(w.pid),
+            )
         return watch
 
     def _lasting(self, pid: int, why: str | None, now: float) -> str | None:

@@ -21,7 +21,9 @@ from elasticd.config import Config
 from elasticd.daemon import supervise, workers
 from elasticd.worker import proctitle
 
-REFILL_AFTER = 10.0  # seconds after a start that fresh-interpreter spares are refilled at the latest
+REFILL_AFTER = (
+    10.0  # seconds after a start that fresh-interpreter spares are refilled at the latest
+)
 
 
 class SparePool:
@@ -32,13 +34,16 @@ class SparePool:
         self.event = event  # Agent.event: logged and shown in status
         self.spares: list[workers.Spare] = []  # warm processes waiting for a rank
         self.forkserver: workers.ForkServer | None = None
-        self.refill_due: float | None = None  # when fresh-interpreter spares are refilled at the latest
+        self.refill_due: float | None = (
+            None  # when fresh-interpreter spares are refilled at the latest
+        )
         self.part: supervise.Part | None = None  # the fork server's health, once there is one
         self.respawn_at: float | None = None  # when a dead fork server is started again
 
     def _start_server(self) -> None:
-        self.forkserver = workers.ForkServer(self.token, self.cfg.nproc_per_node, self.cfg.preload,
-                                             self.log_path, self._shown())
+        self.forkserver = workers.ForkServer(
+            self.token, self.cfg.nproc_per_node, self.cfg.preload, self.log_path, self._shown()
+        )
 
     def start(self, reaper: bool) -> None:
         """Start the fork server (its spares are reparented to us: needs `reaper`) and ask for
@@ -72,8 +77,16 @@ class SparePool:
         if fs:
             fs.request(missing)
         else:
-            self.spares += [workers.start_spare(self.token, self.cfg.nproc_per_node, self.cfg.preload,
-                                                self.log_path, self._shown()) for _ in range(missing)]
+            self.spares += [
+                workers.start_spare(
+                    self.token,
+                    self.cfg.nproc_per_node,
+                    self.cfg.preload,
+                    self.log_path,
+                    self._shown(),
+                )
+                for _ in range(missing)
+            ]
         self.refill_due = None
 
     def collect(self) -> None:

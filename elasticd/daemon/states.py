@@ -61,8 +61,12 @@ class State(str, enum.Enum):
 
 TRANSITIONS: dict[State, frozenset[State]] = {
     State.INIT: frozenset({State.RENDEZVOUS}),
-    State.RENDEZVOUS: frozenset({State.RUNNING, State.STOPPING, State.STOPPED, State.FAILED, State.LEFT}),
-    State.RUNNING: frozenset({State.EXIT_BARRIER, State.RESTARTING, State.STOPPING, State.FAILED, State.LEFT}),
+    State.RENDEZVOUS: frozenset(
+        {State.RUNNING, State.STOPPING, State.STOPPED, State.FAILED, State.LEFT}
+    ),
+    State.RUNNING: frozenset(
+        {State.EXIT_BARRIER, State.RESTARTING, State.STOPPING, State.FAILED, State.LEFT}
+    ),
     State.RESTARTING: frozenset({State.RENDEZVOUS, State.FAILED}),
     State.EXIT_BARRIER: frozenset({State.SUCCEEDED, State.FAILED}),
     State.STOPPING: frozenset({State.STOPPED, State.FAILED}),
@@ -79,8 +83,10 @@ class IllegalTransition(RuntimeError):
 
 def check_transition(old: State, new: State) -> None:
     if new not in TRANSITIONS[old]:
-        raise IllegalTransition(f"agent state {old.value} -> {new.value} is not a transition of the state "
-                                f"machine (elasticd/daemon/states.py TRANSITIONS)")
+        raise IllegalTransition(
+            f"agent state {old.value} -> {new.value} is not a transition of the state "
+            f"machine (elasticd/daemon/states.py TRANSITIONS)"
+        )
 
 
 class RestartCause(str, enum.Enum):

@@ -25,8 +25,14 @@ RESUME_READ_EVERY = 2.0  # seconds between reads of the checkpoint and in-memory
 
 
 class StatusBoard:
-    def __init__(self, cfg: Config, node: str, run_dir: Path, event: Callable[..., None],
-                 on_snapshot: Callable[[dict], None] | None = None) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        node: str,
+        run_dir: Path,
+        event: Callable[..., None],
+        on_snapshot: Callable[[dict], None] | None = None,
+    ) -> None:
         self.cfg = cfg
         self.node = node
         self.run_dir = run_dir
@@ -51,9 +57,20 @@ class StatusBoard:
         """The next snapshot reads the resume points again (a new state's snapshot reads everything)."""
         self._next_resume_read = 0.0
 
-    def publish(self, *, state: State, rnd: Round | None, attempt: int, restarts: int, ranks: list[dict],
-                last_failure: Failure | None, last_recovery: dict[str, float] | None,
-                memory_dir: str | None, now: float, figures: dict[str, Any] | None = None) -> None:
+    def publish(
+        self,
+        *,
+        state: State,
+        rnd: Round | None,
+        attempt: int,
+        restarts: int,
+        ranks: list[dict],
+        last_failure: Failure | None,
+        last_recovery: dict[str, float] | None,
+        memory_dir: str | None,
+        now: float,
+        figures: dict[str, Any] | None = None,
+    ) -> None:
         """`figures`: the operability figures (figures.py, stragglers.py, healthcheck.py) merged in."""
         self.last_publish = now
         checkpoint, memory_step = self._resume_points(now, memory_dir)
@@ -74,7 +91,9 @@ class StatusBoard:
             "entrypoint": self.cfg.entrypoint,
             "workers": ranks,
             # seconds since each watched peer node's liveness beat last moved (its ring neighbours)
-            "peers": {r: round(now - seen, 1) for r, (_, seen) in sorted(rnd.peer_seen.items())} if rnd else {},
+            "peers": {r: round(now - seen, 1) for r, (_, seen) in sorted(rnd.peer_seen.items())}
+            if rnd
+            else {},
             "node_id": rnd.node_id if rnd else None,
             "lost_nodes": list(rnd.lost) if rnd else [],  # nodes of the previous round found lost
             "last_failure": asdict(last_failure) if last_failure else None,
@@ -87,7 +106,9 @@ class StatusBoard:
         }
         self.on_snapshot(self.snapshot)
 
-    def _resume_points(self, now: float, memory_dir: str | None) -> tuple[dict[str, Any] | None, int | None]:
+    def _resume_points(
+        self, now: float, memory_dir: str | None
+    ) -> tuple[dict[str, Any] | None, int | None]:
         """What a restart would resume from: the newest checkpoint on this node (with its age)
         and the newest in-memory step. Read every RESUME_READ_EVERY seconds, not at every
         publish: they are files (the checkpoint directory perhaps on a shared filesystem that
@@ -116,5 +137,10 @@ class StatusBoard:
             return None
         if info.get("path") != self._last_checkpoint:
             self._last_checkpoint = info.get("path")
-            self.event("checkpoint_seen", step=info.get("step"), epoch=info.get("epoch"), path=info.get("path"))
+            self.event(
+                "checkpoint_seen",
+                step=info.get("step"),
+                epoch=info.get("epoch"),
+                path=info.get("path"),
+            )
         return info

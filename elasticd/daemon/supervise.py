@@ -23,7 +23,9 @@ from elasticd import logs
 
 log = logs.get("elasticd.supervise")
 
-BACKOFF_FIRST = 0.5  # seconds before the first restart, doubled for each failure since (in the window)
+BACKOFF_FIRST = (
+    0.5  # seconds before the first restart, doubled for each failure since (in the window)
+)
 BACKOFF_MAX = 30.0
 GIVE_UP_AFTER = 5  # failures within GIVE_UP_WINDOW seconds: the part is left off
 GIVE_UP_WINDOW = 600.0
@@ -57,8 +59,14 @@ class Part:
             return None
         delay = min(BACKOFF_MAX, BACKOFF_FIRST * 2 ** (len(self.failures) - 1))
         self.state = "restarting"
-        self.event(f"{self.name}_died", level="warning", why=why, restart_in=delay, failures=len(self.failures),
-                   **self._risk())
+        self.event(
+            f"{self.name}_died",
+            level="warning",
+            why=why,
+            restart_in=delay,
+            failures=len(self.failures),
+            **self._risk(),
+        )
         return delay
 
     def restarted(self) -> None:

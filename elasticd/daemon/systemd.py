@@ -29,7 +29,14 @@ log = structlog.get_logger("elasticd.systemd")
 
 SEND_TIMEOUT = 1.0  # seconds; a datagram to a wedged systemd must not stall the loop for long
 # The service manager's per-process variables: never inherited by workers.
-PRIVATE_ENV = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES")
+PRIVATE_ENV = (
+    "NOTIFY_SOCKET",
+    "WATCHDOG_USEC",
+    "WATCHDOG_PID",
+    "LISTEN_FDS",
+    "LISTEN_PID",
+    "LISTEN_FDNAMES",
+)
 
 _warned = False
 _MAX_USEC = 2**64 - 2  # systemd's USEC_INFINITY (2**64 - 1) would mean "no timeout at all"
@@ -58,7 +65,12 @@ def notify(*lines: str) -> bool:
     except (OSError, ValueError) as e:
         if not _warned:
             _warned = True
-            log.warning("sd_notify_failed", socket=target, error=str(e), note="later failures are not logged")
+            log.warning(
+                "sd_notify_failed",
+                socket=target,
+                error=str(e),
+                note="later failures are not logged",
+            )
         return False
 
 

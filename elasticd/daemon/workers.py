@@ -62,7 +62,9 @@ class GroupSpec:
     def worker_args(self, local_rank: int) -> tuple[str, ...]:
         """The script's arguments with torchrun's ${local_rank} macro filled in (string.Template's
         safe_substitute, as torch.distributed.elastic.utils.macros does)."""
-        return tuple(string.Template(a).safe_substitute(local_rank=str(local_rank)) for a in self.args)
+        return tuple(
+            string.Template(a).safe_substitute(local_rank=str(local_rank)) for a in self.args
+        )
 
 
 class Child:
@@ -139,7 +141,9 @@ def make_subreaper() -> bool:
 
 def worker_env(spec: GroupSpec, local_rank: int, paths: dict[str, Path]) -> dict[str, str]:
     """torchrun's contract (LocalElasticAgent._start_workers, torch 2.13) plus ours (names)."""
-    env = systemd.child_env(dict(os.environ))  # systemd's notify socket and watchdog are the daemon's
+    env = systemd.child_env(
+        dict(os.environ)
+    )  # systemd's notify socket and watchdog are the daemon's
     rank = spec.rank_base + local_rank
     env.update(
         RANK=str(rank),
@@ -160,19 +164,23 @@ def worker_env(spec: GroupSpec, local_rank: int, paths: dict[str, Path]) -> dict
         TORCH_NCCL_ASYNC_ERROR_HANDLING=os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
         TORCHELASTIC_ERROR_FILE=str(paths["error"]),
     )
-    env.update({
-        names.AGENT: spec.token,
-        names.DAEMON_PID: str(os.getpid()),
-        names.ENTRYPOINT: spec.entrypoint,
-        names.HEARTBEAT_FILE: str(paths["heartbeat"]),
-        names.STACK_FILE: str(paths["stack"]),
-        names.STACK_SIGNAL: spec.stack_signal,
-        names.ATTEMPT_DIR: str(spec.attempt_dir),
-        names.LOCAL_RANK: str(local_rank),
-    })
+    env.update(
+        {
+            names.AGENT: spec.token,
+            names.DAEMON_PID: str(os.getpid()),
+            names.ENTRYPOINT: spec.entrypoint,
+            names.HEARTBEAT_FILE: str(paths["heartbeat"]),
+            names.STACK_FILE: str(paths["stack"]),
+            names.STACK_SIGNAL: spec.stack_signal,
+            names.ATTEMPT_DIR: str(spec.attempt_dir),
+            names.LOCAL_RANK: str(local_rank),
+        }
+    )
     if spec.virtual_local_rank:  # each worker sees its own GPU as device 0, as under torchrun
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        env["CUDA_VISIBLE_DEVICES"] = visible.split(",")[local_rank].strip() if visible is not None else str(local_rank)
+        env["CUDA_VISIBLE_DEVICES"] = (
+            visible.split(",")[local_rank].strip() if visible is not None else str(local_rank)
+        )
         env["LOCAL_RANK"] = "0"
     if spec.no_python:
         env[names.NO_PYTHON] = "1"
@@ -192,7 +200,9 @@ def console_prefix(role: str, rank: int, local_rank: int) -> str:
     template = os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE")
     if template is None:
         return f"[rank{rank}]: "
-    return string.Template(template).safe_substitute(role_name=role, rank=rank, local_rank=local_rank)
+    return string.Template(template).safe_substitute(
+        role_name=role, rank=rank, local_rank=local_rank
+    )
 
 
 def _paths(spec: GroupSpec, rank: int) -> dict[str, Path]:
@@ -224,7 +234,9 @@ def spawn(spec: GroupSpec, spares: list[Spare] | None = None) -> list[Worker]:
         if proc is None:
             with os.fdopen(safeio.create(paths["log"]), "ab") as out:
                 proc = subprocess.Popen(
-                    proctitle.command("elasticd.worker.bootstrap", proctitle.title(spec.entrypoint, args), args),
+                    proctitle.command(
+                        "elasticd.worker.bootstrap", proctitle.title(spec.entrypoint, args), args
+                    ),
                     env=env,
                     stdin=subprocess.DEVNULL,
                     stdout=out,
@@ -233,8 +245,16 @@ def spawn(spec: GroupSpec, spares: list[Spare] | None = None) -> list[Worker]:
                     close_fds=True,
                 )
         workers.append(
-            Worker(local_rank, rank, proc, paths["log"], paths["error"], paths["stack"],
-                   paths["heartbeat"], time.monotonic())
+            Worker(
+                local_rank,
+                rank,
+                proc,
+                paths["log"],
+                paths["error"],
+                paths["stack"],
+                paths["heartbeat"],
+                time.monotonic(),
+            )
         )
     return workers
 
@@ -243,22 +263,36 @@ def _spare_env(token: str, nproc: int, preload: tuple[str, ...]) -> dict[str, st
     """The environment every worker shares, so what is read at import or library load
     (OMP_NUM_THREADS, PYTHONUNBUFFERED) is already right in a warm process."""
     env = systemd.child_env(dict(os.environ))
-    env.update({names.AGENT: token, names.DAEMON_PID: str(os.getpid()), names.WARM_PRELOAD: ",".join(preload)})
+    env.update(
+        {
+            names.AGENT: token,
+            names.DAEMON_PID: str(os.getpid()),
+            names.WARM_PRELOAD: ",".join(preload),
+        }
+    )
     if nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
         env["OMP_NUM_THREADS"] = "1"
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
 
 
-def start_spare(token: str, nproc: int, preload: tuple[str, ...], log_path: Path, shown: list[str]) -> Spare:
+def start_spare(
+    token: str, nproc: int, preload: tuple[str, ...], log_path: Path, shown: list[str]
+) -> Spare:
     """A warm spare that is a fresh interpreter (never a fork): it imports torch and `preload`,
     then waits on stdin for its rank's environment and arguments. Handing it a rank skips
     interpreter start-up and imports on a restart. The fallback where the fork server is unfit.
     `shown`: the workers' command line (proctitle.title), which the spare makes room for."""
     with os.fdopen(safeio.append(log_path), "ab") as out:
-        proc = subprocess.Popen(proctitle.command("elasticd.worker.bootstrap", shown),
-                                env=_spare_env(token, nproc, preload), stdin=subprocess.PIPE, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True, close_fds=True)
+        proc = subprocess.Popen(
+            proctitle.command("elasticd.worker.bootstrap", shown),
+            env=_spare_env(token, nproc, preload),
+            stdin=subprocess.PIPE,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            close_fds=True,
+        )
     assert proc.stdin is not None
     return Spare(proc, proc.stdin)
 
@@ -268,14 +302,21 @@ class ForkServer:
     end of the spare's job pipe) without blocking the agent loop. `shown`: the workers' command
     line (proctitle.title); the server's own has room for it, and its forks inherit that."""
 
-    def __init__(self, token: str, nproc: int, preload: tuple[str, ...], log_path: Path, shown: list[str]) -> None:
+    def __init__(
+        self, token: str, nproc: int, preload: tuple[str, ...], log_path: Path, shown: list[str]
+    ) -> None:
         self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             with os.fdopen(safeio.append(log_path), "ab") as out:
-                self.proc = subprocess.Popen(proctitle.command("elasticd.worker.forkserver", shown),
-                                             env=_spare_env(token, nproc, preload), stdin=theirs,
-                                             stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                             close_fds=True)
+                self.proc = subprocess.Popen(
+                    proctitle.command("elasticd.worker.forkserver", shown),
+                    env=_spare_env(token, nproc, preload),
+                    stdin=theirs,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                    close_fds=True,
+                )
         finally:
             theirs.close()
         self._sock.setblocking(False)
@@ -337,7 +378,9 @@ def _assign(spare: Spare, env: dict[str, str], args: tuple[str, ...], log: Path)
     if spare.proc.poll() is not None:
         return None
     try:
-        spare.job.write(json.dumps({"env": env, "args": list(args), "log": str(log)}).encode() + b"\n")
+        spare.job.write(
+            json.dumps({"env": env, "args": list(args), "log": str(log)}).encode() + b"\n"
+        )
         spare.job.close()
     except (BrokenPipeError, OSError):
         spare.proc.kill()
@@ -364,8 +407,13 @@ def start_guard(token: str) -> subprocess.Popen:
     """See elasticd.daemon.guard: kills our workers' tree if the daemon dies without doing it."""
     env = systemd.child_env(dict(os.environ))
     env.pop(names.AGENT, None)
-    return subprocess.Popen([sys.executable, "-m", "elasticd.daemon.guard", token], stdin=subprocess.PIPE,
-                            stdout=subprocess.DEVNULL, env=env, close_fds=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "elasticd.daemon.guard", token],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        env=env,
+        close_fds=True,
+    )
 
 
 def poll(workers: list[Worker]) -> list[Worker]:
@@ -396,7 +444,9 @@ def _signal_group(w: Worker, sig: int) -> None:
         pass
 
 
-def find_tree(token: str, workers: list[Worker], spared: frozenset[int] = frozenset()) -> list[psutil.Process]:
+def find_tree(
+    token: str, workers: list[Worker], spared: frozenset[int] = frozenset()
+) -> list[psutil.Process]:
     """Every live process of this daemon's workers: descendants of the daemon (it is a
     subreaper, so orphans stay below it), members of the workers' sessions, and anything else
     carrying our ELASTICD_AGENT token in its environment (a descendant that left the session);
@@ -438,9 +488,15 @@ def _is_ours(p: psutil.Process, token: str) -> bool:
         return False
 
 
-def stop(workers: list[Worker], token: str, grace: float, kill_timeout: float,
-         keep: frozenset[int] = frozenset(), cut_short=lambda: False,
-         spared: frozenset[int] = frozenset()) -> list[int]:
+def stop(
+    workers: list[Worker],
+    token: str,
+    grace: float,
+    kill_timeout: float,
+    keep: frozenset[int] = frozenset(),
+    cut_short=lambda: False,
+    spared: frozenset[int] = frozenset(),
+) -> list[int]:
     """SIGTERM every worker's process group, wait up to `grace`, SIGKILL what is left, then sweep
     the whole tree (sparing the processes `keep` and the sessions `spared`). `cut_short()`
     turning true ends the grace early (a second stop signal). Every wait is bounded: returns the
@@ -452,9 +508,15 @@ def stop(workers: list[Worker], token: str, grace: float, kill_timeout: float,
     if live and grace > 0:
         for w in live:
             _signal_group(w, signal.SIGTERM)
-            _signal_group(w, signal.SIGCONT)  # a stopped process acts on SIGTERM only when continued
+            _signal_group(
+                w, signal.SIGCONT
+            )  # a stopped process acts on SIGTERM only when continued
         deadline = time.monotonic() + grace
-        while time.monotonic() < deadline and any(w.proc.poll() is None for w in live) and not cut_short():
+        while (
+            time.monotonic() < deadline
+            and any(w.proc.poll() is None for w in live)
+            and not cut_short()
+        ):
             time.sleep(0.01)
     for w in workers:
         if w.proc.poll() is None:
@@ -466,7 +528,11 @@ def stop(workers: list[Worker], token: str, grace: float, kill_timeout: float,
         poll(workers)
         done = {w.pid for w in workers if w.exit_code is not None}
         try:
-            leftover = [p for p in find_tree(token, workers, spared) if p.pid not in done and p.pid not in keep]
+            leftover = [
+                p
+                for p in find_tree(token, workers, spared)
+                if p.pid not in done and p.pid not in keep
+            ]
             failed = None
         except (OSError, psutil.Error) as e:  # EMFILE: /proc cannot be read now
             failed = e
@@ -480,11 +546,19 @@ def stop(workers: list[Worker], token: str, grace: float, kill_timeout: float,
             return []
         if time.monotonic() >= deadline:
             if failed is not None:
-                log.error("teardown_sweep_failed", error=str(failed), workers=[w.pid for w in workers],
-                          hint="their sessions were killed; a descendant that left them may live on")
+                log.error(
+                    "teardown_sweep_failed",
+                    error=str(failed),
+                    workers=[w.pid for w in workers],
+                    hint="their sessions were killed; a descendant that left them may live on",
+                )
             stuck = [p.pid for p in leftover] + [w.pid for w in workers if w.exit_code is None]
             if stuck:
-                log.error("processes_unkillable", pids=stuck, hint="likely in uninterruptible sleep (state D)")
+                log.error(
+                    "processes_unkillable",
+                    pids=stuck,
+                    hint="likely in uninterruptible sleep (state D)",
+                )
             return stuck
         time.sleep(0.02)
 
@@ -507,8 +581,9 @@ def reap_orphans(workers: list[Worker], keep: frozenset[int] = frozenset()) -> N
             pass
 
 
-def dump_stacks(workers: list[Worker], sig_name: str, wait: float = 1.0,
-                limit: int = 1 << 20) -> list[tuple[Worker, str]]:
+def dump_stacks(
+    workers: list[Worker], sig_name: str, wait: float = 1.0, limit: int = 1 << 20
+) -> list[tuple[Worker, str]]:
     """Ask every live worker for a stack dump of all its threads (the bootstrap registered
     faulthandler on `sig_name`), wait briefly for the files to fill, and return each worker with
     what its dump added to its stack file (at most `limit` bytes)."""
@@ -516,7 +591,9 @@ def dump_stacks(workers: list[Worker], sig_name: str, wait: float = 1.0,
     live = [w for w in workers if w.proc.poll() is None]
     sizes = {}
     for w in live:
-        with os.fdopen(safeio.append(w.stack_path), "a") as f:  # the worker may not have made it yet
+        with os.fdopen(
+            safeio.append(w.stack_path), "a"
+        ) as f:  # the worker may not have made it yet
             sizes[w.pid] = os.fstat(f.fileno()).st_size
             stamp = time.strftime("%Y-%m-%dT%H:%M:%S%z")
             f.write(f"\n=== elasticd stack dump, rank {w.global_rank}, pid {w.pid}, {stamp} ===\n")
@@ -543,7 +620,9 @@ def dump_stacks(workers: list[Worker], sig_name: str, wait: float = 1.0,
 
 
 MAX_ERROR_FILE = 1 << 20  # bytes of a rank's error file read; torch's format is a few KiB
-MAX_EXCEPTION_TEXT = 2000  # characters of its message kept: it goes into status, logs and peers' stores
+MAX_EXCEPTION_TEXT = (
+    2000  # characters of its message kept: it goes into status, logs and peers' stores
+)
 
 
 def read_error_file(path: Path) -> str | None:
@@ -570,7 +649,9 @@ def read_error_file(path: Path) -> str | None:
         stack = extra.get("py_callstack") if isinstance(extra, dict) else None
         text = msg.get("message")
         if not (isinstance(text, str) and text.strip()):
-            text = stack.strip().splitlines()[-1] if isinstance(stack, str) and stack.strip() else None
+            text = (
+                stack.strip().splitlines()[-1] if isinstance(stack, str) and stack.strip() else None
+            )
     else:
         text = msg if isinstance(msg, str) else None
     if not text:
@@ -606,7 +687,9 @@ def _cut(line: bytes, size: int = MAX_ECHO_LINE) -> list[bytes]:
     return pieces
 
 
-def _split(data: bytes | bytearray, final: bool, end: int | None = None) -> tuple[list[bytes], bytes | None, bytes]:
+def _split(
+    data: bytes | bytearray, final: bool, end: int | None = None
+) -> tuple[list[bytes], bytes | None, bytes]:
     """Output (`data[:end]`) as the console echoes it: (finished lines, the latest finished
     redraw or None, the unfinished rest). A line is what a terminal would show of it, the text
     after its last carriage return ("\r\n" ends a line). A redraw is a segment ended by "\r"
@@ -618,8 +701,15 @@ def _split(data: bytes | bytearray, final: bool, end: int | None = None) -> tupl
     view = memoryview(data)
     end = len(data) if end is None else end
     nl = data.rfind(b"\n", 0, end)
-    lines = [piece for ln in bytes(view[:nl]).split(b"\n")
-             for piece in _cut(ln.removesuffix(b"\r").rpartition(b"\r")[2])] if nl >= 0 else []
+    lines = (
+        [
+            piece
+            for ln in bytes(view[:nl]).split(b"\n")
+            for piece in _cut(ln.removesuffix(b"\r").rpartition(b"\r")[2])
+        ]
+        if nl >= 0
+        else []
+    )
     start = nl + 1
     held = b""
     if not final and end > start and data[end - 1] == 0x0D:  # maybe the first half of "\r\n"
@@ -628,7 +718,7 @@ def _split(data: bytes | bytearray, final: bool, end: int | None = None) -> tupl
     cr = data.rfind(b"\r", start, end)
     if cr >= 0:
         begin = max(start, data.rfind(b"\r", start, cr) + 1)
-        redraw = _cut(bytes(view[begin:min(cr, begin + MAX_ECHO_LINE + 1)]))[0]
+        redraw = _cut(bytes(view[begin : min(cr, begin + MAX_ECHO_LINE + 1)]))[0]
         start = cr + 1
     *long, rest = _cut(bytes(view[start:end]) + held)
     return lines + long, redraw or None, rest
@@ -666,8 +756,13 @@ class Tee:
     off to `idle_interval` while nothing flows. A quiet job, and one drawing a bar, cost next to
     nothing to watch (a tqdm bar: 0.04% of a core, 0.24% when polled every `interval`)."""
 
-    def __init__(self, out=None, interval: float = 0.05, idle_interval: float = 0.25,
-                 redraw_interval: float = REDRAW_INTERVAL):
+    def __init__(
+        self,
+        out=None,
+        interval: float = 0.05,
+        idle_interval: float = 0.25,
+        redraw_interval: float = REDRAW_INTERVAL,
+    ):
         self._out = out or sys.stdout
         self._interval = interval
         self._idle_interval = idle_interval
@@ -675,7 +770,9 @@ class Tee:
         self._files: dict[Path, _Followed] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._buf = bytearray(MAX_ECHO_LINE + READ_CHUNK)  # the segment held back, then what is read
+        self._buf = bytearray(
+            MAX_ECHO_LINE + READ_CHUNK
+        )  # the segment held back, then what is read
         self._thread = supervise.thread("tee", self._run)
 
     def start(self) -> None:
@@ -719,9 +816,13 @@ class Tee:
             held = len(entry.partial)
             self._buf[:held] = entry.partial  # the unfinished segment, then what follows it
             try:
-                if entry.fd is None:  # a warm spare opens its rank's log itself, maybe after follow()
+                if (
+                    entry.fd is None
+                ):  # a warm spare opens its rank's log itself, maybe after follow()
                     entry.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-                n = os.preadv(entry.fd, [memoryview(self._buf)[held:held + READ_CHUNK]], entry.offset)
+                n = os.preadv(
+                    entry.fd, [memoryview(self._buf)[held : held + READ_CHUNK]], entry.offset
+                )
             except OSError:
                 n = 0
             full = n == READ_CHUNK
@@ -752,7 +853,9 @@ class Tee:
                 pass
         if flowing or full:
             return self._interval
-        if gained or entry.redraw is not None:  # a bar: nothing to echo before its next redraw is due
+        if (
+            gained or entry.redraw is not None
+        ):  # a bar: nothing to echo before its next redraw is due
             left = entry.next_redraw - now
             return left + _LATE if left > 0 else self._redraw_interval
         return None

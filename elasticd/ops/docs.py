@@ -60,7 +60,9 @@ def settings_page() -> str:
     other: list[argparse.Action] = []
     for action in parser._actions:
         if action.dest in FIELDS:
-            flags.setdefault(action.dest, []).extend(action.option_strings or [action.metavar or action.dest.upper()])
+            flags.setdefault(action.dest, []).extend(
+                action.option_strings or [action.metavar or action.dest.upper()]
+            )
         else:
             other.append(action)
     pet = {key: var for var, key in PET_SETTINGS.items()}
@@ -95,8 +97,10 @@ def settings_page() -> str:
         meaning = cli._help(f)
         if name in _TUPLE_FIELDS:
             meaning += " (a list)"
-        lines.append(f"| `{name}` | {', '.join(_code(s) for s in flags.get(name, []))} | "
-                     f"{', '.join(_code(e) for e in env)} | {_code(_toml(f.default))} | {_cell(meaning)} |")
+        lines.append(
+            f"| `{name}` | {', '.join(_code(s) for s in flags.get(name, []))} | "
+            f"{', '.join(_code(e) for e in env)} | {_code(_toml(f.default))} | {_cell(meaning)} |"
+        )
     lines += [
         "",
         "## Flags of the command line only",
@@ -111,11 +115,15 @@ def settings_page() -> str:
     for action in other:
         if not action.option_strings:
             continue
-        also = [action.dest] if action.dest in PET_SETTINGS.values() else []  # a key each layer expands
+        also = (
+            [action.dest] if action.dest in PET_SETTINGS.values() else []
+        )  # a key each layer expands
         also += [var for var, key in PET_SETTINGS.items() if key == action.dest]
         also += [var for var, flag in PET_STATIC.items() if flag in action.option_strings]
-        lines.append(f"| {', '.join(_code(s) for s in action.option_strings)} | "
-                     f"{', '.join(_code(a) for a in also)} | {_cell(action.help or '')} |")
+        lines.append(
+            f"| {', '.join(_code(s) for s in action.option_strings)} | "
+            f"{', '.join(_code(a) for a in also)} | {_cell(action.help or '')} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -159,7 +167,9 @@ def stale(root: Path = ROOT) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog=REGENERATE, description=__doc__.split("\n\n")[0])
-    p.add_argument("--check", action="store_true", help="write nothing; exit 1 if a page is not current")
+    p.add_argument(
+        "--check", action="store_true", help="write nothing; exit 1 if a page is not current"
+    )
     args = p.parse_args(argv)
     if args.check:
         old = stale()
@@ -176,4 +186,3 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-

@@ -28,8 +28,12 @@ from elasticd.worker import health
 
 # Prometheus-style label of each restart cause (restarts_total{cause=...})
 CAUSES = {
-    RestartCause.CRASH: "crash", RestartCause.SIGNAL: "signal", RestartCause.HANG: "hang",
-    RestartCause.PEER: "peer", RestartCause.NODE_LOST: "node_lost", RestartCause.SCALE: "scale",
+    RestartCause.CRASH: "crash",
+    RestartCause.SIGNAL: "signal",
+    RestartCause.HANG: "hang",
+    RestartCause.PEER: "peer",
+    RestartCause.NODE_LOST: "node_lost",
+    RestartCause.SCALE: "scale",
 }
 # upper bounds of the recovery histogram's buckets, seconds (+Inf implied)
 RECOVERY_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -60,7 +64,9 @@ class Figures:
     def __init__(self, started: float) -> None:
         self.started = started  # monotonic: when the daemon started (the job, for this node)
         self.restarts = dict.fromkeys(CAUSES.values(), 0)
-        self.recoveries = [0] * (len(RECOVERY_BUCKETS) + 1)  # per bucket (not cumulative), +Inf last
+        self.recoveries = [0] * (
+            len(RECOVERY_BUCKETS) + 1
+        )  # per bucket (not cumulative), +Inf last
         self.recovery_sum = 0.0
         self.steps_lost_total = 0
         self.steps_lost_last: int | None = None
@@ -76,7 +82,9 @@ class Figures:
         self._now_totals = dict.fromkeys(TOTALS, 0.0)  # this attempt's, as last read
         self._lasts = dict.fromkeys(LASTS, 0.0)
         self.step: int | None = None
-        self.rank_times: dict[int, tuple[float | None, float | None]] = {}  # local rank -> (step, work) s
+        self.rank_times: dict[
+            int, tuple[float | None, float | None]
+        ] = {}  # local rank -> (step, work) s
 
     # --- hooks ---
 
@@ -99,10 +107,15 @@ class Figures:
         if seconds is None:
             return
         self.recovery_sum += seconds
-        self.recoveries[next((i for i, le in enumerate(RECOVERY_BUCKETS) if seconds <= le),
-                             len(RECOVERY_BUCKETS))] += 1
+        self.recoveries[
+            next(
+                (i for i, le in enumerate(RECOVERY_BUCKETS) if seconds <= le), len(RECOVERY_BUCKETS)
+            )
+        ] += 1
 
-    def observe(self, attempt: int, local_ranks: list[int], beats: list[health.Beat | None], now: float) -> None:
+    def observe(
+        self, attempt: int, local_ranks: list[int], beats: list[health.Beat | None], now: float
+    ) -> None:
         """The current attempt's workers (local ranks, and their heartbeats as of now)."""
         if attempt != self._attempt:
             self._close_attempt()
@@ -120,7 +133,9 @@ class Figures:
             step_rate, work_rate = self._rates[local_rank]
             if b.beats:
                 if not step_rate.points:
-                    step_rate.add(1, b.first)  # from its first beat: a figure as soon as it took two steps
+                    step_rate.add(
+                        1, b.first
+                    )  # from its first beat: a figure as soon as it took two steps
                 step_rate.add(b.beats, b.last)
             work_rate.add(b.figure("work_steps"), b.figure("work_total"))
             self.rank_times[local_rank] = (step_rate.value(), work_rate.value())
@@ -133,8 +148,12 @@ class Figures:
             values = [b.figure(name) for b in live if b.figure(name)]
             if values:
                 self._lasts[name] = max(values)
-        if (self._pending and attempt > self._pending[0] and len(live) == len(beats)
-                and all(b.state_loaded for b in live)):
+        if (
+            self._pending
+            and attempt > self._pending[0]
+            and len(live) == len(beats)
+            and all(b.state_loaded for b in live)
+        ):
             _, reached, step_time = self._pending
             self._pending = None
             lost = max(0, reached - int(min(b.figure("resumed") for b in live)))
@@ -178,14 +197,21 @@ class Figures:
         return {
             "goodput": {
                 "ratio": round(min(1.0, productive / wall), 4) if trained and wall > 0 else None,
-                "productive_seconds": round(productive, 3), "wall_seconds": round(wall, 3),
+                "productive_seconds": round(productive, 3),
+                "wall_seconds": round(wall, 3),
                 "lost_seconds": round(self.lost_seconds, 3),
             },
             "restarts_by_cause": dict(self.restarts),
-            "steps_lost": {"total": self.steps_lost_total, "last": self.steps_lost_last,
-                           "unknown": self.steps_lost_unknown},
-            "recoveries": {"count": sum(self.recoveries), "sum": round(self.recovery_sum, 3),
-                           "buckets": [[le, n] for le, n in zip([*RECOVERY_BUCKETS, "+Inf"], self.recoveries)]},
+            "steps_lost": {
+                "total": self.steps_lost_total,
+                "last": self.steps_lost_last,
+                "unknown": self.steps_lost_unknown,
+            },
+            "recoveries": {
+                "count": sum(self.recoveries),
+                "sum": round(self.recovery_sum, 3),
+                "buckets": [[le, n] for le, n in zip([*RECOVERY_BUCKETS, "+Inf"], self.recoveries)],
+            },
             "step": self.step,
             "step_time": None if step_time is None else round(step_time, 6),
             "work_time": None if work_time is None else round(work_time, 6),

@@ -56,7 +56,9 @@ class Result:
 
 
 class HealthCheck:
-    def __init__(self, cfg: Config, token: str, event: Callable[..., None], wake: Callable[[], None]) -> None:
+    def __init__(
+        self, cfg: Config, token: str, event: Callable[..., None], wake: Callable[[], None]
+    ) -> None:
         self.cfg = cfg
         self.argv = shlex.split(cfg.health_check) if cfg.health_check else []
         self.token = token
@@ -117,15 +119,23 @@ class HealthCheck:
         env = systemd.child_env(dict(os.environ))
         env[names.AGENT] = self.token
         try:
-            proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            proc = subprocess.Popen(
+                self.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
         except OSError as e:
             self._finish(False, f"`{self.cfg.health_check}` cannot run: {e.strerror or e}", "", t0)
             return
         self._proc = proc
         try:
             output, exited = _collect(proc, t0 + self.cfg.health_check_timeout)
-            left = _end_session(proc)  # the check has exited (a zombie until reaped here) or timed out
+            left = _end_session(
+                proc
+            )  # the check has exited (a zombie until reaped here) or timed out
         finally:
             assert proc.stdout is not None
             proc.stdout.close()
@@ -133,22 +143,38 @@ class HealthCheck:
         if self._closed:
             return  # ended by close(): the daemon is leaving, it judges nothing any more
         if not exited:
-            self._finish(False, f"`{self.cfg.health_check}` timed out after {self.cfg.health_check_timeout:g}s",
-                         "", t0)
+            self._finish(
+                False,
+                f"`{self.cfg.health_check}` timed out after {self.cfg.health_check_timeout:g}s",
+                "",
+                t0,
+            )
             return
         lines = [ln.strip() for ln in output.decode(errors="replace").splitlines() if ln.strip()]
         last = logs.printable(lines[-1])[:MAX_REASON] if lines else ""
         behind = f" (left {len(left)} process(es) behind, killed)" if left else ""
         if left:
-            self.event("health_check_left_processes", level="warning", pids=left[:10], killed=len(left),
-                       hint="the check exited with these still in its session; make it wait for them")
+            self.event(
+                "health_check_left_processes",
+                level="warning",
+                pids=left[:10],
+                killed=len(left),
+                hint="the check exited with these still in its session; make it wait for them",
+            )
         if proc.returncode == 0:
             self._finish(True, "passed" + behind, last, t0)
         else:
-            how = (f"was killed by {_signal_name(-proc.returncode)}" if proc.returncode < 0
-                   else f"exited {proc.returncode}")
-            self._finish(False, f"`{self.cfg.health_check}` {how}" + (f": {last}" if last else "") + behind,
-                         last, t0)
+            how = (
+                f"was killed by {_signal_name(-proc.returncode)}"
+                if proc.returncode < 0
+                else f"exited {proc.returncode}"
+            )
+            self._finish(
+                False,
+                f"`{self.cfg.health_check}` {how}" + (f": {last}" if last else "") + behind,
+                last,
+                t0,
+            )
 
     def _finish(self, ok: bool, reason: str, output: str, t0: float) -> None:
         result = Result(ok, reason, output, round(time.monotonic() - t0, 3), time.time())
@@ -172,15 +198,33 @@ class HealthCheck:
         """A restart another node asked for: note it if that node left after failing its check."""
         if why.kind is RestartCause.PEER and LEFT in why.reason:
             reason = why.reason.split(f"{LEFT}: ", 1)[-1]
-            self.peers_left = [*self.peers_left[-4:], {"node": why.node, "reason": reason, "at": why.at}]
+            self.peers_left = [
+                *self.peers_left[-4:],
+                {"node": why.node, "reason": reason, "at": why.at},
+            ]
 
     def report(self) -> dict[str, Any]:
         """Status's `health`."""
         last = asdict(self.last) if self.last else None
-        state = "off" if not self.on else "unknown" if self.last is None else "passing" if self.last.ok else "failing"
-        return {"check": self.cfg.health_check or None, "state": state, "interval": self.cfg.health_check_interval,
-                "runs": self.runs, "failures": self.failures, "last": last, "running": self.running,
-                "peers_left": list(self.peers_left)}
+        state = (
+            "off"
+            if not self.on
+            else "unknown"
+            if self.last is None
+            else "passing"
+            if self.last.ok
+            else "failing"
+        )
+        return {
+            "check": self.cfg.health_check or None,
+            "state": state,
+            "interval": self.cfg.health_check_interval,
+            "runs": self.runs,
+            "failures": self.failures,
+            "last": last,
+            "running": self.running,
+            "peers_left": list(self.peers_left),
+        }
 
     def close(self) -> None:
         """The daemon is leaving: end a check still running (its thread reaps it)."""
@@ -188,7 +232,9 @@ class HealthCheck:
         proc = self._proc
         if proc is not None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)  # its own session's group: whatever it started too
+                os.killpg(
+                    proc.pid, signal.SIGKILL
+                )  # its own session's group: whatever it started too
 
 
 def _collect(proc: subprocess.Popen, deadline: float) -> tuple[bytes, bool]:
@@ -268,7 +314,9 @@ def _end_session(proc: subprocess.Popen) -> list[int]:
         with contextlib.suppress(OSError, psutil.Error):
             p.kill()
     with contextlib.suppress(OSError, psutil.Error):
-        psutil.wait_procs([p for p in found if p.pid != proc.pid], timeout=REAP_WAIT)  # ours once orphaned
+        psutil.wait_procs(
+            [p for p in found if p.pid != proc.pid], timeout=REAP_WAIT
+        )  # ours once orphaned
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=REAP_WAIT)
     return [p.pid for p in found if p.pid != proc.pid]

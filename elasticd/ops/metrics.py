@@ -31,7 +31,12 @@ from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.exposition import MetricsHandler
 
 from elasticd import __version__, logs, safeio
@@ -41,7 +46,9 @@ log = logs.get("elasticd.metrics")
 
 TEXTFILE_EVERY = 5.0  # seconds between textfile writes (besides state changes)
 MAX_CONNECTIONS = 16  # connections served at once (Prometheus scrapes a target one at a time)
-REQUEST_TIMEOUT = 5.0  # seconds a connection has for its whole request and reply (a scrape takes ms)
+REQUEST_TIMEOUT = (
+    5.0  # seconds a connection has for its whole request and reply (a scrape takes ms)
+)
 EVICT_WAIT = 1.0  # seconds a new connection waits for the slot of an idle one it evicted
 RANK = ("rank", "local_rank")
 
@@ -54,61 +61,199 @@ METRICS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
     ("elasticd_group_rank", "gauge", "This node's rank among the job's nodes this round", ()),
     ("elasticd_group_world_size", "gauge", "Nodes in the job this round", ()),
     ("elasticd_round", "gauge", "Attempts this node has started (its workers' generations)", ()),
-    ("elasticd_restarts_total", "counter", "Restarts of this node's workers, by cause as this node saw it: crash, "
-     "signal, hang, peer (another node asked), node_lost, scale", ("cause",)),
-    ("elasticd_restart_budget_used", "gauge", "Failure restarts the job has spent (all nodes together)", ()),
-    ("elasticd_restart_budget_left", "gauge", "Failure restarts the job may still spend before it fails", ()),
-    ("elasticd_last_failure_timestamp_seconds", "gauge", "Unix time of the last failure that spent the budget "
-     "here", ()),
-    ("elasticd_recovery_seconds", "histogram", "Seconds from a failure's detection to every new rank's first "
-     "step", ()),
-    ("elasticd_last_recovery_phase_seconds", "gauge", "The last recovery's timeline: seconds after the failure "
-     "was detected at which each phase ended", ("phase",)),
-    ("elasticd_steps_lost_total", "counter", "Training steps done again after restarts (the step reached before "
-     "a restart less the step the next attempt resumed from)", ()),
+    (
+        "elasticd_restarts_total",
+        "counter",
+        "Restarts of this node's workers, by cause as this node saw it: crash, "
+        "signal, hang, peer (another node asked), node_lost, scale",
+        ("cause",),
+    ),
+    (
+        "elasticd_restart_budget_used",
+        "gauge",
+        "Failure restarts the job has spent (all nodes together)",
+        (),
+    ),
+    (
+        "elasticd_restart_budget_left",
+        "gauge",
+        "Failure restarts the job may still spend before it fails",
+        (),
+    ),
+    (
+        "elasticd_last_failure_timestamp_seconds",
+        "gauge",
+        "Unix time of the last failure that spent the budget here",
+        (),
+    ),
+    (
+        "elasticd_recovery_seconds",
+        "histogram",
+        "Seconds from a failure's detection to every new rank's first step",
+        (),
+    ),
+    (
+        "elasticd_last_recovery_phase_seconds",
+        "gauge",
+        "The last recovery's timeline: seconds after the failure "
+        "was detected at which each phase ended",
+        ("phase",),
+    ),
+    (
+        "elasticd_steps_lost_total",
+        "counter",
+        "Training steps done again after restarts (the step reached before "
+        "a restart less the step the next attempt resumed from)",
+        (),
+    ),
     ("elasticd_last_restart_steps_lost", "gauge", "Training steps the last restart lost", ()),
-    ("elasticd_steps_lost_unknown_total", "counter", "Restarts whose steps lost are unknown (the script does not "
-     "use elasticd.checkpoint)", ()),
-    ("elasticd_goodput_ratio", "gauge", "Productive training time over wall time since the daemon started; lost "
-     "steps count as lost", ()),
-    ("elasticd_productive_seconds", "gauge", "Seconds of productive training since the daemon started", ()),
+    (
+        "elasticd_steps_lost_unknown_total",
+        "counter",
+        "Restarts whose steps lost are unknown (the script does not use elasticd.checkpoint)",
+        (),
+    ),
+    (
+        "elasticd_goodput_ratio",
+        "gauge",
+        "Productive training time over wall time since the daemon started; lost "
+        "steps count as lost",
+        (),
+    ),
+    (
+        "elasticd_productive_seconds",
+        "gauge",
+        "Seconds of productive training since the daemon started",
+        (),
+    ),
     ("elasticd_lost_seconds", "gauge", "Seconds of training lost to steps done again", ()),
     ("elasticd_training_step", "gauge", "The highest training step this node's ranks reported", ()),
-    ("elasticd_step_seconds", "gauge", "Seconds per training step, median over this node's ranks", ()),
-    ("elasticd_step_work_seconds", "gauge", "Seconds of own work per step (outside the gradient sync), median "
-     "over this node's ranks: compare nodes with it", ()),
+    (
+        "elasticd_step_seconds",
+        "gauge",
+        "Seconds per training step, median over this node's ranks",
+        (),
+    ),
+    (
+        "elasticd_step_work_seconds",
+        "gauge",
+        "Seconds of own work per step (outside the gradient sync), median "
+        "over this node's ranks: compare nodes with it",
+        (),
+    ),
     ("elasticd_checkpoint_saves_total", "counter", "Checkpoint saves (elasticd.checkpoint)", ()),
-    ("elasticd_checkpoint_stall_seconds_total", "counter", "Seconds training was blocked by checkpoint saves", ()),
-    ("elasticd_checkpoint_write_seconds_total", "counter", "Seconds of background checkpoint writes", ()),
-    ("elasticd_checkpoint_last_stall_seconds", "gauge", "Seconds the last checkpoint save blocked training", ()),
-    ("elasticd_checkpoint_last_write_seconds", "gauge", "Seconds the last checkpoint took to write", ()),
+    (
+        "elasticd_checkpoint_stall_seconds_total",
+        "counter",
+        "Seconds training was blocked by checkpoint saves",
+        (),
+    ),
+    (
+        "elasticd_checkpoint_write_seconds_total",
+        "counter",
+        "Seconds of background checkpoint writes",
+        (),
+    ),
+    (
+        "elasticd_checkpoint_last_stall_seconds",
+        "gauge",
+        "Seconds the last checkpoint save blocked training",
+        (),
+    ),
+    (
+        "elasticd_checkpoint_last_write_seconds",
+        "gauge",
+        "Seconds the last checkpoint took to write",
+        (),
+    ),
     ("elasticd_checkpoint_step", "gauge", "Step of the newest checkpoint on this node", ()),
-    ("elasticd_checkpoint_age_seconds", "gauge", "Seconds since the newest checkpoint on this node was saved", ()),
+    (
+        "elasticd_checkpoint_age_seconds",
+        "gauge",
+        "Seconds since the newest checkpoint on this node was saved",
+        (),
+    ),
     ("elasticd_memory_refreshes_total", "counter", "In-memory state refreshes", ()),
-    ("elasticd_memory_refresh_seconds_total", "counter", "Seconds training was blocked by in-memory refreshes", ()),
-    ("elasticd_memory_refresh_last_seconds", "gauge", "Seconds the last in-memory refresh blocked training", ()),
-    ("elasticd_memory_refresh_interval_steps", "gauge", "The in-memory refresh cadence: steps between refreshes",
-     ()),
+    (
+        "elasticd_memory_refresh_seconds_total",
+        "counter",
+        "Seconds training was blocked by in-memory refreshes",
+        (),
+    ),
+    (
+        "elasticd_memory_refresh_last_seconds",
+        "gauge",
+        "Seconds the last in-memory refresh blocked training",
+        (),
+    ),
+    (
+        "elasticd_memory_refresh_interval_steps",
+        "gauge",
+        "The in-memory refresh cadence: steps between refreshes",
+        (),
+    ),
     ("elasticd_memory_step", "gauge", "The newest step held in memory on this node", ()),
-    ("elasticd_rank_heartbeat_age_seconds", "gauge", "Seconds since each local rank's last heartbeat", RANK),
-    ("elasticd_rank_rss_bytes", "gauge", "Resident memory of each local rank's worker process", RANK),
+    (
+        "elasticd_rank_heartbeat_age_seconds",
+        "gauge",
+        "Seconds since each local rank's last heartbeat",
+        RANK,
+    ),
+    (
+        "elasticd_rank_rss_bytes",
+        "gauge",
+        "Resident memory of each local rank's worker process",
+        RANK,
+    ),
     ("elasticd_rank_step", "gauge", "Each local rank's training step", RANK),
-    ("elasticd_rank_step_seconds", "gauge", "Each local rank's seconds per step, beat to beat", RANK),
-    ("elasticd_rank_step_work_seconds", "gauge", "Each local rank's own work per step (outside the gradient sync)",
-     RANK),
-    ("elasticd_rank_straggler_ratio", "gauge", "Each local rank's own work per step over the node's median, over "
-     "the straggler window", RANK),
+    (
+        "elasticd_rank_step_seconds",
+        "gauge",
+        "Each local rank's seconds per step, beat to beat",
+        RANK,
+    ),
+    (
+        "elasticd_rank_step_work_seconds",
+        "gauge",
+        "Each local rank's own work per step (outside the gradient sync)",
+        RANK,
+    ),
+    (
+        "elasticd_rank_straggler_ratio",
+        "gauge",
+        "Each local rank's own work per step over the node's median, over the straggler window",
+        RANK,
+    ),
     ("elasticd_stragglers", "gauge", "Local ranks reported as stragglers now", ()),
     ("elasticd_straggler_reports_total", "counter", "Stragglers reported", ()),
-    ("elasticd_health_check_up", "gauge", "1 if the last health check passed, 0 if it failed (absent before the "
-     "first or without --health-check)", ()),
+    (
+        "elasticd_health_check_up",
+        "gauge",
+        "1 if the last health check passed, 0 if it failed (absent before the "
+        "first or without --health-check)",
+        (),
+    ),
     ("elasticd_health_check_runs_total", "counter", "Health checks run", ()),
     ("elasticd_health_check_failures_total", "counter", "Health checks that failed", ()),
     ("elasticd_health_check_duration_seconds", "gauge", "Seconds the last health check took", ()),
-    ("elasticd_health_check_timestamp_seconds", "gauge", "Unix time the last health check finished", ()),
-    ("elasticd_peers_left_total", "counter", "Other nodes that left the job after failing their health check", ()),
-    ("elasticd_peer_beat_age_seconds", "gauge", "Seconds since each peer node's liveness beat last moved",
-     ("peer_group_rank",)),
+    (
+        "elasticd_health_check_timestamp_seconds",
+        "gauge",
+        "Unix time the last health check finished",
+        (),
+    ),
+    (
+        "elasticd_peers_left_total",
+        "counter",
+        "Other nodes that left the job after failing their health check",
+        (),
+    ),
+    (
+        "elasticd_peer_beat_age_seconds",
+        "gauge",
+        "Seconds since each peer node's liveness beat last moved",
+        ("peer_group_rank",),
+    ),
 )
 _BY_NAME = {m[0]: m for m in METRICS}
 PHASES = ("torn_down", "rendezvous_done", "spawned", "pg_ready", "state_loaded", "first_step")
@@ -217,7 +362,9 @@ def families(s: dict[str, Any]) -> Iterator[Metric]:
             family.add_metric(list(base.values()), buckets, rec.get("sum", 0.0))
             yield family
             continue
-        family = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(name, doc, labels=names)
+        family = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(
+            name, doc, labels=names
+        )
         for labels_of, value in samples[name]:
             family.add_metric([*base.values(), *(labels_of[k] for k in labels)], value)
         yield family
@@ -226,8 +373,12 @@ def families(s: dict[str, Any]) -> Iterator[Metric]:
 class Exporter:
     """The HTTP endpoint and the textfile, both made from the latest snapshot."""
 
-    def __init__(self, address: tuple[str, int] | None, textfile: str | None,
-                 snapshot: Callable[[], dict[str, Any]]) -> None:
+    def __init__(
+        self,
+        address: tuple[str, int] | None,
+        textfile: str | None,
+        snapshot: Callable[[], dict[str, Any]],
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(SnapshotCollector(snapshot))
         self.textfile = Path(textfile) if textfile else None
@@ -244,10 +395,17 @@ class Exporter:
             return
         host, port = self.address
         self._server = BoundedServer((host, port), _Handler.factory(self.registry))
-        self._thread = threading.Thread(target=self._server.serve_forever, name="elasticd-metrics", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, name="elasticd-metrics", daemon=True
+        )
         self._thread.start()
-        log.info("metrics_serving", address=f"{host}:{port}", path="/metrics", max_connections=MAX_CONNECTIONS,
-                 request_timeout=REQUEST_TIMEOUT)
+        log.info(
+            "metrics_serving",
+            address=f"{host}:{port}",
+            path="/metrics",
+            max_connections=MAX_CONNECTIONS,
+            request_timeout=REQUEST_TIMEOUT,
+        )
 
     def published(self, snapshot: dict[str, Any], now: float) -> None:
         """After each status publish (the loop's thread): the textfile, when due or the state changed."""
@@ -307,7 +465,9 @@ class _Deadline(io.RawIOBase):
         left = self._deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError("the request's time is up")
-        self._sock.settimeout(left)  # a reply's sendall is bounded by what is left after the last read
+        self._sock.settimeout(
+            left
+        )  # a reply's sendall is bounded by what is left after the last read
         return self._sock.recv_into(buffer)
 
 
@@ -320,7 +480,9 @@ class _Handler(MetricsHandler):
     def setup(self) -> None:
         super().setup()
         self.rfile.close()  # the plain reader is replaced by one that keeps the deadline
-        self.rfile = io.BufferedReader(_Deadline(self.connection, time.monotonic() + REQUEST_TIMEOUT))
+        self.rfile = io.BufferedReader(
+            _Deadline(self.connection, time.monotonic() + REQUEST_TIMEOUT)
+        )
 
     def parse_request(self) -> bool:
         """Its line and headers are in: from now on the connection is served, no longer evictable."""
@@ -339,10 +501,14 @@ class BoundedServer(socketserver.ThreadingTCPServer):
     daemon_threads = True
     block_on_close = False  # closing never waits on a client
     allow_reuse_address = True  # as prometheus-client's server: a restarted daemon binds at once
-    request_queue_size = 128  # a burst of connections waits in the kernel's queue, not as SYNs resent a second later
+    request_queue_size = (
+        128  # a burst of connections waits in the kernel's queue, not as SYNs resent a second later
+    )
 
     def __init__(self, address: tuple[str, int], handler: type) -> None:
-        self.address_family = socket.getaddrinfo(address[0], address[1], type=socket.SOCK_STREAM)[0][0]
+        self.address_family = socket.getaddrinfo(address[0], address[1], type=socket.SOCK_STREAM)[
+            0
+        ][0]
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self._waiting: dict[socket.socket, None] = {}  # accepted, request not yet in: oldest first
         self._lock = threading.Lock()
@@ -356,13 +522,18 @@ class BoundedServer(socketserver.ThreadingTCPServer):
         except OSError as e:
             if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
                 self._say("metrics_accept_failed", error=str(e))
-                time.sleep(0.1)  # the connection waits in the kernel's queue: not a busy loop meanwhile
+                time.sleep(
+                    0.1
+                )  # the connection waits in the kernel's queue: not a busy loop meanwhile
             raise
 
     def process_request(self, request: socket.socket, client_address: Any) -> None:
         if not (self._slots.acquire(blocking=False) or self._evict()):
             self.refused += 1
-            self._say("metrics_connection_refused", reason=f"{MAX_CONNECTIONS} connections are being served")
+            self._say(
+                "metrics_connection_refused",
+                reason=f"{MAX_CONNECTIONS} connections are being served",
+            )
             self.shutdown_request(request)
             return
         with self._lock:

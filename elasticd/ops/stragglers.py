@@ -47,7 +47,9 @@ class Straggler:
 
 
 class Stragglers:
-    def __init__(self, cfg: Config, node: str, event: Callable[..., None], clock: Callable[[], float]) -> None:
+    def __init__(
+        self, cfg: Config, node: str, event: Callable[..., None], clock: Callable[[], float]
+    ) -> None:
         self.cfg = cfg
         self.node = node
         self.event = event  # Agent.event: logged and shown in status
@@ -55,8 +57,12 @@ class Stragglers:
         self.reports = 0  # stragglers reported since the daemon started
         self._attempt = -1
         self._next = 0.0
-        self._samples: dict[int, collections.deque] = {}  # local rank -> (t, count, total) over the window
-        self._above: dict[int, tuple[float, float]] = {}  # local rank -> (monotonic, wall) first above
+        self._samples: dict[
+            int, collections.deque
+        ] = {}  # local rank -> (t, count, total) over the window
+        self._above: dict[
+            int, tuple[float, float]
+        ] = {}  # local rank -> (monotonic, wall) first above
         self.current: dict[int, Straggler] = {}  # local rank -> reported and still slow
         self.ratios: dict[int, float] = {}  # local rank -> latest windowed ratio to the median
 
@@ -64,8 +70,13 @@ class Stragglers:
     def on(self) -> bool:
         return self.cfg.straggler_threshold > 0
 
-    def observe(self, attempt: int, ranks: list[tuple[int, int]], beats: list[health.Beat | None],
-                now: float) -> None:
+    def observe(
+        self,
+        attempt: int,
+        ranks: list[tuple[int, int]],
+        beats: list[health.Beat | None],
+        now: float,
+    ) -> None:
         """`ranks`: (global rank, local rank) of each worker of `attempt`, with its heartbeat."""
         if attempt != self._attempt or not beats:
             self._attempt = attempt
@@ -83,7 +94,9 @@ class Stragglers:
         for (_, local), b in zip(ranks, beats):
             if b is None:
                 continue
-            count, total = (b.figure("work_steps"), b.figure("work_total")) if by_work else (b.beats, b.last)
+            count, total = (
+                (b.figure("work_steps"), b.figure("work_total")) if by_work else (b.beats, b.last)
+            )
             samples = self._samples.setdefault(local, collections.deque())
             if samples and count > samples[-1][1]:
                 latest[local] = (total - samples[-1][2]) / (count - samples[-1][1])
@@ -113,15 +126,36 @@ class Stragglers:
             if since and now - since[0] >= window and ratio > limit:
                 if local not in self.current:
                     self.reports += 1
-                    self.event("straggler", level="warning", rank=rank, local_rank=local, node=self.node,
-                               ratio=round(ratio, 2), work_time=round(means[local], 4), median=round(median, 4),
-                               window=window, action=self.cfg.straggler_action)
-                self.current[local] = Straggler(rank, local, self.node, round(ratio, 3), round(means[local], 6),
-                                                round(median, 6), since[1])
+                    self.event(
+                        "straggler",
+                        level="warning",
+                        rank=rank,
+                        local_rank=local,
+                        node=self.node,
+                        ratio=round(ratio, 2),
+                        work_time=round(means[local], 4),
+                        median=round(median, 4),
+                        window=window,
+                        action=self.cfg.straggler_action,
+                    )
+                self.current[local] = Straggler(
+                    rank,
+                    local,
+                    self.node,
+                    round(ratio, 3),
+                    round(means[local], 6),
+                    round(median, 6),
+                    since[1],
+                )
             elif local in self.current and not since:
                 gone = self.current.pop(local)
-                self.event("straggler_recovered", rank=gone.rank, local_rank=local, node=self.node,
-                           ratio=round(ratio, 2))
+                self.event(
+                    "straggler_recovered",
+                    rank=gone.rank,
+                    local_rank=local,
+                    node=self.node,
+                    ratio=round(ratio, 2),
+                )
 
     def report(self) -> list[dict[str, Any]]:
         """Status's `stragglers`: the ranks reported and still slow."""

@@ -205,8 +205,14 @@ def run_entrypoint(entrypoint: str, args: list[str]) -> None:
         sys.path[0] = os.path.dirname(path)
         with io.open_code(path) as f:
             code = compile(f.read(), path, "exec", dont_inherit=True)
-        _run_as_main(code, __file__=path, __cached__=None, __package__=None, __spec__=None,
-                     __loader__=importlib.machinery.SourceFileLoader("__main__", path))
+        _run_as_main(
+            code,
+            __file__=path,
+            __cached__=None,
+            __package__=None,
+            __spec__=None,
+            __loader__=importlib.machinery.SourceFileLoader("__main__", path),
+        )
     elif ":" in entrypoint:
         module, func = entrypoint.split(":", 1)
         sys.argv = [entrypoint, *args]
@@ -216,14 +222,22 @@ def run_entrypoint(entrypoint: str, args: list[str]) -> None:
         sys.exit(target())
     else:
         spec = importlib.util.find_spec(entrypoint)
-        if spec is not None and spec.submodule_search_locations is not None:  # a package: its __main__
+        if (
+            spec is not None and spec.submodule_search_locations is not None
+        ):  # a package: its __main__
             spec = importlib.util.find_spec(f"{entrypoint}.__main__")
         if spec is None or spec.loader is None:
             raise ModuleNotFoundError(f"No module named {entrypoint}", name=entrypoint)
         code = spec.loader.get_code(spec.name)
         sys.argv = [spec.origin, *args]  # as `python -m` sets it: the module's file
-        _run_as_main(code, __file__=spec.origin, __cached__=spec.cached, __package__=spec.parent,
-                     __spec__=spec, __loader__=spec.loader)
+        _run_as_main(
+            code,
+            __file__=spec.origin,
+            __cached__=spec.cached,
+            __package__=spec.parent,
+            __spec__=spec,
+            __loader__=spec.loader,
+        )
 
 
 def preload() -> None:
@@ -232,7 +246,9 @@ def preload() -> None:
         try:
             importlib.import_module(name)
         except Exception as e:  # noqa: BLE001 - the script will meet the same error cold
-            print(f"elasticd warm spare: preloading {name} failed: {e!r}", file=sys.stderr, flush=True)
+            print(
+                f"elasticd warm spare: preloading {name} failed: {e!r}", file=sys.stderr, flush=True
+            )
 
 
 def wait_for_rank() -> list[str] | None:
@@ -283,7 +299,9 @@ def main() -> None:
     entrypoint = os.environ[names.ENTRYPOINT]
     if os.environ.get(names.NO_PYTHON):
         exec_program(entrypoint, args)
-    proctitle.show(proctitle.title(entrypoint, args))  # ps shows `python -u train.py ...`, as under torchrun
+    proctitle.show(
+        proctitle.title(entrypoint, args)
+    )  # ps shows `python -u train.py ...`, as under torchrun
     arm_stack_dumps()
     arm_heartbeat()
     try:

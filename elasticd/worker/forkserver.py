@@ -40,8 +40,10 @@ def unfit_reason() -> str | None:
     """Why this process must not fork a worker, or None."""
     threads = len(os.listdir("/proc/self/task"))
     if threads != 1:
-        return (f"the preloaded modules started {threads - 1} thread(s); forking would copy their locks "
-                "mid-use")
+        return (
+            f"the preloaded modules started {threads - 1} thread(s); forking would copy their locks "
+            "mid-use"
+        )
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         return "a preloaded module initialised CUDA; a forked child cannot use it"

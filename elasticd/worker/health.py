@@ -47,16 +47,24 @@ FIGURES = (
     "work_steps",  # steps that measured it
     "resumed",  # the step the checkpoint library resumed from (0: a fresh start); valid once state_loaded
     "saves",  # CheckpointManager.save() calls
-    "save_stall_total", "save_write_total",  # seconds: training blocked / background write (rank 0)
-    "save_stall_last", "save_write_last",
-    "refreshes", "refresh_total", "refresh_last",  # in-memory refreshes and the seconds they blocked training
+    "save_stall_total",
+    "save_write_total",  # seconds: training blocked / background write (rank 0)
+    "save_stall_last",
+    "save_write_last",
+    "refreshes",
+    "refresh_total",
+    "refresh_last",  # in-memory refreshes and the seconds they blocked training
     "refresh_every",  # the in-memory cadence: steps between refreshes (0: off)
 )
 _FIGURES = struct.Struct(f"<{len(FIGURES)}d")
 _FIGURES_AT = 72
-_FIGURE_INDEX = {name: _FIGURES_AT // 8 + i for i, name in enumerate(FIGURES)}  # index of the f64 view
+_FIGURE_INDEX = {
+    name: _FIGURES_AT // 8 + i for i, name in enumerate(FIGURES)
+}  # index of the f64 view
 EXIT_TIMEOUT = 60.0  # the least time a finished rank gets to leave the interpreter
-MAX_FIGURE = float(2**53)  # the largest count or total a f64 holds exactly; anything above is no figure
+MAX_FIGURE = float(
+    2**53
+)  # the largest count or total a f64 holds exactly; anything above is no figure
 CLOCK_SLACK = 1.0  # seconds a worker's time may be ahead of the daemon's reading (the same clock)
 
 
@@ -81,7 +89,9 @@ _TIMES = ("last", "first", *MARKS)
 _UNWRITTEN = Beat(0, -1, 0.0, 0.0)  # what create() writes
 
 
-def sanitised(beat: Beat, now: float, kept: Beat | None = None) -> tuple[Beat, list[tuple[str, float]]]:
+def sanitised(
+    beat: Beat, now: float, kept: Beat | None = None
+) -> tuple[Beat, list[tuple[str, float]]]:
     """`beat` with every value out of its range replaced by the last good reading of it (`kept`,
     else the value of a file never written: 0, -1 for the step), and the (field, value) pairs
     dropped (see the module's docstring). With no good time of its latest beat, a rank counts as
@@ -160,9 +170,12 @@ class Reader:
         magic, _version, beats, step, last, first, *marks = _LAYOUT.unpack_from(data)
         if magic != MAGIC:
             return None
-        figures = _FIGURES.unpack_from(data, _FIGURES_AT) if len(data) >= _READ else (0.0,) * len(FIGURES)
-        beat, dropped = sanitised(Beat(beats, step, last, first, *marks, figures=figures), time.monotonic(),
-                                  self._kept)
+        figures = (
+            _FIGURES.unpack_from(data, _FIGURES_AT) if len(data) >= _READ else (0.0,) * len(FIGURES)
+        )
+        beat, dropped = sanitised(
+            Beat(beats, step, last, first, *marks, figures=figures), time.monotonic(), self._kept
+        )
         for name, value in dropped:
             self._say(name, value)
         self._kept = beat
@@ -175,8 +188,13 @@ class Reader:
         self._said.add(name)
         from elasticd import logs  # daemon side only: workers import this module for Writer
 
-        logs.get("elasticd.health").warning("heartbeat_value_dropped", path=self.path, field=name,
-                                            value=repr(value), hint="out of its range: read as never written")
+        logs.get("elasticd.health").warning(
+            "heartbeat_value_dropped",
+            path=self.path,
+            field=name,
+            value=repr(value),
+            hint="out of its range: read as never written",
+        )
 
     def close(self) -> None:
         if self._fd is not None:
@@ -282,8 +300,15 @@ def marked(path: str | None, name: str) -> bool:
     return len(data) == 8 and struct.unpack("<d", data)[0] > 0.0
 
 
-def verdict(beat: Beat | None, started: float, now: float, *, expect_beats: bool,
-            heartbeat_timeout: float, startup_timeout: float) -> str | None:
+def verdict(
+    beat: Beat | None,
+    started: float,
+    now: float,
+    *,
+    expect_beats: bool,
+    heartbeat_timeout: float,
+    startup_timeout: float,
+) -> str | None:
     """Why a running worker counts as hung, or None. `started` is its spawn time (monotonic)."""
     if beat is not None and beat.exiting:
         slow = now - beat.exiting
@@ -355,7 +380,7 @@ class ProcessWatch:
         """process_verdict, for this process."""
         data = self._read(self._stat)
         end = data.rfind(b")")  # the command name before it may hold spaces and parentheses
-        status = self._STATUS.get(data[end + 2:end + 3]) if end >= 0 else None
+        status = self._STATUS.get(data[end + 2 : end + 3]) if end >= 0 else None
         return _status_verdict(status) if status else None
 
     def rss(self) -> int | None:

@@ -69,11 +69,16 @@ def main():
     data = TensorDataset(torch.randn(512, 8), torch.randn(512, 1))
     loader = DataLoader(data, batch_size=16, sampler=DistributedSampler(data))
     model = torch.nn.Linear(8, 1)
-    trainer = Trainer(model, loader, torch.optim.SGD(model.parameters(), lr=0.01), args.snapshot, args.save_every)
+    trainer = Trainer(
+        model, loader, torch.optim.SGD(model.parameters(), lr=0.01), args.snapshot, args.save_every
+    )
     trainer.train(args.steps, args.step_time)
     dist.barrier()
-    print(f"done world_size={dist.get_world_size()} rank={dist.get_rank()} "
-          f"restart={os.environ.get('TORCHELASTIC_RESTART_COUNT')}", flush=True)
+    print(
+        f"done world_size={dist.get_world_size()} rank={dist.get_rank()} "
+        f"restart={os.environ.get('TORCHELASTIC_RESTART_COUNT')}",
+        flush=True,
+    )
     dist.destroy_process_group()
 
 

@@ -11,9 +11,14 @@ import os
 import random
 import sys
 
-facts = {"ppid": os.getppid(), "sid": os.getsid(0), "pid": os.getpid(),
-         "threads": len(os.listdir("/proc/self/task")), "random": random.random(),
-         "cmdline": open("/proc/self/cmdline", "rb").read().decode(errors="surrogateescape")}
+facts = {
+    "ppid": os.getppid(),
+    "sid": os.getsid(0),
+    "pid": os.getpid(),
+    "threads": len(os.listdir("/proc/self/task")),
+    "random": random.random(),
+    "cmdline": open("/proc/self/cmdline", "rb").read().decode(errors="surrogateescape"),
+}
 if "numpy" in sys.modules:  # imported ahead by the warm interpreter; a cold one imports it here
     facts["numpy_random"] = float(sys.modules["numpy"].random.random())
 record = dict(os.environ, __name__=__name__, argv=sys.argv, facts=facts)

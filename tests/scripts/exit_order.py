@@ -9,7 +9,11 @@ import functools
 import os
 import sys
 
-fd = os.open(f"{sys.argv[1]}.{os.environ.get('RANK', 'plain')}", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+fd = os.open(
+    f"{sys.argv[1]}.{os.environ.get('RANK', 'plain')}",
+    os.O_WRONLY | os.O_APPEND | os.O_CREAT,
+    0o644,
+)
 Witness = type("Witness", (), {"__del__": functools.partial(os.write, fd, b"freed\n")})
 witness = Witness()
 atexit.register(os.write, fd, b"atexit\n")

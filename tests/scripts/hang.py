@@ -20,7 +20,9 @@ def main():
     p.add_argument("--rank", type=int, default=1)
     p.add_argument("--step-time", type=float, default=0.05)
     p.add_argument("--sleep", type=float, default=0.0, help="--mode sleep: a long silent phase")
-    p.add_argument("--exit-delay", type=float, default=0.0, help="an atexit handler that takes this long")
+    p.add_argument(
+        "--exit-delay", type=float, default=0.0, help="an atexit handler that takes this long"
+    )
     args = p.parse_args()
     if args.exit_delay:
         atexit.register(time.sleep, args.exit_delay)

@@ -54,9 +54,14 @@ def main() -> None:
             opt.step()
             sampler.advance(len(x))
             step += 1
-            mgr.maybe_save(step, lambda: capture(model=model, optimizer=opt, sampler=sampler, step=step))
-            print(f"step {step} world {world} t {time.time():.3f} epoch {sampler.epoch} samples "
-                  f"{','.join(str(int(i)) for i in idx)}", flush=True)
+            mgr.maybe_save(
+                step, lambda: capture(model=model, optimizer=opt, sampler=sampler, step=step)
+            )
+            print(
+                f"step {step} world {world} t {time.time():.3f} epoch {sampler.epoch} samples "
+                f"{','.join(str(int(i)) for i in idx)}",
+                flush=True,
+            )
             if step >= total or mgr.should_stop():
                 break
             time.sleep(delay)

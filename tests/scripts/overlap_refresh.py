@@ -34,7 +34,9 @@ class Model(torch.nn.Module):
 def setup(directory, disk):
     model = Model()
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    mgr = CheckpointManager(disk, handle_sigterm=False, memory_dir=directory, memory_every=1, memory_overlap=True)
+    mgr = CheckpointManager(
+        disk, handle_sigterm=False, memory_dir=directory, memory_every=1, memory_overlap=True
+    )
     state = mgr.load_latest()
     if state is not None:
         model.load_state_dict(state["model"])
@@ -59,8 +61,12 @@ def whole(directory, n):
     got = memory.read(directory, n, world=1, rank=0, local_rank=0)
     w, seen = got["model"]["w"], got["model"]["seen"]
     assert got["user"] == {"step": n}, got["user"]
-    assert torch.equal(w, torch.full_like(w, float(n))), f"step {n}: the parameter holds {w.unique()[:4].tolist()}"
-    assert torch.equal(seen, torch.full_like(seen, float(n))), f"step {n}: the buffer holds {seen.unique().tolist()}"
+    assert torch.equal(w, torch.full_like(w, float(n))), (
+        f"step {n}: the parameter holds {w.unique()[:4].tolist()}"
+    )
+    assert torch.equal(seen, torch.full_like(seen, float(n))), (
+        f"step {n}: the buffer holds {seen.unique().tolist()}"
+    )
 
 
 def check(directory, disk):
@@ -74,7 +80,9 @@ def check(directory, disk):
             assert writer.queued and writer.overlap, "the refresh was not overlapped"
         deadline = time.monotonic() + 10
         while held(directory) != [11] and time.monotonic() < deadline:
-            time.sleep(0.01)  # 11 lands once copied; 12 waits for an optimizer step that never comes
+            time.sleep(
+                0.01
+            )  # 11 lands once copied; 12 waits for an optimizer step that never comes
         assert held(directory) == [11], held(directory)
         whole(directory, 11)
         assert mgr._memory.cadence.costs, "no overlapped refresh's cost reached the cadence"

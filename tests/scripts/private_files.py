@@ -12,7 +12,9 @@ import elasticd
 from elasticd.checkpoint import CheckpointManager, capture
 
 model = torch.nn.Linear(2, 1)
-mgr = CheckpointManager(every_steps=2, memory_every=1)  # ELASTICD_CHECKPOINT_DIR, ELASTICD_MEMORY_DIR
+mgr = CheckpointManager(
+    every_steps=2, memory_every=1
+)  # ELASTICD_CHECKPOINT_DIR, ELASTICD_MEMORY_DIR
 for step in range(1, 5):
     elasticd.heartbeat(step)
     mgr.maybe_save(step, lambda step=step: capture(model=model, step=step))

@@ -23,7 +23,9 @@ def ptrace(request: int, pid: int) -> None:
 
 def look(pid: int) -> str:
     stat = open(f"/proc/{pid}/stat").read()
-    tracer = next(ln.split()[1] for ln in open(f"/proc/{pid}/status") if ln.startswith("TracerPid:"))
+    tracer = next(
+        ln.split()[1] for ln in open(f"/proc/{pid}/status") if ln.startswith("TracerPid:")
+    )
     return f"state {stat[stat.rfind(')') + 2]} tracer {tracer}"
 
 

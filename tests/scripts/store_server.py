@@ -7,7 +7,13 @@ import sys
 
 import torch.distributed as dist
 
-store = dist.TCPStore(sys.argv[1], int(sys.argv[2]), None, True, datetime.timedelta(seconds=3600),
-                      wait_for_workers=False)
+store = dist.TCPStore(
+    sys.argv[1],
+    int(sys.argv[2]),
+    None,
+    True,
+    datetime.timedelta(seconds=3600),
+    wait_for_workers=False,
+)
 print("serving", flush=True)
 signal.sigwait({signal.SIGTERM, signal.SIGINT})
