@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# A GPU node's checks and docs/performance.md's GPU rows, in one run of about 8 minutes.
+#
+#   bash bench/gpu.sh [OUTDIR]
+#
+# 1. The tests that need a GPU: NCCL resume bit-identical, CUDA RNG, overlapped refreshes,
+#    SIGKILL mid-refresh, and the default job (README's first command) on NCCL.
+# 2. bench/recovery.py --device cuda --nproc 1 (elasticd vs torchrun, kill -9 -> next step) and
+#    bench/steady.py --nproc 1 --workloads gpu (step time, elasticd vs torchrun, alternating).
+# Wheels in .whl/ (structlog, tenacity: what a bare image lacks) are installed to /tmp/site first.
+set -uo pipefail
+out=${1:-${OUT:-/tmp/elasticd-gpu}}
+mkdir -p "$out"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+step() { echo "== $(date -u +%T) $*"; }
+
+step environment
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c 'import sys, torch; print(sys.version.split()[0], torch.__version__,
+  "nccl", ".".join(map(str, torch.cuda.nccl.version())), torch.cuda.get_device_name(),
+  "gpus", torch.cuda.device_count())'
+nproc
+
+step "tests that need a GPU"
+timeout 240 python3 -m pytest -q -rs -p no:cacheprovider -k "cuda or overlapped or gpu or default_job" \
+  tests/test_memory.py tests/test_checkpoint.py tests/test_resume.py tests/test_torchrun_compat.py \
+  2>&1 | tee "$out/tests.txt" | tail -15
+
+step "recovery, kill -9 -> next step"
+timeout 230 python3 bench/recovery.py --device cuda --nproc 1 --warmup 3 --trials ${TRIALS:-6} \
+  --launchers elasticd,torchrun 2>&1 | tee "$out/recovery.txt" | tail -25
+
+if ((SECONDS > ${STEADY_BEFORE:-420})); then step "steady state skipped: ${SECONDS}s gone"; exit 0; fi
+step "steady state, gpu workload"
+timeout 150 python3 bench/steady.py --nproc 1 --workloads gpu --rounds ${ROUNDS:-2} \
+  --variants elasticd 2>&1 | tee "$out/steady.txt" | tail -15
+step done
