@@ -369,7 +369,7 @@ def test_sd_notify_stopping_and_stalled_loop_starves_watchdog(tmp_path):
     prog = f"""
 import sys, time, pathlib
 from elasticd import config, logs
-from elasticd.daemon import systemd
+from elasticd.daemon import preflight, systemd
 from elasticd.daemon.agent import Agent
 cfg = config.build({{"entrypoint": {script("silent.py")!r}, "args": ["60"], "nproc_per_node": 1,
                      "stop_grace": 1, "warm_spawn": False}})
@@ -377,7 +377,7 @@ logs.setup("json")
 def hook(snap):
     while pathlib.Path({str(stall)!r}).exists():
         time.sleep(0.05)
-a = Agent(cfg, config.make_run_dir(pathlib.Path({str(tmp_path)!r}), "run"), on_snapshot=hook)  # as the CLI makes it
+a = Agent(cfg, preflight.make_run_dir(pathlib.Path({str(tmp_path)!r}), "run"), on_snapshot=hook)  # as the CLI makes it
 a.notify = systemd
 a.install_signals()
 sys.exit(a.run())

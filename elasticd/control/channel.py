@@ -45,7 +45,8 @@ import psutil
 import structlog
 
 from elasticd import names
-from elasticd.config import ConfigError, check_value
+from elasticd.config import ConfigError
+from elasticd.config_values import check_value
 from elasticd.daemon import supervise
 
 log = structlog.get_logger("elasticd.control")

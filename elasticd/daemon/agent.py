@@ -632,7 +632,8 @@ def _metrics_exporter(cfg: Config, agent: Agent) -> metrics.Exporter | None:
     an address that cannot be bound is a ConfigError (one line, exit 2)."""
     if not (cfg.metrics_address or cfg.metrics_textfile):
         return None
-    from elasticd.config import ConfigError, parse_metrics_address
+    from elasticd.config import ConfigError
+    from elasticd.config_values import parse_metrics_address
     from elasticd.ops import metrics
 
     address = parse_metrics_address(cfg.metrics_address) if cfg.metrics_address else None
