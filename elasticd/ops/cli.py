@@ -453,12 +453,12 @@ def _status(args: argparse.Namespace) -> int:
 
 def _daemons(args: argparse.Namespace) -> list:
     """The control sockets a call means: --socket, else every daemon found (see
-    control.find_daemons), else the default path (which then says nobody listens)."""
-    from elasticd.control import channel as control
+    paths.find_daemons), else the default path (which then says nobody listens)."""
+    from elasticd.control import paths
 
     if args.socket:
         return [args.socket]
-    return control.find_daemons() or [control.default_socket_path()]
+    return paths.find_daemons() or [paths.default_socket_path()]
 
 
 def _one_daemon(args: argparse.Namespace) -> str | None:
@@ -476,14 +476,15 @@ def _one_daemon(args: argparse.Namespace) -> str | None:
 
 def _ask(path, payload: dict, timeout: float = 5.0) -> dict | int:
     """The daemon's reply to one request, or the exit code when there is none (the line said)."""
-    from elasticd.control import channel as control
+    from elasticd.control.client import request
+    from elasticd.control.protocol import ControlError, NoDaemon
 
     try:
-        reply = control.request(path, {"version": 1, **payload}, timeout=timeout)
-    except control.NoDaemon as e:
+        reply = request(path, {"version": 1, **payload}, timeout=timeout)
+    except NoDaemon as e:
         print(f"elasticd is not running ({e})")
         return EXIT_NOT_RUNNING
-    except control.ControlError as e:
+    except ControlError as e:
         sys.stderr.write(f"elasticd: error: {e}\n")
         return EXIT_CONTROL
     if not reply.get("ok"):
@@ -522,7 +523,8 @@ def _stacks(args: argparse.Namespace) -> int:
 
 
 def _stop(args: argparse.Namespace) -> int:
-    from elasticd.control import channel as control
+    from elasticd.control.client import request
+    from elasticd.control.protocol import ControlError, NoDaemon
 
     path = _one_daemon(args)
     if path is None:
@@ -534,11 +536,11 @@ def _stop(args: argparse.Namespace) -> int:
     deadline = time.monotonic() + (args.timeout if args.timeout is not None else 30.0) + 60.0
     while time.monotonic() < deadline:
         try:
-            control.request(path, {"version": 1, "command": names.STATUS}, timeout=2.0)
-        except control.NoDaemon:
+            request(path, {"version": 1, "command": names.STATUS}, timeout=2.0)
+        except NoDaemon:
             print("elasticd stopped")
             return EXIT_OK
-        except control.ControlError:
+        except ControlError:
             pass
         time.sleep(0.2)
     sys.stderr.write(
