@@ -34,7 +34,7 @@ USER_CPP_LOG_LEVEL = (
 )
 SETTING_PREFIX = "ELASTICD_"  # ELASTICD_<SETTING> variables are a config layer
 
-# --- control commands (how each is served: control.COMMANDS; the loop's side: agent.FORWARDED) ---
+# --- control commands (how each is served: control.commands.COMMANDS; the loop's: agent.FORWARDED)
 
 STATUS = "status"  # the daemon's snapshot, served by the control thread
 STOP = "stop"  # a graceful stop, with an optional grace `timeout`

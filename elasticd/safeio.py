@@ -4,7 +4,7 @@ Every one is created fresh where it is new (an existing entry, or a symlink some
 error, never written through), is never opened through a symlink in its last component, and is
 never readable by other users: files 0640, directories 0750 (the umask can only narrow that).
 Parent directories are safe because the run directory is created fresh under a checked base
-(config.check_log_dir): nobody else can add or swap entries below it.
+(daemon/preflight.py's check_log_dir): nobody else can add or swap entries below it.
 """
 
 from __future__ import annotations

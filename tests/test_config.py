@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from elasticd import config
+from elasticd import config, config_layers, config_values
 from elasticd.config import ConfigError
 
 
@@ -35,7 +35,7 @@ def test_precedence_flags_over_env_over_file(tmp_path):
 
 def test_nproc_per_node_takes_torchruns_words(tmp_path):
     """gpu: one worker per visible CUDA device; cpu: one per CPU; auto: gpu where there is one."""
-    gpus = config.cuda_devices()
+    gpus = config_layers.cuda_devices()
     path = write(tmp_path, 'nproc_per_node = "auto"\nentrypoint = "x.py"\n')
     assert config.build({}, path, environ={}).nproc_per_node == (gpus or os.cpu_count())
     assert (
@@ -245,7 +245,7 @@ def test_issue18_values_are_refused_with_their_source(tmp_path, flags, environ, 
 
 def test_config_path_that_is_a_directory_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match=f"config file {tmp_path} is a directory"):
-        config.load_toml(str(tmp_path))
+        config_layers.load_toml(str(tmp_path))
 
 
 def test_limits_fit_what_the_values_reach():
@@ -270,4 +270,4 @@ def test_limits_fit_what_the_values_reach():
     )
     assert ok.stop_grace == config.MAX_SECONDS and ok.rdzv_id == "torchtitan-llama3_8b.v2"
     for good in ("job42", "none", "123456", "3f2b1c9e-8d7a-4e6b-9c1d-2a3b4c5d6e7f", "a" * 128):
-        config.check_value("rdzv_id", good, "--rdzv-id")
+        config_values.check_value("rdzv_id", good, "--rdzv-id")

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from elasticd.control import channel as control
+from elasticd.control import access, client, paths, protocol
+from elasticd.control.server import ControlServer, Deferred
 from harness import as_user
 
 NOBODY = 65534
@@ -43,7 +44,7 @@ def serve(tmp_path):
         command=lambda r: {"ok": True, "accepted": "stop"},
         operators_group=None,
     ):
-        s = control.ControlServer(
+        s = ControlServer(
             path or tmp_path / "c.sock",
             snapshot=snapshot,
             command=command,
@@ -76,7 +77,7 @@ def raw(path, data: bytes, timeout: float = 5.0, shut: bool = False) -> dict:
 
 
 def status(path, **kw) -> dict:
-    return control.request(path, {"version": 1, "command": "status"}, **kw)
+    return client.request(path, {"version": 1, "command": "status"}, **kw)
 
 
 # --- protocol --------------------------------------------------------------------------------
@@ -111,17 +112,17 @@ def test_large_snapshot_arrives_whole(serve):
 def test_stop_is_forwarded_to_the_command_callback(serve):
     seen = []
     server = serve(command=lambda req: seen.append(req) or {"ok": True, "accepted": "stop"})
-    reply = control.request(server.path, {"version": 1, "command": "stop", "timeout": 7.5})
+    reply = client.request(server.path, {"version": 1, "command": "stop", "timeout": 7.5})
     assert reply == {"ok": True, "version": 1, "accepted": "stop"}
     assert (
-        control.request(server.path, {"version": 1, "command": "stop", "timeout": None})["accepted"]
+        client.request(server.path, {"version": 1, "command": "stop", "timeout": None})["accepted"]
         == "stop"
     )
-    assert control.request(server.path, {"version": 1, "command": "stop"})["ok"] is True
+    assert client.request(server.path, {"version": 1, "command": "stop"})["ok"] is True
     assert [r.get("timeout") for r in seen] == [7.5, None, None]
     assert seen[0] == {"version": 1, "command": "stop", "timeout": 7.5}
     for bad in (-1, "soon", True, [3]):
-        reply = control.request(server.path, {"version": 1, "command": "stop", "timeout": bad})
+        reply = client.request(server.path, {"version": 1, "command": "stop", "timeout": bad})
         assert reply["ok"] is False and "timeout" in reply["error"], reply
     assert len(seen) == 3  # bad requests never reach the daemon
 
@@ -141,7 +142,7 @@ def test_protocol_errors_name_the_problem(serve):
     for data, expected in cases:
         reply = raw(server.path, data)
         assert reply["ok"] is False and expected in reply["error"], (data, reply)
-    reply = raw(server.path, b"x" * (control.MAX_REQUEST + 10))
+    reply = raw(server.path, b"x" * (protocol.MAX_REQUEST + 10))
     assert reply["ok"] is False and "larger than" in reply["error"]
     assert status(server.path)["ok"] is True  # still serving
 
@@ -152,10 +153,10 @@ def test_failing_callbacks_become_error_replies(serve):
 
     server = serve(snapshot=lambda: 1 / 0, command=boom)
     assert "internal error" in status(server.path)["error"]
-    reply = control.request(server.path, {"version": 1, "command": "stop"})
+    reply = client.request(server.path, {"version": 1, "command": "stop"})
     assert reply["ok"] is False and "inbox closed" in reply["error"]
-    with pytest.raises(control.ControlError, match="inbox closed"):
-        control.ensure_ok(reply)
+    with pytest.raises(protocol.ControlError, match="inbox closed"):
+        client.ensure_ok(reply)
 
 
 def test_deferred_reply_waits_without_holding_up_the_server(serve):
@@ -164,14 +165,14 @@ def test_deferred_reply_waits_without_holding_up_the_server(serve):
     handed = []
 
     def command(req):
-        handed.append(control.Deferred(timeout=float(req.get("timeout") or 5)))
+        handed.append(Deferred(timeout=float(req.get("timeout") or 5)))
         return handed[-1]
 
     server = serve(command=command)
     result = {}
     asking = threading.Thread(
         target=lambda: result.update(
-            control.request(server.path, {"version": 1, "command": "stacks"}, timeout=10)
+            client.request(server.path, {"version": 1, "command": "stacks"}, timeout=10)
         )
     )
     asking.start()
@@ -185,7 +186,7 @@ def test_deferred_reply_waits_without_holding_up_the_server(serve):
     asking.join(5)
     assert result == {"ok": True, "version": 1, "stacks": [{"rank": 0, "text": "x"}]}
     t0 = time.monotonic()
-    reply = control.request(
+    reply = client.request(
         server.path, {"version": 1, "command": "stacks", "timeout": 0.5}, timeout=5
     )
     assert reply["ok"] is False and "did not answer within 0.5s" in reply["error"], reply
@@ -198,14 +199,14 @@ def test_deferred_reply_waits_without_holding_up_the_server(serve):
 
 
 def test_client_says_no_daemon_when_nothing_listens(tmp_path):
-    with pytest.raises(control.NoDaemon, match="no elasticd listens at"):
+    with pytest.raises(protocol.NoDaemon, match="no elasticd listens at"):
         status(tmp_path / "missing.sock")
-    with pytest.raises(control.NoDaemon):
+    with pytest.raises(protocol.NoDaemon):
         status(tmp_path / "no-such-dir" / "c.sock")
     stale = tmp_path / "stale.sock"
     with socket.socket(socket.AF_UNIX) as s:
         s.bind(str(stale))  # a socket file nobody listens on: connection refused
-    with pytest.raises(control.NoDaemon):
+    with pytest.raises(protocol.NoDaemon):
         status(stale)
 
 
@@ -215,7 +216,7 @@ def test_client_distinguishes_a_silent_peer_and_a_foreign_one(tmp_path):
         listener.bind(str(path))
         listener.listen(1)  # accepts (backlog) but never answers
         t0 = time.monotonic()
-        with pytest.raises(control.ProtocolError, match="did not answer within 0.3s"):
+        with pytest.raises(protocol.ProtocolError, match="did not answer within 0.3s"):
             status(path, timeout=0.3)
         assert time.monotonic() - t0 < 2
     path = tmp_path / "foreign.sock"
@@ -230,7 +231,7 @@ def test_client_distinguishes_a_silent_peer_and_a_foreign_one(tmp_path):
 
         t = threading.Thread(target=garbage, daemon=True)
         t.start()
-        with pytest.raises(control.ProtocolError, match="not JSON"):
+        with pytest.raises(protocol.ProtocolError, match="not JSON"):
             status(path)
         t.join(5)
         assert not t.is_alive()
@@ -255,10 +256,8 @@ def test_operators_group_gets_a_0660_socket(serve, tmp_path):
     server = serve(operators_group=group)
     st = os.lstat(server.path)
     assert stat.S_IMODE(st.st_mode) == 0o660 and st.st_gid == NOBODY
-    with pytest.raises(control.ControlError, match="groupadd no-such-group-xyz"):
-        control.ControlServer(
-            tmp_path / "d.sock", dict, dict, operators_group="no-such-group-xyz"
-        ).start()
+    with pytest.raises(protocol.ControlError, match="groupadd no-such-group-xyz"):
+        ControlServer(tmp_path / "d.sock", dict, dict, operators_group="no-such-group-xyz").start()
 
 
 def test_missing_parent_is_created_private_and_runtime_dir_goes_to_operators(
@@ -278,18 +277,18 @@ def test_unsafe_parent_directories_are_refused(tmp_path):
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     os.chown(foreign, NOBODY, NOBODY)
-    with pytest.raises(control.ControlError, match="belongs to uid 65534"):
-        control.ControlServer(foreign / "c.sock", dict, dict).start()
+    with pytest.raises(protocol.ControlError, match="belongs to uid 65534"):
+        ControlServer(foreign / "c.sock", dict, dict).start()
     open_dir = tmp_path / "open"
     open_dir.mkdir()
     os.chmod(open_dir, 0o777)  # world-writable without the sticky bit
-    with pytest.raises(control.ControlError, match="sticky"):
-        control.ControlServer(open_dir / "c.sock", dict, dict).start()
+    with pytest.raises(protocol.ControlError, match="sticky"):
+        ControlServer(open_dir / "c.sock", dict, dict).start()
     (tmp_path / "file").write_text("")
-    with pytest.raises(control.ControlError, match="is not a socket"):
-        control.ControlServer(tmp_path / "file", dict, dict).start()
-    with pytest.raises(control.ControlError, match="longer than"):
-        control.ControlServer(tmp_path / ("x" * 120), dict, dict).start()
+    with pytest.raises(protocol.ControlError, match="is not a socket"):
+        ControlServer(tmp_path / "file", dict, dict).start()
+    with pytest.raises(protocol.ControlError, match="longer than"):
+        ControlServer(tmp_path / ("x" * 120), dict, dict).start()
 
 
 def test_stale_socket_file_is_replaced_on_start(serve, tmp_path):
@@ -303,9 +302,9 @@ def test_stale_socket_file_is_replaced_on_start(serve, tmp_path):
 
 def test_second_server_on_a_live_path_is_refused(serve, tmp_path):
     first = serve(snapshot=lambda: {"state": "FIRST"})
-    second = control.ControlServer(first.path, snapshot=dict, command=dict)
+    second = ControlServer(first.path, snapshot=dict, command=dict)
     with pytest.raises(
-        control.AlreadyRunning, match=f"another elasticd is running at {first.path}"
+        protocol.AlreadyRunning, match=f"another elasticd is running at {first.path}"
     ):
         second.start()
     second.close()
@@ -313,7 +312,7 @@ def test_second_server_on_a_live_path_is_refused(serve, tmp_path):
 
 
 def test_close_unlinks_ends_the_thread_and_is_idempotent(tmp_path):
-    server = control.ControlServer(tmp_path / "c.sock", snapshot=dict, command=dict)
+    server = ControlServer(tmp_path / "c.sock", snapshot=dict, command=dict)
     server.start()
     thread = server._thread
     assert server.path.exists() and thread.is_alive()
@@ -322,14 +321,12 @@ def test_close_unlinks_ends_the_thread_and_is_idempotent(tmp_path):
     assert time.monotonic() - t0 < 1.0  # woken, not polled out
     assert not server.path.exists() and not thread.is_alive() and not server.running
     server.close()
-    with pytest.raises(control.NoDaemon):
+    with pytest.raises(protocol.NoDaemon):
         status(server.path)
 
 
 def test_close_leaves_a_successors_socket_alone(serve, tmp_path):
-    old = control.ControlServer(
-        tmp_path / "c.sock", snapshot=lambda: {"state": "OLD"}, command=dict
-    )
+    old = ControlServer(tmp_path / "c.sock", snapshot=lambda: {"state": "OLD"}, command=dict)
     old.start()
     os.unlink(old.path)  # someone removed it; a new daemon took the path
     serve(snapshot=lambda: {"state": "NEW"})
@@ -338,14 +335,14 @@ def test_close_leaves_a_successors_socket_alone(serve, tmp_path):
 
 
 def test_never_started_server_closes_quietly(tmp_path):
-    control.ControlServer(tmp_path / "c.sock", dict, dict).close()
+    ControlServer(tmp_path / "c.sock", dict, dict).close()
 
 
 # --- slow and hostile clients ------------------------------------------------------------------
 
 
 def test_a_silent_client_does_not_block_another(serve, monkeypatch):
-    monkeypatch.setattr(control, "READ_TIMEOUT", 1.0)
+    monkeypatch.setattr("elasticd.control.server.READ_TIMEOUT", 1.0)
     server = serve()
     with socket.socket(socket.AF_UNIX) as silent, socket.socket(socket.AF_UNIX) as drip:
         silent.connect(str(server.path))
@@ -373,17 +370,17 @@ def test_a_silent_client_does_not_block_another(serve, monkeypatch):
 
 def test_admission_policy():
     me = 1000
-    assert control.admitted(0, 0, me, None)
-    assert control.admitted(me, 5, me, None)
-    assert not control.admitted(1001, 5, me, None)
-    assert not control.admitted(1001, 5, me, None, groups=[5])  # no operators group: nobody else
-    assert control.admitted(1001, 42, me, 42)  # primary group
-    assert control.admitted(1001, 5, me, 42, groups=[5, 42])  # supplementary group
-    assert not control.admitted(1001, 5, me, 42, groups=[5, 7])
-    assert 0 in control.peer_groups(0, 0)
-    assert control.peer_groups(4_000_000_000, 77) == frozenset({77})  # unknown user: its gid only
-    assert "in group ops" in control.refusal(1001, "ops")
-    assert control.refusal(1001, None).startswith("permission denied: uid 1001 is not root")
+    assert access.admitted(0, 0, me, None)
+    assert access.admitted(me, 5, me, None)
+    assert not access.admitted(1001, 5, me, None)
+    assert not access.admitted(1001, 5, me, None, groups=[5])  # no operators group: nobody else
+    assert access.admitted(1001, 42, me, 42)  # primary group
+    assert access.admitted(1001, 5, me, 42, groups=[5, 42])  # supplementary group
+    assert not access.admitted(1001, 5, me, 42, groups=[5, 7])
+    assert 0 in access.peer_groups(0, 0)
+    assert access.peer_groups(4_000_000_000, 77) == frozenset({77})  # unknown user: its gid only
+    assert "in group ops" in access.refusal(1001, "ops")
+    assert access.refusal(1001, None).startswith("permission denied: uid 1001 is not root")
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a client as another uid")
@@ -392,8 +389,8 @@ def _request_as(uid: int, gid: int, path: Path) -> dict:
 
     def ask():
         try:
-            return control.request(path, {"version": 1, "command": "status"}, timeout=3)
-        except control.ControlError as e:
+            return client.request(path, {"version": 1, "command": "status"}, timeout=3)
+        except protocol.ControlError as e:
             return {"raised": type(e).__name__, "message": str(e)}
 
     return as_user(uid, ask, gid=gid, timeout=10)
@@ -434,15 +431,15 @@ def test_default_socket_path(monkeypatch):
     for var in ("ELASTICD_SOCKET", "RUNTIME_DIRECTORY", "XDG_RUNTIME_DIR"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(os, "geteuid", lambda: 0)
-    assert control.default_socket_path() == Path("/run/elasticd/control.sock")
+    assert paths.default_socket_path() == Path("/run/elasticd/control.sock")
     monkeypatch.setattr(os, "geteuid", lambda: 1234)
-    assert control.default_socket_path() == Path("/tmp/elasticd-1234/control.sock")
+    assert paths.default_socket_path() == Path("/tmp/elasticd-1234/control.sock")
     monkeypatch.setenv("XDG_RUNTIME_DIR", "/run/user/1234")
-    assert control.default_socket_path() == Path("/run/user/1234/elasticd/control.sock")
+    assert paths.default_socket_path() == Path("/run/user/1234/elasticd/control.sock")
     monkeypatch.setenv("RUNTIME_DIRECTORY", "/run/elasticd:/run/other")
-    assert control.default_socket_path() == Path("/run/elasticd/control.sock")
+    assert paths.default_socket_path() == Path("/run/elasticd/control.sock")
     monkeypatch.setenv("ELASTICD_SOCKET", "/srv/e.sock")
-    assert control.default_socket_path() == Path("/srv/e.sock")
+    assert paths.default_socket_path() == Path("/srv/e.sock")
 
 
 def test_find_daemons_looks_in_the_users_and_the_services_directory(serve, tmp_path, monkeypatch):
@@ -450,16 +447,16 @@ def test_find_daemons_looks_in_the_users_and_the_services_directory(serve, tmp_p
         monkeypatch.delenv(var, raising=False)
     user, system = tmp_path / "user", tmp_path / "system"
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(user))
-    monkeypatch.setattr(control, "SYSTEM_DIR", system)
+    monkeypatch.setattr(paths, "SYSTEM_DIR", system)
     monkeypatch.setattr(os, "geteuid", lambda: 1234)  # an operator, not root
-    assert control.find_daemons() == []
+    assert paths.find_daemons() == []
     mine = serve(path=user / "elasticd" / "control-job7.sock")
     service = serve(path=system / "control.sock")
     stale = socket.socket(socket.AF_UNIX)
     stale.bind(str(user / "elasticd" / "control.sock"))  # a SIGKILLed daemon's file: nobody listens
     stale.close()
     (user / "elasticd" / "notes.sock.txt").write_text("")
-    assert control.find_daemons() == [mine.path, service.path]
-    assert control.second_socket_path(control.default_socket_path(), "job7") == mine.path
+    assert paths.find_daemons() == [mine.path, service.path]
+    assert paths.second_socket_path(paths.default_socket_path(), "job7") == mine.path
     monkeypatch.setenv("ELASTICD_SOCKET", str(tmp_path / "elsewhere.sock"))
-    assert control.find_daemons() == [tmp_path / "elsewhere.sock"]
+    assert paths.find_daemons() == [tmp_path / "elsewhere.sock"]

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from elasticd.control import channel as control
+from elasticd.control import access, client
+from elasticd.control.server import ControlServer
 from harness import script, wait_until
 from scripts.hog_control import hog
 
@@ -137,8 +138,8 @@ def _answered(s: socket.socket, wait: float = 0.2) -> bytes:
 
 
 def test_one_process_holds_at_most_its_cap_and_the_others_are_served(tmp_path):
-    with control.ControlServer(tmp_path / "c.sock", snapshot=dict, command=dict) as server:
-        held = [_connect(server.path) for _ in range(control.PER_PROCESS)]
+    with ControlServer(tmp_path / "c.sock", snapshot=dict, command=dict) as server:
+        held = [_connect(server.path) for _ in range(access.PER_PROCESS)]
         extra = _connect(server.path)
         try:
             assert b"busy: too many open control connections from pid" in _answered(extra, 3)
@@ -151,7 +152,7 @@ def test_one_process_holds_at_most_its_cap_and_the_others_are_served(tmp_path):
             )
             assert r.returncode == 0, r.stderr  # another process is served
             held.pop().close()
-            assert control.request(server.path, {"version": 1, "command": "status"})["ok"] is True
+            assert client.request(server.path, {"version": 1, "command": "status"})["ok"] is True
         finally:
             for s in [*held, extra]:
                 s.close()
@@ -159,10 +160,10 @@ def test_one_process_holds_at_most_its_cap_and_the_others_are_served(tmp_path):
 
 def test_the_daemons_descendants_share_one_cap(tmp_path):
     """Children of this process are its descendants, as workers are the daemon's."""
-    with control.ControlServer(tmp_path / "c.sock", snapshot=dict, command=dict) as server:
+    with ControlServer(tmp_path / "c.sock", snapshot=dict, command=dict) as server:
         r, w = os.pipe()
         pids = []
-        for _ in range(control.PER_WORKERS // 2 + 1):  # each holds 2 idle connections, then reports
+        for _ in range(access.PER_WORKERS // 2 + 1):  # each holds 2 idle connections, then reports
             pid = os.fork()
             if pid == 0:
                 code = 1
@@ -184,4 +185,4 @@ def test_the_daemons_descendants_share_one_cap(tmp_path):
             os.close(r)
             for pid in pids:
                 os.waitpid(pid, 0)
-        assert got.count(b".") == control.PER_WORKERS and got.count(b"B") == 2, got
+        assert got.count(b".") == access.PER_WORKERS and got.count(b"B") == 2, got

@@ -14,7 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
-from elasticd.control import channel as control
+from elasticd.control import client, commands, protocol
+from elasticd.control.server import ControlServer
 from elasticd.daemon.agent import _accept_command
 from harness import script, wait_until
 
@@ -41,7 +42,7 @@ def requests(draw) -> bytes:
         return draw(st.binary(max_size=300))
     if kind == "json":
         return _encode(draw(json_values))
-    field = st.one_of(json_values, st.sampled_from([1, 1.0, True, "1", *control.COMMANDS]))
+    field = st.one_of(json_values, st.sampled_from([1, 1.0, True, "1", *commands.COMMANDS]))
     req = {}
     for key in ("version", "command", "timeout"):
         if draw(st.booleans()):
@@ -89,7 +90,7 @@ def exchange(path, data: bytes, newline: bool, timeout: float = 5.0) -> bytes:
 def check_reply(reply: bytes, sent: bytes) -> dict | None:
     """The reply object, checked; None for a clean close of an oversized or empty request."""
     if not reply:
-        assert len(sent) > control.MAX_REQUEST or not sent, sent[:200]
+        assert len(sent) > protocol.MAX_REQUEST or not sent, sent[:200]
         return None
     assert reply.endswith(b"\n") and reply.count(b"\n") == 1, reply[:200]
     obj = json.loads(reply)
@@ -117,7 +118,7 @@ class FakeAgent:
 @pytest.fixture
 def server(tmp_path):
     agent = FakeAgent()
-    s = control.ControlServer(
+    s = ControlServer(
         tmp_path / "c.sock",
         snapshot=lambda: {"state": "RUNNING", "workers": []},
         command=lambda req: _accept_command(agent, req),
@@ -146,7 +147,7 @@ def test_random_requests_always_get_a_well_formed_reply(server):
     assert not [e for e in logs if e["event"] in FAILURES], [
         e for e in logs if e["event"] in FAILURES
     ][:3]
-    assert control.request(server.path, {"version": 1, "command": "status"})["ok"] is True
+    assert client.request(server.path, {"version": 1, "command": "status"})["ok"] is True
 
 
 def test_hostile_requests_get_the_error_that_names_the_problem(server):
@@ -181,12 +182,10 @@ def test_hostile_requests_get_the_error_that_names_the_problem(server):
                 assert obj["ok"] is True, obj
             else:
                 assert obj["ok"] is False and expected in obj["error"], (data[:80], obj)
-    for size in (control.MAX_REQUEST + 1, 4 * control.MAX_REQUEST):
+    for size in (protocol.MAX_REQUEST + 1, 4 * protocol.MAX_REQUEST):
         obj = check_reply(exchange(server.path, b"x" * size, True), b"x" * size)
         assert obj is None or "larger than" in obj["error"]
-    assert (
-        server.running and control.request(server.path, {"version": 1, "command": "status"})["ok"]
-    )
+    assert server.running and client.request(server.path, {"version": 1, "command": "status"})["ok"]
 
 
 def test_a_running_daemon_survives_random_requests(daemons):
@@ -202,7 +201,7 @@ def test_a_running_daemon_survives_random_requests(daemons):
     )
     @given(data=requests(), newline=st.booleans())
     def one(data, newline):
-        req, error = control.parse_request(data.split(b"\n", 1)[0])
+        req, error = commands.parse_request(data.split(b"\n", 1)[0])
         if error is None and req["command"] in ("stop", "stacks"):
             return  # a valid stop ends the daemon, stacks signals its worker: not what this tests
         check_reply(exchange(d.socket, data, newline), data)

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from elasticd.checkpoint import memory
-from elasticd.control import channel as control
+from elasticd.control import client, paths
+from elasticd.control.server import ControlServer
 from elasticd.worker import health
 from harness import ROOT, as_user, script, wait_until
 
@@ -314,17 +315,17 @@ def test_memory_directory_of_a_live_daemon_in_another_pid_namespace_is_kept(tmp_
 
 def _serve_and_find() -> dict:
     """What a daemon of this user does with the default socket path, then what the CLI finds."""
-    path = control.default_socket_path()
-    server = control.ControlServer(
+    path = paths.default_socket_path()
+    server = ControlServer(
         path,
         snapshot=lambda: {"state": "RUNNING", "me": os.getuid()},
         command=lambda req: {"ok": True},
     )
     server.start()
     try:
-        found = control.find_daemons()
+        found = paths.find_daemons()
         replies = [
-            control.request(p, {"version": 1, "command": "status"}, timeout=3)["status"]
+            client.request(p, {"version": 1, "command": "status"}, timeout=3)["status"]
             for p in found
         ]
         st = os.lstat(path.parent)

@@ -23,7 +23,7 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from elasticd import config
+from elasticd import config, config_layers, config_values
 from elasticd.config import ConfigError
 from elasticd.ops import cli
 from harness import ROOT
@@ -137,8 +137,8 @@ def toml_document(doc: tuple[dict, bool]) -> bytes:
 # The environment torchrun's launchers set (PET_*) and ours (ELASTICD_*), plus names that mean nothing.
 ENV_NAMES = sorted(
     {
-        *config.PET_SETTINGS,
-        *config.PET_STATIC,
+        *config_layers.PET_SETTINGS,
+        *config_layers.PET_STATIC,
         *("ELASTICD_" + k.upper() for k in config.FIELDS),
         "ELASTICD_BOGUS",
         "PET_BOGUS",
@@ -169,12 +169,12 @@ flag_lists = st.lists(st.tuples(st.sampled_from(VALUE_FLAGS), env_values), max_s
 
 def assert_sane(cfg: config.Config) -> None:
     """What a Config that passed must hold, whatever it was built from."""
-    for key, (least, most, closed) in config._RANGES.items():
+    for key, (least, most, closed) in config_values._RANGES.items():
         value = getattr(cfg, key)
         assert least <= value <= most and (closed or value > least), (key, value)
-    assert config.RDZV_ID.fullmatch(cfg.rdzv_id) and ".." not in cfg.rdzv_id, cfg.rdzv_id
-    assert cfg.stack_signal in config.STACK_SIGNALS
-    assert set(cfg.signals_to_handle) <= set(config.STOP_SIGNALS)
+    assert config_values.RDZV_ID.fullmatch(cfg.rdzv_id) and ".." not in cfg.rdzv_id, cfg.rdzv_id
+    assert cfg.stack_signal in config_values.STACK_SIGNALS
+    assert set(cfg.signals_to_handle) <= set(config_values.STOP_SIGNALS)
     assert 1 <= cfg.min_nodes <= cfg.max_nodes <= config.MAX_NODES
     strings = [
         v

@@ -124,7 +124,7 @@ def test_the_import_reader_sees_every_form(tmp_path, monkeypatch):
         "from elasticd.daemon import agent",
         "import elasticd.cluster.kv",
         "def f():\n    from elasticd import ops",
-        "from ..control import channel",
+        "from ..control import server",
         "import importlib\nimportlib.import_module('elasticd.ops.cli')",
         "from elasticd import names  # fine\nfrom elasticd.worker import health  # fine\n"
         "from elasticd.daemon.states import State",
@@ -165,6 +165,8 @@ def _imported(statement: str) -> dict:
         "elasticd.checkpoint",
         "elasticd.names",
         "elasticd.config",
+        "elasticd.control.client",
+        "elasticd.control.paths",
     ],
 )
 def test_torch_free_modules_load_no_torch(module):
@@ -175,6 +177,14 @@ def test_torch_free_modules_load_no_torch(module):
     assert "torch" not in loaded, (
         f"importing {module} imports torch; make the import that pulls it in lazy"
     )
+
+
+def test_the_control_clients_side_loads_nothing_of_the_daemons():
+    """The CLI's half of the control socket (client, paths, protocol) runs in the operator's
+    shell: it loads neither the server's half nor the daemon's packages."""
+    loaded = _imported("import elasticd.control.client, elasticd.control.paths")
+    cli_side = {f"elasticd.control{m}" for m in ("", ".client", ".paths", ".protocol")}
+    assert [m for m in loaded if daemon_side(m) and m not in cli_side] == []
 
 
 def test_worker_side_loads_no_daemon_side_module():

@@ -14,7 +14,7 @@ import sys
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from elasticd import config
+from elasticd import config, config_values
 from elasticd.config import ConfigError
 from elasticd.daemon.states import Failure, RestartCause
 from elasticd.ops import metrics
@@ -275,8 +275,8 @@ def test_metrics_on_every_interface_needs_the_flag():
         {"entrypoint": "x.py", "metrics_address": "0.0.0.0:9400", "metrics_all_interfaces": True},
         environ={},
     )
-    assert config.parse_metrics_address(cfg.metrics_address) == ("0.0.0.0", 9400)
-    assert config.parse_metrics_address("[::1]:9400") == ("::1", 9400)
+    assert config_values.parse_metrics_address(cfg.metrics_address) == ("0.0.0.0", 9400)
+    assert config_values.parse_metrics_address("[::1]:9400") == ("::1", 9400)
 
 
 def _cli(*args, env=None):

@@ -14,7 +14,8 @@ import time
 
 import psutil
 
-from elasticd.control import channel as control
+from elasticd.control import client, protocol
+from elasticd.control.server import ControlServer
 from elasticd.daemon import supervise, workers
 from harness import leftover_processes, script, wait_until
 from test_forkserver import _forked_spares, _training_with_spares
@@ -155,7 +156,7 @@ def test_a_helper_process_that_keeps_dying_is_started_again_then_given_up():
 
 
 def test_control_thread_serves_again_after_a_crash(tmp_path):
-    server = control.ControlServer(
+    server = ControlServer(
         tmp_path / "s.sock", snapshot=lambda: {"state": "RUNNING"}, command=lambda req: {"ok": True}
     )
     accept = server._accept
@@ -181,8 +182,8 @@ def test_control_thread_serves_again_after_a_crash(tmp_path):
 
 def _status(path):
     try:
-        return control.request(path, {"version": control.VERSION, "command": "status"}, timeout=2)
-    except control.ControlError:
+        return client.request(path, {"version": protocol.VERSION, "command": "status"}, timeout=2)
+    except protocol.ControlError:
         return None
 
 

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from elasticd.control import channel as control
+from elasticd.control import client, protocol
+from elasticd.control.server import ControlServer
 from harness import ROOT, script, secret_flags, wait_until
 
 
@@ -83,9 +84,7 @@ def test_stacks_shows_every_workers_threads_and_the_job_goes_on(daemons, tmp_pat
     with ThreadPoolExecutor(8) as pool:  # asked at once: one dump answers them together
         replies = list(
             pool.map(
-                lambda _: control.request(
-                    d.socket, {"version": 1, "command": "stacks"}, timeout=20
-                ),
+                lambda _: client.request(d.socket, {"version": 1, "command": "stacks"}, timeout=20),
                 range(8),
             )
         )
@@ -245,7 +244,7 @@ def test_unadmitted_user_is_refused(tmp_path):
     sockdir = Path("/tmp") / f"elasticd-test-{os.getpid()}"
     sockdir.mkdir(mode=0o755, exist_ok=True)
     path = sockdir / "c.sock"
-    server = control.ControlServer(
+    server = ControlServer(
         path, snapshot=lambda: {"state": "RUNNING"}, command=lambda r: {"ok": True}
     )
     server.start()
@@ -259,7 +258,7 @@ def test_unadmitted_user_is_refused(tmp_path):
                 os.close(r)
                 os.setgid(65534)
                 os.setuid(65534)
-                reply = control.request(path, {"version": 1, "command": "status"}, timeout=5)
+                reply = client.request(path, {"version": 1, "command": "status"}, timeout=5)
                 os.write(w, json.dumps(reply).encode())
             finally:
                 os._exit(0)
@@ -271,7 +270,7 @@ def test_unadmitted_user_is_refused(tmp_path):
         ), reply
         # root (us) is admitted
         assert (
-            control.request(path, {"version": 1, "command": "status"})["status"]["state"]
+            client.request(path, {"version": 1, "command": "status"})["status"]["state"]
             == "RUNNING"
         )
     finally:
@@ -283,40 +282,40 @@ def test_unadmitted_user_is_refused(tmp_path):
 def test_protocol_errors_and_live_socket_refused(tmp_path):
     path = tmp_path / "c.sock"
     seen = []
-    server = control.ControlServer(
+    server = ControlServer(
         path,
         snapshot=lambda: {"state": "RUNNING"},
         command=lambda r: seen.append(r) or {"ok": True, "accepted": "stop"},
     )
     server.start()
     try:
-        assert control.request(path, {"version": 2, "command": "status"})["error"].startswith(
+        assert client.request(path, {"version": 2, "command": "status"})["error"].startswith(
             "unsupported protocol"
         )
         assert (
-            "unknown command" in control.request(path, {"version": 1, "command": "reboot"})["error"]
+            "unknown command" in client.request(path, {"version": 1, "command": "reboot"})["error"]
         )
         with socket.socket(socket.AF_UNIX) as s:
             s.connect(str(path))
             s.sendall(b"not json\n")
             assert b"not a JSON object" in s.recv(4096)
         assert (
-            control.request(path, {"version": 1, "command": "stop", "timeout": 3})["accepted"]
+            client.request(path, {"version": 1, "command": "stop", "timeout": 3})["accepted"]
             == "stop"
         )
         assert seen and seen[0]["timeout"] == 3
-        with pytest.raises(control.ControlError, match="another elasticd is running"):
-            control.ControlServer(path, snapshot=dict, command=dict).start()
+        with pytest.raises(protocol.ControlError, match="another elasticd is running"):
+            ControlServer(path, snapshot=dict, command=dict).start()
     finally:
         server.close()
-    with pytest.raises(control.NoDaemon):
-        control.request(path, {"version": 1, "command": "status"})
+    with pytest.raises(protocol.NoDaemon):
+        client.request(path, {"version": 1, "command": "status"})
     # a stale socket file (no daemon behind it) is replaced
     with socket.socket(socket.AF_UNIX) as s:
         s.bind(str(path))
-    server = control.ControlServer(path, snapshot=lambda: {"state": "X"}, command=dict)
+    server = ControlServer(path, snapshot=lambda: {"state": "X"}, command=dict)
     server.start()
-    assert control.request(path, {"version": 1, "command": "status"})["status"]["state"] == "X"
+    assert client.request(path, {"version": 1, "command": "status"})["status"]["state"] == "X"
     server.close()
 
 
@@ -369,7 +368,7 @@ def test_sd_notify_stopping_and_stalled_loop_starves_watchdog(tmp_path):
     prog = f"""
 import sys, time, pathlib
 from elasticd import config, logs
-from elasticd.daemon import systemd
+from elasticd.daemon import preflight, systemd
 from elasticd.daemon.agent import Agent
 cfg = config.build({{"entrypoint": {script("silent.py")!r}, "args": ["60"], "nproc_per_node": 1,
                      "stop_grace": 1, "warm_spawn": False}})
@@ -377,7 +376,7 @@ logs.setup("json")
 def hook(snap):
     while pathlib.Path({str(stall)!r}).exists():
         time.sleep(0.05)
-a = Agent(cfg, config.make_run_dir(pathlib.Path({str(tmp_path)!r}), "run"), on_snapshot=hook)  # as the CLI makes it
+a = Agent(cfg, preflight.make_run_dir(pathlib.Path({str(tmp_path)!r}), "run"), on_snapshot=hook)  # as the CLI makes it
 a.notify = systemd
 a.install_signals()
 sys.exit(a.run())

@@ -972,7 +972,7 @@ class Rendezvous:
 def job_secret(cfg: Config) -> bytes:
     """The key every value in the store is signed with: --rdzv-secret-file's content; for a
     single-node job without one, a random key only this daemon knows. A multi-node job without
-    one runs only with --insecure-no-secret (config.validate), and says so once."""
+    one runs only with --insecure-no-secret (config.build), and says so once."""
     if cfg.rdzv_secret_file:
         return signing.load_secret(cfg.rdzv_secret_file)
     if cfg.max_nodes == 1:

@@ -1,5 +1,6 @@
-"""The operators' Unix control socket: the server the daemon runs on one thread and the client
-the CLI (`elasticd status`, `stop`, `stacks`) uses, with the socket's paths, who is admitted and
-the JSON protocol between them (channel, one module for now). The server runs in the daemon, the
-client in the CLI's process; nothing on the worker side imports this package.
+"""The operators' Unix control socket. The daemon side: server (the thread that serves it),
+commands (what it answers and what it hands to the agent loop), access (who is let in, how many
+connections each may hold), socketfile (the socket file made safely). The CLI side: client (one
+request, one reply). Both: protocol (version, limits, errors) and paths (where sockets are, which
+daemons a CLI call means). Nothing on the worker side imports this package.
 """

@@ -50,7 +50,7 @@ from elasticd.ops.healthcheck import EXIT_UNHEALTHY, HealthCheck
 from elasticd.ops.stragglers import Stragglers
 
 if TYPE_CHECKING:
-    from elasticd.control import channel as control
+    from elasticd.control.server import ControlServer, Deferred
     from elasticd.ops import healthcheck, metrics
 
 log = logs.get("elasticd.agent")
@@ -562,7 +562,9 @@ class Agent:
 
 def serve(cfg: Config, run_dir: Path) -> int:
     """Run the daemon: control socket, sd_notify, death guard, then the agent loop."""
-    from elasticd.control import channel as control
+    from elasticd.control import paths
+    from elasticd.control.protocol import AlreadyRunning, ControlError
+    from elasticd.control.server import ControlServer
     from elasticd.daemon import systemd
 
     logs.adopt_torch()
@@ -575,8 +577,8 @@ def serve(cfg: Config, run_dir: Path) -> int:
         risk="until a new guard is up, a SIGKILLed daemon leaves its workers' children behind",
     )
 
-    def listen(path: Path) -> control.ControlServer:
-        server = control.ControlServer(
+    def listen(path: Path) -> ControlServer:
+        server = ControlServer(
             path,
             snapshot=lambda: agent.status.snapshot,
             command=lambda req: _accept_command(agent, req),
@@ -587,13 +589,13 @@ def serve(cfg: Config, run_dir: Path) -> int:
 
     try:
         try:
-            server = listen(Path(cfg.socket) if cfg.socket else control.default_socket_path())
-        except control.AlreadyRunning:
+            server = listen(Path(cfg.socket) if cfg.socket else paths.default_socket_path())
+        except AlreadyRunning:
             if cfg.socket:  # a path the user chose is theirs to change
                 raise
             # another job of this user on this node holds the default: listen beside it
-            server = listen(control.second_socket_path(control.default_socket_path(), cfg.rdzv_id))
-    except control.ControlError as e:
+            server = listen(paths.second_socket_path(paths.default_socket_path(), cfg.rdzv_id))
+    except ControlError as e:
         guard.close()
         if exporter is not None:
             exporter.close()
@@ -632,7 +634,8 @@ def _metrics_exporter(cfg: Config, agent: Agent) -> metrics.Exporter | None:
     an address that cannot be bound is a ConfigError (one line, exit 2)."""
     if not (cfg.metrics_address or cfg.metrics_textfile):
         return None
-    from elasticd.config import ConfigError, parse_metrics_address
+    from elasticd.config import ConfigError
+    from elasticd.config_values import parse_metrics_address
     from elasticd.ops import metrics
 
     address = parse_metrics_address(cfg.metrics_address) if cfg.metrics_address else None
@@ -650,8 +653,9 @@ def _metrics_exporter(cfg: Config, agent: Agent) -> metrics.Exporter | None:
     return exporter
 
 
-def _accept_command(agent: Agent, req: dict) -> dict | control.Deferred:
-    """The loop's side of the control commands the server forwards (control.COMMANDS), by name."""
+def _accept_command(agent: Agent, req: dict) -> dict | Deferred:
+    """The loop's side of the control commands the server forwards (control/commands.py's
+    COMMANDS), by name."""
     handler = FORWARDED.get(req.get("command"))
     return (
         handler(agent, req)
@@ -665,11 +669,11 @@ def _stop_command(agent: Agent, req: dict) -> dict:
     return {"ok": True, "accepted": names.STOP}
 
 
-def _stacks_command(agent: Agent, req: dict) -> control.Deferred:
+def _stacks_command(agent: Agent, req: dict) -> Deferred:
     """The loop dumps them, and answers, at its next tick."""
-    from elasticd.control import channel as control
+    from elasticd.control.server import Deferred
 
-    reply = control.Deferred(timeout=STACKS_ANSWER)
+    reply = Deferred(timeout=STACKS_ANSWER)
     agent.post((names.STACKS, reply))
     return reply
 

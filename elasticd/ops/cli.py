@@ -25,7 +25,8 @@ import time
 from pathlib import Path
 
 from elasticd import __version__, names
-from elasticd.config import ConfigError, check_value
+from elasticd.config import ConfigError
+from elasticd.config_values import check_value
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_RUNNING, EXIT_CONTROL, EXIT_UNHEALTHY = 0, 1, 2, 3, 4, 5
 EXIT_PIPE = 128 + signal.SIGPIPE
@@ -73,8 +74,8 @@ class _Instead(argparse.Action):
 
 
 class _Static(argparse.Action):
-    """torchrun's static rendezvous flags: kept as (flag, value) for config.check_static, which
-    knows the node count."""
+    """torchrun's static rendezvous flags: kept as (flag, value) for config_values.check_static,
+    which knows the node count."""
 
     def __call__(self, parser, namespace, values, option_string=None) -> None:
         flag = "--" + self.dest.replace("_", "-")
@@ -337,7 +338,7 @@ def _reader_gone() -> int:
 def _run(args: argparse.Namespace, extra: list[str]) -> int:
     from elasticd import config, logs
     from elasticd.cluster import signing
-    from elasticd.daemon import systemd
+    from elasticd.daemon import preflight, systemd
 
     systemd.quiet_torch_cpp()  # before anything imports torch
 
@@ -364,9 +365,9 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
                     "--no-python and -m cannot go together: -m runs a Python module; drop one"
                 )
         cfg = config.build(flags, args.config_file, static=getattr(args, "static", []))
-        config.check_entrypoint(cfg.entrypoint, no_python=cfg.no_python)
+        preflight.check_entrypoint(cfg.entrypoint, no_python=cfg.no_python)
         if cfg.health_check:
-            config.check_health_check(cfg.health_check)
+            preflight.check_health_check(cfg.health_check)
         if cfg.metrics_textfile:
             textfile = Path(cfg.metrics_textfile)
             if not textfile.absolute().parent.is_dir():
@@ -374,7 +375,7 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
                     f"--metrics-textfile {textfile}: directory {textfile.absolute().parent} does not "
                     "exist: create it (node_exporter's textfile directory, readable by node_exporter)"
                 )
-            directory = config.check_log_dir(
+            directory = preflight.check_log_dir(
                 textfile.absolute().parent, "--metrics-textfile's directory"
             )
             cfg = dataclasses.replace(cfg, metrics_textfile=str(directory / textfile.name))
@@ -385,13 +386,13 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
         if (
             cfg.max_nodes == 1 and cfg.rdzv_endpoint and not cfg.etcd
         ):  # a single node hosts a c10d store
-            config.check_port_free(cfg.rdzv_host, cfg.rdzv_port)
-        base = config.check_log_dir(_log_base(cfg))
+            preflight.check_port_free(cfg.rdzv_host, cfg.rdzv_port)
+        base = preflight.check_log_dir(_log_base(cfg))
         checkpoints = (
             Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else base / "checkpoints" / cfg.rdzv_id
         )
         cfg = dataclasses.replace(
-            cfg, checkpoint_dir=str(config.check_log_dir(checkpoints, "--checkpoint-dir"))
+            cfg, checkpoint_dir=str(preflight.check_log_dir(checkpoints, "--checkpoint-dir"))
         )
         run_dir = _run_dir(cfg, base)
     except ConfigError as e:
@@ -425,10 +426,10 @@ def _log_base(cfg) -> Path:
 
 
 def _run_dir(cfg, base: Path) -> Path:
-    """This run's directory under the checked base, created fresh (config.make_run_dir)."""
-    from elasticd import config
+    """This run's directory under the checked base, created fresh (preflight.make_run_dir)."""
+    from elasticd.daemon import preflight
 
-    return config.make_run_dir(
+    return preflight.make_run_dir(
         base, f"{cfg.rdzv_id}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
     )
 
@@ -452,12 +453,12 @@ def _status(args: argparse.Namespace) -> int:
 
 def _daemons(args: argparse.Namespace) -> list:
     """The control sockets a call means: --socket, else every daemon found (see
-    control.find_daemons), else the default path (which then says nobody listens)."""
-    from elasticd.control import channel as control
+    paths.find_daemons), else the default path (which then says nobody listens)."""
+    from elasticd.control import paths
 
     if args.socket:
         return [args.socket]
-    return control.find_daemons() or [control.default_socket_path()]
+    return paths.find_daemons() or [paths.default_socket_path()]
 
 
 def _one_daemon(args: argparse.Namespace) -> str | None:
@@ -475,14 +476,15 @@ def _one_daemon(args: argparse.Namespace) -> str | None:
 
 def _ask(path, payload: dict, timeout: float = 5.0) -> dict | int:
     """The daemon's reply to one request, or the exit code when there is none (the line said)."""
-    from elasticd.control import channel as control
+    from elasticd.control.client import request
+    from elasticd.control.protocol import ControlError, NoDaemon
 
     try:
-        reply = control.request(path, {"version": 1, **payload}, timeout=timeout)
-    except control.NoDaemon as e:
+        reply = request(path, {"version": 1, **payload}, timeout=timeout)
+    except NoDaemon as e:
         print(f"elasticd is not running ({e})")
         return EXIT_NOT_RUNNING
-    except control.ControlError as e:
+    except ControlError as e:
         sys.stderr.write(f"elasticd: error: {e}\n")
         return EXIT_CONTROL
     if not reply.get("ok"):
@@ -521,7 +523,8 @@ def _stacks(args: argparse.Namespace) -> int:
 
 
 def _stop(args: argparse.Namespace) -> int:
-    from elasticd.control import channel as control
+    from elasticd.control.client import request
+    from elasticd.control.protocol import ControlError, NoDaemon
 
     path = _one_daemon(args)
     if path is None:
@@ -533,11 +536,11 @@ def _stop(args: argparse.Namespace) -> int:
     deadline = time.monotonic() + (args.timeout if args.timeout is not None else 30.0) + 60.0
     while time.monotonic() < deadline:
         try:
-            control.request(path, {"version": 1, "command": names.STATUS}, timeout=2.0)
-        except control.NoDaemon:
+            request(path, {"version": 1, "command": names.STATUS}, timeout=2.0)
+        except NoDaemon:
             print("elasticd stopped")
             return EXIT_OK
-        except control.ControlError:
+        except ControlError:
             pass
         time.sleep(0.2)
     sys.stderr.write(

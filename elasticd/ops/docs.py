@@ -52,7 +52,8 @@ def _run_parser() -> argparse.ArgumentParser:
 
 def settings_page() -> str:
     from elasticd import names
-    from elasticd.config import _TUPLE_FIELDS, FIELDS, PET_SETTINGS, PET_STATIC
+    from elasticd.config import _TUPLE_FIELDS, FIELDS
+    from elasticd.config_layers import PET_SETTINGS, PET_STATIC
     from elasticd.ops import cli
 
     parser = _run_parser()
