@@ -40,7 +40,9 @@ from prometheus_client.core import (
 from prometheus_client.exposition import MetricsHandler
 
 from elasticd import __version__, logs, safeio
+from elasticd.daemon.recovery import STEPS
 from elasticd.daemon.states import State
+from elasticd.ops.figures import CAUSES
 
 log = logs.get("elasticd.metrics")
 
@@ -64,8 +66,9 @@ METRICS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
     (
         "elasticd_restarts_total",
         "counter",
-        "Restarts of this node's workers, by cause as this node saw it: crash, "
-        "signal, hang, peer (another node asked), node_lost, scale",
+        "Restarts of this node's workers, by cause as this node saw it: "
+        + ", ".join(CAUSES)
+        + " (peer: another node asked)",
         ("cause",),
     ),
     (
@@ -256,7 +259,6 @@ METRICS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
     ),
 )
 _BY_NAME = {m[0]: m for m in METRICS}
-PHASES = ("torn_down", "rendezvous_done", "spawned", "pg_ready", "state_loaded", "first_step")
 
 
 class SnapshotCollector:
@@ -295,8 +297,9 @@ def families(s: dict[str, Any]) -> Iterator[Metric]:
     put("elasticd_restart_budget_left", s.get("budget_left"))
     if s.get("last_failure"):
         put("elasticd_last_failure_timestamp_seconds", s["last_failure"].get("at"))
-    for phase, seconds in (s.get("last_recovery") or {}).items():
-        put("elasticd_last_recovery_phase_seconds", seconds, phase=phase)
+    last_recovery = s.get("last_recovery") or {}
+    for phase in STEPS:
+        put("elasticd_last_recovery_phase_seconds", last_recovery.get(phase), phase=phase)
     lost = s.get("steps_lost") or {}
     put("elasticd_steps_lost_total", lost.get("total"))
     put("elasticd_last_restart_steps_lost", lost.get("last"))
