@@ -159,6 +159,7 @@ def _imported(statement: str) -> dict:
     "module",
     [
         "elasticd.ops.cli",
+        "elasticd.ops.snapshot",
         "elasticd.cluster.kv",
         "elasticd.cluster.etcd",
         "elasticd.checkpoint.format",
@@ -175,6 +176,12 @@ def test_torch_free_modules_load_no_torch(module):
     assert "torch" not in loaded, (
         f"importing {module} imports torch; make the import that pulls it in lazy"
     )
+
+
+def test_the_status_snapshot_imports_nothing_of_elasticd():
+    """Its records are read in the operator's shell (cli) and built in the daemon (status.py):
+    they hold data only, whatever either side imports."""
+    assert imports("elasticd.ops.snapshot") == []
 
 
 def test_worker_side_loads_no_daemon_side_module():

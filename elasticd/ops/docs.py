@@ -43,24 +43,24 @@ def _code(text: str) -> str:
 
 def _run_parser() -> argparse.ArgumentParser:
     """`elasticd run`'s flags exactly as the CLI declares them."""
-    from elasticd.ops import cli
+    from elasticd.ops import flags
 
     p = argparse.ArgumentParser(prog="elasticd run", add_help=False)
-    cli._add_run_flags(p)
+    flags.add_run_flags(p)
     return p
 
 
 def settings_page() -> str:
     from elasticd import names
     from elasticd.config import _TUPLE_FIELDS, FIELDS, PET_SETTINGS, PET_STATIC
-    from elasticd.ops import cli
+    from elasticd.ops.flags import setting_help
 
     parser = _run_parser()
-    flags: dict[str, list[str]] = {}
+    declared: dict[str, list[str]] = {}
     other: list[argparse.Action] = []
     for action in parser._actions:
         if action.dest in FIELDS:
-            flags.setdefault(action.dest, []).extend(
+            declared.setdefault(action.dest, []).extend(
                 action.option_strings or [action.metavar or action.dest.upper()]
             )
         else:
@@ -94,11 +94,11 @@ def settings_page() -> str:
     ]
     for name, f in FIELDS.items():
         env = [names.SETTING_PREFIX + name.upper()] + ([pet[name]] if name in pet else [])
-        meaning = cli._help(f)
+        meaning = setting_help(f)
         if name in _TUPLE_FIELDS:
             meaning += " (a list)"
         lines.append(
-            f"| `{name}` | {', '.join(_code(s) for s in flags.get(name, []))} | "
+            f"| `{name}` | {', '.join(_code(s) for s in declared.get(name, []))} | "
             f"{', '.join(_code(e) for e in env)} | {_code(_toml(f.default))} | {_cell(meaning)} |"
         )
     lines += [

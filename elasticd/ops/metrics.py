@@ -43,6 +43,7 @@ from elasticd import __version__, logs, safeio
 from elasticd.daemon.recovery import STEPS
 from elasticd.daemon.states import State
 from elasticd.ops.figures import CAUSES
+from elasticd.ops.snapshot import Recoveries, Snapshot, from_json
 
 log = logs.get("elasticd.metrics")
 
@@ -261,116 +262,142 @@ METRICS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
 _BY_NAME = {m[0]: m for m in METRICS}
 
 
-class SnapshotCollector:
-    """prometheus-client collector: the metrics of the latest status snapshot, made at scrape time."""
+Put = Callable[..., None]  # put(metric name, value, **labels): one sample (None: none)
 
-    def __init__(self, snapshot: Callable[[], dict[str, Any]]) -> None:
+
+class SnapshotCollector:
+    """prometheus-client collector: the metrics of the latest status snapshot, made at scrape
+    time."""
+
+    def __init__(self, snapshot: Callable[[], Snapshot | dict[str, Any]]) -> None:
         self.snapshot = snapshot
 
     def collect(self) -> Iterator[Metric]:
         s = self.snapshot()
         if s:
-            yield from families(s)
+            yield from families(snapshot_of(s))
 
 
-def families(s: dict[str, Any]) -> Iterator[Metric]:
-    """Every metric of METRICS with its samples from the snapshot `s` (a metric with no value now,
-    e.g. a step time before the first steps, is left out)."""
-    base = {"run_id": str(s.get("run_id")), "node": str(s.get("node"))}
+def snapshot_of(s: Snapshot | dict[str, Any]) -> Snapshot:
+    """The snapshot as types, from its wire form (what the status board serves) if need be."""
+    return s if isinstance(s, Snapshot) else from_json(Snapshot, s)
+
+
+def families(s: Snapshot) -> Iterator[Metric]:
+    """Every metric of METRICS with its samples from the snapshot `s` (a metric with no value
+    now, e.g. a step time before the first steps, is left out)."""
+    base = {"run_id": str(s.run_id), "node": str(s.node)}
     samples: dict[str, list[tuple[dict[str, str], Any]]] = {name: [] for name in _BY_NAME}
 
     def put(name: str, value: Any, **labels: Any) -> None:
         if value is not None:
             samples[name].append(({k: str(v) for k, v in labels.items()}, float(value)))
 
-    put("elasticd_info", 1, version=__version__)
-    for state in State:
-        put("elasticd_state", int(s.get("state") == state.value), state=state.value)
-    put("elasticd_uptime_seconds", s.get("uptime"))
-    put("elasticd_world_size", s.get("world_size"))
-    put("elasticd_group_rank", s.get("group_rank"))
-    put("elasticd_group_world_size", s.get("group_world_size"))
-    put("elasticd_round", s.get("round"))
-    for cause, n in (s.get("restarts_by_cause") or {}).items():
-        put("elasticd_restarts_total", n, cause=cause)
-    put("elasticd_restart_budget_used", s.get("restarts"))
-    put("elasticd_restart_budget_left", s.get("budget_left"))
-    if s.get("last_failure"):
-        put("elasticd_last_failure_timestamp_seconds", s["last_failure"].get("at"))
-    last_recovery = s.get("last_recovery") or {}
-    for phase in STEPS:
-        put("elasticd_last_recovery_phase_seconds", last_recovery.get(phase), phase=phase)
-    lost = s.get("steps_lost") or {}
-    put("elasticd_steps_lost_total", lost.get("total"))
-    put("elasticd_last_restart_steps_lost", lost.get("last"))
-    put("elasticd_steps_lost_unknown_total", lost.get("unknown"))
-    goodput = s.get("goodput") or {}
-    put("elasticd_goodput_ratio", goodput.get("ratio"))
-    put("elasticd_productive_seconds", goodput.get("productive_seconds"))
-    put("elasticd_lost_seconds", goodput.get("lost_seconds"))
-    put("elasticd_training_step", s.get("step"))
-    put("elasticd_step_seconds", s.get("step_time"))
-    put("elasticd_step_work_seconds", s.get("work_time"))
-    ckpt = s.get("checkpoint_costs") or {}
-    put("elasticd_checkpoint_saves_total", ckpt.get("saves"))
-    put("elasticd_checkpoint_stall_seconds_total", ckpt.get("stall_seconds_total"))
-    put("elasticd_checkpoint_write_seconds_total", ckpt.get("write_seconds_total"))
-    if ckpt.get("saves"):
-        put("elasticd_checkpoint_last_stall_seconds", ckpt.get("last_stall_seconds"))
-        put("elasticd_checkpoint_last_write_seconds", ckpt.get("last_write_seconds"))
-    newest = s.get("checkpoint") or {}
-    put("elasticd_checkpoint_step", newest.get("step"))
-    put("elasticd_checkpoint_age_seconds", newest.get("age"))
-    mem = s.get("memory_refresh") or {}
-    put("elasticd_memory_refreshes_total", mem.get("refreshes"))
-    put("elasticd_memory_refresh_seconds_total", mem.get("seconds_total"))
-    if mem.get("refreshes"):
-        put("elasticd_memory_refresh_last_seconds", mem.get("last_seconds"))
-        put("elasticd_memory_refresh_interval_steps", mem.get("every"))
-    put("elasticd_memory_step", s.get("memory_step"))
-    for w in s.get("workers") or []:
-        who = {"rank": w.get("rank"), "local_rank": w.get("local_rank")}
-        put("elasticd_rank_heartbeat_age_seconds", w.get("heartbeat_age"), **who)
-        put("elasticd_rank_rss_bytes", w.get("rss_bytes"), **who)
-        put("elasticd_rank_step", w.get("step"), **who)
-        put("elasticd_rank_step_seconds", w.get("step_time"), **who)
-        put("elasticd_rank_step_work_seconds", w.get("work_time"), **who)
-        put("elasticd_rank_straggler_ratio", w.get("straggler_ratio"), **who)
-    put("elasticd_stragglers", len(s.get("stragglers") or []))
-    put("elasticd_straggler_reports_total", s.get("straggler_reports", 0))
-    health = s.get("health") or {}
-    last = health.get("last")
-    if last:
-        put("elasticd_health_check_up", int(bool(last.get("ok"))))
-        put("elasticd_health_check_duration_seconds", last.get("seconds"))
-        put("elasticd_health_check_timestamp_seconds", last.get("at"))
-    if health.get("check"):
-        put("elasticd_health_check_runs_total", health.get("runs"))
-        put("elasticd_health_check_failures_total", health.get("failures"))
-    put("elasticd_peers_left_total", len(health.get("peers_left") or []))
-    for peer, age in (s.get("peers") or {}).items():
-        put("elasticd_peer_beat_age_seconds", age, peer_group_rank=peer)
-
+    for part in (_job, _restarts, _training, _costs, _ranks, _health):
+        part(put, s)
     for name, kind, doc, labels in METRICS:
-        names = [*base, *labels]
         if kind == "histogram":
-            rec = s.get("recoveries") or {}
-            if not rec:
-                continue
-            family = HistogramMetricFamily(name, doc, labels=list(base))
-            cumulative, buckets = 0, []
-            for le, n in rec.get("buckets") or []:
-                cumulative += n
-                buckets.append((str(float(le)) if le != "+Inf" else "+Inf", cumulative))
-            family.add_metric(list(base.values()), buckets, rec.get("sum", 0.0))
-            yield family
+            if s.recoveries is not None:
+                yield _histogram(name, doc, base, s.recoveries)
             continue
         family = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(
-            name, doc, labels=names
+            name, doc, labels=[*base, *labels]
         )
         for labels_of, value in samples[name]:
             family.add_metric([*base.values(), *(labels_of[k] for k in labels)], value)
         yield family
+
+
+def _histogram(name: str, doc: str, base: dict[str, str], rec: Recoveries) -> Metric:
+    family = HistogramMetricFamily(name, doc, labels=list(base))
+    cumulative, buckets = 0, []
+    for le, n in rec.buckets:
+        cumulative += n
+        buckets.append((str(float(le)) if le != "+Inf" else "+Inf", cumulative))
+    family.add_metric(list(base.values()), buckets, rec.sum)
+    return family
+
+
+def _job(put: Put, s: Snapshot) -> None:
+    put("elasticd_info", 1, version=__version__)
+    for state in State:
+        put("elasticd_state", int(s.state == state.value), state=state.value)
+    put("elasticd_uptime_seconds", s.uptime)
+    put("elasticd_world_size", s.world_size)
+    put("elasticd_group_rank", s.group_rank)
+    put("elasticd_group_world_size", s.group_world_size)
+    put("elasticd_round", s.round)
+    for peer, age in s.peers.items():
+        put("elasticd_peer_beat_age_seconds", age, peer_group_rank=peer)
+
+
+def _restarts(put: Put, s: Snapshot) -> None:
+    for cause, n in s.restarts_by_cause.items():
+        put("elasticd_restarts_total", n, cause=cause)
+    put("elasticd_restart_budget_used", s.restarts)
+    put("elasticd_restart_budget_left", s.budget_left)
+    if s.last_failure:
+        put("elasticd_last_failure_timestamp_seconds", s.last_failure.at)
+    last_recovery = s.last_recovery or {}
+    for phase in STEPS:
+        put("elasticd_last_recovery_phase_seconds", last_recovery.get(phase), phase=phase)
+    put("elasticd_steps_lost_total", s.steps_lost.total)
+    put("elasticd_last_restart_steps_lost", s.steps_lost.last)
+    put("elasticd_steps_lost_unknown_total", s.steps_lost.unknown)
+
+
+def _training(put: Put, s: Snapshot) -> None:
+    put("elasticd_goodput_ratio", s.goodput.ratio)
+    put("elasticd_productive_seconds", s.goodput.productive_seconds)
+    put("elasticd_lost_seconds", s.goodput.lost_seconds)
+    put("elasticd_training_step", s.step)
+    put("elasticd_step_seconds", s.step_time)
+    put("elasticd_step_work_seconds", s.work_time)
+    put("elasticd_stragglers", len(s.stragglers))
+    put("elasticd_straggler_reports_total", s.straggler_reports)
+
+
+def _costs(put: Put, s: Snapshot) -> None:
+    """What checkpoints and in-memory refreshes cost, and the newest of each."""
+    ckpt, mem = s.checkpoint_costs, s.memory_refresh
+    put("elasticd_checkpoint_saves_total", ckpt.saves)
+    put("elasticd_checkpoint_stall_seconds_total", ckpt.stall_seconds_total)
+    put("elasticd_checkpoint_write_seconds_total", ckpt.write_seconds_total)
+    if ckpt.saves:
+        put("elasticd_checkpoint_last_stall_seconds", ckpt.last_stall_seconds)
+        put("elasticd_checkpoint_last_write_seconds", ckpt.last_write_seconds)
+    newest = s.checkpoint or {}  # the checkpoint format's manifest entry
+    put("elasticd_checkpoint_step", newest.get("step"))
+    put("elasticd_checkpoint_age_seconds", newest.get("age"))
+    put("elasticd_memory_refreshes_total", mem.refreshes)
+    put("elasticd_memory_refresh_seconds_total", mem.seconds_total)
+    if mem.refreshes:
+        put("elasticd_memory_refresh_last_seconds", mem.last_seconds)
+        put("elasticd_memory_refresh_interval_steps", mem.every)
+    put("elasticd_memory_step", s.memory_step)
+
+
+def _ranks(put: Put, s: Snapshot) -> None:
+    for w in s.workers:
+        who = {"rank": w.rank, "local_rank": w.local_rank}
+        put("elasticd_rank_heartbeat_age_seconds", w.heartbeat_age, **who)
+        put("elasticd_rank_rss_bytes", w.rss_bytes, **who)
+        put("elasticd_rank_step", w.step, **who)
+        put("elasticd_rank_step_seconds", w.step_time, **who)
+        put("elasticd_rank_step_work_seconds", w.work_time, **who)
+        put("elasticd_rank_straggler_ratio", w.straggler_ratio, **who)
+
+
+def _health(put: Put, s: Snapshot) -> None:
+    health = s.health
+    if health.last:
+        put("elasticd_health_check_up", int(bool(health.last.ok)))
+        put("elasticd_health_check_duration_seconds", health.last.seconds)
+        put("elasticd_health_check_timestamp_seconds", health.last.at)
+    if health.check:
+        put("elasticd_health_check_runs_total", health.runs)
+        put("elasticd_health_check_failures_total", health.failures)
+    put("elasticd_peers_left_total", len(health.peers_left))
 
 
 class Exporter:
@@ -380,7 +407,7 @@ class Exporter:
         self,
         address: tuple[str, int] | None,
         textfile: str | None,
-        snapshot: Callable[[], dict[str, Any]],
+        snapshot: Callable[[], Snapshot | dict[str, Any]],
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(SnapshotCollector(snapshot))
@@ -410,11 +437,11 @@ class Exporter:
             request_timeout=REQUEST_TIMEOUT,
         )
 
-    def published(self, snapshot: dict[str, Any], now: float) -> None:
+    def published(self, snapshot: Snapshot | dict[str, Any], now: float) -> None:
         """After each status publish (the loop's thread): the textfile, when due or the state changed."""
         if self.textfile is None:
             return
-        state = snapshot.get("state")
+        state = snapshot_of(snapshot).state
         if now < self._next_write and state == self._state:
             return
         self._next_write, self._state = now + TEXTFILE_EVERY, state

@@ -28,22 +28,10 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from elasticd.config import Config
+from elasticd.ops.snapshot import Straggler
 from elasticd.worker import health
 
 SAMPLE_EVERY = 1.0  # seconds between comparisons
-
-
-@dataclass(frozen=True)
-class Straggler:
-    """A rank found slow for the whole window: what a report shows and an action would act on."""
-
-    rank: int
-    local_rank: int
-    node: str
-    ratio: float  # its own work per step over the node's median, over the window
-    work_time: float  # its seconds of own work per step, over the window
-    median: float  # the node's median, over the window
-    since: float  # wall-clock time it was first above the threshold
 
 
 @dataclass(frozen=True)
