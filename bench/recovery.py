@@ -267,8 +267,10 @@ def main() -> None:
     print()
     backend = "CUDA/NCCL" if args.device == "cuda" else "CPU/gloo"
     print(
-        f"recovery after kill -9 of one of {args.nproc} workers ({os.cpu_count()} cores, torch {backend}), "
-        f"{args.trials} trials each, timeout {args.trial_timeout:g}s, disk checkpoint every {args.ckpt_every} steps"
+        f"recovery after kill -9 of one of {args.nproc} workers ({os.cpu_count()} cores, torch "
+        f"{backend}), "
+        f"{args.trials} trials each, timeout {args.trial_timeout:g}s, disk checkpoint every "
+        f"{args.ckpt_every} steps"
     )
     print(
         f"{'launcher':<20} {'median s':>9} {'min s':>7} {'max s':>7} {'recovered':>10} "

@@ -146,7 +146,8 @@ def test_the_import_reader_sees_every_form(tmp_path, monkeypatch):
 def _imported(statement: str) -> dict:
     code = (
         f"import json, sys\n{statement}\n"
-        "print(json.dumps(sorted(m for m in sys.modules if m == 'torch' or m.startswith('elasticd'))))"
+        "print(json.dumps(sorted(m for m in sys.modules "
+        "if m == 'torch' or m.startswith('elasticd'))))"
     )
     r = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120

@@ -56,7 +56,8 @@ class StatusBoard:
         return now - self.last_publish > PUBLISH_EVERY
 
     def read_afresh(self) -> None:
-        """The next snapshot reads the resume points again (a new state's snapshot reads everything)."""
+        """The next snapshot reads the resume points again (a new state's snapshot reads
+        everything)."""
         self._next_resume_read = 0.0
 
     def publish(
@@ -73,7 +74,8 @@ class StatusBoard:
         now: float,
         figures: dict[str, Any] | None = None,
     ) -> None:
-        """`figures`: the operability figures (figures.py, stragglers.py, healthcheck.py) merged in."""
+        """`figures`: the operability figures (figures.py, stragglers.py, healthcheck.py), in
+        their JSON form, read into the snapshot's records."""
         self.last_publish = now
         checkpoint, memory_step = self._resume_points(now, memory_dir)
         self.current = Snapshot(

@@ -171,38 +171,13 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
     if extra:
         flags["args"] = extra
     try:
-        entrypoint = flags.get("entrypoint")
-        if getattr(args, "run_path", False):  # as torchrun: it wins over -m and --no-python
-            if not entrypoint:
-                raise ConfigError("--run-path needs a script path as ENTRYPOINT")
-            if not entrypoint.endswith(".py") and os.sep not in entrypoint:
-                flags["entrypoint"] = os.path.join(os.curdir, entrypoint)
-            flags.pop("no_python", None)
-        elif getattr(args, "module", False):
-            if not entrypoint or entrypoint.endswith(".py") or os.sep in entrypoint:
-                raise ConfigError(
-                    f"-m takes a module name such as pkg.train, got {entrypoint or 'none'}; "
-                    "for a script path drop -m"
-                )
-            if flags.get("no_python"):
-                raise ConfigError(
-                    "--no-python and -m cannot go together: -m runs a Python module; drop one"
-                )
+        _entrypoint_kind(args, flags)
         cfg = config.build(flags, args.config_file, static=getattr(args, "static", []))
         config.check_entrypoint(cfg.entrypoint, no_python=cfg.no_python)
         if cfg.health_check:
             config.check_health_check(cfg.health_check)
         if cfg.metrics_textfile:
-            textfile = Path(cfg.metrics_textfile)
-            if not textfile.absolute().parent.is_dir():
-                raise ConfigError(
-                    f"--metrics-textfile {textfile}: directory {textfile.absolute().parent} does not "
-                    "exist: create it (node_exporter's textfile directory, readable by node_exporter)"
-                )
-            directory = config.check_log_dir(
-                textfile.absolute().parent, "--metrics-textfile's directory"
-            )
-            cfg = dataclasses.replace(cfg, metrics_textfile=str(directory / textfile.name))
+            cfg = _checked_textfile(cfg)
         if cfg.rdzv_secret_file:
             signing.load_secret(cfg.rdzv_secret_file)
         if cfg.etcd and cfg.etcd_password_file:
@@ -231,6 +206,42 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
         _forget_run_dir(run_dir)
         sys.stderr.write(f"elasticd: error: {_one_line(e)}\n")
         return EXIT_USAGE
+
+
+def _entrypoint_kind(args: argparse.Namespace, flags: dict) -> None:
+    """`--run-path` and `-m` as torchrun takes them (--run-path wins over -m and --no-python)."""
+    entrypoint = flags.get("entrypoint")
+    if getattr(args, "run_path", False):
+        if not entrypoint:
+            raise ConfigError("--run-path needs a script path as ENTRYPOINT")
+        if not entrypoint.endswith(".py") and os.sep not in entrypoint:
+            flags["entrypoint"] = os.path.join(os.curdir, entrypoint)
+        flags.pop("no_python", None)
+    elif getattr(args, "module", False):
+        if not entrypoint or entrypoint.endswith(".py") or os.sep in entrypoint:
+            raise ConfigError(
+                f"-m takes a module name such as pkg.train, got {entrypoint or 'none'}; "
+                "for a script path drop -m"
+            )
+        if flags.get("no_python"):
+            raise ConfigError(
+                "--no-python and -m cannot go together: -m runs a Python module; drop one"
+            )
+
+
+def _checked_textfile(cfg):
+    """--metrics-textfile in a directory that exists and is safe to write in, made absolute."""
+    from elasticd import config
+
+    textfile = Path(cfg.metrics_textfile)
+    parent = textfile.absolute().parent
+    if not parent.is_dir():
+        raise ConfigError(
+            f"--metrics-textfile {textfile}: directory {parent} does not exist: create it "
+            "(node_exporter's textfile directory, readable by node_exporter)"
+        )
+    directory = config.check_log_dir(parent, "--metrics-textfile's directory")
+    return dataclasses.replace(cfg, metrics_textfile=str(directory / textfile.name))
 
 
 def _forget_run_dir(run_dir: Path) -> None:

@@ -72,17 +72,25 @@ def settings_page() -> str:
         "",
         "# Settings reference",
         "",
-        "Every setting of `elasticd run`, made from the fields of `elasticd.config.Config` (the same",
-        "declarations `elasticd run --help` is made of). Each is a flag, a key of the TOML config file",
-        "(`--config`, at the top level or under `[elasticd]`; see `systemd/elasticd.toml.example`) and an",
-        f"`{names.SETTING_PREFIX}<KEY>` environment variable; torchrun's flags are also read from its",
+        "Every setting of `elasticd run`, made from the fields of `elasticd.config.Config` (the "
+        "same",
+        "declarations `elasticd run --help` is made of). Each is a flag, a key of the TOML config "
+        "file",
+        "(`--config`, at the top level or under `[elasticd]`; see "
+        "`systemd/elasticd.toml.example`) and an",
+        f"`{names.SETTING_PREFIX}<KEY>` environment variable; torchrun's flags are also read from "
+        "its",
         "`PET_<FLAG>` variables (what Kubeflow's PyTorchJob sets). Flags override the `ELASTICD_`",
-        "environment, which overrides the `PET_` variables, which override the file, which overrides",
+        "environment, which overrides the `PET_` variables, which override the file, which "
+        "overrides",
         "the defaults. Every value, from whichever layer, is checked before anything starts (see",
-        "[running.md](running.md#running-your-own-script)); a bad one is one error line and exit code 2.",
+        "[running.md](running.md#running-your-own-script)); a bad one is one error line and exit "
+        "code 2.",
         "",
-        "A flag `--no-NAME` turns off a setting that is on by default: its key and variable hold the",
-        "setting itself (`tee = false` is `--no-tee`). A list is comma-separated on the command line, an",
+        "A flag `--no-NAME` turns off a setting that is on by default: its key and variable hold "
+        "the",
+        "setting itself (`tee = false` is `--no-tee`). A list is comma-separated on the command "
+        "line, an",
         "array in the file, and space-separated in an `ELASTICD_` variable.",
         "",
         "How each works: [running.md](running.md), [checkpoints.md](checkpoints.md),",
@@ -105,8 +113,10 @@ def settings_page() -> str:
         "",
         "## Flags of the command line only",
         "",
-        "torchrun's flags that elasticd takes another way, accepts without effect, or refuses with one",
-        "line saying what to do instead, and `--config` itself. Of these, only `--rdzv-conf` is also a",
+        "torchrun's flags that elasticd takes another way, accepts without effect, or refuses "
+        "with one",
+        "line saying what to do instead, and `--config` itself. Of these, only `--rdzv-conf` is "
+        "also a",
         "key of the file, and torchrun's variables are read for those that name one.",
         "",
         "| flags | also | meaning |",
@@ -135,7 +145,8 @@ def metrics_page() -> str:
         "",
         "# Metrics reference",
         "",
-        "Every metric elasticd exports, made from `elasticd.ops.metrics.METRICS`. Every series also carries",
+        "Every metric elasticd exports, made from `elasticd.ops.metrics.METRICS`. Every series "
+        "also carries",
         "the labels `run_id` and `node`. How they are served and how the figures are reckoned:",
         "[metrics.md](metrics.md).",
         "",

@@ -171,7 +171,8 @@ class Figures:
         return statistics.median(times) if times else None
 
     def work_time(self) -> float | None:
-        """The median over the node's ranks of their own work per step (outside the gradient sync)."""
+        """The median over the node's ranks of their own work per step (outside the gradient
+        sync)."""
         times = [w for _, w in self.rank_times.values() if w is not None]
         return statistics.median(times) if times else None
 

@@ -90,7 +90,8 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
         dest="master_addr",
         action=_Static,
         default=S,
-        help="static rendezvous: ignored on a single node or with --rdzv-endpoint; across nodes give "
+        help="static rendezvous: ignored on a single node or with --rdzv-endpoint; across nodes "
+        "give "
         "every node --rdzv-endpoint MASTER_ADDR:MASTER_PORT instead",
     )
     g.add_argument(
@@ -133,7 +134,8 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
         "--logs_specs",
         action=_Instead,
         default=S,
-        help="elasticd writes each rank's output to <log dir>/<run>/attemptN/rankR.log: drop the flag",
+        help="elasticd writes each rank's output to <log dir>/<run>/attemptN/rankR.log: drop "
+        "the flag",
     )
     g.add_argument(
         "--duplicate-stdout-filters",
@@ -143,7 +145,8 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
         action=_Instead,
         default=S,
         metavar="FILTERS",
-        help="every rank's output is in <log dir>/<run>/attemptN/rankR.log: grep those instead, and "
+        help="every rank's output is in <log dir>/<run>/attemptN/rankR.log: grep those "
+        "instead, and "
         "drop the flag",
     )
     g.add_argument(

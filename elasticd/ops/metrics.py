@@ -407,7 +407,8 @@ class Exporter:
             self._server = serve(self.address, Handler.factory(self.registry))
 
     def published(self, snapshot: Snapshot | dict[str, Any], now: float) -> None:
-        """After each status publish (the loop's thread): the textfile, when due or the state changed."""
+        """After each status publish (the loop's thread): the textfile, when due or the state
+        changed."""
         if self.textfile is None:
             return
         state = snapshot_of(snapshot).state
@@ -417,8 +418,9 @@ class Exporter:
         self.write_textfile()
 
     def write_textfile(self) -> None:
-        """The metrics into a new file beside the textfile, then renamed over it (0644: node_exporter
-        runs as its own user); a failure is logged once and retried at the next write."""
+        """The metrics into a new file beside the textfile, then renamed over it (0644:
+        node_exporter runs as its own user); a failure is logged once and retried at the next
+        write."""
         assert self.textfile is not None
         tmp = self.textfile.with_name(f".{self.textfile.name}.{os.getpid()}.tmp")
         try:

@@ -80,7 +80,8 @@ class Handler(MetricsHandler):
         )
 
     def parse_request(self) -> bool:
-        """Its line and headers are in: from now on the connection is served, no longer evictable."""
+        """Its line and headers are in: from now on the connection is served, no longer
+        evictable."""
         ok = super().parse_request()
         self.server.requested(self.connection)
         return ok
