@@ -5,11 +5,12 @@ INIT → RENDEZVOUS ────────────→ RUNNING ──all lo
            ▲                      │ a RestartCause that restarts: crash / signal / hang /
            │                      │ peer asked / node lost / store unreachable / scale
            │                      ▼
-           └── next round ── RESTARTING (stop the group, budget + backoff) ──budget spent──→ FAILED
+           └── next round ── RESTARTING (stop the group, backoff) ──fatal exit code──→ FAILED
 
 RENDEZVOUS, RUNNING ──stop request or SIGTERM──→ STOPPING (workers checkpoint & exit) → STOPPED
 RENDEZVOUS ──stop while blocked joining──→ STOPPED
 RENDEZVOUS, RUNNING, RESTARTING, EXIT_BARRIER, STOPPING ──store lost / rendezvous failed──→ FAILED
+RENDEZVOUS ──the round's closing found the restart budget spent──→ FAILED
 RENDEZVOUS, RUNNING ──this node's health check failed──→ LEFT
 
 The agent checks every transition against TRANSITIONS where it happens (Agent.set_state): one
@@ -39,9 +40,10 @@ class State(str, enum.Enum):
     EXIT_BARRIER (every local worker exited 0); RESTARTING (a RestartCause); STOPPING (stop
     request or signal); FAILED (the store was lost); LEFT (the periodic health check failed)."""
     RESTARTING = "RESTARTING"
-    """The local group is torn down; the restart budget is spent and the backoff waited out.
+    """The local group is torn down and the backoff waited out (the restart budget is spent by
+    the closing of the next round, cluster/rendezvous.py, which knows whether a node was lost).
     Next: RENDEZVOUS (the next round, also when a stop came during the backoff: it is acted on
-    there); FAILED (budget spent, a fatal exit code, or the store was lost)."""
+    there); FAILED (a fatal exit code, or the store was lost)."""
     EXIT_BARRIER = "EXIT_BARRIER"
     """Local workers are done; waiting for the other nodes to be done too. Next: SUCCEEDED;
     FAILED (the store was lost)."""
