@@ -6,6 +6,7 @@ restart would resume from.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import os
 import time
 from collections.abc import Callable
@@ -93,7 +94,7 @@ class StatusBoard:
             uptime=round(time.time() - self.started, 1),
             run_dir=str(self.run_dir),
             entrypoint=self.cfg.entrypoint,
-            workers=[from_json(Worker, row) for row in ranks],
+            workers=[from_json(Worker, _known(Worker, row)) for row in ranks],
             # its ring neighbours, the peer nodes it watches
             peers={r: round(now - seen, 1) for r, (_, seen) in sorted(rnd.peer_seen.items())}
             if rnd
@@ -104,8 +105,10 @@ class StatusBoard:
             last_recovery=last_recovery,
             checkpoint=checkpoint,
             memory_step=memory_step,
-            parts={name: from_json(Part, p) for name, p in supervise.report().items()},
-            **fields_from_json(Snapshot, figures or {}),
+            parts={
+                name: from_json(Part, _known(Part, p)) for name, p in supervise.report().items()
+            },
+            **fields_from_json(Snapshot, _known(Snapshot, figures or {})),
             events=list(self.events)[-10:],
         )
         self.snapshot = self.current.to_json()  # what the control socket serves
@@ -149,3 +152,13 @@ class StatusBoard:
                 path=info.get("path"),
             )
         return info
+
+
+def _known(cls: type, data: dict[str, Any]) -> dict[str, Any]:
+    """`data`, whose every key must be a field of `cls`: one that is not would vanish from the
+    wire without a word, so a figure or a row without its field in ops/snapshot.py fails here,
+    in every test that runs a daemon."""
+    unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
+    if unknown:
+        raise KeyError(f"{sorted(unknown)}: not fields of {cls.__name__} (ops/snapshot.py)")
+    return data
