@@ -13,7 +13,8 @@ are back), drawn from a shuffled deck of the kinds (every kind once per round). 
     loader                     kill -9 of one worker's DataLoader process
     both                       kill -9 of both workers at once
     spare / forkserver         kill -9 of a warm spare / of the fork server: no restart expected
-    restart                    kill -9 of a worker, then of a new worker as soon as the restart spawned it
+    restart                    kill -9 of a worker, then of a new worker as soon as the restart
+                               spawned it
     save                       kill -9 of rank 0 right after it logged a disk-checkpoint step (its
                                background save in flight)
     exit                       (always the last) kill -9 of a worker once it logged the final step,
@@ -540,12 +541,16 @@ def table(r: dict) -> str:
         rs = f"{statistics.median(rec):.2f}/{max(rec):.2f}" if rec else "-"
         lines.append(f"{kind:<12} {k['n']:>3} {k['survived']:>9} {k['restarted']:>10} {rs:>22}")
     lines += [
-        f"survived {r['survived']}/{r['faults']}, bit-identical {r['bit_identical']}, orphans {r['orphans']}, "
+        f"survived {r['survived']}/{r['faults']}, bit-identical {r['bit_identical']}, orphans "
+        f"{r['orphans']}, "
         f"unexpected restarts {r['unexpected_restarts']}",
-        f"recovery median {r['recovery_median_s']} s, max {r['recovery_max_s']} s; kill -9 of one worker median "
-        f"{r['single_kill9_median_s']} s; before / after the fork server was killed {r['before_forkserver_median_s']}"
+        f"recovery median {r['recovery_median_s']} s, max {r['recovery_max_s']} s; kill -9 of one "
+        "worker median "
+        f"{r['single_kill9_median_s']} s; before / after the fork server was killed "
+        f"{r['before_forkserver_median_s']}"
         f" / {r['after_forkserver_median_s']} s",
-        f"steps lost median {r['steps_lost_median']}, max {r['steps_lost_max']}; wall {r['wall_s']} s vs "
+        f"steps lost median {r['steps_lost_median']}, max {r['steps_lost_max']}; wall "
+        f"{r['wall_s']} s vs "
         f"fault-free {r['clean_wall_s']} s",
     ]
     return "\n".join(lines)

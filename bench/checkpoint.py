@@ -120,7 +120,8 @@ def main() -> None:
     print()
     print(f"checkpoint stall, median of {args.trials}, {os.cpu_count()} cores, CPU tensors")
     print(
-        f"{'state':>8} {'torch.save s':>13} {'save() stall s':>15} {'stall ratio':>12} {'memory refresh s':>17} "
+        f"{'state':>8} {'torch.save s':>13} {'save() stall s':>15} {'stall ratio':>12} "
+        f"{'memory refresh s':>17} "
         f"{'load plain s':>13} {'load lib s':>11}"
     )
     for _mb, nbytes, plain, stall, _write, refresh, lp, ll in rows:

@@ -162,7 +162,8 @@ def main() -> int:
     for op in result["etcd"]:
         t, e = result["tcpstore"][op], result["etcd"][op]
         print(
-            f"{op:<18} {t['median_ms']:>15.3f} / {t['p90_ms']:<8.3f} {e['median_ms']:>15.3f} / {e['p90_ms']:<8.3f}"
+            f"{op:<18} {t['median_ms']:>15.3f} / {t['p90_ms']:<8.3f} {e['median_ms']:>15.3f} / "
+            f"{e['p90_ms']:<8.3f}"
         )
     for what, v in result["etcd failover (s)"].items():
         print(f"{what}: {v}")

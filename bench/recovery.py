@@ -33,6 +33,8 @@ from pathlib import Path
 
 import psutil
 
+from elasticd.daemon.recovery import STEPS
+
 HERE = Path(__file__).resolve().parent
 SCRIPT = HERE / "step_logger.py"
 
@@ -216,9 +218,6 @@ def run_launcher(
     }
 
 
-PHASES = ("torn_down", "rendezvous_done", "spawned", "pg_ready", "state_loaded", "first_step")
-
-
 def timeline(log: Path) -> dict[str, float]:
     """elasticd's recovery timeline ("recovered" events: seconds since the failure was detected),
     median per phase over the trials; empty for torchrun, which logs none."""
@@ -228,7 +227,7 @@ def timeline(log: Path) -> dict[str, float]:
             events.append(json.loads(line))
     return {
         k: statistics.median(e[k] for e in events)
-        for k in PHASES
+        for k in STEPS  # the recovery's phases, in order (elasticd/daemon/recovery.py)
         if events and all(k in e for e in events)
     }
 
@@ -268,8 +267,10 @@ def main() -> None:
     print()
     backend = "CUDA/NCCL" if args.device == "cuda" else "CPU/gloo"
     print(
-        f"recovery after kill -9 of one of {args.nproc} workers ({os.cpu_count()} cores, torch {backend}), "
-        f"{args.trials} trials each, timeout {args.trial_timeout:g}s, disk checkpoint every {args.ckpt_every} steps"
+        f"recovery after kill -9 of one of {args.nproc} workers ({os.cpu_count()} cores, torch "
+        f"{backend}), "
+        f"{args.trials} trials each, timeout {args.trial_timeout:g}s, disk checkpoint every "
+        f"{args.ckpt_every} steps"
     )
     print(
         f"{'launcher':<20} {'median s':>9} {'min s':>7} {'max s':>7} {'recovered':>10} "

@@ -115,9 +115,8 @@ def main() -> None:
                     memory_every=n,
                     memory_overlap=mode == "overlapped",
                 )
-        block(
-            model, opt, x, y, None, args.block, 1, sync
-        )  # warm-up: kernels, allocator, optimizer state
+        # warm-up: kernels, allocator, optimizer state
+        block(model, opt, x, y, None, args.block, 1, sync)
         nbytes = sum(t.nbytes for t in model.state_dict().values())
         nbytes += sum(
             t.nbytes for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)
@@ -131,10 +130,8 @@ def main() -> None:
         stalls: dict = {key: [] for key in times}
         step = 1
         for r in range(args.rounds):
-            order = list(times)
-            order = (
-                order[r % len(order) :] + order[: r % len(order)]
-            )  # rotate: no kind always follows another
+            order = list(times)  # rotated: no kind always follows another
+            order = order[r % len(order) :] + order[: r % len(order)]
             for mode, n in order:
                 mgr = mgrs.get((n, mode))
                 if mgr is not None:
@@ -143,12 +140,10 @@ def main() -> None:
                     block(model, opt, x, y, mgr, args.block, step, sync, stalls[mode, n])
                 )
                 step += args.block
-                if (
-                    mgr is not None
-                ):  # an overlapped refresh's charge comes once its events passed: the
-                    charged[mode, n] += (
-                        mgr._memory.cadence.costs
-                    )  # block's last one in its next block
+                if mgr is not None:
+                    # an overlapped refresh's charge comes once its events passed: the block's
+                    # last one in its next block
+                    charged[mode, n] += mgr._memory.cadence.costs
         off = [k for k, m in mgrs.items() if k[1] == "overlapped" and not m._memory.writer.overlap]
         for mgr in mgrs.values():
             mgr.close()
@@ -158,21 +153,28 @@ def main() -> None:
         shutil.rmtree(root, ignore_errors=True)
         for d in mems.values():
             shutil.rmtree(d, ignore_errors=True)
+    what = torch.cuda.get_device_name(device) if cuda else f"CPU, {os.cpu_count()} cores"
+    report(args, what, nbytes, times, charged, stalls, off)
+
+
+def report(args, what: str, nbytes: int, times: dict, charged: dict, stalls: dict, off: list):
+    """The table: each kind's step time, its true cost per refresh and what the cadence charged."""
     med = statistics.median
     base = med(times["none", 0])
-    what = torch.cuda.get_device_name(device) if cuda else f"CPU, {os.cpu_count()} cores"
     print(
-        f"in-memory refresh of a {nbytes / 1e6:.0f} MB state ({args.width}x{args.depth} MLP, batch {args.batch}, "
-        f"{args.optimizer}) on {what}, torch {torch.__version__}; median of {args.rounds} blocks of "
-        f"{args.block} steps each; step without refreshes {1e3 * base:.3f} ms"
+        f"in-memory refresh of a {nbytes / 1e6:.0f} MB state ({args.width}x{args.depth} MLP, "
+        f"batch {args.batch}, {args.optimizer}) on {what}, torch {torch.__version__}; median of "
+        f"{args.rounds} blocks of {args.block} steps each; step without refreshes "
+        f"{1e3 * base:.3f} ms"
     )
     if off:
         print(
-            f"  overlapping turned itself off for N in {sorted(n for n, _ in off)}: those rows are synchronous"
+            f"  overlapping turned itself off for N in {sorted(n for n, _ in off)}: those rows "
+            "are synchronous"
         )
     print(
-        f"{'refresh':<12} {'N':>4} {'step ms':>9} {'true cost ms':>13} {'charged ms':>11} {'host ms':>8} "
-        f"{'N at budget':>12} {'cost there':>11}"
+        f"{'refresh':<12} {'N':>4} {'step ms':>9} {'true cost ms':>13} {'charged ms':>11} "
+        f"{'host ms':>8} {'N at budget':>12} {'cost there':>11}"
     )
     for (mode, n), ts in times.items():
         if mode == "none":

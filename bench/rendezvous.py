@@ -227,8 +227,8 @@ def main() -> None:
             med[kind] = statistics.median(ok) if ok else float("nan")
         fails = sum(t is None for k in ("elasticd", "torchrun") for t in table[(k, n)])
         print(
-            f"{n:>5} {med['elasticd']:>11.2f} {med['torchrun']:>11.2f} {med['elasticd'] / med['torchrun']:>6.2f}x"
-            + (f"  ({fails} failed)" if fails else "")
+            f"{n:>5} {med['elasticd']:>11.2f} {med['torchrun']:>11.2f} "
+            f"{med['elasticd'] / med['torchrun']:>6.2f}x" + (f"  ({fails} failed)" if fails else "")
         )
     ok = [t for t in prop if t is not None]
     print(

@@ -5,8 +5,8 @@ on c10d, torch's c10d DynamicRendezvousHandler as torchrun uses it.
 
 Design. The N nodes live as threads in P worker processes (--procs, default 8: N/P nodes each),
 so that no single GIL bounds them and both cores are used. Every simulated node is what a daemon
-holds: its own Rendezvous with its own store connection (a tcpstore.TCPStoreKV made as the daemon makes
-it, with tcpstore.tcp_connector), its own Peers (the liveness thread and, per round, the
+holds: its own Rendezvous with its own store connection (a tcpstore.TCPStoreKV made as the daemon
+makes it, with tcpstore.tcp_connector), its own Peers (the liveness thread and, per round, the
 restart-waiter thread, each on its own cloned connection) and a thread that calls next_round. So
 the store sees what it would see from N daemons: the same keys and requests, from 3 connections
 per node. What a daemon's agent loop does with Peers (check() every --monitor-interval) one thread
@@ -506,8 +506,10 @@ def run_elasticd(n: int, args, work: Path) -> dict:
         out["round_s"] = r["round_s"]
         log(
             f"elasticd n={n}: round {r['round_s']:.3f}s (the closer's next_round returned at "
-            f"{r.get('closer_s', 0):.3f}s after {r.get('closer_requests')} requests; {r.get('round_requests')} "
-            f"requests in all; our clients used {r['clients_cores']:.2f} cores, the store {r['store_cores']:.2f}); "
+            f"{r.get('closer_s', 0):.3f}s after {r.get('closer_requests')} requests; "
+            f"{r.get('round_requests')} "
+            f"requests in all; our clients used {r['clients_cores']:.2f} cores, the store "
+            f"{r['store_cores']:.2f}); "
             "steady window"
         )
         st = steady_window(s.store_ps, s.workers, args.warmup, args.window)
@@ -554,7 +556,8 @@ def run_elasticd(n: int, args, work: Path) -> dict:
         released = sum(e["done"] for e in ends)
         out["barrier_release_s"] = max(e["last"] for e in ends) - t_last
         log(
-            f"elasticd n={n}: {n - 1} nodes at the exit barrier: {st['requests_per_s']:.0f} requests/s, store "
+            f"elasticd n={n}: {n - 1} nodes at the exit barrier: {st['requests_per_s']:.0f} "
+            "requests/s, store "
             f"{st['store_cpu']:.3f} cores; the last node in -> {released} of {n} released in "
             f"{out['barrier_release_s']:.3f}s"
         )
@@ -620,7 +623,8 @@ def run_elasticd(n: int, args, work: Path) -> dict:
                 f"{false[:3]}"
             )
         log(
-            f"elasticd n={n}: detection {out['detection_s']} (fallback {out['fallback_s']}); recovery"
+            f"elasticd n={n}: detection {out['detection_s']} (fallback {out['fallback_s']}); "
+            "recovery"
         )
         if n >= 3:
             out["recovery_s"] = recovery(s, n, args, out["notes"])
@@ -644,7 +648,8 @@ def too_early(
     if first >= silence - 2 * BEAT_EVERY:
         return last
     notes.append(
-        f"elasticd n={n}: a watcher found the node lost {first:.3f}s after it went silent ({path}): its "
+        f"elasticd n={n}: a watcher found the node lost {first:.3f}s after it went silent "
+        f"({path}): its "
         "beats were already late (the store overloaded); not a detection"
     )
     return None
@@ -666,12 +671,14 @@ def recovery(s: Session, n: int, args, notes: list[str]) -> float | None:
     if sum(r["done"] for r in setup) != n - 1 or sizes != {n - 1}:
         errors = [e for r in setup for e in r["errors"]][:3]
         notes.append(
-            f"elasticd n={n}: the rejoin before the recovery phase formed rounds of {sorted(sizes)} "
+            f"elasticd n={n}: the rejoin before the recovery phase formed rounds of "
+            f"{sorted(sizes)} "
             f"({sum(r['done'] for r in setup)} of {n - 1} joined): {errors}"
         )
         return None
     log(
-        f"elasticd n={n}: the {n - 1} left rejoined in {max(r['end'] for r in setup) - t0:.3f}s; silencing one"
+        f"elasticd n={n}: the {n - 1} left rejoined in {max(r['end'] for r in setup) - t0:.3f}s; "
+        "silencing one"
     )
     w, local = s.where([r["ranks"] for r in setup], (n - 1) // 2)
     s.workers[w].send({"cmd": "silence", "local": local})
@@ -682,7 +689,8 @@ def recovery(s: Session, n: int, args, notes: list[str]) -> float | None:
     sizes = {x for r in got for x in r["sizes"]}
     if done != n - 2 or sizes != {n - 2}:
         notes.append(
-            f"elasticd n={n}: recovery: {done} of {n - 2} survivors in a next round within {bound:g}s "
+            f"elasticd n={n}: recovery: {done} of {n - 2} survivors in a next round within "
+            f"{bound:g}s "
             f"(rounds of {sorted(sizes)}): {[e for r in got for e in r['errors']][:3]}"
         )
         return None
@@ -702,7 +710,8 @@ def run_torch(n: int, args, work: Path, keep_alive: float) -> dict:
         return out
     try:
         log(
-            f"torch ka={keep_alive:g} n={n}: {n} handlers up in {time.monotonic() - t:.1f}s; next_rendezvous"
+            f"torch ka={keep_alive:g} n={n}: {n} handlers up in {time.monotonic() - t:.1f}s; "
+            "next_rendezvous"
         )
         r = s.round()
         if "round_s" not in r:
@@ -715,7 +724,8 @@ def run_torch(n: int, args, work: Path, keep_alive: float) -> dict:
             return out
         out["round_s"] = r["round_s"]
         log(
-            f"torch ka={keep_alive:g} n={n}: round {r['round_s']:.3f}s (our clients used {r['clients_cores']:.2f} "
+            f"torch ka={keep_alive:g} n={n}: round {r['round_s']:.3f}s (our clients used "
+            f"{r['clients_cores']:.2f} "
             f"cores, the store {r['store_cores']:.2f}); steady window"
         )
         window = (
@@ -894,7 +904,8 @@ def main() -> int:
         "--lift-value-limit",
         action="store_true",
         help="raise "
-        "elasticd.cluster.signing.MAX_VALUE (64 KiB) in the simulated nodes: a round's members value "
+        "elasticd.cluster.signing.MAX_VALUE (64 KiB) in the simulated nodes: a round's members "
+        "value "
         "outgrows it at about 1800 nodes here (fewer with longer host names), and every node then "
         "rejects it",
     )
@@ -904,7 +915,8 @@ def main() -> int:
         type=float,
         default=0.05,
         help="the worker processes' "
-        "sys.setswitchinterval (default %(default)s; Python's is 0.005, which with hundreds of threads "
+        "sys.setswitchinterval (default %(default)s; Python's is 0.005, which with hundreds of "
+        "threads "
         "per process spends the CPU on handing the GIL around)",
     )
     p.add_argument("--worker", choices=("elasticd", "torch"), help=argparse.SUPPRESS)
@@ -938,7 +950,8 @@ def main() -> int:
         Child.hosts = None if args.no_private_hosts else private_hosts(work)
         if Child.hosts is None:
             log(
-                "warning: no private /etc/hosts (needs root and unshare): a reverse DNS lookup torch's store makes "
+                "warning: no private /etc/hosts (needs root and unshare): a reverse DNS lookup "
+                "torch's store makes "
                 "per connection may stall it for seconds where the resolver drops queries"
             )
         for n in sizes:
@@ -951,9 +964,12 @@ def main() -> int:
     if not args.json:
         print(table(rows, keep_alives if not args.no_torch else []))
         print(
-            f"\nelasticd on {'a 3-member etcd cluster' if args.backend == 'etcd' else 'a c10d TCPStore'}: "
-            f"--peer-timeout {args.peer_timeout:g}s, fake workers stepping every {args.step_time:g}s "
-            f"(evidence path); {args.procs} processes; cores: CPU seconds per second (this machine has "
+            "\nelasticd on "
+            f"{'a 3-member etcd cluster' if args.backend == 'etcd' else 'a c10d TCPStore'}: "
+            f"--peer-timeout {args.peer_timeout:g}s, fake workers stepping every "
+            f"{args.step_time:g}s "
+            f"(evidence path); {args.procs} processes; cores: CPU seconds per second (this "
+            "machine has "
             f"{os.cpu_count()})"
         )
         for r in rows:
@@ -1307,7 +1323,8 @@ class ElasticdNodes:
 
     def woken(self, node: Node) -> None:
         """A node's Peers woke its agent loop: in the recovery phase, a restart asked is acted on
-        at once (the daemon's loop wakes on it; a tick of ours would add up to --monitor-interval)."""
+        at once (the daemon's loop wakes on it; a tick of ours would add up to
+        --monitor-interval)."""
         restart = node.peers._restart if node.peers is not None else None
         if (
             self.mode == "recover"
@@ -1337,139 +1354,151 @@ class ElasticdNodes:
 
         threading.Thread(target=rejoin, daemon=True).start()
 
+    COMMANDS = (
+        "ready",
+        "round",
+        "counts",
+        "barrier",
+        "barrier_wait",
+        "restart",
+        "seen",
+        "silence",
+        "rejoin",
+        "recover",
+        "stall",
+    )
+
     def handle(self, cmd: str, msg: dict) -> dict:
-        if cmd == "ready":
-            return {"ready": len(self.nodes)}
-        if cmd == "round":
-            return self.round(msg["at"], msg["timeout"])
-        if cmd == "counts":
-            return {
-                "t": time.monotonic(),
-                "requests": CountingClient.total() + EtcdRequests.n,
-                "cpu": _cpu(),
-                "unexpected": self.unexpected_count,
-                "errors": self.unexpected[:3],
-            }
-        if (
-            cmd == "barrier"
-        ):  # nodes done with training wait at the exit barrier (all but a straggler)
+        """One command of the coordinator, run by the method of its name."""
+        if cmd not in self.COMMANDS:
+            raise ValueError(cmd)
+        return getattr(self, f"_{cmd}")(msg)
 
-            def barrier(node: Node) -> None:
-                try:
-                    node.rdzv.exit_barrier(node.rnd, msg["timeout"])
-                    node.barrier_end = time.monotonic()
-                except Exception as e:  # noqa: BLE001 - reported
-                    node.error = f"exit barrier: {type(e).__name__}: {e}"
+    def _ready(self, msg: dict) -> dict:
+        return {"ready": len(self.nodes)}
 
-            chosen = [
-                x
-                for i, x in enumerate(self.nodes)
-                if (i == msg["straggler"]) == msg["straggler_only"]
-            ]
-            for node in chosen:
-                threading.Thread(target=barrier, args=(node,), daemon=True).start()
-            if not msg["straggler_only"]:
-                return {}
-            _wait_all(
-                self.nodes,
-                lambda x: x.barrier_end is not None or x.error is not None,
-                msg["timeout"],
-            )
-            return {
-                "done": sum(x.barrier_end is not None for x in self.nodes),
-                "last": max((x.barrier_end for x in self.nodes if x.barrier_end), default=0.0),
-            }
-        if cmd == "barrier_wait":
-            _wait_all(
-                self.nodes,
-                lambda x: x.barrier_end is not None or x.error is not None,
-                msg["timeout"],
-            )
-            return {
-                "done": sum(x.barrier_end is not None for x in self.nodes),
-                "last": max((x.barrier_end for x in self.nodes if x.barrier_end), default=0.0),
-            }
-        if cmd == "restart":
-            node = self.nodes[msg["local"]]
-            t0 = time.monotonic()
-            node.rdzv.request_restart(
-                node.rnd, {"summary": "bench: restart asked", "node": node.rdzv.node_id}
-            )
-            return {"t0": t0}
-        if cmd == "seen":
-            _wait_all(self.nodes, lambda x: x.seen is not None, msg["timeout"])
-            seen = [x.seen for x in self.nodes if x.seen is not None]
-            return {"seen": len(seen), "last": max(seen, default=0.0), "all": seen}
-        if cmd == "silence":
-            node = self.nodes[msg["local"]]
-            node.silenced = True
-            t = time.monotonic()
-            node.peers._stop.set()  # its liveness thread beats no more (and its waiter leaves)
-            return {"t": t, "id": node.rdzv.node_id}
-        if cmd == "rejoin":  # after the propagation phase's restart; the recovery phase's --nnodes
-            import dataclasses
+    def _round(self, msg: dict) -> dict:
+        return self.round(msg["at"], msg["timeout"])
 
-            self.mode = "idle"
-            cfg = dataclasses.replace(self.cfg, nnodes=f"{msg['min']}:{2 * self.args.total}")
-            for node in self.nodes:
-                node.rdzv.cfg = node.peers.cfg = cfg
-            return self.round(time.monotonic(), msg["timeout"])
-        if cmd == "recover":
-            live = [x for x in self.nodes if not x.silenced]
-            self.stall = msg["since"]
-            self.mode = "recover"
-            _wait_all(
-                live, lambda x: x.recovered is not None or x.error is not None, msg["timeout"]
-            )
-            self.mode = "idle"
-            done = [x for x in live if x.recovered is not None and x.rnd is not None]
-            return {
-                "done": len(done),
-                "end": max((x.recovered for x in done), default=0.0),
-                "sizes": sorted({x.rnd.group_world_size for x in done}),
-                "lost": sorted({m for x in done for m in x.rnd.lost}),
-                "errors": [x.error for x in live if x.error][:3],
-            }
-        if cmd == "stall":
-            self.stall = msg["since"]
-            self.mode = "detect"
-            target = msg["target"]
-            from elasticd.cluster.peers import WATCHED
+    def _counts(self, msg: dict) -> dict:
+        return {
+            "t": time.monotonic(),
+            "requests": CountingClient.total() + EtcdRequests.n,
+            "cpu": _cpu(),
+            "unexpected": self.unexpected_count,
+            "errors": self.unexpected[:3],
+        }
 
-            watchers = [
-                x
-                for x in self.nodes
-                if not x.silenced
-                and x.rnd is not None
-                and target in [m.node_id for m in x.rnd.neighbours(WATCHED)]
-            ]
-            self.watchers = watchers
-            _wait_all(
-                watchers,
-                lambda x: target in x.detected["evidence"] and target in x.detected["fallback"],
-                msg["timeout"],
-            )
-            false = [
-                f"{x.rdzv.node_id} took {lost} for lost"
-                for x in self.nodes
-                for lost in x.detected["evidence"]
-                if lost != target
-            ]
-            return {
-                "watchers": len(watchers),
-                "evidence": [
-                    x.detected["evidence"][target]
-                    for x in watchers
-                    if target in x.detected["evidence"]
-                ],
-                "fallback": [
-                    x.detected["fallback"][target]
-                    for x in watchers
-                    if target in x.detected["fallback"]
-                ],
-                "false": false[:5],
-            }
-        raise ValueError(cmd)
+    def _barrier(self, msg: dict) -> dict:
+        """Nodes done with training wait at the exit barrier (all but a straggler)."""
+
+        def barrier(node: Node) -> None:
+            try:
+                node.rdzv.exit_barrier(node.rnd, msg["timeout"])
+                node.barrier_end = time.monotonic()
+            except Exception as e:  # noqa: BLE001 - reported
+                node.error = f"exit barrier: {type(e).__name__}: {e}"
+
+        chosen = [
+            x for i, x in enumerate(self.nodes) if (i == msg["straggler"]) == msg["straggler_only"]
+        ]
+        for node in chosen:
+            threading.Thread(target=barrier, args=(node,), daemon=True).start()
+        if not msg["straggler_only"]:
+            return {}
+        return self._barrier_wait(msg)
+
+    def _barrier_wait(self, msg: dict) -> dict:
+        _wait_all(
+            self.nodes,
+            lambda x: x.barrier_end is not None or x.error is not None,
+            msg["timeout"],
+        )
+        return {
+            "done": sum(x.barrier_end is not None for x in self.nodes),
+            "last": max((x.barrier_end for x in self.nodes if x.barrier_end), default=0.0),
+        }
+
+    def _restart(self, msg: dict) -> dict:
+        node = self.nodes[msg["local"]]
+        t0 = time.monotonic()
+        node.rdzv.request_restart(
+            node.rnd, {"summary": "bench: restart asked", "node": node.rdzv.node_id}
+        )
+        return {"t0": t0}
+
+    def _seen(self, msg: dict) -> dict:
+        _wait_all(self.nodes, lambda x: x.seen is not None, msg["timeout"])
+        seen = [x.seen for x in self.nodes if x.seen is not None]
+        return {"seen": len(seen), "last": max(seen, default=0.0), "all": seen}
+
+    def _silence(self, msg: dict) -> dict:
+        node = self.nodes[msg["local"]]
+        node.silenced = True
+        t = time.monotonic()
+        node.peers._stop.set()  # its liveness thread beats no more (and its waiter leaves)
+        return {"t": t, "id": node.rdzv.node_id}
+
+    def _rejoin(self, msg: dict) -> dict:
+        # after the propagation phase's restart; the recovery phase's --nnodes
+        import dataclasses
+
+        self.mode = "idle"
+        cfg = dataclasses.replace(self.cfg, nnodes=f"{msg['min']}:{2 * self.args.total}")
+        for node in self.nodes:
+            node.rdzv.cfg = node.peers.cfg = cfg
+        return self.round(time.monotonic(), msg["timeout"])
+
+    def _recover(self, msg: dict) -> dict:
+        live = [x for x in self.nodes if not x.silenced]
+        self.stall = msg["since"]
+        self.mode = "recover"
+        _wait_all(live, lambda x: x.recovered is not None or x.error is not None, msg["timeout"])
+        self.mode = "idle"
+        done = [x for x in live if x.recovered is not None and x.rnd is not None]
+        return {
+            "done": len(done),
+            "end": max((x.recovered for x in done), default=0.0),
+            "sizes": sorted({x.rnd.group_world_size for x in done}),
+            "lost": sorted({m for x in done for m in x.rnd.lost}),
+            "errors": [x.error for x in live if x.error][:3],
+        }
+
+    def _stall(self, msg: dict) -> dict:
+        self.stall = msg["since"]
+        self.mode = "detect"
+        target = msg["target"]
+        from elasticd.cluster.peers import WATCHED
+
+        watchers = [
+            x
+            for x in self.nodes
+            if not x.silenced
+            and x.rnd is not None
+            and target in [m.node_id for m in x.rnd.neighbours(WATCHED)]
+        ]
+        self.watchers = watchers
+        _wait_all(
+            watchers,
+            lambda x: target in x.detected["evidence"] and target in x.detected["fallback"],
+            msg["timeout"],
+        )
+        false = [
+            f"{x.rdzv.node_id} took {lost} for lost"
+            for x in self.nodes
+            for lost in x.detected["evidence"]
+            if lost != target
+        ]
+        return {
+            "watchers": len(watchers),
+            "evidence": [
+                x.detected["evidence"][target] for x in watchers if target in x.detected["evidence"]
+            ],
+            "fallback": [
+                x.detected["fallback"][target] for x in watchers if target in x.detected["fallback"]
+            ],
+            "false": false[:5],
+        }
 
     def arrived(self) -> str:
         """How far a round that did not form got: its arrival counter (every node takes a number
@@ -1520,7 +1549,8 @@ class ElasticdNodes:
         if busiest.round_requests > 100:
             store = getattr(busiest.rdzv.kv, "store", None)
             print(
-                f"busiest node {busiest.rdzv.node_id}: {busiest.round_requests} requests in next_round; its "
+                f"busiest node {busiest.rdzv.node_id}: {busiest.round_requests} requests in "
+                "next_round; its "
                 f"last calls: {list(store.trace) if store is not None else None}",
                 file=sys.stderr,
                 flush=True,

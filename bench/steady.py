@@ -142,7 +142,10 @@ def cadence(workdir: Path) -> str:
                 "memory_cadence" in line
             ):  # a console line or a JSON one, as the script's logging is set up
                 e = dict(re.findall(r'"?(every|refresh_ms)"?[=:] ?([0-9.]+)', line))
-                found = f" (in-memory state every {e.get('every')} steps, refresh {e.get('refresh_ms')} ms)"
+                found = (
+                    f" (in-memory state every {e.get('every')} steps, "
+                    f"refresh {e.get('refresh_ms')} ms)"
+                )
     return found
 
 
@@ -198,7 +201,8 @@ def main() -> None:
         "--ckpt-every",
         type=int,
         default=500,
-        help="disk checkpoint cadence; elasticd also refreshes the in-memory state (default cadence)",
+        help="disk checkpoint cadence; elasticd also refreshes the in-memory state (default "
+        "cadence)",
     )
     p.add_argument(
         "--variants",
@@ -216,7 +220,8 @@ def main() -> None:
     p.add_argument(
         "--paired",
         action="store_true",
-        help="run each elasticd variant and torchrun at the same time on separate halves of the CPUs",
+        help="run each elasticd variant and torchrun at the same time on separate halves of the "
+        "CPUs",
     )
     args = p.parse_args()
     workloads = args.workloads.split(",")
@@ -272,19 +277,20 @@ def main() -> None:
                 ratios[w, variant].append(step[w, variant][-1] / step[w, "torchrun"][-1])
     print()
     how = (
-        "each beside torchrun at the same time on separate halves of the CPUs, both ways round; a round's "
-        "ratio is the geometric mean of the two"
+        "each beside torchrun at the same time on separate halves of the CPUs, both ways round; a "
+        "round's ratio is the geometric mean of the two"
         if args.paired
         else "one launcher at a time, alternating"
     )
     print(
         f"steady state, {args.nproc} worker(s) per launcher, {os.cpu_count()} cores, torch "
         f"{'CUDA/NCCL (gpu), CPU/gloo (others)' if 'gpu' in workloads else 'CPU/gloo'}, "
-        f"{args.rounds} rounds, {how} (median over rounds; ratio: median and range of the per-round ratios "
-        "to torchrun)"
+        f"{args.rounds} rounds, {how} (median over rounds; ratio: median and range of the "
+        "per-round ratios to torchrun)"
     )
     print(
-        f"{'workload':<9} {'launcher':<28} {'step ms':>8} {'vs torchrun':>12} {'per-round range':>17} "
+        f"{'workload':<9} {'launcher':<28} {'step ms':>8} {'vs torchrun':>12} "
+        f"{'per-round range':>17} "
         f"{'launcher CPU':>13}"
     )
     for w in workloads:

@@ -11,8 +11,8 @@ each step's kernels before logging it, so the logged time is the step's, not its
 With $BENCH_CKPT_DIR it checkpoints through elasticd.checkpoint, the same code under either
 launcher: to disk every $BENCH_CKPT_EVERY steps, and, where the launcher offers a shared-memory
 directory (elasticd's ELASTICD_MEMORY_DIR), in memory at the library's default cadence or every
-$BENCH_MEMORY_EVERY steps (BENCH_MEMORY_OVERLAP=0: memory_overlap=False, GPU tensors copied at once). It
-resumes from the newest.
+$BENCH_MEMORY_EVERY steps (BENCH_MEMORY_OVERLAP=0: memory_overlap=False, GPU tensors copied at
+once). It resumes from the newest.
 With BENCH_CKPT_MODE=handwritten it does what a torchrun tutorial does instead: rank 0
 torch.saves model, optimizer and step to one file every $BENCH_CKPT_EVERY steps (to a temporary
 file renamed into place), and every rank torch.loads it at start.

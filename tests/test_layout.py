@@ -146,7 +146,8 @@ def test_the_import_reader_sees_every_form(tmp_path, monkeypatch):
 def _imported(statement: str) -> dict:
     code = (
         f"import json, sys\n{statement}\n"
-        "print(json.dumps(sorted(m for m in sys.modules if m == 'torch' or m.startswith('elasticd'))))"
+        "print(json.dumps(sorted(m for m in sys.modules "
+        "if m == 'torch' or m.startswith('elasticd'))))"
     )
     r = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
@@ -159,6 +160,7 @@ def _imported(statement: str) -> dict:
     "module",
     [
         "elasticd.ops.cli",
+        "elasticd.ops.snapshot",
         "elasticd.cluster.kv",
         "elasticd.cluster.etcd",
         "elasticd.checkpoint.format",
@@ -185,6 +187,12 @@ def test_the_control_clients_side_loads_nothing_of_the_daemons():
     loaded = _imported("import elasticd.control.client, elasticd.control.paths")
     cli_side = {f"elasticd.control{m}" for m in ("", ".client", ".paths", ".protocol")}
     assert [m for m in loaded if daemon_side(m) and m not in cli_side] == []
+
+
+def test_the_status_snapshot_imports_nothing_of_elasticd():
+    """Its records are read in the operator's shell (cli) and built in the daemon (status.py):
+    they hold data only, whatever either side imports."""
+    assert imports("elasticd.ops.snapshot") == []
 
 
 def test_worker_side_loads_no_daemon_side_module():

@@ -18,7 +18,7 @@ import urllib.request
 import psutil
 import pytest
 
-from elasticd.ops import metrics
+from elasticd.ops import metrics, metrics_server
 from harness import ROOT, free_port, script, wait_until
 
 FAST = ("--restart-grace", "1", "--stop-grace", "3")
@@ -157,18 +157,23 @@ def test_metrics_server_caps_connections_evicts_idle_ones_and_drops_slowloris():
                 time.sleep(0.25)
         dropped_after = time.monotonic() - t0
         trickle.close()
-        assert metrics.REQUEST_TIMEOUT - 0.5 < dropped_after < metrics.REQUEST_TIMEOUT + 2, (
-            dropped_after
-        )
+        assert (
+            metrics_server.REQUEST_TIMEOUT - 0.5
+            < dropped_after
+            < metrics_server.REQUEST_TIMEOUT + 2
+        ), dropped_after
 
         slow["on"] = True
         busy = [
-            threading.Thread(target=lambda: scrapes(port)) for _ in range(metrics.MAX_CONNECTIONS)
+            threading.Thread(target=lambda: scrapes(port))
+            for _ in range(metrics_server.MAX_CONNECTIONS)
         ]
         for t in busy:
             t.start()
         wait_until(
-            lambda: len(serving) == metrics.MAX_CONNECTIONS, 10, what="every slot serving a scrape"
+            lambda: len(serving) == metrics_server.MAX_CONNECTIONS,
+            10,
+            what="every slot serving a scrape",
         )
         extra = socket.create_connection(("127.0.0.1", port), timeout=5)
         extra.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")

@@ -2,13 +2,15 @@
 a running group ends early (restart causes, failures, scale events).
 
 INIT → RENDEZVOUS ────────────→ RUNNING ──all local workers exit 0──→ EXIT_BARRIER → SUCCEEDED
-           ▲                      │ a RestartCause: crash / signal / hang / peer asked / node lost / scale
+           ▲                      │ a RestartCause that restarts: crash / signal / hang /
+           │                      │ peer asked / node lost / store unreachable / scale
            │                      ▼
-           └── next round ── RESTARTING (stop the local group, budget + backoff) ──budget spent──→ FAILED
+           └── next round ── RESTARTING (stop the group, backoff) ──fatal exit code──→ FAILED
 
 RENDEZVOUS, RUNNING ──stop request or SIGTERM──→ STOPPING (workers checkpoint & exit) → STOPPED
 RENDEZVOUS ──stop while blocked joining──→ STOPPED
 RENDEZVOUS, RUNNING, RESTARTING, EXIT_BARRIER, STOPPING ──store lost / rendezvous failed──→ FAILED
+RENDEZVOUS ──the round's closing found the restart budget spent──→ FAILED
 RENDEZVOUS, RUNNING ──this node's health check failed──→ LEFT
 
 The agent checks every transition against TRANSITIONS where it happens (Agent.set_state): one
@@ -38,9 +40,10 @@ class State(str, enum.Enum):
     EXIT_BARRIER (every local worker exited 0); RESTARTING (a RestartCause); STOPPING (stop
     request or signal); FAILED (the store was lost); LEFT (the periodic health check failed)."""
     RESTARTING = "RESTARTING"
-    """The local group is torn down; the restart budget is spent and the backoff waited out.
+    """The local group is torn down and the backoff waited out (the restart budget is spent by
+    the closing of the next round, cluster/rendezvous.py, which knows whether a node was lost).
     Next: RENDEZVOUS (the next round, also when a stop came during the backoff: it is acted on
-    there); FAILED (budget spent, a fatal exit code, or the store was lost)."""
+    there); FAILED (a fatal exit code, or the store was lost)."""
     EXIT_BARRIER = "EXIT_BARRIER"
     """Local workers are done; waiting for the other nodes to be done too. Next: SUCCEEDED;
     FAILED (the store was lost)."""
@@ -90,31 +93,47 @@ def check_transition(old: State, new: State) -> None:
 
 
 class RestartCause(str, enum.Enum):
-    """Why a running group ended before it finished (all but STOP and RENDEZVOUS restart it). The
-    values are the `kind` that status's `last_failure` has always shown."""
+    """Why a running group ended before it finished. Each cause carries its `label`, the `cause`
+    label of elasticd_restarts_total (and the key of status's restarts_by_cause), and `restarts`,
+    whether it restarts the group (all but RENDEZVOUS, STOP and HEALTH do): the figures count a
+    cause by these alone, so a new cause cannot go uncounted. The values are the `kind` that
+    status's `last_failure` has always shown."""
 
-    CRASH = "exited"
+    label: str
+    restarts: bool
+
+    def __new__(cls, value: str, label: str, restarts: bool) -> RestartCause:
+        member = str.__new__(cls, value)
+        member._value_ = value
+        member.label = label
+        member.restarts = restarts
+        return member
+
+    CRASH = ("exited", "crash", True)
     """A local worker exited non-zero. Spends the job's restart budget."""
-    SIGNAL = "signaled"
+    SIGNAL = ("signaled", "signal", True)
     """A local worker was killed by a signal. Spends the budget."""
-    HANG = "hung"
+    HANG = ("hung", "hang", True)
     """A local worker stopped beating, or stayed stopped or a zombie. Spends the budget."""
-    PEER = "peer"
+    PEER = ("peer", "peer", True)
     """Another node asked for a restart (its own failure spent the budget)."""
-    NODE_LOST = "node lost"
+    NODE_LOST = ("node lost", "node_lost", True)
     """A peer node went silent for --peer-timeout, or for a few beats while our workers waited on
     it (peers.py). Spends nothing."""
-    STORE_UNREACHABLE = "store unreachable"
+    STORE_UNREACHABLE = ("store unreachable", "store_unreachable", True)
     """This node could not reach the store for --peer-timeout (cut off from the others, or etcd
-    lost its quorum): its workers stop, and it joins again once the store answers. Spends nothing."""
-    SCALE = "scale"
-    """Nodes are waiting to join. Not a failure: spends nothing, and the workers may save first."""
-    RENDEZVOUS = "fatal"
-    """The rendezvous itself failed (store lost, job failed elsewhere): no restart, the job fails."""
-    STOP = "stop"
+    lost its quorum): its workers stop, and it joins again once the store answers. Spends
+    nothing."""
+    SCALE = ("scale", "scale", True)
+    """Nodes are waiting to join. Not a failure: spends nothing, and the workers may save
+    first."""
+    RENDEZVOUS = ("fatal", "rendezvous_failed", False)
+    """The rendezvous itself failed (store lost, job failed elsewhere): no restart, the job
+    fails."""
+    STOP = ("stop", "stop", False)
     """A stop request or signal: the group gets its grace and ends for good (STOPPING). Spends
     nothing; shown as the STOPPING event's cause."""
-    HEALTH = "unhealthy"
+    HEALTH = ("unhealthy", "unhealthy", False)
     """This node's health check failed: it leaves the job (LEFT). Spends nothing; the other nodes
     restart without it (for them, a PEER restart whose reason is the check's)."""
 

@@ -6,6 +6,7 @@ restart would resume from.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import os
 import time
 from collections.abc import Callable
@@ -19,6 +20,7 @@ from elasticd.cluster.rendezvous import Round
 from elasticd.config import Config
 from elasticd.daemon import supervise
 from elasticd.daemon.states import Failure, State
+from elasticd.ops.snapshot import LastFailure, Part, Snapshot, Worker, fields_from_json, from_json
 
 PUBLISH_EVERY = 0.5  # seconds between status snapshots while running
 RESUME_READ_EVERY = 2.0  # seconds between reads of the checkpoint and in-memory state for status
@@ -40,7 +42,8 @@ class StatusBoard:
         self.on_snapshot = on_snapshot or (lambda snap: None)
         self.started = time.time()
         self.events: collections.deque = collections.deque(maxlen=50)
-        self.snapshot: dict[str, Any] = {}
+        self.current = Snapshot()  # the latest, as types
+        self.snapshot: dict[str, Any] = {}  # the same as JSON values: the wire form
         self.last_publish = 0.0
         self._next_resume_read = 0.0
         self._last_checkpoint: str | None = None  # path of the newest checkpoint reported
@@ -54,7 +57,8 @@ class StatusBoard:
         return now - self.last_publish > PUBLISH_EVERY
 
     def read_afresh(self) -> None:
-        """The next snapshot reads the resume points again (a new state's snapshot reads everything)."""
+        """The next snapshot reads the resume points again (a new state's snapshot reads
+        everything)."""
         self._next_resume_read = 0.0
 
     def publish(
@@ -71,39 +75,43 @@ class StatusBoard:
         now: float,
         figures: dict[str, Any] | None = None,
     ) -> None:
-        """`figures`: the operability figures (figures.py, stragglers.py, healthcheck.py) merged in."""
+        """`figures`: the operability figures (figures.py, stragglers.py, healthcheck.py), in
+        their JSON form, read into the snapshot's records."""
         self.last_publish = now
         checkpoint, memory_step = self._resume_points(now, memory_dir)
-        self.snapshot = {
-            "state": state.value,
-            "run_id": self.cfg.rdzv_id,
-            "node": self.node,
-            "pid": os.getpid(),
-            "group_rank": rnd.group_rank if rnd else None,
-            "group_world_size": rnd.group_world_size if rnd else None,
-            "world_size": rnd.world_size if rnd else None,
-            "round": attempt,
-            "restarts": restarts,
-            "max_restarts": self.cfg.max_restarts,
-            "budget_left": max(0, self.cfg.max_restarts - restarts),
-            "uptime": round(time.time() - self.started, 1),
-            "run_dir": str(self.run_dir),
-            "entrypoint": self.cfg.entrypoint,
-            "workers": ranks,
-            # seconds since each watched peer node's liveness beat last moved (its ring neighbours)
-            "peers": {r: round(now - seen, 1) for r, (_, seen) in sorted(rnd.peer_seen.items())}
+        self.current = Snapshot(
+            state=state.value,
+            run_id=self.cfg.rdzv_id,
+            node=self.node,
+            pid=os.getpid(),
+            group_rank=rnd.group_rank if rnd else None,
+            group_world_size=rnd.group_world_size if rnd else None,
+            world_size=rnd.world_size if rnd else None,
+            round=attempt,
+            restarts=restarts,
+            max_restarts=self.cfg.max_restarts,
+            budget_left=max(0, self.cfg.max_restarts - restarts),
+            uptime=round(time.time() - self.started, 1),
+            run_dir=str(self.run_dir),
+            entrypoint=self.cfg.entrypoint,
+            workers=[from_json(Worker, _known(Worker, row)) for row in ranks],
+            # its ring neighbours, the peer nodes it watches
+            peers={r: round(now - seen, 1) for r, (_, seen) in sorted(rnd.peer_seen.items())}
             if rnd
             else {},
-            "node_id": rnd.node_id if rnd else None,
-            "lost_nodes": list(rnd.lost) if rnd else [],  # nodes of the previous round found lost
-            "last_failure": asdict(last_failure) if last_failure else None,
-            "last_recovery": last_recovery,
-            "checkpoint": checkpoint,
-            "memory_step": memory_step,
-            "parts": supervise.report(),  # elasticd's own processes and threads (supervise.py)
-            **(figures or {}),
-            "events": list(self.events)[-10:],
-        }
+            node_id=rnd.node_id if rnd else None,
+            lost_nodes=list(rnd.lost) if rnd else [],
+            last_failure=from_json(LastFailure, asdict(last_failure)) if last_failure else None,
+            last_recovery=last_recovery,
+            checkpoint=checkpoint,
+            memory_step=memory_step,
+            parts={
+                name: from_json(Part, _known(Part, p)) for name, p in supervise.report().items()
+            },
+            **fields_from_json(Snapshot, _known(Snapshot, figures or {})),
+            events=list(self.events)[-10:],
+        )
+        self.snapshot = self.current.to_json()  # what the control socket serves
         self.on_snapshot(self.snapshot)
 
     def _resume_points(
@@ -144,3 +152,13 @@ class StatusBoard:
                 path=info.get("path"),
             )
         return info
+
+
+def _known(cls: type, data: dict[str, Any]) -> dict[str, Any]:
+    """`data`, whose every key must be a field of `cls`: one that is not would vanish from the
+    wire without a word, so a figure or a row without its field in ops/snapshot.py fails here,
+    in every test that runs a daemon."""
+    unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
+    if unknown:
+        raise KeyError(f"{sorted(unknown)}: not fields of {cls.__name__} (ops/snapshot.py)")
+    return data

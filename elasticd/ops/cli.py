@@ -27,6 +27,8 @@ from pathlib import Path
 from elasticd import __version__, names
 from elasticd.config import ConfigError
 from elasticd.config_values import check_value
+from elasticd.ops import flags, render
+from elasticd.ops.snapshot import Snapshot, from_json
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_RUNNING, EXIT_CONTROL, EXIT_UNHEALTHY = 0, 1, 2, 3, 4, 5
 EXIT_PIPE = 128 + signal.SIGPIPE
@@ -64,183 +66,6 @@ def _grace(text: str) -> float:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-class _Instead(argparse.Action):
-    """A torchrun flag elasticd covers another way: one error line saying what to use (its help),
-    unless the value is one of `const`, what elasticd does anyway."""
-
-    def __call__(self, parser, namespace, values, option_string=None) -> None:
-        if values not in (self.const or ()):
-            parser.error(f"{option_string} {values}: {self.help}")
-
-
-class _Static(argparse.Action):
-    """torchrun's static rendezvous flags: kept as (flag, value) for config_values.check_static,
-    which knows the node count."""
-
-    def __call__(self, parser, namespace, values, option_string=None) -> None:
-        flag = "--" + self.dest.replace("_", "-")
-        namespace.static = [*getattr(namespace, "static", []), (flag, values)]
-
-
-def _add_run_flags(p: argparse.ArgumentParser) -> None:
-    """`elasticd run`'s flags: one per Config field, from its declaration (config._setting), and
-    the few that are the command line's own. Each is left out of the namespace unless given, so
-    config.build can tell a flag from the layers below it."""
-    from elasticd.config import FIELDS
-
-    S = argparse.SUPPRESS
-    p.add_argument("entrypoint", nargs="?", default=S, help=_help(FIELDS["entrypoint"]))
-    p.add_argument(
-        "args", nargs=argparse.REMAINDER, default=S, metavar="ARGS", help=_help(FIELDS["args"])
-    )
-    g = p.add_argument_group("torchrun-compatible")
-    e = p.add_argument_group("elasticd")
-    e.add_argument(
-        "--config", dest="config_file", default=None, help="TOML config file (flags override it)"
-    )
-    for f in FIELDS.values():
-        if f.name not in ("entrypoint", "args"):
-            _add_setting(g if f.metadata["torchrun"] else e, f)
-    g.add_argument(
-        "-m",
-        "--module",
-        dest="module",
-        action="store_true",
-        default=S,
-        help="ENTRYPOINT is a module, run as python -m (elasticd also tells by the name)",
-    )
-    g.add_argument(
-        "--run-path",
-        "--run_path",
-        dest="run_path",
-        action="store_true",
-        default=S,
-        help="ENTRYPOINT is a script path, even without .py",
-    )
-    g.add_argument(
-        "--shutdown-timeout",
-        "--shutdown_timeout",
-        dest="stop_grace",
-        type=float,
-        default=S,
-        metavar="SECONDS",
-        help="the same as --stop-grace",
-    )
-    g.add_argument(
-        "--rdzv-conf",
-        "--rdzv_conf",
-        dest="rdzv_conf",
-        default=S,
-        help="torchrun's c10d KEY=VALUE,...: join_timeout, last_call_timeout, and "
-        "keep_alive_interval x keep_alive_max_attempt as --peer-timeout (read_timeout, "
-        "close_timeout, is_host, use_libuv are accepted and have no effect)",
-    )
-    g.add_argument(
-        "--master-addr",
-        "--master_addr",
-        dest="master_addr",
-        action=_Static,
-        default=S,
-        help="static rendezvous: ignored on a single node or with --rdzv-endpoint; across nodes give "
-        "every node --rdzv-endpoint MASTER_ADDR:MASTER_PORT instead",
-    )
-    g.add_argument(
-        "--master-port",
-        "--master_port",
-        dest="master_port",
-        action=_Static,
-        default=S,
-        help="see --master-addr",
-    )
-    g.add_argument(
-        "--node-rank",
-        "--node_rank",
-        dest="node_rank",
-        action=_Static,
-        default=S,
-        help="static rendezvous: nodes are ranked as they join (0 on a single node; ignored with "
-        "--rdzv-endpoint)",
-    )
-    g.add_argument(
-        "--start-method",
-        "--start_method",
-        action=_Instead,
-        const=("spawn", "fork", "forkserver"),
-        default=S,
-        help="spawn, fork or forkserver; accepted and without effect (torchrun uses it for "
-        "function entrypoints only; elasticd starts every worker its own way)",
-    )
-    g.add_argument(
-        "--event-log-handler",
-        "--event_log_handler",
-        action=_Instead,
-        const=("null", "console"),
-        default=S,
-        help="elasticd's events are structlog lines on stderr (--log-format json for "
-        "machines): drop the flag",
-    )
-    g.add_argument(
-        "--logs-specs",
-        "--logs_specs",
-        action=_Instead,
-        default=S,
-        help="elasticd writes each rank's output to <log dir>/<run>/attemptN/rankR.log: drop the flag",
-    )
-    g.add_argument(
-        "--duplicate-stdout-filters",
-        "--duplicate_stdout_filters",
-        "--duplicate-stderr-filters",
-        "--duplicate_stderr_filters",
-        action=_Instead,
-        default=S,
-        metavar="FILTERS",
-        help="every rank's output is in <log dir>/<run>/attemptN/rankR.log: grep those instead, and "
-        "drop the flag",
-    )
-    g.add_argument(
-        "--numa-binding",
-        "--numa_binding",
-        action=_Instead,
-        default=S,
-        help="elasticd does not bind workers to NUMA nodes: drop the flag, or bind in the script "
-        "(os.sched_setaffinity) or under numactl",
-    )
-
-
-def _add_setting(group: argparse._ArgumentGroup, f: dataclasses.Field) -> None:
-    """The flag of one Config field: --NAME-WITH-DASHES unless the field names its own (--no-NAME
-    for a setting that is on by default), torchrun's --name_with_underscores beside each of a
-    torchrun flag's, and a number read as the field's type."""
-    default, meta = f.default, f.metadata
-    flags = meta["flags"] or (
-        (f"--no-{f.name}" if default is True else f"--{f.name}").replace("_", "-"),
-    )
-    if meta["torchrun"]:
-        flags = tuple(
-            dict.fromkeys(
-                s
-                for flag in flags
-                for s in (
-                    flag,
-                    "--" + flag[2:].replace("-", "_") if flag.startswith("--") else flag,
-                )
-            )
-        )
-    if isinstance(default, bool):
-        kind = {"action": "store_false" if default else "store_true"}
-    else:
-        kind = {"type": type(default)} if isinstance(default, (int, float)) else {}
-    group.add_argument(
-        *flags, dest=f.name, default=argparse.SUPPRESS, help=_help(f), **{**kind, **meta["parse"]}
-    )
-
-
-def _help(f: dataclasses.Field) -> str:
-    """A Config field's help text, with its default filled in (a list as a,b,c)."""
-    default = ",".join(map(str, f.default)) if isinstance(f.default, tuple) else f.default
-    return f.metadata["help"].format(default=default)
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="elasticd",
@@ -257,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    _add_run_flags(run)
+    flags.add_run_flags(run)
     st = sub.add_parser(
         names.STATUS,
         help="show the daemon's state",
@@ -347,38 +172,13 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
     if extra:
         flags["args"] = extra
     try:
-        entrypoint = flags.get("entrypoint")
-        if getattr(args, "run_path", False):  # as torchrun: it wins over -m and --no-python
-            if not entrypoint:
-                raise ConfigError("--run-path needs a script path as ENTRYPOINT")
-            if not entrypoint.endswith(".py") and os.sep not in entrypoint:
-                flags["entrypoint"] = os.path.join(os.curdir, entrypoint)
-            flags.pop("no_python", None)
-        elif getattr(args, "module", False):
-            if not entrypoint or entrypoint.endswith(".py") or os.sep in entrypoint:
-                raise ConfigError(
-                    f"-m takes a module name such as pkg.train, got {entrypoint or 'none'}; "
-                    "for a script path drop -m"
-                )
-            if flags.get("no_python"):
-                raise ConfigError(
-                    "--no-python and -m cannot go together: -m runs a Python module; drop one"
-                )
+        _entrypoint_kind(args, flags)
         cfg = config.build(flags, args.config_file, static=getattr(args, "static", []))
         preflight.check_entrypoint(cfg.entrypoint, no_python=cfg.no_python)
         if cfg.health_check:
             preflight.check_health_check(cfg.health_check)
         if cfg.metrics_textfile:
-            textfile = Path(cfg.metrics_textfile)
-            if not textfile.absolute().parent.is_dir():
-                raise ConfigError(
-                    f"--metrics-textfile {textfile}: directory {textfile.absolute().parent} does not "
-                    "exist: create it (node_exporter's textfile directory, readable by node_exporter)"
-                )
-            directory = preflight.check_log_dir(
-                textfile.absolute().parent, "--metrics-textfile's directory"
-            )
-            cfg = dataclasses.replace(cfg, metrics_textfile=str(directory / textfile.name))
+            cfg = _checked_textfile(cfg)
         if cfg.rdzv_secret_file:
             signing.load_secret(cfg.rdzv_secret_file)
         if cfg.etcd and cfg.etcd_password_file:
@@ -407,6 +207,42 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
         _forget_run_dir(run_dir)
         sys.stderr.write(f"elasticd: error: {_one_line(e)}\n")
         return EXIT_USAGE
+
+
+def _entrypoint_kind(args: argparse.Namespace, flags: dict) -> None:
+    """`--run-path` and `-m` as torchrun takes them (--run-path wins over -m and --no-python)."""
+    entrypoint = flags.get("entrypoint")
+    if getattr(args, "run_path", False):
+        if not entrypoint:
+            raise ConfigError("--run-path needs a script path as ENTRYPOINT")
+        if not entrypoint.endswith(".py") and os.sep not in entrypoint:
+            flags["entrypoint"] = os.path.join(os.curdir, entrypoint)
+        flags.pop("no_python", None)
+    elif getattr(args, "module", False):
+        if not entrypoint or entrypoint.endswith(".py") or os.sep in entrypoint:
+            raise ConfigError(
+                f"-m takes a module name such as pkg.train, got {entrypoint or 'none'}; "
+                "for a script path drop -m"
+            )
+        if flags.get("no_python"):
+            raise ConfigError(
+                "--no-python and -m cannot go together: -m runs a Python module; drop one"
+            )
+
+
+def _checked_textfile(cfg):
+    """--metrics-textfile in a directory that exists and is safe to write in, made absolute."""
+    from elasticd.daemon import preflight
+
+    textfile = Path(cfg.metrics_textfile)
+    parent = textfile.absolute().parent
+    if not parent.is_dir():
+        raise ConfigError(
+            f"--metrics-textfile {textfile}: directory {parent} does not exist: create it "
+            "(node_exporter's textfile directory, readable by node_exporter)"
+        )
+    directory = preflight.check_log_dir(parent, "--metrics-textfile's directory")
+    return dataclasses.replace(cfg, metrics_textfile=str(directory / textfile.name))
 
 
 def _forget_run_dir(run_dir: Path) -> None:
@@ -442,11 +278,18 @@ def _status(args: argparse.Namespace) -> int:
         if isinstance(reply, int):
             code = reply if code == EXIT_NOT_RUNNING else code
             continue
-        status = reply["status"]
-        if len(paths) > 1:
-            status["socket"] = str(path)
-        print(json.dumps(status, indent=2, default=str) if args.json else render_status(status))
-        if status.get("state") not in FINAL_STATES:
+        status = reply["status"]  # the wire form, printed as it came by --json
+        socket = str(path) if len(paths) > 1 else None
+        snapshot = from_json(Snapshot, status)
+        if args.json:
+            print(
+                json.dumps(
+                    {**status, "socket": socket} if socket else status, indent=2, default=str
+                )
+            )
+        else:
+            print(render.status(snapshot, socket))
+        if snapshot.state not in FINAL_STATES:
             code = EXIT_OK
     return code
 
@@ -547,162 +390,6 @@ def _stop(args: argparse.Namespace) -> int:
         "elasticd: error: the daemon accepted stop but is still running; check its logs\n"
     )
     return EXIT_CONTROL
-
-
-def _age(seconds) -> str:
-    if seconds is None:
-        return "-"
-    seconds = float(seconds)
-    if seconds < 120:
-        return f"{seconds:.1f}s"
-    return f"{seconds / 60:.1f}m" if seconds < 7200 else f"{seconds / 3600:.1f}h"
-
-
-def _ms(seconds) -> str:
-    if seconds is None:
-        return "-"
-    seconds = float(seconds)
-    return f"{seconds * 1e3:.1f}ms" if seconds < 1 else f"{seconds:.2f}s"
-
-
-def _figures_lines(s: dict) -> list[str]:
-    """Goodput, steps, restarts by cause, checkpoint and refresh costs, health and stragglers: a
-    line each at most (the table stays one screen; --json has everything)."""
-    lines = []
-    goodput = s.get("goodput") or {}
-    ratio = goodput.get("ratio")
-    lost = s.get("steps_lost") or {}
-    lost_text = f"steps lost {lost.get('total', 0)}"
-    if lost.get("last") is not None:
-        lost_text += f" (last restart {lost['last']})"
-    if lost.get("unknown"):
-        lost_text += f", {lost['unknown']} restart(s) unknown"
-    lines.append(
-        f"  goodput {'-' if ratio is None else f'{100 * ratio:.1f}%'} (productive "
-        f"{_age(goodput.get('productive_seconds'))} of {_age(goodput.get('wall_seconds'))})  step "
-        f"{'-' if s.get('step') is None else s['step']} at {_ms(s.get('step_time'))}/step (own work "
-        f"{_ms(s.get('work_time'))})  {lost_text}"
-    )
-    causes = {c: n for c, n in (s.get("restarts_by_cause") or {}).items() if n}
-    if causes:
-        lines.append(
-            "  restarts by cause: "
-            + ", ".join(f"{c.replace('_', ' ')} {n}" for c, n in causes.items())
-            + f"; budget left {s.get('budget_left')}"
-        )
-    ckpt, mem = s.get("checkpoint_costs") or {}, s.get("memory_refresh") or {}
-    costs = []
-    if ckpt.get("saves"):
-        costs.append(
-            f"saves {ckpt['saves']}: stall {_ms(ckpt.get('last_stall_seconds'))} last, "
-            f"{_ms(ckpt.get('stall_seconds_total'))} total, write {_ms(ckpt.get('last_write_seconds'))}"
-        )
-    if mem.get("refreshes"):
-        costs.append(
-            f"in-memory refresh every {mem.get('every') or '-'} step(s), {_ms(mem.get('last_seconds'))} "
-            f"last, {_ms(mem.get('seconds_total'))} total"
-        )
-    if costs:
-        lines.append("  " + "; ".join(costs))
-    health = s.get("health") or {}
-    if health.get("check"):
-        last = health.get("last") or {}
-        when = f", {_age(time.time() - last['at'])} ago" if last.get("at") else ""
-        lines.append(
-            f"  health check {health.get('state')}: {health.get('check')}"
-            + (f" ({last.get('reason')}, {_ms(last.get('seconds'))}{when})" if last else "")
-        )
-    for left in (health.get("peers_left") or [])[-2:]:
-        lines.append(
-            f"  node {left.get('node')} left the job: health check failed: {left.get('reason')}"
-        )
-    for st in s.get("stragglers") or []:
-        lines.append(
-            f"  straggler: rank {st.get('rank')} (local {st.get('local_rank')}) on node {st.get('node')}: "
-            f"{st.get('ratio'):.2f}x the node's median own work per step ({_ms(st.get('work_time'))} vs "
-            f"{_ms(st.get('median'))}) for {_age(time.time() - st.get('since', time.time()))}"
-        )
-    return lines
-
-
-def render_status(s: dict) -> str:
-    """The readable form of a status snapshot, each line escaped (logs.printable): failures and
-    events quote what workers wrote."""
-    lines = [
-        f"elasticd {s.get('state')}  run {s.get('run_id')}  node {s.get('node')} (pid {s.get('pid')})",
-        f"  group rank {s.get('group_rank')} of {s.get('group_world_size')} nodes, world size {s.get('world_size')}, "
-        f"round {s.get('round')}",
-        f"  restarts {s.get('restarts')}/{s.get('max_restarts')}  uptime {_age(s.get('uptime'))}  "
-        f"entrypoint {s.get('entrypoint')}",
-        f"  logs {s.get('run_dir')}",
-    ]
-    if s.get("socket"):  # one of several daemons: the one to name with --socket
-        lines.append(f"  socket {s['socket']}")
-    ckpt = s.get("checkpoint")
-    if ckpt:
-        lines.append(
-            f"  checkpoint step {ckpt.get('step')} epoch {ckpt.get('epoch')} age {_age(ckpt.get('age'))} "
-            f"{ckpt.get('path')}"
-        )
-    else:
-        lines.append("  checkpoint none")
-    if s.get("memory_step") is not None:
-        lines.append(f"  in-memory state step {s['memory_step']}")
-    down = {n: p for n, p in (s.get("parts") or {}).items() if p.get("state") != "up"}
-    if down:
-        lines.append(
-            "  parts not up: "
-            + "; ".join(
-                f"{n} {p.get('state')} after {p.get('restarts')} restart(s): {p.get('why')}"
-                for n, p in down.items()
-            )
-        )
-    if s.get("lost_nodes"):
-        lines.append("  nodes lost when this round formed: " + ", ".join(s["lost_nodes"]))
-    if s.get("peers"):
-        lines.append(
-            "  watched peer nodes (group rank: last beat) "
-            + ", ".join(f"{r}: {_age(age)} ago" for r, age in s["peers"].items())
-        )
-    lines += _figures_lines(s)
-    lines.append("  RANK  PID      STATE                 BEAT   STEP     TIME/STEP  OWN WORK   RSS")
-    for w in s.get("workers") or []:
-        rss = f"{w['rss_bytes'] / 2**20:.0f}MiB" if w.get("rss_bytes") else "-"
-        step = "-" if w.get("step") is None else str(w["step"])
-        beat = _age(w.get("heartbeat_age"))
-        work = _ms(w.get("work_time")) + ("!" if w.get("straggler") else "")
-        lines.append(
-            f"  {w['rank']:<5} {w['pid']:<8} {w['state']:<21} {beat:<6} {step:<8} "
-            f"{_ms(w.get('step_time')):<10} {work:<10} {rss}"
-        )
-    f = s.get("last_failure")
-    if f:
-        lines.append(
-            f"  last failure: rank {f.get('rank')} {f.get('reason')}"
-            + (f": {f['exception']}" if f.get("exception") else "")
-            + (f" (log {f['log_path']})" if f.get("log_path") else "")
-        )
-        for path in f.get("stacks") or []:
-            lines.append(f"    stacks {path}")
-    rec = s.get("last_recovery")
-    if rec:
-        lines.append(
-            "  last recovery (s after detection): "
-            + ", ".join(f"{k.replace('_', ' ')} {v:.3f}" for k, v in rec.items())
-        )
-    events = s.get("events") or []
-    if events:
-        lines.append("  recent events:")
-        for e in events[-8:]:
-            extra = " ".join(f"{k}={v}" for k, v in e.items() if k not in ("time", "event"))
-            lines.append(
-                f"    {time.strftime('%H:%M:%S', time.localtime(e['time']))} {e['event']} {extra}"[
-                    :160
-                ]
-            )
-    from elasticd.logs import printable
-
-    return "\n".join(printable(line) for line in lines)
 
 
 def entry() -> None:

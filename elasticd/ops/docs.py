@@ -43,10 +43,10 @@ def _code(text: str) -> str:
 
 def _run_parser() -> argparse.ArgumentParser:
     """`elasticd run`'s flags exactly as the CLI declares them."""
-    from elasticd.ops import cli
+    from elasticd.ops import flags
 
     p = argparse.ArgumentParser(prog="elasticd run", add_help=False)
-    cli._add_run_flags(p)
+    flags.add_run_flags(p)
     return p
 
 
@@ -54,14 +54,14 @@ def settings_page() -> str:
     from elasticd import names
     from elasticd.config import _TUPLE_FIELDS, FIELDS
     from elasticd.config_layers import PET_SETTINGS, PET_STATIC
-    from elasticd.ops import cli
+    from elasticd.ops.flags import setting_help
 
     parser = _run_parser()
-    flags: dict[str, list[str]] = {}
+    declared: dict[str, list[str]] = {}
     other: list[argparse.Action] = []
     for action in parser._actions:
         if action.dest in FIELDS:
-            flags.setdefault(action.dest, []).extend(
+            declared.setdefault(action.dest, []).extend(
                 action.option_strings or [action.metavar or action.dest.upper()]
             )
         else:
@@ -73,17 +73,25 @@ def settings_page() -> str:
         "",
         "# Settings reference",
         "",
-        "Every setting of `elasticd run`, made from the fields of `elasticd.config.Config` (the same",
-        "declarations `elasticd run --help` is made of). Each is a flag, a key of the TOML config file",
-        "(`--config`, at the top level or under `[elasticd]`; see `systemd/elasticd.toml.example`) and an",
-        f"`{names.SETTING_PREFIX}<KEY>` environment variable; torchrun's flags are also read from its",
+        "Every setting of `elasticd run`, made from the fields of `elasticd.config.Config` (the "
+        "same",
+        "declarations `elasticd run --help` is made of). Each is a flag, a key of the TOML config "
+        "file",
+        "(`--config`, at the top level or under `[elasticd]`; see "
+        "`systemd/elasticd.toml.example`) and an",
+        f"`{names.SETTING_PREFIX}<KEY>` environment variable; torchrun's flags are also read from "
+        "its",
         "`PET_<FLAG>` variables (what Kubeflow's PyTorchJob sets). Flags override the `ELASTICD_`",
-        "environment, which overrides the `PET_` variables, which override the file, which overrides",
+        "environment, which overrides the `PET_` variables, which override the file, which "
+        "overrides",
         "the defaults. Every value, from whichever layer, is checked before anything starts (see",
-        "[running.md](running.md#running-your-own-script)); a bad one is one error line and exit code 2.",
+        "[running.md](running.md#running-your-own-script)); a bad one is one error line and exit "
+        "code 2.",
         "",
-        "A flag `--no-NAME` turns off a setting that is on by default: its key and variable hold the",
-        "setting itself (`tee = false` is `--no-tee`). A list is comma-separated on the command line, an",
+        "A flag `--no-NAME` turns off a setting that is on by default: its key and variable hold "
+        "the",
+        "setting itself (`tee = false` is `--no-tee`). A list is comma-separated on the command "
+        "line, an",
         "array in the file, and space-separated in an `ELASTICD_` variable.",
         "",
         "How each works: [running.md](running.md), [checkpoints.md](checkpoints.md),",
@@ -95,19 +103,21 @@ def settings_page() -> str:
     ]
     for name, f in FIELDS.items():
         env = [names.SETTING_PREFIX + name.upper()] + ([pet[name]] if name in pet else [])
-        meaning = cli._help(f)
+        meaning = setting_help(f)
         if name in _TUPLE_FIELDS:
             meaning += " (a list)"
         lines.append(
-            f"| `{name}` | {', '.join(_code(s) for s in flags.get(name, []))} | "
+            f"| `{name}` | {', '.join(_code(s) for s in declared.get(name, []))} | "
             f"{', '.join(_code(e) for e in env)} | {_code(_toml(f.default))} | {_cell(meaning)} |"
         )
     lines += [
         "",
         "## Flags of the command line only",
         "",
-        "torchrun's flags that elasticd takes another way, accepts without effect, or refuses with one",
-        "line saying what to do instead, and `--config` itself. Of these, only `--rdzv-conf` is also a",
+        "torchrun's flags that elasticd takes another way, accepts without effect, or refuses "
+        "with one",
+        "line saying what to do instead, and `--config` itself. Of these, only `--rdzv-conf` is "
+        "also a",
         "key of the file, and torchrun's variables are read for those that name one.",
         "",
         "| flags | also | meaning |",
@@ -136,7 +146,8 @@ def metrics_page() -> str:
         "",
         "# Metrics reference",
         "",
-        "Every metric elasticd exports, made from `elasticd.ops.metrics.METRICS`. Every series also carries",
+        "Every metric elasticd exports, made from `elasticd.ops.metrics.METRICS`. Every series "
+        "also carries",
         "the labels `run_id` and `node`. How they are served and how the figures are reckoned:",
         "[metrics.md](metrics.md).",
         "",

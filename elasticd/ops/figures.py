@@ -26,15 +26,8 @@ from typing import Any
 from elasticd.daemon.states import Failure, RestartCause, Scale
 from elasticd.worker import health
 
-# Prometheus-style label of each restart cause (restarts_total{cause=...})
-CAUSES = {
-    RestartCause.CRASH: "crash",
-    RestartCause.SIGNAL: "signal",
-    RestartCause.HANG: "hang",
-    RestartCause.PEER: "peer",
-    RestartCause.NODE_LOST: "node_lost",
-    RestartCause.SCALE: "scale",
-}
+# the causes counted in restarts_total{cause=...}, by label: every one that restarts the group
+CAUSES = tuple(cause.label for cause in RestartCause if cause.restarts)
 # upper bounds of the recovery histogram's buckets, seconds (+Inf implied)
 RECOVERY_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 SAMPLES = 20  # distinct heartbeat readings a rank's step time is measured over (about 10 s at 2 Hz)
@@ -63,7 +56,7 @@ class _Rate:
 class Figures:
     def __init__(self, started: float) -> None:
         self.started = started  # monotonic: when the daemon started (the job, for this node)
-        self.restarts = dict.fromkeys(CAUSES.values(), 0)
+        self.restarts = dict.fromkeys(CAUSES, 0)
         self.recoveries = [0] * (
             len(RECOVERY_BUCKETS) + 1
         )  # per bucket (not cumulative), +Inf last
@@ -91,9 +84,8 @@ class Figures:
     def on_restart(self, why: Failure | Scale, beats: list[health.Beat | None]) -> None:
         """A running group ends early (before its teardown): count the cause, and note the step
         its ranks reached, to tell the steps lost once the next attempt has resumed."""
-        label = CAUSES.get(why.kind)
-        if label:
-            self.restarts[label] += 1
+        if why.kind.restarts:
+            self.restarts[why.kind.label] += 1
         reported = [b for b in beats if b and b.state_loaded and b.beats]
         if reported and len(reported) == len(beats):
             self._pending = (self._attempt, max(b.step for b in reported), self.step_time() or 0.0)
@@ -179,7 +171,8 @@ class Figures:
         return statistics.median(times) if times else None
 
     def work_time(self) -> float | None:
-        """The median over the node's ranks of their own work per step (outside the gradient sync)."""
+        """The median over the node's ranks of their own work per step (outside the gradient
+        sync)."""
         times = [w for _, w in self.rank_times.values() if w is not None]
         return statistics.median(times) if times else None
 

@@ -28,7 +28,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 import psutil
@@ -37,6 +37,7 @@ from elasticd import logs, names
 from elasticd.config import Config
 from elasticd.daemon import systemd
 from elasticd.daemon.states import Failure, RestartCause
+from elasticd.ops.snapshot import HealthResult as Result
 
 EXIT_UNHEALTHY = 5  # `elasticd run`'s exit code when this node's health check failed
 MAX_REASON = 300  # characters of the check's output kept as its reason
@@ -44,15 +45,6 @@ OUTPUT_KEPT = 64 * 1024  # bytes of the check's output kept (its end, where the 
 REAP_WAIT = 5.0  # seconds to wait for killed processes to go
 # in the summary a leaving node broadcasts ("node N left the job: health check failed: ...")
 LEFT = "left the job: health check failed"
-
-
-@dataclass(frozen=True)
-class Result:
-    ok: bool
-    reason: str  # "passed" or why it failed: exit code or signal, and its last line of output
-    output: str  # its last line of output (escaped, cut)
-    seconds: float
-    at: float  # wall-clock time it finished
 
 
 class HealthCheck:

@@ -1,16 +1,11 @@
 """Prometheus metrics, made from the status snapshot the agent loop publishes.
 
 `--metrics-address HOST:PORT` serves them over HTTP (prometheus-client's exposition handler on a
-bounded server of ours, on its own thread, bound to that one address); `--metrics-textfile FILE`
+bounded server of ours, metrics_server.py, bound to that one address); `--metrics-textfile FILE`
 writes them for node_exporter's textfile collector (replaced atomically every TEXTFILE_EVERY
 seconds and at every state change). Either way the figures are those of the latest snapshot: the
 collector reads it at scrape time, so the loop never waits on a scrape, and `elasticd status
 --json` holds every number exported.
-
-Whoever reaches the port costs the daemon at most MAX_CONNECTIONS threads and file descriptors,
-each for at most REQUEST_TIMEOUT: prometheus-client's own server starts a thread per connection
-and waits on each without end (400 idle connections were 400 threads, and the descriptors the
-daemon needed to restart its workers).
 
 Every series carries the labels run_id and node. METRICS lists them all (name, type, help,
 labels); docs/metrics-reference.md is generated from it (python3 -m elasticd.ops.docs).
@@ -18,14 +13,7 @@ labels); docs/metrics-reference.md is generated from it (python3 -m elasticd.ops
 
 from __future__ import annotations
 
-import contextlib
-import errno
-import io
 import os
-import socket
-import socketserver
-import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -37,19 +25,17 @@ from prometheus_client.core import (
     HistogramMetricFamily,
     Metric,
 )
-from prometheus_client.exposition import MetricsHandler
 
 from elasticd import __version__, logs, safeio
+from elasticd.daemon.recovery import STEPS
 from elasticd.daemon.states import State
+from elasticd.ops.figures import CAUSES
+from elasticd.ops.metrics_server import BoundedServer, Handler, serve
+from elasticd.ops.snapshot import Recoveries, Snapshot, from_json
 
 log = logs.get("elasticd.metrics")
 
 TEXTFILE_EVERY = 5.0  # seconds between textfile writes (besides state changes)
-MAX_CONNECTIONS = 16  # connections served at once (Prometheus scrapes a target one at a time)
-REQUEST_TIMEOUT = (
-    5.0  # seconds a connection has for its whole request and reply (a scrape takes ms)
-)
-EVICT_WAIT = 1.0  # seconds a new connection waits for the slot of an idle one it evicted
 RANK = ("rank", "local_rank")
 
 # name, type, help, labels (besides run_id and node)
@@ -64,8 +50,9 @@ METRICS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
     (
         "elasticd_restarts_total",
         "counter",
-        "Restarts of this node's workers, by cause as this node saw it: crash, "
-        "signal, hang, peer (another node asked), node_lost, scale",
+        "Restarts of this node's workers, by cause as this node saw it: "
+        + ", ".join(CAUSES)
+        + " (peer: another node asked)",
         ("cause",),
     ),
     (
@@ -256,118 +243,144 @@ METRICS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
     ),
 )
 _BY_NAME = {m[0]: m for m in METRICS}
-PHASES = ("torn_down", "rendezvous_done", "spawned", "pg_ready", "state_loaded", "first_step")
+
+
+Put = Callable[..., None]  # put(metric name, value, **labels): one sample (None: none)
 
 
 class SnapshotCollector:
-    """prometheus-client collector: the metrics of the latest status snapshot, made at scrape time."""
+    """prometheus-client collector: the metrics of the latest status snapshot, made at scrape
+    time."""
 
-    def __init__(self, snapshot: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, snapshot: Callable[[], Snapshot | dict[str, Any]]) -> None:
         self.snapshot = snapshot
 
     def collect(self) -> Iterator[Metric]:
         s = self.snapshot()
         if s:
-            yield from families(s)
+            yield from families(snapshot_of(s))
 
 
-def families(s: dict[str, Any]) -> Iterator[Metric]:
-    """Every metric of METRICS with its samples from the snapshot `s` (a metric with no value now,
-    e.g. a step time before the first steps, is left out)."""
-    base = {"run_id": str(s.get("run_id")), "node": str(s.get("node"))}
+def snapshot_of(s: Snapshot | dict[str, Any]) -> Snapshot:
+    """The snapshot as types, from its wire form (what the status board serves) if need be."""
+    return s if isinstance(s, Snapshot) else from_json(Snapshot, s)
+
+
+def families(s: Snapshot) -> Iterator[Metric]:
+    """Every metric of METRICS with its samples from the snapshot `s` (a metric with no value
+    now, e.g. a step time before the first steps, is left out)."""
+    base = {"run_id": str(s.run_id), "node": str(s.node)}
     samples: dict[str, list[tuple[dict[str, str], Any]]] = {name: [] for name in _BY_NAME}
 
     def put(name: str, value: Any, **labels: Any) -> None:
         if value is not None:
             samples[name].append(({k: str(v) for k, v in labels.items()}, float(value)))
 
-    put("elasticd_info", 1, version=__version__)
-    for state in State:
-        put("elasticd_state", int(s.get("state") == state.value), state=state.value)
-    put("elasticd_uptime_seconds", s.get("uptime"))
-    put("elasticd_world_size", s.get("world_size"))
-    put("elasticd_group_rank", s.get("group_rank"))
-    put("elasticd_group_world_size", s.get("group_world_size"))
-    put("elasticd_round", s.get("round"))
-    for cause, n in (s.get("restarts_by_cause") or {}).items():
-        put("elasticd_restarts_total", n, cause=cause)
-    put("elasticd_restart_budget_used", s.get("restarts"))
-    put("elasticd_restart_budget_left", s.get("budget_left"))
-    if s.get("last_failure"):
-        put("elasticd_last_failure_timestamp_seconds", s["last_failure"].get("at"))
-    for phase, seconds in (s.get("last_recovery") or {}).items():
-        put("elasticd_last_recovery_phase_seconds", seconds, phase=phase)
-    lost = s.get("steps_lost") or {}
-    put("elasticd_steps_lost_total", lost.get("total"))
-    put("elasticd_last_restart_steps_lost", lost.get("last"))
-    put("elasticd_steps_lost_unknown_total", lost.get("unknown"))
-    goodput = s.get("goodput") or {}
-    put("elasticd_goodput_ratio", goodput.get("ratio"))
-    put("elasticd_productive_seconds", goodput.get("productive_seconds"))
-    put("elasticd_lost_seconds", goodput.get("lost_seconds"))
-    put("elasticd_training_step", s.get("step"))
-    put("elasticd_step_seconds", s.get("step_time"))
-    put("elasticd_step_work_seconds", s.get("work_time"))
-    ckpt = s.get("checkpoint_costs") or {}
-    put("elasticd_checkpoint_saves_total", ckpt.get("saves"))
-    put("elasticd_checkpoint_stall_seconds_total", ckpt.get("stall_seconds_total"))
-    put("elasticd_checkpoint_write_seconds_total", ckpt.get("write_seconds_total"))
-    if ckpt.get("saves"):
-        put("elasticd_checkpoint_last_stall_seconds", ckpt.get("last_stall_seconds"))
-        put("elasticd_checkpoint_last_write_seconds", ckpt.get("last_write_seconds"))
-    newest = s.get("checkpoint") or {}
-    put("elasticd_checkpoint_step", newest.get("step"))
-    put("elasticd_checkpoint_age_seconds", newest.get("age"))
-    mem = s.get("memory_refresh") or {}
-    put("elasticd_memory_refreshes_total", mem.get("refreshes"))
-    put("elasticd_memory_refresh_seconds_total", mem.get("seconds_total"))
-    if mem.get("refreshes"):
-        put("elasticd_memory_refresh_last_seconds", mem.get("last_seconds"))
-        put("elasticd_memory_refresh_interval_steps", mem.get("every"))
-    put("elasticd_memory_step", s.get("memory_step"))
-    for w in s.get("workers") or []:
-        who = {"rank": w.get("rank"), "local_rank": w.get("local_rank")}
-        put("elasticd_rank_heartbeat_age_seconds", w.get("heartbeat_age"), **who)
-        put("elasticd_rank_rss_bytes", w.get("rss_bytes"), **who)
-        put("elasticd_rank_step", w.get("step"), **who)
-        put("elasticd_rank_step_seconds", w.get("step_time"), **who)
-        put("elasticd_rank_step_work_seconds", w.get("work_time"), **who)
-        put("elasticd_rank_straggler_ratio", w.get("straggler_ratio"), **who)
-    put("elasticd_stragglers", len(s.get("stragglers") or []))
-    put("elasticd_straggler_reports_total", s.get("straggler_reports", 0))
-    health = s.get("health") or {}
-    last = health.get("last")
-    if last:
-        put("elasticd_health_check_up", int(bool(last.get("ok"))))
-        put("elasticd_health_check_duration_seconds", last.get("seconds"))
-        put("elasticd_health_check_timestamp_seconds", last.get("at"))
-    if health.get("check"):
-        put("elasticd_health_check_runs_total", health.get("runs"))
-        put("elasticd_health_check_failures_total", health.get("failures"))
-    put("elasticd_peers_left_total", len(health.get("peers_left") or []))
-    for peer, age in (s.get("peers") or {}).items():
-        put("elasticd_peer_beat_age_seconds", age, peer_group_rank=peer)
-
+    for part in (_job, _restarts, _training, _costs, _ranks, _health):
+        part(put, s)
     for name, kind, doc, labels in METRICS:
-        names = [*base, *labels]
         if kind == "histogram":
-            rec = s.get("recoveries") or {}
-            if not rec:
-                continue
-            family = HistogramMetricFamily(name, doc, labels=list(base))
-            cumulative, buckets = 0, []
-            for le, n in rec.get("buckets") or []:
-                cumulative += n
-                buckets.append((str(float(le)) if le != "+Inf" else "+Inf", cumulative))
-            family.add_metric(list(base.values()), buckets, rec.get("sum", 0.0))
-            yield family
+            if s.recoveries is not None:
+                yield _histogram(name, doc, base, s.recoveries)
             continue
         family = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(
-            name, doc, labels=names
+            name, doc, labels=[*base, *labels]
         )
         for labels_of, value in samples[name]:
             family.add_metric([*base.values(), *(labels_of[k] for k in labels)], value)
         yield family
+
+
+def _histogram(name: str, doc: str, base: dict[str, str], rec: Recoveries) -> Metric:
+    family = HistogramMetricFamily(name, doc, labels=list(base))
+    cumulative, buckets = 0, []
+    for le, n in rec.buckets:
+        cumulative += n
+        buckets.append((str(float(le)) if le != "+Inf" else "+Inf", cumulative))
+    family.add_metric(list(base.values()), buckets, rec.sum)
+    return family
+
+
+def _job(put: Put, s: Snapshot) -> None:
+    put("elasticd_info", 1, version=__version__)
+    for state in State:
+        put("elasticd_state", int(s.state == state.value), state=state.value)
+    put("elasticd_uptime_seconds", s.uptime)
+    put("elasticd_world_size", s.world_size)
+    put("elasticd_group_rank", s.group_rank)
+    put("elasticd_group_world_size", s.group_world_size)
+    put("elasticd_round", s.round)
+    for peer, age in s.peers.items():
+        put("elasticd_peer_beat_age_seconds", age, peer_group_rank=peer)
+
+
+def _restarts(put: Put, s: Snapshot) -> None:
+    for cause, n in s.restarts_by_cause.items():
+        put("elasticd_restarts_total", n, cause=cause)
+    put("elasticd_restart_budget_used", s.restarts)
+    put("elasticd_restart_budget_left", s.budget_left)
+    if s.last_failure:
+        put("elasticd_last_failure_timestamp_seconds", s.last_failure.at)
+    last_recovery = s.last_recovery or {}
+    for phase in STEPS:
+        put("elasticd_last_recovery_phase_seconds", last_recovery.get(phase), phase=phase)
+    put("elasticd_steps_lost_total", s.steps_lost.total)
+    put("elasticd_last_restart_steps_lost", s.steps_lost.last)
+    put("elasticd_steps_lost_unknown_total", s.steps_lost.unknown)
+
+
+def _training(put: Put, s: Snapshot) -> None:
+    put("elasticd_goodput_ratio", s.goodput.ratio)
+    put("elasticd_productive_seconds", s.goodput.productive_seconds)
+    put("elasticd_lost_seconds", s.goodput.lost_seconds)
+    put("elasticd_training_step", s.step)
+    put("elasticd_step_seconds", s.step_time)
+    put("elasticd_step_work_seconds", s.work_time)
+    put("elasticd_stragglers", len(s.stragglers))
+    put("elasticd_straggler_reports_total", s.straggler_reports)
+
+
+def _costs(put: Put, s: Snapshot) -> None:
+    """What checkpoints and in-memory refreshes cost, and the newest of each."""
+    ckpt, mem = s.checkpoint_costs, s.memory_refresh
+    put("elasticd_checkpoint_saves_total", ckpt.saves)
+    put("elasticd_checkpoint_stall_seconds_total", ckpt.stall_seconds_total)
+    put("elasticd_checkpoint_write_seconds_total", ckpt.write_seconds_total)
+    if ckpt.saves:
+        put("elasticd_checkpoint_last_stall_seconds", ckpt.last_stall_seconds)
+        put("elasticd_checkpoint_last_write_seconds", ckpt.last_write_seconds)
+    newest = s.checkpoint or {}  # the checkpoint format's manifest entry
+    put("elasticd_checkpoint_step", newest.get("step"))
+    put("elasticd_checkpoint_age_seconds", newest.get("age"))
+    put("elasticd_memory_refreshes_total", mem.refreshes)
+    put("elasticd_memory_refresh_seconds_total", mem.seconds_total)
+    if mem.refreshes:
+        put("elasticd_memory_refresh_last_seconds", mem.last_seconds)
+        put("elasticd_memory_refresh_interval_steps", mem.every)
+    put("elasticd_memory_step", s.memory_step)
+
+
+def _ranks(put: Put, s: Snapshot) -> None:
+    for w in s.workers:
+        who = {"rank": w.rank, "local_rank": w.local_rank}
+        put("elasticd_rank_heartbeat_age_seconds", w.heartbeat_age, **who)
+        put("elasticd_rank_rss_bytes", w.rss_bytes, **who)
+        put("elasticd_rank_step", w.step, **who)
+        put("elasticd_rank_step_seconds", w.step_time, **who)
+        put("elasticd_rank_step_work_seconds", w.work_time, **who)
+        put("elasticd_rank_straggler_ratio", w.straggler_ratio, **who)
+
+
+def _health(put: Put, s: Snapshot) -> None:
+    health = s.health
+    if health.last:
+        put("elasticd_health_check_up", int(bool(health.last.ok)))
+        put("elasticd_health_check_duration_seconds", health.last.seconds)
+        put("elasticd_health_check_timestamp_seconds", health.last.at)
+    if health.check:
+        put("elasticd_health_check_runs_total", health.runs)
+        put("elasticd_health_check_failures_total", health.failures)
+    put("elasticd_peers_left_total", len(health.peers_left))
 
 
 class Exporter:
@@ -377,49 +390,37 @@ class Exporter:
         self,
         address: tuple[str, int] | None,
         textfile: str | None,
-        snapshot: Callable[[], dict[str, Any]],
+        snapshot: Callable[[], Snapshot | dict[str, Any]],
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(SnapshotCollector(snapshot))
         self.textfile = Path(textfile) if textfile else None
         self.address = address
         self._server: BoundedServer | None = None
-        self._thread: threading.Thread | None = None
         self._next_write = 0.0
         self._state: str | None = None
         self._warned = False
 
     def start(self) -> None:
         """Bind and serve (an OSError, e.g. the port in use, is the caller's: exit 2)."""
-        if self.address is None:
-            return
-        host, port = self.address
-        self._server = BoundedServer((host, port), _Handler.factory(self.registry))
-        self._thread = threading.Thread(
-            target=self._server.serve_forever, name="elasticd-metrics", daemon=True
-        )
-        self._thread.start()
-        log.info(
-            "metrics_serving",
-            address=f"{host}:{port}",
-            path="/metrics",
-            max_connections=MAX_CONNECTIONS,
-            request_timeout=REQUEST_TIMEOUT,
-        )
+        if self.address is not None:
+            self._server = serve(self.address, Handler.factory(self.registry))
 
-    def published(self, snapshot: dict[str, Any], now: float) -> None:
-        """After each status publish (the loop's thread): the textfile, when due or the state changed."""
+    def published(self, snapshot: Snapshot | dict[str, Any], now: float) -> None:
+        """After each status publish (the loop's thread): the textfile, when due or the state
+        changed."""
         if self.textfile is None:
             return
-        state = snapshot.get("state")
+        state = snapshot_of(snapshot).state
         if now < self._next_write and state == self._state:
             return
         self._next_write, self._state = now + TEXTFILE_EVERY, state
         self.write_textfile()
 
     def write_textfile(self) -> None:
-        """The metrics into a new file beside the textfile, then renamed over it (0644: node_exporter
-        runs as its own user); a failure is logged once and retried at the next write."""
+        """The metrics into a new file beside the textfile, then renamed over it (0644:
+        node_exporter runs as its own user); a failure is logged once and retried at the next
+        write."""
         assert self.textfile is not None
         tmp = self.textfile.with_name(f".{self.textfile.name}.{os.getpid()}.tmp")
         try:
@@ -448,137 +449,3 @@ class Exporter:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
-
-
-class _Deadline(io.RawIOBase):
-    """A connection's reads, each allowed only what is left of its request's time: a client that
-    trickles bytes (slowloris) is dropped at the deadline, not kept for as long as it trickles."""
-
-    def __init__(self, sock: socket.socket, deadline: float) -> None:
-        super().__init__()
-        self._sock, self._deadline = sock, deadline
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer) -> int:
-        left = self._deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError("the request's time is up")
-        self._sock.settimeout(
-            left
-        )  # a reply's sendall is bounded by what is left after the last read
-        return self._sock.recv_into(buffer)
-
-
-class _Handler(MetricsHandler):
-    """prometheus-client's exposition (content negotiation, gzip, name[] filters), with the
-    whole exchange bounded by REQUEST_TIMEOUT; one request per connection (HTTP/1.0)."""
-
-    server: BoundedServer
-
-    def setup(self) -> None:
-        super().setup()
-        self.rfile.close()  # the plain reader is replaced by one that keeps the deadline
-        self.rfile = io.BufferedReader(
-            _Deadline(self.connection, time.monotonic() + REQUEST_TIMEOUT)
-        )
-
-    def parse_request(self) -> bool:
-        """Its line and headers are in: from now on the connection is served, no longer evictable."""
-        ok = super().parse_request()
-        self.server.requested(self.connection)
-        return ok
-
-
-class BoundedServer(socketserver.ThreadingTCPServer):
-    """A thread per connection, at most MAX_CONNECTIONS of them. At the cap a new connection
-    takes the slot of the one that has waited longest without sending its request (an idle or
-    slowloris client), so a scraper is served while the slots are held by idle connections; if
-    every slot is serving a request, it is closed at once. Nothing a client does prints a
-    traceback: errors are one throttled event."""
-
-    daemon_threads = True
-    block_on_close = False  # closing never waits on a client
-    allow_reuse_address = True  # as prometheus-client's server: a restarted daemon binds at once
-    request_queue_size = (
-        128  # a burst of connections waits in the kernel's queue, not as SYNs resent a second later
-    )
-
-    def __init__(self, address: tuple[str, int], handler: type) -> None:
-        self.address_family = socket.getaddrinfo(address[0], address[1], type=socket.SOCK_STREAM)[
-            0
-        ][0]
-        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
-        self._waiting: dict[socket.socket, None] = {}  # accepted, request not yet in: oldest first
-        self._lock = threading.Lock()
-        self._throttle = logs.Throttle()
-        self.refused = self.evicted = 0
-        super().__init__(address, handler)
-
-    def get_request(self) -> tuple[socket.socket, Any]:
-        try:
-            return super().get_request()
-        except OSError as e:
-            if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                self._say("metrics_accept_failed", error=str(e))
-                time.sleep(
-                    0.1
-                )  # the connection waits in the kernel's queue: not a busy loop meanwhile
-            raise
-
-    def process_request(self, request: socket.socket, client_address: Any) -> None:
-        if not (self._slots.acquire(blocking=False) or self._evict()):
-            self.refused += 1
-            self._say(
-                "metrics_connection_refused",
-                reason=f"{MAX_CONNECTIONS} connections are being served",
-            )
-            self.shutdown_request(request)
-            return
-        with self._lock:
-            self._waiting[request] = None
-        try:
-            super().process_request(request, client_address)  # its thread releases the slot
-        except BaseException:
-            self._release(request)
-            raise
-
-    def process_request_thread(self, request: socket.socket, client_address: Any) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._release(request)
-
-    def requested(self, request: socket.socket) -> None:
-        with self._lock:
-            self._waiting.pop(request, None)
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        """A client that went away mid-reply, or anything else one connection raised."""
-        import sys
-
-        self._say("metrics_request_failed", error=repr(sys.exc_info()[1]))
-
-    def _evict(self) -> bool:
-        """Drop the connection that has waited longest for its request, and take its slot once
-        its thread has let it go; False when every connection is being served."""
-        with self._lock:
-            if not self._waiting:
-                return False
-            oldest = next(iter(self._waiting))
-            del self._waiting[oldest]
-        with contextlib.suppress(OSError):
-            oldest.shutdown(socket.SHUT_RDWR)  # its thread's read ends now
-        self.evicted += 1
-        self._say("metrics_connection_evicted", reason="no request yet, and every slot taken")
-        return self._slots.acquire(timeout=EVICT_WAIT)
-
-    def _release(self, request: socket.socket) -> None:
-        self.requested(request)
-        self._slots.release()
-
-    def _say(self, event: str, **fields: Any) -> None:
-        held = self._throttle(event)
-        if held is not None:
-            log.warning(event, **fields, held_back=held)

@@ -28,22 +28,56 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from elasticd.config import Config
+from elasticd.ops.snapshot import Straggler
 from elasticd.worker import health
 
 SAMPLE_EVERY = 1.0  # seconds between comparisons
 
 
 @dataclass(frozen=True)
-class Straggler:
-    """A rank found slow for the whole window: what a report shows and an action would act on."""
+class Judgement:
+    """What the straggler rule found at one comparison."""
 
-    rank: int
-    local_rank: int
-    node: str
-    ratio: float  # its own work per step over the node's median, over the window
-    work_time: float  # its seconds of own work per step, over the window
-    median: float  # the node's median, over the window
-    since: float  # wall-clock time it was first above the threshold
+    median: float  # the node's median own work per step, over the window
+    ratios: dict[int, float]  # local rank -> its windowed figure over the median
+    above: dict[int, tuple[float, float]]  # local rank -> (monotonic, wall) since when above
+    slow: frozenset[int]  # local ranks above for the whole window, and over it on the whole
+
+
+def judge(
+    means: dict[int, float],
+    latest: dict[int, float],
+    above: dict[int, tuple[float, float]],
+    now: float,
+    wall: float,
+    *,
+    threshold: float,
+    window: float,
+) -> Judgement:
+    """The straggler rule, on figures alone: `means`, each local rank's own work per step over
+    the window (at least two ranks); `latest`, over the last period only (ranks that stepped in
+    it); `above`, since when each rank has been above the threshold in every period (`now` and
+    `wall` date a new one). A rank is above when its last period's figure is more than
+    1 + threshold times that period's median (a period with fewer than two ranks' figures
+    changes nothing), and slow once above for `window` seconds with its windowed figure also
+    over the limit: one slow period is no straggler, and neither is one that has caught up."""
+    median = statistics.median(means.values())
+    period_median = statistics.median(latest.values()) if len(latest) >= 2 else None
+    limit = 1 + threshold
+    ratios: dict[int, float] = {}
+    above = dict(above)
+    slow = set()
+    for local, mean in means.items():
+        ratios[local] = ratio = mean / median if median > 0 else 1.0
+        if local in latest and period_median is not None:
+            if period_median > 0 and latest[local] > limit * period_median:
+                above.setdefault(local, (now, wall))
+            else:
+                above.pop(local, None)
+        since = above.get(local)
+        if since and now - since[0] >= window and ratio > limit:
+            slow.add(local)
+    return Judgement(median, ratios, above, frozenset(slow))
 
 
 class Stragglers:
@@ -57,12 +91,10 @@ class Stragglers:
         self.reports = 0  # stragglers reported since the daemon started
         self._attempt = -1
         self._next = 0.0
-        self._samples: dict[
-            int, collections.deque
-        ] = {}  # local rank -> (t, count, total) over the window
-        self._above: dict[
-            int, tuple[float, float]
-        ] = {}  # local rank -> (monotonic, wall) first above
+        # local rank -> (t, count, total) over the window
+        self._samples: dict[int, collections.deque] = {}
+        # local rank -> (monotonic, wall) first above
+        self._above: dict[int, tuple[float, float]] = {}
         self.current: dict[int, Straggler] = {}  # local rank -> reported and still slow
         self.ratios: dict[int, float] = {}  # local rank -> latest windowed ratio to the median
 
@@ -87,8 +119,29 @@ class Stragglers:
         if not self.on or now < self._next or len(beats) < 2:
             return
         self._next = now + SAMPLE_EVERY
+        means, latest = self._measure(ranks, beats, now)
+        if len(means) < 2:
+            return
+        verdict = judge(
+            means,
+            latest,
+            self._above,
+            now,
+            self.wall(),
+            threshold=self.cfg.straggler_threshold,
+            window=self.cfg.straggler_window,
+        )
+        self._above = verdict.above
+        for rank, local in ranks:
+            if local in means:
+                self._act(rank, local, means[local], verdict)
+
+    def _measure(
+        self, ranks: list[tuple[int, int]], beats: list[health.Beat | None], now: float
+    ) -> tuple[dict[int, float], dict[int, float]]:
+        """Each rank's own work per step over the window, and over the last period only (beat to
+        beat step times where some rank has no own-work figure)."""
         by_work = all(b is not None and b.figure("work_steps") for b in beats)
-        window = self.cfg.straggler_window
         means: dict[int, float] = {}
         latest: dict[int, float] = {}  # this period's figure, per rank
         for (_, local), b in zip(ranks, beats):
@@ -101,61 +154,50 @@ class Stragglers:
             if samples and count > samples[-1][1]:
                 latest[local] = (total - samples[-1][2]) / (count - samples[-1][1])
             samples.append((now, count, total))
-            while len(samples) > 2 and samples[1][0] <= now - window:
+            while len(samples) > 2 and samples[1][0] <= now - self.cfg.straggler_window:
                 samples.popleft()
             t0, c0, s0 = samples[0]
             if count > c0:
                 means[local] = (total - s0) / (count - c0)
-        if len(means) < 2:
-            return
-        median = statistics.median(means.values())
-        period_median = statistics.median(latest.values()) if len(latest) >= 2 else None
-        limit = 1 + self.cfg.straggler_threshold
-        for (rank, local), _ in zip(ranks, beats):
-            if local not in means:
-                continue
-            ratio = means[local] / median if median > 0 else 1.0
-            self.ratios[local] = round(ratio, 3)
-            if local in latest and period_median is not None:
-                above = latest[local] > limit * period_median if period_median > 0 else False
-                if above:
-                    self._above.setdefault(local, (now, self.wall()))
-                else:
-                    self._above.pop(local, None)
-            since = self._above.get(local)
-            if since and now - since[0] >= window and ratio > limit:
-                if local not in self.current:
-                    self.reports += 1
-                    self.event(
-                        "straggler",
-                        level="warning",
-                        rank=rank,
-                        local_rank=local,
-                        node=self.node,
-                        ratio=round(ratio, 2),
-                        work_time=round(means[local], 4),
-                        median=round(median, 4),
-                        window=window,
-                        action=self.cfg.straggler_action,
-                    )
-                self.current[local] = Straggler(
-                    rank,
-                    local,
-                    self.node,
-                    round(ratio, 3),
-                    round(means[local], 6),
-                    round(median, 6),
-                    since[1],
-                )
-            elif local in self.current and not since:
-                gone = self.current.pop(local)
+        return means, latest
+
+    def _act(self, rank: int, local: int, mean: float, verdict: Judgement) -> None:
+        """Report a rank found slow (once, until it recovers), or say it recovered."""
+        ratio = verdict.ratios[local]
+        self.ratios[local] = round(ratio, 3)
+        if local in verdict.slow:
+            if local not in self.current:
+                self.reports += 1
                 self.event(
-                    "straggler_recovered",
-                    rank=gone.rank,
+                    "straggler",
+                    level="warning",
+                    rank=rank,
                     local_rank=local,
                     node=self.node,
                     ratio=round(ratio, 2),
+                    work_time=round(mean, 4),
+                    median=round(verdict.median, 4),
+                    window=self.cfg.straggler_window,
+                    action=self.cfg.straggler_action,
                 )
+            self.current[local] = Straggler(
+                rank,
+                local,
+                self.node,
+                round(ratio, 3),
+                round(mean, 6),
+                round(verdict.median, 6),
+                verdict.above[local][1],
+            )
+        elif local in self.current and local not in verdict.above:
+            gone = self.current.pop(local)
+            self.event(
+                "straggler_recovered",
+                rank=gone.rank,
+                local_rank=local,
+                node=self.node,
+                ratio=round(ratio, 2),
+            )
 
     def report(self) -> list[dict[str, Any]]:
         """Status's `stragglers`: the ranks reported and still slow."""

@@ -1,0 +1,174 @@
+"""`elasticd status`'s readable form of a status snapshot: one screen, a line per concern (`--json`
+has everything). Every line is escaped (logs.printable): failures and events quote what workers
+wrote.
+"""
+
+from __future__ import annotations
+
+import time
+
+from elasticd.ops.snapshot import Snapshot
+
+
+def age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    seconds = float(seconds)
+    if seconds < 120:
+        return f"{seconds:.1f}s"
+    return f"{seconds / 60:.1f}m" if seconds < 7200 else f"{seconds / 3600:.1f}h"
+
+
+def ms(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    seconds = float(seconds)
+    return f"{seconds * 1e3:.1f}ms" if seconds < 1 else f"{seconds:.2f}s"
+
+
+def status(s: Snapshot, socket: str | None = None) -> str:
+    """The snapshot of the daemon at `socket` (named when several run here)."""
+    from elasticd.logs import printable
+
+    lines = _header(s, socket) + _figures(s) + _workers(s) + _history(s)
+    return "\n".join(printable(line) for line in lines)
+
+
+def _header(s: Snapshot, socket: str | None) -> list[str]:
+    lines = [
+        f"elasticd {s.state}  run {s.run_id}  node {s.node} (pid {s.pid})",
+        f"  group rank {s.group_rank} of {s.group_world_size} nodes, world size {s.world_size}, "
+        f"round {s.round}",
+        f"  restarts {s.restarts}/{s.max_restarts}  uptime {age(s.uptime)}  "
+        f"entrypoint {s.entrypoint}",
+        f"  logs {s.run_dir}",
+    ]
+    if socket:  # one of several daemons: the one to name with --socket
+        lines.append(f"  socket {socket}")
+    ckpt = s.checkpoint
+    if ckpt:
+        lines.append(
+            f"  checkpoint step {ckpt.get('step')} epoch {ckpt.get('epoch')} "
+            f"age {age(ckpt.get('age'))} {ckpt.get('path')}"
+        )
+    else:
+        lines.append("  checkpoint none")
+    if s.memory_step is not None:
+        lines.append(f"  in-memory state step {s.memory_step}")
+    down = {n: p for n, p in s.parts.items() if p.state != "up"}
+    if down:
+        lines.append(
+            "  parts not up: "
+            + "; ".join(
+                f"{n} {p.state} after {p.restarts} restart(s): {p.why}" for n, p in down.items()
+            )
+        )
+    if s.lost_nodes:
+        lines.append("  nodes lost when this round formed: " + ", ".join(s.lost_nodes))
+    if s.peers:
+        lines.append(
+            "  watched peer nodes (group rank: last beat) "
+            + ", ".join(f"{r}: {age(a)} ago" for r, a in s.peers.items())
+        )
+    return lines
+
+
+def _figures(s: Snapshot) -> list[str]:
+    """Goodput, steps, restarts by cause, checkpoint and refresh costs, health and stragglers: a
+    line each at most."""
+    goodput, lost = s.goodput, s.steps_lost
+    lost_text = f"steps lost {lost.total}"
+    if lost.last is not None:
+        lost_text += f" (last restart {lost.last})"
+    if lost.unknown:
+        lost_text += f", {lost.unknown} restart(s) unknown"
+    ratio = "-" if goodput.ratio is None else f"{100 * goodput.ratio:.1f}%"
+    lines = [
+        f"  goodput {ratio} (productive {age(goodput.productive_seconds)} of "
+        f"{age(goodput.wall_seconds)})  step {'-' if s.step is None else s.step} at "
+        f"{ms(s.step_time)}/step (own work {ms(s.work_time)})  {lost_text}"
+    ]
+    causes = {c: n for c, n in s.restarts_by_cause.items() if n}
+    if causes:
+        lines.append(
+            "  restarts by cause: "
+            + ", ".join(f"{c.replace('_', ' ')} {n}" for c, n in causes.items())
+            + f"; budget left {s.budget_left}"
+        )
+    return lines + _costs(s) + _health(s)
+
+
+def _costs(s: Snapshot) -> list[str]:
+    ckpt, mem = s.checkpoint_costs, s.memory_refresh
+    costs = []
+    if ckpt.saves:
+        costs.append(
+            f"saves {ckpt.saves}: stall {ms(ckpt.last_stall_seconds)} last, "
+            f"{ms(ckpt.stall_seconds_total)} total, write {ms(ckpt.last_write_seconds)}"
+        )
+    if mem.refreshes:
+        costs.append(
+            f"in-memory refresh every {mem.every or '-'} step(s), {ms(mem.last_seconds)} "
+            f"last, {ms(mem.seconds_total)} total"
+        )
+    return ["  " + "; ".join(costs)] if costs else []
+
+
+def _health(s: Snapshot) -> list[str]:
+    """The health check, the peers that left after failing theirs, and the stragglers."""
+    lines, health = [], s.health
+    if health.check:
+        last = health.last
+        when = f", {age(time.time() - last.at)} ago" if last and last.at else ""
+        lines.append(
+            f"  health check {health.state}: {health.check}"
+            + (f" ({last.reason}, {ms(last.seconds)}{when})" if last else "")
+        )
+    for left in health.peers_left[-2:]:
+        lines.append(f"  node {left.node} left the job: health check failed: {left.reason}")
+    for st in s.stragglers:
+        since = time.time() - (st.since if st.since is not None else time.time())
+        lines.append(
+            f"  straggler: rank {st.rank} (local {st.local_rank}) on node {st.node}: "
+            f"{st.ratio:.2f}x the node's median own work per step ({ms(st.work_time)} vs "
+            f"{ms(st.median)}) for {age(since)}"
+        )
+    return lines
+
+
+def _workers(s: Snapshot) -> list[str]:
+    lines = ["  RANK  PID      STATE                 BEAT   STEP     TIME/STEP  OWN WORK   RSS"]
+    for w in s.workers:
+        rss = f"{w.rss_bytes / 2**20:.0f}MiB" if w.rss_bytes else "-"
+        step = "-" if w.step is None else str(w.step)
+        work = ms(w.work_time) + ("!" if w.straggler else "")
+        lines.append(
+            f"  {w.rank:<5} {w.pid:<8} {w.state:<21} {age(w.heartbeat_age):<6} {step:<8} "
+            f"{ms(w.step_time):<10} {work:<10} {rss}"
+        )
+    return lines
+
+
+def _history(s: Snapshot) -> list[str]:
+    """The last failure, the last recovery's timeline and the recent events."""
+    lines = []
+    f = s.last_failure
+    if f:
+        lines.append(
+            f"  last failure: rank {f.rank} {f.reason}"
+            + (f": {f.exception}" if f.exception else "")
+            + (f" (log {f.log_path})" if f.log_path else "")
+        )
+        lines += [f"    stacks {path}" for path in f.stacks]
+    if s.last_recovery:
+        lines.append(
+            "  last recovery (s after detection): "
+            + ", ".join(f"{k.replace('_', ' ')} {v:.3f}" for k, v in s.last_recovery.items())
+        )
+    if s.events:
+        lines.append("  recent events:")
+        for e in s.events[-8:]:
+            extra = " ".join(f"{k}={v}" for k, v in e.items() if k not in ("time", "event"))
+            when = time.strftime("%H:%M:%S", time.localtime(e["time"]))
+            lines.append(f"    {when} {e['event']} {extra}"[:160])
+    return lines

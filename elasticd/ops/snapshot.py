@@ -1,0 +1,250 @@
+"""The status snapshot as types: what the control socket serves, `elasticd status` shows and
+/metrics exports, field by field, in one place.
+
+The daemon builds a `Snapshot` at every publish (daemon/status.py) and serves its JSON form
+(`to_json`: the fields in the order `status --json` has always printed them); the CLI and the
+metrics read it back with `from_json` and then by attribute. Operators' scripts read the JSON,
+so it is the contract: a field is added at the end of its record, never renamed. `from_json`
+takes what a daemon of another version wrote as the readers always took it: a key it does not
+know is ignored, a missing one (or a record that is not one) is the field's default.
+
+Imports nothing of elasticd and no torch: the CLI reads it in the operator's shell.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Worker:
+    """A local worker of the current attempt (daemon/group.py's row, with its figures)."""
+
+    rank: int | None = None
+    local_rank: int | None = None
+    pid: int | None = None
+    state: str | None = None  # "running", or how it exited
+    heartbeat_age: float | None = None  # seconds since its last beat; None before the first
+    step: int | None = None
+    rss_bytes: int | None = None
+    log: str | None = None
+    step_time: float | None = None  # seconds per step, beat to beat (figures.py)
+    work_time: float | None = None  # own work per step, outside the gradient sync
+    straggler_ratio: float | None = None  # own work over the node's median (stragglers.py)
+    straggler: bool = False
+
+
+@dataclass(frozen=True)
+class LastFailure:
+    """states.Failure as the wire carries it (its fields, one for one: a unit test checks)."""
+
+    kind: str | None = None  # a RestartCause's value
+    reason: str | None = None
+    rank: int | None = None
+    pid: int | None = None
+    exit_code: int | None = None
+    exception: str | None = None
+    log_path: str | None = None
+    stacks: list[str] = field(default_factory=list)
+    node: str | None = None
+    lost: list[str] = field(default_factory=list)
+    at: float | None = None  # Unix time
+
+
+@dataclass(frozen=True)
+class Part:
+    """One of elasticd's own processes or threads (daemon/supervise.py)."""
+
+    state: str | None = None  # up, restarting or off
+    restarts: int = 0
+    why: str | None = None
+
+
+@dataclass(frozen=True)
+class Goodput:
+    ratio: float | None = None  # None until something trained
+    productive_seconds: float | None = None
+    wall_seconds: float | None = None
+    lost_seconds: float | None = None
+
+
+@dataclass(frozen=True)
+class StepsLost:
+    total: int = 0
+    last: int | None = None
+    unknown: int = 0  # restarts whose loss could not be told
+
+
+@dataclass(frozen=True)
+class Recoveries:
+    """The recovery histogram: count, sum and [upper bound, count] per bucket ("+Inf" last)."""
+
+    count: int = 0
+    sum: float = 0.0
+    buckets: list[list[Any]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class CheckpointCosts:
+    saves: int | None = None
+    stall_seconds_total: float | None = None
+    write_seconds_total: float | None = None
+    last_stall_seconds: float | None = None
+    last_write_seconds: float | None = None
+
+
+@dataclass(frozen=True)
+class MemoryRefresh:
+    refreshes: int | None = None
+    seconds_total: float | None = None
+    last_seconds: float | None = None
+    every: int | None = None  # steps between refreshes
+
+
+@dataclass(frozen=True)
+class Straggler:
+    """A rank found slow for the whole window: what a report shows and an action would act on
+    (ops/stragglers.py makes them)."""
+
+    rank: int | None = None
+    local_rank: int | None = None
+    node: str | None = None
+    ratio: float | None = None  # its own work per step over the node's median, over the window
+    work_time: float | None = None  # its seconds of own work per step, over the window
+    median: float | None = None  # the node's median, over the window
+    since: float | None = None  # wall-clock time it was first above the threshold
+
+
+@dataclass(frozen=True)
+class HealthResult:
+    """One run of the health check (ops/healthcheck.py makes them)."""
+
+    ok: bool = False
+    reason: str | None = None  # "passed" or why it failed: exit code or signal, last line
+    output: str | None = None  # its last line of output (escaped, cut)
+    seconds: float | None = None
+    at: float | None = None  # wall-clock time it finished
+
+
+@dataclass(frozen=True)
+class PeerLeft:
+    """Another node that left the job after failing its health check."""
+
+    node: str | None = None
+    reason: str | None = None
+    at: float | None = None
+
+
+@dataclass(frozen=True)
+class Health:
+    check: str | None = None  # the command, None without --health-check
+    state: str | None = None  # off, unknown, passing or failing
+    interval: float | None = None
+    runs: int | None = None
+    failures: int | None = None
+    last: HealthResult | None = None
+    running: bool = False
+    peers_left: list[PeerLeft] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The daemon's state as status shows it. The fields after `parts` are the operators'
+    figures (ops/figures.py, stragglers.py, healthcheck.py)."""
+
+    state: str | None = None  # a states.State's value
+    run_id: str | None = None
+    node: str | None = None
+    pid: int | None = None
+    group_rank: int | None = None
+    group_world_size: int | None = None
+    world_size: int | None = None
+    round: int | None = None  # attempts this node started
+    restarts: int | None = None  # the job's restart budget spent
+    max_restarts: int | None = None
+    budget_left: int | None = None
+    uptime: float | None = None
+    run_dir: str | None = None
+    entrypoint: str | None = None
+    workers: list[Worker] = field(default_factory=list)
+    # seconds since each watched peer node's liveness beat last moved, by its group rank
+    peers: dict[Any, float] = field(default_factory=dict)
+    node_id: str | None = None
+    lost_nodes: list[str] = field(default_factory=list)  # of the previous round, found lost
+    last_failure: LastFailure | None = None
+    last_recovery: dict[str, float] | None = None  # phase -> seconds after detection
+    # the newest checkpoint's manifest entry (checkpoint/format.py's), its path and age
+    checkpoint: dict[str, Any] | None = None
+    memory_step: int | None = None
+    parts: dict[str, Part] = field(default_factory=dict)
+    goodput: Goodput = field(default_factory=Goodput)
+    restarts_by_cause: dict[str, int] = field(default_factory=dict)  # by RestartCause.label
+    steps_lost: StepsLost = field(default_factory=StepsLost)
+    recoveries: Recoveries | None = None
+    step: int | None = None
+    step_time: float | None = None
+    work_time: float | None = None
+    checkpoint_costs: CheckpointCosts = field(default_factory=CheckpointCosts)
+    memory_refresh: MemoryRefresh = field(default_factory=MemoryRefresh)
+    stragglers: list[Straggler] = field(default_factory=list)
+    straggler_reports: int = 0
+    health: Health = field(default_factory=Health)
+    events: list[dict[str, Any]] = field(default_factory=list)  # the latest, newest last
+
+    def to_json(self) -> dict[str, Any]:
+        return to_json(self)
+
+
+def to_json(value: Any) -> Any:
+    """A record (and what it holds) as JSON values, fields in their declared order."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: to_json(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, (list, tuple)):
+        return [to_json(v) for v in value]
+    if isinstance(value, dict):
+        return {k: to_json(v) for k, v in value.items()}
+    return value
+
+
+def from_json(cls: type[T], data: Any) -> T:
+    """A record from its JSON form: unknown keys ignored, missing ones (and a record that is
+    not a JSON object) the defaults."""
+    return cls(**fields_from_json(cls, data if isinstance(data, dict) else {}))
+
+
+def fields_from_json(cls: type, data: dict[str, Any]) -> dict[str, Any]:
+    """The fields of `cls` that `data` holds, each read as its declared type."""
+    hints = _hints(cls)
+    return {
+        f.name: _read(hints[f.name], data[f.name])
+        for f in dataclasses.fields(cls)
+        if f.name in data
+    }
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _read(hint: Any, value: Any) -> Any:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):  # X | None
+        if value is None:
+            return None
+        (hint,) = [a for a in args if a is not type(None)]
+        origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if dataclasses.is_dataclass(hint):
+        return from_json(hint, value)
+    if origin is list:
+        return [_read(args[0], v) for v in value] if isinstance(value, (list, tuple)) else []
+    if origin is dict:
+        return {k: _read(args[1], v) for k, v in value.items()} if isinstance(value, dict) else {}
+    return value
