@@ -15,7 +15,8 @@ import time
 import psutil
 
 from elasticd.control import channel as control
-from elasticd.daemon import supervise, workers
+from elasticd.daemon import supervise
+from elasticd.daemon.tee import Tee
 from harness import leftover_processes, script, wait_until
 from test_forkserver import _forked_spares, _training_with_spares
 
@@ -188,7 +189,7 @@ def _status(path):
 
 def test_tee_thread_echoes_again_after_a_crash(tmp_path):
     out = io.StringIO()
-    tee = workers.Tee(out, interval=0.01, idle_interval=0.01)
+    tee = Tee(out, interval=0.01, idle_interval=0.01)
     pump = tee._pump
     crashes = []
 

@@ -38,7 +38,7 @@ from elasticd.cluster.rendezvous import (
     StoreUnreachable,
 )
 from elasticd.config import Config
-from elasticd.daemon import supervise, workers
+from elasticd.daemon import processes, supervise
 from elasticd.daemon.group import LocalGroup
 from elasticd.daemon.inbox import Inbox
 from elasticd.daemon.recovery import Recovery
@@ -213,7 +213,7 @@ class Agent:
     def run(self) -> int:
         """Run the job to the end; returns the daemon's exit code."""
         logs.bind(run_id=self.cfg.rdzv_id, node=self.node)
-        reaper = workers.make_subreaper()  # a fork server's spares are reparented to us
+        reaper = processes.make_subreaper()  # a fork server's spares are reparented to us
         if self.group.tee:
             self.group.tee.start()
         self.set_state(State.RENDEZVOUS)
@@ -571,7 +571,7 @@ def serve(cfg: Config, run_dir: Path) -> int:
     exporter = _metrics_exporter(cfg, agent)
     guard = supervise.Kept(
         "guard",
-        lambda: workers.start_guard(agent.token),
+        lambda: processes.start_guard(agent.token),
         risk="until a new guard is up, a SIGKILLed daemon leaves its workers' children behind",
     )
 
