@@ -72,8 +72,9 @@ def install_sigterm_handler(stop_timeout: float = 10.0) -> bool:
     promptly, as SIGTERM's default would: a watchdog thread woken by the signal itself
     (signal.set_wakeup_fd, which works while the main thread is blocked in C++) ends the process
     with status 143 when no step boundary follows within max(stop_timeout, 3 x the longest of
-    the last 20 steps). A second SIGTERM ends it at once. Main thread only; returns False elsewhere or when
-    something else (an asyncio loop) owns the wakeup fd, in which case only the flag is set."""
+    the last 20 steps). A second SIGTERM ends it at once. Main thread only; returns False
+    elsewhere or when something else (an asyncio loop) owns the wakeup fd, in which case only the
+    flag is set."""
     if threading.current_thread() is not threading.main_thread():
         return False
     stop = PROCESS

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from elasticd import logs, names
-from elasticd.checkpoint import memory
+from elasticd.checkpoint.memory import directory
 from elasticd.cluster.peers import Peers
 from elasticd.cluster.rendezvous import (
     BudgetSpent,
@@ -218,7 +218,7 @@ class Agent:
             self.group.tee.start()
         self.set_state(State.RENDEZVOUS)
         self.spares.start(reaper)  # they import torch while the nodes meet
-        self.memory_dir = memory.create(self.cfg.rdzv_id) if self.cfg.memory_state else None
+        self.memory_dir = directory.create(self.cfg.rdzv_id) if self.cfg.memory_state else None
         if self.memory_dir:
             log.info("memory_state", directory=self.memory_dir)
         try:
@@ -257,7 +257,7 @@ class Agent:
             self.health_check.close()
             self._teardown(0.0)
             self.spares.close()
-            memory.remove(self.memory_dir)  # workers are gone: nobody resumes from it any more
+            directory.remove(self.memory_dir)  # workers are gone: nobody resumes from it any more
             if self.group.tee:
                 self.group.tee.close()
         return code

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from elasticd.checkpoint import memory
+from elasticd.checkpoint.memory import directory
 from elasticd.cluster.rendezvous import Round
 from elasticd.config import Config
 from elasticd.daemon import forkclient, processes, spawn, tee
@@ -65,7 +65,7 @@ class LocalGroup:
             role=cfg.role,
             virtual_local_rank=cfg.virtual_local_rank,
             no_python=cfg.no_python,
-            extra_env={memory.ENV: memory_dir} if memory_dir else {},
+            extra_env={directory.ENV: memory_dir} if memory_dir else {},
         )
         self.workers = spawn.spawn(spec, spares)
         for w in self.workers:
