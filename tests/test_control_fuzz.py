@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
 from elasticd.control import channel as control
-from elasticd.daemon.agent import _accept_command
+from elasticd.daemon.serve import _accept_command
 from harness import script, wait_until
 
 FAILURES = ("control_connection_failed", "control_server_crashed", "control_request_failed")

@@ -105,9 +105,10 @@ def start_spare(
 
 
 class ForkServer:
-    """Daemon side of elasticd.worker.forkserver: asks for spares and collects them (pid and the write
-    end of the spare's job pipe) without blocking the agent loop. `shown`: the workers' command
-    line (proctitle.title); the server's own has room for it, and its forks inherit that."""
+    """Daemon side of elasticd.worker.forkserver: asks for spares and collects them (pid and the
+    write end of the spare's job pipe) without blocking the agent loop. `shown`: the workers'
+    command line (proctitle.title); the server's own has room for it, and its forks inherit
+    that."""
 
     def __init__(
         self, token: str, nproc: int, preload: tuple[str, ...], log_path: Path, shown: list[str]

@@ -14,7 +14,8 @@ import tenacity
 from elasticd.config import Config
 from elasticd.worker import health
 
-# the steps of a recovery, in the order they happen; reported as seconds since the failure was detected
+# the steps of a recovery, in the order they happen; reported as seconds since the failure was
+# detected
 STEPS = ("torn_down", "rendezvous_done", "spawned", "pg_ready", "state_loaded", "first_step")
 
 

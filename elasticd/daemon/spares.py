@@ -59,12 +59,14 @@ class SparePool:
         return self.forkserver.pending if self.forkserver else 0
 
     def waitables(self) -> list[forkclient.ForkServer]:
-        """What to select on for spares to arrive (the fork server's connection while it owes some)."""
+        """What to select on for spares to arrive (the fork server's connection while it owes
+        some)."""
         fs = self.forkserver
         return [fs] if fs and fs.pending and fs.usable else []
 
     def top_up(self) -> None:
-        """Ask the fork server for the spares missing, or start fresh interpreters where it is unfit."""
+        """Ask the fork server for the spares missing, or start fresh interpreters where it is
+        unfit."""
         if not self.cfg.warm_spawn:
             return
         self.collect()

@@ -183,7 +183,8 @@ def spawn(spec: GroupSpec, spares: list[Spare] | None = None) -> list[Worker]:
 
 
 def _assign(spare: Spare, env: dict[str, str], args: tuple[str, ...], log: Path):
-    """Give a spare its rank; None if it died meanwhile (then the caller takes another or a cold start)."""
+    """Give a spare its rank; None if it died meanwhile (then the caller takes another or a cold
+    start)."""
     if spare.proc.poll() is not None:
         return None
     try:

@@ -2,9 +2,11 @@
 a running group ends early (restart causes, failures, scale events).
 
 INIT → RENDEZVOUS ────────────→ RUNNING ──all local workers exit 0──→ EXIT_BARRIER → SUCCEEDED
-           ▲                      │ a RestartCause: crash / signal / hang / peer asked / node lost / scale
+           ▲                      │ a RestartCause: crash / signal / hang / peer asked /
+           │                      │                 node lost / scale
            │                      ▼
-           └── next round ── RESTARTING (stop the local group, budget + backoff) ──budget spent──→ FAILED
+           └── next round ── RESTARTING (stop the local group, budget + backoff)
+                                  └──budget spent──→ FAILED
 
 RENDEZVOUS, RUNNING ──stop request or SIGTERM──→ STOPPING (workers checkpoint & exit) → STOPPED
 RENDEZVOUS ──stop while blocked joining──→ STOPPED
