@@ -5,7 +5,7 @@ ELASTICD_<KEY> variables come from config's fields.)
 Imported by worker-side code too, so it imports nothing.
 """
 
-# --- the worker environment (set by workers.worker_env, read inside the worker) ---
+# --- the worker environment (set by daemon/spawn.worker_env, read inside the worker) ---
 
 AGENT = (
     "ELASTICD_AGENT"  # the daemon's token: the cleanup sweep and the guard find descendants by it

@@ -401,10 +401,11 @@ def refresh_memory_forever(rank: int, world: int, directory: str) -> None:
     """Resumes from the newest step in memory, as a restarted worker does, then refreshes the
     in-memory state back to back with 8 MiB of tensors that all equal the step, so that a SIGKILL
     at a random instant lands mid-copy most of the time."""
-    from elasticd.checkpoint import memory
+    from elasticd.checkpoint.memory import slots
+    from elasticd.checkpoint.memory.writer import Writer
 
-    held = memory.steps(directory, world=1, rank=0, local_rank=0)
-    writer = memory.Writer(directory, 0, keep=(held[0], 0) if held else None)
+    held = slots.steps(directory, world=1, rank=0, local_rank=0)
+    writer = Writer(directory, 0, keep=(held[0], 0) if held else None)
     w = torch.empty(2048, 1024)
     for step in range((held[0] if held else 0) + 1, 10**9):
         w.fill_(float(step))

@@ -16,7 +16,7 @@ from structlog.testing import capture_logs
 
 from elasticd.control import client, commands, protocol
 from elasticd.control.server import ControlServer
-from elasticd.daemon.agent import _accept_command
+from elasticd.daemon.serve import _accept_command
 from harness import script, wait_until
 
 FAILURES = ("control_connection_failed", "control_server_crashed", "control_request_failed")

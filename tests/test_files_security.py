@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from elasticd.checkpoint import memory
+from elasticd.checkpoint.memory import directory
 from elasticd.control import client, paths
 from elasticd.control.server import ControlServer
 from elasticd.worker import health
@@ -272,13 +272,13 @@ def test_logs_stacks_heartbeats_and_checkpoints_are_not_world_readable(daemons, 
 def test_memory_directory_of_a_live_daemon_in_another_pid_namespace_is_kept(tmp_path, monkeypatch):
     """A daemon in a container that shares /dev/shm records a pid of its own pid namespace, which
     names no process here (or an unrelated one). Modelled faithfully without a container: a live
-    process holds the directory (memory.create, as the daemon does) and its owner file names a
+    process holds the directory (directory.create, as the daemon does) and its owner file names a
     pid that is dead here; that is what made a daemon starting on the host delete live state. Its
     lock is what counts: kept while held, reaped once the holder is gone (SIGKILL, no cleanup)."""
-    monkeypatch.setattr(memory, "ROOT", str(tmp_path))
+    monkeypatch.setattr(directory, "ROOT", str(tmp_path))
     code = (
-        "import sys; from elasticd.checkpoint import memory; memory.ROOT = sys.argv[1]; "
-        "print(memory.create('job'), flush=True); sys.stdin.readline()"
+        "import sys; from elasticd.checkpoint.memory import directory; directory.ROOT = sys.argv[1]; "
+        "print(directory.create('job'), flush=True); sys.stdin.readline()"
     )
     holder = subprocess.Popen(
         [sys.executable, "-c", code, str(tmp_path)],
@@ -292,21 +292,21 @@ def test_memory_directory_of_a_live_daemon_in_another_pid_namespace_is_kept(tmp_
         dead = subprocess.Popen(["true"])
         dead.wait()
         Path(live, "owner").write_text(str(dead.pid))  # its pid, in its namespace: nobody here
-        (tmp_path / f"{memory.PREFIX}link-x").symlink_to(live)  # never followed
-        other = tmp_path / f"{memory.PREFIX}other-x"
+        (tmp_path / f"{directory.PREFIX}link-x").symlink_to(live)  # never followed
+        other = tmp_path / f"{directory.PREFIX}other-x"
         if os.geteuid() == 0:  # another user's, its lock free: not ours to delete
             other.mkdir()
             (other / "owner").write_text(str(dead.pid))
             (other / "lock").write_text("")
             os.chown(other, NOBODY, NOBODY)
-        assert memory.reap_stale() == []
+        assert directory.reap_stale() == []
         assert os.path.isdir(live) and os.path.exists(os.path.join(live, "lock"))
     finally:
         holder.kill()
         holder.wait()
         holder.stdin.close()
         holder.stdout.close()
-    assert memory.reap_stale() == [live]  # no holder now: stale
+    assert directory.reap_stale() == [live]  # no holder now: stale
     assert not os.path.exists(live) and other.is_dir() == (os.geteuid() == 0)
 
 

@@ -5,8 +5,9 @@ a module runs in, and these checks keep it true.
   training processes: nothing it imports, directly or through the shared top-level modules,
   reaches the daemon-side packages (daemon, cluster, control, ops). Read from the source with
   `ast`, every import counted, those inside functions too; then once for real in a subprocess.
-- The CLI, the KV protocol and the etcd client, and the checkpoint format import no torch, so
-  `elasticd status` is quick and the daemon reads checkpoints without it (a subprocess each).
+- The CLI, the KV protocol and the etcd client, the checkpoint format and the daemon's side of
+  the in-memory state import no torch, so `elasticd status` is quick and the daemon reads
+  checkpoints without it (a subprocess each).
 - No module or package is named like a standard-library module or one of our dependencies, and
   every package is one that pyproject installs.
 - Every elasticd import the code, tests and benchmarks write (in code strings too) resolves in
@@ -165,6 +166,9 @@ def _imported(statement: str) -> dict:
         "elasticd.cluster.etcd",
         "elasticd.checkpoint.format",
         "elasticd.checkpoint",
+        "elasticd.checkpoint.memory.directory",
+        "elasticd.checkpoint.memory.slots",
+        "elasticd.checkpoint.memory.cadence",
         "elasticd.names",
         "elasticd.config",
         "elasticd.control.client",
@@ -173,8 +177,9 @@ def _imported(statement: str) -> dict:
 )
 def test_torch_free_modules_load_no_torch(module):
     """Worth keeping: the CLI answers `elasticd status` without torch's seconds of import; the
-    daemon reads checkpoints (format) and etcd without it. Daemon code may import torch inside
-    the functions that need it."""
+    daemon reads checkpoints (format), its in-memory state directory (memory.directory, the
+    slots' headers) and etcd without it. Daemon code may import torch inside the functions that
+    need it."""
     loaded = _imported(f"import {module}")
     assert "torch" not in loaded, (
         f"importing {module} imports torch; make the import that pulls it in lazy"

@@ -14,8 +14,9 @@ import torch
 
 import _ckpt_helpers as helpers
 from elasticd import checkpoint
-from elasticd.checkpoint import CheckpointManager, memory
+from elasticd.checkpoint import CheckpointManager
 from elasticd.checkpoint import rng as ckpt_rng
+from elasticd.checkpoint.memory import cadence, description, directory, reader, slots, writer
 from elasticd.checkpoint.state import REFRESH, Refresh
 
 
@@ -48,7 +49,7 @@ def crashed_run(tmp_path, mem):
     helpers.run(helpers.train, 2, tmp_path, str(run), 14, None, 10, 4, True, str(mem), timeout=90)
     assert checkpoint.latest_info(run)["step"] == 8
     for r in range(2):
-        assert memory.steps(str(mem), world=2, rank=r, local_rank=r) == [10, 9]
+        assert slots.steps(str(mem), world=2, rank=r, local_rank=r) == [10, 9]
     return run
 
 
@@ -74,15 +75,15 @@ def test_falls_back_to_disk_and_stays_bit_exact(tmp_path, reference, damage):
     mem.mkdir()
     run = crashed_run(tmp_path, mem)
     if damage == "one rank missing":
-        for k in range(memory.SLOTS):
-            os.unlink(memory.slot_path(str(mem), 1, k))
+        for k in range(slots.SLOTS):
+            os.unlink(slots.slot_path(str(mem), 1, k))
     elif damage == "full state truncated":  # both steps damaged: nothing in memory is usable
-        for k in range(memory.SLOTS):
-            os.truncate(memory.slot_path(str(mem), 0, k), memory.HEADER + 100)
+        for k in range(slots.SLOTS):
+            os.truncate(slots.slot_path(str(mem), 0, k), slots.HEADER + 100)
     else:  # memory from an older timeline than the disk: disk wins
         for r in range(2):
-            for k in range(memory.SLOTS):
-                with open(memory.slot_path(str(mem), r, k), "r+b") as f:
+            for k in range(slots.SLOTS):
+                with open(slots.slot_path(str(mem), r, k), "r+b") as f:
                     f.seek(16)  # the step field
                     step = int.from_bytes(f.read(8), "little")
                     f.seek(16)
@@ -97,7 +98,7 @@ def test_a_smaller_world_resumes_from_memory_and_drops_stale_steps(tmp_path):
     mem = tmp_path / "mem"
     mem.mkdir()
     crashed_run(tmp_path, mem)
-    held_rng = memory.load(str(mem), 0, 10, memory.held(str(mem), 0)[0].lineage)["rng"]
+    held_rng = reader.load(str(mem), 0, 10, slots.held(str(mem), 0)[0].lineage)["rng"]
     # one process now, local rank 0 of the same node: world size 1 resumes from the node's memory
     mgr = CheckpointManager(tmp_path / "run", handle_sigterm=False, memory_dir=mem)
     state = mgr.load_latest()
@@ -109,10 +110,10 @@ def test_a_smaller_world_resumes_from_memory_and_drops_stale_steps(tmp_path):
     assert state["user"]["step"] == 10
     (mine,) = state["rng"]["ranks"]  # its own RNG, that old rank 0 held
     assert torch.equal(mine["torch"], held_rng["torch"])
-    assert [h.step for h in memory.held(str(mem), 0)] == [
+    assert [h.step for h in slots.held(str(mem), 0)] == [
         10
     ]  # this rank's other slot (step 9) was dropped
-    assert [h.step for h in memory.held(str(mem), 1)] == [10, 9]  # no local rank 1 here: left alone
+    assert [h.step for h in slots.held(str(mem), 1)] == [10, 9]  # no local rank 1 here: left alone
 
 
 def refresh_loop(tmp_path, steps: int, pause: float = 0.0, **kw):
@@ -129,8 +130,8 @@ def refresh_loop(tmp_path, steps: int, pause: float = 0.0, **kw):
 
 def test_single_process_refresh_every_n_steps_and_keep_two(tmp_path):
     mgr, mem, model = refresh_loop(tmp_path, 7, memory_every=2)
-    assert memory.steps(str(mem), world=1, rank=0, local_rank=0) == [6, 4]
-    assert memory.newest_step(str(mem)) == 6
+    assert slots.steps(str(mem), world=1, rank=0, local_rank=0) == [6, 4]
+    assert directory.newest_step(str(mem)) == 6
     state = CheckpointManager(tmp_path / "disk", handle_sigterm=False, memory_dir=mem).load_latest()
     assert state["user"]["step"] == 6 and torch.equal(
         state["model"]["weight"], model.weight.detach()
@@ -149,12 +150,12 @@ def test_single_process_refresh_every_n_steps_and_keep_two(tmp_path):
 )
 def test_overlap_on_a_cpu_or_small_state_copies_synchronously(tmp_path, device):
     """memory_overlap (the default) only queues copies of CUDA tensors, and only of a state
-    worth it (memory.OVERLAP_MIN_BYTES): a CPU job's refreshes, or a small model's on a GPU, are
+    worth it (writer.OVERLAP_MIN_BYTES): a CPU job's refreshes, or a small model's on a GPU, are
     the plain synchronous ones (and exact), and no side stream or thread is made for them; a
     CPU job loads nothing CUDA."""
     code = (
         "import sys, torch\n"
-        "from elasticd import checkpoint\nfrom elasticd.checkpoint import memory\n"
+        "from elasticd import checkpoint\nfrom elasticd.checkpoint.memory import reader\n"
         "from elasticd.checkpoint import CheckpointManager\n"
         f"mem = {str(tmp_path / 'mem')!r}\n"
         "mgr = CheckpointManager(mem + '-disk', handle_sigterm=False, memory_dir=mem, memory_every=1)\n"
@@ -165,7 +166,7 @@ def test_overlap_on_a_cpu_or_small_state_copies_synchronously(tmp_path, device):
         "    opt.step()\n"
         "    mgr.maybe_save(step, lambda: checkpoint.capture(model=model, optimizer=opt, step=step))\n"
         "    assert mgr._memory.writer.overlap and not mgr._memory.writer.queued\n"
-        "    got = memory.read(mem, step, world=1, rank=0, local_rank=0)\n"
+        "    got = reader.read(mem, step, world=1, rank=0, local_rank=0)\n"
         "    assert torch.equal(got['model']['weight'], model.weight.detach().cpu())\n"
         "assert 'elasticd.checkpoint.overlap' not in sys.modules\n"
         f"assert torch.cuda.is_initialized() == ({device!r} == 'cuda')\n"
@@ -212,7 +213,7 @@ def shm_dir():
     import shutil
     import tempfile
 
-    path = tempfile.mkdtemp(prefix="elasticd-test-", dir=memory.ROOT)
+    path = tempfile.mkdtemp(prefix="elasticd-test-", dir=directory.ROOT)
     yield path
     shutil.rmtree(path, ignore_errors=True)
 
@@ -248,7 +249,7 @@ def test_sigkill_mid_overlapped_refresh_always_leaves_a_whole_step(tmp_path, shm
         try:
             deadline = time.monotonic() + 60
             while (
-                (memory.newest_step(shm_dir) or 0) < last + 3
+                (directory.newest_step(shm_dir) or 0) < last + 3
                 and time.monotonic() < deadline
                 and proc.poll() is None
             ):
@@ -258,10 +259,10 @@ def test_sigkill_mid_overlapped_refresh_always_leaves_a_whole_step(tmp_path, shm
             proc.kill()
             output = proc.communicate(timeout=30)[0]
         assert proc.returncode == -signal.SIGKILL, output
-        held = memory.steps(shm_dir, world=1, rank=0, local_rank=0)
+        held = slots.steps(shm_dir, world=1, rank=0, local_rank=0)
         assert held, "no whole step left"
         in_flight += len(held) == 1
-        got = memory.read(shm_dir, held[0], world=1, rank=0, local_rank=0)
+        got = reader.read(shm_dir, held[0], world=1, rank=0, local_rank=0)
         w = got["model"]["w"]
         assert torch.equal(w, torch.full_like(w, float(held[0]))), (held, w.unique()[:4])
         assert held[0] >= last + 2, (last, held)
@@ -295,7 +296,7 @@ def test_cadence_keeps_refreshes_within_budget_and_every_rank_in_step(tmp_path):
         1 <= len(events) <= 3 and events[-1]["every"] == every and events[-1]["refresh_ms"] > 0.5
     ), got
     assert not got[1]["events"]  # rank 0 reports the cadence
-    held = [memory.steps(str(mem), world=2, rank=r, local_rank=r) for r in range(2)]
+    held = [slots.steps(str(mem), world=2, rank=r, local_rank=r) for r in range(2)]
     assert held[0] == held[1] and held[0], held
 
 
@@ -303,14 +304,14 @@ def test_cadence_stays_every_step_when_a_refresh_is_cheap(tmp_path):
     # 20 ms steps: up to 4 ms of refresh per step is within this budget; this state costs far less
     mgr, mem, _model = refresh_loop(tmp_path, 15, 0.02, memory_budget=0.2)
     assert mgr.memory_every == 1
-    assert memory.steps(str(mem), world=1, rank=0, local_rank=0) == [15, 14]
+    assert slots.steps(str(mem), world=1, rank=0, local_rank=0) == [15, 14]
 
 
 def test_cadence_moves_on_a_full_window_at_its_own_cadence_or_at_once_far_over_budget():
     """N follows a full window of refreshes measured at the current N: neither the slow
     refreshes of a start nor a burst of slow ones move it, while a state far over budget is
     spaced out after five refreshes; each change measures afresh; neighbours do not flap."""
-    c = memory.Cadence(budget=0.01)
+    c = cadence.Cadence(budget=0.01)
     c.steps.extend([0.023] * 15)  # 23 ms steps: 0.23 ms of refresh per step is the budget
 
     def refreshes(n, seconds):
@@ -319,16 +320,16 @@ def test_cadence_moves_on_a_full_window_at_its_own_cadence_or_at_once_far_over_b
 
     refreshes(5, 0.0006)  # start-up: 2.6x the budget, from five refreshes
     assert c.proposal() == 1
-    refreshes(memory.WINDOW - 5, 0.0003)  # a full window: 0.3 ms needs every second step
+    refreshes(cadence.WINDOW - 5, 0.0003)  # a full window: 0.3 ms needs every second step
     assert c.proposal() == 2 and c.adopt(2) and c.every == 2 and not c.costs
     assert c.measured == (0.0003, 0.023)
     refreshes(10, 0.0009)  # a burst at 2x the budget: no change before the window is full
     assert c.proposal() == 2
-    refreshes(memory.WINDOW - 10, 0.0003)
+    refreshes(cadence.WINDOW - 10, 0.0003)
     assert c.proposal() == 2 and not c.adopt(2)
     refreshes(5, 0.01)  # a big state: 10 ms a refresh, 43x the budget, acted on at once
     assert c.proposal() == 44 and c.adopt(44) and c.every == 44
-    refreshes(memory.WINDOW - 1, 0.0003)  # back down only on a full window at N=44
+    refreshes(cadence.WINDOW - 1, 0.0003)  # back down only on a full window at N=44
     assert c.proposal() == 44
     refreshes(1, 0.0003)
     assert c.proposal() == 2 and c.adopt(2)
@@ -364,14 +365,14 @@ def test_unusable_directory_turns_memory_off_and_disk_goes_on(tmp_path):
 
 
 def test_daemon_side_create_remove_and_reap(tmp_path, monkeypatch):
-    monkeypatch.setattr(memory, "ROOT", str(tmp_path))
-    path = memory.create("job/../x")
+    monkeypatch.setattr(directory, "ROOT", str(tmp_path))
+    path = directory.create("job/../x")
     assert (
         path and os.path.dirname(path) == str(tmp_path) and "/../" not in path[len(str(tmp_path)) :]
     )
     assert os.stat(path).st_mode & 0o777 == 0o700
     # a daemon that died without cleaning up: its process is gone, and with it the lock it held
-    code = "import sys; from elasticd.checkpoint import memory; memory.ROOT = sys.argv[1]; print(memory.create('old'))"
+    code = "import sys; from elasticd.checkpoint.memory import directory; directory.ROOT = sys.argv[1]; print(directory.create('old'))"
     stale = subprocess.run(
         [sys.executable, "-c", code, str(tmp_path)],
         capture_output=True,
@@ -380,9 +381,9 @@ def test_daemon_side_create_remove_and_reap(tmp_path, monkeypatch):
         timeout=60,
     ).stdout.strip()
     assert os.path.isdir(stale)
-    assert memory.reap_stale() == [stale]
+    assert directory.reap_stale() == [stale]
     assert os.path.isdir(path)  # ours: this process holds its lock
-    memory.remove(path)
+    directory.remove(path)
     assert not os.path.exists(path)
 
 
@@ -404,24 +405,24 @@ def test_sigkill_mid_refresh_always_leaves_a_whole_step(tmp_path):
         proc.start()
         try:
             deadline = time.monotonic() + 20
-            while (memory.newest_step(mem) or 0) < last + 2 and time.monotonic() < deadline:
+            while (directory.newest_step(mem) or 0) < last + 2 and time.monotonic() < deadline:
                 time.sleep(0.005)  # this process has written twice
             time.sleep(rng.uniform(0.0, 0.1))
         finally:
             proc.kill()
             proc.join(10)
         assert proc.exitcode == -signal.SIGKILL
-        held = memory.steps(mem, world=1, rank=0, local_rank=0)
+        held = slots.steps(mem, world=1, rank=0, local_rank=0)
         assert held, "no whole step left"
         torn += len(held) == 1
-        state = memory.read(mem, held[0], world=1, rank=0, local_rank=0)
+        state = reader.read(mem, held[0], world=1, rank=0, local_rank=0)
         step = held[0]
         assert torch.equal(state["model"]["w"], torch.full((2048, 1024), float(step)))
         assert torch.equal(state["model"]["b"], torch.full((3,), step)) and state["user"] == {
             "step": step
         }
         assert torch.equal(state["rng"]["ranks"][0]["torch"], torch.full((5,), step))
-        assert step >= last and memory.newest_step(mem) == step
+        assert step >= last and directory.newest_step(mem) == step
         assert not os.listdir(mem) or set(os.listdir(mem)) == {"l0.0", "l0.1"}  # no file per step
         last = step
     assert torn, "no kill landed mid-write: the test did not test torn slots"
@@ -476,9 +477,9 @@ def test_state_round_trips_exactly_and_only_as_plain_data(tmp_path):
             "none": None,
         },
     }
-    w = memory.Writer(str(tmp_path), 0)
+    w = writer.Writer(str(tmp_path), 0)
     w.write(3, state, world=1, rank=0)
-    got = memory.read(str(tmp_path), 3, world=1, rank=0, local_rank=0)
+    got = reader.read(str(tmp_path), 3, world=1, rank=0, local_rank=0)
     assert isinstance(got["model"], OrderedDict) and list(got["model"]) == ["w", "h", "m", "e"]
     for k, t in state["model"].items():
         assert got["model"][k].dtype == t.dtype and torch.equal(got["model"][k], t), k
@@ -489,21 +490,21 @@ def test_state_round_trips_exactly_and_only_as_plain_data(tmp_path):
     assert u == {k: v for k, v in state["user"].items() if k != "nan"}
     assert isinstance(u["size"], torch.Size) and isinstance(u["dtype"], torch.dtype)
     # Whatever the file says, reading builds plain data: an unknown entry is refused.
-    path = memory.slot_path(str(tmp_path), 0, 0)
+    path = slots.slot_path(str(tmp_path), 0, 0)
     with pytest.raises(
         TypeError, match=r"state\['user'\]\['obj'\]: a builtins.object cannot be kept"
     ):
         w.write(4, {"user": {"obj": object()}}, world=1, rank=0)
     with pytest.raises(ValueError, match="unknown entry"):
-        memory._rebuild({"\x00x": 1}, [])
-    assert memory.header(path)["step"] == 3  # the refused write never touched the whole step
+        description.rebuild({"\x00x": 1}, [])
+    assert slots.header(path)["step"] == 3  # the refused write never touched the whole step
 
 
 def test_refreshes_reuse_unchanged_description_but_never_a_changed_value(tmp_path):
     """A refresh re-encodes only the entries that changed since the last one. Values that are
     equal under == but not the same (1, 1.0, True; 0.0 and -0.0) and keys that come and go are
     changes: each step reads back exactly what was written."""
-    w = memory.Writer(str(tmp_path), 0)
+    w = writer.Writer(str(tmp_path), 0)
     model = {"w": torch.ones(2)}
     values = [1, 1.0, True, 1, 0.0, -0.0, 0, False, [1, 2], (1, 2), {"a": 1}, {"a": 1.0}]
     for step, v in enumerate(values, 1):
@@ -511,7 +512,7 @@ def test_refreshes_reuse_unchanged_description_but_never_a_changed_value(tmp_pat
         if step % 3 == 0:
             state["extra"] = {"seen": step}
         w.write(step, state, world=1, rank=0)
-        got = memory.read(str(tmp_path), step, world=1, rank=0, local_rank=0)
+        got = reader.read(str(tmp_path), step, world=1, rank=0, local_rank=0)
         assert got["user"] == {"step": step} and got["v"] == v, step
         assert type(got["v"]) is type(v) and repr(got["v"]) == repr(v), (step, v)
         assert ("extra" in got) == (step % 3 == 0) and torch.equal(got["model"]["w"], torch.ones(2))
@@ -524,7 +525,7 @@ def test_dicts_of_named_tensors_reuse_their_description_only_while_it_still_fits
     tensor whose layout stays but which is no longer contiguous is still copied right."""
     from collections import OrderedDict
 
-    w = memory.Writer(str(tmp_path), 0)
+    w = writer.Writer(str(tmp_path), 0)
     sq = torch.arange(9.0).view(3, 3)
     models = [
         OrderedDict(a=torch.ones(2), b=torch.zeros(3)),
@@ -542,7 +543,7 @@ def test_dicts_of_named_tensors_reuse_their_description_only_while_it_still_fits
         if step in (6, 7):  # the model's tensors start later: another tensor comes first
             state = {"first": torch.tensor([7]), **state}
         w.write(step, state, world=1, rank=0)
-        got = memory.read(str(tmp_path), step, world=1, rank=0, local_rank=0)
+        got = reader.read(str(tmp_path), step, world=1, rank=0, local_rank=0)
         assert type(got["model"]) is type(model) and list(got["model"]) == list(model), step
         for k, v in model.items():
             assert (

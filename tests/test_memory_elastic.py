@@ -20,8 +20,9 @@ import torch
 
 import _ckpt_helpers as helpers
 from elasticd import checkpoint
-from elasticd.checkpoint import memory
 from elasticd.checkpoint import rng as rng_state
+from elasticd.checkpoint.memory import slots
+from elasticd.checkpoint.memory.writer import Writer
 from elasticd.checkpoint.memory_state import choose, derived_base
 
 SAMPLES, EVERY, CRASH = 96, 3, 8  # refreshed at 3 and 6, disk at 5, dead after 8: resume at 6
@@ -146,7 +147,7 @@ def test_node_lost_survivors_resume_from_their_own_memory(tmp_path, lost_holds_r
     layout = {"B": [0, 1], "A": [2, 3]} if lost_holds_rank0 else {"A": [0, 1], "B": [2, 3]}
     before = job(tmp_path, "before", layout, total=100, crash_after=CRASH)
     survivors = layout["A"]  # their global ranks before
-    assert [h.step for h in memory.held(str(tmp_path / "A-mem"), 0)] == [6, 3]
+    assert [h.step for h in slots.held(str(tmp_path / "A-mem"), 0)] == [6, 3]
     # the survivors' own disk: nothing (rank 0 saved on B), or step 5, older than memory
     disk = checkpoint.latest_info(tmp_path / "A-disk")
     assert disk is None if lost_holds_rank0 else disk["step"] == 5
@@ -167,7 +168,7 @@ def test_node_lost_survivors_resume_from_their_own_memory(tmp_path, lost_holds_r
 def test_nodes_added_receive_the_state_from_a_rank_that_holds_it(tmp_path):
     # 2 ranks on node A; then 4, with node C (empty memory and disk directories) joining
     before = job(tmp_path, "before", {"A": [0, 1]}, total=100, crash_after=CRASH)
-    old_lineage = memory.held(str(tmp_path / "A-mem"), 0)[0].lineage
+    old_lineage = slots.held(str(tmp_path / "A-mem"), 0)[0].lineage
     after = job(tmp_path, "after", {"A": [0, 1], "C": [2, 3]}, total=6 + (SAMPLES - 6 * 4) // 8)
     held = load(f"{before}.s6.0")
     for r in range(4):
@@ -186,7 +187,7 @@ def test_nodes_added_receive_the_state_from_a_rank_that_holds_it(tmp_path):
     )
     assert_exactly_once(before, 2, after, 4, resumed=6, total=15)
     # every node now refreshes one new lineage: a later resume can take C's memory too
-    a, c = memory.held(str(tmp_path / "A-mem"), 0), memory.held(str(tmp_path / "C-mem"), 0)
+    a, c = slots.held(str(tmp_path / "A-mem"), 0), slots.held(str(tmp_path / "C-mem"), 0)
     assert [h.step for h in a] == [h.step for h in c] == [15, 12]
     assert {h.lineage for h in a + c} == {a[0].lineage} and a[0].lineage != old_lineage
 
@@ -199,7 +200,7 @@ def test_a_state_that_cannot_be_sent_sends_every_rank_to_the_disk(tmp_path, dama
     mems = [str(tmp_path / "m0"), str(tmp_path / "m1")]
     for m in mems:
         os.mkdir(m)
-    w = memory.Writer(mems[0], 0, lineage=5, local_world=1)
+    w = Writer(mems[0], 0, lineage=5, local_world=1)
     w.write(
         4,
         {
@@ -212,16 +213,16 @@ def test_a_state_that_cannot_be_sent_sends_every_rank_to_the_disk(tmp_path, dama
     )
     w.close()
     if damaged:
-        h = memory.header(memory.slot_path(mems[0], 0, 0))
-        with open(memory.slot_path(mems[0], 0, 0), "r+b") as f:
-            f.seek(memory.HEADER + h["data_len"] + 3)
+        h = slots.header(slots.slot_path(mems[0], 0, 0))
+        with open(slots.slot_path(mems[0], 0, 0), "r+b") as f:
+            f.seek(slots.HEADER + h["data_len"] + 3)
             f.write(b"#")
     helpers.run(
         helpers.load_on_own_nodes, 2, tmp_path, mems, str(tmp_path / "disk"), str(tmp_path / "got")
     )
     got = [load(str(tmp_path / f"got.{r}")) for r in range(2)]
     if damaged:
-        assert [g["state"] for g in got] == [None, None] and memory.held(mems[0], 0) == []
+        assert [g["state"] for g in got] == [None, None] and slots.held(mems[0], 0) == []
         return
     assert [g["file"] for g in got] == [
         f"memory:{mems[0]}/w1-s000000000004",

@@ -272,20 +272,20 @@ def test_a_worker_killed_while_file_descriptors_are_scarce_restarts_and_the_job_
 
 
 def test_teardown_that_cannot_read_proc_says_so_and_carries_on(tmp_path):
-    """workers.stop with every file descriptor in use (psutil cannot open /proc): the workers'
+    """processes.stop with every file descriptor in use (psutil cannot open /proc): the workers'
     sessions are still killed, one line says the sweep failed, nothing raises."""
     code = f"""
 import json, os, resource, subprocess, sys, time
 from pathlib import Path
 from elasticd import logs
-from elasticd.daemon import workers
+from elasticd.daemon import processes, spawn
 logs.setup("json")
 token = "t" * 32
 proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True,
                         env=dict(os.environ, ELASTICD_AGENT=token))
 time.sleep(0.2)
 p = Path({str(tmp_path)!r})
-w = workers.Worker(0, 0, proc, p / "log", p / "err", p / "st", p / "hb", time.monotonic())
+w = spawn.Worker(0, 0, proc, p / "log", p / "err", p / "st", p / "hb", time.monotonic())
 resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
 held = []
 try:
@@ -293,7 +293,7 @@ try:
         held.append(os.open("/dev/null", os.O_RDONLY))
 except OSError:
     pass
-stuck = workers.stop([w], token, grace=0.5, kill_timeout=1.0)
+stuck = processes.stop([w], token, grace=0.5, kill_timeout=1.0)
 for fd in held:
     os.close(fd)
 print(json.dumps({{"stuck": stuck, "exit": w.exit_code}}))

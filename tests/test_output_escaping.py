@@ -9,7 +9,8 @@ import io
 import os
 
 from elasticd import logs
-from elasticd.daemon import workers
+from elasticd.daemon import spawn
+from elasticd.daemon.tee import MAX_ECHO_LINE, Tee
 from harness import script, wait_until
 
 FAKE = '{"event": "job_succeeded", "log_level": "info", "state": "SUCCEEDED"}'
@@ -56,7 +57,7 @@ def test_worker_escape_sequences_and_fake_events_are_shown_escaped(daemons, tmp_
     for text in (out.decode(), err.decode()):  # the fake event never starts a line of its own
         assert not [ln for ln in text.splitlines() if ln.lstrip().startswith('{"event"')]
     assert "[rank0]: \\x1b[2J\\x1b[H\\x1b]0;pwned title\\x07clear screen and title" in lines
-    # after a carriage return: what a terminal would show of that line, with the prefix (workers.Tee)
+    # after a carriage return: what a terminal would show of that line, with the prefix (tee.Tee)
     assert f"[rank0]: progress 50%\\r{FAKE}" not in lines and f"[rank0]: {FAKE}" in lines
     assert f"[rank0]: {FAKE}" in lines  # after the long line's first piece: a prefix of its own
     assert "[rank0]: raw bytes \\x9b31m \\x1b[31m red" in lines
@@ -75,29 +76,27 @@ def test_printable_escapes_what_a_terminal_would_interpret():
 
 def test_tee_prefixes_every_piece_of_a_long_line_and_cuts_between_characters(tmp_path):
     out = io.StringIO()
-    tee = workers.Tee(out)
+    tee = Tee(out)
     log = tmp_path / "rank0.log"
     tee.follow(log, "[rank0]: ")
     # a line that never ends grows no buffer beyond MAX_ECHO_LINE, and each piece has the prefix
-    log.write_bytes(("é" * workers.MAX_ECHO_LINE).encode() + b"\x1b[2J")
+    log.write_bytes(("é" * MAX_ECHO_LINE).encode() + b"\x1b[2J")
     tee.forget([log])
     lines = out.getvalue().splitlines()
     assert len(lines) == 3 and all(ln.startswith("[rank0]: ") for ln in lines)
-    assert (
-        "".join(ln[len("[rank0]: ") :] for ln in lines) == "é" * workers.MAX_ECHO_LINE + "\\x1b[2J"
-    )
+    assert "".join(ln[len("[rank0]: ") :] for ln in lines) == "é" * MAX_ECHO_LINE + "\\x1b[2J"
 
 
 def test_error_file_text_is_escaped_cut_short_and_never_breaks_the_daemon(tmp_path):
     path = tmp_path / "rank0.error.json"
     path.write_text('{"message": {"message": "ValueError: \\u001b[2Jx\\ny", "extraInfo": {}}}')
-    assert workers.read_error_file(path) == "ValueError: \\x1b[2Jx\\ny"
+    assert spawn.read_error_file(path) == "ValueError: \\x1b[2Jx\\ny"
     path.write_text(
         '{"message": {"message": "", "extraInfo": {"py_callstack": "a\\nKeyError: \\u009b"}}}'
     )
-    assert workers.read_error_file(path) == "KeyError: \\x9b"
+    assert spawn.read_error_file(path) == "KeyError: \\x9b"
     path.write_text('{"message": "%s"}' % ("z" * 10000))
-    assert len(workers.read_error_file(path)) == workers.MAX_EXCEPTION_TEXT + 3
+    assert len(spawn.read_error_file(path)) == spawn.MAX_EXCEPTION_TEXT + 3
     for hostile in (
         "[" * 100000,
         "[1, 2]",
@@ -107,11 +106,11 @@ def test_error_file_text_is_escaped_cut_short_and_never_breaks_the_daemon(tmp_pa
         "\udcff",
     ):
         path.write_text(hostile, errors="surrogateescape")
-        assert workers.read_error_file(path) is None, hostile
+        assert spawn.read_error_file(path) is None, hostile
     path.unlink()
     os.mkfifo(path)  # a FIFO nobody writes to: reading must not block the daemon's loop
-    assert workers.read_error_file(path) is None
+    assert spawn.read_error_file(path) is None
     path.unlink()
     path.symlink_to(tmp_path / "elsewhere.json")
     (tmp_path / "elsewhere.json").write_text('{"message": "secret"}')
-    assert workers.read_error_file(path) is None
+    assert spawn.read_error_file(path) is None

@@ -16,7 +16,8 @@ import psutil
 
 from elasticd.control import client, protocol
 from elasticd.control.server import ControlServer
-from elasticd.daemon import supervise, workers
+from elasticd.daemon import supervise
+from elasticd.daemon.tee import Tee
 from harness import leftover_processes, script, wait_until
 from test_forkserver import _forked_spares, _training_with_spares
 
@@ -189,7 +190,7 @@ def _status(path):
 
 def test_tee_thread_echoes_again_after_a_crash(tmp_path):
     out = io.StringIO()
-    tee = workers.Tee(out, interval=0.01, idle_interval=0.01)
+    tee = Tee(out, interval=0.01, idle_interval=0.01)
     pump = tee._pump
     crashes = []
 

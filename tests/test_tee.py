@@ -11,13 +11,13 @@ from pathlib import Path
 
 import psutil
 
-from elasticd.daemon import workers
+from elasticd.daemon.tee import REDRAW_INTERVAL, Tee
 from harness import script, wait_until
 
 
 def test_tee_echoes_whole_lines_of_a_file_that_appears_after_follow(tmp_path):
     out = io.StringIO()
-    tee = workers.Tee(out, interval=0.01, idle_interval=0.05)
+    tee = Tee(out, interval=0.01, idle_interval=0.05)
     log = tmp_path / "rank0.log"
     tee.start()
     try:
@@ -42,7 +42,7 @@ def test_tee_echoes_the_latest_redraw_of_a_bar_as_a_prefixed_line(tmp_path):
     """ "\r" + text is a redraw: the latest finished one is echoed at most every redraw_interval,
     the one still being drawn waits for its end; "\r\n" ends a line even when split across reads."""
     out = io.StringIO()
-    tee = workers.Tee(out, interval=0.01, idle_interval=0.05, redraw_interval=0.3)
+    tee = Tee(out, interval=0.01, idle_interval=0.05, redraw_interval=0.3)
     log = tmp_path / "rank0.log"
     log.write_bytes(b"")
     tee.start()
@@ -75,9 +75,8 @@ def test_tee_wakes_for_a_bar_only_when_its_next_redraw_is_due(tmp_path):
     """While lines flow the tee looks again after `interval`; while only a bar flows (no
     newline), not before its next redraw is due: one wake-up per redraw echoed, not twenty."""
     out = io.StringIO()
-    tee = workers.Tee(
-        out, interval=0.05, idle_interval=0.25, redraw_interval=0.5
-    )  # polled here, no thread
+    # polled here, no thread
+    tee = Tee(out, interval=0.05, idle_interval=0.25, redraw_interval=0.5)
     log = tmp_path / "rank0.log"
     log.write_bytes(b"")
     tee.follow(log, "[rank0]: ")
@@ -165,6 +164,6 @@ def test_a_tqdm_bar_in_a_real_job_is_cheap_to_echo_and_kept_whole_in_the_log(dae
     assert lines and all(ln.startswith("[rank0]: ") for ln in lines), lines[:3]
     bars = [ln for ln in lines if "train:" in ln]
     assert all("\\r" not in ln for ln in bars) and f"{updates}/{updates}" in bars[-1], bars[-3:]
-    assert len(bars) <= seconds / workers.REDRAW_INTERVAL + 3, len(bars)
+    assert len(bars) <= seconds / REDRAW_INTERVAL + 3, len(bars)
     assert rss - rss0 < 4 << 20, (rss0, rss)
     assert seconds > 2 and not gone and busy < 0.01, (seconds, busy, quiet, gone)

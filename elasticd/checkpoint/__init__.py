@@ -7,7 +7,9 @@ Adopting it in a DDP loop (the same code runs under elasticd, torchrun or as one
     step = restore(state, model=model, optimizer=opt, sampler=sampler)["step"] if state else 0
     while step < total_steps:
         train_one_step(...); sampler.advance(batch_size); step += 1
-        mgr.maybe_save(step, lambda: capture(model=model, optimizer=opt, sampler=sampler, step=step))
+        mgr.maybe_save(
+            step, lambda: capture(model=model, optimizer=opt, sampler=sampler, step=step)
+        )
         if mgr.should_stop():                           # SIGTERM (`elasticd stop`): saved above
             break
     mgr.close()                                         # waits for the save in flight

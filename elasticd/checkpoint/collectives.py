@@ -26,7 +26,8 @@ def world() -> int:
     return dist.get_world_size() if dist_on() else int(os.environ.get("WORLD_SIZE", 1))
 
 
-# Pure memoisation: (default group object, gloo group) of a non-gloo job, made once per default group.
+# Pure memoisation: (default group object, gloo group) of a non-gloo job, made once per default
+# group.
 _cpu_groups: list[tuple[Any, Any]] = []
 
 

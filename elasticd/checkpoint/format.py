@@ -110,7 +110,8 @@ def _quote(value: Any) -> str:
 
 
 def _whole(d: Mapping[str, Any], key: str, required: bool = False) -> int | None:
-    """d[key] as a whole number in [0, MAX_STEP]; None where it may be missing (ValueError otherwise)."""
+    """d[key] as a whole number in [0, MAX_STEP]; None where it may be missing (ValueError
+    otherwise)."""
     v = d.get(key)
     if v is None and not required:
         return None
@@ -135,7 +136,7 @@ def resolve_dir(directory: str | os.PathLike | None) -> str:
     return os.fspath(directory)
 
 
-# -- writing ----------------------------------------------------------------------------------------
+# -- writing ------------------------------------------------------------------------------------
 
 
 def _fsync_dir(directory: str) -> None:
@@ -194,7 +195,7 @@ def write_manifest(directory: str, entries: list[Entry]) -> None:
     atomic_write(directory, MANIFEST, "manifest", lambda f: f.write(data))
 
 
-# -- reading ----------------------------------------------------------------------------------------
+# -- reading ------------------------------------------------------------------------------------
 
 
 def read_manifest(directory: str | os.PathLike) -> list[Entry] | None:
@@ -237,8 +238,8 @@ def read_manifest(directory: str | os.PathLike) -> list[Entry] | None:
 
 
 def _read_small(path: str, limit: int) -> bytes:
-    """A regular file's bytes; OSError for anything else (a FIFO would block the reader, the daemon's
-    status included), ValueError beyond `limit` bytes."""
+    """A regular file's bytes; OSError for anything else (a FIFO would block the reader, the
+    daemon's status included), ValueError beyond `limit` bytes."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):

@@ -73,14 +73,14 @@ class CheckpointManager:
     latest, removes its temporary file, is logged at once and raised as CheckpointError from the
     next save()/wait()/close() (errors="raise") or only logged (errors="log").
 
-    Under elasticd, maybe_save() also refreshes the in-memory state (elasticd.checkpoint.memory): every
-    `memory_every` steps, or by default as often as keeps its cost under `memory_budget` of the
-    step time (every step unless the state is big for the step: memory.Cadence). The default
+    Under elasticd, maybe_save() also refreshes the in-memory state (elasticd.checkpoint.memory):
+    every `memory_every` steps, or by default as often as keeps its cost under `memory_budget` of
+    the step time (every step unless the state is big for the step: memory.cadence). The default
     budget, 0.75%, leaves a quarter of the 1% that elasticd may cost a job in steady state to
     what the charge misses (it is the lower quartile of refresh costs; their mean runs 10-20%
     above it). A state with 8 MiB or more on the GPU is copied beside the next step
-    (`memory_overlap`, elasticd.checkpoint.overlap: on an H100 a 200 MB state's refresh costs the step
-    about 1 ms instead of 17 ms, so the same budget refreshes it about fifteen times as often);
+    (`memory_overlap`, elasticd.checkpoint.overlap: on an H100 a 200 MB state's refresh costs the
+    step about 1 ms instead of 17 ms, so the same budget refreshes it about fifteen times as often);
     memory_overlap=False copies it at once, for a script that writes its parameters by hand
     between a refresh and its next optimizer step."""
 
@@ -346,7 +346,7 @@ class CheckpointManager:
     ) -> bool:
         """Save if `step` is a multiple of every_steps, every_seconds have passed, or a stop was
         requested (then once: the final save). Call it on every rank at every step boundary.
-        The in-memory state is refreshed every `memory_every` steps (see memory.Cadence)."""
+        The in-memory state is refreshed every `memory_every` steps (see cadence.Cadence)."""
         cadence = self._memory.cadence
         writer = _figures()
         if writer is not None:

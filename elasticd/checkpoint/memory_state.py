@@ -1,13 +1,13 @@
-"""The in-memory state as a CheckpointManager drives it: when to refresh (memory.Cadence, agreed
-across ranks), the refresh itself (memory.Writer, with capture() told it is one), and resuming
+"""The in-memory state as a CheckpointManager drives it: when to refresh (cadence.Cadence, agreed
+across ranks), the refresh itself (Writer, with capture() told it is one), and resuming
 from it, at the same world size or another one (choose() has the rules).
 
 Resuming after a world-size change. In DDP every node's local rank 0 slot holds the whole state
 (model, optimizer, scheduler, scaler, sampler, user values), the same on every node at a step;
 what is per rank is only the RNG. So after a node is lost the survivors resume from their own
 memory, and after nodes join, a rank whose node lacks the step receives the slot's bytes from a
-rank that holds it (point to point over the library's gloo group, no pickle: memory.raw() and
-memory.decode()). The sampler's state (epoch, positions consumed) does not depend on the world
+rank that holds it (point to point over the library's gloo group, no pickle: reader.raw() and
+reader.decode()). The sampler's state (epoch, positions consumed) does not depend on the world
 size, so the rest of the epoch is dealt out over the new world and each sample is still seen once.
 """
 
@@ -27,7 +27,6 @@ import torch.distributed as dist
 
 import elasticd
 from elasticd import names
-from elasticd.checkpoint import memory
 from elasticd.checkpoint.collectives import (
     all_gather_bytes,
     cpu_group,
@@ -39,6 +38,8 @@ from elasticd.checkpoint.collectives import (
 )
 from elasticd.checkpoint.files import looks_at_disk
 from elasticd.checkpoint.format import Entry, candidates
+from elasticd.checkpoint.memory import cadence, reader, slots
+from elasticd.checkpoint.memory.writer import Writer
 from elasticd.checkpoint.state import REFRESH, Refresh
 
 log = structlog.get_logger()
@@ -121,12 +122,12 @@ def derived_base(step: int, world_size: int) -> int:
 
 class MemoryState:
     """This rank's share of the node's in-memory state: on by default under elasticd, which owns
-    the directory (memory.ENV); off for good after a refresh that failed."""
+    the directory (names.MEMORY_DIR); off for good after a refresh that failed."""
 
     def __init__(
         self, directory: str | os.PathLike | None, every: int | None, budget: float, overlap: bool
     ):
-        mem = directory if directory is not None else os.environ.get(memory.ENV)
+        mem = directory if directory is not None else os.environ.get(names.MEMORY_DIR)
         self.directory = os.fspath(mem) if mem else None
         if every is not None and int(every) < 0:
             raise ValueError(
@@ -137,7 +138,7 @@ class MemoryState:
             raise ValueError(
                 f"memory_budget is a share of step time, between 0 and 1 (0.01: 1%), got {budget}"
             )
-        self.cadence = memory.Cadence(
+        self.cadence = cadence.Cadence(
             every=int(every or 1), budget=budget if every is None else None
         )
         self.on = bool(self.directory) and every != 0
@@ -147,12 +148,13 @@ class MemoryState:
         self.wanted = every != 0 and (self.on or names.AGENT in os.environ)
         self.overlap = bool(overlap)
         self.last_stall = 0.0
-        self.writer: memory.Writer | None = None  # made at the first refresh, after loading
+        self.writer: Writer | None = None  # made at the first refresh, after loading
         self.resumed: tuple[int, int] | None = (
             None  # the (step, lineage) load() resumed from, in this rank's slot
         )
         self.lineage = 0  # stamped on every refresh: agreed at load(), 0 without one
-        # 0 keeps the node's state, others their RNG: the real local rank, also under --virtual-local-rank
+        # 0 keeps the node's state, others their RNG: the real local rank, also under
+        # --virtual-local-rank
         self.local_rank = int(os.environ.get(names.LOCAL_RANK) or os.environ.get("LOCAL_RANK", 0))
         self.local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 0))  # 0: unknown
 
@@ -189,8 +191,8 @@ class MemoryState:
         qualifies or any rank cannot read what it needs. Every rank agrees on a new lineage
         here for the steps it will write, whatever is resumed."""
         world_size, my_rank, local = world(), rank(), self.local_rank
-        node = memory.held(self.directory, 0)
-        own = node if local == 0 else memory.held(self.directory, local)
+        node = slots.held(self.directory, 0)
+        own = node if local == 0 else slots.held(self.directory, local)
         found = candidates(disk) if looks_at_disk() else []
         view = {
             "whole": [[h.step, h.lineage, h.local_world, h.world] for h in node],
@@ -224,10 +226,10 @@ class MemoryState:
                     reason=why or "another rank could not read it",
                     action="loading the newest disk checkpoint",
                 )
-            memory.keep_only(self.directory, local_rank=local, keep=None)
+            slots.keep_only(self.directory, local_rank=local, keep=None)
             return None
         self.resumed = (choice.step, choice.lineage) if my_rank in choice.keepers else None
-        memory.keep_only(self.directory, local_rank=local, keep=self.resumed)
+        slots.keep_only(self.directory, local_rank=local, keep=self.resumed)
         received = [r for r in range(world_size) if r not in choice.holders]
         if my_rank == 0 and (received or choice.world != world_size):
             log.info(
@@ -260,7 +262,7 @@ class MemoryState:
             source = f"rank{sender[my_rank]}"
             data = recv_bytes(sender[my_rank], cpu_group())
             try:
-                body = memory.decode(data, step, lineage)
+                body = reader.decode(data, step, lineage)
             except Exception as e:  # noqa: BLE001 - nothing (the sender failed) or damage: use the disk
                 why = (
                     f"not received from rank {sender[my_rank]}: {type(e).__name__}: {e}"
@@ -273,10 +275,10 @@ class MemoryState:
             data = bytearray()
             try:
                 if to:
-                    data = memory.raw(self.directory, step, lineage)
-                    body = memory.decode(data, step, lineage)
+                    data = reader.raw(self.directory, step, lineage)
+                    body = reader.decode(data, step, lineage)
                 else:
-                    body = memory.load(self.directory, 0, step, lineage)
+                    body = reader.load(self.directory, 0, step, lineage)
             except Exception as e:  # noqa: BLE001 - any damage means: use the disk
                 why, data = f"unreadable: {type(e).__name__}: {e}", bytearray()
             for dst in to:
@@ -293,7 +295,7 @@ class MemoryState:
                 mine = (
                     body["rng"]
                     if self.local_rank == 0
-                    else memory.load(self.directory, self.local_rank, step, lineage).get("rng")
+                    else reader.load(self.directory, self.local_rank, step, lineage).get("rng")
                 )
             except Exception as e:  # noqa: BLE001
                 return None, None, f"own RNG state unreadable: {type(e).__name__}: {e}"
@@ -328,7 +330,7 @@ class MemoryState:
         writer = self.writer
         try:
             if writer is None:
-                writer = self.writer = memory.Writer(
+                writer = self.writer = Writer(
                     self.directory,
                     self.local_rank,
                     keep=self.resumed,

@@ -2,7 +2,7 @@
 
 A synchronous refresh of GPU tensors waits for the GPU to drain, then copies into pageable shared
 memory at a fraction of the link's speed: the whole copy is training time lost, so the cadence
-(memory.Cadence) refreshes a big state rarely. Here the slot's mapping is pinned and the copy is
+(cadence.Cadence) refreshes a big state rarely. Here the slot's mapping is pinned and the copy is
 queued instead, and the training loop goes on at once:
 
 - Tensors the optimizer owns (its parameters and its state) are copied on a side stream that
@@ -21,7 +21,7 @@ is dropped (its copies still land before its slot is written again) and the Writ
 synchronous refreshes for good.
 
 It is on by default (CheckpointManager(memory_overlap=True)) for states with at least
-memory.OVERLAP_MIN_BYTES on the GPU; smaller ones are cheaper to copy at once.
+writer.OVERLAP_MIN_BYTES on the GPU; smaller ones are cheaper to copy at once.
 
 The cost charged to the cadence is what the refresh cost the step: the host's time, the training
 stream's copies, and however long the optimizer step waited for the side stream, measured with
@@ -71,7 +71,8 @@ _hook: list = []  # the registered hook's handle, once per process
 def _before_optimizer_step(optimizer, args, kwargs) -> None:
     """Every optimizer's step waits, on the GPU, for the side-stream copies queued before it."""
     if not _waiting or torch.cuda.is_current_stream_capturing():
-        return  # in a CUDA graph capture an outside event cannot be waited on: those copies are dropped
+        # in a CUDA graph capture an outside event cannot be waited on: those copies are dropped
+        return
     while _waiting:
         p = _waiting.pop()
         stream = torch.cuda.current_stream(p.device)
@@ -230,7 +231,8 @@ class Copier:
             p = job
             p.fired.wait()
             try:
-                p.copied.synchronize()  # a dropped refresh's copies still land: its slot is written next
+                # a dropped refresh's copies still land: its slot is written next
+                p.copied.synchronize()
                 p.ordered.synchronize()
                 if not p.dropped:
                     p.commit()

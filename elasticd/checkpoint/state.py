@@ -34,8 +34,9 @@ class Refresh:
     whole: (
         bool  # local rank 0 keeps the node's whole state; the other local ranks only their own RNG
     )
-    owned: set[int] | None = None  # when overlapping: filled with the ids of the tensors only the
-    #                                optimizer writes, its parameters and state (elasticd.checkpoint.overlap)
+    # when overlapping: filled with the ids of the tensors only the optimizer writes, its
+    # parameters and state (elasticd.checkpoint.overlap)
+    owned: set[int] | None = None
 
 
 REFRESH: contextvars.ContextVar[Refresh | None] = contextvars.ContextVar(

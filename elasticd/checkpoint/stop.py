@@ -72,76 +72,102 @@ def install_sigterm_handler(stop_timeout: float = 10.0) -> bool:
     promptly, as SIGTERM's default would: a watchdog thread woken by the signal itself
     (signal.set_wakeup_fd, which works while the main thread is blocked in C++) ends the process
     with status 143 when no step boundary follows within max(stop_timeout, 3 x the longest of
-    the last 20 steps). A second SIGTERM ends it at once. Main thread only; returns False elsewhere or when
-    something else (an asyncio loop) owns the wakeup fd, in which case only the flag is set."""
+    the last 20 steps). A second SIGTERM ends it at once. Main thread only; returns False
+    elsewhere or when something else (an asyncio loop) owns the wakeup fd, in which case only the
+    flag is set."""
     if threading.current_thread() is not threading.main_thread():
         return False
-    stop = PROCESS
-    if stop.handler_pid == os.getpid():
+    if PROCESS.handler_pid == os.getpid():
         return True
     previous = signal.getsignal(signal.SIGTERM)
 
     def on_sigterm(signum, frame):
-        if (
-            stop.requested.is_set() or _abandoned()
-        ):  # second SIGTERM, or a restart: the default action
-            signal.signal(signal.SIGTERM, previous if callable(previous) else signal.SIG_DFL)
-            if callable(previous):
-                previous(signum, frame)
-            else:
-                os.kill(os.getpid(), signal.SIGTERM)
+        if PROCESS.requested.is_set() or _abandoned():  # second SIGTERM, or a restart: the default
+            _default_action(previous, signum, frame)
             return
-        stop.requested.set()
+        PROCESS.requested.set()
 
     signal.signal(signal.SIGTERM, on_sigterm)
-    stop.handler_pid = os.getpid()
+    PROCESS.handler_pid = os.getpid()
+    pair = _own_wakeup_fd()
+    if pair is None:  # someone else's: go without the watchdog
+        return True
+    reader, writer = pair
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+    threading.Thread(
+        target=_watchdog,
+        args=(reader, os.getpid(), stop_timeout),
+        name="elasticd-sigterm-watchdog",
+        daemon=True,
+    ).start()
+    PROCESS.watchdog_fds.extend([reader, writer])
+    return True
+
+
+def _default_action(previous, signum, frame) -> None:
+    """SIGTERM's meaning before ours: the previous handler, or the default (the process ends)."""
+    signal.signal(signal.SIGTERM, previous if callable(previous) else signal.SIG_DFL)
+    if callable(previous):
+        previous(signum, frame)
+    else:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _own_wakeup_fd() -> tuple[socket.socket, socket.socket] | None:
+    """A socket pair whose write end is the signal wakeup fd, so a thread wakes on SIGTERM even
+    while the main thread is blocked in C++; None (and the fd left as it was) where something
+    else (an asyncio loop) owns the wakeup fd."""
     reader, writer = socket.socketpair()
     writer.setblocking(False)
     try:
         old = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
     except ValueError:
         old = -2
-    if old != -1:  # someone else's; put it back and go without the watchdog
+    if old != -1:  # someone else's; put it back
         if old >= 0:
             signal.set_wakeup_fd(old)
         reader.close()
         writer.close()
-        return True
-    pid = os.getpid()
+        return None
+    return reader, writer
 
-    def watchdog():
-        while True:
-            try:
-                got = reader.recv(64)
-            except OSError:
-                return
-            if os.getpid() != pid or not got:
-                return
-            if signal.SIGTERM not in got:
-                continue
-            if _abandoned():  # the main thread may be blocked in C++ and never run the handler
-                os._exit(128 + signal.SIGTERM)
-            signalled = time.monotonic()
-            while True:
-                limit = max(stop_timeout, 3 * max(stop.gaps, default=0.0))
-                if stop.boundary > signalled:
-                    return  # the loop is alive and will save and stop by itself
-                if time.monotonic() - signalled > limit:
-                    os.write(
-                        2,
-                        f"elasticd.checkpoint: SIGTERM and no step boundary within {limit:.0f}s; "
-                        "exiting\n".encode(),
-                    )
-                    os._exit(128 + signal.SIGTERM)
-                time.sleep(0.05)
 
-    def after_fork_in_child():  # a forked DataLoader worker must not wake our watchdog
+def _watchdog(reader: socket.socket, pid: int, stop_timeout: float) -> None:
+    """Woken by every signal this process handles: after a SIGTERM, end the process unless a
+    step boundary follows in time (see install_sigterm_handler)."""
+    while True:
         try:
-            signal.set_wakeup_fd(-1)
-        except ValueError:
-            pass
+            got = reader.recv(64)
+        except OSError:
+            return
+        if os.getpid() != pid or not got:
+            return
+        if signal.SIGTERM not in got:
+            continue
+        if _abandoned():  # the main thread may be blocked in C++ and never run the handler
+            os._exit(128 + signal.SIGTERM)
+        _await_boundary(time.monotonic(), stop_timeout)
+        return  # the loop is alive and will save and stop by itself
 
-    os.register_at_fork(after_in_child=after_fork_in_child)
-    threading.Thread(target=watchdog, name="elasticd-sigterm-watchdog", daemon=True).start()
-    stop.watchdog_fds.extend([reader, writer])
-    return True
+
+def _await_boundary(signalled: float, stop_timeout: float) -> None:
+    """Return once a step boundary follows `signalled`; end the process when none does within
+    max(stop_timeout, 3 x the longest recent step)."""
+    while PROCESS.boundary <= signalled:
+        limit = max(stop_timeout, 3 * max(PROCESS.gaps, default=0.0))
+        if time.monotonic() - signalled > limit:
+            os.write(
+                2,
+                f"elasticd.checkpoint: SIGTERM and no step boundary within {limit:.0f}s; "
+                "exiting\n".encode(),
+            )
+            os._exit(128 + signal.SIGTERM)
+        time.sleep(0.05)
+
+
+def _after_fork_in_child() -> None:
+    """A forked DataLoader worker must not wake our watchdog."""
+    try:
+        signal.set_wakeup_fd(-1)
+    except ValueError:
+        pass

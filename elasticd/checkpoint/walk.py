@@ -1,5 +1,6 @@
 """What a training state may hold, and the one walk over it that both copies of a state use: the
-disk snapshot (elasticd.checkpoint.snapshot) and the in-memory description (elasticd.checkpoint.memory).
+disk snapshot (elasticd.checkpoint.snapshot) and the in-memory description
+(elasticd.checkpoint.memory.description).
 
 Allowed: tensors; None, bool, int, float, complex, str, bytes, bytearray; torch.Size, dtype and
 device; dicts (OrderedDict kept), lists, tuples, sets; numpy scalars and other numbers, which

@@ -3,32 +3,28 @@
 It walks the state machine of elasticd/daemon/states.py (State, and the TRANSITIONS that set_state
 checks at every change).
 
-Signals and control commands only post to the inbox; the loop waits in one place (_idle), which
-feeds the watchdog, takes forked spares and drains the inbox at every wake-up; while running, it
-polls workers (exits, heartbeats, process state) and peers every monitor_interval (and at once on
-SIGCHLD), acts, and publishes an immutable status snapshot for the control socket. Its helpers
-each own one concern: the local workers (group.py), the warm spares (spares.py), the other nodes
-(peers.py), backoff and recovery timeline (recovery.py), the status snapshot (status.py), the
-inbox (inbox.py); and, for operators, the job's figures (figures.py), stragglers (stragglers.py)
-and the node's health check (healthcheck.py), which it calls at a few hooks.
+Signals and control commands only post to the inbox; the loop waits in one place (waits.py's
+idle), which feeds the watchdog, takes forked spares and drains the inbox at every wake-up; while
+running, it polls workers (exits, heartbeats, process state) and peers every monitor_interval (and
+at once on SIGCHLD), acts, and publishes an immutable status snapshot for the control socket.
+Its helpers each own one concern: the local workers (group.py), the warm spares (spares.py), the
+other nodes (peers.py), backoff and recovery timeline (recovery.py), the status snapshot
+(status.py), the inbox and stop requests (inbox.py), the waits (waits.py); and, for operators,
+the job's figures (figures.py), stragglers (stragglers.py) and the node's health check
+(healthcheck.py), which it calls at a few hooks.
 """
 
 from __future__ import annotations
 
 import math
-import os
-import signal
 import socket
-import threading
 import time
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from elasticd import logs, names
-from elasticd.checkpoint import memory
+from elasticd.checkpoint.memory import directory
 from elasticd.cluster.peers import Peers
 from elasticd.cluster.rendezvous import (
     BudgetSpent,
@@ -38,44 +34,46 @@ from elasticd.cluster.rendezvous import (
     StoreUnreachable,
 )
 from elasticd.config import Config
-from elasticd.daemon import supervise, workers
+from elasticd.daemon import processes, supervise
 from elasticd.daemon.group import LocalGroup
-from elasticd.daemon.inbox import Inbox
+from elasticd.daemon.inbox import Inbox, StopRequest, Stops
 from elasticd.daemon.recovery import Recovery
 from elasticd.daemon.spares import SparePool
 from elasticd.daemon.states import Failure, RestartCause, Scale, State, check_transition
 from elasticd.daemon.status import StatusBoard
+from elasticd.daemon.waits import Interrupted, Waits
 from elasticd.ops.figures import Figures
 from elasticd.ops.healthcheck import EXIT_UNHEALTHY, HealthCheck
 from elasticd.ops.stragglers import Stragglers
 
 if TYPE_CHECKING:
-    from elasticd.control.server import ControlServer, Deferred
     from elasticd.ops import healthcheck, metrics
 
 log = logs.get("elasticd.agent")
 
 EXIT_OK, EXIT_FAILED = 0, 1
-SPARE_WAIT = (
-    20.0  # seconds a start waits for spares still being forked (a cold start takes as long)
-)
-# seconds `elasticd stacks` may wait for the loop: a rendezvous wait or teardown drains its inbox
-# late, and the dump itself takes up to a second
-STACKS_ANSWER = 10.0
-
-
-@dataclass
-class StopRequest:
-    grace: float  # seconds the workers get to checkpoint and exit
-    force: bool = False  # a second stop signal or command: cut the grace short, even mid-teardown
-
-
-class _Interrupted(Exception):
-    """Raised from a signal handler to leave a blocking rendezvous."""
+# seconds a start waits for spares still being forked (a cold start takes as long)
+SPARE_WAIT = 20.0
 
 
 class Agent:
-    def __init__(self, cfg: Config, run_dir: Path, on_snapshot=None):
+    """The loop and its state. The collaborators that reach outside the daemon (the store and its
+    rounds, the peers, the workers, the spares, the health check, the subreaper) are made from
+    the factories given, the real ones by default: a unit test gives fakes."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        run_dir: Path,
+        on_snapshot=None,
+        *,
+        rendezvous=Rendezvous,  # (cfg) -> the store and its rounds
+        peers=Peers,
+        group=LocalGroup,
+        spares=SparePool,
+        health_check=HealthCheck,
+        subreaper=processes.make_subreaper,  # () -> whether the daemon became one
+    ):
         self.cfg = cfg
         self.node = socket.gethostname()
         self.token = uuid.uuid4().hex
@@ -85,21 +83,28 @@ class Agent:
         self.restart_count = 0
         self.first_failure: Failure | None = None
         self.last_failure: Failure | None = None
-        self.stop_request: StopRequest | None = None
-        self.memory_dir: str | None = (
-            None  # in-memory state directory (elasticd.checkpoint.memory), ours to remove
-        )
+        # in-memory state directory (elasticd.checkpoint.memory), ours to remove
+        self.memory_dir: str | None = None
         self.notify = None  # elasticd.daemon.systemd once serve() wires it
-        self._next_watchdog = 0.0
+        self._connect, self._peers, self._subreaper = rendezvous, peers, subreaper
         self.inbox = Inbox()
+        self.stops = Stops(self.inbox, cfg.signals_to_handle, cfg.stop_grace, self.event)
         self.status = StatusBoard(cfg, self.node, run_dir, self.event, on_snapshot)
-        self.group = LocalGroup(cfg, self.token, run_dir, self.node, self.event)
-        self.spares = SparePool(cfg, self.token, run_dir, self.event)
+        self.group = group(cfg, self.token, run_dir, self.node, self.event)
+        self.spares = spares(cfg, self.token, run_dir, self.event)
+        self.waits = Waits(
+            self.inbox,
+            cfg.monitor_interval,
+            chores=self._chores,
+            waitables=self.spares.waitables,
+            stopping=lambda: self.stop_request is not None,
+            notify=lambda: self.notify,
+        )
         self.recovery = Recovery(cfg)
         self.peers: Peers | None = None  # once the store is reached
         self.figures = Figures(time.monotonic())
         self.stragglers = Stragglers(cfg, self.node, self.event, time.time)
-        self.health_check = HealthCheck(
+        self.health_check = health_check(
             cfg, self.token, self.event, wake=lambda: self.post(("wake",))
         )
         self.metrics: metrics.Exporter | None = None  # serve() binds it
@@ -111,43 +116,22 @@ class Agent:
     def post(self, item: tuple) -> None:
         self.inbox.post(item)
 
-    def _on_signal(self, signum, _frame) -> None:
-        if signum == signal.SIGCHLD:
-            return  # the wake-up fd already woke the loop
-        if self.stop_request is not None:
-            self.stop_request.force = True  # a second signal: cut the grace short even mid-teardown
-        self.post(("signal", signum))
-
     def install_signals(self) -> None:
-        self.inbox.wake_on_signals()
-        for name in (*self.cfg.signals_to_handle, "SIGCHLD"):
-            signal.signal(getattr(signal, name), self._on_signal)
+        self.stops.install_signals()
+
+    @property
+    def stop_request(self) -> StopRequest | None:
+        return self.stops.request
 
     def _drain_inbox(self) -> None:
         asking = []  # `elasticd stacks` requests: however many came, one dump answers them all
         for kind, *rest in self.inbox.take():
-            if kind == "signal":
-                self.request_stop(self.cfg.stop_grace, f"signal {signal.Signals(rest[0]).name}")
-            elif kind == names.STOP:
-                timeout = rest[0] if rest and rest[0] is not None else self.cfg.stop_grace
-                self.request_stop(float(timeout), "stop command")
-            elif kind == names.STACKS:
+            if not self.stops.take(kind, rest) and kind == names.STACKS:
                 asking.append(rest[0])
         if asking:
             reply = self.group.stacks(self.state.value)
             for deferred in asking:
                 deferred.give(reply)
-
-    def request_stop(self, grace: float, why: str) -> None:
-        if self.stop_request is not None:
-            self.stop_request.force = True
-            self.event("stop_forced", why=why)
-            return
-        self.stop_request = StopRequest(grace)
-        self.event("stop_requested", why=why, grace=grace)
-
-    def _forced(self) -> bool:
-        return self.stop_request is not None and self.stop_request.force
 
     # --- bookkeeping ---
 
@@ -213,17 +197,19 @@ class Agent:
     def run(self) -> int:
         """Run the job to the end; returns the daemon's exit code."""
         logs.bind(run_id=self.cfg.rdzv_id, node=self.node)
-        reaper = workers.make_subreaper()  # a fork server's spares are reparented to us
+        reaper = self._subreaper()  # a fork server's spares are reparented to us
         if self.group.tee:
             self.group.tee.start()
         self.set_state(State.RENDEZVOUS)
         self.spares.start(reaper)  # they import torch while the nodes meet
-        self.memory_dir = memory.create(self.cfg.rdzv_id) if self.cfg.memory_state else None
+        self.memory_dir = directory.create(self.cfg.rdzv_id) if self.cfg.memory_state else None
         if self.memory_dir:
             log.info("memory_state", directory=self.memory_dir)
         try:
-            self.rdzv = self._blocking(Rendezvous, self.cfg)
-            self.peers = Peers(self.cfg, self.rdzv, self.node, wake=lambda: self.post(("wake",)))
+            self.rdzv = self.waits.blocking(self._connect, self.cfg)
+            self.peers = self._peers(
+                self.cfg, self.rdzv, self.node, wake=lambda: self.post(("wake",))
+            )
             log.info(
                 "rendezvous_store",
                 endpoint=self.rdzv.endpoint,
@@ -231,10 +217,9 @@ class Agent:
                 node_id=self.rdzv.node_id,
             )
             code = self._loop()
-        except _Interrupted:
+        except Interrupted:
             code = self._finish(State.STOPPED, EXIT_OK)
-        except BudgetSpent as e:
-            # the round after our failure (or another node's) found the budget spent
+        except BudgetSpent as e:  # the round after a failure (ours or not) found it spent
             self.event(
                 "restart_budget_spent",
                 level="error",
@@ -247,9 +232,8 @@ class Agent:
             self.first_failure = self.first_failure or self.last_failure
             code = self._finish(State.FAILED, EXIT_FAILED)
         except RendezvousFailed as e:
-            self.last_failure = self.first_failure = Failure(
-                RestartCause.RENDEZVOUS, str(e), node=self.node
-            )
+            why = Failure(RestartCause.RENDEZVOUS, str(e), node=self.node)
+            self.last_failure = self.first_failure = why
             code = self._finish(State.FAILED, EXIT_FAILED)
         finally:
             if self.peers is not None:
@@ -257,7 +241,7 @@ class Agent:
             self.health_check.close()
             self._teardown(0.0)
             self.spares.close()
-            memory.remove(self.memory_dir)  # workers are gone: nobody resumes from it any more
+            directory.remove(self.memory_dir)  # workers are gone: nobody resumes from it any more
             if self.group.tee:
                 self.group.tee.close()
         return code
@@ -276,7 +260,7 @@ class Agent:
                 continue
 
             # RUNNING: act on exits, hangs and peers.
-            self._idle(time.monotonic() + cfg.monitor_interval)
+            self.waits.idle(time.monotonic() + cfg.monitor_interval)
             if self.stop_request is not None:
                 continue
             why = self.group.check()
@@ -306,71 +290,24 @@ class Agent:
             if code is not None:
                 return code
 
-    def _idle(
-        self, until: float, done: Callable[[], bool] | None = None, *, stoppable: bool = True
-    ) -> None:
-        """The loop's one way to wait: until `done()` holds (checked before every wait), the
-        monotonic deadline `until` passes or, if `stoppable`, a stop is requested; without
-        `done`, until the first wake-up (the running loop looks at its workers after each). It
-        wakes at least every monitor_interval, and at once for a signal (SIGCHLD too), a command,
-        a helper thread's result or a spare, and each time does what the loop owes meanwhile:
-        feed systemd's watchdog, take the spares forked, answer the inbox. (The peers' liveness
-        beats on a thread of its own, peers.py, whatever the loop does.)"""
-        while not (done and done()) and (left := until - time.monotonic()) > 0:
-            self.inbox.wait(min(left, self.cfg.monitor_interval), also=self.spares.waitables())
-            self._tick()
-            self.spares.collect()
-            self._drain_inbox()
-            if done is None or (stoppable and self.stop_request is not None):
-                return
-
-    def _blocking(self, fn, *args, stoppable: bool = True):
-        """Run a long blocking call (store connect, rendezvous join, exit barrier) on a helper
-        thread while this loop idles and, if `stoppable`, answers a stop request by leaving it.
-        Workers are still spawned from this thread."""
-        box: dict[str, Any] = {}
-        done = threading.Event()
-
-        def call():
-            try:
-                box["value"] = fn(*args)
-            except BaseException as e:  # noqa: BLE001 - handed to the loop
-                box["error"] = e
-            finally:
-                done.set()
-                self.post(("wake",))
-
-        threading.Thread(target=call, name="elasticd-rendezvous", daemon=True).start()
-        self._idle(math.inf, done.is_set, stoppable=stoppable)
-        if stoppable and self.stop_request is not None:
-            raise _Interrupted()
-        if "error" in box:
-            raise box["error"]
-        return box["value"]
-
-    def _tick(self) -> None:
-        """Feed systemd's watchdog: only from this loop, so a wedged loop starves it."""
-        if self.notify is not None and time.monotonic() >= self._next_watchdog:
-            interval = self.notify.watchdog_interval()
-            if interval:
-                self.notify.watchdog()
-                self._next_watchdog = time.monotonic() + interval
-            else:
-                self._next_watchdog = float("inf")
+    def _chores(self) -> None:
+        """What the loop owes at every wake-up of its waits (besides systemd's watchdog): take
+        the spares forked, answer the inbox."""
+        self.spares.collect()
+        self._drain_inbox()
 
     def _start_round(self) -> int | None:
         """Meet the other nodes and start this node's workers; an exit code if this node must
         not start (its health check failed)."""
         first = self.round is None
         if first and (unhealthy := self._health_gate()):
-            return self._leave(
-                unhealthy
-            )  # never joined: a fixed-size job waits for it, an elastic one goes on
-        self.round = rnd = self._blocking(self.rdzv.next_round, self.cfg.nproc_per_node)
+            # never joined: a fixed-size job waits for it, an elastic one goes on
+            return self._leave(unhealthy)
+        self.round = rnd = self.waits.blocking(self.rdzv.next_round, self.cfg.nproc_per_node)
         if not first and (unhealthy := self._health_gate()):
             return self._leave(unhealthy)  # the check begun at the restart's teardown failed
         self.recovery.mark("rendezvous_done")
-        self.restart_count = self._blocking(self.rdzv.restarts_used)
+        self.restart_count = self.waits.blocking(self.rdzv.restarts_used)
         logs.bind(group_rank=rnd.group_rank, restart=self.restart_count)
         if rnd.lost:
             self.event(
@@ -385,7 +322,9 @@ class Agent:
         # At the first start the fork server may still be importing torch, and a cold start would
         # take as long: wait for its spares (the peers' liveness beats meanwhile on its own thread).
         # A peer found silent meanwhile is acted on once running.
-        self._idle(time.monotonic() + SPARE_WAIT, lambda: not self.spares.pending, stoppable=False)
+        self.waits.idle(
+            time.monotonic() + SPARE_WAIT, lambda: not self.spares.pending, stoppable=False
+        )
         self.group.start(rnd, self.restart_count, self.memory_dir, self.spares.spares)
         self.recovery.mark("spawned")
         self.spares.after_spawn()
@@ -404,7 +343,7 @@ class Agent:
         if not self.health_check.on:
             return None
         self.health_check.begin()  # unless the one begun at the restart's teardown still runs
-        self._idle(math.inf, lambda: not self.health_check.running, stoppable=True)
+        self.waits.idle(math.inf, lambda: not self.health_check.running, stoppable=True)
         if self.stop_request is not None:
             return None  # acted on by the loop
         result = self.health_check.take() or self.health_check.last
@@ -418,17 +357,9 @@ class Agent:
         why = self.health_check.failure(check, self.node)
         self.last_failure = self.first_failure = why
         if self.round is not None and self.round.group_world_size > 1:
-            try:  # named lost: the next round does not wait for this node
-                self.rdzv.request_restart(
-                    self.round,
-                    {
-                        "summary": self.health_check.left_summary(check, self.node),
-                        "node": self.node,
-                        "lost": [self.rdzv.node_id],
-                    },
-                )
-            except StoreUnreachable as e:
-                self.event("restart_request_failed", level="warning", why=str(e))
+            summary = self.health_check.left_summary(check, self.node)
+            # named lost: the next round does not wait for this node
+            self._ask_restart({"summary": summary, "node": self.node, "lost": [self.rdzv.node_id]})
         self._teardown(self.cfg.restart_grace, abandon=True)
         joined = self.round is not None
         self.left_line = (
@@ -476,15 +407,13 @@ class Agent:
         if why.kind is RestartCause.STORE_UNREACHABLE:
             self.event("store_unreachable", level="error", why=why.reason)
         if reason is not None:
-            try:
-                self.rdzv.request_restart(self.round, reason)
-            except StoreUnreachable as e:
-                self.event("restart_request_failed", level="warning", why=str(e))
+            self._ask_restart(reason)
         trained = self.recovery.trained(self.group.beats())
         # a node joining finds every rank healthy: they may save at their next boundary
         self._teardown(self.cfg.restart_grace, abandon=why.kind is not RestartCause.SCALE)
         self.recovery.mark("torn_down")
-        self.health_check.begin()  # before the next start: runs beside the backoff and the rendezvous
+        # before the next start: runs beside the backoff and the rendezvous
+        self.health_check.begin()
         if why.kind is RestartCause.CRASH and why.exit_code in self.cfg.fatal_exit_codes:
             self.event("fatal_exit_code", level="error", exit_code=why.exit_code, rank=why.rank)
             return self._fail_job(why)
@@ -499,9 +428,16 @@ class Agent:
                 crash_streak=self.recovery.crash_streak,
             )
             # waited out in full (a SIGCHLD must not cut it short), but not past a stop request
-            self._idle(time.monotonic() + delay, lambda: self.stop_request is not None)
+            self.waits.idle(time.monotonic() + delay, lambda: self.stop_request is not None)
         self.set_state(State.RENDEZVOUS)
         return None
+
+    def _ask_restart(self, reason: dict[str, Any]) -> None:
+        """Ask every node of the round to restart, for `reason` (rendezvous.request_restart)."""
+        try:
+            self.rdzv.request_restart(self.round, reason)
+        except StoreUnreachable as e:
+            self.event("restart_request_failed", level="warning", why=str(e))
 
     def _fail_job(self, failure: Failure) -> int:
         # the job's closing carries why: a node arriving later leaves with it
@@ -514,10 +450,10 @@ class Agent:
         if not self.group.workers:
             return
         self.group.stop(
-            0.0 if self._forced() else grace,
+            0.0 if self.stops.forced() else grace,
             abandon=abandon,
             keep=self.spares.keep() | self.health_check.pids(),
-            cut_short=self._forced,
+            cut_short=self.stops.forced,
             spared=self.health_check.sessions(),
         )
         if self.round is not None:
@@ -539,7 +475,7 @@ class Agent:
     def _barrier(self) -> bool:
         """The exit barrier (rendezvous.exit_barrier); a store that stops answering ends it."""
         try:
-            return self._blocking(
+            return self.waits.blocking(
                 self.rdzv.exit_barrier, self.round, self.cfg.exit_barrier_timeout, stoppable=False
             )
         except StoreUnreachable as e:
@@ -558,131 +494,3 @@ class Agent:
             fields["first_failure"] = self.first_failure.summary()
         self.set_state(state, **fields)
         return code
-
-
-def serve(cfg: Config, run_dir: Path) -> int:
-    """Run the daemon: control socket, sd_notify, death guard, then the agent loop."""
-    from elasticd.control import paths
-    from elasticd.control.protocol import AlreadyRunning, ControlError
-    from elasticd.control.server import ControlServer
-    from elasticd.daemon import systemd
-
-    logs.adopt_torch()
-    agent = Agent(cfg, run_dir)
-    agent.install_signals()
-    exporter = _metrics_exporter(cfg, agent)
-    guard = supervise.Kept(
-        "guard",
-        lambda: workers.start_guard(agent.token),
-        risk="until a new guard is up, a SIGKILLed daemon leaves its workers' children behind",
-    )
-
-    def listen(path: Path) -> ControlServer:
-        server = ControlServer(
-            path,
-            snapshot=lambda: agent.status.snapshot,
-            command=lambda req: _accept_command(agent, req),
-            operators_group=cfg.operators_group or None,
-        )
-        server.start()
-        return server
-
-    try:
-        try:
-            server = listen(Path(cfg.socket) if cfg.socket else paths.default_socket_path())
-        except AlreadyRunning:
-            if cfg.socket:  # a path the user chose is theirs to change
-                raise
-            # another job of this user on this node holds the default: listen beside it
-            server = listen(paths.second_socket_path(paths.default_socket_path(), cfg.rdzv_id))
-    except ControlError as e:
-        guard.close()
-        if exporter is not None:
-            exporter.close()
-        from elasticd.config import ConfigError
-
-        raise ConfigError(str(e)) from None
-    agent.notify = systemd
-    systemd.ready(f"{agent.state.value} run {cfg.rdzv_id}")
-    log.info(
-        "daemon_started",
-        run_dir=str(run_dir),
-        socket=str(server.path),
-        entrypoint=cfg.entrypoint,
-        nproc_per_node=cfg.nproc_per_node,
-        nnodes=cfg.nnodes,
-        pid=os.getpid(),
-    )
-    try:
-        code = agent.run()
-    finally:
-        server.close()
-        guard.close()
-        if exporter is not None:
-            exporter.close()
-    if agent.left_line:
-        sys_err(agent.left_line)
-    elif agent.state == State.FAILED and agent.first_failure:
-        sys_err(
-            f"elasticd: job failed after {agent.restart_count} restart(s): {agent.first_failure.summary()}"
-        )
-    return code
-
-
-def _metrics_exporter(cfg: Config, agent: Agent) -> metrics.Exporter | None:
-    """--metrics-address / --metrics-textfile: the exporter, serving (bound) before the job starts;
-    an address that cannot be bound is a ConfigError (one line, exit 2)."""
-    if not (cfg.metrics_address or cfg.metrics_textfile):
-        return None
-    from elasticd.config import ConfigError
-    from elasticd.config_values import parse_metrics_address
-    from elasticd.ops import metrics
-
-    address = parse_metrics_address(cfg.metrics_address) if cfg.metrics_address else None
-    exporter = metrics.Exporter(
-        address, cfg.metrics_textfile or None, lambda: agent.status.snapshot
-    )
-    try:
-        exporter.start()
-    except OSError as e:
-        raise ConfigError(
-            f"--metrics-address {cfg.metrics_address} cannot be bound here ({e.strerror or e}): "
-            "give a free port on one of this node's addresses"
-        ) from None
-    agent.metrics = exporter
-    return exporter
-
-
-def _accept_command(agent: Agent, req: dict) -> dict | Deferred:
-    """The loop's side of the control commands the server forwards (control/commands.py's
-    COMMANDS), by name."""
-    handler = FORWARDED.get(req.get("command"))
-    return (
-        handler(agent, req)
-        if handler
-        else {"ok": False, "error": f"unknown command {req.get('command')!r}"}
-    )
-
-
-def _stop_command(agent: Agent, req: dict) -> dict:
-    agent.post((names.STOP, req.get("timeout")))
-    return {"ok": True, "accepted": names.STOP}
-
-
-def _stacks_command(agent: Agent, req: dict) -> Deferred:
-    """The loop dumps them, and answers, at its next tick."""
-    from elasticd.control.server import Deferred
-
-    reply = Deferred(timeout=STACKS_ANSWER)
-    agent.post((names.STACKS, reply))
-    return reply
-
-
-FORWARDED = {names.STOP: _stop_command, names.STACKS: _stacks_command}
-
-
-def sys_err(line: str) -> None:
-    import sys
-
-    sys.stderr.write(logs.printable(line) + "\n")  # it quotes a worker's exception
-    sys.stderr.flush()

@@ -10,10 +10,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from elasticd.checkpoint import memory
+from elasticd.checkpoint.memory import directory
 from elasticd.cluster.rendezvous import Round
 from elasticd.config import Config
-from elasticd.daemon import workers
+from elasticd.daemon import forkclient, processes, spawn, tee
 from elasticd.daemon.states import Failure, RestartCause
 from elasticd.worker import health
 
@@ -29,23 +29,23 @@ class LocalGroup:
         self.run_dir = run_dir
         self.node = node
         self.event = event  # Agent.event: logged and shown in status
-        self.workers: list[workers.Worker] = []
+        self.workers: list[spawn.Worker] = []
         self.attempt = 0  # local attempts, used for directory names
         self.seen_beats = False  # a worker of this run has beaten: from then on every worker must
-        self.tee = workers.Tee() if cfg.tee else None
+        self.tee = tee.Tee() if cfg.tee else None
         self._watches: dict[
             int, tuple[health.Reader, health.ProcessWatch]
         ] = {}  # pid -> held-open files
         self._odd_since: dict[int, float] = {}  # pid -> when it was first seen a zombie
 
     def start(
-        self, rnd: Round, restart_count: int, memory_dir: str | None, spares: list[workers.Spare]
+        self, rnd: Round, restart_count: int, memory_dir: str | None, spares: list[forkclient.Spare]
     ) -> None:
         """Spawn the workers of a new attempt, taking warm spares first. From the loop's thread
-        (see workers.spawn)."""
+        (see spawn.spawn)."""
         self.attempt += 1
         cfg = self.cfg
-        spec = workers.GroupSpec(
+        spec = spawn.GroupSpec(
             entrypoint=cfg.entrypoint,
             args=cfg.args,
             nproc=cfg.nproc_per_node,
@@ -65,13 +65,13 @@ class LocalGroup:
             role=cfg.role,
             virtual_local_rank=cfg.virtual_local_rank,
             no_python=cfg.no_python,
-            extra_env={memory.ENV: memory_dir} if memory_dir else {},
+            extra_env={directory.ENV: memory_dir} if memory_dir else {},
         )
-        self.workers = workers.spawn(spec, spares)
+        self.workers = spawn.spawn(spec, spares)
         for w in self.workers:
             if self.tee and self.cfg.echoed(w.local_rank):
                 self.tee.follow(
-                    w.log_path, workers.console_prefix(self.cfg.role, w.global_rank, w.local_rank)
+                    w.log_path, tee.console_prefix(self.cfg.role, w.global_rank, w.local_rank)
                 )
 
     @property
@@ -81,7 +81,7 @@ class LocalGroup:
 
     def check(self) -> Failure | None:
         """The first worker that failed (a signal death before an exit code) or hung, or None."""
-        exited = workers.poll(self.workers)
+        exited = processes.poll(self.workers)
         bad = [w for w in exited if w.exit_code != 0]
         if bad:
             w = min(
@@ -90,11 +90,11 @@ class LocalGroup:
             kind = RestartCause.SIGNAL if w.exit_code < 0 else RestartCause.CRASH
             return Failure(
                 kind,
-                workers.describe_exit(w.exit_code),
+                processes.describe_exit(w.exit_code),
                 rank=w.global_rank,
                 pid=w.pid,
                 exit_code=w.exit_code,
-                exception=workers.read_error_file(w.error_path),
+                exception=spawn.read_error_file(w.error_path),
                 log_path=str(w.log_path),
                 node=self.node,
             )
@@ -120,7 +120,7 @@ class LocalGroup:
                 dumps = (
                     []
                     if self.cfg.no_python
-                    else workers.dump_stacks(self.workers, self.cfg.stack_signal)
+                    else processes.dump_stacks(self.workers, self.cfg.stack_signal)
                 )
                 return Failure(
                     RestartCause.HANG,
@@ -133,7 +133,7 @@ class LocalGroup:
                 )
         return None
 
-    def beat(self, w: workers.Worker) -> health.Beat | None:
+    def beat(self, w: spawn.Worker) -> health.Beat | None:
         return self._watch(w)[0].read()
 
     def beats(self) -> list[health.Beat | None]:
@@ -151,7 +151,7 @@ class LocalGroup:
                     "pid": w.pid,
                     "state": "running"
                     if w.exit_code is None
-                    else workers.describe_exit(w.exit_code),
+                    else processes.describe_exit(w.exit_code),
                     "heartbeat_age": round(now - beat.last, 3) if beat and beat.beats else None,
                     "step": beat.step if beat and beat.beats else None,
                     "rss_bytes": self._watch(w)[1].rss() if w.exit_code is None else None,
@@ -167,7 +167,7 @@ class LocalGroup:
                 "ok": False,
                 "error": "--no-python workers are not Python: they cannot dump their stacks",
             }
-        dumps = workers.dump_stacks(
+        dumps = processes.dump_stacks(
             [w for w in self.workers if w.exit_code is None], self.cfg.stack_signal
         )
         if not dumps:
@@ -199,7 +199,7 @@ class LocalGroup:
         cut_short: Callable[[], bool],
         spared: frozenset[int] = frozenset(),
     ) -> None:
-        """Stop every worker (see workers.stop; `keep` and the sessions `spared` are left alone).
+        """Stop every worker (see processes.stop; `keep` and the sessions `spared` are left alone).
         `abandon`: a restart after a failure; the workers are told (a heartbeat-file mark) so that
         the checkpoint library ends them at SIGTERM instead of waiting for a step boundary that a
         broken collective will never reach."""
@@ -207,7 +207,7 @@ class LocalGroup:
         if abandon:
             for w in self.workers:
                 health.mark(str(w.heartbeat_path), "abandon")
-        stuck = workers.stop(
+        stuck = processes.stop(
             self.workers,
             self.token,
             grace,
@@ -230,7 +230,7 @@ class LocalGroup:
             proc.close()
         self._watches.clear()
 
-    def _watch(self, w: workers.Worker) -> tuple[health.Reader, health.ProcessWatch]:
+    def _watch(self, w: spawn.Worker) -> tuple[health.Reader, health.ProcessWatch]:
         """The worker's heartbeat file and /proc entries, opened once per attempt: the loop reads
         them every tick, and opening (and parsing through psutil) each time was most of its CPU."""
         watch = self._watches.get(w.pid)

@@ -1,6 +1,7 @@
 """The only way other threads and signal handlers reach the agent loop: they append to a queue
 and poke a wake-up pipe (also signal.set_wakeup_fd's, so any handled signal, SIGCHLD included,
-wakes the loop); the loop waits on that pipe and drains the queue from its own thread.
+wakes the loop); the loop waits on that pipe and drains the queue from its own thread. What
+arrives that way most often is a stop request (Stops): from a signal or the stop command.
 """
 
 from __future__ import annotations
@@ -9,7 +10,10 @@ import collections
 import os
 import select
 import signal
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from elasticd import names
 
 
 class Inbox:
@@ -48,3 +52,58 @@ class Inbox:
         """The items posted so far, oldest first (removed as they are yielded)."""
         while self._items:
             yield self._items.popleft()
+
+
+@dataclass
+class StopRequest:
+    grace: float  # seconds the workers get to checkpoint and exit
+    force: bool = False  # a second stop signal or command: cut the grace short, even mid-teardown
+
+
+class Stops:
+    """The stop requests that reach the loop: a handled signal (`signals`) or the stop command
+    (names.STOP, with its timeout) asks for a stop with a grace; a second one forces it. A signal
+    forces at once, from its handler, as a teardown in progress does not drain the inbox."""
+
+    def __init__(
+        self, inbox: Inbox, signals: Sequence[str], grace: float, event: Callable[..., None]
+    ) -> None:
+        self.inbox = inbox
+        self.signals = signals
+        self.grace = grace  # --stop-grace: a signal's, and a stop command's without a timeout
+        self.event = event  # Agent.event: logged and shown in status
+        self.request: StopRequest | None = None
+
+    def install_signals(self) -> None:
+        self.inbox.wake_on_signals()
+        for name in (*self.signals, "SIGCHLD"):
+            signal.signal(getattr(signal, name), self._on_signal)
+
+    def _on_signal(self, signum, _frame) -> None:
+        if signum == signal.SIGCHLD:
+            return  # the wake-up fd already woke the loop
+        if self.request is not None:
+            self.request.force = True  # a second signal: cut the grace short even mid-teardown
+        self.inbox.post(("signal", signum))
+
+    def take(self, kind: str, rest: list) -> bool:
+        """Act on an item of the inbox if it asks for a stop (a signal or the stop command)."""
+        if kind == "signal":
+            self.ask(self.grace, f"signal {signal.Signals(rest[0]).name}")
+        elif kind == names.STOP:
+            timeout = rest[0] if rest and rest[0] is not None else self.grace
+            self.ask(float(timeout), "stop command")
+        else:
+            return False
+        return True
+
+    def ask(self, grace: float, why: str) -> None:
+        if self.request is not None:
+            self.request.force = True
+            self.event("stop_forced", why=why)
+            return
+        self.request = StopRequest(grace)
+        self.event("stop_requested", why=why, grace=grace)
+
+    def forced(self) -> bool:
+        return self.request is not None and self.request.force

@@ -1,11 +1,11 @@
 """The warm spares of one daemon run: processes waiting for a rank, and the fork server that
-forks them (workers.ForkServer), or fresh interpreters where the server is unfit.
+forks them (forkclient.ForkServer), or fresh interpreters where the server is unfit.
 
 A fork server that dies (an OOM killer's pick: torch imported, a large RSS) is started again
 after a backoff (supervise.Part), while fresh-interpreter spares cover the gap; an unfit one would
 be unfit again, and stays off.
 
-Spares are asked for while the nodes meet, handed to workers.spawn at a start, and refilled:
+Spares are asked for while the nodes meet, handed to spawn.spawn at a start, and refilled:
 at once after a start when the fork server makes them (a fork each: nothing the starting
 workers would notice), otherwise once the new workers are past start-up (a fresh interpreter's
 imports would slow theirs), or after REFILL_AFTER seconds.
@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from elasticd.config import Config
-from elasticd.daemon import supervise, workers
+from elasticd.daemon import forkclient, processes, supervise
 from elasticd.worker import proctitle
 
 REFILL_AFTER = (
@@ -32,8 +32,8 @@ class SparePool:
         self.token = token
         self.log_path = run_dir / "spares.log"
         self.event = event  # Agent.event: logged and shown in status
-        self.spares: list[workers.Spare] = []  # warm processes waiting for a rank
-        self.forkserver: workers.ForkServer | None = None
+        self.spares: list[forkclient.Spare] = []  # warm processes waiting for a rank
+        self.forkserver: forkclient.ForkServer | None = None
         self.refill_due: float | None = (
             None  # when fresh-interpreter spares are refilled at the latest
         )
@@ -41,7 +41,7 @@ class SparePool:
         self.respawn_at: float | None = None  # when a dead fork server is started again
 
     def _start_server(self) -> None:
-        self.forkserver = workers.ForkServer(
+        self.forkserver = forkclient.ForkServer(
             self.token, self.cfg.nproc_per_node, self.cfg.preload, self.log_path, self._shown()
         )
 
@@ -58,13 +58,15 @@ class SparePool:
         """Spares asked of the fork server and not yet received."""
         return self.forkserver.pending if self.forkserver else 0
 
-    def waitables(self) -> list[workers.ForkServer]:
-        """What to select on for spares to arrive (the fork server's connection while it owes some)."""
+    def waitables(self) -> list[forkclient.ForkServer]:
+        """What to select on for spares to arrive (the fork server's connection while it owes
+        some)."""
         fs = self.forkserver
         return [fs] if fs and fs.pending and fs.usable else []
 
     def top_up(self) -> None:
-        """Ask the fork server for the spares missing, or start fresh interpreters where it is unfit."""
+        """Ask the fork server for the spares missing, or start fresh interpreters where it is
+        unfit."""
         if not self.cfg.warm_spawn:
             return
         self.collect()
@@ -78,7 +80,7 @@ class SparePool:
             fs.request(missing)
         else:
             self.spares += [
-                workers.start_spare(
+                forkclient.start_spare(
                     self.token,
                     self.cfg.nproc_per_node,
                     self.cfg.preload,
@@ -111,7 +113,7 @@ class SparePool:
             if fs.unfit:
                 part.off(fs.unfit, level="warning")
             else:
-                delay = part.failed(workers.describe_exit(fs.proc.poll() or 0))
+                delay = part.failed(processes.describe_exit(fs.proc.poll() or 0))
                 self.respawn_at = None if delay is None else time.monotonic() + delay
             self._fill()
 
@@ -134,7 +136,7 @@ class SparePool:
         return frozenset(keep)
 
     def close(self) -> None:
-        workers.discard_spares(self.spares)
+        forkclient.discard_spares(self.spares)
         if self.forkserver:
             self.forkserver.close()
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from elasticd import names
-from elasticd.checkpoint import memory
+from elasticd.checkpoint.memory import directory
 from elasticd.cluster.rendezvous import Round
 from elasticd.config import Config
 from elasticd.daemon import supervise
@@ -124,7 +124,7 @@ class StatusBoard:
         if now >= self._next_resume_read:
             self._next_resume_read = now + RESUME_READ_EVERY
             self._checkpoint = self._read_checkpoint()
-            self._memory_step = memory.newest_step(memory_dir)
+            self._memory_step = directory.newest_step(memory_dir)
         info = self._checkpoint
         if info and info.get("time"):
             info = {**info, "age": round(time.time() - info["time"], 1)}

@@ -37,7 +37,8 @@ def _log_event(name: str, level: str = "info", **fields: Any) -> None:
 
 @dataclass
 class Part:
-    """One part's health: `up`, `restarting` (dead, backoff running) or `off` (given up, or unfit)."""
+    """One part's health: `up`, `restarting` (dead, backoff running) or `off` (given up, or
+    unfit)."""
 
     name: str
     event: Callable[..., None] = _log_event  # Agent.event once the agent wires it (see report_to)

@@ -199,7 +199,7 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
         sys.stderr.write(f"elasticd: error: {_one_line(e)}\n")
         return EXIT_USAGE
     logs.setup(cfg.log_format)
-    from elasticd.daemon.agent import serve
+    from elasticd.daemon.serve import serve
 
     try:
         return serve(cfg, run_dir)

@@ -41,8 +41,8 @@ def unfit_reason() -> str | None:
     threads = len(os.listdir("/proc/self/task"))
     if threads != 1:
         return (
-            f"the preloaded modules started {threads - 1} thread(s); forking would copy their locks "
-            "mid-use"
+            f"the preloaded modules started {threads - 1} thread(s); forking would copy their "
+            "locks mid-use"
         )
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():

@@ -43,9 +43,11 @@ _BEATS, _STEP, _LAST, _FIRST = 8, 16, 24, 32  # offsets of the fields a beat wri
 MARKS = {"exiting": 40, "pg_ready": 48, "state_loaded": 56, "abandon": 64}  # offsets
 # Running figures after the marks, in this order from offset 72 (f64 each; counts too):
 FIGURES = (
-    "work_total",  # seconds of the rank's own work (outside backward()'s gradient sync), summed over steps
+    # seconds of the rank's own work (outside backward()'s gradient sync), summed over steps
+    "work_total",
     "work_steps",  # steps that measured it
-    "resumed",  # the step the checkpoint library resumed from (0: a fresh start); valid once state_loaded
+    # the step the checkpoint library resumed from (0: a fresh start); valid once state_loaded
+    "resumed",
     "saves",  # CheckpointManager.save() calls
     "save_stall_total",
     "save_write_total",  # seconds: training blocked / background write (rank 0)
@@ -150,7 +152,8 @@ class Reader:
 
     def read(self) -> Beat | None:
         """The fields as of one instant: a read that a beat overlapped can mix old and new bytes
-        (a step count of 0, a last beat at 0.0: "silent for hours"), so read until two reads agree."""
+        (a step count of 0, a last beat at 0.0: "silent for hours"), so read until two reads
+        agree."""
         if self._fd is None:
             try:
                 self._fd = safeio.open_existing(self.path)
@@ -314,7 +317,10 @@ def verdict(
         slow = now - beat.exiting
         limit = max(heartbeat_timeout, EXIT_TIMEOUT)
         if slow > limit:
-            return f"still running {slow:.1f}s after its entrypoint returned (interpreter exit hung; limit {limit:g}s)"
+            return (
+                f"still running {slow:.1f}s after its entrypoint returned "
+                f"(interpreter exit hung; limit {limit:g}s)"
+            )
         return None
     if beat is None or beat.beats == 0:
         if expect_beats and now - started > startup_timeout:
@@ -322,7 +328,10 @@ def verdict(
         return None
     silent = now - beat.last
     if silent > heartbeat_timeout:
-        return f"no heartbeat for {silent:.1f}s (heartbeat timeout {heartbeat_timeout:g}s, last step {beat.step})"
+        return (
+            f"no heartbeat for {silent:.1f}s "
+            f"(heartbeat timeout {heartbeat_timeout:g}s, last step {beat.step})"
+        )
     return None
 
 

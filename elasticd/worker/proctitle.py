@@ -1,9 +1,9 @@
 """A worker's command line as ps, pgrep -f, py-spy and /proc/PID/cmdline show it: the one torchrun
 would have started, `python -u train.py ARGS` (or `python -u -m module ARGS`).
 
-Workers start as `python -m elasticd.worker.bootstrap` (cold, or a fresh warm spare) or are forked from
-`python -m elasticd.worker.forkserver`, yet operators find and signal training processes by their
-script (`pgrep -f train.py`, `pkill -f`, `ps`). The kernel reads /proc/PID/cmdline from the
+Workers start as `python -m elasticd.worker.bootstrap` (cold, or a fresh warm spare) or are forked
+from `python -m elasticd.worker.forkserver`, yet operators find and signal training processes by
+their script (`pgrep -f train.py`, `pkill -f`, `ps`). The kernel reads /proc/PID/cmdline from the
 process's argument area (arg_start..arg_end in /proc/PID/stat), so each worker rewrites that
 area once it knows its job; the interpreter's own view (sys.argv, sys.orig_argv) is untouched.
 

@@ -8,9 +8,8 @@ import sys
 import time
 
 FAKE = '{"event": "job_succeeded", "log_level": "info", "state": "SUCCEEDED"}'
-LONG = (
-    64 * 1024
-)  # elasticd.daemon.workers.MAX_ECHO_LINE: the fake event starts the line's second piece
+# elasticd.daemon.tee.MAX_ECHO_LINE: the fake event starts the line's second piece
+LONG = 64 * 1024
 
 out = sys.stdout
 out.write("\x1b[2J\x1b[H\x1b]0;pwned title\x07clear screen and title\n")

@@ -1,0 +1,195 @@
+"""Warm spares as the daemon sees them: the daemon side of the fork server
+(elasticd.worker.forkserver), which forks spares with torch already imported, and the fallback of
+a fresh interpreter per spare. A spare waits on its job pipe for a rank (see spawn.spawn).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+from elasticd import names, safeio
+from elasticd.daemon import systemd
+from elasticd.worker import proctitle
+
+
+class Child:
+    """A process the daemon did not start itself but is the parent of (a fork server's spare,
+    reparented to the daemon as subreaper): Popen's pid, poll(), returncode, kill() and wait()."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # not ours after all (the daemon is no subreaper): gone
+                self.returncode = -signal.SIGKILL
+                return self.returncode
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0.0)
+            time.sleep(0.005)
+        assert self.returncode is not None
+        return self.returncode
+
+
+@dataclass
+class Spare:
+    """A warm process waiting for a rank: one JSON line on `job` hands it one (see bootstrap)."""
+
+    proc: subprocess.Popen | Child
+    job: BinaryIO
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+
+def _spare_env(token: str, nproc: int, preload: tuple[str, ...]) -> dict[str, str]:
+    """The environment every worker shares, so what is read at import or library load
+    (OMP_NUM_THREADS, PYTHONUNBUFFERED) is already right in a warm process."""
+    env = systemd.child_env(dict(os.environ))
+    env.update(
+        {
+            names.AGENT: token,
+            names.DAEMON_PID: str(os.getpid()),
+            names.WARM_PRELOAD: ",".join(preload),
+        }
+    )
+    if nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
+        env["OMP_NUM_THREADS"] = "1"
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def start_spare(
+    token: str, nproc: int, preload: tuple[str, ...], log_path: Path, shown: list[str]
+) -> Spare:
+    """A warm spare that is a fresh interpreter (never a fork): it imports torch and `preload`,
+    then waits on stdin for its rank's environment and arguments. Handing it a rank skips
+    interpreter start-up and imports on a restart. The fallback where the fork server is unfit.
+    `shown`: the workers' command line (proctitle.title), which the spare makes room for."""
+    with os.fdopen(safeio.append(log_path), "ab") as out:
+        proc = subprocess.Popen(
+            proctitle.command("elasticd.worker.bootstrap", shown),
+            env=_spare_env(token, nproc, preload),
+            stdin=subprocess.PIPE,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            close_fds=True,
+        )
+    assert proc.stdin is not None
+    return Spare(proc, proc.stdin)
+
+
+class ForkServer:
+    """Daemon side of elasticd.worker.forkserver: asks for spares and collects them (pid and the
+    write end of the spare's job pipe) without blocking the agent loop. `shown`: the workers'
+    command line (proctitle.title); the server's own has room for it, and its forks inherit
+    that."""
+
+    def __init__(
+        self, token: str, nproc: int, preload: tuple[str, ...], log_path: Path, shown: list[str]
+    ) -> None:
+        self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            with os.fdopen(safeio.append(log_path), "ab") as out:
+                self.proc = subprocess.Popen(
+                    proctitle.command("elasticd.worker.forkserver", shown),
+                    env=_spare_env(token, nproc, preload),
+                    stdin=theirs,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                    close_fds=True,
+                )
+        finally:
+            theirs.close()
+        self._sock.setblocking(False)
+        self.pending = 0  # spares asked for and not yet received
+        self.unfit: str | None = None  # the server's reason not to fork; it has quit
+
+    @property
+    def usable(self) -> bool:
+        return self.unfit is None and self.proc.poll() is None
+
+    def fileno(self) -> int:
+        """The connection to the server: readable when a spare (or its refusal) arrives."""
+        return self._sock.fileno()
+
+    def request(self, n: int) -> None:
+        for _ in range(n):
+            try:
+                self._sock.send(b"s")
+            except OSError:
+                return
+            self.pending += 1
+
+    def collect(self, timeout: float = 0.0) -> list[Spare]:
+        """The spares forked since the last call; with `timeout`, wait that long for all pending."""
+        got: list[Spare] = []
+        deadline = time.monotonic() + timeout
+        while self.pending and self.usable:
+            try:
+                msg, fds, _flags, _addr = socket.recv_fds(self._sock, 512, 1)
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    break
+                time.sleep(0.005)
+                continue
+            except OSError:
+                break
+            if not msg:
+                break
+            if msg.startswith(b"unfit "):
+                self.unfit = msg[6:].decode(errors="replace")
+                break
+            self.pending -= 1
+            if fds and msg != b"lost":
+                got.append(Spare(Child(int(msg)), os.fdopen(fds[0], "wb")))
+        return got
+
+    def close(self) -> None:
+        """The server exits when the connection closes; spares it forked belong to the daemon."""
+        self._sock.close()
+        try:
+            self.proc.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def discard_spares(spares: list[Spare]) -> None:
+    """Spares exit on EOF; kill any that do not."""
+    for p in spares:
+        with contextlib.suppress(OSError):
+            p.job.close()
+    for p in spares:
+        try:
+            p.proc.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            p.proc.kill()
+            p.proc.wait()
+    spares.clear()

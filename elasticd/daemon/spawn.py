@@ -1,0 +1,240 @@
+"""Start a node's workers with torchrun's environment contract, cold or by handing a rank to a
+warm spare, and read back what torch's error file says of a worker that failed.
+
+Each worker gets its own session (so its process group can be signalled as one), its output goes
+straight to a per-rank file (a slow daemon can never block a worker on a full pipe), and it
+carries ELASTICD_AGENT=<token> so a sweep finds every descendant, even one that left the session.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import string
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from elasticd import logs, names, safeio
+from elasticd.daemon import systemd
+from elasticd.daemon.forkclient import Child, Spare
+from elasticd.worker import health, proctitle
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """Everything a node needs to start one attempt's local workers."""
+
+    entrypoint: str  # "module", "module:function" or "path/to/script.py"
+    args: tuple[str, ...]
+    nproc: int
+    rank_base: int  # global rank of local rank 0
+    world_size: int
+    group_rank: int
+    group_world_size: int
+    master_addr: str
+    master_port: int
+    restart_count: int
+    max_restarts: int
+    run_id: str
+    attempt_dir: Path
+    token: str  # identifies this daemon's processes for sweeps
+    stack_signal: str = "SIGUSR1"
+    checkpoint_dir: str = ""
+    role: str = "default"
+    virtual_local_rank: bool = False  # LOCAL_RANK=0 and CUDA_VISIBLE_DEVICES = the rank's GPU
+    no_python: bool = False  # the entrypoint is an executable the bootstrap becomes
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+    def worker_args(self, local_rank: int) -> tuple[str, ...]:
+        """The script's arguments with torchrun's ${local_rank} macro filled in (string.Template's
+        safe_substitute, as torch.distributed.elastic.utils.macros does)."""
+        return tuple(
+            string.Template(a).safe_substitute(local_rank=str(local_rank)) for a in self.args
+        )
+
+
+@dataclass
+class Worker:
+    local_rank: int
+    global_rank: int
+    proc: subprocess.Popen | Child
+    log_path: Path
+    error_path: Path
+    stack_path: Path
+    heartbeat_path: Path
+    started: float  # monotonic
+    exit_code: int | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+
+def worker_env(spec: GroupSpec, local_rank: int, paths: dict[str, Path]) -> dict[str, str]:
+    """torchrun's contract (LocalElasticAgent._start_workers, torch 2.13) plus ours (names)."""
+    env = systemd.child_env(
+        dict(os.environ)
+    )  # systemd's notify socket and watchdog are the daemon's
+    rank = spec.rank_base + local_rank
+    env.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(local_rank),
+        GROUP_RANK=str(spec.group_rank),
+        ROLE_RANK=str(rank),
+        ROLE_NAME=spec.role,
+        LOCAL_WORLD_SIZE=str(spec.nproc),
+        WORLD_SIZE=str(spec.world_size),
+        GROUP_WORLD_SIZE=str(spec.group_world_size),
+        ROLE_WORLD_SIZE=str(spec.world_size),
+        MASTER_ADDR=spec.master_addr,
+        MASTER_PORT=str(spec.master_port),
+        TORCHELASTIC_RESTART_COUNT=str(spec.restart_count),
+        TORCHELASTIC_MAX_RESTARTS=str(spec.max_restarts),
+        TORCHELASTIC_RUN_ID=spec.run_id,
+        TORCHELASTIC_USE_AGENT_STORE="True",
+        TORCH_NCCL_ASYNC_ERROR_HANDLING=os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+        TORCHELASTIC_ERROR_FILE=str(paths["error"]),
+    )
+    env.update(
+        {
+            names.AGENT: spec.token,
+            names.DAEMON_PID: str(os.getpid()),
+            names.ENTRYPOINT: spec.entrypoint,
+            names.HEARTBEAT_FILE: str(paths["heartbeat"]),
+            names.STACK_FILE: str(paths["stack"]),
+            names.STACK_SIGNAL: spec.stack_signal,
+            names.ATTEMPT_DIR: str(spec.attempt_dir),
+            names.LOCAL_RANK: str(local_rank),
+        }
+    )
+    if spec.virtual_local_rank:  # each worker sees its own GPU as device 0, as under torchrun
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        env["CUDA_VISIBLE_DEVICES"] = (
+            visible.split(",")[local_rank].strip() if visible is not None else str(local_rank)
+        )
+        env["LOCAL_RANK"] = "0"
+    if spec.no_python:
+        env[names.NO_PYTHON] = "1"
+    if spec.checkpoint_dir:
+        env.setdefault(names.CHECKPOINT_DIR, spec.checkpoint_dir)
+    if spec.nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
+        env["OMP_NUM_THREADS"] = "1"
+    # Output goes to a file: without this, Python holds prints back in a block buffer.
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    env.update(spec.extra_env)
+    return env
+
+
+def _paths(spec: GroupSpec, rank: int) -> dict[str, Path]:
+    return {
+        "log": spec.attempt_dir / f"rank{rank}.log",
+        "error": spec.attempt_dir / f"rank{rank}.error.json",
+        "stack": spec.attempt_dir / f"rank{rank}.stacks.txt",
+        "heartbeat": spec.attempt_dir / f"rank{rank}.heartbeat",
+    }
+
+
+def spawn(spec: GroupSpec, spares: list[Spare] | None = None) -> list[Worker]:
+    """Start the local workers, handing ranks to warm spares first (see forkclient).
+
+    Call from the agent loop's thread: the parent-death signal the bootstrap arms fires when the
+    *thread* that forked the child exits."""
+    safeio.mkdir(spec.attempt_dir)  # fresh in our fresh run directory: an existing one was planted
+    spares = spares if spares is not None else []
+    workers = []
+    for local_rank in range(spec.nproc):
+        rank = spec.rank_base + local_rank
+        paths = _paths(spec, rank)
+        health.create(str(paths["heartbeat"]))
+        env = worker_env(spec, local_rank, paths)
+        args = spec.worker_args(local_rank)
+        proc = None
+        while spares and proc is None:
+            proc = _assign(spares.pop(0), env, args, paths["log"])
+        if proc is None:
+            with os.fdopen(safeio.create(paths["log"]), "ab") as out:
+                proc = subprocess.Popen(
+                    proctitle.command(
+                        "elasticd.worker.bootstrap", proctitle.title(spec.entrypoint, args), args
+                    ),
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                    close_fds=True,
+                )
+        workers.append(
+            Worker(
+                local_rank,
+                rank,
+                proc,
+                paths["log"],
+                paths["error"],
+                paths["stack"],
+                paths["heartbeat"],
+                time.monotonic(),
+            )
+        )
+    return workers
+
+
+def _assign(spare: Spare, env: dict[str, str], args: tuple[str, ...], log: Path):
+    """Give a spare its rank; None if it died meanwhile (then the caller takes another or a cold
+    start)."""
+    if spare.proc.poll() is not None:
+        return None
+    try:
+        spare.job.write(
+            json.dumps({"env": env, "args": list(args), "log": str(log)}).encode() + b"\n"
+        )
+        spare.job.close()
+    except (BrokenPipeError, OSError):
+        spare.proc.kill()
+        spare.proc.wait()
+        return None
+    return spare.proc
+
+
+MAX_ERROR_FILE = 1 << 20  # bytes of a rank's error file read; torch's format is a few KiB
+MAX_EXCEPTION_TEXT = (
+    2000  # characters of its message kept: it goes into status, logs and peers' stores
+)
+
+
+def read_error_file(path: Path) -> str | None:
+    """The exception line of torch's error-file format (ours or the script's @record), for the
+    failure report. The worker wrote it, and the operator's terminal and the peers show it: it
+    comes back escaped (logs.printable) and cut short; None for a missing or malformed file (the
+    exit code still tells). Opened without following links or blocking, as a worker could leave a
+    FIFO or a link there."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        data = json.loads(os.read(fd, MAX_ERROR_FILE))
+    except (OSError, ValueError, RecursionError):
+        return None
+    finally:
+        os.close(fd)
+    msg = data.get("message") if isinstance(data, dict) else None
+    if isinstance(msg, dict):
+        extra = msg.get("extraInfo")
+        stack = extra.get("py_callstack") if isinstance(extra, dict) else None
+        text = msg.get("message")
+        if not (isinstance(text, str) and text.strip()):
+            text = (
+                stack.strip().splitlines()[-1] if isinstance(stack, str) and stack.strip() else None
+            )
+    else:
+        text = msg if isinstance(msg, str) else None
+    if not text:
+        return None
+    text = logs.printable(text)
+    return text if len(text) <= MAX_EXCEPTION_TEXT else text[:MAX_EXCEPTION_TEXT] + "..."

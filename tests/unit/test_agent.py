@@ -1,0 +1,392 @@
+"""The agent loop's decisions, driven through every edge of the state machine (states.TRANSITIONS)
+with fake collaborators: a scripted store and rounds, peers, local group, spares and health check
+(Agent's factories). No process is started and no store is reached; the loop, its waits, its
+inbox, the restart bookkeeping and the status snapshot are the real ones.
+
+Each scenario checks the exact path of states and the exit code; together they must take every
+edge of TRANSITIONS at least once (test_every_edge_is_taken), so an edge whose handling breaks
+either changes a scenario's path or goes missing from the set."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import pytest
+
+from elasticd import config, names
+from elasticd.cluster.rendezvous import BudgetSpent, Member, RendezvousFailed, Round, StoreLost
+from elasticd.daemon import preflight
+from elasticd.daemon.agent import EXIT_FAILED, EXIT_OK, Agent
+from elasticd.daemon.states import TRANSITIONS, Failure, RestartCause, State
+from elasticd.ops.healthcheck import EXIT_UNHEALTHY, HealthCheck
+
+S = State
+EDGES = {(old, new) for old, targets in TRANSITIONS.items() for new in targets}
+TAKEN: set[tuple[State, State]] = set()  # the edges the scenarios took
+
+
+def stop(agent: Agent) -> None:
+    """What `elasticd stop` does: a command posted to the loop's inbox."""
+    agent.post((names.STOP, 0.0))
+
+
+def wait_for_stop(agent: Agent) -> None:
+    """A blocking store call that lasts until the loop has taken the stop request."""
+    deadline = time.monotonic() + 10
+    while agent.stop_request is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
+@dataclass
+class Script:
+    """What the fakes do, per scenario. Rounds and group attempts are counted from 1."""
+
+    members: int = 1  # nodes in every round (an exit barrier only with more than one)
+    round_fails: dict[int, Exception] = field(default_factory=dict)  # round n raises this
+    stop_in_round: int | None = None  # a stop arrives while round n is being joined
+    failures: dict[int, Failure] = field(default_factory=dict)  # attempt n's group reports this
+    finishes: set[int] = field(default_factory=set)  # attempt n's workers all exit 0
+    stop_in_attempt: set[int] = field(default_factory=set)  # a stop while attempt n runs
+    barrier_fails: bool = False  # the exit barrier raises (the store is gone)
+    peers_fail: bool = False  # the peers' check raises (the store is gone)
+    checks: list[bool] = field(default_factory=list)  # health checks' outcomes (on when given)
+    agent: Agent | None = None
+    calls: list[tuple] = field(default_factory=list)  # what the fakes were asked, in order
+
+
+class FakeRendezvous:
+    def __init__(self, script: Script) -> None:
+        self.s = script
+        self.rounds = 0
+        self.node_id, self.endpoint, self.is_host = "node-0", "fake:0", True
+
+    def next_round(self, nproc: int) -> Round:
+        self.rounds += 1
+        self.s.calls.append(("next_round", self.rounds))
+        if self.s.stop_in_round == self.rounds:
+            stop(self.s.agent)
+            wait_for_stop(self.s.agent)
+        if self.rounds in self.s.round_fails:
+            raise self.s.round_fails[self.rounds]
+        members = [Member(f"node-{i}", nproc, "127.0.0.1") for i in range(self.s.members)]
+        return Round(self.rounds, 0, members, world_size=nproc * self.s.members)
+
+    def restarts_used(self) -> int:
+        return sum(1 for c in self.s.calls if c[0] == "request_restart" and c[1].get("spends"))
+
+    def request_restart(self, rnd: Round, reason: dict) -> None:
+        self.s.calls.append(("request_restart", reason))
+
+    def exit_barrier(self, rnd: Round, timeout: float) -> bool:
+        self.s.calls.append(("exit_barrier",))
+        if self.s.barrier_fails:
+            raise StoreLost("the store's host is gone")
+        return True
+
+    def close(self, job_finished: bool, why: str) -> None:
+        self.s.calls.append(("close", job_finished))
+
+
+class FakePeers:
+    def __init__(self, script: Script) -> None:
+        self.s = script
+
+    def new_round(self, rnd: Round) -> None:
+        pass
+
+    def check(self, rnd: Round, now: float, beats) -> Failure | None:
+        if self.s.peers_fail:
+            raise StoreLost("the store's host is gone")
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+class FakeGroup:
+    """This node's workers: none run; each attempt reports what the script says."""
+
+    def __init__(self, script: Script) -> None:
+        self.s = script
+        self.tee = None
+        self.workers: list = []
+        self.attempt = 0
+
+    def start(self, rnd: Round, restart_count: int, memory_dir, spares) -> None:
+        self.attempt += 1
+        self.s.calls.append(("start", self.attempt, restart_count))
+        self.workers = [SimpleNamespace(local_rank=0, global_rank=0, pid=1000 + self.attempt)]
+
+    def check(self) -> Failure | None:
+        if self.attempt in self.s.stop_in_attempt:
+            self.s.stop_in_attempt.discard(self.attempt)
+            stop(self.s.agent)
+        return self.s.failures.get(self.attempt)
+
+    @property
+    def finished(self) -> bool:
+        return self.attempt in self.s.finishes
+
+    def beats(self) -> list:
+        return [None for _ in self.workers]  # not beaten yet
+
+    def rows(self, now: float) -> list[dict]:
+        return []
+
+    def stacks(self, state: str) -> dict:
+        return {}
+
+    def stop(self, grace, abandon=False, keep=frozenset(), cut_short=None, spared=frozenset()):
+        self.s.calls.append(("teardown", self.attempt, abandon))
+        self.workers = []
+
+
+class FakeSpares:
+    spares: list = []
+    pending = 0
+    refill_due = None
+
+    def start(self, reaper: bool) -> None:
+        pass
+
+    def waitables(self) -> list:
+        return []
+
+    def collect(self) -> None:
+        pass
+
+    def after_spawn(self) -> None:
+        pass
+
+    def refill_if_due(self, stepped: bool, now: float) -> None:
+        pass
+
+    def keep(self) -> frozenset[int]:
+        return frozenset()
+
+    def close(self) -> None:
+        pass
+
+
+class FakeHealthCheck(HealthCheck):
+    """The real health check's bookkeeping on its real thread, with each check's outcome taken
+    from the script instead of a command run."""
+
+    outcomes: list[bool] = []
+
+    def _run(self) -> None:
+        ok = self.outcomes.pop(0) if self.outcomes else True
+        self._finish(ok, "passed" if ok else "exit code 1: GPU 3 is gone", "", time.monotonic())
+
+
+def run(tmp_path, script: Script, **settings) -> tuple[int, list[State], Agent]:
+    """Run an agent to its end on the script; its exit code and the states it went through."""
+    flags = {
+        "entrypoint": "train.py",
+        "nproc_per_node": 1,
+        "monitor_interval": 0.01,
+        "restart_backoff": 0.0,
+        "max_restarts": 3,
+        "tee": False,
+        "warm_spawn": False,
+        "memory_state": False,
+        "health_check": "true" if script.checks else "",
+        "health_check_interval": 0.02,
+        **settings,
+    }
+    cfg = config.build(flags, environ={})
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    FakeHealthCheck.outcomes = list(script.checks)
+    agent = Agent(
+        cfg,
+        preflight.make_run_dir(tmp_path, "run"),
+        rendezvous=lambda cfg: FakeRendezvous(script),
+        peers=lambda *args, **kwargs: FakePeers(script),
+        group=lambda *args: FakeGroup(script),
+        spares=lambda *args: FakeSpares(),
+        health_check=FakeHealthCheck,
+        subreaper=lambda: False,
+    )
+    script.agent = agent
+    path = [agent.state]
+    set_state = agent.set_state
+
+    def recorded(state: State, **fields) -> None:
+        TAKEN.add((agent.state, state))
+        set_state(state, **fields)
+        path.append(state)
+
+    agent.set_state = recorded
+    box: dict = {}
+    thread = threading.Thread(target=lambda: box.update(code=agent.run()), daemon=True)
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive(), f"the loop did not end; it went through {path}"
+    return box["code"], path, agent
+
+
+def crash(code: int = 1) -> Failure:
+    return Failure(RestartCause.CRASH, f"exit code {code}", rank=0, exit_code=code)
+
+
+def test_a_job_that_finishes_passes_the_exit_barrier(tmp_path):
+    s = Script(members=2, finishes={1})
+    code, path, _ = run(tmp_path, s)
+    assert (code, path) == (EXIT_OK, [S.INIT, S.RENDEZVOUS, S.RUNNING, S.EXIT_BARRIER, S.SUCCEEDED])
+    assert ("exit_barrier",) in s.calls and s.calls[-1] == ("close", True)
+
+
+def test_a_crash_restarts_the_group_and_spends_the_budget(tmp_path):
+    s = Script(failures={1: crash()}, finishes={2})
+    code, path, agent = run(tmp_path, s)
+    assert code == EXIT_OK
+    assert path == [
+        *[S.INIT, S.RENDEZVOUS, S.RUNNING, S.RESTARTING],
+        *[S.RENDEZVOUS, S.RUNNING, S.EXIT_BARRIER, S.SUCCEEDED],
+    ]
+    asked = [c[1] for c in s.calls if c[0] == "request_restart"]
+    assert len(asked) == 1 and asked[0]["spends"] is True
+    assert ("teardown", 1, True) in s.calls and ("start", 2, 1) in s.calls  # restart count 1
+    assert agent.first_failure is not None and agent.first_failure.exit_code == 1
+
+
+def test_a_fatal_exit_code_fails_the_job_without_a_round(tmp_path):
+    s = Script(failures={1: crash(3)})
+    code, path, agent = run(tmp_path, s, fatal_exit_codes=[3])
+    assert code == EXIT_FAILED
+    assert path == [S.INIT, S.RENDEZVOUS, S.RUNNING, S.RESTARTING, S.FAILED]
+    assert [c for c in s.calls if c[0] == "next_round"] == [("next_round", 1)]
+    assert s.calls[-1] == ("close", True) and agent.first_failure.exit_code == 3
+
+
+def test_a_round_that_finds_the_budget_spent_fails_the_job(tmp_path):
+    s = Script(failures={1: crash()}, round_fails={2: BudgetSpent("restart budget spent")})
+    code, path, agent = run(tmp_path, s)
+    assert code == EXIT_FAILED
+    assert path == [S.INIT, S.RENDEZVOUS, S.RUNNING, S.RESTARTING, S.RENDEZVOUS, S.FAILED]
+    assert agent.first_failure.kind is RestartCause.CRASH  # the first failure, not the verdict
+    assert agent.last_failure.kind is RestartCause.RENDEZVOUS
+
+
+def test_a_failed_rendezvous_fails_the_job(tmp_path):
+    s = Script(round_fails={1: RendezvousFailed("join timeout")})
+    code, path, agent = run(tmp_path, s)
+    assert (code, path) == (EXIT_FAILED, [S.INIT, S.RENDEZVOUS, S.FAILED])
+    assert agent.first_failure.reason == "join timeout"
+
+
+def test_a_stop_while_running_stops_the_workers(tmp_path):
+    s = Script(stop_in_attempt={1})
+    code, path, _ = run(tmp_path, s)
+    assert (code, path) == (EXIT_OK, [S.INIT, S.RENDEZVOUS, S.RUNNING, S.STOPPING, S.STOPPED])
+    assert ("teardown", 1, False) in s.calls  # a stop's teardown gives the grace: not abandoned
+    assert ("exit_barrier",) not in s.calls  # alone in the job: no barrier
+
+
+def test_a_stop_while_joining_leaves_the_rendezvous(tmp_path):
+    s = Script(stop_in_round=1)
+    code, path, _ = run(tmp_path, s)
+    assert (code, path) == (EXIT_OK, [S.INIT, S.RENDEZVOUS, S.STOPPED])
+    assert not [c for c in s.calls if c[0] == "start"]
+
+
+def test_a_stop_during_a_restart_is_acted_on_before_the_next_round(tmp_path):
+    s = Script(failures={1: crash()}, stop_in_attempt={1})
+    code, path, _ = run(tmp_path, s)
+    assert code == EXIT_OK
+    assert path == [
+        *[S.INIT, S.RENDEZVOUS, S.RUNNING, S.RESTARTING],
+        *[S.RENDEZVOUS, S.STOPPING, S.STOPPED],
+    ]
+    assert [c for c in s.calls if c[0] == "next_round"] == [("next_round", 1)]
+
+
+def test_a_store_lost_in_a_stops_exit_barrier_fails_the_job(tmp_path):
+    s = Script(members=2, stop_in_attempt={1}, barrier_fails=True)
+    code, path, _ = run(tmp_path, s)
+    assert code == EXIT_FAILED
+    assert path == [S.INIT, S.RENDEZVOUS, S.RUNNING, S.STOPPING, S.FAILED]
+
+
+def test_a_store_lost_in_the_exit_barrier_fails_the_job(tmp_path):
+    s = Script(members=2, finishes={1}, barrier_fails=True)
+    code, path, _ = run(tmp_path, s)
+    assert code == EXIT_FAILED
+    assert path == [S.INIT, S.RENDEZVOUS, S.RUNNING, S.EXIT_BARRIER, S.FAILED]
+
+
+def test_a_store_lost_while_running_fails_the_job(tmp_path):
+    s = Script(peers_fail=True)
+    code, path, agent = run(tmp_path, s)
+    assert (code, path) == (EXIT_FAILED, [S.INIT, S.RENDEZVOUS, S.RUNNING, S.FAILED])
+    assert agent.first_failure.kind is RestartCause.RENDEZVOUS
+
+
+def test_a_node_whose_health_check_fails_before_starting_never_joins(tmp_path):
+    s = Script(checks=[False])
+    code, path, agent = run(tmp_path, s)
+    assert (code, path) == (EXIT_UNHEALTHY, [S.INIT, S.RENDEZVOUS, S.LEFT])
+    assert not [c for c in s.calls if c[0] == "next_round"]
+    assert agent.left_line.startswith("elasticd: not starting")
+
+
+def test_a_node_whose_health_check_fails_while_running_leaves_the_job(tmp_path):
+    s = Script(members=2, checks=[True, False])
+    code, path, agent = run(tmp_path, s)
+    assert (code, path) == (EXIT_UNHEALTHY, [S.INIT, S.RENDEZVOUS, S.RUNNING, S.LEFT])
+    asked = [c[1] for c in s.calls if c[0] == "request_restart"]
+    assert len(asked) == 1 and asked[0]["lost"] == ["node-0"]  # the others go on without it
+    assert agent.left_line.startswith("elasticd: this node left the job")
+
+
+NOT_OURS = [
+    Failure(RestartCause.PEER, "node-1 asked", node="node-1"),
+    Failure(RestartCause.NODE_LOST, "node-1 silent", node="node-1", lost=("node-1",)),
+    Failure(RestartCause.STORE_UNREACHABLE, "no answer", node="node-0"),
+]
+
+
+@pytest.mark.parametrize("why", NOT_OURS, ids=lambda why: why.kind.name)
+def test_a_restart_that_is_not_this_nodes_failure_spends_nothing(tmp_path, why):
+    s = Script(members=2, failures={1: why}, finishes={2})
+    code, path, agent = run(tmp_path, s)
+    assert code == EXIT_OK and path.count(S.RESTARTING) == 1
+    asked = [c[1] for c in s.calls if c[0] == "request_restart"]
+    if why.kind is RestartCause.NODE_LOST:
+        assert asked == [{"summary": why.summary(), "node": agent.node, "lost": ["node-1"]}]
+    else:  # another node asked already, or the store cannot be reached
+        assert asked == []
+    assert agent.first_failure is None
+
+
+def test_every_edge_is_taken(tmp_path):
+    """The scenarios above, together, take every edge of the table (run again here, so that this
+    test stands alone whatever runs beside it)."""
+    TAKEN.clear()
+    for i, scenario in enumerate(SCENARIOS):
+        scenario(tmp_path / str(i))
+    for i, why in enumerate(NOT_OURS):
+        test_a_restart_that_is_not_this_nodes_failure_spends_nothing(tmp_path / f"n{i}", why)
+    assert TAKEN - EDGES == set(), "a transition outside the table (set_state would raise)"
+    missing = sorted(f"{a.value} -> {b.value}" for a, b in EDGES - TAKEN)
+    assert missing == [], f"edges of TRANSITIONS no scenario took: {missing}"
+
+
+SCENARIOS = [
+    test_a_job_that_finishes_passes_the_exit_barrier,
+    test_a_crash_restarts_the_group_and_spends_the_budget,
+    test_a_fatal_exit_code_fails_the_job_without_a_round,
+    test_a_round_that_finds_the_budget_spent_fails_the_job,
+    test_a_failed_rendezvous_fails_the_job,
+    test_a_stop_while_running_stops_the_workers,
+    test_a_stop_while_joining_leaves_the_rendezvous,
+    test_a_stop_during_a_restart_is_acted_on_before_the_next_round,
+    test_a_store_lost_in_a_stops_exit_barrier_fails_the_job,
+    test_a_store_lost_in_the_exit_barrier_fails_the_job,
+    test_a_store_lost_while_running_fails_the_job,
+    test_a_node_whose_health_check_fails_before_starting_never_joins,
+    test_a_node_whose_health_check_fails_while_running_leaves_the_job,
+]
