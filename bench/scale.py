@@ -474,7 +474,7 @@ class Session:
 
 
 def run_elasticd(n: int, args, work: Path) -> dict:
-    from elasticd.cluster import rendezvous
+    from elasticd.cluster import timing
 
     out: dict = {
         "round_s": None,
@@ -603,7 +603,7 @@ def run_elasticd(n: int, args, work: Path) -> dict:
         false = [v for x in found for v in x["false"]]
         if watchers and len(ev) == watchers:
             out["detection_s"] = too_early(
-                max(ev) - t_s, min(ev) - t_s, rendezvous.LOST_SILENCE, "evidence", out["notes"], n
+                max(ev) - t_s, min(ev) - t_s, timing.LOST_SILENCE, "evidence", out["notes"], n
             )
         else:
             out["notes"].append(
@@ -639,7 +639,7 @@ def too_early(
     the verdict needs) allows, less what it can have missed before the silence began (its last
     look and the beat before): it had lost sight of the node before it went silent (its beats were
     late: an overloaded store), so the figure would time a false verdict, not a detection."""
-    from elasticd.cluster.rendezvous import BEAT_EVERY
+    from elasticd.cluster.timing import BEAT_EVERY
 
     if first >= silence - 2 * BEAT_EVERY:
         return last
@@ -686,7 +686,7 @@ def recovery(s: Session, n: int, args, notes: list[str]) -> float | None:
             f"(rounds of {sorted(sizes)}): {[e for r in got for e in r['errors']][:3]}"
         )
         return None
-    from elasticd.cluster.rendezvous import LOST_SILENCE
+    from elasticd.cluster.timing import LOST_SILENCE
 
     took = max(r["end"] for r in got) - t_s
     return too_early(took, took, LOST_SILENCE, "recovery", notes, n)

@@ -18,7 +18,8 @@ from typing import Protocol
 class Unreachable(Exception):
     """The store did not answer within the call's timeout, or its connection failed. `refused`:
     its host answered that nothing listens there any more (a c10d store whose daemon is gone: it
-    will never come back with the job's state), as opposed to silence (a partition, a lost quorum)."""
+    will never come back with the job's state), as opposed to silence (a partition, a lost
+    quorum)."""
 
     def __init__(self, message: str, refused: bool = False):
         super().__init__(message)
