@@ -1,6 +1,6 @@
 """The control plane's key-value store: the few operations elasticd's rendezvous, liveness,
 restart and exit-barrier protocol (rendezvous.py) needs, over a c10d TCPStore (tcpstore.py, the
-default for several nodes), an etcd cluster (etcd.py) or, for a single-node job, a dict in the
+default for several nodes), an etcd cluster (etcd/) or, for a single-node job, a dict in the
 daemon (`LocalKV`: nothing listens, so no other process can touch the job's control plane). This
 module imports no torch: only tcpstore.py does.
 

@@ -43,7 +43,7 @@ def op_timeout(cfg: Config) -> float:
 
 
 def open_etcd(cfg: Config) -> kvmod.KV:
-    """The etcd cluster at --rdzv-endpoint (etcd.py), retried with backoff until --join-timeout
+    """The etcd cluster at --rdzv-endpoint (etcd/), retried with backoff until --join-timeout
     while what failed may heal (refused, timed out, no leader), with the cause in each retry's
     line; one line at once for what cannot (names that do not resolve, certificates that do not
     verify, a cluster that refuses us, a bad TLS or password file)."""
