@@ -474,7 +474,7 @@ class Session:
 
 
 def run_elasticd(n: int, args, work: Path) -> dict:
-    from elasticd.cluster import rendezvous
+    from elasticd.cluster import timing
 
     out: dict = {
         "round_s": None,
@@ -606,7 +606,7 @@ def run_elasticd(n: int, args, work: Path) -> dict:
         false = [v for x in found for v in x["false"]]
         if watchers and len(ev) == watchers:
             out["detection_s"] = too_early(
-                max(ev) - t_s, min(ev) - t_s, rendezvous.LOST_SILENCE, "evidence", out["notes"], n
+                max(ev) - t_s, min(ev) - t_s, timing.LOST_SILENCE, "evidence", out["notes"], n
             )
         else:
             out["notes"].append(
@@ -643,7 +643,7 @@ def too_early(
     the verdict needs) allows, less what it can have missed before the silence began (its last
     look and the beat before): it had lost sight of the node before it went silent (its beats were
     late: an overloaded store), so the figure would time a false verdict, not a detection."""
-    from elasticd.cluster.rendezvous import BEAT_EVERY
+    from elasticd.cluster.timing import BEAT_EVERY
 
     if first >= silence - 2 * BEAT_EVERY:
         return last
@@ -694,7 +694,7 @@ def recovery(s: Session, n: int, args, notes: list[str]) -> float | None:
             f"(rounds of {sorted(sizes)}): {[e for r in got for e in r['errors']][:3]}"
         )
         return None
-    from elasticd.cluster.rendezvous import LOST_SILENCE
+    from elasticd.cluster.timing import LOST_SILENCE
 
     took = max(r["end"] for r in got) - t_s
     return too_early(took, took, LOST_SILENCE, "recovery", notes, n)
@@ -1252,7 +1252,7 @@ class ElasticdNodes:
         """What each node's agent loop does with Peers every monitor_interval (for all of this
         process's nodes): check() while running; after the stall, the node-loss verdicts with
         the evidence of our stalled workers and without it (--peer-timeout)."""
-        from elasticd.cluster.rendezvous import StoreLost
+        from elasticd.cluster.errors import StoreLost
         from elasticd.daemon.states import RestartCause
 
         period = self.args.monitor_interval
@@ -1300,7 +1300,7 @@ class ElasticdNodes:
     def recover_check(self, node: Node, rnd, now: float, beats) -> None:
         """The agent loop after a node's loss, as the daemon's: a lost neighbour makes this node
         ask for a restart naming it; a restart asked (by anyone) sends it to the next round."""
-        from elasticd.cluster.rendezvous import StoreUnreachable
+        from elasticd.cluster.errors import StoreUnreachable
         from elasticd.daemon.states import RestartCause
 
         if node.restarting:

@@ -20,7 +20,7 @@ import psutil
 import pytest
 import torch.distributed as dist
 
-from elasticd.cluster import rendezvous, signing
+from elasticd.cluster import signing, values
 from elasticd.config import ConfigError
 from harness import ROOT, as_user, script, wait_until
 
@@ -472,7 +472,7 @@ def test_our_values_verify_only_for_their_round_and_key_and_form():
     assert signer.open("4/elasticd/restart", sealed) is None  # another round: a replay
     assert signer.open("3/elasticd/master", sealed) is None  # another key
     assert signer.open("3/elasticd/restart", sealed[:-1] + b"y") is None
-    assert parsed(rendezvous._reason, '{"summary": "x", "node": "n"}') == {
+    assert parsed(values.reason, '{"summary": "x", "node": "n"}') == {
         "summary": "x",
         "node": "n",
     }
@@ -484,12 +484,12 @@ def test_our_values_verify_only_for_their_round_and_key_and_form():
         "x" * 9000,
         "1e999",
     ):
-        assert parsed(rendezvous._reason, text) is None, text[:20]
-    assert rendezvous._master("10.0.0.1 29500") == ("10.0.0.1", 29500)
+        assert parsed(values.reason, text) is None, text[:20]
+    assert values.master("10.0.0.1 29500") == ("10.0.0.1", 29500)
     for text in ("10.0.0.1 0", "10.0.0.1 70000", "a;b 1", "host", " 1", "h 1e3", "h -1"):
-        assert rendezvous._master(text) is None, text
+        assert values.master(text) is None, text
     record = {"id": "n-1-ab", "nproc": 2, "addr": "10.0.0.1", "prev": -1}
-    assert parsed(rendezvous._record, json.dumps(record)) == record
+    assert parsed(values.record, json.dumps(record)) == record
     for bad in (
         {"nproc": 0},
         {"nproc": 99999999},
@@ -498,9 +498,9 @@ def test_our_values_verify_only_for_their_round_and_key_and_form():
         {"addr": "x;y"},
         {"prev": -2},
     ):
-        assert parsed(rendezvous._record, json.dumps({**record, **bad})) is None, bad
+        assert parsed(values.record, json.dumps({**record, **bad})) is None, bad
     members = {"members": [["a", 1, "10.0.0.1"], ["b", 2, "10.0.0.2"]], "lost": ["c"]}
-    assert [m.nproc for m in parsed(rendezvous._members, json.dumps(members))["members"]] == [1, 2]
+    assert [m.nproc for m in parsed(values.members, json.dumps(members))["members"]] == [1, 2]
     for bad in (
         {"members": []},
         {"members": [["a", 1, "h"], ["a", 1, "h"]]},
@@ -508,9 +508,9 @@ def test_our_values_verify_only_for_their_round_and_key_and_form():
         {"failed": 3},
         {"members": [["a", 0, "h"]]},
     ):
-        assert parsed(rendezvous._members, json.dumps({**members, **bad})) is None, bad
-    assert rendezvous._budget("3 7") == (3, 7) and rendezvous._budget("3") is None
-    assert rendezvous._count("1e999") is None and rendezvous._count("٣") is None
+        assert parsed(values.members, json.dumps({**members, **bad})) is None, bad
+    assert values.budget("3 7") == (3, 7) and values.budget("3") is None
+    assert values.count("1e999") is None and values.count("٣") is None
 
 
 def parsed(fn, text):

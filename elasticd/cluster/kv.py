@@ -1,6 +1,6 @@
 """The control plane's key-value store: the few operations elasticd's rendezvous, liveness,
 restart and exit-barrier protocol (rendezvous.py) needs, over a c10d TCPStore (tcpstore.py, the
-default for several nodes), an etcd cluster (etcd.py) or, for a single-node job, a dict in the
+default for several nodes), an etcd cluster (etcd/) or, for a single-node job, a dict in the
 daemon (`LocalKV`: nothing listens, so no other process can touch the job's control plane). This
 module imports no torch: only tcpstore.py does.
 
@@ -18,7 +18,8 @@ from typing import Protocol
 class Unreachable(Exception):
     """The store did not answer within the call's timeout, or its connection failed. `refused`:
     its host answered that nothing listens there any more (a c10d store whose daemon is gone: it
-    will never come back with the job's state), as opposed to silence (a partition, a lost quorum)."""
+    will never come back with the job's state), as opposed to silence (a partition, a lost
+    quorum)."""
 
     def __init__(self, message: str, refused: bool = False):
         super().__init__(message)

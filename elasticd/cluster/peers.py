@@ -23,15 +23,11 @@ from collections.abc import Callable
 
 from elasticd import logs
 from elasticd.cluster import kv as kvmod
-from elasticd.cluster.rendezvous import (
-    BEAT_EVERY,
-    GARBAGE_BACKOFF,
-    LOST_SILENCE,
-    WAIT_SLICE,
-    Rendezvous,
-    Round,
-    StoreLost,
-)
+from elasticd.cluster import silence
+from elasticd.cluster.errors import StoreLost
+from elasticd.cluster.rendezvous import Rendezvous
+from elasticd.cluster.rounds import Round
+from elasticd.cluster.timing import BEAT_EVERY, GARBAGE_BACKOFF, LOST_SILENCE, WAIT_SLICE
 from elasticd.config import Config
 from elasticd.daemon import supervise
 from elasticd.daemon.states import Failure, RestartCause, Scale
@@ -84,7 +80,8 @@ class Peers:
 
     def new_round(self, rnd: Round) -> None:
         """Watch this round's ring neighbours and wait for its restart request."""
-        # the round was formed through the store: it answers (an outage's mark must not end this round)
+        # the round was formed through the store: it answers (an outage's mark must not end this
+        # round)
         self.unreachable_since, self._last_ok = None, time.monotonic()
         self._round = rnd
         self._restart = None
@@ -103,38 +100,8 @@ class Peers:
         count = 0
         while not self._stop.wait(BEAT_EVERY):
             count += 1
-            rnd = self._round
             try:
-                self.rdzv.beat(self._beat_kv, count)
-                # our own key read back with the neighbours': a set is not answered by the store,
-                # so only a read tells that it still answers
-                watched = rnd.neighbours(WATCHED) if rnd is not None else []
-                beats = self.rdzv.read_beats(
-                    self._beat_kv, [self.rdzv.node_id, *(m.node_id for m in watched)]
-                )
-                if rnd is not None:
-                    now = time.monotonic()
-                    # time we could not see the store (our calls stalled: an etcd election, a
-                    # starved daemon) is nobody's silence: the others' beats were held up too
-                    blind = now - self._last_ok - BEAT_EVERY
-                    if blind > BEAT_EVERY:
-                        for g, (value, since) in list(rnd.peer_seen.items()):
-                            rnd.peer_seen[g] = (value, min(now, since + blind))
-                    for k, m in enumerate(watched, 1):
-                        g = (rnd.group_rank + k) % rnd.group_world_size
-                        seen = rnd.peer_seen.get(g)
-                        value = beats[m.node_id]
-                        if seen is None or (value is not None and value > seen[0]):
-                            rnd.peer_seen[g] = (value or 0, now)
-                    if now >= self._next_waiting_check:
-                        self._next_waiting_check = now + WAITING_EVERY
-                        if rnd.group_rank == 0 and rnd.group_world_size > 1:
-                            self.rdzv.keep_master(self._beat_kv, rnd)
-                        if rnd.group_world_size < self.cfg.max_nodes:
-                            waiting = self.rdzv.waiting_ids(self._beat_kv, rnd)
-                            self.waiting = (rnd.number, waiting)
-                            if waiting:
-                                self._wake()
+                self._beat(count)
                 self.unreachable_since, self._last_ok = None, time.monotonic()
             except kvmod.Unreachable as e:
                 if self._stop.is_set():
@@ -148,6 +115,34 @@ class Peers:
                     self.unreachable_since = self._last_ok  # silent since it last answered us
                     log.warning("store_not_answering", why=str(e))
                 elif time.monotonic() - self.unreachable_since >= self.cfg.peer_timeout:
+                    self._wake()
+
+    def _beat(self, count: int) -> None:
+        """One beat: ours written, then our own key read back with the watched neighbours' (a
+        set is not answered by the store, so only a read tells that it still answers), their
+        silences accounted (silence.py); once a second, the nodes waiting to join."""
+        rnd = self._round
+        self.rdzv.beat(self._beat_kv, count)
+        watched = rnd.neighbours(WATCHED) if rnd is not None else []
+        beats = self.rdzv.read_beats(
+            self._beat_kv, [self.rdzv.node_id, *(m.node_id for m in watched)]
+        )
+        if rnd is None:
+            return
+        now = time.monotonic()
+        ranks = [
+            ((rnd.group_rank + k) % rnd.group_world_size, m.node_id)
+            for k, m in enumerate(watched, 1)
+        ]
+        rnd.peer_seen.update(silence.account(rnd.peer_seen, ranks, beats, now, self._last_ok))
+        if now >= self._next_waiting_check:
+            self._next_waiting_check = now + WAITING_EVERY
+            if rnd.group_rank == 0 and rnd.group_world_size > 1:
+                self.rdzv.keep_master(self._beat_kv, rnd)
+            if rnd.group_world_size < self.cfg.max_nodes:
+                waiting = self.rdzv.waiting_ids(self._beat_kv, rnd)
+                self.waiting = (rnd.number, waiting)
+                if waiting:
                     self._wake()
 
     def _wait_restart(self, rnd: Round) -> None:
@@ -185,8 +180,8 @@ class Peers:
             return Failure(
                 RestartCause.STORE_UNREACHABLE,
                 f"cannot reach the rendezvous store at {self.rdzv.endpoint} for "
-                f"{now - self.unreachable_since:.1f}s ({self._problem}); stopped the workers, joining "
-                "again once it answers",
+                f"{now - self.unreachable_since:.1f}s ({self._problem}); stopped the workers, "
+                "joining again once it answers",
                 node=self.node,
             )
         if self._restart is not None and self._restart[0] == rnd.number:
@@ -207,37 +202,20 @@ class Peers:
     def lost_neighbour(
         self, rnd: Round, now: float, beats: Callable[[], list[Beat | None]]
     ) -> Failure | None:
-        """A watched node silent for --peer-timeout, or for long enough with our workers stuck."""
-        if all(
-            now - since < min(LOST_SILENCE, self.cfg.peer_timeout)
-            for _, since in list(rnd.peer_seen.values())
-        ):
+        """A watched node silent for --peer-timeout, or for long enough with our workers stuck
+        (silence.judge)."""
+        seen = dict(rnd.peer_seen)
+        if not silence.anyone_silent(seen, now, min(LOST_SILENCE, self.cfg.peer_timeout)):
             return None  # nobody silent: no need to read our workers' heartbeats
-        stepped = [b for b in beats() if b is not None and b.beats]
-        progress = max((b.last for b in stepped), default=None)
-        pace = max(
-            ((b.last - b.first) / (b.beats - 1) for b in stepped if b.beats > 1), default=None
+        progress, step = silence.pace(beats())
+        found = silence.judge(seen, now, self.cfg.peer_timeout, progress, step)
+        if found is None:
+            return None
+        g, why = found
+        node_id = rnd.members[g].node_id
+        return Failure(
+            RestartCause.NODE_LOST,
+            f"node {node_id} (group rank {g}) {why}",
+            node=self.node,
+            lost=(node_id,),
         )
-        for g, (_, since) in list(rnd.peer_seen.items()):
-            silent = now - since
-            node_id = rnd.members[g].node_id
-            if silent >= self.cfg.peer_timeout:
-                why = f"went silent for {silent:.1f}s (--peer-timeout {self.cfg.peer_timeout:g})"
-            elif (
-                progress is not None
-                and pace is not None
-                and silent >= max(LOST_SILENCE, 2.5 * pace)
-                and progress < since + 2 * BEAT_EVERY
-            ):
-                why = (
-                    f"went silent for {silent:.1f}s while our workers waited on it (no step since)"
-                )
-            else:
-                continue
-            return Failure(
-                RestartCause.NODE_LOST,
-                f"node {node_id} (group rank {g}) {why}",
-                node=self.node,
-                lost=(node_id,),
-            )
-        return None

@@ -17,7 +17,10 @@ import secrets
 import stat
 from dataclasses import dataclass, field
 
-from elasticd.config import ConfigError
+from elasticd import logs
+from elasticd.config import Config, ConfigError
+
+log = logs.get("elasticd.rendezvous")
 
 MIN_SECRET = 16  # bytes: 128 bits, the least an HMAC key should carry
 MAX_SECRET = 4096
@@ -32,8 +35,26 @@ def new_secret() -> bytes:
     return secrets.token_bytes(32)
 
 
+def job_secret(cfg: Config) -> bytes:
+    """The key every value in the store is signed with: --rdzv-secret-file's content; for a
+    single-node job without one, a random key only this daemon knows. A multi-node job without
+    one runs only with --insecure-no-secret (config_values.validate), and says so once."""
+    if cfg.rdzv_secret_file:
+        return load_secret(cfg.rdzv_secret_file)
+    if cfg.max_nodes == 1:
+        return new_secret()
+    log.warning(
+        "rdzv_no_secret",
+        endpoint=cfg.rdzv_endpoint,
+        fix="give every node --rdzv-secret-file (the same file): with --insecure-no-secret, "
+        "anyone who reaches the store can restart, stop or redirect the job",
+    )
+    return b""
+
+
 def load_secret(path: str) -> bytes:
-    """Read --rdzv-secret-file (read_private's rules). Every node of the job reads the same bytes."""
+    """Read --rdzv-secret-file (read_private's rules). Every node of the job reads the same
+    bytes."""
     where = f"--rdzv-secret-file {path}"
     data = read_private(
         path,
@@ -89,8 +110,8 @@ def read_private(path: str, where: str, limit: int, missing: str) -> bytes:
             )
         if st.st_mode & 0o077:
             raise ConfigError(
-                f"{where} can be read or written by other users (mode {stat.S_IMODE(st.st_mode):o}): "
-                f"chmod 600 {path}"
+                f"{where} can be read or written by other users "
+                f"(mode {stat.S_IMODE(st.st_mode):o}): chmod 600 {path}"
             )
         data = os.read(fd, limit + 1)
     finally:

@@ -1,7 +1,7 @@
 """The control plane's store on a c10d TCPStore (torch.distributed): the one store the daemon
 hosts itself (`serve_store`, on the rendezvous endpoint's node and per round for the workers) and
 the KV client over it (`TCPStoreKV`, connected with `tcp_connector`). The only module of the
-cluster package whose store needs torch: kv.py (the protocol, `LocalKV`) and etcd.py stay
+cluster package whose store needs torch: kv.py (the protocol, `LocalKV`) and etcd/ stay
 torch-free, so the CLI and an etcd-only caller never load it.
 
 Every call is bounded: a store that does not answer within the timeout raises `kv.Unreachable`

@@ -25,14 +25,10 @@ from typing import TYPE_CHECKING, Any
 
 from elasticd import logs, names
 from elasticd.checkpoint.memory import directory
+from elasticd.cluster.errors import BudgetSpent, RendezvousFailed, StoreUnreachable
 from elasticd.cluster.peers import Peers
-from elasticd.cluster.rendezvous import (
-    BudgetSpent,
-    Rendezvous,
-    RendezvousFailed,
-    Round,
-    StoreUnreachable,
-)
+from elasticd.cluster.rendezvous import Rendezvous
+from elasticd.cluster.rounds import Round
 from elasticd.config import Config
 from elasticd.daemon import processes, supervise
 from elasticd.daemon.group import LocalGroup

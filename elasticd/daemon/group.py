@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from elasticd.checkpoint.memory import directory
-from elasticd.cluster.rendezvous import Round
+from elasticd.cluster.rounds import Round
 from elasticd.config import Config
 from elasticd.daemon import forkclient, processes, spawn, tee
 from elasticd.daemon.states import Failure, RestartCause

@@ -16,7 +16,7 @@ from typing import Any
 
 from elasticd import names
 from elasticd.checkpoint.memory import directory
-from elasticd.cluster.rendezvous import Round
+from elasticd.cluster.rounds import Round
 from elasticd.config import Config
 from elasticd.daemon import supervise
 from elasticd.daemon.states import Failure, State

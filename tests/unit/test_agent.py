@@ -17,7 +17,8 @@ from types import SimpleNamespace
 import pytest
 
 from elasticd import config, names
-from elasticd.cluster.rendezvous import BudgetSpent, Member, RendezvousFailed, Round, StoreLost
+from elasticd.cluster.errors import BudgetSpent, RendezvousFailed, StoreLost
+from elasticd.cluster.rounds import Member, Round
 from elasticd.daemon import preflight
 from elasticd.daemon.agent import EXIT_FAILED, EXIT_OK, Agent
 from elasticd.daemon.states import TRANSITIONS, Failure, RestartCause, State

@@ -1,0 +1,109 @@
+"""A round's arrival records: the counter that numbers them (a hint only: it cannot be signed),
+the record a node claims at its number, and the records found from the counter (or, once someone
+raised it past any real number, by listing the round's keys); the nodes waiting to join.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from elasticd.cluster import kv as kvmod
+from elasticd.cluster import values
+from elasticd.cluster.errors import RendezvousFailed
+from elasticd.cluster.rounds import Round
+from elasticd.cluster.values import MAX_COUNT
+
+if TYPE_CHECKING:
+    from elasticd.cluster.rendezvous import Rendezvous
+
+
+def claim(rz: Rendezvous, number: int, record: str) -> int:
+    """Take an arrival number and write our record there, create-only: a number whose key holds
+    anything already (a forger's value) is skipped, so no one can make our record go unread by
+    writing there first. The number is only a hint for finding records."""
+    roll = rz.arrivals_key(number)
+    for _ in range(rz.cfg.max_nodes + 64):
+        index = counter(rz, rz.kv, roll, number, take=True)
+        key = rz.arrival_key(number, index)
+        if rz.kv.compare_set(key, None, rz.seal(key, record)):
+            return index
+    raise RendezvousFailed(
+        f"every arrival number of round {number} this node took was already written: something "
+        f"other than the job's nodes writes to the store at {rz.endpoint}"
+    )
+
+
+def counter(rz: Rendezvous, store: kvmod.KV, key: str, number: int, take: bool) -> int:
+    """A counter's next number (take) or its count. One that holds no number, or one below zero
+    (someone wrote over it: its numbers would fall outside every reader's range), is set back
+    above every arrival record of round `number` (the barrier's counter, to 0)."""
+    for _ in range(2):
+        try:
+            value = store.take(key) if take else store.taken(key)
+            if value >= int(take):
+                return value
+            raw = str(value).encode()
+        except kvmod.BadCounter as e:
+            raw = e.raw
+        rz.rejected(key, "not a count")
+        floor = 0
+        if key == rz.arrivals_key(number):
+            prefix = rz.arrival_key(number, 0)[:-1]
+            floor = max(
+                (int(k[len(prefix) :]) for k in store.keys(prefix) if k[len(prefix) :].isdigit()),
+                default=0,
+            )
+        store.compare_set(key, raw, str(min(floor, MAX_COUNT)).encode())
+    raise kvmod.Unreachable(f"store {rz.endpoint}: {key} keeps being overwritten")
+
+
+def new_records(
+    rz: Rendezvous, number: int, known: set[str], store: kvmod.KV | None = None, first: int = 1
+) -> list[str]:
+    """Keys of round `number`'s arrival records from number `first` on not yet read (nor
+    rejected). From the counter while it is believable; past MAX + 64 numbers someone raised it,
+    and the records are found by listing the round's keys (at most every half second)."""
+    store = store or rz.kv
+    cap = rz.cfg.max_nodes + 64
+    arrived = counter(rz, store, rz.arrivals_key(number), number, take=False)
+    if arrived <= cap:
+        keys = [rz.arrival_key(number, i) for i in range(first, arrived + 1)]
+    else:
+        now = time.monotonic()
+        if now - rz.listed_at < 0.5:
+            return []
+        rz.listed_at = now
+        prefix = rz.arrival_key(number, 0)[:-1]
+        keys = sorted(store.keys(prefix), key=lambda k: (len(k), k))
+    return [k for k in keys if k not in known and k not in rz.bad_records]
+
+
+def read_records(rz: Rendezvous, keys: list[str], store: kvmod.KV | None = None) -> dict[str, dict]:
+    """The records at `keys` that verify; a key that holds one that does not joins bad_records."""
+    found = {}
+    for key, raw in zip(keys, (store or rz.kv).multi_get(keys)):
+        if raw is None:
+            continue  # taken, not written yet
+        rec = rz.open(key, raw, values.record)
+        if rec is None:
+            rz.bad_records.add(key)
+        else:
+            found[key] = rec
+    return found
+
+
+def waiting_ids(rz: Rendezvous, store: kvmod.KV, rnd: Round) -> list[str]:
+    """Nodes that arrived after the round closed and wait for the next one: records that verify,
+    of nodes that are not members. Each record is read once (the liveness thread asks every
+    second: a new arrival costs one read, none costs the counter's)."""
+    if rz.waiting_seen[0] != rnd.number:
+        rz.waiting_seen = (rnd.number, {})
+    seen = rz.waiting_seen[1]
+    # members claimed the first numbers (a late node's number follows theirs)
+    new = new_records(rz, rnd.number, set(seen), store, first=rnd.group_world_size + 1)[:16]
+    if new:
+        found = read_records(rz, new, store)
+        seen.update({k: found[k]["id"] if k in found else None for k in new})
+    ids = {m.node_id for m in rnd.members}
+    return sorted({i for i in seen.values() if i is not None and i not in ids})

@@ -1,0 +1,120 @@
+"""The first arrival closes the round: it reads the arrivals (and, for a restarted round, the
+beats of the expected nodes that have not come) until the closing rule (closing_rule.py) says
+to close, spends the job's restart budget where the rule says so, and writes the members in one
+value each node reads once (compare-and-set: when several close, one closing wins).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import TYPE_CHECKING
+
+from elasticd import logs, names
+from elasticd.cluster import arrivals, silence, values
+from elasticd.cluster.closing_rule import Decision, Limits, budget_spent, decide, missing
+from elasticd.cluster.errors import RendezvousFailed
+from elasticd.cluster.timing import CLOSE_POLL
+
+if TYPE_CHECKING:
+    from elasticd.cluster.rendezvous import Rendezvous
+
+log = logs.get("elasticd.rendezvous")
+
+
+def close_round(rz: Rendezvous, number: int, deadline: float) -> dict:
+    """Close the round once the rule says so, write its members, return what was written (ours,
+    or another closer's)."""
+    key = rz.round_key(number, names.MEMBERS)
+    limits = Limits.of(rz.cfg)
+    expected, gone, reason = expected_nodes(rz, number)
+    lost: set[str] = set(gone)
+    records: dict[str, dict] = {}  # arrival key -> its record
+    heard: dict[str, silence.Heard] = {}  # missing node -> (its beat count, since when)
+    reached_min = None
+    while True:
+        now = time.monotonic()
+        records.update(arrivals.read_records(rz, arrivals.new_records(rz, number, set(records))))
+        if expected is not None:
+            ids = {r["id"] for r in records.values()}
+            beats = rz.read_beats(rz.kv, missing(expected, ids, lost))
+            heard, newly_lost = silence.missing_lost(heard, beats, now)
+            for node_id, silent in newly_lost.items():
+                # the round ended and it neither came nor beat
+                lost.add(node_id)
+                log.warning("node_lost", node=node_id, round=number, silent=round(silent, 2))
+        spends = bool(reason.get("spends"))
+        d = decide(records, expected, gone, lost, reached_min, now, deadline, limits, spends)
+        reached_min = d.reached_min
+        if d.close:
+            found = _write_members(rz, key, _verdict(rz, number, d, reason))
+            if found is not None:
+                return found
+        if d.timed_out:
+            raise RendezvousFailed(_too_few(rz, d.count))
+        if rz.kv.wait(key, CLOSE_POLL):  # the pause between looks: another node closed the round
+            found = rz.open(key, rz.kv.get(key), values.members)
+            if found is not None:
+                return found
+            time.sleep(CLOSE_POLL)  # a value in the way that does not verify
+
+
+def _verdict(rz: Rendezvous, number: int, d: Decision, reason: dict) -> str:
+    """The members value the decision makes; where it spends the budget, spent here, and the
+    job's failure when that passes --max-restarts."""
+    verdict: dict = {"members": d.members, "lost": d.lost}
+    if d.spends:  # a failure, not a node lost: it costs the budget
+        failed = budget_spent(
+            rz.spend_restart(number), rz.cfg.max_restarts, reason.get("summary", "?")
+        )
+        if failed is not None:
+            verdict["failed"] = failed
+    return json.dumps(verdict)
+
+
+def _too_few(rz: Rendezvous, count: int) -> str:
+    hint = (
+        f"; {rz.signer.rejected} store value(s) failed verification: give every node the same "
+        "--rdzv-secret-file"
+        if rz.signer.rejected
+        else ": start elasticd on the other nodes, or lower --nnodes"
+    )
+    return (
+        f"only {count} of the {rz.cfg.min_nodes} nodes needed joined within --join-timeout "
+        f"{rz.cfg.join_timeout:g}s{hint}"
+    )
+
+
+def _write_members(rz: Rendezvous, key: str, value: str) -> dict | None:
+    """Write the round's members unless another closer did: what won, ours or theirs. A value
+    in the way that does not verify is written over (compare-and-set against it)."""
+    raw = None
+    for _ in range(8):
+        if rz.kv.compare_set(key, raw, rz.seal(key, value)):
+            return values.members(value)
+        raw = rz.kv.get(key)
+        found = rz.open(key, raw, values.members)
+        if found is not None:
+            return found
+    return None  # it changed under us each time: look again at the next poll
+
+
+def expected_nodes(rz: Rendezvous, number: int) -> tuple[set[str] | None, set[str], dict]:
+    """Whom a restarted round waits for: the previous round's members (as that round's closing
+    wrote them) but those its restart request named lost, plus the nodes that were waiting to
+    join; the lost; and the restart request. (None, {}, {}) for a first round."""
+    if number == 0:
+        return None, set(), {}
+    restart = rz.round_key(number - 1, names.RESTART)
+    reason = rz.open(restart, rz.kv.get(restart), values.reason) or {}
+    prev = rz.round_key(number - 1, names.MEMBERS)
+    closed = rz.open(prev, rz.kv.get(prev), values.members)
+    if closed is not None:
+        members = closed["members"]
+    elif rz.last is not None and rz.last.number == number - 1:
+        # what it was when we read it (a forger has written over it)
+        members = rz.last.members
+    else:
+        return None, set(), reason
+    gone = set(reason.get("lost", []))
+    return {m.node_id for m in members} - gone | set(reason.get("waiting", [])), gone, reason

@@ -1,0 +1,65 @@
+"""A closed round as this node holds it (`Round`: its place, the members, the worker store it
+hosts as group rank 0) and the node ids the rounds are made of. Torch-free: the worker store is
+only held here (tcpstore.py makes it).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Member:
+    node_id: str
+    nproc: int
+    addr: str
+
+
+@dataclass
+class Round:
+    """One closed round: this node's place in it, its members, the nodes found lost as it formed."""
+
+    number: int
+    group_rank: int
+    members: list[Member]
+    lost: list[str] = field(default_factory=list)  # node ids of the previous round that never came
+    rank_base: int = 0
+    world_size: int = 0
+    master_addr: str = ""
+    master_port: int = 0
+    worker_store: dist.TCPStore | None = None  # held by group rank 0 for the round's workers
+    # watched group rank -> (its beat count, the monotonic time it last went up): peers.py
+    peer_seen: dict[int, tuple[int, float]] = field(default_factory=dict)
+
+    @property
+    def group_world_size(self) -> int:
+        return len(self.members)
+
+    @property
+    def node_id(self) -> str:
+        return self.members[self.group_rank].node_id
+
+    def neighbours(self, count: int) -> list[Member]:
+        """The next `count` nodes after this one in group-rank order, around the ring: whom this
+        node watches (and so every node is watched by `count` others)."""
+        n = len(self.members)
+        return [self.members[(self.group_rank + k) % n] for k in range(1, min(count, n - 1) + 1)]
+
+    def close(self) -> None:
+        self.worker_store = None  # dropping the last reference stops the server
+
+
+def new_node_id() -> str:
+    """Unique per daemon run: the host's name (as a key-safe string), the pid and a random tag."""
+    host = (
+        "".join(c if c.isalnum() or c in "-_." else "_" for c in socket.gethostname())[:64]
+        or "node"
+    )
+    return f"{host}-{os.getpid()}-{secrets.token_hex(3)}"

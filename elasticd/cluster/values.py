@@ -1,0 +1,158 @@
+"""The forms of the values the daemons write to the store: one parser each, which returns None
+for whatever is not of its form (the caller then treats the value as garbage: never a decision,
+never a crash). Pure and torch-free: a value has already been opened (signing.py) when a parser
+sees its text, and a parser may raise ValueError, UnicodeDecodeError or RecursionError (json),
+which the caller counts as "not of its form" too.
+"""
+
+from __future__ import annotations
+
+import json
+
+from elasticd.cluster import signing
+from elasticd.cluster.rounds import Member
+
+MAX_REASON = 8 * 1024  # bytes of a restart reason's JSON
+MAX_COUNT = 1 << 62
+
+
+def run(text: str) -> str | None:
+    """The run's record: its nonce (16 hex digits) and when it began."""
+    nonce, _, created = text.partition(" ")
+    return (
+        nonce
+        if len(nonce) == 16 and all(c in "0123456789abcdef" for c in nonce) and when(created)
+        else None
+    )
+
+
+def when(text: str) -> float | None:
+    """A wall-clock time in seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if 0 < value < 1e11 else None  # finite, after 1970, before year 5000
+
+
+def closed(text: str) -> tuple[float, str] | None:
+    """The job's end: when it was issued, and why."""
+    issued, _, why = text.partition(" ")
+    at = when(issued)
+    return (at, why) if at is not None and len(why) <= MAX_REASON else None
+
+
+def count(text: str) -> int | None:
+    return (
+        int(text)
+        if text.isascii() and text.isdigit() and len(text) < 20 and int(text) < MAX_COUNT
+        else None
+    )
+
+
+def budget(text: str) -> tuple[int, int] | None:
+    """The job's restart budget: restarts used, and the round that last spent one."""
+    used, _, number = text.partition(" ")
+    a, b = count(used), count(number)
+    return (a, b) if a is not None and b is not None else None
+
+
+def done(text: str) -> bool | None:
+    return True if text == "1" else None
+
+
+def safe_name(text: object, limit: int = 255) -> bool:
+    return (
+        isinstance(text, str)
+        and 0 < len(text) <= limit
+        and all(c.isalnum() or c in ".-:_%" for c in text)
+    )
+
+
+def master(text: str) -> tuple[str, int] | None:
+    """The round's worker store: address and port."""
+    addr, _, port = text.partition(" ")
+    n = count(port)
+    if n is None or not 0 < n < 65536 or not safe_name(addr):
+        return None
+    return addr, n
+
+
+def record(text: str) -> dict | None:
+    """A node's arrival record: id, nproc, addr, and its group rank in the previous round."""
+    if len(text) > 1024:
+        return None
+    r = json.loads(text)
+    if not isinstance(r, dict) or not safe_name(r.get("id"), 128) or not safe_name(r.get("addr")):
+        return None
+    nproc, prev = r.get("nproc"), r.get("prev")
+    if (
+        type(nproc) is not int
+        or not 1 <= nproc <= 1 << 20
+        or type(prev) is not int
+        or not -1 <= prev < 1 << 20
+    ):
+        return None
+    return r
+
+
+def _member(m: object) -> Member | None:
+    if (
+        isinstance(m, list)
+        and len(m) == 3
+        and safe_name(m[0], 128)
+        and type(m[1]) is int
+        and 1 <= m[1] <= 1 << 20
+        and safe_name(m[2])
+    ):
+        return Member(m[0], m[1], m[2])
+    return None
+
+
+def members(text: str) -> dict | None:
+    """A closed round: its members in group-rank order, the nodes found lost, and the budget's
+    verdict ("failed": why the job cannot go on), as the closer wrote them."""
+    if len(text) > signing.MAX_VALUE:
+        return None
+    value = json.loads(text)
+    if (
+        not isinstance(value, dict)
+        or not isinstance(value.get("members"), list)
+        or not value["members"]
+    ):
+        return None
+    found = [_member(m) for m in value["members"]]
+    if None in found:
+        return None
+    lost = value.get("lost", [])
+    if not isinstance(lost, list) or not all(safe_name(x, 128) for x in lost):
+        return None
+    if len({m.node_id for m in found}) != len(found):
+        return None
+    failed = value.get("failed")
+    if failed is not None and not isinstance(failed, str):
+        return None
+    return {"members": found, "lost": lost, "failed": failed}
+
+
+def reason(text: str) -> dict | None:
+    """A restart request: summary, node, whether it spends the budget or scales, the lost and the
+    waiting nodes it names."""
+    if len(text) > MAX_REASON:
+        return None
+    value = json.loads(text)
+    if not isinstance(value, dict) or not isinstance(value.get("summary"), str):
+        return None
+    if not isinstance(value.get("node", ""), str) or not all(
+        isinstance(value.get(k, False), bool) for k in ("scale", "spends")
+    ):
+        return None
+    for name in ("lost", "waiting"):
+        ids = value.get(name, [])
+        if (
+            not isinstance(ids, list)
+            or len(ids) > 1 << 16
+            or not all(safe_name(x, 128) for x in ids)
+        ):
+            return None
+    return value
