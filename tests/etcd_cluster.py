@@ -16,13 +16,14 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
+
+from harness import free_port
 
 SKIP_REASON = "no etcd binary on PATH (apt-get install etcd-server, or put etcd 3.4+ on PATH)"
 # Raft timing for a loopback cluster on a busy 2-core machine: a lost leader is replaced in about
@@ -33,12 +34,6 @@ ELECTION_MS = 1000
 
 def etcd_binary() -> str | None:
     return shutil.which("etcd")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _die_with_parent() -> None:

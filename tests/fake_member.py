@@ -183,3 +183,35 @@ def healthy_reply(path: str, body: dict, store: dict[bytes, bytes] | None = None
     if path == "/v3/watch":
         return {"result": {"header": header, "created": True}}
     return {"header": header, "version": "3.4.23", "leader": "2"}
+
+
+# --- handlers the tests share ---
+
+
+def healthy(store: dict | None = None):
+    store = {} if store is None else store
+
+    def handler(member, conn, path, body):
+        conn.sendall(json_reply(healthy_reply(path, body, store)))
+        return True
+
+    return handler
+
+
+def trickle(head: bytes, every: float = 0.1, answered: tuple[str, ...] = ()):
+    """A member that sends `head`, then a space every `every` seconds (50 of them at most: bounded
+    even for a client that waits on each byte), to every request but those to `answered` paths,
+    which it answers as a healthy member."""
+
+    def handler(member, conn, path, body):
+        if path in answered:
+            conn.sendall(json_reply(healthy_reply(path, body)))
+            return True
+        conn.sendall(head)
+        for _ in range(50):
+            if not member.sleep(every):
+                return False
+            conn.sendall(b" ")
+        return False
+
+    return handler

@@ -26,6 +26,56 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# Short graces, so the tests' daemons restart and stop in seconds; multi-node jobs also give up on a
+# silent peer in 3 s.
+FAST = ("--restart-grace", "1", "--stop-grace", "3")
+FAST_STOP5 = ("--restart-grace", "1", "--stop-grace", "5")  # workers that take a while to stop
+FAST_NODES = (*FAST, "--peer-timeout", "3", "--last-call-timeout", "0.5")
+
+
+def node_flags(port: int, nnodes: str, job: str = "job", secret: bool = True) -> tuple[str, ...]:
+    """One node of a multi-node c10d job whose store is on 127.0.0.1:`port`."""
+    return (
+        "--nnodes",
+        nnodes,
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        job,
+        *FAST_NODES,
+        *(secret_flags() if secret else ()),
+    )
+
+
+def run_cli(
+    *args: str, timeout: float = 120, cwd=None, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    """`python -m elasticd ARGS` to its end (bounded), its output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", "elasticd", *args],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=timeout,
+        cwd=cwd or ROOT,
+        env=dict(os.environ, **(env or {})),
+    )
+
+
+def assert_one_error(r: subprocess.CompletedProcess, *needles: str) -> None:
+    """Bad input's contract: exit 2 and one line `elasticd: error: ...` holding every needle."""
+    assert r.returncode == 2, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("elasticd: error: "), r.stderr
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+def final_lines(stderr: str) -> list[str]:
+    """What the daemon wrote besides its JSON events: the lines an operator reads."""
+    return [ln for ln in stderr.splitlines() if ln.strip() and not ln.startswith("{")]
+
+
 def wait_until(predicate, timeout: float, interval: float = 0.05, what: str = "condition"):
     """Poll `predicate` until truthy; fail the test (never hang) after `timeout` seconds."""
     deadline = time.monotonic() + timeout

@@ -1,0 +1,173 @@
+"""What crosses the store's trust boundary: any value under any key of a job (on a c10d TCPStore,
+on etcd, in a single-node job's in-process store) is garbage or a verdict sealed for this run,
+never a crash or a hang; and a run never takes a value of an earlier run of the same --rdzv-id
+for its own. Real stores (etcd: a real 3-member cluster on loopback), real Rendezvous objects."""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import time
+
+import pytest
+import torch.distributed as dist
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from elasticd import config, names
+from elasticd.cluster import kv, rendezvous, tcpstore
+from etcd_cluster import shared_cluster_fixture  # noqa: F401 (the fixture: cluster)
+from harness import secret_flags
+
+_jobs = itertools.count()
+
+
+@pytest.fixture(params=["tcpstore", "etcd", "local"])
+def store(request):
+    """(a new KV connection to one store, the config a node of a job on it gets)."""
+    secret = secret_flags()[1]
+
+    def cfg(**extra):
+        settings_ = {
+            "entrypoint": "x.py",
+            "nnodes": "1:2",
+            "rdzv_id": f"fuzz{next(_jobs)}",
+            "last_call_timeout": 0,
+            "join_timeout": 4,
+            "peer_timeout": 2,
+            "rdzv_secret_file": secret,
+            **extra,
+        }
+        if request.param == "etcd":
+            settings_.update(
+                rdzv_backend="etcd", rdzv_endpoint=request.getfixturevalue("cluster").endpoints
+            )
+        elif request.param == "tcpstore":
+            settings_["rdzv_endpoint"] = f"127.0.0.1:{port}"
+        else:
+            settings_["nnodes"] = "1"
+        return config.build(settings_, None, environ={})
+
+    port, made = 0, []
+    if request.param == "local":
+        local = kv.LocalKV()
+        yield local.clone, cfg
+        return
+    if request.param == "etcd":
+        from elasticd.cluster import etcd
+
+        endpoints = request.getfixturevalue("cluster").endpoints
+
+        def connect():
+            made.append(etcd.connect(endpoints, timeout=5))
+            return made[-1]
+
+        yield connect, cfg
+        for s in made:
+            s.close()
+        return
+    server = dist.TCPStore(
+        "127.0.0.1",
+        0,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=10),
+    )
+    port = server.port
+    yield (
+        (
+            lambda: tcpstore.TCPStoreKV(
+                tcpstore.tcp_connector("127.0.0.1", port), f"127.0.0.1:{port}", timeout=10
+            )
+        ),
+        cfg,
+    )
+    del server
+
+
+def _keys(r: rendezvous.Rendezvous) -> list[str]:
+    """Every key a node of this run reads or writes, and the run's own."""
+    job = r.scope
+    keys = [
+        names.job_key(r.cfg.rdzv_id, names.RUN),
+        names.job_key(job, names.ROUND),
+        names.job_key(job, names.CLOSED),
+        names.job_key(job, names.RESTARTS),
+        names.alive_key(job, r.node_id),
+    ]
+    for n in (0, 1):
+        keys += [
+            names.round_key(job, n, k)
+            for k in (names.MEMBERS, names.MASTER, names.RESTART, names.DONE_COUNT, names.ALL_DONE)
+        ]
+        keys += [
+            r.arrivals_key(n),
+            *(r.arrival_key(n, i) for i in (1, 2, 3)),
+            names.done_key(job, n, 0),
+        ]
+    return keys
+
+
+SHAPES = [
+    "{}",
+    "[]",
+    "null",
+    "1e999",
+    "-1",
+    "-1000000",
+    "nan",
+    "99999999999999999999",
+    "9223372036854775807",
+    "[" * 5000,
+    '{"members": [[]]}',
+    '{"summary": 1}',
+    "127.0.0.1 0",
+    "1 2 3",
+    '{"members": [["a", 1, "h"]], "lost": [1]}',
+    "\x00",
+    "é",
+]
+
+
+values = st.one_of(
+    st.binary(max_size=80),
+    st.sampled_from([s.encode() for s in SHAPES]),
+    st.tuples(st.just("sealed"), st.one_of(st.text(max_size=60), st.sampled_from(SHAPES))),
+)
+
+
+def _value(r: rendezvous.Rendezvous, key: str, v) -> bytes:
+    """A raw value, or one sealed for its key with the job's secret (it passes the signature and
+    meets the parser: what a bug of ours, not a forger, could write)."""
+    return r.seal(key, v[1]) if isinstance(v, tuple) else v
+
+
+@settings(
+    max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(writes=st.lists(st.tuples(st.integers(0, 40), values), max_size=14))
+def test_any_value_under_any_key_is_garbage_never_a_crash_or_a_hang(store, writes):
+    connect, make_cfg = store
+    cfg = make_cfg()
+    r = rendezvous.Rendezvous(cfg, store=connect(), begins_run=True)  # the job's first node
+    first = r.next_round(1)
+    keys = _keys(r)
+    for index, v in writes:
+        key = keys[index % len(keys)]
+        r.kv.set(key, _value(r, key, v))
+    t0 = time.monotonic()
+    other = connect()
+    assert r.read_restart(other, first) is None or isinstance(r.read_restart(other, first), dict)
+    assert set(r.read_beats(other, [r.node_id])) == {r.node_id}
+    assert isinstance(r.waiting_ids(other, first), list)
+    assert isinstance(r.restarts_used(), int)
+    try:
+        r.request_restart(first, {"summary": "fuzz", "node": "n", "spends": True})
+        rnd = r.next_round(1)
+        assert rnd.members[rnd.group_rank].node_id == r.node_id and rnd.number >= 1
+        assert r.exit_barrier(rnd, 1.0) is True
+    except (rendezvous.RendezvousFailed, rendezvous.StoreUnreachable) as e:
+        assert "\n" not in str(e) and str(e)
+    assert time.monotonic() - t0 < cfg.join_timeout + 6
+    first.close()
+    other.close()

@@ -1,0 +1,91 @@
+"""The tee of rank logs to the daemon's stdout, on real files."""
+
+from __future__ import annotations
+
+import io
+
+from elasticd.daemon.tee import Tee
+from harness import wait_until
+
+
+def test_tee_echoes_whole_lines_of_a_file_that_appears_after_follow(tmp_path):
+    out = io.StringIO()
+    tee = Tee(out, interval=0.01, idle_interval=0.05)
+    log = tmp_path / "rank0.log"
+    tee.start()
+    try:
+        tee.follow(log, "[rank0]: ")  # a warm spare creates its log itself, after follow()
+        with open(log, "a") as f:
+            f.write("one\ntwo\npart")
+            f.flush()
+            wait_until(lambda: out.getvalue() == "[rank0]: one\n[rank0]: two\n", 5, what="the echo")
+            f.write("ial\n")
+            f.flush()
+            wait_until(
+                lambda: out.getvalue().endswith("[rank0]: partial\n"), 5, what="the joined line"
+            )
+            f.write("last words")
+        tee.forget([log])  # a file's last line is printed even without its newline
+        assert out.getvalue().endswith("[rank0]: partial\n[rank0]: last words\n")
+    finally:
+        tee.close()
+
+
+def test_tee_echoes_the_latest_redraw_of_a_bar_as_a_prefixed_line(tmp_path):
+    """ "\r" + text is a redraw: the latest finished one is echoed at most every redraw_interval,
+    the one still being drawn waits for its end; "\r\n" ends a line even when split across reads."""
+    out = io.StringIO()
+    tee = Tee(out, interval=0.01, idle_interval=0.05, redraw_interval=0.3)
+    log = tmp_path / "rank0.log"
+    log.write_bytes(b"")
+    tee.start()
+    try:
+        tee.follow(log, "[rank0]: ")
+        with open(log, "ab", buffering=0) as f:
+            f.write(b"\r1%\r2%\r3%")
+            wait_until(
+                lambda: out.getvalue() == "[rank0]: 2%\n", 5, what="the latest finished redraw"
+            )
+            f.write(b"\r4%\r5%\r6%")
+            wait_until(
+                lambda: out.getvalue().endswith("[rank0]: 5%\n"), 5, what="the next one, once due"
+            )
+            f.write(b"\r100%\nwindows line\r")
+            wait_until(
+                lambda: out.getvalue().endswith("[rank0]: 100%\n"), 5, what="the bar's last line"
+            )
+            f.write(b"\nlast\r")
+        tee.forget([log])
+        assert (
+            out.getvalue()
+            == "[rank0]: 2%\n[rank0]: 5%\n[rank0]: 100%\n[rank0]: windows line\n[rank0]: last\n"
+        )
+    finally:
+        tee.close()
+
+
+def test_tee_wakes_for_a_bar_only_when_its_next_redraw_is_due(tmp_path):
+    """While lines flow the tee looks again after `interval`; while only a bar flows (no
+    newline), not before its next redraw is due: one wake-up per redraw echoed, not twenty."""
+    out = io.StringIO()
+    # polled here, no thread
+    tee = Tee(out, interval=0.05, idle_interval=0.25, redraw_interval=0.5)
+    log = tmp_path / "rank0.log"
+    log.write_bytes(b"")
+    tee.follow(log, "[rank0]: ")
+    with open(log, "ab", buffering=0) as f:
+        f.write(b"\r1%\r2%\r3%")
+        assert (
+            0.4 < tee._pump(log) <= 0.51 and out.getvalue() == "[rank0]: 2%\n"
+        )  # echoed: due again in 0.5 s
+        f.write(b"\r4%\r5%")
+        assert (
+            0.3 < tee._pump(log) <= 0.51 and out.getvalue() == "[rank0]: 2%\n"
+        )  # held until it is due
+        assert 0.3 < tee._pump(log) <= 0.51  # nothing new, but a redraw waits
+        f.write(b"\r100%\nnext line\n")
+        assert tee._pump(log) == 0.05 and out.getvalue().endswith(
+            "[rank0]: 100%\n[rank0]: next line\n"
+        )
+        assert tee._pump(log) is None  # nothing flows, nothing held: the caller backs off
+    tee.forget([log])
