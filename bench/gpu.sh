@@ -28,7 +28,7 @@ nproc
 
 step "tests that need a GPU"
 timeout 240 python3 -m pytest -q -rs -p no:cacheprovider -k "cuda or overlapped or gpu or default_job" \
-  tests/test_memory.py tests/test_checkpoint.py tests/test_resume.py tests/test_torchrun_compat.py \
+  tests/unit/test_memory.py tests/unit/test_checkpoint.py tests/e2e/test_resume.py tests/e2e/test_torchrun_compat.py \
   2>&1 | tee "$out/tests.txt" | tail -15
 
 step "recovery, kill -9 -> next step"

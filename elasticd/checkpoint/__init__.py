@@ -27,7 +27,7 @@ this package imports torch only once a name that needs it is used, so `elasticd.
 stays cheap.
 
 A worker-side library: it runs in the user's training processes and imports nothing of the
-daemon, cluster, control or ops packages (tests/test_layout.py checks it). The daemon reads the
+daemon, cluster, control or ops packages (tests/unit/test_layout.py checks it). The daemon reads the
 torch-free parts, format (the latest checkpoint) and memory (the directory it owns).
 """
 

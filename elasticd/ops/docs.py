@@ -2,7 +2,7 @@
 flags are made of) and docs/metrics-reference.md from `metrics.METRICS`.
 
 `python3 -m elasticd.ops.docs` writes both (`--check`: only say whether they are current, exit 1 if
-not); tests/test_docs.py fails when either differs from what the code would write. Nothing the
+not); tests/unit/test_docs.py fails when either differs from what the code would write. Nothing the
 daemon runs imports this module.
 """
 
