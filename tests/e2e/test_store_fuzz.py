@@ -11,6 +11,7 @@ import itertools
 import time
 
 import pytest
+import structlog
 import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -128,8 +129,6 @@ SHAPES = [
     "\x00",
     "é",
 ]
-
-
 values = st.one_of(
     st.binary(max_size=80),
     st.sampled_from([s.encode() for s in SHAPES]),
@@ -177,3 +176,75 @@ def test_any_value_under_any_key_is_garbage_never_a_crash_or_a_hang(store, write
     assert time.monotonic() - t0 < cfg.join_timeout + 6
     first.close()
     other.close()
+
+
+def test_rejections_are_rate_limited_overall(store):
+    """A forger writing a thousand keys gets a line per key at first, then at most
+    REJECTED_LOGS lines a window in all, each saying how many it stood for."""
+    connect, make_cfg = store
+    r = rendezvous.Rendezvous(make_cfg(), store=connect(), begins_run=True)
+    with structlog.testing.capture_logs() as logged:
+        for i in range(1000):
+            assert r.open(f"{r.scope}/forged/{i}", b"not sealed", str) is None
+    lines = [e for e in logged if e["event"] == "store_value_rejected"]
+    assert len(lines) == rendezvous.REJECTED_LOGS, len(lines)
+    r.kv.close()
+
+
+def test_a_value_of_an_earlier_run_never_verifies_in_the_next(store):
+    """Two runs of one --rdzv-id with one secret (a job started again): every value the first
+    wrote, copied under the second's keys, fails; the second forms its rounds from its own."""
+    connect, make_cfg = store
+    cfg = make_cfg()
+    a = rendezvous.Rendezvous(cfg, store=connect(), begins_run=True)
+    rnd_a = a.next_round(1)
+    a.close(True, "finished")
+    recorded = {k: a.kv.get(k) for k in a.kv.keys(f"elasticd/{a.scope}/")}
+    assert any(k.endswith("/closed") for k in recorded) and any(
+        k.endswith("/master") for k in recorded
+    )
+    b = rendezvous.Rendezvous(cfg, store=connect(), begins_run=True)  # a new run (its store's host)
+    assert b.run != a.run
+    for k, v in recorded.items():
+        b.kv.set(k.replace(a.scope, b.scope), v)
+    rnd_b = b.next_round(1)  # no "the job has ended", members and master its own
+    assert rnd_b.members[0].node_id == b.node_id and rnd_b.master_port != rnd_a.master_port
+    assert b.signer.rejected >= 2
+    rnd_a.close()
+    rnd_b.close()
+
+
+def test_a_job_end_issued_before_this_daemon_started_is_no_verdict(store):
+    """A closing sealed for this run yet issued before the daemon started (less CLOCK_SKEW) is
+    not about it; one issued since is, and the node leaves with it."""
+    connect, make_cfg = store
+    r = rendezvous.Rendezvous(make_cfg(), store=connect(), begins_run=True)
+    key = names.job_key(r.scope, names.CLOSED)
+    r.kv.set(key, r.seal(key, f"{time.time() - rendezvous.CLOCK_SKEW - 600:.3f} finished long ago"))
+    r.next_round(1).close()
+    r.close(True, "finished")
+    with pytest.raises(rendezvous.RendezvousFailed, match=r"the job has ended \(finished\)"):
+        r.next_round(1)
+
+
+def test_on_etcd_a_node_begins_a_new_run_only_after_the_last_one_ended_before_it(store, request):
+    """etcd's keys outlive runs: a node that finds a run still going joins it, one that ended
+    while (or after) it started is the job's end, and one that ended before it started is an
+    earlier run of the same --rdzv-id: it begins the next."""
+    if "etcd" not in request.node.callspec.id:
+        pytest.skip("etcd only: a c10d store is new every run")
+    connect, make_cfg = store
+    cfg = make_cfg()
+    a = rendezvous.Rendezvous(cfg, store=connect())
+    b = rendezvous.Rendezvous(cfg, store=connect())
+    assert b.run == a.run  # the run going on
+    a.close(True, "finished")
+    c = rendezvous.Rendezvous(cfg, store=connect())
+    assert c.run == a.run
+    with pytest.raises(rendezvous.RendezvousFailed, match="has ended"):
+        c.next_round(1)
+    key = names.job_key(a.scope, names.CLOSED)
+    a.kv.set(key, a.seal(key, f"{time.time() - rendezvous.CLOCK_SKEW - 600:.3f} finished"))
+    d = rendezvous.Rendezvous(cfg, store=connect())
+    assert d.run != a.run
+    d.next_round(1).close()

@@ -15,6 +15,8 @@ import io
 import json
 import math
 import os
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -24,17 +26,15 @@ from hypothesis import strategies as st
 from elasticd import config, config_layers, config_values
 from elasticd.config import ConfigError
 from elasticd.ops import cli
+from harness import ROOT
 
 MISSING = "/nonexistent/elasticd-fuzz/train.py"
-
-
 SETTINGS = {
     "deadline": None,
     "derandomize": True,
     "database": None,
     "suppress_health_check": [HealthCheck.too_slow, HealthCheck.filter_too_much],
 }
-
 
 # Values that sit on the edges the checks draw, and names that once got through.
 EDGES = [
@@ -85,10 +85,7 @@ EDGES = [
     "",
     " ",
 ]
-
-
 KEYS = sorted(config.FIELDS) + ["rdzv_conf"]
-
 
 scalars = st.one_of(
     st.integers(),
@@ -99,8 +96,6 @@ scalars = st.one_of(
     st.text(max_size=20),
     st.sampled_from(EDGES),
 )
-
-
 values = st.recursive(
     scalars,
     lambda inner: (
@@ -108,16 +103,12 @@ values = st.recursive(
     ),
     max_leaves=8,
 )
-
-
 keys = st.one_of(
     st.sampled_from(KEYS),
     st.sampled_from(KEYS),
     st.sampled_from([k.replace("_", "-") for k in KEYS]),
     st.text(min_size=0, max_size=12),
 )
-
-
 documents = st.tuples(st.dictionaries(keys, values, max_size=6), st.booleans())
 
 
@@ -153,13 +144,9 @@ ENV_NAMES = sorted(
         "PET_BOGUS",
     }
 )
-
-
 env_values = st.one_of(
     st.sampled_from(EDGES), st.text(max_size=20), st.integers().map(str), st.floats().map(repr)
 ).map(lambda s: s.replace("\0", ""))
-
-
 environments = st.dictionaries(st.sampled_from(ENV_NAMES), env_values, max_size=5)
 
 
@@ -177,8 +164,6 @@ def _value_flags() -> list[str]:
 
 
 VALUE_FLAGS = _value_flags()
-
-
 flag_lists = st.lists(st.tuples(st.sampled_from(VALUE_FLAGS), env_values), max_size=4)
 
 
@@ -311,3 +296,36 @@ def test_stop_timeout_flag(value):
         assert code == 0 and stderr == "", (value, code, stderr)
     else:
         assert "--timeout" in assert_one_line(code, stderr)
+
+
+@settings(max_examples=6, **SETTINGS)
+@given(
+    content=st.one_of(documents.map(toml_document), st.binary(max_size=64)),
+    env=environments,
+    flags=flag_lists,
+)
+def test_real_cli_process(content, env, flags):
+    """A few through a real `python -m elasticd run`, as an operator would."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "c.toml"
+        path.write_bytes(content)
+        argv = [
+            "run",
+            "--config",
+            str(path),
+            "--log-dir",
+            str(Path(tmp) / "logs"),
+            *(f"{opt}={value}" for opt, value in flags),
+            MISSING,
+        ]
+        r = subprocess.run(
+            [sys.executable, "-m", "elasticd", *argv],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=ROOT,
+            env={**os.environ, **env},
+            check=False,
+        )
+        assert_one_line(r.returncode, r.stderr)
+        assert not (Path(tmp) / "logs").exists()

@@ -28,14 +28,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
 PACKAGE = ROOT / "elasticd"
-
-
 DAEMON_SIDE = ("elasticd.daemon", "elasticd.cluster", "elasticd.control", "elasticd.ops")
-
-
 DEPENDENCIES = {"torch", "psutil", "structlog", "tenacity", "prometheus_client", "elasticd"}
 
 
@@ -163,6 +157,49 @@ def _imported(statement: str) -> dict:
     return json.loads(r.stdout)
 
 
+@pytest.mark.parametrize(
+    "module",
+    [
+        "elasticd.ops.cli",
+        "elasticd.ops.snapshot",
+        "elasticd.cluster.kv",
+        "elasticd.cluster.etcd",
+        "elasticd.cluster.signing",
+        "elasticd.cluster.values",
+        "elasticd.cluster.rounds",
+        "elasticd.cluster.errors",
+        "elasticd.cluster.timing",
+        "elasticd.cluster.silence",
+        "elasticd.cluster.closing_rule",
+        "elasticd.cluster.etcd.client",
+        "elasticd.cluster.etcd.connections",
+        "elasticd.cluster.etcd.endpoints",
+        "elasticd.cluster.etcd.errors",
+        "elasticd.cluster.etcd.reply",
+        "elasticd.cluster.etcd.watch",
+        "elasticd.cluster.etcd.wire",
+        "elasticd.checkpoint.format",
+        "elasticd.checkpoint",
+        "elasticd.checkpoint.memory.directory",
+        "elasticd.checkpoint.memory.slots",
+        "elasticd.checkpoint.memory.cadence",
+        "elasticd.names",
+        "elasticd.config",
+        "elasticd.control.client",
+        "elasticd.control.paths",
+    ],
+)
+def test_torch_free_modules_load_no_torch(module):
+    """Worth keeping: the CLI answers `elasticd status` without torch's seconds of import; the
+    daemon reads checkpoints (format), its in-memory state directory (memory.directory, the
+    slots' headers) and etcd without it. Daemon code may import torch inside the functions that
+    need it."""
+    loaded = _imported(f"import {module}")
+    assert "torch" not in loaded, (
+        f"importing {module} imports torch; make the import that pulls it in lazy"
+    )
+
+
 def test_the_control_clients_side_loads_nothing_of_the_daemons():
     """The CLI's half of the control socket (client, paths, protocol) runs in the operator's
     shell: it loads neither the server's half nor the daemon's packages."""
@@ -184,6 +221,17 @@ def test_worker_side_loads_no_daemon_side_module():
     loaded = _imported("\n".join(f"import {m}" for m in names))
     assert "torch" in loaded  # the checkpoint library's modules did load
     assert [m for m in loaded if daemon_side(m)] == []
+
+
+def test_python_dash_m_elasticd_is_the_cli():
+    r = subprocess.run(
+        [sys.executable, "-m", "elasticd", "--version"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0 and r.stdout.strip() == "elasticd 0.1.0", (r.stdout, r.stderr)
 
 
 def test_no_module_is_named_like_another_package():
@@ -217,8 +265,6 @@ IMPORTED = re.compile(
     r"\bfrom (elasticd(?:\.\w+)*) import (\w+(?: as \w+)?(?:, *\w+(?: as \w+)?)*)"
     r"|\bimport (elasticd(?:\.\w+)*)"
 )
-
-
 STARTED = re.compile(r'(?:"-m", |command\()"(elasticd(?:\.\w+)*)"')
 
 
