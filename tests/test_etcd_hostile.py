@@ -68,7 +68,7 @@ def outcome(fn, *args):
         return e
 
 
-# --- crafted replies: a failed attempt each, never a traceback ---------------------------------------
+# --- crafted replies: a failed attempt each, never a traceback ------------------------------------
 
 CHUNKED = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
 CRAFTED = {
@@ -172,7 +172,7 @@ def test_close_ends_a_call_in_progress_at_once():
     assert got["at"] - t0 < 0.5
 
 
-# --- a watch stream that misbehaves ------------------------------------------------------------------
+# --- a watch stream that misbehaves ---------------------------------------------------------------
 
 
 def chunk(data: bytes) -> bytes:
@@ -219,7 +219,7 @@ def test_a_hostile_watch_stream_ends_in_time(name):
     assert any(path == "/v3/watch" for path, _ in m.requests)
 
 
-# --- the daemon, end to end ----------------------------------------------------------------------------
+# --- the daemon, end to end -----------------------------------------------------------------------
 
 
 def run_flags(endpoint: str, *extra: str) -> tuple[str, ...]:

@@ -76,7 +76,8 @@ def test_every_torchrun_flag_is_known(opt, dest, nargs, capsys):
 
 def test_torchtitan_launch_line_runs_as_is(daemons, tmp_path):
     """torchtitan's run_train.sh: --rdzv_endpoint localhost:0, --local-ranks-filter, --role, --tee,
-    plus --rdzv-conf, --start-method and torchrun's ${local_rank} macro in the script's arguments."""
+    plus --rdzv-conf, --start-method and torchrun's ${local_rank} macro in the script's
+    arguments."""
     out = tmp_path / "env.json"
     d = daemons(
         None,
