@@ -1,8 +1,8 @@
 """In-memory refresh: what it really costs the training, synchronous vs overlapped, against what
 the cadence is charged for it.
 
-memory.cadence.Cadence spaces refreshes out so that their cost stays under `memory_budget` of the step
-time, from what each refresh is charged (the host's stall; with memory_overlap, that plus the
+memory.cadence.Cadence spaces refreshes out so that their cost stays under `memory_budget` of the
+step time, from what each refresh is charged (the host's stall; with memory_overlap, that plus the
 training stream's copies and the optimizer step's wait, from CUDA events). This benchmark checks
 the charge against the truth: one process trains an MLP (on CUDA where there is a GPU: by
 default the steady benchmark's `gpu` workload, 4096 wide, 4 deep, batch 2048, SGD), and blocks

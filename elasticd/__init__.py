@@ -28,8 +28,9 @@ def heartbeat(step: int | None = None) -> None:
 
 
 def _beat_writer():
-    """This process's heartbeat file writer (elasticd.worker.health.Writer), opened at the first call;
-    None outside elasticd. The bootstrap's hooks and the checkpoint library write through it."""
+    """This process's heartbeat file writer (elasticd.worker.health.Writer), opened at the first
+    call; None outside elasticd. The bootstrap's hooks and the checkpoint library write through
+    it."""
     global _writer, _armed
     if not _armed:
         _armed = True

@@ -22,9 +22,11 @@ STACK_FILE = "ELASTICD_STACK_FILE"  # where faulthandler appends the rank's stac
 STACK_SIGNAL = "ELASTICD_STACK_SIGNAL"  # the signal that asks for them
 ATTEMPT_DIR = "ELASTICD_ATTEMPT_DIR"  # this attempt's directory of logs and error files
 CHECKPOINT_DIR = "ELASTICD_CHECKPOINT_DIR"  # where elasticd.checkpoint keeps the job's checkpoints
-MEMORY_DIR = "ELASTICD_MEMORY_DIR"  # the daemon's /dev/shm directory of in-memory state (elasticd.checkpoint.memory)
-LOCAL_RANK = "ELASTICD_LOCAL_RANK"  # the worker's local rank, which names its in-memory slots (LOCAL_RANK is 0 for
-#                                     every worker under --virtual-local-rank)
+# the daemon's /dev/shm directory of in-memory state (elasticd.checkpoint.memory)
+MEMORY_DIR = "ELASTICD_MEMORY_DIR"
+# the worker's local rank, which names its in-memory slots (LOCAL_RANK is 0 for every worker under
+# --virtual-local-rank)
+LOCAL_RANK = "ELASTICD_LOCAL_RANK"
 WARM_PRELOAD = "ELASTICD_WARM_PRELOAD"  # modules a warm spare or the fork server imports ahead
 SOCKET = (
     "ELASTICD_SOCKET"  # the control socket, for the CLI and the daemon (also the `socket` setting)
@@ -40,7 +42,7 @@ STATUS = "status"  # the daemon's snapshot, served by the control thread
 STOP = "stop"  # a graceful stop, with an optional grace `timeout`
 STACKS = "stacks"  # every local worker's thread stacks, now
 
-# --- control-plane store keys (elasticd.cluster.rendezvous; each value signed: elasticd.cluster.signing) ---
+# --- control-plane store keys (elasticd.cluster.rendezvous; each value signed: cluster.signing)
 # A job's run is under elasticd/<job>/<run>/ (<run>: a random nonce, elasticd/<job>/run, so that
 # a value of an earlier run of the same --rdzv-id never verifies in this one); a round's under
 # elasticd/<job>/<run>/r<round>/. Rendezvous passes "<job>/<run>" as `job` below.
@@ -49,7 +51,8 @@ RUN = "run"  # elasticd/<job>/run: the run's nonce and when it began (the only k
 
 # per run
 ROUND = "round"  # the newest round any node has entered: where a node that arrives joins
-CLOSED = "closed"  # set once the job has ended, with when and why (a failure's summary): later nodes leave with it
+# set once the job has ended, with when and why (a failure's summary): later nodes leave with it
+CLOSED = "closed"
 RESTARTS = "restarts"  # the job's restart budget spent so far (a signed compare-and-set)
 
 # per round
@@ -78,7 +81,8 @@ def arrivals_key(job: str, number: int, tag: str) -> str:
 
 
 def arrival_key(job: str, number: int, tag: str, index: int) -> str:
-    """The record of the node that claimed arrival number `index` in a round (id, address, nproc)."""
+    """The record of the node that claimed arrival number `index` in a round (id, address,
+    nproc)."""
     return round_key(job, number, f"node/{tag}/{index}")
 
 
@@ -88,5 +92,6 @@ def done_key(job: str, number: int, group_rank: int) -> str:
 
 
 def alive_key(job: str, node_id: str) -> str:
-    """A node's liveness counter, raised every few tenths of a second for as long as its daemon runs."""
+    """A node's liveness counter, raised every few tenths of a second for as long as its daemon
+    runs."""
     return f"elasticd/{job}/alive/{node_id}"

@@ -1,4 +1,5 @@
-"""Files and directories elasticd creates, made safe for a daemon that runs as root on a shared node.
+"""Files and directories elasticd creates, made safe for a daemon that runs as root on a shared
+node.
 
 Every one is created fresh where it is new (an existing entry, or a symlink someone planted, is an
 error, never written through), is never opened through a symlink in its last component, and is

@@ -48,7 +48,8 @@ STATE_FORMAT = 1
 
 
 def _world_and_rank(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
-    """From the arguments, else torch.distributed when initialized, else torchrun's env, else 1/0."""
+    """From the arguments, else torch.distributed when initialized, else torchrun's env, else
+    1/0."""
     initialized = dist.is_available() and dist.is_initialized()
     if num_replicas is None:
         num_replicas = (

@@ -126,7 +126,8 @@ def main(argv=None) -> None:
     )
     if rank == 0:
         print(
-            f"training: world size {world}, backend {dist.get_backend()}, steps {step}->{args.steps}, "
+            f"training: world size {world}, backend {dist.get_backend()}, "
+            f"steps {step}->{args.steps}, "
             f"restart {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
             + (f", resumed from step {step}" if state else ""),
             flush=True,

@@ -182,7 +182,7 @@ def train(
         )
 
 
-# -- nodes lost and added ---------------------------------------------------------------------------
+# -- nodes lost and added --------------------------------------------------------------------------
 
 
 def train_on_nodes(
@@ -361,7 +361,7 @@ def gather_rng(rank: int, world: int, out: str) -> None:
     torch.save({"state": state, "next": expected}, f"{out}.{rank}.pt")
 
 
-# -- SIGTERM at one rank ----------------------------------------------------------------------------
+# -- SIGTERM at one rank ---------------------------------------------------------------------------
 
 
 def until_stopped(rank: int, world: int, directory: str, progress: str, out: str) -> None:

@@ -39,7 +39,8 @@ def no_leftover_processes():
 
 @pytest.fixture
 def daemons(tmp_path):
-    """Factory for Daemon nodes; any still running at the end are SIGKILLed (their guard cleans up)."""
+    """Factory for Daemon nodes; any still running at the end are SIGKILLed (their guard cleans
+    up)."""
     from harness import Daemon
 
     started = []

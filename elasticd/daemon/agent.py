@@ -8,10 +8,10 @@ idle), which feeds the watchdog, takes forked spares and drains the inbox at eve
 running, it polls workers (exits, heartbeats, process state) and peers every monitor_interval (and
 at once on SIGCHLD), acts, and publishes an immutable status snapshot for the control socket.
 Its helpers each own one concern: the local workers (group.py), the warm spares (spares.py), the
-other nodes (peers.py), backoff and recovery timeline (recovery.py), the status snapshot
-(status.py), the inbox and stop requests (inbox.py), the waits (waits.py); and, for operators,
-the job's figures (figures.py), stragglers (stragglers.py) and the node's health check
-(healthcheck.py), which it calls at a few hooks.
+other nodes (cluster/peers.py), backoff and recovery timeline (recovery.py), the status snapshot
+and the operators' figures in it (status.py: ops/figures.py, ops/stragglers.py), the inbox and
+stop requests (inbox.py), the waits (waits.py); and the node's health check
+(ops/healthcheck.py), which it calls at a few hooks.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from elasticd import logs, names
+from elasticd import logs
 from elasticd.checkpoint.memory import directory
 from elasticd.cluster.errors import BudgetSpent, RendezvousFailed, StoreUnreachable
 from elasticd.cluster.peers import Peers
@@ -35,12 +35,17 @@ from elasticd.daemon.group import LocalGroup
 from elasticd.daemon.inbox import Inbox, StopRequest, Stops
 from elasticd.daemon.recovery import Recovery
 from elasticd.daemon.spares import SparePool
-from elasticd.daemon.states import Failure, RestartCause, Scale, State, check_transition
+from elasticd.daemon.states import (
+    Failure,
+    RestartCause,
+    Scale,
+    State,
+    check_transition,
+    restart_request,
+)
 from elasticd.daemon.status import StatusBoard
 from elasticd.daemon.waits import Interrupted, Waits
-from elasticd.ops.figures import Figures
 from elasticd.ops.healthcheck import EXIT_UNHEALTHY, HealthCheck
-from elasticd.ops.stragglers import Stragglers
 
 if TYPE_CHECKING:
     from elasticd.ops import healthcheck, metrics
@@ -98,8 +103,6 @@ class Agent:
         )
         self.recovery = Recovery(cfg)
         self.peers: Peers | None = None  # once the store is reached
-        self.figures = Figures(time.monotonic())
-        self.stragglers = Stragglers(cfg, self.node, self.event, time.time)
         self.health_check = health_check(
             cfg, self.token, self.event, wake=lambda: self.post(("wake",))
         )
@@ -120,14 +123,7 @@ class Agent:
         return self.stops.request
 
     def _drain_inbox(self) -> None:
-        asking = []  # `elasticd stacks` requests: however many came, one dump answers them all
-        for kind, *rest in self.inbox.take():
-            if not self.stops.take(kind, rest) and kind == names.STACKS:
-                asking.append(rest[0])
-        if asking:
-            reply = self.group.stacks(self.state.value)
-            for deferred in asking:
-                deferred.give(reply)
+        self.inbox.drain(self.stops, lambda: self.group.stacks(self.state.value))
 
     # --- bookkeeping ---
 
@@ -149,44 +145,21 @@ class Agent:
             )
 
     def publish(self) -> None:
+        """A status snapshot (status.py, with the operators' figures) and, if served, metrics."""
         now = time.monotonic()
-        ranks = self.group.rows(now)
         self.status.publish(
             state=self.state,
             rnd=self.round,
-            attempt=self.group.attempt,
+            group=self.group,
             restarts=self.restart_count,
-            ranks=ranks,
             last_failure=self.last_failure,
             last_recovery=self.recovery.last,
             memory_dir=self.memory_dir,
+            health=self.health_check.report(),
             now=now,
-            figures=self._figures(ranks, now),
         )
         if self.metrics is not None:
             self.metrics.published(self.status.snapshot, now)
-
-    def _figures(self, ranks: list[dict], now: float) -> dict[str, Any]:
-        """The operators' figures of a status snapshot (and so of the metrics), from the
-        workers' heartbeats as of now; each worker's row gets its own."""
-        beats = self.group.beats()
-        self.figures.observe(
-            self.group.attempt, [w.local_rank for w in self.group.workers], beats, now
-        )
-        self.stragglers.observe(
-            self.group.attempt,
-            [(w.global_rank, w.local_rank) for w in self.group.workers],
-            beats,
-            now,
-        )
-        self.figures.annotate(ranks)
-        self.stragglers.annotate(ranks)
-        return {
-            **self.figures.report(now),
-            "stragglers": self.stragglers.report(),
-            "straggler_reports": self.stragglers.reports,
-            "health": self.health_check.report(),
-        }
 
     # --- the loop ---
 
@@ -357,12 +330,7 @@ class Agent:
             # named lost: the next round does not wait for this node
             self._ask_restart({"summary": summary, "node": self.node, "lost": [self.rdzv.node_id]})
         self._teardown(self.cfg.restart_grace, abandon=True)
-        joined = self.round is not None
-        self.left_line = (
-            f"elasticd: this node left the job: {why.reason}"
-            if joined
-            else f"elasticd: not starting: this node's {why.reason}"
-        )
+        self.left_line = self.health_check.left_line(why, joined=self.round is not None)
         self.set_state(State.LEFT, exit_code=EXIT_UNHEALTHY, cause=why.summary())
         return EXIT_UNHEALTHY
 
@@ -376,7 +344,7 @@ class Agent:
         if stepped and self.recovery.marks:
             timeline = self.recovery.report(beats)
             self.event("recovered", **timeline)
-            self.figures.on_recovered(timeline)
+            self.status.figures.on_recovered(timeline)
         self.spares.refill_if_due(stepped, now)
 
     def _restart(self, why: Failure | Scale) -> int | None:
@@ -384,24 +352,16 @@ class Agent:
         request tells every node why; whether it costs the job's budget is decided by the next
         round's closing (rendezvous.py), which knows whether a node was lost."""
         self.recovery.detected()
-        self.figures.on_restart(why, self.group.beats())
+        self.status.figures.on_restart(why, self.group.beats())
         self.health_check.peer_left(why)
         self.set_state(State.RESTARTING, cause=why.summary())
         spends = why.kind.spends_budget
         if spends:
             self.last_failure = why
             self.first_failure = self.first_failure or why
-        reason: dict[str, Any] | None = {"summary": why.summary(), "node": self.node}
-        if spends:
-            reason["spends"] = True
-        elif why.kind is RestartCause.SCALE:
-            reason.update(summary=why.reason, scale=True, waiting=list(why.ids))
-        elif why.kind is RestartCause.NODE_LOST:
-            reason["lost"] = list(why.lost)
-        else:  # another node asked (its reason is in the store), or we cannot reach the store
-            reason = None
         if why.kind is RestartCause.STORE_UNREACHABLE:
             self.event("store_unreachable", level="error", why=why.reason)
+        reason = restart_request(why, self.node)
         if reason is not None:
             self._ask_restart(reason)
         trained = self.recovery.trained(self.group.beats())

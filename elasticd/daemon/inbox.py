@@ -53,6 +53,18 @@ class Inbox:
         while self._items:
             yield self._items.popleft()
 
+    def drain(self, stops: Stops, stacks: Callable[[], dict]) -> None:
+        """The loop's side: act on everything posted so far. A stop goes to `stops`; `elasticd
+        stacks` requests, however many came, are all answered by one dump, `stacks()`."""
+        asking = []
+        for kind, *rest in self.take():
+            if not stops.take(kind, rest) and kind == names.STACKS:
+                asking.append(rest[0])
+        if asking:
+            reply = stacks()
+            for deferred in asking:
+                deferred.give(reply)
+
 
 @dataclass
 class StopRequest:

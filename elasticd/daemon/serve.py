@@ -122,7 +122,8 @@ def _metrics_exporter(cfg: Config, agent: Agent) -> metrics.Exporter | None:
 
 
 def _accept_command(agent: Agent, req: dict) -> dict | Deferred:
-    """The loop's side of the control commands the server forwards (control/commands.py's COMMANDS), by name."""
+    """The loop's side of the control commands the server forwards (control/commands.py's
+    COMMANDS), by name."""
     handler = FORWARDED.get(req.get("command"))
     return (
         handler(agent, req)

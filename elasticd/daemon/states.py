@@ -1,5 +1,6 @@
 """The agent's state machine as types: its states, the transitions allowed between them, and why
-a running group ends early (restart causes, failures, scale events).
+a running group ends early (restart causes, failures, scale events), and what a restart asks of
+the other nodes.
 
 INIT → RENDEZVOUS ────────────→ RUNNING ──all local workers exit 0──→ EXIT_BARRIER → SUCCEEDED
            ▲                      │ a RestartCause that restarts: crash / signal / hang /
@@ -22,7 +23,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 
 class State(str, enum.Enum):
@@ -184,3 +185,18 @@ class Scale:
 
     def summary(self) -> str:
         return f"node {self.node}; {self.reason}"
+
+
+def restart_request(why: Failure | Scale, node: str) -> dict[str, Any] | None:
+    """What a restart for `why` asks of every node of the round (rendezvous.request_restart; the
+    next round's closing reads `spends` and `lost`, cluster/values.py): None where it asks
+    nothing, because another node asked already (its reason is in the store) or the store cannot
+    be reached."""
+    reason: dict[str, Any] = {"summary": why.summary(), "node": node}
+    if why.kind.spends_budget:
+        return {**reason, "spends": True}
+    if why.kind is RestartCause.SCALE:
+        return {**reason, "summary": why.reason, "scale": True, "waiting": list(why.ids)}
+    if why.kind is RestartCause.NODE_LOST:
+        return {**reason, "lost": list(why.lost)}
+    return None

@@ -1,6 +1,8 @@
 """The status the control socket serves: an immutable snapshot the agent loop publishes (at every
-state change and every PUBLISH_EVERY seconds while running), with the recent events and what a
-restart would resume from.
+state change and every PUBLISH_EVERY seconds while running), with the recent events, what a
+restart would resume from, and the operators' figures: the board owns the job's figures
+(ops/figures.py) and the stragglers (ops/stragglers.py), which read the workers' heartbeats at
+every publish; the loop feeds the figures its restarts and recoveries.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from elasticd import names
 from elasticd.checkpoint.memory import directory
@@ -20,7 +22,12 @@ from elasticd.cluster.rounds import Round
 from elasticd.config import Config
 from elasticd.daemon import supervise
 from elasticd.daemon.states import Failure, State
+from elasticd.ops.figures import Figures
 from elasticd.ops.snapshot import LastFailure, Part, Snapshot, Worker, fields_from_json, from_json
+from elasticd.ops.stragglers import Stragglers
+
+if TYPE_CHECKING:
+    from elasticd.daemon.group import LocalGroup
 
 PUBLISH_EVERY = 0.5  # seconds between status snapshots while running
 RESUME_READ_EVERY = 2.0  # seconds between reads of the checkpoint and in-memory state for status
@@ -49,6 +56,8 @@ class StatusBoard:
         self._last_checkpoint: str | None = None  # path of the newest checkpoint reported
         self._checkpoint: dict[str, Any] | None = None  # its manifest entry, as last read
         self._memory_step: int | None = None  # the newest in-memory state, as last read
+        self.figures = Figures(time.monotonic())
+        self.stragglers = Stragglers(cfg, node, event, time.time)
 
     def record(self, name: str, fields: dict[str, Any]) -> None:
         self.events.append({"time": time.time(), "event": name, **fields})
@@ -66,17 +75,18 @@ class StatusBoard:
         *,
         state: State,
         rnd: Round | None,
-        attempt: int,
+        group: LocalGroup,
         restarts: int,
-        ranks: list[dict],
         last_failure: Failure | None,
         last_recovery: dict[str, float] | None,
         memory_dir: str | None,
+        health: dict[str, Any],
         now: float,
-        figures: dict[str, Any] | None = None,
     ) -> None:
-        """`figures`: the operability figures (figures.py, stragglers.py, healthcheck.py), in
-        their JSON form, read into the snapshot's records."""
+        """`group`: the local workers, their rows and the heartbeats the figures read; `health`:
+        the health check's report (ops/healthcheck.py)."""
+        ranks = group.rows(now)
+        figures = self._figures(group, ranks, health, now)
         self.last_publish = now
         checkpoint, memory_step = self._resume_points(now, memory_dir)
         self.current = Snapshot(
@@ -87,7 +97,7 @@ class StatusBoard:
             group_rank=rnd.group_rank if rnd else None,
             group_world_size=rnd.group_world_size if rnd else None,
             world_size=rnd.world_size if rnd else None,
-            round=attempt,
+            round=group.attempt,
             restarts=restarts,
             max_restarts=self.cfg.max_restarts,
             budget_left=max(0, self.cfg.max_restarts - restarts),
@@ -108,11 +118,33 @@ class StatusBoard:
             parts={
                 name: from_json(Part, _known(Part, p)) for name, p in supervise.report().items()
             },
-            **fields_from_json(Snapshot, _known(Snapshot, figures or {})),
+            **fields_from_json(Snapshot, _known(Snapshot, figures)),
             events=list(self.events)[-10:],
         )
         self.snapshot = self.current.to_json()  # what the control socket serves
         self.on_snapshot(self.snapshot)
+
+    def _figures(
+        self, group: LocalGroup, ranks: list[dict], health: dict[str, Any], now: float
+    ) -> dict[str, Any]:
+        """The operators' figures of a snapshot (and so of the metrics), in their JSON form,
+        from the workers' heartbeats as of now; each worker's row gets its own."""
+        beats = group.beats()
+        self.figures.observe(group.attempt, [w.local_rank for w in group.workers], beats, now)
+        self.stragglers.observe(
+            group.attempt,
+            [(w.global_rank, w.local_rank) for w in group.workers],
+            beats,
+            now,
+        )
+        self.figures.annotate(ranks)
+        self.stragglers.annotate(ranks)
+        return {
+            **self.figures.report(now),
+            "stragglers": self.stragglers.report(),
+            "straggler_reports": self.stragglers.reports,
+            "health": health,
+        }
 
     def _resume_points(
         self, now: float, memory_dir: str | None

@@ -19,8 +19,8 @@ class _Instead(argparse.Action):
 
 
 class _Static(argparse.Action):
-    """torchrun's static rendezvous flags: kept as (flag, value) for config_values.check_static, which
-    knows the node count."""
+    """torchrun's static rendezvous flags: kept as (flag, value) for config_values.check_static,
+    which knows the node count."""
 
     def __call__(self, parser, namespace, values, option_string=None) -> None:
         flag = "--" + self.dest.replace("_", "-")

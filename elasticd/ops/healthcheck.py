@@ -186,6 +186,12 @@ class HealthCheck:
         """What a leaving node asks the others to restart with (their status shows it)."""
         return f"node {node} {LEFT}: {result.reason}"
 
+    def left_line(self, why: Failure, joined: bool) -> str:
+        """The one line a node that leaves exits with (daemon/serve.py writes it to stderr)."""
+        if joined:
+            return f"elasticd: this node left the job: {why.reason}"
+        return f"elasticd: not starting: this node's {why.reason}"
+
     def peer_left(self, why: Failure) -> None:
         """A restart another node asked for: note it if that node left after failing its check."""
         if why.kind is RestartCause.PEER and LEFT in why.reason:

@@ -137,7 +137,8 @@ def test_help_documents_exit_codes():
 @pytest.mark.parametrize(
     "args, env, needles",
     [
-        # inf/nan/absurd numbers, from flags, --rdzv-conf, torchrun's PET_* and our ELASTICD_* variables
+        # inf/nan/absurd numbers, from flags, --rdzv-conf, torchrun's PET_* and our ELASTICD_*
+        # variables
         (
             ["--join-timeout", "inf"],
             {},
@@ -178,7 +179,8 @@ def test_help_documents_exit_codes():
         ),
         (["--max-restarts", "10000000000"], {}, ["--max-restarts: 10000000000 is out of range"]),
         (["--nnodes", "1:100000000"], {}, ["--nnodes '1:100000000': at most 100000 nodes"]),
-        # signals a worker cannot dump its stacks on (every worker would die) or names that are not signals
+        # signals a worker cannot dump its stacks on (every worker would die) or names that are not
+        # signals
         (["--stack-signal", "SIGKILL"], {}, ["SIGKILL cannot be a stack-dump signal", "SIGUSR1"]),
         (["--stack-signal", "SIGSEGV"], {}, ["SIGSEGV cannot be a stack-dump signal"]),
         (["--stack-signal", "SIG_IGN"], {}, ["'SIG_IGN' is not a signal name"]),

@@ -78,7 +78,8 @@ def test_scale_bench_at_16_nodes():
     r, err = run_bench("--torch-window", "1")  # about 20 s on an idle 2-core machine
     assert_elasticd_phases(r, err)
     assert r["torchrun_round_s"] is not None and r["torchrun_round_s"] > 0, (r, err)
-    # 16 nodes beat 4 times a second (a set and a read of 3 counters: 3 requests) and wait on the restart key
+    # 16 nodes beat 4 times a second (a set and a read of 3 counters: 3 requests) and wait on the
+    # restart key
     assert 100 < r["store_requests_per_s"] < 1000, r
     assert 0 <= r["store_cpu"] < 0.5, r
 

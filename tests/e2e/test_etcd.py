@@ -80,7 +80,7 @@ def prefix(request):
     return f"elasticd/test/{request.node.name}/{next(_n)}/"
 
 
-# --- the same semantics on both stores -------------------------------------------------------------
+# --- the same semantics on both stores ------------------------------------------------------------
 
 
 def test_get_set_compare_set_take_multi_get(connect, prefix):
@@ -172,7 +172,8 @@ def test_clone(connect, prefix):
 
 
 def test_take_is_atomic_under_contention(connect, prefix):
-    """4 threads x 50 takes, each thread its own connection: exactly 200, every number returned once."""
+    """4 threads x 50 takes, each thread its own connection: exactly 200, every number returned
+    once."""
     s = connect()
     conns = [s.clone() for _ in range(4)]
     results: list[list[int]] = [[] for _ in conns]
@@ -232,12 +233,12 @@ def test_a_wait_in_slices_keeps_one_watch(cluster, prefix):
     s.close()
 
 
-# --- etcd only: strict compare_set, a lost reply ------------------------------------------------------
+# --- etcd only: strict compare_set, a lost reply --------------------------------------------------
 
 
 def test_compare_set_is_strict(cluster, prefix):
-    """True only when this call swapped expected for desired. (tcpstore.TCPStoreKV answers True in both
-    cases below: c10d's compare_set returns the key's value after the call, which is `desired`
+    """True only when this call swapped expected for desired. (tcpstore.TCPStoreKV answers True in
+    both cases below: c10d's compare_set returns the key's value after the call, which is `desired`
     also when the key held it already, and `expected` for an absent key.)"""
     s = etcd.connect(cluster.endpoints, timeout=5)
     s.set(prefix + "k", b"4")
@@ -310,7 +311,7 @@ def test_lost_reply_is_resolved(cluster, prefix):
         dropper.close()
 
 
-# --- etcd only: endpoints, failover, quorum ---------------------------------------------------------
+# --- etcd only: endpoints, failover, quorum -------------------------------------------------------
 
 
 def test_endpoints_parsed():
@@ -529,7 +530,7 @@ def test_quorum_lost_then_regained(own_cluster):
     s.close()
 
 
-# --- authentication and TLS (one member each) -------------------------------------------------------
+# --- authentication and TLS (one member each) -----------------------------------------------------
 
 
 @needs_etcd

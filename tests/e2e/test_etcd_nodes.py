@@ -145,7 +145,8 @@ def test_etcd_member_and_rank0_node_lost_the_others_go_on(daemons, layout):
     recovery = max(f[2] for f in firsts) - t_kill
     lost = max(max(s for s, *_ in steps(n, attempt[id(n)])) - resumed_at(n, 2) for n in survivors)
     print(
-        f"etcd ({'namespaces' if layout.net else 'loopback'}): rank-0 node and its member (the leader) lost, "
+        f"etcd ({'namespaces' if layout.net else 'loopback'}): "
+        "rank-0 node and its member (the leader) lost, "
         f"survivors stepping again {recovery:.2f}s later, {lost} step(s) lost"
     )
     # the store answers nothing until a new leader is elected: one to two election timeouts
@@ -162,7 +163,8 @@ def test_partitioned_node_stops_its_workers_and_rejoins_when_healed(daemons, lay
     and after the heal all three train together again."""
     if layout.net is None:
         pytest.skip(
-            f"a partition needs network namespaces: {netns_mod.unavailable() or 'none could be made'}"
+            "a partition needs network namespaces: "
+            f"{netns_mod.unavailable() or 'none could be made'}"
         )
     nodes = _nodes(daemons, layout, 3, steps_=100000)
     wait_until(lambda: _together(nodes, 30), 120, what="three nodes training")

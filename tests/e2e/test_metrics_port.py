@@ -44,7 +44,8 @@ def idle_connections(
 ) -> list[socket.socket]:
     """`n` connections opened at once (non-blocking, as an attacker would: one after the other,
     a server whose accept queue is full costs a SYN resent a second later each) that never send
-    a request. Those not connected `within` seconds fail the test, or (not `strict`) are left out."""
+    a request. Those not connected `within` seconds fail the test, or (not `strict`) are left
+    out."""
     import selectors
 
     pending: dict[socket.socket, None] = {}
@@ -280,8 +281,8 @@ from elasticd import logs
 from elasticd.daemon import processes, spawn
 logs.setup("json")
 token = "t" * 32
-proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True,
-                        env=dict(os.environ, ELASTICD_AGENT=token))
+proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                        start_new_session=True, env=dict(os.environ, ELASTICD_AGENT=token))
 time.sleep(0.2)
 p = Path({str(tmp_path)!r})
 w = spawn.Worker(0, 0, proc, p / "log", p / "err", p / "st", p / "hb", time.monotonic())

@@ -80,7 +80,8 @@ STEP = re.compile(r"^step (\d+) world (\d+) t ([\d.]+) epoch (\d+) samples ([\d,
 
 
 def steps(d, attempt: int | None = None) -> list[tuple[int, int, float, int, list[int]]]:
-    """(step, world, wall time, epoch, samples) of every step a node's workers printed in an attempt."""
+    """(step, world, wall time, epoch, samples) of every step a node's workers printed in an
+    attempt."""
     text = (
         d.all_logs()
         if attempt is None
@@ -140,7 +141,8 @@ def test_killed_node_survivor_steps_again_within_seconds_and_loses_at_most_a_ref
         last_before = max(s for s, *_ in steps(survivor, attempt))
         lost = last_before - resumed_at(survivor)
         print(
-            f"node lost (rank 0: {lose_rank0}): survivor stepping again {recovery:.2f}s after the kill, "
+            f"node lost (rank 0: {lose_rank0}): "
+            f"survivor stepping again {recovery:.2f}s after the kill, "
             f"{lost} step(s) lost (killed after step {before}-{last_before})"
         )
         assert recovery < RECOVERY_GOAL + LOADED_MARGIN, recovery

@@ -60,7 +60,8 @@ def prometheus(tmp_path):
     binary = shutil.which("prometheus")
     if not binary:
         pytest.skip(
-            "the prometheus binary is not installed (Debian's prometheus package; .ci/run installs it)"
+            "the prometheus binary is not installed "
+            "(Debian's prometheus package; .ci/run installs it)"
         )
     started = []
 
@@ -74,7 +75,8 @@ def prometheus(tmp_path):
         (d / "prometheus.yml").write_text(
             "global: {scrape_interval: 500ms, evaluation_interval: 1s}\n"
             "rule_files: [elasticd-alerts.yml]\n"
-            f"scrape_configs:\n  - job_name: elasticd\n    static_configs: [{{targets: ['{target}']}}]\n"
+            "scrape_configs:\n  - job_name: elasticd\n"
+            f"    static_configs: [{{targets: ['{target}']}}]\n"
         )
         log = open(d / "prometheus.log", "wb")
         proc = subprocess.Popen(

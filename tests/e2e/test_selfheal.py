@@ -1,5 +1,6 @@
 """elasticd's own parts come back when killed: the fork server, its spares, the guard, the control
-and tee threads (elasticd/daemon/supervise.py); a part that keeps dying is given up, and status says so."""
+and tee threads (elasticd/daemon/supervise.py); a part that keeps dying is given up, and status
+says so."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Running as a service: status/stop over the control socket, admission, sd_notify, the unit file."""
+"""Running as a service: status/stop over the control socket, admission, sd_notify, the unit
+file."""
 
 from __future__ import annotations
 
@@ -376,7 +377,8 @@ logs.setup("json")
 def hook(snap):
     while pathlib.Path({str(stall)!r}).exists():
         time.sleep(0.05)
-a = Agent(cfg, preflight.make_run_dir(pathlib.Path({str(tmp_path)!r}), "run"), on_snapshot=hook)  # as the CLI makes it
+# as the CLI makes it
+a = Agent(cfg, preflight.make_run_dir(pathlib.Path({str(tmp_path)!r}), "run"), on_snapshot=hook)
 a.notify = systemd
 a.install_signals()
 sys.exit(a.run())

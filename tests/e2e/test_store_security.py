@@ -132,7 +132,8 @@ def test_unprivileged_store_writer_cannot_fail_crash_or_slow_a_restart(daemons, 
     marker = tmp_path / "pwned"
     port = free_port()
     args = ["--steps", "400", "--step-time", "0.05", "--snapshot", str(tmp_path / "snap.pt")]
-    # elastic (2:3), so each node looks for nodes waiting to join every second; both in the first round
+    # elastic (2:3), so each node looks for nodes waiting to join every second; both in the first
+    # round
     nodes = [
         daemons(
             script("ddp_tutorial.py"),

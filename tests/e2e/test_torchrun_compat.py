@@ -16,7 +16,8 @@ from harness import ROOT, assert_one_error, run_cli, script, wait_until
 
 def test_torchtitan_launch_line_runs_as_is(daemons, tmp_path):
     """torchtitan's run_train.sh: --rdzv_endpoint localhost:0, --local-ranks-filter, --role, --tee,
-    plus --rdzv-conf, --start-method and torchrun's ${local_rank} macro in the script's arguments."""
+    plus --rdzv-conf, --start-method and torchrun's ${local_rank} macro in the script's
+    arguments."""
     out = tmp_path / "env.json"
     d = daemons(
         None,

@@ -1,7 +1,7 @@
 """Hold many idle connections to a control socket, as a hostile or buggy process would: PROCS
 processes keep PER_PROC connections open each, never sending a request, and open a new one
-whenever the daemon answers (its deadline, or "busy": then after 0.2 s) and closes one. Each process appends
-"opened N busy B" to REPORT when SECONDS are up.
+whenever the daemon answers (its deadline, or "busy": then after 0.2 s) and closes one. Each
+process appends "opened N busy B" to REPORT when SECONDS are up.
 
 As a worker: python hog_control.py SOCKET PROCS PER_PROC SECONDS REPORT."""
 

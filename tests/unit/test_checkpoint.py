@@ -49,7 +49,7 @@ def events(logs, name):
     return [e for e in logs if e["event"] == name]
 
 
-# -- saving -----------------------------------------------------------------------------------------
+# -- saving ----------------------------------------------------------------------------------------
 
 
 def test_save_load_keep_and_manifest(tmp_path):
@@ -200,7 +200,7 @@ def test_unwritable_directory_is_a_clear_error(tmp_path):
     assert len(events(logs, "checkpoint_save_failed")) == 2 and mgr2.last_error is not None
 
 
-# -- loading ----------------------------------------------------------------------------------------
+# -- loading ---------------------------------------------------------------------------------------
 
 
 def test_truncated_newest_falls_back_to_previous(tmp_path):
@@ -357,7 +357,7 @@ def test_malicious_pickle_is_refused_and_never_runs(tmp_path):
     assert not marker.exists()
 
 
-# -- capture / restore ------------------------------------------------------------------------------
+# -- capture / restore -----------------------------------------------------------------------------
 
 
 def test_capture_restore_single_process_unwraps_and_restores_rng(tmp_path):
@@ -472,7 +472,7 @@ def test_broadcast_restore_only_the_sender_has_the_directory(tmp_path, like_nccl
     assert torch.equal(got[1][0]["state"]["w"], load_latest(d0)["w"])
 
 
-# -- exact resume -----------------------------------------------------------------------------------
+# -- exact resume ----------------------------------------------------------------------------------
 
 
 def final_tensors(path):
@@ -518,7 +518,7 @@ def test_resume_is_bit_exact_with_two_gloo_ranks(tmp_path):
         assert_identical(final_tensors(f"{ref}.{r}.pt"), final_tensors(f"{run}.{r}.pt"))
 
 
-# -- stopping ---------------------------------------------------------------------------------------
+# -- stopping --------------------------------------------------------------------------------------
 
 
 def test_sigterm_to_one_rank_saves_and_stops_every_rank(tmp_path):

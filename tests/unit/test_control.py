@@ -1,4 +1,5 @@
-"""The control socket over real Unix sockets: protocol, admission, socket lifecycle, slow clients."""
+"""The control socket over real Unix sockets: protocol, admission, socket lifecycle, slow
+clients."""
 
 from __future__ import annotations
 
@@ -416,7 +417,8 @@ def test_operators_group_member_is_admitted_and_file_mode_guards_the_rest(serve,
     group = grp.getgrgid(NOBODY).gr_name
     server = serve(path=open_dir / "c.sock", operators_group=group)
     assert _request_as(NOBODY, NOBODY, server.path)["status"] == {"state": "RUNNING"}
-    # uid 65533 in gid 65533 is not in the group: the 0660 socket file stops it before the server does
+    # uid 65533 in gid 65533 is not in the group: the 0660 socket file stops it before the server
+    # does
     reply = _request_as(65533, 65533, server.path)
     assert (
         reply.get("raised") == "PermissionDenied"

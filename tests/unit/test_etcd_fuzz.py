@@ -82,8 +82,8 @@ json_values = st.recursive(
 
 
 def mutate(reply, steps: list[int], value):
-    """`reply` with the place `steps` lead to (each an index into a dict's keys or a list) replaced by
-    `value`; where a step finds nothing to enter, the place it reached is replaced."""
+    """`reply` with the place `steps` lead to (each an index into a dict's keys or a list) replaced
+    by `value`; where a step finds nothing to enter, the place it reached is replaced."""
     if not steps or not isinstance(reply, dict | list) or not reply:
         return value
     if isinstance(reply, dict):

@@ -49,7 +49,10 @@ def test_planted_run_directory_is_never_written_through(tmp_path):
     loot.mkdir()
     os.chown(loot, NOBODY, NOBODY)
     # the daemon's pid is known before it picks the name: it waits for a line on stdin first
-    go = "import sys; sys.stdin.readline(); from elasticd.ops.cli import main; sys.exit(main(sys.argv[1:]))"
+    go = (
+        "import sys; sys.stdin.readline(); "
+        "from elasticd.ops.cli import main; sys.exit(main(sys.argv[1:]))"
+    )
     out = tmp_path / "out.txt"
     with open(out, "wb") as f:
         daemon = subprocess.Popen(
@@ -129,7 +132,8 @@ def test_memory_directory_of_a_live_daemon_in_another_pid_namespace_is_kept(tmp_
     lock is what counts: kept while held, reaped once the holder is gone (SIGKILL, no cleanup)."""
     monkeypatch.setattr(directory, "ROOT", str(tmp_path))
     code = (
-        "import sys; from elasticd.checkpoint.memory import directory; directory.ROOT = sys.argv[1]; "
+        "import sys; from elasticd.checkpoint.memory import directory; "
+        "directory.ROOT = sys.argv[1]; "
         "print(directory.create('job'), flush=True); sys.stdin.readline()"
     )
     holder = subprocess.Popen(

@@ -134,7 +134,8 @@ def toml_document(doc: tuple[dict, bool]) -> bytes:
     return (("[elasticd]\n" if in_table else "") + "\n".join(lines) + "\n").encode()
 
 
-# The environment torchrun's launchers set (PET_*) and ours (ELASTICD_*), plus names that mean nothing.
+# The environment torchrun's launchers set (PET_*) and ours (ELASTICD_*), plus names that mean
+# nothing.
 ENV_NAMES = sorted(
     {
         *config_layers.PET_SETTINGS,

@@ -117,7 +117,8 @@ def test_a_smaller_world_resumes_from_memory_and_drops_stale_steps(tmp_path):
 
 
 def refresh_loop(tmp_path, steps: int, pause: float = 0.0, **kw):
-    """One process refreshing a tiny model's state for `steps` steps, `pause` s of "training" each."""
+    """One process refreshing a tiny model's state for `steps` steps, `pause` s of "training"
+    each."""
     mem = tmp_path / "mem"
     mem.mkdir()
     mgr = CheckpointManager(tmp_path / "disk", handle_sigterm=False, memory_dir=mem, **kw)
@@ -158,13 +159,15 @@ def test_overlap_on_a_cpu_or_small_state_copies_synchronously(tmp_path, device):
         "from elasticd import checkpoint\nfrom elasticd.checkpoint.memory import reader\n"
         "from elasticd.checkpoint import CheckpointManager\n"
         f"mem = {str(tmp_path / 'mem')!r}\n"
-        "mgr = CheckpointManager(mem + '-disk', handle_sigterm=False, memory_dir=mem, memory_every=1)\n"
+        "mgr = CheckpointManager(mem + '-disk', handle_sigterm=False, memory_dir=mem, "
+        "memory_every=1)\n"
         f"model = torch.nn.Linear(3, 1).to({device!r})\n"
         "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
         "for step in range(1, 5):\n"
         f"    model(torch.ones(2, 3, device={device!r})).sum().backward()\n"
         "    opt.step()\n"
-        "    mgr.maybe_save(step, lambda: checkpoint.capture(model=model, optimizer=opt, step=step))\n"
+        "    mgr.maybe_save(step, "
+        "lambda: checkpoint.capture(model=model, optimizer=opt, step=step))\n"
         "    assert mgr._memory.writer.overlap and not mgr._memory.writer.queued\n"
         "    got = reader.read(mem, step, world=1, rank=0, local_rank=0)\n"
         "    assert torch.equal(got['model']['weight'], model.weight.detach().cpu())\n"
@@ -372,7 +375,10 @@ def test_daemon_side_create_remove_and_reap(tmp_path, monkeypatch):
     )
     assert os.stat(path).st_mode & 0o777 == 0o700
     # a daemon that died without cleaning up: its process is gone, and with it the lock it held
-    code = "import sys; from elasticd.checkpoint.memory import directory; directory.ROOT = sys.argv[1]; print(directory.create('old'))"
+    code = (
+        "import sys; from elasticd.checkpoint.memory import directory; "
+        "directory.ROOT = sys.argv[1]; print(directory.create('old'))"
+    )
     stale = subprocess.run(
         [sys.executable, "-c", code, str(tmp_path)],
         capture_output=True,

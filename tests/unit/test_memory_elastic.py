@@ -279,7 +279,8 @@ def test_choose_takes_the_newest_step_any_node_holds_that_every_rank_can_resume(
 
 def test_choose_never_mixes_a_timeline_a_node_missed():
     # node B was cut off while A resumed at 6 of lineage 7 and went on as lineage 9; B comes back
-    # holding 6 and 8 of lineage 7: 8 is of an abandoned timeline, but whole and consistent on its own
+    # holding 6 and 8 of lineage 7: 8 is of an abandoned timeline, but whole and consistent on its
+    # own
     a, b = [(9, 9), (6, 7)], [(8, 7), (6, 7)]
     c, _ = choose([view(a), view(b)])
     assert (c.step, c.lineage, c.holders, c.keepers) == (

@@ -386,7 +386,8 @@ def test_gpu_check_passes_without_a_gpu_and_fails_on_a_sick_one(tmp_path):
 
 
 def test_health_check_results(tmp_path):
-    """Pass, fail with its last line, a timeout (its whole session killed), a program that cannot run."""
+    """Pass, fail with its last line, a timeout (its whole session killed), a program that cannot
+    run."""
     import time
 
     from elasticd.ops.healthcheck import HealthCheck

@@ -1,5 +1,6 @@
-"""A worker's /proc/PID/cmdline reads as the command torchrun would run (real processes, real /proc).
-The daemon-level checks, cold, forked and fresh spares, are in test_core and test_forkserver."""
+"""A worker's /proc/PID/cmdline reads as the command torchrun would run (real processes, real
+/proc). The daemon-level checks, cold, forked and fresh spares, are in test_core and
+test_forkserver."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""sd_notify over a test-owned datagram socket, the watchdog interval, the unit file, the example config."""
+"""sd_notify over a test-owned datagram socket, the watchdog interval, the unit file, the example
+config."""
 
 from __future__ import annotations
 
@@ -67,7 +68,8 @@ def test_each_helper_sends_exactly_its_datagram(notify_socket):
 
 def test_extend_timeout_clamps_and_never_raises(notify_socket):
     """A stop with an absurd grace (inf, nan, 1e300, an int beyond any float) asks for as much as
-    systemd can hold, or nothing: it used to raise OverflowError and take the daemon down mid-stop."""
+    systemd can hold, or nothing: it used to raise OverflowError and take the daemon down
+    mid-stop."""
     most = b"EXTEND_TIMEOUT_USEC=18446744073709551614"  # 2**64 - 2: below USEC_INFINITY
     nothing = b"EXTEND_TIMEOUT_USEC=0"
     for seconds, expected in (
@@ -178,7 +180,10 @@ def _verify(unit_text: str, tmp_path: Path) -> tuple[int, list[str]]:
 
 def test_unit_file_passes_systemd_analyze_verify(tmp_path):
     if shutil.which("systemd-analyze") is None:
-        reason = "systemd-analyze is not installed: apt-get install systemd (Debian/Ubuntu package 'systemd')"
+        reason = (
+            "systemd-analyze is not installed: "
+            "apt-get install systemd (Debian/Ubuntu package 'systemd')"
+        )
         print(reason)
         pytest.skip(reason)
     text = UNIT.read_text()
@@ -270,8 +275,9 @@ HARDENING = {
 
 
 def test_unit_file_is_hardened():
-    """The hardening directives (docs/service.md, "Running as a service: hardening") are all there, the
-    capabilities dropped include ptrace and the clock, and the caches live where the service may write."""
+    """The hardening directives (docs/service.md, "Running as a service: hardening") are all there,
+    the capabilities dropped include ptrace and the clock, and the caches live where the service
+    may write."""
     s = _settings(UNIT.read_text())
     for key, value in HARDENING.items():
         assert s.get(key) == [value], (key, s.get(key))
@@ -309,7 +315,7 @@ def test_unit_file_security_exposure(tmp_path):
     assert float(found.group(1)) <= 7.1, found.group(0)
 
 
-# --- the example config ----------------------------------------------------------------------------
+# --- the example config ---------------------------------------------------------------------------
 
 
 def _uncommented_example() -> dict:
