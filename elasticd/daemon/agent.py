@@ -350,7 +350,7 @@ class Agent:
     def _restart(self, why: Failure | Scale) -> int | None:
         """Tear the group down and decide: next round, or the job has failed. The restart
         request tells every node why; whether it costs the job's budget is decided by the next
-        round's closing (rendezvous.py), which knows whether a node was lost."""
+        round's closing (cluster/closing.py), which knows whether a node was lost."""
         self.recovery.detected()
         self.status.figures.on_restart(why, self.group.beats())
         self.health_check.peer_left(why)

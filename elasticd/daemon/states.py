@@ -42,7 +42,7 @@ class State(str, enum.Enum):
     request or signal); FAILED (the store was lost); LEFT (the periodic health check failed)."""
     RESTARTING = "RESTARTING"
     """The local group is torn down and the backoff waited out (the restart budget is spent by
-    the closing of the next round, cluster/rendezvous.py, which knows whether a node was lost).
+    the closing of the next round, cluster/closing.py, which knows whether a node was lost).
     Next: RENDEZVOUS (the next round, also when a stop came during the backoff: it is acted on
     there); FAILED (a fatal exit code, or the store was lost)."""
     EXIT_BARRIER = "EXIT_BARRIER"
