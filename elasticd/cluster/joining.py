@@ -15,7 +15,6 @@ from elasticd import logs, names
 from elasticd.cluster import arrivals, closing, values
 from elasticd.cluster.errors import BudgetSpent, RendezvousFailed, store_call
 from elasticd.cluster.rounds import Round
-from elasticd.cluster.tcpstore import serve_store
 from elasticd.cluster.timing import CLOSE_POLL, GARBAGE_BACKOFF, LOST_SILENCE, WAIT_SLICE
 
 if TYPE_CHECKING:
@@ -68,6 +67,8 @@ def _try_round(rz: Rendezvous, nproc: int, deadline: float) -> Round | None:
     rnd.world_size = sum(m.nproc for m in rnd.members)
     master = rz.round_key(number, names.MASTER)
     if rnd.group_rank == 0:
+        from elasticd.cluster.tcpstore import serve_store  # torch: the workers' store, hosted
+
         rnd.worker_store = serve_store(rz.addr, 0, max(rz.cfg.join_timeout, 60.0))
         rz.kv.set(master, rz.seal(master, f"{rz.addr} {rnd.worker_store.port}"))
     rnd.master_addr, rnd.master_port = await_value(rz, master, values.master, deadline)

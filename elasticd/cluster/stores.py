@@ -9,15 +9,17 @@ from __future__ import annotations
 import errno
 import socket
 import time
+from typing import TYPE_CHECKING
 
 import tenacity
-import torch.distributed as dist
 
 from elasticd import logs, names
 from elasticd.cluster import kv as kvmod
 from elasticd.cluster.errors import RendezvousFailed
-from elasticd.cluster.tcpstore import TCPStoreKV, serve_store, tcp_connector
 from elasticd.config import Config, ConfigError
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 log = logs.get("elasticd.rendezvous")
 
@@ -138,6 +140,9 @@ def open_store(cfg: Config) -> tuple[kvmod.KV, dist.TCPStore | None]:
         return open_etcd(cfg), None
     if cfg.max_nodes == 1:
         return kvmod.LocalKV(), None
+    # torch loads here, for a multi-node c10d store only (the rest of cluster/ is torch-free)
+    from elasticd.cluster.tcpstore import TCPStoreKV, serve_store, tcp_connector
+
     host, port = cfg.rdzv_host, cfg.rdzv_port
     server = None
     try:

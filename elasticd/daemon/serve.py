@@ -29,6 +29,9 @@ STACKS_ANSWER = 10.0
 
 def serve(cfg: Config, run_dir: Path) -> int:
     """Run the daemon: control socket, sd_notify, death guard, then the agent loop."""
+    # torch loads here, at start: the daemon hosts each round's store for the workers (cluster/
+    # imports it only in tcpstore.py), and adopt_torch makes its loggers write through ours
+    from elasticd.cluster import tcpstore  # noqa: F401
     from elasticd.control import paths
     from elasticd.control.protocol import AlreadyRunning, ControlError
     from elasticd.control.server import ControlServer

@@ -8,13 +8,12 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from etcd_cluster import SKIP_REASON, etcd_binary
+from harness import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 KEYS = {
     "nodes",
     "round_s",

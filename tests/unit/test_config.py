@@ -8,6 +8,7 @@ import pytest
 
 from elasticd import config, config_layers, config_values
 from elasticd.config import ConfigError
+from harness import ROOT
 
 
 def write(tmp_path, text):
@@ -121,9 +122,8 @@ def test_endpoint(text, expect):
 
 
 def test_example_config_parses():
-    from pathlib import Path
 
-    example = Path(__file__).resolve().parents[2] / "systemd" / "elasticd.toml.example"
+    example = ROOT / "systemd" / "elasticd.toml.example"
     uncommented = "\n".join(
         line[2:]
         for line in example.read_text().splitlines()

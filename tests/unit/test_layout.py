@@ -27,7 +27,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from harness import ROOT
+
 PACKAGE = ROOT / "elasticd"
 DAEMON_SIDE = ("elasticd.daemon", "elasticd.cluster", "elasticd.control", "elasticd.ops")
 DEPENDENCIES = {"torch", "psutil", "structlog", "tenacity", "prometheus_client", "elasticd"}
@@ -171,6 +172,10 @@ def _imported(statement: str) -> dict:
         "elasticd.cluster.timing",
         "elasticd.cluster.silence",
         "elasticd.cluster.closing_rule",
+        "elasticd.cluster.stores",
+        "elasticd.cluster.joining",
+        "elasticd.cluster.rendezvous",
+        "elasticd.cluster.peers",
         "elasticd.cluster.etcd.client",
         "elasticd.cluster.etcd.connections",
         "elasticd.cluster.etcd.endpoints",

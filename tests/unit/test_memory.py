@@ -18,6 +18,7 @@ from elasticd.checkpoint import CheckpointManager
 from elasticd.checkpoint import rng as ckpt_rng
 from elasticd.checkpoint.memory import cadence, description, directory, reader, slots, writer
 from elasticd.checkpoint.state import REFRESH, Refresh
+from harness import script
 
 
 def final(path):
@@ -207,7 +208,7 @@ def test_a_refresh_capture_names_exactly_what_only_the_optimizer_writes():
 
 
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-OVERLAP = os.path.join(os.path.dirname(__file__), "scripts", "overlap_refresh.py")
+OVERLAP = script("overlap_refresh.py")
 
 
 @pytest.fixture

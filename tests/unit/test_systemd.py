@@ -16,8 +16,8 @@ import pytest
 import structlog
 
 from elasticd.daemon import systemd
+from harness import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 UNIT = ROOT / "systemd" / "elasticd.service"
 EXAMPLE = ROOT / "systemd" / "elasticd.toml.example"
 
