@@ -17,6 +17,7 @@ import dataclasses
 import functools
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -221,30 +222,35 @@ def from_json(cls: type[T], data: Any) -> T:
 
 def fields_from_json(cls: type, data: dict[str, Any]) -> dict[str, Any]:
     """The fields of `cls` that `data` holds, each read as its declared type."""
-    hints = _hints(cls)
-    return {
-        f.name: _read(hints[f.name], data[f.name])
-        for f in dataclasses.fields(cls)
-        if f.name in data
-    }
+    return {name: read(data[name]) for name, read in _plan(cls) if name in data}
 
 
 @functools.cache
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+def _plan(cls: type) -> tuple[tuple[str, Callable[[Any], Any]], ...]:
+    """How to read each field of `cls`, worked out once per record type (the daemon reads a
+    snapshot at every publish, twice a second)."""
+    hints = typing.get_type_hints(cls)
+    return tuple((f.name, _reader(hints[f.name])) for f in dataclasses.fields(cls))
 
 
-def _read(hint: Any, value: Any) -> Any:
+def _reader(hint: Any) -> Callable[[Any], Any]:
+    """A value of JSON as `hint`: records as records (`from_json`), lists and dicts of them
+    item by item (anything else there: empty), `X | None` as X unless None, the rest as is."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):  # X | None
-        if value is None:
-            return None
-        (hint,) = [a for a in args if a is not type(None)]
-        origin, args = typing.get_origin(hint), typing.get_args(hint)
+        (inner,) = [a for a in args if a is not type(None)]
+        read = _reader(inner)
+        return lambda v: None if v is None else read(v)
     if dataclasses.is_dataclass(hint):
-        return from_json(hint, value)
+        return functools.partial(from_json, hint)
     if origin is list:
-        return [_read(args[0], v) for v in value] if isinstance(value, (list, tuple)) else []
+        item = _reader(args[0])
+        return lambda v: [item(x) for x in v] if isinstance(v, (list, tuple)) else []
     if origin is dict:
-        return {k: _read(args[1], v) for k, v in value.items()} if isinstance(value, dict) else {}
+        item = _reader(args[1])
+        return lambda v: {k: item(x) for k, x in v.items()} if isinstance(v, dict) else {}
+    return _as_is
+
+
+def _as_is(value: Any) -> Any:
     return value
