@@ -1,0 +1,218 @@
+"""Sharded disk checkpoints with real FSDP2 (fully_shard) on forked gloo ranks: the same
+capture/restore/CheckpointManager calls as a DDP job; every rank writes its own shards in
+torch.distributed.checkpoint's format; a resume is bit-exact; torch's own reader loads the
+directory; another world size reshards; a corrupt shard or a planted `.metadata` makes every rank
+fall back to the previous checkpoint, and the planted file is never unpickled."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import structlog
+import torch
+import torch.nn as nn
+
+import _ckpt_helpers as helpers
+from elasticd.checkpoint import MANIFEST, CheckpointManager, capture, restore
+
+fsdp = pytest.importorskip("torch.distributed.fsdp")
+
+
+def _model(seed: int):
+    """A model whose 1x8 layer shards unevenly (rank 1 holds an empty shard on 2 ranks)."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    for layer in (model[0], model[2], model):
+        fsdp.fully_shard(layer)
+    return model, torch.optim.Adam(model.parameters(), lr=0.01)
+
+
+def _step(model, opt) -> None:
+    model(torch.randn(3, 4)).pow(2).sum().backward()  # the data comes from the restored RNG
+    opt.step()
+    opt.zero_grad()
+
+
+def _full(model, opt) -> dict[str, torch.Tensor]:
+    """Every value gathered (a collective), for comparing runs."""
+    out = {f"model.{k}": v.full_tensor().clone() for k, v in model.state_dict().items()}
+    for i, s in opt.state_dict()["state"].items():
+        for k, v in s.items():
+            out[f"optim.{i}.{k}"] = (v.full_tensor() if hasattr(v, "full_tensor") else v).clone()
+    return out
+
+
+def _same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def train_and_resume(rank: int, world: int, disk: str, out: str) -> None:
+    model, opt = _model(0)
+    mgr = CheckpointManager(disk, handle_sigterm=False, every_steps=3, keep=2)
+    stalls = []
+    for step in range(1, 7):
+        _step(model, opt)
+        if mgr.maybe_save(step, lambda step=step: capture(model=model, optimizer=opt, step=step)):
+            stalls.append(mgr.last_stall)
+    mgr.close()
+    at6 = _full(model, opt)
+    for _ in range(2):
+        _step(model, opt)
+    final = _full(model, opt)
+    if rank == 0:
+        torch.save(at6, os.path.join(out, "at6.pt"))
+        with open(os.path.join(out, "times.json"), "w") as f:
+            json.dump({"stall": max(stalls), "write": mgr.last_write}, f)
+
+    model, opt = _model(1)  # other weights: restore must overwrite them all
+    torch.manual_seed(123)
+    mgr = CheckpointManager(disk, handle_sigterm=False, every_steps=3, keep=2)
+    t0 = time.perf_counter()
+    user = restore(mgr.load_latest(), model=model, optimizer=opt)
+    took = time.perf_counter() - t0
+    assert user == {"step": 6} and mgr.loaded.step == 6
+    _same(_full(model, opt), at6)
+    for _ in range(2):
+        _step(model, opt)
+    _same(_full(model, opt), final)  # RNG, params and optimizer: bit-identical onwards
+    if rank == 0:
+        with open(os.path.join(out, "times.json")) as f:
+            times = json.load(f)
+        with open(os.path.join(out, "times.json"), "w") as f:
+            json.dump(times | {"load": took}, f)
+
+
+def load_at_world(rank: int, world: int, disk: str, out: str, step: int) -> None:
+    """A resume at this world size: the state equals the one saved (DCP reshards)."""
+    model, opt = _model(1)
+    with structlog.testing.capture_logs() as logs:
+        mgr = CheckpointManager(disk, handle_sigterm=False)
+        state = mgr.load_latest()
+    assert mgr.loaded is not None and mgr.loaded.step == step, logs
+    assert restore(state, model=model, optimizer=opt) == {"step": step}
+    if step == 6:
+        _same(_full(model, opt), torch.load(os.path.join(out, "at6.pt")))
+    skipped = [e for e in logs if e["event"] == "checkpoint_skipped"]
+    with open(os.path.join(out, f"skipped{rank}.json"), "w") as f:
+        json.dump([e["reason"] for e in skipped], f)
+
+
+def _newest(disk: str) -> str:
+    with open(os.path.join(disk, MANIFEST)) as f:
+        return os.path.join(disk, json.load(f)["latest"])
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A 2-rank run that saved at steps 3 and 6 and resumed from 6 bit-exact."""
+    tmp = tmp_path_factory.mktemp("sharded")
+    disk, out = str(tmp / "disk"), str(tmp / "out")
+    os.mkdir(out)
+    helpers.run(train_and_resume, 2, tmp, disk, out, timeout=120)
+    with open(os.path.join(out, "times.json")) as f:
+        print("sharded save/load seconds:", json.load(f))
+    return tmp, disk, out
+
+
+def test_fsdp2_save_and_resume_is_bit_exact(saved):
+    _, disk, _ = saved
+    newest = _newest(disk)
+    assert os.path.basename(newest).startswith("ckpt-000000000006-")
+    assert sorted(os.listdir(newest)) == [".metadata", "__0_0.distcp", "__1_0.distcp", "state.pt"]
+    with open(os.path.join(disk, MANIFEST)) as f:
+        doc = json.load(f)
+    assert [e["step"] for e in doc["checkpoints"]] == [3, 6]
+    assert all(set(e["files"]) == set(os.listdir(_newest(disk))) for e in doc["checkpoints"][1:])
+
+
+def test_torch_reads_an_elasticd_checkpoint_without_elasticd(saved):
+    _, disk, out = saved
+    code = textwrap.dedent(
+        """
+        import sys, torch
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+        path, ref = sys.argv[1], torch.load(sys.argv[2])
+        md = dcp.FileSystemReader(path).read_metadata()
+        sd = {
+            k: torch.empty(m.size, dtype=m.properties.dtype)
+            for k, m in md.state_dict_metadata.items()
+            if isinstance(m, TensorStorageMetadata) and k.startswith("model.")
+        }
+        dcp.load(sd, checkpoint_id=path, no_dist=True)
+        assert sorted(sd) == sorted(k for k in ref if k.startswith("model.")), sorted(sd)
+        assert all(torch.equal(sd[k], ref[k]) for k in sd)
+        assert not [m for m in sys.modules if m.startswith("elasticd")]
+        print("ok", len(sd))
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    r = subprocess.run(
+        [sys.executable, "-c", code, _newest(disk), os.path.join(out, "at6.pt")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd="/",
+        env=env,
+    )
+    assert r.returncode == 0 and r.stdout.startswith("ok 4"), r.stderr
+
+
+def test_another_world_size_reshards(saved):
+    tmp, disk, out = saved
+    helpers.run(load_at_world, 1, tmp, disk, out, 6, timeout=120)
+
+
+class _Planted:
+    def __reduce__(self):
+        return (open, (os.environ["PLANTED_MARKER"], "w"))
+
+
+def _fallback(saved, damage) -> list:
+    tmp, disk, out = saved
+    copy = str(tmp / f"copy-{time.monotonic_ns()}")
+    subprocess.run(["cp", "-a", disk, copy], check=True)
+    damage(_newest(copy))
+    helpers.run(load_at_world, 2, tmp, copy, out, 3, timeout=120)
+    reasons = []
+    for r in range(2):
+        with open(os.path.join(out, f"skipped{r}.json")) as f:
+            reasons += json.load(f)
+    return reasons, _newest(copy)
+
+
+def test_a_corrupt_shard_falls_back_on_every_rank(saved):
+    def flip(path):
+        with open(os.path.join(path, "__1_0.distcp"), "r+b") as f:
+            f.seek(100)
+            b = f.read(1)
+            f.seek(100)
+            f.write(bytes([b[0] ^ 1]))
+
+    reasons, _ = _fallback(saved, flip)
+    assert any("__1_0.distcp: checksum mismatch" in r for r in reasons), reasons
+
+
+def test_a_planted_metadata_is_never_unpickled(saved, tmp_path, monkeypatch):
+    marker = tmp_path / "ran"
+    monkeypatch.setenv("PLANTED_MARKER", str(marker))
+
+    def plant(path):
+        with open(os.path.join(path, ".metadata"), "wb") as f:
+            pickle.dump(_Planted(), f)
+
+    reasons, newest = _fallback(saved, plant)
+    assert any(".metadata: checksum mismatch" in r for r in reasons), reasons
+    assert not marker.exists()
+    with open(os.path.join(newest, ".metadata"), "rb") as f:
+        pickle.load(f)  # what torch's own reader would have done
+    assert marker.exists()
