@@ -172,6 +172,25 @@ def test_another_world_size_reshards(saved):
     helpers.run(load_at_world, 1, tmp, disk, out, 6, timeout=120)
 
 
+def load_unsharded(rank: int, world: int, disk: str, out: str) -> None:
+    """One process without torch.distributed, the model not sharded: restore gathers it."""
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    mgr = CheckpointManager(disk, handle_sigterm=False)
+    assert restore(mgr.load_latest(), model=model, optimizer=opt) == {"step": 6}
+    at6 = torch.load(os.path.join(out, "at6.pt"))
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, at6[f"model.{k}"]), k
+    for i, moments in opt.state_dict()["state"].items():
+        assert torch.equal(moments["exp_avg"], at6[f"optim.{i}.exp_avg"]), i
+
+
+def test_an_unsharded_model_in_one_process_reads_it(saved):
+    tmp, disk, out = saved
+    helpers.run(load_unsharded, 1, tmp, disk, out, distributed=False, timeout=120)
+
+
 class _Planted:
     def __reduce__(self):
         return (open, (os.environ["PLANTED_MARKER"], "w"))
