@@ -49,10 +49,12 @@ from elasticd.checkpoint.collectives import (
 )
 from elasticd.checkpoint.format import (
     FORMAT,
+    SHARDED_NAME,
     Entry,
     atomic_write,
     candidates,
     files_digest,
+    read_manifest,
     remove_checkpoint,
     remove_temporaries,
     write_manifest,
@@ -174,6 +176,7 @@ class ShardedSaver:
             os.makedirs(d, 0o750, exist_ok=True)
             remove_temporaries(d)
             self.entries = list(reversed(candidates(d)))
+            _remove_unlisted(d)
         tmp = f".ckpt-{job.step:012d}-{uuid.uuid4().hex[:12]}.tmp"
         os.mkdir(os.path.join(d, tmp), 0o750)
         assert job.rest is not None
@@ -233,6 +236,18 @@ class ShardedSaver:
         for old in {e.file for e in before} - {e.file for e in kept}:
             remove_checkpoint(d, old)
         return entry
+
+
+def _remove_unlisted(directory: str) -> None:
+    """Sharded directories a readable manifest does not name: a writer killed between renaming
+    one into place and writing the manifest. (With no readable manifest, nothing is removed.)"""
+    listed = read_manifest(directory)
+    if listed is None:
+        return
+    known = {e.file for e in listed}
+    for name in os.listdir(directory):
+        if SHARDED_NAME.match(name) and name not in known:
+            remove_checkpoint(directory, name)
 
 
 # -- loading ------------------------------------------------------------------------------------

@@ -20,7 +20,8 @@ import torch
 import torch.nn as nn
 
 import _ckpt_helpers as helpers
-from elasticd.checkpoint import MANIFEST, CheckpointManager, capture, restore
+from elasticd.checkpoint import MANIFEST, CheckpointManager, Entry, capture, restore
+from elasticd.checkpoint.format import files_digest
 
 fsdp = pytest.importorskip("torch.distributed.fsdp")
 
@@ -191,6 +192,27 @@ def test_an_unsharded_model_in_one_process_reads_it(saved):
     helpers.run(load_unsharded, 1, tmp, disk, out, distributed=False, timeout=120)
 
 
+def save_once(rank: int, world: int, disk: str) -> None:
+    model, opt = _model(2)
+    _step(model, opt)
+    with CheckpointManager(disk, handle_sigterm=False) as mgr:
+        mgr.save(7, capture(model=model, optimizer=opt, step=7))
+
+
+def test_a_directory_the_manifest_does_not_name_is_removed(saved):
+    """A writer killed between renaming its directory into place and writing the manifest."""
+    tmp, disk, _ = saved
+    copy = str(tmp / f"copy-{time.monotonic_ns()}")
+    subprocess.run(["cp", "-a", disk, copy], check=True)
+    orphan = os.path.join(copy, "ckpt-000000000009-0123456789abcdef.dcp")
+    os.mkdir(orphan)
+    helpers.run(save_once, 1, tmp, copy, timeout=120)
+    with open(os.path.join(copy, MANIFEST)) as f:
+        listed = [e["file"] for e in json.load(f)["checkpoints"]]
+    assert [int(n[5:17]) for n in listed] == [3, 6, 7]
+    assert sorted(n for n in os.listdir(copy) if n.endswith(".dcp")) == listed
+
+
 class _Planted:
     def __reduce__(self):
         return (open, (os.environ["PLANTED_MARKER"], "w"))
@@ -235,3 +257,27 @@ def test_a_planted_metadata_is_never_unpickled(saved, tmp_path, monkeypatch):
     with open(os.path.join(newest, ".metadata"), "rb") as f:
         pickle.load(f)  # what torch's own reader would have done
     assert marker.exists()
+
+
+def _entry(files: dict) -> dict:
+    digest = files_digest(files)
+    return {"file": f"ckpt-000000000003-{digest[:16]}.dcp", "step": 3, "sha256": digest} | {
+        "files": files
+    }
+
+
+@pytest.mark.parametrize(
+    "files, why",
+    [
+        ({".metadata": "a" * 64}, "no list of files"),
+        ({".metadata": "a" * 64, "state.pt": "b" * 64, "../x": "c" * 64}, "not a sharded"),
+        ({".metadata": "a" * 64, "state.pt": "b" * 64, "__0_0.distcp": "c" * 63}, "is not one"),
+    ],
+)
+def test_a_hostile_sharded_entry_is_refused(files, why):
+    with pytest.raises(ValueError, match=why):
+        Entry.from_json(_entry(files))
+    good = _entry({".metadata": "a" * 64, "state.pt": "b" * 64})
+    assert Entry.from_json(good).files == ((".metadata", "a" * 64), ("state.pt", "b" * 64))
+    with pytest.raises(ValueError, match="do not give its sha256"):
+        Entry.from_json(good | {"files": {".metadata": "a" * 64, "state.pt": "c" * 64}})
