@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import random
 import subprocess
 import sys
 import textwrap
@@ -20,7 +21,14 @@ import torch
 import torch.nn as nn
 
 import _ckpt_helpers as helpers
-from elasticd.checkpoint import MANIFEST, CheckpointManager, Entry, capture, restore
+from elasticd.checkpoint import (
+    MANIFEST,
+    CheckpointManager,
+    Entry,
+    capture,
+    load_latest,
+    restore,
+)
 from elasticd.checkpoint.format import files_digest
 
 fsdp = pytest.importorskip("torch.distributed.fsdp")
@@ -211,6 +219,52 @@ def test_a_directory_the_manifest_does_not_name_is_removed(saved):
         listed = [e["file"] for e in json.load(f)["checkpoints"]]
     assert [int(n[5:17]) for n in listed] == [3, 6, 7]
     assert sorted(n for n in os.listdir(copy) if n.endswith(".dcp")) == listed
+
+
+def save_forever(rank: int, world: int, disk: str) -> None:
+    """Sharded saves back to back until killed; every value of checkpoint `step` is `step`."""
+    model, opt = _model(0)
+    _step(model, opt)
+    mgr = CheckpointManager(disk, handle_sigterm=False, keep=2)
+    state = mgr.load_latest()  # resumes as a restarted job does
+    step = restore(state, model=model, optimizer=opt)["step"] if state else 0
+    while True:
+        step += 1
+        with torch.no_grad():
+            for p in model.parameters():
+                p.to_local().fill_(float(step))
+        mgr.save(step, capture(model=model, optimizer=opt, step=step))
+
+
+def test_a_crash_at_any_instant_leaves_a_checkpoint_that_loads(tmp_path):
+    """SIGKILL both ranks saving back to back, at random instants: the directory always loads a
+    whole checkpoint (no torn one is ever listed) and the next writer sweeps what they left."""
+    disk, rng, last = str(tmp_path / "disk"), random.Random(7), 0
+    for i in range(8):
+        procs = helpers.start(save_forever, 2, tmp_path, disk)
+        try:
+            deadline = time.monotonic() + 30
+            while i == 0 and not os.path.exists(os.path.join(disk, MANIFEST)):
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            time.sleep(rng.uniform(0.5, 1.5))
+        finally:
+            for p in procs:
+                p.kill()
+            for p in procs:
+                p.join(10)
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+        with structlog.testing.capture_logs() as logs:
+            state = load_latest(disk)
+        assert not [e for e in logs if e["event"] == "checkpoint_skipped"], logs
+        step = restore(state, model=model)["step"]
+        assert all(torch.equal(p, torch.full_like(p, float(step))) for p in model.parameters())
+        assert step >= last
+        last = step
+    assert last > 8, last
+    helpers.run(save_once, 1, tmp_path, disk, timeout=120)
+    assert not [n for n in os.listdir(disk) if n.endswith(".tmp")]
+    assert len([n for n in os.listdir(disk) if n.endswith(".dcp")]) == 3
 
 
 class _Planted:
