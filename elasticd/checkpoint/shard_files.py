@@ -94,6 +94,22 @@ def _sha256(path: str) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
+def _why(e: BaseException) -> tuple[str, BaseException]:
+    """A failure in one line, and the exception to raise for it: DCP's CheckpointException
+    (a BaseException holding each rank's failure, its text a traceback) becomes the first
+    rank's OSError (so a full disk is still told as one) or an OSError with every rank's words."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        # each (exception, its stack) in torch 2.13
+        failures = {r: x[0] if isinstance(x, tuple) and x else x for r, x in failures.items()}
+        words = "; ".join(f"rank {r}: {type(x).__name__}: {x}" for r, x in failures.items())
+        words = " ".join(words.split())[:500]
+        first = next((x for x in failures.values() if isinstance(x, OSError)), None)
+        return words, first or OSError(words)
+    words = " ".join(f"{type(e).__name__}: {e}".split())[:500]
+    return words, e if isinstance(e, Exception) else OSError(words)
+
+
 def _fsync(path: str, flags: int = os.O_RDONLY) -> None:
     fd = os.open(path, flags)
     try:
@@ -128,7 +144,7 @@ class ShardedSaver:
         return Job(step, meta, shards, rest if rank() == 0 else None)
 
     def _agree(self, mine: str) -> list[str]:
-        """Every rank's word (an error, or "" for none), in rank order."""
+        """Every rank's word (JSON, or "!" and an error), in rank order."""
         if self._group is None:
             return [mine]
         return [bytes(b).decode() for b in all_gather_bytes(mine.encode(), self._group)]
@@ -136,38 +152,38 @@ class ShardedSaver:
     def commit(self, job: Job) -> Entry:
         """Write, verify and commit one save; raises on every rank when any rank failed."""
         lead = rank() == 0
-        tmp, err = "", ""
+        tmp, err, mine = "", "", None  # mine: this rank's own failure, raised as it is
         if lead:
             try:
                 tmp = self._prepare(job)
-            except Exception as e:  # noqa: BLE001 - reported to every rank below
-                err = f"{type(e).__name__}: {e}"
+            except BaseException as e:  # noqa: BLE001 - reported to every rank below
+                err, mine = _why(e)
         if self._group is not None:
             got = broadcast_bytes((tmp or "").encode(), 0, self._group)
             tmp = bytes(got).decode() if not lead else tmp
         if not tmp:
-            raise OSError(err or "rank 0 could not prepare the checkpoint's directory")
+            raise mine or OSError("rank 0 could not prepare the checkpoint's directory")
         path = os.path.join(self.directory, tmp)
         try:
             files = self._write(path, job)
-        except Exception as e:  # noqa: BLE001 - every rank learns of it below
-            files, err = {}, f"rank {rank()}: {type(e).__name__}: {e}"
+        except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is one
+            files, (err, mine) = {}, _why(e)
         words = self._agree(json.dumps(files) if not err else "!" + err)
         failed = [w[1:] for w in words if w.startswith("!")]
         if failed:
             if lead:
                 remove_checkpoint(self.directory, tmp)
-            raise OSError("; ".join(failed))
+            raise mine or OSError("; ".join(failed))
         entry = None
         if lead:
             try:
                 entry = self._publish(path, job, words)
-            except Exception as e:  # noqa: BLE001 - every rank learns of it below
+            except BaseException as e:  # noqa: BLE001 - every rank learns of it below
                 remove_checkpoint(self.directory, tmp)
-                err = f"{type(e).__name__}: {e}"
+                err, mine = _why(e)
         word = self._agree(json.dumps(entry.to_json()) if entry else "!" + err)[0]
         if word.startswith("!"):
-            raise OSError(word[1:])
+            raise mine or OSError(word[1:])
         return Entry.from_json(json.loads(word))
 
     def _prepare(self, job: Job) -> str:

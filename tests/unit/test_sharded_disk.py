@@ -23,6 +23,7 @@ import torch.nn as nn
 import _ckpt_helpers as helpers
 from elasticd.checkpoint import (
     MANIFEST,
+    CheckpointError,
     CheckpointManager,
     Entry,
     capture,
@@ -265,6 +266,39 @@ def test_a_crash_at_any_instant_leaves_a_checkpoint_that_loads(tmp_path):
     helpers.run(save_once, 1, tmp_path, disk, timeout=120)
     assert not [n for n in os.listdir(disk) if n.endswith(".tmp")]
     assert len([n for n in os.listdir(disk) if n.endswith(".dcp")]) == 3
+
+
+def one_rank_cannot_write(rank: int, world: int, disk: str) -> None:
+    """Rank 1's shard write fails (a file size limit, as a full disk): every rank reports the
+    failed save, none hangs, the previous checkpoint stays latest, the next save succeeds."""
+    import resource
+    import signal
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of a kill
+    model, opt = _model(0)
+    _step(model, opt)
+    mgr = CheckpointManager(disk, handle_sigterm=False)
+    mgr.save(1, capture(model=model, optimizer=opt, step=1))
+    mgr.wait()
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if rank == 1:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1000, hard))
+    mgr.save(2, capture(model=model, optimizer=opt, step=2))
+    with pytest.raises(CheckpointError, match="File too large.*the previous checkpoint is intact"):
+        mgr.wait()
+    resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert mgr.last_saved.step == 1
+    mgr.save(3, capture(model=model, optimizer=opt, step=3))
+    mgr.close()
+    assert restore(mgr.load_latest(), model=model, optimizer=opt) == {"step": 3}
+    with open(os.path.join(disk, MANIFEST)) as f:
+        assert [e["step"] for e in json.load(f)["checkpoints"]] == [1, 3]
+
+
+def test_a_rank_that_cannot_write_fails_the_save_on_every_rank(tmp_path):
+    helpers.run(one_rank_cannot_write, 2, tmp_path, str(tmp_path / "disk"), timeout=120)
+    left = [n for n in os.listdir(tmp_path / "disk") if n.endswith(".tmp")]
+    assert not left, [os.listdir(tmp_path / "disk" / n) for n in left]
 
 
 class _Planted:
