@@ -113,9 +113,9 @@ def wrapped(cls: type, at: Any, cannot: str) -> TypeError:
     return TypeError(
         f"{where(at)}: a {cls.__module__}.{cls.__qualname__} (a tensor subclass that wraps "
         f"others, as the DTensors of FSDP2's fully_shard and tensor parallel do) cannot be "
-        f"{cannot}; pass the model to capture() (a sharded model's state goes to disk "
-        f"checkpoints through torch.distributed.checkpoint; the in-memory state holds "
-        f"replicated (DDP) state only)"
+        f"{cannot}; elasticd takes sharded state only as capture()'s model and optimizer, "
+        f"for disk checkpoints (through torch.distributed.checkpoint); the in-memory state "
+        f"holds replicated (DDP) state only"
     )
 
 
