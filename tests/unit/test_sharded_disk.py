@@ -35,12 +35,21 @@ from elasticd.checkpoint.format import files_digest
 fsdp = pytest.importorskip("torch.distributed.fsdp")
 
 
-def _model(seed: int):
-    """A model whose 1x8 layer shards unevenly (rank 1 holds an empty shard on 2 ranks)."""
+def _model(seed: int, kind: str = "fsdp"):
+    """FSDP2: a model whose 1x8 layer shards unevenly (rank 1 holds an empty shard on 2 ranks).
+    Tensor parallel: the first layer column-wise, the second row-wise, on a 1-D mesh."""
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
-    for layer in (model[0], model[2], model):
-        fsdp.fully_shard(layer)
+    if kind == "tp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import parallel as tp
+
+        mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+        plan = {"0": tp.ColwiseParallel(), "2": tp.RowwiseParallel()}
+        tp.parallelize_module(model, mesh, plan)
+    else:
+        for layer in (model[0], model[2], model):
+            fsdp.fully_shard(layer)
     return model, torch.optim.Adam(model.parameters(), lr=0.01)
 
 
@@ -65,8 +74,8 @@ def _same(a: dict, b: dict) -> None:
         assert torch.equal(a[k], b[k]), k
 
 
-def train_and_resume(rank: int, world: int, disk: str, out: str) -> None:
-    model, opt = _model(0)
+def train_and_resume(rank: int, world: int, disk: str, out: str, kind: str = "fsdp") -> None:
+    model, opt = _model(0, kind)
     mgr = CheckpointManager(disk, handle_sigterm=False, every_steps=3, keep=2)
     stalls = []
     for step in range(1, 7):
@@ -83,7 +92,7 @@ def train_and_resume(rank: int, world: int, disk: str, out: str) -> None:
         with open(os.path.join(out, "times.json"), "w") as f:
             json.dump({"stall": max(stalls), "write": mgr.last_write}, f)
 
-    model, opt = _model(1)  # other weights: restore must overwrite them all
+    model, opt = _model(1, kind)  # other weights: restore must overwrite them all
     torch.manual_seed(123)
     mgr = CheckpointManager(disk, handle_sigterm=False, every_steps=3, keep=2)
     t0 = time.perf_counter()
@@ -109,8 +118,9 @@ def load_at_world(rank: int, world: int, disk: str, out: str, step: int) -> None
         state = mgr.load_latest()
     assert mgr.loaded is not None and mgr.loaded.step == step, logs
     assert restore(state, model=model, optimizer=opt) == {"step": step}
-    if step == 6:
-        _same(_full(model, opt), torch.load(os.path.join(out, "at6.pt")))
+    ref = os.path.join(out, f"at{step}.pt")
+    if os.path.exists(ref):
+        _same(_full(model, opt), torch.load(ref))
     skipped = [e for e in logs if e["event"] == "checkpoint_skipped"]
     with open(os.path.join(out, f"skipped{rank}.json"), "w") as f:
         json.dump([e["reason"] for e in skipped], f)
@@ -201,11 +211,27 @@ def test_an_unsharded_model_in_one_process_reads_it(saved):
     helpers.run(load_unsharded, 1, tmp, disk, out, distributed=False, timeout=120)
 
 
-def save_once(rank: int, world: int, disk: str) -> None:
+def save_once(rank: int, world: int, disk: str, out: str | None = None) -> None:
     model, opt = _model(2)
     _step(model, opt)
     with CheckpointManager(disk, handle_sigterm=False) as mgr:
         mgr.save(7, capture(model=model, optimizer=opt, step=7))
+    full = _full(model, opt)
+    if out is not None and rank == 0:
+        torch.save(full, os.path.join(out, "at7.pt"))
+
+
+def test_one_rank_grows_to_two(tmp_path):
+    disk, out = str(tmp_path / "disk"), str(tmp_path / "out")
+    os.mkdir(out)
+    helpers.run(save_once, 1, tmp_path, disk, out, timeout=120)
+    helpers.run(load_at_world, 2, tmp_path, disk, out, 7, timeout=120)
+
+
+def test_tensor_parallel_save_and_resume_is_bit_exact(tmp_path):
+    disk, out = str(tmp_path / "disk"), str(tmp_path / "out")
+    os.mkdir(out)
+    helpers.run(train_and_resume, 2, tmp_path, disk, out, "tp", timeout=120)
 
 
 def test_a_directory_the_manifest_does_not_name_is_removed(saved):
