@@ -225,8 +225,11 @@ class ShardedSaver:
         digest = files_digest(files)
         name = f"ckpt-{job.step:012d}-{digest[:16]}.dcp"
         d = self.directory
-        remove_checkpoint(d, name)  # the same step and bytes saved again
-        os.rename(path, os.path.join(d, name))
+        if _verify(d, _named(name, files), 0, 1):  # else the same files are there already
+            remove_checkpoint(d, name)  # a torn or damaged copy under the same name
+            os.rename(path, os.path.join(d, name))
+        else:
+            remove_checkpoint(d, os.path.basename(path))
         _fsync(d, os.O_RDONLY | os.O_DIRECTORY)
         size = sum(os.path.getsize(os.path.join(d, name, f)) for f in files)
         entry = Entry(
@@ -264,6 +267,10 @@ def _remove_unlisted(directory: str) -> None:
     for name in os.listdir(directory):
         if SHARDED_NAME.match(name) and name not in known:
             remove_checkpoint(directory, name)
+
+
+def _named(name: str, files: dict[str, str]) -> Entry:
+    return Entry(file=name, step=0, files=tuple(sorted(files.items())))
 
 
 # -- loading ------------------------------------------------------------------------------------
