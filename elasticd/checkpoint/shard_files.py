@@ -15,9 +15,10 @@ RNG, sampler, scheduler, user values; loaded with weights_only=True).
 Loading: every rank reads the shared directory. The ranks verify the files' sha256 against the
 manifest (each a share of the shards, every rank `.metadata` and `state.pt`) and agree before
 choosing, so a corrupt newest checkpoint makes every rank fall back together. DCP unpickles
-`.metadata` with plain pickle: it is read only through VerifiedReader, which checks the bytes
-against the manifest's sha256 before unpickling them, and the byte items in the shards go through
-torch.load(weights_only=True) (SafeLoadPlanner), so a planted file never runs code.
+`.metadata` with plain pickle: it is read only through verified_reader, which checks the bytes
+against the manifest's sha256 and then unpickles them with only the classes DCP's metadata uses
+(MetadataUnpickler), and the byte items in the shards go through torch.load(weights_only=True)
+(SafeLoadPlanner), so a planted file never runs code, even with a manifest rewritten to match.
 """
 
 from __future__ import annotations
@@ -381,6 +382,40 @@ def _planner():
     return SafeLoadPlanner()
 
 
+# What DCP's `.metadata` pickle holds (torch 2.13), and nothing else: a manifest someone rewrote
+# to match a planted file still cannot make it run code (the weights_only rule, for DCP's file).
+_METADATA_CLASSES = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"PosixPath", "PurePosixPath"},
+    "collections": {"OrderedDict"},
+}
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """DCP's `.metadata`, unpickled with only the classes its format uses (and torch's dtypes)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _METADATA_CLASSES.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(
+            f"{module}.{name} is not part of a checkpoint's metadata: refused, not loaded"
+        )
+
+
 def verified_reader(on_disk: OnDisk):
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
@@ -395,7 +430,7 @@ def verified_reader(on_disk: OnDisk):
                 data = f.read()
             if hashlib.sha256(data).hexdigest() != on_disk.metadata_sha256:
                 raise ValueError(f"{name}: checksum mismatch; not unpickled")
-            metadata = pickle.loads(data)
+            metadata = MetadataUnpickler(io.BytesIO(data)).load()
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id

@@ -6,6 +6,7 @@ fall back to the previous checkpoint, and the planted file is never unpickled.""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pickle
@@ -29,6 +30,7 @@ from elasticd.checkpoint import (
     capture,
     load_latest,
     restore,
+    shard_files,
 )
 from elasticd.checkpoint.format import files_digest
 
@@ -371,6 +373,19 @@ def test_a_planted_metadata_is_never_unpickled(saved, tmp_path, monkeypatch):
     with open(os.path.join(newest, ".metadata"), "rb") as f:
         pickle.load(f)  # what torch's own reader would have done
     assert marker.exists()
+
+
+def test_a_planted_metadata_that_the_manifest_names_still_runs_nothing(tmp_path, monkeypatch):
+    """Whoever can rewrite the manifest too gets past the checksum: DCP's `.metadata` is then
+    read with only the classes its format uses, so the planted pickle runs nothing."""
+    marker = tmp_path / "ran"
+    monkeypatch.setenv("PLANTED_MARKER", str(marker))
+    data = pickle.dumps(_Planted())
+    (tmp_path / ".metadata").write_bytes(data)
+    on_disk = shard_files.OnDisk(str(tmp_path), hashlib.sha256(data).hexdigest(), ("model",))
+    with pytest.raises(pickle.UnpicklingError, match="not part of a checkpoint's metadata"):
+        shard_files.verified_reader(on_disk).read_metadata()
+    assert not marker.exists()
 
 
 def _entry(files: dict) -> dict:
