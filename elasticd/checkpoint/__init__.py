@@ -1,4 +1,5 @@
-"""Rank-0 checkpoints that survive a crash at any instant, and an exact resume.
+"""Checkpoints that survive a crash at any instant, and an exact resume: rank 0 writes a
+replicated (DDP) state, every rank its own shards of a sharded (FSDP2) one.
 
 Adopting it in a DDP loop (the same code runs under elasticd, torchrun or as one process):
 
@@ -20,11 +21,12 @@ the save/stop decisions are agreed across ranks, so those calls are collectives.
 The modules, one concern each: format (the directory's layout and manifest, torch-free: all the
 daemon reads), files (write, verify, load and broadcast checkpoint files), collectives (bytes
 between ranks over gloo), walk and snapshot (what a state may hold; its host copy), state and rng
-(capture/restore; RNG states), stop (SIGTERM and its watchdog), memory (the in-memory state's
-slot files in /dev/shm), overlap (their device copies overlapping the next step), memory_state
-(the in-memory state's cadence, refreshes and resume) and manager (CheckpointManager). Importing
-this package imports torch only once a name that needs it is used, so `elasticd.checkpoint.format`
-stays cheap.
+(capture/restore; RNG states), sharded and shard_files (a sharded model's state through
+torch.distributed.checkpoint's state_dict API; its checkpoints in DCP's format), stop (SIGTERM and
+its watchdog), memory (the in-memory state's slot files in /dev/shm), overlap (their device copies
+overlapping the next step), memory_state (the in-memory state's cadence, refreshes and resume) and
+manager (CheckpointManager). Importing this package imports torch only once a name that needs it is
+used, so `elasticd.checkpoint.format` stays cheap.
 
 A worker-side library: it runs in the user's training processes and imports nothing of the
 daemon, cluster, control or ops packages (tests/unit/test_layout.py checks it). The daemon reads the

@@ -19,6 +19,7 @@ import structlog
 import torch
 import torch.distributed as dist
 
+from elasticd.checkpoint import shard_files
 from elasticd.checkpoint.collectives import (
     all_gather_ints,
     broadcast_bytes,
@@ -157,6 +158,11 @@ def _first_good(
     while found:
         entry = found.pop(0)
         path = os.path.join(directory, entry.file)
+        if entry.files is not None:  # sharded: this process reads every file
+            state = shard_files.open_agreed(directory, entry, None)
+            if state is not None:
+                return None, {"state": state}, entry
+            continue
         try:
             data, payload = _read_verified(path, entry.sha256, for_broadcast=for_broadcast)
         except (OSError, ValueError) as e:
@@ -196,7 +202,9 @@ def load_latest_entry(
             return None
         src = steps.index(best)
         header, data, state = b"", b"", None
-        if dist.get_rank() == src:
+        if dist.get_rank() == src and mine[0].files is not None:
+            header = json.dumps(mine[0].to_json()).encode()  # sharded: every rank reads it
+        elif dist.get_rank() == src:
             entry = mine[0]
             got = _first_good(directory, mine[:1], for_broadcast=True)
             mine.pop(0)
@@ -207,8 +215,14 @@ def load_latest_entry(
         header = broadcast_bytes(header, src, group)
         if not header:
             continue  # the sender's newest did not verify: every rank asks again
-        data = broadcast_bytes(data, src, group)
         entry = Entry.from_json(json.loads(bytes(header)))
+        if entry.files is not None:
+            mine = [e for e in mine if e.file != entry.file]
+            state = shard_files.open_agreed(directory, entry, group)
+            if state is None:
+                continue  # some rank could not verify it: every rank asks again
+            return state, entry
+        data = broadcast_bytes(data, src, group)
         if state is None:
             payload = from_bytes(data)
             check_payload(payload)

@@ -7,6 +7,12 @@ Directory layout (format 1; a newer elasticd keeps reading it):
     manifest.json                       {"format": 1, "latest": file, "checkpoints": [entry, ...]}
                                         entries oldest first: file, step, epoch, position,
                                         world_size, time, bytes, sha256
+    ckpt-<step:012d>-<sha256[:16]>.dcp/ a sharded checkpoint (elasticd.checkpoint.shard_files):
+                                        torch.distributed.checkpoint's `.metadata` and
+                                        `__<rank>_<n>.distcp`, plus `state.pt` (the rest of the
+                                        state); its entry lists every file's sha256 (`files`), the
+                                        name carries the sha256 of that list; it counts only once
+                                        the manifest names it (the manifest is written last)
     .ckpt-*.tmp / .manifest-*.tmp       writes in progress; removed by the next writer
 A checkpoint file appears only by os.replace of a fully written and fsynced temporary file, and
 the directory is fsynced after, so a crash leaves the old or the new checkpoint, never a torn one.
@@ -17,9 +23,11 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import hashlib
 import json
 import os
 import re
+import shutil
 import stat
 import uuid
 from collections.abc import Callable, Mapping
@@ -32,6 +40,9 @@ from elasticd import names
 FORMAT = 1  # of the manifest and of the payload inside each checkpoint file
 MANIFEST = "manifest.json"
 NAME = re.compile(r"^ckpt-(\d{12,})-([0-9a-f]{16})\.pt$")
+SHARDED_NAME = re.compile(r"^ckpt-(\d{12,})-([0-9a-f]{16})\.dcp$")
+SHARD_FILE = re.compile(r"^(?:\.metadata|state\.pt|__\d{1,9}_\d{1,9}\.distcp)$")
+_FULL_SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _TEMP = re.compile(r"^\.(ckpt|manifest)-.*\.tmp$")
 _SHA256 = re.compile(
     r"^[0-9a-f]{16}(?:[0-9a-f]{48})?$"
@@ -55,9 +66,16 @@ class Entry:
     time: float = 0.0  # wall clock (time.time()) when the state was captured
     bytes: int = 0
     sha256: str = ""
+    # a sharded checkpoint's files and their sha256, sorted by name; None for a .pt file
+    files: tuple[tuple[str, str], ...] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        if self.files is None:
+            del d["files"]
+        else:
+            d["files"] = dict(self.files)
+        return d
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> Entry:
@@ -69,6 +87,7 @@ class Entry:
         if not isinstance(d, Mapping):
             raise ValueError(f"a checkpoint entry is not an object: {_quote(d)}")
         m = NAME.match(d["file"]) if isinstance(d.get("file"), str) else None
+        m = m or (SHARDED_NAME.match(d["file"]) if isinstance(d.get("file"), str) else None)
         if not m:
             raise ValueError(f"not a checkpoint file name: {_quote(d.get('file'))}")
         step = _whole(d, "step", required=True)
@@ -91,7 +110,30 @@ class Entry:
             time=float(t),
             bytes=_whole(d, "bytes") or 0,
             sha256=sha,
+            files=_files(d, sha) if SHARDED_NAME.match(d["file"]) else None,
         )
+
+
+def files_digest(files: Mapping[str, str]) -> str:
+    """A sharded checkpoint's checksum: the sha256 of its files' names and sha256s."""
+    lines = "".join(f"{name} {files[name]}\n" for name in sorted(files))
+    return hashlib.sha256(lines.encode()).hexdigest()
+
+
+def _files(d: Mapping[str, Any], sha: str) -> tuple[tuple[str, str], ...]:
+    """A sharded entry's `files`: names DCP and elasticd write, in the directory itself, each
+    with a full sha256, whose digest is the entry's."""
+    files = d.get("files")
+    if not isinstance(files, Mapping) or not {".metadata", "state.pt"} <= set(files):
+        raise ValueError(f"{d['file']}: no list of files with .metadata and state.pt")
+    for name, digest in files.items():
+        if not isinstance(name, str) or not SHARD_FILE.match(name):
+            raise ValueError(f"{d['file']}: not a sharded checkpoint's file: {_quote(name)}")
+        if not isinstance(digest, str) or not _FULL_SHA256.match(digest):
+            raise ValueError(f"{d['file']}: {name}'s sha256 {_quote(digest)} is not one")
+    if not files_digest(files).startswith(sha):
+        raise ValueError(f"{d['file']}: its files' checksums do not give its sha256")
+    return tuple(sorted(files.items()))
 
 
 def file_name(step: int, sha256: str) -> str:
@@ -176,13 +218,22 @@ def atomic_write(
 
 
 def remove_temporaries(directory: str) -> None:
-    """Temporary files of a writer that died."""
+    """Temporary files (and a sharded save's temporary directories) of a writer that died."""
     for name in os.listdir(directory):
         if _TEMP.match(name):
-            try:
-                os.unlink(os.path.join(directory, name))
-            except OSError:
-                pass
+            remove_checkpoint(directory, name)
+
+
+def remove_checkpoint(directory: str, name: str) -> None:
+    """A checkpoint file, or a sharded checkpoint's directory (never through a symlink)."""
+    path = os.path.join(directory, name)
+    try:
+        if stat.S_ISDIR(os.lstat(path).st_mode):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            os.unlink(path)
+    except OSError:
+        pass
 
 
 def write_manifest(directory: str, entries: list[Entry]) -> None:
@@ -292,4 +343,6 @@ def latest_info(directory: str | os.PathLike) -> dict[str, Any] | None:
     found = candidates(directory)
     if not found:
         return None
-    return {**found[0].to_json(), "path": os.path.join(os.fspath(directory), found[0].file)}
+    info = found[0].to_json()
+    info.pop("files", None)  # a sharded checkpoint's list: one row per rank's file, not for status
+    return {**info, "path": os.path.join(os.fspath(directory), found[0].file)}

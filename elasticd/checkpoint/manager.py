@@ -16,12 +16,13 @@ import torch.distributed as dist
 
 import elasticd
 from elasticd import names
-from elasticd.checkpoint import files, stop
+from elasticd.checkpoint import files, shard_files, sharded, stop
 from elasticd.checkpoint.collectives import cpu_group, dist_on, rank, world
 from elasticd.checkpoint.format import (
     FORMAT,
     Entry,
     candidates,
+    remove_checkpoint,
     remove_temporaries,
     resolve_dir,
     write_manifest,
@@ -122,6 +123,7 @@ class CheckpointManager:
         self._agreed = False  # a maybe_save agreed on the stop flag since should_stop last asked
         self._calls = 0
         self._snap = Snapshot()
+        self._shards: shard_files.ShardedSaver | None = None  # made at the first sharded save
         self._stop = stop.PROCESS
         self._signals = stop.install_sigterm_handler(stop_timeout) if handle_sigterm else False
         self._memory = MemoryState(memory_dir, memory_every, memory_budget, memory_overlap)
@@ -195,7 +197,8 @@ class CheckpointManager:
         self._join()
         state = state() if callable(state) else state
         self._last_step, self._last_time = int(step), time.monotonic()
-        if rank() != 0:
+        shards = sharded.holds_shards(state)
+        if rank() != 0 and not shards:
             self.last_stall = time.perf_counter() - t0
             self._report_stall()
             return self.last_stall
@@ -210,15 +213,20 @@ class CheckpointManager:
             "world_size": world(),
             "time": time.time(),
         }
-        payload = {
-            "format": FORMAT,
-            "step": int(step),
-            "meta": meta,
-            "state": self._snap.take(state),
-        }
-        self._thread = threading.Thread(
-            target=self._persist, args=(payload, meta), name="elasticd-checkpoint-writer"
-        )
+        if shards:  # every rank writes its own shards (elasticd.checkpoint.shard_files)
+            if self._shards is None:
+                self._shards = shard_files.ShardedSaver(self.directory, self.keep)
+            job = self._shards.stage(int(step), state, meta)
+            target, args = self._persist_shards, (job,)
+        else:
+            payload = {
+                "format": FORMAT,
+                "step": int(step),
+                "meta": meta,
+                "state": self._snap.take(state),
+            }
+            target, args = self._persist, (payload, meta)
+        self._thread = threading.Thread(target=target, args=args, name="elasticd-checkpoint-writer")
         self._thread.start()
         self.last_stall = time.perf_counter() - t0
         self._report_stall()
@@ -248,35 +256,44 @@ class CheckpointManager:
             self._entries = kept
             live = {e.file for e in kept}
             for name in {e.file for e in before} - live:
-                try:
-                    os.unlink(os.path.join(d, name))
-                except FileNotFoundError:
-                    pass
-            self.last_saved = entry
-            self.last_write = time.perf_counter() - t0
-            writer = _figures()
-            if (
-                writer is not None
-            ):  # two stores from this thread; the training thread writes other fields
-                writer.add("save_write_total", self.last_write)
-                writer.note("save_write_last", self.last_write)
-            log.info(
-                "checkpoint_saved",
-                path=os.path.join(d, entry.file),
-                step=entry.step,
-                bytes=entry.bytes,
-                seconds=round(self.last_write, 3),
-            )
+                remove_checkpoint(d, name)
+            self._saved(entry, t0)
         except BaseException as e:  # noqa: BLE001 - reported to the training thread
-            self._error = e
             self._entries = None  # re-read the directory next time
-            log.error(
-                "checkpoint_save_failed",
-                directory=d,
-                step=payload["step"],
-                error=_failure(d, e),
-                latest=self.last_saved and self.last_saved.file,
-            )
+            self._failed(payload["step"], e)
+
+    def _persist_shards(self, job: shard_files.Job) -> None:
+        t0 = time.perf_counter()
+        try:
+            assert self._shards is not None
+            self._saved(self._shards.commit(job), t0)
+        except BaseException as e:  # noqa: BLE001 - reported to the training thread
+            self._failed(job.step, e)
+
+    def _saved(self, entry: Entry, t0: float) -> None:
+        self.last_saved = entry
+        self.last_write = time.perf_counter() - t0
+        writer = _figures()
+        if writer is not None:  # two stores from this thread; the training thread writes others
+            writer.add("save_write_total", self.last_write)
+            writer.note("save_write_last", self.last_write)
+        log.info(
+            "checkpoint_saved",
+            path=os.path.join(self.directory, entry.file),
+            step=entry.step,
+            bytes=entry.bytes,
+            seconds=round(self.last_write, 3),
+        )
+
+    def _failed(self, step: int, e: BaseException) -> None:
+        self._error = e
+        log.error(
+            "checkpoint_save_failed",
+            directory=self.directory,
+            step=step,
+            error=_failure(self.directory, e),
+            latest=self.last_saved and self.last_saved.file,
+        )
 
     def _join(self) -> None:
         if self._thread is not None:

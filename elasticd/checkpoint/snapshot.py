@@ -30,12 +30,15 @@ class Snapshot:
     def take(self, state: Any) -> Any:
         self._old, self.buffers, self._device = self.buffers, [], False
         try:
-            out = walk(state, self)
+            out = self.visit(state)
             if self._device and torch.cuda.is_available():
                 torch.cuda.synchronize()  # the non_blocking copies have landed
             return out
         finally:
             self._old = []
+
+    def visit(self, state: Any) -> Any:
+        return walk(state, self)
 
     def tensor(self, t: torch.Tensor, at: Any) -> torch.Tensor:
         t = t.detach()

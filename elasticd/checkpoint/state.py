@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from elasticd.checkpoint import rng as rng_state
+from elasticd.checkpoint import shard_files, sharded
 from elasticd.checkpoint.collectives import (
     all_gather_bytes,
     cpu_group,
@@ -78,8 +79,14 @@ def capture(
     rng_only = refresh is not None and not refresh.whole
     owned = refresh.owned if refresh is not None else None
     if model is not None and not rng_only:
-        # an in-memory refresh copies the parameters at once: no detached alias of each is needed
-        state["model"] = unwrap_model(model).state_dict(keep_vars=refresh is not None)
+        if refresh is None and sharded.is_sharded(model):
+            # each rank its own shards, the optimizer's state keyed by FQN (nothing gathered)
+            state["model"], osd = sharded.state_dicts(unwrap_model(model), optimizer)
+            if osd is not None:
+                state["optimizer"], optimizer = osd, None
+        else:
+            # an in-memory refresh copies the parameters at once: no detached alias is needed
+            state["model"] = unwrap_model(model).state_dict(keep_vars=refresh is not None)
     for key, obj in (
         ("optimizer", optimizer),
         ("scheduler", scheduler),
@@ -129,6 +136,13 @@ def restore(
     derived from the checkpoint and its rank. RNG comes last, after everything that is loaded."""
     from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
+    if model is not None and (
+        sharded.is_sharded(model) or isinstance(state.get("model"), shard_files.OnDisk)
+    ):
+        # through set_state_dict (a sharded checkpoint on disk is read first, resharded by DCP)
+        _missing(state, "model", *(("optimizer",) if optimizer is not None else ()))
+        shard_files.restore(state, unwrap_model(model), optimizer, strict)
+        model = optimizer = None
     for key, obj in (
         ("model", model),
         ("optimizer", optimizer),
@@ -138,10 +152,7 @@ def restore(
     ):
         if obj is None:
             continue
-        if key not in state:
-            raise KeyError(
-                f"the checkpoint has no {key!r} state (it has: {', '.join(sorted(state))})"
-            )
+        _missing(state, key)
         if key == "model":
             sd = OrderedDict(state["model"])
             consume_prefix_in_state_dict_if_present(sd, "module.")  # a checkpoint saved from DDP
@@ -160,3 +171,11 @@ def restore(
             if np is not None:
                 np.random.seed(seed % 2**32)
     return dict(state.get("user", {}))
+
+
+def _missing(state: Mapping[str, Any], *keys: str) -> None:
+    for key in keys:
+        if key not in state:
+            raise KeyError(
+                f"the checkpoint has no {key!r} state (it has: {', '.join(sorted(state))})"
+            )

@@ -2,7 +2,8 @@
 disk snapshot (elasticd.checkpoint.snapshot) and the in-memory description
 (elasticd.checkpoint.memory.description).
 
-Allowed: tensors; None, bool, int, float, complex, str, bytes, bytearray; torch.Size, dtype and
+Allowed: tensors, but not subclasses that wrap others (the DTensor of a sharded model: FSDP2,
+tensor parallel); None, bool, int, float, complex, str, bytes, bytearray; torch.Size, dtype and
 device; dicts (OrderedDict kept), lists, tuples, sets; numpy scalars and other numbers, which
 become Python's int or float; for the disk only, classes registered with
 torch.serialization.add_safe_globals. Anything else is refused in the caller's thread, naming
@@ -59,6 +60,8 @@ def walk(obj: Any, enc: Encoding, at: Any = None) -> Any:
             cls is OrderedDict, [[walk(k, enc, at), walk(v, enc, (at, k))] for k, v in obj.items()]
         )
     if isinstance(obj, torch.Tensor):
+        if cls not in _TENSORS and hasattr(cls, "__tensor_flatten__") and not obj.is_nested:
+            raise wrapped(cls, at, enc.cannot)
         return enc.tensor(obj, at)
     if cls is list:
         return [walk(v, enc, (at, i)) for i, v in enumerate(obj)]
@@ -99,6 +102,20 @@ def refused(cls: type, at: Any, cannot: str) -> TypeError:
     return TypeError(
         f"{where(at)}: a {cls.__module__}.{cls.__qualname__} cannot be {cannot}; "
         "store tensors, numbers, strings, lists and dicts"
+    )
+
+
+def wrapped(cls: type, at: Any, cannot: str) -> TypeError:
+    """A tensor subclass that wraps other tensors (torch's traceable wrapper subclasses) has no
+    storage of its own: a DTensor, as FSDP2's fully_shard and tensor parallel make, holds only
+    this rank's shard. Neither a copy into a plain tensor nor the in-memory slot's memory copy
+    (its data_ptr() is 0) can take it."""
+    return TypeError(
+        f"{where(at)}: a {cls.__module__}.{cls.__qualname__} (a tensor subclass that wraps "
+        f"others, as the DTensors of FSDP2's fully_shard and tensor parallel do) cannot be "
+        f"{cannot}; elasticd takes sharded state only as capture()'s model and optimizer, "
+        f"for disk checkpoints (through torch.distributed.checkpoint); the in-memory state "
+        f"holds replicated (DDP) state only"
     )
 
 

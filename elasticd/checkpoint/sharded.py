@@ -1,0 +1,113 @@
+"""Sharded state: a model whose parameters are DTensors (FSDP2's fully_shard, tensor parallel).
+
+capture() and restore() take its state through torch.distributed.checkpoint.state_dict
+(get_state_dict / set_state_dict) with the sharded options: each rank holds its own shards,
+nothing is gathered, and the optimizer's state is keyed by parameter name (FQN), which is what
+resharding at another world size needs. HostCopy is the copy a disk save writes in the background
+(elasticd.checkpoint.shard_files): each rank's local shards in host buffers, still DTensors of the
+same spec, so torch.distributed.checkpoint writes each rank's own shards.
+
+A job that never imports torch.distributed.tensor (DDP) pays nothing here: the DTensor class is
+looked up in sys.modules, not imported.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from elasticd.checkpoint.snapshot import Snapshot
+
+# model -> whether any of its parameters is a DTensor (fully_shard is applied before training)
+_SHARDED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def dtensor_class() -> type | None:
+    """torch's DTensor class once something imported it (FSDP2, tensor parallel), else None."""
+    return getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+
+
+def is_sharded(model: torch.nn.Module | None) -> bool:
+    cls = dtensor_class()
+    if cls is None or model is None:
+        return False
+    known = _SHARDED.get(model)
+    if known is None:
+        known = _SHARDED[model] = any(isinstance(p, cls) for p in model.parameters())
+    return known
+
+
+def holds_shards(state: Any) -> bool:
+    """Whether a captured state's model (or optimizer) part holds DTensors: a sharded save."""
+    cls = dtensor_class()
+    if cls is None or not isinstance(state, Mapping):
+        return False
+    model = state.get("model")
+    if isinstance(model, Mapping) and any(isinstance(v, cls) for v in model.values()):
+        return True
+    optim = state.get("optimizer")
+    moments = optim.get("state") if isinstance(optim, Mapping) else None
+    return isinstance(moments, Mapping) and any(
+        isinstance(t, cls) for s in moments.values() if isinstance(s, Mapping) for t in s.values()
+    )
+
+
+def _options(strict: bool = True):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    # the defaults, spelled out: sharded (nothing gathered), left on the device (copied by the save)
+    return StateDictOptions(full_state_dict=False, cpu_offload=False, strict=strict)
+
+
+def state_dicts(model: torch.nn.Module, optimizer) -> tuple[dict, dict | None]:
+    """(model state, optimizer state keyed by FQN or None): DTensors aliasing the live shards."""
+    from torch.distributed.checkpoint import state_dict as sd
+
+    if optimizer is None:
+        return sd.get_model_state_dict(model, options=_options()), None
+    return sd.get_state_dict(model, optimizer, options=_options())
+
+
+def apply(
+    model: torch.nn.Module, optimizer, msd: Mapping, osd: Mapping | None, strict: bool
+) -> None:
+    """Load a model (and optimizer) state of state_dicts()'s form back: set_state_dict."""
+    from torch.distributed.checkpoint import state_dict as sd
+
+    if optimizer is None:
+        sd.set_model_state_dict(model, dict(msd), options=_options(strict))
+        return
+    sd.set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=dict(msd),
+        optim_state_dict=dict(osd or {}),
+        options=_options(strict),
+    )
+
+
+class HostCopy(Snapshot):
+    """Each rank's shards copied into host memory the training loop cannot change while the
+    background writer runs (Snapshot's reused buffers, in the order met). A DTensor comes back
+    as a DTensor of the same spec (mesh, placements, global shape) around the host copy of its
+    local shard, built without from_local, which would move it back to the mesh's device; a plain
+    tensor (the optimizer's step) as a plain host tensor; containers are rebuilt, other values
+    kept (torch.distributed.checkpoint writes them; Snapshot's walk would refuse the DTensors)."""
+
+    def visit(self, state: Any) -> Any:
+        return self._copy(state, dtensor_class())
+
+    def _copy(self, obj: Any, cls: type | None) -> Any:
+        if cls is not None and isinstance(obj, cls):
+            return cls(self.tensor(obj.to_local(), None), obj._spec, requires_grad=False)
+        if isinstance(obj, torch.Tensor):
+            return self.tensor(obj, None)
+        if isinstance(obj, Mapping):
+            return {k: self._copy(v, cls) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(self._copy(v, cls) for v in obj)
+        return obj
