@@ -39,9 +39,10 @@ def tail(path: Path, size: int = 256) -> bytes:
 
 def test_a_tqdm_bar_in_a_real_job_is_cheap_to_echo_and_kept_whole_in_the_log(daemons):
     """Thousands of tqdm redraws (no newline until the end): the daemon echoes a few prefixed
-    lines a second, holds no more memory and spends under 1% of a core in all while the bar runs
-    (its loop's own ticks included: 0.3-0.4% on the 2-core VM, with or without two busy loops on
-    it; the tee adds about 0.04%, waking when a redraw is due); the log keeps every byte."""
+    lines a second, holds no more memory, and the bar costs it under 1% of a core on top of its
+    loop's own ticks (measured just before: 0.3-0.5% alone on the 2-core VM, up to 2.2% late in a
+    full suite run; the tee adds about 0.04%, waking when a redraw is due), under 3% in all; the
+    log keeps every byte."""
     updates = 20000
     d = daemons(
         script("progress.py"),
@@ -82,4 +83,11 @@ def test_a_tqdm_bar_in_a_real_job_is_cheap_to_echo_and_kept_whole_in_the_log(dae
     assert all("\\r" not in ln for ln in bars) and f"{updates}/{updates}" in bars[-1], bars[-3:]
     assert len(bars) <= seconds / REDRAW_INTERVAL + 3, len(bars)
     assert rss - rss0 < 4 << 20, (rss0, rss)
-    assert seconds > 2 and not gone and busy < 0.01, (seconds, busy, quiet, gone)
+    # the bar's echo on top of the daemon's own ticks (measured just before, in the quiet phase:
+    # 0.4% alone, up to 2.2% in a full suite run), and a ceiling that a spinning tee would pass
+    assert seconds > 2 and not gone and busy - quiet < 0.01 and busy < 0.03, (
+        seconds,
+        busy,
+        quiet,
+        gone,
+    )
