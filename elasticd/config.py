@@ -208,6 +208,13 @@ class Config:
     peer_timeout: float = _setting(
         10.0, "a node silent this long is treated as lost (default {default:g} s)"
     )
+    deterministic_retries: int = _setting(
+        1,
+        "restarts a failure gets while it repeats identically (the same exception, numbers "
+        "masked, and innermost frame of user code, or the same exit code or signal, at the same "
+        "step) before the job stops as deterministic with exit code 6 (default {default}; 0: "
+        "never)",
+    )
     fatal_exit_codes: tuple[int, ...] = _setting(
         (), "comma-separated worker exit codes that fail the job without restart"
     )

@@ -33,6 +33,7 @@ from elasticd.config import (
 _RANGES: dict[str, tuple[float, float, bool]] = {
     "nproc_per_node": (1, max(MAX_NPROC, os.cpu_count() or 1), True),
     "max_restarts": (0, MAX_RESTARTS, True),
+    "deterministic_retries": (0, MAX_RESTARTS, True),
     "monitor_interval": (0.01, 10.0, True),
     **{
         k: (0.0, MAX_SECONDS, False)

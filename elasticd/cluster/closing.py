@@ -15,6 +15,7 @@ from elasticd.cluster import arrivals, silence, values
 from elasticd.cluster.closing_rule import Decision, Limits, budget_spent, decide, missing
 from elasticd.cluster.errors import RendezvousFailed
 from elasticd.cluster.timing import CLOSE_POLL
+from elasticd.daemon import triage
 
 if TYPE_CHECKING:
     from elasticd.cluster.rendezvous import Rendezvous
@@ -64,12 +65,37 @@ def _verdict(rz: Rendezvous, number: int, d: Decision, reason: dict) -> str:
     job's failure when that passes --max-restarts."""
     verdict: dict = {"members": d.members, "lost": d.lost}
     if d.spends:  # a failure, not a node lost: it costs the budget
+        verdict.update(_repeats(rz, number, reason))
+        if verdict["deterministic"]:
+            return json.dumps(verdict)
         failed = budget_spent(
             rz.spend_restart(number), rz.cfg.max_restarts, reason.get("summary", "?")
         )
         if failed is not None:
             verdict["failed"] = failed
     return json.dumps(verdict)
+
+
+def _repeats(rz: Rendezvous, number: int, reason: dict) -> dict:
+    """The repeat rule (daemon/triage.py) for the failure that ended round `number` - 1: its
+    signature against the one the previous closing recorded; the record this closing keeps, and
+    where the failure is deterministic, the job's end (every node reads it from the members)."""
+    sig = reason.get("sig", "")
+    prev_key = rz.round_key(number - 1, names.MEMBERS)
+    prev = rz.open(prev_key, rz.kv.get(prev_key), values.members) if number > 0 else None
+    previous = (prev["sig"], prev["repeats"]) if prev and prev["sig"] else None
+    count, deterministic = triage.repeats(previous, sig, rz.cfg.deterministic_retries)
+    record: dict = {"sig": sig if count else "", "repeats": count, "deterministic": deterministic}
+    if deterministic:
+        # rounds number - count .. number - 1 ended in it: attempts number - count + 1 .. number
+        first, last = number - count + 1, number
+        span = f"{first} and {last}" if count == 2 else f"{first} to {last}"
+        record["failed"] = (
+            f"deterministic failure: the same failure ({sig}) in attempts {span}, "
+            f"--deterministic-retries {rz.cfg.deterministic_retries}; not restarted: "
+            f"{reason.get('summary', '?')}"
+        )[: values.MAX_REASON]
+    return record
 
 
 def _too_few(rz: Rendezvous, count: int) -> str:

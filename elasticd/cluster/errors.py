@@ -23,6 +23,11 @@ class BudgetSpent(RendezvousFailed):
     """The round that would have followed a failure found the job's restart budget spent."""
 
 
+class Deterministic(BudgetSpent):
+    """The round after a failure found it the same failure, at the same step, as the attempts
+    before it (daemon/triage.py's repeat rule): restarting again would fail the same way."""
+
+
 class StoreUnreachable(Exception):
     """The store did not answer in time (a partition, a lost etcd quorum): stop the workers, and
     join again once it answers."""

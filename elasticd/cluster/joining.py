@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from elasticd import logs, names
 from elasticd.cluster import arrivals, closing, values
-from elasticd.cluster.errors import BudgetSpent, RendezvousFailed, store_call
+from elasticd.cluster.errors import BudgetSpent, Deterministic, RendezvousFailed, store_call
 from elasticd.cluster.rounds import Round
 from elasticd.cluster.timing import CLOSE_POLL, GARBAGE_BACKOFF, LOST_SILENCE, WAIT_SLICE
 
@@ -49,7 +49,7 @@ def _try_round(rz: Rendezvous, nproc: int, deadline: float) -> Round | None:
     )
     found = _members(rz, number, index, deadline)
     if found["failed"]:
-        raise BudgetSpent(found["failed"])
+        raise (Deterministic if found["deterministic"] else BudgetSpent)(found["failed"])
     ids = [m.node_id for m in found["members"]]
     if rz.node_id not in ids:  # late: take part in the next round
         log.info("rendezvous_waiting", round=number, arrival=index)

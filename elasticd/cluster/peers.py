@@ -31,6 +31,7 @@ from elasticd.cluster.timing import BEAT_EVERY, GARBAGE_BACKOFF, LOST_SILENCE, W
 from elasticd.config import Config
 from elasticd.daemon import supervise
 from elasticd.daemon.states import Failure, RestartCause, Scale
+from elasticd.daemon.triage import FailureClass
 from elasticd.worker.health import Beat
 
 log = logs.get("elasticd.peers")
@@ -190,6 +191,7 @@ class Peers:
                 RestartCause.PEER,
                 f"peer asked for restart: {reason.get('summary', reason)}",
                 node=reason.get("node", "?"),
+                failure_class=_known_class(reason.get("class", "")),
             )
         lost = self.lost_neighbour(rnd, now, beats)
         if lost is not None:
@@ -219,3 +221,9 @@ class Peers:
             node=self.node,
             lost=(node_id,),
         )
+
+
+def _known_class(value: str) -> str:
+    """A peer's failure class as its restart request says it; one we do not know is unknown."""
+    known = {c.value for c in FailureClass}
+    return value if value in known else FailureClass.UNKNOWN.value

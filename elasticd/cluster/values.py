@@ -129,10 +129,24 @@ def members(text: str) -> dict | None:
         return None
     if len({m.node_id for m in found}) != len(found):
         return None
-    failed = value.get("failed")
+    failed, sig, repeats = value.get("failed"), value.get("sig", ""), value.get("repeats", 0)
     if failed is not None and not isinstance(failed, str):
         return None
-    return {"members": found, "lost": lost, "failed": failed}
+    if not (isinstance(sig, str) and type(repeats) is int and 0 <= repeats <= MAX_COUNT):
+        return None
+    deterministic = value.get("deterministic", False)
+    if not isinstance(deterministic, bool):
+        return None
+    # the repeat rule's record (daemon/triage.py): the failure this closing followed, and how
+    # many consecutive attempts ended in it
+    return {
+        "members": found,
+        "lost": lost,
+        "failed": failed,
+        "sig": sig,
+        "repeats": repeats,
+        "deterministic": deterministic,
+    }
 
 
 def reason(text: str) -> dict | None:
@@ -143,7 +157,7 @@ def reason(text: str) -> dict | None:
     value = json.loads(text)
     if not isinstance(value, dict) or not isinstance(value.get("summary"), str):
         return None
-    if not isinstance(value.get("node", ""), str) or not all(
+    if not all(isinstance(value.get(k, ""), str) for k in ("node", "class", "sig")) or not all(
         isinstance(value.get(k, False), bool) for k in ("scale", "spends")
     ):
         return None

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from elasticd import logs
 from elasticd.checkpoint.memory import directory
-from elasticd.cluster.errors import BudgetSpent, RendezvousFailed, StoreUnreachable
+from elasticd.cluster.errors import BudgetSpent, Deterministic, RendezvousFailed, StoreUnreachable
 from elasticd.cluster.peers import Peers
 from elasticd.cluster.rendezvous import Rendezvous
 from elasticd.cluster.rounds import Round
@@ -53,6 +53,7 @@ if TYPE_CHECKING:
 log = logs.get("elasticd.agent")
 
 EXIT_OK, EXIT_FAILED = 0, 1
+EXIT_DETERMINISTIC = 6  # the same failure at the same step again: requeueing will not help
 # seconds a start waits for spares still being forked (a cold start takes as long)
 SPARE_WAIT = 20.0
 
@@ -188,18 +189,8 @@ class Agent:
             code = self._loop()
         except Interrupted:
             code = self._finish(State.STOPPED, EXIT_OK)
-        except BudgetSpent as e:  # the round after a failure (ours or not) found it spent
-            self.event(
-                "restart_budget_spent",
-                level="error",
-                max_restarts=self.cfg.max_restarts,
-                why=str(e),
-            )
-            self.last_failure = Failure(
-                RestartCause.RENDEZVOUS, f"the job failed: {e}", node=self.node
-            )
-            self.first_failure = self.first_failure or self.last_failure
-            code = self._finish(State.FAILED, EXIT_FAILED)
+        except BudgetSpent as e:  # the round after a failure (ours or not): spent, or deterministic
+            code = self._verdict(e)
         except RendezvousFailed as e:
             why = Failure(RestartCause.RENDEZVOUS, str(e), node=self.node)
             self.last_failure = self.first_failure = why
@@ -214,6 +205,22 @@ class Agent:
             if self.group.tee:
                 self.group.tee.close()
         return code
+
+    def _verdict(self, e: BudgetSpent) -> int:
+        """The job's failure as the round after a failure wrote it: budget spent, or the failure
+        deterministic (cluster/closing.py); with the class of the failure that led to it."""
+        deterministic = isinstance(e, Deterministic)
+        name = "deterministic_failure" if deterministic else "restart_budget_spent"
+        klass = self.last_failure.failure_class if self.last_failure else ""
+        self.event(name, level="error", max_restarts=self.cfg.max_restarts, why=str(e))
+        self.last_failure = Failure(
+            RestartCause.RENDEZVOUS, f"the job failed: {e}", node=self.node, failure_class=klass
+        )
+        # a deterministic failure's line names both attempts: it is the one the final line shows
+        self.first_failure = (
+            self.last_failure if deterministic else self.first_failure or self.last_failure
+        )
+        return self._finish(State.FAILED, EXIT_DETERMINISTIC if deterministic else EXIT_FAILED)
 
     def _loop(self) -> int:
         cfg = self.cfg
@@ -325,10 +332,18 @@ class Agent:
         back healthy (fixed size: systemd starts it again)."""
         why = self.health_check.failure(check, self.node)
         self.last_failure = self.first_failure = why
+        self.status.figures.on_failure(why.failure_class)
         if self.round is not None and self.round.group_world_size > 1:
             summary = self.health_check.left_summary(check, self.node)
             # named lost: the next round does not wait for this node
-            self._ask_restart({"summary": summary, "node": self.node, "lost": [self.rdzv.node_id]})
+            self._ask_restart(
+                {
+                    "summary": summary,
+                    "node": self.node,
+                    "lost": [self.rdzv.node_id],
+                    "class": why.failure_class,
+                }
+            )
         self._teardown(self.cfg.restart_grace, abandon=True)
         self.left_line = self.health_check.left_line(why, joined=self.round is not None)
         self.set_state(State.LEFT, exit_code=EXIT_UNHEALTHY, cause=why.summary())
@@ -354,7 +369,7 @@ class Agent:
         self.recovery.detected()
         self.status.figures.on_restart(why, self.group.beats())
         self.health_check.peer_left(why)
-        self.set_state(State.RESTARTING, cause=why.summary())
+        self.set_state(State.RESTARTING, cause=why.summary(), failure_class=why.failure_class)
         spends = why.kind.spends_budget
         if spends:
             self.last_failure = why

@@ -10,10 +10,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from elasticd import logs
 from elasticd.checkpoint.memory import directory
 from elasticd.cluster.rounds import Round
 from elasticd.config import Config
-from elasticd.daemon import forkclient, processes, spawn, tee
+from elasticd.daemon import forkclient, oom, processes, spawn, tee, triage
 from elasticd.daemon.states import Failure, RestartCause
 from elasticd.worker import health
 
@@ -37,6 +38,7 @@ class LocalGroup:
             int, tuple[health.Reader, health.ProcessWatch]
         ] = {}  # pid -> held-open files
         self._odd_since: dict[int, float] = {}  # pid -> when it was first seen a zombie
+        self.oom = oom.Counters([])  # the OOM counters as this attempt started
 
     def start(
         self, rnd: Round, restart_count: int, memory_dir: str | None, spares: list[forkclient.Spare]
@@ -68,6 +70,7 @@ class LocalGroup:
             extra_env={directory.ENV: memory_dir} if memory_dir else {},
         )
         self.workers = spawn.spawn(spec, spares)
+        self.oom = oom.Counters([w.pid for w in self.workers])
         for w in self.workers:
             if self.tee and self.cfg.echoed(w.local_rank):
                 self.tee.follow(
@@ -88,15 +91,17 @@ class LocalGroup:
                 bad, key=lambda w: (w.exit_code >= 0, w.global_rank)
             )  # a signal death is the cause
             kind = RestartCause.SIGNAL if w.exit_code < 0 else RestartCause.CRASH
+            exception, stack = spawn.read_error_report(w.error_path)
             return Failure(
                 kind,
                 processes.describe_exit(w.exit_code),
                 rank=w.global_rank,
                 pid=w.pid,
                 exit_code=w.exit_code,
-                exception=spawn.read_error_file(w.error_path),
+                exception=exception,
                 log_path=str(w.log_path),
                 node=self.node,
+                **self._triage(w, exception, stack),
             )
         now = time.monotonic()
         for w in self.workers:
@@ -132,6 +137,18 @@ class LocalGroup:
                     node=self.node,
                 )
         return None
+
+    def _triage(self, w: spawn.Worker, exception: str | None, stack: str | None) -> dict[str, Any]:
+        """A failed worker's class, signature and step (daemon/triage.py): the Failure's fields."""
+        beat = self.beat(w)
+        step = beat.step if beat and beat.beats and beat.step >= 0 else None
+        killed = w.exit_code is not None and w.exit_code != 0 and self.oom.killed(w.pid)
+        klass = triage.classify(w.exit_code, exception, killed)
+        sig = ""
+        if triage.judged(klass):
+            sig = triage.signature(w.exit_code, exception, stack)
+            sig = logs.printable(f"{sig} ({triage.at_step(step)})")
+        return {"failure_class": klass.value, "signature": sig, "step": step}
 
     def beat(self, w: spawn.Worker) -> health.Beat | None:
         return self._watch(w)[0].read()

@@ -95,7 +95,7 @@ def serve(cfg: Config, run_dir: Path) -> int:
     elif agent.state == State.FAILED and agent.first_failure:
         sys_err(
             f"elasticd: job failed after {agent.restart_count} restart(s): "
-            f"{agent.first_failure.summary()}"
+            f"{agent.first_failure.reported()}"
         )
     return code
 

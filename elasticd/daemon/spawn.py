@@ -207,34 +207,40 @@ MAX_EXCEPTION_TEXT = (
 
 def read_error_file(path: Path) -> str | None:
     """The exception line of torch's error-file format (ours or the script's @record), for the
-    failure report. The worker wrote it, and the operator's terminal and the peers show it: it
-    comes back escaped (logs.printable) and cut short; None for a missing or malformed file (the
-    exit code still tells). Opened without following links or blocking, as a worker could leave a
-    FIFO or a link there."""
+    failure report (read_error_report's first part)."""
+    return read_error_report(path)[0]
+
+
+def read_error_report(path: Path) -> tuple[str | None, str | None]:
+    """The exception line of torch's error-file format (ours or the script's @record) and its
+    traceback (`py_callstack`, for triage's signature). The worker wrote it, and the operator's
+    terminal and the peers show it: the line comes back escaped (logs.printable) and cut short;
+    None for a missing or malformed file (the exit code still tells). Opened without following
+    links or blocking, as a worker could leave a FIFO or a link there."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
-        return None
+        return None, None
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
+            return None, None
         data = json.loads(os.read(fd, MAX_ERROR_FILE))
     except (OSError, ValueError, RecursionError):
-        return None
+        return None, None
     finally:
         os.close(fd)
     msg = data.get("message") if isinstance(data, dict) else None
+    stack = None
     if isinstance(msg, dict):
         extra = msg.get("extraInfo")
         stack = extra.get("py_callstack") if isinstance(extra, dict) else None
+        stack = stack if isinstance(stack, str) else None
         text = msg.get("message")
         if not (isinstance(text, str) and text.strip()):
-            text = (
-                stack.strip().splitlines()[-1] if isinstance(stack, str) and stack.strip() else None
-            )
+            text = stack.strip().splitlines()[-1] if stack and stack.strip() else None
     else:
         text = msg if isinstance(msg, str) else None
     if not text:
-        return None
+        return None, stack
     text = logs.printable(text)
-    return text if len(text) <= MAX_EXCEPTION_TEXT else text[:MAX_EXCEPTION_TEXT] + "..."
+    return (text if len(text) <= MAX_EXCEPTION_TEXT else text[:MAX_EXCEPTION_TEXT] + "..."), stack

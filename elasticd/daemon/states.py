@@ -25,6 +25,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from elasticd.daemon.triage import FailureClass
+
 
 class State(str, enum.Enum):
     """Where the agent is; the values are what status and the `state` events show."""
@@ -143,6 +145,21 @@ class RestartCause(str, enum.Enum):
         return self in (RestartCause.CRASH, RestartCause.SIGNAL, RestartCause.HANG)
 
 
+# the class of a failure whose maker says none: its cause's (a worker's exit is judged in group.py)
+DEFAULT_CLASS: dict[RestartCause, FailureClass] = {
+    RestartCause.CRASH: FailureClass.USER,
+    RestartCause.SIGNAL: FailureClass.KILLED,
+    RestartCause.HANG: FailureClass.HANG,
+    RestartCause.PEER: FailureClass.UNKNOWN,
+    RestartCause.NODE_LOST: FailureClass.NODE_LOST,
+    RestartCause.STORE_UNREACHABLE: FailureClass.STORE_UNREACHABLE,
+    RestartCause.SCALE: FailureClass.SCALE,
+    RestartCause.RENDEZVOUS: FailureClass.RENDEZVOUS,
+    RestartCause.STOP: FailureClass.STOP,
+    RestartCause.HEALTH: FailureClass.HARDWARE,
+}
+
+
 @dataclass(frozen=True)
 class Failure:
     """What went wrong first, with everything an engineer needs to find it."""
@@ -158,6 +175,16 @@ class Failure:
     node: str = ""
     lost: tuple[str, ...] = ()  # node ids found lost (NODE_LOST)
     at: float = field(default_factory=time.time)
+    # what kind of trouble it is (triage.FailureClass's value); by default its cause's
+    failure_class: str = ""
+    # what makes it the same as another (triage.signature, with its step), where the repeat rule
+    # judges it; "" where it does not
+    signature: str = ""
+    step: int | None = None  # the failing rank's step as it last beat (None: before its first)
+
+    def __post_init__(self) -> None:
+        if not self.failure_class:
+            object.__setattr__(self, "failure_class", DEFAULT_CLASS[self.kind].value)
 
     def summary(self) -> str:
         parts = [f"rank {self.rank}" if self.rank is not None else f"node {self.node}", self.reason]
@@ -169,6 +196,10 @@ class Failure:
             parts.append(f"stacks {', '.join(self.stacks)}")
         return "; ".join(parts)
 
+    def reported(self) -> str:
+        """The summary with the failure's class, as the final line and events show it."""
+        return f"{self.summary()} [class {self.failure_class}]"
+
 
 @dataclass(frozen=True)
 class Scale:
@@ -178,6 +209,7 @@ class Scale:
     node: str
     ids: tuple[str, ...] = ()  # the waiting nodes' ids: the next round waits for them
     kind: ClassVar[RestartCause] = RestartCause.SCALE
+    failure_class: ClassVar[str] = FailureClass.SCALE.value
 
     @property
     def reason(self) -> str:
@@ -192,9 +224,11 @@ def restart_request(why: Failure | Scale, node: str) -> dict[str, Any] | None:
     next round's closing reads `spends` and `lost`, cluster/values.py): None where it asks
     nothing, because another node asked already (its reason is in the store) or the store cannot
     be reached."""
-    reason: dict[str, Any] = {"summary": why.summary(), "node": node}
+    # the class travels, so that every node shows it
+    reason: dict[str, Any] = {"summary": why.summary(), "node": node, "class": why.failure_class}
     if why.kind.spends_budget:
-        return {**reason, "spends": True}
+        # the signature too: the next round's closing judges repeats by it (triage.repeats)
+        return {**reason, "spends": True, "sig": why.signature}
     if why.kind is RestartCause.SCALE:
         return {**reason, "summary": why.reason, "scale": True, "waiting": list(why.ids)}
     if why.kind is RestartCause.NODE_LOST:

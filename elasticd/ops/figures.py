@@ -57,6 +57,7 @@ class Figures:
     def __init__(self, started: float) -> None:
         self.started = started  # monotonic: when the daemon started (the job, for this node)
         self.restarts = dict.fromkeys(CAUSES, 0)
+        self.failures: dict[str, int] = {}  # by class (daemon/triage.py's FailureClass values)
         self.recoveries = [0] * (
             len(RECOVERY_BUCKETS) + 1
         )  # per bucket (not cumulative), +Inf last
@@ -86,12 +87,18 @@ class Figures:
         its ranks reached, to tell the steps lost once the next attempt has resumed."""
         if why.kind.restarts:
             self.restarts[why.kind.label] += 1
+        if why.kind is not RestartCause.SCALE:
+            self.on_failure(why.failure_class)
         reported = [b for b in beats if b and b.state_loaded and b.beats]
         if reported and len(reported) == len(beats):
             self._pending = (self._attempt, max(b.step for b in reported), self.step_time() or 0.0)
         else:
             self._pending = None
             self.steps_lost_unknown += 1
+
+    def on_failure(self, failure_class: str) -> None:
+        """A failure of this class (counted at its restart, or where it ends the job at once)."""
+        self.failures[failure_class] = self.failures.get(failure_class, 0) + 1
 
     def on_recovered(self, timeline: dict[str, float]) -> None:
         """The latest recovery's timeline (seconds after detection), once every new rank stepped."""
@@ -195,6 +202,7 @@ class Figures:
                 "lost_seconds": round(self.lost_seconds, 3),
             },
             "restarts_by_cause": dict(self.restarts),
+            "failures_by_class": dict(self.failures),
             "steps_lost": {
                 "total": self.steps_lost_total,
                 "last": self.steps_lost_last,

@@ -56,6 +56,13 @@ METRICS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
         ("cause",),
     ),
     (
+        "elasticd_failures_total",
+        "counter",
+        "Failures this node saw, by class (what kind of trouble: user, oom, hardware, hang, "
+        "node_lost, store_unreachable, killed, ...; a peer's as it said)",
+        ("class",),
+    ),
+    (
         "elasticd_restart_budget_used",
         "gauge",
         "Failure restarts the job has spent (all nodes together)",
@@ -317,6 +324,8 @@ def _job(put: Put, s: Snapshot) -> None:
 def _restarts(put: Put, s: Snapshot) -> None:
     for cause, n in s.restarts_by_cause.items():
         put("elasticd_restarts_total", n, cause=cause)
+    for klass, n in s.failures_by_class.items():
+        put("elasticd_failures_total", n, **{"class": klass})
     put("elasticd_restart_budget_used", s.restarts)
     put("elasticd_restart_budget_left", s.budget_left)
     if s.last_failure:

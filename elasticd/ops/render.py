@@ -95,6 +95,10 @@ def _figures(s: Snapshot) -> list[str]:
             + ", ".join(f"{c.replace('_', ' ')} {n}" for c, n in causes.items())
             + f"; budget left {s.budget_left}"
         )
+    if s.failures_by_class:
+        lines.append(
+            "  failures by class: " + ", ".join(f"{c} {n}" for c, n in s.failures_by_class.items())
+        )
     return lines + _costs(s) + _health(s)
 
 
@@ -158,6 +162,7 @@ def _history(s: Snapshot) -> list[str]:
             f"  last failure: rank {f.rank} {f.reason}"
             + (f": {f.exception}" if f.exception else "")
             + (f" (log {f.log_path})" if f.log_path else "")
+            + (f" [class {f.failure_class}]" if f.failure_class else "")
         )
         lines += [f"    stacks {path}" for path in f.stacks]
     if s.last_recovery:

@@ -57,6 +57,9 @@ class LastFailure:
     node: str | None = None
     lost: list[str] = field(default_factory=list)
     at: float | None = None  # Unix time
+    failure_class: str | None = None  # daemon/triage.py's FailureClass value
+    signature: str | None = None  # what the repeat rule compares ("" where it does not judge)
+    step: int | None = None  # the failing rank's last step (None: before its first)
 
 
 @dataclass(frozen=True)
@@ -198,6 +201,8 @@ class Snapshot:
     straggler_reports: int = 0
     health: Health = field(default_factory=Health)
     events: list[dict[str, Any]] = field(default_factory=list)  # the latest, newest last
+    # the failures this node saw, by class (triage.FailureClass's values)
+    failures_by_class: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return to_json(self)

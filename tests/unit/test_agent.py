@@ -357,7 +357,9 @@ def test_a_restart_that_is_not_this_nodes_failure_spends_nothing(tmp_path, why):
     assert code == EXIT_OK and path.count(S.RESTARTING) == 1
     asked = [c[1] for c in s.calls if c[0] == "request_restart"]
     if why.kind is RestartCause.NODE_LOST:
-        assert asked == [{"summary": why.summary(), "node": agent.node, "lost": ["node-1"]}]
+        assert asked == [
+            {"summary": why.summary(), "node": agent.node, "class": "node_lost", "lost": ["node-1"]}
+        ]
     else:  # another node asked already, or the store cannot be reached
         assert asked == []
     assert agent.first_failure is None

@@ -221,7 +221,7 @@ def test_unit_file_settings():
         "Service.WatchdogSec": "30",
         "Service.KillMode": "mixed",
         "Service.Restart": "on-failure",
-        "Service.RestartPreventExitStatus": "2",
+        "Service.RestartPreventExitStatus": "2 6",
         "Service.RuntimeDirectory": "elasticd",
         "Service.RuntimeDirectoryMode": "0750",
         "Service.EnvironmentFile": "-/etc/elasticd/elasticd.env",

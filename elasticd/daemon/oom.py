@@ -1,0 +1,76 @@
+"""Whether the kernel's OOM killer ended a worker, without dmesg: a SIGKILL looks the same whoever
+sent it, but an OOM kill also raises counters the kernel keeps. Two are read: the oom_kill count
+of the worker's memory cgroup (cgroup v2 `memory.events`, v1 `memory.oom_control`), exact for a
+cgroup's limit, and the host's /proc/vmstat `oom_kill`, which every OOM kill raises (a cgroup's
+or the whole machine's). A counter that went up between the attempt's start and the worker's
+SIGKILL calls it an OOM kill; on the host's counter another process's OOM kill at the same moment
+would be taken for ours, which the cgroup's counter rules out where the worker has its own.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+VMSTAT = Path("/proc/vmstat")
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def _count(path: Path, key: str = "oom_kill") -> int | None:
+    """The `key N` line of a kernel counter file, or None where it cannot be read."""
+    try:
+        for line in path.read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == key:
+                return int(value)
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def cgroup_counter(pid: int) -> Path | None:
+    """The file holding the oom_kill count of `pid`'s memory cgroup (v1's memory controller, else
+    the unified hierarchy's), or None (the process gone, no memory controller)."""
+    try:
+        lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(","):
+            return CGROUP_ROOT / "memory" / path.lstrip("/") / "memory.oom_control"
+    for line in lines:
+        if line.startswith("0::"):
+            # a v2-only host mounts the unified hierarchy at the root, a hybrid one under unified/
+            v2 = (
+                CGROUP_ROOT
+                if (CGROUP_ROOT / "cgroup.controllers").exists()
+                else CGROUP_ROOT / "unified"
+            )
+            return v2 / line[3:].lstrip("/") / "memory.events"
+    return None
+
+
+class Counters:
+    """The OOM counters as an attempt started: `killed(pid)` tells whether one went up since."""
+
+    def __init__(self, pids: list[int]) -> None:
+        self.host = _count(VMSTAT)
+        self.cgroups: dict[int, tuple[Path, int | None]] = {}
+        for pid in pids:
+            self.note(pid)
+
+    def note(self, pid: int) -> None:
+        """Remember `pid`'s memory cgroup and its count (again, if it moved to another)."""
+        path = cgroup_counter(pid)
+        if path is not None and (pid not in self.cgroups or self.cgroups[pid][0] != path):
+            self.cgroups[pid] = (path, _count(path))
+
+    def killed(self, pid: int) -> bool:
+        """Whether an OOM kill happened since the start: in `pid`'s cgroup, or on the host."""
+        path, before = self.cgroups.get(pid, (None, None))
+        if path is not None and before is not None:
+            after = _count(path)
+            if after is not None and after > before:
+                return True
+        now = _count(VMSTAT)
+        return self.host is not None and now is not None and now > self.host

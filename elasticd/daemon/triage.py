@@ -1,0 +1,172 @@
+"""Triage of a failure, pure: its class (what kind of trouble it is: the user's code, memory, the
+hardware, a hang, the cluster, a stop) and its signature (what makes two failures the same), and
+the repeat rule that calls a failure deterministic. Plain data in, plain data out, so that a
+table of cases checks every rule (tests/unit/test_triage.py).
+
+Where each is decided: the class of a local worker's failure in daemon/group.py (its exit, the
+error file's text, the OOM counters of daemon/oom.py), of the others where their RestartCause is
+made (the default of each cause, states.py); a peer's class travels in its restart request. The
+repeat verdict is the job's: the closing of the round after a failure compares the failure's
+signature with the one the previous closing recorded (cluster/closing.py), so every node reads the
+same verdict from the round's members.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+import signal
+
+# the signals someone else sends to end a process: a death by one of them says nothing of the code
+OUTSIDE_SIGNALS = frozenset({signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
+# a shell or launcher between us and the process reports its signal death as 128 + N
+SHELL_SIGNAL_BASE = 128
+MAX_SIGNATURE = 600  # characters: the signature travels in the restart request
+
+
+class FailureClass(str, enum.Enum):
+    """What kind of trouble a failure is; the values are what status, the final line, the events
+    and elasticd_failures_total{class} show."""
+
+    USER = "user"
+    """The user's code: an exception, a non-zero exit, a crash of its own (SIGSEGV, SIGABRT)."""
+    OOM = "oom"
+    """Out of memory: the kernel's OOM killer ended the worker (its cgroup's oom_kill counter or
+    the host's went up with its SIGKILL), or the error file says so (CUDA out of memory)."""
+    HARDWARE = "hardware"
+    """The node's hardware or health: a failed --health-check, or an error file naming a GPU
+    fault (ECC, Xid, an unhandled CUDA or NCCL system error)."""
+    HANG = "hang"
+    """A worker stopped beating, or stayed stopped or a zombie."""
+    NODE_LOST = "node_lost"
+    """A peer node went silent."""
+    STORE_UNREACHABLE = "store_unreachable"
+    """This node could not reach the rendezvous store."""
+    STOP = "stop"
+    """A stop request or signal."""
+    KILLED = "killed"
+    """A worker killed by a signal from outside (SIGKILL, SIGTERM, ...) that was no OOM kill."""
+    RENDEZVOUS = "rendezvous"
+    """The rendezvous itself failed (the store lost, the job failed elsewhere)."""
+    SCALE = "scale"
+    """Not a failure: nodes waiting to join."""
+    UNKNOWN = "unknown"
+    """A peer's failure whose class it did not say (an older elasticd)."""
+
+
+# error texts of a GPU or interconnect fault: the node's, not the code's (case-insensitive)
+HARDWARE_TEXTS = re.compile(
+    r"uncorrectable ECC|ECC error|\bXid\b|unhandled cuda error|unhandled system error"
+    r"|GPU is lost|fallen off the bus|CUDA error: unspecified launch failure"
+    r"|NVLink error|cudaErrorECCUncorrectable|CUDA_ERROR_ECC_UNCORRECTABLE",
+    re.IGNORECASE,
+)
+# error texts of memory exhaustion raised as an exception
+OOM_TEXTS = re.compile(
+    r"\bOutOfMemoryError\b|CUDA out of memory|\bMemoryError\b|out of memory", re.IGNORECASE
+)
+
+_NUMBER = re.compile(r"0x[0-9a-fA-F]+|\d+")
+# "File "/path/x.py", line 12, in main" in a Python traceback
+_FRAME = re.compile(r'^\s*File "(?P<path>[^"]+)", line (?P<line>\d+), in (?P<func>.+)$')
+# paths that are not the user's code: the interpreter's library, installed packages, elasticd
+_LIBRARY = re.compile(
+    r"/lib/python\d[\d.]*/|site-packages/|dist-packages/|/elasticd/(worker|checkpoint|daemon)/"
+    r"|^<frozen "
+)
+
+
+def mask_numbers(text: str) -> str:
+    """Numbers (and hex addresses) as N: a step, a port, a pid or a pointer in a message differs
+    between attempts of the same failure."""
+    return _NUMBER.sub("N", text)
+
+
+def user_frame(callstack: str | None) -> str:
+    """The innermost frame of the user's code in a Python traceback, as FILE:LINE in FUNCTION
+    (the file's base name: nodes may run the job from different checkouts); "" when none."""
+    found = ""
+    for line in (callstack or "").splitlines():
+        m = _FRAME.match(line)
+        if m and not _LIBRARY.search(m["path"]):
+            found = f"{m['path'].rsplit('/', 1)[-1]}:{m['line']} in {m['func'].strip()}"
+    return found
+
+
+def signature(exit_code: int | None, exception: str | None, callstack: str | None) -> str:
+    """What makes two failures of a worker the same: the exception's type and message, numbers
+    masked, and the innermost frame of user code (the error file); else the exit code or the
+    signal."""
+    if exception:
+        frame = user_frame(callstack)
+        text = mask_numbers(exception.strip())
+        return (f"{text} at {frame}" if frame else text)[:MAX_SIGNATURE]
+    if exit_code is None:
+        return ""
+    if exit_code < 0:
+        return f"signal {_signal_name(-exit_code)}"
+    return f"exit code {exit_code}"
+
+
+def at_step(step: int | None) -> str:
+    """Where in the training a failure happened, as the repeat rule compares it."""
+    return f"step {step}" if step is not None and step >= 0 else "before the first step"
+
+
+def classify(
+    exit_code: int | None, exception: str | None, oom_killed: bool, hung: bool = False
+) -> FailureClass:
+    """The class of a local worker's failure: `exit_code` (negative: a signal), the error file's
+    text (`exception`: its message, and its traceback where the message is empty), and whether
+    the OOM counters went up with its death (daemon/oom.py)."""
+    if hung:
+        return FailureClass.HANG
+    text = exception or ""
+    if HARDWARE_TEXTS.search(text):
+        return FailureClass.HARDWARE
+    if OOM_TEXTS.search(text):
+        return FailureClass.OOM
+    killed_by = _signal_of(exit_code)
+    if killed_by == signal.SIGKILL and oom_killed:
+        return FailureClass.OOM
+    if killed_by in OUTSIDE_SIGNALS and not text:
+        return FailureClass.KILLED
+    return FailureClass.USER
+
+
+def judged(klass: FailureClass) -> bool:
+    """Whether the repeat rule judges failures of this class: the code's own and memory (the same
+    batch runs out of memory at the same step again). A hardware fault is the node's (a restart
+    elsewhere may pass), a hang or an outside kill is not the code's doing."""
+    return klass in (FailureClass.USER, FailureClass.OOM)
+
+
+def repeats(
+    previous: tuple[str, int] | None, current: str | None, retries: int
+) -> tuple[int, bool]:
+    """The repeat rule: (how many consecutive attempts ended in this same failure, whether it is
+    deterministic). `previous`: the signature and count the closing before this one recorded, None
+    where it recorded none (a node lost, a scale event, a first failure); `current`: this
+    failure's key (signature and step), None where the rule does not judge it; `retries`: how many
+    identical repeats are retried (--deterministic-retries; 0: never called deterministic)."""
+    if not current:
+        return 0, False
+    count = previous[1] + 1 if previous is not None and previous[0] == current else 1
+    return count, retries > 0 and count > retries
+
+
+def _signal_of(exit_code: int | None) -> int | None:
+    if exit_code is None or exit_code == 0:
+        return None
+    if exit_code < 0:
+        return -exit_code
+    if SHELL_SIGNAL_BASE < exit_code < SHELL_SIGNAL_BASE + 65:
+        return exit_code - SHELL_SIGNAL_BASE
+    return None
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return str(number)

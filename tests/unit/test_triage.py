@@ -1,0 +1,198 @@
+"""The triage rules, pure (elasticd/daemon/triage.py): a failure's signature, its class and the
+repeat rule that calls it deterministic; and the OOM counters' files (daemon/oom.py)."""
+
+import signal
+
+import pytest
+
+from elasticd.cluster import values
+from elasticd.daemon import oom, triage
+from elasticd.daemon.states import Failure, RestartCause, restart_request
+from elasticd.daemon.triage import FailureClass as C
+
+STACK = """Traceback (most recent call last):
+  File "/usr/lib/python3.12/runpy.py", line 88, in _run_code
+  File "/work/repo/elasticd/worker/bootstrap.py", line 300, in main
+  File "/home/u/train.py", line 40, in main
+    loss = step(batch)
+  File "/home/u/model.py", line 12, in step
+    raise ValueError("bad batch 17")
+  File "/usr/lib/python3/dist-packages/torch/nn/modules/module.py", line 1, in _call_impl
+ValueError: bad batch 17
+"""
+
+
+@pytest.mark.parametrize(
+    "text, expect",
+    [
+        ("at step 17", "at step N"),
+        ("tensor 0x7f3a2c00 on port 29500", "tensor N on port N"),
+        ("no numbers", "no numbers"),
+        ("", ""),
+    ],
+)
+def test_numbers_are_masked(text, expect):
+    assert triage.mask_numbers(text) == expect
+
+
+@pytest.mark.parametrize(
+    "stack, expect",
+    [
+        (STACK, "model.py:12 in step"),  # innermost user frame, library frames after it skipped
+        ('  File "/x/site-packages/torch/a.py", line 3, in f\n', ""),  # no user frame at all
+        ('  File "<frozen runpy>", line 3, in f\n  File "/a/b.py", line 9, in g\n', "b.py:9 in g"),
+        (None, ""),
+        ("not a traceback", ""),
+    ],
+)
+def test_innermost_user_frame(stack, expect):
+    assert triage.user_frame(stack) == expect
+
+
+@pytest.mark.parametrize(
+    "exit_code, exception, stack, expect",
+    [
+        (1, "ValueError: bad batch 17", STACK, "ValueError: bad batch N at model.py:12 in step"),
+        (1, "ValueError: bad batch 3", STACK, "ValueError: bad batch N at model.py:12 in step"),
+        (1, "ValueError: bad batch 3", None, "ValueError: bad batch N"),
+        (3, None, None, "exit code 3"),
+        (-signal.SIGSEGV, None, None, "signal SIGSEGV"),
+        (-99, None, None, "signal 99"),
+        (None, None, None, ""),
+    ],
+)
+def test_signature(exit_code, exception, stack, expect):
+    assert triage.signature(exit_code, exception, stack) == expect
+
+
+def test_signature_differs_where_the_failure_does():
+    other_frame = STACK.replace('model.py", line 12', 'model.py", line 13')
+    a = triage.signature(1, "ValueError: bad batch 1", STACK)
+    assert a != triage.signature(1, "KeyError: bad batch 1", STACK)
+    assert a != triage.signature(1, "ValueError: bad batch 1", other_frame)
+    assert a != triage.signature(1, "ValueError: bad input 1", STACK)
+
+
+@pytest.mark.parametrize(
+    "step, expect", [(0, "step 0"), (12, "step 12"), (-1, "before the first step"), (None, None)]
+)
+def test_at_step(step, expect):
+    assert triage.at_step(step) == (expect or "before the first step")
+
+
+@pytest.mark.parametrize(
+    "exit_code, exception, oom_killed, expect",
+    [
+        (1, "ValueError: x", False, C.USER),
+        (3, None, False, C.USER),
+        (-signal.SIGSEGV, None, False, C.USER),  # a crash of its own
+        (-signal.SIGKILL, None, False, C.KILLED),  # someone's kill -9
+        (-signal.SIGTERM, None, False, C.KILLED),
+        (-signal.SIGKILL, None, True, C.OOM),  # the OOM counters went up with it
+        (128 + signal.SIGKILL, None, True, C.OOM),  # through a shell
+        (137, None, False, C.KILLED),  # a shell whose child was killed -9
+        (-signal.SIGTERM, None, True, C.KILLED),  # the OOM killer sends SIGKILL only
+        (1, "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate", False, C.OOM),
+        (1, "MemoryError", False, C.OOM),
+        (1, "RuntimeError: CUDA error: uncorrectable ECC error encountered", False, C.HARDWARE),
+        (
+            1,
+            "RuntimeError: NCCL error: unhandled cuda error (run with NCCL_DEBUG=INFO)",
+            False,
+            C.HARDWARE,
+        ),
+        (1, "RuntimeError: NCCL Error 2: unhandled system error", False, C.HARDWARE),
+        (1, "RuntimeError: GPU has fallen off the bus (Xid 79)", False, C.HARDWARE),
+        (-signal.SIGKILL, "RuntimeError: uncorrectable ECC error", True, C.HARDWARE),
+        (1, "ValueError: expected 3 channels", False, C.USER),
+    ],
+)
+def test_worker_failure_class(exit_code, exception, oom_killed, expect):
+    assert triage.classify(exit_code, exception, oom_killed) is expect
+
+
+def test_hung_is_hang_whatever_else():
+    assert triage.classify(None, "ValueError: x", True, hung=True) is C.HANG
+
+
+@pytest.mark.parametrize(
+    "klass, judged",
+    [(C.USER, True), (C.OOM, True), (C.HARDWARE, False), (C.HANG, False), (C.KILLED, False)],
+)
+def test_which_classes_the_repeat_rule_judges(klass, judged):
+    assert triage.judged(klass) is judged
+
+
+SIG = "ValueError: x at a.py:1 in f (step 5)"
+
+
+@pytest.mark.parametrize(
+    "previous, current, retries, expect",
+    [
+        (None, SIG, 1, (1, False)),  # a first failure
+        ((SIG, 1), SIG, 1, (2, True)),  # its second occurrence: stop (the default)
+        ((SIG, 1), SIG, 2, (2, False)),  # two identical retries allowed
+        ((SIG, 2), SIG, 2, (3, True)),
+        ((SIG, 1), SIG.replace("step 5", "step 6"), 1, (1, False)),  # another step: a new chain
+        (("other", 4), SIG, 1, (1, False)),
+        ((SIG, 7), SIG, 0, (8, False)),  # 0: never deterministic
+        ((SIG, 1), "", 1, (0, False)),  # not judged (a hang, a node lost): the chain ends
+        (None, None, 1, (0, False)),
+    ],
+)
+def test_repeat_rule(previous, current, retries, expect):
+    assert triage.repeats(previous, current, retries) == expect
+
+
+def test_every_cause_has_a_class_and_a_failure_keeps_the_one_given():
+    for cause in RestartCause:
+        assert Failure(cause, "x").failure_class in {c.value for c in C}
+    assert Failure(RestartCause.CRASH, "x").failure_class == "user"
+    assert Failure(RestartCause.HEALTH, "x").failure_class == "hardware"
+    assert Failure(RestartCause.SIGNAL, "x", failure_class="oom").failure_class == "oom"
+
+
+def test_the_class_and_signature_travel_in_the_restart_request():
+    why = Failure(RestartCause.CRASH, "exit 1", rank=1, failure_class="oom", signature=SIG)
+    reason = restart_request(why, "n1")
+    assert (reason["class"], reason["sig"], reason["spends"]) == ("oom", SIG, True)
+    assert values.reason(__import__("json").dumps(reason)) == reason
+    assert values.reason('{"summary": "s", "sig": 3}') is None  # a signature is text
+    assert values.reason('{"summary": "s", "class": []}') is None
+
+
+@pytest.mark.parametrize(
+    "extra, ok",
+    [
+        ({}, True),
+        ({"sig": SIG, "repeats": 2, "deterministic": True, "failed": "why"}, True),
+        ({"sig": 1}, False),
+        ({"repeats": -1}, False),
+        ({"repeats": "2"}, False),
+        ({"deterministic": "yes"}, False),
+    ],
+)
+def test_the_round_keeps_the_repeat_record(extra, ok):
+    text = __import__("json").dumps({"members": [["n1", 1, "127.0.0.1"]], "lost": [], **extra})
+    found = values.members(text)
+    assert (found is not None) is ok
+    if ok:
+        assert found["sig"] == extra.get("sig", "")
+        assert found["repeats"] == extra.get("repeats", 0)
+        assert found["deterministic"] is extra.get("deterministic", False)
+
+
+def test_oom_counters_read_from_kernel_files(tmp_path, monkeypatch):
+    vmstat = tmp_path / "vmstat"
+    vmstat.write_text("pgfault 10\noom_kill 4\n")
+    monkeypatch.setattr(oom, "VMSTAT", vmstat)
+    counters = oom.Counters([])
+    assert counters.host == 4 and not counters.killed(12345)
+    vmstat.write_text("pgfault 11\noom_kill 5\n")
+    assert counters.killed(12345)  # the host's counter went up: an OOM kill somewhere
+    events = tmp_path / "memory.events"
+    events.write_text("low 0\nhigh 0\nmax 3\noom 1\noom_kill 1\n")
+    assert oom._count(events) == 1
+    assert oom._count(tmp_path / "missing") is None
+    vmstat.write_text("garbage")
+    assert oom.Counters([]).host is None and not oom.Counters([]).killed(1)
