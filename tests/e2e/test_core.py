@@ -231,6 +231,11 @@ def test_exception_in_worker_restarts_and_reports_error_file(daemons):
     assert "injected failure" in err["message"]["message"]
 
 
+# the same failure at the same step in every attempt: without this, the second attempt would end
+# the job as deterministic (tests/e2e/test_triage.py); these tests are about the budget and backoff
+SAME_FAILURE_RETRIED = ("--deterministic-retries", "0")
+
+
 def test_budget_exhausted_names_rank_and_cause(daemons):
     d = daemons(
         script("faulty.py"),
@@ -239,6 +244,7 @@ def test_budget_exhausted_names_rank_and_cause(daemons):
         "--max-restarts",
         "1",
         *FAST,
+        *SAME_FAILURE_RETRIED,
         args=["--steps", "6", "--raise-at", "2"],
     )
     assert d.wait(120) == 1
@@ -278,6 +284,7 @@ def test_crash_loop_backs_off_exponentially_and_waits_it_out(daemons):
         "--restart-backoff",
         "0.3",
         *FAST,
+        *SAME_FAILURE_RETRIED,
         args=["--steps", "6", "--raise-at", "1", "--step-time", "0"],
     )
     assert d.wait(120) == 1, d.stderr()[-3000:]
@@ -299,6 +306,7 @@ def test_attempt_that_trained_restarts_after_the_first_backoff(daemons):
         "--restart-backoff",
         "0.3",
         *FAST,
+        *SAME_FAILURE_RETRIED,
         args=["--steps", "6", "--raise-at", "3", "--step-time", "0.02", "--beat"],
     )
     assert d.wait(120) == 1, d.stderr()[-3000:]

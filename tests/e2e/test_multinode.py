@@ -180,7 +180,15 @@ def test_unreachable_endpoint_fails_clearly_within_join_timeout(daemons):
 
 def test_restart_budget_is_per_job(daemons):
     port = free_port()
-    flags = ("--nproc-per-node", "1", "--max-restarts", "2", *node_flags(port, "2"))
+    flags = (
+        "--nproc-per-node",
+        "1",
+        "--max-restarts",
+        "2",
+        "--deterministic-retries",
+        "0",  # the same failure each time: retried, to spend the budget
+        *node_flags(port, "2"),
+    )
     args = [
         "--steps",
         "5",

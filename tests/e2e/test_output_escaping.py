@@ -27,6 +27,8 @@ def test_worker_escape_sequences_and_fake_events_are_shown_escaped(daemons, tmp_
         "1",
         "--max-restarts",
         "1",
+        "--deterministic-retries",
+        "0",  # both attempts fail alike: the budget ends it, exit 1
         "--no-warm-spawn",
         "--restart-grace",
         "1",

@@ -1,4 +1,5 @@
-"""Fault injection for tests: `--raise-at N`, `--exit-at N CODE`, `--spawn-child` (a grandchild),
+"""Fault injection for tests: `--raise-at N` (`--later-each-attempt`: N + the restart count, a
+failure that is not the same twice), `--exit-at N CODE`, `--spawn-child` (a grandchild),
 `--beat` (report each step through elasticd.heartbeat, as a training loop would).
 
 Plain torch.distributed like any torchrun script; the fault hits only `--rank R` (default 1)."""
@@ -21,13 +22,17 @@ def main():
     p.add_argument("--exit-at", type=int, default=-1)
     p.add_argument("--exit-code", type=int, default=3)
     p.add_argument("--only-first-attempt", action="store_true")
+    p.add_argument("--later-each-attempt", action="store_true")
     p.add_argument("--spawn-child", action="store_true", help="start a long sleep grandchild")
     p.add_argument("--step-time", type=float, default=0.05)
     p.add_argument("--beat", action="store_true")
     args = p.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    first = restarts == 0
+    if args.later_each_attempt:
+        args.raise_at += restarts
     armed = rank == args.rank and (first or not args.only_first_attempt)
     if args.spawn_child:
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])

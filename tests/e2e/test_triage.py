@@ -1,0 +1,139 @@
+"""Triage with real daemons and workers: a deterministic failure stops the job at its second
+occurrence with exit code 6 (one node, and across two daemons on loopback, where the round's
+closing decides for the job); one that differs per attempt is retried as before; a worker
+OOM-killed in a memory-limited cgroup is classified oom, a plain SIGKILL killed."""
+
+import json
+import os
+import signal
+import uuid
+from pathlib import Path
+
+import pytest
+
+from elasticd.daemon.agent import EXIT_DETERMINISTIC
+from harness import FAST, FAST_NODES, final_lines, free_port, node_flags, script, wait_until
+
+FIXED = ["--steps", "4", "--raise-at", "2", "--beat", "--step-time", "0.02"]
+
+
+def events(d, name: str) -> list[dict]:
+    return [e for e in d.events() if e.get("event") == name]
+
+
+def test_the_same_exception_at_the_same_step_stops_after_the_second_attempt(daemons):
+    d = daemons(
+        script("faulty.py"), "--nproc-per-node", "2", "--max-restarts", "5", *FAST, args=FIXED
+    )
+    assert d.wait(120) == EXIT_DETERMINISTIC, d.stderr()[-3000:]
+    assert len(d.attempt_dirs()) == 2  # not the 6 the budget allows
+    (line,) = final_lines(d.stderr())
+    for part in (
+        "deterministic failure",
+        "in attempts 1 and 2",
+        "ValueError: injected failure at step N at faulty.py:",
+        "(step 2)",
+        "[class user]",
+    ):
+        assert part in line, line
+    (verdict,) = events(d, "deterministic_failure")
+    assert "attempts 1 and 2" in verdict["why"]
+    restarting = [e for e in d.events() if e.get("new") == "RESTARTING"]
+    assert [e["failure_class"] for e in restarting] == ["user", "user"]
+
+
+def test_an_exception_at_another_step_each_attempt_is_retried_as_before(daemons):
+    d = daemons(
+        script("faulty.py"),
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "2",
+        *FAST,
+        args=[*FIXED, "--steps", "8", "--later-each-attempt"],  # steps 2, 3, 4
+    )
+    assert d.wait(120) == 1, d.stderr()[-3000:]
+    assert len(d.attempt_dirs()) == 3
+    assert not events(d, "deterministic_failure") and events(d, "restart_budget_spent")
+    (line,) = final_lines(d.stderr())
+    assert "job failed after 2 restart(s)" in line and "[class user]" in line, line
+
+
+def test_two_nodes_stop_together_on_the_closing_verdict(daemons):
+    """Rank 1 (node b) fails the same way twice: the closing of the third round (whichever node
+    closes it) writes the verdict, and both daemons exit 6 after two attempts each."""
+    port = free_port()
+    flags = ("--nproc-per-node", "1", "--max-restarts", "5", *FAST_NODES, *node_flags(port, "2"))
+    a = daemons(script("faulty.py"), *flags, name="a", args=FIXED)
+    b = daemons(script("faulty.py"), *flags, name="b", args=FIXED)
+    for n in (a, b):
+        assert n.wait(120) == EXIT_DETERMINISTIC, n.stderr()[-3000:]
+        assert len(n.attempt_dirs()) == 2
+        (line,) = final_lines(n.stderr())
+        assert "deterministic failure" in line and "in attempts 1 and 2" in line, line
+    # whichever node asked first (b's exception, or a's rank seeing its peer go), both restarts
+    # were of class user on both nodes: the class travels in the restart request
+    for n in (a, b):
+        restarting = [e["failure_class"] for e in n.events() if e.get("new") == "RESTARTING"]
+        assert restarting == ["user", "user"], restarting
+
+
+MEMORY_ROOT = Path("/sys/fs/cgroup/memory")
+
+
+@pytest.fixture
+def memory_cgroup():
+    """A cgroup v1 memory cgroup limited to 64 MiB, removed after the test."""
+    if not os.access(MEMORY_ROOT, os.W_OK):
+        pytest.skip("needs a writable cgroup v1 memory controller (root) at /sys/fs/cgroup/memory")
+    path = MEMORY_ROOT / f"elasticd-test-{uuid.uuid4().hex[:8]}"
+    path.mkdir()
+    try:
+        (path / "memory.limit_in_bytes").write_text(str(64 << 20))
+        yield path
+    finally:
+        wait_until(lambda: not (path / "cgroup.procs").read_text().strip(), 10, what="empty")
+        path.rmdir()
+
+
+def test_a_worker_oom_killed_in_its_cgroup_is_classified_oom(daemons, tmp_path, memory_cgroup):
+    """Rank 1 moves into a 64 MiB cgroup and allocates until the OOM killer ends it: class oom in
+    status, the events and the metrics; the next attempt's worker killed with a plain SIGKILL is
+    class killed."""
+    prom = tmp_path / "text" / "elasticd.prom"
+    prom.parent.mkdir(mode=0o755)
+    d = daemons(
+        script("oom_hog.py"),
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "3",
+        "--metrics-textfile",
+        str(prom),
+        *FAST,
+        args=["--cgroup", str(memory_cgroup), "--steps", "100000", "--step-time", "0.05"],
+    )
+
+    def last_failure():
+        assert d.proc.poll() is None, d.stderr()[-3000:]
+        r = d.status("--json")
+        s = json.loads(r.stdout) if r.returncode == 0 else {}
+        return s if s.get("state") == "RUNNING" and s.get("last_failure") else None
+
+    s = wait_until(last_failure, 90, what="a restart after the OOM kill")
+    assert s["last_failure"]["failure_class"] == "oom", s["last_failure"]
+    assert s["last_failure"]["exit_code"] == -signal.SIGKILL
+    assert s["failures_by_class"] == {"oom": 1}
+    wait_until(
+        lambda: 'elasticd_failures_total{class="oom"' in prom.read_text(), 20, what="the metric"
+    )
+    assert "[class oom]" in d.status().stdout
+    d.wait_for_step(1, 3, timeout=60, attempt=2)
+    os.kill(d.worker_pids()[1], signal.SIGKILL)  # nothing ran out of memory this time
+    wait_until(
+        lambda: (last_failure() or {}).get("failures_by_class") == {"oom": 1, "killed": 1},
+        60,
+        what="the SIGKILL's restart",
+    )
+    restarting = [e["failure_class"] for e in d.events() if e.get("new") == "RESTARTING"]
+    assert restarting == ["oom", "killed"]
