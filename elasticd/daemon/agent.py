@@ -207,20 +207,17 @@ class Agent:
         return code
 
     def _verdict(self, e: BudgetSpent) -> int:
-        """The job's failure as the round after a failure wrote it: budget spent, or the failure
-        deterministic (cluster/closing.py); with the class of the failure that led to it."""
-        deterministic = isinstance(e, Deterministic)
-        name = "deterministic_failure" if deterministic else "restart_budget_spent"
+        """The job's end as the round after a failure wrote it (cluster/closing.py): the budget
+        spent, or the failure deterministic, whose line (naming both attempts) is the final one."""
+        det = isinstance(e, Deterministic)
         klass = self.last_failure.failure_class if self.last_failure else ""
+        name = "deterministic_failure" if det else "restart_budget_spent"
         self.event(name, level="error", max_restarts=self.cfg.max_restarts, why=str(e))
-        self.last_failure = Failure(
+        why = Failure(
             RestartCause.RENDEZVOUS, f"the job failed: {e}", node=self.node, failure_class=klass
         )
-        # a deterministic failure's line names both attempts: it is the one the final line shows
-        self.first_failure = (
-            self.last_failure if deterministic else self.first_failure or self.last_failure
-        )
-        return self._finish(State.FAILED, EXIT_DETERMINISTIC if deterministic else EXIT_FAILED)
+        self.last_failure, self.first_failure = why, why if det else self.first_failure or why
+        return self._finish(State.FAILED, EXIT_DETERMINISTIC if det else EXIT_FAILED)
 
     def _loop(self) -> int:
         cfg = self.cfg
@@ -336,14 +333,8 @@ class Agent:
         if self.round is not None and self.round.group_world_size > 1:
             summary = self.health_check.left_summary(check, self.node)
             # named lost: the next round does not wait for this node
-            self._ask_restart(
-                {
-                    "summary": summary,
-                    "node": self.node,
-                    "lost": [self.rdzv.node_id],
-                    "class": why.failure_class,
-                }
-            )
+            lost, klass = [self.rdzv.node_id], why.failure_class
+            self._ask_restart({"summary": summary, "node": self.node, "lost": lost, "class": klass})
         self._teardown(self.cfg.restart_grace, abandon=True)
         self.left_line = self.health_check.left_line(why, joined=self.round is not None)
         self.set_state(State.LEFT, exit_code=EXIT_UNHEALTHY, cause=why.summary())

@@ -15,16 +15,19 @@ VMSTAT = Path("/proc/vmstat")
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 
-def _count(path: Path, key: str = "oom_kill") -> int | None:
-    """The `key N` line of a kernel counter file, or None where it cannot be read."""
+def _count(path: Path, key: bytes = b"oom_kill") -> int | None:
+    """The `key N` line of a kernel counter file, or None where it cannot be read (a byte search:
+    /proc/vmstat has some 180 lines, and this is read at every attempt's start)."""
     try:
-        for line in path.read_text().splitlines():
-            name, _, value = line.partition(" ")
-            if name == key:
-                return int(value)
-    except (OSError, ValueError):
+        data = b"\n" + path.read_bytes()
+    except OSError:
         return None
-    return None
+    at = data.find(b"\n" + key + b" ")
+    if at < 0:
+        return None
+    end = data.find(b"\n", at + 1)
+    value = data[at + len(key) + 2 : end if end > 0 else len(data)].strip()
+    return int(value) if value.isdigit() else None
 
 
 def cgroup_counter(pid: int) -> Path | None:
@@ -60,10 +63,12 @@ class Counters:
             self.note(pid)
 
     def note(self, pid: int) -> None:
-        """Remember `pid`'s memory cgroup and its count (again, if it moved to another)."""
+        """Remember `pid`'s memory cgroup and its count (read once per cgroup: workers share)."""
         path = cgroup_counter(pid)
-        if path is not None and (pid not in self.cgroups or self.cgroups[pid][0] != path):
-            self.cgroups[pid] = (path, _count(path))
+        if path is None:
+            return
+        known = next((c for p, c in self.cgroups.values() if p == path), None)
+        self.cgroups[pid] = (path, known if known is not None else _count(path))
 
     def killed(self, pid: int) -> bool:
         """Whether an OOM kill happened since the start: in `pid`'s cgroup, or on the host."""

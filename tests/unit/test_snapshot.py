@@ -44,7 +44,9 @@ FULL = Snapshot(
     peers={"1": 0.2},
     node_id="abc",
     lost_nodes=["n9"],
-    last_failure=LastFailure(kind="exited", reason="exit 1", rank=1, stacks=["s.txt"], at=1.5),
+    last_failure=LastFailure(
+        kind="exited", reason="exit 1", rank=1, stacks=["s.txt"], at=1.5, failure_class="oom"
+    ),
     last_recovery={"torn_down": 0.1, "first_step": 0.4},
     checkpoint={"step": 5, "epoch": 0, "path": "/c/5", "time": 1.0, "age": 2.0, "extra": [1]},
     memory_step=5,
@@ -63,6 +65,7 @@ FULL = Snapshot(
         peers_left=[PeerLeft(node="n2", reason="gpu", at=3.0)],
     ),
     events=[{"time": 1.0, "event": "state", "new": "RUNNING"}],
+    failures_by_class={"oom": 1, "user": 2},
 )
 
 
@@ -102,6 +105,8 @@ def test_render_reads_every_part():
         "node n2 left the job: health check failed: gpu",
         "straggler: rank 0 (local 0) on node n1: 1.50x",
         "last failure: rank 1 exit 1",
+        "[class oom]",
+        "failures by class: oom 1, user 2",
         "stacks s.txt",
         "torn down 0.100",
     ):
