@@ -54,10 +54,11 @@ class FailureClass(str, enum.Enum):
     """A peer's failure whose class it did not say (an older elasticd)."""
 
 
-# error texts of a GPU or interconnect fault: the node's, not the code's (case-insensitive)
+# error texts of a GPU fault: the node's, not the code's (case-insensitive). Kept narrow: NCCL's
+# "unhandled system error" is what the survivors of any peer's death read, and calling that
+# hardware would blame (and quarantine) healthy nodes.
 HARDWARE_TEXTS = re.compile(
-    r"uncorrectable ECC|ECC error|\bXid\b|unhandled cuda error|unhandled system error"
-    r"|GPU is lost|fallen off the bus|CUDA error: unspecified launch failure"
+    r"uncorrectable ECC|ECC error|\bXid\b|unhandled cuda error|GPU is lost|fallen off the bus"
     r"|NVLink error|cudaErrorECCUncorrectable|CUDA_ERROR_ECC_UNCORRECTABLE",
     re.IGNORECASE,
 )

@@ -101,7 +101,8 @@ def test_at_step(step, expect):
             False,
             C.HARDWARE,
         ),
-        (1, "RuntimeError: NCCL Error 2: unhandled system error", False, C.HARDWARE),
+        # what every survivor of a peer's death reads: not this node's hardware
+        (1, "RuntimeError: NCCL Error 2: unhandled system error", False, C.USER),
         (1, "RuntimeError: GPU has fallen off the bus (Xid 79)", False, C.HARDWARE),
         (-signal.SIGKILL, "RuntimeError: uncorrectable ECC error", True, C.HARDWARE),
         (1, "ValueError: expected 3 channels", False, C.USER),
