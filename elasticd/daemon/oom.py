@@ -31,25 +31,25 @@ def _count(path: Path, key: bytes = b"oom_kill") -> int | None:
 
 
 def cgroup_counter(pid: int) -> Path | None:
-    """The file holding the oom_kill count of `pid`'s memory cgroup (v1's memory controller, else
-    the unified hierarchy's), or None (the process gone, no memory controller)."""
+    """The file holding the oom_kill count of `pid`'s memory cgroup, or None (the process gone)."""
     try:
-        lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+        return counter_file(Path(f"/proc/{pid}/cgroup").read_text(), CGROUP_ROOT)
     except OSError:
         return None
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
+
+
+def counter_file(membership: str, root: Path) -> Path | None:
+    """From a /proc/PID/cgroup text: v1's memory controller's `memory.oom_control`, else the
+    unified hierarchy's `memory.events` (at `root` on a v2-only host, under unified/ on a hybrid
+    one); None without a memory controller."""
+    lines = [line.split(":", 2) for line in membership.splitlines() if line.count(":") >= 2]
+    for _, controllers, path in lines:
         if "memory" in controllers.split(","):
-            return CGROUP_ROOT / "memory" / path.lstrip("/") / "memory.oom_control"
-    for line in lines:
-        if line.startswith("0::"):
-            # a v2-only host mounts the unified hierarchy at the root, a hybrid one under unified/
-            v2 = (
-                CGROUP_ROOT
-                if (CGROUP_ROOT / "cgroup.controllers").exists()
-                else CGROUP_ROOT / "unified"
-            )
-            return v2 / line[3:].lstrip("/") / "memory.events"
+            return root / "memory" / path.lstrip("/") / "memory.oom_control"
+    for number, _, path in lines:
+        if number == "0":
+            v2 = root if (root / "cgroup.controllers").exists() else root / "unified"
+            return v2 / path.lstrip("/") / "memory.events"
     return None
 
 

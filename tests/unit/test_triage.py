@@ -197,3 +197,38 @@ def test_oom_counters_read_from_kernel_files(tmp_path, monkeypatch):
     assert oom._count(tmp_path / "missing") is None
     vmstat.write_text("garbage")
     assert oom.Counters([]).host is None and not oom.Counters([]).killed(1)
+
+
+def test_the_worker_memory_cgroup_counter_decides_alone(tmp_path, monkeypatch):
+    """A cgroup whose oom_kill went up calls a SIGKILL an OOM kill even where the host's counter
+    cannot be read; one that did not, and no host counter, does not."""
+    monkeypatch.setattr(oom, "VMSTAT", tmp_path / "no-vmstat")
+    control = tmp_path / "memory.oom_control"
+    control.write_text("oom_kill_disable 0\nunder_oom 0\noom_kill 2\n")
+    monkeypatch.setattr(oom, "cgroup_counter", lambda pid: control)
+    counters = oom.Counters([7, 8])
+    assert not counters.killed(7)
+    control.write_text("oom_kill_disable 0\nunder_oom 0\noom_kill 3\n")
+    assert counters.killed(7) and counters.killed(8) and not counters.killed(9)
+
+
+@pytest.mark.parametrize(
+    "membership, v2_only, expect",
+    [
+        ("4:memory:/job/a\n0::/\n", False, "memory/job/a/memory.oom_control"),  # v1
+        ("5:cpu,memory:/b\n", False, "memory/b/memory.oom_control"),
+        (
+            "1:cpu:/\n0::/system.slice/x.service\n",
+            False,
+            "unified/system.slice/x.service/memory.events",
+        ),
+        ("0::/user.slice\n", True, "user.slice/memory.events"),  # a v2-only host
+        ("1:cpu:/\n", False, None),
+        ("garbage", False, None),
+    ],
+)
+def test_the_memory_cgroup_counter_file(tmp_path, membership, v2_only, expect):
+    if v2_only:
+        (tmp_path / "cgroup.controllers").write_text("memory\n")
+    found = oom.counter_file(membership, tmp_path)
+    assert found == (tmp_path / expect if expect else None)
