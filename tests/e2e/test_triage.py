@@ -15,6 +15,7 @@ from elasticd.daemon.agent import EXIT_DETERMINISTIC
 from harness import FAST, FAST_NODES, final_lines, free_port, node_flags, script, wait_until
 
 FIXED = ["--steps", "4", "--raise-at", "2", "--beat", "--step-time", "0.02"]
+ONE = [*FIXED, "--rank", "0"]  # one worker: the failing rank
 
 
 def events(d, name: str) -> list[dict]:
@@ -23,7 +24,7 @@ def events(d, name: str) -> list[dict]:
 
 def test_the_same_exception_at_the_same_step_stops_after_the_second_attempt(daemons):
     d = daemons(
-        script("faulty.py"), "--nproc-per-node", "2", "--max-restarts", "5", *FAST, args=FIXED
+        script("faulty.py"), "--nproc-per-node", "1", "--max-restarts", "5", *FAST, args=ONE
     )
     assert d.wait(120) == EXIT_DETERMINISTIC, d.stderr()[-3000:]
     assert len(d.attempt_dirs()) == 2  # not the 6 the budget allows
@@ -46,11 +47,11 @@ def test_an_exception_at_another_step_each_attempt_is_retried_as_before(daemons)
     d = daemons(
         script("faulty.py"),
         "--nproc-per-node",
-        "2",
+        "1",
         "--max-restarts",
         "2",
         *FAST,
-        args=[*FIXED, "--steps", "8", "--later-each-attempt"],  # steps 2, 3, 4
+        args=[*ONE, "--steps", "8", "--later-each-attempt"],  # steps 2, 3, 4
     )
     assert d.wait(120) == 1, d.stderr()[-3000:]
     assert len(d.attempt_dirs()) == 3
