@@ -9,6 +9,8 @@ Exit codes:
   3  status/stacks: no daemon is running (LSB "program is not running")
   4  status/stop/stacks: the daemon refused or did not answer (permission, protocol, no workers)
   5  run: this node's health check failed: it did not start, or it left the job
+  6  run: deterministic failure (the same failure at the same step in consecutive attempts): do
+     not requeue
 141  status/stop/stacks: the reader of the output went away (`elasticd status | head`): quiet, as
      git (128 + SIGPIPE, what a shell shows for a command a closed pipe ended)
 """
@@ -37,6 +39,7 @@ FINAL_STATES = ("SUCCEEDED", "FAILED", "STOPPED", "LEFT")
 EPILOG = """exit codes: 0 success (status: running), 1 job failed, 2 bad input (nothing started),
 3 no daemon running (status, stacks), 4 daemon refused or did not answer,
 5 this node's health check failed (run: it did not start, or left the job),
+6 deterministic failure: the same failure at the same step again (run; do not requeue),
 141 the output's reader went away (status | head)"""
 
 
