@@ -17,10 +17,10 @@ from types import SimpleNamespace
 import pytest
 
 from elasticd import config, names
-from elasticd.cluster.errors import BudgetSpent, RendezvousFailed, StoreLost
+from elasticd.cluster.errors import BudgetSpent, Deterministic, RendezvousFailed, StoreLost
 from elasticd.cluster.rounds import Member, Round
 from elasticd.daemon import preflight
-from elasticd.daemon.agent import EXIT_FAILED, EXIT_OK, Agent
+from elasticd.daemon.agent import EXIT_DETERMINISTIC, EXIT_FAILED, EXIT_OK, Agent
 from elasticd.daemon.states import TRANSITIONS, Failure, RestartCause, State
 from elasticd.ops.healthcheck import EXIT_UNHEALTHY, HealthCheck
 
@@ -270,6 +270,21 @@ def test_a_round_that_finds_the_budget_spent_fails_the_job(tmp_path):
     assert path == [S.INIT, S.RENDEZVOUS, S.RUNNING, S.RESTARTING, S.RENDEZVOUS, S.FAILED]
     assert agent.first_failure.kind is RestartCause.CRASH  # the first failure, not the verdict
     assert agent.last_failure.kind is RestartCause.RENDEZVOUS
+
+
+def test_a_round_that_finds_the_failure_deterministic_ends_the_job_with_exit_6(tmp_path):
+    """The verdict of the round after the failure (cluster/closing.py): exit 6, its line (naming
+    both attempts) the first failure, the class of the failure that led to it."""
+    oom = Failure(RestartCause.SIGNAL, "signal 9", rank=0, exit_code=-9, failure_class="oom")
+    verdict = Deterministic("deterministic failure: ... in attempts 1 and 2")
+    s = Script(failures={1: oom}, round_fails={2: verdict})
+    code, path, agent = run(tmp_path, s)
+    assert code == EXIT_DETERMINISTIC == 6
+    assert path == [S.INIT, S.RENDEZVOUS, S.RUNNING, S.RESTARTING, S.RENDEZVOUS, S.FAILED]
+    assert agent.first_failure is agent.last_failure
+    assert "in attempts 1 and 2" in agent.first_failure.reported()
+    assert agent.first_failure.failure_class == "oom"
+    assert agent.status.figures.failures == {"oom": 1}
 
 
 def test_a_failed_rendezvous_fails_the_job(tmp_path):

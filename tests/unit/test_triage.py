@@ -232,3 +232,38 @@ def test_the_memory_cgroup_counter_file(tmp_path, membership, v2_only, expect):
         (tmp_path / "cgroup.controllers").write_text("memory\n")
     found = oom.counter_file(membership, tmp_path)
     assert found == (tmp_path / expect if expect else None)
+
+
+def test_the_closing_judges_the_repeat_from_the_previous_closings_record():
+    """cluster/closing.py on a single node's store: the previous round's members value carries
+    the signature and count; the next closing continues the chain or starts a new one."""
+    import json
+
+    from elasticd import names
+    from elasticd.cluster import closing
+    from elasticd.cluster.rendezvous import Rendezvous
+    from elasticd.config import Config
+
+    rz = Rendezvous(Config())
+    key = rz.round_key(1, names.MEMBERS)
+
+    def closed_with(**record):
+        value = json.dumps({"members": [["n", 1, "a"]], "lost": [], **record})
+        rz.kv.set(key, rz.seal(key, value))
+
+    closed_with(sig=SIG, repeats=1)  # round 0's failure, as round 1's closing recorded it
+    found = closing._repeats(rz, 2, {"sig": SIG, "summary": "rank 0; boom"})
+    assert found["deterministic"] and found["repeats"] == 2
+    assert found["failed"].startswith(
+        f"deterministic failure: the same failure ({SIG}) in attempts 1 and 2"
+    )
+    assert found["failed"].endswith("not restarted: rank 0; boom")
+    assert closing._repeats(rz, 2, {"sig": "other"}) == {
+        "sig": "other",
+        "repeats": 1,
+        "deterministic": False,
+    }
+    closed_with()  # round 1 closed after a node was lost: no record, a new chain
+    assert closing._repeats(rz, 2, {"sig": SIG})["repeats"] == 1
+    closed_with(sig=SIG, repeats=1)
+    assert closing._repeats(rz, 2, {"sig": ""}) == {"sig": "", "repeats": 0, "deterministic": False}
