@@ -30,7 +30,7 @@ from elasticd.cluster.peers import Peers
 from elasticd.cluster.rendezvous import Rendezvous
 from elasticd.cluster.rounds import Round
 from elasticd.config import Config
-from elasticd.daemon import processes, supervise
+from elasticd.daemon import hangs, processes, supervise
 from elasticd.daemon.group import LocalGroup
 from elasticd.daemon.inbox import Inbox, StopRequest, Stops
 from elasticd.daemon.recovery import Recovery
@@ -255,7 +255,7 @@ class Agent:
                 if self.status.due(now):
                     self.publish()
                 continue
-            code = self._restart(why)
+            code = self._restart(hangs.name_culprit(why, self))
             if code is not None:
                 return code
 
