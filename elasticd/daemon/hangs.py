@@ -34,6 +34,7 @@ def name_culprit(why: Failure | Scale, agent: Agent) -> Failure | Scale:
     local = why.kind is RestartCause.HANG
     if not (local or told_of_hang(why)) or agent.cfg.no_python:
         return why
+    t0 = time.monotonic()
     rows = agent.group.dumps if local else agent.group.stacks(agent.state.value).get("stacks", [])
     rnd = agent.round
     multi = rnd is not None and rnd.group_world_size > 1
@@ -50,6 +51,7 @@ def name_culprit(why: Failure | Scale, agent: Agent) -> Failure | Scale:
         verdict=text,
         culprits=list(verdict.culprits),
         waited_in=verdict.waited_in,
+        seconds=round(time.monotonic() - t0, 3),  # what naming it added to the recovery
     )
     return dataclasses.replace(why, reason=f"{why.reason}; {text}")
 

@@ -43,8 +43,8 @@ def test_one_node_names_the_sleeping_rank(daemons):
 
 
 def test_two_nodes_name_the_node_and_rank(daemons):
-    """Rank 0 on node a waits in all_reduce, rank 1 on node b sleeps: both nodes' verdicts name
-    rank 1 on node b, each having read the other's summary through the store."""
+    """Rank 0 on one node waits in all_reduce, rank 1 on the other sleeps: both nodes' verdicts
+    name rank 1 and its node, one of them having read it from the other's summary in the store."""
     port = free_port()
     nodes = [
         daemons(
@@ -62,10 +62,13 @@ def test_two_nodes_name_the_node_and_rank(daemons):
     ]
     for n in nodes:
         assert n.wait(120) == 0, n.stderr()[-3000:]
-    b_id = next(e["node_id"] for e in nodes[1].events() if e.get("event") == "rendezvous_store")
+    # whichever node arrived second holds rank 1: its id is what both verdicts must name
+    holder = next(n for n in nodes if "1" in next(e for e in n.events() if e.get("pids"))["pids"])
+    b_id = next(e["node_id"] for e in holder.events() if e.get("event") == "rendezvous_store")
     for n in nodes:
         evs = culprit_events(n)
         assert evs and evs[0]["culprits"] == [1] and evs[0]["waited_in"] == "all_reduce", evs
         assert evs[0]["verdict"].startswith(f"rank 1 (node {b_id}) was in `read_batch`"), evs
         assert "while 1 rank waited in all_reduce" in evs[0]["verdict"], evs
         assert "no stacks from" not in evs[0]["verdict"], evs
+        print("naming the culprit took", evs[0]["seconds"], "s")  # measured: see the report
