@@ -110,19 +110,25 @@ def where(dump: str, node: str = "", stacks: str = "") -> Where | None:
     frames = main_frames(dump)
     if not frames:
         return None
-    collective = None
-    for file, _, func in frames:
-        if "torch/distributed/" in file and func in COLLECTIVES:
-            collective = func
-            break
-        if "torch/autograd/" in file and func in _BACKWARD_FUNCS:
-            collective = BACKWARD
-            break
+    collective = _collective(frames)
     file, line, func = next(
         (f for f in frames if not _stdlib(f[0])), frames[0]
     )  # all stdlib: its innermost
     site = f"{file.rsplit('/', 1)[-1]}:{line}"
     return Where(collective, func[:MAX_NAME], site[:MAX_NAME], node, stacks)
+
+
+def _collective(frames: list[tuple[str, int, str]]) -> str | None:
+    """The collective the frames wait in: a torch.distributed call of COLLECTIVES, else backward
+    (DDP), else the innermost function of torch.distributed's own code (FSDP's waits and the
+    like: a main thread inside it waits on the other ranks)."""
+    for file, _, func in frames:
+        if "torch/distributed/" in file and func in COLLECTIVES:
+            return func
+        if "torch/autograd/" in file and func in _BACKWARD_FUNCS:
+            return BACKWARD
+    inside = [func for file, _, func in frames if "torch/distributed/" in file]
+    return f"torch.distributed's `{inside[0]}`" if inside else None
 
 
 def _stdlib(file: str) -> bool:
@@ -141,8 +147,12 @@ def judge_hang(stacks_by_rank: Mapping[int, Where | str | None]) -> Verdict:
             groups.setdefault(w.collective, []).append(r)
     tail = f"; no stack from rank(s) {_list(unknown)}" if unknown else ""
     if not groups:
+        places: dict[str, list[int]] = {}
+        for r, w in known.items():
+            places.setdefault(w.label, []).append(r)
         text = "no rank waited in a collective: " + "; ".join(
-            f"{_who(r, w)} was in {w.label}" for r, w in known.items()
+            f"{_count(len(rs))} in {label} ({_list(tuple(rs))})"
+            for label, rs in sorted(places.items(), key=lambda p: -len(p[1]))[:NAMED]
         )
         return Verdict((), None, (), (text if known else "no stacks to compare") + tail)
     size = max(len(g) for g in groups.values())

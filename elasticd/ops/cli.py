@@ -207,8 +207,10 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
         ):  # a single node hosts a c10d store
             preflight.check_port_free(cfg.rdzv_host, cfg.rdzv_port)
         base = preflight.check_log_dir(_log_base(cfg))
-        state = preflight.check_log_dir(quarantine.state_dir(cfg, base), "--state-dir")
-        cfg = dataclasses.replace(cfg, state_dir=str(state))
+        state = quarantine.state_dir(cfg, base)  # the default one is made at the first failure
+        if cfg.state_dir or state.exists():
+            state = preflight.check_log_dir(state, "--state-dir")
+        cfg = dataclasses.replace(cfg, state_dir=str(state.absolute()))
         record = quarantine.read(state)
         if record.quarantined:  # a scheduler drains the node on this exit code
             sys.stderr.write(quarantine.refusal(record, state) + "\n")
@@ -301,8 +303,8 @@ def _node(args: argparse.Namespace) -> int:
     from elasticd.ops import quarantine
 
     given = {k: getattr(args, k) for k in ("state_dir", "log_dir") if getattr(args, k)}
-    try:
-        cfg = config.build(given, args.config_file)
+    try:  # nproc 1: the default's device count would import torch, for nothing here
+        cfg = config.build({"nproc_per_node": "1", **given}, args.config_file)
         directory = quarantine.state_dir(cfg, _log_base(cfg))
         return quarantine.node_command(args.action, directory, cfg, args.json)
     except (ConfigError, OSError) as e:

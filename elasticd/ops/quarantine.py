@@ -48,7 +48,8 @@ def is_hardware(text: str | None) -> bool:
 
 
 def state_dir(cfg: Config, log_base: Path) -> Path:
-    """--state-dir, else systemd's StateDirectory ($STATE_DIRECTORY), else <log dir>/state."""
+    """--state-dir, else systemd's StateDirectory ($STATE_DIRECTORY), else <log dir>/state (made
+    at the node's first failure, so that a log directory holds only runs until then)."""
     if cfg.state_dir:
         return Path(cfg.state_dir)
     systemd = os.environ.get("STATE_DIRECTORY", "").split(":")[0]
@@ -92,8 +93,11 @@ def _parsed(data: Any) -> Record | None:
 
 
 def write(directory: Path, record: Record) -> None:
-    """Replace the record whole: a fresh file (O_EXCL, no symlink followed), synced, renamed."""
+    """Replace the record whole: a fresh file (O_EXCL, no symlink followed), synced, renamed. The
+    directory is made here where missing (the default one, under the checked log directory)."""
     path, tmp = directory / FILE, directory / f".{FILE}.{os.getpid()}"
+    if not directory.is_dir():
+        safeio.mkdir(directory)
     try:
         tmp.unlink()  # left by a daemon that died while writing
     except FileNotFoundError:

@@ -46,6 +46,10 @@ RECV = dump(
     (f"{SITE}/distributed/distributed_c10d.py", 2700, "recv"),
     ("/srv/train.py", 54, "main"),
 )
+FSDP = dump(
+    (f"{SITE}/distributed/fsdp/_runtime.py", 90, "_wait_for_the_others"),
+    ("/srv/train.py", 50, "main"),
+)
 BARRIER = dump(
     (f"{SITE}/distributed/distributed_c10d.py", 4800, "barrier"),
     ("/srv/train.py", 60, "main"),
@@ -97,7 +101,20 @@ CASES = [
         "barrier",
         ["rank 2 was in `read_batch`"],
     ),
-    ("nobody in a collective", {0: SLEEP, 1: LOCK}, (), None, ["no rank waited in a collective"]),
+    (
+        "nobody in a collective: the places, by how many ranks",
+        {0: SLEEP, 1: LOCK, 2: SLEEP},
+        (),
+        None,
+        ["no rank waited in a collective: 2 ranks in `read_batch` (train.py:18) (0, 2); 1 rank"],
+    ),
+    (
+        "inside torch.distributed's own code: a wait on the others",
+        {0: FSDP, 1: FSDP, 2: SLEEP},
+        (2,),
+        "torch.distributed's `_wait_for_the_others`",
+        ["rank 2 was in `read_batch`"],
+    ),
     (
         "a rank without a dump is left out and said",
         {0: ALL_REDUCE, 1: SLEEP, 2: None},

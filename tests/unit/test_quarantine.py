@@ -97,3 +97,23 @@ def test_status_shows_quarantine_and_failures():
     assert "QUARANTINED: 3 failures (`elasticd node clear`)" in render(snap)
     snap = Snapshot(state="RUNNING", health=Health(strikes=2, quarantine_after=3))
     assert "node failures: 2 (quarantined at 3)" in render(snap)
+
+
+def test_a_damaged_record_stops_run_and_node_status_with_one_line(tmp_path):
+    from harness import assert_one_error, run_cli, script
+
+    (tmp_path / q.FILE).write_text("{not json")
+    for cmd in (
+        ("node", "status", "--state-dir", str(tmp_path)),
+        (
+            "run",
+            "--state-dir",
+            str(tmp_path),
+            "--log-dir",
+            str(tmp_path / "logs"),
+            script("faulty.py"),
+        ),
+    ):
+        assert_one_error(run_cli(*cmd, timeout=60), f"{tmp_path / q.FILE}", "move it away")
+    assert not (tmp_path / "logs").exists() or not any((tmp_path / "logs").iterdir())
+    assert (tmp_path / q.FILE).read_text() == "{not json"
