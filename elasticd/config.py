@@ -295,6 +295,21 @@ class Config:
     health_check_timeout: float = _setting(
         60.0, "a health check running longer fails (default {default:g} s)"
     )
+    quarantine_after: int = _setting(
+        3,
+        "health check failures or hardware-class worker failures (ECC, Xid, unhandled CUDA "
+        "error) within --quarantine-window after which this node is quarantined: it leaves the "
+        "job and refuses to start, exit code 7, until `elasticd node clear` (default {default}; "
+        "0: never)",
+    )
+    quarantine_window: float = _setting(
+        86400.0, "seconds over which --quarantine-after counts failures (default {default:g})"
+    )
+    state_dir: str = _setting(
+        "",
+        "this node's record, kept across runs and jobs: its failures and quarantine (default "
+        "$STATE_DIRECTORY, else <log dir>/state)",
+    )
 
     @property
     def min_nodes(self) -> int:

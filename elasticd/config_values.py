@@ -58,6 +58,8 @@ _RANGES: dict[str, tuple[float, float, bool]] = {
         )
     },
     "health_check_timeout": (0.0, MAX_SECONDS, False),
+    "quarantine_after": (0, 1000, True),  # 0: never
+    "quarantine_window": (0.0, MAX_SECONDS, False),
     "straggler_threshold": (0.0, 100.0, True),  # 0: off; 0.2: 20% above the median
     "straggler_window": (1.0, MAX_SECONDS, True),
 }

@@ -62,6 +62,7 @@ ARRIVED = (
 MEMBERS = "members"  # the round as closed: its nodes in group-rank order, and the nodes found lost
 MASTER = "master"  # "addr port" of the round's worker store, hosted by group rank 0
 RESTART = "restart"  # the first restart request's reason: every node of the round restarts
+HANG = "hang"  # hang/<node id>: that node's ranks' innermost frames when a hang was declared
 DONE_COUNT = "done_count"  # a counter of nodes at the exit barrier
 ALL_DONE = "all_done"  # set once every node's done key verifies
 

@@ -198,7 +198,11 @@ class Daemon:
 
     def run_dir(self) -> Path:
         dirs = wait_until(
-            lambda: [d for d in self.log_dir.glob("*") if d.is_dir() and d.name != "checkpoints"],
+            lambda: [
+                d
+                for d in self.log_dir.glob("*")
+                if d.is_dir() and d.name not in ("checkpoints", "state")  # state: --state-dir's
+            ],
             30,
             what="run dir",
         )

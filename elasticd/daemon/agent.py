@@ -30,7 +30,7 @@ from elasticd.cluster.peers import Peers
 from elasticd.cluster.rendezvous import Rendezvous
 from elasticd.cluster.rounds import Round
 from elasticd.config import Config
-from elasticd.daemon import processes, supervise
+from elasticd.daemon import hangs, processes, supervise
 from elasticd.daemon.group import LocalGroup
 from elasticd.daemon.inbox import Inbox, StopRequest, Stops
 from elasticd.daemon.recovery import Recovery
@@ -46,6 +46,7 @@ from elasticd.daemon.states import (
 from elasticd.daemon.status import StatusBoard
 from elasticd.daemon.waits import Interrupted, Waits
 from elasticd.ops.healthcheck import EXIT_UNHEALTHY, HealthCheck
+from elasticd.ops.quarantine import Quarantine
 
 if TYPE_CHECKING:
     from elasticd.ops import healthcheck, metrics
@@ -107,6 +108,7 @@ class Agent:
         self.health_check = health_check(
             cfg, self.token, self.event, wake=lambda: self.post(("wake",))
         )
+        self.quarantine = Quarantine(cfg, self.node, self.event)  # the node's failures, kept
         self.metrics: metrics.Exporter | None = None  # serve() binds it
         self.left_line: str | None = None  # the one line a node that left the job exits with
         supervise.report_to(self.event)
@@ -156,7 +158,7 @@ class Agent:
             last_failure=self.last_failure,
             last_recovery=self.recovery.last,
             memory_dir=self.memory_dir,
-            health=self.health_check.report(),
+            health={**self.health_check.report(), **self.quarantine.report()},
             now=now,
         )
         if self.metrics is not None:
@@ -259,6 +261,9 @@ class Agent:
                 if self.status.due(now):
                     self.publish()
                 continue
+            why = hangs.name_culprit(why, self)
+            if self.quarantine.struck_by(why):  # a hardware failure that quarantines this node
+                return self._leave_job(why, *self.quarantine.departure())
             code = self._restart(why)
             if code is not None:
                 return code
@@ -323,22 +328,29 @@ class Agent:
         return result if result is not None and not result.ok else None
 
     def _leave(self, check: healthcheck.Result) -> int:
-        """This node's health check failed: stop its workers, ask the other nodes to restart
-        with the reason (their status shows it) and leave the job, exit code 5. The rendezvous
-        is not closed: the others go on without this node (elastic), or wait for it to come
-        back healthy (fixed size: systemd starts it again)."""
+        """This node's health check failed: it leaves the job (`_leave_job`), exit code 5, or 7
+        where that failure quarantines it (ops/quarantine.py)."""
         why = self.health_check.failure(check, self.node)
+        if self.quarantine.strike(why):
+            return self._leave_job(why, *self.quarantine.departure(self.round is not None))
+        summary = self.health_check.left_summary(check, self.node)
+        line = self.health_check.left_line(why, joined=self.round is not None)
+        return self._leave_job(why, summary, line, EXIT_UNHEALTHY)
+
+    def _leave_job(self, why: Failure, summary: str, line: str, code: int) -> int:
+        """Stop this node's workers, ask the other nodes to restart with `summary` (their status
+        shows it) and leave the job with `line` and `code`. The rendezvous is not closed: the
+        others go on without this node (elastic), or wait for it to come back (fixed size)."""
         self.last_failure = self.first_failure = why
         self.status.figures.on_failure(why.failure_class)
         if self.round is not None and self.round.group_world_size > 1:
-            summary = self.health_check.left_summary(check, self.node)
             # named lost: the next round does not wait for this node
             lost, klass = [self.rdzv.node_id], why.failure_class
             self._ask_restart({"summary": summary, "node": self.node, "lost": lost, "class": klass})
         self._teardown(self.cfg.restart_grace, abandon=True)
-        self.left_line = self.health_check.left_line(why, joined=self.round is not None)
-        self.set_state(State.LEFT, exit_code=EXIT_UNHEALTHY, cause=why.summary())
-        return EXIT_UNHEALTHY
+        self.left_line = line
+        self.set_state(State.LEFT, exit_code=code, cause=why.summary())
+        return code
 
     def _after_start_up(self, now: float) -> None:
         """Once every new worker has stepped (first beat): report the recovery timeline and

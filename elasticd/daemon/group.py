@@ -39,6 +39,7 @@ class LocalGroup:
         ] = {}  # pid -> held-open files
         self._odd_since: dict[int, float] = {}  # pid -> when it was first seen a zombie
         self.oom = oom.Counters([])  # the OOM counters as this attempt started
+        self.dumps: list[dict[str, Any]] = []  # the stacks the last hang verdict took (_rows)
 
     def start(
         self, rnd: Round, restart_count: int, memory_dir: str | None, spares: list[forkclient.Spare]
@@ -127,6 +128,7 @@ class LocalGroup:
                     if self.cfg.no_python
                     else processes.dump_stacks(self.workers, self.cfg.stack_signal)
                 )
+                self.dumps = _rows(dumps)
                 return Failure(
                     RestartCause.HANG,
                     f"hung: {why}",
@@ -193,19 +195,7 @@ class LocalGroup:
                 "error": f"no worker is running right now (state {state}); try again",
             }
         self.event("stacks_dumped", ranks=[w.global_rank for w, _ in dumps])
-        return {
-            "ok": True,
-            "stacks": [
-                {
-                    "rank": w.global_rank,
-                    "local_rank": w.local_rank,
-                    "pid": w.pid,
-                    "path": str(w.stack_path),
-                    "text": text,
-                }
-                for w, text in dumps
-            ],
-        }
+        return {"ok": True, "stacks": _rows(dumps)}
 
     def stop(
         self,
@@ -265,3 +255,17 @@ class LocalGroup:
             self._odd_since.pop(pid, None)
             return None
         return why if now - self._odd_since.setdefault(pid, now) >= ODD_STATE_HOLD else None
+
+
+def _rows(dumps: list[tuple[spawn.Worker, str]]) -> list[dict[str, Any]]:
+    """Stack dumps as `elasticd stacks` answers them (and daemon/hangs.py reads them)."""
+    return [
+        {
+            "rank": w.global_rank,
+            "local_rank": w.local_rank,
+            "pid": w.pid,
+            "path": str(w.stack_path),
+            "text": text,
+        }
+        for w, text in dumps
+    ]

@@ -11,6 +11,8 @@ Exit codes:
   5  run: this node's health check failed: it did not start, or it left the job
   6  run: deterministic failure (the same failure at the same step in consecutive attempts): do
      not requeue
+  7  run: this node is quarantined (too many health check or hardware failures): it did not
+     start, or it left the job; node status: it is quarantined (`elasticd node clear` ends it)
 141  status/stop/stacks: the reader of the output went away (`elasticd status | head`): quiet, as
      git (128 + SIGPIPE, what a shell shows for a command a closed pipe ended)
 """
@@ -40,6 +42,7 @@ EPILOG = """exit codes: 0 success (status: running), 1 job failed, 2 bad input (
 3 no daemon running (status, stacks), 4 daemon refused or did not answer,
 5 this node's health check failed (run: it did not start, or left the job),
 6 deterministic failure: the same failure at the same step again (run; do not requeue),
+7 this node is quarantined (run, node status; `elasticd node clear` ends it),
 141 the output's reader went away (status | head)"""
 
 
@@ -119,6 +122,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sk.add_argument("--json", action="store_true", help="print the reply as JSON")
     sk.add_argument("--socket", default=None, help="control socket path")
+    nd = sub.add_parser(
+        "node",
+        help="this node's record: quarantine and failures (read here, no daemon needed)",
+        description="status: whether this node is quarantined (exit 7 if so) and its recent "
+        "failures; clear: forget them, once the node is repaired, so that it may start again.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    nd.add_argument("action", choices=("status", "clear"))
+    nd.add_argument("--state-dir", default=None, help="the daemon's --state-dir")
+    nd.add_argument("--log-dir", default=None, help="the daemon's --log-dir (for its default)")
+    nd.add_argument("--config", dest="config_file", default=None, help="the daemon's config")
+    nd.add_argument("--json", action="store_true", help="print the record as JSON")
     return p
 
 
@@ -138,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
         return _run(args, extra or (given[1:] if given[:1] == ["--"] else given))
     if extra:
         build_parser().error("arguments after -- are only for 'run'")
+    if args.command == "node":
+        return _node(args)
     control_command = {names.STATUS: _status, names.STOP: _stop, names.STACKS: _stacks}.get(
         args.command
     )
@@ -167,6 +185,7 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
     from elasticd import config, logs
     from elasticd.cluster import signing
     from elasticd.daemon import preflight, systemd
+    from elasticd.ops import quarantine
 
     systemd.quiet_torch_cpp()  # before anything imports torch
 
@@ -191,6 +210,14 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
         ):  # a single node hosts a c10d store
             preflight.check_port_free(cfg.rdzv_host, cfg.rdzv_port)
         base = preflight.check_log_dir(_log_base(cfg))
+        state = quarantine.state_dir(cfg, base)  # the default one is made at the first failure
+        if cfg.state_dir or state.exists():
+            state = preflight.check_log_dir(state, "--state-dir")
+        cfg = dataclasses.replace(cfg, state_dir=str(state.absolute()))
+        record = quarantine.read(state)
+        if record.quarantined:  # a scheduler drains the node on this exit code
+            sys.stderr.write(quarantine.refusal(record, state) + "\n")
+            return quarantine.EXIT_QUARANTINED
         checkpoints = (
             Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else base / "checkpoints" / cfg.rdzv_id
         )
@@ -271,6 +298,21 @@ def _run_dir(cfg, base: Path) -> Path:
     return preflight.make_run_dir(
         base, f"{cfg.rdzv_id}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
     )
+
+
+def _node(args: argparse.Namespace) -> int:
+    """`elasticd node status / clear`: the record in the state directory `run` would use."""
+    from elasticd import config
+    from elasticd.ops import quarantine
+
+    given = {k: getattr(args, k) for k in ("state_dir", "log_dir") if getattr(args, k)}
+    try:  # nproc 1: the default's device count would import torch, for nothing here
+        cfg = config.build({"nproc_per_node": "1", **given}, args.config_file)
+        directory = quarantine.state_dir(cfg, _log_base(cfg))
+        return quarantine.node_command(args.action, directory, cfg, args.json)
+    except (ConfigError, OSError) as e:
+        sys.stderr.write(f"elasticd: error: {_one_line(e)}\n")
+        return EXIT_USAGE
 
 
 def _status(args: argparse.Namespace) -> int:

@@ -243,6 +243,19 @@ METRICS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
         (),
     ),
     (
+        "elasticd_node_quarantined",
+        "gauge",
+        "1 once this node is quarantined (too many health check or hardware failures: it "
+        "leaves the job and refuses to start until `elasticd node clear`), else 0",
+        (),
+    ),
+    (
+        "elasticd_node_failures",
+        "gauge",
+        "This node's health check and hardware-class failures within --quarantine-window",
+        (),
+    ),
+    (
         "elasticd_peer_beat_age_seconds",
         "gauge",
         "Seconds since each peer node's liveness beat last moved",
@@ -390,6 +403,9 @@ def _health(put: Put, s: Snapshot) -> None:
         put("elasticd_health_check_runs_total", health.runs)
         put("elasticd_health_check_failures_total", health.failures)
     put("elasticd_peers_left_total", len(health.peers_left))
+    if health.quarantine_after is not None:
+        put("elasticd_node_quarantined", int(health.quarantined))
+        put("elasticd_node_failures", health.strikes)
 
 
 class Exporter:

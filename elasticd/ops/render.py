@@ -130,6 +130,11 @@ def _health(s: Snapshot) -> list[str]:
         )
     for left in health.peers_left[-2:]:
         lines.append(f"  node {left.node} left the job: health check failed: {left.reason}")
+    if health.quarantined:
+        lines.append(f"  QUARANTINED: {health.quarantine_reason} (`elasticd node clear`)")
+    elif health.strikes:
+        limit = health.quarantine_after or "never"
+        lines.append(f"  node failures: {health.strikes} (quarantined at {limit})")
     for st in s.stragglers:
         since = time.time() - (st.since if st.since is not None else time.time())
         lines.append(

@@ -156,6 +156,13 @@ class Health:
     last: HealthResult | None = None
     running: bool = False
     peers_left: list[PeerLeft] = field(default_factory=list)
+    # this node's record (ops/quarantine.py): quarantined, and its failures within the window
+    quarantined: bool = False
+    quarantined_since: float | None = None
+    quarantine_reason: str | None = None
+    strikes: int = 0
+    quarantine_after: int | None = None
+    state_dir: str | None = None
 
 
 @dataclass(frozen=True)

@@ -454,7 +454,7 @@ def test_unit_file_verifies_cleanly(tmp_path):
         "KillMode=mixed",
         "TimeoutStopSec=",
         "Restart=on-failure",
-        "RestartPreventExitStatus=2 6",
+        "RestartPreventExitStatus=2 6 7",
         "RuntimeDirectory=",
         "EnvironmentFile=",
         "LimitMEMLOCK=infinity",

@@ -1,6 +1,7 @@
-"""Fault injection for tests: `--raise-at N` (`--later-each-attempt`: N + the restart count, a
-failure that is not the same twice), `--exit-at N CODE`, `--spawn-child` (a grandchild),
-`--beat` (report each step through elasticd.heartbeat, as a training loop would).
+"""Fault injection for tests: `--raise-at N` (`--error TEXT`: a RuntimeError of that text;
+`--later-each-attempt`: N + the restart count, a failure that is not the same twice),
+`--exit-at N CODE`, `--spawn-child` (a grandchild), `--beat` (report each step through
+elasticd.heartbeat, as a training loop would).
 
 Plain torch.distributed like any torchrun script; the fault hits only `--rank R` (default 1)."""
 
@@ -19,6 +20,7 @@ def main():
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--rank", type=int, default=1)
     p.add_argument("--raise-at", type=int, default=-1)
+    p.add_argument("--error", default="", help="--raise-at raises RuntimeError(this text)")
     p.add_argument("--exit-at", type=int, default=-1)
     p.add_argument("--exit-code", type=int, default=3)
     p.add_argument("--only-first-attempt", action="store_true")
@@ -45,6 +47,8 @@ def main():
             import elasticd
 
             elasticd.heartbeat(step)
+        if armed and step == args.raise_at and args.error:
+            raise RuntimeError(args.error)
         if armed and step == args.raise_at:
             raise ValueError(f"injected failure at step {step}")
         if armed and step == args.exit_at:

@@ -1,4 +1,5 @@
-"""Hang injection for tests: `--mode loop|deadlock|sleep` at `--at` step on rank `--rank`.
+"""Hang injection for tests: `--mode loop|deadlock|sleep|stuck` at `--at` step on rank `--rank`
+(stuck: the rank sleeps in `read_batch` while the others wait in all_reduce).
 
 Trains a tiny model with a real optimizer (so elasticd's automatic heartbeat sees every step) and
 an all_reduce per step. Faults fire only in the first attempt, so the restarted run completes."""
@@ -12,10 +13,15 @@ import torch
 import torch.distributed as dist
 
 
+def read_batch():
+    """A data read that never returns (--mode stuck)."""
+    time.sleep(3600)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--mode", choices=["none", "loop", "deadlock", "sleep"], default="none")
+    p.add_argument("--mode", choices=["none", "loop", "deadlock", "sleep", "stuck"], default="none")
     p.add_argument("--at", type=int, default=3)
     p.add_argument("--rank", type=int, default=1)
     p.add_argument("--step-time", type=float, default=0.05)
@@ -40,6 +46,9 @@ def main():
             print(f"rank {rank} entering an endless loop", flush=True)
             while True:
                 pass
+        if armed and step == args.at and args.mode == "stuck":
+            print(f"rank {rank} stuck reading a batch", flush=True)
+            read_batch()
         if armed and step == args.at and args.mode == "deadlock":
             print(f"rank {rank} skips the all_reduce and waits for a message", flush=True)
             dist.recv(t, src=0)

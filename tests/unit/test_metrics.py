@@ -203,6 +203,8 @@ SNAPSHOT = {
         "failures": 0,
         "peers_left": [],
         "last": {"ok": True, "seconds": 0.01, "at": 1.7e9},
+        "quarantine_after": 3,
+        "strikes": 1,
     },
 }
 
@@ -225,6 +227,8 @@ def test_every_metric_is_named_by_convention_documented_and_exposed():
     assert 'elasticd_restarts_total{cause="crash",node="n1",run_id="job42"} 1.0' in text
     assert 'elasticd_rank_rss_bytes{local_rank="1",node="n1",rank="1",run_id="job42"}' in text
     assert 'elasticd_recovery_seconds_bucket{le="0.5",node="n1",run_id="job42"} 1.0' in text
+    assert 'elasticd_node_quarantined{node="n1",run_id="job42"} 0.0' in text
+    assert 'elasticd_node_failures{node="n1",run_id="job42"} 1.0' in text
     for line in text.splitlines():
         if line.startswith("# HELP "):
             assert len(line.split(" ", 3)) == 4, line  # every metric has a help text

@@ -1,0 +1,78 @@
+"""A hang's culprit named before the restart (the agent's hook, `name_culprit`): this node's
+ranks' stack dumps reduced to where each waits (culprit.py), published to the other nodes and
+theirs gathered (cluster/hang_summaries.py), and the job-wide verdict added to the failure's
+reason, so that the restart cause, status and the final line name the rank (and node) elsewhere
+while the others waited in a collective. A node told of a hang by another node dumps its own
+workers' stacks for it first. Every wait is bounded (GATHER): a node that says nothing in time is
+named as such, never waited for."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import TYPE_CHECKING
+
+from elasticd.cluster import hang_summaries
+from elasticd.cluster.errors import RendezvousFailed, StoreUnreachable
+from elasticd.daemon import culprit
+from elasticd.daemon.states import Failure, RestartCause, Scale, restart_request
+
+if TYPE_CHECKING:
+    from elasticd.daemon.agent import Agent
+
+GATHER = 3.0  # seconds a node waits for the other nodes' summaries (they dump within ~1 s)
+HUNG = "hung: "  # how a hang's reason begins (group.py), in a peer's restart request too
+
+
+def told_of_hang(why: Failure | Scale) -> bool:
+    return why.kind is RestartCause.PEER and HUNG in why.reason
+
+
+def name_culprit(why: Failure | Scale, agent: Agent) -> Failure | Scale:
+    """`why` with the culprit's verdict in its reason, for a hang declared here or told of by a
+    peer; any other failure as it is."""
+    local = why.kind is RestartCause.HANG
+    if not (local or told_of_hang(why)) or agent.cfg.no_python:
+        return why
+    t0 = time.monotonic()
+    rows = agent.group.dumps if local else agent.group.stacks(agent.state.value).get("stacks", [])
+    rnd = agent.round
+    multi = rnd is not None and rnd.group_world_size > 1
+    node = agent.rdzv.node_id if multi else ""
+    ranks = {r["rank"]: culprit.where(r["text"], node, r["path"]) for r in rows if r.get("text")}
+    silent: list[str] = []
+    if multi:
+        ranks, silent = _across_nodes(why, agent, ranks)
+    verdict = culprit.judge_hang(ranks)
+    text = verdict.text + (f"; no stacks from node(s) {', '.join(silent)}" if silent else "")
+    agent.event(
+        "hang_culprit",
+        level="warning",
+        verdict=text,
+        culprits=list(verdict.culprits),
+        waited_in=verdict.waited_in,
+        seconds=round(time.monotonic() - t0, 3),  # what naming it added to the recovery
+    )
+    return dataclasses.replace(why, reason=f"{why.reason}; {text}")
+
+
+def _across_nodes(
+    why: Failure | Scale, agent: Agent, ranks: dict[int, culprit.Where | None]
+) -> tuple[dict[int, culprit.Where | None], list[str]]:
+    """Publish ours (and, for a hang declared here, ask the others to restart now, so that they
+    dump theirs), then gather the others' until GATHER passes."""
+    mine = {r: w for r, w in ranks.items() if w is not None}
+    deadline = time.monotonic() + GATHER
+    try:
+        hang_summaries.publish(agent.rdzv, agent.round, culprit.summary(mine))
+        if why.kind is RestartCause.HANG:
+            agent.rdzv.request_restart(agent.round, restart_request(why, agent.node))
+        found, silent = hang_summaries.gather(
+            agent.rdzv, agent.round, culprit.parse_summary, deadline
+        )
+    except (StoreUnreachable, RendezvousFailed) as e:
+        agent.event("hang_summaries_unreachable", level="warning", why=str(e))
+        return ranks, ["the store did not answer"]
+    for theirs in found.values():
+        ranks.update(theirs)
+    return ranks, silent

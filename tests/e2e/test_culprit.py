@@ -1,0 +1,74 @@
+"""A hang's culprit named from the stacks: one rank sleeps in `read_batch` while the others wait
+in all_reduce; the restart cause names that rank (and, across nodes, its node)."""
+
+from __future__ import annotations
+
+from harness import free_port, node_flags, script
+
+HB = ("--heartbeat-timeout", "2", "--startup-timeout", "60", "--restart-grace", "0.5")
+STUCK = ["--steps", "6", "--mode", "stuck", "--at", "3", "--step-time", "0.02"]
+
+
+def sleep_line() -> int:
+    """The line of hang.py where the stuck rank sleeps (its innermost frame)."""
+    lines = open(script("hang.py")).read().splitlines()
+    return next(i for i, ln in enumerate(lines, 1) if "time.sleep(3600)" in ln)
+
+
+def culprit_events(d) -> list[dict]:
+    return [e for e in d.events() if e.get("event") == "hang_culprit"]
+
+
+def restart_causes(d) -> list[str]:
+    return [e["cause"] for e in d.events() if e.get("new") == "RESTARTING"]
+
+
+def test_one_node_names_the_sleeping_rank(daemons):
+    d = daemons(
+        script("hang.py"),
+        "--nproc-per-node",
+        "3",
+        *HB,
+        "--max-restarts",
+        "1",
+        args=[*STUCK, "--rank", "1"],
+    )
+    assert d.wait(90) == 0, d.stderr()[-3000:]
+    (ev,) = culprit_events(d)
+    assert ev["culprits"] == [1] and ev["waited_in"] == "all_reduce", ev
+    stacks = d.run_dir() / "attempt1" / "rank1.stacks.txt"
+    where = f"`read_batch` (hang.py:{sleep_line()}) [stacks {stacks}]"
+    assert f"rank 1 was in {where} while 2 ranks waited in all_reduce" in restart_causes(d)[0]
+    assert "read_batch" in stacks.read_text()
+
+
+def test_two_nodes_name_the_node_and_rank(daemons):
+    """Rank 0 on one node waits in all_reduce, rank 1 on the other sleeps: both nodes' verdicts
+    name rank 1 and its node, one of them having read it from the other's summary in the store."""
+    port = free_port()
+    nodes = [
+        daemons(
+            script("hang.py"),
+            "--nproc-per-node",
+            "1",
+            *node_flags(port, "2"),
+            *HB,
+            "--max-restarts",
+            "1",
+            name=name,
+            args=[*STUCK, "--rank", "1"],
+        )
+        for name in ("a", "b")
+    ]
+    for n in nodes:
+        assert n.wait(120) == 0, n.stderr()[-3000:]
+    # whichever node arrived second holds rank 1: its id is what both verdicts must name
+    holder = next(n for n in nodes if "1" in next(e for e in n.events() if e.get("pids"))["pids"])
+    b_id = next(e["node_id"] for e in holder.events() if e.get("event") == "rendezvous_store")
+    for n in nodes:
+        evs = culprit_events(n)
+        assert evs and evs[0]["culprits"] == [1] and evs[0]["waited_in"] == "all_reduce", evs
+        assert evs[0]["verdict"].startswith(f"rank 1 (node {b_id}) was in `read_batch`"), evs
+        assert "while 1 rank waited in all_reduce" in evs[0]["verdict"], evs
+        assert "no stacks from" not in evs[0]["verdict"], evs
+        print("naming the culprit took", evs[0]["seconds"], "s")  # measured: see the report

@@ -1,0 +1,88 @@
+"""Bad nodes remembered: a node whose health check fails three times is quarantined and refuses
+to start (exit 7, one line) until `elasticd node clear`; in an elastic job a node quarantined by
+a hardware-class worker failure leaves and the other goes on at the smaller size."""
+
+from __future__ import annotations
+
+import re
+
+from e2e.test_operability import check_script, non_json
+from harness import free_port, node_flags, run_cli, script, wait_until
+
+EXIT_UNHEALTHY, EXIT_QUARANTINED = 5, 7
+QUARANTINED = re.compile(
+    r"^elasticd: (not starting: this node|this node left the job: it) is quarantined since "
+)
+
+
+def test_three_failed_health_checks_quarantine_the_node_until_cleared(tmp_path):
+    healthy = tmp_path / "healthy"
+    check = check_script(
+        tmp_path, f'[ -e {healthy} ] && exit 0\necho "GPU 0: Xid 79, fell off the bus"\nexit 1\n'
+    )
+    logs = tmp_path / "logs"
+    run = (
+        "run",
+        "--log-dir",
+        str(logs),
+        "--socket",
+        str(tmp_path / "control.sock"),
+        "--nproc-per-node",
+        "1",
+        "--health-check",
+        str(check),
+        script("faulty.py"),
+        "--steps",
+        "2",
+        "--step-time",
+        "0.01",
+    )
+    codes = []
+    for _ in range(3):
+        r = run_cli(*run, timeout=60)
+        codes.append(r.returncode)
+    assert codes == [EXIT_UNHEALTHY, EXIT_UNHEALTHY, EXIT_QUARANTINED], r.stderr[-2000:]
+    assert QUARANTINED.match(non_json(r.stderr)[0]), r.stderr[-2000:]
+    runs = sorted(p for p in logs.iterdir() if p.name != "state")
+    healthy.touch()  # repaired, but not cleared: still refused, before anything starts
+    r = run_cli(*run, timeout=60)
+    assert r.returncode == EXIT_QUARANTINED, r.stderr[-2000:]
+    (line,) = non_json(r.stderr)
+    assert line.startswith("elasticd: not starting: this node is quarantined since "), line
+    assert "3 failure(s) within 24 h, the last: " in line and "Xid 79" in line, line
+    assert f"`elasticd node clear --state-dir {logs / 'state'}`" in line, line
+    assert sorted(p for p in logs.iterdir() if p.name != "state") == runs  # no run directory
+    st = run_cli("node", "status", "--log-dir", str(logs), timeout=30)
+    assert st.returncode == EXIT_QUARANTINED and "quarantined since" in st.stdout, st
+    assert st.stdout.count("health check failed") >= 3, st.stdout
+    cleared = run_cli("node", "clear", "--log-dir", str(logs), timeout=30)
+    assert cleared.returncode == 0 and "may start again" in cleared.stdout, cleared
+    assert run_cli("node", "status", "--log-dir", str(logs), timeout=30).returncode == 0
+    r = run_cli(*run, timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_elastic_job_goes_on_without_a_node_quarantined_by_a_hardware_failure(daemons):
+    """Node b's worker dies of an uncorrectable ECC error: with --quarantine-after 1, b is
+    quarantined and leaves (exit 7); a goes on alone and finishes; b started again is refused."""
+    port = free_port()
+    flags = ("--nproc-per-node", "1", *node_flags(port, "1:2", "quarantine"))
+    flags += ("--quarantine-after", "1")
+    ecc = "CUDA error: uncorrectable ECC error encountered"
+    args = ["--steps", "40", "--step-time", "0.05", "--raise-at", "5", "--error", ecc]
+    a = daemons(script("faulty.py"), *flags, name="a", args=args)
+    wait_until(
+        lambda: any(e.get("event") == "rendezvous_store" for e in a.events()), 60, what="the store"
+    )
+    b = daemons(script("faulty.py"), *flags, name="b", args=args)
+    assert b.wait(90) == EXIT_QUARANTINED, b.stderr()[-3000:]
+    (line,) = non_json(b.stderr())
+    assert QUARANTINED.match(line) and ecc in line, line
+    assert a.wait(90) == 0, a.stderr()[-3000:]
+    causes = [e["cause"] for e in a.events() if e.get("new") == "RESTARTING"]
+    assert any("left the job: quarantined: 1 failure(s)" in c for c in causes), causes
+    assert [e for e in a.events() if e.get("new") == "RUNNING" and e.get("world_size") == 1]
+    assert "done" in a.log_text(0)
+    again = daemons(script("faulty.py"), *flags, name="b", args=args)
+    assert again.wait(60) == EXIT_QUARANTINED, again.stderr()[-3000:]
+    assert non_json(again.stderr())[0].startswith("elasticd: not starting: this node is quar")
