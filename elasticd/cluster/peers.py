@@ -24,7 +24,7 @@ from collections.abc import Callable
 from elasticd import logs
 from elasticd.cluster import kv as kvmod
 from elasticd.cluster import silence
-from elasticd.cluster.errors import StoreLost
+from elasticd.cluster.errors import StoreLost, host_down_line
 from elasticd.cluster.rendezvous import Rendezvous
 from elasticd.cluster.rounds import Round
 from elasticd.cluster.timing import BEAT_EVERY, GARBAGE_BACKOFF, LOST_SILENCE, WAIT_SLICE
@@ -51,7 +51,8 @@ class Peers:
         self.waiting: tuple[int, list[str]] = (-1, [])  # (round, ids of nodes waiting to join it)
         self.unreachable_since: float | None = None  # when the store stopped answering our beats
         self._last_ok = time.monotonic()  # when it last answered (a beat, or a round formed)
-        self.lost_store: str | None = None  # set when its host refuses us: the store is gone
+        self.lost_store: str | None = None  # set when etcd refuses us (credentials): for good
+        self.host_down = False  # the c10d store's host refused our last beat: its daemon is down
         self._problem = ""
         self._stop = threading.Event()
         self._waiters: list[threading.Thread] = []
@@ -103,18 +104,21 @@ class Peers:
             try:
                 self._beat(count)
                 self.unreachable_since, self._last_ok = None, time.monotonic()
+                self.host_down = False
             except kvmod.Unreachable as e:
                 if self._stop.is_set():
                     return  # closed: the daemon stops
                 self._problem = str(e)
-                if e.refused:
+                if e.refused and self.cfg.etcd:
                     self.lost_store = str(e)
                     self._wake()
                     return
                 if self.unreachable_since is None:
                     self.unreachable_since = self._last_ok  # silent since it last answered us
-                    log.warning("store_not_answering", why=str(e))
-                elif time.monotonic() - self.unreachable_since >= self.cfg.peer_timeout:
+                    log.warning("store_not_answering", why=str(e), host_down=e.refused)
+                # a c10d host that refuses us is down: no need to wait out --peer-timeout
+                self.host_down = e.refused
+                if e.refused or time.monotonic() - self.unreachable_since >= self.cfg.peer_timeout:
                     self._wake()
 
     def _beat(self, count: int) -> None:
@@ -170,17 +174,23 @@ class Peers:
         workers' heartbeats, only when a watched node is silent (the loop calls this every tick)."""
         if self.lost_store is not None:
             raise StoreLost(
-                f"lost the rendezvous store at {self.rdzv.endpoint} ({self.lost_store}): the node "
-                "hosting it stopped; start the job again on every node"
+                f"the etcd cluster at {self.rdzv.endpoint} refused us ({self.lost_store}): check "
+                "the credentials and the user's permissions on the elasticd/ prefix"
             )
-        if (
-            self.unreachable_since is not None
-            and now - self.unreachable_since >= self.cfg.peer_timeout
-        ):
+        since = self.unreachable_since
+        if since is not None and self.host_down:
+            return Failure(
+                RestartCause.STORE_UNREACHABLE,
+                f"{host_down_line(self.rdzv.endpoint, self._problem)}; stopped the workers "
+                "(their in-memory state kept), joining again once its daemon is back, for "
+                f"--join-timeout {self.cfg.join_timeout:g}s",
+                node=self.node,
+            )
+        if since is not None and now - since >= self.cfg.peer_timeout:
             return Failure(
                 RestartCause.STORE_UNREACHABLE,
                 f"cannot reach the rendezvous store at {self.rdzv.endpoint} for "
-                f"{now - self.unreachable_since:.1f}s ({self._problem}); stopped the workers, "
+                f"{now - since:.1f}s ({self._problem}); stopped the workers, "
                 "joining again once it answers",
                 node=self.node,
             )
