@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -16,8 +17,11 @@ from netns import DEV, netns_fixture  # noqa: F401 (the netns fixture)
 PORT = 29400  # a fresh namespace has every port free
 
 
-def _store_host_job(daemons, net, extra=(), args=None, script_name="ddp_tutorial.py"):
-    """Node 0 hosts the store on its address, node 1 joins; both training. (host, other, flags)"""
+def _store_host_job(
+    daemons, net, extra=(), args=None, script_name="ddp_tutorial.py", other_extra=()
+):
+    """Node 0 hosts the store on its address, node 1 joins it: (host, other, a function that
+    starts node 0 again with the same command line)."""
     flags = (
         "--nproc-per-node",
         "1",
@@ -32,9 +36,9 @@ def _store_host_job(daemons, net, extra=(), args=None, script_name="ddp_tutorial
     args = args or ["--steps", "400", "--step-time", "0.05"]
     env = {"GLOO_SOCKET_IFNAME": DEV}
 
-    def node(i: int, name: str):
+    def node(i: int, name: str, more=()):
         return daemons(
-            script(script_name), *flags, name=name, args=args, env=env, prefix=net.prefix(i)
+            script(script_name), *flags, *more, name=name, args=args, env=env, prefix=net.prefix(i)
         )
 
     host = node(0, "host")
@@ -43,25 +47,35 @@ def _store_host_job(daemons, net, extra=(), args=None, script_name="ddp_tutorial
         60,
         what="the store",
     )
-    other = node(1, "other")
+    other = node(1, "other", other_extra)
     return host, other, lambda: node(0, "host")
 
 
 def test_store_host_killed_and_not_back_peer_stops_its_workers_then_fails_with_one_line(
     daemons, netns
 ):
-    """Two nodes on two addresses, the store on node 0's: SIGKILL node 0's daemon for good and
-    node 1 stops its workers at once (the host refuses the connection: no --peer-timeout to wait
-    out), waits --join-timeout for it to come back, then exits 1 with one line saying so."""
+    """Two nodes on two addresses, the store on node 0's, whose daemon is SIGKILLed for good
+    (judge_host_not_back)."""
     net = netns(2)
     store = f"{net.addr(0)}:{PORT}"
-    host, other, _ = _store_host_job(daemons, net, ("--nnodes", "1:2", "--join-timeout", "5"))
+    # a fixed size: the first round waits for both (the other's short --join-timeout would not
+    # always see the host take it in as a scale-up while the host's spares still import torch)
+    host, other, _ = _store_host_job(
+        daemons, net, ("--nnodes", "2"), other_extra=("--join-timeout", "5")
+    )
     pids = wait_until(
         lambda: other.worker_pids() if re.search(r"^step \d+", other.all_logs(), re.M) else None,
         60,
         what="both nodes training",
     )
     assert net.pids(net.nodes[1]) and set(pids.values()) <= set(net.pids(net.nodes[1]))
+    judge_host_not_back(host, other, pids, store, join_timeout=5)
+
+
+def judge_host_not_back(host, other, pids: dict, store: str, join_timeout: int) -> None:
+    """SIGKILL the store's host for good: the other node stops its workers at once (the host
+    refuses the connection: no --peer-timeout to wait out), keeps its in-memory state while it
+    waits --join-timeout for the host to come back, then exits 1 with one line saying so."""
     t0 = time.monotonic()
     host.kill()
     said = wait_until(
@@ -69,31 +83,34 @@ def test_store_host_killed_and_not_back_peer_stops_its_workers_then_fails_with_o
         10,
         what="the other node saying the store's host is down",
     )
-    assert (
-        "refused the connection" in said[0]["why"]
-        and "the node hosting it is down" in said[0]["why"]
-    ), said
+    why = said[0]["why"]
+    assert "refused the connection" in why and "the node hosting it is down" in why, why
     assert time.monotonic() - t0 < 3 + 3  # at once, plus the teardown (more under load)
     wait_until(
-        lambda: (
-            not [
-                p
-                for p in pids.values()
-                if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"
-            ]
-        ),
+        lambda: not [p for p in pids.values() if psutil.pid_exists(p) and live(p)],
         10,
         what="its workers gone",
     )
+    memory = [e["directory"] for e in other.events() if e.get("event") == "memory_state"]
+    assert memory and other.proc.poll() is None
+    assert os.path.isdir(memory[0])  # kept while it waits (its slots: the restart test)
     assert other.wait(30) == 1, other.stderr()[-3000:]
     took = time.monotonic() - t0
-    assert 5 <= took < 5 + 3 + 5, took  # --join-timeout 5, after the teardown
+    assert join_timeout <= took < join_timeout + 3 + 5, took  # after the teardown
     err = other.stderr()
     assert "Traceback" not in err and "frame #" not in err, err[-3000:]
     last = err.strip().splitlines()[-1]
     assert last.startswith("elasticd: job failed") and f"the rendezvous store at {store}" in last
-    assert "did not come back within --join-timeout 5s" in last, last
+    assert f"did not come back within --join-timeout {join_timeout}s" in last, last
+    # torch's own warnings came as JSON events too
     assert [ln for ln in err.splitlines() if ln.strip() and not ln.startswith("{")] == [last]
+
+
+def live(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 LOADED = re.compile(r"checkpoint_loaded.*?\bpath=(\S+).*?\bsource=(\w+).*?\bstep=(\d+)")

@@ -1,0 +1,96 @@
+"""A c10d store's host started again: the other nodes take the fresh store's new run for the same
+job's next incarnation (Rendezvous.follow_run), never a different job's or a finished one, and
+never begin a run there themselves. Real Rendezvous objects over in-process stores (kv.LocalKV),
+one per incarnation of the store, as a restarted host's would be."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from elasticd import config, names
+from elasticd.cluster import kv, rendezvous
+from elasticd.cluster.rounds import Member, Round
+from harness import secret_flags
+
+
+def _cfg(job: str = "job", secret: str | None = None):
+    return config.build(
+        {
+            "entrypoint": "x.py",
+            "nnodes": "2",
+            "rdzv_id": job,
+            "rdzv_endpoint": "127.0.0.1:29400",
+            "join_timeout": 0.5,
+            "rdzv_secret_file": secret or secret_flags()[1],
+        },
+        None,
+        environ={},
+    )
+
+
+def _nodes(store: kv.LocalKV, cfg=None):
+    """The store's host (it begins the run) and another node that joined it."""
+    cfg = cfg or _cfg()
+    host = rendezvous.Rendezvous(cfg, store=store, begins_run=True)
+    other = rendezvous.Rendezvous(cfg, store=store.clone(), begins_run=False)
+    assert other.run == host.run and other.follows_run and not host.follows_run
+    return host, other
+
+
+def _deadline() -> float:
+    return time.monotonic() + 0.5
+
+
+def test_the_same_store_keeps_the_run():
+    host, other = _nodes(kv.LocalKV())
+    other.last = Round(3, 1, [Member("a", 1, "h"), Member(other.node_id, 1, "h")])
+    other.follow_run(_deadline())
+    assert (other.run, other.last.number) == (host.run, 3)  # a healed partition: nothing new
+
+
+def test_a_restarted_host_s_fresh_store_is_the_job_s_next_run_with_its_budget():
+    old_host, other = _nodes(kv.LocalKV())
+    assert old_host.spend_restart(1) == 1 and old_host.spend_restart(2) == 2
+    assert other.restarts_used() == 2
+    other.last = Round(3, 1, [Member("a", 1, "h"), Member(other.node_id, 1, "h")])
+    closed_before = other.job_key(names.CLOSED)
+    fresh = kv.LocalKV()  # the host's daemon started again: a new store, none of the old keys
+    new_host = rendezvous.Rendezvous(_cfg(), store=fresh, begins_run=True)
+    other.kv = fresh.clone()
+    other.follow_run(_deadline())
+    assert other.run == new_host.run != old_host.run
+    assert other.scope == new_host.scope and other.job_key(names.CLOSED) != closed_before
+    assert other.last is None and other.current_round() == 0  # round numbers start again
+    assert new_host.restarts_used() == 2  # the job's spent restarts carried into the new run
+    other.check_open()  # a fresh store is not a finished job
+
+
+def test_a_fresh_store_without_a_run_is_waited_for_never_begun():
+    _, other = _nodes(kv.LocalKV())
+    before = other.run
+    other.kv = kv.LocalKV()  # listening, but its host has not begun the run (or never will)
+    t0 = time.monotonic()
+    with pytest.raises(rendezvous.RendezvousFailed, match="--join-timeout"):
+        other.follow_run(_deadline())
+    assert time.monotonic() - t0 < 3
+    assert other.kv.get(names.job_key("job", names.RUN)) is None and other.run == before
+
+
+@pytest.mark.parametrize("stranger", ["another job", "another secret"])
+def test_a_store_started_by_someone_else_is_not_taken_for_the_job(tmp_path, stranger):
+    _, other = _nodes(kv.LocalKV())
+    before = other.run
+    fresh = kv.LocalKV()
+    if stranger == "another job":
+        rendezvous.Rendezvous(_cfg(job="job2"), store=fresh, begins_run=True)
+    else:
+        path = tmp_path / "other.secret"
+        path.write_bytes(b"another secret, another job" * 2)
+        path.chmod(0o600)
+        rendezvous.Rendezvous(_cfg(secret=str(path)), store=fresh, begins_run=True)
+    other.kv = fresh.clone()
+    with pytest.raises(rendezvous.RendezvousFailed, match="no run of job job"):
+        other.follow_run(_deadline())
+    assert other.run == before
