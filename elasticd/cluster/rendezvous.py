@@ -52,7 +52,7 @@ from elasticd.cluster.errors import (
 )
 from elasticd.cluster.rounds import Round, new_node_id
 from elasticd.cluster.stores import local_address, open_store
-from elasticd.cluster.timing import CLOCK_SKEW, HOST_DOWN_POLL
+from elasticd.cluster.timing import BEAT_EVERY, CLOCK_SKEW, HOST_DOWN_POLL, LOST_SILENCE
 from elasticd.config import Config
 
 log = logs.get("elasticd.rendezvous")
@@ -369,5 +369,28 @@ class Rendezvous:
         key = self.job_key(names.CLOSED)
         try:
             self.kv.set(key, self.seal(key, f"{time.time():.3f} {why[: values.MAX_REASON]}"))
+            if self.is_host and why != "finished":
+                self._linger()
         except kvmod.Unreachable as e:
             log.warning("rendezvous_close_failed", error=str(e))
+
+    def _linger(self) -> None:
+        """The store's host, the job failed: keep the store up while the other nodes of the last
+        round still beat (until each is quiet for LOST_SILENCE, at most --restart-grace plus
+        --kill-timeout plus a few beats: a node reads the closing at its next look once its own
+        teardown is done). A store that vanished at once would leave a node that had not yet
+        read the verdict waiting --join-timeout for a host that might be started again."""
+        others = (
+            [m.node_id for m in self.last.members if m.node_id != self.node_id]
+            if (self.last)
+            else []
+        )
+        cfg = self.cfg
+        now = time.monotonic()
+        deadline, quiet_since, seen = now + cfg.restart_grace + cfg.kill_timeout + 2.0, now, {}
+        while others and now < deadline and now - quiet_since < LOST_SILENCE:
+            beats = self.read_beats(self.kv, others)
+            if beats != seen:
+                seen, quiet_since = beats, now
+            time.sleep(BEAT_EVERY)
+            now = time.monotonic()

@@ -138,6 +138,7 @@ def test_store_host_restarted_peer_resumes_from_memory(daemons, netns):
     logs = "".join(p.read_text(errors="replace") for p in attempt.glob("rank*.log"))
     before = max(int(n) for n in step.findall(logs))  # its workers stopped: they wait on the host
     assert other.attempt_dirs()[-1] == attempt and other.proc.poll() is None
+    t_start = time.time()
     host = restart_host()
     assert other.wait(90) == 0, other.stderr()[-3000:]
     assert host.wait(30) == 0, host.stderr()[-3000:]
@@ -147,9 +148,13 @@ def test_store_host_restarted_peer_resumes_from_memory(daemons, netns):
     resumed = LOADED.findall(other.all_logs())
     assert len(resumed) == 1, other.all_logs()[-3000:]
     path, source, at = resumed[0][0], resumed[0][1], int(resumed[0][2])
+    again = min(
+        float(t) for t in re.findall(r"^step \d+ world 2 t ([\d.]+) ", other.all_logs(), re.M)
+    )
     print(
         f"store host restarted: the other node resumed from {source} at step {at} "
-        f"(stepped to {before} before the kill)"
+        f"(stepped to {before} before the kill), stepping again {again - t_start:.1f}s after "
+        "the host's daemon was started again"
     )
     assert source == "memory" and path.startswith("memory:"), resumed
     assert before - 1 <= at <= before, (at, before)  # at most one refresh interval (1 step)
