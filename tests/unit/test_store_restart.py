@@ -5,6 +5,7 @@ one per incarnation of the store, as a restarted host's would be."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -12,6 +13,7 @@ import pytest
 from elasticd import config, names
 from elasticd.cluster import kv, rendezvous
 from elasticd.cluster.rounds import Member, Round
+from elasticd.cluster.timing import BEAT_EVERY, LOST_SILENCE
 from harness import secret_flags
 
 
@@ -94,3 +96,33 @@ def test_a_store_started_by_someone_else_is_not_taken_for_the_job(tmp_path, stra
     with pytest.raises(rendezvous.RendezvousFailed, match="no run of job job"):
         other.follow_run(_deadline())
     assert other.run == before
+
+
+def test_a_failed_job_s_host_keeps_its_store_up_while_the_others_still_beat():
+    """The store's host that ends the job with a failure closes it, then keeps its store while
+    the last round's other nodes beat (they read the closing at their next look), and leaves
+    once they have been quiet for LOST_SILENCE; a finished job's host leaves at once."""
+    host, other = _nodes(kv.LocalKV())
+    host.is_host = True  # (an in-process store: no server object to say so)
+    host.last = Round(0, 0, [Member(host.node_id, 1, "h"), Member(other.node_id, 1, "h")])
+    stop = threading.Event()
+
+    def beats() -> None:
+        for count in range(1, 1000):
+            if stop.wait(BEAT_EVERY):
+                return
+            other.beat(other.kv, count)
+
+    beater = threading.Thread(target=beats)
+    beater.start()
+    t0 = time.monotonic()
+    threading.Timer(1.0, stop.set).start()  # the other node read the verdict and exits
+    host.close(job_finished=True, why="failed: rank 1 raised")
+    took = time.monotonic() - t0
+    beater.join()
+    assert 1.0 + LOST_SILENCE <= took < 1.0 + LOST_SILENCE + 1.0, took
+    with pytest.raises(rendezvous.RendezvousFailed, match="the job has ended"):
+        other.check_open()
+    t0 = time.monotonic()
+    host.close(job_finished=True, why="finished")
+    assert time.monotonic() - t0 < 0.2
