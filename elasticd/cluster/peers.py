@@ -86,6 +86,7 @@ class Peers:
         self.unreachable_since, self._last_ok = None, time.monotonic()
         self._round = rnd
         self._restart = None
+        self.waiting = (-1, [])
         self._next_waiting_check = time.monotonic() + WAITING_EVERY
         self._waiters = [t for t in self._waiters if t.is_alive()]
         if rnd.group_world_size > 1:
@@ -126,6 +127,10 @@ class Peers:
         set is not answered by the store, so only a read tells that it still answers), their
         silences accounted (silence.py); once a second, the nodes waiting to join."""
         rnd = self._round
+        if rnd is not self.rdzv.last:
+            # the loop is between rounds: maybe a new run of a restarted store's host, whose keys
+            # the old round's must never be written under (keep_master) or read for (waiting)
+            rnd = None
         self.rdzv.beat(self._beat_kv, count)
         watched = rnd.neighbours(WATCHED) if rnd is not None else []
         beats = self.rdzv.read_beats(
