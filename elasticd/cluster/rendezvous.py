@@ -363,7 +363,9 @@ class Rendezvous:
 
     def close(self, job_finished: bool, why: str = "finished") -> None:
         """Best effort at exit: a finished or failed job is closed, so that nodes arriving later
-        (or rejoining after a partition) leave with that line instead of waiting."""
+        (or rejoining after a partition) leave with that line instead of waiting. The store's
+        host of a job that failed (`why` other than "finished": the agent's words) then keeps
+        its store up for the others to read it (`_linger`)."""
         if not job_finished:
             return
         key = self.job_key(names.CLOSED)
@@ -375,16 +377,14 @@ class Rendezvous:
             log.warning("rendezvous_close_failed", error=str(e))
 
     def _linger(self) -> None:
-        """The store's host, the job failed: keep the store up while the other nodes of the last
-        round still beat (until each is quiet for LOST_SILENCE, at most --restart-grace plus
-        --kill-timeout plus a few beats: a node reads the closing at its next look once its own
-        teardown is done). A store that vanished at once would leave a node that had not yet
-        read the verdict waiting --join-timeout for a host that might be started again."""
-        others = (
-            [m.node_id for m in self.last.members if m.node_id != self.node_id]
-            if (self.last)
-            else []
-        )
+        """Keep the store up while the other nodes of the last round still beat, until they have
+        been quiet for LOST_SILENCE (gone, or stuck), at most --restart-grace plus --kill-timeout
+        plus a few beats: each reads the closing at its next look, once its own teardown is
+        done. A store that vanished at once would leave a node that had not read the verdict yet
+        waiting --join-timeout for a host that might be started again. (A successful job's
+        nodes leave the exit barrier together: no need.)"""
+        members = self.last.members if self.last is not None else []
+        others = [m.node_id for m in members if m.node_id != self.node_id]
         cfg = self.cfg
         now = time.monotonic()
         deadline, quiet_since, seen = now + cfg.restart_grace + cfg.kill_timeout + 2.0, now, {}
