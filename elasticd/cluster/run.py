@@ -94,9 +94,14 @@ def current_run(rz: Rendezvous, deadline: float) -> str:
     """The run the store holds now, which its host began: waited for (a fresh store's host
     writes it as it starts), never begun here, since a run begun by a node that is not the host
     would be a second job on the same store once the host writes its own. A record that does
-    not verify is another secret's or a forger's: looked at again until the deadline. (Waits
-    before it reads: a read of a missing key wakes every waiter on it, timing.LOOK_WAIT.)"""
+    not verify is another secret's or a forger's: looked at again until the deadline. One read
+    when it is there (every try of every node: the run is always there but on a fresh store);
+    else waits before it reads again (a read of a missing key wakes every waiter on it,
+    timing.LOOK_WAIT)."""
     key = names.job_key(rz.cfg.rdzv_id, names.RUN)
+    raw = rz.kv.get(key)
+    if raw is not None and (found := rz.open(key, raw, values.run)) is not None:
+        return found
     pause = CLOSE_POLL
     while True:
         left = deadline - time.monotonic()
