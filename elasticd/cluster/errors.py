@@ -1,7 +1,8 @@
 """How the rendezvous fails, as the agent loop tells the cases apart: the job cannot form or go on
-(`RendezvousFailed`, and its kinds), or the store is silent for now (`StoreUnreachable`: stop the
-workers, join again once it answers). `store_call` turns a store's kv.Unreachable into one of
-them, one line naming the store. Torch-free.
+(`RendezvousFailed`, and its kinds), or the store does not answer for now (`StoreUnreachable`:
+stop the workers, join again once it answers; `host_down` when a c10d store's host refuses the
+connection: its daemon is down, and systemd may start it again). `store_call` turns a store's
+kv.Unreachable into one of them, one line naming the store. Torch-free.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ class RendezvousFailed(Exception):
 
 
 class StoreLost(RendezvousFailed):
-    """The store's host answers that nothing listens there any more: the job's store is gone."""
+    """The store refuses us for good (an etcd cluster that denies our credentials)."""
 
 
 class BudgetSpent(RendezvousFailed):
@@ -29,14 +30,19 @@ class Deterministic(BudgetSpent):
 
 
 class StoreUnreachable(Exception):
-    """The store did not answer in time (a partition, a lost etcd quorum): stop the workers, and
-    join again once it answers."""
+    """The store did not answer in time (a partition, a lost etcd quorum), or its c10d host
+    refused the connection (`host_down`: the node hosting it is down, its daemon may be started
+    again with a fresh store): stop the workers, and join again once it answers."""
+
+    def __init__(self, message: str, host_down: bool = False):
+        super().__init__(message)
+        self.host_down = host_down
 
 
 def store_call(method):
     """A kv.Unreachable in a Rendezvous method (or a function taking the Rendezvous first)
-    becomes StoreLost (refused: the store is gone for good) or StoreUnreachable (silence), each
-    one line naming the store."""
+    becomes StoreLost (etcd refused us: for good) or StoreUnreachable (silence, or a c10d host
+    that refuses the connection: down for now), each one line naming the store."""
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
@@ -49,12 +55,17 @@ def store_call(method):
                     "permissions on the elasticd/ prefix"
                 ) from None
             if e.refused:
-                raise StoreLost(
-                    f"lost the rendezvous store at {self.endpoint} ({e}): the node hosting it "
-                    "stopped; start the job again on every node"
-                ) from None
+                raise StoreUnreachable(host_down_line(self.endpoint, e), host_down=True) from None
             raise StoreUnreachable(
                 f"cannot reach the rendezvous store at {self.endpoint} ({e})"
             ) from None
 
     return wrapper
+
+
+def host_down_line(endpoint: str, e: object) -> str:
+    """What a node says when the c10d store's host refuses the connection."""
+    return (
+        f"the rendezvous store at {endpoint} refused the connection ({e}): the node hosting it "
+        "is down"
+    )

@@ -37,6 +37,8 @@ def next_round(rz: Rendezvous, nproc: int) -> Round:
 
 @store_call
 def _try_round(rz: Rendezvous, nproc: int, deadline: float) -> Round | None:
+    if rz.follows_run:
+        rz.follow_run(deadline)  # the store's host may have been started again: a new run
     rz.check_open()
     number = rz.current_round()
     rz.bad_records.clear()  # keys of earlier rounds: never read again anyway

@@ -17,9 +17,9 @@ from typing import Protocol
 
 class Unreachable(Exception):
     """The store did not answer within the call's timeout, or its connection failed. `refused`:
-    its host answered that nothing listens there any more (a c10d store whose daemon is gone: it
-    will never come back with the job's state), as opposed to silence (a partition, a lost
-    quorum)."""
+    its host answered that nothing listens there now (a c10d store whose daemon is down: it comes
+    back, if at all, as a fresh store without the job's keys), as opposed to silence (a
+    partition, a lost quorum)."""
 
     def __init__(self, message: str, refused: bool = False):
         super().__init__(message)

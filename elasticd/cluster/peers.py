@@ -24,7 +24,7 @@ from collections.abc import Callable
 from elasticd import logs
 from elasticd.cluster import kv as kvmod
 from elasticd.cluster import silence
-from elasticd.cluster.errors import StoreLost
+from elasticd.cluster.errors import StoreLost, host_down_line
 from elasticd.cluster.rendezvous import Rendezvous
 from elasticd.cluster.rounds import Round
 from elasticd.cluster.timing import BEAT_EVERY, GARBAGE_BACKOFF, LOST_SILENCE, WAIT_SLICE
@@ -52,7 +52,8 @@ class Peers:
         self.waiting: tuple[int, list[str]] = (-1, [])  # (round, ids of nodes waiting to join it)
         self.unreachable_since: float | None = None  # when the store stopped answering our beats
         self._last_ok = time.monotonic()  # when it last answered (a beat, or a round formed)
-        self.lost_store: str | None = None  # set when its host refuses us: the store is gone
+        self.lost_store: str | None = None  # set when etcd refuses us (credentials): for good
+        self.host_down = False  # the c10d store's host refused our last beat: its daemon is down
         self._problem = ""
         self._stop = threading.Event()
         self._waiters: list[threading.Thread] = []
@@ -86,6 +87,7 @@ class Peers:
         self.unreachable_since, self._last_ok = None, time.monotonic()
         self._round = rnd
         self._restart = None
+        self.waiting = (-1, [])
         self._next_waiting_check = time.monotonic() + WAITING_EVERY
         self._waiters = [t for t in self._waiters if t.is_alive()]
         if rnd.group_world_size > 1:
@@ -104,18 +106,21 @@ class Peers:
             try:
                 self._beat(count)
                 self.unreachable_since, self._last_ok = None, time.monotonic()
+                self.host_down = False
             except kvmod.Unreachable as e:
                 if self._stop.is_set():
                     return  # closed: the daemon stops
                 self._problem = str(e)
-                if e.refused:
+                if e.refused and self.cfg.etcd:
                     self.lost_store = str(e)
                     self._wake()
                     return
                 if self.unreachable_since is None:
                     self.unreachable_since = self._last_ok  # silent since it last answered us
-                    log.warning("store_not_answering", why=str(e))
-                elif time.monotonic() - self.unreachable_since >= self.cfg.peer_timeout:
+                    log.warning("store_not_answering", why=str(e), host_down=e.refused)
+                # a c10d host that refuses us is down: no need to wait out --peer-timeout
+                self.host_down = e.refused
+                if e.refused or time.monotonic() - self.unreachable_since >= self.cfg.peer_timeout:
                     self._wake()
 
     def _beat(self, count: int) -> None:
@@ -123,6 +128,10 @@ class Peers:
         set is not answered by the store, so only a read tells that it still answers), their
         silences accounted (silence.py); once a second, the nodes waiting to join."""
         rnd = self._round
+        if rnd is not self.rdzv.last:
+            # the loop is between rounds: maybe a new run of a restarted store's host, whose keys
+            # the old round's must never be written under (keep_master) or read for (waiting)
+            rnd = None
         self.rdzv.beat(self._beat_kv, count)
         watched = rnd.neighbours(WATCHED) if rnd is not None else []
         beats = self.rdzv.read_beats(
@@ -171,17 +180,23 @@ class Peers:
         workers' heartbeats, only when a watched node is silent (the loop calls this every tick)."""
         if self.lost_store is not None:
             raise StoreLost(
-                f"lost the rendezvous store at {self.rdzv.endpoint} ({self.lost_store}): the node "
-                "hosting it stopped; start the job again on every node"
+                f"the etcd cluster at {self.rdzv.endpoint} refused us ({self.lost_store}): check "
+                "the credentials and the user's permissions on the elasticd/ prefix"
             )
-        if (
-            self.unreachable_since is not None
-            and now - self.unreachable_since >= self.cfg.peer_timeout
-        ):
+        since = self.unreachable_since
+        if since is not None and self.host_down:
+            return Failure(
+                RestartCause.STORE_UNREACHABLE,
+                f"{host_down_line(self.rdzv.endpoint, self._problem)}; stopped the workers "
+                "(their in-memory state kept), joining again once its daemon is back, for "
+                f"--join-timeout {self.cfg.join_timeout:g}s",
+                node=self.node,
+            )
+        if since is not None and now - since >= self.cfg.peer_timeout:
             return Failure(
                 RestartCause.STORE_UNREACHABLE,
                 f"cannot reach the rendezvous store at {self.rdzv.endpoint} for "
-                f"{now - self.unreachable_since:.1f}s ({self._problem}); stopped the workers, "
+                f"{now - since:.1f}s ({self._problem}); stopped the workers, "
                 "joining again once it answers",
                 node=self.node,
             )

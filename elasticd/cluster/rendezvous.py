@@ -52,7 +52,7 @@ from elasticd.cluster.errors import (
 )
 from elasticd.cluster.rounds import Round, new_node_id
 from elasticd.cluster.stores import local_address, open_store
-from elasticd.cluster.timing import CLOCK_SKEW
+from elasticd.cluster.timing import BEAT_EVERY, CLOCK_SKEW, HOST_DOWN_POLL, LOST_SILENCE
 from elasticd.config import Config
 
 log = logs.get("elasticd.rendezvous")
@@ -93,14 +93,56 @@ class Rendezvous:
         self.waiting_seen: tuple[int, dict[str, str | None]] = (-1, {})  # waiting_ids', per round
         self.listed_at = 0.0  # when the round's records were last listed (counter raised too far)
         self.started = time.time()  # a job's end issued before this (less CLOCK_SKEW) is older
-        self.run = run.join_run(
-            self,
+        self._unreachable_logs = logs.Throttle(5.0)
+        begins = (
             self.is_host or store.endpoint == kvmod.LocalKV.endpoint
             if begins_run is None
-            else begins_run,
+            else begins_run
         )
+        # a c10d store we do not host may be restarted by its host with a new run: followed
+        self.follows_run = not begins and not cfg.etcd
+        self.run = run.join_run(self, begins)
         self.scope = f"{cfg.rdzv_id}/{self.run}"  # every key of this run is under elasticd/<scope>/
         log.info("rendezvous_run", run=self.run)
+
+    def follow_run(self, deadline: float) -> None:
+        """At every try to join a round, on a c10d store we do not host: take the run its host
+        began, if that is no longer ours. The store's host restarted (its daemon started again,
+        by systemd or by hand) and hosts a fresh store: the same job (the run's record is
+        sealed with the job's secret, for its id), in a new run, with none of the old run's
+        keys: no rounds, no closing, no budget. This node joins it as a new member (its round
+        numbers start again), carrying the restarts the job has spent into it. It never begins
+        a run there itself: only the host does (run.current_run)."""
+        found = run.current_run(self, deadline)
+        if found == self.run:
+            return
+        log.warning(
+            "rendezvous_store_restarted",
+            endpoint=self.endpoint,
+            previous_run=self.run,
+            run=found,
+            restarts_used=self._restarts_seen,
+        )
+        self.run, self.scope = found, f"{self.cfg.rdzv_id}/{found}"
+        self.last = None
+        self.bad_records.clear()
+        self.waiting_seen, self.listed_at = (-1, {}), 0.0
+        self._carry_budget()
+
+    def _carry_budget(self) -> None:
+        """Raise the new run's restart budget to what this node saw spent in the old one
+        (compare-and-set, as `spend_restart`): a store restarted empty must not give the job its
+        restarts back."""
+        key = self.job_key(names.RESTARTS)
+        for _ in range(100):
+            if self._restarts_seen == 0:
+                return
+            raw = self.kv.get(key)
+            used = (self.open(key, raw, values.budget) or (0, 0))[0]
+            if used >= self._restarts_seen:
+                return
+            if self.kv.compare_set(key, raw, self.seal(key, f"{self._restarts_seen} 0")):
+                return
 
     @property
     def endpoint(self) -> str:
@@ -124,18 +166,27 @@ class Rendezvous:
         return names.arrival_key(self.scope, number, self._tag(number), index)
 
     def answered(self, call, deadline: float):
-        """call(), or None after a second's pause when the store did not answer it (a partition,
-        an etcd election); RendezvousFailed once that goes on past the deadline."""
+        """call(), or None after a pause when the store did not answer it (a partition, an etcd
+        election: a second; a c10d host that refuses the connection, whose daemon systemd may be
+        starting again: HOST_DOWN_POLL, so the nodes are back at its fresh store in time for
+        its first round); RendezvousFailed once that goes on past the deadline."""
         try:
             return call()
         except StoreUnreachable as e:
             if time.monotonic() > deadline:
                 raise RendezvousFailed(
-                    f"{e}, for --join-timeout {self.cfg.join_timeout:g}s: check the "
+                    f"{e}, and it did not come back within --join-timeout "
+                    f"{self.cfg.join_timeout:g}s: start elasticd again on that node, or the job "
+                    "again on every node"
+                    if e.host_down
+                    else f"{e}, for --join-timeout {self.cfg.join_timeout:g}s: check the "
                     "network and the store's host"
                 ) from None
-            log.warning("store_unreachable", why=str(e), retry_in=1.0)
-            time.sleep(1.0)
+            pause = HOST_DOWN_POLL if e.host_down else 1.0
+            held = self._unreachable_logs("host_down" if e.host_down else "silent")
+            if held is not None:
+                log.warning("store_unreachable", why=str(e), retry_in=pause, held_back=held)
+            time.sleep(pause)
             return None
 
     # --- sealed values ---
@@ -312,11 +363,34 @@ class Rendezvous:
 
     def close(self, job_finished: bool, why: str = "finished") -> None:
         """Best effort at exit: a finished or failed job is closed, so that nodes arriving later
-        (or rejoining after a partition) leave with that line instead of waiting."""
+        (or rejoining after a partition) leave with that line instead of waiting. The store's
+        host of a job that failed (`why` other than "finished": the agent's words) then keeps
+        its store up for the others to read it (`_linger`)."""
         if not job_finished:
             return
         key = self.job_key(names.CLOSED)
         try:
             self.kv.set(key, self.seal(key, f"{time.time():.3f} {why[: values.MAX_REASON]}"))
+            if self.is_host and why != "finished":
+                self._linger()
         except kvmod.Unreachable as e:
             log.warning("rendezvous_close_failed", error=str(e))
+
+    def _linger(self) -> None:
+        """Keep the store up while the other nodes of the last round still beat, until they have
+        been quiet for LOST_SILENCE (gone, or stuck), at most --restart-grace plus --kill-timeout
+        plus a few beats: each reads the closing at its next look, once its own teardown is
+        done. A store that vanished at once would leave a node that had not read the verdict yet
+        waiting --join-timeout for a host that might be started again. (A successful job's
+        nodes leave the exit barrier together: no need.)"""
+        members = self.last.members if self.last is not None else []
+        others = [m.node_id for m in members if m.node_id != self.node_id]
+        cfg = self.cfg
+        now = time.monotonic()
+        deadline, quiet_since, seen = now + cfg.restart_grace + cfg.kill_timeout + 2.0, now, {}
+        while others and now < deadline and now - quiet_since < LOST_SILENCE:
+            beats = self.read_beats(self.kv, others)
+            if beats != seen:
+                seen, quiet_since = beats, now
+            time.sleep(BEAT_EVERY)
+            now = time.monotonic()

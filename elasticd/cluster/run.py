@@ -8,6 +8,10 @@ whose keys outlive runs; a c10d store someone else hosts, after RUN_GRACE), wher
 way does not verify, or (on etcd) where the run it finds ended before this daemon started. (On a
 c10d store whose host began the run, a value that does not verify is never written over: its
 writer has another secret, or is not one of the job's nodes.)
+
+A c10d store's host that dies and is started again hosts a fresh store and begins a new run
+there; the other nodes, which never begin a run on a store they do not host once they have one,
+follow it (`current_run`, at every try to join a round: Rendezvous.follow_run).
 """
 
 from __future__ import annotations
@@ -19,7 +23,13 @@ from typing import TYPE_CHECKING
 from elasticd import logs, names
 from elasticd.cluster import values
 from elasticd.cluster.errors import RendezvousFailed, store_call
-from elasticd.cluster.timing import CLOCK_SKEW, CLOSE_POLL, GARBAGE_BACKOFF, RUN_GRACE
+from elasticd.cluster.timing import (
+    CLOCK_SKEW,
+    CLOSE_POLL,
+    GARBAGE_BACKOFF,
+    RUN_GRACE,
+    WAIT_SLICE,
+)
 
 if TYPE_CHECKING:
     from elasticd.cluster.rendezvous import Rendezvous
@@ -77,3 +87,34 @@ def _ended_before_us(rz: Rendezvous, found: str) -> bool:
     key = names.job_key(f"{rz.cfg.rdzv_id}/{found}", names.CLOSED)
     closed = rz.open(key, rz.kv.get(key), values.closed)
     return closed is not None and closed[0] < rz.started - CLOCK_SKEW
+
+
+@store_call
+def current_run(rz: Rendezvous, deadline: float) -> str:
+    """The run the store holds now, which its host began: waited for (a fresh store's host
+    writes it as it starts), never begun here, since a run begun by a node that is not the host
+    would be a second job on the same store once the host writes its own. A record that does
+    not verify is another secret's or a forger's: looked at again until the deadline. One read
+    when it is there (every try of every node: the run is always there but on a fresh store);
+    else waits before it reads again (a read of a missing key wakes every waiter on it,
+    timing.LOOK_WAIT)."""
+    key = names.job_key(rz.cfg.rdzv_id, names.RUN)
+    raw = rz.kv.get(key)
+    if raw is not None and (found := rz.open(key, raw, values.run)) is not None:
+        return found
+    pause = CLOSE_POLL
+    while True:
+        left = deadline - time.monotonic()
+        if rz.kv.wait(key, min(WAIT_SLICE, max(left, 0.01))):
+            found = rz.open(key, rz.kv.get(key), values.run)
+            if found is not None:
+                return found
+            time.sleep(pause)
+            pause = min(2 * pause, GARBAGE_BACKOFF)
+        if time.monotonic() > deadline:
+            raise RendezvousFailed(
+                f"no run of job {rz.cfg.rdzv_id} at {rz.endpoint} within --join-timeout "
+                f"{rz.cfg.join_timeout:g}s: the store there was started again without it (a "
+                "store of another job, or of another --rdzv-secret-file), or its record does not "
+                "verify"
+            )

@@ -22,3 +22,7 @@ CLOCK_SKEW = 60.0
 RUN_GRACE = 2.0
 # the longest pause between reads of a key that holds a value that does not verify
 GARBAGE_BACKOFF = 2.0
+# seconds between tries at a c10d store whose host refuses the connection (its daemon is down,
+# maybe being started again): a refused connect costs nothing, and the restarted host's first
+# round waits only --last-call-timeout for more nodes once MIN have come
+HOST_DOWN_POLL = 0.25

@@ -125,8 +125,9 @@ class RestartCause(str, enum.Enum):
     it (peers.py). Spends nothing."""
     STORE_UNREACHABLE = ("store unreachable", "store_unreachable", True)
     """This node could not reach the store for --peer-timeout (cut off from the others, or etcd
-    lost its quorum): its workers stop, and it joins again once the store answers. Spends
-    nothing."""
+    lost its quorum), or at once when a c10d store's host refuses the connection (its daemon
+    down: it may be started again with a fresh store): its workers stop, and it joins again once
+    the store answers, within --join-timeout. Spends nothing."""
     SCALE = ("scale", "scale", True)
     """Nodes are waiting to join. Not a failure: spends nothing, and the workers may save
     first."""
