@@ -19,7 +19,13 @@ DEFAULT_RDZV_PORT = 29400
 # What warm spares always import (Config.preloaded): what a torchrun DDP script imports, so a
 # restart skips it. torch._dynamo too: DDP imports it on first construction (about 1.3 s on a small
 # CPU), which would otherwise be most of a warm restart.
-DEFAULT_PRELOAD = ("torch", "torch.distributed", "torch.nn.parallel", "torch.optim", "torch._dynamo")
+DEFAULT_PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "torch.nn.parallel",
+    "torch.optim",
+    "torch._dynamo",
+)
 
 # Upper bounds: far above any real job, low enough for every API a value reaches (select and
 # threading take at most about 292 years, timedelta 2.7 million years, systemd's

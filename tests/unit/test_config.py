@@ -78,7 +78,8 @@ def test_preload_adds_to_the_defaults(tmp_path):
     extra = ("yaml",)  # torch, already a default, is imported once
     assert config.build({}, path, environ={}).preloaded == config.DEFAULT_PRELOAD + extra
     env = {"ELASTICD_PRELOAD": "json yaml"}
-    assert config.build({}, None, environ=env).preloaded == (*config.DEFAULT_PRELOAD, "json", "yaml")
+    got = config.build({}, None, environ=env).preloaded
+    assert got == (*config.DEFAULT_PRELOAD, "json", "yaml")
     cfg = config.build({"preload": ("pytorch_lightning",)}, path, environ=env)
     assert cfg.preloaded == (*config.DEFAULT_PRELOAD, "pytorch_lightning")  # flags win, as ever
 
