@@ -1,9 +1,12 @@
-"""Fault injection for tests: `--raise-at N`, `--exit-at N CODE`, `--spawn-child` (a grandchild),
-`--beat` (report each step through elasticd.heartbeat, as a training loop would).
+"""Fault injection for tests: `--raise-at N`, `--exit-at N CODE`, `--abort-at N` (SIGABRT),
+`--abort-at-exit` (SIGABRT from an atexit handler, once the work is done, as a C++ thread's
+std::terminate at interpreter exit), `--spawn-child` (a grandchild), `--beat` (report each step
+through elasticd.heartbeat, as a training loop would).
 
 Plain torch.distributed like any torchrun script; the fault hits only `--rank R` (default 1)."""
 
 import argparse
+import atexit
 import os
 import subprocess
 import sys
@@ -20,6 +23,8 @@ def main():
     p.add_argument("--raise-at", type=int, default=-1)
     p.add_argument("--exit-at", type=int, default=-1)
     p.add_argument("--exit-code", type=int, default=3)
+    p.add_argument("--abort-at", type=int, default=-1)
+    p.add_argument("--abort-at-exit", action="store_true")
     p.add_argument("--only-first-attempt", action="store_true")
     p.add_argument("--spawn-child", action="store_true", help="start a long sleep grandchild")
     p.add_argument("--step-time", type=float, default=0.05)
@@ -44,10 +49,14 @@ def main():
             raise ValueError(f"injected failure at step {step}")
         if armed and step == args.exit_at:
             sys.exit(args.exit_code)
+        if armed and step == args.abort_at:
+            os.abort()
         time.sleep(args.step_time)
     dist.barrier()
     print("done", flush=True)
     dist.destroy_process_group()
+    if armed and args.abort_at_exit:
+        atexit.register(os.abort)
 
 
 if __name__ == "__main__":
