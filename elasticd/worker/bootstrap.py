@@ -309,18 +309,18 @@ def exec_program(program: str, args: list[str]) -> None:
         os._exit(127)
 
 
-_OURS = (__file__, threads.__file__, importlib.__file__)  # frames a script's traceback skips
+_BEFORE = (__file__, importlib.__file__)  # the frames that lead to the script's first
 
 
 def script_traceback(tb: types.TracebackType | None) -> types.TracebackType | None:
     """`tb` without this shim's frames: those before the script's first (main, run_entrypoint,
     an entrypoint function's import_module) and threads.py's import watcher inside it, so a
     traceback begins where `python script.py`'s does."""
-    while tb is not None and tb.tb_frame.f_code.co_filename in _OURS:
+    while tb is not None and tb.tb_frame.f_code.co_filename in _BEFORE:
         tb = tb.tb_next
     link = tb
     while link is not None:
-        while link.tb_next is not None and link.tb_next.tb_frame.f_code.co_filename in _OURS:
+        while link.tb_next is not None and link.tb_next.tb_frame.f_code is threads.WATCHER:
             link.tb_next = link.tb_next.tb_next
         link = link.tb_next
     return tb

@@ -93,3 +93,13 @@ def follow(preloaded: list[str]) -> None:
         return original(name, globals, locals, fromlist, level)
 
     builtins.__import__ = watching_import
+
+
+def _watcher_code():
+    """The code of follow()'s import wrapper, whose frame bootstrap drops from tracebacks."""
+    return next(
+        c for c in follow.__code__.co_consts if getattr(c, "co_name", "") == "watching_import"
+    )
+
+
+WATCHER = _watcher_code()

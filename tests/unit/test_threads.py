@@ -37,3 +37,22 @@ def test_cold_count_is_what_a_fresh_import_chooses():
     got = [int(p.communicate(timeout=120)[0]) for p in procs]
     mkl = torch.backends.mkl.is_available()
     assert got == [threads.cold_count(env, mkl) for env in ENVIRONMENTS], got
+
+
+def test_the_import_watcher_stays_out_of_tracebacks(monkeypatch):
+    """A warm spare's script whose import fails before its first `import torch`: the traceback
+    shows the script's frame only, as cold, not the watcher's frame it passed through."""
+    import builtins
+    import traceback
+
+    from elasticd.worker import bootstrap
+
+    monkeypatch.setattr(builtins, "__import__", builtins.__import__)  # put back afterwards
+    monkeypatch.setattr(threads, "_imported_with", {v: None for v in threads.VARIABLES})
+    threads.follow([])
+    with pytest.raises(ImportError) as info:
+        import no_such_module_for_this_test  # noqa: F401
+    raw = [f.name for f in traceback.extract_tb(info.value.__traceback__)]
+    assert raw == ["test_the_import_watcher_stays_out_of_tracebacks", "watching_import"]
+    shown = traceback.extract_tb(bootstrap.script_traceback(info.value.__traceback__))
+    assert [f.name for f in shown] == ["test_the_import_watcher_stays_out_of_tracebacks"]
