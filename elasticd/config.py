@@ -16,6 +16,16 @@ from typing import Any, get_args, get_origin, get_type_hints
 
 DEFAULT_ENTRYPOINT = "entrypoints.train"
 DEFAULT_RDZV_PORT = 29400
+# What warm spares always import (Config.preloaded): what a torchrun DDP script imports, so a
+# restart skips it. torch._dynamo too: DDP imports it on first construction (about 1.3 s on a small
+# CPU), which would otherwise be most of a warm restart.
+DEFAULT_PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "torch.nn.parallel",
+    "torch.optim",
+    "torch._dynamo",
+)
 
 # Upper bounds: far above any real job, low enough for every API a value reaches (select and
 # threading take at most about 292 years, timedelta 2.7 million years, systemd's
@@ -226,12 +236,10 @@ class Config:
         "do not offer workers a shared-memory directory for in-memory state "
         "(ELASTICD_MEMORY_DIR); they resume from disk checkpoints only",
     )
-    # torch._dynamo too: DDP imports it on first construction (about 1.3 s on a small CPU), which
-    # would otherwise be most of a warm restart.
     preload: tuple[str, ...] = _setting(
-        ("torch", "torch.distributed", "torch.nn.parallel", "torch.optim", "torch._dynamo"),
-        "comma-separated modules warm spares import ahead "
-        "(default torch and its distributed, DDP and optim modules)",
+        (),
+        "comma-separated modules warm spares import ahead, besides the defaults they always "
+        "import (torch and its distributed, DDP, optim and _dynamo modules)",
     )
     etcd_cacert: str = _setting(
         "", "etcd: CA certificate file that verifies the members (turns on TLS)"
@@ -326,6 +334,11 @@ class Config:
     @property
     def rdzv_port(self) -> int:
         return parse_endpoint(self._first_endpoint)[1]
+
+    @property
+    def preloaded(self) -> tuple[str, ...]:
+        """What warm spares import: the defaults, then --preload's additions (each once)."""
+        return tuple(dict.fromkeys((*DEFAULT_PRELOAD, *self.preload)))
 
     @property
     def etcd(self) -> bool:

@@ -68,7 +68,8 @@ class Spare:
 
 def _spare_env(token: str, nproc: int, preload: tuple[str, ...]) -> dict[str, str]:
     """The environment every worker shares, so what is read at import or library load
-    (OMP_NUM_THREADS, PYTHONUNBUFFERED) is already right in a warm process."""
+    (OMP_NUM_THREADS) is already right in a warm process. Unbuffered output comes from -u on
+    the command line (proctitle.command), as under torchrun, not from the environment."""
     env = systemd.child_env(dict(os.environ))
     env.update(
         {
@@ -79,7 +80,6 @@ def _spare_env(token: str, nproc: int, preload: tuple[str, ...]) -> dict[str, st
     )
     if nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
         env["OMP_NUM_THREADS"] = "1"
-    env.setdefault("PYTHONUNBUFFERED", "1")
     return env
 
 

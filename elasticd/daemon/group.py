@@ -68,6 +68,7 @@ class LocalGroup:
             role=cfg.role,
             virtual_local_rank=cfg.virtual_local_rank,
             no_python=cfg.no_python,
+            signals_to_handle=cfg.signals_to_handle,
             extra_env={directory.ENV: memory_dir} if memory_dir else {},
         )
         self.workers = spawn.spawn(spec, spares)
@@ -86,7 +87,7 @@ class LocalGroup:
     def check(self) -> Failure | None:
         """The first worker that failed (a signal death before an exit code) or hung, or None."""
         exited = processes.poll(self.workers)
-        bad = [w for w in exited if w.exit_code != 0]
+        bad = [w for w in exited if w.exit_code != 0 and not self._died_after_return(w)]
         if bad:
             w = min(
                 bad, key=lambda w: (w.exit_code >= 0, w.global_rank)
@@ -236,6 +237,24 @@ class LocalGroup:
             reader.close()
             proc.close()
         self._watches.clear()
+
+    def _died_after_return(self, w: spawn.Worker) -> bool:
+        """Killed by a signal after its entrypoint returned (marked before interpreter teardown):
+        its work is done, so the job does not fail or restart for it; one warning. A C++ thread
+        ended badly at exit (std::terminate's SIGABRT) is the usual cause (issue 31). An exit
+        code is the script's own choice and still counts."""
+        if w.exit_code is None or w.exit_code >= 0:
+            return False
+        if not health.marked(str(w.heartbeat_path), "returned"):
+            return False
+        self.event(
+            "died_after_return",
+            level="warning",
+            rank=w.global_rank,
+            exit=processes.describe_exit(w.exit_code),
+            log=str(w.log_path),
+        )
+        return True
 
     def _watch(self, w: spawn.Worker) -> tuple[health.Reader, health.ProcessWatch]:
         """The worker's heartbeat file and /proc entries, opened once per attempt: the loop reads

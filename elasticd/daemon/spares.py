@@ -42,7 +42,7 @@ class SparePool:
 
     def _start_server(self) -> None:
         self.forkserver = forkclient.ForkServer(
-            self.token, self.cfg.nproc_per_node, self.cfg.preload, self.log_path, self._shown()
+            self.token, self.cfg.nproc_per_node, self.cfg.preloaded, self.log_path, self._shown()
         )
 
     def start(self, reaper: bool) -> None:
@@ -83,7 +83,7 @@ class SparePool:
                 forkclient.start_spare(
                     self.token,
                     self.cfg.nproc_per_node,
-                    self.cfg.preload,
+                    self.cfg.preloaded,
                     self.log_path,
                     self._shown(),
                 )

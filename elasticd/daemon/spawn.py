@@ -8,8 +8,10 @@ carries ELASTICD_AGENT=<token> so a sweep finds every descendant, even one that 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import socket
 import stat
 import string
 import subprocess
@@ -46,6 +48,7 @@ class GroupSpec:
     role: str = "default"
     virtual_local_rank: bool = False  # LOCAL_RANK=0 and CUDA_VISIBLE_DEVICES = the rank's GPU
     no_python: bool = False  # the entrypoint is an executable the bootstrap becomes
+    signals_to_handle: tuple[str, ...] = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
     extra_env: dict[str, str] = field(default_factory=dict)
 
     def worker_args(self, local_rank: int) -> tuple[str, ...]:
@@ -89,7 +92,7 @@ def worker_env(spec: GroupSpec, local_rank: int, paths: dict[str, Path]) -> dict
         WORLD_SIZE=str(spec.world_size),
         GROUP_WORLD_SIZE=str(spec.group_world_size),
         ROLE_WORLD_SIZE=str(spec.world_size),
-        MASTER_ADDR=spec.master_addr,
+        MASTER_ADDR=master_name(spec.master_addr),
         MASTER_PORT=str(spec.master_port),
         TORCHELASTIC_RESTART_COUNT=str(spec.restart_count),
         TORCHELASTIC_MAX_RESTARTS=str(spec.max_restarts),
@@ -97,6 +100,8 @@ def worker_env(spec: GroupSpec, local_rank: int, paths: dict[str, Path]) -> dict
         TORCHELASTIC_USE_AGENT_STORE="True",
         TORCH_NCCL_ASYNC_ERROR_HANDLING=os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
         TORCHELASTIC_ERROR_FILE=str(paths["error"]),
+        # torchrun's agent puts this in its own environment, which its workers inherit
+        TORCHELASTIC_SIGNALS_TO_HANDLE=",".join(spec.signals_to_handle),
     )
     env.update(
         {
@@ -122,10 +127,30 @@ def worker_env(spec: GroupSpec, local_rank: int, paths: dict[str, Path]) -> dict
         env.setdefault(names.CHECKPOINT_DIR, spec.checkpoint_dir)
     if spec.nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
         env["OMP_NUM_THREADS"] = "1"
-    # Output goes to a file: without this, Python holds prints back in a block buffer.
-    env.setdefault("PYTHONUNBUFFERED", "1")
+    # Unbuffered output (the log is a file) comes from -u, as torchrun's `python -u`:
+    # proctitle.command. Not PYTHONUNBUFFERED, which the script's own subprocesses would inherit.
     env.update(spec.extra_env)
     return env
+
+
+LOOPBACK = ("127.0.0.1", "::1")
+
+
+@functools.cache
+def master_name(address: str) -> str:
+    """MASTER_ADDR for the workers' store at `address`: torchrun gives rank 0's host name
+    (socket.getfqdn(), "localhost" on some machines), so where the store is this machine's on a
+    loopback address (a single node's) the workers get that name when it leads there; otherwise
+    the address, which is all a node learns of its peers' (docs/running.md). Once per address: a
+    name lookup can be slow."""
+    if address not in LOOPBACK:
+        return address
+    name = socket.getfqdn()
+    try:
+        found = {info[4][0] for info in socket.getaddrinfo(name, None, proto=socket.IPPROTO_TCP)}
+    except (OSError, UnicodeError):
+        return address
+    return name if address in found else address
 
 
 def _paths(spec: GroupSpec, rank: int) -> dict[str, Path]:

@@ -33,7 +33,7 @@ import traceback
 import types
 
 from elasticd import names, safeio
-from elasticd.worker import proctitle
+from elasticd.worker import proctitle, threads
 
 _PR_SET_PDEATHSIG = 1
 
@@ -249,6 +249,7 @@ def preload() -> None:
             print(
                 f"elasticd warm spare: preloading {name} failed: {e!r}", file=sys.stderr, flush=True
             )
+    threads.remember()
 
 
 def wait_for_rank() -> list[str] | None:
@@ -277,6 +278,25 @@ def wait_for_rank() -> list[str] | None:
     return job["args"]
 
 
+def unbuffered_output() -> None:
+    """sys.stdout and sys.stderr as `python -u` makes them (torchrun starts its workers so: the
+    log sees each write at once), where this interpreter's command had no room for -u
+    (proctitle.command): text straight to an unbuffered file, newlines untranslated."""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if stream is None or isinstance(getattr(stream, "buffer", None), io.FileIO):
+            continue  # no such stream, or already -u's
+        stream.flush()
+        raw = io.FileIO(stream.fileno(), "w", closefd=False)
+        raw.name = f"<{name}>"
+        text = io.TextIOWrapper(
+            raw, encoding=stream.encoding, errors=stream.errors, newline="\n", write_through=True
+        )
+        text.mode = "w"
+        setattr(sys, name, text)
+        setattr(sys, f"__{name}__", text)
+
+
 def exec_program(program: str, args: list[str]) -> None:
     """Become `program ARGS` (found on PATH as a shell would), keeping pid, session, environment,
     the log as stdout/stderr and the parent-death signal. A program that cannot be run exits 127,
@@ -289,33 +309,75 @@ def exec_program(program: str, args: list[str]) -> None:
         os._exit(127)
 
 
+_BEFORE = (__file__, importlib.__file__)  # the frames that lead to the script's first
+
+
+def script_traceback(tb: types.TracebackType | None) -> types.TracebackType | None:
+    """`tb` without this shim's frames: those before the script's first (main, run_entrypoint,
+    an entrypoint function's import_module) and threads.py's import watcher inside it, so a
+    traceback begins where `python script.py`'s does."""
+    while tb is not None and tb.tb_frame.f_code.co_filename in _BEFORE:
+        tb = tb.tb_next
+    link = tb
+    while link is not None:
+        while link.tb_next is not None and link.tb_next.tb_frame.f_code is threads.WATCHER:
+            link.tb_next = link.tb_next.tb_next
+        link = link.tb_next
+    return tb
+
+
+def uncaught(exc: BaseException) -> None:
+    """What the interpreter does with an exception the script left uncaught (sys.excepthook,
+    sys.last_*, exit status 1), here, so that the traceback starts at the script: raised on, it
+    would gain the frames of runpy, the fork server and this shim on its way out."""
+    exc.__traceback__ = script_traceback(exc.__traceback__)
+    write_error_file(exc)
+    sys.last_type, sys.last_value, sys.last_traceback = type(exc), exc, exc.__traceback__
+    sys.excepthook(type(exc), exc, exc.__traceback__)
+    raise SystemExit(1)
+
+
+def _mark(name: str) -> None:
+    if os.environ.get(names.HEARTBEAT_FILE):
+        from elasticd.worker import health
+
+        health.mark(os.environ[names.HEARTBEAT_FILE], name)
+
+
 def main() -> None:
     die_with_daemon()
     args = sys.argv[1:]
-    if names.WARM_PRELOAD in os.environ:  # a warm spare; the rank's env has no such key
+    warm = names.WARM_PRELOAD in os.environ  # a warm spare; the rank's env has no such key
+    if warm:
+        preloaded = os.environ[names.WARM_PRELOAD].split(",")
         args = wait_for_rank()
         if args is None:
             return
     entrypoint = os.environ[names.ENTRYPOINT]
     if os.environ.get(names.NO_PYTHON):
         exec_program(entrypoint, args)
-    proctitle.show(
-        proctitle.title(entrypoint, args)
-    )  # ps shows `python -u train.py ...`, as under torchrun
+    unbuffered_output()
+    shown = proctitle.title(entrypoint, args)
+    proctitle.show(shown)  # ps shows `python -u train.py ...`, as under torchrun
+    sys.orig_argv = shown  # and so does the interpreter's record of its command line
     arm_stack_dumps()
     arm_heartbeat()
+    if warm:
+        threads.follow(preloaded)
     try:
         run_entrypoint(entrypoint, args)
-    except SystemExit:
+    except SystemExit as stop:
+        if stop.code is None or stop.code == 0:
+            _mark("returned")
         raise
-    except BaseException as exc:
-        write_error_file(exc)
-        raise
+    except KeyboardInterrupt:
+        raise  # the interpreter ends the process by SIGINT, as it should
+    except BaseException as exc:  # noqa: BLE001 - shown and ended as the interpreter would
+        uncaught(exc)
+    else:
+        _mark("returned")  # before interpreter teardown: its death no longer fails the job
     finally:
-        if os.environ.get(names.HEARTBEAT_FILE):
-            from elasticd.worker import health
-
-            health.mark(os.environ[names.HEARTBEAT_FILE], "exiting")
+        _mark("exiting")
 
 
 if __name__ == "__main__":

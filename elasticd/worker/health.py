@@ -41,6 +41,9 @@ MAGIC = b"EDHB"
 SIZE = 256
 _BEATS, _STEP, _LAST, _FIRST = 8, 16, 24, 32  # offsets of the fields a beat writes
 MARKS = {"exiting": 40, "pg_ready": 48, "state_loaded": 56, "abandon": 64}  # offsets
+# One more one-off mark, in the file's last 8 bytes (the figures may grow towards it): the
+# entrypoint returned or exited 0, written before interpreter teardown (read with `marked`).
+_MARK_AT = {**MARKS, "returned": SIZE - 8}
 # Running figures after the marks, in this order from offset 72 (f64 each; counts too):
 FIGURES = (
     # seconds of the rank's own work (outside backward()'s gradient sync), summed over steps
@@ -206,8 +209,8 @@ class Reader:
 
 
 def mark(path: str, name: str) -> None:
-    """Record that `name` (a key of MARKS) happened now. One pwrite, no mmap, so it also works
-    from code that never beats.
+    """Record that `name` (a key of MARKS, or "returned") happened now. One pwrite, no mmap, so
+    it also works from code that never beats.
 
     "exiting": from here on the interpreter only tears down (destroy_process_group, atexit,
     module GC: over a second with torch on a busy host), which no optimizer step will ever
@@ -217,7 +220,7 @@ def mark(path: str, name: str) -> None:
     except OSError:
         return
     try:
-        os.pwrite(fd, struct.pack("<d", time.monotonic()), MARKS[name])
+        os.pwrite(fd, struct.pack("<d", time.monotonic()), _MARK_AT[name])
     finally:
         os.close(fd)
 
@@ -289,7 +292,7 @@ class Writer:
 
 
 def marked(path: str | None, name: str) -> bool:
-    """Worker side: has `name` been marked (by the daemon, for "abandon")?"""
+    """Has `name` been marked? (The worker asks for "abandon", the daemon for "returned".)"""
     if not path:
         return False
     try:
@@ -297,7 +300,7 @@ def marked(path: str | None, name: str) -> bool:
     except OSError:
         return False
     try:
-        data = os.pread(fd, 8, MARKS[name])
+        data = os.pread(fd, 8, _MARK_AT[name])
     finally:
         os.close(fd)
     return len(data) == 8 and struct.unpack("<d", data)[0] > 0.0

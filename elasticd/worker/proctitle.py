@@ -8,7 +8,10 @@ process's argument area (arg_start..arg_end in /proc/PID/stat), so each worker r
 area once it knows its job; the interpreter's own view (sys.argv, sys.orig_argv) is untouched.
 
 An area cannot grow, so the daemon starts those processes with a command exactly as long as the
-title: `-m` becomes `-qq..qm` (-q only silences the interactive banner). The title is then
+title: `-m` becomes `-uu..um`. -u is what torchrun runs its workers with (their stdout and stderr
+unbuffered, with nothing in the environment that their own subprocesses would inherit), and
+repeating it changes nothing more; where there is no room for one, the bootstrap makes the
+streams as -u would (bootstrap.unbuffered_output). The title is then
 written NUL-separated, byte for byte what the torchrun command shows. Where the title is the
 shorter one (a very short script name), it is written as setproctitle(3) does: one string ended
 by NUL, with the area's last byte non-zero, which tells the kernel to show it up to that NUL.
@@ -34,9 +37,10 @@ def _size(argv: Sequence[str]) -> int:
 
 
 def command(module: str, shown: Sequence[str], tail: Sequence[str] = ()) -> list[str]:
-    """`python -m module *tail`, padded so that its argument area is as long as `shown`'s."""
+    """`python -m module *tail`, padded (-m as -uu..um) so that its argument area is as long as
+    `shown`'s."""
     need = _size(shown) - _size([sys.executable, "-m", module, *tail])
-    return [sys.executable, "-" + "q" * max(need, 0) + "m", module, *tail]
+    return [sys.executable, "-" + "u" * max(need, 0) + "m", module, *tail]
 
 
 def show(shown: Sequence[str]) -> bool:

@@ -12,6 +12,7 @@ from datetime import datetime
 import psutil
 import pytest
 
+from elasticd.daemon import spawn as spawn_mod
 from harness import FAST_STOP5 as FAST
 from harness import leftover_processes, script, wait_until
 
@@ -69,7 +70,7 @@ def test_worker_environment_matches_torchrun(daemons, tmp_path, spawn):
             e["WORLD_SIZE"] == "2" and e["LOCAL_WORLD_SIZE"] == "2" and e["ROLE_NAME"] == "default"
         )
         assert e["TORCHELASTIC_USE_AGENT_STORE"] == "True" and e["OMP_NUM_THREADS"] == "1"
-        assert e["MASTER_ADDR"] == "127.0.0.1"
+        assert e["MASTER_ADDR"] == spawn_mod.master_name("127.0.0.1")  # torchrun's host name
         assert "NOTIFY_SOCKET" not in e and "WATCHDOG_USEC" not in e
         assert e["__name__"] == "__main__" and e["argv"][1:] == [str(out)]
         assert e["argv"][0].endswith(os.path.join("tests", "scripts", "dump_env.py"))

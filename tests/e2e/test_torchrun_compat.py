@@ -8,9 +8,12 @@ import json
 import os
 import signal
 import stat
+import subprocess
+import sys
 
 import pytest
 
+from elasticd.daemon import spawn
 from harness import ROOT, assert_one_error, run_cli, script, wait_until
 
 
@@ -245,3 +248,68 @@ def test_run_path_takes_a_script_without_py(tmp_path):
     )
     assert r.returncode == 0, r.stderr[-3000:]
     assert sorted((tmp_path / "ranks").read_text().split()) == ["0", "1"]
+
+
+# What a worker sees that differs from torchrun's, each for a reason docs/running.md ("What the
+# workers see") gives; everything else must be equal, variable by variable.
+DIFFERENT_VALUE = {
+    "MASTER_PORT": "a free port each, chosen at run time",
+    "TORCHELASTIC_RUN_ID": "a random id each (no --rdzv-id)",
+    "TORCHELASTIC_ERROR_FILE": "under each launcher's own log directory",
+}
+
+
+def _observed(launcher: list[str], out) -> dict[str, dict]:
+    """tests/scripts/parity.py's records by rank, run by `launcher` (2 workers), the environment
+    without PYTHONUNBUFFERED (this machine's tests set it)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    cmd = [*launcher, "--nproc-per-node", "2", "--max-restarts", "2"]
+    cmd += [script("parity.py"), str(out), "2"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    assert r.returncode == 0, (cmd, r.stderr[-3000:])
+    return {e["env"]["RANK"]: e for e in map(json.loads, out.read_text().splitlines())}
+
+
+def _compare_env(how: str, ours: dict, theirs: dict) -> None:
+    loopback = spawn.master_name("127.0.0.1") != "127.0.0.1"
+    for key in sorted(set(theirs) | set(ours)):
+        if key.startswith("ELASTICD_") and key not in theirs:
+            continue  # our own features' variables
+        if key == "MASTER_ADDR" and not loopback:  # this host's name leads elsewhere: documented
+            assert ours[key] == "127.0.0.1", ours[key]
+        elif key in DIFFERENT_VALUE:
+            assert key in ours and key in theirs, (how, key)
+        else:
+            assert ours.get(key) == theirs.get(key), (how, key, ours.get(key), theirs.get(key))
+
+
+def test_workers_observe_what_torchrun_gives(tmp_path):
+    """The same script under real torchrun (--standalone), elasticd's warm spares and
+    --no-warm-spawn: every variable torchrun gives with its value (but an allowlist of documented
+    differences) and nothing more but ELASTICD_*, so no PYTHONUNBUFFERED for the script's own
+    children; argv, sys.orig_argv, sys.flags, -u's unbuffered stdout; and torch's threads from
+    OMP_NUM_THREADS set before `import torch` (issue 31: a warm spare had imported torch already),
+    and not from one set after it."""
+    elasticd = [sys.executable, "-m", "elasticd", "run", "--log-dir"]
+    runs = {
+        how: _observed(launcher, tmp_path / f"{how}.json")
+        for how, launcher in [
+            ("torchrun", [sys.executable, "-m", "torch.distributed.run", "--standalone"]),
+            ("warm", [*elasticd, str(tmp_path / "w")]),
+            ("cold", [*elasticd, str(tmp_path / "c"), "--no-warm-spawn"]),
+        ]
+    }
+    path = script("parity.py")
+    for rank, theirs in runs["torchrun"].items():
+        if len(os.sched_getaffinity(0)) >= 2:  # the premise: torch takes what was set before
+            assert theirs["threads"][:2] == ([2, 2] if rank == "0" else [1, 1])
+        for how in ("warm", "cold"):
+            ours = runs[how][rank]
+            _compare_env(how, ours["env"], theirs["env"])
+            assert "PYTHONUNBUFFERED" not in ours["env"]
+            assert (
+                ours["orig_argv"][:-2] == [sys.executable, "-u", path] == theirs["orig_argv"][:-2]
+            )
+            assert ours["argv"][0] == path == theirs["argv"][0]
+            for fact in ("flags", "stdout_write_through", "path0", "name", "threads"):
+                assert ours[fact] == theirs[fact], (how, rank, fact, ours[fact], theirs[fact])

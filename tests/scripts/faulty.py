@@ -1,11 +1,13 @@
 """Fault injection for tests: `--raise-at N` (`--error TEXT`: a RuntimeError of that text;
 `--later-each-attempt`: N + the restart count, a failure that is not the same twice),
-`--exit-at N CODE`, `--spawn-child` (a grandchild), `--beat` (report each step through
-elasticd.heartbeat, as a training loop would).
+`--exit-at N CODE`, `--abort-at N` (SIGABRT), `--abort-at-exit` (SIGABRT from an atexit handler,
+once the work is done, as a C++ thread's std::terminate at interpreter exit), `--spawn-child` (a
+grandchild), `--beat` (report each step through elasticd.heartbeat, as a training loop would).
 
 Plain torch.distributed like any torchrun script; the fault hits only `--rank R` (default 1)."""
 
 import argparse
+import atexit
 import os
 import subprocess
 import sys
@@ -23,6 +25,8 @@ def main():
     p.add_argument("--error", default="", help="--raise-at raises RuntimeError(this text)")
     p.add_argument("--exit-at", type=int, default=-1)
     p.add_argument("--exit-code", type=int, default=3)
+    p.add_argument("--abort-at", type=int, default=-1)
+    p.add_argument("--abort-at-exit", action="store_true")
     p.add_argument("--only-first-attempt", action="store_true")
     p.add_argument("--later-each-attempt", action="store_true")
     p.add_argument("--spawn-child", action="store_true", help="start a long sleep grandchild")
@@ -53,10 +57,14 @@ def main():
             raise ValueError(f"injected failure at step {step}")
         if armed and step == args.exit_at:
             sys.exit(args.exit_code)
+        if armed and step == args.abort_at:
+            os.abort()
         time.sleep(args.step_time)
     dist.barrier()
     print("done", flush=True)
     dist.destroy_process_group()
+    if armed and args.abort_at_exit:
+        atexit.register(os.abort)
 
 
 if __name__ == "__main__":

@@ -70,6 +70,20 @@ def test_defaults():
     )  # torchrun's default
 
 
+def test_preload_adds_to_the_defaults(tmp_path):
+    """--preload, its TOML key and ELASTICD_PRELOAD add to what spares always import: replacing
+    the list made a `--preload transformers` spare lose torch._dynamo (issue 31)."""
+    assert config.build({}, None, environ={}).preloaded == config.DEFAULT_PRELOAD
+    path = write(tmp_path, 'preload = ["yaml", "torch"]\n')
+    extra = ("yaml",)  # torch, already a default, is imported once
+    assert config.build({}, path, environ={}).preloaded == config.DEFAULT_PRELOAD + extra
+    env = {"ELASTICD_PRELOAD": "json yaml"}
+    got = config.build({}, None, environ=env).preloaded
+    assert got == (*config.DEFAULT_PRELOAD, "json", "yaml")
+    cfg = config.build({"preload": ("pytorch_lightning",)}, path, environ=env)
+    assert cfg.preloaded == (*config.DEFAULT_PRELOAD, "pytorch_lightning")  # flags win, as ever
+
+
 @pytest.mark.parametrize(
     "text, message",
     [

@@ -45,7 +45,7 @@ def test_title_is_what_torchrun_shows(tmp_path, script, args):
         assert command == [sys.executable, "-m", "show_title"]
         assert got["raw"] == " ".join(shown) + "\0"
     else:  # padded to the title's length: NUL for NUL what `python -u train.py ...` shows
-        assert command[1] != "-m" and set(command[1][1:-1]) == {"q"} and command[1][-1] == "m"
+        assert command[1] != "-m" and set(command[1][1:-1]) == {"u"} and command[1][-1] == "m"
         assert got["raw"] == "\0".join(shown) + "\0"
     assert got["psutil"] == shown
 
