@@ -32,6 +32,7 @@ import sys
 import time
 
 from elasticd import names
+from elasticd.worker import learned
 
 _REQUEST = b"s"
 
@@ -75,11 +76,14 @@ def serve(conn: socket.socket) -> int | None:
     server, None once the daemon closes the connection or the server is unfit."""
     while True:
         try:
-            request = conn.recv(16)
+            request = conn.recv(4096)
         except ConnectionError:
             return None
         if not request:
             return None
+        if request.startswith(learned.REQUEST):
+            conn.send(learned.answer(request))
+            continue
         why = unfit_reason()
         if why:
             conn.send(f"unfit {why}".encode())
