@@ -75,6 +75,16 @@ def wait_training(path: Path, since: float, timeout: float) -> dict[int, int]:
     return {}
 
 
+def wait_learned(log: Path, timeout: float) -> None:
+    """Until the fork server has imported what the workers imported (daemon/learning.py): the
+    spares a restart takes after that are the ones measured."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if '"preload_learned"' in log.read_text(errors="replace"):
+            return
+        time.sleep(0.2)
+
+
 def one_trial(steps: Path, pids: dict[int, int], timeout: float) -> float | None:
     """kill -9 rank 1; seconds until every rank stepped in a process started since."""
     t_kill = time.time()
@@ -109,6 +119,8 @@ def run(launcher: str, framework: str, args: argparse.Namespace) -> dict:
                     start_new_session=True,
                 )
                 wait_training(work / "steps.txt", time.time(), 120)
+                if launcher == "elasticd":
+                    wait_learned(work / "launcher.log", 240)
             time.sleep(args.warmup)
             pids = wait_training(work / "steps.txt", time.time() - 1.0, 5)
             took = one_trial(work / "steps.txt", pids, args.trial_timeout) if pids else None
