@@ -297,6 +297,7 @@ def answer(request: bytes) -> bytes:
     except Exception as e:  # noqa: BLE001 - a learning aid: the job goes on without it
         report = {"preloaded": [], "excluded": {}, "error": f"{type(e).__name__}: {e}"}
     forkserver.end_idle_blas_pools()
+    forkserver.freeze_imports()
     unfit = forkserver.unfit_reason()
     if unfit and "tainted" not in report:
         report["tainted"] = unfit
