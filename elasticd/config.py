@@ -189,7 +189,14 @@ class Config:
     )
     stop_grace: float = _setting(30.0, "SIGTERM-to-SIGKILL grace on stop (default {default:g} s)")
     restart_grace: float = _setting(
-        3.0, "SIGTERM-to-SIGKILL grace when restarting after a failure (default {default:g} s)"
+        3.0,
+        "SIGTERM-to-SIGKILL grace when the workers are stopped for a restart while their group is "
+        "sound (a node joining) or this node leaves (default {default:g} s)",
+    )
+    crash_grace: float = _setting(
+        0.0,
+        "SIGTERM-to-SIGKILL grace for the survivors of a failure (a crash, hang or lost node), "
+        "whose group is broken; 0 (the default) SIGKILLs them at once",
     )
     kill_timeout: float = _setting(
         5.0, "how long to wait for SIGKILLed processes to be reaped (default {default:g} s)"
@@ -240,6 +247,11 @@ class Config:
         (),
         "comma-separated modules warm spares import ahead, besides the defaults they always "
         "import (torch and its distributed, DDP, optim and _dynamo modules)",
+    )
+    learn_preload: bool = _setting(
+        True,
+        "do not have warm spares import what this job's workers imported (the fork server "
+        "learns it at their first step, leaving out what reads the rank's environment)",
     )
     etcd_cacert: str = _setting(
         "", "etcd: CA certificate file that verifies the members (turns on TLS)"

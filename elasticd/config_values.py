@@ -51,6 +51,7 @@ _RANGES: dict[str, tuple[float, float, bool]] = {
         for k in (
             "stop_grace",
             "restart_grace",
+            "crash_grace",
             "restart_backoff",
             "restart_backoff_max",
             "last_call_timeout",

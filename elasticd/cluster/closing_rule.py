@@ -35,7 +35,7 @@ class Limits:
             cfg.min_nodes,
             cfg.max_nodes,
             cfg.last_call_timeout,
-            cfg.restart_grace + cfg.kill_timeout + LOST_SILENCE,
+            max(cfg.restart_grace, cfg.crash_grace) + cfg.kill_timeout + LOST_SILENCE,
         )
 
 

@@ -101,7 +101,8 @@ def _members(rz: Rendezvous, number: int, index: int, deadline: float) -> dict:
     leaves time for the closer to have died, as any node (compare-and-set: one closing wins)."""
     key = rz.round_key(number, names.MEMBERS)
     cfg = rz.cfg
-    patience = cfg.last_call_timeout + cfg.restart_grace + cfg.kill_timeout + 2 * LOST_SILENCE
+    grace = max(cfg.restart_grace, cfg.crash_grace)
+    patience = cfg.last_call_timeout + grace + cfg.kill_timeout + 2 * LOST_SILENCE
     wait_until = min(time.monotonic() + patience, deadline)
     pause = CLOSE_POLL
     while index != 1 and time.monotonic() < wait_until:

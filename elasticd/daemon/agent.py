@@ -258,6 +258,7 @@ class Agent:
                 if unhealthy is not None:
                     return self._leave(unhealthy)
                 self._after_start_up(now)
+                self.spares.learn([w.heartbeat_path for w in self.group.workers])
                 if self.status.due(now):
                     self.publish()
                 continue
@@ -383,8 +384,10 @@ class Agent:
         if reason is not None:
             self._ask_restart(reason)
         trained = self.recovery.trained(self.group.beats())
-        # a node joining finds every rank healthy: they may save at their next boundary
-        self._teardown(self.cfg.restart_grace, abandon=why.kind is not RestartCause.SCALE)
+        # a node joining finds every rank healthy: they may save at their next boundary; after a
+        # failure the group is broken, and a handler that talks to it only delays the restart
+        broken = why.kind is not RestartCause.SCALE
+        self._teardown(self.cfg.crash_grace if broken else self.cfg.restart_grace, abandon=broken)
         self.recovery.mark("torn_down")
         # before the next start: runs beside the backoff and the rendezvous
         self.health_check.begin()

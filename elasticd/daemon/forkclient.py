@@ -17,7 +17,7 @@ from typing import BinaryIO
 
 from elasticd import names, safeio
 from elasticd.daemon import systemd
-from elasticd.worker import proctitle
+from elasticd.worker import learned, proctitle
 
 
 class Child:
@@ -130,6 +130,8 @@ class ForkServer:
         self._sock.setblocking(False)
         self.pending = 0  # spares asked for and not yet received
         self.unfit: str | None = None  # the server's reason not to fork; it has quit
+        self.learning = False  # importing what the workers imported (teach); no forks meanwhile
+        self.learned = False  # its report is ready: the spares received before it lack them
 
     @property
     def usable(self) -> bool:
@@ -147,11 +149,21 @@ class ForkServer:
                 return
             self.pending += 1
 
+    def teach(self, names_path: Path) -> None:
+        """Ask the server to import the modules listed there (worker/learned.py); its report
+        comes back beside them, `learned` says when."""
+        try:
+            self._sock.send(learned.REQUEST + os.fsencode(names_path))
+        except OSError:
+            return
+        self.learning = True
+
     def collect(self, timeout: float = 0.0) -> list[Spare]:
-        """The spares forked since the last call; with `timeout`, wait that long for all pending."""
+        """The spares forked since the last call; with `timeout`, wait that long for all pending.
+        Stops at a learning report (`learned`): what came before it lacks what it taught."""
         got: list[Spare] = []
         deadline = time.monotonic() + timeout
-        while self.pending and self.usable:
+        while (self.pending or self.learning) and self.usable:
             try:
                 msg, fds, _flags, _addr = socket.recv_fds(self._sock, 512, 1)
             except BlockingIOError:
@@ -165,6 +177,9 @@ class ForkServer:
                 break
             if msg.startswith(b"unfit "):
                 self.unfit = msg[6:].decode(errors="replace")
+                break
+            if msg == learned.ANSWER:
+                self.learning, self.learned = False, True
                 break
             self.pending -= 1
             if fds and msg != b"lost":

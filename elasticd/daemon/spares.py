@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from elasticd.config import Config
-from elasticd.daemon import forkclient, processes, supervise
+from elasticd.daemon import forkclient, learning, processes, supervise
 from elasticd.worker import proctitle
 
 REFILL_AFTER = (
@@ -39,6 +39,7 @@ class SparePool:
         )
         self.part: supervise.Part | None = None  # the fork server's health, once there is one
         self.respawn_at: float | None = None  # when a dead fork server is started again
+        self.learning = learning.Learning(run_dir, event) if cfg.learn_preload else None
 
     def _start_server(self) -> None:
         self.forkserver = forkclient.ForkServer(
@@ -55,14 +56,37 @@ class SparePool:
 
     @property
     def pending(self) -> int:
-        """Spares asked of the fork server and not yet received."""
-        return self.forkserver.pending if self.forkserver else 0
+        """Spares asked of the fork server and soon received (none while it learns: a start
+        does not wait for them)."""
+        fs = self.forkserver
+        return fs.pending if fs and not fs.learning else 0
 
     def waitables(self) -> list[forkclient.ForkServer]:
-        """What to select on for spares to arrive (the fork server's connection while it owes
-        some)."""
+        """What to select on for spares or a learning report to arrive."""
         fs = self.forkserver
-        return [fs] if fs and fs.pending and fs.usable else []
+        return [fs] if fs and (fs.pending or fs.learning) and fs.usable else []
+
+    def learn(self, heartbeats: list[Path]) -> None:
+        """Once every worker named its imports, have the fork server import them
+        (daemon/learning.py)."""
+        fs = self.forkserver
+        if self.learning is None or fs is None or not fs.usable or fs.learning:
+            return
+        names = self.learning.wanted(heartbeats)
+        if names:
+            fs.teach(self.learning.write(names))
+
+    def _learned(self, fs: forkclient.ForkServer) -> None:
+        """The fork server's report came: replace the spares forked before it (they lack what
+        it imported); a server tainted after all is replaced by one that learns nothing."""
+        fs.learned = False
+        report = self.learning.reported() if self.learning else {}
+        forkclient.discard_spares(self.spares)
+        if report.get("tainted"):
+            self.learning = None
+            fs.close()
+            self._start_server()
+        self._fill()
 
     def top_up(self) -> None:
         """Ask the fork server for the spares missing, or start fresh interpreters where it is
@@ -105,8 +129,11 @@ class SparePool:
                 part.restarted()
                 self._fill()
             return
-        if fs.pending:
+        if fs.pending or fs.learning:
             self.spares += fs.collect()
+        if fs.learned:
+            self._learned(fs)
+            return
         if not fs.usable:
             fs.close()
             self.forkserver = None

@@ -70,6 +70,25 @@ def _register_step_hook(optimizer_module) -> None:
         optimizer_module.register_optimizer_step_post_hook(lambda *_: writer.optimizer_stepped())
 
 
+def _hook_optimizer_steps(optimizer_module) -> None:
+    _register_step_hook(optimizer_module)
+    _report_imports_once(optimizer_module)
+
+
+def _report_imports_once(optimizer_module) -> None:
+    """At the first optimizer step, name the library modules imported so far, for the fork
+    server to preload in later spares (worker/imported.py); once, a few milliseconds."""
+    handle = None
+
+    def first_step(*_):
+        handle.remove()
+        from elasticd.worker import imported
+
+        imported.report()
+
+    handle = optimizer_module.register_optimizer_step_post_hook(first_step)
+
+
 def _time_backward(autograd_module) -> None:
     """Note when each backward() begins and returns (the rank's own work per step is the time
     between one step's gradient sync and the next backward: health.Writer.optimizer_stepped).
@@ -157,7 +176,7 @@ def _after_import(name: str, then) -> None:
 def arm_heartbeat() -> None:
     if not os.environ.get(names.HEARTBEAT_FILE):
         return
-    _after_import("torch.optim.optimizer", _register_step_hook)
+    _after_import("torch.optim.optimizer", _hook_optimizer_steps)
     _after_import("torch.autograd", _time_backward)
     _after_import("torch.distributed", _wrap_process_group_calls)
 

@@ -1,0 +1,100 @@
+"""Spares that import what this job's workers import: the daemon's side.
+
+Each worker names the library modules it has imported at its first optimizer step
+(worker/imported.py, `rankN.modules` beside its heartbeat file). Once every worker of an attempt
+has, the daemon writes their union (in import order) to the run directory and asks the fork
+server to import it (worker/learned.py: whatever would see the rank's environment differently is
+left out); when its report comes back the spares forked before are replaced, so the next restart
+takes spares that have the job's frameworks imported: Lightning, transformers' Trainer and the
+rest no longer cost their import after a crash. Each module not preloaded is said in one line
+with why (grouped by its cause); the whole report stays in the run directory.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from elasticd import safeio
+from elasticd.worker import imported, learned
+
+MAX_TRIES = 3  # teachings per run: a job whose imports keep growing stops being chased
+
+
+class Learning:
+    def __init__(self, run_dir: Path, event: Callable[..., None]) -> None:
+        self.run_dir = run_dir
+        self.event = event
+        self.known: set[str] = set()  # names sent to the fork server already
+        self.tries = 0
+        self.done_for: tuple[str, ...] = ()  # the reports of the attempt already taught from
+        self.asked: Path | None = None  # the names file of the request in flight
+
+    def wanted(self, heartbeats: Sequence[Path]) -> list[str] | None:
+        """The union of the workers' reports, once every one is there, if it names anything not
+        sent before (at most once per attempt, MAX_TRIES per run)."""
+        key = tuple(str(p) for p in heartbeats)
+        if not key or key == self.done_for or self.tries >= MAX_TRIES or self.asked:
+            return None
+        union: dict[str, None] = {}
+        for hb in key:
+            names = imported.read(imported.report_path(hb))
+            if names is None:
+                return None  # not every worker has stepped yet
+            union.update(dict.fromkeys(names))
+        self.done_for = key
+        new = [n for n in union if n not in self.known]
+        return new or None
+
+    def write(self, names: list[str]) -> Path:
+        """The names file the fork server reads (a new one per request)."""
+        self.tries += 1
+        path = self.run_dir / f"preload-learned{self.tries}.txt"
+        with open(safeio.create(path), "w") as f:
+            f.write("\n".join(names) + "\n")
+        self.known.update(names)
+        self.asked = path
+        return path
+
+    def reported(self) -> dict:
+        """The fork server's report on the request in flight, said in events."""
+        path, self.asked = self.asked, None
+        report_path = f"{path}{learned.REPORT_SUFFIX}"
+        try:
+            with open(safeio.open_existing(report_path)) as f:
+                report = json.load(f)
+        except (OSError, ValueError) as e:
+            report = {"preloaded": [], "excluded": {}, "error": f"no report: {e}"}
+        excluded: dict[str, str] = report.get("excluded") or {}
+        for module, why, count in causes(excluded):
+            self.event("preload_skipped", module=module, why=why, with_it=count)
+        self.event(
+            "preload_learned",
+            level="warning" if report.get("error") or report.get("tainted") else "info",
+            preloaded=len(report.get("preloaded") or []),
+            skipped=len(excluded),
+            error=report.get("error"),
+            tainted=report.get("tainted"),
+            report=report_path,
+        )
+        return report
+
+
+def causes(excluded: dict[str, str]) -> list[tuple[str, str, int]]:
+    """One entry per module left out for a reason of its own (it reads a rank variable, fails
+    to import, starts a thread...), with how many others were left out because they import it or
+    lie inside it."""
+    roots = {m: why for m, why in excluded.items() if not why.startswith(("imports ", "inside "))}
+    counts = dict.fromkeys(roots, 0)
+    for m, why in excluded.items():
+        if m in roots:
+            continue
+        cause = why.split()[1].rstrip(",")
+        seen = set()
+        while cause in excluded and cause not in roots and cause not in seen:
+            seen.add(cause)
+            cause = excluded[cause].split()[1].rstrip(",")
+        if cause in counts:
+            counts[cause] += 1
+    return [(m, why, counts[m]) for m, why in roots.items()]

@@ -1,0 +1,81 @@
+"""What a worker imported from the Python installation, reported once, at its first optimizer
+step, beside its heartbeat file (`rankN.modules`): the daemon teaches the union to the fork
+server, so later spares start with this job's frameworks already imported
+(daemon/learning.py, worker/learned.py). Only modules whose file lies in the interpreter's
+standard library or site-packages are named: never the script's own modules, which the fork
+server must not run with another sys.path, and which the user may edit between attempts."""
+
+from __future__ import annotations
+
+import os
+import re
+import site
+import sys
+import sysconfig
+
+from elasticd import names, safeio
+
+SUFFIX = ".modules"
+MAX_BYTES = 4 << 20  # a report larger than this is not read
+MAX_NAMES = 20000
+_MAINS = ("__main__", "__mp_main__")  # the script (or a tool's main) runs once, in its worker
+_NAME = re.compile(r"\w+(\.\w+)*\Z", re.ASCII)  # mypyc helpers begin with a digit
+
+
+def library_dirs() -> tuple[str, ...]:
+    """The installation's module directories, each as given and resolved, ending in a slash."""
+    paths = sysconfig.get_paths()
+    dirs = {paths.get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    dirs.update(site.getsitepackages())
+    dirs.add(site.getusersitepackages())
+    out = set()
+    for d in filter(None, dirs):
+        out.update({d.rstrip(os.sep) + os.sep, os.path.realpath(d) + os.sep})
+    return tuple(sorted(out))
+
+
+def library_modules(modules: dict | None = None) -> list[str]:
+    """The names in sys.modules, in import order, of modules loaded from the installation."""
+    dirs = library_dirs()
+    out = []
+    for name, module in list((sys.modules if modules is None else modules).items()):
+        path = getattr(module, "__file__", None)
+        if name in _MAINS or not isinstance(path, str):
+            continue
+        if path.startswith(dirs) and _NAME.match(name):
+            out.append(name)
+    return out
+
+
+def report_path(heartbeat_path: str) -> str:
+    base = heartbeat_path[: -len(".heartbeat")] if heartbeat_path.endswith(".heartbeat") else ""
+    return (base or heartbeat_path) + SUFFIX
+
+
+def report() -> None:
+    """Write this worker's library modules, one name a line (written whole, then renamed)."""
+    heartbeat = os.environ.get(names.HEARTBEAT_FILE)
+    if not heartbeat:
+        return
+    path = report_path(heartbeat)
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with os.fdopen(safeio.create(tmp), "w") as f:
+            f.write("\n".join(library_modules()[:MAX_NAMES]) + "\n")
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a learning aid only: the job goes on without it
+
+
+def read(path: str) -> list[str] | None:
+    """A worker's report: valid module names in its order, or None while there is none. A name
+    of another form is skipped (a worker is the user's code: its file is not trusted)."""
+    try:
+        with os.fdopen(safeio.open_existing(path), "rb") as f:
+            data = f.read(MAX_BYTES + 1)
+    except OSError:
+        return None
+    if len(data) > MAX_BYTES:
+        return []
+    text = data.decode("ascii", errors="replace")
+    return [n for n in text.split("\n")[:MAX_NAMES] if _NAME.match(n)]
