@@ -75,3 +75,14 @@ def crash_and_compare(daemons, tmp_path, name: str, args: list[str], kill_at: in
 @needs("pytorch_lightning")
 def test_lightning_resumes_its_loop_from_memory_bit_identical(daemons, tmp_path):
     crash_and_compare(daemons, tmp_path, "lightning_train.py", ["60", "20"], kill_at=33, disk=20)
+
+
+@needs("transformers", "accelerate")
+def test_transformers_trainer_resumes_its_state_from_memory_bit_identical(daemons, tmp_path):
+    crash_and_compare(daemons, tmp_path, "transformers_train.py", ["60", "20"], kill_at=33, disk=20)
+
+
+@needs("accelerate")
+def test_accelerate_recipe_resumes_from_memory_bit_identical(daemons, tmp_path):
+    """docs/checkpoints.md's recipe: elasticd.checkpoint in an Accelerate loop."""
+    crash_and_compare(daemons, tmp_path, "accelerate_train.py", ["60", "20"], kill_at=33, disk=20)
