@@ -5,6 +5,7 @@ progress bar's redraws rate-limited (see Tee).
 from __future__ import annotations
 
 import os
+import re
 import string
 import sys
 import threading
@@ -21,6 +22,25 @@ READ_CHUNK = 1 << 20  # bytes the Tee reads of a file at once, into the one buff
 _LATE = 0.005  # seconds the Tee wakes after a redraw comes due (a timed wait may end a hair early)
 
 
+# What a progress display redraws a line with, once each redraw is a line of its own: colours
+# (SGR), erase in line, cursor up/down and to a column, cursor hidden/shown. The echo drops them;
+# every other escape sequence is shown escaped (logs.printable).
+_DISPLAY = re.compile(r"\x1b\[(?:[0-9;]*[mKABG]|\?25[hl])")
+
+
+def display_env() -> dict[str, str]:
+    """What a worker is given so that Rich (Lightning's default progress bar) draws live into its
+    rank log, as it would on the terminal torchrun's workers share, where the daemon echoes to a
+    terminal: Rich treats the log as one (TTY_COMPATIBLE) and redraws it (TTY_INTERACTIVE), and
+    the tee turns each redraw into one prefixed line with the display's sequences dropped. A
+    value the user set wins (the caller only sets what is missing); off a terminal, nothing."""
+    try:
+        tty = sys.stdout.isatty()
+    except (AttributeError, ValueError):
+        tty = False
+    return {"TTY_COMPATIBLE": "1", "TTY_INTERACTIVE": "1"} if tty else {}
+
+
 def console_prefix(role: str, rank: int, local_rank: int) -> str:
     """What a worker's echoed lines start with: `[rankR]: `, or torchrun's
     TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE (${role_name}, ${rank}, ${local_rank}) where it is set."""
@@ -34,10 +54,12 @@ def console_prefix(role: str, rank: int, local_rank: int) -> str:
 
 def echo_line(prefix: str, raw: bytes) -> str:
     """One line of a worker's output as the console shows it: the rank prefix, then the text with
-    every control character escaped (logs.printable), so a worker can neither drive the
-    operator's terminal nor print a line without its prefix. The Tee has already split the
-    output at carriage returns (see Tee): one that is left here is escaped like the rest."""
-    return prefix + logs.printable(raw.decode(errors="backslashreplace")) + "\n"
+    a progress display's sequences dropped (_DISPLAY) and every other control character escaped
+    (logs.printable), so a worker can neither drive the operator's terminal nor print a line
+    without its prefix. The Tee has already split the output at carriage returns (see Tee): one
+    that is left here is escaped like the rest."""
+    text = raw.decode(errors="backslashreplace")
+    return prefix + logs.printable(_DISPLAY.sub("", text) if "\x1b" in text else text) + "\n"
 
 
 def _cut(line: bytes, size: int = MAX_ECHO_LINE) -> list[bytes]:

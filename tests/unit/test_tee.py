@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 
-from elasticd.daemon.tee import Tee
+from elasticd.daemon.tee import Tee, display_env, echo_line
 from harness import wait_until
 
 
@@ -89,3 +89,29 @@ def test_tee_wakes_for_a_bar_only_when_its_next_redraw_is_due(tmp_path):
         )
         assert tee._pump(log) is None  # nothing flows, nothing held: the caller backs off
     tee.forget([log])
+
+
+def test_echo_drops_a_displays_redraw_sequences_and_escapes_the_rest():
+    """Rich's redraw (colours, erase in line, cursor hidden) leaves only its text; anything else a
+    worker writes (clear screen, home, a title, C1 CSI) is still shown escaped."""
+    rich = (
+        b"\x1b[?25l\x1b[2Ktrain \x1b[35m\xe2\x94\x81\x1b[0m\x1b[90m\xe2\x95\xba\x1b[0m "
+        b"\x1b[2;4m5%\x1b[0m"
+    )
+    assert echo_line("[rank0]: ", rich) == "[rank0]: train \u2501\u257a 5%\n"
+    assert echo_line("[rank0]: ", b"\x1b[1A\x1b[2Kup\x1b[?25h") == "[rank0]: up\n"
+    hostile = b"\x1b[2J\x1b[H\x1b]0;t\x07 \x9b2J"
+    assert echo_line("[rank0]: ", hostile) == "[rank0]: \\x1b[2J\\x1b[H\\x1b]0;t\\x07 \\x9b2J\n"
+
+
+def test_workers_are_told_to_draw_live_only_when_the_echo_reaches_a_terminal(monkeypatch):
+    import os
+    import sys
+
+    monkeypatch.setattr(sys, "stdout", io.StringIO())
+    assert display_env() == {}
+    main, side = os.openpty()
+    with open(side, "w") as tty:
+        monkeypatch.setattr(sys, "stdout", tty)
+        assert display_env() == {"TTY_COMPATIBLE": "1", "TTY_INTERACTIVE": "1"}
+    os.close(main)
