@@ -4,7 +4,8 @@ elasticd.checkpoint (in memory every EVERY steps, on disk every DISK steps). Pri
 every optimizer step and "resumed at N" before the first; rank 0 saves the final weights and
 optimizer state to OUT.
 
-    accelerate_train.py OUT [MAX_STEPS [DISK [EVERY]]]   (EVERY 0: elasticd's budget decides)
+    accelerate_train.py OUT [MAX_STEPS [DISK [EVERY]]]   (EVERY 0: elasticd's budget decides;
+                                                          -1: disk checkpoints only)
 """
 
 import os
@@ -41,7 +42,7 @@ loader = torch.utils.data.DataLoader(
 )
 model, opt, sched, loader = accelerator.prepare(model, opt, sched, loader)
 
-mgr = CheckpointManager(every_steps=disk, memory_every=every or None)
+mgr = CheckpointManager(every_steps=disk, memory_every=(every or None) if every >= 0 else 0)
 state = mgr.load_latest()  # memory, or the disk checkpoint when it is newer
 step = 0
 if state is not None:

@@ -4,7 +4,8 @@ a ResumableDataLoader shuffled by Lightning's DistributedSampler, a disk ModelCh
 DISK steps, `fit(ckpt_path="last")`. Prints "step N" after every optimizer step and "resumed at
 N" when training starts; rank 0 saves the final weights and optimizer state to OUT.
 
-    lightning_train.py OUT [MAX_STEPS [DISK [EVERY]]]   (EVERY 0: elasticd's budget decides)
+    lightning_train.py OUT [MAX_STEPS [DISK [EVERY]]]   (EVERY 0: elasticd's budget decides;
+                                                         -1: without the integration)
 """
 
 import os
@@ -63,7 +64,7 @@ trainer = pl.Trainer(
     strategy="ddp",
     max_steps=max_steps,
     callbacks=[
-        ElasticdState(every=every or None),
+        *([ElasticdState(every=every or None)] if every >= 0 else []),
         Print(),
         pl.callbacks.ModelCheckpoint(
             dirpath=root, every_n_train_steps=disk, save_last=True, save_top_k=0

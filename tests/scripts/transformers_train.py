@@ -4,7 +4,8 @@ AdamW with a linear schedule, a disk checkpoint every DISK steps in OUT.trainer/
 memory unless that one is newer. Prints "step N" after every optimizer step and "resumed at N" as
 training begins; rank 0 saves the final weights and optimizer state to OUT.
 
-    transformers_train.py OUT [MAX_STEPS [DISK [EVERY]]]   (EVERY 0: elasticd's budget decides)
+    transformers_train.py OUT [MAX_STEPS [DISK [EVERY]]]   (EVERY 0: elasticd's budget decides;
+                                                            -1: without the integration)
 """
 
 import os
@@ -63,7 +64,8 @@ args = TrainingArguments(
 )
 trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[Print()])
 last = get_last_checkpoint(args.output_dir) if os.path.isdir(args.output_dir) else None
-trainer.train(resume_from_checkpoint=resume(trainer, fallback=last, every=every or None))
+kept = resume(trainer, fallback=last, every=every or None) if every >= 0 else last
+trainer.train(resume_from_checkpoint=kept)
 if trainer.is_world_process_zero():
     state = {"model": model.state_dict(), "optimizer": trainer.optimizer.state_dict()}
     torch.save({**state, "step": trainer.state.global_step}, out)
