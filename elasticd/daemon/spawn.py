@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from elasticd import logs, names, safeio
-from elasticd.daemon import systemd
+from elasticd.daemon import systemd, tee
 from elasticd.daemon.forkclient import Child, Spare
 from elasticd.worker import health, proctitle
 
@@ -129,6 +129,8 @@ def worker_env(spec: GroupSpec, local_rank: int, paths: dict[str, Path]) -> dict
         env["OMP_NUM_THREADS"] = "1"
     # Unbuffered output (the log is a file) comes from -u, as torchrun's `python -u`:
     # proctitle.command. Not PYTHONUNBUFFERED, which the script's own subprocesses would inherit.
+    for key, value in tee.display_env().items():  # a Rich bar as live as on torchrun's terminal
+        env.setdefault(key, value)
     env.update(spec.extra_env)
     return env
 

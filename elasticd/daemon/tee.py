@@ -5,6 +5,7 @@ progress bar's redraws rate-limited (see Tee).
 from __future__ import annotations
 
 import os
+import re
 import string
 import sys
 import threading
@@ -21,6 +22,28 @@ READ_CHUNK = 1 << 20  # bytes the Tee reads of a file at once, into the one buff
 _LATE = 0.005  # seconds the Tee wakes after a redraw comes due (a timed wait may end a hair early)
 
 
+# What a progress display redraws a line with, once each redraw is a line of its own: colours
+# (SGR), erase in line, cursor up/down and to a column, cursor hidden/shown. The echo drops them;
+# every other escape sequence is shown escaped (logs.printable).
+_DISPLAY = re.compile(r"\x1b\[(?:[0-9;]*[mKABG]|\?25[hl])")
+# A display of several lines goes back up to its first line before each redraw (Rich: erase
+# line, cursor up): a finished line holding that is the first line of a redrawn frame.
+_CURSOR_UP = re.compile(rb"\x1b\[[0-9]*A")
+
+
+def display_env() -> dict[str, str]:
+    """What a worker is given so that Rich (Lightning's default progress bar) draws live into its
+    rank log, as it would on the terminal torchrun's workers share, where the daemon echoes to a
+    terminal: Rich treats the log as one (TTY_COMPATIBLE) and redraws it (TTY_INTERACTIVE), and
+    the tee turns each redraw into one prefixed line with the display's sequences dropped. A
+    value the user set wins (the caller only sets what is missing); off a terminal, nothing."""
+    try:
+        tty = sys.stdout.isatty()
+    except (AttributeError, ValueError):
+        tty = False
+    return {"TTY_COMPATIBLE": "1", "TTY_INTERACTIVE": "1"} if tty else {}
+
+
 def console_prefix(role: str, rank: int, local_rank: int) -> str:
     """What a worker's echoed lines start with: `[rankR]: `, or torchrun's
     TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE (${role_name}, ${rank}, ${local_rank}) where it is set."""
@@ -34,10 +57,12 @@ def console_prefix(role: str, rank: int, local_rank: int) -> str:
 
 def echo_line(prefix: str, raw: bytes) -> str:
     """One line of a worker's output as the console shows it: the rank prefix, then the text with
-    every control character escaped (logs.printable), so a worker can neither drive the
-    operator's terminal nor print a line without its prefix. The Tee has already split the
-    output at carriage returns (see Tee): one that is left here is escaped like the rest."""
-    return prefix + logs.printable(raw.decode(errors="backslashreplace")) + "\n"
+    a progress display's sequences dropped (_DISPLAY) and every other control character escaped
+    (logs.printable), so a worker can neither drive the operator's terminal nor print a line
+    without its prefix. The Tee has already split the output at carriage returns (see Tee): one
+    that is left here is escaped like the rest."""
+    text = raw.decode(errors="backslashreplace")
+    return prefix + logs.printable(_DISPLAY.sub("", text) if "\x1b" in text else text) + "\n"
 
 
 def _cut(line: bytes, size: int = MAX_ECHO_LINE) -> list[bytes]:
@@ -90,6 +115,17 @@ def _split(
     return lines + long, redraw or None, rest
 
 
+def _frames(done: list[bytes]) -> tuple[list[bytes], list[bytes] | None]:
+    """Finished lines as (those to echo now, the latest frame of a multi-line display or None):
+    a frame starts at a line that moves the cursor up (_CURSOR_UP) and runs to the end of what
+    was read, so a display redrawn ten times a second is held like a one-line bar's redraw, not
+    echoed whole each time. Lines before its first frame are echoed; older frames dropped."""
+    starts = [i for i, ln in enumerate(done) if b"\x1b[" in ln and _CURSOR_UP.search(ln)]
+    if not starts:
+        return done, None
+    return done[: starts[0]], done[starts[-1] :]
+
+
 @dataclass
 class _Followed:
     """A rank log the Tee follows: where it read up to, what it holds back (an unfinished line,
@@ -99,6 +135,19 @@ class _Followed:
     offset: int
     partial: bytes = b""
     redraw: bytes | None = None
+    frame: list[bytes] | None = None  # a multi-line display's lines above its redraw (_frames)
+
+    def take(self, done: list[bytes], redraw: bytes | None) -> list[bytes]:
+        """What to echo now of the lines and redraw just read; the rest is held until due."""
+        done, frame = _frames(done)
+        if frame is not None:  # held, shown with the next redraw
+            self.frame = frame
+        elif done and self.frame:  # the display ended: its last frame, then what follows
+            done, self.frame = self.frame + done, None
+        if done or redraw:
+            self.redraw = redraw  # a later line or redraw replaces one not yet shown
+        return done
+
     next_redraw: float = 0.0
     fd: int | None = None
 
@@ -197,19 +246,20 @@ class Tee:
             entry.offset += n
             gained = gained or n > 0
             done, redraw, entry.partial = _split(self._buf, final and not full, held + n)
-            if done or redraw:
-                entry.redraw = redraw  # a later line or redraw replaces one not yet shown
-            lines += done
+            lines += entry.take(done, redraw)
             if not (final and full):
                 break
         flowing = bool(lines)  # lines came (before any redraw is added below)
         now = time.monotonic()
+        held = entry.redraw is not None or bool(entry.frame)
         if final:
+            lines += entry.frame or []
             lines += [entry.partial] if entry.partial else [entry.redraw] if entry.redraw else []
-            entry.partial, entry.redraw = b"", None
-        elif entry.redraw is not None and now >= entry.next_redraw:
-            lines.append(entry.redraw)
-            entry.redraw, entry.next_redraw = None, now + self._redraw_interval
+            entry.partial, entry.redraw, entry.frame = b"", None, None
+        elif held and now >= entry.next_redraw:
+            lines += (entry.frame or []) + ([entry.redraw] if entry.redraw is not None else [])
+            entry.redraw, entry.frame = None, None
+            entry.next_redraw = now + self._redraw_interval
         if lines:
             text = "".join(echo_line(entry.prefix, ln) for ln in lines)
             try:
@@ -220,7 +270,7 @@ class Tee:
         if flowing or full:
             return self._interval
         if (
-            gained or entry.redraw is not None
+            gained or entry.redraw is not None or entry.frame
         ):  # a bar: nothing to echo before its next redraw is due
             left = entry.next_redraw - now
             return left + _LATE if left > 0 else self._redraw_interval

@@ -18,6 +18,7 @@ a module runs in, and these checks keep it true.
 from __future__ import annotations
 
 import ast
+import importlib.util
 import json
 import re
 import subprocess
@@ -42,11 +43,27 @@ def module_name(path: Path) -> str:
 MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
 
 
+WORKER_PACKAGES = ("elasticd.worker", "elasticd.checkpoint", "elasticd.integrations")
+# An integration is named after the framework it serves (elasticd.integrations.transformers): the
+# public path a script imports. Absolute imports keep `import transformers` in it the framework's.
+FRAMEWORKS = {"pytorch_lightning", "lightning", "transformers", "accelerate", "rich"}
+
+
+def installed(name: str) -> bool:
+    """Whether the framework an integration imports is installed (other modules: True)."""
+    framework = {"lightning": "pytorch_lightning"}.get(
+        name.rpartition(".")[2], name.rpartition(".")[2]
+    )
+    if not name.startswith("elasticd.integrations.") or framework not in FRAMEWORKS:
+        return True
+    return importlib.util.find_spec(framework) is not None
+
+
 def worker_side(name: str) -> bool:
     return (
         name == "elasticd.sampler"
-        or name.startswith(("elasticd.worker.", "elasticd.checkpoint."))
-        or name in ("elasticd.worker", "elasticd.checkpoint")
+        or name.startswith(tuple(p + "." for p in WORKER_PACKAGES))
+        or name in WORKER_PACKAGES
     )
 
 
@@ -221,8 +238,9 @@ def test_the_status_snapshot_imports_nothing_of_elasticd():
 
 def test_worker_side_loads_no_daemon_side_module():
     """The same rule, for real: the bootstrap, the fork server and the whole checkpoint library
-    imported in one interpreter, as a worker does."""
-    names = sorted(m for m in MODULES if worker_side(m))
+    imported in one interpreter, as a worker does (with the integrations whose framework is
+    installed)."""
+    names = sorted(m for m in MODULES if worker_side(m) and installed(m))
     loaded = _imported("\n".join(f"import {m}" for m in names))
     assert "torch" in loaded  # the checkpoint library's modules did load
     assert [m for m in loaded if daemon_side(m)] == []
@@ -245,7 +263,9 @@ def test_no_module_is_named_like_another_package():
     clashes = sorted(
         f"{m} ({MODULES[m].relative_to(ROOT)})"
         for m in MODULES
-        if m.rpartition(".")[2] in (set(sys.stdlib_module_names) | DEPENDENCIES) and m != "elasticd"
+        if m.rpartition(".")[2] in (set(sys.stdlib_module_names) | DEPENDENCIES | FRAMEWORKS)
+        and m != "elasticd"
+        and not (m.startswith("elasticd.integrations.") and m.rpartition(".")[2] in FRAMEWORKS)
     )
     assert clashes == [], f"named like a standard-library module or a dependency: {clashes}"
 

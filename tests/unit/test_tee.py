@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import io
+import os
+import subprocess
+import sys
 
-from elasticd.daemon.tee import Tee
+from elasticd.daemon.tee import Tee, display_env, echo_line
 from harness import wait_until
 
 
@@ -89,3 +92,62 @@ def test_tee_wakes_for_a_bar_only_when_its_next_redraw_is_due(tmp_path):
         )
         assert tee._pump(log) is None  # nothing flows, nothing held: the caller backs off
     tee.forget([log])
+
+
+def test_echo_drops_a_displays_redraw_sequences_and_escapes_the_rest():
+    """Rich's redraw (colours, erase in line, cursor hidden) leaves only its text; anything else a
+    worker writes (clear screen, home, a title, C1 CSI) is still shown escaped."""
+    rich = (
+        b"\x1b[?25l\x1b[2Ktrain \x1b[35m\xe2\x94\x81\x1b[0m\x1b[90m\xe2\x95\xba\x1b[0m "
+        b"\x1b[2;4m5%\x1b[0m"
+    )
+    assert echo_line("[rank0]: ", rich) == "[rank0]: train \u2501\u257a 5%\n"
+    assert echo_line("[rank0]: ", b"\x1b[1A\x1b[2Kup\x1b[?25h") == "[rank0]: up\n"
+    hostile = b"\x1b[2J\x1b[H\x1b]0;t\x07 \x9b2J"
+    assert echo_line("[rank0]: ", hostile) == "[rank0]: \\x1b[2J\\x1b[H\\x1b]0;t\\x07 \\x9b2J\n"
+
+
+def test_workers_are_told_to_draw_live_only_when_the_echo_reaches_a_terminal(monkeypatch):
+    monkeypatch.setattr(sys, "stdout", io.StringIO())
+    assert display_env() == {}
+    main, side = os.openpty()
+    with open(side, "w") as tty:
+        monkeypatch.setattr(sys, "stdout", tty)
+        assert display_env() == {"TTY_COMPATIBLE": "1", "TTY_INTERACTIVE": "1"}
+    os.close(main)
+
+
+def test_a_multi_line_display_is_held_like_a_bar_and_its_last_frame_shown(tmp_path):
+    """Rich redraws a display of two tasks by going back up to its first line: each frame is
+    held and echoed at most every redraw_interval (not at each of its 40 refreshes), the final
+    frame once it ends, then what the worker prints after it."""
+    out = io.StringIO()
+    tee = Tee(out, interval=0.01, idle_interval=0.05, redraw_interval=0.3)
+    log = tmp_path / "rank0.log"
+    log.write_bytes(b"")
+    code = (
+        "import time\nfrom rich.progress import Progress\n"
+        "with Progress() as p:\n"
+        "    a, b = p.add_task('train', total=40), p.add_task('val', total=40)\n"
+        "    for _ in range(40):\n"
+        "        time.sleep(0.02); p.advance(a); p.advance(b); p.refresh()\n"
+        "print('after')\n"
+    )
+    env = {**os.environ, "TTY_COMPATIBLE": "1", "TTY_INTERACTIVE": "1"}
+    tee.start()
+    try:
+        tee.follow(log, "[rank0]: ")
+        with open(log, "ab") as f:
+            subprocess.run([sys.executable, "-c", code], stdout=f, env=env, check=True, timeout=60)
+        tee.forget([log])
+    finally:
+        tee.close()
+    assert log.read_bytes().count(b"\x1b[1A") >= 20  # Rich did draw it live, going up each time
+    lines = out.getvalue().splitlines()
+    assert "\x1b" not in out.getvalue() and all(ln.startswith("[rank0]: ") for ln in lines)
+    assert lines[-3:] == [
+        "[rank0]: train " + "━" * 40 + " 100% 0:00:00",
+        "[rank0]: val   " + "━" * 40 + " 100% 0:00:00",
+        "[rank0]: after",
+    ], lines[-3:]
+    assert len(lines) <= 20, lines  # frames every 0.3 s at most over the display's ~1 s
