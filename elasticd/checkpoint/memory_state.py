@@ -9,6 +9,10 @@ memory, and after nodes join, a rank whose node lacks the step receives the slot
 rank that holds it (point to point over the library's gloo group, no pickle: reader.raw() and
 reader.decode()). The sampler's state (epoch, positions consumed) does not depend on the world
 size, so the rest of the epoch is dealt out over the new world and each sample is still seen once.
+
+A sharded job (FSDP2) differs: every rank keeps its own shards, over nodes with a replica on the
+next node (memory.replica), and a resume takes each old rank's shards from whoever holds them and
+places them in the new mesh (memory.shards).
 """
 
 from __future__ import annotations

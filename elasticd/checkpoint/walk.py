@@ -3,12 +3,13 @@ disk snapshot (elasticd.checkpoint.snapshot) and the in-memory description
 (elasticd.checkpoint.memory.description).
 
 Allowed: tensors, but not subclasses that wrap others (the DTensor of a sharded model: FSDP2,
-tensor parallel); None, bool, int, float, complex, str, bytes, bytearray; torch.Size, dtype and
-device; dicts (OrderedDict kept), lists, tuples, sets; numpy scalars and other numbers, which
-become Python's int or float; for the disk only, classes registered with
-torch.serialization.add_safe_globals. Anything else is refused in the caller's thread, naming
-its key, so that no state is kept that could not be read back. The walk runs at every in-memory
-refresh: the common types come first.
+tensor parallel), except, for the in-memory description, a DTensor of capture()'s model and
+optimizer (its local shard; the disk takes those through elasticd.checkpoint.sharded); None,
+bool, int, float, complex, str, bytes, bytearray; torch.Size, dtype and device; dicts
+(OrderedDict kept), lists, tuples, sets; numpy scalars and other numbers, which become Python's
+int or float; for the disk only, classes registered with torch.serialization.add_safe_globals.
+Anything else is refused in the caller's thread, naming its key, so that no state is kept that
+could not be read back. The walk runs at every in-memory refresh: the common types come first.
 """
 
 from __future__ import annotations
