@@ -8,6 +8,7 @@ Each sample of the epoch is trained on exactly once across the change."""
 from __future__ import annotations
 
 import ast
+import shutil
 from pathlib import Path
 
 import pytest
@@ -79,27 +80,31 @@ def test_fsdp2_worker_crash_resumes_from_its_own_slot_bit_exact(tmp_path):
         _same(_state(f"{second}.loaded.{r}", rng=True), _state(f"{first}.s7.{r}", rng=True))
 
 
-@pytest.mark.parametrize("lost", [1, 0], ids=["other-node", "rank0-node"])
-def test_fsdp2_node_lost_survivor_resumes_from_own_shards_and_replica(tmp_path, lost):
-    """Two nodes of one rank each; one is lost (its memory with it). The survivor rebuilds the
-    whole state at world 1 from its own slot and its replica of the lost rank, no disk read; the
-    epoch's samples are each trained on once."""
+def test_fsdp2_node_lost_survivor_resumes_from_own_shards_and_replica(tmp_path):
+    """Two nodes of one rank each; either is lost (its memory with it), rank 0's included. The
+    survivor rebuilds the whole state at world 1 from its own slot and its replica of the lost
+    rank, no disk read; the epoch's samples are each trained on once."""
     nodes = _nodes(tmp_path, [[0], [1]])
-    first, second = tmp_path / "a", tmp_path / "b"
+    first = tmp_path / "a"
     _train(tmp_path, 2, nodes, 40, 7, first)
-    survivor = nodes[1 - lost]
-    replicas = slots.held(survivor["mem"], 0, slots.REPLICA)
-    assert replicas and {h.rank for h in replicas} == {lost}, replicas
-    total = 7 + (SAMPLES - 2 * 2 * 7) // 2  # the rest of the epoch at world 1
-    _train(tmp_path, 1, [dict(survivor, ranks=[0])], total, None, second)
-    got = torch.load(f"{second}.loaded.0", weights_only=True)
-    assert "/sharded-replicas/" in got["file"], got["file"]
-    assert got["step"] in (6, 7), got["step"]  # at most one refresh lost (every step here)
-    for r in range(2):
-        _same(_state(f"{second}.loaded.0"), _state(f"{first}.s{got['step']}.{r}"))
-    seen = [i for s, e, idx in _seen(first, 2) if e == 0 and s <= got["step"] for i in idx]
-    seen += [i for s, e, idx in _seen(second, 1) if e == 0 for i in idx]
-    assert sorted(seen) == list(range(SAMPLES)), (len(seen), len(set(seen)))
+    for lost in (1, 0):  # each survivor on a copy of its memory and of the disk
+        alone = tmp_path / f"alone{lost}"
+        shutil.copytree(nodes[1 - lost]["mem"], alone / "mem")
+        shutil.copytree(tmp_path / "disk", alone / "disk")
+        survivor = {"mem": str(alone / "mem"), "disk": str(alone / "disk"), "ranks": [0]}
+        replicas = slots.held(survivor["mem"], 0, slots.REPLICA)
+        assert replicas and {h.rank for h in replicas} == {lost}, replicas
+        total = 7 + (SAMPLES - 2 * 2 * 7) // 2  # the rest of the epoch at world 1
+        second = alone / "b"
+        _train(alone, 1, [survivor], total, None, second)
+        got = torch.load(f"{second}.loaded.0", weights_only=True)
+        assert "/sharded-replicas/" in got["file"], got["file"]
+        assert got["step"] in (6, 7), got["step"]  # at most one refresh lost (every step here)
+        for r in range(2):
+            _same(_state(f"{second}.loaded.0"), _state(f"{first}.s{got['step']}.{r}"))
+        seen = [i for s, e, idx in _seen(first, 2) if e == 0 and s <= got["step"] for i in idx]
+        seen += [i for s, e, idx in _seen(second, 1) if e == 0 for i in idx]
+        assert sorted(seen) == list(range(SAMPLES)), (len(seen), len(set(seen)))
 
 
 def test_fsdp2_world_grows_new_rank_receives_its_shards_from_memory(tmp_path):
