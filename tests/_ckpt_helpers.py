@@ -194,13 +194,15 @@ def train_on_nodes(
     out: str,
     every: int = 3,
     samples: int = 96,
+    sharded: bool = False,
 ) -> None:
     """`train`'s loop for a job spread over simulated nodes: each node {"mem", "disk", "ranks"} has
     its own memory directory (the daemon's) and disk directory (no shared filesystem), and runs
     the global ranks listed, as local ranks 0, 1, ... Disk checkpoints every 5 steps, the
     in-memory state every `every`. Each sample's index is recorded per step (`out`.idx.RANK), the
     state right after loading (`out`.loaded.RANK) and at every refresh (`out`.sSTEP.RANK). With
-    crash_after every rank stops dead after that step."""
+    crash_after every rank stops dead after that step. `sharded`: the model is FSDP2's
+    (fully_shard), its recorded states gathered whole (give every node the same disk)."""
     from elasticd.checkpoint import rng as rng_state
 
     node = next(n for n in nodes if rank in n["ranks"])
@@ -214,7 +216,13 @@ def train_on_nodes(
         torch.randn(samples, 1, generator=g),
         torch.arange(samples),
     )
-    model = DDP(nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 1)))
+    net = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 1))
+    if sharded:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in (net[0], net[3], net):
+            fully_shard(layer)
+    model = net if sharded else DDP(net)
     torch.manual_seed(100 + rank)
     random.seed(rank)
     np.random.seed(rank)
@@ -231,12 +239,14 @@ def train_on_nodes(
     )
 
     def held(**extra) -> dict:
-        return {
-            "model": model.module.state_dict(),
-            "optimizer": opt.state_dict(),
-            "rng": rng_state.get_state(),
-            **extra,
-        }
+        if sharded:  # gathered whole, the optimizer keyed by parameter name (a collective)
+            from torch.distributed.checkpoint import state_dict as sd
+
+            full = sd.StateDictOptions(full_state_dict=True)
+            msd, osd = sd.get_state_dict(model, opt, options=full)
+        else:
+            msd, osd = model.module.state_dict(), opt.state_dict()
+        return {"model": msd, "optimizer": osd, "rng": rng_state.get_state(), **extra}
 
     step = 0
     state = mgr.load_latest()

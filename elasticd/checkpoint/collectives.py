@@ -115,6 +115,15 @@ def all_gather_bytes(data: bytes, group) -> list[bytes]:
     return [_tensor_bytes(o[: int(s.item())]) for o, s in zip(out, sizes, strict=True)]
 
 
+def all_ok(ok: bool, multi: bool = True) -> bool:
+    """Whether every rank is ok: a MIN all_reduce over cpu_group() when `multi`."""
+    if not multi:
+        return ok
+    t = torch.tensor([int(ok)], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=cpu_group())
+    return bool(t.item())
+
+
 def all_gather_ints(value: int, group) -> list[int]:
     out = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
     dist.all_gather(out, torch.tensor([value], dtype=torch.int64), group=group)

@@ -312,6 +312,7 @@ class CheckpointManager:
 
     def close(self) -> None:
         self.wait()
+        self._memory.close()
 
     def __enter__(self) -> CheckpointManager:
         return self

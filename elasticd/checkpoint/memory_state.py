@@ -9,6 +9,10 @@ memory, and after nodes join, a rank whose node lacks the step receives the slot
 rank that holds it (point to point over the library's gloo group, no pickle: reader.raw() and
 reader.decode()). The sampler's state (epoch, positions consumed) does not depend on the world
 size, so the rest of the epoch is dealt out over the new world and each sample is still seen once.
+
+A sharded job (FSDP2) differs: every rank keeps its own shards, over nodes with a replica on the
+next node (memory.replica), and a resume takes each old rank's shards from whoever holds them and
+places them in the new mesh (memory.shards).
 """
 
 from __future__ import annotations
@@ -22,13 +26,13 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import structlog
-import torch
-import torch.distributed as dist
 
 import elasticd
 from elasticd import names
+from elasticd.checkpoint import sharded
 from elasticd.checkpoint.collectives import (
     all_gather_bytes,
+    all_ok,
     cpu_group,
     dist_on,
     rank,
@@ -38,7 +42,7 @@ from elasticd.checkpoint.collectives import (
 )
 from elasticd.checkpoint.files import looks_at_disk
 from elasticd.checkpoint.format import Entry, candidates
-from elasticd.checkpoint.memory import cadence, reader, slots
+from elasticd.checkpoint.memory import cadence, reader, replica, shards, slots
 from elasticd.checkpoint.memory.writer import Writer
 from elasticd.checkpoint.state import REFRESH, Refresh
 
@@ -157,6 +161,8 @@ class MemoryState:
         # --virtual-local-rank
         self.local_rank = int(os.environ.get(names.LOCAL_RANK) or os.environ.get("LOCAL_RANK", 0))
         self.local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 0))  # 0: unknown
+        # sharded, over nodes: a replica of this rank's slot on the next node (memory.replica)
+        self.ring = replica.Ring(self.directory, self.local_rank, self.local_world)
 
     @property
     def every(self) -> int:
@@ -182,7 +188,15 @@ class MemoryState:
                 budget=self.cadence.budget,
                 refresh_ms=round(1e3 * refresh, 3),
                 step_ms=round(1e3 * step, 3),
+                **self.ring.figures(),
             )
+
+    def close(self) -> None:
+        """Let the exchange in flight land and the slots go (CheckpointManager.close)."""
+        self.ring.close()
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
 
     def load(self, disk: str) -> tuple[dict[str, Any], Entry] | None:
         """Agree on the step to resume from memory (a collective; rules: choose()), at this
@@ -200,6 +214,7 @@ class MemoryState:
             "local": local,
             "disk": found[0].step if found else -1,
             "next": int.from_bytes(os.urandom(8), "little") >> 1 or 1,
+            "pieces": shards.view(self.directory, local),
         }  # rank 0's is taken
         multi = dist_on() and world_size > 1
         views = (
@@ -208,16 +223,15 @@ class MemoryState:
             else [view]
         )
         self.lineage = int(views[0]["next"])
+        if any(v["pieces"] for v in views):  # a sharded job's
+            got = shards.resume(views, self.directory, self.local_rank, multi, derived_base)
+            self.resumed = got[2] if got is not None else None
+            return got[:2] if got is not None else None
         choice, why = choose(views)
         state, source = None, None
         if choice is not None:
             state, source, why = self._fetch(choice, world_size, my_rank, multi)
-            ok = state is not None
-            if multi:
-                t = torch.tensor([int(ok)], dtype=torch.int64)
-                dist.all_reduce(t, op=dist.ReduceOp.MIN, group=cpu_group())
-                ok = bool(t.item())
-            if not ok:
+            if not all_ok(state is not None, multi):
                 choice, state = None, None
         if choice is None or state is None:
             if any(v["whole"] for v in views):
@@ -317,7 +331,7 @@ class MemoryState:
         if not self.every:
             return 0.0
         t0 = time.perf_counter()
-        owned = None
+        owned, shard = None, False
         if callable(state):
             how = Refresh(whole=self.local_rank == 0, owned=set() if self.overlap else None)
             token = REFRESH.set(how)
@@ -325,7 +339,10 @@ class MemoryState:
                 state = state()
             finally:
                 REFRESH.reset(token)
-            owned = how.owned
+            owned, shard = how.owned, how.sharded
+        else:  # captured already, for a disk save at the same step
+            shard = sharded.holds_shards(state)
+        self.ring.wait()  # the last refresh's exchange lands before a slot is reused
         mapped = True
         writer = self.writer
         try:
@@ -339,8 +356,16 @@ class MemoryState:
                     local_world=self.local_world,
                 )
             mapped = writer.write(
-                int(step), state, world=world(), rank=rank(), owned=owned, started=t0
+                int(step),
+                state,
+                world=world(),
+                rank=rank(),
+                owned=owned,
+                started=t0,
+                sharded=shard,
             )
+            if shard and writer.written is not None:
+                self.ring.send(*writer.written)
             if writer.notice:
                 log.warning(
                     "memory_overlap_off",
@@ -355,10 +380,8 @@ class MemoryState:
                 error=f"{type(e).__name__}: {e}",
                 action="continuing with disk checkpoints only",
             )
+            self.close()
             self.on = False
-            if self.writer is not None:
-                self.writer.close()
-                self.writer = None
         self.last_stall = time.perf_counter() - t0
         figures = elasticd._beat_writer()
         if figures is not None:

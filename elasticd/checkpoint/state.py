@@ -38,6 +38,16 @@ class Refresh:
     # when overlapping: filled with the ids of the tensors only the optimizer writes, its
     # parameters and state (elasticd.checkpoint.overlap)
     owned: set[int] | None = None
+    # set by capture() for a sharded model: every local rank keeps its own shards and the rest
+    sharded: bool = False
+
+
+class InMemory:
+    """What a sharded resume from memory puts where the model's (and optimizer's) state goes:
+    restore() hands the live model to it (elasticd.checkpoint.memory.shards.Pieces)."""
+
+    def restore(self, state: Mapping[str, Any], model, optimizer, strict: bool) -> None:
+        raise NotImplementedError
 
 
 REFRESH: contextvars.ContextVar[Refresh | None] = contextvars.ContextVar(
@@ -76,10 +86,13 @@ def capture(
     else (step, best metric, ...) and comes back from restore()."""
     state: dict[str, Any] = {"format": FORMAT}
     refresh = REFRESH.get()
-    rng_only = refresh is not None and not refresh.whole
+    shards = model is not None and sharded.is_sharded(model)
+    if shards and refresh is not None:
+        refresh.sharded, refresh.owned = True, None  # every rank keeps its own, copied at once
+    rng_only = refresh is not None and not refresh.whole and not shards
     owned = refresh.owned if refresh is not None else None
     if model is not None and not rng_only:
-        if refresh is None and sharded.is_sharded(model):
+        if shards:
             # each rank its own shards, the optimizer's state keyed by FQN (nothing gathered)
             state["model"], osd = sharded.state_dicts(unwrap_model(model), optimizer)
             if osd is not None:
@@ -136,9 +149,13 @@ def restore(
     derived from the checkpoint and its rank. RNG comes last, after everything that is loaded."""
     from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
-    if model is not None and (
-        sharded.is_sharded(model) or isinstance(state.get("model"), shard_files.OnDisk)
-    ):
+    held = state.get("model")
+    if model is not None and isinstance(held, InMemory):
+        # shards from the in-memory slots, placed in this world's mesh
+        _missing(state, "model", *(("optimizer",) if optimizer is not None else ()))
+        held.restore(state, unwrap_model(model), optimizer, strict)
+        model = optimizer = None
+    elif model is not None and (sharded.is_sharded(model) or isinstance(held, shard_files.OnDisk)):
         # through set_state_dict (a sharded checkpoint on disk is read first, resharded by DCP)
         _missing(state, "model", *(("optimizer",) if optimizer is not None else ()))
         shard_files.restore(state, unwrap_model(model), optimizer, strict)

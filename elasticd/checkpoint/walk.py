@@ -3,12 +3,13 @@ disk snapshot (elasticd.checkpoint.snapshot) and the in-memory description
 (elasticd.checkpoint.memory.description).
 
 Allowed: tensors, but not subclasses that wrap others (the DTensor of a sharded model: FSDP2,
-tensor parallel); None, bool, int, float, complex, str, bytes, bytearray; torch.Size, dtype and
-device; dicts (OrderedDict kept), lists, tuples, sets; numpy scalars and other numbers, which
-become Python's int or float; for the disk only, classes registered with
-torch.serialization.add_safe_globals. Anything else is refused in the caller's thread, naming
-its key, so that no state is kept that could not be read back. The walk runs at every in-memory
-refresh: the common types come first.
+tensor parallel), except, for the in-memory description, a DTensor of capture()'s model and
+optimizer (its local shard; the disk takes those through elasticd.checkpoint.sharded); None,
+bool, int, float, complex, str, bytes, bytearray; torch.Size, dtype and device; dicts
+(OrderedDict kept), lists, tuples, sets; numpy scalars and other numbers, which become Python's
+int or float; for the disk only, classes registered with torch.serialization.add_safe_globals.
+Anything else is refused in the caller's thread, naming its key, so that no state is kept that
+could not be read back. The walk runs at every in-memory refresh: the common types come first.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def walk(obj: Any, enc: Encoding, at: Any = None) -> Any:
         )
     if isinstance(obj, torch.Tensor):
         if cls not in _TENSORS and hasattr(cls, "__tensor_flatten__") and not obj.is_nested:
-            raise wrapped(cls, at, enc.cannot)
+            return _subclass(obj, enc, at)
         return enc.tensor(obj, at)
     if cls is list:
         return [walk(v, enc, (at, i)) for i, v in enumerate(obj)]
@@ -90,6 +91,15 @@ def walk(obj: Any, enc: Encoding, at: Any = None) -> Any:
     raise refused(cls, at, enc.cannot)
 
 
+def _subclass(obj: Any, enc: Encoding, at: Any) -> Any:
+    """A DTensor where the encoding takes them (the in-memory slot: its local shard), else the
+    refusal of a wrapper subclass."""
+    shard = getattr(enc, "dtensor", None)
+    if shard is not None and type(obj).__name__ == "DTensor":
+        return shard(obj, at)
+    raise wrapped(type(obj), at, enc.cannot)
+
+
 def _base_value(obj: Any) -> Any:
     """A bytes, bytearray or complex subclass's value as its base type."""
     for base in (bytes, bytearray, complex):
@@ -113,10 +123,16 @@ def wrapped(cls: type, at: Any, cannot: str) -> TypeError:
     return TypeError(
         f"{where(at)}: a {cls.__module__}.{cls.__qualname__} (a tensor subclass that wraps "
         f"others, as the DTensors of FSDP2's fully_shard and tensor parallel do) cannot be "
-        f"{cannot}; elasticd takes sharded state only as capture()'s model and optimizer, "
-        f"for disk checkpoints (through torch.distributed.checkpoint); the in-memory state "
-        f"holds replicated (DDP) state only"
+        f"{cannot}; elasticd takes sharded state only as capture()'s model and optimizer"
     )
+
+
+def root(at: Any) -> Any:
+    """The top-level key of a location: "model" for state['model']['w']."""
+    key = None
+    while at is not None:
+        at, key = at
+    return key
 
 
 def where(at: Any) -> str:

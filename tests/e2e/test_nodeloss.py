@@ -39,7 +39,7 @@ def _start_store(net, i: int = 0) -> subprocess.Popen:
     return proc
 
 
-def _nodes(daemons, net, names, steps: int, delay: float = 0.02, extra=()):
+def _nodes(daemons, net, names, steps: int, delay: float = 0.02, extra=(), env=None):
     flags = (
         "--nproc-per-node",
         "1",
@@ -54,7 +54,7 @@ def _nodes(daemons, net, names, steps: int, delay: float = 0.02, extra=()):
         *secret_flags(),
         *extra,
     )  # the first round waits for all
-    env = {"GLOO_SOCKET_IFNAME": DEV}
+    env = {"GLOO_SOCKET_IFNAME": DEV, **(env or {})}
     started = []
     for k, name in enumerate(names):
         started.append(

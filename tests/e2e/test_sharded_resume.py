@@ -36,8 +36,9 @@ def _run(daemons, tmp_path, name: str, delay: str, memory: tuple[str, ...]):
 
 @pytest.mark.parametrize("memory", [("--no-memory-state",), ()], ids=["no-memory", "memory-on"])
 def test_fsdp2_worker_killed_resumes_from_its_shards_bit_identical(daemons, tmp_path, memory):
-    """With the in-memory state on (the default) its first refresh turns it off with one
-    warning (it holds no sharded state yet), and the resume is from disk all the same."""
+    """From the disk checkpoint (--no-memory-state), or from every rank's own shards in its
+    in-memory slots (the default): then from a step past the last disk checkpoint, and the
+    worker says it loaded from memory."""
     clean, clean_out = _run(daemons, tmp_path, "clean", "0", memory)
     assert clean.wait(180) == 0, clean.stderr()[-3000:]
     crashed, crashed_out = _run(daemons, tmp_path, "crashed", "0.05", memory)
@@ -45,10 +46,15 @@ def test_fsdp2_worker_killed_resumes_from_its_shards_bit_identical(daemons, tmp_
     os.kill(crashed.worker_pids()[1], signal.SIGKILL)
     wait_until(lambda: len(crashed.attempt_dirs()) > 1, 60, what="the restart")
     assert crashed.wait(180) == 0, crashed.stderr()[-3000:]
-    resumed = [
-        int(m) for m in re.findall(r"\[rank0\]: .*resumed from step (\d+)", crashed.stdout())
-    ]
-    assert len(resumed) == 1 and resumed[0] in (10, 15), resumed  # from disk, every 5 steps
+    out = crashed.stdout()
+    resumed = [int(m) for m in re.findall(r"\[rank0\]: .*resumed from step (\d+)", out)]
+    loaded = re.findall(r"\[rank0\]: .*checkpoint_loaded .*source=(\w+) step=(\d+)", out)
+    assert len(resumed) == 1 and loaded == [(loaded[0][0], str(resumed[0]))], (resumed, loaded)
+    if memory:
+        assert loaded[0][0] == "disk" and resumed[0] in (10, 15), loaded  # every 5 steps
+    else:  # the step killed at (17) or the refresh before: the cadence sets how far back
+        assert loaded[0][0] == "memory" and 10 <= resumed[0] <= 17, loaded
+        assert "memory_state_off" not in out
     newest = checkpoint.latest_info(tmp_path / "crashed")
     assert newest["step"] == STEPS and newest["file"].endswith(".dcp"), newest
     assert sorted(os.listdir(newest["path"])) == [

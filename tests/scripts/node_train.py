@@ -1,8 +1,8 @@
-"""The node-loss tests' job: DDP through elasticd.checkpoint (disk every 100 steps, in memory as
-the library's cadence decides) and the resumable sampler. Every step prints
-`step N world W t WALL samples I,J,...` (the sample indices this rank drew), and a resume prints
-`resumed at step N` first, so a test can tell the steps lost and that every sample of an epoch
-was seen exactly once."""
+"""The node-loss tests' job: DDP (or FSDP2 with NODE_TRAIN_FSDP=1) through elasticd.checkpoint
+(disk every 100 steps, in memory as the library's cadence decides) and the resumable sampler.
+Every step prints `step N world W t WALL samples I,J,...` (the sample indices this rank drew),
+and a resume prints `resumed at step N` first, so a test can tell the steps lost and that every
+sample of an epoch was seen exactly once."""
 
 import os
 import sys
@@ -37,7 +37,15 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     data = Indexed(int(os.environ.get("NODE_TRAIN_SAMPLES", "1024")))
     torch.manual_seed(0)
-    model = DDP(nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1)))
+    net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+    if os.environ.get("NODE_TRAIN_FSDP"):  # sharded with FSDP2 instead of replicated
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in (net[0], net[2], net):
+            fully_shard(layer)
+        model = net
+    else:
+        model = DDP(net)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sampler = ResumableDistributedSampler(data, num_replicas=world, rank=rank, seed=7)
     loader = DataLoader(data, batch_size=4, sampler=sampler)

@@ -1,8 +1,9 @@
 """Sharded state with real gloo ranks on CPU: a model sharded by FSDP2's fully_shard holds
-DTensors, which elasticd's in-memory state cannot hold yet. Each path that copies them as plain
-tensors (the in-memory refresh, Snapshot) refuses them with one line naming the key, and the rank
-goes on or raises: never a segfault (the in-memory writer once copied from a DTensor's
-data_ptr(), which is 0). The disk save takes them (tests/unit/test_sharded_disk.py)."""
+DTensors. The in-memory state keeps each rank's own shards (tests/unit/test_sharded_memory.py has
+the resumes); a DTensor anywhere else in the state, and the disk's plain Snapshot path, refuse
+them with one line naming the key, and the rank goes on or raises: never a segfault (the in-memory
+writer once copied from a DTensor's data_ptr(), which is 0). The disk save takes them
+(tests/unit/test_sharded_disk.py)."""
 
 from __future__ import annotations
 
@@ -15,12 +16,12 @@ import torch.nn as nn
 
 import _ckpt_helpers as helpers
 from elasticd.checkpoint import CheckpointManager, capture
-from elasticd.checkpoint.memory import writer
+from elasticd.checkpoint.memory import slots, writer
 from elasticd.checkpoint.snapshot import Snapshot
 
 fsdp = pytest.importorskip("torch.distributed.fsdp")
 
-WEIGHT = r"state\['model'\]\['0\.weight'\]: a torch\.distributed\.tensor\.DTensor .*fully_shard"
+USER = r"state\['user'\]\['extra'\]: a torch\.distributed\.tensor\.DTensor .*fully_shard"
 
 
 def sharded_state_is_refused(rank: int, world: int, disk: str, mem: str) -> None:
@@ -39,26 +40,28 @@ def sharded_state_is_refused(rank: int, world: int, disk: str, mem: str) -> None
         mgr = CheckpointManager(
             disk, handle_sigterm=False, memory_dir=mem, memory_every=1, every_steps=2
         )
-        mgr.maybe_save(1, state)  # an in-memory refresh only: local rank 0 holds the model
+        mgr.maybe_save(1, state)  # an in-memory refresh only: every rank keeps its own shards
         mgr.maybe_save(2, state)  # the disk save: every rank writes its own shards
         mgr.close()
-    off = [e for e in logs if e["event"] == "memory_state_off"]
-    if rank == 0:
-        assert len(off) == 1 and mgr.memory_every == 0, logs
-        assert off[0]["error"].count("\n") == 0, off
-        assert "state['model']['0.weight']" in off[0]["error"], off
-    else:
-        assert not off, logs
+    assert not [e for e in logs if e["event"] == "memory_state_off"], logs
+    assert mgr.memory_every == 1
+    assert [(h.step, h.sharded) for h in slots.held(mem, rank)] == [(2, True), (1, True)]
     assert mgr.last_saved is not None and mgr.last_saved.step == 2
     assert mgr.last_saved.file.endswith(".dcp")
 
-    # Either copy, on every rank, as its node's local rank 0: the model's key, else the
-    # optimizer's sharded moments.
+    # A DTensor among the user's values, in the in-memory copy; the optimizer's sharded moments
+    # in the disk's plain Snapshot (a sharded save takes them through sharded.HostCopy).
     own = os.path.join(mem, f"own{rank}")
     os.mkdir(own)
     w = writer.Writer(own, 0)
-    with pytest.raises(TypeError, match=WEIGHT + ".*in-memory state"):
-        w.write(1, capture(model=model, optimizer=opt, rng=False), world=world, rank=rank)
+    with pytest.raises(TypeError, match=USER + ".*in-memory state"):
+        w.write(
+            1,
+            capture(model=model, optimizer=opt, rng=False, extra=model[0].weight),
+            world=world,
+            rank=rank,
+            sharded=True,
+        )
     w.close()
     with pytest.raises(
         TypeError, match=r"state\['optimizer'\]\['state'\]\[0\]\['exp_avg'\]: a .*DTensor"

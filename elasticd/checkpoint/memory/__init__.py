@@ -12,7 +12,10 @@ Each local rank L owns two preallocated slot files, `l<L>.0` and `l<L>.1`, memor
 written in turn, so a refresh is a memory copy of the tensors into the mapping plus a small
 JSON description of everything else: no serializer, no allocation, no file created per step.
 Local rank 0's slot holds the whole state (DDP state is the same on every rank, as for rank-0
-disk checkpoints) with its RNG; the other local ranks' slots hold their own RNG state only.
+disk checkpoints) with its RNG; the other local ranks' slots hold their own RNG state only. In a
+sharded job (FSDP2, tensor parallel) every local rank's slot holds its own shards and the rest,
+and over several nodes two replica slots `r<L>.0`/`r<L>.1` hold the next node's rank's (shards,
+replica).
 
 Every slot records the step, the world size, global rank and local world size that wrote it, and
 its lineage: a number the ranks agree on at each load (CheckpointManager.load_latest), written
@@ -31,5 +34,7 @@ The modules, one concern each: directory (the daemon's /dev/shm directory: creat
 what a dead daemon left; torch-free, the only one the daemon imports, with slots), slots (the
 slot files' format and headers, torch-free), cadence (how often to refresh, torch-free),
 description (how a state's non-tensor part is written and read back), writer (the refresh) and
-reader (a slot's state, in place or as bytes to send).
+reader (a slot's state, in place or as bytes to send); for sharded jobs, shards (the resume:
+which step, from where, placed in the new mesh) and replica (the ring that keeps each rank's
+slot on the next node).
 """

@@ -10,11 +10,26 @@ import base64
 import itertools
 import json
 from collections import OrderedDict
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
+from elasticd.checkpoint import walk as _walk
+
 _T = "\x00"
+_SHARDED_PARTS = ("model", "optimizer")  # where capture() puts a sharded model's DTensors
+
+
+class Chunk(NamedTuple):
+    """A DTensor's local shard as a slot holds it: the shard, and where it sits in the global
+    tensor (torch.distributed.checkpoint's chunk: offsets), so it can be placed again in a
+    mesh of another size (elasticd.checkpoint.memory.shards)."""
+
+    tensor: torch.Tensor
+    shape: tuple[int, ...]  # the global tensor's
+    offsets: tuple[int, ...]
+
+
 DICT = json.dumps(_T + "d").encode()  # the tag of a dict, as the JSON of a description spells it
 
 
@@ -34,6 +49,16 @@ class Description:
     def tensor(self, t: Any, at: Any) -> dict:
         self.tensors.append((t, at))
         return {_T + "t": len(self.tensors) - 1}
+
+    def dtensor(self, t: Any, at: Any) -> dict:
+        """A sharded model's or optimizer's DTensor: its local shard (a tensor of the slot) and
+        its offsets in the global tensor. Partial placements (a pending reduction) and DTensors
+        elsewhere in the state are refused by their key."""
+        if _walk.root(at) not in _SHARDED_PARTS or any(p.is_partial() for p in t.placements):
+            raise _walk.wrapped(type(t), at, self.cannot)
+        (chunk,) = t.__create_chunk_list__()
+        self.tensors.append((t.to_local(), at))
+        return {_T + "T": [len(self.tensors) - 1, list(t.shape), list(chunk.offsets)]}
 
     def named_tensors(self, obj: dict, at: Any) -> dict:
         """The description of a dict of str -> tensor without a Python step per entry: it
@@ -80,6 +105,8 @@ def rebuild(obj: Any, tensors: list) -> Any:
     tag = tag[1:]
     if tag == "t":
         return tensors[v]
+    if tag == "T":
+        return Chunk(tensors[v[0]], tuple(v[1]), tuple(v[2]))
     if tag in ("d", "o"):
         pairs = ((rebuild(k, tensors), rebuild(x, tensors)) for k, x in v)
         return OrderedDict(pairs) if tag == "o" else dict(pairs)

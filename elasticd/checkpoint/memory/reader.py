@@ -14,13 +14,13 @@ from typing import Any
 import torch
 
 from elasticd.checkpoint.memory.description import rebuild
-from elasticd.checkpoint.memory.slots import FIELDS, HEADER, held, parse, slot_path
+from elasticd.checkpoint.memory.slots import FIELDS, HEADER, OWN, held, parse, slot_path
 
 
-def _find(path: str, local_rank: int, step: int, lineage: int) -> str:
-    for h in held(path, local_rank):
+def _find(path: str, local_rank: int, step: int, lineage: int, kind: str = OWN) -> str:
+    for h in held(path, local_rank, kind):
         if (h.step, h.lineage) == (step, lineage):
-            return slot_path(path, local_rank, h.k)
+            return slot_path(path, local_rank, h.k, kind)
     raise ValueError(f"in-memory state at step {step} is gone")
 
 
@@ -67,17 +67,18 @@ def _load_slot(file: str, step: int, lineage: int) -> Any:
             return out
 
 
-def load(path: str, local_rank: int, step: int, lineage: int) -> dict[str, Any]:
+def load(path: str, local_rank: int, step: int, lineage: int, kind: str = OWN) -> dict[str, Any]:
     """What a local rank's slot holds at (step, lineage): {"rng": ..., "state": {...}} for local
-    rank 0 (the node's whole state), {"rng": ...} for the others. ValueError when it is gone,
-    damaged or changed while being read."""
-    return _load_slot(_find(path, local_rank, step, lineage), step, lineage)
+    rank 0 (the node's whole state) and for every rank of a sharded job (its own shards),
+    {"rng": ...} for the others. ValueError when it is gone, damaged or changed while read."""
+    return _load_slot(_find(path, local_rank, step, lineage, kind), step, lineage)
 
 
-def raw(path: str, step: int, lineage: int) -> bytearray:
-    """The node's whole state at (step, lineage) as its slot's bytes (header, tensors,
-    description), copied out and checked: what a rank sends to ranks whose node lacks it."""
-    file = _find(path, 0, step, lineage)
+def raw(path: str, step: int, lineage: int, local_rank: int = 0, kind: str = OWN) -> bytearray:
+    """A slot's state at (step, lineage) as its bytes (header, tensors, description), copied
+    out and checked: what a rank sends to ranks whose node lacks it. By default the node's
+    whole state (local rank 0's); in a sharded job any local rank's own shards or replica."""
+    file = _find(path, local_rank, step, lineage, kind)
     name = os.path.basename(file)
     with open(file, "rb") as f:
         size = os.fstat(f.fileno()).st_size

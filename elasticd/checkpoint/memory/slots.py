@@ -1,6 +1,8 @@
 """The slot files' format: each local rank L owns two preallocated files, `l<L>.0` and `l<L>.1`,
-written in turn. A 4 KiB header (step, world size, global rank, local world size, lineage,
-lengths, the description's CRC, and a valid flag written last), the tensors' bytes (64-byte
+written in turn, and, in a sharded job spread over nodes, two more, `r<L>.0` and `r<L>.1`: the
+replica of another node's rank's slot (elasticd.checkpoint.memory.replica). A 4 KiB header (step,
+world size, global rank, local world size, lineage, lengths, the description's CRC, whether it
+holds a sharded rank's own shards, and a valid flag written last), the tensors' bytes (64-byte
 aligned), then the description. Headers are read here without torch, for the daemon's status and
 for choosing what to resume from.
 """
@@ -12,16 +14,19 @@ import os
 import struct
 from typing import NamedTuple
 
-MAGIC = b"ELDMEM02"
+MAGIC = b"ELDMEM03"
 HEADER = 4096
-# magic, valid, step, world, rank, data_len, meta_len, crc, local world size (0: unknown), lineage
-FIELDS = struct.Struct("<8sQqqqQQIIq")
+# magic, valid, step, world, rank, data_len, meta_len, crc, local world size (0: unknown), lineage,
+# flags (SHARDED)
+FIELDS = struct.Struct("<8sQqqqQQIIqQ")
+SHARDED = 1  # the slot holds its rank's own shards (and the rest), not a node's whole state
+OWN, REPLICA = "l", "r"  # slot files: a local rank's own, and the replica it keeps of another's
 _ALIGN = 64
 SLOTS = 2
 
 
-def slot_path(path: str, local_rank: int, k: int) -> str:
-    return os.path.join(path, f"l{local_rank}.{k}")
+def slot_path(path: str, local_rank: int, k: int, kind: str = OWN) -> str:
+    return os.path.join(path, f"{kind}{local_rank}.{k}")
 
 
 def header(file: str) -> dict[str, int] | None:
@@ -38,8 +43,8 @@ def header(file: str) -> dict[str, int] | None:
 def parse(raw: bytes, size: int) -> dict[str, int] | None:
     if len(raw) < FIELDS.size:
         return None
-    magic, valid, step, world, rank, data_len, meta_len, crc, local_world, lineage = FIELDS.unpack(
-        raw
+    magic, valid, step, world, rank, data_len, meta_len, crc, local_world, lineage, flags = (
+        FIELDS.unpack(raw)
     )
     if magic != MAGIC or valid != 1 or HEADER + data_len + meta_len > size:
         return None
@@ -52,6 +57,7 @@ def parse(raw: bytes, size: int) -> dict[str, int] | None:
         "crc": crc,
         "local_world": local_world,
         "lineage": lineage,
+        "sharded": bool(flags & SHARDED),
     }
 
 
@@ -74,16 +80,27 @@ class Held(NamedTuple):
     rank: int  # the global rank that wrote it
     local_world: int  # its node's local world size then (0: unknown)
     k: int  # which of the local rank's two slots
+    sharded: bool = False  # its rank's own shards (any local rank), not a node's whole state
 
 
-def held(path: str | None, local_rank: int) -> list[Held]:
-    """A local rank's valid slots, newest step first: of any world size and lineage (headers only;
-    local rank 0's hold the node's whole state)."""
+def held(path: str | None, local_rank: int, kind: str = OWN) -> list[Held]:
+    """A local rank's valid slots (or replicas), newest step first: of any world size and lineage
+    (headers only; in DDP local rank 0's hold the node's whole state)."""
     out = []
     for k in range(SLOTS) if path else ():
-        h = header(slot_path(path, local_rank, k))
+        h = header(slot_path(path, local_rank, k, kind))
         if h:
-            out.append(Held(h["step"], h["lineage"], h["world"], h["rank"], h["local_world"], k))
+            out.append(
+                Held(
+                    h["step"],
+                    h["lineage"],
+                    h["world"],
+                    h["rank"],
+                    h["local_world"],
+                    k,
+                    h["sharded"],
+                )
+            )
     return sorted(out, reverse=True)
 
 
@@ -97,7 +114,9 @@ def steps(path: str | None, *, world: int, rank: int, local_rank: int) -> list[i
     )
 
 
-def keep_only(path: str | None, *, local_rank: int, keep: tuple[int, int] | None) -> None:
+def keep_only(
+    path: str | None, *, local_rank: int, keep: tuple[int, int] | None, kind: str = OWN
+) -> None:
     """Invalidate this local rank's slots except the one holding `keep`, a (step, lineage) (None:
     all of them), so that no state of an abandoned timeline can be mixed with the one resumed
     from."""
@@ -105,9 +124,9 @@ def keep_only(path: str | None, *, local_rank: int, keep: tuple[int, int] | None
         return
     kept = [
         h.k
-        for h in held(path, local_rank)
+        for h in held(path, local_rank, kind)
         if keep is not None and (h.step, h.lineage) == tuple(keep)
     ][:1]
     for k in range(SLOTS):
         if k not in kept:
-            invalidate(slot_path(path, local_rank, k))
+            invalidate(slot_path(path, local_rank, k, kind))

@@ -31,6 +31,7 @@ from elasticd.checkpoint.memory.slots import (
     FIELDS,
     HEADER,
     MAGIC,
+    SHARDED,
     SLOTS,
     aligned,
     header,
@@ -152,6 +153,7 @@ class Writer:
         ] = {}  # entry -> (description, marshal, JSON)
         # descriptions of dicts of named tensors, see Description.named_tensors
         self._flat: dict = {}
+        self.written: tuple[_Slot, int] | None = None  # the last slot written and its bytes used
 
     def write(
         self,
@@ -162,11 +164,14 @@ class Writer:
         rank: int,
         owned: set[int] | None = None,
         started: float | None = None,
+        sharded: bool = False,
     ) -> bool:
         """Store `state` (a capture(), whose "rng" holds at least this rank's entry) as `step`.
         Returns whether a slot had to be mapped first (its cost is not a refresh's).
         When overlapping: `owned` holds the ids of the tensors only the optimizer writes, whose
-        copies may run beside the next step; `started` is when the refresh began."""
+        copies may run beside the next step; `started` is when the refresh began. `sharded`:
+        every local rank keeps its own shards (and the rest), not local rank 0 the node's state;
+        copied at once, never overlapped; `written` then says where (for the replica)."""
         started = time.perf_counter() if started is None else started
         rng = state.get("rng") or {}
         ranks = rng.get("ranks") or []
@@ -175,7 +180,7 @@ class Writer:
         walk, tensors = _walk.walk, desc.tensors
         used: dict = {}
         tree = b"{" + DICT + b':[["rng",' + self._json("rng", walk(mine, desc, (None, "rng")), used)
-        if self.local_rank == 0:
+        if self.local_rank == 0 or sharded:
             entries = [
                 b"["
                 + self._json(("k", k), walk(k, desc), used)
@@ -196,7 +201,7 @@ class Writer:
             self._plan(key, tensors)
         offsets, end = self._offsets, self._end
         meta = self._table + tree + b"}"
-        copier = self._overlapping()
+        copier = None if sharded else self._overlapping()
         slot = self.slots[self.next]
         need = HEADER + end + len(meta)
         if slot.pinned and need > slot.size:  # about to be mapped anew: let the old pages go first
@@ -251,8 +256,10 @@ class Writer:
             zlib.crc32(meta),
             self.local_world,
             self.lineage,
+            SHARDED if sharded else 0,
         )
         commit = functools.partial(_commit, slot, HEADER + end, meta, head)
+        self.written = (slot, HEADER + end + len(meta))
         self.queued = copier is not None
         if copier is None:
             commit()

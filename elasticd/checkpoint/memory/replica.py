@@ -1,0 +1,161 @@
+"""The replica: in a sharded job spread over nodes, every rank sends each refreshed slot to the
+rank of the same local rank on the next node (ring order: rank r sends to r + local world size,
+modulo the world) and keeps the slot it receives from the previous node's rank in its own two
+replica slots (`r<L>.0`, `r<L>.1`, the slot format). So node i holds node i+1's shards, and when
+any one node is lost every rank's shards are still in a survivor's memory.
+
+Sent over a gloo group of the library's own (made once, at the first refresh; its collectives
+never interleave with the training loop's, as the disk writer's own group), on a background
+thread, straight from the slot's mapping into the receiver's: the refresh only starts it, and the
+next refresh first waits for it (that wait counts as refresh cost, so the cadence keeps the whole
+within the budget). A received slot is marked valid only once all of it arrived, so a rank killed
+mid-transfer leaves the previous replica whole. Why gloo rather than the rendezvous store: the
+store is one process every node talks to, a slot is the size of a rank's shards, and gloo sends
+it point to point at the network's speed.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import structlog
+import torch
+import torch.distributed as dist
+
+from elasticd.checkpoint.collectives import _tensor_bytes, rank, world
+from elasticd.checkpoint.memory.slots import FIELDS, HEADER, REPLICA, SLOTS, parse, slot_path
+from elasticd.checkpoint.memory.writer import _Slot
+
+log = structlog.get_logger()
+
+TIMEOUT = timedelta(seconds=60)  # a partner that never answers: replication stops, training goes on
+
+
+def partners(rank: int, world: int, local_world: int) -> tuple[int, int] | None:
+    """(the rank this one sends to, the rank it receives from), or None on one node (or an
+    uneven or unknown layout): a single node has no other node to hold its shards."""
+    if local_world <= 0 or world <= local_world or world % local_world:
+        return None
+    return (rank + local_world) % world, (rank - local_world) % world
+
+
+class Replicator:
+    """This rank's side of the ring: send(), then wait() before the next refresh."""
+
+    def __init__(self, directory: str, local_rank: int, to: int, source: int) -> None:
+        self.to, self.source = to, source
+        self.group = dist.new_group(backend="gloo", timeout=TIMEOUT)  # a collective, once
+        self.slots = [_Slot(slot_path(directory, local_rank, k, REPLICA)) for k in range(SLOTS)]
+        self.next = 0
+        self.thread: threading.Thread | None = None
+        self.error: str | None = None
+        self.sent = 0  # bytes of the last exchange sent (and about as many received)
+        self.seconds = 0.0  # how long the last exchange took, in the background
+
+    def send(self, slot: _Slot, size: int) -> None:
+        """Start the exchange of the slot just written (`size` bytes of it)."""
+        self.thread = threading.Thread(
+            target=self._exchange, args=(slot, size), name="elasticd-replica", daemon=True
+        )
+        self.thread.start()
+
+    def wait(self) -> str | None:
+        """Wait for the exchange in flight; why it failed, or None."""
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        err, self.error = self.error, None
+        return err
+
+    def _exchange(self, slot: _Slot, size: int) -> None:
+        t0 = time.perf_counter()
+        try:
+            g = self.group
+            n = torch.tensor([size], dtype=torch.int64)
+            m = torch.zeros(1, dtype=torch.int64)
+            req = dist.isend(n, self.to, group=g, tag=1)
+            dist.recv(m, self.source, group=g, tag=1)
+            req.wait()
+            got = int(m.item())
+            if got < HEADER:
+                raise ValueError(f"rank {self.source} announced a slot of {got} bytes")
+            into = self.slots[self.next]
+            if into.mm is not None:
+                into.set_valid(0)
+            into.reserve(got)
+            assert slot.mm is not None and into.mm is not None
+            out = torch.frombuffer(slot.mm, dtype=torch.uint8, count=size)
+            head = torch.empty(HEADER, dtype=torch.uint8)
+            body = torch.frombuffer(into.mm, dtype=torch.uint8, count=got - HEADER, offset=HEADER)
+            reqs = [
+                dist.isend(out[:HEADER], self.to, group=g, tag=2),
+                dist.isend(out[HEADER:], self.to, group=g, tag=3),
+            ]
+            dist.recv(head, self.source, group=g, tag=2)
+            dist.recv(body, self.source, group=g, tag=3)
+            for r in reqs:
+                r.wait()
+            raw = _tensor_bytes(head)
+            h = parse(raw[: FIELDS.size], got)
+            if h is None or HEADER + h["data_len"] + h["meta_len"] != got:
+                raise ValueError(f"rank {self.source} sent a slot whose header does not fit it")
+            into.mm[16:HEADER] = raw[16:]  # all but magic and the valid flag
+            into.mm[:8] = raw[:8]
+            into.set_valid(1)  # last: a rank killed before this leaves the other replica whole
+            self.next = (self.next + 1) % SLOTS
+            self.sent = size
+        except Exception as e:  # noqa: BLE001 - reported by wait(); training goes on
+            self.error = f"{type(e).__name__}: {e}"
+        self.seconds = time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.wait()
+        for s in self.slots:
+            s.close()
+
+
+class Ring:
+    """This rank's part in the replication, as MemoryState drives it: decided at the first sharded
+    refresh (a Replicator when the job spans nodes), wait() before each refresh writes, send()
+    after; a failed exchange ends replication on this rank with one warning."""
+
+    def __init__(self, directory: str | None, local_rank: int, local_world: int) -> None:
+        self.directory, self.local_rank, self.local_world = directory, local_rank, local_world
+        self.replicator: Replicator | None = None
+        self.decided = False
+
+    def send(self, slot: _Slot, size: int) -> None:
+        if not self.decided:
+            self.decided = True
+            ring = partners(rank(), world(), self.local_world)
+            if ring is not None and self.directory:
+                self.replicator = Replicator(self.directory, self.local_rank, *ring)
+                if rank() == 0:
+                    log.info("memory_replica", sends_to=ring[0], receives_from=ring[1])
+        if self.replicator is not None:
+            self.replicator.send(slot, size)
+
+    def wait(self) -> None:
+        if self.replicator is None:
+            return
+        error = self.replicator.wait()
+        if error is not None:
+            log.warning(
+                "memory_replica_off",
+                error=error,
+                action="keeping this rank's shards in this node's memory only",
+            )
+            self.close()
+
+    def figures(self) -> dict[str, Any]:
+        """The last exchange's bytes and background time, for the memory_cadence line."""
+        r = self.replicator
+        return {"replica_bytes": r.sent, "replica_ms": round(1e3 * r.seconds, 3)} if r else {}
+
+    def close(self) -> None:
+        if self.replicator is not None:
+            self.replicator.close()
+            self.replicator = None
