@@ -43,6 +43,7 @@ from recovery import kill_tree, read_steps
 HERE = Path(__file__).resolve().parent
 SCRIPT = HERE / "sharded_train.py"
 METHODS = ("dcp", "dcp-async", "elasticd")
+FIGURES = (("stall_s", "stall per save"), ("write_s", "save to durable"), ("load_s", "load"))
 
 
 def _env() -> dict:
@@ -148,9 +149,12 @@ def recovery(
         t_kill = time.time()
         os.kill(rows[0][0], signal.SIGKILL)
         before = max(r[3] for r in read_steps(out) if r[0] in old)
-        first = _until(lambda: _first_new(out, t_kill, old, world), bound)
-        if not first:
-            return {"recovery_s": None, "steps_lost": None, "source": None, "why": "not recovered"}
+        first = _until(
+            lambda: _first_new(out, t_kill, old, world) or proc.poll() is not None, bound
+        )
+        if not isinstance(first, dict):
+            why = f"exited {proc.returncode}" if first else f"not recovered in {bound:g} s"
+            return {"recovery_s": None, "steps_lost": None, "source": None, "why": why}
         resumed = min(s for _t, s in first.values()) - 1
         said = re.findall(r"resumed from step \d+ \((\w+)\)", _text(Path(f"{out}.resumed")))
         return {
@@ -174,8 +178,9 @@ def measure(args, world: int, mb: float, root: Path) -> dict:
     work.mkdir()
     scale = max(1.0, mb / 100)
     row: dict = {"world": world, "mb": mb}
-    row["costs"] = costs(world, mb, args.saves, work, args.timeout * scale)
-    print(f"  {world} ranks, {mb:g} MB: costs {json.dumps(row['costs'])}", file=sys.stderr)
+    if not args.no_costs:
+        row["costs"] = costs(world, mb, args.saves, work, args.timeout * scale)
+        print(f"  {world} ranks, {mb:g} MB: costs {json.dumps(row['costs'])}", file=sys.stderr)
     for launcher in () if args.no_recovery else args.launchers.split(","):
         trials = []
         for i in range(args.trials):
@@ -196,6 +201,7 @@ def measure(args, world: int, mb: float, root: Path) -> dict:
             "steps_lost": statistics.median(t["steps_lost"] for t in done) if done else None,
             "source": ",".join(sorted({t["source"] for t in done})) or None,
             "recovered": f"{len(done)}/{len(trials)}",
+            "failed": sorted({t["why"] for t in trials if "why" in t}),
         }
     return row
 
@@ -216,28 +222,29 @@ def table(rows: list[dict]) -> str:
         f"{'elasticd':>9} {'memory':>7} {'vs save':>8} {'vs async':>8}",
     ]
     for r in rows:
-        c = r["costs"]
-        size = f"{c['state_bytes'] / 1e6:.0f}MB"
-        for key, name in (
-            ("stall_s", "stall per save"),
-            ("write_s", "save to durable"),
-            (
-                "load_s",
-                "load",
-            ),
-        ):
+        c = r.get("costs")
+        size = f"{r['mb']:g}MB"
+        for key, name in FIGURES if c is not None else ():
             d, a, e = (c[m][key] for m in METHODS)
             mem = c["elasticd"]["refresh_s"] if key == "stall_s" else None
             lines.append(
                 f"{r['world']:>5} {size:>8} {name:<16} {d:>9.3f} {a:>10.3f} {e:>9.3f} "
                 f"{_s(mem) if key == 'stall_s' else '':>7} {_ratio(e, d):>8} {_ratio(e, a):>8}"
             )
+        for launcher in ("elasticd", "torchrun"):
+            if launcher in r and not ("elasticd" in r and "torchrun" in r):
+                x = r[launcher]
+                lines.append(
+                    f"{r['world']:>5} {size:>8} {'kill -9 resume':<16} {launcher} "
+                    f"{_s(x['recovery_s'])} s ({x['recovered']} recovered), "
+                    f"{x['steps_lost']} steps lost ({x['source'] or ', '.join(x['failed'])})"
+                )
         if "elasticd" in r and "torchrun" in r:
             e, t = r["elasticd"], r["torchrun"]
             lines.append(
                 f"{r['world']:>5} {size:>8} {'kill -9 resume':<16} "
-                f"torchrun {_s(t['recovery_s'])} s "
-                f"({t['recovered']} recovered), {t['steps_lost']} steps lost ({t['source']}); "
+                f"torchrun {_s(t['recovery_s'])} s ({t['recovered']} recovered"
+                f"{''.join(f'; {w}' for w in t['failed'])}), {t['steps_lost']} steps lost; "
                 f"elasticd {_s(e['recovery_s'])} s ({e['recovered']}), {e['steps_lost']} lost "
                 f"({e['source']}); ratio {_ratio(e['recovery_s'], t['recovery_s'])}"
             )
@@ -256,6 +263,7 @@ def main(argv=None) -> int:
         "--recovery-timeout", type=float, default=30, help="a crash not recovered by then fails"
     )
     p.add_argument("--launchers", default="elasticd,torchrun", help="whose recovery to time")
+    p.add_argument("--no-costs", action="store_true", help="the recovery only")
     p.add_argument("--no-recovery", action="store_true", help="the costs only")
     p.add_argument("--json", action="store_true", help="also print the rows as one JSON line")
     p.add_argument("--workdir", default=None, help="kept afterwards (default: a temporary one)")

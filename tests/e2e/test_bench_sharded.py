@@ -47,4 +47,4 @@ def test_sharded_bench_at_a_tiny_size(tmp_path):
     assert e["recovered"] == "1/1" and 0 < e["recovery_s"] < 20, e
     # killed at step 10, saves every 4 steps: resumed from step 8 (or 4 if 8 was in flight)
     assert e["source"] == "disk" and 2 <= e["steps_lost"] <= 6, e
-    assert "kill -9 resume" not in r.stdout  # no torchrun row without torchrun
+    assert "kill -9 resume   elasticd" in r.stdout and "torchrun" not in r.stdout
