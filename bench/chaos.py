@@ -100,6 +100,7 @@ class Job:
             CHAOS_STEP_DELAY=str(args.step_delay),
             CHAOS_CKPT_EVERY=str(args.ckpt_every),
             CHAOS_GATE=str(self.gate or ""),
+            CHAOS_SHARDED="1" if args.sharded else "0",
             PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
         )
         cmd = [
@@ -122,6 +123,7 @@ class Job:
             str(3 * args.faults + 10),
             "--heartbeat-timeout",
             str(args.heartbeat_timeout),
+            *(("--no-memory-state",) if args.sharded else ()),  # the disk path
             str(HERE / "chaos_train.py"),
         ]
         self.t0 = time.monotonic()
@@ -264,6 +266,7 @@ def state_hash(directory: Path) -> tuple[str | None, int | None]:
     import torch
 
     from elasticd import checkpoint
+    from elasticd.checkpoint import shard_files
 
     state = checkpoint.load_latest(directory)
     if state is None:
@@ -283,8 +286,31 @@ def state_hash(directory: Path) -> tuple[str | None, int | None]:
         else:
             h.update(f"{prefix}={obj!r}".encode())
 
-    walk({"model": state["model"], "optimizer": state["optimizer"]}, "")
+    parts = {"model": state["model"], "optimizer": state["optimizer"]}
+    if isinstance(state["model"], shard_files.OnDisk):
+        parts = sharded_tensors(state["model"])
+    walk(parts, "")
     return h.hexdigest(), state["user"]["step"]
+
+
+def sharded_tensors(on_disk) -> dict:
+    """Every tensor of a sharded checkpoint, whole, read in this one process by DCP (the
+    checkpoint's files verified first; its `.metadata` read as elasticd reads it)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from elasticd.checkpoint import shard_files
+
+    reader = shard_files.verified_reader(on_disk)
+    md = reader.read_metadata()
+    out = {
+        k: torch.empty(m.size, dtype=m.properties.dtype)
+        for k, m in md.state_dict_metadata.items()
+        if isinstance(m, TensorStorageMetadata)
+    }
+    dcp.load(out, storage_reader=shard_files.verified_reader(on_disk), no_dist=True)
+    return out
 
 
 def wait_for(predicate, timeout: float, interval: float = 0.01):
@@ -582,6 +608,11 @@ def main(argv=None) -> int:
         help="longest wait for the spares between faults",
     )
     p.add_argument("--workdir", default=None)
+    p.add_argument(
+        "--sharded",
+        action="store_true",
+        help="the job's model FSDP2 (fully_shard), resumed from sharded disk checkpoints",
+    )
     p.add_argument(
         "--side-by-side",
         action="store_true",

@@ -1,9 +1,10 @@
 """The chaos benchmark's job: every piece of state a resume must get back, and a step log.
 
-A small DDP MLP with dropout, AdamW and a linear LR warm-up, fed by a DataLoader with one worker
-process over a ResumableDistributedSampler, and a numpy draw in every step's loss, checkpointed
-through elasticd.checkpoint (disk every $CHAOS_CKPT_EVERY steps, in memory every step) and resumed
-from the newest. After every step each rank appends `pid rank step wall_time` to $CHAOS_OUT
+A small DDP MLP (FSDP2's fully_shard with CHAOS_SHARDED=1) with dropout, AdamW and a linear LR
+warm-up, fed by a DataLoader with one worker process over a ResumableDistributedSampler, and a
+numpy draw in every step's loss, checkpointed through elasticd.checkpoint (disk every
+$CHAOS_CKPT_EVERY steps, in memory every step where the launcher offers it) and resumed from the
+newest. After every step each rank appends `pid rank step wall_time` to $CHAOS_OUT
 (O_APPEND lines, so ranks never tear each other's). Rank 0 saves the last step, whose model and
 optimizer state the benchmark hashes.
 
@@ -41,7 +42,14 @@ def main() -> None:
     g = torch.Generator().manual_seed(1)
     data = TensorDataset(torch.randn(512, 16, generator=g), torch.randn(512, 1, generator=g))
     torch.manual_seed(0)
-    model = DDP(nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Dropout(0.2), nn.Linear(64, 1)))
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Dropout(0.2), nn.Linear(64, 1))
+    if os.environ.get("CHAOS_SHARDED") == "1":  # FSDP2: every rank holds its own shards
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in (model[0], model[3], model):
+            fully_shard(layer)
+    else:
+        model = DDP(model)
     torch.manual_seed(100 + rank)  # each rank's RNG differs: each must get its own back
     np.random.seed(rank)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

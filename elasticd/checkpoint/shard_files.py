@@ -350,7 +350,8 @@ def open_agreed(directory: str, entry: Entry, group) -> dict[str, Any] | None:
 def restore(state: Mapping[str, Any], model: torch.nn.Module, optimizer, strict: bool) -> None:
     """The model's (and optimizer's) part of `state` into the live objects through
     set_state_dict, read from disk first when it is a sharded checkpoint's (dcp.load into the
-    live model's own shards: resharded when the world size changed)."""
+    live model's own shards: resharded when the world size changed); a full one (a DDP job's)
+    is cut down to this rank's shards."""
     msd = state["model"]
     osd = state.get("optimizer") if optimizer is not None else None
     if isinstance(msd, OnDisk):
@@ -361,6 +362,9 @@ def restore(state: Mapping[str, Any], model: torch.nn.Module, optimizer, strict:
         target = {"model": msd} | ({"optimizer": osd} if osd is not None else {})
         dcp.load(target, storage_reader=reader, planner=_planner())
         msd, osd = target["model"], target.get("optimizer")
+    elif sharded.is_sharded(model) and not sharded.holds_shards(state):
+        sharded.apply_full(model, optimizer, msd, osd, strict)  # a DDP job's full checkpoint
+        return
     sharded.apply(model, optimizer, msd, osd, strict)
 
 

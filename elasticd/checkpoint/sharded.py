@@ -56,11 +56,11 @@ def holds_shards(state: Any) -> bool:
     )
 
 
-def _options(strict: bool = True):
+def _options(strict: bool = True, full: bool = False):
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     # the defaults, spelled out: sharded (nothing gathered), left on the device (copied by the save)
-    return StateDictOptions(full_state_dict=False, cpu_offload=False, strict=strict)
+    return StateDictOptions(full_state_dict=full, cpu_offload=False, strict=strict)
 
 
 def state_dicts(model: torch.nn.Module, optimizer) -> tuple[dict, dict | None]:
@@ -88,6 +88,50 @@ def apply(
         optim_state_dict=dict(osd or {}),
         options=_options(strict),
     )
+
+
+def apply_full(
+    model: torch.nn.Module, optimizer, msd: Mapping, osd: Mapping | None, strict: bool
+) -> None:
+    """A full (unsharded) state, as a DDP job saved it, into a sharded model: set_state_dict with
+    full_state_dict=True cuts each full tensor down to this rank's shards by its placements (every
+    rank holds the whole state already: it read the file). torch.optim keys its state by the
+    parameter's index; it is re-keyed by name in the live optimizer's parameter order, the order
+    the DDP job's optimizer had when both were built from model.parameters()."""
+    from torch.distributed.checkpoint import state_dict as sd
+    from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
+
+    msd = dict(msd)  # set_state_dict replaces the values of the dicts it is given
+    consume_prefix_in_state_dict_if_present(msd, "module.")
+    if optimizer is None:
+        sd.set_model_state_dict(model, msd, options=_options(strict, full=True))
+        return
+    sd.set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=msd,
+        optim_state_dict=_by_name(model, optimizer, osd or {}),
+        options=_options(strict, full=True),
+    )
+
+
+def _by_name(model: torch.nn.Module, optimizer, osd: Mapping) -> dict:
+    groups = osd.get("param_groups", [])
+    if not all(isinstance(i, int) for g in groups for i in g.get("params", ())):
+        return {"state": dict(osd.get("state", {})), "param_groups": list(groups)}  # by name
+    names = {id(p): n for n, p in model.named_parameters()}
+    order = [names.get(id(p), "") for g in optimizer.param_groups for p in g["params"]]
+    saved = sum(len(g["params"]) for g in groups)
+    if saved != len(order) or len(groups) != len(optimizer.param_groups) or "" in order:
+        raise ValueError(
+            f"the checkpoint's optimizer has {saved} parameters in {len(groups)} groups, the "
+            f"sharded model's {len(order)} in {len(optimizer.param_groups)}: build the optimizer "
+            "from model.parameters() as the unsharded job did, or restore without optimizer="
+        )
+    return {
+        "state": {order[i]: v for i, v in osd.get("state", {}).items()},
+        "param_groups": [dict(g, params=[order[i] for i in g["params"]]) for g in groups],
+    }
 
 
 class HostCopy(Snapshot):

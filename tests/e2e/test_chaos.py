@@ -11,50 +11,61 @@ import sys
 from harness import ROOT
 
 
-def test_a_fault_of_every_kind_survived_bit_identical_no_orphans(tmp_path):
+def run_chaos(tmp_path, *args: str, timeout: float) -> tuple[dict, subprocess.CompletedProcess]:
+    """bench/chaos.py with these arguments; its JSON report."""
     # PYTHONPATH: the script's folder, bench/, comes first on its sys.path, so this checkout's
     # elasticd must be named (else an installed one, maybe another copy, is what it imports)
     env = dict(
         os.environ,
         PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
     )
-    # seed 9 deals the fork server's kill last: until the daemon respawns it, every restart
-    # after it waits for fresh interpreters importing torch (5-7 s here), correct but slow
     r = subprocess.run(
         [
             sys.executable,
             str(ROOT / "bench" / "chaos.py"),
-            "--faults",
-            "12",
-            "--seed",
-            "9",
-            "--steps-per-fault",
-            "15",
-            "--step-delay",
-            "0.002",
-            "--ckpt-every",
-            "10",
-            "--heartbeat-timeout",
-            "2",
-            "--settle-timeout",
-            "1",
-            "--fault-timeout",
-            "20",
-            "--side-by-side",
-            "--workdir",
-            str(tmp_path),
-            "--json",
+            *args,
+            *("--heartbeat-timeout", "2", "--settle-timeout", "1", "--fault-timeout", "20"),
+            *("--side-by-side", "--workdir", str(tmp_path), "--json"),
         ],
         capture_output=True,
         text=True,
-        timeout=150,
+        timeout=timeout,
         cwd=ROOT,
         env=env,
     )
     assert r.stdout.strip(), r.stderr[-3000:]
-    report = json.loads(r.stdout.splitlines()[-1])
+    return json.loads(r.stdout.splitlines()[-1]), r
+
+
+def test_a_fault_of_every_kind_survived_bit_identical_no_orphans(tmp_path):
+    # seed 9 deals the fork server's kill last: until the daemon respawns it, every restart
+    # after it waits for fresh interpreters importing torch (5-7 s here), correct but slow
+    report, r = run_chaos(
+        tmp_path,
+        *("--faults", "12", "--seed", "9", "--steps-per-fault", "15"),
+        *("--step-delay", "0.002", "--ckpt-every", "10"),
+        timeout=150,
+    )
     assert report["faults"] == 12 and report["survived"] == 12, r.stdout
     assert report["bit_identical"], r.stdout
     assert report["orphans"] == 0, report["orphan_list"]
     assert len(report["per_kind"]) == 12, report["per_kind"]  # every kind, and the kill at exit
+    assert r.returncode == 0
+
+
+def test_a_sharded_job_survives_kill_stop_and_term_bit_identical(tmp_path):
+    """The same chaos against an FSDP2 job resumed from its sharded disk checkpoints: kill -9,
+    SIGSTOP past the heartbeat timeout, SIGTERM of a worker, a kill after the final step."""
+    kinds = "kill9,stop,sigterm"
+    report, r = run_chaos(
+        tmp_path,
+        *("--sharded", "--kinds", kinds, "--faults", "4", "--seed", "1"),
+        *("--steps-per-fault", "10", "--step-delay", "0.002", "--ckpt-every", "5"),
+        timeout=120,
+    )
+    assert report["faults"] == 4 and report["survived"] == 4, r.stdout
+    assert report["bit_identical"], r.stdout
+    assert report["orphans"] == 0, report["orphan_list"]
+    assert set(report["per_kind"]) == {*kinds.split(","), "exit"}, report["per_kind"]
+    assert report["steps_lost_max"] <= 5, r.stdout  # from disk, saved every 5 steps
     assert r.returncode == 0

@@ -1,0 +1,284 @@
+"""Sharded (FSDP2) checkpoints: elasticd against what a user does today, side by side.
+
+Today: torchrun --max-restarts and torch.distributed.checkpoint (`dcp.save`, or `dcp.async_save`
+on a gloo group of its own) into a directory per step, resumed by `dcp.load` + `set_state_dict`
+from the newest complete one. elasticd: `elasticd run` and CheckpointManager's sharded saves
+(each rank writes its own shards in the background; the manifest last), resumed by load_latest +
+restore. The job is bench/sharded_train.py: FSDP2 (fully_shard) on CPU/gloo, 4 square layers,
+Adam, about --sizes MB of state (parameters + Adam's moments), at each of --worlds ranks.
+
+Per world size and state size:
+  costs     (one torchrun launch, every method in turn, median of --saves, the slowest rank's):
+            the training stall per disk save, the save's whole time until durable (the
+            background write, nothing else running), the load of the newest checkpoint into the
+            live model, and elasticd's in-memory refresh ("n/a" while elasticd keeps no sharded
+            state in memory: its first refresh turns the in-memory state off, one warning)
+  recovery  kill -9 of the last rank once rank 0 logged step 2E + E/2 (saves every E steps):
+            seconds until every rank logged a step in a new process, steps lost (the newest step
+            logged before the kill - the step resumed from), and where the resume came from;
+            `elasticd run` (elasticd's checkpoints) against `torchrun --max-restarts 3`
+            (dcp.async_save)
+
+    python bench/sharded.py                                  # 2 and 4 ranks, 100 MB
+    python bench/sharded.py --worlds 4 --sizes 1000          # 1 GB at 4 ranks
+    python bench/sharded.py --worlds 2 --sizes 1 --json      # seconds: the smoke test's size
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from recovery import kill_tree, read_steps
+
+HERE = Path(__file__).resolve().parent
+SCRIPT = HERE / "sharded_train.py"
+METHODS = ("dcp", "dcp-async", "elasticd")
+FIGURES = (("stall_s", "stall per save"), ("write_s", "save to durable"), ("load_s", "load"))
+
+
+def _env() -> dict:
+    # bench/ comes first on the script's sys.path: name this checkout's elasticd
+    root = str(HERE.parent)
+    return dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+    )
+
+
+def torchrun(world: int, *extra: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(world),
+        *extra,
+        str(SCRIPT),
+    ]
+
+
+def elasticd_run(world: int, work: Path) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "elasticd",
+        "run",
+        "--nproc-per-node",
+        str(world),
+        "--max-restarts",
+        "3",
+        "--log-dir",
+        str(work / "logs"),
+        "--socket",
+        str(work / "ctl.sock"),
+        "--no-tee",
+        "--restart-grace",
+        "3",
+        str(SCRIPT),
+    ]
+
+
+def costs(world: int, mb: float, saves: int, work: Path, timeout: float) -> dict:
+    out = work / "costs.json"
+    cmd = torchrun(world) + ["--mode", "costs", "--mb", str(mb), "--saves", str(saves)]
+    cmd += ["--dir", str(work / "costs"), "--out", str(out)]
+    r = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=timeout, cwd=HERE.parent, env=_env()
+    )
+    if r.returncode != 0:
+        raise RuntimeError(f"costs run failed ({r.returncode}): {r.stderr[-2000:]}")
+    return json.loads(out.read_text())
+
+
+def _first_new(out: Path, since: float, old: set[int], world: int) -> dict[int, tuple]:
+    """rank -> (time, step) of its first step logged after `since` by a process not in `old`."""
+    first: dict[int, tuple] = {}
+    for pid, rank, _r, step, t in read_steps(out):
+        if t > since and pid not in old and rank not in first:
+            first[rank] = (t, step)
+    return first if len(first) == world else {}
+
+
+def _until(predicate, timeout: float, interval: float = 0.02):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = predicate()
+        if got:
+            return got
+        time.sleep(interval)
+    return None
+
+
+def recovery(
+    launcher: str, world: int, mb: float, every: int, work: Path, timeout: float, bound: float
+) -> dict:
+    """One kill -9 of the last rank under a fresh `launcher`; its recovery within `bound` s."""
+    work.mkdir()
+    out, log = work / "steps.txt", work / "launcher.log"
+    cmd = (
+        elasticd_run(world, work)
+        if launcher == "elasticd"
+        else torchrun(world, "--max-restarts", "3", "--monitor-interval", "0.1")
+    )
+    ckpt = "elasticd" if launcher == "elasticd" else "dcp-async"
+    cmd += ["--mode", "train", "--ckpt", ckpt, "--mb", str(mb), "--every", str(every)]
+    cmd += ["--dir", str(work / "ckpt"), "--out", str(out)]
+    kill_at = 2 * every + every // 2
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(
+            cmd, stdout=f, stderr=f, cwd=HERE.parent, env=_env(), start_new_session=True
+        )
+    try:
+        rows = _until(
+            lambda: [r for r in read_steps(out) if r[1] == world - 1 and r[3] >= kill_at], timeout
+        )
+        if not rows:
+            return {"recovery_s": None, "steps_lost": None, "source": None, "why": "never reached"}
+        old = {r[0] for r in read_steps(out)}
+        t_kill = time.time()
+        os.kill(rows[0][0], signal.SIGKILL)
+        before = max(r[3] for r in read_steps(out) if r[0] in old)
+        first = _until(
+            lambda: _first_new(out, t_kill, old, world) or proc.poll() is not None, bound
+        )
+        if not isinstance(first, dict):
+            why = f"exited {proc.returncode}" if first else f"not recovered in {bound:g} s"
+            return {"recovery_s": None, "steps_lost": None, "source": None, "why": why}
+        resumed = min(s for _t, s in first.values()) - 1
+        said = re.findall(r"resumed from step \d+ \((\w+)\)", _text(Path(f"{out}.resumed")))
+        return {
+            "recovery_s": max(t for t, _s in first.values()) - t_kill,
+            "steps_lost": before - resumed,
+            "source": said[-1] if said else "start",
+        }
+    finally:
+        kill_tree(proc)
+
+
+def _text(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+def measure(args, world: int, mb: float, root: Path) -> dict:
+    work = root / f"w{world}-{mb:g}"
+    work.mkdir()
+    scale = max(1.0, mb / 100)
+    row: dict = {"world": world, "mb": mb}
+    if not args.no_costs:
+        row["costs"] = costs(world, mb, args.saves, work, args.timeout * scale)
+        print(f"  {world} ranks, {mb:g} MB: costs {json.dumps(row['costs'])}", file=sys.stderr)
+    for launcher in () if args.no_recovery else args.launchers.split(","):
+        trials = []
+        for i in range(args.trials):
+            got = recovery(
+                launcher,
+                world,
+                mb,
+                args.every,
+                work / f"{launcher}{i}",
+                args.timeout * scale,
+                args.recovery_timeout * scale,
+            )
+            trials.append(got)
+            print(f"  {world} ranks, {mb:g} MB: {launcher} {json.dumps(got)}", file=sys.stderr)
+        done = [t for t in trials if t["recovery_s"] is not None]
+        row[launcher] = {
+            "recovery_s": statistics.median(t["recovery_s"] for t in done) if done else None,
+            "steps_lost": statistics.median(t["steps_lost"] for t in done) if done else None,
+            "source": ",".join(sorted({t["source"] for t in done})) or None,
+            "recovered": f"{len(done)}/{len(trials)}",
+            "failed": sorted({t["why"] for t in trials if "why" in t}),
+        }
+    return row
+
+
+def _ratio(a, b) -> str:
+    return f"{a / b:.2f}x" if a is not None and b else "-"
+
+
+def _s(x) -> str:
+    return f"{x:.3f}" if isinstance(x, float) else "n/a"
+
+
+def table(rows: list[dict]) -> str:
+    lines = [
+        f"sharded checkpoints, FSDP2 on CPU/gloo, {os.cpu_count()} cores "
+        "(seconds; the slowest rank's, median over saves)",
+        f"{'ranks':>5} {'state':>8} {'figure':<16} {'dcp.save':>9} {'async_save':>10} "
+        f"{'elasticd':>9} {'memory':>7} {'vs save':>8} {'vs async':>8}",
+    ]
+    for r in rows:
+        c = r.get("costs")
+        size = f"{r['mb']:g}MB"
+        for key, name in FIGURES if c is not None else ():
+            d, a, e = (c[m][key] for m in METHODS)
+            mem = c["elasticd"]["refresh_s"] if key == "stall_s" else None
+            lines.append(
+                f"{r['world']:>5} {size:>8} {name:<16} {d:>9.3f} {a:>10.3f} {e:>9.3f} "
+                f"{_s(mem) if key == 'stall_s' else '':>7} {_ratio(e, d):>8} {_ratio(e, a):>8}"
+            )
+        for launcher in ("elasticd", "torchrun"):
+            if launcher in r and not ("elasticd" in r and "torchrun" in r):
+                x = r[launcher]
+                lines.append(
+                    f"{r['world']:>5} {size:>8} {'kill -9 resume':<16} {launcher} "
+                    f"{_s(x['recovery_s'])} s ({x['recovered']} recovered), "
+                    f"{x['steps_lost']} steps lost ({x['source'] or ', '.join(x['failed'])})"
+                )
+        if "elasticd" in r and "torchrun" in r:
+            e, t = r["elasticd"], r["torchrun"]
+            lines.append(
+                f"{r['world']:>5} {size:>8} {'kill -9 resume':<16} "
+                f"torchrun {_s(t['recovery_s'])} s ({t['recovered']} recovered"
+                f"{''.join(f'; {w}' for w in t['failed'])}), {t['steps_lost']} steps lost; "
+                f"elasticd {_s(e['recovery_s'])} s ({e['recovered']}), {e['steps_lost']} lost "
+                f"({e['source']}); ratio {_ratio(e['recovery_s'], t['recovery_s'])}"
+            )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--worlds", default="2,4", help="ranks per run, comma-separated")
+    p.add_argument("--sizes", default="100", help="state sizes in MB, comma-separated")
+    p.add_argument("--saves", type=int, default=3)
+    p.add_argument("--every", type=int, default=10, help="steps between disk saves")
+    p.add_argument("--timeout", type=float, default=120, help="per phase, for 100 MB (scaled)")
+    p.add_argument("--trials", type=int, default=1, help="crashes per launcher, each a fresh job")
+    p.add_argument(
+        "--recovery-timeout", type=float, default=30, help="a crash not recovered by then fails"
+    )
+    p.add_argument("--launchers", default="elasticd,torchrun", help="whose recovery to time")
+    p.add_argument("--no-costs", action="store_true", help="the recovery only")
+    p.add_argument("--no-recovery", action="store_true", help="the costs only")
+    p.add_argument("--json", action="store_true", help="also print the rows as one JSON line")
+    p.add_argument("--workdir", default=None, help="kept afterwards (default: a temporary one)")
+    args = p.parse_args(argv)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench-sharded-", dir=os.getcwd()) as tmp:
+        tmp = args.workdir or tmp
+        for world in (int(w) for w in args.worlds.split(",")):
+            for mb in (float(m) for m in args.sizes.split(",")):
+                rows.append(measure(args, world, mb, Path(tmp)))
+    print(table(rows), flush=True)
+    if args.json:
+        print(json.dumps(rows), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
