@@ -258,7 +258,7 @@ class Agent:
                 if unhealthy is not None:
                     return self._leave(unhealthy)
                 self._after_start_up(now)
-                self.spares.learn([w.heartbeat_path for w in self.group.workers])
+                self.spares.learn(self.group.workers)
                 if self.status.due(now):
                     self.publish()
                 continue

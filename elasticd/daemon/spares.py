@@ -66,13 +66,13 @@ class SparePool:
         fs = self.forkserver
         return [fs] if fs and (fs.pending or fs.learning) and fs.usable else []
 
-    def learn(self, heartbeats: list[Path]) -> None:
-        """Once every worker named its imports, have the fork server import them
+    def learn(self, workers: list) -> None:
+        """Once every worker (spawn.Worker) named its imports, have the fork server import them
         (daemon/learning.py)."""
         fs = self.forkserver
         if self.learning is None or fs is None or not fs.usable or fs.learning:
             return
-        names = self.learning.wanted(heartbeats)
+        names = self.learning.wanted([w.heartbeat_path for w in workers])
         if names:
             fs.teach(self.learning.write(names))
 

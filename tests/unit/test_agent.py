@@ -165,6 +165,9 @@ class FakeSpares:
     def refill_if_due(self, stepped: bool, now: float) -> None:
         pass
 
+    def learn(self, workers: list) -> None:
+        pass
+
     def keep(self) -> frozenset[int]:
         return frozenset()
 
