@@ -1,8 +1,8 @@
 """A sharded (FSDP2) job over nodes, each in a network namespace of its own. Two nodes, the one
-holding rank 0 SIGKILLed whole (daemon and workers): the survivor resumes at
-world 1 from memory only (its own shards plus its replica of the lost node's), no disk checkpoint
-existing yet, losing at most about one refresh interval, and every sample of the epoch is trained
-on exactly once. Three nodes, one lost (not rank 0's), then a new node joining: the two survivors resume from
+holding rank 0 SIGKILLed whole (daemon and workers): the survivor resumes at world 1 from memory
+only (its own shards plus its replica of the lost node's), no disk checkpoint existing yet, losing
+at most about one refresh interval, and every sample of the epoch is trained on exactly once.
+Three nodes, one lost (not rank 0's), then a new node joining: the two survivors resume from
 memory (the lost node's shards from a replica, sent over the network), and the joining node's
 rank receives its shards from their memory. The job is tests/scripts/node_train.py with
 NODE_TRAIN_FSDP=1; the harness is test_nodeloss.py's."""
