@@ -39,12 +39,16 @@ def _start_store(net, i: int = 0) -> subprocess.Popen:
     return proc
 
 
-def _nodes(daemons, net, names, steps: int, delay: float = 0.02, extra=(), env=None):
+def _nodes(
+    daemons, net, names, steps: int, delay: float = 0.02, extra=(), env=None, nnodes=0, ns=1
+):
+    """Daemons of node_train.py, one per name, in namespaces ns, ns+1, ... of `net`, for a job of
+    1 to `nnodes` nodes (default: as many as names)."""
     flags = (
         "--nproc-per-node",
         "1",
         "--nnodes",
-        f"1:{len(names)}",
+        f"1:{nnodes or len(names)}",
         "--rdzv-endpoint",
         f"{net.addr(0)}:{PORT}",
         "--rdzv-id",
@@ -64,7 +68,7 @@ def _nodes(daemons, net, names, steps: int, delay: float = 0.02, extra=(), env=N
                 name=name,
                 args=[str(steps), str(delay)],
                 env=env,
-                prefix=net.prefix(k + 1),
+                prefix=net.prefix(k + ns),
             )
         )
         # the first node arrives first and so takes group rank 0

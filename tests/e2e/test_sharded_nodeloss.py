@@ -1,13 +1,16 @@
-"""A sharded (FSDP2) job over two nodes, each in a network namespace of its own: one node is
-SIGKILLed whole (daemon and workers), the one holding rank 0 or the other. The survivor resumes at
-world 1 from memory only (its own shards plus its replica of the lost node's), no disk checkpoint
-existing yet, losing at most about one refresh interval, and every sample of the epoch is trained
-on exactly once. The job is tests/scripts/node_train.py with NODE_TRAIN_FSDP=1; the harness is
-test_nodeloss.py's."""
+"""A sharded (FSDP2) job over nodes, each in a network namespace of its own. Two nodes, the one
+holding rank 0 SIGKILLed whole (daemon and workers): the survivor resumes at world 1 from memory
+only (its own shards plus its replica of the lost node's), no disk checkpoint existing yet, losing
+at most about one refresh interval, and every sample of the epoch is trained on exactly once.
+Three nodes, one lost (not rank 0's), then a new node joining: the two survivors resume from
+memory (the lost node's shards from a replica, sent over the network), and the joining node's
+rank receives its shards from their memory. The job is tests/scripts/node_train.py with
+NODE_TRAIN_FSDP=1; the harness is test_nodeloss.py's."""
 
 from __future__ import annotations
 
 import re
+import signal
 import time
 
 import pytest
@@ -35,11 +38,13 @@ def _every(d) -> int:
     return int(got[-1]) if got else 1
 
 
-@pytest.mark.parametrize("lose_rank0", [False, True], ids=["other-node", "rank0-node"])
 def test_fsdp2_node_killed_survivor_resumes_from_memory_at_the_smaller_world(
-    daemons, netns, tmp_path, lose_rank0
+    daemons, netns, tmp_path
 ):
-    net = netns(3, subnet=34 + lose_rank0)
+    """The node lost holds rank 0 (the other case: the three-node test below, and forked ranks
+    in tests/unit/test_sharded_memory.py)."""
+    lose_rank0 = True
+    net = netns(3, subnet=34)
     store = _start_store(net)
     try:
         shared = ("--checkpoint-dir", str(tmp_path / "ckpt"))  # a sharded save needs one FS
@@ -78,6 +83,47 @@ def test_fsdp2_node_killed_survivor_resumes_from_memory_at_the_smaller_world(
         ]
         seen += [i for s, w, _, e, idx in steps(survivor) if e == 0 and w == 1 for i in idx]
         assert sorted(seen) == list(range(SAMPLES)), (len(seen), len(set(seen)))
+    finally:
+        store.kill()
+        store.wait(10)
+
+
+@pytest.mark.slow  # about 150 s on the 2-core box: three FSDP2 nodes, then a fourth starting
+def test_fsdp2_three_nodes_one_lost_then_one_joins_all_from_memory(daemons, netns, tmp_path):
+    net = netns(5, subnet=36)
+    store = _start_store(net)
+    try:
+        shared = ("--checkpoint-dir", str(tmp_path / "ckpt"))
+        env = {"NODE_TRAIN_FSDP": "1", "NODE_TRAIN_SAMPLES": "1024"}
+        a, b, c = _nodes(daemons, net, ["a", "b", "c"], steps=100000, extra=shared, env=env)
+        wait_until(lambda: training_together((a, b, c), 10), 120, what="three nodes training")
+        victim = next(n for n in (a, b, c) if not holds_rank0(n))
+        survivors = [n for n in (a, b, c) if n is not victim]
+        victim.kill()
+        wait_until(
+            lambda: all(resumed_at(n, 2) > 0 for n in survivors), 90, what="two nodes resumed"
+        )
+        for n in survivors:  # every old rank's shards: the lost one's from a replica
+            logs = n.all_logs()
+            assert re.search(r"checkpoint_loaded .*source=memory", logs), logs[-3000:]
+        assert any(
+            re.search(r"memory_state_sharded .*exchanged=True .*world=2 world_was=3", n.all_logs())
+            for n in survivors
+        )
+        (d,) = _nodes(
+            daemons, net, ["d"], steps=100000, extra=shared, env=env, nnodes=3, ns=4
+        )  # a new node, in a namespace of its own
+        (grown,) = wait_until(
+            lambda: [r for r in (resumed_at(d, 3),) if r >= 0], 120, what="the new node resumed"
+        )
+        logs = d.all_logs()
+        assert grown > 0, logs[-3000:]
+        assert re.search(rf"checkpoint_loaded .*source=memory step={grown}\b", logs), logs[-3000:]
+        wait_until(lambda: training_together((*survivors, d), grown + 3), 60, what="3 training")
+        for n in (*survivors, d):
+            n.proc.send_signal(signal.SIGTERM)
+        for n in (*survivors, d):
+            assert n.wait(60) == 0, n.stderr()[-3000:]
     finally:
         store.kill()
         store.wait(10)
