@@ -138,7 +138,11 @@ class ResumableDataLoader(torch.utils.data.DataLoader):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         batches = int(state.get(self.KEY, 0))
-        self._skip = batches if 0 < batches < len(self) else 0
+        try:
+            whole = batches >= len(self)  # the epoch was done: the next starts from its first
+        except TypeError:  # an IterableDataset without a length
+            whole = False
+        self._skip = 0 if whole else max(batches, 0)
 
 
 class _Skipping:
