@@ -31,6 +31,12 @@ class Learning:
         self.done_for: tuple[str, ...] = ()  # the reports of the attempt already taught from
         self.asked: Path | None = None  # the names file of the request in flight
 
+    def forget(self) -> None:
+        """The fork server died: what it learned, and the answer it owed, are gone."""
+        self.known.clear()
+        self.asked = None
+        self.done_for = ()
+
     def wanted(self, heartbeats: Sequence[Path]) -> list[str] | None:
         """The union of the workers' reports, once every one is there, if it names anything not
         sent before (at most once per attempt, MAX_TRIES per run)."""

@@ -137,6 +137,8 @@ class SparePool:
         if not fs.usable:
             fs.close()
             self.forkserver = None
+            if self.learning:
+                self.learning.forget()  # the next server knows nothing: the next attempt teaches
             if fs.unfit:
                 part.off(fs.unfit, level="warning")
             else:

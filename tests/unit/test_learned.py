@@ -85,3 +85,31 @@ def test_worker_report_names_only_library_modules(tmp_path):
     path.write_text("json\nos.path\n../etc/passwd\nnot a name\n81d2__mypyc\n")
     assert imported.read(str(path)) == ["json", "os.path", "81d2__mypyc"]
     assert imported.read(str(tmp_path / "missing")) is None
+
+
+def test_the_daemon_teaches_once_every_worker_reported(tmp_path):
+    events = []
+    learn = learning.Learning(tmp_path, lambda name, **kw: events.append((name, kw)))
+    hbs = [tmp_path / "rank0.heartbeat", tmp_path / "rank1.heartbeat"]
+    (tmp_path / "rank0.modules").write_text("json\nyaml\n")
+    assert learn.wanted(hbs) is None  # rank 1 has not stepped yet
+    (tmp_path / "rank1.modules").write_text("yaml\ncsv\n")
+    assert learn.wanted(hbs) == ["json", "yaml", "csv"]
+    path = learn.write(["json", "yaml", "csv"])
+    assert path.read_text() == "json\nyaml\ncsv\n"
+    assert learn.wanted(hbs) is None  # one request at a time, once per attempt
+    (tmp_path / f"{path.name}.report.json").write_text(
+        json.dumps({"preloaded": ["json", "csv"], "excluded": {"yaml": "reads RANK at import"}})
+    )
+    learn.reported()
+    assert events[0] == (
+        "preload_skipped",
+        {"module": "yaml", "why": "reads RANK at import", "with_it": 0},
+    )
+    assert events[1][0] == "preload_learned" and events[1][1]["preloaded"] == 2
+    next_attempt = [tmp_path / "a2" / "rank0.heartbeat"]
+    (tmp_path / "a2").mkdir()
+    (tmp_path / "a2" / "rank0.modules").write_text("json\ncsv\n")
+    assert learn.wanted(next_attempt) is None  # nothing new to teach
+    learn.forget()  # the fork server died: a new one is taught again
+    assert learn.wanted(next_attempt) == ["json", "csv"]
