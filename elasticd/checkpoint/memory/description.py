@@ -18,6 +18,9 @@ from elasticd.checkpoint import walk as _walk
 
 _T = "\x00"
 _SHARDED_PARTS = ("model", "optimizer")  # where capture() puts a sharded model's DTensors
+# (mesh, placements, global shape) -> this rank's chunk offsets: the same at every refresh, and
+# working them out (DTensor.__create_chunk_list__) was two thirds of a tiny model's refresh
+_OFFSETS: dict = {}
 
 
 class Chunk(NamedTuple):
@@ -54,11 +57,20 @@ class Description:
         """A sharded model's or optimizer's DTensor: its local shard (a tensor of the slot) and
         its offsets in the global tensor. Partial placements (a pending reduction) and DTensors
         elsewhere in the state are refused by their key."""
-        if _walk.root(at) not in _SHARDED_PARTS or any(p.is_partial() for p in t.placements):
+        spec = t._spec
+        key = (spec.mesh, spec.placements, t.shape)
+        offsets = _OFFSETS.get(key)
+        if offsets is None:
+            if _walk.root(at) not in _SHARDED_PARTS or any(p.is_partial() for p in t.placements):
+                raise _walk.wrapped(type(t), at, self.cannot)
+            (chunk,) = t.__create_chunk_list__()
+            offsets = _OFFSETS[key] = list(chunk.offsets)
+        elif _walk.root(at) not in _SHARDED_PARTS:
             raise _walk.wrapped(type(t), at, self.cannot)
-        (chunk,) = t.__create_chunk_list__()
-        self.tensors.append((t.to_local(), at))
-        return {_T + "T": [len(self.tensors) - 1, list(t.shape), list(chunk.offsets)]}
+        # the local shard itself (what to_local() returns, without its autograd function)
+        local = getattr(t, "_local_tensor", None)
+        self.tensors.append((t.to_local() if local is None else local, at))
+        return {_T + "T": [len(self.tensors) - 1, list(t.shape), offsets]}
 
     def named_tensors(self, obj: dict, at: Any) -> dict:
         """The description of a dict of str -> tensor without a Python step per entry: it
