@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -24,27 +23,18 @@ from typing import Any
 
 from elasticd import logs, safeio
 from elasticd.config import Config, ConfigError
+from elasticd.daemon.triage import FailureClass
 
 EXIT_QUARANTINED = 7  # `elasticd run`'s exit code on a quarantined node
 FILE = "node-record.json"
 MAX_STRIKES = 100  # strikes kept (the newest): the file stays small whatever happens
 MAX_WHY = 300  # characters of a strike's reason kept
-# a worker's error text that tells of the node's hardware (or its driver), not the user's code
-HARDWARE = re.compile(
-    r"\bECC\b|uncorrectable ECC|\bXid\b|unhandled cuda error|fallen off the bus|GPU is lost"
-    r"|cudaErrorECCUncorrectable|CUDA error: (?:uncorrectable|unknown error|an uncorrectable)",
-    re.IGNORECASE,
-)
 
 
 @dataclass
 class Record:
     strikes: list[dict[str, Any]] = field(default_factory=list)  # {"at": wall time, "why": ...}
     quarantined: dict[str, Any] | None = None  # {"at": wall time, "why": ...}
-
-
-def is_hardware(text: str | None) -> bool:
-    return bool(text) and HARDWARE.search(text) is not None
 
 
 def state_dir(cfg: Config, log_base: Path) -> Path:
@@ -199,9 +189,9 @@ class Quarantine:
         self.record = read(self.directory) if self.directory else Record()
 
     def struck_by(self, why: Any) -> bool:
-        """A local worker's failure that tells of this node's hardware is a strike: whether it
-        quarantines the node."""
-        return is_hardware(getattr(why, "exception", None)) and self.strike(why)
+        """A local worker's failure of the hardware class (daemon/triage.py: its error file names a
+        GPU fault) is a strike: whether it quarantines the node."""
+        return getattr(why, "failure_class", "") == FailureClass.HARDWARE.value and self.strike(why)
 
     def strike(self, why: Any) -> bool:
         """Record `why` (a Failure) against this node; whether it is now quarantined."""
