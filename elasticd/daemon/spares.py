@@ -81,6 +81,8 @@ class SparePool:
         it imported); a server tainted after all is replaced by one that learns nothing."""
         fs.learned = False
         report = self.learning.reported() if self.learning else {}
+        if not report.get("preloaded") and not report.get("tainted"):
+            return  # nothing new in the server: the spares are as good
         forkclient.discard_spares(self.spares)
         if report.get("tainted"):
             self.learning = None

@@ -8,6 +8,7 @@ import os
 import re
 import signal
 import sys
+import time
 
 import psutil
 import pytest
@@ -46,11 +47,22 @@ def _training_with_spares(daemons, tmp_path):
     )
     d.wait_for_step(1, 3, timeout=60)
     first = d.worker_pids()
-    spares = wait_until(
-        lambda: s if len(s := _forked_spares(d.pid, set(first.values()))) == 2 else None,
-        15,
-        what="two forked spares after the start",
+    # the fork server learns the workers' imports, then replaces the spares forked before
+    learned = wait_until(
+        lambda: [e for e in d.events() if e.get("event") == "preload_learned"],
+        60,
+        what="the imports learned",
     )
+    assert learned
+
+    def settled() -> set[int] | None:
+        """The two spares, once the ones forked before the learning are gone (they are
+        discarded right after the event, the refill is two forks)."""
+        now = _forked_spares(d.pid, set(first.values()))
+        time.sleep(0.5)
+        return now if len(now) == 2 and _forked_spares(d.pid, set(first.values())) == now else None
+
+    spares = wait_until(settled, 15, what="two forked spares after the imports were learned")
     return d, first, spares
 
 
