@@ -8,7 +8,6 @@ import os
 import re
 import signal
 import sys
-import time
 
 import psutil
 import pytest
@@ -53,16 +52,12 @@ def _training_with_spares(daemons, tmp_path):
         60,
         what="the imports learned",
     )
-    assert learned
-
-    def settled() -> set[int] | None:
-        """The two spares, once the ones forked before the learning are gone (they are
-        discarded right after the event, the refill is two forks)."""
-        now = _forked_spares(d.pid, set(first.values()))
-        time.sleep(0.5)
-        return now if len(now) == 2 and _forked_spares(d.pid, set(first.values())) == now else None
-
-    spares = wait_until(settled, 15, what="two forked spares after the imports were learned")
+    replaced = set(learned[0]["replaced"])
+    spares = wait_until(
+        lambda: s if len(s := _forked_spares(d.pid, set(first.values())) - replaced) == 2 else None,
+        15,
+        what="two forked spares after the imports were learned",
+    )
     return d, first, spares
 
 
