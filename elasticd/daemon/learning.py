@@ -64,7 +64,7 @@ class Learning:
         return path
 
     def reported(self) -> dict:
-        """The fork server's report on the request in flight, said in events."""
+        """The fork server's report on the request in flight (`path`: where it is)."""
         path, self.asked = self.asked, None
         report_path = f"{path}{learned.REPORT_SUFFIX}"
         try:
@@ -72,6 +72,12 @@ class Learning:
                 report = json.load(f)
         except (OSError, ValueError) as e:
             report = {"preloaded": [], "excluded": {}, "error": f"no report: {e}"}
+        report["path"] = report_path
+        return report
+
+    def say(self, report: dict, replaced: list[int]) -> None:
+        """The report in events: each cause of a module left out, then the outcome, with the
+        spares `replaced` (forked before, without what was learned)."""
         excluded: dict[str, str] = report.get("excluded") or {}
         for module, why, count in causes(excluded):
             self.event("preload_skipped", module=module, why=why, with_it=count)
@@ -82,9 +88,9 @@ class Learning:
             skipped=len(excluded),
             error=report.get("error"),
             tainted=report.get("tainted"),
-            report=report_path,
+            report=report.get("path"),
+            replaced=replaced,
         )
-        return report
 
 
 def causes(excluded: dict[str, str]) -> list[tuple[str, str, int]]:

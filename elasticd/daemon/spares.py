@@ -80,7 +80,14 @@ class SparePool:
         """The fork server's report came: replace the spares forked before it (they lack what
         it imported); a server tainted after all is replaced by one that learns nothing."""
         fs.learned = False
-        report = self.learning.reported() if self.learning else {}
+        if self.learning is None:
+            return
+        report = self.learning.reported()
+        replace = bool(report.get("preloaded") or report.get("tainted"))
+        # (else nothing new in the server: the spares are as good)
+        self.learning.say(report, replaced=[p.pid for p in self.spares] if replace else [])
+        if not replace:
+            return
         forkclient.discard_spares(self.spares)
         if report.get("tainted"):
             self.learning = None

@@ -46,10 +46,17 @@ def _training_with_spares(daemons, tmp_path):
     )
     d.wait_for_step(1, 3, timeout=60)
     first = d.worker_pids()
+    # the fork server learns the workers' imports, then replaces the spares forked before
+    learned = wait_until(
+        lambda: [e for e in d.events() if e.get("event") == "preload_learned"],
+        60,
+        what="the imports learned",
+    )
+    replaced = set(learned[0]["replaced"])
     spares = wait_until(
-        lambda: s if len(s := _forked_spares(d.pid, set(first.values()))) == 2 else None,
+        lambda: s if len(s := _forked_spares(d.pid, set(first.values())) - replaced) == 2 else None,
         15,
-        what="two forked spares after the start",
+        what="two forked spares after the imports were learned",
     )
     return d, first, spares
 

@@ -101,12 +101,13 @@ def test_the_daemon_teaches_once_every_worker_reported(tmp_path):
     (tmp_path / f"{path.name}.report.json").write_text(
         json.dumps({"preloaded": ["json", "csv"], "excluded": {"yaml": "reads RANK at import"}})
     )
-    learn.reported()
+    learn.say(learn.reported(), replaced=[7])
     assert events[0] == (
         "preload_skipped",
         {"module": "yaml", "why": "reads RANK at import", "with_it": 0},
     )
     assert events[1][0] == "preload_learned" and events[1][1]["preloaded"] == 2
+    assert events[1][1]["replaced"] == [7]
     next_attempt = [tmp_path / "a2" / "rank0.heartbeat"]
     (tmp_path / "a2").mkdir()
     (tmp_path / "a2" / "rank0.modules").write_text("json\ncsv\n")
