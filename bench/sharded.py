@@ -11,8 +11,8 @@ Per world size and state size:
   costs     (one torchrun launch, every method in turn, median of --saves, the slowest rank's):
             the training stall per disk save, the save's whole time until durable (the
             background write, nothing else running), the load of the newest checkpoint into the
-            live model, and elasticd's in-memory refresh ("n/a" while elasticd keeps no sharded
-            state in memory: its first refresh turns the in-memory state off, one warning)
+            live model, and elasticd's in-memory refresh (its own shards into its slots, the
+            replica sent in the background; "n/a" where a run kept no state in memory)
   recovery  kill -9 of the last rank once rank 0 logged step 2E + E/2 (saves every E steps):
             seconds until every rank logged a step in a new process, steps lost (the newest step
             logged before the kill - the step resumed from), and where the resume came from;
