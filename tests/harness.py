@@ -33,13 +33,16 @@ FAST_STOP5 = ("--restart-grace", "1", "--stop-grace", "5")  # workers that take 
 FAST_NODES = (*FAST, "--peer-timeout", "3", "--last-call-timeout", "0.5")
 
 
-def node_flags(port: int, nnodes: str, job: str = "job", secret: bool = True) -> tuple[str, ...]:
-    """One node of a multi-node c10d job whose store is on 127.0.0.1:`port`."""
+def node_flags(
+    port: int, nnodes: str, job: str = "job", secret: bool = True, host: str = "127.0.0.1"
+) -> tuple[str, ...]:
+    """One node of a multi-node c10d job whose store is on `host`:`port` (loopback unless a
+    namespace's address is given)."""
     return (
         "--nnodes",
         nnodes,
         "--rdzv-endpoint",
-        f"127.0.0.1:{port}",
+        f"{host}:{port}",
         "--rdzv-id",
         job,
         *FAST_NODES,

@@ -1,12 +1,15 @@
 """A hang's culprit named from the stacks: one rank sleeps in `read_batch` while the others wait
-in all_reduce; the restart cause names that rank (and, across nodes, its node)."""
+in all_reduce; the restart cause names that rank (and, across two nodes in network namespaces of
+their own (tests/netns.py), its node)."""
 
 from __future__ import annotations
 
-from harness import free_port, node_flags, script
+from harness import node_flags, script
+from netns import DEV, netns_fixture  # noqa: F401 (the netns fixture)
 
 HB = ("--heartbeat-timeout", "2", "--startup-timeout", "60", "--restart-grace", "0.5")
 STUCK = ["--steps", "6", "--mode", "stuck", "--at", "3", "--step-time", "0.02"]
+PORT = 29400  # a fresh namespace has every port free
 
 
 def sleep_line() -> int:
@@ -42,23 +45,26 @@ def test_one_node_names_the_sleeping_rank(daemons):
     assert "read_batch" in stacks.read_text()
 
 
-def test_two_nodes_name_the_node_and_rank(daemons):
-    """Rank 0 on one node waits in all_reduce, rank 1 on the other sleeps: both nodes' verdicts
-    name rank 1 and its node, one of them having read it from the other's summary in the store."""
-    port = free_port()
+def test_two_nodes_name_the_node_and_rank(daemons, netns):
+    """Two nodes, each in a network namespace on its own address, node 0's hosting the store:
+    rank 0 on one node waits in all_reduce, rank 1 on the other sleeps. Both nodes' verdicts name
+    rank 1 and its node, one of them having read it from the other's summary in the store."""
+    net = netns(2, subnet=37)
     nodes = [
         daemons(
             script("hang.py"),
             "--nproc-per-node",
             "1",
-            *node_flags(port, "2"),
+            *node_flags(PORT, "2", host=net.addr(0)),
             *HB,
             "--max-restarts",
             "1",
             name=name,
             args=[*STUCK, "--rank", "1"],
+            env={"GLOO_SOCKET_IFNAME": DEV},
+            prefix=net.prefix(i),
         )
-        for name in ("a", "b")
+        for i, name in enumerate(("a", "b"))  # started together: node b retries until a hosts
     ]
     for n in nodes:
         assert n.wait(120) == 0, n.stderr()[-3000:]
