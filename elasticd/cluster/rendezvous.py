@@ -90,6 +90,7 @@ class Rendezvous:
         self._logged: dict[str, float] = {}
         self._log_window: list[float] = [0.0, 0, 0]  # window start, lines in it, lines suppressed
         self.bad_records: set[str] = set()  # arrival records that failed verification: not read
+        self.unverified_run = False  # a run record seen here did not verify (another secret?)
         self.waiting_seen: tuple[int, dict[str, str | None]] = (-1, {})  # waiting_ids', per round
         self.listed_at = 0.0  # when the round's records were last listed (counter raised too far)
         self.started = time.time()  # a job's end issued before this (less CLOCK_SKEW) is older
@@ -174,14 +175,20 @@ class Rendezvous:
             return call()
         except StoreUnreachable as e:
             if time.monotonic() > deadline:
-                raise RendezvousFailed(
+                why = (
                     f"{e}, and it did not come back within --join-timeout "
                     f"{self.cfg.join_timeout:g}s: start elasticd again on that node, or the job "
                     "again on every node"
                     if e.host_down
                     else f"{e}, for --join-timeout {self.cfg.join_timeout:g}s: check the "
                     "network and the store's host"
-                ) from None
+                )
+                if self.unverified_run:  # the likelier cause, seen before the store went away
+                    why += (
+                        "; the job's run record there did not verify: give every node the same "
+                        "--rdzv-secret-file"
+                    )
+                raise RendezvousFailed(why) from None
             pause = HOST_DOWN_POLL if e.host_down else 1.0
             held = self._unreachable_logs("host_down" if e.host_down else "silent")
             if held is not None:

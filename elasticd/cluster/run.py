@@ -65,6 +65,7 @@ def _find_run(rz: Rendezvous, begins: bool, deadline: float) -> str:
         found = rz.open(key, raw, values.run)
         if found is not None and not (rz.cfg.etcd and _ended_before_us(rz, found)):
             return found
+        rz.unverified_run = rz.unverified_run or (raw is not None and found is None)
         if raw is None and not rz.cfg.etcd and time.monotonic() - started < RUN_GRACE:
             rz.kv.wait(key, RUN_GRACE)  # the store's host writes it as it starts
             continue
@@ -94,27 +95,31 @@ def current_run(rz: Rendezvous, deadline: float) -> str:
     """The run the store holds now, which its host began: waited for (a fresh store's host
     writes it as it starts), never begun here, since a run begun by a node that is not the host
     would be a second job on the same store once the host writes its own. A record that does
-    not verify is another secret's or a forger's: looked at again until the deadline. One read
-    when it is there (every try of every node: the run is always there but on a fresh store);
-    else waits before it reads again (a read of a missing key wakes every waiter on it,
-    timing.LOOK_WAIT)."""
+    not verify, on the store that still holds this node's run, is a forger's: it moves nothing
+    (it must not hold a restart: tests/e2e/test_store_security.py); on a fresh store it is
+    another job's or another secret's: looked at again until the deadline. One read when the
+    record verifies (every try of every node); else waits before it reads again (a read of a
+    missing key wakes every waiter on it, timing.LOOK_WAIT)."""
     key = names.job_key(rz.cfg.rdzv_id, names.RUN)
-    raw = rz.kv.get(key)
-    if raw is not None and (found := rz.open(key, raw, values.run)) is not None:
-        return found
     pause = CLOSE_POLL
     while True:
-        left = deadline - time.monotonic()
-        if rz.kv.wait(key, min(WAIT_SLICE, max(left, 0.01))):
-            found = rz.open(key, rz.kv.get(key), values.run)
+        raw = rz.kv.get(key)
+        if raw is not None:
+            found = rz.open(key, raw, values.run)
             if found is not None:
                 return found
-            time.sleep(pause)
-            pause = min(2 * pause, GARBAGE_BACKOFF)
-        if time.monotonic() > deadline:
+            if rz.kv.get(rz.job_key(names.ROUND)) is not None:  # our run's store: a forgery
+                return rz.run
+        left = deadline - time.monotonic()
+        if left <= 0:
             raise RendezvousFailed(
                 f"no run of job {rz.cfg.rdzv_id} at {rz.endpoint} within --join-timeout "
                 f"{rz.cfg.join_timeout:g}s: the store there was started again without it (a "
                 "store of another job, or of another --rdzv-secret-file), or its record does not "
                 "verify"
             )
+        if raw is None:
+            rz.kv.wait(key, min(WAIT_SLICE, left))
+        else:
+            time.sleep(min(pause, left))
+            pause = min(2 * pause, GARBAGE_BACKOFF)

@@ -23,10 +23,12 @@ from typing import Any
 
 from elasticd import logs, safeio
 from elasticd.config import Config, ConfigError
+from elasticd.daemon.states import RestartCause
 from elasticd.daemon.triage import FailureClass
 
 EXIT_QUARANTINED = 7  # `elasticd run`'s exit code on a quarantined node
 FILE = "node-record.json"
+LOCAL_KINDS = (RestartCause.CRASH, RestartCause.SIGNAL)  # a failure of this node's own workers
 MAX_STRIKES = 100  # strikes kept (the newest): the file stays small whatever happens
 MAX_WHY = 300  # characters of a strike's reason kept
 
@@ -190,8 +192,11 @@ class Quarantine:
 
     def struck_by(self, why: Any) -> bool:
         """A local worker's failure of the hardware class (daemon/triage.py: its error file names a
-        GPU fault) is a strike: whether it quarantines the node."""
-        return getattr(why, "failure_class", "") == FailureClass.HARDWARE.value and self.strike(why)
+        GPU fault) is a strike: whether it quarantines the node. A peer's restart request carries
+        its class too, and is the peer's hardware, not this node's."""
+        local = getattr(why, "kind", None) in LOCAL_KINDS
+        hardware = getattr(why, "failure_class", "") == FailureClass.HARDWARE.value
+        return local and hardware and self.strike(why)
 
     def strike(self, why: Any) -> bool:
         """Record `why` (a Failure) against this node; whether it is now quarantined."""
