@@ -46,7 +46,7 @@ def counter(rz: Rendezvous, store: kvmod.KV, key: str, number: int, take: bool) 
             raw = str(value).encode()
         except kvmod.BadCounter as e:
             raw = e.raw
-            if raw.isdigit():  # read after another node set it back (and took): take again,
+            if kvmod.counts(raw):  # read after another node set it back (and took): take again,
                 continue  # never set it back over their number (two nodes holding one number)
         rz.rejected(key, "not a count")
         floor = 0

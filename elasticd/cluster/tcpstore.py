@@ -184,10 +184,22 @@ class TCPStoreKV:
         return [self.get(k) for k in keys]
 
     def take(self, key: str) -> int:
+        # read first: an add on a value that is no number sometimes holds its reply ~5 s before
+        # the server drops the connection (torch 2.13's libuv store), longer than a join may wait
+        self._counting(key)
         return self._add(key, 1)
 
     def taken(self, key: str) -> int:
-        return self._add(key, 0)
+        """(A read, not an add of 0: see take.)"""
+        return self._counting(key)
+
+    def _counting(self, key: str) -> int:
+        raw = self.get(key)
+        if raw is None:
+            return 0
+        if not counts(raw):
+            raise BadCounter(key, raw)
+        return int(raw)
 
     def _add(self, key: str, amount: int) -> int:
         """TCPStore's add on a key that holds no number drops the connection (the server's stoll

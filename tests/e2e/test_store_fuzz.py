@@ -178,6 +178,25 @@ def test_any_value_under_any_key_is_garbage_never_a_crash_or_a_hang(store, write
     other.close()
 
 
+@pytest.mark.parametrize("store", ["tcpstore", "local"], indirect=True)  # etcd counts versions
+@pytest.mark.parametrize("garbage", [b"99999999999999999999", b"-7", b"x1", b""])
+def test_a_counter_holding_no_64_bit_count_is_set_back(store, garbage):
+    """A counter written with digits past 64 bits (TCPStore's add cannot count on from them, yet
+    they are digits), a negative or a non-number: the next read sets it back and the round goes
+    on; the found example once made every read end 'keeps being overwritten'."""
+    connect, make_cfg = store
+    r = rendezvous.Rendezvous(make_cfg(), store=connect(), begins_run=True)
+    first = r.next_round(1)
+    for number in (0, 1):
+        r.kv.set(r.arrivals_key(number), garbage)
+    assert r.waiting_ids(r.kv, first) == []
+    r.request_restart(first, {"summary": "fuzz", "node": "n", "spends": True})
+    rnd = r.next_round(1)
+    assert rnd.number == 1 and rnd.members[rnd.group_rank].node_id == r.node_id
+    first.close()
+    r.kv.close()
+
+
 def test_rejections_are_rate_limited_overall(store):
     """A forger writing a thousand keys gets a line per key at first, then at most
     REJECTED_LOGS lines a window in all, each saying how many it stood for."""
