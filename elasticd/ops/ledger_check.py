@@ -128,7 +128,10 @@ def epochs(proof: Proof) -> tuple[list[str], bool]:
 def batches(proof: Proof) -> str:
     """The per-step global batch sizes, with the ranks that made them."""
     sizes = Counter((len(b), len({r for r, _, _ in b})) for b in proof.steps.values())
-    parts = [f"{size} samples x {k} steps ({w} ranks)" for (size, w), k in sorted(sizes.items())]
+    parts = [
+        f"{size} samples x {k} steps ({w} rank{'s' * (w != 1)})"
+        for (size, w), k in sorted(sizes.items())
+    ]
     return "global batch per step: " + ("; ".join(parts) or "none")
 
 
