@@ -122,3 +122,22 @@ def test_per_step_cost_is_microseconds(monkeypatch, tmp_path):
         costs[on] = (time.perf_counter() - t) / 900 * 1e6
     print(f"advance(): {costs[False]:.1f} us off, {costs[True]:.1f} us with the ledger")
     assert costs[True] < 500  # microseconds, with room for a loaded 2-core box
+
+
+def test_the_ledger_setting_gives_each_attempt_its_directory(monkeypatch, tmp_path):
+    """--ledger (here ELASTICD_LEDGER=1) -> the workers' ELASTICD_LEDGER_DIR, the attempt's
+    directory; without it only the round's number."""
+    from elasticd import config
+    from elasticd.cluster.rounds import Round
+    from elasticd.daemon.group import LocalGroup
+
+    for on in ("1", "0"):
+        monkeypatch.setenv("ELASTICD_LEDGER", on)
+        cfg = config.build({"nproc_per_node": "1"}, None)
+        group = LocalGroup(cfg, "token", tmp_path, "node", lambda *a, **k: None)
+        group.attempt = 3
+        env = group._extra_env(Round(number=5, group_rank=0, members=[]), None)
+        want = {"ELASTICD_ROUND": "5"}
+        if on == "1":
+            want["ELASTICD_LEDGER_DIR"] = str(tmp_path / "attempt3")
+        assert env == want
