@@ -111,7 +111,7 @@ class ResumableDistributedSampler(DistributedSampler):
         self._orders: dict[int, list[int]] = {}
         # the last deal: (epoch, world, rank, mode), (first position, indices, epochs)
         self._dealt: tuple[tuple, tuple[int, list[int], list[int]]] | None = None
-        ledger.dataset_size(len(dataset))
+        self._sized = False  # the ledger told the dataset's size (by a sampler that trains)
 
     # -- the epoch's order --------------------------------------------------------------------
     def _order(self, epoch: int | None = None) -> list[int]:
@@ -196,6 +196,7 @@ class ResumableDistributedSampler(DistributedSampler):
             raise ValueError(f"advance() takes a count of samples, got {n_local}")
         self.step += 1
         if ledger.enabled():
+            self._tell_size()
             start, indices, epochs = self._deal(fresh=False)
             at = (self.consumed - start) // self.num_replicas
             ledger.record(epochs[at : at + n_local], self.step, indices[at : at + n_local])
@@ -251,4 +252,10 @@ class ResumableDistributedSampler(DistributedSampler):
         carry = int(state.get("carry", 0)) if self.whole_batches else 0
         self.consumed = min(int(state["consumed"]), n) + carry
         self.step = int(state.get("step", 0))
+        self._tell_size()
         ledger.resumed(self.step)
+
+    def _tell_size(self) -> None:
+        if not self._sized:
+            ledger.dataset_size(len(self.dataset))  # type: ignore[arg-type]
+            self._sized = True

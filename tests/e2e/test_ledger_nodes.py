@@ -1,9 +1,9 @@
 """Exactly once across world changes, proved by the ledger: three nodes in network namespaces
 train with DataLoader(drop_last=True) and the sampler told the batch size, under `--ledger`, while
-the world changes four times: a node killed right after an epoch's last step (3 -> 2), a link cut
-mid-epoch (2 -> 1), the killed node started again and the link healed in the same epoch (1 -> 2
-or 3 -> 3). `elasticd ledger check` (the CLI) must then find every sample of every finished
-epoch trained exactly once, and each rank's ledger must hold what its DataLoader delivered.
+the world changes: a node killed right after an epoch's last step (3 -> 2), a link cut mid-epoch
+(2 -> 1), then, in the same epoch, the link healed and the killed node started again (1 -> 2 -> 3,
+or 1 -> 3). `elasticd ledger check` (the CLI) must then find every sample of every finished epoch
+trained exactly once, and each rank's ledger must hold what its DataLoader delivered.
 
 The job (tests/scripts/node_train.py) holds at chosen steps until the test releases them, so each
 change lands where it should whatever the machine's load: 96 samples, batch 4, so an epoch is 8
