@@ -15,6 +15,8 @@ import re
 import time
 from pathlib import Path
 
+import psutil
+
 from e2e.test_nodeloss import _nodes, _start_store, steps
 from elasticd import ledger
 from harness import run_cli, wait_until
@@ -25,6 +27,13 @@ EPOCH_END = 8  # world 3: the last step of epoch 0
 CUT_AT = 11  # world 2: mid-epoch 1
 GROW_AT = 14  # world 1: still epoch 1
 HOLD_AFTER_GROW = 16
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def at_step(nodes, step: int, world: int) -> bool:
@@ -73,21 +82,25 @@ def test_exactly_once_through_kill_cut_heal_and_rejoin(daemons, netns, tmp_path)
 
     try:
         t0 = time.time()
-        a, b, c = _nodes(daemons, net, ["a", "b", "c"], TOTAL, 0.02, extra, env)
+        a, b, c = _nodes(daemons, net, ["a", "b", "c"], TOTAL, 0.02, extra, env, in_order=False)
         wait_until(lambda: at_step((a, b, c), EPOCH_END, 3), 90, what="all at epoch 0's end")
+        pids = list(c.worker_pids().values())
         c.kill()  # right after the epoch boundary: 3 -> 2
-        release(EPOCH_END)
+        wait_until(lambda: not any(map(alive, pids)), 15, what="c's workers gone with it")
+        release(EPOCH_END)  # (c's workers, still alive, would have trained one more step)
         wait_until(lambda: at_step((a, b), CUT_AT, 2), 60, what="a and b mid-epoch 1")
         net.cut(2)  # b's link, mid-epoch: 2 -> 1
         release(CUT_AT)
         wait_until(lambda: at_step((a,), GROW_AT, 1), 60, what="a alone, still in epoch 1")
+        # c starts again (its daemon takes seconds to start, while b learns it is cut off) and
+        # b's link is healed: both join in the same epoch, held at GROW_AT: 1 -> 3 (maybe via 2)
+        (c2,) = _nodes(daemons, net, ["c2"], TOTAL, 0.02, extra, env, nnodes=3, ns=3)
         wait_until(
             lambda: [e for e in b.events() if e.get("event") == "store_unreachable"],
             30,
             what="b knowing it is cut off",
         )
-        net.heal(2)  # b rejoins, and c starts again, in the same epoch: 1 -> 3 (maybe via 2)
-        (c2,) = _nodes(daemons, net, ["c2"], TOTAL, 0.02, extra, env, nnodes=3, ns=3)
+        net.heal(2)
         wait_until(lambda: resumed_world(a, 3), 90, what="the three training again")
         release(GROW_AT)
         release(HOLD_AFTER_GROW)
@@ -107,6 +120,9 @@ def test_exactly_once_through_kill_cut_heal_and_rejoin(daemons, netns, tmp_path)
     for batch in ("12 samples x", "8 samples x", "4 samples x"):  # worlds 3, 2 and 1
         assert batch in r.stdout, batch
     assert sum(printed_and_recorded(d) for d in (a, b, c, c2)) >= TOTAL
+    # where each change landed (the in-memory state may hold a step before the hold's)
+    logs = [p.read_text(errors="replace") for d in a.attempt_dirs() for p in d.glob("rank*.log")]
+    print(sorted({m for text in logs for m in re.findall(r"^resumed at.*$", text, re.M)}))
     # without node b's records the proof fails, naming the hole
     r = run_cli("ledger", "check", *dirs[:1], *dirs[2:])
     assert r.returncode == 1 and "exactly once: NO" in r.stdout, r.stdout
