@@ -3,7 +3,8 @@
 Worker-side API (costs nothing when not running under elasticd):
     elasticd.heartbeat(step=None)   report progress from a loop without an optimizer step
     elasticd.checkpoint             atomic rank-0 checkpoints and exact resume
-    elasticd.sampler                resumable distributed sampler
+    elasticd.sampler                resumable distributed sampler (whole global batches)
+    elasticd.ledger                 per-sample ledger: record(epoch, step, indices), resumed(step)
 """
 
 from __future__ import annotations

@@ -243,6 +243,11 @@ class Config:
         "do not offer workers a shared-memory directory for in-memory state "
         "(ELASTICD_MEMORY_DIR); they resume from disk checkpoints only",
     )
+    ledger: bool = _setting(
+        False,
+        "workers write a per-sample ledger (which sample went into which optimizer step, on which "
+        "rank, in which attempt) beside their logs, for `elasticd ledger check`",
+    )
     preload: tuple[str, ...] = _setting(
         (),
         "comma-separated modules warm spares import ahead, besides the defaults they always "

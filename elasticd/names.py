@@ -27,6 +27,10 @@ MEMORY_DIR = "ELASTICD_MEMORY_DIR"
 # the worker's local rank, which names its in-memory slots (LOCAL_RANK is 0 for every worker under
 # --virtual-local-rank)
 LOCAL_RANK = "ELASTICD_LOCAL_RANK"
+# the attempt's round number: with MASTER_ADDR:PORT it names the attempt (elasticd.ledger)
+ROUND_NUMBER = "ELASTICD_ROUND"
+# set (--ledger): the directory where each worker writes its per-sample ledger (elasticd.ledger)
+LEDGER_DIR = "ELASTICD_LEDGER_DIR"
 WARM_PRELOAD = "ELASTICD_WARM_PRELOAD"  # modules a warm spare or the fork server imports ahead
 SOCKET = (
     "ELASTICD_SOCKET"  # the control socket, for the CLI and the daemon (also the `socket` setting)

@@ -3,8 +3,8 @@
 `ResumableDistributedSampler` yields exactly what `torch.utils.data.DistributedSampler` yields
 for the same seed, epoch and world size, so swapping it in changes nothing. It adds a position:
 
-    sampler = ResumableDistributedSampler(dataset, seed=0)
-    loader = DataLoader(dataset, batch_size=B, sampler=sampler)
+    sampler = ResumableDistributedSampler(dataset, seed=0, batch_size=B)
+    loader = DataLoader(dataset, batch_size=B, sampler=sampler, drop_last=True)
     for epoch in range(sampler.epoch, EPOCHS):
         sampler.set_epoch(epoch)           # same epoch as the restored one: keeps the position
         for x, y in loader:
@@ -22,13 +22,21 @@ ranks in lockstep, so after every rank trained on k samples the consumed positio
 the first k*W of that order. The state therefore needs one number, `consumed`: how many leading
 positions of the epoch's order were trained on. It does not depend on W, which is what makes a
 world-size change exact: on resume the rest of the order (positions consumed..N-1) is dealt out
-round-robin over the new world size, so every sample of the epoch is trained on exactly once.
+over the new world size, so every sample of the epoch is trained on exactly once.
 
-Padding (drop_last=False): like DistributedSampler, the rest is padded by repeating samples from
-the start of the epoch's order until every rank has the same count, so up to W-1 samples are seen
-twice in that epoch. With drop_last=True up to W-1 samples at the end of the order are skipped
-instead. With an unchanged world size both rules reproduce DistributedSampler's epoch exactly.
-Later epochs use the new world size as DistributedSampler would.
+Without `batch_size`, the rest is dealt round-robin like a fresh DistributedSampler epoch: padded
+by repeating samples from the start of the order (drop_last=False: up to W-1 seen twice) or cut
+(drop_last=True: up to W-1 skipped), and a DataLoader with drop_last=True then drops each rank's
+partial last batch. With `batch_size=B` the rest of an epoch the world changed in is dealt in whole
+global batches of W*B (round-robin inside each, as DistributedSampler deals), never padded or cut:
+when the rest is not a whole number of them, the last one is completed with the first positions of
+the NEXT epoch's order, and that epoch starts with them consumed (`carry` in the state; it is
+dealt in whole global batches too, until an epoch ends on a whole one). So every sample of such an
+epoch is trained exactly once and no rank ever has a partial batch to drop. An epoch that runs
+from its start to its end at one world size is DistributedSampler's, in either mode.
+
+With the ledger on (elasticd.ledger: `elasticd run --ledger`), `advance()` records which samples
+this rank trained in which optimizer step, and `load_state_dict()` the step resumed from.
 """
 
 from __future__ import annotations
@@ -42,9 +50,11 @@ import torch
 import torch.distributed as dist
 from torch.utils.data.distributed import DistributedSampler
 
+from elasticd import ledger
+
 __all__ = ["ResumableDistributedSampler", "STATE_FORMAT"]
 
-STATE_FORMAT = 1
+STATE_FORMAT = 2  # 2: carry, fresh_world and step added (a format-1 state reads as carry 0)
 
 
 def _world_and_rank(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
@@ -65,7 +75,8 @@ class ResumableDistributedSampler(DistributedSampler):
 
     Subclassed only so `isinstance(s, DistributedSampler)` checks in other libraries still hold.
     `num_samples` / `total_size` keep DistributedSampler's meaning (a whole fresh epoch at this
-    world size); `len()` is what is left of the current epoch for this rank.
+    world size); `len()` is what is left of the current epoch for this rank. `batch_size`: the
+    DataLoader's per-rank batch size, which makes a re-dealt epoch whole global batches.
     """
 
     def __init__(
@@ -76,6 +87,7 @@ class ResumableDistributedSampler(DistributedSampler):
         shuffle: bool = True,
         seed: int = 0,
         drop_last: bool = False,
+        batch_size: int | None = None,
     ) -> None:
         num_replicas, rank = _world_and_rank(num_replicas, rank)
         super().__init__(
@@ -86,53 +98,108 @@ class ResumableDistributedSampler(DistributedSampler):
             seed=seed,
             drop_last=drop_last,
         )
-        self.consumed = 0  # leading positions of this epoch's global order already trained on
+        if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
+            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        self.batch_size = batch_size
+        # leading positions of this epoch's stream already trained on: its order, then (past the
+        # end, whole global batches only) the next epochs' orders
+        self.consumed = 0
+        # the world this epoch is dealt at as DistributedSampler deals (it started fresh there),
+        # or 0 once it is dealt in whole global batches
+        self.fresh_world = num_replicas
+        self.step = 0  # optimizer steps trained (advance() calls), all epochs: the ledger's step
+        self._orders: dict[int, list[int]] = {}
+        # the last deal: (epoch, world, rank, mode), (first position, indices, epochs)
+        self._dealt: tuple[tuple, tuple[int, list[int], list[int]]] | None = None
+        self._sized = False  # the ledger told the dataset's size (by a sampler that trains)
 
     # -- the epoch's order --------------------------------------------------------------------
-    def _order(self) -> list[int]:
-        """The epoch's global order, unpadded: what DistributedSampler pads or cuts."""
-        n = len(self.dataset)  # type: ignore[arg-type]
-        if self.shuffle:
-            g = torch.Generator()
-            g.manual_seed(self.seed + self.epoch)
-            return torch.randperm(n, generator=g).tolist()
-        return list(range(n))
+    def _order(self, epoch: int | None = None) -> list[int]:
+        """An epoch's global order, unpadded: what DistributedSampler pads or cuts."""
+        epoch = self.epoch if epoch is None else epoch
+        if epoch not in self._orders:
+            n = len(self.dataset)  # type: ignore[arg-type]
+            if self.shuffle:
+                g = torch.Generator()
+                g.manual_seed(self.seed + epoch)
+                order = torch.randperm(n, generator=g).tolist()
+            else:
+                order = list(range(n))
+            kept = {e: o for e, o in self._orders.items() if e >= self.epoch}
+            self._orders = {**kept, epoch: order}  # past epochs are never dealt again
+        return self._orders[epoch]
+
+    @property
+    def whole_batches(self) -> bool:
+        """True when the rest of this epoch is dealt in whole global batches."""
+        return self.batch_size is not None and self.fresh_world != self.num_replicas
 
     def _remaining_count(self) -> int:
-        """Positions left for the whole world, after padding or cutting to a multiple of it."""
+        """Positions left for the whole world: whole global batches, or padded or cut to a
+        multiple of the world as DistributedSampler does."""
         left = max(0, len(self.dataset) - self.consumed)  # type: ignore[arg-type]
+        if self.whole_batches:
+            g = self.num_replicas * self.batch_size  # type: ignore[operator]
+            return math.ceil(left / g) * g
         w = self.num_replicas
         return (left // w) * w if self.drop_last else math.ceil(left / w) * w
 
+    def _deal(self, fresh: bool = True) -> tuple[int, list[int], list[int]]:
+        """This rank's rest of the epoch from `consumed`: (the first position dealt, indices,
+        the epoch of each). `fresh=False` (advance) takes the last deal of this epoch if any."""
+        key = (self.epoch, self.num_replicas, self.rank, self.whole_batches)
+        if self._dealt is not None and self._dealt[0] == key:
+            start, indices, epochs = self._dealt[1]
+            if not fresh or start == min(self.consumed, len(self._order())):
+                return start, indices, epochs
+        order, n, total = self._order(), len(self._order()), self._remaining_count()
+        start, w = min(self.consumed, n), self.num_replicas
+        positions = range(start + self.rank, start + total, w)
+        if self.whole_batches:  # past the end: the next epochs' orders
+            epochs = [self.epoch + p // n for p in positions]
+            indices = [self._order(e)[p % n] for e, p in zip(epochs, positions)]
+        else:  # past the end: padding from the start of the order, as DistributedSampler pads
+            epochs = [self.epoch] * len(positions)
+            indices = [order[p if p < n else (p - n) % n] for p in positions]
+        self._dealt = (key, (start, indices, epochs))
+        return start, indices, epochs
+
     def __iter__(self) -> Iterator[int]:
-        order = self._order()
-        n = len(order)
-        rest = order[min(self.consumed, n) :]
-        total = self._remaining_count()
-        if total > len(rest):  # pad from the start of the order, as DistributedSampler does
-            pad = total - len(rest)
-            rest += (order * math.ceil(pad / n))[:pad]
-        else:
-            rest = rest[:total]
-        return iter(rest[self.rank :: self.num_replicas])
+        return iter(self._deal()[1])
 
     def __len__(self) -> int:
         return self._remaining_count() // self.num_replicas
 
     # -- progress -----------------------------------------------------------------------------
+    @property
+    def carry(self) -> int:
+        """Positions of the following epochs already trained (a whole global batch completed
+        with them), which the next epoch starts with."""
+        n = len(self.dataset)  # type: ignore[arg-type]
+        return max(0, self.consumed - n) if self.whole_batches else 0
+
     def set_epoch(self, epoch: int) -> None:
         """Start `epoch` from its beginning, unless it is the epoch already in progress (after
-        load_state_dict), which keeps its position so the usual loop resumes mid-epoch."""
+        load_state_dict), which keeps its position so the usual loop resumes mid-epoch; the
+        next epoch starts past what the last global batch carried into it."""
         if epoch != self.epoch:
-            self.consumed = 0
+            carry = self.carry if epoch == self.epoch + 1 else 0
+            self.consumed = carry
+            self.fresh_world = 0 if carry else self.num_replicas
         self.epoch = epoch
 
     def advance(self, n_local: int) -> None:
         """Record that this rank trained on `n_local` more samples of the current epoch (call
-        after each step with the batch's length). Every rank advances alike (DDP lockstep), so
-        the world consumed `n_local * num_replicas` positions."""
+        after each optimizer step with the batch's length, before saving). Every rank advances
+        alike (DDP lockstep), so the world consumed `n_local * num_replicas` positions."""
         if n_local < 0:
             raise ValueError(f"advance() takes a count of samples, got {n_local}")
+        self.step += 1
+        if ledger.enabled():
+            self._tell_size()
+            start, indices, epochs = self._deal(fresh=False)
+            at = (self.consumed - start) // self.num_replicas
+            ledger.record(epochs[at : at + n_local], self.step, indices[at : at + n_local])
         self.consumed += n_local * self.num_replicas
 
     @property
@@ -148,6 +215,9 @@ class ResumableDistributedSampler(DistributedSampler):
             "format": STATE_FORMAT,
             "epoch": int(self.epoch),
             "consumed": int(min(self.consumed, n)),  # padding consumed past the end counts as done
+            "carry": int(self.carry),
+            "fresh_world": int(self.fresh_world),
+            "step": int(self.step),
             "world_size": int(self.num_replicas),
             "seed": int(self.seed),
             "shuffle": bool(self.shuffle),
@@ -159,7 +229,9 @@ class ResumableDistributedSampler(DistributedSampler):
         """Continue the saved epoch at its next sample, at this sampler's world size and rank.
 
         seed and shuffle are taken from the state (the saved epoch's order must be rebuilt);
-        drop_last stays as constructed. A dataset of a different length cannot be resumed."""
+        drop_last and batch_size stay as constructed. A dataset of a different length cannot be
+        resumed. At another world size than the epoch started at, the rest of the epoch is dealt
+        in whole global batches (with batch_size)."""
         fmt = int(state.get("format", 1))
         if fmt > STATE_FORMAT:
             raise ValueError(
@@ -174,4 +246,16 @@ class ResumableDistributedSampler(DistributedSampler):
         self.epoch = int(state["epoch"])
         self.seed = int(state["seed"])
         self.shuffle = bool(state["shuffle"])
-        self.consumed = min(int(state["consumed"]), n)
+        self._orders, self._dealt = {}, None
+        fresh = int(state.get("fresh_world", state.get("world_size", self.num_replicas)))
+        self.fresh_world = fresh if fresh == self.num_replicas else 0
+        carry = int(state.get("carry", 0)) if self.whole_batches else 0
+        self.consumed = min(int(state["consumed"]), n) + carry
+        self.step = int(state.get("step", 0))
+        self._tell_size()
+        ledger.resumed(self.step)
+
+    def _tell_size(self) -> None:
+        if not self._sized:
+            ledger.dataset_size(len(self.dataset))  # type: ignore[arg-type]
+            self._sized = True

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from elasticd import logs
+from elasticd import logs, names
 from elasticd.checkpoint.memory import directory
 from elasticd.cluster.rounds import Round
 from elasticd.config import Config
@@ -69,7 +69,7 @@ class LocalGroup:
             virtual_local_rank=cfg.virtual_local_rank,
             no_python=cfg.no_python,
             signals_to_handle=cfg.signals_to_handle,
-            extra_env={directory.ENV: memory_dir} if memory_dir else {},
+            extra_env=self._extra_env(rnd, memory_dir),
         )
         self.workers = spawn.spawn(spec, spares)
         self.oom = oom.Counters([w.pid for w in self.workers])
@@ -78,6 +78,14 @@ class LocalGroup:
                 self.tee.follow(
                     w.log_path, tee.console_prefix(self.cfg.role, w.global_rank, w.local_rank)
                 )
+
+    def _extra_env(self, rnd: Round, memory_dir: str | None) -> dict[str, str]:
+        env = {names.ROUND_NUMBER: str(rnd.number)}
+        if memory_dir:
+            env[directory.ENV] = memory_dir
+        if self.cfg.ledger:  # elasticd/ledger.py: beside the ranks' logs
+            env[names.LEDGER_DIR] = str(self.run_dir / f"attempt{self.attempt}")
+        return env
 
     @property
     def finished(self) -> bool:

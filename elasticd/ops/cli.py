@@ -135,6 +135,15 @@ def build_parser() -> argparse.ArgumentParser:
     nd.add_argument("--log-dir", default=None, help="the daemon's --log-dir (for its default)")
     nd.add_argument("--config", dest="config_file", default=None, help="the daemon's config")
     nd.add_argument("--json", action="store_true", help="print the record as JSON")
+    lg = sub.add_parser(
+        "ledger",
+        help="check a run's per-sample ledger (--ledger) for exactly-once",
+        description="check: every sample of each finished epoch trained exactly once, from the "
+        "ledger files at or below the given log or run directories (every node's); exit 1 if "
+        "not, 2 for input that is not a ledger.",
+    )
+    lg.add_argument("action", choices=("check",))
+    lg.add_argument("paths", nargs="+", metavar="DIR", help="log or run directories, or files")
     return p
 
 
@@ -156,6 +165,10 @@ def main(argv: list[str] | None = None) -> int:
         build_parser().error("arguments after -- are only for 'run'")
     if args.command == "node":
         return _node(args)
+    if args.command == "ledger":
+        from elasticd.ops import ledger_check
+
+        return ledger_check.check(args.paths)
     control_command = {names.STATUS: _status, names.STOP: _stop, names.STACKS: _stacks}.get(
         args.command
     )

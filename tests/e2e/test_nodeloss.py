@@ -40,10 +40,20 @@ def _start_store(net, i: int = 0) -> subprocess.Popen:
 
 
 def _nodes(
-    daemons, net, names, steps: int, delay: float = 0.02, extra=(), env=None, nnodes=0, ns=1
+    daemons,
+    net,
+    names,
+    steps: int,
+    delay: float = 0.02,
+    extra=(),
+    env=None,
+    nnodes=0,
+    ns=1,
+    in_order=True,
 ):
     """Daemons of node_train.py, one per name, in namespaces ns, ns+1, ... of `net`, for a job of
-    1 to `nnodes` nodes (default: as many as names)."""
+    1 to `nnodes` nodes (default: as many as names). `in_order`: each reaches the store before the
+    next starts, so the first takes group rank 0; else they start at once."""
     flags = (
         "--nproc-per-node",
         "1",
@@ -71,13 +81,20 @@ def _nodes(
                 prefix=net.prefix(k + ns),
             )
         )
-        # the first node arrives first and so takes group rank 0
-        wait_until(
-            lambda d=started[-1]: any(e.get("event") == "rendezvous_store" for e in d.events()),
-            60,
-            what=f"{name} at the store",
-        )
+        if in_order:  # the first node arrives first and so takes group rank 0
+            _at_store(started[-1], name)
+    if not in_order:
+        for name, d in zip(names, started):
+            _at_store(d, name)
     return started
+
+
+def _at_store(d, name: str) -> None:
+    wait_until(
+        lambda: any(e.get("event") == "rendezvous_store" for e in d.events()),
+        60,
+        what=f"{name} at the store",
+    )
 
 
 STEP = re.compile(r"^step (\d+) world (\d+) t ([\d.]+) epoch (\d+) samples ([\d,]+)$", re.M)

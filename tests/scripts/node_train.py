@@ -2,7 +2,11 @@
 (disk every 100 steps, in memory as the library's cadence decides) and the resumable sampler.
 Every step prints `step N world W t WALL samples I,J,...` (the sample indices this rank drew),
 and a resume prints `resumed at step N` first, so a test can tell the steps lost and that every
-sample of an epoch was seen exactly once."""
+sample of an epoch was seen exactly once.
+
+NODE_TRAIN_WHOLE=1: the sampler is told the batch size and the DataLoader drops partial batches
+(drop_last=True). NODE_TRAIN_HOLD="S1,S2,...:PREFIX": after step Si the rank waits (at most 60 s)
+until the file PREFIXSi exists, or a stop is asked, so a test can act at that very step."""
 
 import os
 import sys
@@ -16,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 
 from elasticd.checkpoint import CheckpointManager, capture, restore
+from elasticd.checkpoint.stop import stop_requested
 from elasticd.sampler import ResumableDistributedSampler
 
 
@@ -29,6 +34,16 @@ class Indexed(Dataset):
 
     def __getitem__(self, i):
         return self.x[i], self.y[i], i
+
+
+def hold(step: int) -> None:
+    at, _, prefix = os.environ.get("NODE_TRAIN_HOLD", "").partition(":")
+    if str(step) in at.split(","):
+        deadline = time.monotonic() + 60
+        while not os.path.exists(f"{prefix}{step}") and not stop_requested():
+            if time.monotonic() > deadline:
+                sys.exit(f"held at step {step} for 60 s: the test never released it")
+            time.sleep(0.02)
 
 
 def main() -> None:
@@ -47,13 +62,17 @@ def main() -> None:
     else:
         model = DDP(net)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    sampler = ResumableDistributedSampler(data, num_replicas=world, rank=rank, seed=7)
-    loader = DataLoader(data, batch_size=4, sampler=sampler)
+    whole = bool(os.environ.get("NODE_TRAIN_WHOLE"))
+    sampler = ResumableDistributedSampler(
+        data, num_replicas=world, rank=rank, seed=7, batch_size=4 if whole else None
+    )
+    loader = DataLoader(data, batch_size=4, sampler=sampler, drop_last=whole)
     mgr = CheckpointManager(keep=2, every_steps=100)
     state = mgr.load_latest()
     step = restore(state, model=model, optimizer=opt, sampler=sampler)["step"] if state else 0
     print(f"resumed at step {step} world {world}", flush=True)
-    while step < total:
+    stop = False
+    while step < total and not stop:
         sampler.set_epoch(sampler.epoch)
         for x, y, idx in loader:
             loss = F.mse_loss(model(x), y)
@@ -70,7 +89,9 @@ def main() -> None:
                 f"{','.join(str(int(i)) for i in idx)}",
                 flush=True,
             )
-            if step >= total or mgr.should_stop():
+            hold(step)
+            stop = mgr.should_stop()  # a stop ends the job's loop, not only the epoch's
+            if step >= total or stop:
                 break
             time.sleep(delay)
         else:
