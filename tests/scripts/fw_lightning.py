@@ -10,9 +10,12 @@ at the script's first line and which ranks ran a @rank_zero_only function (one J
 import argparse
 import json
 import os
+import sys
 import time
 
-from lightning_fabric.utilities.rank_zero import rank_zero_only
+AHEAD = "pytorch_lightning" in sys.modules  # imported before the script's first line (a spare)
+
+from lightning_fabric.utilities.rank_zero import rank_zero_only  # noqa: E402
 
 FIRST_LINE_RANK = getattr(rank_zero_only, "rank", None)  # what Lightning believes at import
 
@@ -67,6 +70,7 @@ def main():
     if args.observe:
         with open(args.observe, "a") as f:
             seen = {"rank": int(os.environ["RANK"]), "first_line_rank": FIRST_LINE_RANK}
+            seen["ahead"] = AHEAD
             f.write(json.dumps(seen) + "\n")
         only_on_rank_zero()
     torch.manual_seed(0)
