@@ -216,10 +216,13 @@ class ForkServer:
 
 
 def discard_spares(spares: list[Spare]) -> None:
-    """Spares exit on EOF; kill any that do not."""
+    """Spares exit on EOF; kill any that do not, and bound ones at once (they read their pipe only
+    once their imports are done)."""
     for p in spares:
         with contextlib.suppress(OSError):
             p.job.close()
+        if p.bound is not None:
+            p.proc.kill()
     for p in spares:
         try:
             p.proc.wait(timeout=2)

@@ -194,10 +194,9 @@ class SparePool:
         bound to none of them (another world's) is let go."""
         self.expected = envs
         stale = [p for p in self.spares if p.bound is not None and not any(map(p.fits, envs))]
-        for spare in stale:
-            self.spares.remove(spare)
-            spare.proc.kill()  # now: it may be importing, and reads its pipe only after
-            spare.proc.wait()
+        if stale:
+            self.spares = [p for p in self.spares if p not in stale]
+            forkclient.discard_spares(stale)
         if self.forkserver:
             self.top_up()
         elif self.cfg.warm_spawn:
