@@ -1,4 +1,4 @@
-"""The frameworks people train with, unchanged under elasticd (tests/scripts/fw_*.py: Lightning,
+"""The frameworks people train with, unchanged under elasticd (tests/scripts/*_train.py: Lightning,
 the transformers Trainer, Accelerate; 2 CPU workers, gloo): a kill -9 of a worker recovers and the
 job ends with exit 0; spares that preloaded what the workers imported (daemon/learning.py) do not
 change what the script sees; a crash's survivors are not waited on, a stop's save completes."""
@@ -25,7 +25,7 @@ def _need(module: str) -> None:
 
 def _start(daemons, tmp_path, name: str, *args: str):
     out = ["--out", str(tmp_path / "out"), "--steps", "100000", "--step-time", "0.05"]
-    return daemons(script(f"fw_{name}.py"), *FLAGS, args=[*out, *args], env=ENV)
+    return daemons(script(f"{name}_train.py"), *FLAGS, args=[*out, *args], env=ENV)
 
 
 def _event(d, name: str, timeout: float, **match) -> dict:
