@@ -189,3 +189,19 @@ def test_every_elasticd_variable_a_worker_sees_otherwise_than_the_server_is_audi
     assert {"RANK", "MASTER_PORT", "ELASTICD_HEARTBEAT_FILE"} <= differ
     assert [k for k in differ if not learned.rank_variable(k)] == []
     assert not learned.rank_variable("ELASTICD_AGENT")  # the same token in both
+
+
+def test_a_rank_takes_the_spare_bound_to_its_values_else_an_unbound_one():
+    from elasticd.daemon import forkclient, spawn
+
+    def spare(pid, bound):
+        return forkclient.Spare(forkclient.Child(pid), job=None, bound=bound)
+
+    spares = [spare(1, None), spare(2, {"RANK": "1"}), spare(3, {"RANK": "0"}), spare(4, None)]
+    assert spawn._pick(spares, {"RANK": "0", "MASTER_PORT": "1"}).pid == 3
+    assert spawn._pick(spares, {"RANK": "1"}).pid == 2
+    # another world: no bound spare read these values; never one that read others
+    assert spawn._pick(spares, {"RANK": "5"}).pid == 1
+    assert spawn._pick(spares, {"RANK": "6"}).pid == 4
+    assert spawn._pick(spares, {"RANK": "7"}) is None
+    assert spawn._pick([spare(5, {"RANK": "0"})], {}) is None  # unset is a value too
