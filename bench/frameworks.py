@@ -1,5 +1,5 @@
 """Recovery of the frameworks people train with, elasticd vs torchrun on the same unchanged
-scripts (tests/scripts/fw_*.py: Lightning, the transformers Trainer, Accelerate; 2 CPU workers,
+scripts (tests/scripts/*_train.py: Lightning, the transformers Trainer, Accelerate; 2 CPU workers,
 gloo): `kill -9` of rank 1 → both ranks have logged a training step again (each rank appends
 `rank step pid time` per step; a step by a process started after the kill counts).
 
@@ -31,7 +31,7 @@ NPROC = 2
 
 
 def script(framework: str) -> Path:
-    return ROOT / "tests" / "scripts" / f"fw_{framework}.py"
+    return ROOT / "tests" / "scripts" / f"{framework}_train.py"
 
 
 def command(launcher: str, framework: str, work: Path, trials: int, step_time: float) -> list:

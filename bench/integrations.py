@@ -3,7 +3,8 @@ rank 1 mid-training under `elasticd run` (2 gloo CPU workers), timed from the ki
 logging a step again, and the steps lost (the newest step logged before the kill less the step
 resumed from). The jobs are the tests' scripts (tests/scripts/*_train.py): without the
 integration they resume from their own disk checkpoint (every --disk steps), with it from
-elasticd's memory at its default cadence.
+elasticd's memory at its default cadence. Each run is killed once the fork server has learned
+the workers' imports (as bench/frameworks.py), as far past a disk save as --kill-at is.
 
     python bench/integrations.py --trials 3
 """
@@ -21,6 +22,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from frameworks import wait_learned
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = {
@@ -47,14 +50,21 @@ def trial(framework: str, every: int, disk: int, kill_at: int, work: Path) -> di
     cmd = [sys.executable, "-m", "elasticd", "run", "--nproc-per-node", "2"]
     cmd += ["--log-dir", str(work / "logs"), "--socket", str(work / "s.sock")]
     cmd += [str(ROOT / "tests" / "scripts" / SCRIPTS[framework])]
-    cmd += ["--", str(work / "final.pt"), str(kill_at + 40), str(disk), str(every)]
+    cmd += ["--out", str(work / "out"), "--steps", "100000", "--save-every", str(disk)]
+    cmd += ["--step-time", "0.03", *(["--memory-every", str(every)] if every >= 0 else [])]
     with open(out, "wb") as o, open(err, "wb") as e:
         proc = subprocess.Popen(cmd, stdout=o, stderr=e, cwd=ROOT, start_new_session=True)
     try:
+        # the spares a restart takes once the fork server learned the workers' imports, and
+        # those bound to a rank have imported the rest (as bench/frameworks.py measures)
+        wait_learned(err, 300)
+        time.sleep(5)
+        now = max((int(s) for _, s in STEP.findall(out.read_bytes())), default=0)
+        target = now + 1 + (kill_at - now - 1) % disk  # as far past a disk save as kill_at is
         deadline = time.monotonic() + 300
-        while not any(int(s) >= kill_at for _, s in STEP.findall(out.read_bytes())):
+        while not any(int(s) >= target for _, s in STEP.findall(out.read_bytes())):
             if time.monotonic() > deadline or proc.poll() is not None:
-                raise RuntimeError(f"{framework}: no step {kill_at}")
+                raise RuntimeError(f"{framework}: no step {target}")
             time.sleep(0.01)
         before = max(int(s) for _, s in STEP.findall(out.read_bytes()))
         seen = len(out.read_bytes())

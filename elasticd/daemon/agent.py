@@ -306,7 +306,7 @@ class Agent:
         )
         self.group.start(rnd, self.restart_count, self.memory_dir, self.spares.spares)
         self.recovery.mark("spawned")
-        self.spares.after_spawn()
+        self.spares.after_spawn([w.env for w in self.group.workers])
         self.set_state(
             State.RUNNING,
             world_size=rnd.world_size,

@@ -6,6 +6,7 @@ a fresh interpreter per spare. A spare waits on its job pipe for a rank (see spa
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -56,14 +57,32 @@ class Child:
 
 @dataclass
 class Spare:
-    """A warm process waiting for a rank: one JSON line on `job` hands it one (see bootstrap)."""
+    """A warm process waiting for a rank: one JSON line on `job` hands it one (see bootstrap).
+    `bound`: for a spare bound to a rank ahead (`bind`), the values its imports read, which the
+    rank it is handed must have."""
 
     proc: subprocess.Popen | Child
     job: BinaryIO
+    bound: dict[str, str | None] | None = None
 
     @property
     def pid(self) -> int:
         return self.proc.pid
+
+    def bind(self, env: dict[str, str], modules: list[str], reads: list[str]) -> None:
+        """Have the spare import `modules` now with `env`, its expected rank's environment
+        (worker/bound.py)."""
+        try:
+            self.job.write(json.dumps({"bind": {"env": env, "modules": modules}}).encode() + b"\n")
+            self.job.flush()
+        except OSError:
+            self.proc.kill()  # replaced at the next collect, as a spare that died
+            return
+        self.bound = {key: env.get(key) for key in reads}
+
+    def fits(self, env: dict[str, str]) -> bool:
+        """Whether this spare may take the rank whose environment is `env`."""
+        return self.bound is None or all(env.get(k) == v for k, v in self.bound.items())
 
 
 def _spare_env(token: str, nproc: int, preload: tuple[str, ...]) -> dict[str, str]:
@@ -197,10 +216,13 @@ class ForkServer:
 
 
 def discard_spares(spares: list[Spare]) -> None:
-    """Spares exit on EOF; kill any that do not."""
+    """Spares exit on EOF; kill any that do not, and bound ones at once (they read their pipe only
+    once their imports are done)."""
     for p in spares:
         with contextlib.suppress(OSError):
             p.job.close()
+        if p.bound is not None:
+            p.proc.kill()
     for p in spares:
         try:
             p.proc.wait(timeout=2)

@@ -40,6 +40,9 @@ class SparePool:
         self.part: supervise.Part | None = None  # the fork server's health, once there is one
         self.respawn_at: float | None = None  # when a dead fork server is started again
         self.learning = learning.Learning(run_dir, event) if cfg.learn_preload else None
+        # spares bound to a rank ahead (worker/bound.py): what they import, the variables read
+        self.binding: tuple[list[str], list[str]] | None = None
+        self.expected: list[dict[str, str]] = []  # the running attempt's environments
 
     def _start_server(self) -> None:
         self.forkserver = forkclient.ForkServer(
@@ -89,8 +92,10 @@ class SparePool:
         if not replace:
             return
         forkclient.discard_spares(self.spares)
+        if report.get("bound"):
+            self.binding = report["bound"], report.get("reads") or []
         if report.get("tainted"):
-            self.learning = None
+            self.learning = self.binding = None
             fs.close()
             self._start_server()
         self._fill()
@@ -103,10 +108,39 @@ class SparePool:
         self.collect()
         self._fill()
 
+    def _unbound_ranks(self) -> list[dict[str, str]]:
+        """The running attempt's environments that no spare is bound to yet."""
+        if self.binding is None:
+            return []
+        bound = [p for p in self.spares if p.bound is not None]
+        out = []
+        for env in self.expected:
+            fit = next((p for p in bound if p.fits(env)), None)
+            if fit is None:
+                out.append(env)
+            else:
+                bound.remove(fit)
+        return out
+
+    def _place(self, new: list[forkclient.Spare]) -> None:
+        """Spares just forked: bound to the ranks that have no bound spare, first (worker/bound.py:
+        a restart at this world takes those), the rest kept unbound (for another world)."""
+        todo, bound = self._unbound_ranks(), {}
+        for spare in new:
+            if todo and self.binding is not None:
+                env = todo.pop(0)
+                spare.bind(env, *self.binding)
+                bound[spare.pid] = env.get("RANK")
+            self.spares.append(spare)
+        if bound:
+            self.event("spares_bound", spares=bound, modules=len(self.binding[0]))
+
     def _fill(self) -> None:
         self.spares = [p for p in self.spares if p.proc.poll() is None]
         fs = self.forkserver
-        missing = self.cfg.nproc_per_node - len(self.spares) - (fs.pending if fs else 0)
+        unbound = sum(p.bound is None for p in self.spares)
+        missing = self.cfg.nproc_per_node - unbound + len(self._unbound_ranks())
+        missing -= fs.pending if fs else 0
         if fs:
             fs.request(missing)
         else:
@@ -137,7 +171,7 @@ class SparePool:
                 self._fill()
             return
         if fs.pending or fs.learning:
-            self.spares += fs.collect()
+            self._place(fs.collect())
         if fs.learned:
             self._learned(fs)
             return
@@ -146,6 +180,7 @@ class SparePool:
             self.forkserver = None
             if self.learning:
                 self.learning.forget()  # the next server knows nothing: the next attempt teaches
+            self.binding = None
             if fs.unfit:
                 part.off(fs.unfit, level="warning")
             else:
@@ -153,8 +188,15 @@ class SparePool:
                 self.respawn_at = None if delay is None else time.monotonic() + delay
             self._fill()
 
-    def after_spawn(self) -> None:
-        """A start took spares: refill now from the fork server, else once the workers stepped."""
+    def after_spawn(self, envs: list[dict[str, str]]) -> None:
+        """A start took spares: refill now from the fork server, else once the workers stepped.
+        `envs`: the new workers' environments, which spares are bound to from now on; a spare
+        bound to none of them (another world's) is let go."""
+        self.expected = envs
+        stale = [p for p in self.spares if p.bound is not None and not any(map(p.fits, envs))]
+        if stale:
+            self.spares = [p for p in self.spares if p not in stale]
+            forkclient.discard_spares(stale)
         if self.forkserver:
             self.top_up()
         elif self.cfg.warm_spawn:

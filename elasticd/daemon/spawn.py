@@ -70,6 +70,7 @@ class Worker:
     heartbeat_path: Path
     started: float  # monotonic
     exit_code: int | None = None
+    env: dict[str, str] = field(default_factory=dict, repr=False)  # what it was started with
 
     @property
     def pid(self) -> int:
@@ -179,8 +180,8 @@ def spawn(spec: GroupSpec, spares: list[Spare] | None = None) -> list[Worker]:
         env = worker_env(spec, local_rank, paths)
         args = spec.worker_args(local_rank)
         proc = None
-        while spares and proc is None:
-            proc = _assign(spares.pop(0), env, args, paths["log"])
+        while proc is None and (spare := _pick(spares, env)) is not None:
+            proc = _assign(spare, env, args, paths["log"])
         if proc is None:
             with os.fdopen(safeio.create(paths["log"]), "ab") as out:
                 proc = subprocess.Popen(
@@ -204,9 +205,20 @@ def spawn(spec: GroupSpec, spares: list[Spare] | None = None) -> list[Worker]:
                 paths["stack"],
                 paths["heartbeat"],
                 time.monotonic(),
+                env=env,
             )
         )
     return workers
+
+
+def _pick(spares: list[Spare], env: dict[str, str]) -> Spare | None:
+    """The spare for the rank whose environment is `env`: one bound to it ahead (its imports
+    already done, worker/bound.py), else one not bound to any rank; taken out of `spares`."""
+    for bound in (True, False):
+        for i, spare in enumerate(spares):
+            if (spare.bound is not None) == bound and spare.fits(env):
+                return spares.pop(i)
+    return None
 
 
 def _assign(spare: Spare, env: dict[str, str], args: tuple[str, ...], log: Path):

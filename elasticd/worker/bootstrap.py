@@ -274,15 +274,22 @@ def preload() -> None:
 def wait_for_rank() -> list[str] | None:
     """Warm spare: import the heavy modules (if the fork server has not), then block until the
     daemon sends this process its rank's environment, arguments and log file (one JSON line on
-    stdin).
+    stdin), after a line that binds it to a rank ahead (worker/bound.py), if the daemon sends one.
 
     Afterwards the process looks like a cold worker to the script: the same environment,
     argv, stdout/stderr on the rank's log, stdin on /dev/null. None on EOF (spare discarded)."""
+    from elasticd.worker import bound  # a spare's only: a cold worker imports no more than it needs
+
     preload()
-    line = sys.stdin.buffer.readline()
-    if not line:
-        return None
-    job = json.loads(line)
+    seen = None  # what imports bound to a rank read (worker/bound.py), if the daemon bound it
+    while True:
+        line = sys.stdin.buffer.readline()
+        if not line:
+            return None
+        job = json.loads(line)
+        if "bind" not in job:
+            break
+        seen = bound.bind(job["bind"])
     sys.stdout.flush()
     sys.stderr.flush()
     log = safeio.create(job["log"], os.O_WRONLY | os.O_APPEND)
@@ -294,6 +301,8 @@ def wait_for_rank() -> list[str] | None:
     os.close(null)
     os.environ.clear()
     os.environ.update(job["env"])
+    if seen is not None and not bound.holds(seen, job["env"]):
+        bound.cold_start(job["args"])
     return job["args"]
 
 

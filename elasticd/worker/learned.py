@@ -25,7 +25,7 @@ import signal
 import sys
 import threading
 
-from elasticd import safeio
+from elasticd import names, safeio
 
 ROUNDS = 4
 RANK_VARIABLES = frozenset(
@@ -47,18 +47,39 @@ RANK_VARIABLES = frozenset(
 )
 
 
+# elasticd's variables that differ between this server and a worker (spawn.worker_env sets them
+# per worker; the server's own list). The others (the daemon's token and pid, settings) are the
+# same in both: reading them is harmless (fsspec.config copies the whole environment at import).
+PER_WORKER = frozenset(
+    {
+        names.ENTRYPOINT,
+        names.NO_PYTHON,
+        names.HEARTBEAT_FILE,
+        names.STACK_FILE,
+        names.STACK_SIGNAL,
+        names.ATTEMPT_DIR,
+        names.CHECKPOINT_DIR,
+        names.MEMORY_DIR,
+        names.LOCAL_RANK,
+        names.WARM_PRELOAD,
+    }
+)
+
+
 def rank_variable(key: str) -> bool:
     """A variable the rank's environment sets or changes (spawn.worker_env): what a spare's
     imports must not read."""
-    return key in RANK_VARIABLES or key.startswith(("TORCHELASTIC_", "PET_", "ELASTICD_"))
+    return key in RANK_VARIABLES or key in PER_WORKER or key.startswith(("TORCHELASTIC_", "PET_"))
 
 
 class Audit:
     """Every read of a rank variable from os.environ while installed, with the modules whose
-    import-time code was running (innermost first)."""
+    import-time code was running (innermost first), and the value each variable had at its first
+    read (`values`: None where it was unset)."""
 
     def __init__(self) -> None:
         self.reads: list[tuple[str, list[str]]] = []
+        self.values: dict[str, str | None] = {}
         self._original = None
 
     def __enter__(self) -> Audit:
@@ -66,9 +87,16 @@ class Audit:
         original = self._original = cls.__getitem__
 
         def getitem(env, key):
-            if env is os.environ and isinstance(key, str) and rank_variable(key):
-                audit.reads.append((key, importing()))
-            return original(env, key)
+            if not (env is os.environ and isinstance(key, str) and rank_variable(key)):
+                return original(env, key)
+            audit.reads.append((key, importing()))
+            try:
+                value = original(env, key)
+            except KeyError:
+                audit.values.setdefault(key, None)
+                raise
+            audit.values.setdefault(key, value)
+            return value
 
         cls.__getitem__ = getitem
         return self
@@ -160,10 +188,15 @@ def _more_threads(tasks: int, threads: int) -> bool:
     return len(os.listdir("/proc/self/task")) > tasks or threading.active_count() > threads
 
 
-def probe(wanted: list[str], expected: set[str]) -> dict[str, str]:
+def probe(
+    wanted: list[str], expected: set[str], bound: bool = False
+) -> tuple[dict[str, str], dict[str, list[str]]]:
     """Import `wanted` in order (in a probe: this process is thrown away); what must not be
-    preloaded, each with why."""
+    preloaded, each with why, and the rank variables each name's import read. `bound`: for a
+    spare that knows its rank (worker/bound.py), where reading one and starting a thread are no
+    reason to leave out."""
     excluded: dict[str, str] = {}
+    keys: dict[str, list[str]] = {}
     _more_threads(0, 0)  # loads what it needs before the first import is watched
     with Audit() as audit, Edges() as edges:
         for name in wanted:
@@ -176,12 +209,13 @@ def probe(wanted: list[str], expected: set[str]) -> dict[str, str]:
             except BaseException as e:  # noqa: BLE001 - whatever the import raised
                 excluded[name] = f"fails to import here: {type(e).__name__}: {e}"[:300]
                 continue
-            for key, stack in audit.reads[seen:]:
+            keys[name] = sorted({key for key, _ in audit.reads[seen:]})
+            for key, stack in [] if bound else audit.reads[seen:]:
                 for i, module in enumerate(stack):
                     why = f"reads {key} at import" if i == 0 else f"imports {stack[0]}"
                     excluded.setdefault(module, why if i == 0 else f"{why}, which reads {key}")
                 excluded.setdefault(name, f"imports {stack[0]}, which reads {key} at import")
-            if _more_threads(tasks, threads):
+            if not bound and _more_threads(tasks, threads):
                 excluded.setdefault(name, "starts a thread at import")
             torch = sys.modules.get("torch")
             if torch is not None and torch.cuda.is_initialized():
@@ -197,7 +231,7 @@ def probe(wanted: list[str], expected: set[str]) -> dict[str, str]:
             if extra:
                 excluded.setdefault(name, f"also imports {extra[0]}, which the workers did not")
     edges.spread(excluded)
-    return excluded
+    return excluded, keys
 
 
 def _die_with_parent() -> None:
@@ -205,7 +239,9 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
 
 
-def _probe_in_child(wanted: list[str], expected: set[str]) -> dict[str, str] | None:
+def _probe_in_child(
+    wanted: list[str], expected: set[str], bound: bool = False
+) -> tuple[dict[str, str], dict[str, list[str]]] | None:
     """probe() in a forked child at idle priority; None if the child died (killed by a
     teardown's sweep, or out of memory)."""
     read_end, write_end = os.pipe()
@@ -218,7 +254,7 @@ def _probe_in_child(wanted: list[str], expected: set[str]) -> dict[str, str] | N
             with contextlib.suppress(OSError):
                 os.nice(19)
             sys.stdout = sys.stderr = open(os.devnull, "w")
-            data = json.dumps(probe(wanted, expected)).encode()
+            data = json.dumps(probe(wanted, expected, bound)).encode()
             with os.fdopen(write_end, "wb") as f:
                 f.write(data)
             code = 0
@@ -230,7 +266,8 @@ def _probe_in_child(wanted: list[str], expected: set[str]) -> dict[str, str] | N
     _, status = os.waitpid(pid, 0)
     if os.waitstatus_to_exitcode(status) != 0:
         return None
-    return json.loads(data)
+    excluded, keys = json.loads(data)
+    return excluded, keys
 
 
 def learn(wanted: list[str]) -> dict:
@@ -238,6 +275,16 @@ def learn(wanted: list[str]) -> dict:
     `preloaded` (names imported), `excluded` (name -> why), and `error` (learning gave up:
     nothing imported) or `tainted` (a rank variable read here after all: the daemon must not
     fork from this server)."""
+    # as the workers see it: absent (the server's own list, read at its start: bootstrap.preload)
+    hidden = os.environ.pop(names.WARM_PRELOAD, None)
+    try:
+        return _learn(wanted)
+    finally:
+        if hidden is not None:
+            os.environ[names.WARM_PRELOAD] = hidden
+
+
+def _learn(wanted: list[str]) -> dict:
     expected = set(wanted)
     wanted = [n for n in wanted if n not in sys.modules]
     excluded: dict[str, str] = {}
@@ -245,7 +292,7 @@ def learn(wanted: list[str]) -> dict:
         found = _probe_in_child([n for n in wanted if n not in excluded], expected)
         if found is None:
             return {"preloaded": [], "excluded": excluded, "error": "the probe died"}
-        new = {k: v for k, v in found.items() if k not in excluded}
+        new = {k: v for k, v in found[0].items() if k not in excluded}
         excluded.update(new)
         for name in wanted:
             parent = _inside(name, excluded)
@@ -271,7 +318,40 @@ def learn(wanted: list[str]) -> dict:
     if audit.reads:
         key, stack = audit.reads[0]
         report["tainted"] = f"{stack[0] if stack else '?'} read {key} at import"
+    else:
+        report.update(for_bound_spares(wanted, excluded, expected))
     return report
+
+
+def reads_rank(name: str, excluded: dict[str, str]) -> bool:
+    """Whether `name` was left out only for a rank variable read at import: its own, or one
+    by a module it imports or lies inside."""
+    seen = set()
+    while name in excluded and name not in seen:
+        seen.add(name)
+        why = excluded[name]
+        if why.startswith("reads "):
+            return True
+        if not why.startswith(("imports ", "inside ")):
+            return False
+        name = why.split()[1].rstrip(",")
+    return False
+
+
+def for_bound_spares(wanted: list[str], excluded: dict[str, str], expected: set[str]) -> dict:
+    """What a spare that knows its rank's environment may import ahead (worker/bound.py): the
+    modules left out for reading a rank variable, less those that fail or bring in a module the
+    workers did not have (a probe after this server's imports, as a spare's would be), and the
+    rank variables their imports read (`reads`: the daemon hands such a spare only a rank whose
+    environment has the same values there)."""
+    bound = [n for n in wanted if n in excluded and reads_rank(n, excluded)]
+    found = _probe_in_child(bound, expected, bound=True) if bound else ({}, {})
+    if found is None:
+        return {}
+    dropped, keys = found
+    bound = [n for n in bound if n not in dropped and not _inside(n, dropped)]
+    reads = sorted({key for name in bound for key in keys.get(name, ())})
+    return {"bound": bound, "reads": reads} if bound else {}
 
 
 def learn_from(path: str) -> dict:

@@ -1,4 +1,4 @@
-"""The frameworks people train with, unchanged under elasticd (tests/scripts/fw_*.py: Lightning,
+"""The frameworks people train with, unchanged under elasticd (tests/scripts/*_train.py: Lightning,
 the transformers Trainer, Accelerate; 2 CPU workers, gloo): a kill -9 of a worker recovers and the
 job ends with exit 0; spares that preloaded what the workers imported (daemon/learning.py) do not
 change what the script sees; a crash's survivors are not waited on, a stop's save completes."""
@@ -25,7 +25,7 @@ def _need(module: str) -> None:
 
 def _start(daemons, tmp_path, name: str, *args: str):
     out = ["--out", str(tmp_path / "out"), "--steps", "100000", "--step-time", "0.05"]
-    return daemons(script(f"fw_{name}.py"), *FLAGS, args=[*out, *args], env=ENV)
+    return daemons(script(f"{name}_train.py"), *FLAGS, args=[*out, *args], env=ENV)
 
 
 def _event(d, name: str, timeout: float, **match) -> dict:
@@ -36,6 +36,19 @@ def _event(d, name: str, timeout: float, **match) -> dict:
         return None
 
     return wait_until(found, timeout, what=f"event {name} {match or ''}")
+
+
+def _running(d) -> list[dict]:
+    return [e for e in d.events() if e.get("event") == "state" and e.get("new") == "RUNNING"]
+
+
+def bound_ranks(d, pid: int | None = None) -> set[str]:
+    """The ranks spares were bound to (spares_bound events), or the one spare `pid` was."""
+    out = set()
+    for e in d.events():
+        if e.get("event") == "spares_bound":
+            out.update(r for p, r in e["spares"].items() if pid is None or int(p) == pid)
+    return out
 
 
 def _kill_rank1_and_recover(d) -> dict:
@@ -65,13 +78,19 @@ def test_lightning_learned_spares_keep_rank_zero_only(daemons, tmp_path):
     assert learned["preloaded"] > 0 and not learned["error"] and not learned["tainted"]
     skipped = {e["module"]: e["why"] for e in d.events() if e.get("event") == "preload_skipped"}
     assert skipped["lightning_fabric.utilities.rank_zero"] == "reads RANK at import"
-    # the spares now hold Lightning's dependencies; rank 1 of the restart starts in one
+    # the spares now hold Lightning's dependencies, and one per rank has Lightning itself,
+    # imported with that rank's environment (worker/bound.py); the restart starts in those
+    wait_until(lambda: bound_ranks(d) == {"0", "1"}, 60, what="a spare bound to each rank")
     _kill_rank1_and_recover(d)
     _stepped_again(d)
+    restarted = _running(d)[1]["pids"]
+    assert all(bound_ranks(d, pid) == {rank} for rank, pid in restarted.items()), restarted
     _stop(d)
     seen = [json.loads(line) for line in observe.read_text().splitlines()]
     starts = [s for s in seen if "first_line_rank" in s]
     assert len(starts) == 4, seen  # two ranks, two attempts
+    # Lightning came with the bound spare (no cold start after all), and saw the right rank
+    assert [s["ahead"] for s in starts] == [False, False, True, True], starts
     assert all(s["first_line_rank"] == s["rank"] for s in starts), starts
     ran = [s["rank_zero_only_ran_on"] for s in seen if "rank_zero_only_ran_on" in s]
     assert ran == [0, 0], seen

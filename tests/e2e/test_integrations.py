@@ -48,14 +48,20 @@ def assert_same(a, b, where="state"):
         assert a == b, f"{where}: {a!r} != {b!r}"
 
 
-def crash_and_compare(daemons, tmp_path, name: str, args: list[str], kill_at: int, disk: int):
+def _args(tmp_path, run: str, total: int, disk: int) -> list[str]:
+    """The script's (tests/scripts/*_train.py) with the integration on, refreshed every step."""
+    out = ["--out", str(tmp_path / run), "--final", str(tmp_path / f"{run}.pt")]
+    every = ["--steps", str(total), "--save-every", str(disk), "--memory-every", "1"]
+    return [*out, *every, "--step-time", "0.03"]
+
+
+def crash_and_compare(daemons, tmp_path, name: str, total: int, kill_at: int, disk: int):
     """A clean run and one whose rank 1 is SIGKILLed once rank 0 logged `kill_at`; returns the
     crashed run's rank 0 log of the attempt that resumed."""
-    clean = daemons(script(name), *FLAGS, name="clean", args=[str(tmp_path / "clean.pt"), *args])
+    clean = daemons(script(name), *FLAGS, name="clean", args=_args(tmp_path, "clean", total, disk))
     assert clean.wait(180) == 0, clean.stderr()[-3000:]
-    crashed = daemons(
-        script(name), *FLAGS, name="crashed", args=[str(tmp_path / "crashed.pt"), *args]
-    )
+    args = _args(tmp_path, "crashed", total, disk)
+    crashed = daemons(script(name), *FLAGS, name="crashed", args=args)
     crashed.wait_for_step(0, kill_at, 120)
     before = max(steps(crashed.log_text(0)))
     os.kill(crashed.worker_pids()[1], signal.SIGKILL)
@@ -74,15 +80,15 @@ def crash_and_compare(daemons, tmp_path, name: str, args: list[str], kill_at: in
 
 @needs("pytorch_lightning")
 def test_lightning_resumes_its_loop_from_memory_bit_identical(daemons, tmp_path):
-    crash_and_compare(daemons, tmp_path, "lightning_train.py", ["60", "20"], kill_at=33, disk=20)
+    crash_and_compare(daemons, tmp_path, "lightning_train.py", 60, kill_at=33, disk=20)
 
 
 @needs("transformers", "accelerate")
 def test_transformers_trainer_resumes_its_state_from_memory_bit_identical(daemons, tmp_path):
-    crash_and_compare(daemons, tmp_path, "transformers_train.py", ["60", "20"], kill_at=33, disk=20)
+    crash_and_compare(daemons, tmp_path, "transformers_train.py", 60, kill_at=33, disk=20)
 
 
 @needs("accelerate")
 def test_accelerate_recipe_resumes_from_memory_bit_identical(daemons, tmp_path):
     """docs/checkpoints.md's recipe: elasticd.checkpoint in an Accelerate loop."""
-    crash_and_compare(daemons, tmp_path, "accelerate_train.py", ["60", "20"], kill_at=33, disk=20)
+    crash_and_compare(daemons, tmp_path, "accelerate_train.py", 60, kill_at=33, disk=20)

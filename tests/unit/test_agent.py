@@ -119,7 +119,9 @@ class FakeGroup:
     def start(self, rnd: Round, restart_count: int, memory_dir, spares) -> None:
         self.attempt += 1
         self.s.calls.append(("start", self.attempt, restart_count))
-        self.workers = [SimpleNamespace(local_rank=0, global_rank=0, pid=1000 + self.attempt)]
+        self.workers = [
+            SimpleNamespace(local_rank=0, global_rank=0, pid=1000 + self.attempt, env={})
+        ]
 
     def check(self) -> Failure | None:
         if self.attempt in self.s.stop_in_attempt:
@@ -159,7 +161,7 @@ class FakeSpares:
     def collect(self) -> None:
         pass
 
-    def after_spawn(self) -> None:
+    def after_spawn(self, envs: list) -> None:
         pass
 
     def refill_if_due(self, stepped: bool, now: float) -> None:

@@ -4,13 +4,14 @@ imports must not land in pytest's process)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
 import sys
 
 from elasticd.daemon import learning
-from elasticd.worker import imported
+from elasticd.worker import imported, learned
 from harness import ROOT
 
 MODULES = {
@@ -114,3 +115,93 @@ def test_the_daemon_teaches_once_every_worker_reported(tmp_path):
     assert learn.wanted(next_attempt) is None  # nothing new to teach
     learn.forget()  # the fork server died: a new one is taught again
     assert learn.wanted(next_attempt) == ["json", "csv"]
+
+
+def test_spares_bound_to_a_rank_get_the_rank_readers_less_what_else_they_bring(tmp_path):
+    MODULES["rank_extra.py"] = "import os, extra_dep\nR = os.environ.get('RANK')\n"
+    MODULES["extra_dep.py"] = "X = 1\n"
+    report = _learn(
+        tmp_path, ["rankread", "rankread.sub", "user_of_rank", "rank_extra", "clean", "broken"]
+    )
+    assert report["preloaded"] == ["clean"]
+    # a spare that knows its rank may import what reads it; not what fails or brings in more
+    assert report["bound"] == ["rankread", "rankread.sub", "user_of_rank"]
+    assert report["reads"] == ["LOCAL_RANK"]
+
+
+def _spare(tmp_path) -> subprocess.Popen:
+    """A fresh-interpreter warm spare (as forkclient.start_spare), our child."""
+    for rel, text in MODULES.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK")}
+    env.update(PYTHONPATH=f"{ROOT}{os.pathsep}{tmp_path}", ELASTICD_WARM_PRELOAD="")
+    env["ELASTICD_DAEMON_PID"] = str(os.getpid())
+    return subprocess.Popen(
+        [sys.executable, "-m", "elasticd.worker.bootstrap"],
+        env=env,
+        stdin=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+
+
+def _job(tmp_path, spare, bound_to: str, given: str) -> dict:
+    """Bind `spare` to LOCAL_RANK `bound_to`, hand it `given`; what the script saw."""
+    script = tmp_path / "observe.py"
+    script.write_text(
+        "import json, os, sys\n"
+        "ahead = 'rankread' in sys.modules\n"
+        "import rankread\n"
+        "print(json.dumps({'rank': rankread.RANK, 'ahead': ahead}))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK")}
+    env.update(PYTHONPATH=f"{ROOT}{os.pathsep}{tmp_path}", ELASTICD_DAEMON_PID=str(os.getpid()))
+    log = tmp_path / f"rank{given}-{bound_to}.log"
+    bind = {"bind": {"env": dict(env, LOCAL_RANK=bound_to), "modules": ["rankread"]}}
+    job = {"env": dict(env, LOCAL_RANK=given, ELASTICD_ENTRYPOINT=str(script)), "args": []}
+    job["log"] = str(log)
+    _, err = spare.communicate((json.dumps(bind) + "\n" + json.dumps(job) + "\n").encode(), 60)
+    assert spare.returncode == 0, err
+    return json.loads(log.read_text().splitlines()[-1])
+
+
+def test_a_spare_bound_ahead_imports_with_its_rank_and_goes_cold_when_handed_another(tmp_path):
+    # the rank it was bound to: the import was done ahead, with that rank's environment
+    assert _job(tmp_path, _spare(tmp_path), bound_to="3", given="3") == {"rank": 3, "ahead": True}
+    # another rank after all: the spare becomes a cold worker, and the import sees this rank
+    assert _job(tmp_path, _spare(tmp_path), bound_to="3", given="1") == {"rank": 1, "ahead": False}
+
+
+def test_every_elasticd_variable_a_worker_sees_otherwise_than_the_server_is_audited(tmp_path):
+    from elasticd.daemon import forkclient, spawn
+
+    # entrypoint, args, nproc, rank base, world, group rank and world, master, restarts, run,
+    # attempt directory, token
+    spec = spawn.GroupSpec(
+        "train.py", (), 2, 0, 2, 0, 1, "127.0.0.1", 29500, 0, 3, "job", tmp_path, "tok"
+    )
+    spec = dataclasses.replace(spec, no_python=True)
+    spec = dataclasses.replace(spec, checkpoint_dir=str(tmp_path), virtual_local_rank=True)
+    spec = dataclasses.replace(spec, extra_env={"ELASTICD_MEMORY_DIR": str(tmp_path)})
+    worker = spawn.worker_env(spec, 1, spawn._paths(spec, 1))
+    server = forkclient._spare_env("tok", 2, ("torch",))
+    differ = {k for k in worker.keys() | server.keys() if worker.get(k) != server.get(k)}
+    assert {"RANK", "MASTER_PORT", "ELASTICD_HEARTBEAT_FILE"} <= differ
+    assert [k for k in differ if not learned.rank_variable(k)] == []
+    assert not learned.rank_variable("ELASTICD_AGENT")  # the same token in both
+
+
+def test_a_rank_takes_the_spare_bound_to_its_values_else_an_unbound_one():
+    from elasticd.daemon import forkclient, spawn
+
+    def spare(pid, bound):
+        return forkclient.Spare(forkclient.Child(pid), job=None, bound=bound)
+
+    spares = [spare(1, None), spare(2, {"RANK": "1"}), spare(3, {"RANK": "0"}), spare(4, None)]
+    assert spawn._pick(spares, {"RANK": "0", "MASTER_PORT": "1"}).pid == 3
+    assert spawn._pick(spares, {"RANK": "1"}).pid == 2
+    # another world: no bound spare read these values; never one that read others
+    assert spawn._pick(spares, {"RANK": "5"}).pid == 1
+    assert spawn._pick(spares, {"RANK": "6"}).pid == 4
+    assert spawn._pick(spares, {"RANK": "7"}) is None
+    assert spawn._pick([spare(5, {"RANK": "0"})], {}) is None  # unset is a value too
