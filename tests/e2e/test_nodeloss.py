@@ -40,10 +40,19 @@ def _start_store(net, i: int = 0) -> subprocess.Popen:
 
 
 def _nodes(
-    daemons, net, names, steps: int, delay: float = 0.02, extra=(), env=None, nnodes=0, ns=1
+    daemons,
+    net,
+    names,
+    steps: int,
+    delay: float = 0.02,
+    extra=(),
+    env=None,
+    nnodes=0,
+    ns=1,
+    job: str = "node_train.py",
 ):
-    """Daemons of node_train.py, one per name, in namespaces ns, ns+1, ... of `net`, for a job of
-    1 to `nnodes` nodes (default: as many as names)."""
+    """Daemons of `job` (tests/scripts/), one per name, in namespaces ns, ns+1, ... of `net`, for
+    a job of 1 to `nnodes` nodes (default: as many as names)."""
     flags = (
         "--nproc-per-node",
         "1",
@@ -63,7 +72,7 @@ def _nodes(
     for k, name in enumerate(names):
         started.append(
             daemons(
-                script("node_train.py"),
+                script(job),
                 *flags,
                 name=name,
                 args=[str(steps), str(delay)],
