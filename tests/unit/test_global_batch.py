@@ -11,6 +11,8 @@ from collections import Counter
 from fractions import Fraction
 
 import pytest
+import structlog
+import structlog.testing
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -21,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, TensorDataset
 
 import _ckpt_helpers as helpers
+from elasticd import exact as exact_mode
 from elasticd.batch_split import split, split_exact
 from elasticd.global_batch import GlobalBatch
 
@@ -264,3 +267,25 @@ def test_normal_mode_gradient_is_the_mean_over_the_global_batch(tmp_path, world,
     F.mse_loss(net(x), y).backward()
     for a, b in zip(got, [p.grad for p in net.parameters()], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_normal_mode_over_several_ranks_needs_ddp_and_a_thread_count_change_is_said():
+    data = TensorDataset(torch.arange(23.0))
+    gb = GlobalBatch(data, 10, 4, num_replicas=2, rank=0)
+    with pytest.raises(TypeError, match="needs a DistributedDataParallel model"):
+        next(gb.micro_batches(nn.Linear(1, 1), iter(DataLoader(data, batch_sampler=gb))))
+    exact = GlobalBatch(data, 10, 4, num_replicas=2, rank=0, exact=True)
+    state = {**exact.state_dict(), "threads": torch.get_num_threads() + 1}
+    with structlog.testing.capture_logs() as said:
+        exact.load_state_dict(state)
+    assert [e["event"] for e in said] == ["exact_threads_changed"]
+
+
+def _refuses_buffer_broadcast(rank: int, world: int) -> None:
+    with pytest.raises(ValueError, match="broadcast_buffers=False"):
+        exact_mode.check_model(DDP(nn.BatchNorm1d(3)))
+    exact_mode.check_model(DDP(nn.BatchNorm1d(3), broadcast_buffers=False))
+
+
+def test_exact_mode_refuses_a_ddp_model_that_broadcasts_buffers(tmp_path):
+    helpers.run(_refuses_buffer_broadcast, 1, tmp_path, timeout=60)
