@@ -1,8 +1,11 @@
 """Real DDP training on synthetic data: what `elasticd run` trains with no arguments.
 
 A small MLP learns a fixed random teacher network. No downloads; NCCL on GPUs when there is one
-for every local worker, else gloo on CPU (`--device` forces either). It checkpoints with
-elasticd.checkpoint and resumes exactly where it stopped (model, optimizer, scheduler, RNG, sampler
+for every local worker, else gloo on CPU (`--device` forces either). Every optimizer step trains on
+the same `--global-batch` samples whatever the world size (elasticd.global_batch: each rank
+accumulates micro-batches of at most `--batch-size`), so a job that loses or gains nodes keeps its
+trajectory; `--exact` makes it bit-identical across world changes. It checkpoints with
+elasticd.checkpoint and resumes exactly where it stopped (model, optimizer, scheduler, RNG, data
 position), so a crash costs at most `--checkpoint-every` steps, and `elasticd stop` (SIGTERM)
 saves at the next step boundary and exits 0. It runs unchanged under torchrun too (it only reads
 torchrun's environment).
@@ -25,13 +28,30 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, TensorDataset
 
 from elasticd.checkpoint import CheckpointManager, capture, restore
-from elasticd.sampler import ResumableDistributedSampler
+from elasticd.global_batch import GlobalBatch
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=300, help="optimizer steps in total")
-    p.add_argument("--batch-size", type=int, default=64, help="per-rank batch size")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=64,
+        help="micro-batch: the most samples one rank computes in one forward/backward",
+    )
+    p.add_argument(
+        "--global-batch",
+        type=int,
+        default=128,
+        help="samples per optimizer step, whatever the world size (each rank accumulates "
+        "micro-batches of at most --batch-size)",
+    )
+    p.add_argument(
+        "--exact",
+        action="store_true",
+        help="bit-identical across world-size changes (elasticd.exact; slower past one rank)",
+    )
     p.add_argument("--samples", type=int, default=8192, help="synthetic dataset size")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--lr", type=float, default=0.05)
@@ -96,16 +116,8 @@ def main(argv=None) -> None:
     torch.manual_seed(args.seed)
 
     data = synthetic_dataset(args.samples)
-    sampler = ResumableDistributedSampler(
-        data, num_replicas=world, rank=rank, shuffle=True, seed=args.seed
-    )
-    loader = DataLoader(
-        data,
-        batch_size=args.batch_size,
-        sampler=sampler,
-        drop_last=True,
-        generator=torch.Generator().manual_seed(args.seed),
-    )
+    gb = GlobalBatch(data, args.global_batch, args.batch_size, seed=args.seed, exact=args.exact)
+    loader = DataLoader(data, batch_sampler=gb)
     model = DDP(
         nn.Sequential(nn.Linear(32, args.hidden), nn.ReLU(), nn.Linear(args.hidden, 1)).to(device),
         device_ids=[local_rank] if use_cuda else None,
@@ -120,7 +132,7 @@ def main(argv=None) -> None:
     )
     state = mgr.load_latest()
     step = (
-        restore(state, model=model, optimizer=opt, scheduler=sched, sampler=sampler)["step"]
+        restore(state, model=model, optimizer=opt, scheduler=sched, sampler=gb)["step"]
         if state
         else 0
     )
@@ -135,44 +147,38 @@ def main(argv=None) -> None:
 
     t0, seen, stopped = time.perf_counter(), 0, False
     loss = torch.zeros(())
+    batches = iter(loader)  # after restore(): it deals from the restored position
     while step < args.steps and not stopped:
-        sampler.set_epoch(sampler.epoch)  # the epoch in progress keeps its position after a resume
-        for x, y in loader:
-            x, y = x.to(device), y.to(device)
-            opt.zero_grad(set_to_none=True)
-            loss = loss_fn(model(x), y)
-            loss.backward()
-            opt.step()
-            sched.step()
-            sampler.advance(x.shape[0])
-            step += 1
-            seen += x.shape[0] * world
-            if rank == 0 and (step % args.log_every == 0 or step == args.steps):
-                print(
-                    f"step {step}/{args.steps} epoch {sampler.epoch} loss {loss.item():.4f} "
-                    f"{seen / (time.perf_counter() - t0):.0f} samples/s",
-                    flush=True,
-                )
-            final = step >= args.steps
-            snapshot = functools.partial(
-                capture, model=model, optimizer=opt, scheduler=sched, sampler=sampler, step=step
+        opt.zero_grad(set_to_none=True)
+        loss = torch.zeros((), device=device)
+        for mb, (x, y) in gb.micro_batches(model, batches):  # gradient accumulation
+            part = loss_fn(model(x.to(device)), y.to(device))
+            (part * mb.scale).backward()  # the step's gradient: the mean over the global batch
+            loss += part.detach() * mb.size / max(1, gb.plan.samples(rank))  # this rank's mean
+        opt.step()
+        sched.step()  # the schedule counts optimizer steps
+        step += 1
+        seen += args.global_batch
+        if rank == 0 and (step % args.log_every == 0 or step == args.steps):
+            print(
+                f"step {step}/{args.steps} epoch {gb.epoch} loss {loss.item():.4f} "
+                f"{seen / (time.perf_counter() - t0):.0f} samples/s",
+                flush=True,
             )
-            if final:
-                mgr.save(step, snapshot, epoch=sampler.epoch)
-            else:
-                mgr.maybe_save(step, snapshot, epoch=sampler.epoch)
-            if (
-                mgr.should_stop()
-            ):  # SIGTERM: elasticd stop / systemctl stop; maybe_save saved this step
-                stopped = True
-                if rank == 0:
-                    print(f"stopping at step {step} on request; checkpoint saved", flush=True)
-            if final or stopped:
-                break
-            if args.step_delay:
-                time.sleep(args.step_delay)
+        final = step >= args.steps
+        snapshot = functools.partial(
+            capture, model=model, optimizer=opt, scheduler=sched, sampler=gb, step=step
+        )
+        if final:
+            mgr.save(step, snapshot, epoch=gb.epoch)
         else:
-            sampler.set_epoch(sampler.epoch + 1)
+            mgr.maybe_save(step, snapshot, epoch=gb.epoch)  # at an optimizer step's boundary
+        if mgr.should_stop():  # SIGTERM: elasticd stop / systemctl stop; maybe_save saved this step
+            stopped = True
+            if rank == 0:
+                print(f"stopping at step {step} on request; checkpoint saved", flush=True)
+        elif args.step_delay and not final:
+            time.sleep(args.step_delay)
     mgr.close()
     if rank == 0 and not stopped:
         print(

@@ -50,10 +50,11 @@ def _nodes(
     nnodes=0,
     ns=1,
     in_order=True,
+    job: str = "node_train.py",
 ):
-    """Daemons of node_train.py, one per name, in namespaces ns, ns+1, ... of `net`, for a job of
-    1 to `nnodes` nodes (default: as many as names). `in_order`: each reaches the store before the
-    next starts, so the first takes group rank 0; else they start at once."""
+    """Daemons of `job` (tests/scripts/), one per name, in namespaces ns, ns+1, ... of `net`, for
+    a job of 1 to `nnodes` nodes (default: as many as names). `in_order`: each reaches the store
+    before the next starts, so the first takes group rank 0; else they start at once."""
     flags = (
         "--nproc-per-node",
         "1",
@@ -73,7 +74,7 @@ def _nodes(
     for k, name in enumerate(names):
         started.append(
             daemons(
-                script("node_train.py"),
+                script(job),
                 *flags,
                 name=name,
                 args=[str(steps), str(delay)],

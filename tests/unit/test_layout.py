@@ -1,9 +1,10 @@
 """The package layout's rules (docs/architecture.md, "Module map"): the folders say which process
 a module runs in, and these checks keep it true.
 
-- Worker side (elasticd/worker/, elasticd/checkpoint/, elasticd/sampler.py) runs in the user's
-  training processes: nothing it imports, directly or through the shared top-level modules,
-  reaches the daemon-side packages (daemon, cluster, control, ops). Read from the source with
+- Worker side (elasticd/worker/, elasticd/checkpoint/, and the top-level modules user scripts
+  import, WORKER_MODULES: the sampler, the global batch) runs in the user's training processes:
+  nothing it imports, directly or through the shared top-level modules, reaches the daemon-side
+  packages (daemon, cluster, control, ops). Read from the source with
   `ast`, every import counted, those inside functions too; then once for real in a subprocess.
 - The CLI, the KV protocol and the etcd client, the checkpoint format and the daemon's side of
   the in-memory state import no torch, so `elasticd status` is quick and the daemon reads
@@ -44,6 +45,13 @@ MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
 
 
 WORKER_PACKAGES = ("elasticd.worker", "elasticd.checkpoint", "elasticd.integrations")
+WORKER_MODULES = (
+    "elasticd.sampler",
+    "elasticd.global_batch",
+    "elasticd.batch_split",
+    "elasticd.exact",
+    "elasticd.ledger",
+)  # top-level modules that user scripts import
 # An integration is named after the framework it serves (elasticd.integrations.transformers): the
 # public path a script imports. Absolute imports keep `import transformers` in it the framework's.
 FRAMEWORKS = {"pytorch_lightning", "lightning", "transformers", "accelerate", "rich"}
@@ -61,7 +69,7 @@ def installed(name: str) -> bool:
 
 def worker_side(name: str) -> bool:
     return (
-        name == "elasticd.sampler"
+        name in WORKER_MODULES
         or name.startswith(tuple(p + "." for p in WORKER_PACKAGES))
         or name in WORKER_PACKAGES
     )
