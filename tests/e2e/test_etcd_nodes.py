@@ -259,7 +259,7 @@ def stepping_after(d, t: float) -> bool:
 
 def test_etcd_gone_for_good_ends_the_job_with_one_line_after_join_timeout(daemons, layout):
     (node,) = _nodes(
-        daemons, layout, 1, steps_=100000, extra=("--peer-timeout", "2", "--join-timeout", "6")
+        daemons, layout, 1, steps_=100000, extra=("--peer-timeout", "2", "--join-timeout", "3")
     )
     wait_until(lambda: stepping_alone(node, 0), 120, what="training")
     layout.cluster.stop()
