@@ -271,6 +271,23 @@ class Daemon:
         )
 
 
+def end_soon(stop_file: Path, *daemons: Daemon, margin: int = 20) -> int:
+    """End a ddp_tutorial.py --stop-file job a few steps from now instead of training out a step
+    count long enough for the slowest machine: writes a step `margin` past the furthest any rank
+    of the daemons' latest attempts has logged (ranks of a group are within a step of each
+    other, so every rank reads it before it gets there and all end at that step)."""
+    pat = re.compile(r"^step (\d+)\b", re.M)
+    latest = wait_until(
+        lambda: max((int(s) for d in daemons for s in pat.findall(d.all_logs())), default=0),
+        60,
+        what="a step logged",
+    )
+    tmp = stop_file.with_name(stop_file.name + ".tmp")
+    tmp.write_text(str(latest + margin))
+    os.replace(tmp, stop_file)
+    return latest + margin
+
+
 def secret_flags() -> tuple[str, ...]:
     """--rdzv-secret-file with a secret shared by every node a test starts (a multi-node job
     refuses to run without one): a mode-600 file in this session's own temporary directory."""

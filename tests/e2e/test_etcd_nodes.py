@@ -13,7 +13,6 @@ back."""
 from __future__ import annotations
 
 import secrets
-import signal
 import time
 from dataclasses import dataclass
 
@@ -29,6 +28,7 @@ from e2e.test_nodeloss import (
     resumed_at,
     stepping_alone,
     steps,
+    stop_nodes,
 )
 from etcd_cluster import ELECTION_MS, SKIP_REASON, EtcdCluster, etcd_binary
 from harness import script, secret_flags, wait_until
@@ -212,11 +212,7 @@ def test_partitioned_node_stops_its_workers_and_rejoins_when_healed(daemons, lay
             60,
             what="all three training again",
         )
-    for n in nodes:
-        n.proc.send_signal(signal.SIGTERM)
-    for n in nodes:
-        assert n.wait(60) == 0, n.stderr()[-3000:]
-        assert "Traceback" not in n.stderr()
+    stop_nodes(nodes)
 
 
 def test_lost_quorum_stops_the_workers_and_they_start_again_when_it_returns(daemons, layout):
@@ -254,11 +250,7 @@ def test_lost_quorum_stops_the_workers_and_they_start_again_when_it_returns(daem
         wait_until(
             lambda n=n: stepping_after(n, t_back), 60, what="training again once the quorum is back"
         )
-    for n in nodes:
-        n.proc.send_signal(signal.SIGTERM)
-    for n in nodes:
-        assert n.wait(60) == 0, n.stderr()[-3000:]
-        assert "Traceback" not in n.stderr()
+    stop_nodes(nodes)
 
 
 def stepping_after(d, t: float) -> bool:
@@ -267,7 +259,7 @@ def stepping_after(d, t: float) -> bool:
 
 def test_etcd_gone_for_good_ends_the_job_with_one_line_after_join_timeout(daemons, layout):
     (node,) = _nodes(
-        daemons, layout, 1, steps_=100000, extra=("--peer-timeout", "2", "--join-timeout", "6")
+        daemons, layout, 1, steps_=100000, extra=("--peer-timeout", "2", "--join-timeout", "3")
     )
     wait_until(lambda: stepping_alone(node, 0), 120, what="training")
     layout.cluster.stop()

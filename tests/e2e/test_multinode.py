@@ -11,7 +11,7 @@ import time
 from datetime import datetime
 
 from e2e.test_netns import judge_host_not_back
-from harness import free_port, node_flags, script, secret_flags, wait_until
+from harness import end_soon, free_port, node_flags, script, secret_flags, wait_until
 
 
 def state_times(d, new: str) -> list[float]:
@@ -136,9 +136,11 @@ def test_lost_node_job_continues_smaller(daemons, tmp_path):
 
 
 def test_joining_node_grows_the_job(daemons, tmp_path):
-    port = free_port()
-    # long enough that the third daemon (importing torch on a busy 2-core host) joins mid-run
-    args = ["--steps", "400", "--step-time", "0.05", "--snapshot", str(tmp_path / "snap.pt")]
+    port, stop = free_port(), tmp_path / "stop-at"
+    # the job trains until the third daemon (importing torch on a busy 2-core host) has joined
+    # and the six ranks step together, then ends a few steps later (--stop-file)
+    args = ["--steps", "100000", "--step-time", "0.05", "--snapshot", str(tmp_path / "snap.pt")]
+    args += ["--stop-file", str(stop)]
     flags = ("--nproc-per-node", "2", "--max-restarts", "0", *node_flags(port, "2:3"))
     a = daemons(script("ddp_tutorial.py"), *flags, name="a", args=args)
     b = daemons(script("ddp_tutorial.py"), *flags, name="b", args=args)
@@ -146,6 +148,8 @@ def test_joining_node_grows_the_job(daemons, tmp_path):
         lambda: re.search(r"^step 5\b", a.all_logs(), re.M), 90, what="the 2-node job to train"
     )
     c = daemons(script("ddp_tutorial.py"), *flags, name="c", args=args)
+    wait_until(lambda: re.search(r"^step \d+", c.all_logs(), re.M), 120, what="six ranks training")
+    end_soon(stop, a, b, c)
     for n in (a, b, c):
         assert n.wait(150) == 0, n.stderr()[-3000:]
     out = a.stdout() + b.stdout() + c.stdout()

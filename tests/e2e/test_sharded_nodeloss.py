@@ -10,7 +10,6 @@ NODE_TRAIN_FSDP=1; the harness is test_nodeloss.py's."""
 from __future__ import annotations
 
 import re
-import signal
 import time
 
 import pytest
@@ -22,6 +21,7 @@ from e2e.test_nodeloss import (
     resumed_at,
     stepping_alone,
     steps,
+    stop_nodes,
     training_together,
 )
 from harness import wait_until
@@ -120,10 +120,7 @@ def test_fsdp2_three_nodes_one_lost_then_one_joins_all_from_memory(daemons, netn
         assert grown > 0, logs[-3000:]
         assert re.search(rf"checkpoint_loaded .*source=memory step={grown}\b", logs), logs[-3000:]
         wait_until(lambda: training_together((*survivors, d), grown + 3), 60, what="3 training")
-        for n in (*survivors, d):
-            n.proc.send_signal(signal.SIGTERM)
-        for n in (*survivors, d):
-            assert n.wait(60) == 0, n.stderr()[-3000:]
+        stop_nodes((*survivors, d))
     finally:
         store.kill()
         store.wait(10)

@@ -259,15 +259,29 @@ DIFFERENT_VALUE = {
 }
 
 
-def _observed(launcher: list[str], out) -> dict[str, dict]:
-    """tests/scripts/parity.py's records by rank, run by `launcher` (2 workers), the environment
-    without PYTHONUNBUFFERED (this machine's tests set it)."""
+def _observed(launchers: dict[str, list[str]], tmp_path) -> dict[str, dict[str, dict]]:
+    """tests/scripts/parity.py's records by launcher, then by rank, each launcher running it with
+    2 workers, the environment without PYTHONUNBUFFERED (this machine's tests set it). The runs
+    are independent (each its own output and log directory): they go side by side."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
-    cmd = [*launcher, "--nproc-per-node", "2", "--max-restarts", "2"]
-    cmd += [script("parity.py"), str(out), "2"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
-    assert r.returncode == 0, (cmd, r.stderr[-3000:])
-    return {e["env"]["RANK"]: e for e in map(json.loads, out.read_text().splitlines())}
+    runs = {}
+    for how, launcher in launchers.items():
+        cmd = [*launcher, "--nproc-per-node", "2", "--max-restarts", "2"]
+        cmd += [script("parity.py"), str(tmp_path / f"{how}.json"), "2"]
+        with open(tmp_path / f"{how}.out", "w") as out, open(tmp_path / f"{how}.err", "w") as err:
+            runs[how] = (cmd, subprocess.Popen(cmd, stdout=out, stderr=err, cwd=ROOT, env=env))
+    try:
+        for how, (cmd, proc) in runs.items():
+            code = proc.wait(120)
+            assert code == 0, (cmd, (tmp_path / f"{how}.err").read_text()[-3000:])
+    finally:
+        for _cmd, proc in runs.values():
+            proc.kill()
+            proc.wait()
+    return {
+        how: {e["env"]["RANK"]: e for e in map(json.loads, (tmp_path / f"{how}.json").open())}
+        for how in launchers
+    }
 
 
 def _compare_env(how: str, ours: dict, theirs: dict) -> None:
@@ -291,14 +305,14 @@ def test_workers_observe_what_torchrun_gives(tmp_path):
     OMP_NUM_THREADS set before `import torch` (issue 31: a warm spare had imported torch already),
     and not from one set after it."""
     elasticd = [sys.executable, "-m", "elasticd", "run", "--log-dir"]
-    runs = {
-        how: _observed(launcher, tmp_path / f"{how}.json")
-        for how, launcher in [
-            ("torchrun", [sys.executable, "-m", "torch.distributed.run", "--standalone"]),
-            ("warm", [*elasticd, str(tmp_path / "w")]),
-            ("cold", [*elasticd, str(tmp_path / "c"), "--no-warm-spawn"]),
-        ]
-    }
+    runs = _observed(
+        {
+            "torchrun": [sys.executable, "-m", "torch.distributed.run", "--standalone"],
+            "warm": [*elasticd, str(tmp_path / "w")],
+            "cold": [*elasticd, str(tmp_path / "c"), "--no-warm-spawn"],
+        },
+        tmp_path,
+    )
     path = script("parity.py")
     for rank, theirs in runs["torchrun"].items():
         if len(os.sched_getaffinity(0)) >= 2:  # the premise: torch takes what was set before

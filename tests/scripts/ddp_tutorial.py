@@ -37,7 +37,7 @@ class Trainer:
         torch.save({"model": self.model.module.state_dict(), "step": self.step}, tmp)
         os.replace(tmp, self.snapshot_path)
 
-    def train(self, total_steps, step_time):
+    def train(self, total_steps, step_time, stop_file=""):
         epoch = 0
         while self.step < total_steps:
             self.loader.sampler.set_epoch(epoch)
@@ -52,9 +52,20 @@ class Trainer:
                     self.save()
                 if step_time:
                     time.sleep(step_time)
+                total_steps = min(total_steps, _stop_step(stop_file))
                 if self.step >= total_steps:
                     break
             epoch += 1
+
+
+def _stop_step(path: str) -> float:
+    """The step a test wrote into --stop-file for the job to end after (inf while there is none):
+    it writes one a few steps ahead of every rank, so all ranks end at the same step."""
+    try:
+        with open(path) as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return float("inf")
 
 
 def main():
@@ -63,6 +74,7 @@ def main():
     p.add_argument("--save-every", type=int, default=5)
     p.add_argument("--snapshot", default="")
     p.add_argument("--step-time", type=float, default=0.0)
+    p.add_argument("--stop-file", default="", help="a file holding the step to end after")
     args = p.parse_args()
     dist.init_process_group(backend="gloo")
     torch.manual_seed(0)
@@ -72,7 +84,7 @@ def main():
     trainer = Trainer(
         model, loader, torch.optim.SGD(model.parameters(), lr=0.01), args.snapshot, args.save_every
     )
-    trainer.train(args.steps, args.step_time)
+    trainer.train(args.steps, args.step_time, args.stop_file)
     dist.barrier()
     print(
         f"done world_size={dist.get_world_size()} rank={dist.get_rank()} "

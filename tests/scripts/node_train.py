@@ -96,6 +96,8 @@ def main() -> None:
             time.sleep(delay)
         else:
             sampler.set_epoch(sampler.epoch + 1)
+            continue
+        break  # the last step, or a stop (SIGTERM): saved, so leave the epoch loop too
     mgr.close()
     dist.destroy_process_group()
     sys.exit(0 if step >= total else 143)
