@@ -71,8 +71,7 @@ def main() -> None:
     state = mgr.load_latest()
     step = restore(state, model=model, optimizer=opt, sampler=sampler)["step"] if state else 0
     print(f"resumed at step {step} world {world}", flush=True)
-    stop = False
-    while step < total and not stop:
+    while step < total:
         sampler.set_epoch(sampler.epoch)
         for x, y, idx in loader:
             loss = F.mse_loss(model(x), y)
@@ -90,8 +89,7 @@ def main() -> None:
                 flush=True,
             )
             hold(step)
-            stop = mgr.should_stop()  # a stop ends the job's loop, not only the epoch's
-            if step >= total or stop:
+            if step >= total or mgr.should_stop():
                 break
             time.sleep(delay)
         else:
