@@ -41,8 +41,9 @@ def test_a_tqdm_bar_in_a_real_job_is_cheap_to_echo_and_kept_whole_in_the_log(dae
     """Thousands of tqdm redraws (no newline until the end): the daemon echoes a few prefixed
     lines a second, holds no more memory, and the bar costs it under 1% of a core on top of its
     loop's own ticks (measured just before: 0.3-0.5% alone on the 2-core VM, up to 2.2% late in a
-    full suite run; the tee adds about 0.04%, waking when a redraw is due), under 3% in all; the
-    log keeps every byte."""
+    full suite run, and 4.5-8.6% on the same VM after 12 hours up, the previous release's code
+    alike; the tee adds about 0.04%, waking when a redraw is due), under 15% in all (a tee that
+    spins takes a whole core); the log keeps every byte."""
     updates = 20000
     d = daemons(
         script("progress.py"),
@@ -84,8 +85,9 @@ def test_a_tqdm_bar_in_a_real_job_is_cheap_to_echo_and_kept_whole_in_the_log(dae
     assert len(bars) <= seconds / REDRAW_INTERVAL + 3, len(bars)
     assert rss - rss0 < 4 << 20, (rss0, rss)
     # the bar's echo on top of the daemon's own ticks (measured just before, in the quiet phase:
-    # 0.4% alone, up to 2.2% in a full suite run), and a ceiling that a spinning tee would pass
-    assert seconds > 2 and not gone and busy - quiet < 0.01 and busy < 0.03, (
+    # 0.4% alone, up to 2.2% in a full suite run, 4.5-8.6% on a VM up for 12 hours), and a
+    # ceiling that a tee spinning all along (quiet phase included) would pass
+    assert seconds > 2 and not gone and busy - quiet < 0.01 and busy < 0.15, (
         seconds,
         busy,
         quiet,
