@@ -21,17 +21,7 @@ from elasticd import ledger
 from elasticd.ledger import LedgerFile
 from elasticd.ops import ledger_check
 from elasticd.sampler import ResumableDistributedSampler
-
-
-class Range:
-    def __init__(self, n: int):
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> int:
-        return i
+from unit.test_sampler import Range
 
 
 class Recorder:
