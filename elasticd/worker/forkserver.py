@@ -19,7 +19,9 @@ starts a pool of one thread per core at import unless OMP_NUM_THREADS or OPENBLA
 itself before every fork and starts it again at its next call, so the server ends it once, idle,
 after the imports, and its spares start theirs as a fresh interpreter would. What a fork shares
 and a fresh process would not is reset in the spare: Python's `random` is reseeded by the
-interpreter at fork, numpy's global generator here.
+interpreter at fork, numpy's global generator and torch's default CPU generator here (without
+it every spare, so every rank of every attempt, would draw the same "random" numbers). What
+cannot be reset is the interpreter's str hash seed: the spares of one fork server share it.
 """
 
 from __future__ import annotations
@@ -141,6 +143,9 @@ def become_spare(read_end: int) -> None:
     np = sys.modules.get("numpy")
     if np is not None:
         np.random.seed()  # fresh entropy, as numpy's import gives a fresh interpreter
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.default_generator.seed()  # the same (CUDA's is untouched: not started here)
     os.setsid()  # its own session and process group, as for a cold worker
     os.dup2(read_end, 0)
     os.close(read_end)

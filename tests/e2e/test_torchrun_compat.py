@@ -303,7 +303,7 @@ def test_workers_observe_what_torchrun_gives(tmp_path):
     differences) and nothing more but ELASTICD_*, so no PYTHONUNBUFFERED for the script's own
     children; argv, sys.orig_argv, sys.flags, -u's unbuffered stdout; and torch's threads from
     OMP_NUM_THREADS set before `import torch` (issue 31: a warm spare had imported torch already),
-    and not from one set after it."""
+    and not from one set after it; torch's unseeded generator different in every worker."""
     elasticd = [sys.executable, "-m", "elasticd", "run", "--log-dir"]
     runs = _observed(
         {
@@ -327,3 +327,9 @@ def test_workers_observe_what_torchrun_gives(tmp_path):
             assert ours["argv"][0] == path == theirs["argv"][0]
             for fact in ("flags", "stdout_write_through", "path0", "name", "threads"):
                 assert ours[fact] == theirs[fact], (how, rank, fact, ours[fact], theirs[fact])
+    # torch's unseeded generator draws differently in every worker, as in fresh processes (a spare
+    # forked from the fork server reseeds it); str hashing too, but in the spares of one server
+    for how, ranks in runs.items():
+        seeds = [ranks[r]["seeds"] for r in ("0", "1")]
+        assert seeds[0][:2] != seeds[1][:2] and seeds[0][0] != seeds[1][0], (how, seeds)
+        assert (seeds[0][2] == seeds[1][2]) == (how == "warm"), (how, seeds)

@@ -50,7 +50,7 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     if world == 1:
         delay = float(os.environ.get("GB_DELAY1", delay))
-    tag = torch.randint(0, 2**62, (1,)) if rank == 0 else torch.zeros(1, dtype=torch.int64)
+    tag = torch.tensor([int.from_bytes(os.urandom(7), "little") if rank == 0 else 0])
     dist.broadcast(tag, 0)
     data = Indexed(int(os.environ.get("GB_SAMPLES", "64")))
     torch.manual_seed(0)
