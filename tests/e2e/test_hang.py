@@ -60,7 +60,7 @@ def test_debugger_attach_and_a_short_stop_never_restart(daemons):
         "6",
         "--max-restarts",
         "0",
-        args=["--steps", "150"],  # 7.5 s of steps: still training after the looks, on a slow machine
+        args=["--steps", "150"],  # 7.5 s: still training after the looks
     )
     d.wait_for_step(1, 3, timeout=60)
     pids = d.worker_pids()
