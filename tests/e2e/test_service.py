@@ -365,7 +365,7 @@ def test_sd_notify_stopping_and_stalled_loop_starves_watchdog(tmp_path):
     """The watchdog is fed by the main loop only: stall the loop (its snapshot hook sleeps) and
     the pings stop while the daemon's other threads go on; STOPPING=1 comes on stop."""
     s, path = _notify_socket(tmp_path)
-    stall = tmp_path / "stall"
+    stall, running = tmp_path / "stall", tmp_path / "running"
     prog = f"""
 import sys, time, pathlib
 from elasticd import config, logs
@@ -375,6 +375,8 @@ cfg = config.build({{"entrypoint": {script("silent.py")!r}, "args": ["60"], "npr
                      "stop_grace": 1, "warm_spawn": False}})
 logs.setup("json")
 def hook(snap):
+    if snap.get("state") == "RUNNING":
+        pathlib.Path({str(running)!r}).touch()
     while pathlib.Path({str(stall)!r}).exists():
         time.sleep(0.05)
 # as the CLI makes it
@@ -389,6 +391,9 @@ sys.exit(a.run())
         first = time.monotonic() + 60
         while time.monotonic() < first and not any("WATCHDOG=1" in m for m in _drain(s, 0.2)):
             pass  # the loop starts pinging once the daemon is up (torch imported)
+        # the loop publishes (calls the hook) at every turn once the worker runs; before, a
+        # start's bounded waits feed the watchdog themselves, and a slow machine stays there
+        wait_until(running.exists, 60, what="the worker running")
         before = [m for m in _drain(s, 2) if "WATCHDOG=1" in m]
         assert len(before) >= 5
         stall.touch()
