@@ -348,14 +348,17 @@ def test_sd_notify_sequence_and_workers_do_not_inherit(daemons, tmp_path):
         args=[str(out)],
         env={"NOTIFY_SOCKET": str(path), "WATCHDOG_USEC": "400000"},
     )
-    # dump_env exits at once; the daemon finishes; stop semantics are covered elsewhere
-    msgs = _drain(s, 8)
-    assert d.wait(30) == 0
+    # dump_env exits at once; the daemon finishes; stop semantics are covered elsewhere. Drained
+    # all along: a full datagram queue (max_dgram_qlen, 10 here) would drop the daemon's sends
+    msgs, deadline = [], time.monotonic() + 60
+    while d.proc.poll() is None and time.monotonic() < deadline:
+        msgs += _drain(s, 0.2)
+    assert d.wait(1) == 0
     msgs += _drain(s, 0.5)
     s.close()
     flat = [line for m in msgs for line in m.split("\n")]
     assert flat[0] == "READY=1" and flat[1].startswith("STATUS=")
-    assert any(line.startswith("STATUS=RUNNING") for line in flat)
+    assert any(line.startswith("STATUS=RUNNING") for line in flat), flat
     assert flat.count("WATCHDOG=1") >= 2
     env = json.loads(out.read_text().splitlines()[0])
     assert "NOTIFY_SOCKET" not in env and "WATCHDOG_USEC" not in env
