@@ -181,10 +181,9 @@ def _health(s: Snapshot) -> list[str]:
 
 def _workers(s: Snapshot) -> list[str]:
     replicas = any(w.replica for w in s.workers)
-    lines = [
-        "  RANK  PID      STATE                 BEAT   STEP     TIME/STEP  OWN WORK   RSS"
-        + ("      REPLICA LAST/TOTAL" if replicas else "")
-    ]
+    head = "  RANK  PID      STATE                 BEAT   STEP     TIME/STEP  OWN WORK   RSS"
+    width = len(head) + 6  # the REPLICA column's start, past the widest RSS ("1023MiB")
+    lines = [f"{head:<{width}}REPLICA LAST/THIS ATTEMPT" if replicas else head]
     for w in s.workers:
         rss = f"{w.rss_bytes / 2**20:.0f}MiB" if w.rss_bytes else "-"
         step = "-" if w.step is None else str(w.step)
@@ -194,7 +193,7 @@ def _workers(s: Snapshot) -> list[str]:
             f"{ms(w.step_time):<10} {work:<10} {rss}"
         )
         if replicas:
-            line = f"{line:<94} " + (
+            line = f"{line:<{width}}" + (
                 f"{size(w.replica_last_bytes)}/{size(w.replica_bytes)} in "
                 f"{ms(w.replica_last_seconds)}"
                 if w.replica == "on"

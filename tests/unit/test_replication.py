@@ -142,7 +142,7 @@ def test_status_and_metrics_show_the_replication():
         "replica to the next node on: 5 sends, 3.0MiB per refresh, 15.0MiB total, last took "
         "12.0ms; /dev/shm 12.0MiB (own slots 6.0MiB, replicas 6.0MiB)"
     ) in text, text
-    assert "REPLICA LAST/TOTAL" in text and "3.0MiB/15.0MiB in 12.0ms" in text, text
+    assert "REPLICA LAST/THIS ATTEMPT" in text and "3.0MiB/15.0MiB in 12.0ms" in text, text
     got = _samples(s)
     assert got[("elasticd_memory_replica_state", (("state", "on"),))] == 1
     assert got[("elasticd_memory_replica_state", (("state", "failed"),))] == 0
