@@ -22,6 +22,7 @@ Per world size and state size:
     python bench/sharded.py                                  # 2 and 4 ranks, 100 MB
     python bench/sharded.py --worlds 4 --sizes 1000          # 1 GB at 4 ranks
     python bench/sharded.py --worlds 2 --sizes 1 --json      # seconds: the smoke test's size
+    python bench/sharded.py --device cuda --worlds 1         # NCCL, a GPU per rank (bench/gpu.sh)
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from recovery import kill_tree, read_steps
 HERE = Path(__file__).resolve().parent
 SCRIPT = HERE / "sharded_train.py"
 METHODS = ("dcp", "dcp-async", "elasticd")
+SCRIPT_ARGS: list[str] = []  # what every run of the script gets: --device cuda with --device cuda
 FIGURES = (("stall_s", "stall per save"), ("write_s", "save to durable"), ("load_s", "load"))
 
 
@@ -92,7 +94,7 @@ def elasticd_run(world: int, work: Path) -> list[str]:
 def costs(world: int, mb: float, saves: int, work: Path, timeout: float) -> dict:
     out = work / "costs.json"
     cmd = torchrun(world) + ["--mode", "costs", "--mb", str(mb), "--saves", str(saves)]
-    cmd += ["--dir", str(work / "costs"), "--out", str(out)]
+    cmd += ["--dir", str(work / "costs"), "--out", str(out), *SCRIPT_ARGS]
     r = subprocess.run(
         cmd, capture_output=True, text=True, timeout=timeout, cwd=HERE.parent, env=_env()
     )
@@ -133,7 +135,7 @@ def recovery(
     )
     ckpt = "elasticd" if launcher == "elasticd" else "dcp-async"
     cmd += ["--mode", "train", "--ckpt", ckpt, "--mb", str(mb), "--every", str(every)]
-    cmd += ["--dir", str(work / "ckpt"), "--out", str(out)]
+    cmd += ["--dir", str(work / "ckpt"), "--out", str(out), *SCRIPT_ARGS]
     kill_at = 2 * every + every // 2
     with open(log, "wb") as f:
         proc = subprocess.Popen(
@@ -214,9 +216,17 @@ def _s(x) -> str:
     return f"{x:.3f}" if isinstance(x, float) else "n/a"
 
 
+def _where() -> str:
+    if SCRIPT_ARGS[1:] != ["cuda"]:
+        return "CPU/gloo"
+    import torch
+
+    return f"CUDA/NCCL ({torch.cuda.get_device_name()})"
+
+
 def table(rows: list[dict]) -> str:
     lines = [
-        f"sharded checkpoints, FSDP2 on CPU/gloo, {os.cpu_count()} cores "
+        f"sharded checkpoints, FSDP2 on {_where()}, {os.cpu_count()} cores "
         "(seconds; the slowest rank's, median over saves)",
         f"{'ranks':>5} {'state':>8} {'figure':<16} {'dcp.save':>9} {'async_save':>10} "
         f"{'elasticd':>9} {'memory':>7} {'vs save':>8} {'vs async':>8}",
@@ -266,8 +276,12 @@ def main(argv=None) -> int:
     p.add_argument("--no-costs", action="store_true", help="the recovery only")
     p.add_argument("--no-recovery", action="store_true", help="the costs only")
     p.add_argument("--json", action="store_true", help="also print the rows as one JSON line")
+    p.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu", help="cuda: a GPU per rank, NCCL"
+    )
     p.add_argument("--workdir", default=None, help="kept afterwards (default: a temporary one)")
     args = p.parse_args(argv)
+    SCRIPT_ARGS[:] = ["--device", args.device]
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-sharded-", dir=os.getcwd()) as tmp:
         tmp = args.workdir or tmp
