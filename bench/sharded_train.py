@@ -135,6 +135,15 @@ class ElasticdCheckpoints:
         state = self.mgr.load_latest()
         return restore(state, model=model, optimizer=opt)["step"] if state else 0
 
+    def note_replica(self, path: str) -> None:
+        """The last replica exchange's bytes and background seconds (a job over nodes), written
+        to `path` when they change."""
+        got = self.mgr._memory.ring.figures()
+        if got.get("replica_bytes") and got != getattr(self, "_noted", None):
+            self._noted = got
+            with open(path, "w") as f:
+                json.dump(got, f)
+
     def source(self) -> str:
         loaded = self.mgr.loaded
         return "memory" if loaded and loaded.file.startswith("memory:") else "disk"
@@ -159,6 +168,7 @@ def train(args) -> None:
         step(model, opt)
         if isinstance(ck, ElasticdCheckpoints):
             ck.mgr.maybe_save(s, ck.state(model, opt, s))
+            ck.note_replica(f"{args.out}.replica.{rank}")
         elif s % args.every == 0:
             ck.save(s, model, opt)
         os.write(out, f"{os.getpid()} {rank} {restart} {s} {time.time():.6f}\n".encode())
