@@ -253,7 +253,7 @@ def measure(args, world: int, mb: float, root: Path) -> dict:
     if not args.no_costs:
         row["costs"] = costs(world, mb, args.saves, work, args.timeout * scale)
         print(f"  {world} ranks, {mb:g} MB: costs {json.dumps(row['costs'])}", file=sys.stderr)
-    for launcher in () if args.no_recovery else args.launchers.split(","):
+    for launcher in () if args.no_recovery or args.node_loss_only else args.launchers.split(","):
         trials = []
         for i in range(args.trials):
             got = recovery(
@@ -364,6 +364,7 @@ def main(argv=None) -> int:
     p.add_argument("--launchers", default="elasticd,torchrun", help="whose recovery to time")
     p.add_argument("--no-costs", action="store_true", help="the recovery only")
     p.add_argument("--no-recovery", action="store_true", help="the costs only")
+    p.add_argument("--node-loss-only", action="store_true", help="with --no-costs: that row only")
     p.add_argument("--json", action="store_true", help="also print the rows as one JSON line")
     p.add_argument(
         "--device", choices=("cpu", "cuda"), default="cpu", help="cuda: a GPU per rank, NCCL"

@@ -47,7 +47,9 @@ def build(mb: float, world: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     """DEPTH square layers, sharded by fully_shard, about `mb` MB with Adam's moments (3 x the
     parameters). Built on the meta device and each rank's shard initialised from a generator
     seeded by the parameter's index and the rank: start-up is fast, the same at every attempt."""
-    width = max(world, int(math.sqrt(mb * 1e6 / 4 / 3 / DEPTH)) // world * world)
+    # a multiple of 12 that does not depend on the world (1 to 4 ranks, even shards): a job
+    # resumed at another world size (a node lost) must build the same model
+    width = max(12, int(math.sqrt(mb * 1e6 / 4 / 3 / DEPTH)) // 12 * 12)
     with torch.device("meta"):
         model = nn.Sequential(*(nn.Linear(width, width, bias=False) for _ in range(DEPTH)))
     for layer in (*model, model):
