@@ -6,15 +6,18 @@ torchrun (tests/scripts/fsdp_cuda.py, one GPU per rank) and skip without CUDA; t
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
 import _ckpt_helpers as helpers
-from elasticd.checkpoint.memory import slots
+from elasticd.checkpoint.memory import directory, slots
 from elasticd.checkpoint.memory.replica import Replicator
 from elasticd.checkpoint.memory.writer import Writer
 from harness import ROOT, script
@@ -28,10 +31,20 @@ TWO_GPUS = pytest.mark.skipif(GPUS < 2, reason="needs two GPUs (NCCL: one rank p
 JOB = script("fsdp_cuda.py")
 
 
+@pytest.fixture
+def shm():
+    """The memory directory on tmpfs, as the daemon's: a disk file's pages may not be pinnable."""
+    path = Path(tempfile.mkdtemp(prefix="elasticd-test-", dir=directory.ROOT))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
 def _torchrun(world: int, tmp: Path, *args: str) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     cmd += ["--nproc-per-node", str(world), JOB, *args]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT)
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, PYTHONPATH=path)  # this checkout's elasticd in the workers
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT, env=env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
 
 
@@ -41,14 +54,13 @@ def _state(path: Path, parts=("model", "optimizer", "rng")) -> dict:
 
 
 @GPU
-def test_fsdp2_cuda_shards_refresh_overlapped_and_crash_resumes_bit_exact(tmp_path):
+def test_fsdp2_cuda_shards_refresh_overlapped_and_crash_resumes_bit_exact(tmp_path, shm):
     """NCCL FSDP2 at 2 ranks where two GPUs allow (else 1): every refresh queued with the
     optimizer's shards on the side stream (the script asserts it); a kill at step 5 leaves step 5's
     refresh unlanded, and the restart resumes from each rank's own slot at step 4, on the GPU,
     bit-identical (model, Adam, CPU and CUDA RNG) to the state the first run had there."""
     world = min(2, GPUS)
-    mem, disk = tmp_path / "mem", tmp_path / "disk"
-    mem.mkdir()
+    mem, disk = shm, tmp_path / "disk"
     first, second = tmp_path / "a", tmp_path / "b"
     _torchrun(world, tmp_path, "8", "5", str(mem), str(disk), str(first))
     newest = [slots.held(str(mem), r)[:1] for r in range(world)]
@@ -62,12 +74,11 @@ def test_fsdp2_cuda_shards_refresh_overlapped_and_crash_resumes_bit_exact(tmp_pa
 
 
 @TWO_GPUS
-def test_fsdp2_cuda_node_lost_resumes_from_replica_onto_the_gpu(tmp_path):
+def test_fsdp2_cuda_node_lost_resumes_from_replica_onto_the_gpu(tmp_path, shm):
     """Two ranks as two nodes: each rank's overlapped slot reaches the other node's replica once
     its copies landed; node 1 lost, node 0 alone rebuilds the whole state from its own slot and
     its replica at world 1, on its GPU, bit-identical to the 2-rank job's state at that step."""
-    mem, disk = tmp_path / "mem", tmp_path / "disk"
-    mem.mkdir()
+    mem, disk = shm, tmp_path / "disk"
     first, second = tmp_path / "a", tmp_path / "b"
     _torchrun(2, tmp_path, "8", "5", str(mem), str(disk), str(first), "nodes")
     replicas = slots.held(str(mem / "node0"), 0, slots.REPLICA)
