@@ -1,12 +1,18 @@
 #!/usr/bin/env bash
-# A GPU node's checks and docs/performance.md's GPU rows, in one run of about 8 minutes.
+# A GPU node's checks and docs/performance.md's GPU rows; each part one run of under 8 minutes.
 #
-#   bash bench/gpu.sh [OUTDIR]
+#   bash bench/gpu.sh [OUTDIR]                  # the DDP part (the default)
+#   PARTS=sharded bash bench/gpu.sh [OUTDIR]    # the sharded (FSDP2) part
 #
-# 1. The tests that need a GPU: NCCL resume bit-identical, CUDA RNG, overlapped refreshes,
-#    SIGKILL mid-refresh, and the default job (README's first command) on NCCL.
-# 2. bench/recovery.py --device cuda --nproc 1 (elasticd vs torchrun, kill -9 -> next step) and
-#    bench/steady.py --nproc 1 --workloads gpu (step time, elasticd vs torchrun, alternating).
+# ddp:     1. The tests that need a GPU: NCCL resume bit-identical, CUDA RNG, overlapped
+#             refreshes, SIGKILL mid-refresh, and the default job (README's first command) on NCCL.
+#          2. bench/recovery.py --device cuda --nproc 1 (elasticd vs torchrun, kill -9 -> next
+#             step) and bench/steady.py --nproc 1 --workloads gpu (step time, alternating).
+# sharded: 1. tests/unit/test_sharded_gpu.py: FSDP2 on NCCL, CUDA shards refreshed overlapped,
+#             a crash resumed bit-exact onto the GPU (two GPUs: a node lost, from the replica).
+#          2. bench/sharded.py --device cuda at 2 ranks where two GPUs allow (NCCL wants a GPU
+#             per rank), else 1: 100 MB, then 1 GB if time allows: stall per disk save and per
+#             in-memory refresh against dcp.save/async_save, kill -9 resume against torchrun.
 # Wheels in .whl/ (structlog, tenacity: what a bare image lacks) are installed to /tmp/site first.
 set -uo pipefail
 out=${1:-${OUT:-/tmp/elasticd-gpu}}
@@ -25,6 +31,21 @@ python3 -c 'import sys, torch; print(sys.version.split()[0], torch.__version__,
   "nccl", ".".join(map(str, torch.cuda.nccl.version())), torch.cuda.get_device_name(),
   "gpus", torch.cuda.device_count())'
 nproc
+
+if [[ ${PARTS:-ddp} == *sharded* ]]; then
+  gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+  world=$((gpus >= 2 ? 2 : 1))
+  step "sharded: tests that need a GPU ($gpus GPUs)"
+  timeout 200 python3 -m pytest -q -rs -p no:cacheprovider tests/unit/test_sharded_gpu.py \
+    2>&1 | tee "$out/sharded-tests.txt" | tail -8
+  for mb in 100 1000; do
+    if ((SECONDS > ${SHARDED_BEFORE:-260})); then step "sharded ${mb} MB skipped: ${SECONDS}s gone"; break; fi
+    step "sharded bench, $world ranks, $mb MB, CUDA/NCCL"
+    timeout $((mb > 100 ? 200 : 130)) python3 bench/sharded.py --device cuda --worlds "$world" \
+      --sizes "$mb" --json 2>&1 | tee "$out/sharded-$mb.txt" | tail -12
+  done
+  [[ ${PARTS} == *ddp* ]] || { step done; exit 0; }
+fi
 
 step "tests that need a GPU"
 timeout 240 python3 -m pytest -q -rs -p no:cacheprovider -k "cuda or overlapped or gpu or default_job" \

@@ -13,6 +13,10 @@ Per world size and state size:
             background write, nothing else running), the load of the newest checkpoint into the
             live model, and elasticd's in-memory refresh (its own shards into its slots, the
             replica sent in the background; "n/a" where a run kept no state in memory)
+  node lost (elasticd, even worlds) two `elasticd run` nodes on loopback, the one not hosting
+            the store SIGKILLed whole at step 2E + E/2: seconds until the survivor's ranks step
+            at half the world, steps lost, where from (memory: own shards + the replica), and
+            the replica's bytes and background seconds per exchange
   recovery  kill -9 of the last rank once rank 0 logged step 2E + E/2 (saves every E steps):
             seconds until every rank logged a step in a new process, steps lost (the newest step
             logged before the kill - the step resumed from), and where the resume came from;
@@ -22,6 +26,7 @@ Per world size and state size:
     python bench/sharded.py                                  # 2 and 4 ranks, 100 MB
     python bench/sharded.py --worlds 4 --sizes 1000          # 1 GB at 4 ranks
     python bench/sharded.py --worlds 2 --sizes 1 --json      # seconds: the smoke test's size
+    python bench/sharded.py --device cuda --worlds 1         # NCCL, a GPU per rank (bench/gpu.sh)
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from recovery import kill_tree, read_steps
 HERE = Path(__file__).resolve().parent
 SCRIPT = HERE / "sharded_train.py"
 METHODS = ("dcp", "dcp-async", "elasticd")
+SCRIPT_ARGS: list[str] = []  # what every run of the script gets: --device cuda with --device cuda
 FIGURES = (("stall_s", "stall per save"), ("write_s", "save to durable"), ("load_s", "load"))
 
 
@@ -68,7 +74,7 @@ def torchrun(world: int, *extra: str) -> list[str]:
     ]
 
 
-def elasticd_run(world: int, work: Path) -> list[str]:
+def elasticd_run(world: int, work: Path, *extra: str) -> list[str]:
     return [
         sys.executable,
         "-m",
@@ -85,6 +91,7 @@ def elasticd_run(world: int, work: Path) -> list[str]:
         "--no-tee",
         "--restart-grace",
         "3",
+        *extra,
         str(SCRIPT),
     ]
 
@@ -92,7 +99,7 @@ def elasticd_run(world: int, work: Path) -> list[str]:
 def costs(world: int, mb: float, saves: int, work: Path, timeout: float) -> dict:
     out = work / "costs.json"
     cmd = torchrun(world) + ["--mode", "costs", "--mb", str(mb), "--saves", str(saves)]
-    cmd += ["--dir", str(work / "costs"), "--out", str(out)]
+    cmd += ["--dir", str(work / "costs"), "--out", str(out), *SCRIPT_ARGS]
     r = subprocess.run(
         cmd, capture_output=True, text=True, timeout=timeout, cwd=HERE.parent, env=_env()
     )
@@ -133,7 +140,7 @@ def recovery(
     )
     ckpt = "elasticd" if launcher == "elasticd" else "dcp-async"
     cmd += ["--mode", "train", "--ckpt", ckpt, "--mb", str(mb), "--every", str(every)]
-    cmd += ["--dir", str(work / "ckpt"), "--out", str(out)]
+    cmd += ["--dir", str(work / "ckpt"), "--out", str(out), *SCRIPT_ARGS]
     kill_at = 2 * every + every // 2
     with open(log, "wb") as f:
         proc = subprocess.Popen(
@@ -166,6 +173,71 @@ def recovery(
         kill_tree(proc)
 
 
+def node_loss(world: int, mb: float, every: int, work: Path, timeout: float, bound: float) -> dict:
+    """Two `elasticd run` nodes on loopback, world/2 ranks each; the node that does not host the
+    store SIGKILLed whole (daemon, guard, workers) once its last rank logged step 2E + E/2: seconds
+    until every survivor's rank logged a step at world/2, steps lost, where the resume came from;
+    and the replica (each rank's slot sent to the other node) as the survivor's rank 0 last saw
+    it: bytes and background seconds per exchange."""
+    work.mkdir()
+    out, port = work / "steps.txt", _free_port()
+    secret = work / "job.secret"
+    secret.write_text(os.urandom(24).hex())
+    secret.chmod(0o600)
+    nodes = ("--nnodes", "1:2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "bench")
+    nodes += ("--rdzv-secret-file", str(secret), "--peer-timeout", "3")
+    nodes += ("--last-call-timeout", "0.5")
+    args = ["--mode", "train", "--ckpt", "elasticd", "--mb", str(mb), "--every", str(every)]
+    args += ["--dir", str(work / "ckpt"), "--out", str(out), *SCRIPT_ARGS]
+    procs = []
+    try:
+        for name in ("host", "other"):  # the host first: it binds the store, takes rank 0
+            (work / name).mkdir()
+            with open(work / name / "launcher.log", "wb") as f:
+                cmd = elasticd_run(world // 2, work / name, *nodes) + args
+                procs.append(
+                    subprocess.Popen(
+                        cmd, stdout=f, stderr=f, cwd=HERE.parent, env=_env(), start_new_session=True
+                    )
+                )
+            time.sleep(2)
+        kill_at = 2 * every + every // 2
+        rows = _until(
+            lambda: [r for r in read_steps(out) if r[1] == world - 1 and r[3] >= kill_at], timeout
+        )
+        if not rows:
+            return {"recovery_s": None, "steps_lost": None, "source": None, "why": "never reached"}
+        replica = json.loads(_text(Path(f"{out}.replica.0")) or "{}")
+        old = {r[0] for r in read_steps(out)}
+        t_kill = time.time()
+        kill_tree(procs[1])
+        before = max(r[3] for r in read_steps(out) if r[0] in old)
+        first = _until(
+            lambda: _first_new(out, t_kill, old, world // 2) or procs[0].poll() is not None, bound
+        )
+        if not isinstance(first, dict):
+            why = f"exited {procs[0].returncode}" if first else f"not recovered in {bound:g} s"
+            return {"recovery_s": None, "steps_lost": None, "source": None, "why": why}
+        said = re.findall(r"resumed from step \d+ \((\w+)\)", _text(Path(f"{out}.resumed")))
+        return {
+            "recovery_s": max(t for t, _s in first.values()) - t_kill,
+            "steps_lost": before - (min(s for _t, s in first.values()) - 1),
+            "source": said[-1] if said else "start",
+            **replica,
+        }
+    finally:
+        for p in procs:
+            kill_tree(p)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _text(path: Path) -> str:
     try:
         return path.read_text(errors="replace")
@@ -181,7 +253,7 @@ def measure(args, world: int, mb: float, root: Path) -> dict:
     if not args.no_costs:
         row["costs"] = costs(world, mb, args.saves, work, args.timeout * scale)
         print(f"  {world} ranks, {mb:g} MB: costs {json.dumps(row['costs'])}", file=sys.stderr)
-    for launcher in () if args.no_recovery else args.launchers.split(","):
+    for launcher in () if args.no_recovery or args.node_loss_only else args.launchers.split(","):
         trials = []
         for i in range(args.trials):
             got = recovery(
@@ -203,6 +275,17 @@ def measure(args, world: int, mb: float, root: Path) -> dict:
             "recovered": f"{len(done)}/{len(trials)}",
             "failed": sorted({t["why"] for t in trials if "why" in t}),
         }
+    if "elasticd" in args.launchers.split(",") and world % 2 == 0 and not args.no_recovery:
+        got = node_loss(
+            world,
+            mb,
+            args.every,
+            work / "nodeloss",
+            args.timeout * scale,
+            (args.recovery_timeout + 10) * scale,  # + finding the node lost (peers.py)
+        )
+        print(f"  {world} ranks, {mb:g} MB: node lost {json.dumps(got)}", file=sys.stderr)
+        row["node_loss"] = got
     return row
 
 
@@ -214,9 +297,17 @@ def _s(x) -> str:
     return f"{x:.3f}" if isinstance(x, float) else "n/a"
 
 
+def _where() -> str:
+    if SCRIPT_ARGS[1:] != ["cuda"]:
+        return "CPU/gloo"
+    import torch
+
+    return f"CUDA/NCCL ({torch.cuda.get_device_name()})"
+
+
 def table(rows: list[dict]) -> str:
     lines = [
-        f"sharded checkpoints, FSDP2 on CPU/gloo, {os.cpu_count()} cores "
+        f"sharded checkpoints, FSDP2 on {_where()}, {os.cpu_count()} cores "
         "(seconds; the slowest rank's, median over saves)",
         f"{'ranks':>5} {'state':>8} {'figure':<16} {'dcp.save':>9} {'async_save':>10} "
         f"{'elasticd':>9} {'memory':>7} {'vs save':>8} {'vs async':>8}",
@@ -248,6 +339,14 @@ def table(rows: list[dict]) -> str:
                 f"elasticd {_s(e['recovery_s'])} s ({e['recovered']}), {e['steps_lost']} lost "
                 f"({e['source']}); ratio {_ratio(e['recovery_s'], t['recovery_s'])}"
             )
+        n = r.get("node_loss")
+        if n is not None:
+            lines.append(
+                f"{r['world']:>5} {size:>8} {'node lost':<16} elasticd {_s(n['recovery_s'])} s "
+                f"to {r['world'] // 2} ranks, {n['steps_lost']} steps lost "
+                f"({n['source'] or n.get('why')}); replica {n.get('replica_bytes', 0) / 1e6:.1f} "
+                f"MB per rank in {n.get('replica_ms', 0) / 1e3:.3f} s, in the background"
+            )
     return "\n".join(lines)
 
 
@@ -265,9 +364,14 @@ def main(argv=None) -> int:
     p.add_argument("--launchers", default="elasticd,torchrun", help="whose recovery to time")
     p.add_argument("--no-costs", action="store_true", help="the recovery only")
     p.add_argument("--no-recovery", action="store_true", help="the costs only")
+    p.add_argument("--node-loss-only", action="store_true", help="with --no-costs: that row only")
     p.add_argument("--json", action="store_true", help="also print the rows as one JSON line")
+    p.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu", help="cuda: a GPU per rank, NCCL"
+    )
     p.add_argument("--workdir", default=None, help="kept afterwards (default: a temporary one)")
     args = p.parse_args(argv)
+    SCRIPT_ARGS[:] = ["--device", args.device]
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-sharded-", dir=os.getcwd()) as tmp:
         tmp = args.workdir or tmp

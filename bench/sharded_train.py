@@ -1,6 +1,6 @@
-"""bench/sharded.py's training script: an FSDP2 (fully_shard) job on CPU/gloo with about --mb MB
-of state (parameters + Adam's two moments), checkpointed the way a user does it today or through
-elasticd, the same code under torchrun and `elasticd run`.
+"""bench/sharded.py's training script: an FSDP2 (fully_shard) job on CPU/gloo (--device cuda: a
+GPU per rank, NCCL) with about --mb MB of state (parameters + Adam's two moments), checkpointed
+the way a user does it today or through elasticd, the same code under torchrun and `elasticd run`.
 
     --ckpt dcp        torch.distributed.checkpoint.save of {"model", "optimizer"} (get_state_dict)
                       into DIR/step-N, resumed by dcp.load + set_state_dict from the newest
@@ -40,16 +40,21 @@ from torch.distributed.fsdp import fully_shard
 DEPTH = 4
 
 
+DEVICE = torch.device("cpu")  # --device cuda: this rank's GPU (LOCAL_RANK), NCCL
+
+
 def build(mb: float, world: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     """DEPTH square layers, sharded by fully_shard, about `mb` MB with Adam's moments (3 x the
     parameters). Built on the meta device and each rank's shard initialised from a generator
     seeded by the parameter's index and the rank: start-up is fast, the same at every attempt."""
-    width = max(world, int(math.sqrt(mb * 1e6 / 4 / 3 / DEPTH)) // world * world)
+    # a multiple of 12 that does not depend on the world (1 to 4 ranks, even shards): a job
+    # resumed at another world size (a node lost) must build the same model
+    width = max(12, int(math.sqrt(mb * 1e6 / 4 / 3 / DEPTH)) // 12 * 12)
     with torch.device("meta"):
         model = nn.Sequential(*(nn.Linear(width, width, bias=False) for _ in range(DEPTH)))
     for layer in (*model, model):
         fully_shard(layer)
-    model.to_empty(device="cpu")
+    model.to_empty(device=DEVICE)
     with torch.no_grad():
         for i, p in enumerate(model.parameters()):
             local = p.to_local()
@@ -60,7 +65,7 @@ def build(mb: float, world: int) -> tuple[nn.Module, torch.optim.Optimizer]:
 
 def step(model: nn.Module, opt: torch.optim.Optimizer) -> None:
     width = model[0].in_features
-    model(torch.randn(2, width)).pow(2).mean().backward()
+    model(torch.randn(2, width, device=DEVICE)).pow(2).mean().backward()
     opt.step()
     opt.zero_grad()
 
@@ -132,6 +137,15 @@ class ElasticdCheckpoints:
         state = self.mgr.load_latest()
         return restore(state, model=model, optimizer=opt)["step"] if state else 0
 
+    def note_replica(self, path: str) -> None:
+        """The last replica exchange's bytes and background seconds (a job over nodes), written
+        to `path` when they change."""
+        got = self.mgr._memory.ring.figures()
+        if got.get("replica_bytes") and got != getattr(self, "_noted", None):
+            self._noted = got
+            with open(path, "w") as f:
+                json.dump(got, f)
+
     def source(self) -> str:
         loaded = self.mgr.loaded
         return "memory" if loaded and loaded.file.startswith("memory:") else "disk"
@@ -156,6 +170,7 @@ def train(args) -> None:
         step(model, opt)
         if isinstance(ck, ElasticdCheckpoints):
             ck.mgr.maybe_save(s, ck.state(model, opt, s))
+            ck.note_replica(f"{args.out}.replica.{rank}")
         elif s % args.every == 0:
             ck.save(s, model, opt)
         os.write(out, f"{os.getpid()} {rank} {restart} {s} {time.time():.6f}\n".encode())
@@ -168,9 +183,15 @@ def train(args) -> None:
 
 def _slowest(xs: list[float]) -> float:
     """The median over saves of the slowest rank's figure (the job waits for that rank)."""
-    t = torch.tensor(xs, dtype=torch.float64)
+    t = torch.tensor(xs, dtype=torch.float64, device=DEVICE)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return statistics.median(t.tolist())
+
+
+def _drained() -> None:
+    """On a GPU, the step's kernels done: a save's stall is timed from an idle device."""
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize(DEVICE)
 
 
 def _timed(fn) -> float:
@@ -198,6 +219,7 @@ def costs(args) -> None:
             ck = ElasticdCheckpoints(d, 1, memory_dir=mem)
             for s in range(1, args.saves + 1):
                 step(model, opt)
+                _drained()
                 t0 = time.perf_counter()
                 stall.append(ck.mgr.save(s, ck.state(model, opt, s)))
                 ck.mgr.wait()
@@ -211,13 +233,14 @@ def costs(args) -> None:
             ck = UserCheckpoints(d, method == "dcp-async")
             for s in range(1, args.saves + 1):
                 step(model, opt)
+                _drained()
                 t0 = time.perf_counter()
                 ck.save(s, model, opt)
                 stall.append(time.perf_counter() - t0)
                 ck.wait()
                 write.append(time.perf_counter() - t0)
                 load.append(_timed(lambda: ck.load_latest(model, opt)))
-        held = torch.tensor(int(len(refresh) == args.saves))
+        held = torch.tensor(int(len(refresh) == args.saves), device=DEVICE)
         dist.all_reduce(held, op=dist.ReduceOp.MIN)  # every rank still refreshing
         out[method] = {
             "stall_s": _slowest(stall),
@@ -257,8 +280,13 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10**6)
     p.add_argument("--saves", type=int, default=3)
     p.add_argument("--step-delay", type=float, default=0.02)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = p.parse_args()
-    dist.init_process_group("gloo")
+    if args.device == "cuda":
+        global DEVICE
+        DEVICE = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(DEVICE)
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     torch.manual_seed(dist.get_rank())
     try:
         (train if args.mode == "train" else costs)(args)

@@ -17,6 +17,7 @@ places them in the new mesh (memory.shards).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -193,6 +194,9 @@ class MemoryState:
 
     def close(self) -> None:
         """Let the exchange in flight land and the slots go (CheckpointManager.close)."""
+        if self.writer is not None:
+            with contextlib.suppress(OSError):
+                self.writer.settle(timeout=10)  # what the exchange in flight waits for
         self.ring.close()
         if self.writer is not None:
             self.writer.close()
@@ -342,10 +346,12 @@ class MemoryState:
             owned, shard = how.owned, how.sharded
         else:  # captured already, for a disk save at the same step
             shard = sharded.holds_shards(state)
-        self.ring.wait()  # the last refresh's exchange lands before a slot is reused
         mapped = True
         writer = self.writer
         try:
+            if shard and writer is not None:
+                writer.settle()  # an overlapped slot whole (or dropped) before its exchange ends
+            self.ring.wait()  # the last refresh's exchange lands before a slot is reused
             if writer is None:
                 writer = self.writer = Writer(
                     self.directory,
@@ -365,7 +371,7 @@ class MemoryState:
                 sharded=shard,
             )
             if shard and writer.written is not None:
-                self.ring.send(*writer.written)
+                self.ring.send(*writer.written, writer.landed if writer.queued else None)
             if writer.notice:
                 log.warning(
                     "memory_overlap_off",

@@ -56,6 +56,32 @@ def holds_shards(state: Any) -> bool:
     )
 
 
+def optimizer_owned(msd: Mapping, osd: Mapping, optimizer) -> set[int]:
+    """The ids of the local shards in a state_dicts() pair that only `optimizer`'s step writes,
+    for the in-memory refresh to copy beside the next step (elasticd.checkpoint.overlap): its
+    state's, and the model's that are its parameters (matched by storage: the model state holds
+    detached aliases of the parameters, not the Parameters)."""
+
+    def local(t: Any) -> Any:
+        return getattr(t, "_local_tensor", t)
+
+    params = {local(p).data_ptr() for g in optimizer.param_groups for p in g["params"] if p.numel()}
+    owned = {
+        id(local(v))
+        for v in msd.values()
+        if isinstance(v, torch.Tensor) and v.numel() and local(v).data_ptr() in params
+    }
+    moments = osd.get("state", {})
+    owned.update(
+        id(local(t))
+        for s in moments.values()
+        if isinstance(s, Mapping)
+        for t in s.values()
+        if isinstance(t, torch.Tensor)
+    )
+    return owned
+
+
 def _options(strict: bool = True, full: bool = False):
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 

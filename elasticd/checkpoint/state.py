@@ -88,13 +88,15 @@ def capture(
     refresh = REFRESH.get()
     shards = model is not None and sharded.is_sharded(model)
     if shards and refresh is not None:
-        refresh.sharded, refresh.owned = True, None  # every rank keeps its own, copied at once
+        refresh.sharded = True  # every local rank keeps its own shards
     rng_only = refresh is not None and not refresh.whole and not shards
     owned = refresh.owned if refresh is not None else None
     if model is not None and not rng_only:
         if shards:
             # each rank its own shards, the optimizer's state keyed by FQN (nothing gathered)
             state["model"], osd = sharded.state_dicts(unwrap_model(model), optimizer)
+            if osd is not None and owned is not None:
+                owned.update(sharded.optimizer_owned(state["model"], osd, optimizer))
             if osd is not None:
                 state["optimizer"], optimizer = osd, None
         else:

@@ -1,5 +1,6 @@
 """bench/sharded.py end to end at a tiny size: the costs of every method under torchrun and one
-kill -9 under `elasticd run`, resumed from elasticd's sharded in-memory state; one JSON row with
+kill -9 under `elasticd run` and one node lost of two, resumed from elasticd's sharded in-memory
+state (the lost node's shards from the survivor's replica); one JSON row with
 the figures the benchmark promises and values that make sense."""
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def test_sharded_bench_at_a_tiny_size(tmp_path):
         ],
         capture_output=True,
         text=True,
-        timeout=150,
+        timeout=210,
         cwd=ROOT,
         env=env,
     )
@@ -49,3 +50,9 @@ def test_sharded_bench_at_a_tiny_size(tmp_path):
     # it, not the disk checkpoint of step 8
     assert e["source"] == "memory" and 0 <= e["steps_lost"] <= 2, e
     assert "kill -9 resume   elasticd" in r.stdout and "torchrun" not in r.stdout
+    # two nodes of one rank, the non-host's SIGKILLed: the survivor resumes alone from its own
+    # shards and its replica of the lost rank's, sent in the background at every refresh
+    n = row["node_loss"]
+    assert n["source"] == "memory" and 0 < n["recovery_s"] < 30 and 0 <= n["steps_lost"] <= 2, n
+    assert 0.2e6 < n["replica_bytes"] < 1.2e6 and n["replica_ms"] > 0, n
+    assert "node lost        elasticd" in r.stdout

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -34,6 +35,7 @@ from elasticd.worker.health import REPLICA_STATES
 log = structlog.get_logger()
 
 TIMEOUT = timedelta(seconds=60)  # a partner that never answers: replication stops, training goes on
+Landed = Callable[[float], bool] | None  # Writer.landed: whether the slot to send is whole
 
 
 def partners(rank: int, world: int, local_world: int) -> tuple[int, int] | None:
@@ -57,10 +59,13 @@ class Replicator:
         self.sent = 0  # bytes of the last exchange sent (and about as many received)
         self.seconds = 0.0  # how long the last exchange took, in the background
 
-    def send(self, slot: _Slot, size: int) -> None:
-        """Start the exchange of the slot just written (`size` bytes of it)."""
+    def send(self, slot: _Slot, size: int, landed: Landed = None) -> None:
+        """Start the exchange of the slot just written (`size` bytes of it). `landed(timeout)`:
+        whether an overlapped refresh's slot is whole (Writer.landed), waited for on the
+        exchange's thread; a slot that never lands is announced as 0 bytes, and both sides
+        keep the replica they have."""
         self.thread = threading.Thread(
-            target=self._exchange, args=(slot, size), name="elasticd-replica", daemon=True
+            target=self._exchange, args=(slot, size, landed), name="elasticd-replica", daemon=True
         )
         self.thread.start()
 
@@ -72,9 +77,11 @@ class Replicator:
         err, self.error = self.error, None
         return err
 
-    def _exchange(self, slot: _Slot, size: int) -> None:
+    def _exchange(self, slot: _Slot, size: int, landed: Landed) -> None:
         t0 = time.perf_counter()
         try:
+            if landed is not None and not landed(TIMEOUT.total_seconds()):
+                size = 0  # an overlapped refresh dropped: nothing to send this time
             g = self.group
             n = torch.tensor([size], dtype=torch.int64)
             m = torch.zeros(1, dtype=torch.int64)
@@ -82,38 +89,47 @@ class Replicator:
             dist.recv(m, self.source, group=g, tag=1)
             req.wait()
             got = int(m.item())
-            if got < HEADER:
+            if got and got < HEADER:
                 raise ValueError(f"rank {self.source} announced a slot of {got} bytes")
-            into = self.slots[self.next]
-            if into.mm is not None:
-                into.set_valid(0)
-            into.reserve(got)
-            assert slot.mm is not None and into.mm is not None
-            out = torch.frombuffer(slot.mm, dtype=torch.uint8, count=size)
-            head = torch.empty(HEADER, dtype=torch.uint8)
-            body = torch.frombuffer(into.mm, dtype=torch.uint8, count=got - HEADER, offset=HEADER)
-            reqs = [
-                dist.isend(out[:HEADER], self.to, group=g, tag=2),
-                dist.isend(out[HEADER:], self.to, group=g, tag=3),
-            ]
-            dist.recv(head, self.source, group=g, tag=2)
-            dist.recv(body, self.source, group=g, tag=3)
+            reqs = []
+            if size:
+                assert slot.mm is not None
+                out = torch.frombuffer(slot.mm, dtype=torch.uint8, count=size)
+                reqs = [
+                    dist.isend(out[:HEADER], self.to, group=g, tag=2),
+                    dist.isend(out[HEADER:], self.to, group=g, tag=3),
+                ]
+            if got:
+                self._receive(got)
             for r in reqs:
                 r.wait()
-            raw = _tensor_bytes(head)
-            h = parse(raw[: FIELDS.size], got)
-            if h is None or HEADER + h["data_len"] + h["meta_len"] != got:
-                raise ValueError(f"rank {self.source} sent a slot whose header does not fit it")
-            into.mm[16:HEADER] = raw[16:]  # all but magic and the valid flag
-            into.mm[:8] = raw[:8]
-            into.set_valid(1)  # last: a rank killed before this leaves the other replica whole
-            self.next = (self.next + 1) % SLOTS
             self.sent = size
             self.seconds = time.perf_counter() - t0
             _report_sent(size, self.seconds)
         except Exception as e:  # noqa: BLE001 - reported by wait(); training goes on
             self.error = f"{type(e).__name__}: {e}"
             self.seconds = time.perf_counter() - t0
+
+    def _receive(self, got: int) -> None:
+        """The previous node's slot, `got` bytes, into the replica slot written next; valid last."""
+        g = self.group
+        into = self.slots[self.next]
+        if into.mm is not None:
+            into.set_valid(0)
+        into.reserve(got)
+        assert into.mm is not None
+        head = torch.empty(HEADER, dtype=torch.uint8)
+        body = torch.frombuffer(into.mm, dtype=torch.uint8, count=got - HEADER, offset=HEADER)
+        dist.recv(head, self.source, group=g, tag=2)
+        dist.recv(body, self.source, group=g, tag=3)
+        raw = _tensor_bytes(head)
+        h = parse(raw[: FIELDS.size], got)
+        if h is None or HEADER + h["data_len"] + h["meta_len"] != got:
+            raise ValueError(f"rank {self.source} sent a slot whose header does not fit it")
+        into.mm[16:HEADER] = raw[16:]  # all but magic and the valid flag
+        into.mm[:8] = raw[:8]
+        into.set_valid(1)  # last: a rank killed before this leaves the other replica whole
+        self.next = (self.next + 1) % SLOTS
 
     def close(self) -> None:
         self.wait()
@@ -131,7 +147,7 @@ class Ring:
         self.replicator: Replicator | None = None
         self.decided = False
 
-    def send(self, slot: _Slot, size: int) -> None:
+    def send(self, slot: _Slot, size: int, landed: Landed = None) -> None:
         if not self.decided:
             self.decided = True
             ring = partners(rank(), world(), self.local_world)
@@ -141,7 +157,7 @@ class Ring:
                     log.info("memory_replica", sends_to=ring[0], receives_from=ring[1])
             _report_state(off_reason(ring, self.directory, world(), self.local_world))
         if self.replicator is not None:
-            self.replicator.send(slot, size)
+            self.replicator.send(slot, size, landed)
 
     def wait(self) -> None:
         if self.replicator is None:

@@ -46,6 +46,10 @@ _SMALL = 1 << 20  # bytes below which a tensor is copied with one memmove
 # synchronous copy of 8 MiB into shared memory takes there (~12 GB/s), so below this size queuing
 # the copies costs more than it saves.
 OVERLAP_MIN_BYTES = 8 << 20
+_UNSTEPPED = (
+    "no optimizer step ran between two refreshes (a step replayed from a CUDA graph, or "
+    "parameters updated by hand)"
+)
 _LAYOUT = operator.attrgetter("dtype", "shape", "is_cpu")  # what a slot's views and copies are for
 _FIRST = operator.itemgetter(0)
 
@@ -154,6 +158,7 @@ class Writer:
         # descriptions of dicts of named tensors, see Description.named_tensors
         self._flat: dict = {}
         self.written: tuple[_Slot, int] | None = None  # the last slot written and its bytes used
+        self._last: Any = None  # its overlap.Pending while queued (see landed())
 
     def write(
         self,
@@ -170,8 +175,9 @@ class Writer:
         Returns whether a slot had to be mapped first (its cost is not a refresh's).
         When overlapping: `owned` holds the ids of the tensors only the optimizer writes, whose
         copies may run beside the next step; `started` is when the refresh began. `sharded`:
-        every local rank keeps its own shards (and the rest), not local rank 0 the node's state;
-        copied at once, never overlapped; `written` then says where (for the replica)."""
+        every local rank keeps its own shards (and the rest), not local rank 0 the node's state
+        (CUDA shards overlapped as any device tensor); `written` then says where, and `landed()`
+        when it is whole (for the replica)."""
         started = time.perf_counter() if started is None else started
         rng = state.get("rng") or {}
         ranks = rng.get("ranks") or []
@@ -201,7 +207,7 @@ class Writer:
             self._plan(key, tensors)
         offsets, end = self._offsets, self._end
         meta = self._table + tree + b"}"
-        copier = None if sharded else self._overlapping()
+        copier = self._overlapping()
         slot = self.slots[self.next]
         need = HEADER + end + len(meta)
         if slot.pinned and need > slot.size:  # about to be mapped anew: let the old pages go first
@@ -261,12 +267,29 @@ class Writer:
         commit = functools.partial(_commit, slot, HEADER + end, meta, head)
         self.written = (slot, HEADER + end + len(meta))
         self.queued = copier is not None
+        self._last = None  # the overlap.Pending of this write, when queued
         if copier is None:
             commit()
         else:
             copier.copy(self.next, side, ordered, commit, started, counted=not mapped)
+            self._last = copier.pending[self.next]
         self.next = (self.next + 1) % SLOTS
         return mapped
+
+    def landed(self, timeout: float | None = None) -> bool:
+        """Wait until the last write is whole in its slot; False if it never will be (an
+        overlapped refresh dropped, see settle()) or `timeout` passed first. The replica sends a
+        slot only once this says so."""
+        p = self._last
+        return p is None or (p.done.wait(timeout) and p.committed)
+
+    def settle(self, timeout: float | None = None) -> None:
+        """Drop an overlapped refresh no optimizer step has waited for (with one notice) and let
+        the others land; what waits on landed() then returns."""
+        if self._copier is not None and self._copier.unfired():
+            self._off(_UNSTEPPED)
+        elif self._copier is not None:
+            self._copier.settle(timeout)
 
     def _overlapping(self) -> Any:
         """The Copier for this refresh, or None to copy synchronously. First the last refresh
@@ -284,10 +307,7 @@ class Writer:
             except Exception as e:  # noqa: BLE001 - a CUDA runtime that cannot give a stream: copy as before
                 return self._off(f"no side stream: {type(e).__name__}: {e}")
         if self._copier.unfired():
-            return self._off(
-                "no optimizer step ran between two refreshes (a step replayed from a CUDA "
-                "graph, or parameters updated by hand)"
-            )
+            return self._off(_UNSTEPPED)
         self._copier.settle()
         if not self._worth_overlapping():
             return None
