@@ -247,43 +247,41 @@ class Exchange:
         item_size = getattr(torch, marks[i][1][MARK][1]).itemsize
         return _padded(math.prod(h - low for h, low in zip(hi, lo)) * item_size)
 
+    def _sizes(self, plan: dict, marks: list, pairs: list) -> list[int]:
+        """Bytes of the message of each (sender, receiver) pair: its slices, padded, and its
+        checksum (none when it has no slice)."""
+        sizes = [sum(self._size(it, marks) for it in plan.get(pair, ())) for pair in pairs]
+        return [n + ALIGN if n else 0 for n in sizes]
+
     def _move(self, views, marks, chunks, multi) -> tuple[list, str | None]:
-        """[(old rank, marker, lo, hi, bytes)] received here, or why not."""
-        me, ranks = rank(), len(views)
+        """[(old rank, marker, lo, hi, bytes)] received here, or why not. The slices are copied
+        once, straight into the buffer all_to_all sends from."""
+        me, why, ranks = rank(), None, range(len(views))
         plan = self._plan(views, marks)
-        sends, why = [], None
-        for dst in range(ranks):
-            parts = []
+        sends = self._sizes(plan, marks, [(me, dst) for dst in ranks])
+        inp = torch.zeros(sum(sends), dtype=torch.uint8)
+        start = 0
+        for dst, n in enumerate(sends):
+            at = start
             for q, i, lo, hi in plan.get((me, dst), ()):
                 c = chunks[q][i]
-                flat = window(c.tensor, lo, hi, c.offsets).contiguous().view(-1).view(torch.uint8)
-                pad = self._size((q, i, lo, hi), marks) - flat.numel()
-                parts += [flat, torch.zeros(pad, dtype=torch.uint8)]
-            msg = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
-            if parts:
-                crc = torch.tensor([_crc(msg)], dtype=torch.int64).view(torch.uint8)
-                msg = torch.cat([msg, crc])
+                shape = [h - low for h, low in zip(hi, lo)]
+                dst_view = inp[at : at + math.prod(shape) * c.tensor.dtype.itemsize]
+                dst_view.view(c.tensor.dtype).view(shape).copy_(window(c.tensor, lo, hi, c.offsets))
+                at += self._size((q, i, lo, hi), marks)
+            if n:
+                end = start + n - ALIGN
+                inp[end : start + n].view(torch.int64)[0] = _crc(inp[start:end])
                 if TAMPER is not None:
-                    TAMPER(dst, msg)
-            sends.append(msg)
-        expect = [
-            sum(self._size(it, marks) for it in plan.get((src, me), ())) for src in range(ranks)
-        ]
-        expect = [n + ALIGN if n else 0 for n in expect]
+                    TAMPER(dst, inp[start : start + n])
+            start += n
+        expect = self._sizes(plan, marks, [(src, me) for src in ranks])
         out = torch.empty(sum(expect), dtype=torch.uint8)
         if multi:
-            inp = torch.cat(sends)
-            work = dist.all_to_all_single(
-                out,
-                inp,
-                expect,
-                [s.numel() for s in sends],
-                group=cpu_group(),
-                async_op=True,
-            )
+            work = dist.all_to_all_single(out, inp, expect, sends, group=cpu_group(), async_op=True)
             _wait(work, WAIT + (inp.numel() + out.numel()) / SPEED, "shards")
         else:
-            out = sends[0]
+            out = inp
         self.received = sum(expect) - expect[me]
         got, start = [], 0
         for src, n in enumerate(expect):
