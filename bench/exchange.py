@@ -21,7 +21,6 @@ import os
 import sys
 import tempfile
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -36,13 +35,8 @@ def _rank(rank: int, world: int, store: str, mems: list[str], mb: float, out: st
 
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{store}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=120),
-    )
+    url = f"file://{store}"
+    dist.init_process_group("gloo", init_method=url, rank=rank, world_size=world)
     n = int(math.sqrt(mb * 1e6 / 4 / 3 / 4))  # 4 layers, fp32, parameters + 2 moments
     net = nn.Sequential(*[nn.Linear(n, n, bias=False) for _ in range(4)])
     for layer in (*net, net):
