@@ -197,8 +197,10 @@ class Exchange:
         made: dict = {}
         if why is None:
             got, why = self._move(views, marks, chunks, multi)
-            if why is None:
-                why = self._assemble(got, marks, needs, targets, made)
+            try:
+                why = why or self._assemble(got, marks, needs, targets, made)
+            except Exception as e:  # noqa: BLE001 - agreed in Pieces.restore
+                why = f"rank {rank()}: placing the shards: {type(e).__name__}: {e}"
         self.seconds = time.perf_counter() - t0
         if why is not None:
             return None, None, why
@@ -253,14 +255,9 @@ class Exchange:
         sizes = [sum(self._size(it, marks) for it in plan.get(pair, ())) for pair in pairs]
         return [n + ALIGN if n else 0 for n in sizes]
 
-    def _move(self, views, marks, chunks, multi) -> tuple[list, str | None]:
-        """[(old rank, marker, lo, hi, bytes)] received here, or why not. The slices are copied
-        once, straight into the buffer all_to_all sends from."""
-        me, why, ranks = rank(), None, range(len(views))
-        plan = self._plan(views, marks)
-        sends = self._sizes(plan, marks, [(me, dst) for dst in ranks])
-        inp = torch.zeros(sum(sends), dtype=torch.uint8)
-        start = 0
+    def _pack(self, inp: torch.Tensor, sends: list, plan: dict, chunks: dict, marks: list) -> None:
+        """Each message this rank sends, its slices copied once into `inp`, then its checksum."""
+        start, me = 0, rank()
         for dst, n in enumerate(sends):
             at = start
             for q, i, lo, hi in plan.get((me, dst), ()):
@@ -275,6 +272,18 @@ class Exchange:
                 if TAMPER is not None:
                     TAMPER(dst, inp[start : start + n])
             start += n
+
+    def _move(self, views, marks, chunks, multi) -> tuple[list, str | None]:
+        """[(old rank, marker, lo, hi, bytes)] received here, or why not. The slices are copied
+        once, straight into the buffer all_to_all sends from."""
+        me, why, ranks = rank(), None, range(len(views))
+        plan = self._plan(views, marks)
+        sends = self._sizes(plan, marks, [(me, dst) for dst in ranks])
+        inp = torch.zeros(sum(sends), dtype=torch.uint8)
+        try:
+            self._pack(inp, sends, plan, chunks, marks)
+        except Exception as e:  # noqa: BLE001 - the zeros still go: every rank takes part
+            why = f"rank {me}: packing the shards it serves: {type(e).__name__}: {e}"
         expect = self._sizes(plan, marks, [(src, me) for src in ranks])
         out = torch.empty(sum(expect), dtype=torch.uint8)
         if multi:
