@@ -214,3 +214,23 @@ def test_failure_without_a_disk_checkpoint_ends_the_attempt_and_the_next_starts_
     shutil.rmtree(tmp_path / "b", ignore_errors=True)
     _run(tmp_path, two, 0, tmp_path / "c")
     assert all(_loaded(tmp_path / "c", r)["step"] == 0 for r in range(2))
+
+
+def test_a_servers_unreadable_slot_makes_every_rank_load_the_disk_with_one_line(tmp_path, capfd):
+    """3 -> 2 ranks (node 2 lost), memory at step 5, disk at step 4; node 0's replica of rank 2,
+    which rank 0 is to serve, is damaged: both ranks load the disk's step 4, one line naming it."""
+    three = _nodes(tmp_path, [[0], [1], [2]])
+    _run(tmp_path, three, 5, tmp_path / "a")
+    for h in slots.held(three[0]["mem"], 0, slots.REPLICA):
+        with open(slots.slot_path(three[0]["mem"], 0, h.k, slots.REPLICA), "r+b") as f:
+            header = slots.parse(f.read(slots.FIELDS.size), os.fstat(f.fileno()).st_size)
+            f.seek(slots.HEADER + header["data_len"])  # the description: its checksum fails
+            f.write(b"\xff" * 8)
+    capfd.readouterr()
+    _run(tmp_path, three[:2], 0, tmp_path / "b")
+    said = [ln for ln in _said(capfd).splitlines() if "memory_state_skipped" in ln]
+    assert len(said) == 1 and "rank 0: rank 2's slot unreadable" in said[0], said
+    for r in range(2):
+        loaded = _loaded(tmp_path / "b", r)
+        assert loaded["step"] == 4 and not loaded["file"].startswith("memory:"), loaded["file"]
+        _same(loaded, torch.load(f"{tmp_path / 'a'}.s4", weights_only=True))

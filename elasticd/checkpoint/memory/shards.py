@@ -31,7 +31,6 @@ import torch
 
 from elasticd.checkpoint import sharded
 from elasticd.checkpoint.collectives import (
-    all_ok,
     broadcast_bytes,
     cpu_group,
     dist_on,
@@ -135,14 +134,17 @@ def resume(
     body = None
     if choice is not None:
         body, why = fetch(choice, directory, local_rank, my_rank, multi)
-        if not all_ok(body is not None, multi):
-            choice, body = None, None
+        mine = None if body is not None else f"rank {my_rank}: {why or 'nothing read'}"
+        failed, _ = agree(mine, multi)  # every rank says the same line: the first failure's
+        if failed is not None:
+            choice, body, why = None, None, failed
     if choice is None or body is None:
-        log.info(
-            "memory_state_skipped",
-            reason=why or "another rank could not read it",
-            action="loading the newest disk checkpoint",
-        )
+        if my_rank == 0:
+            log.info(
+                "memory_state_skipped",
+                reason=why or "another rank could not read it",
+                action="loading the newest disk checkpoint",
+            )
         for kind in (OWN, REPLICA):
             keep_only(directory, local_rank=local_rank, keep=None, kind=kind)
         return None
