@@ -38,6 +38,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import signal
 import statistics
 import subprocess
@@ -123,7 +124,7 @@ class Job:
             str(3 * args.faults + 10),
             "--heartbeat-timeout",
             str(args.heartbeat_timeout),
-            *(("--no-memory-state",) if args.sharded else ()),  # the disk path
+            *(("--no-memory-state",) if args.disk else ()),  # the disk path
             str(HERE / "chaos_train.py"),
         ]
         self.t0 = time.monotonic()
@@ -480,7 +481,23 @@ def chaos_run(args, steps: int) -> dict:
         "hash": digest,
         "final_step": final,
         "orphans": orphans(job.tokens),
+        "resumed_from": resumed_from(job.work / "logs"),
     }
+
+
+def resumed_from(logs: Path) -> dict[str, int]:
+    """How many ranks' resumes came from memory and how many from disk: the checkpoint library's
+    `checkpoint_loaded` lines in the workers' logs."""
+    found = {"memory": 0, "disk": 0}
+    for path in logs.rglob("*"):
+        if not path.is_file():
+            continue
+        for line in path.read_text(errors="replace").splitlines():
+            if "checkpoint_loaded" in line:
+                source = re.search(r"source[\"=: ]+(memory|disk)", line)
+                if source:
+                    found[source.group(1)] += 1
+    return found
 
 
 def clean_start(args, steps: int) -> Job:
@@ -544,6 +561,7 @@ def summarize(args, steps: int, clean: dict, chaos: dict) -> dict:
         "wall_s": round(chaos["wall_s"], 2),
         "clean_wall_s": round(clean["wall_s"], 2),
         "per_kind": per_kind,
+        "resumed_from": chaos["resumed_from"],
         "fault_log": [asdict(f) for f in faults],
         "cores": os.cpu_count(),
     }
@@ -611,7 +629,12 @@ def main(argv=None) -> int:
     p.add_argument(
         "--sharded",
         action="store_true",
-        help="the job's model FSDP2 (fully_shard), resumed from sharded disk checkpoints",
+        help="the job's model FSDP2 (fully_shard): its own shards in memory, sharded checkpoints",
+    )
+    p.add_argument(
+        "--disk",
+        action="store_true",
+        help="resume from disk checkpoints only (the job runs with --no-memory-state)",
     )
     p.add_argument(
         "--side-by-side",

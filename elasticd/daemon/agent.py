@@ -111,7 +111,16 @@ class Agent:
         self.quarantine = Quarantine(cfg, self.node, self.event)  # the node's failures, kept
         self.metrics: metrics.Exporter | None = None  # serve() binds it
         self.left_line: str | None = None  # the one line a node that left the job exits with
+        self.reaper: bool | None = None  # whether the daemon became a subreaper (warm_up)
         supervise.report_to(self.event)
+
+    def warm_up(self) -> None:
+        """Become the spares' subreaper and start the fork server, whose torch import then runs
+        beside the rest of the daemon's start (serve() calls it early; run() otherwise)."""
+        if self.reaper is None:
+            logs.bind(run_id=self.cfg.rdzv_id, node=self.node)
+            self.reaper = self._subreaper()  # a fork server's spares are reparented to us
+            self.spares.start(self.reaper)  # they import torch while the nodes meet
 
     # --- the inbox: the only way other threads and signal handlers reach the loop ---
 
@@ -168,12 +177,10 @@ class Agent:
 
     def run(self) -> int:
         """Run the job to the end; returns the daemon's exit code."""
-        logs.bind(run_id=self.cfg.rdzv_id, node=self.node)
-        reaper = self._subreaper()  # a fork server's spares are reparented to us
+        self.warm_up()
         if self.group.tee:
             self.group.tee.start()
         self.set_state(State.RENDEZVOUS)
-        self.spares.start(reaper)  # they import torch while the nodes meet
         self.memory_dir = directory.create(self.cfg.rdzv_id) if self.cfg.memory_state else None
         if self.memory_dir:
             log.info("memory_state", directory=self.memory_dir)

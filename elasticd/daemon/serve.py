@@ -29,15 +29,11 @@ STACKS_ANSWER = 10.0
 
 def serve(cfg: Config, run_dir: Path) -> int:
     """Run the daemon: control socket, sd_notify, death guard, then the agent loop."""
-    # torch loads here, at start: the daemon hosts each round's store for the workers (cluster/
-    # imports it only in tcpstore.py), and adopt_torch makes its loggers write through ours
-    from elasticd.cluster import tcpstore  # noqa: F401
     from elasticd.control import paths
     from elasticd.control.protocol import AlreadyRunning, ControlError
     from elasticd.control.server import ControlServer
     from elasticd.daemon import systemd
 
-    logs.adopt_torch()
     agent = Agent(cfg, run_dir)
     agent.install_signals()
     exporter = _metrics_exporter(cfg, agent)
@@ -72,6 +68,22 @@ def serve(cfg: Config, run_dir: Path) -> int:
         from elasticd.config import ConfigError
 
         raise ConfigError(str(e)) from None
+    try:
+        # the fork server imports torch for the spares while this process imports it: a start
+        # takes one torch import's time, not two in a row (~2 s on 2 cores)
+        agent.warm_up()
+        # torch loads here: the daemon hosts each round's store for the workers (cluster/ imports
+        # it only in tcpstore.py), and adopt_torch makes its loggers write through ours
+        from elasticd.cluster import tcpstore  # noqa: F401
+
+        logs.adopt_torch()
+    except BaseException:
+        agent.spares.close()
+        server.close()
+        guard.close()
+        if exporter is not None:
+            exporter.close()
+        raise
     agent.notify = systemd
     systemd.ready(f"{agent.state.value} run {cfg.rdzv_id}")
     log.info(

@@ -1,8 +1,9 @@
 """The status the control socket serves: an immutable snapshot the agent loop publishes (at every
 state change and every PUBLISH_EVERY seconds while running), with the recent events, what a
 restart would resume from, and the operators' figures: the board owns the job's figures
-(ops/figures.py) and the stragglers (ops/stragglers.py), which read the workers' heartbeats at
-every publish; the loop feeds the figures its restarts and recoveries.
+(ops/figures.py), the stragglers (ops/stragglers.py) and the replication (ops/replication.py),
+which read the workers' heartbeats at every publish; the loop feeds the figures its restarts
+and recoveries.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from elasticd.config import Config
 from elasticd.daemon import supervise
 from elasticd.daemon.states import Failure, State
 from elasticd.ops.figures import Figures
+from elasticd.ops.replication import Replication
 from elasticd.ops.snapshot import LastFailure, Part, Snapshot, Worker, fields_from_json, from_json
 from elasticd.ops.stragglers import Stragglers
 
@@ -58,6 +60,7 @@ class StatusBoard:
         self._memory_step: int | None = None  # the newest in-memory state, as last read
         self.figures = Figures(time.monotonic())
         self.stragglers = Stragglers(cfg, node, event, time.time)
+        self.replication = Replication()  # a sharded job's replica costs, /dev/shm held
 
     def record(self, name: str, fields: dict[str, Any]) -> None:
         self.events.append({"time": time.time(), "event": name, **fields})
@@ -86,9 +89,9 @@ class StatusBoard:
         """`group`: the local workers, their rows and the heartbeats the figures read; `health`:
         the health check's report (ops/healthcheck.py)."""
         ranks = group.rows(now)
+        checkpoint, memory_step = self._resume_points(now, memory_dir)
         figures = self._figures(group, ranks, health, now)
         self.last_publish = now
-        checkpoint, memory_step = self._resume_points(now, memory_dir)
         self.current = Snapshot(
             state=state.value,
             run_id=self.cfg.rdzv_id,
@@ -137,13 +140,16 @@ class StatusBoard:
             beats,
             now,
         )
+        self.replication.observe(group.attempt, [w.local_rank for w in group.workers], beats)
         self.figures.annotate(ranks)
         self.stragglers.annotate(ranks)
+        self.replication.annotate(ranks)
         return {
             **self.figures.report(now),
             "stragglers": self.stragglers.report(),
             "straggler_reports": self.stragglers.reports,
             "health": health,
+            "memory_replica": self.replication.report(),
         }
 
     def _resume_points(
@@ -157,6 +163,7 @@ class StatusBoard:
             self._next_resume_read = now + RESUME_READ_EVERY
             self._checkpoint = self._read_checkpoint()
             self._memory_step = directory.newest_step(memory_dir)
+            self.replication.held = directory.held_bytes(memory_dir)
         info = self._checkpoint
         if info and info.get("time"):
             info = {**info, "age": round(time.time() - info["time"], 1)}

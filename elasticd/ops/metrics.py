@@ -29,6 +29,7 @@ from prometheus_client.core import (
 from elasticd import __version__, logs, safeio
 from elasticd.daemon.recovery import STEPS
 from elasticd.daemon.states import State
+from elasticd.ops import replication
 from elasticd.ops.figures import CAUSES
 from elasticd.ops.metrics_server import BoundedServer, Handler, serve
 from elasticd.ops.snapshot import Recoveries, Snapshot, from_json
@@ -261,6 +262,7 @@ METRICS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
         "Seconds since each peer node's liveness beat last moved",
         ("peer_group_rank",),
     ),
+    *replication.METRICS,  # a sharded job's replica and the /dev/shm held (ops/replication.py)
 )
 _BY_NAME = {m[0]: m for m in METRICS}
 
@@ -296,7 +298,7 @@ def families(s: Snapshot) -> Iterator[Metric]:
         if value is not None:
             samples[name].append(({k: str(v) for k, v in labels.items()}, float(value)))
 
-    for part in (_job, _restarts, _training, _costs, _ranks, _health):
+    for part in (_job, _restarts, _training, _costs, _ranks, _health, replication.put_metrics):
         part(put, s)
     for name, kind, doc, labels in METRICS:
         if kind == "histogram":

@@ -26,6 +26,18 @@ def ms(seconds: float | None) -> str:
     return f"{seconds * 1e3:.1f}ms" if seconds < 1 else f"{seconds:.2f}s"
 
 
+def size(n: int | None) -> str:
+    """Bytes for people: B, KiB, MiB or GiB."""
+    if n is None:
+        return "-"
+    n = float(n)
+    for unit in ("B", "KiB", "MiB"):
+        if n < 1024:
+            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
+        n /= 1024
+    return f"{n:.1f}GiB"
+
+
 def status(s: Snapshot, socket: str | None = None) -> str:
     """The snapshot of the daemon at `socket` (named when several run here)."""
     from elasticd.logs import printable
@@ -115,7 +127,29 @@ def _costs(s: Snapshot) -> list[str]:
             f"in-memory refresh every {mem.every or '-'} step(s), {ms(mem.last_seconds)} "
             f"last, {ms(mem.seconds_total)} total"
         )
-    return ["  " + "; ".join(costs)] if costs else []
+    return (["  " + "; ".join(costs)] if costs else []) + _replica(s)
+
+
+def _replica(s: Snapshot) -> list[str]:
+    """A sharded job's replication and the /dev/shm this node holds for the in-memory state."""
+    rep = s.memory_replica
+    held = rep.shm_own_bytes + rep.shm_replica_bytes
+    if not (rep.state or held):
+        return []
+    shm = (
+        f"/dev/shm {size(held)} (own slots {size(rep.shm_own_bytes)}, replicas "
+        f"{size(rep.shm_replica_bytes)})"
+    )
+    if not rep.state:
+        return [f"  in-memory {shm}"]
+    what = "on" if rep.state == "on" else f"off ({rep.state.replace('_', ' ')})"
+    sent = (
+        f": {rep.sends} sends, {size(rep.last_bytes)} per refresh, {size(rep.bytes_total)} "
+        f"total, last took {ms(rep.last_seconds)}"
+        if rep.sends
+        else ""
+    )
+    return [f"  replica to the next node {what}{sent}; {shm}"]
 
 
 def _health(s: Snapshot) -> list[str]:
@@ -146,15 +180,26 @@ def _health(s: Snapshot) -> list[str]:
 
 
 def _workers(s: Snapshot) -> list[str]:
-    lines = ["  RANK  PID      STATE                 BEAT   STEP     TIME/STEP  OWN WORK   RSS"]
+    replicas = any(w.replica for w in s.workers)
+    head = "  RANK  PID      STATE                 BEAT   STEP     TIME/STEP  OWN WORK   RSS"
+    width = len(head) + 6  # the REPLICA column's start, past the widest RSS ("1023MiB")
+    lines = [f"{head:<{width}}REPLICA LAST/THIS ATTEMPT" if replicas else head]
     for w in s.workers:
         rss = f"{w.rss_bytes / 2**20:.0f}MiB" if w.rss_bytes else "-"
         step = "-" if w.step is None else str(w.step)
         work = ms(w.work_time) + ("!" if w.straggler else "")
-        lines.append(
+        line = (
             f"  {w.rank:<5} {w.pid:<8} {w.state:<21} {age(w.heartbeat_age):<6} {step:<8} "
             f"{ms(w.step_time):<10} {work:<10} {rss}"
         )
+        if replicas:
+            line = f"{line:<{width}}" + (
+                f"{size(w.replica_last_bytes)}/{size(w.replica_bytes)} in "
+                f"{ms(w.replica_last_seconds)}"
+                if w.replica == "on"
+                else (w.replica or "-").replace("_", " ")
+            )
+        lines.append(line)
     return lines
 
 

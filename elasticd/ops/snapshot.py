@@ -40,6 +40,12 @@ class Worker:
     work_time: float | None = None  # own work per step, outside the gradient sync
     straggler_ratio: float | None = None  # own work over the node's median (stragglers.py)
     straggler: bool = False
+    # a sharded job's replica of its shards on the next node (ops/replication.py): on, or why
+    # not (None: undecided), and its exchanges' bytes this attempt, the last one's bytes and time
+    replica: str | None = None
+    replica_bytes: int | None = None
+    replica_last_bytes: int | None = None
+    replica_last_seconds: float | None = None
 
 
 @dataclass(frozen=True)
@@ -110,6 +116,21 @@ class MemoryRefresh:
     seconds_total: float | None = None
     last_seconds: float | None = None
     every: int | None = None  # steps between refreshes
+
+
+@dataclass(frozen=True)
+class MemoryReplica:
+    """This node's side of a sharded job's replication (ops/replication.py), and the /dev/shm
+    bytes it holds for the in-memory state."""
+
+    state: str | None = None  # on, or off and why; None before the first sharded refresh
+    sends: int = 0  # exchanges completed by this node's ranks, all attempts
+    bytes_total: int = 0  # bytes they sent, all attempts
+    last_bytes: int = 0  # bytes of each rank's last exchange, summed: one refresh's cost
+    seconds_total: float = 0.0  # background seconds of the exchanges, summed over ranks
+    last_seconds: float = 0.0  # the slowest rank's last exchange
+    shm_own_bytes: int = 0  # /dev/shm held by this node's ranks' own slots
+    shm_replica_bytes: int = 0  # ... and by the replicas of another node's ranks
 
 
 @dataclass(frozen=True)
@@ -210,6 +231,7 @@ class Snapshot:
     events: list[dict[str, Any]] = field(default_factory=list)  # the latest, newest last
     # the failures this node saw, by class (triage.FailureClass's values)
     failures_by_class: dict[str, int] = field(default_factory=dict)
+    memory_replica: MemoryReplica = field(default_factory=MemoryReplica)
 
     def to_json(self) -> dict[str, Any]:
         return to_json(self)

@@ -161,7 +161,7 @@ def main() -> None:
     freeze_imports()
     read_end = serve(conn)
     if read_end is None:
-        return
+        bootstrap.quit_unused()
     become_spare(read_end)
     bootstrap.main()  # dies with the daemon from here on, takes its rank from stdin
 

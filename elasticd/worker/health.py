@@ -15,7 +15,8 @@ timeline, and the checkpoint library's SIGTERM handling (abandon: die now, nothi
 Then running figures, f64 each, written by the worker for status and metrics (FIGURES): its own
 work per step (the time outside the gradient sync, summed, and the steps that measured it: what
 the straggler check compares), the step the checkpoint library resumed from, and the library's
-save and in-memory refresh costs and cadence. Each is one aligned store into the mapping, at
+save and in-memory refresh costs and cadence, and a sharded job's replication (what it sends to
+the next node, how long that took, whether it is on). Each is one aligned store into the mapping, at
 most a few per step.
 
 The worker owns the file and may write anything into it: the daemon's Reader takes only values
@@ -60,7 +61,19 @@ FIGURES = (
     "refresh_total",
     "refresh_last",  # in-memory refreshes and the seconds they blocked training
     "refresh_every",  # the in-memory cadence: steps between refreshes (0: off)
+    # a sharded job's replica (checkpoint/memory/replica.py): REPLICA_STATES' index, exchanges
+    # done, bytes sent (total, last) and the seconds they took in the background (total, last)
+    "replica_state",
+    "replica_sends",
+    "replica_bytes_total",
+    "replica_bytes_last",
+    "replica_seconds_total",
+    "replica_seconds_last",
 )
+# the replica_state figure's values, by index: not decided yet (no sharded refresh), on, or off
+# and why: one node (no other to hold a replica), nodes of unequal or unknown size, no memory
+# directory on this node, a partner that failed (memory_replica_off in the worker's log)
+REPLICA_STATES = ("", "on", "one_node", "uneven_nodes", "no_directory", "failed")
 _FIGURES = struct.Struct(f"<{len(FIGURES)}d")
 _FIGURES_AT = 72
 _FIGURE_INDEX = {

@@ -348,14 +348,17 @@ def test_sd_notify_sequence_and_workers_do_not_inherit(daemons, tmp_path):
         args=[str(out)],
         env={"NOTIFY_SOCKET": str(path), "WATCHDOG_USEC": "400000"},
     )
-    # dump_env exits at once; the daemon finishes; stop semantics are covered elsewhere
-    msgs = _drain(s, 8)
-    assert d.wait(30) == 0
+    # dump_env exits at once; the daemon finishes; stop semantics are covered elsewhere. Drained
+    # all along: a full datagram queue (max_dgram_qlen, 10 here) would drop the daemon's sends
+    msgs, deadline = [], time.monotonic() + 60
+    while d.proc.poll() is None and time.monotonic() < deadline:
+        msgs += _drain(s, 0.2)
+    assert d.wait(1) == 0
     msgs += _drain(s, 0.5)
     s.close()
     flat = [line for m in msgs for line in m.split("\n")]
     assert flat[0] == "READY=1" and flat[1].startswith("STATUS=")
-    assert any(line.startswith("STATUS=RUNNING") for line in flat)
+    assert any(line.startswith("STATUS=RUNNING") for line in flat), flat
     assert flat.count("WATCHDOG=1") >= 2
     env = json.loads(out.read_text().splitlines()[0])
     assert "NOTIFY_SOCKET" not in env and "WATCHDOG_USEC" not in env
@@ -365,7 +368,7 @@ def test_sd_notify_stopping_and_stalled_loop_starves_watchdog(tmp_path):
     """The watchdog is fed by the main loop only: stall the loop (its snapshot hook sleeps) and
     the pings stop while the daemon's other threads go on; STOPPING=1 comes on stop."""
     s, path = _notify_socket(tmp_path)
-    stall = tmp_path / "stall"
+    stall, running = tmp_path / "stall", tmp_path / "running"
     prog = f"""
 import sys, time, pathlib
 from elasticd import config, logs
@@ -375,6 +378,8 @@ cfg = config.build({{"entrypoint": {script("silent.py")!r}, "args": ["60"], "npr
                      "stop_grace": 1, "warm_spawn": False}})
 logs.setup("json")
 def hook(snap):
+    if snap.get("state") == "RUNNING":
+        pathlib.Path({str(running)!r}).touch()
     while pathlib.Path({str(stall)!r}).exists():
         time.sleep(0.05)
 # as the CLI makes it
@@ -389,6 +394,9 @@ sys.exit(a.run())
         first = time.monotonic() + 60
         while time.monotonic() < first and not any("WATCHDOG=1" in m for m in _drain(s, 0.2)):
             pass  # the loop starts pinging once the daemon is up (torch imported)
+        # the loop publishes (calls the hook) at every turn once the worker runs; before, a
+        # start's bounded waits feed the watchdog themselves, and a slow machine stays there
+        wait_until(running.exists, 60, what="the worker running")
         before = [m for m in _drain(s, 2) if "WATCHDOG=1" in m]
         assert len(before) >= 5
         stall.touch()

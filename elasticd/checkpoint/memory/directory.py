@@ -12,7 +12,7 @@ import shutil
 import tempfile
 
 from elasticd import names, safeio
-from elasticd.checkpoint.memory.slots import SLOTS, header, slot_path
+from elasticd.checkpoint.memory.slots import OWN, REPLICA, SLOTS, header, slot_path
 
 ENV = names.MEMORY_DIR
 ROOT = "/dev/shm"
@@ -110,3 +110,24 @@ def newest_step(path: str | None) -> int | None:
         else []
     )
     return max(steps) if steps else None
+
+
+_SLOT_FILE = re.compile(r"([lr])[0-9]+\.[0-9]+")
+
+
+def held_bytes(path: str | None) -> tuple[int, int]:
+    """/dev/shm bytes the directory's slot files hold (allocated blocks, as tmpfs counts them):
+    (the ranks' own slots, the replicas of another node's ranks)."""
+    held = {OWN: 0, REPLICA: 0}
+    try:
+        entries = list(os.scandir(path)) if path else []
+    except OSError:
+        return 0, 0
+    for entry in entries:
+        name = _SLOT_FILE.fullmatch(entry.name)
+        if name:
+            try:
+                held[name.group(1)] += entry.stat(follow_symlinks=False).st_blocks * 512
+            except OSError:
+                continue  # removed meanwhile
+    return held[OWN], held[REPLICA]

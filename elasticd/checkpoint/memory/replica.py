@@ -25,9 +25,11 @@ import structlog
 import torch
 import torch.distributed as dist
 
+import elasticd
 from elasticd.checkpoint.collectives import _tensor_bytes, rank, world
 from elasticd.checkpoint.memory.slots import FIELDS, HEADER, REPLICA, SLOTS, parse, slot_path
 from elasticd.checkpoint.memory.writer import _Slot
+from elasticd.worker.health import REPLICA_STATES
 
 log = structlog.get_logger()
 
@@ -107,9 +109,11 @@ class Replicator:
             into.set_valid(1)  # last: a rank killed before this leaves the other replica whole
             self.next = (self.next + 1) % SLOTS
             self.sent = size
+            self.seconds = time.perf_counter() - t0
+            _report_sent(size, self.seconds)
         except Exception as e:  # noqa: BLE001 - reported by wait(); training goes on
             self.error = f"{type(e).__name__}: {e}"
-        self.seconds = time.perf_counter() - t0
+            self.seconds = time.perf_counter() - t0
 
     def close(self) -> None:
         self.wait()
@@ -135,6 +139,7 @@ class Ring:
                 self.replicator = Replicator(self.directory, self.local_rank, *ring)
                 if rank() == 0:
                     log.info("memory_replica", sends_to=ring[0], receives_from=ring[1])
+            _report_state(off_reason(ring, self.directory, world(), self.local_world))
         if self.replicator is not None:
             self.replicator.send(slot, size)
 
@@ -148,6 +153,7 @@ class Ring:
                 error=error,
                 action="keeping this rank's shards in this node's memory only",
             )
+            _report_state("failed")
             self.close()
 
     def figures(self) -> dict[str, Any]:
@@ -159,3 +165,29 @@ class Ring:
         if self.replicator is not None:
             self.replicator.close()
             self.replicator = None
+
+
+def off_reason(
+    ring: tuple[int, int] | None, directory: str | None, world: int, local_world: int
+) -> str:
+    """The replica_state figure as the ring was decided: "on", or why it is off."""
+    if ring is None:
+        return "one_node" if 0 < local_world and world <= local_world else "uneven_nodes"
+    return "on" if directory else "no_directory"
+
+
+def _report_state(state: str) -> None:
+    figures = elasticd._beat_writer()
+    if figures is not None:
+        figures.note("replica_state", REPLICA_STATES.index(state))
+
+
+def _report_sent(size: int, seconds: float) -> None:
+    """An exchange landed (on the replica's thread: these figures are written nowhere else)."""
+    figures = elasticd._beat_writer()
+    if figures is not None:
+        figures.add("replica_sends", 1)
+        figures.add("replica_bytes_total", size)
+        figures.note("replica_bytes_last", size)
+        figures.add("replica_seconds_total", seconds)
+        figures.note("replica_seconds_last", seconds)
