@@ -149,9 +149,14 @@ class CheckpointManager:
         node lacks it receive it from one that holds it; see memory_state.choose), else the
         module function's disk checkpoint. Records the entry in `self.loaded` (its file is
         "memory:..." for in-memory state)."""
-        got = self._memory.load(self.directory) if self._memory.wanted else None
+        got = self._memory.load(self.directory, self._took) if self._memory.wanted else None
         if got is None:
             got = files.load_latest_entry(self.directory)
+        return self._took(got)
+
+    def _took(self, got: tuple[dict[str, Any], Entry] | None) -> dict[str, Any] | None:
+        """The state load_latest gives, recorded: also the disk's that a sharded resume from
+        memory that failed in restore() takes instead (MemoryState.load's `took`)."""
         _mark_state_loaded(got[1].step or 0 if got is not None else 0)
         if got is None:
             self.loaded = None

@@ -41,7 +41,7 @@ from elasticd.checkpoint.collectives import (
     send_bytes,
     world,
 )
-from elasticd.checkpoint.files import looks_at_disk
+from elasticd.checkpoint.files import load_latest_entry, looks_at_disk
 from elasticd.checkpoint.format import Entry, candidates
 from elasticd.checkpoint.memory import cadence, reader, replica, shards, slots
 from elasticd.checkpoint.memory.writer import Writer
@@ -202,12 +202,16 @@ class MemoryState:
             self.writer.close()
             self.writer = None
 
-    def load(self, disk: str) -> tuple[dict[str, Any], Entry] | None:
+    def load(
+        self, disk: str, took: Callable[[Any], dict[str, Any] | None] | None = None
+    ) -> tuple[dict[str, Any], Entry] | None:
         """Agree on the step to resume from memory (a collective; rules: choose()), at this
         world size or another, then read it where this rank's node holds it and send it to the
         ranks whose node does not; None when a disk checkpoint in `disk` is newer, no step
         qualifies or any rank cannot read what it needs. Every rank agrees on a new lineage
-        here for the steps it will write, whatever is resumed."""
+        here for the steps it will write, whatever is resumed. `took`: what the caller does with
+        a disk checkpoint's (state, entry) (CheckpointManager's bookkeeping), for a sharded resume
+        that fails in restore() and loads the disk instead (_instead)."""
         world_size, my_rank, local = world(), rank(), self.local_rank
         node = slots.held(self.directory, 0)
         own = node if local == 0 else slots.held(self.directory, local)
@@ -230,7 +234,13 @@ class MemoryState:
         if any(v["pieces"] for v in views):  # a sharded job's
             got = shards.resume(views, self.directory, self.local_rank, multi, derived_base)
             self.resumed = got[2] if got is not None else None
-            return got[:2] if got is not None else None
+            if got is None:
+                return None
+            pieces = got[0].get("model")
+            if isinstance(pieces, shards.Pieces):
+                on_disk = max(v["disk"] for v in views) >= 0
+                pieces.fallback = lambda why: self._instead(why, disk, on_disk, took)
+            return got[:2]
         choice, why = choose(views)
         state, source = None, None
         if choice is not None:
@@ -263,6 +273,38 @@ class MemoryState:
             step=choice.step,
             world_size=choice.world,
         )
+
+    def _instead(
+        self,
+        why: str,
+        disk: str,
+        on_disk: bool,
+        took: Callable[[Any], dict[str, Any] | None] | None,
+    ) -> dict[str, Any]:
+        """The newest disk checkpoint's state, which every rank takes together when a sharded
+        resume from memory failed in restore() on some rank (`why`); the slots go as at any
+        skip. Without a disk checkpoint this attempt ends: the live model and optimizer were
+        already touched (get_state_dict initializes the optimizer's state, and other ranks may
+        have loaded the memory's), so only a fresh start is a start from scratch."""
+        action = (
+            "loading the newest disk checkpoint"
+            if on_disk
+            else "no disk checkpoint: ending this attempt, the next starts from scratch"
+        )
+        if rank() == 0:
+            reason = f"resuming from memory failed on {why}"
+            log.info("memory_state_skipped", reason=reason, action=action)
+        for kind in (slots.OWN, slots.REPLICA):
+            slots.keep_only(self.directory, local_rank=self.local_rank, keep=None, kind=kind)
+        self.resumed = None
+        got = load_latest_entry(disk) if on_disk else None
+        state = took(got) if took is not None else got and got[0]
+        if state is None:
+            raise RuntimeError(
+                f"resuming from memory failed on {why}, and there is no disk checkpoint to load "
+                "instead: the in-memory state is dropped, so the restart starts from scratch"
+            )
+        return state
 
     def _fetch(
         self, choice: Choice, world_size: int, my_rank: int, multi: bool

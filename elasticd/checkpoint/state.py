@@ -46,7 +46,11 @@ class InMemory:
     """What a sharded resume from memory puts where the model's (and optimizer's) state goes:
     restore() hands the live model to it (elasticd.checkpoint.memory.shards.Pieces)."""
 
-    def restore(self, state: Mapping[str, Any], model, optimizer, strict: bool) -> None:
+    def restore(
+        self, state: Mapping[str, Any], model, optimizer, strict: bool
+    ) -> Mapping[str, Any] | None:
+        """None once loaded; else the state to restore instead (the newest disk checkpoint's,
+        taken when the resume from memory failed on some rank)."""
         raise NotImplementedError
 
 
@@ -155,7 +159,11 @@ def restore(
     if model is not None and isinstance(held, InMemory):
         # shards from the in-memory slots, placed in this world's mesh
         _missing(state, "model", *(("optimizer",) if optimizer is not None else ()))
-        held.restore(state, unwrap_model(model), optimizer, strict)
+        instead = held.restore(state, unwrap_model(model), optimizer, strict)
+        if instead is not None:
+            return restore(
+                instead, model, optimizer, scheduler, scaler, sampler, strict=strict, rng=rng
+            )
         model = optimizer = None
     elif model is not None and (sharded.is_sharded(model) or isinstance(held, shard_files.OnDisk)):
         # through set_state_dict (a sharded checkpoint on disk is read first, resharded by DCP)

@@ -11,10 +11,12 @@ shards are still in some survivor's memory.
 - Same world, every rank holding its own slot at the step: each rank reads its own slot, nothing
   crosses the network, and the shards go back where they were (a bit-exact resume).
 - Otherwise (a node lost, nodes joined): for each old rank, one rank that holds its slot (its own,
-  else a replica) broadcasts the slot's bytes over the library's gloo group, and every rank places
-  the parts of the old shards that overlap its new ones: box intersections of the chunks, as
-  torch.distributed.checkpoint's resharding does on disk. Each rank thus reads the whole state
-  once in host memory (a later step: send each rank only the chunks it needs).
+  else a replica) serves it, and in restore() each rank receives from the servers only the parts
+  of the old shards that overlap its new ones (box intersections of the chunks, as
+  torch.distributed.checkpoint's resharding does on disk; memory.exchange).
+- A failure on any rank after the ranks agreed on the step (a slot unreadable, damage in transit,
+  a shape that does not fit, set_state_dict raising) is agreed by all, which load the newest disk
+  checkpoint instead (Pieces.fallback), with one line saying what failed.
 """
 
 from __future__ import annotations
@@ -28,9 +30,17 @@ import structlog
 import torch
 
 from elasticd.checkpoint import sharded
-from elasticd.checkpoint.collectives import all_ok, broadcast_bytes, cpu_group, rank, world
+from elasticd.checkpoint.collectives import (
+    broadcast_bytes,
+    cpu_group,
+    dist_on,
+    from_bytes,
+    rank,
+    to_bytes,
+    world,
+)
 from elasticd.checkpoint.format import Entry
-from elasticd.checkpoint.memory import reader
+from elasticd.checkpoint.memory import exchange, reader
 from elasticd.checkpoint.memory.description import Chunk
 from elasticd.checkpoint.memory.slots import OWN, REPLICA, held, keep_only
 from elasticd.checkpoint.state import InMemory
@@ -124,14 +134,17 @@ def resume(
     body = None
     if choice is not None:
         body, why = fetch(choice, directory, local_rank, my_rank, multi)
-        if not all_ok(body is not None, multi):
-            choice, body = None, None
+        mine = None if body is not None else f"rank {my_rank}: {why or 'nothing read'}"
+        failed, _ = agree(mine, multi)  # every rank says the same line: the first failure's
+        if failed is not None:
+            choice, body, why = None, None, failed
     if choice is None or body is None:
-        log.info(
-            "memory_state_skipped",
-            reason=why or "another rank could not read it",
-            action="loading the newest disk checkpoint",
-        )
+        if my_rank == 0:
+            log.info(
+                "memory_state_skipped",
+                reason=why or "another rank could not read it",
+                action="loading the newest disk checkpoint",
+            )
         for kind in (OWN, REPLICA):
             keep_only(directory, local_rank=local_rank, keep=None, kind=kind)
         return None
@@ -169,8 +182,10 @@ def fetch(
     choice: Choice, directory: str | None, local_rank: int, my_rank: int, multi: bool
 ) -> tuple[dict[str, Any] | None, str | None]:
     """(body, why not): this rank's view of the chosen step, {"state": the rest of the state with
-    a Pieces where the model and optimizer go, "rng": this rank's own or None}. A collective when
-    not `choice.direct`: every rank takes part in every old rank's broadcast, whatever failed."""
+    a Pieces where the model and optimizer go, "rng": this rank's own or None}. Not
+    `choice.direct`: the slots this rank serves are read here, the shards move in restore()
+    (memory.exchange), and the rest comes from the holder of old rank 0's slot (a collective:
+    every rank takes part in its broadcast, whatever failed)."""
     step, lineage = choice.step, choice.lineage
     why, own = None, None
     if my_rank in choice.keepers:
@@ -178,50 +193,107 @@ def fetch(
             own = reader.load(directory, local_rank, step, lineage)
         except Exception as e:  # noqa: BLE001 - any damage means: use the disk
             why = f"own slot unreadable: {type(e).__name__}: {e}"
+    rng = own.get("rng") if own is not None else None
     if choice.direct:
-        pieces = [own["state"]] if own is not None else []
-    else:
-        pieces = []
-        for q, (src, kind) in enumerate(choice.source):
-            data: Any = bytearray()
-            if src == my_rank:
-                try:
-                    data = reader.raw(directory, step, lineage, local_rank, kind)
-                except Exception as e:  # noqa: BLE001 - sent as nothing: every rank uses the disk
-                    why = why or f"rank {q}'s slot unreadable: {type(e).__name__}: {e}"
-            data = broadcast_bytes(data, src, cpu_group()) if multi else data
-            if not data:
-                why = why or f"rank {src} could not read rank {q}'s slot"
-                continue
-            try:
-                pieces.append(reader.decode(bytearray(data), step, lineage)["state"])
-            except Exception as e:  # noqa: BLE001
-                why = why or f"rank {q}'s slot damaged in transit: {type(e).__name__}: {e}"
-            del data
-    if why is not None or not pieces:
-        return None, why or "nothing read"
-    held_parts = Pieces(pieces)
-    state = {k: v for k, v in pieces[0].items() if k not in PARTS}
+        if why is not None or own is None:
+            return None, why or "nothing read"
+        return {"state": _with_pieces(own["state"], Pieces([own["state"]])), "rng": rng}, None
+    held: dict[int, Any] = {}
+    for q, (src, kind) in enumerate(choice.source):
+        if src != my_rank:
+            continue
+        try:
+            mine = own if kind == OWN and own is not None else None
+            held[q] = (mine or reader.load(directory, local_rank, step, lineage, kind))["state"]
+        except Exception as e:  # noqa: BLE001 - sent as nothing: every rank uses the disk
+            why = why or f"rank {q}'s slot unreadable: {type(e).__name__}: {e}"
+    first = choice.source[0][0]
+    data = to_bytes(exchange.skeleton(held[0])) if 0 in held and why is None else b""
+    data = broadcast_bytes(data, first, cpu_group()) if multi else data
+    if not data:
+        return None, why or f"rank {first} could not read rank 0's slot"
+    try:
+        rest = from_bytes(data)
+    except Exception as e:  # noqa: BLE001
+        return None, f"rank 0's state damaged in transit: {type(e).__name__}: {e}"
+    if why is not None:
+        return None, why
+    serves = [src for src, _ in choice.source]
+    parts = {k: rest[k] for k in PARTS if k in rest}
+    return {
+        "state": _with_pieces(rest, Pieces(exchange=exchange.Exchange(parts, held, serves))),
+        "rng": rng,
+    }, None
+
+
+def _with_pieces(state: Mapping[str, Any], pieces: Pieces) -> dict[str, Any]:
+    """The rest of the state, with `pieces` where the model and optimizer go."""
+    out = {k: v for k, v in state.items() if k not in PARTS}
     for part in PARTS:
-        if part in pieces[0]:
-            state[part] = held_parts
-    return {"state": state, "rng": own.get("rng") if own is not None else None}, None
+        if part in state:
+            out[part] = pieces
+    return out
 
 
 class Pieces(InMemory):
-    """The old ranks' slots' model and optimizer parts (DTensors as Chunks), which restore()
-    places in the live model's own shards and loads through set_state_dict."""
+    """The model and optimizer parts of a sharded resume from memory, which restore() places in
+    the live model's own shards and loads through set_state_dict: at the same world each rank's
+    own slot (`pieces`, its Chunks), at another the shards received from their holders
+    (`exchange`). A failure on any rank, in the exchange, the placing or set_state_dict, is agreed
+    by every rank, which then all load the newest disk checkpoint instead (`fallback`, set by
+    MemoryState.load: the state restore() goes on with)."""
 
-    def __init__(self, pieces: list[Mapping[str, Any]]) -> None:
-        self.pieces = pieces
+    def __init__(self, pieces: list[Mapping[str, Any]] | None = None, exchange: Any = None) -> None:
+        self.pieces, self.exchange = pieces, exchange
+        self.fallback: Callable[[str], Mapping[str, Any]] | None = None
 
-    def restore(self, state: Mapping[str, Any], model, optimizer, strict: bool) -> None:
+    def restore(
+        self, state: Mapping[str, Any], model, optimizer, strict: bool
+    ) -> Mapping[str, Any] | None:
+        multi = dist_on() and world() > 1
+        new_m = new_o = why = None
+        if self.exchange is not None:
+            new_m, new_o, why = self.exchange.place(model, optimizer, multi)
+        else:
+            try:
+                new_m, new_o = self._own(model, optimizer)
+            except Exception as e:  # noqa: BLE001 - agreed below: every rank uses the disk
+                why = f"rank {rank()}: {type(e).__name__}: {e}"
+        why, _ = agree(why, multi)
+        if why is None:
+            try:
+                sharded.apply(model, optimizer, new_m, new_o, strict)
+            except Exception as e:  # noqa: BLE001
+                why = f"rank {rank()}: set_state_dict: {type(e).__name__}: {e}"
+            got = self.exchange.received if self.exchange is not None else 0
+            why, views = agree(why, multi, received=got)
+            if why is None and self.exchange is not None and rank() == 0:
+                log.info(
+                    "memory_state_exchanged",
+                    received_bytes=[v["received"] for v in views],
+                    seconds=round(self.exchange.seconds, 3),
+                )
+        if why is None:
+            return None
+        if self.fallback is None:
+            raise RuntimeError(f"the in-memory resume failed: {why}")
+        return self.fallback(why)
+
+    def _own(self, model, optimizer) -> tuple[Any, Any]:
+        assert self.pieces is not None
         msd, osd = sharded.state_dicts(model, optimizer)
         new_m = _place([p["model"] for p in self.pieces], msd, (None, "model"))
         new_o = None
         if optimizer is not None:
             new_o = _place([p["optimizer"] for p in self.pieces], osd, (None, "optimizer"))
-        sharded.apply(model, optimizer, new_m, new_o, strict)
+        return new_m, new_o
+
+
+def agree(why: str | None, multi: bool, **extra: Any) -> tuple[str | None, list[dict]]:
+    """(the first rank's reason, every rank's view) of a step of the resume that may have failed
+    on some rank: every rank learns it, and all take the disk together."""
+    views = exchange.gather_json({"why": why, **extra}, multi)
+    return next((v["why"] for v in views if v["why"]), None), views
 
 
 def _place(saved: list[Any], target: Any, at: Any) -> Any:
@@ -249,8 +321,8 @@ def _assemble(target: Any, chunks: list[Chunk], at: Any) -> Any:
     chunks that overlap it (each distinct chunk once: replicated dims repeat them)."""
     local = target.to_local()
     (box,) = target.__create_chunk_list__()
-    begin, shape = list(box.offsets), list(local.shape)
-    out = torch.empty(shape, dtype=local.dtype)
+    need = [list(box.offsets), list(local.shape)]
+    out = torch.empty(need[1], dtype=local.dtype)
     covered, seen = 0, set()
     for c in chunks:
         if tuple(c.shape) != tuple(target.shape):
@@ -258,28 +330,14 @@ def _assemble(target: Any, chunks: list[Chunk], at: Any) -> Any:
                 f"{where(at)}: shape {list(c.shape)} in memory, {list(target.shape)} in the model"
             )
         key = (c.offsets, tuple(c.tensor.shape))
-        if key in seen:
-            continue
+        hit = None if key in seen else exchange.meet(need, [list(key[0]), list(key[1])])
         seen.add(key)
-        lo = [max(a, b) for a, b in zip(begin, c.offsets)]
-        hi = [min(a + n, b + m) for a, n, b, m in zip(begin, shape, c.offsets, c.tensor.shape)]
-        if any(h <= low for h, low in zip(hi, lo)):
-            continue
-        dst, src = out, c.tensor
-        for d, (low, h) in enumerate(zip(lo, hi)):
-            dst = dst.narrow(d, low - begin[d], h - low)
-            src = src.narrow(d, low - c.offsets[d], h - low)
-        dst.copy_(src)
-        covered += math.prod(h - low for h, low in zip(hi, lo))
+        if hit is not None:
+            lo, hi = hit
+            exchange.window(out, lo, hi, need[0]).copy_(exchange.window(c.tensor, lo, hi, key[0]))
+            covered += math.prod(h - low for h, low in zip(hi, lo))
     if covered != out.numel():
         raise ValueError(
             f"{where(at)}: the shards in memory cover {covered} of this rank's {out.numel()} values"
         )
-    return type(target).from_local(
-        out.to(local.device),
-        target.device_mesh,
-        target.placements,
-        shape=target.shape,
-        stride=target.stride(),
-        run_check=False,
-    )
+    return exchange.like(target, out)
