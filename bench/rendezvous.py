@@ -9,7 +9,12 @@ returned from init_process_group. Both launchers pay the same interpreter and to
 Propagation: 2 elasticd nodes x 1 worker train bench/step_logger.py; one worker is SIGKILLed;
 the time is the failing node's RESTARTING event -> the healthy node's RESTARTING event.
 
+Start (`--start`): one node as users run it, `elasticd run --nproc-per-node 2` (warm spawn, its
+defaults) against `torchrun --standalone --nproc-per-node 2`, on bench/trivial.py: launch ->
+every rank past init_process_group, and launch -> the launcher's exit.
+
     python bench/rendezvous.py --nodes 2,4,8,16 --trials 3
+    python bench/rendezvous.py --start --trials 5
 """
 
 from __future__ import annotations
@@ -139,6 +144,58 @@ def rendezvous_once(kind: str, n: int, timeout: float) -> float | None:
                 f.close()
 
 
+def start_once(kind: str, timeout: float) -> tuple[float, float] | None:
+    """(launch -> every rank past init_process_group, launch -> the launcher's exit) for one
+    2-worker node, or None if it failed."""
+    with tempfile.TemporaryDirectory(prefix=f"bench-start-{kind}-") as tmp:
+        workdir = Path(tmp)
+        out = workdir / "ready.txt"
+        if kind == "elasticd":
+            cmd = [sys.executable, "-m", "elasticd", "run", "--log-dir", str(workdir / "logs")]
+            cmd += ["--socket", str(workdir / "ctl.sock")]
+        else:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        cmd += ["--nproc-per-node", "2", str(TRIVIAL)]
+        with open(workdir / "launcher.log", "wb") as log:
+            t0 = time.time()
+            p = subprocess.Popen(
+                cmd,
+                env=dict(os.environ, BENCH_OUT=str(out)),
+                stdout=log,
+                stderr=log,
+                cwd=HERE.parent,
+                start_new_session=True,
+            )
+            try:
+                code = p.wait(timeout)
+            except subprocess.TimeoutExpired:
+                kill_tree(p)
+                return None
+            ended = time.time() - t0
+        rows = [line.split() for line in out.read_text().splitlines()] if out.exists() else []
+        if code != 0 or len(rows) < 2:
+            return None
+        return max(float(r[1]) for r in rows) - t0, ended
+
+
+def start_table(trials: int, timeout: float) -> None:
+    times: dict[str, list[tuple[float, float]]] = {"elasticd": [], "torchrun": []}
+    for trial in range(trials):
+        for kind in times:  # alternate, so drift hits both alike
+            t = start_once(kind, timeout)
+            print(f"  start {kind} trial {trial + 1}: {t if t else 'FAILED'}", flush=True)
+            if t:
+                times[kind].append(t)
+    print(f"\none node, 2 workers, {os.cpu_count()} cores, median of {trials}")
+    for i, what in enumerate(("launch -> every rank past init_process_group", "launch -> exit")):
+        med = {k: statistics.median(t[i] for t in v) for k, v in times.items() if v}
+        if len(med) == 2:
+            print(
+                f"{what}: elasticd {med['elasticd']:.2f} s, torchrun {med['torchrun']:.2f} s, "
+                f"{med['elasticd'] / med['torchrun']:.2f}x"
+            )
+
+
 def state_time(log: Path, new: str) -> float | None:
     for line in log.read_text(errors="replace").splitlines():
         if line.startswith("{") and f'"new": "{new}"' in line:
@@ -200,7 +257,11 @@ def main() -> None:
     p.add_argument("--nodes", default="2,4,8,16")
     p.add_argument("--trials", type=int, default=3)
     p.add_argument("--timeout", type=float, default=240.0)
+    p.add_argument("--start", action="store_true", help="one node's start and exit instead")
     args = p.parse_args()
+    if args.start:
+        start_table(args.trials, min(args.timeout, 120.0))
+        return
     sizes = [int(x) for x in args.nodes.split(",")]
     table: dict[tuple[str, int], list[float | None]] = {}
     for n in sizes:
