@@ -207,7 +207,9 @@ def node_loss(world: int, mb: float, every: int, work: Path, timeout: float, bou
         )
         if not rows:
             return {"recovery_s": None, "steps_lost": None, "source": None, "why": "never reached"}
-        replica = json.loads(_text(Path(f"{out}.replica.0")) or "{}")
+        # the replica's first exchanges run in the background: on a loaded machine they land
+        # after the kill step; a node lost before any has landed would measure nothing
+        replica = _until(lambda: _replica(Path(f"{out}.replica.0")), timeout) or {}
         old = {r[0] for r in read_steps(out)}
         t_kill = time.time()
         kill_tree(procs[1])
@@ -236,6 +238,16 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _replica(path: Path) -> dict | None:
+    """sharded_train.py's last replica figures, once an exchange has sent bytes (None before,
+    or while the file is being rewritten)."""
+    try:
+        got = json.loads(_text(path) or "{}")
+    except ValueError:
+        return None
+    return got if got.get("replica_bytes") else None
 
 
 def _text(path: Path) -> str:
