@@ -98,6 +98,7 @@ def _at_store(d, name: str) -> None:
     )
 
 
+CADENCE = re.compile(r"memory_cadence .*?\bevery=(\d+)")
 STEP = re.compile(r"^step (\d+) world (\d+) t ([\d.]+) epoch (\d+) samples ([\d,]+)$", re.M)
 
 
@@ -116,6 +117,13 @@ def steps(d, attempt: int | None = None) -> list[tuple[int, int, float, int, lis
         (int(a), int(w), float(t), int(e), [int(x) for x in s.split(",")])
         for a, w, t, e, s in STEP.findall(text)
     ]
+
+
+def cadence(nodes) -> int:
+    """The longest in-memory cadence the job's rank 0 logged (`memory_cadence every=N`; adaptive
+    to the 1% budget: 1-2 steps on this VM), 1 if none: a node lost costs at most that plus the
+    step in flight."""
+    return max([1, *(int(n) for d in nodes for n in CADENCE.findall(d.all_logs()))])
 
 
 def holds_rank0(d) -> bool:
@@ -184,10 +192,7 @@ def test_killed_node_survivor_steps_again_within_seconds_and_loses_at_most_a_ref
             f"{lost} step(s) lost (killed after step {before}-{last_before})"
         )
         assert recovery < RECOVERY_GOAL + LOADED_MARGIN, recovery
-        assert 0 <= lost <= 2, (
-            last_before,
-            resumed_at(survivor),
-        )  # the in-memory cadence is one step here
+        assert 0 <= lost <= cadence((a, b)) + 1, (last_before, resumed_at(survivor))
         assert survivor.wait(120) == 0, survivor.stderr()[-3000:]
         events = survivor.events()
         assert [e for e in events if e.get("event") == "nodes_lost"], "the lost node was not named"
