@@ -4,7 +4,9 @@
 and one veth (`DEV`, at 10.231.S.(i+1)/24) plugged into the bridge. Nothing outside the
 namespaces it made is touched (the addresses exist only inside them). close() kills whatever
 still runs inside them and deletes them, their links with them; the `netns` fixture calls it
-after the test, failed or not. Every `ip` call is bounded in time. Needs root and iproute2.
+after the test, failed or not; a test process killed before that (SIGKILL, SIGTERM) leaves them,
+and the next Network made sweeps them (their names carry the owner's pid). Every `ip` call is
+bounded in time. Needs root and iproute2.
 
 Use: `Daemon(..., prefix=net.prefix(i))` runs a node inside namespace i (`ip netns exec` execs,
 so the daemon keeps its pid); `call(i, fn)` runs a function of the test inside it (a helper
@@ -48,11 +50,40 @@ def ip(*args: str) -> str:
     return done.stdout
 
 
+def _owner_gone(ns: str) -> bool:
+    """Whether `ns` is a Network's whose test process (named in it) no longer runs."""
+    parts = ns.split("-")
+    if len(parts) != 3 or not parts[0].startswith("ed") or not parts[1].isdigit():
+        return False
+    try:
+        os.kill(int(parts[1]), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
+def sweep_orphans() -> None:
+    """Delete the namespaces of test processes that were killed before their teardown ran (a
+    SIGKILLed or SIGTERMed pytest), after killing what still runs inside them."""
+    for ns in (line.split()[0] for line in ip("netns", "list").splitlines() if line.strip()):
+        if _owner_gone(ns):
+            for pid in ip("netns", "pids", ns).split():
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            ip("netns", "del", ns)
+
+
 class Network:
     def __init__(self, nodes: int, subnet: int = 0):
-        tag = "ed" + secrets.token_hex(3)  # unique names: test sessions may run side by side
-        self.switch = f"{tag}-sw"
-        self.nodes = [f"{tag}-n{i}" for i in range(nodes)]
+        sweep_orphans()
+        # unique names that say whose they are: test sessions may run side by side
+        tag = f"ed-{os.getpid()}-{secrets.token_hex(3)}"
+        self.switch = f"{tag}sw"
+        self.nodes = [f"{tag}n{i}" for i in range(nodes)]
         self.subnet = subnet
         self._made: list[str] = []
         try:

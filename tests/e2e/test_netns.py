@@ -11,8 +11,8 @@ import time
 import psutil
 
 from harness import FAST_NODES as FAST
-from harness import script, secret_flags, wait_until
-from netns import DEV, netns_fixture  # noqa: F401 (the netns fixture)
+from harness import ROOT, script, secret_flags, wait_until
+from netns import DEV, ip, netns_fixture, sweep_orphans  # noqa: F401 (the netns fixture)
 
 PORT = 29400  # a fresh namespace has every port free
 
@@ -187,3 +187,32 @@ def test_a_cut_link_loses_packets_until_healed(netns):
     assert connect() == "TimeoutError"
     net.heal(1)
     assert connect() == "ConnectionRefusedError"
+
+
+def test_namespaces_of_a_killed_test_process_are_swept_by_the_next(netns):
+    """A test process SIGKILLed before its teardown leaves its namespaces behind; the next
+    Network made deletes them (and only namespaces whose owner is gone)."""
+    code = (
+        "import time; from netns import Network; "
+        "print(Network(2, 250).switch, flush=True); time.sleep(60)"
+    )
+    p = subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT / "tests",
+    )
+    try:
+        switch = p.stdout.readline().strip()
+        assert switch.endswith("sw"), switch
+        p.kill()
+        p.wait(10)
+        listed = lambda: ip("netns", "list")  # noqa: E731
+        assert switch in listed()
+        mine = netns(1, subnet=251)  # this process's, made after: the orphans go first
+        assert switch not in listed() and switch.replace("sw", "n1") not in listed()
+        assert mine.switch in listed()
+    finally:
+        p.kill()
+        p.wait(10)
+        sweep_orphans()
