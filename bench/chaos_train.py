@@ -44,10 +44,12 @@ def main() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Dropout(0.2), nn.Linear(64, 1))
     if os.environ.get("CHAOS_SHARDED") == "1":  # FSDP2: every rank holds its own shards
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
+        mesh = init_device_mesh("cpu", (world,))  # gloo on CPU, GPU or not
         for layer in (model[0], model[3], model):
-            fully_shard(layer)
+            fully_shard(layer, mesh=mesh)
     else:
         model = DDP(model)
     torch.manual_seed(100 + rank)  # each rank's RNG differs: each must get its own back

@@ -29,6 +29,7 @@ import torch.nn as nn
 
 
 def _rank(rank: int, world: int, store: str, mems: list[str], mb: float, out: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     from elasticd.checkpoint import CheckpointManager, capture, restore
@@ -39,8 +40,9 @@ def _rank(rank: int, world: int, store: str, mems: list[str], mb: float, out: st
     dist.init_process_group("gloo", init_method=url, rank=rank, world_size=world)
     n = int(math.sqrt(mb * 1e6 / 4 / 3 / 4))  # 4 layers, fp32, parameters + 2 moments
     net = nn.Sequential(*[nn.Linear(n, n, bias=False) for _ in range(4)])
+    mesh = init_device_mesh("cpu", (world,))  # gloo on CPU, GPU or not
     for layer in (*net, net):
-        fully_shard(layer)
+        fully_shard(layer, mesh=mesh)
     opt = torch.optim.Adam(net.parameters(), lr=1e-3)
     mgr = CheckpointManager(
         str(Path(out).parent / "disk"),

@@ -3,6 +3,8 @@
 #
 #   bash bench/gpu.sh [OUTDIR]                  # the DDP part (the default)
 #   PARTS=sharded bash bench/gpu.sh [OUTDIR]    # the sharded (FSDP2) part
+#   PARTS=check bash bench/gpu.sh [OUTDIR]      # both parts' tests at once, then the recovery
+#                                               # and sharded rows while BUDGET (570 s) lasts
 #
 # ddp:     1. The tests that need a GPU: NCCL resume bit-identical, CUDA RNG, overlapped
 #             refreshes, SIGKILL mid-refresh, and the default job (README's first command) on NCCL.
@@ -13,7 +15,8 @@
 #          2. bench/sharded.py --device cuda at 2 ranks where two GPUs allow (NCCL wants a GPU
 #             per rank), else 1: 100 MB, then 1 GB if time allows: stall per disk save and per
 #             in-memory refresh against dcp.save/async_save, kill -9 resume against torchrun.
-# Wheels in .whl/ (structlog, tenacity: what a bare image lacks) are installed to /tmp/site first.
+# Wheels in .whl/ (structlog, tenacity, prometheus-client, pytest-timeout: what a bare image
+# lacks) are installed to /tmp/site first.
 set -uo pipefail
 out=${1:-${OUT:-/tmp/elasticd-gpu}}
 mkdir -p "$out"
@@ -32,32 +35,62 @@ python3 -c 'import sys, torch; print(sys.version.split()[0], torch.__version__,
   "gpus", torch.cuda.device_count())'
 nproc
 
-if [[ ${PARTS:-ddp} == *sharded* ]]; then
-  gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
-  world=$((gpus >= 2 ? 2 : 1))
+gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+world=$((gpus >= 2 ? 2 : 1))
+left() { echo $((${BUDGET:-570} - SECONDS)); }  # seconds left of this run's device time
+
+reap() {  # a bench cut short by its timeout leaves its launchers (own sessions) and their workers
+  pkill -9 -f 'm elasticd run|sharded_train.py|step_logger.py|torch.distributed.run' || true
+}
+sharded_tests() {
   step "sharded: tests that need a GPU ($gpus GPUs)"
-  timeout 200 python3 -m pytest -q -rs -p no:cacheprovider tests/unit/test_sharded_gpu.py \
-    2>&1 | tee "$out/sharded-tests.txt" | tail -8
-  for mb in 100 1000; do
-    if ((SECONDS > ${SHARDED_BEFORE:-260})); then step "sharded ${mb} MB skipped: ${SECONDS}s gone"; break; fi
-    step "sharded bench, $world ranks, $mb MB, CUDA/NCCL"
-    timeout $((mb > 100 ? 200 : 130)) python3 bench/sharded.py --device cuda --worlds "$world" \
-      --sizes "$mb" --json 2>&1 | tee "$out/sharded-$mb.txt" | tail -12
-  done
-  [[ ${PARTS} == *ddp* ]] || { step done; exit 0; }
-fi
+  timeout 200 python3 -m pytest -q -rs -p no:cacheprovider --basetemp=/tmp/gpu-sharded-tests \
+    tests/unit/test_sharded_gpu.py >"$out/sharded-tests.txt" 2>&1
+  tail -8 "$out/sharded-tests.txt"
+}
+sharded_bench() {  # MB TIMEOUT
+  step "sharded bench, $world ranks, $1 MB, CUDA/NCCL"
+  timeout "$2" python3 bench/sharded.py --device cuda --worlds "$world" --sizes "$1" --json \
+    2>&1 | tee "$out/sharded-$1.txt" | tail -12
+  reap
+}
+ddp_tests() {
+  step "tests that need a GPU"
+  timeout 240 python3 -m pytest -q -rs -p no:cacheprovider --basetemp=/tmp/gpu-ddp-tests \
+    -k "cuda or overlapped or gpu or default_job" tests/unit/test_memory.py \
+    tests/unit/test_checkpoint.py tests/e2e/test_resume.py tests/e2e/test_torchrun_compat.py >"$out/tests.txt" 2>&1
+  tail -15 "$out/tests.txt"
+}
+recovery() {
+  step "recovery, kill -9 -> next step"
+  timeout "${1:-230}" python3 bench/recovery.py --device cuda --nproc 1 --warmup 3 \
+    --trials ${TRIALS:-6} --launchers elasticd,torchrun 2>&1 | tee "$out/recovery.txt" | tail -25
+  reap
+}
+steady() {
+  step "steady state, gpu workload"
+  timeout 150 python3 bench/steady.py --nproc 1 --workloads gpu --rounds ${ROUNDS:-2} \
+    --variants elasticd 2>&1 | tee "$out/steady.txt" | tail -15
+}
 
-step "tests that need a GPU"
-timeout 240 python3 -m pytest -q -rs -p no:cacheprovider -k "cuda or overlapped or gpu or default_job" \
-  tests/unit/test_memory.py tests/unit/test_checkpoint.py tests/e2e/test_resume.py tests/e2e/test_torchrun_compat.py \
-  2>&1 | tee "$out/tests.txt" | tail -15
-
-step "recovery, kill -9 -> next step"
-timeout 230 python3 bench/recovery.py --device cuda --nproc 1 --warmup 3 --trials ${TRIALS:-6} \
-  --launchers elasticd,torchrun 2>&1 | tee "$out/recovery.txt" | tail -25
-
-if ((SECONDS > ${STEADY_BEFORE:-420})); then step "steady state skipped: ${SECONDS}s gone"; exit 0; fi
-step "steady state, gpu workload"
-timeout 150 python3 bench/steady.py --nproc 1 --workloads gpu --rounds ${ROUNDS:-2} \
-  --variants elasticd 2>&1 | tee "$out/steady.txt" | tail -15
+case ${PARTS:-ddp} in
+  check)  # both parts' tests at once (they do not time anything), then the rows as time allows
+    sharded_tests &
+    ddp_tests
+    wait
+    sharded_bench 100 130
+    if (($(left) > 150)); then recovery $(($(left) > 230 ? 200 : $(left) - 20)); fi
+    if (($(left) > 150)); then sharded_bench 1000 $(($(left) - 15)); else step "1 GB skipped"; fi
+    ;;
+  sharded)
+    sharded_tests
+    sharded_bench 100 130
+    if ((SECONDS <= ${SHARDED_BEFORE:-260})); then sharded_bench 1000 200; else step "1 GB skipped"; fi
+    ;;
+  *)
+    ddp_tests
+    recovery
+    if ((SECONDS <= ${STEADY_BEFORE:-420})); then steady; else step "steady skipped: ${SECONDS}s gone"; fi
+    ;;
+esac
 step done

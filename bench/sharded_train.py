@@ -35,6 +35,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint import state_dict as sd
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 DEPTH = 4
@@ -52,8 +53,9 @@ def build(mb: float, world: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     width = max(12, int(math.sqrt(mb * 1e6 / 4 / 3 / DEPTH)) // 12 * 12)
     with torch.device("meta"):
         model = nn.Sequential(*(nn.Linear(width, width, bias=False) for _ in range(DEPTH)))
+    mesh = init_device_mesh(DEVICE.type, (world,))  # CPU: gloo, even where a GPU exists
     for layer in (*model, model):
-        fully_shard(layer)
+        fully_shard(layer, mesh=mesh)
     model.to_empty(device=DEVICE)
     with torch.no_grad():
         for i, p in enumerate(model.parameters()):

@@ -34,6 +34,9 @@ _fork = multiprocessing.get_context("fork")
 def _child(target, rank: int, world: int, store: str | None, args: tuple) -> None:
     code = 0
     try:
+        # gloo ranks on the CPU, GPU or not: without this torch picks CUDA where one exists
+        # (FSDP2's default mesh, DCP's loader, Adam's graph-capture check)
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
         torch.set_num_threads(1)
         if store is not None:
             os.environ.update(
@@ -218,10 +221,12 @@ def train_on_nodes(
     )
     net = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 1))
     if sharded:
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
+        mesh = init_device_mesh("cpu", (world,))  # the default mesh is CUDA's where one exists
         for layer in (net[0], net[3], net):
-            fully_shard(layer)
+            fully_shard(layer, mesh=mesh)
     model = net if sharded else DDP(net)
     torch.manual_seed(100 + rank)
     random.seed(rank)

@@ -12,6 +12,10 @@ from harness import SESSION, leftover_processes
 
 # Processes a test starts without the Daemon harness (python -c, CLI calls) inherit the tag too.
 os.environ["ELASTICD_TEST_SESSION"] = SESSION
+# Where a GPU exists, asking torch whether it does must not initialise CUDA in this process (the
+# default check calls cuInit): the unit tests fork their ranks from it, and a fork of a process
+# that initialised CUDA cannot use it (torch's own checks, such as Adam's, then fail in the rank).
+os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 
 
 @pytest.fixture(autouse=True)

@@ -14,6 +14,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from elasticd.checkpoint import CheckpointManager, capture, restore
@@ -25,8 +26,9 @@ def main() -> None:
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))  # gloo on CPU, GPU or not
     for layer in (model[0], model[2], model):
-        fully_shard(layer)
+        fully_shard(layer, mesh=mesh)
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     mgr = CheckpointManager(every_steps=every)
     state = mgr.load_latest()

@@ -54,10 +54,12 @@ def main() -> None:
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
     if os.environ.get("NODE_TRAIN_FSDP"):  # sharded with FSDP2 instead of replicated
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
+        mesh = init_device_mesh("cpu", (world,))  # gloo on CPU, GPU or not
         for layer in (net[0], net[2], net):
-            fully_shard(layer)
+            fully_shard(layer, mesh=mesh)
         model = net
     else:
         model = DDP(net)

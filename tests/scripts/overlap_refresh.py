@@ -21,7 +21,8 @@ import time
 import structlog
 import torch
 
-from elasticd.checkpoint import CheckpointManager, capture, memory
+from elasticd.checkpoint import CheckpointManager, capture
+from elasticd.checkpoint.memory import reader, slots
 
 
 class Model(torch.nn.Module):
@@ -54,11 +55,11 @@ def refresh(model, opt, mgr, n):
 
 
 def held(directory):
-    return memory.steps(directory, world=1, rank=0, local_rank=0)
+    return slots.steps(directory, world=1, rank=0, local_rank=0)
 
 
 def whole(directory, n):
-    got = memory.read(directory, n, world=1, rank=0, local_rank=0)
+    got = reader.read(directory, n, world=1, rank=0, local_rank=0)
     w, seen = got["model"]["w"], got["model"]["seen"]
     assert got["user"] == {"step": n}, got["user"]
     assert torch.equal(w, torch.full_like(w, float(n))), (

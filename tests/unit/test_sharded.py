@@ -13,6 +13,7 @@ import pytest
 import structlog
 import torch
 import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
 
 import _ckpt_helpers as helpers
 from elasticd.checkpoint import CheckpointManager, capture
@@ -27,8 +28,9 @@ USER = r"state\['user'\]\['extra'\]: a torch\.distributed\.tensor\.DTensor .*ful
 def sharded_state_is_refused(rank: int, world: int, disk: str, mem: str) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    mesh = init_device_mesh("cpu", (world,))  # gloo on CPU, GPU or not
     for layer in (model[0], model[2], model):
-        fsdp.fully_shard(layer)
+        fsdp.fully_shard(layer, mesh=mesh)
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     model(torch.randn(2, 4)).sum().backward()
     opt.step()

@@ -20,6 +20,7 @@ import pytest
 import structlog
 import torch
 import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
 
 import _ckpt_helpers as helpers
 from elasticd.checkpoint import (
@@ -43,15 +44,15 @@ def _model(seed: int, kind: str = "fsdp"):
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
     if kind == "tp":
-        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import parallel as tp
 
         mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
         plan = {"0": tp.ColwiseParallel(), "2": tp.RowwiseParallel()}
         tp.parallelize_module(model, mesh, plan)
     else:
+        mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
         for layer in (model[0], model[2], model):
-            fsdp.fully_shard(layer)
+            fsdp.fully_shard(layer, mesh=mesh)
     return model, torch.optim.Adam(model.parameters(), lr=0.01)
 
 

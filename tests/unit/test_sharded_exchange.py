@@ -34,6 +34,7 @@ def _job(rank: int, world: int, nodes: list[dict], steps: int, out: str, fault: 
     new shard bytes) and at every step (`out`.sSTEP). `fault`: "transit" damages the bytes sent
     to rank 1, "apply" makes rank 1's first set_state_dict raise."""
     from torch.distributed.checkpoint import state_dict as sd
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     node = next(n for n in nodes if rank in n["ranks"])
@@ -42,8 +43,9 @@ def _job(rank: int, world: int, nodes: list[dict], steps: int, out: str, fault: 
     )
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH))
+    mesh = init_device_mesh("cpu", (world,))  # gloo on CPU, GPU or not
     for layer in (net[0], net[2], net):
-        fully_shard(layer)
+        fully_shard(layer, mesh=mesh)
     opt = torch.optim.Adam(net.parameters(), lr=1e-2)
     if fault == "transit":
         exchange.TAMPER = lambda dst, msg: dst == 1 and msg.__setitem__(0, msg[0] ^ 0xFF)

@@ -62,12 +62,14 @@ def train_2d(rank: int, world: int, disk: str, out: str) -> None:
 def load_other_shape(rank: int, world: int, disk: str, out: str, kind: str) -> None:
     model, opt = _model_2d(1, (1, 4)) if kind == "tp" else _model(1)
     if kind == "fsdp":  # _model's layers are (4 -> 8 -> 1): a (4 -> 8 -> 4) one, FSDP2 only
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
         torch.manual_seed(1)
         model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
+        mesh = init_device_mesh("cpu", (world,))
         for layer in (model[0], model[2], model):
-            fully_shard(layer)
+            fully_shard(layer, mesh=mesh)
         opt = torch.optim.Adam(model.parameters(), lr=0.01)
     mgr = CheckpointManager(disk, handle_sigterm=False)
     assert restore(mgr.load_latest(), model=model, optimizer=opt) == {"step": 3}
