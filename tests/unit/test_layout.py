@@ -187,6 +187,7 @@ def _imported(statement: str) -> dict:
     "module",
     [
         "elasticd.ops.cli",
+        "elasticd.ops.daemon_cli",
         "elasticd.ops.snapshot",
         "elasticd.cluster.kv",
         "elasticd.cluster.etcd",

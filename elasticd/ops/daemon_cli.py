@@ -1,0 +1,138 @@
+"""The operator's commands to running daemons, over their control sockets: `elasticd status`,
+`stacks` and `stop`. Each returns the exit code cli.py documents, with one line on error."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from elasticd import names
+from elasticd.ops import render
+from elasticd.ops.cli import EXIT_CONTROL, EXIT_NOT_RUNNING, EXIT_OK, EXIT_USAGE
+from elasticd.ops.snapshot import Snapshot, from_json
+
+FINAL_STATES = ("SUCCEEDED", "FAILED", "STOPPED", "LEFT")
+
+
+def status(args: argparse.Namespace) -> int:
+    paths = _daemons(args)
+    code = EXIT_NOT_RUNNING
+    for path in paths:
+        reply = _ask(path, {"command": names.STATUS})
+        if isinstance(reply, int):
+            code = reply if code == EXIT_NOT_RUNNING else code
+            continue
+        status = reply["status"]  # the wire form, printed as it came by --json
+        socket = str(path) if len(paths) > 1 else None
+        snapshot = from_json(Snapshot, status)
+        if args.json:
+            print(
+                json.dumps(
+                    {**status, "socket": socket} if socket else status, indent=2, default=str
+                )
+            )
+        else:
+            print(render.status(snapshot, socket))
+        if snapshot.state not in FINAL_STATES:
+            code = EXIT_OK
+    return code
+
+
+def _daemons(args: argparse.Namespace) -> list:
+    """The control sockets a call means: --socket, else every daemon found (see
+    paths.find_daemons), else the default path (which then says nobody listens)."""
+    from elasticd.control import paths
+
+    if args.socket:
+        return [args.socket]
+    return paths.find_daemons() or [paths.default_socket_path()]
+
+
+def _one_daemon(args: argparse.Namespace) -> str | None:
+    """The one daemon stop or stacks acts on; None (the line said) when several run."""
+    paths = _daemons(args)
+    if len(paths) > 1:
+        sys.stderr.write(
+            f"elasticd: error: {len(paths)} elasticd daemons run here ("
+            + ", ".join(map(str, paths))
+            + "): give --socket with the one you mean\n"
+        )
+        return None
+    return paths[0]
+
+
+def _ask(path, payload: dict, timeout: float = 5.0) -> dict | int:
+    """The daemon's reply to one request, or the exit code when there is none (the line said)."""
+    from elasticd.control.client import request
+    from elasticd.control.protocol import ControlError, NoDaemon
+
+    try:
+        reply = request(path, {"version": 1, **payload}, timeout=timeout)
+    except NoDaemon as e:
+        print(f"elasticd is not running ({e})")
+        return EXIT_NOT_RUNNING
+    except ControlError as e:
+        sys.stderr.write(f"elasticd: error: {e}\n")
+        return EXIT_CONTROL
+    if not reply.get("ok"):
+        from elasticd.logs import printable
+
+        sys.stderr.write(f"elasticd: error: {printable(str(reply.get('error')))}\n")
+        return EXIT_CONTROL
+    return reply
+
+
+def stacks(args: argparse.Namespace) -> int:
+    path = _one_daemon(args)
+    if path is None:
+        return EXIT_USAGE
+    reply = _ask(path, {"command": names.STACKS}, timeout=15.0)
+    if isinstance(reply, int):
+        return reply
+    if args.json:
+        print(json.dumps(reply["stacks"], indent=2))
+        return EXIT_OK
+    from elasticd.logs import printable
+
+    for d in reply["stacks"]:  # the workers' own dumps: escaped, their lines kept
+        print(
+            printable(
+                f"=== rank {d['rank']} (local rank {d['local_rank']}, pid {d['pid']}; "
+                f"also in {d['path']}) ==="
+            )
+        )
+        print(
+            printable(d["text"].rstrip("\n"), keep="\n")
+            or "(no dump within a second: the worker may be in "
+            "uninterruptible sleep or blocking the signal)"
+        )
+    return EXIT_OK
+
+
+def stop(args: argparse.Namespace) -> int:
+    from elasticd.control.client import request
+    from elasticd.control.protocol import ControlError, NoDaemon
+
+    path = _one_daemon(args)
+    if path is None:
+        return EXIT_USAGE
+    reply = _ask(path, {"command": names.STOP, "timeout": args.timeout})
+    if isinstance(reply, int):
+        return EXIT_OK if reply == EXIT_NOT_RUNNING else reply  # none running: nothing to stop
+    # Wait for the daemon to finish stopping: the socket goes away when it exits.
+    deadline = time.monotonic() + (args.timeout if args.timeout is not None else 30.0) + 60.0
+    while time.monotonic() < deadline:
+        try:
+            request(path, {"version": 1, "command": names.STATUS}, timeout=2.0)
+        except NoDaemon:
+            print("elasticd stopped")
+            return EXIT_OK
+        except ControlError:
+            pass
+        time.sleep(0.2)
+    sys.stderr.write(
+        "elasticd: error: the daemon accepted stop but is still running; check its logs\n"
+    )
+    return EXIT_CONTROL
