@@ -12,7 +12,7 @@ import shutil
 import tempfile
 
 from elasticd import names, safeio
-from elasticd.checkpoint.memory.slots import OWN, REPLICA, SLOTS, header, slot_path
+from elasticd.checkpoint.memory.slots import OWN, REPLICA, SLOTS, header, slot_kind, slot_path
 
 ENV = names.MEMORY_DIR
 ROOT = "/dev/shm"
@@ -112,9 +112,6 @@ def newest_step(path: str | None) -> int | None:
     return max(steps) if steps else None
 
 
-_SLOT_FILE = re.compile(r"([lr])[0-9]+\.[0-9]+")
-
-
 def held_bytes(path: str | None) -> tuple[int, int]:
     """/dev/shm bytes the directory's slot files hold (allocated blocks, as tmpfs counts them):
     (the ranks' own slots, the replicas of another node's ranks)."""
@@ -124,10 +121,10 @@ def held_bytes(path: str | None) -> tuple[int, int]:
     except OSError:
         return 0, 0
     for entry in entries:
-        name = _SLOT_FILE.fullmatch(entry.name)
-        if name:
+        kind = slot_kind(entry.name)
+        if kind:
             try:
-                held[name.group(1)] += entry.stat(follow_symlinks=False).st_blocks * 512
+                held[kind] += entry.stat(follow_symlinks=False).st_blocks * 512
             except OSError:
                 continue  # removed meanwhile
     return held[OWN], held[REPLICA]

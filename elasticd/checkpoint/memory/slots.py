@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import struct
 from typing import NamedTuple
 
@@ -27,6 +28,15 @@ SLOTS = 2
 
 def slot_path(path: str, local_rank: int, k: int, kind: str = OWN) -> str:
     return os.path.join(path, f"{kind}{local_rank}.{k}")
+
+
+_SLOT_NAME = re.compile(rf"({OWN}|{REPLICA})[0-9]+\.[0-9]+")
+
+
+def slot_kind(name: str) -> str | None:
+    """OWN or REPLICA for a slot file's name (as slot_path makes it), else None."""
+    match = _SLOT_NAME.fullmatch(name)
+    return match.group(1) if match else None
 
 
 def header(file: str) -> dict[str, int] | None:
