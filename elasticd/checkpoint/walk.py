@@ -135,10 +135,15 @@ def root(at: Any) -> Any:
     return key
 
 
-def where(at: Any) -> str:
-    """A (parent, key) chain as the Python expression that reaches it: state['model']['w']."""
-    keys = []
+def keys(at: Any) -> list:
+    """A (parent, key) chain's keys, outermost first."""
+    out = []
     while at is not None:
         at, key = at
-        keys.append(key)
-    return "state" + "".join(f"[{k!r}]" for k in reversed(keys))
+        out.append(key)
+    return out[::-1]
+
+
+def where(at: Any) -> str:
+    """A (parent, key) chain as the Python expression that reaches it: state['model']['w']."""
+    return "state" + "".join(f"[{k!r}]" for k in keys(at))

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from elasticd.checkpoint import sharded
 from elasticd.checkpoint.collectives import _tensor_bytes, cpu_group, rank, world
 from elasticd.checkpoint.memory.description import Chunk
-from elasticd.checkpoint.walk import root, where
+from elasticd.checkpoint.walk import keys, root, where
 
 PARTS = ("model", "optimizer")
 MARK = "\x00elasticd.chunk"  # a skeleton's stand-in for a chunk: {MARK: [global shape, dtype]}
@@ -81,11 +81,7 @@ def _leaves(obj: Any, at: Any, found: list, test: Callable[[Any], bool]) -> None
 
 def _lookup(tree: Any, at: Any) -> Any:
     """The value at location `at` ((parent, key) chain) of `tree`, None where it has none."""
-    keys = []
-    while at is not None:
-        at, key = at
-        keys.append(key)
-    for key in reversed(keys):
+    for key in keys(at):
         if isinstance(tree, Mapping):
             tree = tree.get(key)
         elif isinstance(tree, list) and isinstance(key, int) and key < len(tree):
@@ -106,10 +102,16 @@ def _fill(tree: Any, at: Any, made: dict) -> Any:
     return tree
 
 
-def _box(target: Any, mark: dict, at: Any) -> list:
-    """[offsets, local shape] of the live DTensor at a marker's location."""
+def live_dtensor(target: Any, at: Any) -> Any:
+    """`target`, the live value where memory holds shards: a DTensor, or a ValueError naming it."""
     if not isinstance(target, sharded.dtensor_class() or ()):
         raise ValueError(f"{where(at)}: held as shards in memory, but the live one is not")
+    return target
+
+
+def _box(target: Any, mark: dict, at: Any) -> list:
+    """[offsets, local shape] of the live DTensor at a marker's location."""
+    live_dtensor(target, at)
     shape = mark[MARK][0]
     if list(target.shape) != shape:
         raise ValueError(f"{where(at)}: shape {shape} in memory, {list(target.shape)} in the model")

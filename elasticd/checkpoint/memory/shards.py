@@ -301,9 +301,7 @@ def _place(saved: list[Any], target: Any, at: Any) -> Any:
     Chunk replaced by the live DTensor's shard filled from the pieces' chunks."""
     first = saved[0]
     if isinstance(first, Chunk):
-        if not isinstance(target, sharded.dtensor_class() or ()):
-            raise ValueError(f"{where(at)}: held as shards in memory, but the live one is not")
-        return _assemble(target, saved, at)
+        return _assemble(exchange.live_dtensor(target, at), saved, at)
     if isinstance(first, Mapping):
         live = target if isinstance(target, Mapping) else {}
         return type(first)((k, _place([s[k] for s in saved], live.get(k), (at, k))) for k in first)
