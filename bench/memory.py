@@ -1,0 +1,151 @@
+"""What one node's launcher and workers hold in memory while training, elasticd beside torchrun.
+
+Each launcher runs bench/step_logger.py (DDP, --nproc workers, a disk checkpoint every 50 steps)
+on its own; --settle seconds after the workers' first step every process of the launcher's tree
+is read with psutil: RSS (what `top` shows: shared pages counted in every process), USS (the
+process's own pages) and PSS (each shared page split among the processes that map it, so that
+the sum over processes is what the node really holds). elasticd's tree has its daemon, the death
+guard, the fork server, the warm spares and the workers; torchrun's its agent and the workers.
+The ratio is elasticd's PSS sum over torchrun's.
+
+    python bench/memory.py                    # 2 workers, 20 s in
+    python bench/memory.py --nproc 1 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+HERE = Path(__file__).resolve().parent
+SCRIPT = HERE / "step_logger.py"
+
+
+def _kinds(procs: list[psutil.Process], launcher: int) -> dict[int, str]:
+    """pid -> what the process is. Workers show the script's command line (as torchrun's do); the
+    fork server and the spares it forked show the fork server's, and the server is the oldest of
+    them (it forks every spare)."""
+    kinds, forked = {}, []
+    for p in procs:
+        line = " ".join(p.cmdline())
+        if p.pid == launcher:
+            kinds[p.pid] = "launcher"
+        elif "elasticd.daemon.guard" in line:
+            kinds[p.pid] = "guard"
+        elif "elasticd.worker.forkserver" in line:
+            forked.append(p)
+        else:
+            kinds[p.pid] = "worker"
+    forked.sort(key=lambda p: p.create_time())
+    for i, p in enumerate(forked):
+        kinds[p.pid] = "spare" if i else "fork server"
+    return kinds
+
+
+def _first_step(out: Path, timeout: float, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if out.exists() and out.stat().st_size:
+            return
+        time.sleep(0.2)
+    raise SystemExit(f"bench/memory.py: no step logged within {timeout:.0f}s (exit {proc.poll()})")
+
+
+def measure(launcher: str, nproc: int, settle: float, work: Path, timeout: float) -> dict:
+    """{kind: [{pid, rss, uss, pss}]} of the launcher's tree, and the sums, in bytes."""
+    out = work / f"{launcher}.steps"
+    env = dict(
+        os.environ,
+        BENCH_OUT=str(out),
+        BENCH_CKPT_DIR=str(work / f"{launcher}-ckpt"),
+        BENCH_CKPT_EVERY="50",
+        PYTHONPATH=os.pathsep.join(filter(None, [str(HERE.parent), os.environ.get("PYTHONPATH")])),
+    )
+    if launcher == "elasticd":
+        cmd = [sys.executable, "-m", "elasticd", "run", "--nproc-per-node", str(nproc)]
+        cmd += ["--log-dir", str(work / "logs"), "--socket", str(work / "ctl.sock"), "--no-tee"]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        cmd += ["--nproc-per-node", str(nproc)]
+    proc = subprocess.Popen(
+        [*cmd, str(SCRIPT)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+        cwd=HERE.parent,
+        start_new_session=True,
+    )
+    try:
+        _first_step(out, timeout, proc)
+        time.sleep(settle)
+        root = psutil.Process(proc.pid)
+        procs = [root, *root.children(recursive=True)]
+        kinds = _kinds(procs, proc.pid)
+        rows: dict[str, list] = {}
+        for p in procs:
+            try:
+                m = p.memory_full_info()
+            except psutil.Error:
+                continue  # gone meanwhile
+            row = {"pid": p.pid, "rss": m.rss, "uss": m.uss, "pss": m.pss}
+            rows.setdefault(kinds[p.pid], []).append(row)
+        total = {k: sum(r[k] for rs in rows.values() for r in rs) for k in ("rss", "uss", "pss")}
+        return {"processes": rows, "total": total}
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(30)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.0f}"
+
+
+def report(got: dict) -> str:
+    lines = ["memory of one node while training (MiB; PSS: shared pages split among their users)"]
+    for launcher, m in got.items():
+        t = m["total"]
+        sums = ", ".join(f"{k.upper()} {_mib(t[k])}" for k in ("pss", "uss", "rss"))
+        lines.append(f"{launcher}: {sums}")
+        for kind, rows in m["processes"].items():
+            each = ", ".join(f"{_mib(r['pss'])} ({_mib(r['uss'])} own)" for r in rows)
+            lines.append(f"  {kind:<12} PSS {each}")
+    if len(got) == 2:
+        ratio = got["elasticd"]["total"]["pss"] / got["torchrun"]["total"]["pss"]
+        lines.append(f"ratio elasticd/torchrun, PSS summed over each tree: {ratio:.2f}x")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--settle", type=float, default=20.0, help="seconds after the first step")
+    p.add_argument("--timeout", type=float, default=120.0, help="bound on the first step")
+    p.add_argument("--launchers", default="elasticd,torchrun")
+    p.add_argument("--json", action="store_true", help="the figures as JSON on the last line")
+    args = p.parse_args()
+    got = {}
+    with tempfile.TemporaryDirectory(prefix="bench-memory-") as tmp:
+        for launcher in args.launchers.split(","):
+            work = Path(tmp) / launcher
+            work.mkdir()
+            got[launcher] = measure(launcher, args.nproc, args.settle, work, args.timeout)
+    print(report(got), file=sys.stderr if args.json else sys.stdout)
+    if args.json:
+        print(json.dumps(got))
+
+
+if __name__ == "__main__":
+    main()
