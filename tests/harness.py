@@ -304,6 +304,24 @@ def secret_flags() -> tuple[str, ...]:
 _secret: list[str] = []
 
 
+def bench(name: str, *args: str, timeout: float) -> subprocess.CompletedProcess:
+    """bench/NAME ARGS with this checkout's elasticd, bounded; it must exit 0."""
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    )
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / name), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env=env,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r
+
+
 def script(name: str) -> str:
     return str(SCRIPTS / name)
 

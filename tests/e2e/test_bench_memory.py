@@ -5,28 +5,13 @@ worker; torchrun: agent, worker), with figures that make sense."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
-from harness import ROOT
+from harness import bench
 
 
 def test_memory_bench_names_every_process_of_both_launchers():
-    env = dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-    )
-    r = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "memory.py"), "--nproc", "1", "--settle", "1"]
-        + ["--timeout", "60", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        cwd=ROOT,
-        env=env,
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
+    args = ("--nproc", "1", "--settle", "1", "--timeout", "60", "--json")
+    r = bench("memory.py", *args, timeout=180)
     got = json.loads(r.stdout.splitlines()[-1])
     ours, theirs = got["elasticd"]["processes"], got["torchrun"]["processes"]
     assert set(ours) == {"launcher", "guard", "fork server", "spare", "worker"}, ours

@@ -5,14 +5,11 @@ and values that make sense."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
 from etcd_cluster import SKIP_REASON, etcd_binary
-from harness import ROOT
+from harness import bench
 
 KEYS = {
     "nodes",
@@ -41,19 +38,7 @@ SHORT = [
 
 
 def run_bench(*extra: str) -> tuple[dict, str]:
-    env = dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-    )
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "scale.py"), *SHORT, *extra],
-        capture_output=True,
-        text=True,
-        timeout=90,
-        cwd=ROOT,
-        env=env,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = bench("scale.py", *SHORT, *extra, timeout=90)
     lines = [line for line in proc.stdout.splitlines() if line.strip()]
     assert len(lines) == 1, proc.stdout
     r = json.loads(lines[0])

@@ -6,37 +6,22 @@ the figures the benchmark promises and values that make sense."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-from harness import ROOT
+from harness import bench
 
 pytest.importorskip("torch.distributed.fsdp")
 
 
 def test_sharded_bench_at_a_tiny_size(tmp_path):
-    env = dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-    )
-    r = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "bench" / "sharded.py"),
-            *("--worlds", "2", "--sizes", "1", "--saves", "2", "--every", "4"),
-            *("--launchers", "elasticd", "--timeout", "60", "--recovery-timeout", "20"),
-            *("--workdir", str(tmp_path), "--json"),
-        ],
-        capture_output=True,
-        text=True,
+    r = bench(
+        "sharded.py",
+        *("--worlds", "2", "--sizes", "1", "--saves", "2", "--every", "4"),
+        *("--launchers", "elasticd", "--timeout", "60", "--recovery-timeout", "20"),
+        *("--workdir", str(tmp_path), "--json"),
         timeout=210,
-        cwd=ROOT,
-        env=env,
     )
-    assert r.returncode == 0, r.stderr[-3000:]
     (row,) = json.loads(r.stdout.splitlines()[-1])
     costs = row["costs"]
     assert 0.8e6 < costs["state_bytes"] < 1.2e6, costs
