@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -25,6 +24,8 @@ import time
 from pathlib import Path
 
 import psutil
+
+from recovery import kill_tree
 
 HERE = Path(__file__).resolve().parent
 SCRIPT = HERE / "step_logger.py"
@@ -101,12 +102,7 @@ def measure(launcher: str, nproc: int, settle: float, work: Path, timeout: float
         total = {k: sum(r[k] for rs in rows.values() for r in rs) for k in ("rss", "uss", "pss")}
         return {"processes": rows, "total": total}
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(30)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
+        kill_tree(proc)
 
 
 def _mib(n: int) -> str:

@@ -44,6 +44,7 @@ import time
 from pathlib import Path
 
 from recovery import kill_tree, read_steps
+from rendezvous import free_port, secret_file
 
 HERE = Path(__file__).resolve().parent
 SCRIPT = HERE / "sharded_train.py"
@@ -180,12 +181,9 @@ def node_loss(world: int, mb: float, every: int, work: Path, timeout: float, bou
     and the replica (each rank's slot sent to the other node) as the survivor's rank 0 last saw
     it: bytes and background seconds per exchange."""
     work.mkdir()
-    out, port = work / "steps.txt", _free_port()
-    secret = work / "job.secret"
-    secret.write_text(os.urandom(24).hex())
-    secret.chmod(0o600)
+    out, port = work / "steps.txt", free_port()
     nodes = ("--nnodes", "1:2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "bench")
-    nodes += ("--rdzv-secret-file", str(secret), "--peer-timeout", "3")
+    nodes += ("--rdzv-secret-file", secret_file(work), "--peer-timeout", "3")
     nodes += ("--last-call-timeout", "0.5")
     args = ["--mode", "train", "--ckpt", "elasticd", "--mb", str(mb), "--every", str(every)]
     args += ["--dir", str(work / "ckpt"), "--out", str(out), *SCRIPT_ARGS]
@@ -230,14 +228,6 @@ def node_loss(world: int, mb: float, every: int, work: Path, timeout: float, bou
     finally:
         for p in procs:
             kill_tree(p)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _replica(path: Path) -> dict | None:

@@ -5,6 +5,7 @@ after it; the one line a failed or departed node leaves on stderr.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -36,72 +37,65 @@ def serve(cfg: Config, run_dir: Path) -> int:
 
     agent = Agent(cfg, run_dir)
     agent.install_signals()
-    exporter = _metrics_exporter(cfg, agent)
-    guard = supervise.Kept(
-        "guard",
-        lambda: processes.start_guard(agent.token),
-        risk="until a new guard is up, a SIGKILLed daemon leaves its workers' children behind",
-    )
-
-    def listen(path: Path) -> ControlServer:
-        server = ControlServer(
-            path,
-            snapshot=lambda: agent.status.snapshot,
-            command=lambda req: _accept_command(agent, req),
-            operators_group=cfg.operators_group or None,
+    with contextlib.ExitStack() as parts:  # closed in reverse: control socket, guard, exporter
+        exporter = _metrics_exporter(cfg, agent)
+        if exporter is not None:
+            parts.callback(exporter.close)
+        guard = supervise.Kept(
+            "guard",
+            lambda: processes.start_guard(agent.token),
+            risk="until a new guard is up, a SIGKILLed daemon leaves its workers' children behind",
         )
-        server.start()
-        return server
+        parts.callback(guard.close)
 
-    try:
+        def listen(path: Path) -> ControlServer:
+            server = ControlServer(
+                path,
+                snapshot=lambda: agent.status.snapshot,
+                command=lambda req: _accept_command(agent, req),
+                operators_group=cfg.operators_group or None,
+            )
+            server.start()
+            return server
+
         try:
-            server = listen(Path(cfg.socket) if cfg.socket else paths.default_socket_path())
-        except AlreadyRunning:
-            if cfg.socket:  # a path the user chose is theirs to change
-                raise
-            # another job of this user on this node holds the default: listen beside it
-            server = listen(paths.second_socket_path(paths.default_socket_path(), cfg.rdzv_id))
-    except ControlError as e:
-        guard.close()
-        if exporter is not None:
-            exporter.close()
-        from elasticd.config import ConfigError
+            try:
+                server = listen(Path(cfg.socket) if cfg.socket else paths.default_socket_path())
+            except AlreadyRunning:
+                if cfg.socket:  # a path the user chose is theirs to change
+                    raise
+                # another job of this user on this node holds the default: listen beside it
+                default = paths.default_socket_path()
+                server = listen(paths.second_socket_path(default, cfg.rdzv_id))
+        except ControlError as e:
+            from elasticd.config import ConfigError
 
-        raise ConfigError(str(e)) from None
-    try:
-        # the fork server imports torch for the spares while this process imports it: a start
-        # takes one torch import's time, not two in a row (~2 s on 2 cores)
-        agent.warm_up()
-        # torch loads here: the daemon hosts each round's store for the workers (cluster/ imports
-        # it only in tcpstore.py), and adopt_torch makes its loggers write through ours
-        from elasticd.cluster import tcpstore  # noqa: F401
+            raise ConfigError(str(e)) from None
+        parts.callback(server.close)
+        try:
+            # the fork server imports torch for the spares while this process imports it: a
+            # start takes one torch import's time, not two in a row (~2 s on 2 cores)
+            agent.warm_up()
+            # torch loads here: the daemon hosts each round's store for the workers (cluster/
+            # imports it only in tcpstore.py), and adopt_torch makes its loggers write through ours
+            from elasticd.cluster import tcpstore  # noqa: F401
 
-        logs.adopt_torch()
-    except BaseException:
-        agent.spares.close()
-        server.close()
-        guard.close()
-        if exporter is not None:
-            exporter.close()
-        raise
-    agent.notify = systemd
-    systemd.ready(f"{agent.state.value} run {cfg.rdzv_id}")
-    log.info(
-        "daemon_started",
-        run_dir=str(run_dir),
-        socket=str(server.path),
-        entrypoint=cfg.entrypoint,
-        nproc_per_node=cfg.nproc_per_node,
-        nnodes=cfg.nnodes,
-        pid=os.getpid(),
-    )
-    try:
+            logs.adopt_torch()
+        except BaseException:
+            agent.spares.close()
+            raise
+        agent.notify = systemd
+        systemd.ready(f"{agent.state.value} run {cfg.rdzv_id}")
+        log.info(
+            "daemon_started",
+            run_dir=str(run_dir),
+            socket=str(server.path),
+            entrypoint=cfg.entrypoint,
+            nproc_per_node=cfg.nproc_per_node,
+            nnodes=cfg.nnodes,
+            pid=os.getpid(),
+        )
         code = agent.run()
-    finally:
-        server.close()
-        guard.close()
-        if exporter is not None:
-            exporter.close()
     if agent.left_line:
         sys_err(agent.left_line)
     elif agent.state == State.FAILED and agent.first_failure:

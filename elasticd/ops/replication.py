@@ -17,8 +17,9 @@ from typing import Any
 from elasticd.worker import health
 
 COUNTS = ("replica_sends", "replica_bytes_total", "replica_seconds_total")  # kept across attempts
-# a node's state when its ranks disagree: the first of these any rank is in, else "on"
-OFF_FIRST = ("failed", "no_directory", "uneven_nodes", "one_node")
+# a node's state when its ranks disagree: the first of these any rank is in, else "on" (the off
+# states of health.REPLICA_STATES, the later listed there the stronger)
+OFF_FIRST = health.REPLICA_STATES[:1:-1]
 RANK = ("rank", "local_rank")
 
 METRICS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
