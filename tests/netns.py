@@ -69,12 +69,23 @@ def sweep_orphans() -> None:
     SIGKILLed or SIGTERMed pytest), after killing what still runs inside them."""
     for ns in (line.split()[0] for line in ip("netns", "list").splitlines() if line.strip()):
         if _owner_gone(ns):
-            for pid in ip("netns", "pids", ns).split():
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            ip("netns", "del", ns)
+            _delete(ns, time.monotonic() + 10.0)
+
+
+def _pids(ns: str) -> list[int]:
+    return [int(p) for p in ip("netns", "pids", ns).split()]
+
+
+def _delete(ns: str, deadline: float) -> None:
+    """SIGKILL what runs inside `ns`, wait (until `deadline`) for it to go, delete `ns`."""
+    while (left := _pids(ns)) and time.monotonic() < deadline:
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.05)
+    ip("netns", "del", ns)
 
 
 class Network:
@@ -162,20 +173,13 @@ class Network:
         ip("-n", self.switch, "link", "set", self._port(i), "up")
 
     def pids(self, ns: str) -> list[int]:
-        return [int(p) for p in ip("netns", "pids", ns).split()]
+        return _pids(ns)
 
     def close(self, timeout: float = 10.0) -> None:
         """SIGKILL what runs inside our namespaces, wait (bounded) for it to go, delete them."""
         deadline = time.monotonic() + timeout
         for ns in reversed(self._made):
-            while (left := self.pids(ns)) and time.monotonic() < deadline:
-                for pid in left:
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-                time.sleep(0.05)
-            ip("netns", "del", ns)
+            _delete(ns, deadline)
         self._made.clear()
 
 
