@@ -69,11 +69,12 @@ class Spare:
     def pid(self) -> int:
         return self.proc.pid
 
-    def bind(self, env: dict[str, str], modules: list[str], reads: list[str]) -> None:
+    def bind(self, env: dict[str, str], modules: dict[str, str], reads: list[str]) -> None:
         """Have the spare import `modules` now with `env`, its expected rank's environment
-        (worker/bound.py)."""
+        (worker/bound.py), each only from the file the workers loaded it from."""
+        message = {"env": env, "modules": list(modules), "origins": modules}
         try:
-            self.job.write(json.dumps({"bind": {"env": env, "modules": modules}}).encode() + b"\n")
+            self.job.write(json.dumps({"bind": message}).encode() + b"\n")
             self.job.flush()
         except OSError:
             self.proc.kill()  # replaced at the next collect, as a spare that died

@@ -27,6 +27,7 @@ class Learning:
         self.run_dir = run_dir
         self.event = event
         self.known: set[str] = set()  # names sent to the fork server already
+        self.origins: dict[str, str] = {}  # each name sent: the file the workers loaded it from
         self.tries = 0
         self.done_for: tuple[str, ...] = ()  # the reports of the attempt already taught from
         self.asked: Path | None = None  # the names file of the request in flight
@@ -34,32 +35,37 @@ class Learning:
     def forget(self) -> None:
         """The fork server died: what it learned, and the answer it owed, are gone."""
         self.known.clear()
+        self.origins.clear()
         self.asked = None
         self.done_for = ()
 
-    def wanted(self, heartbeats: Sequence[Path]) -> list[str] | None:
-        """The union of the workers' reports, once every one is there, if it names anything not
-        sent before (at most once per attempt, MAX_TRIES per run)."""
+    def wanted(self, heartbeats: Sequence[Path]) -> dict[str, str] | None:
+        """The union of the workers' reports (each name with the file it was loaded from; a
+        name that workers loaded from different files is left out), once every one is there, if
+        it names anything not sent before (at most once per attempt, MAX_TRIES per run)."""
         key = tuple(str(p) for p in heartbeats)
         if not key or key == self.done_for or self.tries >= MAX_TRIES or self.asked:
             return None
-        union: dict[str, None] = {}
+        union: dict[str, str] = {}
+        differ = set()
         for hb in key:
             names = imported.read(imported.report_path(hb))
             if names is None:
                 return None  # not every worker has stepped yet
-            union.update(dict.fromkeys(names))
+            differ.update(n for n, origin in names.items() if union.get(n, origin) != origin)
+            union.update(names)
         self.done_for = key
-        new = [n for n in union if n not in self.known]
+        new = {n: o for n, o in union.items() if n not in self.known and n not in differ}
         return new or None
 
-    def write(self, names: list[str]) -> Path:
-        """The names file the fork server reads (a new one per request)."""
+    def write(self, names: dict[str, str]) -> Path:
+        """The names file the fork server reads (a new one per request): `name<TAB>origin`."""
         self.tries += 1
         path = self.run_dir / f"preload-learned{self.tries}.txt"
         with open(safeio.create(path), "w") as f:
-            f.write("\n".join(names) + "\n")
+            f.write("".join(f"{n}\t{o}\n" for n, o in names.items()))
         self.known.update(names)
+        self.origins.update(names)
         self.asked = path
         return path
 

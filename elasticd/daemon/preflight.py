@@ -10,6 +10,8 @@ import errno
 import os
 import shutil
 import socket
+import sys
+from importlib.machinery import ModuleSpec
 from pathlib import Path
 
 from elasticd.config import ConfigError
@@ -149,11 +151,44 @@ def check_health_check(command: str) -> None:
         )
 
 
+def find_module(name: str, directory: str) -> ModuleSpec | None:
+    """Where `python -m name` run in `directory` finds `name`, found without running any code of
+    it: importlib.util.find_spec("pkg.mod") imports `pkg` (its __init__ would run here, in the
+    daemon, maybe as root, from a directory someone else may write to). The top-level name is
+    looked up by the import system's finders with `directory` first on sys.path (a module already
+    loaded: its own spec), each further part in the package directories of the one before."""
+    import importlib.util
+
+    parts = name.split(".")
+    sys.path.insert(0, directory)
+    try:
+        spec = importlib.util.find_spec(parts[0])  # a top-level name: nothing is imported
+    finally:
+        sys.path.remove(directory)
+    for i in range(1, len(parts)):
+        if spec is None or spec.submodule_search_locations is None:
+            return None  # not a package: nothing inside it to find
+        spec = _find_inside(".".join(parts[: i + 1]), list(spec.submodule_search_locations))
+    return spec
+
+
+def _find_inside(fullname: str, path: list[str]) -> ModuleSpec | None:
+    """A submodule's spec, by the finders the import system asks, given its package's
+    directories (a finder locates; it runs nothing)."""
+    loaded = sys.modules.get(fullname)
+    if loaded is not None:
+        return getattr(loaded, "__spec__", None)
+    for finder in sys.meta_path:
+        find = getattr(finder, "find_spec", None)
+        spec = find(fullname, path) if find is not None else None
+        if spec is not None:
+            return spec
+    return None
+
+
 def check_entrypoint(entrypoint: str, cwd: str | None = None, no_python: bool = False) -> None:
     """Resolve the entrypoint the way the worker will, without running the user's code."""
     import ast
-    import importlib.util
-    import sys
 
     if no_python:
         if shutil.which(entrypoint, path=os.environ.get("PATH", os.defpath)) is None:
@@ -172,22 +207,20 @@ def check_entrypoint(entrypoint: str, cwd: str | None = None, no_python: bool = 
     module, _, func = entrypoint.partition(":")
     if not module or (":" in entrypoint and not func):
         raise ConfigError(f"entrypoint {entrypoint!r} is not MODULE, MODULE:FUNCTION or PATH.py")
-    sys.path.insert(0, cwd or os.getcwd())  # the worker runs with its working directory on sys.path
+    directory = cwd or os.getcwd()  # the worker runs with its working directory on sys.path
     try:
-        spec = importlib.util.find_spec(module)
+        spec = find_module(module, directory)
     except (ImportError, ValueError) as e:
         spec, why = None, f" ({e})"
     else:
         why = ""
-    finally:
-        sys.path.pop(0)
     if spec is None:
         raise ConfigError(
             f"entrypoint module {module!r} cannot be found{why}: check the name, "
             "the working directory, or install its package"
         )
     if spec.submodule_search_locations is not None and not func:
-        main = importlib.util.find_spec(module + ".__main__") if spec.origin else None
+        main = find_module(module + ".__main__", directory) if spec.origin else None
         if main is None:
             raise ConfigError(
                 f"entrypoint {module!r} is a package without __main__: name a module in it"

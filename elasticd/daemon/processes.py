@@ -36,11 +36,12 @@ def make_subreaper() -> bool:
 
 
 def start_guard(token: str) -> subprocess.Popen:
-    """See elasticd.daemon.guard: kills our workers' tree if the daemon dies without doing it."""
+    """See elasticd.daemon.guard: kills our workers' tree if the daemon dies without doing it.
+    -P: nothing is imported from the working directory (see worker/proctitle.py)."""
     env = systemd.child_env(dict(os.environ))
     env.pop(names.AGENT, None)
     return subprocess.Popen(
-        [sys.executable, "-m", "elasticd.daemon.guard", token],
+        [sys.executable, "-P", "-m", "elasticd.daemon.guard", token],
         stdin=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
         env=env,

@@ -41,7 +41,7 @@ class SparePool:
         self.respawn_at: float | None = None  # when a dead fork server is started again
         self.learning = learning.Learning(run_dir, event) if cfg.learn_preload else None
         # spares bound to a rank ahead (worker/bound.py): what they import, the variables read
-        self.binding: tuple[list[str], list[str]] | None = None
+        self.binding: tuple[dict[str, str], list[str]] | None = None  # modules (origins), reads
         self.expected: list[dict[str, str]] = []  # the running attempt's environments
 
     def _start_server(self) -> None:
@@ -93,7 +93,9 @@ class SparePool:
             return
         forkclient.discard_spares(self.spares)
         if report.get("bound"):
-            self.binding = report["bound"], report.get("reads") or []
+            origins = self.learning.origins
+            modules = {n: origins[n] for n in report["bound"] if n in origins}
+            self.binding = modules, report.get("reads") or []
         if report.get("tainted"):
             self.learning = self.binding = None
             fs.close()

@@ -218,11 +218,23 @@ def _run_as_main(code, **attrs) -> None:
     exec(code, main.__dict__)
 
 
+def entry_path(directory: str) -> None:
+    """Put `directory` first on sys.path, as `python script.py` (the script's directory) and
+    `python -m` (the working directory) do. The daemon starts this process with -P
+    (proctitle.command), so that elasticd and torch were not imported from the working directory
+    (which someone else may write to); only the user's entrypoint is looked up there, as under
+    torchrun. Started without -P (by hand), the entry `-m` put first is replaced."""
+    if sys.flags.safe_path or not sys.path:
+        sys.path.insert(0, directory)
+    else:
+        sys.path[0] = directory
+
+
 def run_entrypoint(entrypoint: str, args: list[str]) -> None:
     if entrypoint.endswith(".py") or os.sep in entrypoint:
         path = os.path.abspath(entrypoint)
         sys.argv = [entrypoint, *args]
-        sys.path[0] = os.path.dirname(path)
+        entry_path(os.path.dirname(path))
         with io.open_code(path) as f:
             code = compile(f.read(), path, "exec", dont_inherit=True)
         _run_as_main(
@@ -236,11 +248,13 @@ def run_entrypoint(entrypoint: str, args: list[str]) -> None:
     elif ":" in entrypoint:
         module, func = entrypoint.split(":", 1)
         sys.argv = [entrypoint, *args]
+        entry_path(os.getcwd())
         target = importlib.import_module(module)
         for part in func.split("."):
             target = getattr(target, part)
         sys.exit(target())
     else:
+        entry_path(os.getcwd())
         spec = importlib.util.find_spec(entrypoint)
         if (
             spec is not None and spec.submodule_search_locations is not None

@@ -22,12 +22,13 @@ from elasticd.worker import learned, proctitle
 
 def bind(message: dict) -> dict[str, str | None]:
     """Import `message["modules"]` with os.environ as `message["env"]` (the rank's expected
-    environment); the rank variables read meanwhile, with the values seen (None: unset)."""
+    environment), each only from its file in `message["origins"]` (learned.Origins); the rank
+    variables read meanwhile, with the values seen (None: unset)."""
     saved = dict(os.environ)
     os.environ.clear()
     os.environ.update(message["env"])
     try:
-        with learned.Audit() as audit:
+        with learned.Origins(message.get("origins")), learned.Audit() as audit:
             for name in message["modules"]:
                 try:
                     importlib.import_module(name)

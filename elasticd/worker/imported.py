@@ -3,7 +3,10 @@ step, beside its heartbeat file (`rankN.modules`): the daemon teaches the union 
 server, so later spares start with this job's frameworks already imported
 (daemon/learning.py, worker/learned.py). Only modules whose file lies in the interpreter's
 standard library or site-packages are named: never the script's own modules, which the fork
-server must not run with another sys.path, and which the user may edit between attempts."""
+server must not run with another sys.path, and which the user may edit between attempts. Each
+name goes with the file it was loaded from (`name<TAB>path`, the path resolved): the fork server
+imports a name only from that file (learned.Origins), never one that the server's own sys.path
+finds first elsewhere."""
 
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ MAX_BYTES = 4 << 20  # a report larger than this is not read
 MAX_NAMES = 20000
 _MAINS = ("__main__", "__mp_main__")  # the script (or a tool's main) runs once, in its worker
 _NAME = re.compile(r"\w+(\.\w+)*\Z", re.ASCII)  # mypyc helpers begin with a digit
+_ORIGIN = re.compile(r"/[^\x00-\x1f]{0,4095}\Z")  # an absolute path on one line
 
 
 def library_dirs() -> tuple[str, ...]:
@@ -34,16 +38,17 @@ def library_dirs() -> tuple[str, ...]:
     return tuple(sorted(out))
 
 
-def library_modules(modules: dict | None = None) -> list[str]:
-    """The names in sys.modules, in import order, of modules loaded from the installation."""
+def library_modules(modules: dict | None = None) -> dict[str, str]:
+    """The names in sys.modules, in import order, of modules loaded from the installation, each
+    with its file (resolved)."""
     dirs = library_dirs()
-    out = []
+    out = {}
     for name, module in list((sys.modules if modules is None else modules).items()):
         path = getattr(module, "__file__", None)
         if name in _MAINS or not isinstance(path, str):
             continue
-        if path.startswith(dirs) and _NAME.match(name):
-            out.append(name)
+        if path.startswith(dirs) and _NAME.match(name) and _ORIGIN.match(path):
+            out[name] = os.path.realpath(path)
     return out
 
 
@@ -61,21 +66,27 @@ def report() -> None:
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         with os.fdopen(safeio.create(tmp), "w") as f:
-            f.write("\n".join(library_modules()[:MAX_NAMES]) + "\n")
+            lines = [f"{n}\t{p}" for n, p in list(library_modules().items())[:MAX_NAMES]]
+            f.write("\n".join(lines) + "\n")
         os.replace(tmp, path)
     except OSError:
         pass  # a learning aid only: the job goes on without it
 
 
-def read(path: str) -> list[str] | None:
-    """A worker's report: valid module names in its order, or None while there is none. A name
-    of another form is skipped (a worker is the user's code: its file is not trusted)."""
+def read(path: str) -> dict[str, str] | None:
+    """A worker's report: valid module names in its order, each with its file, or None while
+    there is none. A line of another form is skipped (a worker is the user's code: its file is
+    not trusted; the file it names only narrows where the fork server may import from)."""
     try:
         with os.fdopen(safeio.open_existing(path), "rb") as f:
             data = f.read(MAX_BYTES + 1)
     except OSError:
         return None
     if len(data) > MAX_BYTES:
-        return []
-    text = data.decode("ascii", errors="replace")
-    return [n for n in text.split("\n")[:MAX_NAMES] if _NAME.match(n)]
+        return {}
+    out = {}
+    for line in data.decode("utf-8", errors="replace").split("\n")[:MAX_NAMES]:
+        name, _, origin = line.partition("\t")
+        if _NAME.match(name) and _ORIGIN.match(origin):
+            out[name] = origin
+    return out

@@ -72,6 +72,44 @@ def rank_variable(key: str) -> bool:
     return key in RANK_VARIABLES or key in PER_WORKER or key.startswith(("TORCHELASTIC_", "PET_"))
 
 
+class Origins:
+    """While installed (first on sys.meta_path), a module named in `origins` is imported only from
+    the file the workers loaded it from (worker/imported.py records it): found elsewhere (a file
+    planted earlier on this process's path), its import fails before any of its code runs. Built
+    into the interpreter (frozen, built-in) is nothing anyone can plant, so always accepted."""
+
+    def __init__(self, origins: dict[str, str] | None) -> None:
+        self.origins = origins
+
+    def find_spec(self, name, path=None, target=None):
+        want = self.origins.get(name) if self.origins is not None else None
+        if want is None:
+            return None
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            spec = find(name, path, target) if finder is not self and find is not None else None
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.origin in ("frozen", "built-in") or (
+            isinstance(spec.origin, str) and os.path.realpath(spec.origin) == want
+        ):
+            return spec
+        raise ImportError(
+            f"{name} is at {spec.origin} here, not {want} where the workers loaded it", name=name
+        )
+
+    def __enter__(self) -> Origins:
+        if self.origins is not None:
+            sys.meta_path.insert(0, self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with contextlib.suppress(ValueError):
+            sys.meta_path.remove(self)
+
+
 class Audit:
     """Every read of a rank variable from os.environ while installed, with the modules whose
     import-time code was running (innermost first), and the value each variable had at its first
@@ -189,7 +227,7 @@ def _more_threads(tasks: int, threads: int) -> bool:
 
 
 def probe(
-    wanted: list[str], expected: set[str], bound: bool = False
+    wanted: list[str], expected: set[str], bound: bool = False, origins: dict | None = None
 ) -> tuple[dict[str, str], dict[str, list[str]]]:
     """Import `wanted` in order (in a probe: this process is thrown away); what must not be
     preloaded, each with why, and the rank variables each name's import read. `bound`: for a
@@ -198,7 +236,7 @@ def probe(
     excluded: dict[str, str] = {}
     keys: dict[str, list[str]] = {}
     _more_threads(0, 0)  # loads what it needs before the first import is watched
-    with Audit() as audit, Edges() as edges:
+    with Origins(origins), Audit() as audit, Edges() as edges:
         for name in wanted:
             if name in sys.modules or name in excluded or _inside(name, excluded):
                 continue
@@ -240,7 +278,7 @@ def _die_with_parent() -> None:
 
 
 def _probe_in_child(
-    wanted: list[str], expected: set[str], bound: bool = False
+    wanted: list[str], expected: set[str], bound: bool = False, origins: dict | None = None
 ) -> tuple[dict[str, str], dict[str, list[str]]] | None:
     """probe() in a forked child at idle priority; None if the child died (killed by a
     teardown's sweep, or out of memory)."""
@@ -254,7 +292,7 @@ def _probe_in_child(
             with contextlib.suppress(OSError):
                 os.nice(19)
             sys.stdout = sys.stderr = open(os.devnull, "w")
-            data = json.dumps(probe(wanted, expected, bound)).encode()
+            data = json.dumps(probe(wanted, expected, bound, origins)).encode()
             with os.fdopen(write_end, "wb") as f:
                 f.write(data)
             code = 0
@@ -270,26 +308,27 @@ def _probe_in_child(
     return excluded, keys
 
 
-def learn(wanted: list[str]) -> dict:
+def learn(wanted: list[str], origins: dict[str, str] | None = None) -> dict:
     """Find what of `wanted` can be preloaded (probes), then import it here. The report:
     `preloaded` (names imported), `excluded` (name -> why), and `error` (learning gave up:
     nothing imported) or `tainted` (a rank variable read here after all: the daemon must not
-    fork from this server)."""
+    fork from this server). `origins`: the file each name was loaded from in the workers; a
+    name found elsewhere here fails to import (`Origins`), in the probes and here alike."""
     # as the workers see it: absent (the server's own list, read at its start: bootstrap.preload)
     hidden = os.environ.pop(names.WARM_PRELOAD, None)
     try:
-        return _learn(wanted)
+        return _learn(wanted, origins)
     finally:
         if hidden is not None:
             os.environ[names.WARM_PRELOAD] = hidden
 
 
-def _learn(wanted: list[str]) -> dict:
+def _learn(wanted: list[str], origins: dict[str, str] | None) -> dict:
     expected = set(wanted)
     wanted = [n for n in wanted if n not in sys.modules]
     excluded: dict[str, str] = {}
     for _ in range(ROUNDS):
-        found = _probe_in_child([n for n in wanted if n not in excluded], expected)
+        found = _probe_in_child([n for n in wanted if n not in excluded], expected, False, origins)
         if found is None:
             return {"preloaded": [], "excluded": excluded, "error": "the probe died"}
         new = {k: v for k, v in found[0].items() if k not in excluded}
@@ -304,7 +343,7 @@ def _learn(wanted: list[str]) -> dict:
         return {"preloaded": [], "excluded": excluded, "error": f"no clean list in {ROUNDS} probes"}
     chosen = [n for n in wanted if n not in excluded]
     preloaded = []
-    with Audit() as audit:
+    with Origins(origins), Audit() as audit:
         for name in chosen:
             if name in sys.modules:
                 continue
@@ -319,7 +358,7 @@ def _learn(wanted: list[str]) -> dict:
         key, stack = audit.reads[0]
         report["tainted"] = f"{stack[0] if stack else '?'} read {key} at import"
     else:
-        report.update(for_bound_spares(wanted, excluded, expected))
+        report.update(for_bound_spares(wanted, excluded, expected, origins))
     return report
 
 
@@ -338,14 +377,16 @@ def reads_rank(name: str, excluded: dict[str, str]) -> bool:
     return False
 
 
-def for_bound_spares(wanted: list[str], excluded: dict[str, str], expected: set[str]) -> dict:
+def for_bound_spares(
+    wanted: list[str], excluded: dict[str, str], expected: set[str], origins: dict | None = None
+) -> dict:
     """What a spare that knows its rank's environment may import ahead (worker/bound.py): the
     modules left out for reading a rank variable, less those that fail or bring in a module the
     workers did not have (a probe after this server's imports, as a spare's would be), and the
     rank variables their imports read (`reads`: the daemon hands such a spare only a rank whose
     environment has the same values there)."""
     bound = [n for n in wanted if n in excluded and reads_rank(n, excluded)]
-    found = _probe_in_child(bound, expected, bound=True) if bound else ({}, {})
+    found = _probe_in_child(bound, expected, True, origins) if bound else ({}, {})
     if found is None:
         return {}
     dropped, keys = found
@@ -355,10 +396,15 @@ def for_bound_spares(wanted: list[str], excluded: dict[str, str], expected: set[
 
 
 def learn_from(path: str) -> dict:
-    """learn() on the names the daemon wrote to `path`, one a line."""
+    """learn() on the names the daemon wrote to `path`, one a line with the file the workers
+    loaded it from (`name<TAB>origin`, daemon/learning.py)."""
+    origins = {}
     with open(path) as f:
-        wanted = [line.strip() for line in f if line.strip()]
-    return learn(wanted)
+        for line in f:
+            name, _, origin = line.rstrip("\n").partition("\t")
+            if name and origin:
+                origins[name] = origin
+    return learn(list(origins), origins)
 
 
 REQUEST = b"L"  # + the path of the names, from the daemon (daemon/forkclient.py)

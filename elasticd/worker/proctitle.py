@@ -1,17 +1,22 @@
 """A worker's command line as ps, pgrep -f, py-spy and /proc/PID/cmdline show it: the one torchrun
 would have started, `python -u train.py ARGS` (or `python -u -m module ARGS`).
 
-Workers start as `python -m elasticd.worker.bootstrap` (cold, or a fresh warm spare) or are forked
-from `python -m elasticd.worker.forkserver`, yet operators find and signal training processes by
-their script (`pgrep -f train.py`, `pkill -f`, `ps`). The kernel reads /proc/PID/cmdline from the
-process's argument area (arg_start..arg_end in /proc/PID/stat), so each worker rewrites that
-area once it knows its job; the interpreter's own view (sys.argv, sys.orig_argv) is untouched.
+Workers start as `python -P -m elasticd.worker.bootstrap` (cold, or a fresh warm spare) or are
+forked from `python -P -m elasticd.worker.forkserver`, yet operators find and signal training
+processes by their script (`pgrep -f train.py`, `pkill -f`, `ps`). The kernel reads
+/proc/PID/cmdline from the process's argument area (arg_start..arg_end in /proc/PID/stat), so each
+worker rewrites that area once it knows its job; the interpreter's own view (sys.argv,
+sys.orig_argv) is untouched.
 
 An area cannot grow, so the daemon starts those processes with a command exactly as long as the
-title: `-m` becomes `-uu..um`. -u is what torchrun runs its workers with (their stdout and stderr
-unbuffered, with nothing in the environment that their own subprocesses would inherit), and
-repeating it changes nothing more; where there is no room for one, the bootstrap makes the
-streams as -u would (bootstrap.unbuffered_output). The title is then
+title: `-Pm` becomes `-Puu..um`. -P keeps the working directory off sys.path: these processes
+import elasticd and torch (as root, for a service) before the user's code, and a directory
+someone else may write to must not supply them (the bootstrap puts the entrypoint's directory on
+sys.path itself, where `python script.py` or `python -m` would). The flag, not PYTHONSAFEPATH,
+which the script's own `python` subprocesses would inherit. -u is what torchrun runs its workers
+with (their stdout and stderr unbuffered, with nothing in the environment that their own
+subprocesses would inherit), and repeating it changes nothing more; where there is no room for
+one, the bootstrap makes the streams as -u would (bootstrap.unbuffered_output). The title is then
 written NUL-separated, byte for byte what the torchrun command shows. Where the title is the
 shorter one (a very short script name), it is written as setproctitle(3) does: one string ended
 by NUL, with the area's last byte non-zero, which tells the kernel to show it up to that NUL.
@@ -37,10 +42,10 @@ def _size(argv: Sequence[str]) -> int:
 
 
 def command(module: str, shown: Sequence[str], tail: Sequence[str] = ()) -> list[str]:
-    """`python -m module *tail`, padded (-m as -uu..um) so that its argument area is as long as
-    `shown`'s."""
-    need = _size(shown) - _size([sys.executable, "-m", module, *tail])
-    return [sys.executable, "-" + "u" * max(need, 0) + "m", module, *tail]
+    """`python -P -m module *tail`, padded (-Pm as -Puu..um) so that its argument area is as long
+    as `shown`'s."""
+    need = _size(shown) - _size([sys.executable, "-Pm", module, *tail])
+    return [sys.executable, "-P" + "u" * max(need, 0) + "m", module, *tail]
 
 
 def show(shown: Sequence[str]) -> bool:

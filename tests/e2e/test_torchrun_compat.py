@@ -301,9 +301,10 @@ def test_workers_observe_what_torchrun_gives(tmp_path):
     """The same script under real torchrun (--standalone), elasticd's warm spares and
     --no-warm-spawn: every variable torchrun gives with its value (but an allowlist of documented
     differences) and nothing more but ELASTICD_*, so no PYTHONUNBUFFERED for the script's own
-    children; argv, sys.orig_argv, sys.flags, -u's unbuffered stdout; and torch's threads from
-    OMP_NUM_THREADS set before `import torch` (issue 31: a warm spare had imported torch already),
-    and not from one set after it; torch's unseeded generator different in every worker."""
+    children; argv, sys.orig_argv, sys.flags (but -P's safe_path), -u's unbuffered stdout; and
+    torch's threads from OMP_NUM_THREADS set before `import torch` (issue 31: a warm spare had
+    imported torch already), and not from one set after it; torch's unseeded generator different
+    in every worker."""
     elasticd = [sys.executable, "-m", "elasticd", "run", "--log-dir"]
     runs = _observed(
         {
@@ -325,8 +326,14 @@ def test_workers_observe_what_torchrun_gives(tmp_path):
                 ours["orig_argv"][:-2] == [sys.executable, "-u", path] == theirs["orig_argv"][:-2]
             )
             assert ours["argv"][0] == path == theirs["argv"][0]
-            for fact in ("flags", "stdout_write_through", "path0", "name", "threads"):
+            for fact in ("stdout_write_through", "path0", "name", "threads"):
                 assert ours[fact] == theirs[fact], (how, rank, fact, ours[fact], theirs[fact])
+            # sys.flags as torchrun's but -P's, which keeps the working directory off the path
+            # of elasticd's imports (worker/proctitle.py)
+            safe = type(sys.flags).__match_args__.index("safe_path")
+            assert ours["flags"][safe] == 1 and theirs["flags"][safe] == 0
+            ours["flags"][safe] = 0
+            assert ours["flags"] == theirs["flags"], (how, rank, ours["flags"], theirs["flags"])
     # torch's unseeded generator draws differently in every worker, as in fresh processes (a spare
     # forked from the fork server reseeds it); str hashing too, but in the spares of one server
     for how, ranks in runs.items():

@@ -30,20 +30,23 @@ MODULES = {
 }
 
 
-def _learn(tmp_path, wanted: list[str]) -> dict:
+def _learn(tmp_path, wanted: list[str], origins: dict | None = None, first: str = "") -> dict:
+    """learn(wanted, origins) in a fresh interpreter with the test's modules on its path (after
+    `first`, a directory looked in before them)."""
     for rel, text in MODULES.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(text)
     code = (
         "import json, os, sys\n"
         "from elasticd.worker import learned\n"
-        f"report = learned.learn({wanted!r})\n"
+        f"report = learned.learn({wanted!r}, {origins!r})\n"
         "report['loaded'] = sorted(m for m in sys.modules if m in "
         f"{sorted({w.split('.')[0] for w in wanted})!r})\n"
         "report['environ_class_restored'] = type(os.environ).__getitem__.__name__\n"
         "print(json.dumps(report))\n"
     )
-    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{tmp_path}")
+    path = os.pathsep.join(filter(None, [first, str(ROOT), str(tmp_path)]))
+    env = dict(os.environ, PYTHONPATH=path)
     env.pop("LOCAL_RANK", None)
     r = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60
@@ -79,12 +82,19 @@ def test_worker_report_names_only_library_modules(tmp_path):
     hb = tmp_path / "rank0.heartbeat"
     assert imported.report_path(str(hb)) == str(tmp_path / "rank0.modules")
     names = imported.library_modules()
-    assert "json" in sys.modules and "json" in names
+    assert "json" in sys.modules and names["json"] == os.path.realpath(sys.modules["json"].__file__)
     assert "harness" in sys.modules and "harness" not in names  # the tests' own: not a library
     assert "__main__" not in names
     path = tmp_path / "rank0.modules"
-    path.write_text("json\nos.path\n../etc/passwd\nnot a name\n81d2__mypyc\n")
-    assert imported.read(str(path)) == ["json", "os.path", "81d2__mypyc"]
+    path.write_text(
+        "json\t/lib/json/__init__.py\nos.path\t/lib/posixpath.py\n../etc/passwd\t/x.py\n"
+        "not a name\t/x.py\n81d2__mypyc\t/lib/81d2__mypyc.so\nno_origin\nrelative\tlib/r.py\n"
+    )
+    assert imported.read(str(path)) == {
+        "json": "/lib/json/__init__.py",
+        "os.path": "/lib/posixpath.py",
+        "81d2__mypyc": "/lib/81d2__mypyc.so",
+    }
     assert imported.read(str(tmp_path / "missing")) is None
 
 
@@ -92,12 +102,14 @@ def test_the_daemon_teaches_once_every_worker_reported(tmp_path):
     events = []
     learn = learning.Learning(tmp_path, lambda name, **kw: events.append((name, kw)))
     hbs = [tmp_path / "rank0.heartbeat", tmp_path / "rank1.heartbeat"]
-    (tmp_path / "rank0.modules").write_text("json\nyaml\n")
+    (tmp_path / "rank0.modules").write_text("json\t/l/json.py\nyaml\t/l/yaml.py\nre\t/l/re.py\n")
     assert learn.wanted(hbs) is None  # rank 1 has not stepped yet
-    (tmp_path / "rank1.modules").write_text("yaml\ncsv\n")
-    assert learn.wanted(hbs) == ["json", "yaml", "csv"]
-    path = learn.write(["json", "yaml", "csv"])
-    assert path.read_text() == "json\nyaml\ncsv\n"
+    # a name two workers loaded from different files is not taught
+    (tmp_path / "rank1.modules").write_text("yaml\t/l/yaml.py\ncsv\t/l/csv.py\nre\t/o/re.py\n")
+    wanted = {"json": "/l/json.py", "yaml": "/l/yaml.py", "csv": "/l/csv.py"}
+    assert learn.wanted(hbs) == wanted
+    path = learn.write(wanted)
+    assert path.read_text() == "json\t/l/json.py\nyaml\t/l/yaml.py\ncsv\t/l/csv.py\n"
     assert learn.wanted(hbs) is None  # one request at a time, once per attempt
     (tmp_path / f"{path.name}.report.json").write_text(
         json.dumps({"preloaded": ["json", "csv"], "excluded": {"yaml": "reads RANK at import"}})
@@ -111,10 +123,10 @@ def test_the_daemon_teaches_once_every_worker_reported(tmp_path):
     assert events[1][1]["replaced"] == [7]
     next_attempt = [tmp_path / "a2" / "rank0.heartbeat"]
     (tmp_path / "a2").mkdir()
-    (tmp_path / "a2" / "rank0.modules").write_text("json\ncsv\n")
+    (tmp_path / "a2" / "rank0.modules").write_text("json\t/l/json.py\ncsv\t/l/csv.py\n")
     assert learn.wanted(next_attempt) is None  # nothing new to teach
     learn.forget()  # the fork server died: a new one is taught again
-    assert learn.wanted(next_attempt) == ["json", "csv"]
+    assert learn.wanted(next_attempt) == {"json": "/l/json.py", "csv": "/l/csv.py"}
 
 
 def test_spares_bound_to_a_rank_get_the_rank_readers_less_what_else_they_bring(tmp_path):
@@ -127,6 +139,40 @@ def test_spares_bound_to_a_rank_get_the_rank_readers_less_what_else_they_bring(t
     # a spare that knows its rank may import what reads it; not what fails or brings in more
     assert report["bound"] == ["rankread", "rankread.sub", "user_of_rank"]
     assert report["reads"] == ["LOCAL_RANK"]
+
+
+def test_a_name_is_preloaded_only_from_the_file_the_workers_loaded_it_from(tmp_path):
+    # The workers loaded `clean` and `json` from the installation; the server's path finds a
+    # planted `clean` first (a directory someone else could write to): it is never run there.
+    planted = tmp_path / "planted"
+    planted.mkdir()
+    marker = tmp_path / "ran"
+    (planted / "clean.py").write_text(f"open({str(marker)!r}, 'w').close()\nVALUE = 0\n")
+    origins = {"clean": str(tmp_path / "clean.py"), "json": json.__file__}
+    report = _learn(tmp_path, ["clean", "json"], origins, first=str(planted))
+    assert not marker.exists()  # not in the probes, not in the server
+    why = report["excluded"]["clean"]
+    assert why.startswith("fails to import here: ImportError: clean is at " + str(planted))
+    assert report["loaded"] == ["json"] and report["preloaded"] == []
+    # the file the workers named, first on the path: imported from there
+    report = _learn(tmp_path, ["clean"], origins)
+    assert report["preloaded"] == ["clean"] and report["excluded"] == {}
+
+
+def test_the_server_reads_each_name_with_its_file(tmp_path):
+    names = tmp_path / "preload-learned1.txt"
+    names.write_text(f"json\t{json.__file__}\nno_file\n")
+    code = (
+        "import json, sys\n"
+        "from elasticd.worker import learned\n"
+        "seen = []\n"
+        "learned.learn = lambda wanted, origins: seen.append((wanted, origins)) or {}\n"
+        f"learned.learn_from({str(names)!r})\n"
+        "print(json.dumps(seen[0]))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == [["json"], {"json": json.__file__}]
 
 
 def _spare(tmp_path) -> subprocess.Popen:

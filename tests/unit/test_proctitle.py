@@ -42,10 +42,11 @@ def test_title_is_what_torchrun_shows(tmp_path, script, args):
     )  # once only: the area is no longer the original
     assert got["argv"][1:] == []  # Python's own view is untouched
     if not args:  # the command is longer than the title: one string, as setproctitle(3) writes it
-        assert command == [sys.executable, "-m", "show_title"]
+        assert command == [sys.executable, "-Pm", "show_title"]
         assert got["raw"] == " ".join(shown) + "\0"
     else:  # padded to the title's length: NUL for NUL what `python -u train.py ...` shows
-        assert command[1] != "-m" and set(command[1][1:-1]) == {"u"} and command[1][-1] == "m"
+        flags = command[1]
+        assert flags.startswith("-P") and set(flags[2:-1]) == {"u"} and flags[-1] == "m"
         assert got["raw"] == "\0".join(shown) + "\0"
     assert got["psutil"] == shown
 
