@@ -322,10 +322,10 @@ class Config:
     )
     quarantine_after: int = _setting(
         3,
-        "health check failures or hardware-class worker failures (ECC, Xid, unhandled CUDA "
-        "error) within --quarantine-window after which this node is quarantined: it leaves the "
-        "job and refuses to start, exit code 7, until `elasticd node clear` (default {default}; "
-        "0: never)",
+        "failed health checks (before a start, at a restart after a worker's failure, or while "
+        "training; a worker's error text never counts) within --quarantine-window after which "
+        "this node is quarantined: it leaves the job and refuses to start, exit code 7, until "
+        "`elasticd node clear` (default {default}; 0: never)",
     )
     quarantine_window: float = _setting(
         86400.0, "seconds over which --quarantine-after counts failures (default {default:g})"

@@ -270,8 +270,7 @@ class Agent:
                     self.publish()
                 continue
             why = hangs.name_culprit(why, self)
-            if self.quarantine.struck_by(why):  # a hardware failure that quarantines this node
-                return self._leave_job(why, *self.quarantine.departure())
+            # never a strike by itself: the health check before the restart confirms the node
             code = self._restart(why)
             if code is not None:
                 return code

@@ -34,8 +34,10 @@ class FailureClass(str, enum.Enum):
     """Out of memory: the kernel's OOM killer ended the worker (its cgroup's oom_kill counter or
     the host's went up with its SIGKILL), or the error file says so (CUDA out of memory)."""
     HARDWARE = "hardware"
-    """The node's hardware or health: a failed --health-check, or an error file naming a GPU
-    fault (ECC, Xid, an unhandled CUDA or NCCL system error)."""
+    """The node's hardware or health: a failed --health-check (which reads what the job cannot
+    write: the driver's ECC counters, DCGM). Never a worker's own words: an error file that names
+    a GPU fault (ECC, Xid) is as much the job's text as any other, and one data record or a
+    `KeyError: 'xid'` must not condemn the node."""
     HANG = "hang"
     """A worker stopped beating, or stayed stopped or a zombie."""
     NODE_LOST = "node_lost"
@@ -54,14 +56,6 @@ class FailureClass(str, enum.Enum):
     """A peer's failure whose class it did not say (an older elasticd)."""
 
 
-# error texts of a GPU fault: the node's, not the code's (case-insensitive). Kept narrow: NCCL's
-# "unhandled system error" is what the survivors of any peer's death read, and calling that
-# hardware would blame (and quarantine) healthy nodes.
-HARDWARE_TEXTS = re.compile(
-    r"uncorrectable ECC|ECC error|\bXid\b|unhandled cuda error|GPU is lost|fallen off the bus"
-    r"|NVLink error|cudaErrorECCUncorrectable|CUDA_ERROR_ECC_UNCORRECTABLE",
-    re.IGNORECASE,
-)
 # error texts of memory exhaustion raised as an exception
 OOM_TEXTS = re.compile(
     r"\bOutOfMemoryError\b|CUDA out of memory|\bMemoryError\b|out of memory", re.IGNORECASE
@@ -119,12 +113,11 @@ def classify(
 ) -> FailureClass:
     """The class of a local worker's failure: `exit_code` (negative: a signal), the error file's
     text (`exception`: its message, and its traceback where the message is empty), and whether
-    the OOM counters went up with its death (daemon/oom.py)."""
+    the OOM counters went up with its death (daemon/oom.py). The text names no hardware fault
+    here: the job writes it (a GPU fault is the health check's to find, `HARDWARE`)."""
     if hung:
         return FailureClass.HANG
     text = exception or ""
-    if HARDWARE_TEXTS.search(text):
-        return FailureClass.HARDWARE
     if OOM_TEXTS.search(text):
         return FailureClass.OOM
     killed_by = _signal_of(exit_code)
@@ -136,10 +129,11 @@ def classify(
 
 
 def judged(klass: FailureClass) -> bool:
-    """Whether the repeat rule judges failures of this class: the code's own and memory (the same
-    batch runs out of memory at the same step again). A hardware fault is the node's (a restart
-    elsewhere may pass), a hang or an outside kill is not the code's doing."""
-    return klass in (FailureClass.USER, FailureClass.OOM)
+    """Whether the repeat rule judges failures of this class: every class a worker's own failure
+    can have (user, oom, hardware: no class exempts the same failure at the same step from being
+    called deterministic, so no text a worker writes buys endless retries). A hang or an outside
+    kill is not the code's doing, and has no signature of the worker's own."""
+    return klass in (FailureClass.USER, FailureClass.OOM, FailureClass.HARDWARE)
 
 
 def repeats(

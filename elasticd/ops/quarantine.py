@@ -1,11 +1,13 @@
 """Bad nodes remembered: this node's record of failures that were the node's, not the job's (its
-health check failed, or a worker died of a hardware-class error: ECC, Xid, "unhandled cuda
-error"), kept in its state directory across daemon restarts and jobs. --quarantine-after such
-failures within --quarantine-window quarantine the node: it leaves the job (the others go on
-without it, as for a failed health check) and `elasticd run` refuses to start here, with one line
-and exit code 7, until an operator runs `elasticd node clear` (a scheduler drains the node on
-that code; systemd's unit does not restart it). Torch-free: the CLI reads the record without a
-daemon (`elasticd node status / clear`).
+health check failed: before a start, at a restart after a worker's failure, or while training),
+kept in its state directory across daemon restarts and jobs. A worker's failure is never a strike
+by itself, whatever its error file says (a job writes that text: "Xid 79" in a data record, a
+`KeyError: 'xid'`); the health check that runs before the restart confirms or clears the node.
+--quarantine-after such failures within --quarantine-window quarantine the node: it leaves the
+job (the others go on without it, as for a failed health check) and `elasticd run` refuses to
+start here, with one line and exit code 7, until an operator runs `elasticd node clear` (a
+scheduler drains the node on that code; systemd's unit does not restart it). Torch-free: the CLI
+reads the record without a daemon (`elasticd node status / clear`).
 
 The record is one small JSON file written whole (a fresh file renamed over the old, never
 through a symlink: safeio); a file that is not of its form stops the start with one line rather
@@ -23,12 +25,9 @@ from typing import Any
 
 from elasticd import logs, safeio
 from elasticd.config import Config, ConfigError
-from elasticd.daemon.states import RestartCause
-from elasticd.daemon.triage import FailureClass
 
 EXIT_QUARANTINED = 7  # `elasticd run`'s exit code on a quarantined node
 FILE = "node-record.json"
-LOCAL_KINDS = (RestartCause.CRASH, RestartCause.SIGNAL)  # a failure of this node's own workers
 MAX_STRIKES = 100  # strikes kept (the newest): the file stays small whatever happens
 MAX_WHY = 300  # characters of a strike's reason kept
 
@@ -180,8 +179,9 @@ def _span(seconds: float) -> str:
 
 
 class Quarantine:
-    """The daemon's side: strikes recorded as they happen, the departure they cause, the record
-    in status (`report`, merged into status's `health`) and so in the metrics."""
+    """The daemon's side: strikes recorded as they happen (each failed health check), the
+    departure they cause, the record in status (`report`, merged into status's `health`) and so
+    in the metrics."""
 
     def __init__(self, cfg: Config, node: str, event: Callable[..., None]) -> None:
         self.cfg = cfg
@@ -189,14 +189,6 @@ class Quarantine:
         self.event = event
         self.directory = Path(cfg.state_dir) if cfg.state_dir else None  # set by `run`'s checks
         self.record = read(self.directory) if self.directory else Record()
-
-    def struck_by(self, why: Any) -> bool:
-        """A local worker's failure of the hardware class (daemon/triage.py: its error file names a
-        GPU fault) is a strike: whether it quarantines the node. A peer's restart request carries
-        its class too, and is the peer's hardware, not this node's."""
-        local = getattr(why, "kind", None) in LOCAL_KINDS
-        hardware = getattr(why, "failure_class", "") == FailureClass.HARDWARE.value
-        return local and hardware and self.strike(why)
 
     def strike(self, why: Any) -> bool:
         """Record `why` (a Failure) against this node; whether it is now quarantined."""

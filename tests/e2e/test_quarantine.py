@@ -1,15 +1,18 @@
 """Bad nodes remembered: a node whose health check fails three times is quarantined and refuses
-to start (exit 7, one line) until `elasticd node clear`; in an elastic job a node quarantined by
-a hardware-class worker failure leaves and the other goes on at the smaller size."""
+to start (exit 7, one line) until `elasticd node clear`; in an elastic job a node whose health
+check fails after its worker's GPU error is quarantined, leaves, and the other goes on at the
+smaller size; a worker's error text alone ("Xid 79" in a data record) never quarantines."""
 
 from __future__ import annotations
 
 import re
 
-from e2e.test_operability import check_script, non_json
-from harness import free_port, node_flags, run_cli, script, wait_until
+import pytest
 
-EXIT_UNHEALTHY, EXIT_QUARANTINED = 5, 7
+from e2e.test_operability import check_script, non_json
+from harness import FAST, free_port, node_flags, run_cli, script, wait_until
+
+EXIT_UNHEALTHY, EXIT_DETERMINISTIC, EXIT_QUARANTINED = 5, 6, 7
 QUARANTINED = re.compile(
     r"^elasticd: (not starting: this node|this node left the job: it) is quarantined since "
 )
@@ -62,27 +65,54 @@ def test_three_failed_health_checks_quarantine_the_node_until_cleared(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
 
 
-def test_elastic_job_goes_on_without_a_node_quarantined_by_a_hardware_failure(daemons):
-    """Node b's worker dies of an uncorrectable ECC error: with --quarantine-after 1, b is
-    quarantined and leaves (exit 7); a goes on alone and finishes; b started again is refused."""
+def test_elastic_job_goes_on_without_a_node_quarantined_by_a_hardware_failure(daemons, tmp_path):
+    """Node b's worker dies of an uncorrectable ECC error and b's health check, run before the
+    restart, confirms it (it passed before the start): with --quarantine-after 1, b is quarantined
+    and leaves (exit 7); a goes on alone and finishes; b started again is refused."""
     port = free_port()
     flags = ("--nproc-per-node", "1", *node_flags(port, "1:2", "quarantine"))
     flags += ("--quarantine-after", "1")
+    checked = tmp_path / "checked"
+    fault = "GPU 0: 2 uncorrectable ECC errors (driver counter)"
+    check = check_script(
+        tmp_path, f'[ -e {checked} ] && {{ echo "{fault}"; exit 1; }}\ntouch {checked}\n'
+    )
     ecc = "CUDA error: uncorrectable ECC error encountered"
     args = ["--steps", "40", "--step-time", "0.05", "--raise-at", "5", "--error", ecc]
     a = daemons(script("faulty.py"), *flags, name="a", args=args)
     wait_until(
         lambda: any(e.get("event") == "rendezvous_store" for e in a.events()), 60, what="the store"
     )
-    b = daemons(script("faulty.py"), *flags, name="b", args=args)
+    on_b = ("--health-check", str(check), "--health-check-interval", "0")
+    b = daemons(script("faulty.py"), *flags, *on_b, name="b", args=args)
     assert b.wait(90) == EXIT_QUARANTINED, b.stderr()[-3000:]
     (line,) = non_json(b.stderr())
-    assert QUARANTINED.match(line) and ecc in line, line
+    assert QUARANTINED.match(line) and fault in line, line
     assert a.wait(90) == 0, a.stderr()[-3000:]
     causes = [e["cause"] for e in a.events() if e.get("new") == "RESTARTING"]
     assert any("left the job: quarantined: 1 failure(s)" in c for c in causes), causes
     assert [e for e in a.events() if e.get("new") == "RUNNING" and e.get("world_size") == 1]
     assert "done" in a.log_text(0)
-    again = daemons(script("faulty.py"), *flags, name="b", args=args)
+    again = daemons(script("faulty.py"), *flags, *on_b, name="b", args=args)
     assert again.wait(60) == EXIT_QUARANTINED, again.stderr()[-3000:]
     assert non_json(again.stderr())[0].startswith("elasticd: not starting: this node is quar")
+
+
+@pytest.mark.parametrize("error", ["bad record: Xid 79 ECC error", "KeyError: 'xid'"])
+def test_a_workers_error_text_never_quarantines_the_node(tmp_path, error):
+    """The same exception naming Xid and ECC at the same step, twice, under --quarantine-after 2:
+    the job's own text, so a deterministic failure (exit 6), no strike; the node runs the next
+    job. (Before: each retry was a hardware strike, quarantine in one ~8 s run.)"""
+    state = tmp_path / "state"
+    base = ("run", "--log-dir", str(tmp_path / "logs"), "--socket", str(tmp_path / "ctl.sock"))
+    base += ("--state-dir", str(state), "--quarantine-after", "2", "--max-restarts", "5", *FAST)
+    job = (script("faulty.py"), "--rank", "0", "--steps", "6", "--step-time", "0.01")
+    r = run_cli(*base, "--nproc-per-node", "1", *job, "--raise-at", "2", "--error", error)
+    assert r.returncode == EXIT_DETERMINISTIC, r.stderr[-3000:]
+    (line,) = non_json(r.stderr)
+    assert "deterministic failure" in line and "[class user]" in line and error in line, line
+    st = run_cli("node", "status", "--state-dir", str(state), timeout=30)
+    assert st.returncode == 0 and "not quarantined" in st.stdout, st.stdout
+    assert "failures within 24 h: 0 " in st.stdout, st.stdout
+    r = run_cli(*base, "--nproc-per-node", "1", *job, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]

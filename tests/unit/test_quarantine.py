@@ -1,6 +1,6 @@
 """This node's record (ops/quarantine.py): strikes counted within the window, quarantine at the
 limit, the file written whole and never through a symlink, a damaged one refused in one line,
-hardware-class error texts told from the user's."""
+and no worker's error text ever taken for the node's hardware."""
 
 from __future__ import annotations
 
@@ -69,20 +69,24 @@ def test_the_record_is_never_read_or_written_through_a_symlink(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "text, hardware",
+    "text, klass",
     [
-        ("RuntimeError: CUDA error: uncorrectable ECC error encountered", True),
-        ("NCCL error in: ..., unhandled cuda error (run with NCCL_DEBUG=INFO for details)", True),
-        ("NVRM: Xid (PCI:0000:3b:00): 79, GPU has fallen off the bus", True),
-        ("ValueError: injected failure at step 3", False),
-        ("RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB", False),
-        ("KeyError: 'xid_table'", False),
-        (None, False),
+        ("RuntimeError: CUDA error: uncorrectable ECC error encountered", "user"),
+        ("NCCL error in: ..., unhandled cuda error (run with NCCL_DEBUG=INFO for details)", "user"),
+        ("NVRM: Xid (PCI:0000:3b:00): 79, GPU has fallen off the bus", "user"),
+        ("RuntimeError: bad record: Xid 79 ECC error", "user"),
+        ("KeyError: 'xid'", "user"),
+        ("ValueError: injected failure at step 3", "user"),
+        ("RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB", "oom"),
+        (None, "user"),
     ],
 )
-def test_hardware_class_texts(text, hardware):
-    """What strikes the node is triage's hardware class (one table of texts for both)."""
-    assert (triage.classify(1, text, False) is triage.FailureClass.HARDWARE) is hardware
+def test_no_error_text_makes_a_worker_failure_the_nodes(text, klass):
+    """A worker's error file is the job's text: whatever it says of ECC or Xid, the failure is
+    never of the hardware class, and so judged by the repeat rule like any other; the node is
+    struck only by its health check (the one before the restart confirms a fault)."""
+    got = triage.classify(1, text, False)
+    assert got.value == klass and triage.judged(got)
 
 
 def test_state_dir_defaults(tmp_path, monkeypatch):

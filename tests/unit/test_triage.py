@@ -94,17 +94,20 @@ def test_at_step(step, expect):
         (-signal.SIGTERM, None, True, C.KILLED),  # the OOM killer sends SIGKILL only
         (1, "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate", False, C.OOM),
         (1, "MemoryError", False, C.OOM),
-        (1, "RuntimeError: CUDA error: uncorrectable ECC error encountered", False, C.HARDWARE),
+        # a GPU fault named in the error file is the job's text: never the node's hardware
+        # (the health check, which reads the driver's counters, decides that)
+        (1, "RuntimeError: CUDA error: uncorrectable ECC error encountered", False, C.USER),
         (
             1,
             "RuntimeError: NCCL error: unhandled cuda error (run with NCCL_DEBUG=INFO)",
             False,
-            C.HARDWARE,
+            C.USER,
         ),
-        # what every survivor of a peer's death reads: not this node's hardware
         (1, "RuntimeError: NCCL Error 2: unhandled system error", False, C.USER),
-        (1, "RuntimeError: GPU has fallen off the bus (Xid 79)", False, C.HARDWARE),
-        (-signal.SIGKILL, "RuntimeError: uncorrectable ECC error", True, C.HARDWARE),
+        (1, "RuntimeError: GPU has fallen off the bus (Xid 79)", False, C.USER),
+        (1, "RuntimeError: bad record: Xid 79 ECC error", False, C.USER),
+        (1, "KeyError: 'xid'", False, C.USER),
+        (-signal.SIGKILL, "RuntimeError: uncorrectable ECC error", True, C.OOM),
         (1, "ValueError: expected 3 channels", False, C.USER),
     ],
 )
@@ -118,7 +121,7 @@ def test_hung_is_hang_whatever_else():
 
 @pytest.mark.parametrize(
     "klass, judged",
-    [(C.USER, True), (C.OOM, True), (C.HARDWARE, False), (C.HANG, False), (C.KILLED, False)],
+    [(C.USER, True), (C.OOM, True), (C.HARDWARE, True), (C.HANG, False), (C.KILLED, False)],
 )
 def test_which_classes_the_repeat_rule_judges(klass, judged):
     assert triage.judged(klass) is judged
