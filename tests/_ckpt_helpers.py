@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch._dynamo  # DDP's constructor imports it: once here, not in every fork
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F

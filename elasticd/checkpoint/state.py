@@ -13,8 +13,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from elasticd.checkpoint import ddp_buckets, shard_files, sharded
 from elasticd.checkpoint import rng as rng_state
-from elasticd.checkpoint import shard_files, sharded
 from elasticd.checkpoint.collectives import (
     all_gather_bytes,
     cpu_group,
@@ -106,6 +106,9 @@ def capture(
         else:
             # an in-memory refresh copies the parameters at once: no detached alias is needed
             state["model"] = unwrap_model(model).state_dict(keep_vars=refresh is not None)
+            ddp_buckets.check(model)
+            if (buckets := ddp_buckets.layout(model)) is not None:
+                state["ddp_buckets"] = buckets  # the first step after a resume reduces alike
     for key, obj in (
         ("optimizer", optimizer),
         ("scheduler", scheduler),
@@ -184,6 +187,8 @@ def restore(
             sd = OrderedDict(state["model"])
             consume_prefix_in_state_dict_if_present(sd, "module.")  # a checkpoint saved from DDP
             unwrap_model(model).load_state_dict(sd, strict=strict)
+            ddp_buckets.impose(model, state.get("ddp_buckets"))
+            ddp_buckets.unwrapped(model, state)
         else:
             obj.load_state_dict(state[key])
     if rng and "rng" in state:
