@@ -11,7 +11,7 @@ are back), drawn from a shuffled deck of the kinds (every kind once per round). 
     stop_short                 SIGSTOP held half the heartbeat timeout, then SIGCONT (a debugger's
                                pause): the job should go on without a restart
     loader                     kill -9 of one worker's DataLoader process
-    both                       kill -9 of both workers at once
+    both                       kill -9 of every worker at once
     spare / forkserver         kill -9 of a warm spare / of the fork server: no restart expected
     restart                    kill -9 of a worker, then of a new worker as soon as the restart
                                spawned it
@@ -110,7 +110,7 @@ class Job:
             "elasticd",
             "run",
             "--nproc-per-node",
-            "2",
+            str(args.nproc),
             "--log-dir",
             str(work / "logs"),
             "--socket",
@@ -127,6 +127,7 @@ class Job:
             *(("--no-memory-state",) if args.disk else ()),  # the disk path
             str(HERE / "chaos_train.py"),
         ]
+        self.nproc = args.nproc
         self.t0 = time.monotonic()
         with open(work / "daemon.out", "wb") as o, open(self.stderr, "wb") as e:
             self.proc = subprocess.Popen(
@@ -331,7 +332,7 @@ def stepping(job: Job, since: float, old: set[int], new_processes: bool) -> floa
     for pid, rank, _s, t in job.steps():
         if t > since and not (new_processes and pid in old):
             first.setdefault(rank, t)
-    return max(first.values()) if len(first) == 2 else None
+    return max(first.values()) if len(first) == job.nproc else None
 
 
 def inject(
@@ -340,7 +341,7 @@ def inject(
     """Do the fault; returns (its time, the pids hit, the time after which steps count as
     recovered)."""
     workers = job.workers()
-    rank = rng.randrange(2)
+    rank = rng.randrange(job.nproc)
     if kind in ("kill9", "segv", "sigterm", "stop"):
         sig = {
             "kill9": signal.SIGKILL,
@@ -381,7 +382,7 @@ def inject(
             lambda: (w := job.workers()) and not old & set(w.values()) and w, args.fault_timeout
         )
         if new:
-            _signal(new[rng.randrange(2)], signal.SIGKILL)
+            _signal(new[rng.randrange(job.nproc)], signal.SIGKILL)
         return (
             t,
             [workers[rank], *(new or {}).values()],
@@ -564,6 +565,7 @@ def summarize(args, steps: int, clean: dict, chaos: dict) -> dict:
         "resumed_from": chaos["resumed_from"],
         "fault_log": [asdict(f) for f in faults],
         "cores": os.cpu_count(),
+        "ranks": args.nproc,
     }
 
 
@@ -577,7 +579,8 @@ def _round(x):
 
 def table(r: dict) -> str:
     lines = [
-        f"chaos: {r['faults']} faults (seed {r['seed']}), {r['steps']} steps, {r['cores']} cores",
+        f"chaos: {r['faults']} faults (seed {r['seed']}), {r['ranks']} ranks, {r['steps']} steps, "
+        f"{r['cores']} cores",
         f"{'fault':<12} {'n':>3} {'survived':>9} {'restarted':>10} {'recovery median/max s':>22}",
     ]
     for kind, k in sorted(r["per_kind"].items()):
@@ -603,6 +606,12 @@ def table(r: dict) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--faults", type=int, default=40)
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=2,
+        help="workers (ranks) of the job: from 3 on, the order of a sum over ranks shows in its bits",
+    )
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--json", action="store_true", help="also print one JSON object (last line)")
     p.add_argument(

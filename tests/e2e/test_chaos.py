@@ -74,3 +74,20 @@ def test_a_sharded_job_survives_kill_stop_and_term_bit_identical(tmp_path):
     assert report["resumed_from"]["memory"] >= 6, report["resumed_from"]
     assert report["steps_lost_max"] <= 1, r.stdout  # refreshed every step
     assert r.returncode == 0
+
+
+def test_three_ranks_survive_every_restarting_fault_bit_identical(tmp_path):
+    """The soak at 3 ranks, where the order of a sum over the ranks shows in its last bits (before
+    a resume gave DDP its gradient buckets back, every resume here broke bit-identity)."""
+    kinds = "kill9,segv,sigterm,stop,loader,both,restart,save"
+    report, r = run_chaos(
+        tmp_path,
+        *("--nproc", "3", "--kinds", kinds, "--faults", "9", "--seed", "4"),
+        *("--steps-per-fault", "15", "--step-delay", "0.002", "--ckpt-every", "10"),
+        timeout=180,
+    )
+    assert report["ranks"] == 3 and report["faults"] == 9 and report["survived"] == 9, r.stdout
+    assert report["bit_identical"], r.stdout
+    assert report["orphans"] == 0, report["orphan_list"]
+    assert set(report["per_kind"]) == {*kinds.split(","), "exit"}, report["per_kind"]
+    assert r.returncode == 0
