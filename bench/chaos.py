@@ -610,7 +610,7 @@ def main(argv=None) -> int:
         "--nproc",
         type=int,
         default=2,
-        help="workers (ranks) of the job: from 3 on, the order of a sum over ranks shows in its bits",
+        help="ranks of the job: from 3 on, the order of a sum over ranks shows in its bits",
     )
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--json", action="store_true", help="also print one JSON object (last line)")
