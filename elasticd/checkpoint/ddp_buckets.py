@@ -175,8 +175,11 @@ def _unfit(ddp: Any) -> str:
         ddp, "_use_python_reducer", False
     ):
         return "DDP's mixed_precision or its Python reducer"
-    if getattr(ddp, "_module_parameters", None) is None or not hasattr(ddp, "reducer"):
-        return "this torch's DDP has no _module_parameters or reducer"
+    reducer = getattr(ddp, "reducer", None)
+    if getattr(ddp, "_module_parameters", None) is None or not hasattr(
+        reducer, "prepare_for_backward"
+    ):
+        return "this torch's DDP has no _module_parameters or reducer.prepare_for_backward"
     return ""
 
 
