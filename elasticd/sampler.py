@@ -32,7 +32,9 @@ global batches of W*B (round-robin inside each, as DistributedSampler deals), ne
 when the rest is not a whole number of them, the last one is completed with the first positions of
 the NEXT epoch's order, and that epoch starts with them consumed (`carry` in the state; it is
 dealt in whole global batches too, until an epoch ends on a whole one). So every sample of such an
-epoch is trained exactly once and no rank ever has a partial batch to drop. An epoch that runs
+epoch is trained exactly once and no rank ever has a partial batch to drop. That last step holds
+samples of two epochs while `epoch` still names the first: `trained()` gives each sample of the
+last step its own epoch, the one to count it in (as the ledger does). An epoch that runs
 from its start to its end at one world size is DistributedSampler's, in either mode.
 
 With the ledger on (elasticd.ledger: `elasticd run --ledger`), `advance()` records which samples
@@ -112,6 +114,7 @@ class ResumableDistributedSampler(DistributedSampler):
         # the last deal: (epoch, world, rank, mode), (first position, indices, epochs)
         self._dealt: tuple[tuple, tuple[int, list[int], list[int]]] | None = None
         self._sized = False  # the ledger told the dataset's size (by a sampler that trains)
+        self._advanced: tuple[int, int, int] | None = None  # the last advance: epoch, at, count
 
     # -- the epoch's order --------------------------------------------------------------------
     def _order(self, epoch: int | None = None) -> list[int]:
@@ -195,12 +198,27 @@ class ResumableDistributedSampler(DistributedSampler):
         if n_local < 0:
             raise ValueError(f"advance() takes a count of samples, got {n_local}")
         self.step += 1
+        self._advanced = (self.epoch, self.consumed, n_local)
         if ledger.enabled():
             self._tell_size()
-            start, indices, epochs = self._deal(fresh=False)
-            at = (self.consumed - start) // self.num_replicas
-            ledger.record(epochs[at : at + n_local], self.step, indices[at : at + n_local])
+            indices, epochs = self.trained()
+            ledger.record(epochs, self.step, indices)
         self.consumed += n_local * self.num_replicas
+
+    def trained(self) -> tuple[list[int], list[int]]:
+        """This rank's samples of the last advance(), in the order dealt, and the epoch each
+        belongs to: the epoch's own, except the next epoch's first positions that complete the
+        last global batch of an epoch the world changed in (they count in that next epoch, which
+        skips them). Label what a step trained with these, not with `epoch`: that batch holds
+        samples of two epochs. Call it after advance(), before set_epoch()."""
+        if self._advanced is None:
+            return [], []
+        epoch, before, n_local = self._advanced
+        if epoch != self.epoch:
+            raise RuntimeError("trained() tells the last advance(): call it before set_epoch()")
+        start, indices, epochs = self._deal(fresh=False)
+        at = (before - start) // self.num_replicas
+        return indices[at : at + n_local], epochs[at : at + n_local]
 
     @property
     def epoch_done(self) -> bool:
@@ -246,7 +264,7 @@ class ResumableDistributedSampler(DistributedSampler):
         self.epoch = int(state["epoch"])
         self.seed = int(state["seed"])
         self.shuffle = bool(state["shuffle"])
-        self._orders, self._dealt = {}, None
+        self._orders, self._dealt, self._advanced = {}, None, None
         fresh = int(state.get("fresh_world", state.get("world_size", self.num_replicas)))
         self.fresh_world = fresh if fresh == self.num_replicas else 0
         carry = int(state.get("carry", 0)) if self.whole_batches else 0

@@ -7,7 +7,9 @@ trained exactly once, and each rank's ledger must hold what its DataLoader deliv
 
 The job (tests/scripts/node_train.py) holds at chosen steps until the test releases them, so each
 change lands where it should whatever the machine's load: 96 samples, batch 4, so an epoch is 8
-steps at world 3, 12 at world 2, 24 at world 1."""
+steps at world 3, 12 at world 2, 24 at world 1. The second test is the reported partition and
+heal with two nodes, the heal landing an odd number of steps into an epoch at world 1, so that
+the epoch's last global batch at world 2 borrows from the next epoch."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from pathlib import Path
 
 import psutil
 
-from e2e.test_nodeloss import _nodes, _start_store, steps
+from e2e.test_nodeloss import STEP, _nodes, _start_store, steps
 from elasticd import ledger
 from harness import run_cli, wait_until
 from netns import netns_fixture  # noqa: F401 (the netns fixture)
@@ -126,3 +128,94 @@ def test_exactly_once_through_kill_cut_heal_and_rejoin(daemons, netns, tmp_path)
     # without node b's records the proof fails, naming the hole
     r = run_cli("ledger", "check", *dirs[:1], *dirs[2:])
     assert r.returncode == 1 and "exactly once: NO" in r.stdout, r.stdout
+
+
+HEAL_CUT_AT = 17  # world 2: 5 steps into epoch 1
+HEAL_AT = 36  # world 1 (epoch 1's rest is steps 18-31): 5 steps into epoch 2, an odd number
+# a is held after step 35: the heal's SIGTERM (a scale event: save and stop) finds the stop of that
+# boundary agreed already (maybe_save comes before the hold), so a trains step 36 and saves it
+HELD = HEAL_AT - 1
+HEAL_TOTAL = 60
+EPOCHS = re.compile(r"^step (\d+) epochs ([\d,]+)$", re.M)
+
+
+def printed_epochs_recorded(d) -> dict[int, list[int]]:
+    """Each rank's printed epochs of each step's samples (`sampler.trained()`) against its
+    ledger's, attempt by attempt; the node's last attempt's, step by step."""
+    last: dict[int, list[int]] = {}
+    for attempt in d.attempt_dirs():
+        for log in attempt.glob("rank*.log"):
+            printed = EPOCHS.findall(log.read_text(errors="replace"))
+            if not printed:
+                continue
+            book = ledger.read(attempt / log.name.replace(".log", ledger.SUFFIX))
+            for step, epochs in printed:
+                got = [int(e) for e in epochs.split(",")]
+                assert [e for _, ep in book.steps[int(step)] for e in ep] == got, (log, step)
+                if attempt == d.attempt_dirs()[-1]:
+                    last[int(step)] = got
+    return last
+
+
+def test_heal_mid_epoch_an_odd_number_of_steps_in_borrows_from_the_next_epoch(
+    daemons, netns, tmp_path
+):
+    """The issue's partition and heal, made deterministic: two nodes, b's link cut mid-epoch
+    (2 -> 1), a alone trains on and is held 4 steps into the next epoch, the link healed: a saves
+    the 5th and stops, and the heal resumes both at that step (the stop's final save), where the
+    rest of the epoch (76 samples) is 9.5 global batches of 8, so its last step (46) is completed
+    with the next epoch's first 4 samples. Every sample once per epoch by the ledger, whose
+    samples and epochs are what the script printed, each sample labelled with its own epoch
+    (`sampler.trained()`); labelled with the step's `sampler.epoch`, as the issue's script did,
+    those 4 count in epoch 2, where they were trained already."""
+    net = netns(3, subnet=41)
+    store = _start_store(net)
+    go = tmp_path / "go"
+    env = {
+        "NODE_TRAIN_SAMPLES": "96",
+        "NODE_TRAIN_WHOLE": "1",
+        "NODE_TRAIN_MEMORY_EVERY": "1",
+        "NODE_TRAIN_HOLD": f"{HEAL_CUT_AT},{HELD}:{go}",
+    }
+    extra = ("--ledger", "--peer-timeout", "4")
+    try:
+        t0 = time.time()
+        a, b = _nodes(daemons, net, ["a", "b"], HEAL_TOTAL, 0.02, extra, env)
+        wait_until(lambda: at_step((a, b), HEAL_CUT_AT, 2), 90, what="both mid-epoch 1")
+        net.cut(2)
+        Path(f"{go}{HEAL_CUT_AT}").touch()
+        wait_until(lambda: at_step((a,), HELD, 1), 60, what="a alone, 4 steps into epoch 2")
+        wait_until(
+            lambda: [e for e in b.events() if e.get("event") == "store_unreachable"],
+            30,
+            what="b knowing it is cut off",
+        )
+        net.heal(2)
+        for d in (a, b):
+            assert d.wait(120) == 0, d.stderr()[-3000:]
+        print(f"cut, heal and the job's end in {time.time() - t0:.1f} s")
+    finally:
+        store.kill()
+        store.wait(10)
+    assert resumed_at_step((a, b), HEAL_AT, 2)  # the heal, at that very step
+    r = run_cli("ledger", "check", str(a.log_dir), str(b.log_dir))
+    print(r.stdout)
+    assert r.returncode == 0 and "exactly once: yes" in r.stdout, r.stdout + r.stderr
+    for e in (0, 1, 2, 3):
+        assert f"epoch {e}: 96 samples seen, 96 once, 0 twice or more, 0 never" in r.stdout
+    assert sum(printed_and_recorded(d) for d in (a, b)) >= HEAL_TOTAL
+    epochs = [printed_epochs_recorded(d) for d in (a, b)]
+    last = sorted(e for per in epochs for e in per[HEAL_AT + 10])  # step 46, the epoch's last
+    assert last == [2] * 4 + [3] * 4, last
+    naive = {int(m[3]) for d in (a, b) for m in STEP.findall(_last_logs(d)) if m[0] == "46"}
+    assert naive == {2}  # the step's sampler.epoch: what the issue's script labelled all 8 with
+
+
+def resumed_at_step(nodes, step: int, world: int) -> bool:
+    return all(
+        re.search(rf"^resumed at step {step} world {world}$", _last_logs(d), re.M) for d in nodes
+    )
+
+
+def _last_logs(d) -> str:
+    return "".join(p.read_text(errors="replace") for p in d.attempt_dirs()[-1].glob("rank*.log"))

@@ -5,8 +5,12 @@ and a resume prints `resumed at step N` first, so a test can tell the steps lost
 sample of an epoch was seen exactly once.
 
 NODE_TRAIN_WHOLE=1: the sampler is told the batch size and the DataLoader drops partial batches
-(drop_last=True). NODE_TRAIN_HOLD="S1,S2,...:PREFIX": after step Si the rank waits (at most 60 s)
-until the file PREFIXSi exists, or a stop is asked, so a test can act at that very step."""
+(drop_last=True), and each step also prints `step N epochs E,F,...`, the epoch of each of its
+samples (`sampler.trained()`: the last global batch of an epoch the world changed in may hold the
+next epoch's first samples). NODE_TRAIN_MEMORY_EVERY=K: the in-memory state every K steps (1: a
+stop held at a step resumes from that very step). NODE_TRAIN_HOLD="S1,S2,...:PREFIX": after step
+Si the rank waits (at most 60 s) until the file PREFIXSi exists, or a stop is asked, so a test can
+act at that very step."""
 
 import os
 import sys
@@ -69,7 +73,8 @@ def main() -> None:
         data, num_replicas=world, rank=rank, seed=7, batch_size=4 if whole else None
     )
     loader = DataLoader(data, batch_size=4, sampler=sampler, drop_last=whole)
-    mgr = CheckpointManager(keep=2, every_steps=100)
+    every = os.environ.get("NODE_TRAIN_MEMORY_EVERY")
+    mgr = CheckpointManager(keep=2, every_steps=100, memory_every=int(every) if every else None)
     state = mgr.load_latest()
     step = restore(state, model=model, optimizer=opt, sampler=sampler)["step"] if state else 0
     print(f"resumed at step {step} world {world}", flush=True)
@@ -82,6 +87,9 @@ def main() -> None:
             opt.step()
             sampler.advance(len(x))
             step += 1
+            if whole:
+                epochs = ",".join(map(str, sampler.trained()[1]))
+                print(f"step {step} epochs {epochs}", flush=True)
             mgr.maybe_save(
                 step, lambda: capture(model=model, optimizer=opt, sampler=sampler, step=step)
             )
