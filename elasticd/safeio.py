@@ -10,7 +10,9 @@ Parent directories are safe because the run directory is created fresh under a c
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 
 FILE_MODE = 0o640
 DIR_MODE = 0o750
@@ -36,3 +38,27 @@ def open_existing(path: str | os.PathLike, flags: int = os.O_RDONLY) -> int:
 def mkdir(path: str | os.PathLike) -> None:
     """A new directory; FileExistsError if anything is already there (it is never reused)."""
     os.mkdir(path, DIR_MODE)
+
+
+def read_regular(path: str | os.PathLike, limit: int) -> bytes:
+    """The bytes of a regular file of at most `limit` bytes (a larger one: ValueError), never
+    through a symlink in its last component and never blocking: a FIFO, a device or a socket in
+    its place is an OSError (EINVAL), as a symlink is (ELOOP), so whoever can write the
+    directory can neither hang the reader nor feed it /dev/zero."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | _SAFE)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", os.fspath(path))
+        if st.st_size > limit:
+            raise ValueError(f"larger than {limit} bytes")
+        chunks, left = [], limit + 1
+        while left > 0 and (chunk := os.read(fd, min(left, 1 << 20))):
+            chunks.append(chunk)
+            left -= len(chunk)
+    finally:
+        os.close(fd)
+    data = b"".join(chunks)
+    if len(data) > limit:  # it grew since
+        raise ValueError(f"larger than {limit} bytes")
+    return data

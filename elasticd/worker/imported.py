@@ -76,13 +76,15 @@ def report() -> None:
 def read(path: str) -> dict[str, str] | None:
     """A worker's report: valid module names in its order, each with its file, or None while
     there is none. A line of another form is skipped (a worker is the user's code: its file is
-    not trusted; the file it names only narrows where the fork server may import from)."""
+    not trusted; the file it names only narrows where the fork server may import from). Read
+    without blocking or following a link, at most MAX_BYTES: a FIFO, a device or a symlink in
+    its place reads as a report that names nothing (the daemon's loop reads it, and must never
+    wait on a worker's file)."""
     try:
-        with os.fdopen(safeio.open_existing(path), "rb") as f:
-            data = f.read(MAX_BYTES + 1)
-    except OSError:
+        data = safeio.read_regular(path, MAX_BYTES)
+    except FileNotFoundError:
         return None
-    if len(data) > MAX_BYTES:
+    except (OSError, ValueError):
         return {}
     out = {}
     for line in data.decode("utf-8", errors="replace").split("\n")[:MAX_NAMES]:
