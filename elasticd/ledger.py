@@ -23,6 +23,7 @@ epochs. A record cut short at the end (a process killed mid-write) is ignored by
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import struct
@@ -41,6 +42,7 @@ SUFFIX = ".ledger"
 _STEP = struct.Struct("<cqI")
 _RESUMED = struct.Struct("<cqd")
 _SIZE = struct.Struct("<cq")
+MAX_FILE = 1 << 30  # bytes of one ledger file read at most (about 89 million sample records)
 
 
 def attempt_key(env: dict[str, str] | os._Environ = os.environ) -> str:
@@ -156,10 +158,20 @@ class LedgerFile:
 
 
 def read(path: Path) -> LedgerFile:
+    """A ledger file: a regular file (never through a symlink, never a FIFO or a device) of at
+    most MAX_FILE bytes, else LedgerError."""
     try:
-        data = path.read_bytes()
+        data = safeio.read_regular(path, MAX_FILE)
     except OSError as e:
-        raise LedgerError(f"{path}: cannot read it ({e.strerror})") from None
+        why = "a symbolic link" if e.errno == errno.ELOOP else e.strerror
+        raise LedgerError(
+            f"{path}: cannot read it ({why}): a ledger is a regular file elasticd wrote"
+        ) from None
+    except ValueError:
+        raise LedgerError(
+            f"{path}: larger than {MAX_FILE >> 20} MiB, more than elasticd reads of one ledger "
+            "file: give the ledger files of one run"
+        ) from None
     if not data.startswith(MAGIC) or len(data) < len(MAGIC) + 4:
         raise LedgerError(f"{path}: not an elasticd ledger file (no {MAGIC.decode()} header)")
     (size,) = struct.unpack_from("<I", data, len(MAGIC))

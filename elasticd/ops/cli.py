@@ -138,7 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="check a run's per-sample ledger (--ledger) for exactly-once",
         description="check: every sample of each finished epoch trained exactly once, from the "
         "ledger files at or below the given log or run directories (every node's); exit 1 if "
-        "not, 2 for input that is not a ledger.",
+        "not, 2 for input that is not a ledger, or that another user could have written (a "
+        "file or directory on its path owned by another user than you or root, or writable by "
+        "its group or others): the proof holds only for ledgers only the job's user can write.",
     )
     lg.add_argument("action", choices=("check",))
     lg.add_argument("paths", nargs="+", metavar="DIR", help="log or run directories, or files")

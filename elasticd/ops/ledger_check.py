@@ -8,10 +8,18 @@ are the ones of the latest earlier attempt that recorded that step (the state it
 made there: elasticd resumes from the newest state, in memory or on disk), and so on back to
 step 0. Whatever else was recorded was rolled back and trained again. An epoch counts as
 finished once a later epoch has samples or all its samples were seen.
+
+The proof is only as good as the files: a ledger carries no signature, so whoever can write its
+files or a directory above them can make it say anything. The check refuses (one line, exit 2)
+a ledger file or a directory on its path that another user could change: owned by someone other
+than the caller or root, or writable by its group or others (a sticky directory such as /tmp is
+fine above the run: its entries are still only their owners' to change).
 """
 
 from __future__ import annotations
 
+import os
+import stat
 import sys
 from collections import Counter
 from collections.abc import Sequence
@@ -135,6 +143,41 @@ def batches(proof: Proof) -> str:
     return "global batch per step: " + ("; ".join(parts) or "none")
 
 
+def _changeable(path: Path, st: os.stat_result) -> str | None:
+    """Why a user other than the caller or root could change `path`, or None."""
+    me = os.geteuid()
+    if st.st_uid not in (0, me):
+        return f"{path} belongs to uid {st.st_uid}"
+    if stat.S_ISLNK(st.st_mode):
+        return None  # read() refuses it: a ledger is never read through a link
+    if st.st_mode & 0o022 and not (stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_ISVTX):
+        return f"{path} is writable by {'other users' if st.st_mode & 0o002 else 'its group'}"
+    return None
+
+
+def trusted(found: Sequence[Path]) -> None:
+    """LedgerError unless only the caller or root could have written each file, and each
+    directory above it (resolved): the ledger proves nothing of files someone else can forge."""
+    seen: set[Path] = set()
+    for f in found:
+        parent = Path(os.path.realpath(f.parent))
+        for p in (parent / f.name, parent, *parent.parents):
+            if p in seen:
+                break  # its parents are checked too
+            seen.add(p)
+            try:
+                why = _changeable(p, os.lstat(p))
+            except OSError as e:
+                raise LedgerError(f"{p}: cannot read it ({e.strerror})") from None
+            if why:
+                mine = "root" if os.geteuid() == 0 else "you or root"
+                raise LedgerError(
+                    f"{why}, who could forge its records: the check proves exactly-once only for "
+                    f"ledgers that only {mine} can write (chown / chmod go-w it, or copy the "
+                    "run's directory somewhere private)"
+                )
+
+
 def check(paths: Sequence[str]) -> int:
     """Print the proof for the ledger files at or below `paths`; 0 when every sample of every
     finished epoch was trained once, 1 when not, 2 for input that is not a run's ledger."""
@@ -145,6 +188,7 @@ def check(paths: Sequence[str]) -> int:
                 f"no ledger files (*.ledger) under {', '.join(paths)}: run the job with "
                 "`elasticd run --ledger` (or ELASTICD_LEDGER=1), and give its log directories"
             )
+        trusted(found)
         files = [read(Path(p)) for p in found]
     except LedgerError as e:
         sys.stderr.write(f"elasticd: error: {e}\n")
