@@ -16,18 +16,25 @@ Loading: every rank reads the shared directory. The ranks verify the files' sha2
 manifest (each a share of the shards, every rank `.metadata` and `state.pt`) and agree before
 choosing, so a corrupt newest checkpoint makes every rank fall back together. DCP unpickles
 `.metadata` with plain pickle: it is read only through verified_reader, which checks the bytes
-against the manifest's sha256 and then unpickles them with only the classes DCP's metadata uses
-(MetadataUnpickler), and the byte items in the shards go through torch.load(weights_only=True)
-(SafeLoadPlanner), so a planted file never runs code, even with a manifest rewritten to match.
+against the manifest's sha256 and then unpickles them with only the classes DCP's metadata uses,
+setting only the fields DCP writes (MetadataUnpickler), and the byte items in the shards go
+through torch.load(weights_only=True) (SafeLoadPlanner), so a planted file never runs code, even
+with a manifest rewritten to match. DCP then reads only the shard files the manifest lists, in
+the checkpoint's own directory, each a regular file opened without following a link
+(_check_storage, the reader's file system): a path in `.metadata` never reaches a file elsewhere.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import dataclasses
+import functools
 import hashlib
 import io
 import json
 import os
+import pathlib
 import pickle
 import stat
 import uuid
@@ -77,6 +84,7 @@ class OnDisk:
     path: str
     metadata_sha256: str
     parts: tuple[str, ...]
+    files: tuple[str, ...] = ()  # the shard files the manifest lists: all that DCP may read
 
 
 @dataclasses.dataclass
@@ -87,11 +95,19 @@ class Job:
     rest: dict[str, Any] | None  # rank 0: the rest of the state, host copy
 
 
+def _open_regular(path: str | os.PathLike) -> io.BufferedReader:
+    """A checkpoint file opened for reading: a regular file, never through a symlink and never
+    blocking (a FIFO planted in its place is a ValueError, not a reader that waits forever)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    f = os.fdopen(fd, "rb")
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        f.close()
+        raise ValueError(f"{os.path.basename(path)} is not a regular file")
+    return f
+
+
 def _sha256(path: str) -> str:
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-            raise ValueError(f"{os.path.basename(path)} is not a regular file")
+    with _open_regular(path) as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
@@ -301,8 +317,7 @@ def _open(directory: str, entry: Entry) -> dict[str, Any]:
     model and optimizer as an OnDisk record for restore()."""
     path = os.path.join(directory, entry.file)
     files = dict(entry.files or ())
-    fd = os.open(os.path.join(path, REST), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    with os.fdopen(fd, "rb") as f:
+    with _open_regular(os.path.join(path, REST)) as f:
         data = f.read()
     if hashlib.sha256(data).hexdigest() != files[REST]:
         raise ValueError(f"{REST}: checksum mismatch: truncated or corrupt")
@@ -313,7 +328,8 @@ def _open(directory: str, entry: Entry) -> dict[str, Any]:
         raise ValueError(f"written by a newer elasticd (format {payload.get('format')!r})")
     parts = tuple(p for p in PARTS if p in payload.get("parts", ()))
     state = dict(payload["state"])
-    on_disk = OnDisk(path, files[METADATA], parts)
+    shards = tuple(n for n in files if n not in (METADATA, REST))
+    on_disk = OnDisk(path, files[METADATA], parts, shards)
     for p in parts:
         state[p] = on_disk
     return state
@@ -407,8 +423,67 @@ _METADATA_CLASSES = {
 }
 
 
-class MetadataUnpickler(pickle.Unpickler):
-    """DCP's `.metadata`, unpickled with only the classes its format uses (and torch's dtypes)."""
+@functools.cache
+def _built() -> dict[type, frozenset[str]]:
+    """The classes whose state a pickle may set (BUILD), each with the fields it may set: the
+    dataclasses of DCP's metadata but TensorProperties (its own __setstate__, checked apart)."""
+    import importlib
+
+    out = {}
+    for module, names in _METADATA_CLASSES.items():
+        for name in names:
+            cls = getattr(importlib.import_module(module), name)
+            if dataclasses.is_dataclass(cls) and name != "TensorProperties":
+                out[cls] = frozenset(f.name for f in dataclasses.fields(cls))
+    return out
+
+
+def _leaf_types() -> tuple[type, ...]:
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING, TensorProperties
+
+    plain = (type(None), bool, int, float, str, bytes, torch.dtype, torch.layout, torch.Size)
+    return (*plain, pathlib.PurePath, _MEM_FORMAT_ENCODING, TensorProperties, *_built())
+
+
+def _plain(value: Any) -> bool:
+    """Whether `value` holds only what DCP's metadata holds: numbers, strings, dtypes, sizes,
+    paths, its own records, in lists, tuples and dicts (walked without recursion)."""
+    leaves, todo, seen = _leaf_types(), [value], set()
+    while todo:
+        v = todo.pop()
+        if id(v) in seen or isinstance(v, leaves) and not isinstance(v, (tuple, list, dict)):
+            continue
+        seen.add(id(v))
+        if type(v) in (list, tuple):
+            todo.extend(v)
+        elif isinstance(v, dict) and type(v) in (dict, collections.OrderedDict):
+            todo.extend(v.keys())
+            todo.extend(v.values())
+        elif not isinstance(v, leaves):
+            return False
+    return True
+
+
+def _properties(state: Any) -> bool:
+    """TensorProperties' own state: (dtype, layout, requires_grad, memory format, pin_memory)."""
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+
+    kinds = (torch.dtype, torch.layout, bool, _MEM_FORMAT_ENCODING, bool)
+    return (
+        type(state) is tuple
+        and len(state) == len(kinds)
+        and all(isinstance(v, k) for v, k in zip(state, kinds))
+    )
+
+
+class MetadataUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
+    """DCP's `.metadata`, unpickled with only the classes its format uses (and torch's dtypes),
+    whose state a pickle may set only as DCP writes it: a metadata record's own fields, holding
+    values of those kinds (`_plain`), and TensorProperties' five values. Python's unpickler,
+    whose BUILD this replaces (the C one cannot be told), never sets another attribute, a
+    `__class__` or a slot."""
+
+    dispatch = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
 
     def find_class(self, module: str, name: str) -> Any:
         if name in _METADATA_CLASSES.get(module, ()):
@@ -419,18 +494,85 @@ class MetadataUnpickler(pickle.Unpickler):
             f"{module}.{name} is not part of a checkpoint's metadata: refused, not loaded"
         )
 
+    def load_build(self) -> None:
+        from torch.distributed.checkpoint.metadata import TensorProperties
+
+        state = self.stack.pop()
+        inst = self.stack[-1]
+        cls = type(inst)
+        if cls is TensorProperties and _properties(state):
+            inst.__setstate__(state)
+            return
+        fields = _built().get(cls)
+        if (
+            fields is None
+            or type(state) is not dict
+            or not state.keys() <= fields
+            or not _plain(list(state.values()))
+        ):
+            what = sorted(map(str, state)) if isinstance(state, dict) else type(state).__name__
+            raise pickle.UnpicklingError(
+                f"a pickle setting {what} on {cls.__name__}: not how DCP writes its metadata; "
+                "refused, not loaded"
+            )
+        inst.__dict__.update(state)
+
+    dispatch[pickle.BUILD[0]] = load_build
+
+
+def _check_storage(on_disk: OnDisk, storage_data: Mapping[Any, Any]) -> None:
+    """Every place `.metadata` says DCP reads an item from: a shard file of the checkpoint's own
+    directory that the manifest lists with its sha256 (verified by the ranks before the load),
+    at an offset and a length; never a path elsewhere (`../`, absolute), nor a file left out."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    listed = set(on_disk.files)
+    for index, info in storage_data.items():
+        where = getattr(info, "relative_path", None)
+        ok = (
+            type(info) is _StorageInfo
+            and type(where) is str
+            and where in listed
+            and all(type(n) is int and n >= 0 for n in (info.offset, info.length))
+        )
+        if not ok:
+            fqn = getattr(index, "fqn", index)
+            raise ValueError(
+                f"{METADATA} reads {fqn!r} from {where!r}, not a shard file of the checkpoint "
+                "that its manifest lists: refused"
+            )
+
 
 def verified_reader(on_disk: OnDisk):
     from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.filesystem import FileSystem
     from torch.distributed.checkpoint.metadata import StorageMeta
 
+    home = pathlib.Path(on_disk.path)
+
+    class _Files(FileSystem):
+        """DCP's file access, reading only the checkpoint's listed files, each a regular file
+        opened without following a link."""
+
+        @contextlib.contextmanager
+        def create_stream(self, path: str | os.PathLike, mode: str):
+            path = pathlib.Path(path)
+            if mode != "rb" or path.parent != home or path.name not in on_disk.files:
+                raise ValueError(f"{path}: not a shard file of the checkpoint; not read")
+            with _open_regular(path) as f:
+                yield f
+
     class _Reader(FileSystemReader):
-        """DCP's reader, but `.metadata` is unpickled only once its bytes match the manifest."""
+        """DCP's reader, but `.metadata` is unpickled only once its bytes match the manifest,
+        and the data only from the shard files the manifest lists."""
+
+        def __init__(self, path: str) -> None:
+            super().__init__(path)
+            self.fs = _Files()
 
         def read_metadata(self, *args: Any, **kwargs: Any):
             name = os.path.join(on_disk.path, METADATA)
-            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-            with os.fdopen(fd, "rb") as f:
+            with _open_regular(name) as f:
                 data = f.read()
             if hashlib.sha256(data).hexdigest() != on_disk.metadata_sha256:
                 raise ValueError(f"{name}: checksum mismatch; not unpickled")
@@ -439,5 +581,9 @@ def verified_reader(on_disk: OnDisk):
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id
             return metadata
+
+        def set_up_storage_reader(self, metadata, is_coordinator: bool, *args, **kwargs) -> None:
+            super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+            _check_storage(on_disk, self.storage_data)
 
     return _Reader(on_disk.path)
