@@ -7,7 +7,11 @@ Imports tcpstore.py, so torch.distributed.
 from __future__ import annotations
 
 import errno
+import ipaddress
+import os
+import pwd
 import socket
+import struct
 import time
 from typing import TYPE_CHECKING
 
@@ -149,7 +153,9 @@ def open_store(cfg: Config) -> tuple[kvmod.KV, dist.TCPStore | None]:
         server = serve_store(host, port, max(cfg.join_timeout, 60.0))
         port = server.port
     except OSError as e:
-        if e.errno not in (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES):
+        if e.errno == errno.EADDRINUSE:
+            refuse_squatter(host, port)  # else another node's daemon on this host: join it
+        elif e.errno not in (errno.EADDRNOTAVAIL, errno.EACCES):
             raise RendezvousFailed(
                 f"cannot use --rdzv-endpoint {host}:{port} ({e.strerror})"
             ) from None
@@ -173,3 +179,75 @@ def open_store(cfg: Config) -> tuple[kvmod.KV, dist.TCPStore | None]:
             "check --rdzv-endpoint and that elasticd runs on the host node"
         ) from None
     return store, server
+
+
+def refuse_squatter(host: str, port: int) -> None:
+    """The rendezvous port on one of our addresses is taken: by another node's daemon on this
+    host (this user's, or root's: then this node is its client, as across hosts), or by another
+    user's process, which would make this node, the store's host, that process's client. Then
+    ConfigError: one line naming who holds it (exit 2)."""
+    owner = listener_owner(host, port)
+    if owner is None or owner[0] in (os.geteuid(), 0):
+        return
+    uid, inode = owner
+    pid = _socket_pid(inode)
+    try:
+        who = f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    except KeyError:
+        who = f"uid {uid}"
+    if pid is not None:
+        who += f", pid {pid}"
+    raise ConfigError(
+        f"--rdzv-endpoint port {port} on {host} is taken by another user's process ({who}): "
+        "the store's host must bind it itself; free the port or pick another with "
+        "--rdzv-endpoint"
+    )
+
+
+def listener_owner(host: str, port: int) -> tuple[int, str] | None:
+    """(uid, socket inode) of the socket listening on `port` at `host`'s address or a wildcard
+    one, as the kernel lists them (/proc/net/tcp, tcp6: this network namespace's); None when no
+    such listener is listed."""
+    try:
+        wanted = {ipaddress.ip_address(a[4][0]) for a in socket.getaddrinfo(host, port)}
+    except (OSError, ValueError):
+        return None
+    wanted |= {ipaddress.ip_address("0.0.0.0"), ipaddress.ip_address("::")}
+    wanted |= {ipaddress.ip_address(f"::ffff:{a}") for a in wanted if a.version == 4}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            cols = row.split()
+            if len(cols) < 10 or cols[3] != "0A":  # TCP_LISTEN
+                continue
+            address, _, hex_port = cols[1].partition(":")
+            if int(hex_port, 16) == port and _proc_address(address) in wanted:
+                return int(cols[7]), cols[9]
+    return None
+
+
+def _proc_address(hex_address: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    """An address as /proc/net/tcp writes it: 32-bit words in host byte order."""
+    words = [int(hex_address[i : i + 8], 16) for i in range(0, len(hex_address), 8)]
+    return ipaddress.ip_address(b"".join(struct.pack("=I", w) for w in words))
+
+
+def _socket_pid(inode: str) -> int | None:
+    """The process holding socket `inode`, where /proc lets us see its descriptors."""
+    target = f"socket:[{inode}]"
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}") == target:
+                    return int(pid)
+            except OSError:
+                continue
+    return None
