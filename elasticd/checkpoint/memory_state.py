@@ -44,6 +44,7 @@ from elasticd.checkpoint.collectives import (
 from elasticd.checkpoint.files import load_latest_entry, looks_at_disk
 from elasticd.checkpoint.format import Entry, candidates
 from elasticd.checkpoint.memory import cadence, reader, replica, shards, slots
+from elasticd.checkpoint.memory import directory as memdir
 from elasticd.checkpoint.memory.writer import Writer
 from elasticd.checkpoint.state import REFRESH, Refresh
 
@@ -427,6 +428,7 @@ class MemoryState:
                 directory=self.directory,
                 error=f"{type(e).__name__}: {e}",
                 action="continuing with disk checkpoints only",
+                **({"fix": memdir.full_fix(e)} if isinstance(e, OSError) else {}),
             )
             self.close()
             self.on = False

@@ -5,11 +5,14 @@ when it exits; one that a dead daemon left behind is reaped. Torch-free: the dae
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import re
 import shutil
 import tempfile
+
+import structlog
 
 from elasticd import names, safeio
 from elasticd.checkpoint.memory.slots import OWN, REPLICA, SLOTS, header, slot_kind, slot_path
@@ -22,9 +25,12 @@ LOCK = "lock"  # flocked by the live daemon for as long as the directory is in u
 OWNER = "owner"  # the daemon's pid (for people), written once the lock is held
 _locks: dict[str, int] = {}  # directory -> the lock's descriptor, held until remove()
 
+log = structlog.get_logger("elasticd.memory")
+
 
 def create(run_id: str) -> str | None:
-    """A fresh 0700 directory for this daemon run, or None where there is no tmpfs to use.
+    """A fresh 0700 directory for this daemon run, or None where there is no tmpfs to use (one
+    `memory_state_off` warning naming why and the fix, and nothing left behind).
     Directories of daemons that died without cleaning up are removed first.
 
     The daemon holds an exclusive flock on the directory's lock file for its whole life (close
@@ -32,9 +38,11 @@ def create(run_id: str) -> str | None:
     tells a live directory, since a daemon in another pid namespace sharing /dev/shm (a container)
     has a pid that means nothing here."""
     if not os.path.isdir(ROOT) or not os.access(ROOT, os.W_OK):
+        _off(f"{ROOT} is not a directory this user can write", f"give the node a writable {ROOT}")
         return None
     reap_stale()
     safe = re.sub(r"[^A-Za-z0-9_.-]", "_", run_id)[:64]
+    path = None
     try:
         path = tempfile.mkdtemp(prefix=f"{PREFIX}{safe}-", dir=ROOT)
         fd = safeio.create(os.path.join(path, LOCK), os.O_RDONLY)
@@ -42,9 +50,30 @@ def create(run_id: str) -> str | None:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         with os.fdopen(safeio.create(os.path.join(path, OWNER)), "w") as f:  # last: see reap_stale
             f.write(str(os.getpid()))
-    except OSError:
+    except OSError as e:
+        remove(path)
+        _off(f"cannot create its directory in {ROOT} ({e.strerror or e})", full_fix(e))
         return None
     return path
+
+
+def full_fix(e: OSError) -> str:
+    """What the operator does about an error of the in-memory state's tmpfs."""
+    if e.errno == errno.ENOSPC:
+        return (
+            f"free space in {ROOT} (`df {ROOT}`; remove what others left there) or make it larger "
+            f"(`mount -o remount,size=... {ROOT}`, a container's --shm-size), or run with "
+            "--no-memory-state"
+        )
+    return f"check {ROOT} (`df -i {ROOT}`, its permissions), or run with --no-memory-state"
+
+
+def _off(why: str, fix: str) -> None:
+    log.warning(
+        "memory_state_off",
+        reason=f"in-memory state off: {why}; workers resume from disk checkpoints only",
+        fix=fix,
+    )
 
 
 def remove(path: str | None) -> None:
