@@ -58,6 +58,11 @@ ROUND = "round"  # the newest round any node has entered: where a node that arri
 # set once the job has ended, with when and why (a failure's summary): later nodes leave with it
 CLOSED = "closed"
 RESTARTS = "restarts"  # the job's restart budget spent so far (a signed compare-and-set)
+# on a c10d store: the challenges of nodes that would follow the run (random nonces, the newest
+# last), and the store's host's beat in the run, a counter and the challenges it read there: a
+# node follows a run only once its host has answered the node's own challenge (cluster/run.py)
+HELLO = "hello"
+HOST = "host"
 
 # per round
 ARRIVED = (

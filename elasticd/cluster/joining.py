@@ -31,8 +31,27 @@ def next_round(rz: Rendezvous, nproc: int) -> Round:
         # None: late, or no answer
         rnd = rz.answered(lambda: _try_round(rz, nproc, deadline), deadline)
         if rnd is not None:
+            if rnd.group_world_size == 1 and rz.partners:
+                _alone(rz, rnd)
             rz.last = rnd
+            rz.partners = [m.node_id for m in rnd.members if m.node_id != rz.node_id]
             return rnd
+
+
+def _alone(rz: Rendezvous, rnd: Round) -> None:
+    """A node that was in a round with others and is now in one of its own says so, once, with
+    whom it lost and why: a --nnodes 1:N job may go on alone, but a node training apart in
+    another run would share the job's id and its checkpoint directory."""
+    found_lost = [n for n in rz.partners if n in rnd.lost]
+    log.warning(
+        "rendezvous_alone",
+        round=rnd.number,
+        run=rz.run,
+        lost=rz.partners,
+        why=(f"found lost (silent): {', '.join(found_lost)}; " if found_lost else "")
+        + "the round closed with this node only (the others did not come before it closed, "
+        f"or were lost); training on alone at --nnodes {rz.cfg.nnodes}: check those nodes",
+    )
 
 
 @store_call

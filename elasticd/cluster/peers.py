@@ -27,7 +27,13 @@ from elasticd.cluster import silence
 from elasticd.cluster.errors import StoreLost, host_down_line
 from elasticd.cluster.rendezvous import Rendezvous
 from elasticd.cluster.rounds import Round
-from elasticd.cluster.timing import BEAT_EVERY, GARBAGE_BACKOFF, LOST_SILENCE, WAIT_SLICE
+from elasticd.cluster.timing import (
+    ANSWER_EVERY,
+    BEAT_EVERY,
+    GARBAGE_BACKOFF,
+    LOST_SILENCE,
+    WAIT_SLICE,
+)
 from elasticd.config import Config
 from elasticd.daemon import supervise
 from elasticd.daemon.states import Failure, RestartCause, Scale
@@ -101,7 +107,7 @@ class Peers:
 
     def _beat_loop(self) -> None:
         count = 0
-        while not self._stop.wait(BEAT_EVERY):
+        while not self._pause():
             count += 1
             try:
                 self._beat(count)
@@ -122,6 +128,21 @@ class Peers:
                 self.host_down = e.refused
                 if e.refused or time.monotonic() - self.unreachable_since >= self.cfg.peer_timeout:
                     self._wake()
+
+    def _pause(self) -> bool:
+        """Wait until the next beat; True once stopped. The c10d store's host meanwhile answers
+        the challenges of the nodes that would follow its run every ANSWER_EVERY (run.answer)."""
+        if not self.rdzv.hosts_run:
+            return self._stop.wait(BEAT_EVERY)
+        beat_at = time.monotonic() + BEAT_EVERY
+        while (left := beat_at - time.monotonic()) > 0:
+            if self._stop.wait(min(ANSWER_EVERY, left)):
+                return True
+            try:
+                self.rdzv.answer(self._beat_kv)
+            except kvmod.Unreachable:
+                pass  # the beat says so
+        return self._stop.is_set()
 
     def _beat(self, count: int) -> None:
         """One beat: ours written, then our own key read back with the watched neighbours' (a

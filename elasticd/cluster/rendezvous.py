@@ -100,21 +100,30 @@ class Rendezvous:
             if begins_run is None
             else begins_run
         )
-        # a c10d store we do not host may be restarted by its host with a new run: followed
+        # a c10d store we do not host may be restarted by its host with a new run: followed, once
+        # its host answers in it (run.followed); the store's host answers in its own
         self.follows_run = not begins and not cfg.etcd
+        self.hosts_run = begins and not cfg.etcd
+        self.run_record: bytes | None = None  # the record of the run this node began
+        self.host_beats, self.echoed = 0, None  # the host's beat count, the challenges it echoed
+        self.confirmed_on: tuple = (None, None)  # the connection our run's host last answered on
+        self.partners: list[str] = []  # the other members of the last round this node was in
+        self.run, self.scope = "", ""
         self.run = run.join_run(self, begins)
         self.scope = f"{cfg.rdzv_id}/{self.run}"  # every key of this run is under elasticd/<scope>/
         log.info("rendezvous_run", run=self.run)
 
     def follow_run(self, deadline: float) -> None:
         """At every try to join a round, on a c10d store we do not host: take the run its host
-        began, if that is no longer ours. The store's host restarted (its daemon started again,
-        by systemd or by hand) and hosts a fresh store: the same job (the run's record is
-        sealed with the job's secret, for its id), in a new run, with none of the old run's
-        keys: no rounds, no closing, no budget. This node joins it as a new member (its round
-        numbers start again), carrying the restarts the job has spent into it. It never begins
-        a run there itself: only the host does (run.current_run)."""
-        found = run.current_run(self, deadline)
+        began, if that is no longer ours, once its host has answered us in it (run.followed:
+        an earlier run's record written back moves nothing, and a run whose host is gone is
+        not joined). The store's host restarted (its daemon started again, by systemd or by
+        hand) and hosts a fresh store: the same job (the run's record is sealed with the job's
+        secret, for its id), in a new run, with none of the old run's keys: no rounds, no
+        closing, no budget. This node joins it as a new member (its round numbers start again),
+        carrying the restarts the job has spent into it. It never begins a run there itself:
+        only the host does."""
+        found = run.followed(self, deadline)
         if found == self.run:
             return
         log.warning(
@@ -306,8 +315,17 @@ class Rendezvous:
         return self.open(key, store.get(key), values.reason)
 
     def beat(self, store: kvmod.KV, count: int) -> None:
+        """This node's liveness counter; on the c10d store's host, also its answer to the
+        challenges of nodes that would follow its run, and its run's record kept (run.py)."""
         key = names.alive_key(self.scope, self.node_id)
         store.set(key, self.seal(key, str(count)))
+        if self.hosts_run:
+            run.host_beat(self, store, count)
+
+    def answer(self, store: kvmod.KV) -> None:
+        """The c10d store's host, between its beats: challenges asked since, answered (run.py)."""
+        if self.hosts_run:
+            run.answer(self, store)
 
     def keep_master(self, store: kvmod.KV, rnd: Round) -> None:
         """Group rank 0, once a second: its worker store's address put back if someone wrote over

@@ -121,10 +121,14 @@ class TCPStoreKV:
         self.timeout = timeout
         self.store: dist.TCPStore | None = None
         self._connecting: threading.Thread | None = None
+        # connections made: one kept since a node last saw the store's host answer is the same
+        # store, in the same host's daemon (cluster/run.py: `followed`)
+        self.connections = 0
 
     def _client(self) -> dist.TCPStore:
         if self.store is None:
             self.store = self._bounded_connect()
+            self.connections += 1
         return self.store
 
     def _bounded_connect(self) -> dist.TCPStore:

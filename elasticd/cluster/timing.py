@@ -18,8 +18,11 @@ WAIT_SLICE = 1.0  # seconds a blocking wait lasts before its caller looks around
 LOOK_WAIT = 0.05  # seconds of a wait that only asks whether a key is there yet
 # seconds nodes' clocks may differ: a job's end issued earlier than our start less this is old
 CLOCK_SKEW = 60.0
-# seconds a node joining a c10d store waits for its host to begin the run before it does
-RUN_GRACE = 2.0
+# seconds a node that follows a c10d store's host gives the host to answer its challenge in a run
+# before it says so and looks again; how often it looks; how often the host reads the challenges
+HOST_ANSWER = 2.0
+ANSWER_POLL = 0.02
+ANSWER_EVERY = 0.05
 # the longest pause between reads of a key that holds a value that does not verify
 GARBAGE_BACKOFF = 2.0
 # seconds between tries at a c10d store whose host refuses the connection (its daemon is down,

@@ -19,11 +19,27 @@ MAX_COUNT = 1 << 62
 def run(text: str) -> str | None:
     """The run's record: its nonce (16 hex digits) and when it began."""
     nonce, _, created = text.partition(" ")
-    return (
-        nonce
-        if len(nonce) == 16 and all(c in "0123456789abcdef" for c in nonce) and when(created)
-        else None
-    )
+    return nonce if _nonce(nonce) and when(created) else None
+
+
+MAX_CHALLENGES = 64  # nonces the hello key keeps (and the host's beat echoes)
+
+
+def _nonce(text: str) -> bool:
+    return len(text) == 16 and all(c in "0123456789abcdef" for c in text)
+
+
+def challenges(text: str) -> list[str] | None:
+    """The challenges of the nodes that would follow the run: nonces, the newest last."""
+    found = text.split(" ") if text else []
+    return found if len(found) <= MAX_CHALLENGES and all(map(_nonce, found)) else None
+
+
+def host_beat(text: str) -> tuple[int, list[str]] | None:
+    """The store's host's beat in its run: a counter, and the challenges it read there."""
+    number, _, rest = text.partition(" ")
+    n, found = count(number), challenges(rest)
+    return (n, found) if n is not None and found is not None else None
 
 
 def when(text: str) -> float | None:

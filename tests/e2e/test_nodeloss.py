@@ -30,7 +30,15 @@ LOADED_MARGIN = 1.5  # what a loaded 2-core CI machine may add on top
 
 def _start_store(net, i: int = 0) -> subprocess.Popen:
     proc = subprocess.Popen(
-        [*net.prefix(i), sys.executable, script("store_server.py"), net.addr(i), str(PORT)],
+        [
+            *net.prefix(i),
+            sys.executable,
+            script("store_server.py"),
+            net.addr(i),
+            str(PORT),
+            "job",  # it begins the job's run, as the store's host (the nodes never do)
+            secret_flags()[1],
+        ],
         stdout=subprocess.PIPE,
         text=True,
         env=dict(os.environ, ELASTICD_TEST_SESSION=SESSION),

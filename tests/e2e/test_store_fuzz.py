@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from elasticd import config, names
-from elasticd.cluster import kv, rendezvous, tcpstore
+from elasticd.cluster import kv, rendezvous, run, tcpstore
 from etcd_cluster import shared_cluster_fixture  # noqa: F401 (the fixture: cluster)
 from harness import secret_flags
 
@@ -96,6 +96,8 @@ def _keys(r: rendezvous.Rendezvous) -> list[str]:
         names.job_key(job, names.CLOSED),
         names.job_key(job, names.RESTARTS),
         names.alive_key(job, r.node_id),
+        names.job_key(job, names.HELLO),
+        names.job_key(job, names.HOST),
     ]
     for n in (0, 1):
         keys += [
@@ -166,6 +168,8 @@ def test_any_value_under_any_key_is_garbage_never_a_crash_or_a_hang(store, write
     assert set(r.read_beats(other, [r.node_id])) == {r.node_id}
     assert isinstance(r.waiting_ids(other, first), list)
     assert isinstance(r.restarts_used(), int)
+    r.beat(other, 4)  # on c10d, the host's answer to the challenges and its record put back
+    assert run.answering(r, [r.run], time.monotonic() + 0.1) in (None, r.run)
     try:
         r.request_restart(first, {"summary": "fuzz", "node": "n", "spends": True})
         rnd = r.next_round(1)
