@@ -40,9 +40,21 @@ from elasticd.worker import learned
 _REQUEST = b"s"
 
 
+def thread_count(wait: float = 0.5) -> int:
+    """This process's threads. A thread whose join just returned (OpenBLAS's pool, ended by
+    end_idle_blas_pools) can stay listed a moment longer on a loaded machine, so a count above
+    one is read again for up to `wait` seconds before it stands."""
+    deadline = time.monotonic() + wait
+    while True:
+        threads = len(os.listdir("/proc/self/task"))
+        if threads == 1 or time.monotonic() >= deadline:
+            return threads
+        time.sleep(0.01)
+
+
 def unfit_reason() -> str | None:
     """Why this process must not fork a worker, or None."""
-    threads = len(os.listdir("/proc/self/task"))
+    threads = thread_count()
     if threads != 1:
         return (
             f"the preloaded modules started {threads - 1} thread(s); forking would copy their "

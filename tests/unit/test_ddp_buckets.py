@@ -85,8 +85,9 @@ def _capture_twice(rank: int, world: int, ddp: dict) -> None:
 
 def test_static_graph_says_at_the_first_capture_that_resumes_are_not_exact(tmp_path, capfd):
     helpers.run(_capture_twice, 3, tmp_path, {"static_graph": True}, timeout=60)
-    lines = [ln for ln in _said(capfd).splitlines() if "resume_not_bit_identical" in ln]
-    assert len(lines) == 3 and all("static_graph=True" in ln for ln in lines), lines  # a rank each
+    said = _said(capfd)  # three ranks print at once: their lines may interleave
+    assert said.count("resume_not_bit_identical") == 3, said[-3000:]  # a rank each
+    assert said.count("DDP(static_graph=True)") == 3, said[-3000:]
 
 
 def test_two_ranks_say_nothing(tmp_path, capfd):
