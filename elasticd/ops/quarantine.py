@@ -36,6 +36,11 @@ MAX_WHY = 300  # characters of a strike's reason kept
 class Record:
     strikes: list[dict[str, Any]] = field(default_factory=list)  # {"at": wall time, "why": ...}
     quarantined: dict[str, Any] | None = None  # {"at": wall time, "why": ...}
+    # the rule the strikes were counted under (--quarantine-after, --quarantine-window of the
+    # daemon that wrote them), which `node status` shows whatever its own settings; None in a
+    # record written before it was kept, or cleared
+    after: int | None = None
+    window: float | None = None
 
 
 def state_dir(cfg: Config, log_base: Path) -> Path:
@@ -80,7 +85,12 @@ def _parsed(data: Any) -> Record | None:
     strikes, quarantined = data.get("strikes", []), data.get("quarantined")
     if not all(entry(s) for s in strikes) or not (quarantined is None or entry(quarantined)):
         return None
-    return Record(strikes, quarantined)
+    after, window = data.get("after"), data.get("window")
+    if not (after is None or (isinstance(after, int) and not isinstance(after, bool))):
+        return None
+    if not (window is None or (isinstance(window, (int, float)) and window > 0)):
+        return None
+    return Record(strikes, quarantined, after, window)
 
 
 def write(directory: Path, record: Record) -> None:
@@ -105,6 +115,7 @@ def strike(directory: Path, why: str, after: int, window: float, now: float) -> 
     record = read(directory)
     recent = [s for s in record.strikes if now - s["at"] < window]
     record.strikes = [*recent, {"at": now, "why": why[:MAX_WHY]}][-MAX_STRIKES:]
+    record.after, record.window = after, window
     if after and len(record.strikes) >= after and record.quarantined is None:
         record.quarantined = {
             "at": now,
@@ -134,7 +145,8 @@ def refusal(record: Record, directory: Path) -> str:
 
 
 def describe(record: Record, directory: Path, cfg: Config) -> list[str]:
-    """`elasticd node status`: the record as lines for people."""
+    """`elasticd node status`: the record as lines for people, counted by the rule its strikes
+    were recorded under (the settings given here only for a record that does not say)."""
     lines = [f"node record: {directory / FILE}"]
     q = record.quarantined
     if q:
@@ -143,10 +155,11 @@ def describe(record: Record, directory: Path, cfg: Config) -> list[str]:
     else:
         lines.append("not quarantined")
     now = time.time()
-    recent = [s for s in record.strikes if now - s["at"] < cfg.quarantine_window]
-    limit = cfg.quarantine_after or "never"
+    window = record.window if record.window is not None else cfg.quarantine_window
+    after = record.after if record.after is not None else cfg.quarantine_after
+    recent = [s for s in record.strikes if now - s["at"] < window]
     lines.append(
-        f"failures within {_span(cfg.quarantine_window)}: {len(recent)} (quarantine at {limit})"
+        f"failures within {_span(window)}: {len(recent)} (quarantine at {after or 'never'})"
     )
     for s in recent[-10:]:
         lines.append(f"  {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(s['at']))}  {s['why']}")

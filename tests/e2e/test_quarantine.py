@@ -116,3 +116,19 @@ def test_a_workers_error_text_never_quarantines_the_node(tmp_path, error):
     assert "failures within 24 h: 0 " in st.stdout, st.stdout
     r = run_cli(*base, "--nproc-per-node", "1", *job, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
+
+
+def test_node_status_names_the_threshold_the_node_was_quarantined_at(tmp_path):
+    """A node quarantined at --quarantine-after 2: `elasticd node status`, given only the state
+    directory, says "quarantine at 2" (before: the default's 3)."""
+    state = tmp_path / "state"
+    check = check_script(tmp_path, 'echo "GPU 0: Xid 79, fell off the bus"\nexit 1\n')
+    run = ("run", "--log-dir", str(tmp_path / "logs"), "--socket", str(tmp_path / "ctl.sock"))
+    run += ("--state-dir", str(state), "--quarantine-after", "2", "--health-check", str(check))
+    run += ("--nproc-per-node", "1", script("faulty.py"), "--steps", "2", "--step-time", "0.01")
+    codes = [run_cli(*run, timeout=60).returncode for _ in range(2)]
+    assert codes == [EXIT_UNHEALTHY, EXIT_QUARANTINED], codes
+    st = run_cli("node", "status", "--state-dir", str(state), timeout=30)
+    assert st.returncode == EXIT_QUARANTINED, st
+    assert "failures within 24 h: 2 (quarantine at 2)" in st.stdout, st.stdout
+    assert "2 failure(s) within 24 h" in st.stdout, st.stdout

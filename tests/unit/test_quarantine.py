@@ -123,3 +123,27 @@ def test_a_damaged_record_stops_run_and_node_status_with_one_line(tmp_path):
         assert_one_error(run_cli(*cmd, timeout=60), f"{tmp_path / q.FILE}", "move it away")
     assert not (tmp_path / "logs").exists() or not any((tmp_path / "logs").iterdir())
     assert (tmp_path / q.FILE).read_text() == "{not json"
+
+
+def test_node_status_counts_by_the_rule_the_strikes_were_recorded_under(tmp_path):
+    """Quarantined at --quarantine-after 2 within 1 h: `node status`, run with the defaults (3,
+    24 h), says 2 and 1 h; a record written before the rule was kept falls back to the settings."""
+    cfg = config.build({"nproc_per_node": "1"})
+    q.strike(tmp_path, "first", 2, 3600.0, 1.7e9)
+    record = q.strike(tmp_path, "second", 2, 3600.0, 1.7e9 + 1)
+    assert record.quarantined and (record.after, record.window) == (2, 3600.0)
+    assert q.read(tmp_path) == record
+    (line,) = [x for x in q.describe(record, tmp_path, cfg) if x.startswith("failures")]
+    assert line == "failures within 1 h: 0 (quarantine at 2)", line
+    older = q.Record(strikes=record.strikes)
+    (line,) = [x for x in q.describe(older, tmp_path, cfg) if x.startswith("failures")]
+    assert line == "failures within 24 h: 0 (quarantine at 3)", line
+
+
+@pytest.mark.parametrize(
+    "rule", [{"after": "2"}, {"after": True}, {"window": 0}, {"window": "1h"}, {"after": 1.5}]
+)
+def test_a_record_with_a_damaged_rule_is_refused(tmp_path, rule):
+    (tmp_path / q.FILE).write_text(json.dumps({"strikes": [], **rule}))
+    with pytest.raises(ConfigError, match="move it away"):
+        q.read(tmp_path)
