@@ -218,7 +218,8 @@ def test_a_value_of_an_earlier_run_never_verifies_in_the_next(store):
     """Two runs of one --rdzv-id with one secret (a job started again): every value the first
     wrote, copied under the second's keys, fails; the second forms its rounds from its own."""
     connect, make_cfg = store
-    cfg = make_cfg()
+    # a join that waits for nothing: the whole suite's load once held the first round past 4 s
+    cfg = make_cfg(join_timeout=20)
     a = rendezvous.Rendezvous(cfg, store=connect(), begins_run=True)
     rnd_a = a.next_round(1)
     a.close(True, "finished")
