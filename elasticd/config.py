@@ -227,9 +227,9 @@ class Config:
     )
     deterministic_retries: int = _setting(
         1,
-        "restarts a failure gets while it repeats identically (the same exception, numbers "
-        "masked, and innermost frame of user code, or the same exit code or signal, at the same "
-        "step) before the job stops as deterministic with exit code 6 (default {default}; 0: "
+        "restarts a failure gets while it repeats identically (the same exception, numbers and "
+        "ids masked, and innermost frame of user code, or the same exit code or signal, at the "
+        "same step) before the job stops as deterministic with exit code 6 (default {default}; 0: "
         "never)",
     )
     fatal_exit_codes: tuple[int, ...] = _setting(

@@ -61,7 +61,22 @@ OOM_TEXTS = re.compile(
     r"\bOutOfMemoryError\b|CUDA out of memory|\bMemoryError\b|out of memory", re.IGNORECASE
 )
 
-_NUMBER = re.compile(r"0x[0-9a-fA-F]+|\d+")
+_HEX = "[0-9a-fA-F]"
+# what differs between attempts of the same failure, each as a regular expression and what it
+# becomes, tried in order at each place: ids first (a uuid, a run of hex digits with a letter and
+# a digit, a temporary file's random name), then hex addresses, then numbers (a sign where one
+# can stand, decimals, dotted parts (an address, a version), an exponent; each size of a shape,
+# 32x784). Digits glued to a letter before them are a name's (float32, conv2d, layer3.weight)
+# and stay: another name, another failure.
+_MASKS = {
+    "ID": rf"(?<![0-9A-Za-z]){_HEX}{{8}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{12}}"
+    rf"|(?<![0-9A-Za-z])(?={_HEX}*[a-fA-F])(?={_HEX}*\d){_HEX}{{8,}}(?![0-9A-Za-z])"
+    r"|(?<=\btmp)[a-z0-9_]{8}\b|(?<=\btorchelastic_)[a-z0-9_]{8}\b",
+    "N": rf"(?<![0-9A-Za-z])0[xX]{_HEX}+"
+    r"|(?:(?<![0-9A-Za-z.])|(?<=\dx))(?:[-+](?=\.?\d))?"
+    r"(?:\d+(?:\.\d+)*|\.\d+)(?:[eE][-+]?\d+)?",
+}
+_MASK = re.compile("|".join(f"(?P<{name}>{rx})" for name, rx in _MASKS.items()))
 # "File "/path/x.py", line 12, in main" in a Python traceback
 _FRAME = re.compile(r'^\s*File "(?P<path>[^"]+)", line (?P<line>\d+), in (?P<func>.+)$')
 # paths that are not the user's code: the interpreter's library, installed packages, elasticd
@@ -72,9 +87,10 @@ _LIBRARY = re.compile(
 
 
 def mask_numbers(text: str) -> str:
-    """Numbers (and hex addresses) as N: a step, a port, a pid or a pointer in a message differs
-    between attempts of the same failure."""
-    return _NUMBER.sub("N", text)
+    """Numbers as N (a step, a port, a pid, a pointer, a loss: -0.2718, 3.2e-05, 0x7f3a2c00) and
+    ids as ID (a uuid, a hex digest, a temporary file's name): what differs between attempts of
+    the same failure. A table of real messages: tests/unit/test_triage.py."""
+    return _MASK.sub(lambda m: m.lastgroup or "N", text)
 
 
 def user_frame(callstack: str | None) -> str:

@@ -138,3 +138,18 @@ def test_a_worker_oom_killed_in_its_cgroup_is_classified_oom(daemons, tmp_path, 
     )
     restarting = [e["failure_class"] for e in d.events() if e.get("new") == "RESTARTING"]
     assert restarting == ["oom", "killed"]
+
+
+def test_the_same_exception_printing_another_float_each_attempt_is_deterministic(daemons):
+    """The exception's message prints a loss that differs every attempt (0.3123, then -0.2718):
+    numbers are masked as numbers, so it is the same failure and the job stops at its second
+    occurrence (before: only digit runs were masked, and it ran the whole budget)."""
+    args = [*ONE, "--error", "loss {loss} exceeds the bound 2.5e+01"]
+    d = daemons(
+        script("faulty.py"), "--nproc-per-node", "1", "--max-restarts", "5", *FAST, args=args
+    )
+    assert d.wait(120) == EXIT_DETERMINISTIC, d.stderr()[-3000:]
+    assert len(d.attempt_dirs()) == 2
+    (line,) = final_lines(d.stderr())
+    assert "RuntimeError: loss N exceeds the bound N at faulty.py:" in line, line
+    assert "in attempts 1 and 2" in line, line

@@ -1,8 +1,9 @@
-"""Fault injection for tests: `--raise-at N` (`--error TEXT`: a RuntimeError of that text;
-`--later-each-attempt`: N + the restart count, a failure that is not the same twice),
-`--exit-at N CODE`, `--abort-at N` (SIGABRT), `--abort-at-exit` (SIGABRT from an atexit handler,
-once the work is done, as a C++ thread's std::terminate at interpreter exit), `--spawn-child` (a
-grandchild), `--beat` (report each step through elasticd.heartbeat, as a training loop would).
+"""Fault injection for tests: `--raise-at N` (`--error TEXT`: a RuntimeError of that text, where
+`{loss}` is a number that differs each attempt: sign, decimals, exponent; `--later-each-attempt`: N
++ the restart count, a failure that is not the same twice), `--exit-at N CODE`, `--abort-at N`
+(SIGABRT), `--abort-at-exit` (SIGABRT from an atexit handler, once the work is done, as a C++
+thread's std::terminate at interpreter exit), `--spawn-child` (a grandchild), `--beat` (report each
+step through elasticd.heartbeat, as a training loop would).
 
 Plain torch.distributed like any torchrun script; the fault hits only `--rank R` (default 1)."""
 
@@ -15,6 +16,8 @@ import time
 
 import torch
 import torch.distributed as dist
+
+LOSSES = ("0.3123", "-0.2718", "3.2e-05", "0.00041")  # a float as a message prints it
 
 
 def main():
@@ -52,7 +55,7 @@ def main():
 
             elasticd.heartbeat(step)
         if armed and step == args.raise_at and args.error:
-            raise RuntimeError(args.error)
+            raise RuntimeError(args.error.replace("{loss}", LOSSES[restarts % len(LOSSES)]))
         if armed and step == args.raise_at:
             raise ValueError(f"injected failure at step {step}")
         if armed and step == args.exit_at:

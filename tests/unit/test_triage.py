@@ -36,6 +36,130 @@ def test_numbers_are_masked(text, expect):
 
 
 @pytest.mark.parametrize(
+    "text, expect",
+    [
+        ("loss -0.2718", "loss N"),
+        ("3.2e-05 vs 0.00041 vs 1E+3 vs .5", "N vs N vs N vs N"),
+        ("x=-3 (+4.5) a-1", "x=N (N) a-N"),  # a sign only where one can stand
+        ("<Foo object at 0x7f3a2c00e1d0>", "<Foo object at N>"),
+        ("from [127.0.0.1]:57368", "from [N]:N"),
+        ("torch 2.13.0 at 2026-11-28 07:51:45", "torch N at N-N-N N:N:N"),
+        ("run 123e4567-e89b-12d3-a456-426614174000 sha a3f9c2e1b4d5", "run ID sha ID"),
+        ("/tmp/tmpk3j_x9ab/torchelastic_q8x_2lm0/x", "/tmp/tmpID/torchelastic_ID/x"),
+        ("shard_00017.pt ran for 600011ms", "shard_N.pt ran for Nms"),
+        ("float32 conv2d layer3.weight cuda:0 v1.2", "float32 conv2d layer3.weight cuda:N v1.2"),
+        ("deadbeef", "deadbeef"),  # a word, not an id: no digit
+        ("(32x784 and 512x10)", "(NxN and NxN)"),
+    ],
+)
+def test_numbers_are_masked_as_numbers(text, expect):
+    assert triage.mask_numbers(text) == expect
+
+
+def _traceback(exception: str, line: int = 12) -> str:
+    return STACK.replace("line 12", f"line {line}").replace("ValueError: bad batch 17", exception)
+
+
+# two failures' error-file texts, and whether they are the same failure (their signatures equal)
+SAME, OTHER = True, False
+MESSAGES = [
+    ("ValueError: loss 0.3123 is too high", "ValueError: loss -0.2718 is too high", SAME),
+    ("AssertionError: grad 3.2e-05 < 1e-4", "AssertionError: grad 0.00041 < 1e-4", SAME),
+    ("ValueError: loss nan at step 30", "ValueError: loss inf at step 30", OTHER),
+    (
+        "RuntimeError: Expected all tensors to be on the same device, but found at least two "
+        "devices, cuda:0 and cpu!",
+        "RuntimeError: Expected all tensors to be on the same device, but found at least two "
+        "devices, cuda:3 and cpu!",
+        SAME,
+    ),
+    (
+        "RuntimeError: mat1 and mat2 shapes cannot be multiplied (32x784 and 512x10)",
+        "RuntimeError: mat1 and mat2 shapes cannot be multiplied (64x784 and 512x10)",
+        SAME,  # a shape's sizes are numbers too (the last batch is short)
+    ),
+    (
+        "IndexError: index 17 is out of bounds for dimension 0 with size 16",
+        "IndexError: index 40 is out of bounds for dimension 0 with size 16",
+        SAME,
+    ),
+    (
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a "
+        "total capacity of 79.15 GiB of which 6.62 MiB is free. Process 3301 has 79.14 GiB",
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 MiB. GPU 5 has a "
+        "total capacity of 79.15 GiB of which 11.5 MiB is free. Process 88120 has 79.13 GiB",
+        SAME,
+    ),
+    (
+        "RuntimeError: CUDA error: an illegal memory access was encountered",
+        "RuntimeError: CUDA error: device-side assert triggered",
+        OTHER,
+    ),
+    (
+        "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error "
+        "[10.0.0.2]:57368: Connection reset by peer",
+        "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error "
+        "[10.0.0.17]:41002: Connection reset by peer",
+        SAME,
+    ),
+    (
+        "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error "
+        "[10.0.0.2]:57368: Connection reset by peer",
+        "RuntimeError: [../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out "
+        "waiting 1800000ms for recv operation to complete",
+        OTHER,
+    ),
+    (
+        "torch.distributed.DistBackendError: [Rank 0] Watchdog caught collective operation "
+        "timeout: WorkNCCL(SeqNum=118, OpType=ALLREDUCE, NumelIn=1, NumelOut=1, "
+        "Timeout(ms)=600000) ran for 600011 milliseconds before timing out.",
+        "torch.distributed.DistBackendError: [Rank 3] Watchdog caught collective operation "
+        "timeout: WorkNCCL(SeqNum=9021, OpType=ALLREDUCE, NumelIn=1, NumelOut=1, "
+        "Timeout(ms)=600000) ran for 600347 milliseconds before timing out.",
+        SAME,
+    ),
+    (
+        "WorkNCCL(SeqNum=118, OpType=ALLREDUCE, NumelIn=1, NumelOut=1, Timeout(ms)=600000)",
+        "WorkNCCL(SeqNum=118, OpType=ALLGATHER, NumelIn=1, NumelOut=4, Timeout(ms)=600000)",
+        OTHER,
+    ),
+    (
+        "KeyError: 'layer3.weight'",
+        "KeyError: 'layer4.weight'",
+        OTHER,  # another name
+    ),
+    (
+        "FileNotFoundError: [Errno 2] No such file or directory: '/tmp/tmpk3j_x9ab/shard_00017.pt'",
+        "FileNotFoundError: [Errno 2] No such file or directory: '/tmp/tmp0qz_81mc/shard_00023.pt'",
+        SAME,
+    ),
+    (
+        "TypeError: unsupported operand type(s) for +: 'Tensor' and 'NoneType' "
+        "(<Batch object at 0x7f3a2c00e1d0>)",
+        "TypeError: unsupported operand type(s) for +: 'Tensor' and 'NoneType' "
+        "(<Batch object at 0x7fa0113b9e50>)",
+        SAME,
+    ),
+    (
+        "RuntimeError: run 123e4567-e89b-12d3-a456-426614174000 has no checkpoint",
+        "RuntimeError: run 9b2f0c4e-1d7a-4e55-8f0b-2c9d3e1a7b60 has no checkpoint",
+        SAME,
+    ),
+    ("ValueError: bad batch 3", "KeyError: bad batch 3", OTHER),
+]
+
+
+@pytest.mark.parametrize("first, second, same", MESSAGES)
+def test_the_same_failure_whatever_its_numbers(first, second, same):
+    """Real messages (Python, torch, CUDA, NCCL, gloo) compared as the repeat rule compares two
+    failures: their signatures, the traceback's user frame included."""
+    a = triage.signature(1, first, _traceback(first))
+    b = triage.signature(1, second, _traceback(second))
+    assert (a == b) is same, (a, b)
+    assert a != triage.signature(1, first, _traceback(first, line=13))  # another line of code
+
+
+@pytest.mark.parametrize(
     "stack, expect",
     [
         (STACK, "model.py:12 in step"),  # innermost user frame, library frames after it skipped
