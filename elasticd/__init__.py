@@ -1,10 +1,21 @@
-"""elasticd: a per-node daemon that keeps PyTorch distributed training alive.
+"""elasticd: a per-node daemon that keeps PyTorch distributed training alive. The top-level
+modules are the shared contracts, imported by the daemon and by the workers alike, and the public
+paths user scripts import (`elasticd.heartbeat`, `elasticd.sampler`, `elasticd.global_batch`); so
+they import nothing of the packages below, but for the few reaches this docstring names.
 
-Worker-side API (costs nothing when not running under elasticd):
+This module is the public worker-side call `elasticd.heartbeat(step=None)` and `_beat_writer()`,
+this process's heartbeat writer (worker/health.py's `Writer`), opened at first use: it reaches
+worker/health.py only once a worker first beats, and imports nothing at load, so `import
+elasticd` costs nothing outside elasticd. The other reaches: global_batch.py and exact.py, worker
+side, use the checkpoint library's collectives and RNG; `__main__` runs ops/cli.py's command.
+
+Worker-side API (costs nothing when not running under elasticd; user scripts import these paths):
     elasticd.heartbeat(step=None)   report progress from a loop without an optimizer step
-    elasticd.checkpoint             atomic rank-0 checkpoints and exact resume
+    elasticd.checkpoint             crash-safe checkpoints (DDP or sharded) and exact resume
     elasticd.sampler                resumable distributed sampler (whole global batches)
+    elasticd.global_batch           a constant global batch whatever the world
     elasticd.ledger                 per-sample ledger: record(epoch, step, indices), resumed(step)
+    elasticd.integrations.lightning / .transformers   a framework's whole state kept in memory
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`python -m elasticd ARGS`: the `elasticd` command (elasticd.ops.cli)."""
+"""`python -m elasticd ARGS`: the `elasticd` command (ops/cli.py's `entry()`)."""
 
 from elasticd.ops.cli import entry
 

@@ -1,6 +1,6 @@
 """How one optimizer step's global batch is split into micro-batches over the ranks: pure
 functions of (global batch G, micro-batch m, world W), so the rules are table- and
-property-tested (tests/unit/test_batch_split.py) and every rank computes the same split alone.
+property-tested (tests/unit/test_global_batch.py) and every rank computes the same split alone.
 
 A global batch is G consecutive positions of the epochs' seeded order (elasticd.global_batch).
 It is cut into micro-batches, each at most m samples and a contiguous run of those positions,
@@ -17,7 +17,10 @@ accumulation) and the gradients are summed over all of them. Two rules:
   sizes differing by at most one), so each is the same samples, keyed by the same index, in every
   world; only who computes which changes: contiguous runs of indices, rank 0 first, counts
   differing by at most one. A world larger than K leaves ranks K..W-1 without a micro-batch: they
-  only take part in the reduction (elasticd.exact_sum).
+  only take part in the reduction (elasticd.exact's `OrderedSum`).
+
+A `Plan` gives each micro-batch's loss weight (`Plan.scale`) and the one line an uneven split
+says (`Plan.note`).
 """
 
 from __future__ import annotations

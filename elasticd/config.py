@@ -3,6 +3,9 @@ flags, and `build`, which merges the layers (defaults <- TOML file <- torchrun's
 <- ELASTICD_* environment <- flags, read by config_layers.py) and judges the result
 (config_values.py).
 
+`_setting` declares a field; `ConfigError` is every refusal; `parse_nnodes`, `parse_endpoint` and
+`parse_std` read the value forms the Config's properties need.
+
 Every problem raises ConfigError with one line that names the setting and the fix; the CLI turns
 it into exit code 2 before anything starts. What the host must offer (directories, ports, the
 entrypoint) is checked later, by the daemon (daemon/preflight.py).

@@ -1,6 +1,7 @@
 """Where settings come from, read into Config's field types: the TOML file, torchrun's PET_*
 variables and --rdzv-conf, the ELASTICD_* environment, and the words `--nproc-per-node` takes
-(gpu, cpu, auto); config.build merges them, later layers winning.
+(gpu, cpu, auto); `merge` (which config.build calls) layers them, later layers winning: defaults
+<- TOML file <- `PET_*` (and `--rdzv-conf`) <- `ELASTICD_*` <- flags.
 """
 
 from __future__ import annotations

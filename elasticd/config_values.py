@@ -3,6 +3,9 @@ finite numbers in range, safe ids and signal names, no NUL), and the whole Confi
 span each other (`validate`, torchrun's static-rendezvous flags in `check_static`, and `resolve`,
 with which config.build ends). The CLI's `stop --timeout` and the control socket's stop `timeout`
 reuse `check_value`.
+
+The ranges are `_RANGES`, the name rules `_NAME_RULES`. `resolve` also demands a secret across
+nodes (or `--insecure-no-secret`) and gives a single-node job its private store.
 """
 
 from __future__ import annotations

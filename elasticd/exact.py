@@ -2,6 +2,8 @@
 the gradient summed over the micro-batches in index order whatever the world. With both, a step's
 result depends on the weights, the optimizer state and the step alone, so a run whose world
 changes (2 -> 1 -> 2 ranks) ends bit for bit where an uninterrupted one does.
+`seed_micro_batch` seeds, `OrderedSum` sums, `deterministic` turns on deterministic kernels and
+`check_model` refuses what exact mode cannot cover.
 
 Why a chain and not an all-reduce: floating-point addition is not associative, and an all-reduce
 adds the ranks' partial sums in an order that depends on the world (and on the algorithm). Here

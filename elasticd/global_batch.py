@@ -2,6 +2,8 @@
 micro-batch m a rank can hold; each (re)start reads the world W and derives each rank's
 micro-batches per optimizer step (gradient accumulation), so a job that shrinks from 8 ranks to 6
 trains on the same G samples per step, with the same loss scale, LR schedule and checkpoints.
+`GlobalBatch` is the DataLoader's batch sampler, a step's passes (`micro_batches()`) and the
+position a checkpoint keeps; the user's guide is docs/global-batch.md.
 
     gb = GlobalBatch(dataset, global_batch=256, micro_batch=32, seed=0)  # exact=True: bit-exact
     loader = DataLoader(dataset, batch_sampler=gb, num_workers=2)
@@ -30,6 +32,9 @@ G for a loss that is a mean over its micro-batch. A world that does not divide G
 differing by one sample, and rank 0 says so in one line. Exact mode (`exact=True`,
 elasticd.exact) fixes the micro-batches by G and m alone, seeds each one's randomness by (step,
 index) and sums the gradients in index order, for a bit-identical run across world changes.
+
+With the ledger on (elasticd.ledger), a step's samples are recorded at its end, and the step
+resumed from at `load_state_dict()`.
 """
 
 from __future__ import annotations

@@ -13,7 +13,9 @@ is buffered, so a SIGKILL loses no record of a step the in-memory state may hold
     ledger.record(epoch, step, indices) # the samples this rank put into optimizer step `step`
 
 `record` may be called several times for one step (micro-batches); `epoch` is one epoch or one
-per index. Every call is a no-op when the ledger is off. Torch-free: the CLI reads it.
+per index. Every call is a no-op when the ledger is off. Torch-free: the CLI reads it, through
+`find` (the ledger files under given paths) and `read` (a regular file only, never through a
+link, at most `MAX_FILE`, 1 GiB).
 
 File format (little-endian): MAGIC, a u32 length and a JSON header (rank, world, attempt, pid,
 time), then records, each a kind byte: b"R" + i64 step + f64 time (this attempt resumed after

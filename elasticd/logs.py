@@ -1,4 +1,5 @@
-"""structlog setup: one event per line, JSON off a terminal, readable on one.
+"""structlog setup: one event per line, JSON off a terminal, readable on one; stdlib (torch)
+logs routed through it, the one escaping of worker-produced text (`printable`), and `Throttle`.
 
 Every event carries the daemon's context (run id, node, restart count) from one process-wide dict
 the agent loop updates, so events from the control thread carry it too. torch's stdlib logging
@@ -7,6 +8,9 @@ goes through the same renderer.
 Text a worker produced (its output, error file, exception message) reaches the operator's
 terminal only through `printable`, so it can neither drive the terminal (ESC/CSI/OSC sequences,
 C1 controls) nor start a line that looks like one of the daemon's own.
+
+`Throttle` says an event at most once per key per minute where someone outside (a client of the
+metrics port, a worker) can repeat its cause, with how many were held back.
 """
 
 from __future__ import annotations

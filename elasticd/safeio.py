@@ -1,11 +1,16 @@
 """Files and directories elasticd creates, made safe for a daemon that runs as root on a shared
-node.
+node: how every one is created, and how a file someone else may have written is read
+(`read_regular`).
 
-Every one is created fresh where it is new (an existing entry, or a symlink someone planted, is an
-error, never written through), is never opened through a symlink in its last component, and is
-never readable by other users: files 0640, directories 0750 (the umask can only narrow that).
-Parent directories are safe because the run directory is created fresh under a checked base
-(daemon/preflight.py's check_log_dir): nobody else can add or swap entries below it.
+Every one is created fresh where it is new (O_EXCL: an existing entry, or a symlink someone planted,
+is an error, never written through), is never opened through a symlink in its last component
+(O_NOFOLLOW), and is never readable by other users: files 0640, directories 0750 (the umask can only
+narrow that). Parent directories are safe because the run directory is created fresh under a checked
+base (daemon/preflight.py's check_log_dir): nobody else can add or swap entries below it.
+
+`read_regular` reads a regular file only (never through a symlink, never blocking on a FIFO or a
+device) of at most a given size: ValueError past it, judged by its size first, and again by what
+was read in case it grew.
 """
 
 from __future__ import annotations

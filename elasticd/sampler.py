@@ -1,4 +1,6 @@
-"""A DistributedSampler that resumes mid-epoch, even at a different world size.
+"""A DistributedSampler that resumes mid-epoch, even at a different world size, each sample of
+the epoch trained exactly once across the change: its state is the epoch and the position in it
+(with the next epoch's positions carried and the optimizer steps).
 
 `ResumableDistributedSampler` yields exactly what `torch.utils.data.DistributedSampler` yields
 for the same seed, epoch and world size, so swapping it in changes nothing. It adds a position:
