@@ -11,8 +11,11 @@ INIT → RENDEZVOUS ────────────→ RUNNING ──all lo
 RENDEZVOUS, RUNNING ──stop request or SIGTERM──→ STOPPING (workers checkpoint & exit) → STOPPED
 RENDEZVOUS ──stop while blocked joining──→ STOPPED
 RENDEZVOUS, RUNNING, RESTARTING, EXIT_BARRIER, STOPPING ──store lost / rendezvous failed──→ FAILED
+  (a c10d store's host down is not lost: RUNNING → RESTARTING → RENDEZVOUS, waiting for it to
+   come back within --join-timeout, else FAILED)
 RENDEZVOUS ──the round's closing found the restart budget spent──→ FAILED
-RENDEZVOUS, RUNNING ──this node's health check failed──→ LEFT
+RENDEZVOUS, RUNNING ──this node's health check failed──→ LEFT (exit 5; the rendezvous stays open)
+RENDEZVOUS, RUNNING ──that failure, or a hardware-class one, quarantines the node──→ LEFT (exit 7)
 
 The agent checks every transition against TRANSITIONS where it happens (Agent.set_state): one
 that is not in the table is a bug in the agent and raises IllegalTransition.
