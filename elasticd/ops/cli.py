@@ -6,7 +6,8 @@ Exit codes:
      stacks: dumped
   1  run: the job failed (restart budget spent, fatal exit code, rendezvous failed)
   2  bad input: flags, config file, entrypoint, ports, paths (nothing was started); stop/stacks:
-     several daemons run here and no --socket says which
+     several daemons run here and no --socket or --rdzv-id says which; status/stop/stacks: no
+     daemon here runs the job --rdzv-id names
   3  status/stacks: no daemon is running (LSB "program is not running")
   4  status/stop/stacks: the daemon refused or did not answer (permission, protocol, no workers)
   5  run: this node's health check failed: it did not start, or it left the job
@@ -70,6 +71,12 @@ def _grace(text: str) -> float:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+_RDZV_ID_HELP = (
+    "the job (its --rdzv-id) whose daemon is meant, where several run here (default: every "
+    "daemon found, as `status` lists them)"
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="elasticd",
@@ -93,8 +100,15 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    st.add_argument("--json", action="store_true", help="print the status as JSON")
+    st.add_argument(
+        "--json",
+        action="store_true",
+        help="print the status as one JSON document: the job's object, or, where several "
+        "daemons run here and neither --socket nor --rdzv-id picks one, a list of them, "
+        'each with its "socket"',
+    )
     st.add_argument("--socket", default=None, help="control socket path")
+    st.add_argument("--rdzv-id", default=None, help=_RDZV_ID_HELP)
     sp = sub.add_parser(
         names.STOP,
         help="stop the job gracefully",
@@ -109,6 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="grace before workers are killed (default: the daemon's stop_grace)",
     )
     sp.add_argument("--socket", default=None, help="control socket path")
+    sp.add_argument("--rdzv-id", default=None, help=_RDZV_ID_HELP)
     sk = sub.add_parser(
         names.STACKS,
         help="print every thread's stack of each local worker, now",
@@ -120,6 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sk.add_argument("--json", action="store_true", help="print the reply as JSON")
     sk.add_argument("--socket", default=None, help="control socket path")
+    sk.add_argument("--rdzv-id", default=None, help=_RDZV_ID_HELP)
     nd = sub.add_parser(
         "node",
         help="this node's record: quarantine and failures (read here, no daemon needed)",

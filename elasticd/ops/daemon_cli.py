@@ -17,27 +17,58 @@ FINAL_STATES = ("SUCCEEDED", "FAILED", "STOPPED", "LEFT")
 
 
 def status(args: argparse.Namespace) -> int:
+    """Each daemon meant (`_daemons`), or the one --rdzv-id names: with --json one document, the
+    status object of the one daemon, or a list of them (each with its `socket`) where several
+    run; readable, each job under a line that names it."""
     paths = _daemons(args)
-    code = EXIT_NOT_RUNNING
+    code, replies = EXIT_NOT_RUNNING, []
     for path in paths:
-        reply = _ask(path, {"command": names.STATUS})
+        reply = _ask(path, _STATUS)
         if isinstance(reply, int):
             code = reply if code == EXIT_NOT_RUNNING else code
             continue
-        status = reply["status"]  # the wire form, printed as it came by --json
-        socket = str(path) if len(paths) > 1 else None
-        snapshot = from_json(Snapshot, status)
-        if args.json:
-            print(
-                json.dumps(
-                    {**status, "socket": socket} if socket else status, indent=2, default=str
-                )
-            )
-        else:
-            print(render.status(snapshot, socket))
+        replies.append((str(path), reply["status"]))  # the wire form, printed as it came by --json
+    replies = _of_job(replies, getattr(args, "rdzv_id", None))
+    if replies is None:
+        return EXIT_USAGE
+    several = len(paths) > 1
+    from elasticd.logs import printable
+
+    if args.json and replies:  # one document: an object, or a list where several jobs run
+        docs = [{**st, "socket": path} if several else st for path, st in replies]
+        print(json.dumps(docs if len(docs) > 1 else docs[0], indent=2, default=str))
+    elif len(replies) > 1:
+        print(
+            f"{len(replies)} elasticd jobs on this node: "
+            + ", ".join(f"{st.get('run_id')} ({path})" for path, st in replies)
+        )
+    for i, (path, st) in enumerate(replies):
+        snapshot = from_json(Snapshot, st)
+        if not args.json:
+            if len(replies) > 1:
+                print(("\n" if i else "") + f"== job {printable(str(snapshot.run_id))} ==")
+            print(render.status(snapshot, path if several else None))
         if snapshot.state not in FINAL_STATES:
             code = EXIT_OK
-    return code
+    return code if replies or code != EXIT_NOT_RUNNING else EXIT_NOT_RUNNING
+
+
+def _of_job(replies: list[tuple[str, dict]], run_id: str | None) -> list | None:
+    """The replies of the job --rdzv-id names (all without it); None, the line said, when no
+    daemon here runs it."""
+    if run_id is None:
+        return replies
+    from elasticd.logs import printable
+
+    mine = [(path, st) for path, st in replies if st.get("run_id") == run_id]
+    if replies and not mine:
+        sys.stderr.write(
+            f"elasticd: error: no elasticd daemon here runs --rdzv-id {printable(run_id)} (jobs: "
+            + ", ".join(printable(str(st.get("run_id"))) for _, st in replies)
+            + ")\n"
+        )
+        return None
+    return mine
 
 
 def _daemons(args: argparse.Namespace) -> list:
@@ -51,16 +82,26 @@ def _daemons(args: argparse.Namespace) -> list:
 
 
 def _one_daemon(args: argparse.Namespace) -> str | None:
-    """The one daemon stop or stacks acts on; None (the line said) when several run."""
+    """The one daemon stop or stacks acts on (of the job --rdzv-id names, if given); None (the
+    line said) when several run."""
     paths = _daemons(args)
+    if getattr(args, "rdzv_id", None) is not None:
+        replies = [(str(p), r["status"]) for p in paths if isinstance(r := _ask(p, _STATUS), dict)]
+        mine = _of_job(replies, args.rdzv_id)
+        if not mine:
+            return None
+        paths = [path for path, _ in mine]
     if len(paths) > 1:
         sys.stderr.write(
             f"elasticd: error: {len(paths)} elasticd daemons run here ("
             + ", ".join(map(str, paths))
-            + "): give --socket with the one you mean\n"
+            + "): give --socket or --rdzv-id with the one you mean\n"
         )
         return None
     return paths[0]
+
+
+_STATUS = {"command": names.STATUS}
 
 
 def _ask(path, payload: dict, timeout: float = 5.0) -> dict | int:
