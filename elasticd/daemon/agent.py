@@ -1,4 +1,5 @@
-"""The agent's main loop: the only code that changes daemon state.
+"""The agent's main loop (`Agent`: rendezvous -> run -> watch -> restart / stop / exit barrier):
+the only code that changes daemon state.
 
 It walks the state machine of elasticd/daemon/states.py (State, and the TRANSITIONS that set_state
 checks at every change).
@@ -12,6 +13,10 @@ other nodes (cluster/peers.py), backoff and recovery timeline (recovery.py), the
 and the operators' figures in it (status.py: ops/figures.py, ops/stragglers.py), the inbox and
 stop requests (inbox.py), the waits (waits.py); and the node's health check
 (ops/healthcheck.py), which it calls at a few hooks.
+
+The collaborators that reach outside the daemon (store and rounds, peers, local group, spares,
+health check, subreaper) are made from factories `Agent` is given, the real ones by default:
+tests/unit/test_agent.py gives fakes and drives every edge of `TRANSITIONS`.
 """
 
 from __future__ import annotations

@@ -7,6 +7,11 @@ collective (or in backward, where DDP's gradient all_reduce waits) are the victi
 elsewhere (a data read, a sleep, a lock, a different collective) is the culprit. Each node
 reduces its ranks' dumps to a `Where` (a few short strings) and, across nodes, publishes only
 those (daemon/hangs.py), so the verdict is the same wherever it is judged.
+
+`where` reduces a faulthandler dump to where the training thread waits: the torch.distributed
+collective (`COLLECTIVES`), or `backward`, else the innermost frame outside Python's library.
+`judge_hang` names the ranks elsewhere than the collective most ranks waited in. A node's summary
+travels between daemons as `summary` writes it and `parse_summary` reads it.
 """
 
 from __future__ import annotations

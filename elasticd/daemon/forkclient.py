@@ -1,6 +1,12 @@
 """Warm spares as the daemon sees them: the daemon side of the fork server
 (elasticd.worker.forkserver), which forks spares with torch already imported, and the fallback of
 a fresh interpreter per spare. A spare waits on its job pipe for a rank (see spawn.spawn).
+
+`ForkServer` asks for spares, collects them without blocking the loop and, with `teach`, asks the
+server to import learned modules; `start_spare` starts a fresh-interpreter spare where the server
+is unfit; `discard_spares` lets spares go. `Spare.bind` binds a spare to a rank's environment
+(worker/bound.py), and `Spare.fits` says whether a rank's environment has the values a bound
+spare's imports read.
 """
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""A tiny watcher that outlives a SIGKILLed daemon just long enough to kill its workers' tree.
+"""A tiny watcher that outlives a SIGKILLed daemon just long enough to kill its workers' tree:
+a process started with a pipe from the daemon, which kills every process carrying the daemon's
+token when the pipe closes.
 
 The bootstrap's parent-death signal takes the workers down with the daemon, but not what they
 started (DataLoader workers, subprocesses). The daemon starts this guard with a pipe on its stdin;

@@ -1,10 +1,10 @@
-"""A hang's culprit named before the restart (the agent's hook, `name_culprit`): this node's
-ranks' stack dumps reduced to where each waits (culprit.py), published to the other nodes and
-theirs gathered (cluster/hang_summaries.py), and the job-wide verdict added to the failure's
-reason, so that the restart cause, status and the final line name the rank (and node) elsewhere
-while the others waited in a collective. A node told of a hang by another node dumps its own
-workers' stacks for it first. Every wait is bounded (GATHER): a node that says nothing in time is
-named as such, never waited for."""
+"""A hang's culprit named before the restart (the agent's hook, `name_culprit`): this node's ranks'
+stack dumps reduced to where each waits (culprit.py), published to the other nodes and theirs
+gathered (cluster/hang_summaries.py), and the job-wide verdict added to the failure's reason (and a
+`hang_culprit` event), so that the restart cause, status and the final line name the rank (and node)
+elsewhere while the others waited in a collective. A node told of a hang by another node dumps its
+own workers' stacks for it first. Every wait is bounded (GATHER, 3 s): a node that says nothing in
+time is named as such, never waited for."""
 
 from __future__ import annotations
 

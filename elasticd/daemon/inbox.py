@@ -2,6 +2,10 @@
 and poke a wake-up pipe (also signal.set_wakeup_fd's, so any handled signal, SIGCHLD included,
 wakes the loop); the loop waits on that pipe and drains the queue from its own thread. What
 arrives that way most often is a stop request (Stops): from a signal or the stop command.
+
+`Stops` takes the stop requests (a handled signal or the stop command asks for a stop with a
+grace; a second one forces it). `Inbox.drain` is what the loop does with each item: one stacks
+dump answers every `stacks` request waiting.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Spares that import what this job's workers import: the daemon's side.
+"""Spares that import what this job's workers import: the daemon's side (`Learning`), which teaches
+the fork server the union of what an attempt's workers imported and says its report as events.
 
 Each worker names the library modules it has imported at its first optimizer step
 (worker/imported.py, `rankN.modules` beside its heartbeat file). Once every worker of an attempt
@@ -8,6 +9,11 @@ left out); when its report comes back the spares forked before are replaced, so 
 takes spares that have the job's frameworks imported: Lightning, transformers' Trainer and the
 rest no longer cost their import after a crash. Each module not preloaded is said in one line
 with why (grouped by its cause); the whole report stays in the run directory.
+
+A server is taught at most once per attempt and `MAX_TRIES` (3) times per run; a name that ranks
+loaded from different files is not taught. The report is said as events: `preload_skipped`, once
+per cause, and `preload_learned`. SparePool (spares.py) replaces the spares forked before it, and
+a server tainted after all (a rank variable read in the server) by one that learns nothing.
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
-"""Whether the kernel's OOM killer ended a worker, without dmesg: a SIGKILL looks the same whoever
-sent it, but an OOM kill also raises counters the kernel keeps. Two are read: the oom_kill count
-of the worker's memory cgroup (cgroup v2 `memory.events`, v1 `memory.oom_control`), exact for a
-cgroup's limit, and the host's /proc/vmstat `oom_kill`, which every OOM kill raises (a cgroup's
-or the whole machine's). A counter that went up between the attempt's start and the worker's
-SIGKILL calls it an OOM kill; on the host's counter another process's OOM kill at the same moment
-would be taken for ours, which the cgroup's counter rules out where the worker has its own.
+"""Whether the kernel's OOM killer ended a worker, without dmesg (`Counters`, read as an attempt
+starts): a SIGKILL looks the same whoever sent it, but an OOM kill also raises counters the kernel
+keeps. Two are read: the oom_kill count of the worker's memory cgroup (cgroup v2 `memory.events`, v1
+`memory.oom_control`), exact for a cgroup's limit, and the host's /proc/vmstat `oom_kill`, which
+every OOM kill raises (a cgroup's or the whole machine's). A counter that went up between the
+attempt's start and the worker's SIGKILL calls it an OOM kill; on the host's counter another
+process's OOM kill at the same moment would be taken for ours, which the cgroup's counter rules out
+where the worker has its own.
 """
 
 from __future__ import annotations

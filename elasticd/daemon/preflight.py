@@ -2,6 +2,11 @@
 before anything starts: the log and checkpoint directories safe and writable, this run's
 directory made fresh, the rendezvous port free, the health check and the entrypoint there to run.
 Each problem is one ConfigError line (exit code 2), as a bad setting is.
+
+`check_log_dir` judges `--log-dir`, `--checkpoint-dir`, `--state-dir` and the metrics textfile's
+directory safe and writable; `make_run_dir` makes this run's directory fresh. A module entrypoint
+is found with `find_module`: by the finders, without importing any of its packages (a package's
+`__init__` would run in the daemon).
 """
 
 from __future__ import annotations

@@ -1,6 +1,10 @@
 """The worker processes' lives after spawn: reap exits, stop a whole tree (SIGTERM, grace,
 SIGKILL, then a sweep by the daemon's token), dump stacks on request; and the daemon's own
 process setup (subreaper, the guard).
+
+The sweep (`find_tree`, psutil) spares the health check's session, which carries the token too. A
+sweep that cannot read /proc (EMFILE) is retried until the kill timeout and then said in one line
+(`teardown_sweep_failed`), never raised.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""What a restart costs: the backoff before it and the recovery timeline after it.
+"""What a restart costs (`Recovery`): the backoff before it (the crash streak) and the recovery
+timeline after it.
 
 Backoff is for crash loops: its exponent is the number of consecutive failed attempts that never
 trained, so a job that trained for hours does not pay 30 s per crash. The timeline marks the

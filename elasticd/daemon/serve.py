@@ -1,6 +1,7 @@
-"""The daemon process around the agent loop (`elasticd run`): the control socket and its
-commands, sd_notify, the death guard and the metrics exporter, started before the loop and closed
-after it; the one line a failed or departed node leaves on stderr.
+"""The daemon process around the agent loop (`elasticd run`): the control socket and its commands
+(the loop's side of the forwarded ones: `FORWARDED`), sd_notify, the death guard and the metrics
+exporter, started before the loop and closed after it; the one line a failed or departed node leaves
+on stderr.
 """
 
 from __future__ import annotations

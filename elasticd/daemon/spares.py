@@ -1,5 +1,6 @@
-"""The warm spares of one daemon run: processes waiting for a rank, and the fork server that
-forks them (forkclient.ForkServer), or fresh interpreters where the server is unfit.
+"""The warm spares of one daemon run (`SparePool`): processes waiting for a rank, and the fork
+server that forks them (forkclient.ForkServer), or fresh interpreters where the server is unfit;
+when they are refilled.
 
 A fork server that dies (an OOM killer's pick: torch imported, a large RSS) is started again
 after a backoff (supervise.Part), while fresh-interpreter spares cover the gap; an unfit one would
@@ -8,7 +9,12 @@ be unfit again, and stays off.
 Spares are asked for while the nodes meet, handed to spawn.spawn at a start, and refilled:
 at once after a start when the fork server makes them (a fork each: nothing the starting
 workers would notice), otherwise once the new workers are past start-up (a fresh interpreter's
-imports would slow theirs), or after REFILL_AFTER seconds.
+imports would slow theirs), or after REFILL_AFTER seconds. A spare that died (killed: an OOM
+killer's pick too) is replaced.
+
+Once learning (learning.py) found modules that read a rank variable, one more spare per local rank
+is bound to its environment in the running attempt (worker/bound.py; the `spares_bound` event);
+those bound to another world's environments are let go at the next start.
 """
 
 from __future__ import annotations

@@ -4,6 +4,10 @@ warm spare, and read back what torch's error file says of a worker that failed.
 Each worker gets its own session (so its process group can be signalled as one), its output goes
 straight to a per-rank file (a slow daemon can never block a worker on a full pipe), and it
 carries ELASTICD_AGENT=<token> so a sweep finds every descendant, even one that left the session.
+
+`GroupSpec` is what a start needs, `worker_env` a worker's environment, `master_name` torchrun's
+host name for a loopback worker store. `read_error_file` gives the error file's exception line,
+escaped and cut short (the worker wrote it; the operator's terminal and the peers show it).
 """
 
 from __future__ import annotations

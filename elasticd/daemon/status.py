@@ -1,9 +1,13 @@
-"""The status the control socket serves: an immutable snapshot the agent loop publishes (at every
-state change and every PUBLISH_EVERY seconds while running), with the recent events, what a
-restart would resume from, and the operators' figures: the board owns the job's figures
-(ops/figures.py), the stragglers (ops/stragglers.py) and the replication (ops/replication.py),
-which read the workers' heartbeats at every publish; the loop feeds the figures its restarts
-and recoveries.
+"""The status the control socket serves (`StatusBoard`): an immutable snapshot the agent loop
+publishes (at every state change and every PUBLISH_EVERY seconds while running), with the recent
+events, what a restart would resume from, and the operators' figures: the board owns the job's
+figures (ops/figures.py), the stragglers (ops/stragglers.py) and the replication
+(ops/replication.py), which read the workers' heartbeats at every publish; the loop feeds the
+figures its restarts and recoveries.
+
+At every publish the board builds an ops/snapshot.py `Snapshot` and keeps its JSON form, which the
+control socket and the metrics read; the health check's report and the checkpoint and in-memory
+step a restart would resume from go into it.
 """
 
 from __future__ import annotations

@@ -2,10 +2,11 @@
 
 An OOM killer picks exactly the fork server (torch imported, a large RSS); a bug can end a thread.
 Each part that dies is noticed, logged and started again after an exponential backoff; after
-GIVE_UP_AFTER failures within GIVE_UP_WINDOW seconds it is left off (a part that keeps dying at
-once would only burn CPU), with one event and its state in status (`parts`). `thread()` does this
-for a thread's function, `Kept` for a helper process watched through its stdin pipe; the spare
-pool does it for the fork server with a `Part` of its own.
+GIVE_UP_AFTER failures within GIVE_UP_WINDOW seconds it is left off (a part that keeps dying at once
+would only burn CPU), with one event and its state in status (`parts`, from `report()`). A `Part` is
+up, restarting or off; by default it gives up after 5 failures in 10 minutes. `thread()` does this
+for a thread's function, `Kept` for a helper process watched through its stdin pipe; the spare pool
+does it for the fork server with a `Part` of its own.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""sd_notify without libsystemd: READY, STATUS, WATCHDOG, STOPPING, EXTEND_TIMEOUT_USEC.
+"""sd_notify over `$NOTIFY_SOCKET`, without libsystemd: READY, STATUS, WATCHDOG, STOPPING,
+EXTEND_TIMEOUT_USEC; and the watchdog interval (`watchdog_interval()`).
 
 Every function is a no-op returning False outside systemd (no $NOTIFY_SOCKET), so the daemon calls
 them unconditionally. Sending never raises: a lost notification must not take the daemon down

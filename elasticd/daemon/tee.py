@@ -1,5 +1,10 @@
-"""The tee: new lines of the rank logs echoed to the daemon's stdout, prefixed, escaped, and a
-progress bar's redraws rate-limited (see Tee).
+"""The tee: new lines of the rank logs echoed to the daemon's stdout, prefixed (torchrun's prefix
+template), escaped, and a progress bar's redraws rate-limited (see Tee).
+
+A multi-line display's frames are held like a bar's redraws (`_frames`), and a display's redraw
+sequences (colours, erase line, cursor up, cursor shown) are dropped. `display_env` is what makes
+Rich draw live into the log when the echo reaches a terminal. The thread wakes only when
+something can be echoed (`Tee`).
 """
 
 from __future__ import annotations

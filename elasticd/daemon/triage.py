@@ -9,6 +9,13 @@ made (the default of each cause, states.py); a peer's class travels in its resta
 repeat verdict is the job's: the closing of the round after a failure compares the failure's
 signature with the one the previous closing recorded (cluster/closing.py), so every node reads the
 same verdict from the round's members.
+
+`FailureClass` lists the classes (user, oom, hardware, hang, node_lost, store_unreachable, stop,
+killed, rendezvous, scale, unknown); `classify` takes a worker's exit, error-file text and OOM
+evidence, and never makes a failure `hardware` from its error text (the job writes that: a GPU
+fault is the health check's to find). `signature` is the exception type and message with numbers
+masked and the innermost user frame, else the exit code or signal. `repeats` is the
+deterministic-failure rule (`--deterministic-retries`), and judges user, oom and hardware alike.
 """
 
 from __future__ import annotations

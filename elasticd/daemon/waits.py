@@ -1,8 +1,8 @@
-"""How the agent loop waits: in one place (`Waits.idle`), woken by its inbox, doing at every
-wake-up the chores the loop owes meanwhile (systemd's watchdog fed here only, so that a wedged
-loop starves it); and how it makes a long blocking call (store connect,
-rendezvous join, exit barrier) on a helper thread while it goes on waiting that way
-(`Waits.blocking`), which a stop request can leave.
+"""How the agent loop waits: in one place (`Waits.idle`), woken by its inbox, doing at every wake-up
+the chores the loop owes meanwhile (systemd's watchdog fed here only, so that a wedged loop starves
+it); and how it makes a long blocking call (store connect, rendezvous join, exit barrier) on a
+helper thread while it goes on waiting that way (`Waits.blocking`), which a stop request can leave
+(`Interrupted`). `Waits.idle` waits for a deadline or a condition.
 """
 
 from __future__ import annotations
