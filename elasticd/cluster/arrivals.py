@@ -1,6 +1,10 @@
 """A round's arrival records: the counter that numbers them (a hint only: it cannot be signed),
 the record a node claims at its number, and the records found from the counter (or, once someone
 raised it past any real number, by listing the round's keys); the nodes waiting to join.
+
+The counter's key carries a tag derived from the secret, and is set back when it holds no number;
+past MAX + 64 numbers the records are found by listing. A record is claimed create-only, and each
+is read once: one that does not verify joins `bad_records`, never read again.
 """
 
 from __future__ import annotations

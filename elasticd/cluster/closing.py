@@ -2,6 +2,10 @@
 beats of the expected nodes that have not come) until the closing rule (closing_rule.py) says
 to close, spends the job's restart budget where the rule says so, and writes the members in one
 value each node reads once (compare-and-set: when several close, one closing wins).
+
+The nodes it expects are the previous members and the nodes that waited to join, less the lost;
+the beats of those missing are read for the rule. After a failure, the repeat verdict (`_repeats`,
+daemon/triage.py's rule) is taken here, so every node reads the same one from the members.
 """
 
 from __future__ import annotations

@@ -9,6 +9,10 @@ previous members to have stopped their workers and beaten: --restart-grace + --k
 LOST_SILENCE). The members keep the previous round's group-rank order (the node holding rank 0
 keeps it while it lives), the newcomers after them by arrival. Closing after a failure that
 lost no node spends one restart of the job's budget.
+
+`decide` says close now (full, everyone, late) or wait, with the members in group-rank order, the
+lost, whether closing spends the budget and the join deadline; `budget_spent` is the verdict past
+--max-restarts.
 """
 
 from __future__ import annotations

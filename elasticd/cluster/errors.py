@@ -1,8 +1,9 @@
 """How the rendezvous fails, as the agent loop tells the cases apart: the job cannot form or go on
-(`RendezvousFailed`, and its kinds), or the store does not answer for now (`StoreUnreachable`:
-stop the workers, join again once it answers; `host_down` when a c10d store's host refuses the
-connection: its daemon is down, and systemd may start it again). `store_call` turns a store's
-kv.Unreachable into one of them, one line naming the store. Torch-free.
+(`RendezvousFailed`, and its kinds: `StoreLost`, `BudgetSpent`, `Deterministic`), or the store does
+not answer for now (`StoreUnreachable`: stop the workers, join again once it answers; `host_down`
+when a c10d store's host refuses the connection: its daemon is down, and systemd may start it
+again). `store_call` turns a store's kv.Unreachable into one of them, one line naming the store.
+Torch-free.
 """
 
 from __future__ import annotations

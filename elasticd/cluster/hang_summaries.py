@@ -1,8 +1,9 @@
-"""What each node saw of a hang, through the store: a short summary of its ranks' innermost
-frames under the round's `hang/<node id>` key, written once by every node that declares or is told
-of a hang, and read by all, so that the culprit is named across the job (daemon/hangs.py judges).
-One write and a few bounded reads per node per hang; the values are sealed as every other, and one
-that is not of its form is left out (as a node that said nothing)."""
+"""What each node saw of a hang, through the store: a short summary of its ranks' innermost frames
+under the round's `hang/<node id>` key, written once by every node that declares or is told of a
+hang (`publish`), and read by all until a deadline (`gather`), so that the culprit is named across
+the job (daemon/hangs.py judges). One write and a few bounded reads per node per hang; the values
+are sealed as every other, and one that is not of its form is left out (as a node that said
+nothing)."""
 
 from __future__ import annotations
 

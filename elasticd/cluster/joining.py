@@ -2,7 +2,8 @@
 number (create-only), then waits for the round's members: written by the first arrival, which
 closes the round (closing.py), or by any node once the closer may have died. A node that arrives
 after the round closed waits for that round's restart and joins the next. Group rank 0 hosts the
-round's worker store and writes its address; the others wait for it.
+round's worker store and writes its address; the others wait for it. A node that was in a
+multi-node round and forms one of its own says so (`rendezvous_alone`).
 """
 
 from __future__ import annotations

@@ -7,6 +7,11 @@ module imports no torch: only tcpstore.py does.
 Every call is bounded: a store that does not answer within the timeout raises `Unreachable`
 (one line naming the endpoint), never a C++ stack or a hang. A store connection serves one call
 at a time, so a thread that blocks in `wait` uses its own connection (`clone`).
+
+The operations (`KV`): set, get without blocking, multi_get, take / taken of a numbered roll,
+compare_set against any raw value, the keys under a prefix, wait, clone. `Unreachable.refused`
+says the store is gone for good (its host refused the connection), and `BadCounter` is a counter
+someone wrote a non-number over.
 """
 
 from __future__ import annotations

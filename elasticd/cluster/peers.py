@@ -13,6 +13,9 @@ A node is lost when it has been silent for --peer-timeout, or silent for LOST_SI
 more than two of our steps) with evidence that it is gone rather than slow: none of our workers
 has stepped since it went quiet (their collectives wait on it). A daemon stopped for a few
 seconds (its workers still training) or a starved one (its beats late, not missing) is never lost.
+A c10d store's host that refuses the connection is down, acted on at once. On the c10d store's
+host, the liveness thread also answers the challenges of the nodes that would follow its run,
+every ANSWER_EVERY between beats (run.answer).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ after it. So a c10d store's host
 that dies and is started again hosts a fresh store and begins a new run there, which the other
 nodes follow once it answers (at each try to join a round after their connection to the store
 was made anew: Rendezvous.follow_run); an earlier run's record written back moves no one, nor
-keeps anyone in a run whose host is gone.
+keeps anyone in a run whose host is gone. `current_run` reads the run's record.
 """
 
 from __future__ import annotations

@@ -4,7 +4,9 @@ reads are done by the caller), so that a table of cases can check them (tests/un
 A node's silence is the time since its beat counter last went up. Two readers keep it: the
 liveness thread for the ring neighbours this node watches (peers.py: `account`, then `judge`
 whether one is lost), and the node closing a restarted round for the expected nodes that have
-not arrived (closing.py: `missing_lost`).
+not arrived (closing.py: `missing_lost`). Time we could not see the store is excused; the
+closer's missing nodes are lost after LOST_SILENCE; a watched node is lost when silent for
+--peer-timeout, or for a few beats while our workers wait on it.
 """
 
 from __future__ import annotations

@@ -1,7 +1,13 @@
 """Opening the control plane's store for a config: the etcd cluster (--rdzv-backend etcd), the
 c10d TCPStore this node hosts or connects to, or a dict in the daemon for a single-node job;
 connections retried with backoff until --join-timeout, failures as one line with what to check.
-Imports tcpstore.py, so torch.distributed.
+Imports tcpstore.py, so torch.distributed, only for a multi-node c10d store.
+
+The c10d store is hosted bound to the endpoint's address only. On the store's host, a rendezvous
+port another user's process holds is one line, exit 2 (`refuse_squatter`: the listener's uid from
+/proc/net/tcp, `listener_owner`); the daemon's own user or root is another node's daemon, which
+this node joins. `op_timeout` and `local_address` serve the callers; `etcd_hint` turns an etcd
+failure's causes into what to check.
 """
 
 from __future__ import annotations

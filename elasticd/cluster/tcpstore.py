@@ -4,8 +4,11 @@ the KV client over it (`TCPStoreKV`, connected with `tcp_connector`). The only m
 cluster package whose store needs torch: kv.py (the protocol, `LocalKV`) and etcd/ stay
 torch-free, so the CLI and an etcd-only caller never load it.
 
-Every call is bounded: a store that does not answer within the timeout raises `kv.Unreachable`
-(one line naming the endpoint), never a C++ stack or a hang (`bound_replies`).
+Every call is bounded: a store that does not answer within the timeout raises `kv.Unreachable` (one
+line naming the endpoint), never a C++ stack or a hang (`bound_replies`: the client socket's
+SO_RCVTIMEO). It connects on a helper thread, reads "absent" through a per-process random marker no
+writer can forge, and counts the connections it made (`connections`: one kept is the same store and
+host). The server is bound to the one address (`bind_listener`).
 """
 
 from __future__ import annotations

@@ -1,5 +1,8 @@
 """How often and how long the control plane's protocol looks and waits (rendezvous.py and its
-parts, peers.py): one place for its pacing. Plain numbers, torch-free.
+parts, peers.py): one place for its pacing. Plain numbers, torch-free: beats, `LOST_SILENCE`,
+polls, waits (`LOOK_WAIT` says why a key nodes wait on is never read first), `CLOCK_SKEW`,
+`HOST_DOWN_POLL`, and a follower's wait for the c10d host's answer (`HOST_ANSWER`, `ANSWER_POLL`,
+`ANSWER_EVERY`).
 """
 
 BEAT_EVERY = 0.25  # seconds between a node's liveness beats

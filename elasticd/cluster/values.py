@@ -2,7 +2,9 @@
 for whatever is not of its form (the caller then treats the value as garbage: never a decision,
 never a crash). Pure and torch-free: a value has already been opened (signing.py) when a parser
 sees its text, and a parser may raise ValueError, UnicodeDecodeError or RecursionError (json),
-which the caller counts as "not of its form" too.
+which the caller counts as "not of its form" too. Parsers: the run, a round number, the
+members, an arrival record, a restart reason, the budget, the worker store's address, the job's
+end, and the protocol's smaller values.
 """
 
 from __future__ import annotations

@@ -47,7 +47,8 @@ watch again) every few seconds, so a member that lost its cluster silently canno
 until the deadline.
 
 One EtcdKV serves one call at a time (a lock keeps it so); a thread that blocks in `wait` uses a
-`clone()`. Keys are used exactly as given (the caller scopes them per job).
+`clone()`. Keys are used exactly as given (the caller scopes them per job). `connect()` makes
+the daemon's. tests/etcd_cluster.py starts a real cluster for the tests and bench/etcd_kv.py.
 """
 
 from __future__ import annotations

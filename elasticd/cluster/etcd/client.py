@@ -1,6 +1,13 @@
 """`EtcdKV`: the control plane's key-value operations (kv.KV) on an etcd cluster, each one POST
 to the member in use, failing over across the endpoints until the call's deadline (see the
 package's description).
+
+`take` is one put returning the key's previous version (no retries under contention),
+`compare_set` a transaction, `wait` a read then a watch from its revision. When the deadline
+passes, `Unreachable` names every endpoint; a member that answers no (auth, permission) is
+`Refused`. It logs in per member. A reply that cannot be read is that member's failed attempt
+(failover; logged once a minute per member), never another exception; `close()` shuts a call in
+progress down at once.
 """
 
 from __future__ import annotations

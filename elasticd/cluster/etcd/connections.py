@@ -1,6 +1,6 @@
-"""The kept-alive connections to the members, one per endpoint: made under a deadline (and the
-TLS handshake with them), replaced when a member closed one while it was idle, and shut down at
-once by `shut_all` (a call in progress on another thread then fails at once).
+"""The kept-alive connections to the members (`Connections`), one per endpoint: made under a
+deadline (and the TLS handshake with them), replaced when a member closed one while it was idle, and
+shut down at once by `shut_all` (a call in progress on another thread then fails at once).
 """
 
 from __future__ import annotations

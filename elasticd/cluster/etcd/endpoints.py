@@ -1,5 +1,7 @@
-"""Where the etcd cluster's members are: `--rdzv-endpoint`'s list parsed (`Endpoint`), the TLS
-settings of https members, the member this node talks to first, and a member's addresses.
+"""Where the etcd cluster's members are: `--rdzv-endpoint`'s list parsed (`parse_endpoints`,
+`Endpoint`), the TLS settings of https members, the member this node talks to first
+(`preferred_endpoint`: this machine's own, else one at random), and a member's addresses (name
+resolution).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """How an etcd call fails: as the caller sees it (`Refused`, `NoAnswer`, `Misconfigured`, each a
 kv.Unreachable) and, inside a call, one attempt on one member (`Failed`, which the call fails over
-on); the one printable line a member's words become.
+on); the one printable line a member's words become (`one_line`). `NoAnswer.causes` are the kinds of
+the endpoints' last failures, which stores.py turns into the operator's hint.
 """
 
 from __future__ import annotations

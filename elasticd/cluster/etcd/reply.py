@@ -1,6 +1,7 @@
 """Reading a member's HTTP reply under one deadline and a size bound: a member trickling a byte at
 a time cannot stretch the reply past its attempt's deadline (as it could a timeout per recv), and
-a Content-Length of 10^13 or a chunk size of -1 cannot fill the memory.
+a Content-Length of 10^13 or a chunk size of -1 cannot fill the memory (at most `MAX_REPLY`
+bytes).
 """
 
 from __future__ import annotations

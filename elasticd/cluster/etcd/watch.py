@@ -1,6 +1,7 @@
 """`wait` on etcd: a watch of the key from the revision after a read, streamed on a connection
 of its own (`start`), read until the key's first put (`next_put`); each thread's open watch
-kept between the slices of its wait (`Streams`) and renewed every WATCH_RENEW seconds.
+kept between the slices of its wait (`Streams`) and renewed every WATCH_RENEW seconds; read
+with select.
 """
 
 from __future__ import annotations
