@@ -1,5 +1,6 @@
 """The control socket's client, in the CLI's process (`elasticd status`, `stop`, `stacks`): one
-request, one reply, every failure one ControlError line that says what to do. It imports nothing
+request, one reply (`request`), every failure one ControlError line that says what to do;
+`ensure_ok` turns an error reply into one. It imports nothing
 of the daemon's side, so the CLI stays quick and torch-free.
 """
 

@@ -1,7 +1,7 @@
-"""The commands the control socket takes, by name (`COMMANDS`): which the server answers on its
-own thread from the status snapshot, which it hands to the agent loop, and the checks of their
-fields; and `parse_request`, which judges a request's bytes before any command sees them. Adding
-a command is an entry here (see `Command`).
+"""The commands the control socket takes, by name (`COMMANDS`): which the server answers on its own
+thread from the status snapshot, which it hands to the agent loop, and the checks of their fields;
+and `parse_request`, which judges a request's bytes before any command sees them (never an
+exception). Adding a command is an entry here (see `Command`).
 """
 
 from __future__ import annotations

@@ -2,6 +2,10 @@
 for a second daemon of the same user), and the daemons a CLI call without --socket may mean
 (`find_daemons`). Both sides use it; a squatted /tmp/elasticd-UID gives way to the user's own
 /tmp/elasticd-UID-XXXXXXXX, which the daemon and the CLI find alike.
+
+The default path: `$ELASTICD_SOCKET`; else systemd's RuntimeDirectory; else /run/elasticd for
+root; else `$XDG_RUNTIME_DIR/elasticd`; else under /tmp. `find_daemons` looks only in directories
+that only this user or root can write.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """The control socket's protocol, which the server (daemon) and the client (CLI) share: its version,
-the size limits, the error reply and the errors either side raises.
+the size limits, the error reply and the errors either side raises (`VERSION`; `ControlError`,
+`NoDaemon`, `PermissionDenied`, `ProtocolError`, `AlreadyRunning`).
 
 Protocol (version 1): one JSON object per connection, ended by a newline or EOF; one JSON object
 back on one line; then the connection closes.

@@ -1,9 +1,10 @@
-"""The control socket's server: one thread of the daemon that serves the operators.
+"""The control socket's server (`ControlServer`): one thread of the daemon that serves the
+operators.
 
 It only *reads* the immutable snapshot the agent loop publishes and hands commands to the loop
 through the `command` callback (which must only enqueue): it never changes daemon state, so the
 loop stays the single writer. A command the loop must carry out before it can answer (stacks) gets
-a Deferred: the connection waits, without holding up the server's thread, until the loop gives the
+a `Deferred`: the connection waits, without holding up the server's thread, until the loop gives the
 reply or the Deferred's timeout passes. One thread multiplexes every connection with `selectors`,
 each with a hard deadline, so a slow or hostile client neither wedges the server nor delays
 another client. Every malformed request gets an error reply (never a dropped connection). Who is

@@ -1,7 +1,8 @@
 """The control socket's file, made by the daemon so that it is never reachable with looser rights
 than its final ones, never replaces a live daemon's socket, and is removed only while it is still
-ours: the directory checked (or made private), a stale socket cleared, the socket bound in a fresh
-0700 directory and hard-linked into place.
+ours: the directory checked (or made private, its group given to the operators), a stale socket
+cleared and a live daemon's refused (`AlreadyRunning`), the socket bound in a fresh 0700 directory
+and hard-linked into place.
 """
 
 from __future__ import annotations

@@ -17,6 +17,11 @@ Exit codes:
      start, or it left the job; node status: it is quarantined (`elasticd node clear` ends it)
 141  status/stop/stacks: the reader of the output went away (`elasticd status | head`): quiet, as
      git (128 + SIGPIPE, what a shell shows for a command a closed pipe ended)
+
+`run`'s checks before the daemon starts are here (daemon/preflight.py's, and a quarantined node
+refused before anything starts); a start that fails to bind leaves no run directory. `entry()`,
+the command itself, leaves with `os._exit` once `main()` returns: a helper thread still inside a
+torch store call would abort interpreter finalization.
 """
 
 from __future__ import annotations

@@ -1,5 +1,10 @@
 """The operator's commands to running daemons, over their control sockets: `elasticd status`,
-`stacks` and `stop`. Each returns the exit code cli.py documents, with one line on error."""
+`stacks` and `stop`. Each returns the exit code cli.py documents, with one line on error.
+
+A call goes to `--socket`, else every daemon found (control/paths.py); `--rdzv-id` picks a job's
+daemon. `status` reads each daemon's snapshot into `Snapshot`; `--json` prints one document, the
+one daemon's status as it came, or a list of them, each with its `socket`, where several run.
+`stop` waits for the socket to go away."""
 
 from __future__ import annotations
 

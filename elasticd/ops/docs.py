@@ -3,8 +3,8 @@ flags are made of), docs/metrics-reference.md from `metrics.METRICS`, docs/modul
 docstrings of the package's modules (read as text: nothing is imported), and the state diagram
 in docs/architecture.md from daemon/states.py's.
 
-`python3 -m elasticd.ops.docs` writes both (`--check`: only say whether they are current, exit 1 if
-not); tests/unit/test_docs.py fails when either differs from what the code would write. Nothing the
+`python3 -m elasticd.ops.docs` writes them all (`--check`: only say whether they are current, exit 1
+if not); tests/unit/test_docs.py fails when any differs from what the code would write. Nothing the
 daemon runs imports this module.
 """
 

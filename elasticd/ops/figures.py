@@ -1,4 +1,5 @@
-"""The job's figures as this node sees them, for status and metrics: restarts by cause, each
+"""The job's figures as this node sees them (`Figures`), for status and metrics: restarts by
+cause (`CAUSES`: the label of every RestartCause that restarts), each
 recovery's time, steps lost, goodput, step times, and what checkpoints and in-memory refreshes
 cost.
 

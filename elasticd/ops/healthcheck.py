@@ -1,15 +1,15 @@
-"""Node health checks: `--health-check CMD`, an executable run before every start and restart
-and every --health-check-interval while training.
+"""Node health checks (`HealthCheck`): `--health-check CMD`, an executable run before every start
+and restart and every --health-check-interval while training; the summary a leaving node
+broadcasts, the line it exits with, and the peers that left, as every node's status shows them.
 
-A check passes when it exits 0 within --health-check-timeout; its last line of output is the
-reason shown when it fails (only the last OUTPUT_KEPT bytes are kept: a check printing 100 MB
-costs the daemon 64 KiB). It runs on a helper thread (the loop never waits on it, except
-before a start, where the loop idles as it does for a rendezvous: stoppable, feeding the
-watchdog), in its own session, with the daemon's token in its environment (so a SIGKILLed
-daemon's guard ends it too), without systemd's notify socket. What is waited for is the check
-process itself, not the end of its output: whatever it leaves running in its session (a
-background child holding the pipe) is killed and said, and a teardown's sweep spares that
-session while the check runs (`sessions`).
+A check passes when it exits 0 within --health-check-timeout; its last line of output is the reason
+shown when it fails (only the last OUTPUT_KEPT bytes are kept: a check printing 100 MB costs the
+daemon 64 KiB). It runs on a helper thread (the loop never waits on it, except before a start, where
+the loop idles as it does for a rendezvous: stoppable, feeding the watchdog), in its own session,
+with the daemon's token in its environment (so a SIGKILLed daemon's guard ends it too), without
+systemd's notify socket. What is waited for is the check process itself (through a pidfd), not the
+end of its output: whatever it leaves running in its session (a background child holding the pipe)
+is killed and said, and a teardown's sweep spares that session while the check runs (`sessions`).
 
 What a failing check does is the agent's (Agent._leave): the node stops its workers, asks the
 other nodes to restart with the reason as the restart's summary (so every node's status shows

@@ -13,7 +13,10 @@ The proof is only as good as the files: a ledger carries no signature, so whoeve
 files or a directory above them can make it say anything. The check refuses (one line, exit 2)
 a ledger file or a directory on its path that another user could change: owned by someone other
 than the caller or root, or writable by its group or others (a sticky directory such as /tmp is
-fine above the run: its entries are still only their owners' to change).
+fine above the run: its entries are still only their owners' to change: `trusted`).
+
+It says, per epoch, the samples seen once, twice or more, and never, and the per-step global batch
+sizes; exit 0 when every finished epoch was trained exactly once, 1 when not.
 """
 
 from __future__ import annotations

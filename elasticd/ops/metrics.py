@@ -8,7 +8,9 @@ collector reads it at scrape time, so the loop never waits on a scrape, and `ela
 --json` holds every number exported.
 
 Every series carries the labels run_id and node. METRICS lists them all (name, type, help,
-labels); docs/metrics-reference.md is generated from it (python3 -m elasticd.ops.docs).
+labels); docs/metrics-reference.md is generated from it (python3 -m elasticd.ops.docs), and a test
+checks it is current. `families` makes the samples of each; `Exporter` is the HTTP endpoint and
+the textfile.
 """
 
 from __future__ import annotations

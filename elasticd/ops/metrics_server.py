@@ -1,4 +1,5 @@
 """The metrics' HTTP server: prometheus-client's exposition handler on a `socketserver` of ours
+(`BoundedServer`, on one address)
 that bounds what whoever reaches the port can cost the daemon (metrics.Exporter serves it).
 
 At most MAX_CONNECTIONS connections are served at once, each for at most REQUEST_TIMEOUT for its

@@ -9,9 +9,13 @@ start here, with one line and exit code 7, until an operator runs `elasticd node
 scheduler drains the node on that code; systemd's unit does not restart it). Torch-free: the CLI
 reads the record without a daemon (`elasticd node status / clear`).
 
-The record is one small JSON file written whole (a fresh file renamed over the old, never
-through a symlink: safeio); a file that is not of its form stops the start with one line rather
-than being taken for a clean record or overwritten."""
+`strike` records one, the node quarantined once --quarantine-after fall within the window; `refusal`
+is the line `run` refuses with (`EXIT_QUARANTINED`, 7); `node_command` is `elasticd node status /
+clear`; `Quarantine` is the daemon's side (strikes as they happen, the departure, status's fields).
+
+The record (`node-record.json` in --state-dir) is one small JSON file written whole (a fresh file
+renamed over the old, never through a symlink: safeio); a file that is not of its form stops the
+start with one line rather than being taken for a clean record or overwritten."""
 
 from __future__ import annotations
 

@@ -1,8 +1,12 @@
-"""Stragglers: a local rank whose own work per step stays more than --straggler-threshold above
-the node's median for --straggler-window is reported (an event, a metric, a status field naming
-rank, node and ratio). Nothing is restarted for it: `--straggler-action report` is the only
-action so far; `restart` and `exclude-node` would act on the `Straggler` records this module
-keeps (rank, node, ratio, since when), from the agent loop, as any other RestartCause.
+"""Stragglers: the rule, pure (`judge`: a local rank whose own work per step, outside the gradient
+sync, stays more than --straggler-threshold above the node's median for --straggler-window), and
+`Stragglers`, which measures each rank's figures from the heartbeats, calls it and reports (an
+event, a metric, a status field naming rank, node and ratio).
+
+Nothing is restarted for it: `--straggler-action report` is the only action so far; `restart` and
+`exclude-node` would act on the `Straggler` records this module keeps (rank, node, ratio, since
+when), from the agent loop, as any other RestartCause. Nodes are compared in Prometheus, not
+through the store (below).
 
 What is compared. In a synchronous job (DDP) every rank's step takes as long as the slowest's:
 the others wait for it in the gradient all-reduce, so beat-to-beat step times are the same on
