@@ -8,7 +8,8 @@ an unchanged world gives it again) and hands it only a rank whose environment ha
 in the variables those imports read (daemon/spares.py). The spare checks again what its imports
 actually read against the rank it is given: where a value differs after all, what the modules
 computed from it would be wrong, so it becomes a cold worker instead (exec), slower but exactly
-what the script would see under torchrun."""
+what the script would see under torchrun. `bind` imports them and records the values read;
+`cold_start` is the exec."""
 
 from __future__ import annotations
 

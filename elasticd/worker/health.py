@@ -1,23 +1,26 @@
-"""Heartbeat files (a worker writes, the daemon reads) and hang verdicts.
+"""Heartbeat files (a worker writes, the daemon reads): one-off marks and running figures; the
+daemon's `Reader`, which takes only values in their range; and hang verdicts.
 
 A heartbeat is a few stores into a per-rank memory-mapped file: no syscall, no lock, a couple of
 microseconds, so it can sit in every optimizer step. The daemon pre-creates each file and passes
 its path in ELASTICD_HEARTBEAT_FILE. Times are CLOCK_MONOTONIC, which every process on the host
 shares, so the daemon compares them with its own clock.
 
-Layout (little endian): magic b"EDHB", version u32, beats u64, step i64, last f64, first f64,
-then one-off marks (0.0 until set): exiting f64 (the entrypoint returned or raised), pg_ready f64
+Layout (little endian): magic b"EDHB", version u32, beats u64, step i64, last f64, first f64, then
+one-off marks (0.0 until set): exiting f64 (the entrypoint returned or raised), pg_ready f64
 (init_process_group returned), state_loaded f64 (the checkpoint library loaded its state), all
-written by the worker; and abandon f64, written by the daemon just before it SIGTERMs a group
-it is restarting after a failure. The marks feed the hang verdict (exiting), the recovery
-timeline, and the checkpoint library's SIGTERM handling (abandon: die now, nothing to save).
+written by the worker; and abandon f64, written by the daemon just before it SIGTERMs a group it is
+restarting after a failure. The marks feed the hang verdict (exiting), the recovery timeline, and
+the checkpoint library's SIGTERM handling (abandon: die now, nothing to save). One more mark, at the
+file's end, says the entrypoint returned or exited 0 (returned: written before interpreter teardown,
+read with `marked`).
 
-Then running figures, f64 each, written by the worker for status and metrics (FIGURES): its own
-work per step (the time outside the gradient sync, summed, and the steps that measured it: what
-the straggler check compares), the step the checkpoint library resumed from, and the library's
-save and in-memory refresh costs and cadence, and a sharded job's replication (what it sends to
-the next node, how long that took, whether it is on). Each is one aligned store into the mapping, at
-most a few per step.
+Then running figures, f64 each, written by the worker for status and metrics (FIGURES): its own work
+per step (the time outside the gradient sync, summed, and the steps that measured it: what the
+straggler check compares), the step the checkpoint library resumed from, and the library's save and
+in-memory refresh costs and cadence, and a sharded job's replication (what it sends to the next
+node, how long that took, whether it is on: REPLICA_STATES). Each is one aligned store into the
+mapping, at most a few per step.
 
 The worker owns the file and may write anything into it: the daemon's Reader takes only values
 in their range (counts and figures finite, from 0 to MAX_FIGURE; times finite, not negative and

@@ -6,7 +6,10 @@ standard library or site-packages are named: never the script's own modules, whi
 server must not run with another sys.path, and which the user may edit between attempts. Each
 name goes with the file it was loaded from (`name<TAB>path`, the path resolved): the fork server
 imports a name only from that file (learned.Origins), never one that the server's own sys.path
-finds first elsewhere."""
+finds first elsewhere.
+
+The daemon reads a report back (`read`) as a regular file only, never blocking or through a link
+(a FIFO there names nothing), its names checked for their form, its size bounded (MAX_BYTES)."""
 
 from __future__ import annotations
 

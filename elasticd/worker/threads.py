@@ -10,7 +10,8 @@ script that sets OMP_NUM_THREADS before `import torch` (a common way to choose t
 would get the spare's count. So, until the script's first import of torch (or of another
 preloaded package, whose import would have imported torch cold), the spare watches
 `builtins.__import__`; at that import, if the thread variables differ from those torch was
-imported with, it calls torch.set_num_threads with what the cold import would have chosen.
+imported with, it calls torch.set_num_threads with what the cold import would have chosen
+(`cold_count`: MKL's rule above).
 Inter-op threads do not depend on the environment. Measured: tests/e2e/test_torchrun_compat.py.
 """
 
