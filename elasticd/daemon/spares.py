@@ -19,6 +19,8 @@ those bound to another world's environments are let go at the next start.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -49,6 +51,7 @@ class SparePool:
         # spares bound to a rank ahead (worker/bound.py): what they import, the variables read
         self.binding: tuple[dict[str, str], list[str]] | None = None  # modules (origins), reads
         self.expected: list[dict[str, str]] = []  # the running attempt's environments
+        self.environ_check: subprocess.Popen | None = None  # can spares show a rank's environ?
 
     def _start_server(self) -> None:
         self.forkserver = forkclient.ForkServer(
@@ -61,7 +64,33 @@ class SparePool:
         if self.cfg.warm_spawn and reaper:
             self.part = supervise.part("fork_server", event=self.event)
             self._start_server()
+        if self.cfg.warm_spawn:
+            self.environ_check = subprocess.Popen(
+                [sys.executable, "-P", "-c", proctitle.CHECK],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
         self.top_up()
+
+    def _say_environ(self) -> None:
+        """Once the check started at start() ended: one line where a spare handed a rank cannot
+        show that rank's environment in /proc/PID/environ (proctitle.show_environ)."""
+        check = self.environ_check
+        if check is None or check.poll() is None:
+            return
+        self.environ_check = None
+        if check.returncode != 0:
+            self.event(
+                "worker_environ_hidden",
+                level="warning",
+                why="the kernel refuses prctl(PR_SET_MM): no checkpoint/restore support and no "
+                "CAP_SYS_RESOURCE (run the daemon as root)",
+                effect="/proc/PID/environ of a worker started from a warm spare shows the "
+                "spare's environment, without RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR...; "
+                "the worker itself (os.environ) has its rank's",
+                fix="--no-warm-spawn, where a monitor maps pids to ranks by their environment",
+            )
 
     @property
     def pending(self) -> int:
@@ -168,6 +197,7 @@ class SparePool:
         """Take the spares the fork server forked and replace those that died (killed: an OOM
         killer's pick too); if the server quit, fall back to fresh interpreters and start it again
         after a backoff (not an unfit one), or once that is due."""
+        self._say_environ()
         if any(p.proc.poll() is not None for p in self.spares):
             self._fill()
         fs, part = self.forkserver, self.part
@@ -222,6 +252,9 @@ class SparePool:
         return frozenset(keep)
 
     def close(self) -> None:
+        if self.environ_check is not None and self.environ_check.poll() is None:
+            self.environ_check.kill()
+            self.environ_check.wait()
         forkclient.discard_spares(self.spares)
         if self.forkserver:
             self.forkserver.close()

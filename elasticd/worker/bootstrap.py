@@ -316,6 +316,7 @@ def wait_for_rank() -> list[str] | None:
     os.close(null)
     os.environ.clear()
     os.environ.update(job["env"])
+    proctitle.show_environ(job["env"])  # what monitors read in /proc/PID/environ, as for a cold one
     if seen is not None and not bound.holds(seen, job["env"]):
         bound.cold_start(job["args"])
     return job["args"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import signal
+from pathlib import Path
 
 from harness import FAST, run_cli, script, wait_until
 
@@ -74,3 +75,49 @@ def test_status_json_with_two_jobs(daemons, tmp_path):
     assert jobs[1].proc.poll() is None  # the other job goes on
     jobs[1].kill(signal.SIGTERM)
     jobs[1].wait(30)
+
+
+def _torch_mapped(pid: int) -> bool:
+    """Whether torch's library is loaded in the process: silent.py never imports it, so only a
+    worker that was a warm spare has it."""
+    return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+
+
+def test_environ_of_warm_and_cold_workers(daemons):
+    """/proc/PID/environ read from outside, as psutil, exporters and operators read it: a worker
+    handed its rank as a warm spare shows the rank's environment, exactly as a cold one does."""
+    seen = {}
+    for how, flags in (("warm", ()), ("cold", ("--no-warm-spawn",))):
+        d = daemons(
+            script("silent.py"),
+            *FAST,
+            *flags,
+            "--nproc-per-node",
+            "2",
+            "--rdzv-id",
+            f"env-{how}",
+            name=how,
+            args=["60"],
+        )
+        pids = wait_until(lambda d=d: len(d.worker_pids()) == 2 and d.worker_pids(), 60, what="2")
+        wait_until(lambda: all(_rank_shown(p) for p in pids.values()), 10, what="environ")
+        seen[how] = {rank: (environ(pid), _torch_mapped(pid)) for rank, pid in pids.items()}
+        d.kill(signal.SIGTERM)
+        assert d.wait(30) == 0
+    for how, ranks in seen.items():
+        for rank, (env, torch_loaded) in ranks.items():
+            assert torch_loaded == (how == "warm"), (how, rank)
+            assert env.get("RANK") == str(rank) and env.get("LOCAL_RANK") == str(rank), env
+            assert env.get("WORLD_SIZE") == "2" and env.get("LOCAL_WORLD_SIZE") == "2"
+            assert env.get("TORCHELASTIC_RUN_ID") == f"env-{how}"
+            assert all(env.get(k) for k in RANK_VARIABLES), (how, rank, env)
+            assert "ELASTICD_WARM_PRELOAD" not in env  # the spare's own variable is gone
+    for rank in (0, 1):  # the same variables, whichever way the worker started
+        assert set(seen["warm"][rank][0]) == set(seen["cold"][rank][0])
+
+
+def _rank_shown(pid: int) -> bool:
+    try:
+        return "RANK" in environ(pid)
+    except OSError:
+        return False
