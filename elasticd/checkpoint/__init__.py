@@ -1,5 +1,6 @@
-"""Checkpoints that survive a crash at any instant, and an exact resume: rank 0 writes a
-replicated (DDP) state, every rank its own shards of a sharded (FSDP2) one.
+"""The worker-side checkpoint library (`elasticd.checkpoint`, a public path), run inside the user's
+training script: checkpoints that survive a crash at any instant, and an exact resume. Rank 0
+writes a replicated (DDP) state, every rank its own shards of a sharded (FSDP2) one.
 
 Adopting it in a DDP loop (the same code runs under elasticd, torchrun or as one process):
 
@@ -25,12 +26,15 @@ between ranks over gloo), walk and snapshot (what a state may hold; its host cop
 torch.distributed.checkpoint's state_dict API; its checkpoints in DCP's format), stop (SIGTERM and
 its watchdog), memory (the in-memory state's slot files in /dev/shm), overlap (their device copies
 overlapping the next step), memory_state (the in-memory state's cadence, refreshes and resume) and
-manager (CheckpointManager). Importing this package imports torch only once a name that needs it is
-used, so `elasticd.checkpoint.format` stays cheap.
+manager (CheckpointManager). The public names (`CheckpointManager`, `capture`, `restore`,
+`load_latest`, ...) are each imported from their module at first use, so importing the package
+or its format module loads no torch.
 
 A worker-side library: it runs in the user's training processes and imports nothing of the
 daemon, cluster, control or ops packages (tests/unit/test_layout.py checks it). The daemon reads the
-torch-free parts, format (the latest checkpoint) and memory (the directory it owns).
+torch-free parts: format (the latest checkpoint, for status), and memory/directory.py and
+memory/slots.py (the in-memory directory it owns); tests/unit/test_layout.py checks they load no
+torch.
 """
 
 from __future__ import annotations

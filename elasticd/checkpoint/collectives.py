@@ -1,6 +1,8 @@
 """The checkpoint library's own small collectives: raw bytes and ints between ranks as uint8 and
 int64 tensors over gloo (no pickle crosses the network), and this process's rank and world size
-whether or not torch.distributed is up."""
+whether or not torch.distributed is up. Bytes are broadcast, gathered or sent to one rank over
+a gloo group (`cpu_group`: the default group where it has gloo, else one made once, for NCCL
+jobs)."""
 
 from __future__ import annotations
 

@@ -8,13 +8,13 @@ is not a + (b + c). A resumed process's first step would reduce in the first-ite
 where the run it continues used the rebuilt one: a few gradient elements differ in their last
 bit, and the run is no longer bit-identical to one that never failed.
 
-So capture() records the rebuilt layout (`layout`), and restore(), given a DDP model that has
-not rebuilt yet, runs one reduction of zeros with its gradient hooks fired in that order
-(`impose`): DDP rebuilds from that order at the next forward, the buckets the run had. Every rank
-does it alike (it is a collective), decided by what every rank holds alike: the state and the
-model's DDP settings. Where it cannot be done (static_graph, DDP's mixed precision, restore()
-given the model without its DDP wrapper), one warning line says so: at the job's first capture
-for a setting (`check`), at the resume for the rest; only from 3 ranks on, as below that the
+So capture() records the rebuilt layout (`layout`), and restore(), given a DDP model that has not
+rebuilt yet, runs one reduction of zeros with its gradient hooks fired in that order (`impose`): DDP
+rebuilds from that order at the next forward, the buckets the run had. Every rank does it alike (it
+is a collective), decided by what every rank holds alike: the state and the model's DDP settings.
+Where it cannot be done (static_graph, DDP's mixed precision, restore() given the model without its
+DDP wrapper), one warning line says so: at the job's first capture for a setting (`check`), at the
+resume for the rest (`unwrapped`, for the missing wrapper); only from 3 ranks on, as below that the
 order of the sum cannot show.
 """
 

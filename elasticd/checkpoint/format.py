@@ -17,6 +17,11 @@ Directory layout (format 1; a newer elasticd keeps reading it):
 A checkpoint file appears only by os.replace of a fully written and fsynced temporary file, and
 the directory is fsynced after, so a crash leaves the old or the new checkpoint, never a torn one.
 "Latest" is the most recently written checkpoint, whatever its step.
+
+Whoever can write the directory may have written the manifest: each entry is parsed strictly
+(`Entry.from_json`: a checkpoint name in the directory itself, whole numbers in range), and a
+sharded one lists each file's sha256. `atomic_write` is the one way a file appears; `candidates`
+lists the checkpoints newest first.
 """
 
 from __future__ import annotations

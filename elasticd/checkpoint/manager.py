@@ -1,5 +1,7 @@
-"""CheckpointManager: periodic, atomic, asynchronous rank-0 checkpoints, the stop agreed across
-ranks, and (through elasticd.checkpoint.memory_state) the in-memory state's refreshes."""
+"""CheckpointManager: periodic, atomic, asynchronous checkpoints (rank 0's file, or every rank's
+shards through shard_files.py) with retention and error reporting, the stop agreed across ranks
+(`maybe_save`, `should_stop`), and (through elasticd.checkpoint.memory_state) the in-memory
+state's refreshes."""
 
 from __future__ import annotations
 

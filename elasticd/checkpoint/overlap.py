@@ -21,7 +21,8 @@ is dropped (its copies still land before its slot is written again) and the Writ
 synchronous refreshes for good.
 
 It is on by default (CheckpointManager(memory_overlap=True)) for states with at least
-writer.OVERLAP_MIN_BYTES on the GPU; smaller ones are cheaper to copy at once.
+writer.OVERLAP_MIN_BYTES on the GPU; smaller ones are cheaper to copy at once. memory.writer's
+Writer imports this module at its first overlapped refresh only.
 
 The cost charged to the cadence is what the refresh cost the step: the host's time, the training
 stream's copies, and however long the optimizer step waited for the side stream, measured with

@@ -1,7 +1,8 @@
 """Every generator's state of this process (Python's, numpy's, torch's, CUDA's) as tensors and
 numbers that torch.load(weights_only=True) reads back, and setting it again. Captured at every
 in-memory refresh, so Python's and numpy's generators are compared in place through ctypes and
-read again only when they have changed."""
+read again only when they have changed. `derived_seed` seeds a rank whose state holds no RNG
+of its own."""
 
 from __future__ import annotations
 

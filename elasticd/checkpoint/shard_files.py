@@ -1,4 +1,6 @@
-"""Sharded checkpoints on disk, in torch.distributed.checkpoint's (DCP's) format.
+"""Sharded checkpoints on disk, in torch.distributed.checkpoint's (DCP's) format: written by every
+rank (`ShardedSaver`), and verified and read back (`OnDisk`, which restore() loads with
+`dcp.load`, resharded at another world size).
 
 Saving (ShardedSaver; every rank): the training thread copies its own shards to host memory
 (sharded.HostCopy) and rank 0 the rest of the state; a background thread then writes them with

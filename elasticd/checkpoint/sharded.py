@@ -7,6 +7,9 @@ resharding at another world size needs. HostCopy is the copy a disk save writes 
 (elasticd.checkpoint.shard_files): each rank's local shards in host buffers, still DTensors of the
 same spec, so torch.distributed.checkpoint writes each rank's own shards.
 
+`is_sharded` tells a sharded model. `apply_full` loads a full (DDP-era) state into a sharded
+model: set_state_dict with full_state_dict=True, the optimizer's index keys matched by name.
+
 A job that never imports torch.distributed.tensor (DDP) pays nothing here: the DTensor class is
 looked up in sys.modules, not imported.
 """

@@ -1,4 +1,5 @@
-"""The host copy of a state that a disk checkpoint writes in the background."""
+"""The host copy of a state that a disk checkpoint writes in the background (`Snapshot`): buffers
+reused from the previous save where shapes match, pinned for GPU tensors."""
 
 from __future__ import annotations
 

@@ -1,5 +1,8 @@
 """capture() and restore(): everything an exact resume needs (model, optimizer, scheduler, scaler,
-sampler, every rank's RNG, the user's values) as one weights_only-loadable dict, and back."""
+sampler, every rank's RNG, the user's values) as one weights_only-loadable dict, and back.
+
+`REFRESH` is the one context an in-memory refresh sets for the user's `lambda: capture(...)`, so
+capture() knows it is one."""
 
 from __future__ import annotations
 

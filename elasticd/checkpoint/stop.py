@@ -1,5 +1,6 @@
-"""SIGTERM (`elasticd stop`) as a request to save at the next step boundary and stop, with a
-watchdog that still ends a rank that can never reach one."""
+"""SIGTERM (`elasticd stop`) as a request to save at the next step boundary and stop (`StopState`,
+one per process), with a watchdog thread, woken through the signal wakeup fd, that still ends a
+rank that can never reach one."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""How often the in-memory state is refreshed (Cadence): a share of training time, measured.
+"""How often the in-memory state is refreshed (Cadence): a share of training time, measured, from
+what refreshes cost against the step time (the budget: CheckpointManager's `memory_budget`).
 Torch-free.
 """
 

@@ -2,6 +2,10 @@
 tagged, so that decoding builds only plain data (nothing a file could use to run code) and
 round-trips exactly what torch.load(weights_only=True) would give back. Its tensors are stored
 apart, in the slot's bytes (see writer and reader).
+
+`Description` makes it through elasticd.checkpoint.walk and `rebuild` decodes it. A sharded
+model's or optimizer's DTensor is described as its local shard and its offsets in the global
+tensor (`Chunk`).
 """
 
 from __future__ import annotations

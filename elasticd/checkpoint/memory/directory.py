@@ -1,6 +1,11 @@
 """The daemon's in-memory state directory: a private tmpfs directory under /dev/shm, one per
 daemon run, passed to workers as ELASTICD_MEMORY_DIR, flocked while the daemon lives, removed
 when it exits; one that a dead daemon left behind is reaped. Torch-free: the daemon imports it.
+
+A directory whose lock file the live daemon flocks is never reaped, whatever its recorded pid. A
+/dev/shm that cannot hold it gives one `memory_state_off` warning with the fix (`full_fix`) and
+leaves nothing behind. `newest_step` and `held_bytes` (own and replica slots' allocated bytes)
+are for status.
 """
 
 from __future__ import annotations

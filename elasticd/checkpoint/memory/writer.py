@@ -6,6 +6,10 @@ A write first marks the slot invalid, copies, writes the description and its CRC
 slot valid last, so a worker killed mid-write leaves that slot invalid and the other one (the
 previous step) intact. Space is reserved with posix_fallocate before the mapping is touched: a
 full tmpfs is an OSError, never a SIGBUS.
+
+`Writer` copies device tensors overlapped through overlap.py above OVERLAP_MIN_BYTES (a DDP
+node's state or a sharded rank's CUDA shards alike); `landed()` says whether the last write is
+whole yet (what the replica waits for).
 """
 
 from __future__ import annotations
