@@ -1,6 +1,8 @@
 """elasticd's in-memory state for the frameworks people train with: their whole resumable state
 (not only weights) refreshed in elasticd's shared memory at the in-memory state's cost, and resumed
-after a crash through the framework's own resume path.
+after a crash through the framework's own resume path. Worker side, like the checkpoint library:
+each module runs in the user's training processes and imports its framework (an optional extra,
+`.[integrations]`), so importing the package alone loads none.
 
 - `elasticd.integrations.lightning`: `ElasticdState`, a PyTorch Lightning Callback;
   `ResumableDataLoader`, a DataLoader whose place in the epoch Lightning can resume.

@@ -1,11 +1,13 @@
-"""What the framework integrations share: a framework's whole state kept in elasticd's in-memory
-state through a CheckpointManager that never writes to disk (the framework keeps its own disk
-checkpoints), refreshed at the manager's cost budget, and read back after a crash.
+"""What the framework integrations share (`Keeper`): a framework's whole state kept in elasticd's
+in-memory state through a CheckpointManager that never writes to disk (the framework keeps its own
+disk checkpoints), refreshed at the manager's cost budget, and read back after a crash.
 
 The refresh builds the framework's state only on the rank that keeps the node's whole state (local
 rank 0); the other local ranks keep only their RNG, as `capture()` does in a plain loop. Outside
 elasticd (torchrun, one process) or under `--no-memory-state` with nothing to receive, a Keeper is
-inert: the script runs as without it.
+inert: the script runs as without it. A refresh is offered at most once per optimizer step (not
+again for a gradient accumulation's further calls); reading back is a collective; each rank's RNG
+is restored where the framework is about to draw its next batch (`restore_rng`).
 """
 
 from __future__ import annotations

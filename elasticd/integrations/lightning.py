@@ -1,7 +1,8 @@
 """PyTorch Lightning under elasticd: its whole checkpoint (the dict Lightning itself builds for a
 `.ckpt`: model, optimizers, LR schedulers, the fit loop's progress to the batch, callbacks'
 states, precision plugin) kept in elasticd's in-memory state, and resumed after a crash through
-Lightning's own restore, so a worker's `kill -9` costs at most one refresh interval:
+Lightning's own restore (`ElasticdState`, a Lightning Callback), so a worker's `kill -9` costs at
+most one refresh interval; and `ResumableDataLoader`, a DataLoader Lightning resumes mid-epoch:
 
     from elasticd.integrations.lightning import ElasticdState
     trainer = pl.Trainer(strategy="ddp", callbacks=[ElasticdState(), ...])
