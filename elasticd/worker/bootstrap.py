@@ -1,4 +1,6 @@
-"""Runs inside every worker before the user's code, then gets out of the way.
+"""Runs inside every worker before the user's code (the parent-death signal, stack dumps, the
+heartbeat, the error file), then runs the user's entrypoint as `python` would and gets out of the
+way.
 
 `python -m elasticd.worker.bootstrap ARGS...` with ELASTICD_ENTRYPOINT naming a script, module or
 module:function. The user's code then runs with the `__main__`, sys.argv, sys.path and exit-code
@@ -9,6 +11,14 @@ semantics of `python script.py ARGS` / `python -m module ARGS`. Before that it:
   sync, timed around backward()), marks when init_process_group returns, and
   works around a gloo teardown deadlock in destroy_process_group, without importing torch itself;
 - writes TORCHELASTIC_ERROR_FILE (torch's @record format) when the entrypoint raises.
+
+The entrypoint runs in a real `__main__` module, as `python -u script.py` / `-m` would run it:
+`sys.orig_argv`, unbuffered output, the script's directory (for `-m`, the working directory) put
+on sys.path by the bootstrap itself (`entry_path`: the interpreter runs with -P), and an uncaught
+exception shown by `sys.excepthook` from the script's first frame (`uncaught`). The heartbeat file
+is marked once the entrypoint returned, before interpreter teardown, so that its death no longer
+fails the job.
+
 With ELASTICD_NO_PYTHON (torchrun's --no-python) the entrypoint is an executable: the worker
 becomes it (exec) once it dies with the daemon, and the rest does not apply.
 """

@@ -2,11 +2,11 @@
 would have started, `python -u train.py ARGS` (or `python -u -m module ARGS`).
 
 Workers start as `python -P -m elasticd.worker.bootstrap` (cold, or a fresh warm spare) or are
-forked from `python -P -m elasticd.worker.forkserver`, yet operators find and signal training
-processes by their script (`pgrep -f train.py`, `pkill -f`, `ps`). The kernel reads
-/proc/PID/cmdline from the process's argument area (arg_start..arg_end in /proc/PID/stat), so each
-worker rewrites that area once it knows its job; the interpreter's own view (sys.argv,
-sys.orig_argv) is untouched.
+forked from `python -P -m elasticd.worker.forkserver` (the guard too starts with -P), yet operators
+find and signal training processes by their script (`pgrep -f train.py`, `pkill -f`, `ps`). The
+kernel reads /proc/PID/cmdline from the process's argument area (arg_start..arg_end in
+/proc/PID/stat), so each worker rewrites that area once it knows its job; the interpreter's own view
+(sys.argv, sys.orig_argv) is untouched.
 
 An area cannot grow, so the daemon starts those processes with a command exactly as long as the
 title: `-Pm` becomes `-Puu..um`. -P keeps the working directory off sys.path: these processes
