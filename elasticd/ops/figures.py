@@ -14,7 +14,10 @@ Definitions (docs/metrics.md, "How the figures are reckoned"):
   the steps lost;
 - steps lost by a restart: the last training step this node's ranks reported before it, less the
   step the next attempt resumed from. Known when the script uses elasticd.checkpoint (which
-  reports both); otherwise the restart counts as `unknown`;
+  reports both); otherwise the restart counts as `unknown`, and so do the total steps lost,
+  the productive and lost seconds and goodput from then on (None: status says "unknown",
+  /metrics leaves the sample out), since a script elasticd cannot see resume may have started
+  again from step 0;
 - goodput: productive time / wall time since this daemon started.
 """
 
@@ -96,6 +99,7 @@ class Figures:
         else:
             self._pending = None
             self.steps_lost_unknown += 1
+            self.steps_lost_last = None  # this restart's: not told
 
     def on_failure(self, failure_class: str) -> None:
         """A failure of this class (counted at its restart, or where it ends the job at once)."""
@@ -193,19 +197,22 @@ class Figures:
         wall = max(0.0, now - self.started)
         productive = self.productive()
         trained = self.productive_closed > 0 or self._span is not None
+        told = not self.steps_lost_unknown  # else what restarts lost is unknown, and so goodput
         totals = {name: self._base[name] + self._now_totals[name] for name in TOTALS}
         step_time, work_time = self.step_time(), self.work_time()
         return {
             "goodput": {
-                "ratio": round(min(1.0, productive / wall), 4) if trained and wall > 0 else None,
-                "productive_seconds": round(productive, 3),
+                "ratio": round(min(1.0, productive / wall), 4)
+                if told and trained and wall > 0
+                else None,
+                "productive_seconds": round(productive, 3) if told else None,
                 "wall_seconds": round(wall, 3),
-                "lost_seconds": round(self.lost_seconds, 3),
+                "lost_seconds": round(self.lost_seconds, 3) if told else None,
             },
             "restarts_by_cause": dict(self.restarts),
             "failures_by_class": dict(self.failures),
             "steps_lost": {
-                "total": self.steps_lost_total,
+                "total": self.steps_lost_total if told else None,
                 "last": self.steps_lost_last,
                 "unknown": self.steps_lost_unknown,
             },

@@ -100,10 +100,16 @@ METRICS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
         "elasticd_steps_lost_total",
         "counter",
         "Training steps done again after restarts (the step reached before "
-        "a restart less the step the next attempt resumed from)",
+        "a restart less the step the next attempt resumed from); absent once a restart's "
+        "loss is unknown",
         (),
     ),
-    ("elasticd_last_restart_steps_lost", "gauge", "Training steps the last restart lost", ()),
+    (
+        "elasticd_last_restart_steps_lost",
+        "gauge",
+        "Training steps the last restart lost; absent where it is unknown",
+        (),
+    ),
     (
         "elasticd_steps_lost_unknown_total",
         "counter",
@@ -114,16 +120,23 @@ METRICS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
         "elasticd_goodput_ratio",
         "gauge",
         "Productive training time over wall time since the daemon started; lost "
-        "steps count as lost",
+        "steps count as lost; absent once a restart's steps lost are unknown",
         (),
     ),
     (
         "elasticd_productive_seconds",
         "gauge",
-        "Seconds of productive training since the daemon started",
+        "Seconds of productive training since the daemon started; absent once a "
+        "restart's steps lost are unknown",
         (),
     ),
-    ("elasticd_lost_seconds", "gauge", "Seconds of training lost to steps done again", ()),
+    (
+        "elasticd_lost_seconds",
+        "gauge",
+        "Seconds of training lost to steps done again; absent once a restart's steps lost "
+        "are unknown",
+        (),
+    ),
     ("elasticd_training_step", "gauge", "The highest training step this node's ranks reported", ()),
     (
         "elasticd_step_seconds",

@@ -89,15 +89,25 @@ def _figures(s: Snapshot) -> list[str]:
     """Goodput, steps, restarts by cause, checkpoint and refresh costs, health and stragglers: a
     line each at most."""
     goodput, lost = s.goodput, s.steps_lost
-    lost_text = f"steps lost {lost.total}"
-    if lost.last is not None:
-        lost_text += f" (last restart {lost.last})"
-    if lost.unknown:
-        lost_text += f", {lost.unknown} restart(s) unknown"
-    ratio = "-" if goodput.ratio is None else f"{100 * goodput.ratio:.1f}%"
+    if lost.unknown or lost.total is None:  # never a number elasticd did not measure
+        lost_text = (
+            f"steps lost unknown ({lost.unknown} restart(s) the script did not report a "
+            "resume for: it does not use elasticd.checkpoint)"
+        )
+        ratio = "unknown"
+    else:
+        lost_text = f"steps lost {lost.total}"
+        if lost.last is not None:
+            lost_text += f" (last restart {lost.last})"
+        ratio = "-" if goodput.ratio is None else f"{100 * goodput.ratio:.1f}%"
+    productive = (
+        f"productive {age(goodput.productive_seconds)} of "
+        if goodput.productive_seconds is not None
+        else "wall "
+    )
     lines = [
-        f"  goodput {ratio} (productive {age(goodput.productive_seconds)} of "
-        f"{age(goodput.wall_seconds)})  step {'-' if s.step is None else s.step} at "
+        f"  goodput {ratio} ({productive}{age(goodput.wall_seconds)})  step "
+        f"{'-' if s.step is None else s.step} at "
         f"{ms(s.step_time)}/step (own work {ms(s.work_time)})  {lost_text}"
     ]
     causes = {c: n for c, n in s.restarts_by_cause.items() if n}

@@ -87,7 +87,7 @@ class Goodput:
 
 @dataclass(frozen=True)
 class StepsLost:
-    total: int = 0
+    total: int | None = 0  # None once a restart's loss could not be told
     last: int | None = None
     unknown: int = 0  # restarts whose loss could not be told
 

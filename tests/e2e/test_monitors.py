@@ -6,10 +6,13 @@ and the console as torchrun's."""
 from __future__ import annotations
 
 import json
+import os
+import re
 import signal
+import urllib.request
 from pathlib import Path
 
-from harness import FAST, run_cli, script, wait_until
+from harness import FAST, free_port, run_cli, script, wait_until
 
 RANK_VARIABLES = (
     "RANK",
@@ -121,3 +124,37 @@ def _rank_shown(pid: int) -> bool:
         return "RANK" in environ(pid)
     except OSError:
         return False
+
+
+def test_steps_lost_unknown_for_a_plain_script(daemons):
+    """A torchrun script that keeps no checkpoint elasticd can see starts again from step 0
+    after a kill -9: steps lost and goodput are unknown in status, and absent from /metrics
+    (not 0, not a ratio that counts the steps done again as productive)."""
+    port = free_port()
+    d = daemons(
+        script("ddp_tutorial.py"),
+        *FAST,
+        "--nproc-per-node",
+        "2",
+        "--metrics-address",
+        f"127.0.0.1:{port}",
+        args=["--steps", "100000", "--step-time", "0.05"],  # no --snapshot: nothing kept
+    )
+    d.wait_for_step(1, 15, timeout=90)
+    os.kill(d.worker_pids()[1], signal.SIGKILL)
+    wait_until(lambda: any(e.get("event") == "recovered" for e in d.events()), 60, what="recovery")
+    s = json.loads(d.status("--json").stdout)
+    assert s["steps_lost"] == {"total": None, "last": None, "unknown": 1}, s["steps_lost"]
+    assert s["goodput"]["ratio"] is None and s["goodput"]["productive_seconds"] is None
+    assert s["goodput"]["lost_seconds"] is None and s["goodput"]["wall_seconds"] > 0
+    plain = d.status().stdout
+    assert "goodput unknown" in plain and "steps lost unknown" in plain, plain
+    assert "steps lost 0" not in plain
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        metrics = r.read().decode()
+    samples = {m.group(1) for m in re.finditer(r"^(elasticd_\w+?)(?:\{|\s)", metrics, re.M)}
+    assert "elasticd_steps_lost_unknown_total" in samples and "elasticd_restarts_total" in samples
+    for absent in ("elasticd_steps_lost_total", "elasticd_goodput_ratio", "elasticd_lost_seconds"):
+        assert absent not in samples, absent
+    d.kill(signal.SIGTERM)
+    assert d.wait(60) == 0
