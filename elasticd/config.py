@@ -111,7 +111,10 @@ class Config:
     )
     log_dir: str = _setting(
         "",
-        "where per-rank logs, error files and stack dumps go (default ./elasticd-runs)",
+        "where per-rank logs, error files and stack dumps go, a directory per run; said at "
+        "start (daemon_started's run_dir). Default: $LOGS_DIRECTORY (systemd), else "
+        "$XDG_STATE_HOME/elasticd, else /var/lib/elasticd as root and "
+        "~/.local/state/elasticd otherwise; never the working directory",
         torchrun=True,
     )
     local_addr: str = _setting(

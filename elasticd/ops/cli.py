@@ -324,9 +324,30 @@ def _forget_run_dir(run_dir: Path) -> None:
 
 
 def _log_base(cfg) -> Path:
+    """--log-dir, else systemd's LogsDirectory ($LOGS_DIRECTORY), else the state directory a
+    launcher's user expects (`default_log_base`): never the working directory, which is often
+    the user's checkout."""
     return Path(
-        cfg.log_dir or os.environ.get("LOGS_DIRECTORY", "").split(":")[0] or "elasticd-runs"
+        cfg.log_dir or os.environ.get("LOGS_DIRECTORY", "").split(":")[0] or default_log_base()
     )
+
+
+def default_log_base() -> Path:
+    """Where runs go by default: $XDG_STATE_HOME/elasticd (the XDG base directories' home of
+    logs and history); else /var/lib/elasticd for root (the service's StateDirectory), else
+    ~/.local/state/elasticd (XDG's default); else, with no home, elasticd-runs-UID in the
+    temporary directory (as torchrun's logs)."""
+    import tempfile
+
+    state = os.environ.get("XDG_STATE_HOME", "")
+    if os.path.isabs(state):  # a relative one is to be ignored (the XDG specification)
+        return Path(state) / "elasticd"
+    if os.geteuid() == 0:
+        return Path("/var/lib/elasticd")
+    home = os.path.expanduser("~")
+    if os.path.isabs(home) and home != "/":
+        return Path(home) / ".local" / "state" / "elasticd"
+    return Path(tempfile.gettempdir()) / f"elasticd-runs-{os.geteuid()}"
 
 
 def _run_dir(cfg, base: Path) -> Path:

@@ -9,10 +9,12 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import urllib.request
 from pathlib import Path
 
-from harness import FAST, free_port, run_cli, script, wait_until
+from harness import FAST, ROOT, free_port, run_cli, script, wait_until
 
 RANK_VARIABLES = (
     "RANK",
@@ -158,3 +160,30 @@ def test_steps_lost_unknown_for_a_plain_script(daemons):
         assert absent not in samples, absent
     d.kill(signal.SIGTERM)
     assert d.wait(60) == 0
+
+
+def test_runs_go_to_the_state_directory_not_the_checkout(tmp_path):
+    """`elasticd run` in a user's checkout without --log-dir: the run is written under the XDG
+    state directory and the daemon says where at its start; the checkout stays as it was."""
+    checkout, state = tmp_path / "checkout", tmp_path / "state"
+    (checkout / ".git").mkdir(parents=True)
+    (checkout / "train.py").write_text("print('trained', flush=True)\n")
+    before = sorted(os.listdir(checkout))
+    env = dict(os.environ, XDG_STATE_HOME=str(state), PYTHONPATH=str(ROOT))
+    env.pop("LOGS_DIRECTORY", None)
+    r = subprocess.run(
+        [sys.executable, "-m", "elasticd", "run", "--socket", str(tmp_path / "c.sock")]
+        + ["--log-format", "json", "--rdzv-id", "xdg", "train.py"],
+        cwd=checkout,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "[rank0]: trained" in r.stdout
+    assert sorted(os.listdir(checkout)) == before  # no elasticd-runs/ in the checkout
+    started = [json.loads(ln) for ln in r.stderr.splitlines() if '"daemon_started"' in ln]
+    run_dir = Path(started[0]["run_dir"])
+    assert run_dir.parent == (state / "elasticd").resolve() and run_dir.name.startswith("xdg-")
+    assert "trained" in (run_dir / "attempt1" / "rank0.log").read_text()
