@@ -374,15 +374,16 @@ class Config:
         first = self.rdzv_endpoint.split(",")[0].strip()
         return first.split("://", 1)[-1] if self.etcd else first
 
-    def echoed(self, local_rank: int) -> bool:
-        """Whether this local rank's output goes to the daemon's stdout besides its log file (every
-        rank's output is always there), torchrun's way: not where its stdout and stderr are both
-        redirected (-r) and neither teed (-t), nor where a non-empty local_ranks_filter leaves it
-        out."""
+    def echoed(self, local_rank: int, streams: int = 3) -> bool:
+        """Whether this local rank's stdout (`streams` 1), stderr (2) or either (3) is echoed to
+        the daemon's own besides its log file (every rank's output is always there), torchrun's
+        way: not a stream redirected (-r) and not teed (-t), nor a rank a non-empty
+        local_ranks_filter leaves out."""
         if not self.tee or (self.local_ranks_filter and local_rank not in self.local_ranks_filter):
             return False
-        both_redirected = _std(self.redirects, "redirects", local_rank) == 3
-        return not both_redirected or _std(self.tee_streams, "tee_streams", local_rank) != 0
+        redirected = _std(self.redirects, "redirects", local_rank)
+        teed = _std(self.tee_streams, "tee_streams", local_rank)
+        return any(s & streams and (not redirected & s or teed & s) for s in (1, 2))
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(Config)}

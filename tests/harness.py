@@ -236,10 +236,13 @@ class Daemon:
         if not dirs:
             return ""
         d = dirs[-1] if attempt is None else self.run_dir() / f"attempt{attempt}"
-        try:
-            return (d / f"rank{rank}.log").read_text(errors="replace")
-        except OSError:
-            return ""
+        text = ""
+        for name in (f"rank{rank}.log", f"rank{rank}.stderr.log"):  # its stdout, then its stderr
+            try:
+                text += (d / name).read_text(errors="replace")
+            except OSError:
+                pass
+        return text
 
     def all_logs(self) -> str:
         """Every rank log of the latest attempt: which group rank (and so which global ranks) a

@@ -74,10 +74,11 @@ class LocalGroup:
         self.workers = spawn.spawn(spec, spares)
         self.oom = oom.Counters([w.pid for w in self.workers])
         for w in self.workers:
-            if self.tee and self.cfg.echoed(w.local_rank):
-                self.tee.follow(
-                    w.log_path, tee.console_prefix(self.cfg.role, w.global_rank, w.local_rank)
-                )
+            prefix = tee.console_prefix(self.cfg.role, w.global_rank, w.local_rank)
+            if self.tee and self.cfg.echoed(w.local_rank, 1):  # its stdout to the daemon's stdout
+                self.tee.follow(w.log_path, prefix)
+            if self.tee and w.err_path and self.cfg.echoed(w.local_rank, 2):  # stderr to stderr
+                self.tee.follow(w.err_path, prefix, stderr=True)
 
     def _extra_env(self, rnd: Round, memory_dir: str | None) -> dict[str, str]:
         env = {names.ROUND_NUMBER: str(rnd.number)}
@@ -109,7 +110,7 @@ class LocalGroup:
                 pid=w.pid,
                 exit_code=w.exit_code,
                 exception=exception,
-                log_path=str(w.log_path),
+                log_path=str(w.err_path or w.log_path),  # where its traceback is
                 node=self.node,
                 **self._triage(w, exception, stack),
             )
@@ -233,7 +234,7 @@ class LocalGroup:
             spared=spared,
         )
         if self.tee:
-            self.tee.forget([w.log_path for w in self.workers])
+            self.tee.forget([p for w in self.workers for p in (w.log_path, w.err_path) if p])
         self.event(
             "workers_stopped",
             seconds=round(time.monotonic() - t0, 3),

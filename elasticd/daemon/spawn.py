@@ -75,6 +75,7 @@ class Worker:
     started: float  # monotonic
     exit_code: int | None = None
     env: dict[str, str] = field(default_factory=dict, repr=False)  # what it was started with
+    err_path: Path | None = None  # its stderr (log_path holds its stdout), as torchrun's files
 
     @property
     def pid(self) -> int:
@@ -163,6 +164,7 @@ def master_name(address: str) -> str:
 def _paths(spec: GroupSpec, rank: int) -> dict[str, Path]:
     return {
         "log": spec.attempt_dir / f"rank{rank}.log",
+        "stderr": spec.attempt_dir / f"rank{rank}.stderr.log",
         "error": spec.attempt_dir / f"rank{rank}.error.json",
         "stack": spec.attempt_dir / f"rank{rank}.stacks.txt",
         "heartbeat": spec.attempt_dir / f"rank{rank}.heartbeat",
@@ -185,9 +187,12 @@ def spawn(spec: GroupSpec, spares: list[Spare] | None = None) -> list[Worker]:
         args = spec.worker_args(local_rank)
         proc = None
         while proc is None and (spare := _pick(spares, env)) is not None:
-            proc = _assign(spare, env, args, paths["log"])
+            proc = _assign(spare, env, args, paths)
         if proc is None:
-            with os.fdopen(safeio.create(paths["log"]), "ab") as out:
+            with (
+                os.fdopen(safeio.create(paths["log"]), "ab") as out,
+                os.fdopen(safeio.create(paths["stderr"]), "ab") as err,
+            ):
                 proc = subprocess.Popen(
                     proctitle.command(
                         "elasticd.worker.bootstrap", proctitle.title(spec.entrypoint, args), args
@@ -195,7 +200,7 @@ def spawn(spec: GroupSpec, spares: list[Spare] | None = None) -> list[Worker]:
                     env=env,
                     stdin=subprocess.DEVNULL,
                     stdout=out,
-                    stderr=subprocess.STDOUT,
+                    stderr=err,
                     start_new_session=True,
                     close_fds=True,
                 )
@@ -210,6 +215,7 @@ def spawn(spec: GroupSpec, spares: list[Spare] | None = None) -> list[Worker]:
                 paths["heartbeat"],
                 time.monotonic(),
                 env=env,
+                err_path=paths["stderr"],
             )
         )
     return workers
@@ -225,15 +231,14 @@ def _pick(spares: list[Spare], env: dict[str, str]) -> Spare | None:
     return None
 
 
-def _assign(spare: Spare, env: dict[str, str], args: tuple[str, ...], log: Path):
-    """Give a spare its rank; None if it died meanwhile (then the caller takes another or a cold
-    start)."""
+def _assign(spare: Spare, env: dict[str, str], args: tuple[str, ...], paths: dict[str, Path]):
+    """Give a spare its rank (and its stdout and stderr files); None if it died meanwhile (then
+    the caller takes another or a cold start)."""
     if spare.proc.poll() is not None:
         return None
+    job = {"env": env, "args": list(args), "log": str(paths["log"]), "err": str(paths["stderr"])}
     try:
-        spare.job.write(
-            json.dumps({"env": env, "args": list(args), "log": str(log)}).encode() + b"\n"
-        )
+        spare.job.write(json.dumps(job).encode() + b"\n")
         spare.job.close()
     except (BrokenPipeError, OSError):
         spare.proc.kill()

@@ -5,6 +5,12 @@ A multi-line display's frames are held like a bar's redraws (`_frames`), and a d
 sequences (colours, erase line, cursor up, cursor shown) are dropped. `display_env` is what makes
 Rich draw live into the log when the echo reaches a terminal. The thread wakes only when
 something can be echoed (`Tee`).
+
+A worker's stdout and stderr are two files (rankR.log, rankR.stderr.log), echoed to the daemon's
+stdout and stderr respectively, as torchrun's workers write to its terminal: `2>/dev/null` hides
+the workers' warnings and tracebacks too. A line that already starts with the rank's prefix
+(torch's excepthook prefixes every line of an uncaught exception's traceback with `[rankR]: `
+once the process group exists) is not given it twice.
 """
 
 from __future__ import annotations
@@ -65,8 +71,11 @@ def echo_line(prefix: str, raw: bytes) -> str:
     a progress display's sequences dropped (_DISPLAY) and every other control character escaped
     (logs.printable), so a worker can neither drive the operator's terminal nor print a line
     without its prefix. The Tee has already split the output at carriage returns (see Tee): one
-    that is left here is escaped like the rest."""
+    that is left here is escaped like the rest. A line that starts with this very prefix (torch's
+    excepthook writes `[rankR]: ` before each line of a traceback) keeps that one: a rank can only
+    drop its own prefix, never show another's without it."""
     text = raw.decode(errors="backslashreplace")
+    text = text.removeprefix(prefix)
     return prefix + logs.printable(_DISPLAY.sub("", text) if "\x1b" in text else text) + "\n"
 
 
@@ -138,6 +147,7 @@ class _Followed:
 
     prefix: str
     offset: int
+    stderr: bool = False  # echoed to the daemon's stderr (the worker's stderr file)
     partial: bytes = b""
     redraw: bytes | None = None
     frame: list[bytes] | None = None  # a multi-line display's lines above its redraw (_frames)
@@ -158,7 +168,8 @@ class _Followed:
 
 
 class Tee:
-    """Echo new lines of the rank logs to the daemon's stdout, prefixed with the rank, escaped
+    """Echo new lines of the rank logs to the daemon's stdout (a worker's stderr file to its
+    stderr), prefixed with the rank, escaped
     (echo_line), a line longer than MAX_ECHO_LINE in pieces.
 
     A progress bar (tqdm: "\r" + the bar, again and again, one newline at the end) is echoed as
@@ -179,11 +190,13 @@ class Tee:
     def __init__(
         self,
         out=None,
+        err=None,
         interval: float = 0.05,
         idle_interval: float = 0.25,
         redraw_interval: float = REDRAW_INTERVAL,
     ):
         self._out = out or sys.stdout
+        self._err = err or sys.stderr
         self._interval = interval
         self._idle_interval = idle_interval
         self._redraw_interval = redraw_interval
@@ -198,9 +211,13 @@ class Tee:
     def start(self) -> None:
         self._thread.start()
 
-    def follow(self, path: Path, prefix: str) -> None:
+    def follow(self, path: Path, prefix: str, stderr: bool = False) -> None:
+        """Echo what `path` gains, to the daemon's stdout, or its stderr where `stderr` (the
+        worker's stderr file)."""
         with self._lock:
-            self._files[path] = _Followed(prefix, path.stat().st_size if path.exists() else 0)
+            self._files[path] = _Followed(
+                prefix, path.stat().st_size if path.exists() else 0, stderr
+            )
 
     def forget(self, paths: list[Path]) -> None:
         """Print what is left of these files (their last lines) and stop following them."""
@@ -267,9 +284,10 @@ class Tee:
             entry.next_redraw = now + self._redraw_interval
         if lines:
             text = "".join(echo_line(entry.prefix, ln) for ln in lines)
-            try:
-                self._out.write(text)
-                self._out.flush()
+            out = self._err if entry.stderr else self._out
+            try:  # whole lines in one write: never glued to another rank's or the daemon's
+                out.write(text)
+                out.flush()
             except (OSError, ValueError):
                 pass
         if flowing or full:

@@ -134,8 +134,8 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
         "--logs_specs",
         action=_Instead,
         default=S,
-        help="elasticd writes each rank's output to <log dir>/<run>/attemptN/rankR.log: drop "
-        "the flag",
+        help="elasticd writes each rank's stdout to <log dir>/<run>/attemptN/rankR.log and its "
+        "stderr to rankR.stderr.log beside it: drop the flag",
     )
     g.add_argument(
         "--duplicate-stdout-filters",
@@ -145,9 +145,8 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
         action=_Instead,
         default=S,
         metavar="FILTERS",
-        help="every rank's output is in <log dir>/<run>/attemptN/rankR.log: grep those "
-        "instead, and "
-        "drop the flag",
+        help="every rank's output is in <log dir>/<run>/attemptN/rankR.log (stdout) and "
+        "rankR.stderr.log: grep those instead, and drop the flag",
     )
     g.add_argument(
         "--numa-binding",

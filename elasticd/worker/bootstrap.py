@@ -302,7 +302,8 @@ def wait_for_rank() -> list[str] | None:
     stdin), after a line that binds it to a rank ahead (worker/bound.py), if the daemon sends one.
 
     Afterwards the process looks like a cold worker to the script: the same environment,
-    argv, stdout/stderr on the rank's log, stdin on /dev/null. None on EOF (spare discarded)."""
+    argv, stdout and stderr on the rank's two log files, stdin on /dev/null. None on EOF (spare
+    discarded)."""
     from elasticd.worker import bound  # a spare's only: a cold worker imports no more than it needs
 
     preload()
@@ -318,12 +319,13 @@ def wait_for_rank() -> list[str] | None:
     sys.stdout.flush()
     sys.stderr.flush()
     log = safeio.create(job["log"], os.O_WRONLY | os.O_APPEND)
+    err = safeio.create(job["err"], os.O_WRONLY | os.O_APPEND) if "err" in job else log
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(log, 1)
-    os.dup2(log, 2)
+    os.dup2(err, 2)
     os.dup2(null, 0)
-    os.close(log)
-    os.close(null)
+    for fd in {log, err, null}:
+        os.close(fd)
     os.environ.clear()
     os.environ.update(job["env"])
     proctitle.show_environ(job["env"])  # what monitors read in /proc/PID/environ, as for a cold one

@@ -256,7 +256,7 @@ def test_budget_exhausted_names_rank_and_cause(daemons):
     line = [ln for ln in err.splitlines() if ln.startswith("elasticd: job failed")]
     assert line, err[-3000:]
     assert "after 1 restart(s)" in line[0] and "rank 1" in line[0]
-    assert "ValueError: injected failure at step 2" in line[0] and "rank1.log" in line[0]
+    assert "ValueError: injected failure at step 2" in line[0] and "rank1.stderr.log" in line[0]
 
 
 def _backoffs(d) -> list[tuple[dict, float]]:

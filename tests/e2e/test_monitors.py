@@ -187,3 +187,24 @@ def test_runs_go_to_the_state_directory_not_the_checkout(tmp_path):
     run_dir = Path(started[0]["run_dir"])
     assert run_dir.parent == (state / "elasticd").resolve() and run_dir.name.startswith("xdg-")
     assert "trained" in (run_dir / "attempt1" / "rank0.log").read_text()
+
+
+def test_console_streams_and_prefixes_as_torchrun(daemons):
+    """Workers' stdout on the daemon's stdout and their stderr (warnings, tracebacks) on its
+    stderr, so `2>/dev/null` hides them as under torchrun; a traceback torch's excepthook already
+    prefixed with `[rank1]: ` is not prefixed twice; every echoed line is one rank's, whole."""
+    d = daemons(script("console_parity.py"), *FAST, "--nproc-per-node", "2", "--max-restarts", "0")
+    assert d.wait(120) == 1, d.stderr()[-3000:]
+    out = d.stdout().splitlines()
+    err = [ln for ln in d.stderr().splitlines() if ln.startswith("[rank")]  # not elasticd's own
+    assert "[rank0]: out of rank 0" in out and "[rank1]: out of rank 1" in out, out
+    assert not [ln for ln in out if "careful" in ln or "Traceback" in ln], out
+    assert all(re.match(r"\[rank[01]\]: ", ln) for ln in out), out
+    assert any("UserWarning: careful, rank 0" in ln for ln in err), err
+    assert "[rank1]: Traceback (most recent call last):" in err, err
+    assert "[rank1]: RuntimeError: injected on rank 1 of 2" in err, err
+    assert not [ln for ln in err if "]: [rank" in ln], err  # never "[rank1]: [rank1]: "
+    assert not [ln for ln in out + err if "out of rank" in ln and "careful" in ln]  # unglued
+    attempt = d.attempt_dirs()[-1]
+    assert "RuntimeError" in (attempt / "rank1.stderr.log").read_text()
+    assert "RuntimeError" not in (attempt / "rank1.log").read_text()

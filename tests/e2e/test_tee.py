@@ -54,7 +54,8 @@ def test_a_tqdm_bar_in_a_real_job_is_cheap_to_echo_and_kept_whole_in_the_log(dae
     )
     daemon = psutil.Process(d.pid)
     wait_until(lambda: "quiet" in d.log_text(0), 60, what="the quiet phase")
-    log = d.run_dir() / "attempt1" / "rank0.log"
+    log = d.run_dir() / "attempt1" / "rank0.stderr.log"  # tqdm draws on stderr
+    out_log = log.with_name("rank0.log")  # "quiet" and "done"
     time.sleep(0.5)  # the echo of "quiet" and the tee's back-off
     cpu0, t0 = thread_cpu(d.pid), time.monotonic()
     wait_until(lambda: b"train:" in tail(log), 10, what="the bar")
@@ -65,7 +66,7 @@ def test_a_tqdm_bar_in_a_real_job_is_cheap_to_echo_and_kept_whole_in_the_log(dae
     while time.monotonic() - t1 < 60:
         sample, t2 = thread_cpu(d.pid), time.monotonic()
         if b"done" in tail(
-            log
+            out_log
         ):  # the job ends now (its threads with it): the window ended at the last sample
             break
         rss, cpu2, seconds = max(rss, daemon.memory_info().rss), sample, t2 - t1
@@ -78,7 +79,8 @@ def test_a_tqdm_bar_in_a_real_job_is_cheap_to_echo_and_kept_whole_in_the_log(dae
     assert d.wait(60) == 0, d.stderr()[-3000:]
     data = log.read_bytes()
     assert {int(n) for n in re.findall(rb"\| (\d+)/%d " % updates, data)} == set(range(updates + 1))
-    lines = d.stdout().splitlines()
+    assert d.stdout().splitlines() == ["[rank0]: quiet", "[rank0]: done"]  # its stdout
+    lines = [ln for ln in d.stderr().splitlines() if not ln.startswith("{")]  # its stderr: the bar
     assert lines and all(ln.startswith("[rank0]: ") for ln in lines), lines[:3]
     bars = [ln for ln in lines if "train:" in ln]
     assert all("\\r" not in ln for ln in bars) and f"{updates}/{updates}" in bars[-1], bars[-3:]
