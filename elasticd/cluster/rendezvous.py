@@ -54,6 +54,7 @@ from elasticd.cluster.rounds import Round, new_node_id
 from elasticd.cluster.stores import local_address, open_store
 from elasticd.cluster.timing import BEAT_EVERY, CLOCK_SKEW, HOST_DOWN_POLL, LOST_SILENCE
 from elasticd.config import Config
+from elasticd.daemon import triage
 
 log = logs.get("elasticd.rendezvous")
 
@@ -296,14 +297,18 @@ class Rendezvous:
 
     @store_call
     def request_restart(self, rnd: Round, reason: dict) -> bool:
-        """Ask every node to restart this round. True when we were first (we own the failure).
+        """Ask every node to restart this round. True when ours stands (we own the failure):
+        there was none, or ours is of a failure that came before the one there, which it
+        replaces (triage.comes_first: another node's rank that raised, where ours died of it).
         A value in the way that does not verify is a forger's: ours replaces it."""
         key = self.restart_key(rnd)
         sealed = self.seal(key, json.dumps(reason))
         if self.kv.compare_set(key, None, sealed):
             return True
-        if self.open(key, self.kv.get(key), values.reason) is not None:
-            return False
+        raw = self.kv.get(key)
+        theirs = self.open(key, raw, values.reason)
+        if theirs is not None:
+            return triage.comes_first(reason, theirs) and self.kv.compare_set(key, raw, sealed)
         self.kv.set(key, sealed)
         return True
 

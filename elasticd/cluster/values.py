@@ -10,6 +10,7 @@ end, and the protocol's smaller values.
 from __future__ import annotations
 
 import json
+import math
 
 from elasticd.cluster import signing
 from elasticd.cluster.rounds import Member
@@ -167,6 +168,16 @@ def members(text: str) -> dict | None:
     }
 
 
+def _first_fields(value: dict) -> bool:
+    """A failure's time, rank and whether it is a consequence (triage.comes_first), if given."""
+    at, rank = value.get("at", 0.0), value.get("rank")
+    if not (isinstance(at, (int, float)) and not isinstance(at, bool) and math.isfinite(at)):
+        return False
+    if not (rank is None or (isinstance(rank, int) and not isinstance(rank, bool))):
+        return False
+    return isinstance(value.get("consequence", False), bool)
+
+
 def reason(text: str) -> dict | None:
     """A restart request: summary, node, whether it spends the budget or scales, the lost and the
     waiting nodes it names."""
@@ -178,6 +189,8 @@ def reason(text: str) -> dict | None:
     if not all(isinstance(value.get(k, ""), str) for k in ("node", "class", "sig")) or not all(
         isinstance(value.get(k, False), bool) for k in ("scale", "spends")
     ):
+        return None
+    if not _first_fields(value):
         return None
     for name in ("lost", "waiting"):
         ids = value.get(name, [])

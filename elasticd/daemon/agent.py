@@ -382,6 +382,7 @@ class Agent:
         request tells every node why; whether it costs the job's budget is decided by the next
         round's closing (cluster/closing.py), which knows whether a node was lost."""
         self.recovery.detected()
+        why = self._first_here(why)
         self.status.figures.on_restart(why, self.group.beats())
         self.health_check.peer_left(why)
         self.set_state(State.RESTARTING, cause=why.summary(), failure_class=why.failure_class)
@@ -419,6 +420,21 @@ class Agent:
             self.waits.idle(time.monotonic() + delay, lambda: self.stop_request is not None)
         self.set_state(State.RENDEZVOUS)
         return None
+
+    def _first_here(self, why: Failure | Scale) -> Failure | Scale:
+        """Told by another node to restart for its failure: a failure of a local rank that came
+        before it (a rank that raised, where theirs died of its going) takes the request's place
+        (rendezvous.request_restart) and is this restart's cause; else `why`."""
+        if why.kind is not RestartCause.PEER:
+            return why
+        mine = self.group.failed_now()
+        reason = restart_request(mine, self.node) if mine is not None else None
+        if reason is None:
+            return why
+        try:
+            return mine if self.rdzv.request_restart(self.round, reason) else why
+        except StoreUnreachable:
+            return why
 
     def _ask_restart(self, reason: dict[str, Any]) -> None:
         """Ask every node of the round to restart, for `reason` (rendezvous.request_restart)."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,24 @@ from elasticd.daemon.states import Failure, RestartCause
 from elasticd.worker import health
 
 ODD_STATE_HOLD = 1.0  # seconds a zombie worker must stay so before it counts as hung
+MAX_CONSEQUENCES = 8  # the later failures a failure names
+CLOCK_SLACK = triage.CLOCK_SLACK
+
+
+@dataclass(frozen=True)
+class Seen:
+    """A failed worker as `LocalGroup._failed` found it."""
+
+    w: spawn.Worker
+    exception: str | None
+    stack: str | None
+    when: float  # Unix time: its error file's, else when its exit was seen
+
+    def told(self, after: float) -> str:
+        """As a consequence: "rank R: what (+T s)"."""
+        code = self.w.exit_code
+        what = self.exception or (processes.describe_exit(code) if code is not None else "?")
+        return f"rank {self.w.global_rank}: {what[:120]} (+{max(0.0, self.when - after):.2f} s)"
 
 
 class LocalGroup:
@@ -38,6 +57,8 @@ class LocalGroup:
             int, tuple[health.Reader, health.ProcessWatch]
         ] = {}  # pid -> held-open files
         self._odd_since: dict[int, float] = {}  # pid -> when it was first seen a zombie
+        self._exit_seen: dict[int, float] = {}  # pid -> when its exit was reaped (Unix time)
+        self._returned: set[int] = set()  # pids that died after their script returned
         self.oom = oom.Counters([])  # the OOM counters as this attempt started
         self.dumps: list[dict[str, Any]] = []  # the stacks the last hang verdict took (_rows)
 
@@ -72,6 +93,7 @@ class LocalGroup:
             extra_env=self._extra_env(rnd, memory_dir),
         )
         self.workers = spawn.spawn(spec, spares)
+        self._exit_seen, self._returned = {}, set()
         self.oom = oom.Counters([w.pid for w in self.workers])
         for w in self.workers:
             prefix = tee.console_prefix(self.cfg.role, w.global_rank, w.local_rank)
@@ -94,26 +116,16 @@ class LocalGroup:
         return all(w.exit_code is not None for w in self.workers)
 
     def check(self) -> Failure | None:
-        """The first worker that failed (a signal death before an exit code) or hung, or None."""
-        exited = processes.poll(self.workers)
-        bad = [w for w in exited if w.exit_code != 0 and not self._died_after_return(w)]
-        if bad:
-            w = min(
-                bad, key=lambda w: (w.exit_code >= 0, w.global_rank)
-            )  # a signal death is the cause
-            kind = RestartCause.SIGNAL if w.exit_code < 0 else RestartCause.CRASH
-            exception, stack = spawn.read_error_report(w.error_path)
-            return Failure(
-                kind,
-                processes.describe_exit(w.exit_code),
-                rank=w.global_rank,
-                pid=w.pid,
-                exit_code=w.exit_code,
-                exception=exception,
-                log_path=str(w.err_path or w.log_path),  # where its traceback is
-                node=self.node,
-                **self._triage(w, exception, stack),
-            )
+        """The failure that came first among this node's workers (`_first`), or one that hung,
+        or None."""
+        now_wall = time.time()
+        for w in processes.poll(self.workers):
+            self._exit_seen[w.pid] = now_wall
+            if self._died_after_return(w):
+                self._returned.add(w.pid)
+        failed = self._failed()
+        if any(s.w.exit_code is not None for s in failed):
+            return self._first(failed, now_wall)
         now = time.monotonic()
         for w in self.workers:
             if w.exit_code is not None:
@@ -149,6 +161,60 @@ class LocalGroup:
                     node=self.node,
                 )
         return None
+
+    def _failed(self) -> list[Seen]:
+        """Every worker that failed (exited non-zero, but not after its script returned), with
+        what its error file says and when it happened: the error file's time, else when its exit
+        was seen; once one has, those still exiting that wrote an error file (they raised)."""
+        seen = []
+        for w in self.workers:
+            exited = w.exit_code is not None and w.exit_code != 0
+            if w.pid in self._returned:
+                continue
+            written = spawn.error_written(w.error_path)
+            if exited or (w.exit_code is None and written is not None):
+                exception, stack = spawn.read_error_report(w.error_path)
+                when = written or self._exit_seen.get(w.pid, time.time())
+                seen.append(Seen(w, exception, stack, when))
+        return seen
+
+    def failed_now(self) -> Failure | None:
+        """A failure among this node's workers, whether or not one has exited (a rank that
+        raised and still exits counts): what a node told to restart by another offers in its
+        place where it came first (Agent._restart)."""
+        processes.poll(self.workers)
+        failed = self._failed()
+        return self._first(failed, time.time(), wait=False) if failed else None
+
+    def _first(self, failed: list[Seen], now: float, wait: bool = True) -> Failure | None:
+        """The cause among the failed (triage.first: the earliest, a rank that died of its
+        peer's going yielding to a failure that came about then), the others its consequences;
+        None while the cause is such a death of under CLOCK_SLACK ago and a worker still runs
+        (the failure it follows may be about to show)."""
+        order = triage.first([(s.when, triage.consequence(s.exception)) for s in failed])
+        cause, rest = failed[order[0]], [failed[i] for i in order[1:]]
+        failing = {s.w.pid for s in failed}
+        waiting = any(w.exit_code is None and w.pid not in failing for w in self.workers)
+        soon = now - cause.when < CLOCK_SLACK
+        if wait and triage.consequence(cause.exception) and waiting and soon:
+            return None
+        w = cause.w
+        code = w.exit_code
+        kind = RestartCause.SIGNAL if code is not None and code < 0 else RestartCause.CRASH
+        return Failure(
+            kind,
+            processes.describe_exit(code) if code is not None else "raised, exiting",
+            rank=w.global_rank,
+            pid=w.pid,
+            exit_code=code,
+            exception=cause.exception,
+            log_path=str(w.err_path or w.log_path),  # where its traceback is
+            node=self.node,
+            at=cause.when,
+            frame=triage.user_frame(cause.stack),
+            consequences=tuple(s.told(cause.when) for s in rest[:MAX_CONSEQUENCES]),
+            **self._triage(w, cause.exception, cause.stack),
+        )
 
     def _triage(self, w: spawn.Worker, exception: str | None, stack: str | None) -> dict[str, Any]:
         """A failed worker's class, signature and step (daemon/triage.py): the Failure's fields."""

@@ -259,6 +259,17 @@ def read_error_file(path: Path) -> str | None:
     return read_error_report(path)[0]
 
 
+def error_written(path: Path) -> float | None:
+    """When the worker wrote its error file (its modification time, Unix time: finer than the
+    file's own whole-second `timestamp`, and the same for ours and the script's @record); None
+    where there is none, or it is not a regular file."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return st.st_mtime if stat.S_ISREG(st.st_mode) else None
+
+
 def read_error_report(path: Path) -> tuple[str | None, str | None]:
     """The exception line of torch's error-file format (ours or the script's @record) and its
     traceback (`py_callstack`, for triage's signature). The worker wrote it, and the operator's

@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from elasticd.daemon import triage
 from elasticd.daemon.triage import FailureClass
 
 
@@ -185,19 +186,30 @@ class Failure:
     # judges it; "" where it does not
     signature: str = ""
     step: int | None = None  # the failing rank's step as it last beat (None: before its first)
+    frame: str = ""  # the innermost frame of user code of its traceback (triage.user_frame)
+    # the other failures of the attempt, after this one (triage.first): "rank R: what (+T s)"
+    consequences: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.failure_class:
             object.__setattr__(self, "failure_class", DEFAULT_CLASS[self.kind].value)
 
     def summary(self) -> str:
-        parts = [f"rank {self.rank}" if self.rank is not None else f"node {self.node}", self.reason]
+        """The cause in its first words: the rank and its node, its exception and frame (else
+        its exit), then the log, the stacks and the consequences."""
+        who = f"node {self.node}"
+        if self.rank is not None:
+            who = f"rank {self.rank} (node {self.node})" if self.node else f"rank {self.rank}"
+        parts = [who]
         if self.exception:
-            parts.append(self.exception)
+            parts.append(f"{self.exception} ({self.frame})" if self.frame else self.exception)
+        parts.append(self.reason)
         if self.log_path:
             parts.append(f"log {self.log_path}")
         if self.stacks:
             parts.append(f"stacks {', '.join(self.stacks)}")
+        if self.consequences:
+            parts.append(f"then {', '.join(self.consequences)}")
         return "; ".join(parts)
 
     def reported(self) -> str:
@@ -231,8 +243,11 @@ def restart_request(why: Failure | Scale, node: str) -> dict[str, Any] | None:
     # the class travels, so that every node shows it
     reason: dict[str, Any] = {"summary": why.summary(), "node": node, "class": why.failure_class}
     if why.kind.spends_budget:
-        # the signature too: the next round's closing judges repeats by it (triage.repeats)
-        return {**reason, "spends": True, "sig": why.signature}
+        # the signature too: the next round's closing judges repeats by it (triage.repeats); and
+        # when it happened and whether it is a consequence's death, so that a request for a
+        # failure that came first takes the place of one already there (triage.comes_first)
+        first = {"at": why.at, "consequence": triage.consequence(why.exception)}
+        return {**reason, "spends": True, "sig": why.signature, "rank": why.rank, **first}
     if why.kind is RestartCause.SCALE:
         return {**reason, "summary": why.reason, "scale": True, "waiting": list(why.ids)}
     if why.kind is RestartCause.NODE_LOST:

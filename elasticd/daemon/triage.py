@@ -188,3 +188,54 @@ def _signal_name(number: int) -> str:
         return signal.Signals(number).name
     except ValueError:
         return str(number)
+
+
+# what a rank meets when another rank, or its node, went away first: the transport's words
+# (gloo, NCCL, sockets), never the cause of a job's failure while another failure came before
+CONSEQUENCE_TEXTS = re.compile(
+    r"Connection (?:reset|closed) by peer|Broken pipe|\bECONNRESET\b|\bEPIPE\b|Connection refused"
+    r"|remote process exited|communicator was aborted|\bDistNetworkError\b|Socket closed",
+    re.IGNORECASE,
+)
+# seconds by which a failure named a consequence may come before the failure it follows: clocks
+# of different nodes, and the daemon's view of an exit (its poll) that comes after the fact
+CLOCK_SLACK = 1.0
+
+
+def consequence(exception: str | None) -> bool:
+    """Whether an error's text is of the kind a rank dies of when another rank failed first (the
+    peer's connection reset or closed, a broken pipe, NCCL's remote process gone)."""
+    return bool(exception and CONSEQUENCE_TEXTS.search(exception))
+
+
+def first(failures: list[tuple[float, bool]]) -> list[int]:
+    """The failures of an attempt in the order they are told (their indexes): the cause first,
+    then the consequences by time. `failures`: (when it happened, Unix time; whether its text is
+    a consequence's). The earliest is the cause, unless its text is a consequence's and a failure
+    that is not came at most CLOCK_SLACK after it: then the earliest of those."""
+    by_time = sorted(range(len(failures)), key=lambda i: (failures[i][0], i))
+    if not by_time:
+        return []
+    cause = by_time[0]
+    if failures[cause][1]:
+        primary = [i for i in by_time if not failures[i][1]]
+        if primary and failures[primary[0]][0] <= failures[cause][0] + CLOCK_SLACK:
+            cause = primary[0]
+    return [cause, *(i for i in by_time if i != cause)]
+
+
+def comes_first(ours: dict, theirs: dict) -> bool:
+    """Whether our restart request's failure comes before theirs (`first`), so that ours should
+    take its place: both a failure's that spends the budget, with its time (`at`; a request of an
+    older elasticd has none, and stays)."""
+    if not (ours.get("spends") and theirs.get("spends")):
+        return False
+    times = [r.get("at") for r in (theirs, ours)]
+    if not all(isinstance(t, (int, float)) and not isinstance(t, bool) for t in times):
+        return False
+    return (
+        first(
+            [(times[0], bool(theirs.get("consequence"))), (times[1], bool(ours.get("consequence")))]
+        )[0]
+        == 1
+    )

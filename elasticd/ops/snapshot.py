@@ -66,6 +66,8 @@ class LastFailure:
     failure_class: str | None = None  # daemon/triage.py's FailureClass value
     signature: str | None = None  # what the repeat rule compares ("" where it does not judge)
     step: int | None = None  # the failing rank's last step (None: before its first)
+    frame: str | None = None  # its traceback's innermost frame of user code (FILE:LINE in FUNC)
+    consequences: list[str] = field(default_factory=list)  # the attempt's later failures
 
 
 @dataclass(frozen=True)

@@ -164,7 +164,8 @@ def test_kill_9_of_a_worker_restarts_and_completes(daemons, tmp_path):
     assert "[rank1]: done world_size=2 rank=1 restart=1" in out
     assert "resumed from snapshot at step" in out
     restarts = [e for e in d.events() if e.get("event") == "state" and e.get("new") == "RESTARTING"]
-    assert len(restarts) == 1 and "rank 1; killed by SIGKILL" in restarts[0]["cause"]
+    assert len(restarts) == 1 and "rank 1 (node " in restarts[0]["cause"]
+    assert "); killed by SIGKILL" in restarts[0]["cause"], restarts[0]["cause"]
 
 
 @pytest.mark.slow

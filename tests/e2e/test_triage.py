@@ -153,3 +153,49 @@ def test_the_same_exception_printing_another_float_each_attempt_is_deterministic
     (line,) = final_lines(d.stderr())
     assert "RuntimeError: loss N exceeds the bound N at faulty.py:" in line, line
     assert "in attempts 1 and 2" in line, line
+
+
+def test_the_first_failure_is_the_jobs_not_the_rank_that_died_of_it(daemons):
+    """Rank 1 raises and closes its connections, then takes 2 s to exit; rank 0 dies at once of
+    gloo's "Connection closed by peer" and is reaped first. The failure, its deterministic verdict
+    and status name rank 1, its frame and its exception, rank 0's death a consequence (before:
+    rank 0's, every time, and the verdict named rank 0's connection error)."""
+    retries = ("--deterministic-retries", "2")  # 3 attempts: time to read status in
+    d = daemons(
+        script("first_failure.py"), "--nproc-per-node", "2", "--max-restarts", "5", *retries, *FAST
+    )
+    first = wait_until(lambda: _last_failure(d), 60, what="the first failure in status")
+    assert first["rank"] == 1 and first["exception"].startswith("ValueError: bad batch"), first
+    assert first["frame"].startswith("first_failure.py:") and first["step"] == 3, first
+    (then,) = first["consequences"]
+    assert then.startswith("rank 0: RuntimeError: ") and "closed by peer" in then, first
+    assert d.wait(120) == EXIT_DETERMINISTIC, d.stderr()[-3000:]
+    causes = [e["cause"] for e in d.events() if e.get("new") == "RESTARTING"]
+    assert len(causes) == 3, causes
+    for cause in causes:
+        assert cause.startswith("rank 1 (node ") and "; ValueError: bad batch at step 3" in cause
+    line = final_lines(d.stderr())[-1]  # after the ranks' tracebacks the tee echoed
+    assert "the same failure (ValueError: bad batch at step N: loss N at first_failure.py:" in line
+    assert "not restarted: rank 1 (node " in line and "then rank 0: RuntimeError" in line, line
+
+
+def _last_failure(d) -> dict | None:
+    r = d.status("--json")
+    found = json.loads(r.stdout).get("last_failure") if r.returncode == 0 else None
+    return found if found and found.get("rank") is not None else None
+
+
+def test_across_nodes_the_first_failure_takes_the_restart_request(daemons):
+    """Rank 1 (node b) raises and takes 2 s to exit; rank 0 (node a) dies at once of the closed
+    connection, and node a asks the restart first. Node b, told to restart, finds its rank's
+    failure came first and puts it in the request's place: the round's closing judges rank 1's
+    failure, and both nodes end deterministic naming rank 1 (before: rank 0's connection error)."""
+    port = free_port()
+    flags = ("--nproc-per-node", "1", "--max-restarts", "5", *FAST_NODES, *node_flags(port, "2"))
+    a = daemons(script("first_failure.py"), *flags, name="a")
+    b = daemons(script("first_failure.py"), *flags, name="b")
+    for n in (a, b):
+        assert n.wait(120) == EXIT_DETERMINISTIC, n.stderr()[-3000:]
+        line = final_lines(n.stderr())[-1]
+        assert "the same failure (ValueError: bad batch at step N: loss N at " in line, line
+        assert "not restarted: rank 1 (node " in line, line

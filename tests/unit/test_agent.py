@@ -129,6 +129,9 @@ class FakeGroup:
             stop(self.s.agent)
         return self.s.failures.get(self.attempt)
 
+    def failed_now(self) -> Failure | None:
+        return None  # told by a peer to restart, nothing failed here
+
     @property
     def finished(self) -> bool:
         return self.attempt in self.s.finishes

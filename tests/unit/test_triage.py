@@ -1,6 +1,7 @@
 """The triage rules, pure (elasticd/daemon/triage.py): a failure's signature, its class and the
 repeat rule that calls it deterministic; and the OOM counters' files (daemon/oom.py)."""
 
+import json
 import signal
 
 import pytest
@@ -394,3 +395,95 @@ def test_the_closing_judges_the_repeat_from_the_previous_closings_record():
     assert closing._repeats(rz, 2, {"sig": SIG})["repeats"] == 1
     closed_with(sig=SIG, repeats=1)
     assert closing._repeats(rz, 2, {"sig": ""}) == {"sig": "", "repeats": 0, "deterministic": False}
+
+
+GLOO_RESET = (
+    "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by "
+    "peer [127.0.0.1]:37290. This is typically caused by a remote worker crashing."
+)
+
+
+@pytest.mark.parametrize(
+    "text, expect",
+    [
+        (GLOO_RESET, True),
+        ("RuntimeError: [pair.cc:534] Read error [10.0.0.2]:57368: Connection reset by peer", True),
+        ("torch.distributed.DistNetworkError: failed to recv, got 0 bytes", True),
+        ("RuntimeError: NCCL communicator was aborted on rank 3.", True),
+        ("BrokenPipeError: [Errno 32] Broken pipe", True),
+        ("ValueError: bad batch 17", False),
+        ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 MiB", False),
+        ("RuntimeError: CUDA error: an illegal memory access was encountered", False),
+        (None, False),
+    ],
+)
+def test_a_consequence_is_known_by_its_text(text, expect):
+    assert triage.consequence(text) is expect
+
+
+@pytest.mark.parametrize(
+    "failures, expect",
+    [
+        ([], []),
+        ([(10.0, False)], [0]),
+        ([(10.5, False), (10.0, False)], [1, 0]),  # by when they happened, not by rank
+        # rank 0 died of the reset 0.4 s before rank 1's error was seen: rank 1's is the cause
+        ([(10.0, True), (10.4, False)], [1, 0]),
+        ([(10.0, True), (10.0 + triage.CLOCK_SLACK, False)], [1, 0]),  # at the slack's edge
+        ([(10.0, True), (12.0, False)], [0, 1]),  # long after: the reset came first
+        ([(10.0, True), (10.1, True)], [0, 1]),  # only consequences: the earliest
+        ([(10.2, True), (10.3, False), (10.1, True), (10.25, False)], [3, 2, 0, 1]),
+        ([(10.0, False), (10.0, False)], [0, 1]),  # a tie: in the order given
+    ],
+)
+def test_the_first_failure_wins(failures, expect):
+    assert triage.first(failures) == expect
+
+
+def test_the_cause_names_rank_node_exception_and_frame_first():
+    why = Failure(
+        RestartCause.CRASH,
+        "exit code 1",
+        rank=1,
+        node="b-2",
+        exception="ValueError: bad batch 3",
+        frame="train.py:40 in step",
+        log_path="/l/rank1.log",
+        consequences=("rank 0: RuntimeError: Connection closed by peer (+0.41 s)",),
+    )
+    assert why.summary() == (
+        "rank 1 (node b-2); ValueError: bad batch 3 (train.py:40 in step); exit code 1; "
+        "log /l/rank1.log; then rank 0: RuntimeError: Connection closed by peer (+0.41 s)"
+    )
+    assert Failure(RestartCause.SIGNAL, "killed by SIGKILL", rank=2).summary() == (
+        "rank 2; killed by SIGKILL"
+    )
+
+
+def _request(at, consequence=False, spends=True):
+    return {"summary": "s", "spends": spends, "at": at, "consequence": consequence}
+
+
+@pytest.mark.parametrize(
+    "ours, theirs, expect",
+    [
+        (_request(10.0), _request(10.5), True),  # ours came first
+        (_request(10.5), _request(10.0), False),
+        (_request(10.3), _request(10.0, consequence=True), True),  # theirs died of ours
+        (_request(10.0, consequence=True), _request(10.3), False),
+        (_request(10.0), {"summary": "s", "spends": True}, False),  # an older elasticd's: stays
+        (_request(10.0), {"summary": "s", "lost": ["n"]}, False),  # a node lost: stays
+        (_request(10.0, spends=False), _request(10.5), False),
+    ],
+)
+def test_a_restart_request_for_the_first_failure_takes_the_place(ours, theirs, expect):
+    assert triage.comes_first(ours, theirs) is expect
+
+
+def test_the_restart_request_says_when_and_whether_a_consequence():
+    why = Failure(RestartCause.CRASH, "exit 1", rank=0, exception=GLOO_RESET, at=12.5)
+    request = restart_request(why, "a")
+    assert (request["at"], request["rank"], request["consequence"]) == (12.5, 0, True)
+    assert values.reason(json.dumps(request)) == request
+    for bad in ({"at": "soon"}, {"at": float("inf")}, {"rank": "1"}, {"consequence": 1}):
+        assert values.reason(json.dumps({**request, **bad})) is None, bad
