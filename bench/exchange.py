@@ -28,11 +28,13 @@ import torch.distributed as dist
 import torch.nn as nn
 
 
-def _rank(rank: int, world: int, store: str, mems: list[str], mb: float, out: str) -> None:
+def sharded_job(rank: int, world: int, store: str, mems: list[str], mb: float, out: str):
+    """This rank of the job, each rank a node of its own: (model, Adam, CheckpointManager
+    refreshing the in-memory state every step into mems[rank], the model's width)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from elasticd.checkpoint import CheckpointManager, capture, restore
+    from elasticd.checkpoint import CheckpointManager
 
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
@@ -51,6 +53,13 @@ def _rank(rank: int, world: int, store: str, mems: list[str], mb: float, out: st
         memory_dir=mems[rank],
         memory_every=1,
     )
+    return net, opt, mgr, n
+
+
+def _rank(rank: int, world: int, store: str, mems: list[str], mb: float, out: str) -> None:
+    from elasticd.checkpoint import capture, restore
+
+    net, opt, mgr, n = sharded_job(rank, world, store, mems, mb, out)
     dist.barrier()
     t0 = time.perf_counter()
     state = mgr.load_latest()
@@ -74,10 +83,13 @@ def _rank(rank: int, world: int, store: str, mems: list[str], mb: float, out: st
 
 def _world(world: int, mems: list[str], mb: float, out: str, work: Path) -> None:
     store = str(work / f"store-{time.monotonic_ns()}")
+    run_ranks(world, _rank, world, store, mems, mb, out)
+
+
+def run_ranks(world: int, target, *args) -> None:
+    """Fork `world` ranks running target(rank, *args); each must exit 0 within 600 s."""
     fork = multiprocessing.get_context("fork")
-    procs = [
-        fork.Process(target=_rank, args=(r, world, store, mems, mb, out)) for r in range(world)
-    ]
+    procs = [fork.Process(target=target, args=(r, *args)) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:

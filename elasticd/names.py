@@ -24,6 +24,9 @@ ATTEMPT_DIR = "ELASTICD_ATTEMPT_DIR"  # this attempt's directory of logs and err
 CHECKPOINT_DIR = "ELASTICD_CHECKPOINT_DIR"  # where elasticd.checkpoint keeps the job's checkpoints
 # the daemon's /dev/shm directory of in-memory state (elasticd.checkpoint.memory)
 MEMORY_DIR = "ELASTICD_MEMORY_DIR"
+# the key (hex) of the MACs on the in-memory state's bytes that cross the network, derived from
+# the job secret (elasticd.checkpoint.memory.seal)
+STATE_KEY = "ELASTICD_STATE_KEY"
 # the worker's local rank, which names its in-memory slots (LOCAL_RANK is 0 for every worker under
 # --virtual-local-rank)
 LOCAL_RANK = "ELASTICD_LOCAL_RANK"

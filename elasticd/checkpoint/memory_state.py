@@ -7,8 +7,9 @@ Resuming after a world-size change. In DDP every node's local rank 0 slot holds 
 what is per rank is only the RNG. So after a node is lost the survivors resume from their own
 memory, and after nodes join, a rank whose node lacks the step receives the slot's bytes from a
 rank that holds it (point to point over the library's gloo group, no pickle: reader.raw() and
-reader.decode()). The sampler's state (epoch, positions consumed) does not depend on the world
-size, so the rest of the epoch is dealt out over the new world and each sample is still seen once.
+reader.decode(), with a MAC made with the job's key: memory.seal). The sampler's state (epoch,
+positions consumed) does not depend on the world size, so the rest of the epoch is dealt out over
+the new world and each sample is still seen once.
 
 A sharded job (FSDP2) differs: every rank keeps its own shards, over nodes with a replica on the
 next node (memory.replica), and a resume takes each old rank's shards from whoever holds them and
@@ -43,7 +44,7 @@ from elasticd.checkpoint.collectives import (
 )
 from elasticd.checkpoint.files import load_latest_entry, looks_at_disk
 from elasticd.checkpoint.format import Entry, candidates
-from elasticd.checkpoint.memory import cadence, reader, replica, shards, slots
+from elasticd.checkpoint.memory import cadence, reader, replica, seal, shards, slots
 from elasticd.checkpoint.memory import directory as memdir
 from elasticd.checkpoint.memory.writer import Writer
 from elasticd.checkpoint.state import REFRESH, Refresh
@@ -322,8 +323,9 @@ class MemoryState:
         if my_rank in sender:
             source = f"rank{sender[my_rank]}"
             data = recv_bytes(sender[my_rank], cpu_group())
+            tag = bytes(recv_bytes(sender[my_rank], cpu_group()))  # its MAC (memory.seal)
             try:
-                body = reader.decode(data, step, lineage)
+                body = reader.decode(data, step, lineage, tag)
             except Exception as e:  # noqa: BLE001 - nothing (the sender failed) or damage: use the disk
                 why = (
                     f"not received from rank {sender[my_rank]}: {type(e).__name__}: {e}"
@@ -342,8 +344,10 @@ class MemoryState:
                     body = reader.load(self.directory, 0, step, lineage)
             except Exception as e:  # noqa: BLE001 - any damage means: use the disk
                 why, data = f"unreadable: {type(e).__name__}: {e}", bytearray()
+            tag = seal.whole(data) if data else b""
             for dst in to:
                 send_bytes(data, dst, cpu_group())
+                send_bytes(tag, dst, cpu_group())
             del data
         if body is None:
             return None, None, why

@@ -274,8 +274,10 @@ class Rendezvous:
     def next_round(self, nproc: int) -> Round:
         """Join rounds until this node is a member of one (joining.py). Raises RendezvousFailed
         when the job has ended or --join-timeout passes; a store that stops answering is retried
-        until then."""
-        return joining.next_round(self, nproc)
+        until then. The round carries the workers' state key (signing.state_key)."""
+        rnd = joining.next_round(self, nproc)
+        rnd.state_key = signing.state_key(self.signer.key, self.cfg.rdzv_id)
+        return rnd
 
     def check_open(self) -> None:
         """RendezvousFailed when the job has ended (a closing sealed for this run, and not older

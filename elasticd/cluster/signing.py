@@ -52,6 +52,13 @@ def job_secret(cfg: Config) -> bytes:
     return b""
 
 
+def state_key(secret: bytes, job: str) -> bytes:
+    """The key of the MACs on the in-memory state's bytes that the workers send each other
+    (elasticd/checkpoint/memory/seal.py), handed to them (names.STATE_KEY): derived from the job
+    secret and id, the same on every node, and never the secret that seals the store's values."""
+    return hmac.new(secret, f"elasticd/state-key/1\0{job}".encode(), hashlib.sha256).digest()
+
+
 def load_secret(path: str) -> bytes:
     """Read --rdzv-secret-file (read_private's rules). Every node of the job reads the same
     bytes."""

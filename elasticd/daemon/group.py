@@ -106,6 +106,7 @@ class LocalGroup:
         env = {names.ROUND_NUMBER: str(rnd.number)}
         if memory_dir:
             env[directory.ENV] = memory_dir
+            env[names.STATE_KEY] = rnd.state_key.hex()
         if self.cfg.ledger:  # elasticd/ledger.py: beside the ranks' logs
             env[names.LEDGER_DIR] = str(self.run_dir / f"attempt{self.attempt}")
         return env

@@ -60,6 +60,7 @@ PER_WORKER = frozenset(
         names.ATTEMPT_DIR,
         names.CHECKPOINT_DIR,
         names.MEMORY_DIR,
+        names.STATE_KEY,
         names.LOCAL_RANK,
         names.WARM_PRELOAD,
     }

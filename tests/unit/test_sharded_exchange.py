@@ -224,7 +224,7 @@ def test_failure_on_one_rank_after_agreeing_loads_the_disk_on_every_rank(tmp_pat
     capfd.readouterr()
     _run(tmp_path, _nodes(tmp_path, [[0], [1]]), 0, tmp_path / "b", fault)
     said = [ln for ln in _said(capfd).splitlines() if "memory_state_skipped" in ln]
-    what = "damaged (checksum)" if fault == "transit" else "set_state_dict"
+    what = "MAC does not verify" if fault == "transit" else "set_state_dict"
     assert len(said) == 1 and "rank 1" in said[0] and what in said[0], said
     assert "loading the newest disk checkpoint" in said[0], said
     for r in range(2):
@@ -281,7 +281,8 @@ def test_a_peer_killed_in_the_middle_of_the_exchange_ends_the_attempt_at_once(tm
 
 def test_a_servers_unreadable_slot_makes_every_rank_load_the_disk_with_one_line(tmp_path, capfd):
     """3 -> 2 ranks (node 2 lost), memory at step 5, disk at step 4; node 0's replica of rank 2,
-    which rank 0 is to serve, is damaged: both ranks load the disk's step 4, one line naming it."""
+    which rank 0 is to serve, is damaged (its MAC fails first): both ranks load the disk's step
+    4, one line naming it."""
     three = _nodes(tmp_path, [[0], [1], [2]])
     _run(tmp_path, three, 5, tmp_path / "a")
     for h in slots.held(three[0]["mem"], 0, slots.REPLICA):
@@ -292,7 +293,7 @@ def test_a_servers_unreadable_slot_makes_every_rank_load_the_disk_with_one_line(
     capfd.readouterr()
     _run(tmp_path, three[:2], 0, tmp_path / "b")
     said = [ln for ln in _said(capfd).splitlines() if "memory_state_skipped" in ln]
-    assert len(said) == 1 and "rank 0: rank 2's slot unreadable" in said[0], said
+    assert len(said) == 1 and "rank 0: rank 2's replica refused" in said[0], said
     for r in range(2):
         loaded = _loaded(tmp_path / "b", r)
         assert loaded["step"] == 4 and not loaded["file"].startswith("memory:"), loaded["file"]

@@ -3,11 +3,13 @@ simulated nodes (each its own memory directory): every rank keeps its own shards
 than one node a replica of the next node's rank, so a crash at the same world resumes from its own
 slot, a lost node from the survivors' slots and replicas at the smaller world, a grown world from
 the ranks that hold the shards, and two lost neighbours from the disk, with one line saying why.
+A replica changed in the survivor's /dev/shm is refused (its MAC does not verify), never loaded.
 Each sample of the epoch is trained on exactly once across the change."""
 
 from __future__ import annotations
 
 import ast
+import json
 import shutil
 from pathlib import Path
 
@@ -15,6 +17,7 @@ import pytest
 import torch
 
 import _ckpt_helpers as helpers
+from elasticd import names
 from elasticd.checkpoint.memory import slots
 
 pytest.importorskip("torch.distributed.fsdp")
@@ -131,3 +134,49 @@ def test_fsdp2_two_neighbouring_nodes_lost_falls_back_to_disk_saying_why(tmp_pat
     said = [line for line in (err.out + err.err).splitlines() if "memory_state_skipped" in line]
     assert len(said) == 1 and "rank 1's shards" in said[0], said
     _same(_state(f"{second}.loaded.0"), _state(f"{first}.s5.0"))
+
+
+def _flip_tensors(file: str) -> None:
+    """What someone who can write a node's /dev/shm, or who changes the bytes on their way from
+    the other node, could do: one bit of every tensor of a slot flipped, its header and
+    description left whole (their CRC still holds)."""
+    h = slots.header(file)
+    with open(file, "r+b") as f:
+        f.seek(slots.HEADER + h["data_len"])
+        desc = json.loads(f.read(h["meta_len"]))
+        for offset, _dtype, shape in desc["tensors"]:
+            if all(shape):
+                f.seek(slots.HEADER + offset)
+                byte = f.read(1)[0]
+                f.seek(slots.HEADER + offset)
+                f.write(bytes([byte ^ 0x40]))
+
+
+def test_fsdp2_a_tampered_replica_is_refused_and_the_resume_takes_the_step_before(
+    tmp_path, capfd, monkeypatch
+):
+    """Two nodes of one rank each, node 1 lost. In the survivor's memory the replica of rank 1's
+    newest step (7) has one bit of every tensor flipped: the resume refuses it in one line,
+    invalidates it, and resumes at world 1 from the step before (6), own slot and replica, bit
+    for bit; each sample of the epoch is trained on once."""
+    monkeypatch.setenv(names.STATE_KEY, "5e" * 32)  # as the daemon gives its workers
+    nodes = _nodes(tmp_path, [[0], [1]])
+    first = tmp_path / "a"
+    _train(tmp_path, 2, nodes, 40, 7, first)
+    survivor = {"mem": nodes[0]["mem"], "disk": nodes[0]["disk"], "ranks": [0]}
+    (newest,) = [h for h in slots.held(survivor["mem"], 0, slots.REPLICA) if h.step == 7]
+    _flip_tensors(slots.slot_path(survivor["mem"], 0, newest.k, slots.REPLICA))
+    capfd.readouterr()
+    second = tmp_path / "b"
+    _train(tmp_path, 1, [survivor], 6 + (SAMPLES - 2 * 2 * 6) // 2, None, second)
+    got = torch.load(f"{second}.loaded.0", weights_only=True)
+    err = capfd.readouterr()
+    said = [line for line in (err.out + err.err).splitlines() if "memory_replica_refused" in line]
+    assert len(said) == 1 and "MAC does not verify" in said[0], said
+    assert got["step"] == 6 and "/sharded-replicas/" in got["file"], got["file"]
+    for r in range(2):
+        _same(_state(f"{second}.loaded.0"), _state(f"{first}.s6.{r}"))
+    assert all(h.step != 7 for h in slots.held(survivor["mem"], 0, slots.REPLICA))
+    seen = [i for s, e, idx in _seen(first, 2) if e == 0 and s <= 6 for i in idx]
+    seen += [i for s, e, idx in _seen(second, 1) if e == 0 for i in idx]
+    assert sorted(seen) == list(range(SAMPLES)), (len(seen), len(set(seen)))

@@ -14,8 +14,9 @@ exchange runs in restore() (Exchange.place), after load() agreed on the step:
    every rank: for each distinct old chunk (replicated mesh dims repeat them: the lowest old
    rank's is sent) and each rank whose new box it overlaps, the holder sends the intersection.
 3. One all_to_all_single of raw bytes over the library's gloo group carries every holder's
-   slices to every rank, each message followed by its crc32 (8 bytes): the bytes a rank receives
-   are its new shards' size plus 8 per sender, whatever the world was.
+   slices to every rank, each message followed by its MAC (memory.seal: 32 bytes, bound to the
+   step, lineage, sender and receiver): the bytes a rank receives are its new shards' size plus
+   32 per sender, whatever the world was; a message whose MAC does not verify fails the resume.
 
 Every rank takes part in every step whatever failed here (a failure is carried as a reason, the
 bytes as zeros), so a failure never leaves a peer waiting; memory.shards agrees on the outcome.
@@ -28,7 +29,6 @@ import ctypes
 import json
 import math
 import time
-import zlib
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from elasticd.checkpoint import sharded
 from elasticd.checkpoint.collectives import _tensor_bytes, cpu_group, rank, world
+from elasticd.checkpoint.memory import seal
 from elasticd.checkpoint.memory.description import Chunk
 from elasticd.checkpoint.walk import keys, root, where
 
@@ -46,8 +47,8 @@ MARK = "\x00elasticd.chunk"  # a skeleton's stand-in for a chunk: {MARK: [global
 WAIT = 60.0  # seconds any step of the exchange waits for its peers, plus the bytes at SPEED
 SPEED = 20e6  # bytes/s assumed of the slowest link when bounding the all_to_all's wait
 ALIGN = 8  # each slice starts at a multiple of 8 bytes, so the bytes view as any dtype in place
-# Tests only: called on each outgoing message (rank to, bytes) after its checksum was taken, as
-# a bad link would damage it (tests/unit/test_sharded_exchange.py).
+# Tests only: called on each outgoing message (rank to, bytes) after its MAC was taken, as a bad
+# link or someone on it would change it (tests/unit/test_sharded_exchange.py).
 TAMPER: Callable[[int, torch.Tensor], None] | None = None
 
 
@@ -136,8 +137,9 @@ def _padded(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def _crc(t: torch.Tensor) -> int:
-    return zlib.crc32((ctypes.c_char * t.numel()).from_address(t.data_ptr())) if t.numel() else 0
+def _bytes(t: torch.Tensor) -> ctypes.Array:
+    """A contiguous uint8 tensor's bytes, as a buffer hashlib reads without copying."""
+    return (ctypes.c_char * t.numel()).from_address(t.data_ptr())
 
 
 def _wait(work, seconds: float, what: str) -> None:
@@ -169,10 +171,18 @@ def gather_json(obj: Any, multi: bool) -> list[Any]:
 class Exchange:
     """The shards of one resume at another world: the skeleton's model and optimizer parts, the
     slots this rank serves ({old rank: state with Chunks}) and which new rank serves each old
-    rank. place() is a collective; `received` and `seconds` say what it cost this rank."""
+    rank. place() is a collective; `received` and `seconds` say what it cost this rank.
+    `context`: the (step, lineage) resumed, bound into every message's MAC."""
 
-    def __init__(self, parts: Mapping[str, Any], held: dict[int, Any], serves: list[int]):
+    def __init__(
+        self,
+        parts: Mapping[str, Any],
+        held: dict[int, Any],
+        serves: list[int],
+        context: tuple[int, int] = (0, 0),
+    ):
         self.parts, self.held, self.serves = dict(parts), held, serves
+        self.context = context
         self.received, self.seconds = 0, 0.0
 
     def place(self, model, optimizer, multi: bool) -> tuple[dict | None, dict | None, str | None]:
@@ -253,12 +263,15 @@ class Exchange:
 
     def _sizes(self, plan: dict, marks: list, pairs: list) -> list[int]:
         """Bytes of the message of each (sender, receiver) pair: its slices, padded, and its
-        checksum (none when it has no slice)."""
+        MAC (none when it has no slice)."""
         sizes = [sum(self._size(it, marks) for it in plan.get(pair, ())) for pair in pairs]
-        return [n + ALIGN if n else 0 for n in sizes]
+        return [n + seal.SIZE if n else 0 for n in sizes]
+
+    def _mac(self, body: torch.Tensor, src: int, dst: int) -> bytes:
+        return seal.mac("shards", (*self.context, src, dst), _bytes(body))
 
     def _pack(self, inp: torch.Tensor, sends: list, plan: dict, chunks: dict, marks: list) -> None:
-        """Each message this rank sends, its slices copied once into `inp`, then its checksum."""
+        """Each message this rank sends, its slices copied once into `inp`, then its MAC."""
         start, me = 0, rank()
         for dst, n in enumerate(sends):
             at = start
@@ -269,8 +282,9 @@ class Exchange:
                 dst_view.view(c.tensor.dtype).view(shape).copy_(window(c.tensor, lo, hi, c.offsets))
                 at += self._size((q, i, lo, hi), marks)
             if n:
-                end = start + n - ALIGN
-                inp[end : start + n].view(torch.int64)[0] = _crc(inp[start:end])
+                end = start + n - seal.SIZE
+                tag = self._mac(inp[start:end], me, dst)
+                inp[end : start + n] = torch.frombuffer(bytearray(tag), dtype=torch.uint8)
                 if TAMPER is not None:
                     TAMPER(dst, inp[start : start + n])
             start += n
@@ -299,9 +313,12 @@ class Exchange:
             if not n:
                 continue
             msg, start = out[start : start + n], start + n
-            body = msg[:-ALIGN]
-            if _crc(body) != int(msg[-ALIGN:].view(torch.int64).item()):
-                why = why or f"rank {me}: the shards from rank {src} arrived damaged (checksum)"
+            body = msg[: -seal.SIZE]
+            if not seal.matches(_tensor_bytes(msg[-seal.SIZE :]), self._mac(body, src, me)):
+                why = why or (
+                    f"rank {me}: the shards from rank {src} arrived damaged or changed on the "
+                    "way (their MAC does not verify)"
+                )
                 continue
             at = 0
             for item in plan[(src, me)]:

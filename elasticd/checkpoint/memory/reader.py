@@ -1,6 +1,8 @@
 """A slot's state read back: in place (load, read), or as the bytes a rank sends to ranks whose
 node lacks it (raw) and their decoding on arrival (decode), each checked for the step and lineage
-expected, the description's checksum and a layout that stays inside the tensors' bytes.
+expected, the description's checksum and a layout that stays inside the tensors' bytes. What came
+from another rank (a replica slot, bytes received) is decoded only once its MAC verifies
+(memory.seal): copied out first, so nothing can change it between the check and the decoding.
 """
 
 from __future__ import annotations
@@ -13,8 +15,18 @@ from typing import Any
 
 import torch
 
+from elasticd.checkpoint.memory import seal
 from elasticd.checkpoint.memory.description import rebuild
-from elasticd.checkpoint.memory.slots import FIELDS, HEADER, OWN, held, parse, slot_path
+from elasticd.checkpoint.memory.slots import (
+    FIELDS,
+    HEADER,
+    MAC_AT,
+    OWN,
+    REPLICA,
+    held,
+    parse,
+    slot_path,
+)
 
 
 def _find(path: str, local_rank: int, step: int, lineage: int, kind: str = OWN) -> str:
@@ -70,15 +82,27 @@ def _load_slot(file: str, step: int, lineage: int) -> Any:
 def load(path: str, local_rank: int, step: int, lineage: int, kind: str = OWN) -> dict[str, Any]:
     """What a local rank's slot holds at (step, lineage): {"rng": ..., "state": {...}} for local
     rank 0 (the node's whole state) and for every rank of a sharded job (its own shards),
-    {"rng": ...} for the others. ValueError when it is gone, damaged or changed while read."""
-    return _load_slot(_find(path, local_rank, step, lineage, kind), step, lineage)
+    {"rng": ...} for the others. ValueError when it is gone, damaged or changed while read; a
+    replica (`kind` REPLICA) whose MAC does not verify: seal.Refused, and it is never decoded."""
+    file = _find(path, local_rank, step, lineage, kind)
+    if kind != REPLICA:
+        return _load_slot(file, step, lineage)
+    buf = _copy(file, step, lineage)
+    with memoryview(buf) as view:
+        mac = seal.slot_mac("replica", view[:HEADER], view[HEADER:])
+    if not seal.matches(buf[MAC_AT : MAC_AT + seal.SIZE], mac):
+        raise seal.Refused(f"replica slot {os.path.basename(file)}: its MAC does not verify")
+    return _decode(buf, len(buf), os.path.basename(file), step, lineage)[1]
 
 
 def raw(path: str, step: int, lineage: int, local_rank: int = 0, kind: str = OWN) -> bytearray:
     """A slot's state at (step, lineage) as its bytes (header, tensors, description), copied
     out and checked: what a rank sends to ranks whose node lacks it. By default the node's
     whole state (local rank 0's); in a sharded job any local rank's own shards or replica."""
-    file = _find(path, local_rank, step, lineage, kind)
+    return _copy(_find(path, local_rank, step, lineage, kind), step, lineage)
+
+
+def _copy(file: str, step: int, lineage: int) -> bytearray:
     name = os.path.basename(file)
     with open(file, "rb") as f:
         size = os.fstat(f.fileno()).st_size
@@ -95,8 +119,11 @@ def raw(path: str, step: int, lineage: int, local_rank: int = 0, kind: str = OWN
     return buf
 
 
-def decode(buf: bytearray, step: int, lineage: int) -> dict[str, Any]:
-    """The state in bytes that raw() gave on another node, checked as a slot is read."""
+def decode(buf: bytearray, step: int, lineage: int, tag: bytes | None = None) -> dict[str, Any]:
+    """The state in bytes that raw() gave, checked as a slot is read; received from another
+    rank, only once `tag`, the MAC its sender made (seal.whole), verifies (else seal.Refused)."""
+    if tag is not None and not seal.matches(tag, seal.whole(buf)):
+        raise seal.Refused("the state received: its MAC does not verify")
     return _decode(buf, len(buf), "received", step, lineage)[1]
 
 

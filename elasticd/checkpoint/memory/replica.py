@@ -9,13 +9,18 @@ never interleave with the training loop's, as the disk writer's own group), on a
 thread, straight from the slot's mapping into the receiver's: the refresh only starts it, and the
 next refresh first waits for it (that wait counts as refresh cost, so the cadence keeps the whole
 within the budget). A received slot is marked valid only once all of it arrived, so a rank killed
-mid-transfer leaves the previous replica whole. Why gloo rather than the rendezvous store: the
+mid-transfer leaves the previous replica whole. Each slot travels with a MAC made with the job's
+key (memory.seal: over its header's fields and bytes, computed on the sender's thread while the
+bytes travel), kept in the replica's header; a resume that reads the replica verifies it
+(reader.load), so bytes changed on the way or in the receiver's /dev/shm are refused, never
+loaded. Why gloo rather than the rendezvous store: the
 store is one process every node talks to, a slot is the size of a rank's shards, and gloo sends
 it point to point at the network's speed.
 """
 
 from __future__ import annotations
 
+import ctypes
 import threading
 import time
 from collections.abc import Callable
@@ -28,7 +33,16 @@ import torch.distributed as dist
 
 import elasticd
 from elasticd.checkpoint.collectives import _tensor_bytes, rank, world
-from elasticd.checkpoint.memory.slots import FIELDS, HEADER, REPLICA, SLOTS, parse, slot_path
+from elasticd.checkpoint.memory import seal
+from elasticd.checkpoint.memory.slots import (
+    FIELDS,
+    HEADER,
+    MAC_AT,
+    REPLICA,
+    SLOTS,
+    parse,
+    slot_path,
+)
 from elasticd.checkpoint.memory.writer import _Slot
 from elasticd.worker.health import REPLICA_STATES
 
@@ -91,16 +105,10 @@ class Replicator:
             got = int(m.item())
             if got and got < HEADER:
                 raise ValueError(f"rank {self.source} announced a slot of {got} bytes")
-            reqs = []
-            if size:
-                assert slot.mm is not None
-                out = torch.frombuffer(slot.mm, dtype=torch.uint8, count=size)
-                reqs = [
-                    dist.isend(out[:HEADER], self.to, group=g, tag=2),
-                    dist.isend(out[HEADER:], self.to, group=g, tag=3),
-                ]
-            if got:
-                self._receive(got)
+            incoming = self._post(got) if got else None  # posted first: the MACs overlap the sends
+            reqs = self._send(slot, size) if size else []
+            if incoming is not None:
+                self._land(got, *incoming)
             for r in reqs:
                 r.wait()
             self.sent = size
@@ -110,8 +118,27 @@ class Replicator:
             self.error = f"{type(e).__name__}: {e}"
             self.seconds = time.perf_counter() - t0
 
-    def _receive(self, got: int) -> None:
-        """The previous node's slot, `got` bytes, into the replica slot written next; valid last."""
+    def _send(self, slot: _Slot, size: int) -> list:
+        """The slot's `size` bytes to the next node, straight from its mapping, then their MAC
+        (memory.seal), computed while they travel."""
+        g = self.group
+        assert slot.mm is not None
+        out = torch.frombuffer(slot.mm, dtype=torch.uint8, count=size)
+        reqs = [
+            dist.isend(out[:HEADER], self.to, group=g, tag=2),
+            dist.isend(out[HEADER:], self.to, group=g, tag=3),
+        ]
+        tag = seal.slot_mac(
+            "replica", _at(slot.address, HEADER), _at(slot.address + HEADER, size - HEADER)
+        )
+        reqs.append(
+            dist.isend(torch.frombuffer(bytearray(tag), dtype=torch.uint8), self.to, group=g, tag=4)
+        )
+        return reqs
+
+    def _post(self, got: int) -> tuple:
+        """The receives of the previous node's slot, `got` bytes, into the replica slot written
+        next (invalid until it landed whole) and of its MAC."""
         g = self.group
         into = self.slots[self.next]
         if into.mm is not None:
@@ -120,15 +147,26 @@ class Replicator:
         assert into.mm is not None
         head = torch.empty(HEADER, dtype=torch.uint8)
         body = torch.frombuffer(into.mm, dtype=torch.uint8, count=got - HEADER, offset=HEADER)
-        dist.recv(head, self.source, group=g, tag=2)
-        dist.recv(body, self.source, group=g, tag=3)
+        tag = torch.empty(seal.SIZE, dtype=torch.uint8)
+        works = [
+            dist.irecv(t, self.source, group=g, tag=k) for k, t in ((2, head), (3, body), (4, tag))
+        ]
+        return into, head, tag, works
+
+    def _land(self, got: int, into: _Slot, head, tag, works: list) -> None:
+        """The received slot made valid, its MAC kept in its header (verified when a resume reads
+        it: reader.load): valid last, so a rank killed before leaves the other replica whole."""
+        for w in works:
+            w.wait()
         raw = _tensor_bytes(head)
         h = parse(raw[: FIELDS.size], got)
         if h is None or HEADER + h["data_len"] + h["meta_len"] != got:
             raise ValueError(f"rank {self.source} sent a slot whose header does not fit it")
+        assert into.mm is not None
         into.mm[16:HEADER] = raw[16:]  # all but magic and the valid flag
+        into.mm[MAC_AT : MAC_AT + seal.SIZE] = _tensor_bytes(tag)
         into.mm[:8] = raw[:8]
-        into.set_valid(1)  # last: a rank killed before this leaves the other replica whole
+        into.set_valid(1)
         self.next = (self.next + 1) % SLOTS
 
     def close(self) -> None:
@@ -190,6 +228,12 @@ def off_reason(
     if ring is None:
         return "one_node" if 0 < local_world and world <= local_world else "uneven_nodes"
     return "on" if directory else "no_directory"
+
+
+def _at(address: int, n: int) -> ctypes.Array:
+    """`n` bytes of a mapping at `address`, as a buffer hashlib reads without copying (no export
+    of the mapping is held, so it can still be remapped)."""
+    return (ctypes.c_char * n).from_address(address)
 
 
 def _report_state(state: str) -> None:

@@ -40,9 +40,9 @@ from elasticd.checkpoint.collectives import (
     world,
 )
 from elasticd.checkpoint.format import Entry
-from elasticd.checkpoint.memory import exchange, reader
+from elasticd.checkpoint.memory import exchange, reader, seal
 from elasticd.checkpoint.memory.description import Chunk
-from elasticd.checkpoint.memory.slots import OWN, REPLICA, held, keep_only
+from elasticd.checkpoint.memory.slots import OWN, REPLICA, held, invalidate, keep_only, slot_path
 from elasticd.checkpoint.state import InMemory
 from elasticd.checkpoint.walk import where
 
@@ -128,16 +128,28 @@ def resume(
 ) -> tuple[dict[str, Any], Entry, tuple[int, int] | None] | None:
     """MemoryState.load() for a sharded job (a collective): (state, entry, the (step, lineage)
     this rank's own slot keeps, if any), or None (after one line saying why) for the disk.
-    `seed_base(step, world)`: the RNG seed base of ranks without their own slot."""
+    `seed_base(step, world)`: the RNG seed base of ranks without their own slot. A replica whose
+    MAC does not verify is refused by the rank that read it (one line, memory_replica_refused)
+    and the ranks choose again without it: another holder, an older step, or the disk."""
     world_size, my_rank = world(), rank()
-    choice, why = choose(views, world_size)
-    body = None
-    if choice is not None:
-        body, why = fetch(choice, directory, local_rank, my_rank, multi)
+    refused: set[tuple] = set()  # (holder rank, step, lineage, world, old rank, kind)
+    first = ""  # why the first choice failed, when replicas were refused
+    while True:
+        choice, why = choose(_without(views, refused), world_size)
+        why = f"{first}; without it, {why}" if first and choice is None else why
+        body = None
+        if choice is None:
+            break
+        body, why, bad = fetch(choice, directory, local_rank, my_rank, multi)
         mine = None if body is not None else f"rank {my_rank}: {why or 'nothing read'}"
-        failed, _ = agree(mine, multi)  # every rank says the same line: the first failure's
-        if failed is not None:
-            choice, body, why = None, None, failed
+        failed, agreed = agree(mine, multi, refused=bad)  # every rank: the first failure's line
+        if failed is None:
+            break
+        choice, body, why = None, None, failed
+        new = {tuple(p) for v in agreed for p in v["refused"]} - refused
+        if not new:
+            break
+        refused, first = refused | new, first or failed
     if choice is None or body is None:
         if my_rank == 0:
             log.info(
@@ -178,11 +190,23 @@ def resume(
     return state, entry, resumed
 
 
+def _without(views: list[dict[str, Any]], refused: set[tuple]) -> list[dict[str, Any]]:
+    """The ranks' views less the refused pieces (each (holder rank, *piece))."""
+    if not refused:
+        return views
+    return [
+        v | {"pieces": [p for p in v["pieces"] if (r, *p) not in refused]}
+        for r, v in enumerate(views)
+    ]
+
+
 def fetch(
     choice: Choice, directory: str | None, local_rank: int, my_rank: int, multi: bool
-) -> tuple[dict[str, Any] | None, str | None]:
-    """(body, why not): this rank's view of the chosen step, {"state": the rest of the state with
-    a Pieces where the model and optimizer go, "rng": this rank's own or None}. Not
+) -> tuple[dict[str, Any] | None, str | None, list[list]]:
+    """(body, why not, the pieces refused here): this rank's view of the chosen step, {"state":
+    the rest of the state with a Pieces where the model and optimizer go, "rng": this rank's
+    own or None}; a replica whose MAC does not verify is refused (one line, the slot
+    invalidated: never loaded) and named among the pieces refused, as [this rank, *piece]. Not
     `choice.direct`: the slots this rank serves are read here, the shards move in restore()
     (memory.exchange), and the rest comes from the holder of old rank 0's slot (a collective:
     every rank takes part in its broadcast, whatever failed)."""
@@ -196,34 +220,58 @@ def fetch(
     rng = own.get("rng") if own is not None else None
     if choice.direct:
         if why is not None or own is None:
-            return None, why or "nothing read"
-        return {"state": _with_pieces(own["state"], Pieces([own["state"]])), "rng": rng}, None
-    held: dict[int, Any] = {}
+            return None, why or "nothing read", []
+        return {"state": _with_pieces(own["state"], Pieces([own["state"]])), "rng": rng}, None, []
+    held, refused = {}, []
     for q, (src, kind) in enumerate(choice.source):
         if src != my_rank:
             continue
         try:
             mine = own if kind == OWN and own is not None else None
             held[q] = (mine or reader.load(directory, local_rank, step, lineage, kind))["state"]
+        except seal.Refused as e:
+            refused.append([my_rank, step, lineage, choice.world, q, kind])
+            why = why or f"rank {q}'s replica refused: {e}"
+            _refuse(directory, local_rank, choice, q, str(e))
         except Exception as e:  # noqa: BLE001 - sent as nothing: every rank uses the disk
             why = why or f"rank {q}'s slot unreadable: {type(e).__name__}: {e}"
     first = choice.source[0][0]
-    data = to_bytes(exchange.skeleton(held[0])) if 0 in held and why is None else b""
+    context = (step, lineage, first)
+    data = b""
+    if 0 in held and why is None:
+        data = to_bytes(exchange.skeleton(held[0]))
+        data += seal.mac("skeleton", context, data)
     data = broadcast_bytes(data, first, cpu_group()) if multi else data
     if not data:
-        return None, why or f"rank {first} could not read rank 0's slot"
+        return None, why or f"rank {first} could not read rank 0's slot", refused
     try:
+        tag, data = data[-seal.SIZE :], data[: -seal.SIZE]
+        if not seal.matches(tag, seal.mac("skeleton", context, data)):
+            raise seal.Refused("its MAC does not verify")
         rest = from_bytes(data)
     except Exception as e:  # noqa: BLE001
-        return None, f"rank 0's state damaged in transit: {type(e).__name__}: {e}"
+        return None, f"rank 0's state damaged in transit: {type(e).__name__}: {e}", refused
     if why is not None:
-        return None, why
+        return None, why, refused
     serves = [src for src, _ in choice.source]
     parts = {k: rest[k] for k in PARTS if k in rest}
-    return {
-        "state": _with_pieces(rest, Pieces(exchange=exchange.Exchange(parts, held, serves))),
-        "rng": rng,
-    }, None
+    pieces = Pieces(exchange=exchange.Exchange(parts, held, serves, (step, lineage)))
+    return {"state": _with_pieces(rest, pieces), "rng": rng}, None, refused
+
+
+def _refuse(directory: str | None, local_rank: int, choice: Choice, old: int, why: str) -> None:
+    """A replica whose MAC does not verify: one line, and its slot invalidated."""
+    log.warning(
+        "memory_replica_refused",
+        step=choice.step,
+        old_rank=old,
+        rank=rank(),
+        reason=f"{why}: changed on the way from its node or in this node's /dev/shm",
+        action="resuming from another holder, an older step or the disk",
+    )
+    for h in held(directory, local_rank, REPLICA):
+        if (h.step, h.lineage) == (choice.step, choice.lineage):
+            invalidate(slot_path(directory, local_rank, h.k, REPLICA))
 
 
 def _with_pieces(state: Mapping[str, Any], pieces: Pieces) -> dict[str, Any]:

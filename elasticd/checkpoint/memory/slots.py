@@ -2,9 +2,9 @@
 written in turn, and, in a sharded job spread over nodes, two more, `r<L>.0` and `r<L>.1`: the
 replica of another node's rank's slot (elasticd.checkpoint.memory.replica). A 4 KiB header (step,
 world size, global rank, local world size, lineage, lengths, the description's CRC, whether it
-holds a sharded rank's own shards, and a valid flag written last), the tensors' bytes (64-byte
-aligned), then the description. Headers are read here without torch, for the daemon's status and
-for choosing what to resume from.
+holds a sharded rank's own shards, and a valid flag written last; a replica's also the MAC its
+sender made, memory.seal), the tensors' bytes (64-byte aligned), then the description. Headers
+are read here without torch, for the daemon's status and for choosing what to resume from.
 """
 
 from __future__ import annotations
@@ -15,8 +15,10 @@ import re
 import struct
 from typing import NamedTuple
 
-MAGIC = b"ELDMEM03"
+MAGIC = b"ELDMEM04"
 HEADER = 4096
+# where a replica slot keeps the MAC its sender made (memory.seal), past the header's fields
+MAC_AT = 1024
 # magic, valid, step, world, rank, data_len, meta_len, crc, local world size (0: unknown), lineage,
 # flags (SHARDED)
 FIELDS = struct.Struct("<8sQqqqQQIIqQ")
