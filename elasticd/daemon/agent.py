@@ -275,7 +275,10 @@ class Agent:
                     self.publish()
                 continue
             why = hangs.name_culprit(why, self)
-            # never a strike by itself: the health check before the restart confirms the node
+            # never a strike by its text: the GPU driver's own evidence (daemon/driver.py) or the
+            # health check before the restart is what strikes the node
+            if isinstance(why, Failure) and why.driver and self.quarantine.strike(why):
+                return self._leave_job(why, *self.quarantine.departure(self.round is not None))
             code = self._restart(why)
             if code is not None:
                 return code

@@ -15,7 +15,7 @@ from elasticd import logs, names
 from elasticd.checkpoint.memory import directory
 from elasticd.cluster.rounds import Round
 from elasticd.config import Config
-from elasticd.daemon import forkclient, oom, processes, spawn, tee, triage
+from elasticd.daemon import driver, forkclient, oom, processes, spawn, tee, triage
 from elasticd.daemon.states import Failure, RestartCause
 from elasticd.worker import health
 
@@ -60,6 +60,8 @@ class LocalGroup:
         self._exit_seen: dict[int, float] = {}  # pid -> when its exit was reaped (Unix time)
         self._returned: set[int] = set()  # pids that died after their script returned
         self.oom = oom.Counters([])  # the OOM counters as this attempt started
+        self.gpu_sources = driver.Sources.found()  # the GPU driver's evidence, where it has one
+        self.gpu = driver.Watch(driver.Sources(None))  # over this attempt
         self.dumps: list[dict[str, Any]] = []  # the stacks the last hang verdict took (_rows)
 
     def start(
@@ -92,6 +94,8 @@ class LocalGroup:
             signals_to_handle=cfg.signals_to_handle,
             extra_env=self._extra_env(rnd, memory_dir),
         )
+        self.gpu.close()
+        self.gpu = driver.Watch(self.gpu_sources)  # before the workers: what rises is theirs
         self.workers = spawn.spawn(spec, spares)
         self._exit_seen, self._returned = {}, set()
         self.oom = oom.Counters([w.pid for w in self.workers])
@@ -222,12 +226,13 @@ class LocalGroup:
         beat = self.beat(w)
         step = beat.step if beat and beat.beats and beat.step >= 0 else None
         killed = w.exit_code is not None and w.exit_code != 0 and self.oom.killed(w.pid)
-        klass = triage.classify(w.exit_code, exception, killed)
+        fault = self.gpu.since()  # the driver's own evidence: never the job's words
+        klass = triage.classify(w.exit_code, exception, killed, driver_fault=bool(fault))
         sig = ""
         if triage.judged(klass):
             sig = triage.signature(w.exit_code, exception, stack)
             sig = logs.printable(f"{sig} ({triage.at_step(step)})")
-        return {"failure_class": klass.value, "signature": sig, "step": step}
+        return {"failure_class": klass.value, "signature": sig, "step": step, "driver": fault}
 
     def beat(self, w: spawn.Worker) -> health.Beat | None:
         return self._watch(w)[0].read()

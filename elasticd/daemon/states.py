@@ -189,6 +189,8 @@ class Failure:
     frame: str = ""  # the innermost frame of user code of its traceback (triage.user_frame)
     # the other failures of the attempt, after this one (triage.first): "rank R: what (+T s)"
     consequences: tuple[str, ...] = ()
+    # what the GPU driver reported meanwhile (daemon/driver.py): hardware evidence, a strike
+    driver: str = ""
 
     def __post_init__(self) -> None:
         if not self.failure_class:
@@ -210,6 +212,8 @@ class Failure:
             parts.append(f"stacks {', '.join(self.stacks)}")
         if self.consequences:
             parts.append(f"then {', '.join(self.consequences)}")
+        if self.driver:
+            parts.append(self.driver)
         return "; ".join(parts)
 
     def reported(self) -> str:

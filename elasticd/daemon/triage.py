@@ -42,7 +42,9 @@ class FailureClass(str, enum.Enum):
     the host's went up with its SIGKILL), or the error file says so (CUDA out of memory)."""
     HARDWARE = "hardware"
     """The node's hardware or health: a failed --health-check (which reads what the job cannot
-    write: the driver's ECC counters, DCGM). Never a worker's own words: an error file that names
+    write: the driver's ECC counters, DCGM), or a worker's failure while the GPU driver itself
+    reported a fault (daemon/driver.py: its Xid records, NVML's counters). Never a worker's own
+    words: an error file that names
     a GPU fault (ECC, Xid) is as much the job's text as any other, and one data record or a
     `KeyError: 'xid'` must not condemn the node."""
     HANG = "hang"
@@ -132,14 +134,22 @@ def at_step(step: int | None) -> str:
 
 
 def classify(
-    exit_code: int | None, exception: str | None, oom_killed: bool, hung: bool = False
+    exit_code: int | None,
+    exception: str | None,
+    oom_killed: bool,
+    hung: bool = False,
+    driver_fault: bool = False,
 ) -> FailureClass:
     """The class of a local worker's failure: `exit_code` (negative: a signal), the error file's
-    text (`exception`: its message, and its traceback where the message is empty), and whether
-    the OOM counters went up with its death (daemon/oom.py). The text names no hardware fault
-    here: the job writes it (a GPU fault is the health check's to find, `HARDWARE`)."""
+    text (`exception`: its message, and its traceback where the message is empty), whether the
+    OOM counters went up with its death (daemon/oom.py), and whether the GPU driver reported a
+    hardware fault meanwhile (`driver_fault`: daemon/driver.py, the driver's own Xid records and
+    counters). The text names no hardware fault here: the job writes it (a GPU fault is the
+    driver's or the health check's to find, `HARDWARE`)."""
     if hung:
         return FailureClass.HANG
+    if driver_fault:
+        return FailureClass.HARDWARE
     text = exception or ""
     if OOM_TEXTS.search(text):
         return FailureClass.OOM

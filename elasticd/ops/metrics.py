@@ -261,15 +261,16 @@ METRICS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
     (
         "elasticd_node_quarantined",
         "gauge",
-        "1 once this node is quarantined (too many failed health checks: it leaves the job "
-        "and refuses to start until `elasticd node clear`), else 0",
+        "1 once this node is quarantined (too many failed health checks or faults the GPU "
+        "driver reported: it leaves the job and refuses to start until `elasticd node clear`), "
+        "else 0",
         (),
     ),
     (
         "elasticd_node_failures",
         "gauge",
-        "This node's failed health checks within --quarantine-window (a worker's failure "
-        "counts only through the health check run before its restart)",
+        "This node's failed health checks, and worker failures while the GPU driver reported a "
+        "fault, within --quarantine-window (a worker's error text never counts)",
         (),
     ),
     (

@@ -1,10 +1,12 @@
 """Bad nodes remembered: a node whose health check fails three times is quarantined and refuses
 to start (exit 7, one line) until `elasticd node clear`; in an elastic job a node whose health
 check fails after its worker's GPU error is quarantined, leaves, and the other goes on at the
-smaller size; a worker's error text alone ("Xid 79" in a data record) never quarantines."""
+smaller size; a worker's failure while the GPU driver's own counters rose strikes the node; a
+worker's error text alone ("Xid 79" in a data record) never quarantines."""
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -16,6 +18,11 @@ EXIT_UNHEALTHY, EXIT_DETERMINISTIC, EXIT_QUARANTINED = 5, 6, 7
 QUARANTINED = re.compile(
     r"^elasticd: (not starting: this node|this node left the job: it) is quarantined since "
 )
+
+
+def said(stderr: str) -> list[str]:
+    """The daemon's own lines for people (the workers' stderr, echoed with their rank, aside)."""
+    return [ln for ln in non_json(stderr) if ln.startswith("elasticd:")]
 
 
 def test_three_failed_health_checks_quarantine_the_node_until_cleared(tmp_path):
@@ -45,12 +52,12 @@ def test_three_failed_health_checks_quarantine_the_node_until_cleared(tmp_path):
         r = run_cli(*run, timeout=60)
         codes.append(r.returncode)
     assert codes == [EXIT_UNHEALTHY, EXIT_UNHEALTHY, EXIT_QUARANTINED], r.stderr[-2000:]
-    assert QUARANTINED.match(non_json(r.stderr)[0]), r.stderr[-2000:]
+    assert QUARANTINED.match(said(r.stderr)[0]), r.stderr[-2000:]
     runs = sorted(p for p in logs.iterdir() if p.name != "state")
     healthy.touch()  # repaired, but not cleared: still refused, before anything starts
     r = run_cli(*run, timeout=60)
     assert r.returncode == EXIT_QUARANTINED, r.stderr[-2000:]
-    (line,) = non_json(r.stderr)
+    (line,) = said(r.stderr)
     assert line.startswith("elasticd: not starting: this node is quarantined since "), line
     assert "3 failure(s) within 24 h, the last: " in line and "Xid 79" in line, line
     assert f"`elasticd node clear --state-dir {logs / 'state'}`" in line, line
@@ -86,7 +93,7 @@ def test_elastic_job_goes_on_without_a_node_quarantined_by_a_hardware_failure(da
     on_b = ("--health-check", str(check), "--health-check-interval", "0")
     b = daemons(script("faulty.py"), *flags, *on_b, name="b", args=args)
     assert b.wait(90) == EXIT_QUARANTINED, b.stderr()[-3000:]
-    (line,) = non_json(b.stderr())
+    (line,) = said(b.stderr())
     assert QUARANTINED.match(line) and fault in line, line
     assert a.wait(90) == 0, a.stderr()[-3000:]
     causes = [e["cause"] for e in a.events() if e.get("new") == "RESTARTING"]
@@ -95,7 +102,43 @@ def test_elastic_job_goes_on_without_a_node_quarantined_by_a_hardware_failure(da
     assert "done" in a.log_text(0)
     again = daemons(script("faulty.py"), *flags, *on_b, name="b", args=args)
     assert again.wait(60) == EXIT_QUARANTINED, again.stderr()[-3000:]
-    assert non_json(again.stderr())[0].startswith("elasticd: not starting: this node is quar")
+    assert said(again.stderr())[0].startswith("elasticd: not starting: this node is quar")
+
+
+# nvidia-smi as the daemon finds it on its PATH: the uncorrected ECC count of GPU 0 is 0 at the
+# attempt's start, 2 once asked again (after the worker's failure); no row remapping (an older
+# driver refuses that query)
+FAKE_SMI = """#!/bin/sh
+case "$1" in
+  *ecc.errors*) if [ -e {mark} ]; then echo "0, 2, 0"; else touch {mark}; echo "0, 0, 0"; fi ;;
+  *retired_pages.pending*) echo "0, No" ;;
+  *) exit 2 ;;
+esac
+"""
+
+
+def test_a_failure_while_the_gpu_drivers_counters_rose_quarantines_the_node(tmp_path):
+    """The worker raises at step 2 while NVML's uncorrected ECC count rose (nvidia-smi, a
+    stand-in on the daemon's PATH): class hardware, the driver's words in the strike; with
+    --quarantine-after 1 the node is quarantined at once (exit 7, one line naming them)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text(FAKE_SMI.format(mark=tmp_path / "asked"))
+    smi.chmod(0o755)
+    state = tmp_path / "state"
+    run = ("run", "--log-dir", str(tmp_path / "logs"), "--socket", str(tmp_path / "ctl.sock"))
+    run += ("--state-dir", str(state), "--quarantine-after", "1", *FAST, "--nproc-per-node", "1")
+    job = (script("faulty.py"), "--rank", "0", "--steps", "6", "--step-time", "0.01")
+    path = {"PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    r = run_cli(*run, *job, "--raise-at", "2", "--error", "RuntimeError: CUDA error", env=path)
+    assert r.returncode == EXIT_QUARANTINED, r.stderr[-3000:]
+    (line,) = said(r.stderr)
+    assert QUARANTINED.match(line), line
+    evidence = "the GPU driver reported gpu 0 ecc.errors.uncorrected.volatile.total 0 -> 2"
+    assert evidence in line, line
+    st = run_cli("node", "status", "--state-dir", str(state), timeout=30)
+    assert st.returncode == EXIT_QUARANTINED and evidence in st.stdout, st.stdout
 
 
 @pytest.mark.parametrize("error", ["bad record: Xid 79 ECC error", "KeyError: 'xid'"])
@@ -109,7 +152,7 @@ def test_a_workers_error_text_never_quarantines_the_node(tmp_path, error):
     job = (script("faulty.py"), "--rank", "0", "--steps", "6", "--step-time", "0.01")
     r = run_cli(*base, "--nproc-per-node", "1", *job, "--raise-at", "2", "--error", error)
     assert r.returncode == EXIT_DETERMINISTIC, r.stderr[-3000:]
-    (line,) = non_json(r.stderr)
+    (line,) = said(r.stderr)
     assert "deterministic failure" in line and "[class user]" in line and error in line, line
     st = run_cli("node", "status", "--state-dir", str(state), timeout=30)
     assert st.returncode == 0 and "not quarantined" in st.stdout, st.stdout
