@@ -19,6 +19,7 @@ a server tainted after all (a rank variable read in the server) by one that lear
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -37,6 +38,8 @@ class Learning:
         self.tries = 0
         self.done_for: tuple[str, ...] = ()  # the reports of the attempt already taught from
         self.asked: Path | None = None  # the names file of the request in flight
+        self.asked_at = 0.0  # when (monotonic), and how many names it holds
+        self.asked_count = 0
 
     def forget(self) -> None:
         """The fork server died: what it learned, and the answer it owed, are gone."""
@@ -72,7 +75,7 @@ class Learning:
             f.write("".join(f"{n}\t{o}\n" for n, o in names.items()))
         self.known.update(names)
         self.origins.update(names)
-        self.asked = path
+        self.asked, self.asked_at, self.asked_count = path, time.monotonic(), len(names)
         return path
 
     def reported(self) -> dict:

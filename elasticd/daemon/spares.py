@@ -19,11 +19,14 @@ those bound to another world's environments are let go at the next start.
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+import psutil
 
 from elasticd.config import Config
 from elasticd.daemon import forkclient, learning, processes, supervise
@@ -231,6 +234,7 @@ class SparePool:
         `envs`: the new workers' environments, which spares are bound to from now on; a spare
         bound to none of them (another world's) is let go."""
         self.expected = envs
+        self._say_unlearned()
         stale = [p for p in self.spares if p.bound is not None and not any(map(p.fits, envs))]
         if stale:
             self.spares = [p for p in self.spares if p not in stale]
@@ -240,15 +244,36 @@ class SparePool:
         elif self.cfg.warm_spawn:
             self.refill_due = time.monotonic() + REFILL_AFTER
 
+    def _say_unlearned(self) -> None:
+        """One line where a start comes while the fork server still learns what the workers
+        imported (in a job's first minute: a bad node, a bad config, an OOM at the first big
+        batch): the start did not wait for it, and why this one may take longer than later ones."""
+        fs, learned = self.forkserver, self.learning
+        if not (fs and fs.learning and learned and learned.asked):
+            return
+        self.event(
+            "restart_before_learned",
+            level="warning",
+            learning_for=round(time.monotonic() - learned.asked_at, 3),
+            modules=learned.asked_count,
+            why="the workers' imports were still being learned (a probe at idle priority), so "
+            "the new workers are spares that hold torch and the preloaded modules and import the "
+            "rest themselves (a framework: seconds on a loaded machine)",
+            then="starts after preload_learned take spares that hold them",
+        )
+
     def refill_if_due(self, stepped: bool, now: float) -> None:
         if self.refill_due is not None and (stepped or now >= self.refill_due):
             self.top_up()
 
     def keep(self) -> frozenset[int]:
-        """Processes a teardown sweep must spare: the spares and their fork server."""
+        """Processes a teardown sweep must spare: the spares, their fork server and its
+        children (a learning probe: killed, the learning the next start needs would be lost)."""
         keep = {p.pid for p in self.spares}
         if self.forkserver:
             keep.add(self.forkserver.proc.pid)
+            with contextlib.suppress(psutil.Error):
+                keep.update(c.pid for c in psutil.Process(self.forkserver.proc.pid).children())
         return frozenset(keep)
 
     def close(self) -> None:

@@ -22,6 +22,12 @@ and a fresh process would not is reset in the spare: Python's `random` is reseed
 interpreter at fork, numpy's global generator and torch's default CPU generator here (without
 it every spare, so every rank of every attempt, would draw the same "random" numbers). What
 cannot be reset is the interpreter's str hash seed: the spares of one fork server share it.
+
+While it learns the job's imports (worker/learned.py), the server waits on a probe that runs at
+idle priority, for seconds on a loaded machine; it forks the spares asked for meanwhile
+(`_serve_while`), so that a restart in a job's first minute takes spares holding torch rather
+than starting cold. Such a spare leaves the learning call's stack by an exception
+(`BecomeSpare`), which puts back what learning changed in the process.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import contextlib
 import ctypes
 import gc
 import os
+import select
 import socket
 import sys
 import time
@@ -95,6 +102,15 @@ def freeze_imports() -> None:
     gc.freeze()
 
 
+class BecomeSpare(BaseException):
+    """Raised in a spare forked while the server waits on a learning probe (`_serve_while`), so
+    that it unwinds the learning call (which puts its environment back) up to `serve`."""
+
+    def __init__(self, read_end: int) -> None:
+        super().__init__(read_end)
+        self.read_end = read_end
+
+
 def serve(conn: socket.socket) -> int | None:
     """Fork a spare per request. Returns, in a spare only, the read end of its job pipe; in the
     server, None once the daemon closes the connection or the server is unfit."""
@@ -106,37 +122,80 @@ def serve(conn: socket.socket) -> int | None:
         if not request:
             return None
         if request.startswith(learned.REQUEST):
-            conn.send(learned.answer(request))
+            learned.wait_for = lambda fd: _serve_while(conn, fd)
+            try:
+                conn.send(learned.answer(request))
+            except BecomeSpare as spare:
+                return spare.read_end
+            finally:
+                learned.wait_for = None
             continue
         why = unfit_reason()
         if why:
             conn.send(f"unfit {why}".encode())
             return None
-        read_end, write_end = os.pipe()
-        report_r, report_w = os.pipe()
-        middle = os.fork()
-        if middle == 0:
-            spare = _fork_or_exit()
-            if spare == 0:
-                os.close(report_r)
-                os.close(report_w)
-                os.close(write_end)
-                conn.close()
-                return read_end
-            try:
-                os.write(report_w, str(spare).encode())
-            finally:
-                os._exit(0)
-        os.close(report_w)
-        os.close(read_end)
-        os.waitpid(middle, 0)  # once it is reaped, its child has been reparented to the daemon
-        pid = os.read(report_r, 32)
-        os.close(report_r)
-        if pid:
-            socket.send_fds(conn, [pid], [write_end])
-        else:
-            conn.send(b"lost")  # the fork failed or the middle was killed: the daemon stops waiting
-        os.close(write_end)
+        read_end = fork_spare(conn)
+        if read_end is not None:
+            return read_end
+
+
+def _serve_while(conn: socket.socket, fd: int) -> None:
+    """Until `fd` (a learning probe's pipe) is readable, fork the spares the daemon asks for:
+    a probe runs at idle priority and on a loaded machine takes its time, and a restart in the
+    meantime must find spares that hold torch, not start cold (the daemon replaces them with
+    spares holding what was learned once its report comes). In such a spare, BecomeSpare."""
+    watched: list = [fd, conn]
+    while True:
+        ready, _, _ = select.select(watched, [], [])
+        if fd in ready:
+            return
+        try:
+            request = conn.recv(4096)
+        except ConnectionError:
+            request = b""
+        if not request:  # the daemon is gone: the server quits once the probe is done
+            watched = [fd]
+            continue
+        why = unfit_reason()
+        if why:
+            conn.send(f"unfit {why}".encode())
+            watched = [fd]
+            continue
+        read_end = fork_spare(conn)
+        if read_end is not None:
+            raise BecomeSpare(read_end)
+
+
+def fork_spare(conn: socket.socket) -> int | None:
+    """Fork one spare (twice: the middle process exits, so the spare is reparented to the
+    daemon) and send the daemon its pid and the write end of its job pipe. Returns, in the spare,
+    the read end of that pipe; in the server, None."""
+    read_end, write_end = os.pipe()
+    report_r, report_w = os.pipe()
+    middle = os.fork()
+    if middle == 0:
+        spare = _fork_or_exit()
+        if spare == 0:
+            os.close(report_r)
+            os.close(report_w)
+            os.close(write_end)
+            conn.close()
+            return read_end
+        try:
+            os.write(report_w, str(spare).encode())
+        finally:
+            os._exit(0)
+    os.close(report_w)
+    os.close(read_end)
+    os.waitpid(middle, 0)  # once it is reaped, its child has been reparented to the daemon
+    pid = os.read(report_r, 32)
+    os.close(report_r)
+    if pid:
+        socket.send_fds(conn, [pid], [write_end])
+    else:
+        conn.send(b"lost")  # the fork failed or the middle was killed: the daemon stops waiting
+    os.close(write_end)
+    return None
 
 
 def _fork_or_exit() -> int:

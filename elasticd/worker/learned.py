@@ -24,6 +24,7 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 
 from elasticd import names, safeio
 
@@ -278,6 +279,11 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
 
 
+# what the fork server does while a probe runs (set around each learning request): called with
+# the probe's pipe, it returns once that is readable
+wait_for: Callable[[int], None] | None = None
+
+
 def _probe_in_child(
     wanted: list[str], expected: set[str], bound: bool = False, origins: dict | None = None
 ) -> tuple[dict[str, str], dict[str, list[str]]] | None:
@@ -300,6 +306,12 @@ def _probe_in_child(
         finally:
             os._exit(code)
     os.close(write_end)
+    try:
+        if wait_for is not None:
+            wait_for(read_end)  # the fork server forks spares meanwhile (forkserver._serve_while)
+    except BaseException:
+        os.close(read_end)  # in such a spare, on its way out of the server's stack
+        raise
     with os.fdopen(read_end, "rb") as f:
         data = f.read()
     _, status = os.waitpid(pid, 0)
