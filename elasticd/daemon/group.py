@@ -156,6 +156,8 @@ class LocalGroup:
                     else processes.dump_stacks(self.workers, self.cfg.stack_signal)
                 )
                 self.dumps = _rows(dumps)
+                fault = self.gpu.since()  # a GPU off the bus hangs its ranks' collectives
+                klass = triage.classify(None, None, False, hung=True, driver_fault=bool(fault))
                 return Failure(
                     RestartCause.HANG,
                     f"hung: {why}",
@@ -164,6 +166,8 @@ class LocalGroup:
                     log_path=str(w.log_path),
                     stacks=tuple(str(d.stack_path) for d, _ in dumps),
                     node=self.node,
+                    failure_class=klass.value,
+                    driver=fault,
                 )
         return None
 

@@ -146,10 +146,10 @@ def classify(
     hardware fault meanwhile (`driver_fault`: daemon/driver.py, the driver's own Xid records and
     counters). The text names no hardware fault here: the job writes it (a GPU fault is the
     driver's or the health check's to find, `HARDWARE`)."""
+    if driver_fault:  # the cause, whatever followed: an exit, a hang
+        return FailureClass.HARDWARE
     if hung:
         return FailureClass.HANG
-    if driver_fault:
-        return FailureClass.HARDWARE
     text = exception or ""
     if OOM_TEXTS.search(text):
         return FailureClass.OOM

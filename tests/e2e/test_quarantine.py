@@ -117,10 +117,12 @@ esac
 """
 
 
-def test_a_failure_while_the_gpu_drivers_counters_rose_quarantines_the_node(tmp_path):
-    """The worker raises at step 2 while NVML's uncorrected ECC count rose (nvidia-smi, a
-    stand-in on the daemon's PATH): class hardware, the driver's words in the strike; with
-    --quarantine-after 1 the node is quarantined at once (exit 7, one line naming them)."""
+@pytest.mark.parametrize("fault", ["raises", "hangs"])
+def test_a_failure_while_the_gpu_drivers_counters_rose_quarantines_the_node(tmp_path, fault):
+    """The worker raises at step 2, or hangs at step 3 (a GPU off the bus hangs collectives),
+    while NVML's uncorrected ECC count rose (nvidia-smi, a stand-in on the daemon's PATH): class
+    hardware, the driver's words in the strike; with --quarantine-after 1 the node is
+    quarantined at once (exit 7, one line naming them)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     smi = bin_dir / "nvidia-smi"
@@ -129,14 +131,19 @@ def test_a_failure_while_the_gpu_drivers_counters_rose_quarantines_the_node(tmp_
     state = tmp_path / "state"
     run = ("run", "--log-dir", str(tmp_path / "logs"), "--socket", str(tmp_path / "ctl.sock"))
     run += ("--state-dir", str(state), "--quarantine-after", "1", *FAST, "--nproc-per-node", "1")
-    job = (script("faulty.py"), "--rank", "0", "--steps", "6", "--step-time", "0.01")
+    if fault == "raises":
+        job = (script("faulty.py"), "--rank", "0", "--steps", "6", "--step-time", "0.01")
+        job += ("--raise-at", "2", "--error", "RuntimeError: CUDA error")
+    else:
+        run += ("--heartbeat-timeout", "2")
+        job = (script("hang.py"), "--rank", "0", "--steps", "10", "--mode", "loop", "--at", "3")
     path = {"PATH": f"{bin_dir}:{os.environ['PATH']}"}
-    r = run_cli(*run, *job, "--raise-at", "2", "--error", "RuntimeError: CUDA error", env=path)
+    r = run_cli(*run, *job, env=path, timeout=120)
     assert r.returncode == EXIT_QUARANTINED, r.stderr[-3000:]
     (line,) = said(r.stderr)
     assert QUARANTINED.match(line), line
     evidence = "the GPU driver reported gpu 0 ecc.errors.uncorrected.volatile.total 0 -> 2"
-    assert evidence in line, line
+    assert evidence in line and ("hung" in line) == (fault == "hangs"), line
     st = run_cli("node", "status", "--state-dir", str(state), timeout=30)
     assert st.returncode == EXIT_QUARANTINED and evidence in st.stdout, st.stdout
 

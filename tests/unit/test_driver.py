@@ -116,5 +116,7 @@ def test_no_driver_says_nothing_and_a_wedged_nvidia_smi_is_not_waited_for(tmp_pa
 
 def test_the_drivers_evidence_makes_a_failure_hardware_its_text_never_does():
     assert triage.classify(1, "RuntimeError: boom", False, driver_fault=True).value == "hardware"
+    assert triage.classify(None, None, False, hung=True, driver_fault=True).value == "hardware"
+    assert triage.classify(None, None, False, hung=True).value == "hang"
     text = "RuntimeError: CUDA error: uncorrectable ECC error encountered, Xid 79"
     assert triage.classify(1, text, False).value == "user"
