@@ -136,7 +136,7 @@ def measure(run: Run, begin: float, end: float) -> tuple[float, float]:
 def cadence(workdir: Path) -> str:
     """The in-memory cadence rank 0 settled on (its last `memory_cadence` event), for the log."""
     found = ""
-    for log in sorted((workdir / "logs").glob("**/rank0.log")):
+    for log in sorted((workdir / "logs").glob("**/rank0*.log")):  # its stdout and stderr
         for line in log.read_text(errors="replace").splitlines():
             if (
                 "memory_cadence" in line
