@@ -53,7 +53,25 @@ def name_culprit(why: Failure | Scale, agent: Agent) -> Failure | Scale:
         waited_in=verdict.waited_in,
         seconds=round(time.monotonic() - t0, 3),  # what naming it added to the recovery
     )
-    return dataclasses.replace(why, reason=f"{why.reason}; {text}")
+    return _blamed(dataclasses.replace(why, reason=f"{why.reason}; {text}"), verdict, ranks, agent)
+
+
+def _blamed(
+    why: Failure, verdict: culprit.Verdict, ranks: dict[int, culprit.Where | None], agent: Agent
+) -> Failure:
+    """The failure's fields the first culprit's: its rank and node, and where it is this node's,
+    its pid and log (the heartbeat names whichever rank's silence was read first: a rank that
+    waited); as it was where the verdict names none."""
+    if not verdict.culprits:
+        return why
+    rank = verdict.culprits[0]
+    mine = next((w for w in agent.group.workers if w.global_rank == rank), None)
+    if mine is not None:
+        log = str(getattr(mine, "err_path", None) or mine.log_path)
+        return dataclasses.replace(why, rank=rank, node=agent.node, pid=mine.pid, log_path=log)
+    where = ranks.get(rank)
+    node = where.node if where is not None and where.node else why.node
+    return dataclasses.replace(why, rank=rank, node=node, pid=None, log_path=None)
 
 
 def _across_nodes(

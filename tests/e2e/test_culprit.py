@@ -4,7 +4,9 @@ their own (tests/netns.py), its node)."""
 
 from __future__ import annotations
 
-from harness import node_flags, script
+import json
+
+from harness import node_flags, script, wait_until
 from netns import DEV, netns_fixture  # noqa: F401 (the netns fixture)
 
 HB = ("--heartbeat-timeout", "2", "--startup-timeout", "60", "--restart-grace", "0.5")
@@ -78,3 +80,26 @@ def test_two_nodes_name_the_node_and_rank(daemons, netns):
         assert "while 1 rank waited in all_reduce" in evs[0]["verdict"], evs
         assert "no stacks from" not in evs[0]["verdict"], evs
         print("naming the culprit took", evs[0]["seconds"], "s")  # measured: see the report
+
+
+def test_the_hangs_fields_are_the_culprits(daemons):
+    """Two ranks, rank 1 stuck in `read_batch`, rank 0 waiting in all_reduce: both stop beating,
+    and rank 0's silence is read first. The failure's rank, log and first words are rank 1's, in
+    the restart cause and in status's last_failure (before: rank 0's, the text alone naming 1)."""
+    job = ["--steps", "400", "--mode", "stuck", "--at", "3", "--step-time", "0.02"]
+    d = daemons(script("hang.py"), "--nproc-per-node", "2", *HB, "--max-restarts", "1", args=job)
+    wait_until(lambda: restart_causes(d), 90, what="the hang's restart")
+    (cause,) = restart_causes(d)
+    assert cause.startswith("rank 1 (node "), cause
+    assert "rank 1 was in `read_batch`" in cause and "while 1 rank waited in " in cause, cause
+    failure = wait_until(lambda: _last_failure(d), 60, what="the hang in status")
+    assert failure["rank"] == 1 and failure["kind"] == "hung", failure
+    assert failure["log_path"].endswith(("/rank1.stderr.log", "/rank1.log")), failure
+    pids = next(e for e in d.events() if e.get("pids"))["pids"]  # the first attempt's
+    assert failure["pid"] == pids["1"], (failure, pids)
+    assert d.wait(120) == 0, d.stderr()[-3000:]
+
+
+def _last_failure(d) -> dict | None:
+    r = d.status("--json")
+    return json.loads(r.stdout).get("last_failure") if r.returncode == 0 else None
