@@ -10,7 +10,8 @@ those (daemon/hangs.py), so the verdict is the same wherever it is judged.
 
 `where` reduces a faulthandler dump to where the training thread waits: the torch.distributed
 collective (`COLLECTIVES`), or `backward`, else the innermost frame outside Python's library.
-`judge_hang` names the ranks elsewhere than the collective most ranks waited in. A node's summary
+`judge_hang` names the ranks elsewhere than the collective most ranks waited in (where every one
+of them waits in another collective, a desync, said as one). A node's summary
 travels between daemons as `summary` writes it and `parse_summary` reads it.
 """
 
@@ -85,6 +86,9 @@ class Verdict:
     waited_in: str | None  # that collective, if any
     waiting: tuple[int, ...]
     text: str
+    # the ranks waited in different collectives, nobody elsewhere: a desync (the culprits, where
+    # named, those outside the collective most ranks waited in)
+    desync: bool = False
 
 
 def threads(dump: str) -> list[tuple[bool, list[tuple[str, int, str]]]]:
@@ -164,10 +168,10 @@ def judge_hang(stacks_by_rank: Mapping[int, Where | str | None]) -> Verdict:
     top = sorted(c for c, g in groups.items() if len(g) == size)
     elsewhere = [r for r, w in known.items() if not w.collective]
     if len(top) > 1 and not elsewhere:  # as many ranks in one collective as in another
-        text = "ranks disagree, none is clearly at fault: " + "; ".join(
+        text = "desync: ranks waited in different collectives, none is the odd one: " + "; ".join(
             f"{_count(len(groups[c]))} waited in {c} ({_list(tuple(groups[c]))})" for c in top
         )
-        return Verdict((), None, (), text + tail)
+        return Verdict((), None, (), text + tail, desync=True)
     waited_in = top[0]
     waiting = tuple(groups[waited_in])
     culprits = tuple(elsewhere) if len(top) > 1 else tuple(r for r in known if r not in waiting)
@@ -179,8 +183,9 @@ def judge_hang(stacks_by_rank: Mapping[int, Where | str | None]) -> Verdict:
         return Verdict((), waited_in, waiting, text + tail)
     named = "; ".join(_culprit(r, known[r]) for r in culprits[:NAMED])
     more = f" and {len(culprits) - NAMED} more" if len(culprits) > NAMED else ""
+    desync = all(known[r].collective for r in culprits)  # in another collective, every one
     text = f"{named}{more} while {_count(len(waiting))} waited in {waited_in}{tail}"
-    return Verdict(culprits, waited_in, waiting, text)
+    return Verdict(culprits, waited_in, waiting, ("desync: " if desync else "") + text, desync)
 
 
 def _who(rank: int, w: Where) -> str:
@@ -189,7 +194,7 @@ def _who(rank: int, w: Where) -> str:
 
 def _culprit(rank: int, w: Where) -> str:
     stacks = f" [stacks {w.stacks}]" if w.stacks else ""
-    return f"{_who(rank, w)} was in {w.label}{stacks}"
+    return f"{_who(rank, w)} {'waited' if w.collective else 'was'} in {w.label}{stacks}"
 
 
 def _count(n: int) -> str:

@@ -51,6 +51,7 @@ def name_culprit(why: Failure | Scale, agent: Agent) -> Failure | Scale:
         verdict=text,
         culprits=list(verdict.culprits),
         waited_in=verdict.waited_in,
+        desync=verdict.desync,
         seconds=round(time.monotonic() - t0, 3),  # what naming it added to the recovery
     )
     return _blamed(dataclasses.replace(why, reason=f"{why.reason}; {text}"), verdict, ranks, agent)

@@ -103,3 +103,28 @@ def test_the_hangs_fields_are_the_culprits(daemons):
 def _last_failure(d) -> dict | None:
     r = d.status("--json")
     return json.loads(r.stdout).get("last_failure") if r.returncode == 0 else None
+
+
+def test_a_desync_names_the_odd_rank(daemons):
+    """Three ranks: rank 1 waits in recv while ranks 0 and 2 wait in all_reduce. Reported as a
+    desync naming rank 1, in its fields too (before: no word of a desync)."""
+    job = [
+        "--steps",
+        "300",
+        "--mode",
+        "deadlock",
+        "--at",
+        "3",
+        "--rank",
+        "1",
+        "--step-time",
+        "0.02",
+    ]
+    d = daemons(script("hang.py"), "--nproc-per-node", "3", *HB, "--max-restarts", "1", args=job)
+    (ev,) = wait_until(lambda: culprit_events(d), 90, what="the hang's verdict")
+    assert ev["desync"] is True and ev["culprits"] == [1], ev
+    assert ev["verdict"].startswith("desync: rank 1 waited in recv [stacks "), ev
+    assert ev["verdict"].endswith("while 2 ranks waited in all_reduce"), ev
+    (cause,) = wait_until(lambda: restart_causes(d), 30, what="the restart")
+    assert cause.startswith("rank 1 (node ") and "; desync: rank 1 waited in recv" in cause, cause
+    assert d.wait(120) == 0, d.stderr()[-3000:]

@@ -73,11 +73,11 @@ CASES = [
         ["`next_item` (data.py:9)"],
     ),
     (
-        "a different collective",
+        "a different collective: a desync, the odd rank named",
         {0: ALL_REDUCE, 1: ALL_REDUCE, 2: RECV},
         (2,),
         "all_reduce",
-        ["rank 2 was in recv while 2 ranks waited in all_reduce"],
+        ["desync: rank 2 waited in recv while 2 ranks waited in all_reduce"],
     ),
     (
         "DDP: the others wait in backward",
@@ -93,7 +93,13 @@ CASES = [
         "all_reduce",
         ["every rank waited in all_reduce"],
     ),
-    ("one in each of two collectives: undecided", {0: RECV, 1: BARRIER}, (), None, ["disagree"]),
+    (
+        "one in each of two collectives: a desync, no odd one",
+        {0: RECV, 1: BARRIER},
+        (),
+        None,
+        ["desync: ranks waited in different collectives, none is the odd one: 1 rank waited in"],
+    ),
     (
         "two collectives tied, a rank elsewhere: it is the culprit",
         {0: RECV, 1: BARRIER, 2: SLEEP},
@@ -149,6 +155,24 @@ def test_judge_hang(dumps, culprits, waited_in, words):
     assert verdict.waited_in == waited_in, verdict.text
     for w in words:
         assert w in verdict.text, verdict.text
+
+
+@pytest.mark.parametrize(
+    "dumps, desync",
+    [
+        ({0: ALL_REDUCE, 1: ALL_REDUCE, 2: RECV}, True),
+        ({0: RECV, 1: BARRIER}, True),
+        ({0: ALL_REDUCE, 1: BARRIER, 2: ALL_REDUCE, 3: BARRIER, 4: BARRIER}, True),
+        ({0: ALL_REDUCE, 1: SLEEP}, False),  # a rank elsewhere: a straggler, not a desync
+        ({0: ALL_REDUCE, 1: RECV, 2: ALL_REDUCE, 3: SLEEP}, False),  # one culprit elsewhere
+        ({0: ALL_REDUCE, 1: ALL_REDUCE}, False),
+        ({0: SLEEP, 1: LOCK}, False),
+    ],
+)
+def test_a_desync_is_named_as_one(dumps, desync):
+    verdict = judge_hang(dumps)
+    assert verdict.desync is desync, verdict.text
+    assert verdict.text.startswith("desync: ") is desync, verdict.text
 
 
 def test_the_training_thread_is_read_whatever_thread_got_the_signal():
