@@ -114,6 +114,9 @@ def leftover_processes(exclude: set[int] = frozenset()) -> list[psutil.Process]:
     return found
 
 
+ECHOED = re.compile(r"\[rank\d+\]: ")  # a line of a worker's output, as the daemon echoes it
+
+
 class Daemon:
     """One `elasticd run` as a separate process (a node), with its own log dir and socket; `prefix`
     runs it through a command that execs it (netns.Network.prefix: inside a network namespace)."""
@@ -186,8 +189,14 @@ class Daemon:
     def stdout(self) -> str:
         return self.stdout_path.read_text(errors="replace")
 
-    def stderr(self) -> str:
-        return self.stderr_path.read_text(errors="replace")
+    def stderr(self, workers: bool = False) -> str:
+        """The daemon's own stderr: its events and its lines for people. With `workers`, also
+        the workers' stderr it echoes there (`[rankR]: ...`, as a terminal shows both), which
+        would otherwise pass for the daemon's (a worker's traceback is no daemon's crash)."""
+        text = self.stderr_path.read_text(errors="replace")
+        if workers:
+            return text
+        return "".join(ln for ln in text.splitlines(keepends=True) if not ECHOED.match(ln))
 
     def events(self) -> list[dict]:
         out = []

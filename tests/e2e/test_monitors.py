@@ -196,7 +196,7 @@ def test_console_streams_and_prefixes_as_torchrun(daemons):
     d = daemons(script("console_parity.py"), *FAST, "--nproc-per-node", "2", "--max-restarts", "0")
     assert d.wait(120) == 1, d.stderr()[-3000:]
     out = d.stdout().splitlines()
-    err = [ln for ln in d.stderr().splitlines() if ln.startswith("[rank")]  # not elasticd's own
+    err = [ln for ln in d.stderr(workers=True).splitlines() if ln.startswith("[rank")]
     assert "[rank0]: out of rank 0" in out and "[rank1]: out of rank 1" in out, out
     assert not [ln for ln in out if "careful" in ln or "Traceback" in ln], out
     assert all(re.match(r"\[rank[01]\]: ", ln) for ln in out), out
