@@ -63,3 +63,21 @@ def test_the_state_key_is_the_jobs_and_never_its_secret():
     key = signing.state_key(secret, "job")
     assert len(key) == 32 and key != secret and key == signing.state_key(secret, "job")
     assert key not in (signing.state_key(secret, "job2"), signing.state_key(b"t" * 32, "job"))
+
+
+def test_a_slot_mac_in_pieces_is_the_same_on_any_number_of_threads(monkeypatch):
+    """A large slot is MAC'd in pieces on a few threads: the same MAC on one or three, and a
+    change in any piece, or pieces swapped, does not verify."""
+    monkeypatch.setattr(seal, "PIECE", 1000)
+    body = bytearray(range(256)) * 20  # 5 pieces and a bit
+    head = bytes(slots.HEADER)
+    tags = []
+    for threads in (1, 3):
+        monkeypatch.setattr(seal, "THREADS", threads)
+        tags.append(seal.slot_mac("replica", head, body))
+    assert tags[0] == tags[1]
+    changed = bytearray(body)
+    changed[3500] ^= 0x80
+    swapped = body[1000:2000] + body[:1000] + body[2000:]
+    for other in (changed, swapped, body[:-1]):
+        assert seal.slot_mac("replica", head, other) != tags[0]
