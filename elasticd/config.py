@@ -183,7 +183,9 @@ class Config:
     log_format: str = _setting(
         "auto", "daemon log format (default: console on a terminal, else JSON)", choices=LOG_FORMATS
     )
-    tee: bool = _setting(True, "do not echo worker output to the daemon's stdout")
+    tee: bool = _setting(
+        True, "do not echo worker output to the daemon's stdout and stderr (it stays in the logs)"
+    )
     heartbeat_timeout: float = _setting(
         300.0, "a rank silent this long after a beat is hung (default {default:g} s)"
     )
