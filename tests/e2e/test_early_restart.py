@@ -19,7 +19,8 @@ BOUND = 3.0  # seconds from the kill's detection to every rank's first step (a c
 
 
 def _busy(n: int) -> list[subprocess.Popen]:
-    """Processes that keep `n` cores busy at normal priority (the probe's is idle)."""
+    """Processes that keep `n` cores busy at normal priority (the probe's is idle), as other
+    jobs and their data loaders do on a shared node."""
     return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
 
 
@@ -44,7 +45,7 @@ def _kill_and_time(d, rank: int, count: int) -> tuple[float, list[int]]:
 
 
 def test_restart_while_the_imports_are_learned_takes_warm_spares(daemons, tmp_path):
-    busy = _busy(2)
+    busy = _busy(len(os.sched_getaffinity(0)))  # every core: the probe (idle priority) waits
     try:
         d = daemons(
             script("early_crash.py"),
