@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from elasticd import logs
 from elasticd.checkpoint.memory import directory
+from elasticd.cluster import kv as kvmod
 from elasticd.cluster.errors import BudgetSpent, Deterministic, RendezvousFailed, StoreUnreachable
 from elasticd.cluster.peers import Peers
 from elasticd.cluster.rendezvous import Rendezvous
@@ -46,6 +47,7 @@ from elasticd.daemon.states import (
     Scale,
     State,
     check_transition,
+    first_elsewhere,
     restart_request,
 )
 from elasticd.daemon.status import StatusBoard
@@ -91,6 +93,7 @@ class Agent:
         self.restart_count = 0
         self.first_failure: Failure | None = None
         self.last_failure: Failure | None = None
+        self._failed_in: int | None = None  # the round whose attempt last_failure ended
         # in-memory state directory (elasticd.checkpoint.memory), ours to remove
         self.memory_dir: str | None = None
         self.notify = None  # elasticd.daemon.systemd once serve() wires it
@@ -296,7 +299,10 @@ class Agent:
         if first and (unhealthy := self._health_gate()):
             # never joined: a fixed-size job waits for it, an elastic one goes on
             return self._leave(unhealthy)
+        previous = self.round
         self.round = rnd = self.waits.blocking(self.rdzv.next_round, self.cfg.nproc_per_node)
+        if previous is not None:
+            self._first_elsewhere(previous)
         if not first and (unhealthy := self._health_gate()):
             return self._leave(unhealthy)  # the check begun at the restart's teardown failed
         self.recovery.mark("rendezvous_done")
@@ -393,6 +399,7 @@ class Agent:
         if spends:
             self.last_failure = why
             self.first_failure = self.first_failure or why
+            self._failed_in = self.round.number if self.round is not None else None
         if why.kind is RestartCause.STORE_UNREACHABLE:
             self.event("store_unreachable", level="error", why=why.reason)
         reason = restart_request(why, self.node)
@@ -438,6 +445,23 @@ class Agent:
             return mine if self.rdzv.request_restart(self.round, reason) else why
         except StoreUnreachable:
             return why
+
+    def _first_elsewhere(self, previous: Round) -> None:
+        """Once the round after a failure of ours closed (its closing read the restart request
+        for good): where the request names another node's failure that came first, that is the
+        last failure status shows, ours a consequence of it."""
+        if self._failed_in != previous.number or not isinstance(self.last_failure, Failure):
+            return
+        try:
+            request = self.waits.blocking(self.rdzv.read_restart, self.rdzv.kv, previous)
+        except (StoreUnreachable, kvmod.Unreachable):
+            return
+        first = first_elsewhere(request, self.last_failure)
+        if first is not None:
+            self.last_failure = first
+            self.event(
+                "first_failure_elsewhere", rank=first.rank, node=first.node, why=first.reason
+            )
 
     def _ask_restart(self, reason: dict[str, Any]) -> None:
         """Ask every node of the round to restart, for `reason` (rendezvous.request_restart)."""

@@ -257,3 +257,31 @@ def restart_request(why: Failure | Scale, node: str) -> dict[str, Any] | None:
     if why.kind is RestartCause.NODE_LOST:
         return {**reason, "lost": list(why.lost)}
     return None
+
+
+def first_elsewhere(request: dict | None, mine: Failure) -> Failure | None:
+    """This node's failure as the job's, where the restart request the round ended with names
+    another node's failure that came first (triage.comes_first; a node told to restart put it in
+    our request's place): that failure, ours among its consequences; None where the request is
+    ours, names none, or came after."""
+    if not request or not mine.kind.spends_budget:
+        return None
+    ours = restart_request(mine, mine.node) or {}
+    if (request.get("at"), request.get("rank")) == (ours.get("at"), ours.get("rank")):
+        return None
+    if not triage.comes_first(request, ours):
+        return None
+    rank, node = request.get("rank"), str(request.get("node", "?"))
+    summary = str(request.get("summary", "?"))
+    who = f"rank {rank} (node {node}); "
+    then = f"rank {mine.rank} (node {mine.node}): {mine.exception or mine.reason}"[:160]
+    return Failure(
+        mine.kind,
+        summary.removeprefix(who),
+        rank=rank,
+        node=node,
+        at=request["at"],
+        failure_class=str(request.get("class") or mine.failure_class),
+        signature=str(request.get("sig", "")),
+        consequences=(then,),
+    )

@@ -179,6 +179,18 @@ def test_the_first_failure_is_the_jobs_not_the_rank_that_died_of_it(daemons):
     assert "not restarted: rank 1 (node " in line and "then rank 0: RuntimeError" in line, line
 
 
+def _rank_holder(a, b, rank: str):
+    for n in (a, b):
+        if any(rank in e["pids"] for e in n.events() if e.get("pids")):
+            return n
+    return None
+
+
+def _failure_of(d, rank: int) -> dict | None:
+    found = _last_failure(d)
+    return found if found and found["rank"] == rank else None
+
+
 def _last_failure(d) -> dict | None:
     r = d.status("--json")
     found = json.loads(r.stdout).get("last_failure") if r.returncode == 0 else None
@@ -192,8 +204,16 @@ def test_across_nodes_the_first_failure_takes_the_restart_request(daemons):
     failure, and both nodes end deterministic naming rank 1 (before: rank 0's connection error)."""
     port = free_port()
     flags = ("--nproc-per-node", "1", "--max-restarts", "5", *FAST_NODES, *node_flags(port, "2"))
+    flags += ("--deterministic-retries", "2")  # 3 attempts: time to read status in
     a = daemons(script("first_failure.py"), *flags, name="a")
     b = daemons(script("first_failure.py"), *flags, name="b")
+    # the node holding rank 0, whose own failure was the closed connection, shows rank 1's
+    zero = wait_until(lambda: _rank_holder(a, b, "0"), 60, what="rank 0 started")
+    # (its own, rank 0's, until the next round's closing settled the request)
+    first = wait_until(lambda: _failure_of(zero, 1), 60, what="rank 1's failure in status")
+    assert "ValueError: bad batch at step 3" in first["reason"], first
+    (then,) = first["consequences"]
+    assert then.startswith("rank 0 (node ") and "closed by peer" in then, first
     for n in (a, b):
         assert n.wait(120) == EXIT_DETERMINISTIC, n.stderr()[-3000:]
         line = final_lines(n.stderr())[-1]

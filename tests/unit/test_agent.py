@@ -78,6 +78,11 @@ class FakeRendezvous:
     def restarts_used(self) -> int:
         return sum(1 for c in self.s.calls if c[0] == "request_restart" and c[1].get("spends"))
 
+    kv = None
+
+    def read_restart(self, store, rnd: Round) -> dict | None:
+        return None  # the request this node wrote, or none: no other node's failure came first
+
     def request_restart(self, rnd: Round, reason: dict) -> None:
         self.s.calls.append(("request_restart", reason))
 

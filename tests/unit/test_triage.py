@@ -1,6 +1,7 @@
 """The triage rules, pure (elasticd/daemon/triage.py): a failure's signature, its class and the
 repeat rule that calls it deterministic; and the OOM counters' files (daemon/oom.py)."""
 
+import dataclasses
 import json
 import signal
 
@@ -8,7 +9,7 @@ import pytest
 
 from elasticd.cluster import values
 from elasticd.daemon import oom, triage
-from elasticd.daemon.states import Failure, RestartCause, restart_request
+from elasticd.daemon.states import Failure, RestartCause, first_elsewhere, restart_request
 from elasticd.daemon.triage import FailureClass as C
 
 STACK = """Traceback (most recent call last):
@@ -487,3 +488,32 @@ def test_the_restart_request_says_when_and_whether_a_consequence():
     assert values.reason(json.dumps(request)) == request
     for bad in ({"at": "soon"}, {"at": float("inf")}, {"rank": "1"}, {"consequence": 1}):
         assert values.reason(json.dumps({**request, **bad})) is None, bad
+
+
+def test_a_failure_elsewhere_that_came_first_becomes_this_nodes_last():
+    """Node a's rank 0 died of the closed connection; node b's request for rank 1's ValueError,
+    0.3 s earlier, took the request's place: a's status shows rank 1's failure, its own a
+    consequence; its own request, or a later one, changes nothing."""
+    mine = Failure(
+        RestartCause.CRASH, "exit code 1", rank=0, node="a", exception=GLOO_RESET, at=10.3
+    )
+    theirs = Failure(
+        RestartCause.CRASH,
+        "raised, exiting",
+        rank=1,
+        node="b",
+        exception="ValueError: bad batch 3",
+        frame="train.py:40 in step",
+        at=10.0,
+        signature="ValueError: bad batch N at train.py:40 in step (step 3)",
+    )
+    first = first_elsewhere(restart_request(theirs, "b"), mine)
+    assert (first.rank, first.node, first.at, first.signature) == (1, "b", 10.0, theirs.signature)
+    assert first.summary().startswith(
+        "rank 1 (node b); ValueError: bad batch 3 (train.py:40 in step); raised, exiting; then "
+        "rank 0 (node a): RuntimeError: [../third_party/gloo"
+    ), first.summary()
+    assert first_elsewhere(restart_request(mine, "a"), mine) is None  # ours
+    later = dataclasses.replace(theirs, exception="ValueError: x", at=11.5)
+    assert first_elsewhere(restart_request(later, "b"), mine) is None
+    assert first_elsewhere(None, mine) is None
