@@ -45,7 +45,7 @@ def status(args: argparse.Namespace) -> int:
     elif len(replies) > 1:
         print(
             f"{len(replies)} elasticd jobs on this node: "
-            + ", ".join(f"{st.get('run_id')} ({path})" for path, st in replies)
+            + ", ".join(printable(f"{st.get('run_id')} ({path})") for path, st in replies)
         )
     for i, (path, st) in enumerate(replies):
         snapshot = from_json(Snapshot, st)
@@ -55,7 +55,7 @@ def status(args: argparse.Namespace) -> int:
             print(render.status(snapshot, path if several else None))
         if snapshot.state not in FINAL_STATES:
             code = EXIT_OK
-    return code if replies or code != EXIT_NOT_RUNNING else EXIT_NOT_RUNNING
+    return code
 
 
 def _of_job(replies: list[tuple[str, dict]], run_id: str | None) -> list | None:
