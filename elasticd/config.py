@@ -139,6 +139,13 @@ class Config:
         "--tee",
         torchrun=True,
     )
+    log_line_prefix_template: str = _setting(
+        "",
+        "as torchrun: what each echoed line starts with, from ${{role_name}}, ${{rank}}, "
+        "${{local_rank}} and ${{hostname}} (e.g. '${{hostname}}:${{rank}}: '; default '[rankR]: ', "
+        "or torchrun's TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE where it is set)",
+        torchrun=True,
+    )
     local_ranks_filter: tuple[int, ...] = _setting(
         (),
         "comma-separated local ranks whose output is echoed to the console (default all)",

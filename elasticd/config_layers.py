@@ -32,6 +32,7 @@ PET_SETTINGS = {
     "PET_REDIRECTS": "redirects",
     "PET_TEE": "tee_streams",
     "PET_LOCAL_RANKS_FILTER": "local_ranks_filter",
+    "PET_LOG_LINE_PREFIX_TEMPLATE": "log_line_prefix_template",
     "PET_LOCAL_ADDR": "local_addr",
     "PET_SIGNALS_TO_HANDLE": "signals_to_handle",
     "PET_SHUTDOWN_TIMEOUT": "stop_grace",

@@ -100,7 +100,9 @@ class LocalGroup:
         self._exit_seen, self._returned = {}, set()
         self.oom = oom.Counters([w.pid for w in self.workers])
         for w in self.workers:
-            prefix = tee.console_prefix(self.cfg.role, w.global_rank, w.local_rank)
+            prefix = tee.console_prefix(
+                self.cfg.role, w.global_rank, w.local_rank, self.cfg.log_line_prefix_template
+            )
             if self.tee and self.cfg.echoed(w.local_rank, 1):  # its stdout to the daemon's stdout
                 self.tee.follow(w.log_path, prefix)
             if self.tee and w.err_path and self.cfg.echoed(w.local_rank, 2):  # stderr to stderr

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import string
 import sys
 import threading
@@ -55,14 +56,15 @@ def display_env() -> dict[str, str]:
     return {"TTY_COMPATIBLE": "1", "TTY_INTERACTIVE": "1"} if tty else {}
 
 
-def console_prefix(role: str, rank: int, local_rank: int) -> str:
-    """What a worker's echoed lines start with: `[rankR]: `, or torchrun's
-    TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE (${role_name}, ${rank}, ${local_rank}) where it is set."""
-    template = os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE")
-    if template is None:
+def console_prefix(role: str, rank: int, local_rank: int, template: str = "") -> str:
+    """What a worker's echoed lines start with: `[rankR]: `, or torchrun's template
+    (--log-line-prefix-template, else TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE where it is set) with
+    its macros ${role_name}, ${rank}, ${local_rank} and ${hostname}."""
+    template = template or os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", "")
+    if not template:
         return f"[rank{rank}]: "
     return string.Template(template).safe_substitute(
-        role_name=role, rank=rank, local_rank=local_rank
+        role_name=role, rank=rank, local_rank=local_rank, hostname=socket.gethostname()
     )
 
 

@@ -179,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
         if head.command != "run" or "entrypoint" not in vars(head):
             argv, extra = argv[:i], argv[i + 1 :]
     args = build_parser().parse_args(argv)
+    if getattr(args, "print_completion", None):
+        return _printed(lambda: _print_completion(args.print_completion))
     if args.command == "run":
         given = vars(args).pop("args", None) or []  # after the entrypoint, as torchrun takes them
         return _run(args, extra or (given[1:] if given[:1] == ["--"] else given))
@@ -198,14 +200,27 @@ def main(argv: list[str] | None = None) -> int:
         names.STACKS: daemon_cli.stacks,
     }.get(args.command)
     if control_command:
-        try:
-            code = control_command(args)
-            sys.stdout.flush()  # a closed pipe shows here, not at exit
-        except BrokenPipeError:
-            return _reader_gone()
-        return code
+        return _printed(lambda: control_command(args))
     build_parser().print_help()
     return EXIT_USAGE
+
+
+def _printed(command) -> int:
+    """A command that prints: its exit code, or quietly EXIT_PIPE once its reader left."""
+    try:
+        code = command()
+        sys.stdout.flush()  # a closed pipe shows here, not at exit
+    except BrokenPipeError:
+        return _reader_gone()
+    return code
+
+
+def _print_completion(shell: str) -> int:
+    """`run --print-completion SHELL`, torchrun's flag: the `elasticd` command's completion."""
+    import shtab
+
+    print(shtab.complete(build_parser(), shell=shell))
+    return EXIT_OK
 
 
 def _reader_gone() -> int:

@@ -18,6 +18,18 @@ class _Instead(argparse.Action):
             parser.error(f"{option_string} {values}: {self.help}")
 
 
+class _Completion(argparse.Action):
+    """torchrun's --print-completion SHELL: kept for the CLI, which prints the `elasticd`
+    command's completion script (made by shtab, optional as for torchrun) and exits."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        try:
+            import shtab  # noqa: F401 - only whether it is there
+        except ImportError:
+            parser.error(f"{option_string} needs the shtab package: pip install shtab")
+        namespace.print_completion = values
+
+
 class _Static(argparse.Action):
     """torchrun's static rendezvous flags: kept as (flag, value) for config_values.check_static,
     which knows the node count."""
@@ -147,6 +159,15 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
         metavar="FILTERS",
         help="every rank's output is in <log dir>/<run>/attemptN/rankR.log (stdout) and "
         "rankR.stderr.log: grep those instead, and drop the flag",
+    )
+    g.add_argument(
+        "--print-completion",
+        "--print_completion",
+        action=_Completion,
+        choices=("bash", "zsh", "tcsh"),
+        default=S,
+        help="print a shell completion script for elasticd and exit (needs the shtab "
+        "package), e.g. --print-completion bash > /etc/bash_completion.d/elasticd",
     )
     g.add_argument(
         "--numa-binding",

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -65,7 +66,7 @@ def test_torchtitan_launch_line_runs_as_is(daemons, tmp_path):
 
 
 def test_redirected_ranks_stay_off_the_console(daemons, tmp_path):
-    """-r/-t as torchrun takes them, and its TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE for the lines."""
+    """-r/-t as torchrun takes them, and its --log-line-prefix-template for the lines."""
     out = tmp_path / "env.json"
     d = daemons(
         "tests.scripts.dump_env",
@@ -77,12 +78,13 @@ def test_redirected_ranks_stay_off_the_console(daemons, tmp_path):
         "0:3,1:2",
         "--role",
         "r",
+        "--log-line-prefix-template",
+        "<${role_name}:${rank}:${local_rank}:${hostname}>",
         args=[str(out)],
-        env={"TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": "<${role_name}:${rank}:${local_rank}>"},
     )
     assert d.wait(60) == 0, d.stderr()[-3000:]
     stdout = d.stdout()
-    assert "<r:0:0>dumped rank 0" in stdout  # teed
+    assert f"<r:0:0:{socket.gethostname()}>dumped rank 0" in stdout  # teed
     assert "dumped rank 1" not in stdout and "dumped rank 1" in d.log_text(1)  # stderr teed only
     assert "dumped rank 2" not in stdout and "dumped rank 2" in d.log_text(2)
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import io
 import os
+import socket
 import subprocess
 import sys
 
-from elasticd.daemon.tee import Tee, display_env, echo_line
+from elasticd.daemon.tee import Tee, console_prefix, display_env, echo_line
 from harness import wait_until
 
 
@@ -151,3 +152,14 @@ def test_a_multi_line_display_is_held_like_a_bar_and_its_last_frame_shown(tmp_pa
         "[rank0]: after",
     ], lines[-3:]
     assert len(lines) <= 20, lines  # frames every 0.3 s at most over the display's ~1 s
+
+
+def test_the_prefix_is_torchruns_template_from_the_flag_or_the_environment(monkeypatch):
+    """--log-line-prefix-template (torch 2.14's torchrun flag) wins over torchrun's environment
+    variable, which wins over the default; ${hostname} is this node's name."""
+    monkeypatch.delenv("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", raising=False)
+    assert console_prefix("trainer", 5, 1) == "[rank5]: "
+    monkeypatch.setenv("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", "<${role_name}${local_rank}>")
+    assert console_prefix("trainer", 5, 1) == "<trainer1>"
+    flag = "${hostname}:${rank}: ${unknown}"
+    assert console_prefix("trainer", 5, 1, flag) == f"{socket.gethostname()}:5: ${{unknown}}"

@@ -24,6 +24,8 @@ SAMPLE = {
     "event_log_handler": "null",
     "role": "trainer",
     "log_dir": "/tmp/x",
+    "log_line_prefix_template": "${hostname}:${rank}: ",
+    "print_completion": "bash",
     "redirects": "3",
     "tee": "3",
     "local_ranks_filter": "0",
@@ -175,3 +177,11 @@ def test_port_zero_endpoint_is_a_job_of_its_own():
         for _ in range(2)
     }
     assert len(ids) == 2 and "none" not in ids
+
+
+def test_print_completion_prints_elasticds_own_and_exits(capsys):
+    """torch 2.14's --print-completion: a completion script for the `elasticd` command (shtab,
+    as torchrun's), every subcommand in it; nothing is run."""
+    assert cli.main(["run", "--print-completion", "bash", "train.py"]) == 0
+    script = capsys.readouterr().out
+    assert "elasticd" in script and all(c in script for c in ("run", "status", "stop"))
