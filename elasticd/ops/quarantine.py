@@ -1,7 +1,8 @@
 """Bad nodes remembered: this node's record of failures that were the node's, not the job's (its
-health check failed: before a start, at a restart after a worker's failure, or while training),
-kept in its state directory across daemon restarts and jobs. A worker's failure is never a strike
-by itself, whatever its error file says (a job writes that text: "Xid 79" in a data record, a
+health check failed: before a start, at a restart after a worker's failure, or while training; a
+worker failed while the GPU driver itself reported a fault, daemon/driver.py), kept in its state
+directory across daemon restarts and jobs. A worker's failure is never a strike by its text,
+whatever its error file says (a job writes that text: "Xid 79" in a data record, a
 `KeyError: 'xid'`); the health check that runs before the restart confirms or clears the node.
 --quarantine-after such failures within --quarantine-window quarantine the node: it leaves the
 job (the others go on without it, as for a failed health check) and `elasticd run` refuses to
@@ -196,9 +197,9 @@ def _span(seconds: float) -> str:
 
 
 class Quarantine:
-    """The daemon's side: strikes recorded as they happen (each failed health check), the
-    departure they cause, the record in status (`report`, merged into status's `health`) and so
-    in the metrics."""
+    """The daemon's side: strikes recorded as they happen (each failed health check, each failure
+    with the GPU driver's evidence), the departure they cause, the record in status (`report`,
+    merged into status's `health`) and so in the metrics."""
 
     def __init__(self, cfg: Config, node: str, event: Callable[..., None]) -> None:
         self.cfg = cfg
