@@ -91,8 +91,8 @@ def _figures(s: Snapshot) -> list[str]:
     goodput, lost = s.goodput, s.steps_lost
     if lost.unknown or lost.total is None:  # never a number elasticd did not measure
         lost_text = (
-            f"steps lost unknown ({lost.unknown} restart(s) the script did not report a "
-            "resume for: it does not use elasticd.checkpoint)"
+            f"steps lost unknown ({lost.unknown} restart(s) whose resume step the script did "
+            "not report: elasticd.checkpoint reports it)"
         )
         ratio = "unknown"
     else:
