@@ -109,6 +109,8 @@ def test_environ_of_warm_and_cold_workers(daemons):
         seen[how] = {rank: (environ(pid), _torch_mapped(pid)) for rank, pid in pids.items()}
         d.kill(signal.SIGTERM)
         assert d.wait(30) == 0
+        # the kernel let the spares move their environment: no line says it would not
+        assert not [e for e in d.events() if e.get("event") == "worker_environ_hidden"]
     for how, ranks in seen.items():
         for rank, (env, torch_loaded) in ranks.items():
             assert torch_loaded == (how == "warm"), (how, rank)
