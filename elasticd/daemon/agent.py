@@ -52,7 +52,8 @@ from elasticd.daemon.states import (
 )
 from elasticd.daemon.status import StatusBoard
 from elasticd.daemon.waits import Interrupted, Waits
-from elasticd.ops.healthcheck import EXIT_UNHEALTHY, HealthCheck
+from elasticd.exit_codes import ExitCode
+from elasticd.ops.healthcheck import HealthCheck
 from elasticd.ops.quarantine import Quarantine
 
 if TYPE_CHECKING:
@@ -60,8 +61,6 @@ if TYPE_CHECKING:
 
 log = logs.get("elasticd.agent")
 
-EXIT_OK, EXIT_FAILED = 0, 1
-EXIT_DETERMINISTIC = 6  # the same failure at the same step again: requeueing will not help
 # seconds a start waits for spares still being forked (a cold start takes as long)
 SPARE_WAIT = 20.0
 
@@ -205,13 +204,13 @@ class Agent:
             )
             code = self._loop()
         except Interrupted:
-            code = self._finish(State.STOPPED, EXIT_OK)
+            code = self._finish(State.STOPPED, ExitCode.OK)
         except BudgetSpent as e:  # the round after a failure (ours or not): spent, or deterministic
             code = self._verdict(e)
         except RendezvousFailed as e:
             why = Failure(RestartCause.RENDEZVOUS, str(e), node=self.node)
             self.last_failure = self.first_failure = why
-            code = self._finish(State.FAILED, EXIT_FAILED)
+            code = self._finish(State.FAILED, ExitCode.FAILED)
         finally:
             if self.peers is not None:
                 self.peers.close()
@@ -234,7 +233,7 @@ class Agent:
             RestartCause.RENDEZVOUS, f"the job failed: {e}", node=self.node, failure_class=klass
         )
         self.last_failure, self.first_failure = why, why if det else self.first_failure or why
-        return self._finish(State.FAILED, EXIT_DETERMINISTIC if det else EXIT_FAILED)
+        return self._finish(State.FAILED, ExitCode.DETERMINISTIC if det else ExitCode.FAILED)
 
     def _loop(self) -> int:
         cfg = self.cfg
@@ -261,7 +260,7 @@ class Agent:
                     self.event(
                         "exit_barrier_timeout", level="warning", timeout=cfg.exit_barrier_timeout
                     )
-                return self._finish(State.SUCCEEDED, EXIT_OK)
+                return self._finish(State.SUCCEEDED, ExitCode.OK)
             if why is None:
                 try:
                     why = self.peers.check(self.round, time.monotonic(), self.group.beats)
@@ -356,7 +355,7 @@ class Agent:
             return self._leave_job(why, *self.quarantine.departure(self.round is not None))
         summary = self.health_check.left_summary(check, self.node)
         line = self.health_check.left_line(why, joined=self.round is not None)
-        return self._leave_job(why, summary, line, EXIT_UNHEALTHY)
+        return self._leave_job(why, summary, line, ExitCode.UNHEALTHY)
 
     def _leave_job(self, why: Failure, summary: str, line: str, code: int) -> int:
         """Stop this node's workers, ask the other nodes to restart with `summary` (their status
@@ -473,7 +472,7 @@ class Agent:
     def _fail_job(self, failure: Failure) -> int:
         # the job's closing carries why: a node arriving later leaves with it
         return self._finish(
-            State.FAILED, EXIT_FAILED, why=f"failed: {failure.summary()} (node {self.node})"
+            State.FAILED, ExitCode.FAILED, why=f"failed: {failure.summary()} (node {self.node})"
         )
 
     def _teardown(self, grace: float, abandon: bool = False) -> None:
@@ -501,7 +500,7 @@ class Agent:
         self._teardown(grace)
         if self.round is not None and self.round.group_world_size > 1:
             self._barrier()
-        return self._finish(State.STOPPED, EXIT_OK)
+        return self._finish(State.STOPPED, ExitCode.OK)
 
     def _barrier(self) -> bool:
         """The exit barrier (rendezvous.exit_barrier); a store that stops answering ends it."""
@@ -520,7 +519,7 @@ class Agent:
                 job_finished=state in (State.SUCCEEDED, State.FAILED),
                 why=why or ("finished" if state == State.SUCCEEDED else "failed"),
             )
-        fields: dict[str, Any] = {"exit_code": code, "restarts": self.restart_count}
+        fields: dict[str, Any] = {"exit_code": int(code), "restarts": self.restart_count}
         if state == State.FAILED and self.first_failure:
             fields["first_failure"] = self.first_failure.summary()
         self.set_state(state, **fields)

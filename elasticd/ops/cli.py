@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -37,10 +36,8 @@ from pathlib import Path
 from elasticd import __version__, names
 from elasticd.config import ConfigError
 from elasticd.config_values import check_value
+from elasticd.exit_codes import ExitCode
 from elasticd.ops import flags
-
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_RUNNING, EXIT_CONTROL, EXIT_UNHEALTHY = 0, 1, 2, 3, 4, 5
-EXIT_PIPE = 128 + signal.SIGPIPE
 
 EPILOG = """exit codes: 0 success (status: running), 1 job failed, 2 bad input (nothing started),
 3 no daemon running (status, stacks), 4 daemon refused or did not answer,
@@ -53,7 +50,7 @@ EPILOG = """exit codes: 0 success (status: running), 1 job failed, 2 bad input (
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line, exit 2
         sys.stderr.write(f"elasticd: error: {_one_line(message)} (see '{self.prog} --help')\n")
-        sys.exit(EXIT_USAGE)
+        sys.exit(ExitCode.USAGE)
 
 
 # What str.splitlines() (and so many a log reader) takes for the end of a line, as escapes.
@@ -202,11 +199,11 @@ def main(argv: list[str] | None = None) -> int:
     if control_command:
         return _printed(lambda: control_command(args))
     build_parser().print_help()
-    return EXIT_USAGE
+    return ExitCode.USAGE
 
 
 def _printed(command) -> int:
-    """A command that prints: its exit code, or quietly EXIT_PIPE once its reader left."""
+    """A command that prints: its exit code, or quietly ExitCode.PIPE once its reader left."""
     try:
         code = command()
         sys.stdout.flush()  # a closed pipe shows here, not at exit
@@ -220,7 +217,7 @@ def _print_completion(shell: str) -> int:
     import shtab
 
     print(shtab.complete(build_parser(), shell=shell))
-    return EXIT_OK
+    return ExitCode.OK
 
 
 def _reader_gone() -> int:
@@ -231,7 +228,7 @@ def _reader_gone() -> int:
         os.dup2(devnull, sys.stdout.fileno())
     finally:
         os.close(devnull)
-    return EXIT_PIPE
+    return ExitCode.PIPE
 
 
 def _run(args: argparse.Namespace, extra: list[str]) -> int:
@@ -270,7 +267,7 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
         record = quarantine.read(state)
         if record.quarantined:  # a scheduler drains the node on this exit code
             sys.stderr.write(quarantine.refusal(record, state) + "\n")
-            return quarantine.EXIT_QUARANTINED
+            return ExitCode.QUARANTINED
         checkpoints = (
             Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else base / "checkpoints" / cfg.rdzv_id
         )
@@ -280,7 +277,7 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
         run_dir = _run_dir(cfg, base)
     except ConfigError as e:
         sys.stderr.write(f"elasticd: error: {_one_line(e)}\n")
-        return EXIT_USAGE
+        return ExitCode.USAGE
     logs.setup(cfg.log_format)
     from elasticd.daemon.serve import serve
 
@@ -289,7 +286,7 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
     except ConfigError as e:  # found only when binding (a port in use, a live socket)
         _forget_run_dir(run_dir)
         sys.stderr.write(f"elasticd: error: {_one_line(e)}\n")
-        return EXIT_USAGE
+        return ExitCode.USAGE
 
 
 def _entrypoint_kind(args: argparse.Namespace, flags: dict) -> None:
@@ -386,7 +383,7 @@ def _node(args: argparse.Namespace) -> int:
         return quarantine.node_command(args.action, directory, cfg, args.json)
     except (ConfigError, OSError) as e:
         sys.stderr.write(f"elasticd: error: {_one_line(e)}\n")
-        return EXIT_USAGE
+        return ExitCode.USAGE
 
 
 def entry() -> None:

@@ -14,8 +14,8 @@ import sys
 import time
 
 from elasticd import names
+from elasticd.exit_codes import ExitCode
 from elasticd.ops import render
-from elasticd.ops.cli import EXIT_CONTROL, EXIT_NOT_RUNNING, EXIT_OK, EXIT_USAGE
 from elasticd.ops.snapshot import Snapshot, from_json
 
 FINAL_STATES = ("SUCCEEDED", "FAILED", "STOPPED", "LEFT")
@@ -26,16 +26,16 @@ def status(args: argparse.Namespace) -> int:
     status object of the one daemon, or a list of them (each with its `socket`) where several
     run; readable, each job under a line that names it."""
     paths = _daemons(args)
-    code, replies = EXIT_NOT_RUNNING, []
+    code, replies = ExitCode.NOT_RUNNING, []
     for path in paths:
         reply = _ask(path, _STATUS)
         if isinstance(reply, int):
-            code = reply if code == EXIT_NOT_RUNNING else code
+            code = reply if code == ExitCode.NOT_RUNNING else code
             continue
         replies.append((str(path), reply["status"]))  # the wire form, printed as it came by --json
     replies = _of_job(replies, getattr(args, "rdzv_id", None))
     if replies is None:
-        return EXIT_USAGE
+        return ExitCode.USAGE
     several = len(paths) > 1
     from elasticd.logs import printable
 
@@ -54,7 +54,7 @@ def status(args: argparse.Namespace) -> int:
                 print(("\n" if i else "") + f"== job {printable(str(snapshot.run_id))} ==")
             print(render.status(snapshot, path if several else None))
         if snapshot.state not in FINAL_STATES:
-            code = EXIT_OK
+            code = ExitCode.OK
     return code
 
 
@@ -118,28 +118,28 @@ def _ask(path, payload: dict, timeout: float = 5.0) -> dict | int:
         reply = request(path, {"version": 1, **payload}, timeout=timeout)
     except NoDaemon as e:
         print(f"elasticd is not running ({e})")
-        return EXIT_NOT_RUNNING
+        return ExitCode.NOT_RUNNING
     except ControlError as e:
         sys.stderr.write(f"elasticd: error: {e}\n")
-        return EXIT_CONTROL
+        return ExitCode.CONTROL
     if not reply.get("ok"):
         from elasticd.logs import printable
 
         sys.stderr.write(f"elasticd: error: {printable(str(reply.get('error')))}\n")
-        return EXIT_CONTROL
+        return ExitCode.CONTROL
     return reply
 
 
 def stacks(args: argparse.Namespace) -> int:
     path = _one_daemon(args)
     if path is None:
-        return EXIT_USAGE
+        return ExitCode.USAGE
     reply = _ask(path, {"command": names.STACKS}, timeout=15.0)
     if isinstance(reply, int):
         return reply
     if args.json:
         print(json.dumps(reply["stacks"], indent=2))
-        return EXIT_OK
+        return ExitCode.OK
     from elasticd.logs import printable
 
     for d in reply["stacks"]:  # the workers' own dumps: escaped, their lines kept
@@ -154,7 +154,7 @@ def stacks(args: argparse.Namespace) -> int:
             or "(no dump within a second: the worker may be in "
             "uninterruptible sleep or blocking the signal)"
         )
-    return EXIT_OK
+    return ExitCode.OK
 
 
 def stop(args: argparse.Namespace) -> int:
@@ -163,10 +163,12 @@ def stop(args: argparse.Namespace) -> int:
 
     path = _one_daemon(args)
     if path is None:
-        return EXIT_USAGE
+        return ExitCode.USAGE
     reply = _ask(path, {"command": names.STOP, "timeout": args.timeout})
     if isinstance(reply, int):
-        return EXIT_OK if reply == EXIT_NOT_RUNNING else reply  # none running: nothing to stop
+        return (
+            ExitCode.OK if reply == ExitCode.NOT_RUNNING else reply
+        )  # none running: nothing to stop
     # Wait for the daemon to finish stopping: the socket goes away when it exits.
     deadline = time.monotonic() + (args.timeout if args.timeout is not None else 30.0) + 60.0
     while time.monotonic() < deadline:
@@ -174,11 +176,11 @@ def stop(args: argparse.Namespace) -> int:
             request(path, {"version": 1, "command": names.STATUS}, timeout=2.0)
         except NoDaemon:
             print("elasticd stopped")
-            return EXIT_OK
+            return ExitCode.OK
         except ControlError:
             pass
         time.sleep(0.2)
     sys.stderr.write(
         "elasticd: error: the daemon accepted stop but is still running; check its logs\n"
     )
-    return EXIT_CONTROL
+    return ExitCode.CONTROL

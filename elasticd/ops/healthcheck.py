@@ -39,7 +39,6 @@ from elasticd.daemon import systemd
 from elasticd.daemon.states import Failure, RestartCause
 from elasticd.ops.snapshot import HealthResult as Result
 
-EXIT_UNHEALTHY = 5  # `elasticd run`'s exit code when this node's health check failed
 MAX_REASON = 300  # characters of the check's output kept as its reason
 OUTPUT_KEPT = 64 * 1024  # bytes of the check's output kept (its end, where the last line is)
 REAP_WAIT = 5.0  # seconds to wait for killed processes to go

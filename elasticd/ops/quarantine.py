@@ -10,9 +10,10 @@ start here, with one line and exit code 7, until an operator runs `elasticd node
 scheduler drains the node on that code; systemd's unit does not restart it). Torch-free: the CLI
 reads the record without a daemon (`elasticd node status / clear`).
 
-`strike` records one, the node quarantined once --quarantine-after fall within the window; `refusal`
-is the line `run` refuses with (`EXIT_QUARANTINED`, 7); `node_command` is `elasticd node status /
-clear`; `Quarantine` is the daemon's side (strikes as they happen, the departure, status's fields).
+`strike` records one, the node quarantined once --quarantine-after fall within the window;
+`refusal` is the line `run` refuses with (`ExitCode.QUARANTINED`, 7); `node_command` is `elasticd
+node status / clear`; `Quarantine` is the daemon's side (strikes as they happen, the departure,
+status's fields).
 
 The record (`node-record.json` in --state-dir) is one small JSON file written whole (a fresh file
 renamed over the old, never through a symlink: safeio); a file that is not of its form stops the
@@ -30,8 +31,8 @@ from typing import Any
 
 from elasticd import logs, safeio
 from elasticd.config import Config, ConfigError
+from elasticd.exit_codes import ExitCode
 
-EXIT_QUARANTINED = 7  # `elasticd run`'s exit code on a quarantined node
 FILE = "node-record.json"
 MAX_STRIKES = 100  # strikes kept (the newest): the file stays small whatever happens
 MAX_WHY = 300  # characters of a strike's reason kept
@@ -189,7 +190,7 @@ def node_command(action: str, directory: Path, cfg: Config, as_json: bool) -> in
         print(json.dumps({"state_dir": str(directory), **asdict(record)}))
     else:
         print("\n".join(describe(record, directory, cfg)))
-    return EXIT_QUARANTINED if record.quarantined else 0
+    return ExitCode.QUARANTINED if record.quarantined else ExitCode.OK
 
 
 def _span(seconds: float) -> str:
@@ -239,7 +240,7 @@ class Quarantine:
         line = refusal(self.record, self.directory)
         if joined:
             line = line.replace("not starting: this node is", "this node left the job: it is", 1)
-        return f"node {self.node} left the job: quarantined: {why}", line, EXIT_QUARANTINED
+        return f"node {self.node} left the job: quarantined: {why}", line, ExitCode.QUARANTINED
 
     def report(self) -> dict[str, Any]:
         """Status's quarantine fields (ops/snapshot.py `Health`)."""

@@ -12,9 +12,9 @@ import re
 import pytest
 
 from e2e.test_operability import check_script, non_json
+from elasticd.exit_codes import ExitCode
 from harness import FAST, free_port, node_flags, run_cli, script, wait_until
 
-EXIT_UNHEALTHY, EXIT_DETERMINISTIC, EXIT_QUARANTINED = 5, 6, 7
 QUARANTINED = re.compile(
     r"^elasticd: (not starting: this node|this node left the job: it) is quarantined since "
 )
@@ -51,19 +51,19 @@ def test_three_failed_health_checks_quarantine_the_node_until_cleared(tmp_path):
     for _ in range(3):
         r = run_cli(*run, timeout=60)
         codes.append(r.returncode)
-    assert codes == [EXIT_UNHEALTHY, EXIT_UNHEALTHY, EXIT_QUARANTINED], r.stderr[-2000:]
+    assert codes == [ExitCode.UNHEALTHY, ExitCode.UNHEALTHY, ExitCode.QUARANTINED], r.stderr[-2000:]
     assert QUARANTINED.match(said(r.stderr)[0]), r.stderr[-2000:]
     runs = sorted(p for p in logs.iterdir() if p.name != "state")
     healthy.touch()  # repaired, but not cleared: still refused, before anything starts
     r = run_cli(*run, timeout=60)
-    assert r.returncode == EXIT_QUARANTINED, r.stderr[-2000:]
+    assert r.returncode == ExitCode.QUARANTINED, r.stderr[-2000:]
     (line,) = said(r.stderr)
     assert line.startswith("elasticd: not starting: this node is quarantined since "), line
     assert "3 failure(s) within 24 h, the last: " in line and "Xid 79" in line, line
     assert f"`elasticd node clear --state-dir {logs / 'state'}`" in line, line
     assert sorted(p for p in logs.iterdir() if p.name != "state") == runs  # no run directory
     st = run_cli("node", "status", "--log-dir", str(logs), timeout=30)
-    assert st.returncode == EXIT_QUARANTINED and "quarantined since" in st.stdout, st
+    assert st.returncode == ExitCode.QUARANTINED and "quarantined since" in st.stdout, st
     assert st.stdout.count("health check failed") >= 3, st.stdout
     cleared = run_cli("node", "clear", "--log-dir", str(logs), timeout=30)
     assert cleared.returncode == 0 and "may start again" in cleared.stdout, cleared
@@ -92,7 +92,7 @@ def test_elastic_job_goes_on_without_a_node_quarantined_by_a_hardware_failure(da
     )
     on_b = ("--health-check", str(check), "--health-check-interval", "0")
     b = daemons(script("faulty.py"), *flags, *on_b, name="b", args=args)
-    assert b.wait(90) == EXIT_QUARANTINED, b.stderr()[-3000:]
+    assert b.wait(90) == ExitCode.QUARANTINED, b.stderr()[-3000:]
     (line,) = said(b.stderr())
     assert QUARANTINED.match(line) and fault in line, line
     assert a.wait(90) == 0, a.stderr()[-3000:]
@@ -101,7 +101,7 @@ def test_elastic_job_goes_on_without_a_node_quarantined_by_a_hardware_failure(da
     assert [e for e in a.events() if e.get("new") == "RUNNING" and e.get("world_size") == 1]
     assert "done" in a.log_text(0)
     again = daemons(script("faulty.py"), *flags, *on_b, name="b", args=args)
-    assert again.wait(60) == EXIT_QUARANTINED, again.stderr()[-3000:]
+    assert again.wait(60) == ExitCode.QUARANTINED, again.stderr()[-3000:]
     assert said(again.stderr())[0].startswith("elasticd: not starting: this node is quar")
 
 
@@ -139,13 +139,13 @@ def test_a_failure_while_the_gpu_drivers_counters_rose_quarantines_the_node(tmp_
         job = (script("hang.py"), "--rank", "0", "--steps", "10", "--mode", "loop", "--at", "3")
     path = {"PATH": f"{bin_dir}:{os.environ['PATH']}"}
     r = run_cli(*run, *job, env=path, timeout=120)
-    assert r.returncode == EXIT_QUARANTINED, r.stderr[-3000:]
+    assert r.returncode == ExitCode.QUARANTINED, r.stderr[-3000:]
     (line,) = said(r.stderr)
     assert QUARANTINED.match(line), line
     evidence = "the GPU driver reported gpu 0 ecc.errors.uncorrected.volatile.total 0 -> 2"
     assert evidence in line and ("hung" in line) == (fault == "hangs"), line
     st = run_cli("node", "status", "--state-dir", str(state), timeout=30)
-    assert st.returncode == EXIT_QUARANTINED and evidence in st.stdout, st.stdout
+    assert st.returncode == ExitCode.QUARANTINED and evidence in st.stdout, st.stdout
 
 
 @pytest.mark.parametrize("error", ["bad record: Xid 79 ECC error", "KeyError: 'xid'"])
@@ -158,7 +158,7 @@ def test_a_workers_error_text_never_quarantines_the_node(tmp_path, error):
     base += ("--state-dir", str(state), "--quarantine-after", "2", "--max-restarts", "5", *FAST)
     job = (script("faulty.py"), "--rank", "0", "--steps", "6", "--step-time", "0.01")
     r = run_cli(*base, "--nproc-per-node", "1", *job, "--raise-at", "2", "--error", error)
-    assert r.returncode == EXIT_DETERMINISTIC, r.stderr[-3000:]
+    assert r.returncode == ExitCode.DETERMINISTIC, r.stderr[-3000:]
     (line,) = said(r.stderr)
     assert "deterministic failure" in line and "[class user]" in line and error in line, line
     st = run_cli("node", "status", "--state-dir", str(state), timeout=30)
@@ -177,8 +177,8 @@ def test_node_status_names_the_threshold_the_node_was_quarantined_at(tmp_path):
     run += ("--state-dir", str(state), "--quarantine-after", "2", "--health-check", str(check))
     run += ("--nproc-per-node", "1", script("faulty.py"), "--steps", "2", "--step-time", "0.01")
     codes = [run_cli(*run, timeout=60).returncode for _ in range(2)]
-    assert codes == [EXIT_UNHEALTHY, EXIT_QUARANTINED], codes
+    assert codes == [ExitCode.UNHEALTHY, ExitCode.QUARANTINED], codes
     st = run_cli("node", "status", "--state-dir", str(state), timeout=30)
-    assert st.returncode == EXIT_QUARANTINED, st
+    assert st.returncode == ExitCode.QUARANTINED, st
     assert "failures within 24 h: 2 (quarantine at 2)" in st.stdout, st.stdout
     assert "2 failure(s) within 24 h" in st.stdout, st.stdout

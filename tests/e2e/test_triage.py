@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from elasticd.daemon.agent import EXIT_DETERMINISTIC
+from elasticd.exit_codes import ExitCode
 from harness import FAST, FAST_NODES, final_lines, free_port, node_flags, script, wait_until
 
 FIXED = ["--steps", "4", "--raise-at", "2", "--beat", "--step-time", "0.02"]
@@ -26,7 +26,7 @@ def test_the_same_exception_at_the_same_step_stops_after_the_second_attempt(daem
     d = daemons(
         script("faulty.py"), "--nproc-per-node", "1", "--max-restarts", "5", *FAST, args=ONE
     )
-    assert d.wait(120) == EXIT_DETERMINISTIC, d.stderr()[-3000:]
+    assert d.wait(120) == ExitCode.DETERMINISTIC, d.stderr()[-3000:]
     assert len(d.attempt_dirs()) == 2  # not the 6 the budget allows
     (line,) = final_lines(d.stderr())
     for part in (
@@ -68,7 +68,7 @@ def test_two_nodes_stop_together_on_the_closing_verdict(daemons):
     a = daemons(script("faulty.py"), *flags, name="a", args=FIXED)
     b = daemons(script("faulty.py"), *flags, name="b", args=FIXED)
     for n in (a, b):
-        assert n.wait(120) == EXIT_DETERMINISTIC, n.stderr()[-3000:]
+        assert n.wait(120) == ExitCode.DETERMINISTIC, n.stderr()[-3000:]
         assert len(n.attempt_dirs()) == 2
         (line,) = final_lines(n.stderr())
         assert "deterministic failure" in line and "in attempts 1 and 2" in line, line
@@ -148,7 +148,7 @@ def test_the_same_exception_printing_another_float_each_attempt_is_deterministic
     d = daemons(
         script("faulty.py"), "--nproc-per-node", "1", "--max-restarts", "5", *FAST, args=args
     )
-    assert d.wait(120) == EXIT_DETERMINISTIC, d.stderr()[-3000:]
+    assert d.wait(120) == ExitCode.DETERMINISTIC, d.stderr()[-3000:]
     assert len(d.attempt_dirs()) == 2
     (line,) = final_lines(d.stderr())
     assert "RuntimeError: loss N exceeds the bound N at faulty.py:" in line, line
@@ -169,7 +169,7 @@ def test_the_first_failure_is_the_jobs_not_the_rank_that_died_of_it(daemons):
     assert first["frame"].startswith("first_failure.py:") and first["step"] == 3, first
     (then,) = first["consequences"]
     assert then.startswith("rank 0: RuntimeError: ") and "closed by peer" in then, first
-    assert d.wait(120) == EXIT_DETERMINISTIC, d.stderr()[-3000:]
+    assert d.wait(120) == ExitCode.DETERMINISTIC, d.stderr()[-3000:]
     causes = [e["cause"] for e in d.events() if e.get("new") == "RESTARTING"]
     assert len(causes) == 3, causes
     for cause in causes:
@@ -215,7 +215,7 @@ def test_across_nodes_the_first_failure_takes_the_restart_request(daemons):
     (then,) = first["consequences"]
     assert then.startswith("rank 0 (node ") and "closed by peer" in then, first
     for n in (a, b):
-        assert n.wait(120) == EXIT_DETERMINISTIC, n.stderr()[-3000:]
+        assert n.wait(120) == ExitCode.DETERMINISTIC, n.stderr()[-3000:]
         line = final_lines(n.stderr())[-1]
         assert "the same failure (ValueError: bad batch at step N: loss N at " in line, line
         assert "not restarted: rank 1 (node " in line, line

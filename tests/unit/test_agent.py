@@ -20,9 +20,10 @@ from elasticd import config, names
 from elasticd.cluster.errors import BudgetSpent, Deterministic, RendezvousFailed, StoreLost
 from elasticd.cluster.rounds import Member, Round
 from elasticd.daemon import preflight
-from elasticd.daemon.agent import EXIT_DETERMINISTIC, EXIT_FAILED, EXIT_OK, Agent
+from elasticd.daemon.agent import Agent
 from elasticd.daemon.states import TRANSITIONS, Failure, RestartCause, State
-from elasticd.ops.healthcheck import EXIT_UNHEALTHY, HealthCheck
+from elasticd.exit_codes import ExitCode
+from elasticd.ops.healthcheck import HealthCheck
 
 S = State
 EDGES = {(old, new) for old, targets in TRANSITIONS.items() for new in targets}
@@ -249,14 +250,17 @@ def crash(code: int = 1) -> Failure:
 def test_a_job_that_finishes_passes_the_exit_barrier(tmp_path):
     s = Script(members=2, finishes={1})
     code, path, _ = run(tmp_path, s)
-    assert (code, path) == (EXIT_OK, [S.INIT, S.RENDEZVOUS, S.RUNNING, S.EXIT_BARRIER, S.SUCCEEDED])
+    assert (code, path) == (
+        ExitCode.OK,
+        [S.INIT, S.RENDEZVOUS, S.RUNNING, S.EXIT_BARRIER, S.SUCCEEDED],
+    )
     assert ("exit_barrier",) in s.calls and s.calls[-1] == ("close", True)
 
 
 def test_a_crash_restarts_the_group_and_spends_the_budget(tmp_path):
     s = Script(failures={1: crash()}, finishes={2})
     code, path, agent = run(tmp_path, s)
-    assert code == EXIT_OK
+    assert code == ExitCode.OK
     assert path == [
         *[S.INIT, S.RENDEZVOUS, S.RUNNING, S.RESTARTING],
         *[S.RENDEZVOUS, S.RUNNING, S.EXIT_BARRIER, S.SUCCEEDED],
@@ -270,7 +274,7 @@ def test_a_crash_restarts_the_group_and_spends_the_budget(tmp_path):
 def test_a_fatal_exit_code_fails_the_job_without_a_round(tmp_path):
     s = Script(failures={1: crash(3)})
     code, path, agent = run(tmp_path, s, fatal_exit_codes=[3])
-    assert code == EXIT_FAILED
+    assert code == ExitCode.FAILED
     assert path == [S.INIT, S.RENDEZVOUS, S.RUNNING, S.RESTARTING, S.FAILED]
     assert [c for c in s.calls if c[0] == "next_round"] == [("next_round", 1)]
     assert s.calls[-1] == ("close", True) and agent.first_failure.exit_code == 3
@@ -279,7 +283,7 @@ def test_a_fatal_exit_code_fails_the_job_without_a_round(tmp_path):
 def test_a_round_that_finds_the_budget_spent_fails_the_job(tmp_path):
     s = Script(failures={1: crash()}, round_fails={2: BudgetSpent("restart budget spent")})
     code, path, agent = run(tmp_path, s)
-    assert code == EXIT_FAILED
+    assert code == ExitCode.FAILED
     assert path == [S.INIT, S.RENDEZVOUS, S.RUNNING, S.RESTARTING, S.RENDEZVOUS, S.FAILED]
     assert agent.first_failure.kind is RestartCause.CRASH  # the first failure, not the verdict
     assert agent.last_failure.kind is RestartCause.RENDEZVOUS
@@ -292,7 +296,7 @@ def test_a_round_that_finds_the_failure_deterministic_ends_the_job_with_exit_6(t
     verdict = Deterministic("deterministic failure: ... in attempts 1 and 2")
     s = Script(failures={1: oom}, round_fails={2: verdict})
     code, path, agent = run(tmp_path, s)
-    assert code == EXIT_DETERMINISTIC == 6
+    assert code == ExitCode.DETERMINISTIC == 6
     assert path == [S.INIT, S.RENDEZVOUS, S.RUNNING, S.RESTARTING, S.RENDEZVOUS, S.FAILED]
     assert agent.first_failure is agent.last_failure
     assert "in attempts 1 and 2" in agent.first_failure.reported()
@@ -303,14 +307,14 @@ def test_a_round_that_finds_the_failure_deterministic_ends_the_job_with_exit_6(t
 def test_a_failed_rendezvous_fails_the_job(tmp_path):
     s = Script(round_fails={1: RendezvousFailed("join timeout")})
     code, path, agent = run(tmp_path, s)
-    assert (code, path) == (EXIT_FAILED, [S.INIT, S.RENDEZVOUS, S.FAILED])
+    assert (code, path) == (ExitCode.FAILED, [S.INIT, S.RENDEZVOUS, S.FAILED])
     assert agent.first_failure.reason == "join timeout"
 
 
 def test_a_stop_while_running_stops_the_workers(tmp_path):
     s = Script(stop_in_attempt={1})
     code, path, _ = run(tmp_path, s)
-    assert (code, path) == (EXIT_OK, [S.INIT, S.RENDEZVOUS, S.RUNNING, S.STOPPING, S.STOPPED])
+    assert (code, path) == (ExitCode.OK, [S.INIT, S.RENDEZVOUS, S.RUNNING, S.STOPPING, S.STOPPED])
     assert ("teardown", 1, False) in s.calls  # a stop's teardown gives the grace: not abandoned
     assert ("exit_barrier",) not in s.calls  # alone in the job: no barrier
 
@@ -318,14 +322,14 @@ def test_a_stop_while_running_stops_the_workers(tmp_path):
 def test_a_stop_while_joining_leaves_the_rendezvous(tmp_path):
     s = Script(stop_in_round=1)
     code, path, _ = run(tmp_path, s)
-    assert (code, path) == (EXIT_OK, [S.INIT, S.RENDEZVOUS, S.STOPPED])
+    assert (code, path) == (ExitCode.OK, [S.INIT, S.RENDEZVOUS, S.STOPPED])
     assert not [c for c in s.calls if c[0] == "start"]
 
 
 def test_a_stop_during_a_restart_is_acted_on_before_the_next_round(tmp_path):
     s = Script(failures={1: crash()}, stop_in_attempt={1})
     code, path, _ = run(tmp_path, s)
-    assert code == EXIT_OK
+    assert code == ExitCode.OK
     assert path == [
         *[S.INIT, S.RENDEZVOUS, S.RUNNING, S.RESTARTING],
         *[S.RENDEZVOUS, S.STOPPING, S.STOPPED],
@@ -336,28 +340,28 @@ def test_a_stop_during_a_restart_is_acted_on_before_the_next_round(tmp_path):
 def test_a_store_lost_in_a_stops_exit_barrier_fails_the_job(tmp_path):
     s = Script(members=2, stop_in_attempt={1}, barrier_fails=True)
     code, path, _ = run(tmp_path, s)
-    assert code == EXIT_FAILED
+    assert code == ExitCode.FAILED
     assert path == [S.INIT, S.RENDEZVOUS, S.RUNNING, S.STOPPING, S.FAILED]
 
 
 def test_a_store_lost_in_the_exit_barrier_fails_the_job(tmp_path):
     s = Script(members=2, finishes={1}, barrier_fails=True)
     code, path, _ = run(tmp_path, s)
-    assert code == EXIT_FAILED
+    assert code == ExitCode.FAILED
     assert path == [S.INIT, S.RENDEZVOUS, S.RUNNING, S.EXIT_BARRIER, S.FAILED]
 
 
 def test_a_store_lost_while_running_fails_the_job(tmp_path):
     s = Script(peers_fail=True)
     code, path, agent = run(tmp_path, s)
-    assert (code, path) == (EXIT_FAILED, [S.INIT, S.RENDEZVOUS, S.RUNNING, S.FAILED])
+    assert (code, path) == (ExitCode.FAILED, [S.INIT, S.RENDEZVOUS, S.RUNNING, S.FAILED])
     assert agent.first_failure.kind is RestartCause.RENDEZVOUS
 
 
 def test_a_node_whose_health_check_fails_before_starting_never_joins(tmp_path):
     s = Script(checks=[False])
     code, path, agent = run(tmp_path, s)
-    assert (code, path) == (EXIT_UNHEALTHY, [S.INIT, S.RENDEZVOUS, S.LEFT])
+    assert (code, path) == (ExitCode.UNHEALTHY, [S.INIT, S.RENDEZVOUS, S.LEFT])
     assert not [c for c in s.calls if c[0] == "next_round"]
     assert agent.left_line.startswith("elasticd: not starting")
 
@@ -365,7 +369,7 @@ def test_a_node_whose_health_check_fails_before_starting_never_joins(tmp_path):
 def test_a_node_whose_health_check_fails_while_running_leaves_the_job(tmp_path):
     s = Script(members=2, checks=[True, False])
     code, path, agent = run(tmp_path, s)
-    assert (code, path) == (EXIT_UNHEALTHY, [S.INIT, S.RENDEZVOUS, S.RUNNING, S.LEFT])
+    assert (code, path) == (ExitCode.UNHEALTHY, [S.INIT, S.RENDEZVOUS, S.RUNNING, S.LEFT])
     asked = [c[1] for c in s.calls if c[0] == "request_restart"]
     assert len(asked) == 1 and asked[0]["lost"] == ["node-0"]  # the others go on without it
     assert agent.left_line.startswith("elasticd: this node left the job")
@@ -382,7 +386,7 @@ NOT_OURS = [
 def test_a_restart_that_is_not_this_nodes_failure_spends_nothing(tmp_path, why):
     s = Script(members=2, failures={1: why}, finishes={2})
     code, path, agent = run(tmp_path, s)
-    assert code == EXIT_OK and path.count(S.RESTARTING) == 1
+    assert code == ExitCode.OK and path.count(S.RESTARTING) == 1
     asked = [c[1] for c in s.calls if c[0] == "request_restart"]
     if why.kind is RestartCause.NODE_LOST:
         assert asked == [
