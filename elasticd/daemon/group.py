@@ -125,11 +125,7 @@ class LocalGroup:
     def check(self) -> Failure | None:
         """The failure that came first among this node's workers (`_first`), or one that hung,
         or None."""
-        now_wall = time.time()
-        for w in processes.poll(self.workers):
-            self._exit_seen[w.pid] = now_wall
-            if self._died_after_return(w):
-                self._returned.add(w.pid)
+        now_wall = self._reap()
         failed = self._failed()
         if any(s.w.exit_code is not None for s in failed):
             return self._first(failed, now_wall)
@@ -193,9 +189,19 @@ class LocalGroup:
         """A failure among this node's workers, whether or not one has exited (a rank that
         raised and still exits counts): what a node told to restart by another offers in its
         place where it came first (Agent._restart)."""
-        processes.poll(self.workers)
+        now = self._reap()
         failed = self._failed()
-        return self._first(failed, time.time(), wait=False) if failed else None
+        return self._first(failed, now, wait=False) if failed else None
+
+    def _reap(self) -> float:
+        """Reap the exits (when each was seen; whether it died after its script returned): the
+        time, Unix."""
+        now = time.time()
+        for w in processes.poll(self.workers):
+            self._exit_seen[w.pid] = now
+            if self._died_after_return(w):
+                self._returned.add(w.pid)
+        return now
 
     def _first(self, failed: list[Seen], now: float, wait: bool = True) -> Failure | None:
         """The cause among the failed (triage.first: the earliest, a rank that died of its
