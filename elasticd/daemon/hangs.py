@@ -2,7 +2,8 @@
 stack dumps reduced to where each waits (culprit.py), published to the other nodes and theirs
 gathered (cluster/hang_summaries.py), and the job-wide verdict added to the failure's reason (and a
 `hang_culprit` event), so that the restart cause, status and the final line name the rank (and node)
-elsewhere while the others waited in a collective. A node told of a hang by another node dumps its
+elsewhere while the others waited in a collective; the failure's rank, node, pid and log become the
+culprit's. A node told of a hang by another node dumps its
 own workers' stacks for it first. Every wait is bounded (GATHER, 3 s): a node that says nothing in
 time is named as such, never waited for."""
 

@@ -1,6 +1,8 @@
 """Triage of a failure, pure: its class (what kind of trouble it is: the user's code, memory, the
-hardware, a hang, the cluster, a stop) and its signature (what makes two failures the same), and
-the repeat rule that calls a failure deterministic. Plain data in, plain data out, so that a
+hardware, a hang, the cluster, a stop), its signature (what makes two failures the same), which of
+an attempt's failures came first (`first`: by time, a rank that died of another's going yielding;
+`comes_first` between nodes' restart requests), and the repeat rule that calls a failure
+deterministic. Plain data in, plain data out, so that a
 table of cases checks every rule (tests/unit/test_triage.py).
 
 Where each is decided: the class of a local worker's failure in daemon/group.py (its exit, the
