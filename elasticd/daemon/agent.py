@@ -457,6 +457,8 @@ class Agent:
             return
         first = first_elsewhere(request, self.last_failure)
         if first is not None:
+            if self.first_failure is self.last_failure:
+                self.first_failure = first  # the job's first failure was that one, too
             self.last_failure = first
             self.event(
                 "first_failure_elsewhere", rank=first.rank, node=first.node, why=first.reason

@@ -219,3 +219,23 @@ def test_across_nodes_the_first_failure_takes_the_restart_request(daemons):
         line = final_lines(n.stderr())[-1]
         assert "the same failure (ValueError: bad batch at step N: loss N at " in line, line
         assert "not restarted: rank 1 (node " in line, line
+
+
+def test_across_nodes_a_spent_budget_names_the_first_failure(daemons):
+    """The same two nodes with no deterministic rule and one restart: the job fails with its
+    budget spent, and both nodes' final line and the FAILED event of the node holding rank 0 name
+    rank 1's failure as the job's first (before: that node named its own rank 0's closed
+    connection)."""
+    port = free_port()
+    flags = ("--nproc-per-node", "1", "--max-restarts", "1", *FAST_NODES, *node_flags(port, "2"))
+    flags += ("--deterministic-retries", "0")
+    a = daemons(script("first_failure.py"), *flags, name="a")
+    b = daemons(script("first_failure.py"), *flags, name="b")
+    for n in (a, b):
+        assert n.wait(120) == ExitCode.FAILED, n.stderr()[-3000:]
+        line = final_lines(n.stderr())[-1]
+        assert "job failed after 1 restart(s): rank 1 (node " in line, line
+        assert "ValueError: bad batch at step 3" in line, line
+    zero = _rank_holder(a, b, "0")
+    (failed,) = [e for e in zero.events() if e.get("new") == "FAILED"]
+    assert failed["first_failure"].startswith("rank 1 (node "), failed
