@@ -219,12 +219,17 @@ def _history(s: Snapshot) -> list[str]:
     f = s.last_failure
     if f:
         lines.append(
-            f"  last failure: rank {f.rank} {f.reason}"
+            f"  last failure: rank {f.rank}"
+            + (f" (node {f.node})" if f.node else "")
+            + f" {f.reason}"
             + (f": {f.exception}" if f.exception else "")
+            + (f" ({f.frame})" if f.frame else "")
             + (f" (log {f.log_path})" if f.log_path else "")
             + (f" [class {f.failure_class}]" if f.failure_class else "")
         )
         lines += [f"    stacks {path}" for path in f.stacks]
+        lines += [f"    GPU driver: {f.driver}"] if f.driver else []
+        lines += [f"    then {c}" for c in f.consequences]
     if s.last_recovery:
         lines.append(
             "  last recovery (s after detection): "

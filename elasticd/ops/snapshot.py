@@ -68,6 +68,7 @@ class LastFailure:
     step: int | None = None  # the failing rank's last step (None: before its first)
     frame: str | None = None  # its traceback's innermost frame of user code (FILE:LINE in FUNC)
     consequences: list[str] = field(default_factory=list)  # the attempt's later failures
+    driver: str | None = None  # the GPU driver's evidence of a fault meanwhile (driver.py)
 
 
 @dataclass(frozen=True)
