@@ -22,11 +22,11 @@ def per_call(fn, n: int = 200_000, repeats: int = 5) -> float:
 
 
 def main() -> None:
-    from elasticd.worker import health
+    from elasticd.worker import heartbeat
 
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "hb")
-        health.create(path)
+        heartbeat.create(path)
         os.environ["ELASTICD_HEARTBEAT_FILE"] = path
         import elasticd
 
@@ -44,7 +44,7 @@ def main() -> None:
         handle = optimizer_module.register_optimizer_step_post_hook(lambda *_: elasticd.heartbeat())
         hooked = per_call(opt.step, n=20_000)
         handle.remove()
-        assert health.read(path).beats > 0
+        assert heartbeat.read(path).beats > 0
     print("heartbeat cost per call (median of 5 runs)")
     print(f"  elasticd.heartbeat()          {1e6 * (beat - off):6.2f} us")
     print(f"  elasticd.heartbeat(step=N)    {1e6 * (beat_step - off):6.2f} us")

@@ -53,7 +53,7 @@ def secret_file(workdir: Path) -> str:
 
 
 def node_cmd(
-    kind: str, n: int, port: int, workdir: Path, i: int, script: Path, extra=()
+    kind: str, n: int, port: int, workdir: Path, i: int, script: Path, extra=(), host="127.0.0.1"
 ) -> list[str]:
     if kind == "elasticd":
         return [
@@ -66,7 +66,7 @@ def node_cmd(
             "--nproc-per-node",
             "1",
             "--rdzv-endpoint",
-            f"127.0.0.1:{port}",
+            f"{host}:{port}",
             "--rdzv-id",
             "bench",
             "--no-warm-spawn",
@@ -95,7 +95,7 @@ def node_cmd(
         "--rdzv-backend",
         "c10d",
         "--rdzv-endpoint",
-        f"127.0.0.1:{port}",
+        f"{host}:{port}",
         "--rdzv-id",
         "bench",
         "--rdzv-conf",

@@ -1241,7 +1241,7 @@ class ElasticdNodes:
     def fake_beats(self, now: float):
         """Our workers' heartbeats as the agent loop reads them: stepping every --step-time,
         stalled since the silent node went quiet (their collectives wait on it)."""
-        from elasticd.worker.health import Beat
+        from elasticd.worker.heartbeat import Beat
 
         step = self.args.step_time
         last = min(now, self.stall) if self.stall is not None else now

@@ -4,7 +4,10 @@ A small DDP model trained on synthetic data (64 -> $BENCH_WIDTH (256) x $BENCH_D
 $BENCH_BATCH (32)); BENCH_WIDTH=1024 BENCH_DEPTH=3 BENCH_BATCH=256 gives a step with real compute;
 after every optimizer step each rank appends `pid rank restart step wall_time` to $BENCH_OUT
 (O_APPEND lines, so concurrent ranks never tear).
-When the file $BENCH_HANG_FLAG.<rank> appears, that rank deletes it and spins forever.
+When the file $BENCH_HANG_FLAG.<rank> appears, that rank deletes it and, by what the file says:
+spins forever (empty), sleeps in `read_batch` outside any collective while the others wait in
+DDP's all_reduce (`sleep`), or calls all_gather while the others wait in that all_reduce, a
+desync (`all_gather`); gloo leaves both waiting.
 BENCH_DEVICE=cuda trains on the local rank's GPU with NCCL (one GPU per local rank) and waits for
 each step's kernels before logging it, so the logged time is the step's, not its launch's.
 
@@ -25,6 +28,25 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+def read_batch():
+    """A data read that never returns (the flag's `sleep`)."""
+    while True:
+        time.sleep(3600)
+
+
+def inject(flag: str) -> None:
+    """The fault the flag file names (see the docstring); it never returns."""
+    with open(flag) as f:
+        fault = f.read().strip()
+    os.unlink(flag)
+    if fault == "sleep":
+        read_batch()
+    if fault == "all_gather":  # the others are in the step's all_reduce: gloo waits for ever
+        dist.all_gather([torch.zeros(4) for _ in range(dist.get_world_size())], torch.ones(4))
+    while True:  # an endless loop in Python, as a stuck data pipeline would be
+        pass
 
 
 def main():
@@ -83,9 +105,7 @@ def main():
     hang_flag = os.environ.get("BENCH_HANG_FLAG", "")
     for step in range(first, steps + 1):
         if hang_flag and os.path.exists(f"{hang_flag}.{rank}"):
-            os.unlink(f"{hang_flag}.{rank}")
-            while True:  # an endless loop in Python, as a stuck data pipeline would be
-                pass
+            inject(f"{hang_flag}.{rank}")
         opt.zero_grad()
         nn.functional.mse_loss(model(x), y).backward()
         opt.step()

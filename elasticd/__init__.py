@@ -3,10 +3,10 @@ modules are the shared contracts, imported by the daemon and by the workers alik
 paths user scripts import (`elasticd.heartbeat`, `elasticd.sampler`, `elasticd.global_batch`); so
 they import nothing of the packages below, but for the few reaches this docstring names.
 
-This module is the public worker-side call `elasticd.heartbeat(step=None)` and `_beat_writer()`,
-this process's heartbeat writer (worker/health.py's `Writer`), opened at first use: it reaches
-worker/health.py only once a worker first beats, and imports nothing at load, so `import
-elasticd` costs nothing outside elasticd. The other reaches: global_batch.py and exact.py, worker
+This module is the public worker-side call `elasticd.heartbeat(step=None)`, which writes through
+this process's heartbeat writer (worker/heartbeat.py's `writer()`): it reaches worker/heartbeat.py
+only once a worker first beats under elasticd, and imports nothing at load, so `import elasticd`
+costs nothing outside elasticd. The other reaches: global_batch.py and exact.py, worker
 side, use the checkpoint library's collectives and RNG; `__main__` runs ops/cli.py's command.
 
 Worker-side API (costs nothing when not running under elasticd; user scripts import these paths):
@@ -25,35 +25,22 @@ import os
 __version__ = "0.1.0"
 __all__ = ["heartbeat", "__version__"]
 
-_writer = None
+_writer = None  # worker/heartbeat.py's writer, once this process first beats under elasticd
 _armed = False
 
 
 def heartbeat(step: int | None = None) -> None:
     """Tell the daemon this rank made progress. A no-op outside elasticd; a few microseconds inside.
-
     Calls from optimizer.step() happen automatically under elasticd; call this from loops that
     have no optimizer step, or to report the step number yourself."""
-    writer = _writer if _armed else _beat_writer()
-    if writer is not None:
-        writer.beat(step)
-
-
-def _beat_writer():
-    """This process's heartbeat file writer (elasticd.worker.health.Writer), opened at the first
-    call; None outside elasticd. The bootstrap's hooks and the checkpoint library write through
-    it."""
     global _writer, _armed
     if not _armed:
         _armed = True
         from elasticd import names
 
-        path = os.environ.get(names.HEARTBEAT_FILE)
-        if path:
-            from elasticd.worker.health import Writer
+        if os.environ.get(names.HEARTBEAT_FILE):  # else worker/heartbeat.py is never imported
+            from elasticd.worker import heartbeat as beats
 
-            try:
-                _writer = Writer(path)
-            except OSError:
-                _writer = None
-    return _writer
+            _writer = beats.writer()
+    if _writer is not None:
+        _writer.beat(step)

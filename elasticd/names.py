@@ -17,7 +17,7 @@ ENTRYPOINT = (
 NO_PYTHON = (
     "ELASTICD_NO_PYTHON"  # set: ENTRYPOINT is an executable bootstrap execs (torchrun --no-python)
 )
-HEARTBEAT_FILE = "ELASTICD_HEARTBEAT_FILE"  # the rank's heartbeat file (elasticd.worker.health)
+HEARTBEAT_FILE = "ELASTICD_HEARTBEAT_FILE"  # the rank's heartbeat file (elasticd.worker.heartbeat)
 STACK_FILE = "ELASTICD_STACK_FILE"  # where faulthandler appends the rank's stacks
 STACK_SIGNAL = "ELASTICD_STACK_SIGNAL"  # the signal that asks for them
 ATTEMPT_DIR = "ELASTICD_ATTEMPT_DIR"  # this attempt's directory of logs and error files

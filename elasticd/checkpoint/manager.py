@@ -16,7 +16,6 @@ import structlog
 import torch
 import torch.distributed as dist
 
-import elasticd
 from elasticd import names
 from elasticd.checkpoint import files, shard_files, sharded, stop
 from elasticd.checkpoint.collectives import cpu_group, dist_on, rank, world
@@ -31,7 +30,7 @@ from elasticd.checkpoint.format import (
 )
 from elasticd.checkpoint.memory_state import MemoryState
 from elasticd.checkpoint.snapshot import Snapshot
-from elasticd.worker import health
+from elasticd.worker import heartbeat
 
 log = structlog.get_logger()
 
@@ -43,18 +42,18 @@ class CheckpointError(RuntimeError):
 def _mark_state_loaded(step: int) -> None:
     """For the daemon's recovery timeline ("state loaded") and its count of steps lost (the step
     resumed from, 0 for a fresh start), when running under elasticd."""
-    writer = elasticd._beat_writer()
+    writer = heartbeat.writer()
     if writer is not None:
         writer.note("resumed", step)
     path = os.environ.get(names.HEARTBEAT_FILE)
     if path:
-        health.mark(path, "state_loaded")
+        heartbeat.mark(path, "state_loaded")
 
 
 def _figures():
     """The heartbeat file's writer, through which the daemon reads this rank's save and refresh
-    costs (health.FIGURES); None outside elasticd."""
-    return elasticd._beat_writer()
+    costs (heartbeat.FIGURES); None outside elasticd."""
+    return heartbeat.writer()
 
 
 def _failure(directory: str, err: BaseException) -> str:

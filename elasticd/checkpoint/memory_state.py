@@ -29,7 +29,6 @@ from typing import Any
 
 import structlog
 
-import elasticd
 from elasticd import names
 from elasticd.checkpoint import sharded
 from elasticd.checkpoint.collectives import (
@@ -48,6 +47,7 @@ from elasticd.checkpoint.memory import cadence, reader, replica, seal, shards, s
 from elasticd.checkpoint.memory import directory as memdir
 from elasticd.checkpoint.memory.writer import Writer
 from elasticd.checkpoint.state import REFRESH, Refresh
+from elasticd.worker import heartbeat
 
 log = structlog.get_logger()
 
@@ -180,7 +180,7 @@ class MemoryState:
         """The cadence agreed across ranks (the largest proposal)."""
         if not (self.on and self.cadence.adopt(agreed)):
             return
-        figures = elasticd._beat_writer()
+        figures = heartbeat.writer()
         if figures is not None:
             figures.note("refresh_every", self.every)
         if rank() == 0:
@@ -437,7 +437,7 @@ class MemoryState:
             self.close()
             self.on = False
         self.last_stall = time.perf_counter() - t0
-        figures = elasticd._beat_writer()
+        figures = heartbeat.writer()
         if figures is not None:
             figures.add("refreshes", 1)
             figures.add("refresh_total", self.last_stall)

@@ -13,7 +13,7 @@ import threading
 import time
 
 from elasticd import names
-from elasticd.worker import health
+from elasticd.worker import heartbeat
 
 
 @dataclasses.dataclass
@@ -61,7 +61,7 @@ def _abandoned() -> bool:
     """elasticd is restarting the group after a failure (a peer is dead or hung): the step in
     progress can never finish and the state since the last step is already in memory, so
     SIGTERM keeps its default meaning instead of waiting for a boundary that will not come."""
-    return health.marked(os.environ.get(names.HEARTBEAT_FILE), "abandon")
+    return heartbeat.marked(os.environ.get(names.HEARTBEAT_FILE), "abandon")
 
 
 def install_sigterm_handler(stop_timeout: float = 10.0) -> bool:

@@ -41,7 +41,7 @@ from elasticd.config import Config
 from elasticd.daemon import supervise
 from elasticd.daemon.states import Failure, RestartCause, Scale
 from elasticd.daemon.triage import FailureClass
-from elasticd.worker.health import Beat
+from elasticd.worker.heartbeat import Beat
 
 log = logs.get("elasticd.peers")
 

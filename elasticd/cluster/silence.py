@@ -86,7 +86,7 @@ def anyone_silent(seen: Mapping[int, Heard], now: float, limit: float) -> bool:
 
 
 class Stepping(Protocol):
-    """What `pace` reads of a worker's heartbeat (worker/health.py's Beat)."""
+    """What `pace` reads of a worker's heartbeat (worker/heartbeat.py's Beat)."""
 
     beats: int
     first: float

@@ -24,7 +24,7 @@ from typing import BinaryIO
 
 from elasticd import names, safeio
 from elasticd.daemon import systemd
-from elasticd.worker import learned, proctitle
+from elasticd.worker import preload, proctitle
 
 
 class Child:
@@ -176,10 +176,10 @@ class ForkServer:
             self.pending += 1
 
     def teach(self, names_path: Path) -> None:
-        """Ask the server to import the modules listed there (worker/learned.py); its report
+        """Ask the server to import the modules listed there (worker/preload.py); its report
         comes back beside them, `learned` says when."""
         try:
-            self._sock.send(learned.REQUEST + os.fsencode(names_path))
+            self._sock.send(preload.REQUEST + os.fsencode(names_path))
         except OSError:
             return
         self.learning = True
@@ -204,7 +204,7 @@ class ForkServer:
             if msg.startswith(b"unfit "):
                 self.unfit = msg[6:].decode(errors="replace")
                 break
-            if msg == learned.ANSWER:
+            if msg == preload.ANSWER:
                 self.learning, self.learned = False, True
                 break
             self.pending -= 1

@@ -17,7 +17,7 @@ from elasticd.cluster.rounds import Round
 from elasticd.config import Config
 from elasticd.daemon import driver, forkclient, oom, processes, spawn, tee, triage
 from elasticd.daemon.states import Failure, RestartCause
-from elasticd.worker import health
+from elasticd.worker import heartbeat
 
 ODD_STATE_HOLD = 1.0  # seconds a zombie worker must stay so before it counts as hung
 MAX_CONSEQUENCES = 8  # the later failures a failure names
@@ -54,7 +54,7 @@ class LocalGroup:
         self.seen_beats = False  # a worker of this run has beaten: from then on every worker must
         self.tee = tee.Tee() if cfg.tee else None
         self._watches: dict[
-            int, tuple[health.Reader, health.ProcessWatch]
+            int, tuple[heartbeat.Reader, heartbeat.ProcessWatch]
         ] = {}  # pid -> held-open files
         self._odd_since: dict[int, float] = {}  # pid -> when it was first seen a zombie
         self._exit_seen: dict[int, float] = {}  # pid -> when its exit was reaped (Unix time)
@@ -136,7 +136,7 @@ class LocalGroup:
             beat = self.beat(w)
             if beat and beat.beats:
                 self.seen_beats = True
-            why = self._lasting(w.pid, self._watch(w)[1].verdict(), now) or health.verdict(
+            why = self._lasting(w.pid, self._watch(w)[1].verdict(), now) or heartbeat.verdict(
                 beat,
                 w.started,
                 now,
@@ -246,10 +246,10 @@ class LocalGroup:
             sig = logs.printable(f"{sig} ({triage.at_step(step)})")
         return {"failure_class": klass.value, "signature": sig, "step": step, "driver": fault}
 
-    def beat(self, w: spawn.Worker) -> health.Beat | None:
+    def beat(self, w: spawn.Worker) -> heartbeat.Beat | None:
         return self._watch(w)[0].read()
 
-    def beats(self) -> list[health.Beat | None]:
+    def beats(self) -> list[heartbeat.Beat | None]:
         return [self.beat(w) for w in self.workers]
 
     def rows(self, now: float) -> list[dict[str, Any]]:
@@ -307,7 +307,7 @@ class LocalGroup:
         t0 = time.monotonic()
         if abandon:
             for w in self.workers:
-                health.mark(str(w.heartbeat_path), "abandon")
+                heartbeat.mark(str(w.heartbeat_path), "abandon")
         stuck = processes.stop(
             self.workers,
             self.token,
@@ -338,7 +338,7 @@ class LocalGroup:
         code is the script's own choice and still counts."""
         if w.exit_code is None or w.exit_code >= 0:
             return False
-        if not health.marked(str(w.heartbeat_path), "returned"):
+        if not heartbeat.marked(str(w.heartbeat_path), "returned"):
             return False
         self.event(
             "died_after_return",
@@ -349,14 +349,14 @@ class LocalGroup:
         )
         return True
 
-    def _watch(self, w: spawn.Worker) -> tuple[health.Reader, health.ProcessWatch]:
+    def _watch(self, w: spawn.Worker) -> tuple[heartbeat.Reader, heartbeat.ProcessWatch]:
         """The worker's heartbeat file and /proc entries, opened once per attempt: the loop reads
         them every tick, and opening (and parsing through psutil) each time was most of its CPU."""
         watch = self._watches.get(w.pid)
         if watch is None:
             watch = self._watches[w.pid] = (
-                health.Reader(str(w.heartbeat_path)),
-                health.ProcessWatch(w.pid),
+                heartbeat.Reader(str(w.heartbeat_path)),
+                heartbeat.ProcessWatch(w.pid),
             )
         return watch
 

@@ -4,7 +4,7 @@ the fork server the union of what an attempt's workers imported and says its rep
 Each worker names the library modules it has imported at its first optimizer step
 (worker/imported.py, `rankN.modules` beside its heartbeat file). Once every worker of an attempt
 has, the daemon writes their union (in import order) to the run directory and asks the fork
-server to import it (worker/learned.py: whatever would see the rank's environment differently is
+server to import it (worker/preload.py: whatever would see the rank's environment differently is
 left out); when its report comes back the spares forked before are replaced, so the next restart
 takes spares that have the job's frameworks imported: Lightning, transformers' Trainer and the
 rest no longer cost their import after a crash. Each module not preloaded is said in one line
@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from elasticd import safeio
-from elasticd.worker import imported, learned
+from elasticd.worker import imported, preload
 
 MAX_TRIES = 3  # teachings per run: a job whose imports keep growing stops being chased
 
@@ -81,7 +81,7 @@ class Learning:
     def reported(self) -> dict:
         """The fork server's report on the request in flight (`path`: where it is)."""
         path, self.asked = self.asked, None
-        report_path = f"{path}{learned.REPORT_SUFFIX}"
+        report_path = f"{path}{preload.REPORT_SUFFIX}"
         try:
             with open(safeio.open_existing(report_path)) as f:
                 report = json.load(f)

@@ -13,7 +13,7 @@ import time
 import tenacity
 
 from elasticd.config import Config
-from elasticd.worker import health
+from elasticd.worker import heartbeat
 
 # the steps of a recovery, in the order they happen; reported as seconds since the failure was
 # detected (status's last_recovery, the metrics' phases, bench/recovery.py's timeline)
@@ -52,7 +52,7 @@ class Recovery:
         """A new attempt began (the rendezvous is done)."""
         self.attempt_started = time.monotonic()
 
-    def trained(self, beats: list[health.Beat | None]) -> bool:
+    def trained(self, beats: list[heartbeat.Beat | None]) -> bool:
         """Did the failed attempt get anywhere? Every rank stepped, or (for a script that never
         beats) it ran longer than the longest backoff."""
         if time.monotonic() - self.attempt_started >= self.cfg.restart_backoff_max:
@@ -64,7 +64,7 @@ class Recovery:
         self.crash_streak = 0 if trained else self.crash_streak + 1
         return backoff_delay(self.cfg, max(1, self.crash_streak))
 
-    def report(self, beats: list[health.Beat]) -> dict[str, float]:
+    def report(self, beats: list[heartbeat.Beat]) -> dict[str, float]:
         """Once every new rank stepped (`beats`, one each): the timeline, which becomes `last`."""
         t = dict(self.marks)
         # the workers' own marks: the slowest rank decides when the group is ready

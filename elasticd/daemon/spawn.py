@@ -26,7 +26,7 @@ from pathlib import Path
 from elasticd import logs, names, safeio
 from elasticd.daemon import systemd, tee
 from elasticd.daemon.forkclient import Child, Spare
-from elasticd.worker import health, proctitle
+from elasticd.worker import heartbeat, proctitle
 
 
 @dataclass(frozen=True)
@@ -182,7 +182,7 @@ def spawn(spec: GroupSpec, spares: list[Spare] | None = None) -> list[Worker]:
     for local_rank in range(spec.nproc):
         rank = spec.rank_base + local_rank
         paths = _paths(spec, rank)
-        health.create(str(paths["heartbeat"]))
+        heartbeat.create(str(paths["heartbeat"]))
         env = worker_env(spec, local_rank, paths)
         args = spec.worker_args(local_rank)
         proc = None

@@ -5,9 +5,9 @@ figures (ops/figures.py), the stragglers (ops/stragglers.py) and the replication
 (ops/replication.py), which read the workers' heartbeats at every publish; the loop feeds the
 figures its restarts and recoveries.
 
-At every publish the board builds an ops/snapshot.py `Snapshot` and keeps its JSON form, which the
-control socket and the metrics read; the health check's report and the checkpoint and in-memory
-step a restart would resume from go into it.
+At every publish the board builds an ops/status_snapshot.py `Snapshot` and keeps its JSON form,
+which the control socket and the metrics read; the health check's report and the checkpoint and
+in-memory step a restart would resume from go into it.
 """
 
 from __future__ import annotations
@@ -29,7 +29,14 @@ from elasticd.daemon import supervise
 from elasticd.daemon.states import Failure, State
 from elasticd.ops.figures import Figures
 from elasticd.ops.replication import Replication
-from elasticd.ops.snapshot import LastFailure, Part, Snapshot, Worker, fields_from_json, from_json
+from elasticd.ops.status_snapshot import (
+    LastFailure,
+    Part,
+    Snapshot,
+    Worker,
+    fields_from_json,
+    from_json,
+)
 from elasticd.ops.stragglers import Stragglers
 
 if TYPE_CHECKING:
@@ -199,9 +206,9 @@ class StatusBoard:
 
 def _known(cls: type, data: dict[str, Any]) -> dict[str, Any]:
     """`data`, whose every key must be a field of `cls`: one that is not would vanish from the
-    wire without a word, so a figure or a row without its field in ops/snapshot.py fails here,
-    in every test that runs a daemon."""
+    wire without a word, so a figure or a row without its field in ops/status_snapshot.py fails
+    here, in every test that runs a daemon."""
     unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
     if unknown:
-        raise KeyError(f"{sorted(unknown)}: not fields of {cls.__name__} (ops/snapshot.py)")
+        raise KeyError(f"{sorted(unknown)}: not fields of {cls.__name__} (ops/status_snapshot.py)")
     return data

@@ -6,7 +6,7 @@ cost.
 The agent loop feeds it (hooks: on_restart, on_recovered, observe at every status publish) and
 it reads nothing itself but the heartbeats it is handed: the workers' own clock marks (first and
 last beat) and the running figures the worker side writes into its heartbeat file
-(health.FIGURES: its own work per step, the step resumed from, save and refresh costs).
+(heartbeat.FIGURES: its own work per step, the step resumed from, save and refresh costs).
 
 Definitions (docs/metrics.md, "How the figures are reckoned"):
 - productive time: per attempt, from the moment every local rank has stepped to the latest beat
@@ -28,14 +28,14 @@ import statistics
 from typing import Any
 
 from elasticd.daemon.states import Failure, RestartCause, Scale
-from elasticd.worker import health
+from elasticd.worker import heartbeat
 
 # the causes counted in restarts_total{cause=...}, by label: every one that restarts the group
 CAUSES = tuple(cause.label for cause in RestartCause if cause.restarts)
 # upper bounds of the recovery histogram's buckets, seconds (+Inf implied)
 RECOVERY_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 SAMPLES = 20  # distinct heartbeat readings a rank's step time is measured over (about 10 s at 2 Hz)
-# health.FIGURES of the checkpoint library that are totals or counts (kept across attempts)
+# heartbeat.FIGURES of the checkpoint library that are totals or counts (kept across attempts)
 TOTALS = ("saves", "save_stall_total", "save_write_total", "refreshes", "refresh_total")
 LASTS = ("save_stall_last", "save_write_last", "refresh_last", "refresh_every")
 
@@ -86,7 +86,7 @@ class Figures:
 
     # --- hooks ---
 
-    def on_restart(self, why: Failure | Scale, beats: list[health.Beat | None]) -> None:
+    def on_restart(self, why: Failure | Scale, beats: list[heartbeat.Beat | None]) -> None:
         """A running group ends early (before its teardown): count the cause, and note the step
         its ranks reached, to tell the steps lost once the next attempt has resumed."""
         if why.kind.restarts:
@@ -118,7 +118,7 @@ class Figures:
         ] += 1
 
     def observe(
-        self, attempt: int, local_ranks: list[int], beats: list[health.Beat | None], now: float
+        self, attempt: int, local_ranks: list[int], beats: list[heartbeat.Beat | None], now: float
     ) -> None:
         """The current attempt's workers (local ranks, and their heartbeats as of now)."""
         if attempt != self._attempt:

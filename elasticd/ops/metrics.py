@@ -34,7 +34,7 @@ from elasticd.daemon.states import State
 from elasticd.ops import replication
 from elasticd.ops.figures import CAUSES
 from elasticd.ops.metrics_server import BoundedServer, Handler, serve
-from elasticd.ops.snapshot import Recoveries, Snapshot, from_json
+from elasticd.ops.status_snapshot import Recoveries, Snapshot, from_json
 
 log = logs.get("elasticd.metrics")
 

@@ -3,7 +3,7 @@ next node (checkpoint/memory/replica.py: bytes sent per refresh and in all, the 
 in the background, whether it is on and why not) and the /dev/shm bytes this node holds for the
 in-memory state, its own slots and the replicas it keeps of another node's ranks.
 
-The worker side writes its running figures into its heartbeat file (health.FIGURES, `replica_*`);
+The worker side writes its running figures into its heartbeat file (heartbeat.FIGURES, `replica_*`);
 `Replication` reads them at every status publish, as figures.py reads the checkpoint costs, and
 keeps the totals of attempts that ended. Its metrics (`METRICS`, joined into metrics.py's table,
 and `put_metrics`) are made from the snapshot like every other.
@@ -14,12 +14,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from elasticd.worker import health
+from elasticd.worker import heartbeat
 
 COUNTS = ("replica_sends", "replica_bytes_total", "replica_seconds_total")  # kept across attempts
 # a node's state when its ranks disagree: the first of these any rank is in, else "on" (the off
-# states of health.REPLICA_STATES, the later listed there the stronger)
-OFF_FIRST = health.REPLICA_STATES[:1:-1]
+# states of heartbeat.REPLICA_STATES, the later listed there the stronger)
+OFF_FIRST = heartbeat.REPLICA_STATES[:1:-1]
 RANK = ("rank", "local_rank")
 
 METRICS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
@@ -93,7 +93,7 @@ METRICS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
 def state_of(code: float) -> str | None:
     """The replica_state figure as a word; None while undecided (or an unknown code)."""
     i = int(code)
-    return health.REPLICA_STATES[i] or None if 0 <= i < len(health.REPLICA_STATES) else None
+    return heartbeat.REPLICA_STATES[i] or None if 0 <= i < len(heartbeat.REPLICA_STATES) else None
 
 
 def node_state(states: list[str | None]) -> str | None:
@@ -110,13 +110,13 @@ class Replication:
     def __init__(self) -> None:
         self._attempt = 0
         self._base = dict.fromkeys(COUNTS, 0.0)  # attempts that ended, the node's ranks summed
-        self._now: dict[int, health.Beat] = {}  # local rank -> its latest beat, this attempt
+        self._now: dict[int, heartbeat.Beat] = {}  # local rank -> its latest beat, this attempt
         self._states: dict[int, str | None] = {}  # local rank -> its latest state (kept)
         self._lasts: dict[int, tuple[float, float]] = {}  # local rank -> (bytes, seconds) last
         self.held = (0, 0)  # /dev/shm bytes: own slots, replica slots (daemon/status.py reads)
 
     def observe(
-        self, attempt: int, local_ranks: list[int], beats: list[health.Beat | None]
+        self, attempt: int, local_ranks: list[int], beats: list[heartbeat.Beat | None]
     ) -> None:
         if attempt != self._attempt:
             for name in COUNTS:
@@ -164,7 +164,7 @@ class Replication:
 
 
 def put_metrics(put: Callable[..., None], s: Any) -> None:
-    """The samples of METRICS from the snapshot `s` (ops/snapshot.py's Snapshot)."""
+    """The samples of METRICS from the snapshot `s` (ops/status_snapshot.py's Snapshot)."""
     rep = s.memory_replica
     if rep.state:
         for state in ("on", *OFF_FIRST):

@@ -13,7 +13,7 @@ the others wait for it in the gradient all-reduce, so beat-to-beat step times ar
 every rank. What differs is each rank's *own work*: the time from the end of one step's
 gradient sync (backward() returning) to the start of the next backward() (data, forward,
 optimizer, anything the script does), which the worker side measures around backward()
-(health.Writer.optimizer_stepped) and writes into its heartbeat. Where a rank has no such figure
+(heartbeat.Writer.optimizer_stepped) and writes into its heartbeat. Where a rank has no such figure
 (no backward(), e.g. a script that only calls elasticd.heartbeat()), beat-to-beat step times are
 compared instead, which tells stragglers apart only where ranks do not wait for each other.
 
@@ -32,8 +32,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from elasticd.config import Config
-from elasticd.ops.snapshot import Straggler
-from elasticd.worker import health
+from elasticd.ops.status_snapshot import Straggler
+from elasticd.worker import heartbeat
 
 SAMPLE_EVERY = 1.0  # seconds between comparisons
 
@@ -110,7 +110,7 @@ class Stragglers:
         self,
         attempt: int,
         ranks: list[tuple[int, int]],
-        beats: list[health.Beat | None],
+        beats: list[heartbeat.Beat | None],
         now: float,
     ) -> None:
         """`ranks`: (global rank, local rank) of each worker of `attempt`, with its heartbeat."""
@@ -141,7 +141,7 @@ class Stragglers:
                 self._act(rank, local, means[local], verdict)
 
     def _measure(
-        self, ranks: list[tuple[int, int]], beats: list[health.Beat | None], now: float
+        self, ranks: list[tuple[int, int]], beats: list[heartbeat.Beat | None], now: float
     ) -> tuple[dict[int, float], dict[int, float]]:
         """Each rank's own work per step over the window, and over the last period only (beat to
         beat step times where some rank has no own-work figure)."""

@@ -74,9 +74,9 @@ _stack_file = None
 
 
 def _register_step_hook(optimizer_module) -> None:
-    from elasticd import _beat_writer
+    from elasticd.worker import heartbeat
 
-    writer = _beat_writer()
+    writer = heartbeat.writer()
     if writer is not None:
         optimizer_module.register_optimizer_step_post_hook(lambda *_: writer.optimizer_stepped())
 
@@ -102,12 +102,12 @@ def _report_imports_once(optimizer_module) -> None:
 
 def _time_backward(autograd_module) -> None:
     """Note when each backward() begins and returns (the rank's own work per step is the time
-    between one step's gradient sync and the next backward: health.Writer.optimizer_stepped).
+    between one step's gradient sync and the next backward: heartbeat.Writer.optimizer_stepped).
     Tensor.backward() calls torch.autograd.backward through the module, so wrapping it there
     covers both; two clock reads per backward."""
-    from elasticd import _beat_writer
+    from elasticd.worker import heartbeat
 
-    writer = _beat_writer()
+    writer = heartbeat.writer()
     if writer is None:
         return
     backward, clock = autograd_module.backward, time.monotonic
@@ -162,9 +162,9 @@ def _wrap_process_group_calls(dist_module) -> None:
     @functools.wraps(init)
     def init_process_group(*args, **kwargs):
         result = init(*args, **kwargs)
-        from elasticd.worker import health
+        from elasticd.worker import heartbeat
 
-        health.mark(path, "pg_ready")
+        heartbeat.mark(path, "pg_ready")
         return result
 
     @functools.wraps(destroy)
@@ -395,9 +395,9 @@ def uncaught(exc: BaseException) -> None:
 
 def _mark(name: str) -> None:
     if os.environ.get(names.HEARTBEAT_FILE):
-        from elasticd.worker import health
+        from elasticd.worker import heartbeat
 
-        health.mark(os.environ[names.HEARTBEAT_FILE], name)
+        heartbeat.mark(os.environ[names.HEARTBEAT_FILE], name)
 
 
 def quit_unused() -> None:

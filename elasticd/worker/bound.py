@@ -1,5 +1,5 @@
 """A warm spare bound to a rank ahead of need: it imports the modules that read a rank variable at
-import (worker/learned.py leaves them out of the fork server: Lightning's and torchmetrics'
+import (worker/preload.py leaves them out of the fork server: Lightning's and torchmetrics'
 `rank_zero_only.rank` from RANK) with the environment its rank is expected to have, before any
 crash, so a restart does not pay for them (Lightning: about 0.3 s on 2 cores).
 
@@ -18,18 +18,18 @@ import os
 import sys
 
 from elasticd import names
-from elasticd.worker import learned, proctitle
+from elasticd.worker import preload, proctitle
 
 
 def bind(message: dict) -> dict[str, str | None]:
     """Import `message["modules"]` with os.environ as `message["env"]` (the rank's expected
-    environment), each only from its file in `message["origins"]` (learned.Origins); the rank
+    environment), each only from its file in `message["origins"]` (preload.Origins); the rank
     variables read meanwhile, with the values seen (None: unset)."""
     saved = dict(os.environ)
     os.environ.clear()
     os.environ.update(message["env"])
     try:
-        with learned.Origins(message.get("origins")), learned.Audit() as audit:
+        with preload.Origins(message.get("origins")), preload.Audit() as audit:
             for name in message["modules"]:
                 try:
                     importlib.import_module(name)

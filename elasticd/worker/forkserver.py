@@ -23,7 +23,7 @@ interpreter at fork, numpy's global generator and torch's default CPU generator 
 it every spare, so every rank of every attempt, would draw the same "random" numbers). What
 cannot be reset is the interpreter's str hash seed: the spares of one fork server share it.
 
-While it learns the job's imports (worker/learned.py), the server waits on a probe that runs at
+While it learns the job's imports (worker/preload.py), the server waits on a probe that runs at
 idle priority, for seconds on a loaded machine; it forks the spares asked for meanwhile
 (`_serve_while`), so that a restart in a job's first minute takes spares holding torch rather
 than starting cold. Such a spare leaves the learning call's stack by an exception
@@ -42,7 +42,7 @@ import sys
 import time
 
 from elasticd import names
-from elasticd.worker import learned
+from elasticd.worker import preload
 
 _REQUEST = b"s"
 
@@ -121,14 +121,14 @@ def serve(conn: socket.socket) -> int | None:
             return None
         if not request:
             return None
-        if request.startswith(learned.REQUEST):
-            learned.wait_for = lambda fd: _serve_while(conn, fd)
+        if request.startswith(preload.REQUEST):
+            preload.wait_for = lambda fd: _serve_while(conn, fd)
             try:
-                conn.send(learned.answer(request))
+                conn.send(preload.answer(request))
             except BecomeSpare as spare:
                 return spare.read_end
             finally:
-                learned.wait_for = None
+                preload.wait_for = None
             continue
         why = unfit_reason()
         if why:

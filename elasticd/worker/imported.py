@@ -1,7 +1,7 @@
 """What a worker imported from the Python installation, reported once, at its first optimizer
 step, beside its heartbeat file (`rankN.modules`): the daemon teaches the union to the fork
 server, so later spares start with this job's frameworks already imported
-(daemon/learning.py, worker/learned.py). Only modules whose file lies in the interpreter's
+(daemon/learning.py, worker/preload.py). Only modules whose file lies in the interpreter's
 standard library or site-packages are named: never the script's own modules, which the fork
 server must not run with another sys.path, and which the user may edit between attempts. Each
 name goes with the file it was loaded from (`name<TAB>path`, the path resolved): the fork server

@@ -11,7 +11,7 @@ import urllib.request
 
 import pytest
 
-from elasticd.worker import health
+from elasticd.worker import heartbeat
 from harness import FAST, free_port, script, wait_until
 
 
@@ -36,8 +36,8 @@ def test_heartbeat_reader_keeps_only_values_in_their_range(tmp_path):
     import struct
 
     path = str(tmp_path / "hb")
-    health.create(path)
-    w = health.Writer(path)
+    heartbeat.create(path)
+    w = heartbeat.Writer(path)
     w.beat(step=7)
     good = {
         "work_total": 1.5,
@@ -64,9 +64,10 @@ def test_heartbeat_reader_keeps_only_values_in_their_range(tmp_path):
         finally:
             os.close(fd)
 
-    poke(health.MARKS["pg_ready"], b"not-time")  # text where a time goes (3.8e180 as a f64)
-    poke(health.MARKS["exiting"], struct.pack("<d", time.monotonic() + 3600))  # ahead of the clock
-    reader = health.Reader(path)
+    poke(heartbeat.MARKS["pg_ready"], b"not-time")  # text where a time goes (3.8e180 as a f64)
+    # ahead of the clock
+    poke(heartbeat.MARKS["exiting"], struct.pack("<d", time.monotonic() + 3600))
+    reader = heartbeat.Reader(path)
     b = reader.read()
     assert (b.beats, b.step, b.exiting, b.pg_ready) == (1, 7, 0.0, 0.0) and 0 < b.first <= b.last
     assert {name: b.figure(name) for name in good} == good
@@ -78,10 +79,10 @@ def test_heartbeat_reader_keeps_only_values_in_their_range(tmp_path):
     assert (again.beats, again.last, again.figure("saves")) == (1, b.last, 2.0)
     reader.close()
     # no good time ever: the rank has not beaten yet (not: silent since the host booted)
-    fresh = health.Reader(path)
+    fresh = heartbeat.Reader(path)
     assert (fresh.read().beats, fresh.read().last) == (0, 0.0)
     fresh.close()
-    beat, dropped = health.sanitised(health.Beat(-3, -9, 1.0, 1.0), time.monotonic())
+    beat, dropped = heartbeat.sanitised(heartbeat.Beat(-3, -9, 1.0, 1.0), time.monotonic())
     assert (beat.beats, beat.step) == (0, -1) and {n for n, _ in dropped} == {"beats", "step"}
 
 

@@ -1,6 +1,6 @@
 """A worker that writes what no real worker would into its heartbeat file: NaN, infinities, huge
 and negative numbers, text bytes, in every running figure, every mark and the header's fields,
-through the worker side's own API (health.Writer, health.mark) and as raw bytes, as a hostile
+through the worker side's own API (heartbeat.Writer, heartbeat.mark) and as raw bytes, as a hostile
 worker could. No torch: the daemon's reading is what is tested.
 
 Attempt 0 writes them, beats for `--seconds` and exits 3 (a crash: the daemon works out the
@@ -14,19 +14,20 @@ import time
 
 import elasticd
 from elasticd import names
-from elasticd.worker import health
+from elasticd.worker import heartbeat
 
 BAD = (math.nan, math.inf, -math.inf, 1e300, -5.0, float(2**60))
 
 
 def hostile(path: str, round_: int) -> None:
-    writer = elasticd._beat_writer()
-    for i, name in enumerate(health.FIGURES):
+    writer = heartbeat.writer()
+    for i, name in enumerate(heartbeat.FIGURES):
         writer.note(name, BAD[(i + round_) % len(BAD)])
-    health.mark(path, "state_loaded")  # the checkpoint library's mark: the figures count from here
+    # the checkpoint library's mark: the figures count from here
+    heartbeat.mark(path, "state_loaded")
     fd = os.open(path, os.O_WRONLY)
     try:
-        os.pwrite(fd, b"NaN-text", health._FIGURES_AT + 8 * health.FIGURES.index("resumed"))
+        os.pwrite(fd, b"NaN-text", heartbeat._FIGURES_AT + 8 * heartbeat.FIGURES.index("resumed"))
         os.pwrite(fd, b"\xff" * 8, 40 + 8 * (round_ % 3))  # a mark: a NaN's bytes
         os.pwrite(fd, struct.pack("<d", math.inf), 24)  # the last beat, at infinity
     finally:

@@ -20,7 +20,7 @@ import pytest
 from elasticd.checkpoint.memory import directory
 from elasticd.control import client, paths
 from elasticd.control.server import ControlServer
-from elasticd.worker import health
+from elasticd.worker import heartbeat
 from harness import ROOT, as_user, script
 
 NOBODY = 65534
@@ -110,18 +110,18 @@ def test_planted_run_directory_is_never_written_through(tmp_path):
 
 
 def test_heartbeat_file_is_never_created_through_a_symlink(tmp_path):
-    """health.create (the daemon pre-creates each rank's heartbeat) must not truncate what a
+    """heartbeat.create (the daemon pre-creates each rank's heartbeat) must not truncate what a
     planted symlink points at."""
     victim = tmp_path / "victim"
     victim.write_text("keep me")
     link = tmp_path / "rank0.heartbeat"
     link.symlink_to(victim)
     with pytest.raises(FileExistsError):
-        health.create(str(link))
+        heartbeat.create(str(link))
     assert victim.read_text() == "keep me"
     fresh = tmp_path / "rank1.heartbeat"
-    health.create(str(fresh))
-    assert health.read(str(fresh)).beats == 0
+    heartbeat.create(str(fresh))
+    assert heartbeat.read(str(fresh)).beats == 0
 
 
 def test_memory_directory_of_a_live_daemon_in_another_pid_namespace_is_kept(tmp_path, monkeypatch):

@@ -153,7 +153,7 @@ def test_the_import_reader_sees_every_form(tmp_path, monkeypatch):
         "def f():\n    from elasticd import ops",
         "from ..control import server",
         "import importlib\nimportlib.import_module('elasticd.ops.cli')",
-        "from elasticd import names  # fine\nfrom elasticd.worker import health  # fine\n"
+        "from elasticd import names  # fine\nfrom elasticd.worker import heartbeat  # fine\n"
         "from elasticd.daemon.states import State",
     ]
     for i, source in enumerate(forms):
@@ -188,7 +188,7 @@ def _imported(statement: str) -> dict:
     [
         "elasticd.ops.cli",
         "elasticd.ops.daemon_cli",
-        "elasticd.ops.snapshot",
+        "elasticd.ops.status_snapshot",
         "elasticd.cluster.kv",
         "elasticd.cluster.etcd",
         "elasticd.cluster.signing",
@@ -242,7 +242,7 @@ def test_the_control_clients_side_loads_nothing_of_the_daemons():
 def test_the_status_snapshot_imports_nothing_of_elasticd():
     """Its records are read in the operator's shell (cli) and built in the daemon (status.py):
     they hold data only, whatever either side imports."""
-    assert imports("elasticd.ops.snapshot") == []
+    assert imports("elasticd.ops.status_snapshot") == []
 
 
 def test_worker_side_loads_no_daemon_side_module():

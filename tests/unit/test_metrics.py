@@ -20,23 +20,23 @@ from elasticd.daemon.states import Failure, RestartCause
 from elasticd.ops import metrics
 from elasticd.ops.figures import Figures
 from elasticd.ops.stragglers import Stragglers
-from elasticd.worker import health
+from elasticd.worker import heartbeat
 from harness import ROOT
 
 DEPLOY = ROOT / "deploy"
 
 
-def beat(step=10, beats=10, first=1.0, last=2.0, loaded=1.0, **figures) -> health.Beat:
-    values = tuple(float(figures.get(name, 0.0)) for name in health.FIGURES)
-    return health.Beat(beats, step, last, first, state_loaded=loaded, figures=values)
+def beat(step=10, beats=10, first=1.0, last=2.0, loaded=1.0, **figures) -> heartbeat.Beat:
+    values = tuple(float(figures.get(name, 0.0)) for name in heartbeat.FIGURES)
+    return heartbeat.Beat(beats, step, last, first, state_loaded=loaded, figures=values)
 
 
 def test_heartbeat_figures_round_trip(tmp_path):
     """What the worker side writes (a beat, its own work around backward(), the checkpoint
     library's figures) is what the daemon reads, and the header keeps its old offsets."""
     path = str(tmp_path / "hb")
-    health.create(path)
-    w = health.Writer(path)
+    heartbeat.create(path)
+    w = heartbeat.Writer(path)
     w.backward_in, w.backward_out = 10.0, 10.5
     w.optimizer_stepped()  # no earlier sync: no work measured yet
     w.backward_in = 10.8  # 0.3 s of own work after the sync at 10.5
@@ -47,7 +47,7 @@ def test_heartbeat_figures_round_trip(tmp_path):
     w.add("save_stall_total", 0.25)
     w.note("refresh_every", 3)
     w.note("resumed", 40)
-    b = health.read(path)
+    b = heartbeat.read(path)
     assert (b.beats, b.step) == (2, 42)
     assert b.figure("work_steps") == 1 and b.figure("work_total") == pytest.approx(0.3)
     assert (
@@ -56,8 +56,8 @@ def test_heartbeat_figures_round_trip(tmp_path):
         b.figure("refresh_every"),
         b.figure("resumed"),
     ) == (1, 0.25, 3, 40)
-    health.mark(path, "state_loaded")
-    assert health.read(path).state_loaded > 0 and os.path.getsize(path) == health.SIZE
+    heartbeat.mark(path, "state_loaded")
+    assert heartbeat.read(path).state_loaded > 0 and os.path.getsize(path) == heartbeat.SIZE
 
 
 def test_steps_lost_and_goodput():

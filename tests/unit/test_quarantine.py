@@ -14,7 +14,7 @@ from elasticd.config import ConfigError
 from elasticd.daemon import triage
 from elasticd.ops import quarantine as q
 from elasticd.ops.render import status as render
-from elasticd.ops.snapshot import Health, Snapshot
+from elasticd.ops.status_snapshot import Health, Snapshot
 
 DAY = 86400.0
 

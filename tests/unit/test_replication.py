@@ -14,16 +14,16 @@ from elasticd.checkpoint.memory import directory
 from elasticd.checkpoint.memory.replica import off_reason, partners
 from elasticd.ops import metrics, render, replication
 from elasticd.ops.replication import Replication, node_state, state_of
-from elasticd.ops.snapshot import Snapshot, Worker, from_json
-from elasticd.worker import health
+from elasticd.ops.status_snapshot import Snapshot, Worker, from_json
+from elasticd.worker import heartbeat
 from unit.test_metrics import beat
 
 BASE = ("run_id", "node")  # the labels every series carries
-ON = health.REPLICA_STATES.index("on")
-FAILED = health.REPLICA_STATES.index("failed")
+ON = heartbeat.REPLICA_STATES.index("on")
+FAILED = heartbeat.REPLICA_STATES.index("failed")
 
 
-def sent(sends, total, last, seconds_total, seconds_last, state=ON) -> health.Beat:
+def sent(sends, total, last, seconds_total, seconds_last, state=ON) -> heartbeat.Beat:
     return beat(
         replica_state=state,
         replica_sends=sends,

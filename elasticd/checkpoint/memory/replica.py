@@ -31,7 +31,6 @@ import structlog
 import torch
 import torch.distributed as dist
 
-import elasticd
 from elasticd.checkpoint.collectives import _tensor_bytes, rank, world
 from elasticd.checkpoint.memory import seal
 from elasticd.checkpoint.memory.slots import (
@@ -44,7 +43,8 @@ from elasticd.checkpoint.memory.slots import (
     slot_path,
 )
 from elasticd.checkpoint.memory.writer import _Slot
-from elasticd.worker.health import REPLICA_STATES
+from elasticd.worker import heartbeat
+from elasticd.worker.heartbeat import REPLICA_STATES
 
 log = structlog.get_logger()
 
@@ -237,14 +237,14 @@ def _at(address: int, n: int) -> ctypes.Array:
 
 
 def _report_state(state: str) -> None:
-    figures = elasticd._beat_writer()
+    figures = heartbeat.writer()
     if figures is not None:
         figures.note("replica_state", REPLICA_STATES.index(state))
 
 
 def _report_sent(size: int, seconds: float) -> None:
     """An exchange landed (on the replica's thread: these figures are written nowhere else)."""
-    figures = elasticd._beat_writer()
+    figures = heartbeat.writer()
     if figures is not None:
         figures.add("replica_sends", 1)
         figures.add("replica_bytes_total", size)

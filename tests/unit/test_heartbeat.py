@@ -10,56 +10,56 @@ import time
 
 import psutil
 
-from elasticd.worker import health
+from elasticd.worker import heartbeat
 from harness import ROOT, wait_until
 
 
 def test_beats_are_read_back_with_steps(tmp_path):
     path = str(tmp_path / "hb")
-    health.create(path)
-    assert health.read(path).beats == 0
-    w = health.Writer(path)
+    heartbeat.create(path)
+    assert heartbeat.read(path).beats == 0
+    w = heartbeat.Writer(path)
     w.beat()
     w.beat()
-    b = health.read(path)
+    b = heartbeat.read(path)
     assert (b.beats, b.step, b.exiting) == (2, 1, 0.0)
     w.beat(step=40)
     w.beat()  # once the script names its step, automatic beats keep it
-    assert health.read(path).step == 40
+    assert heartbeat.read(path).step == 40
     assert 0 < b.first <= b.last <= time.monotonic()
 
 
 def test_silence_past_the_timeout_is_a_hang_and_exit_gets_its_own_limit(tmp_path):
     path = str(tmp_path / "hb")
-    health.create(path)
-    health.Writer(path).beat()
-    b = health.read(path)
+    heartbeat.create(path)
+    heartbeat.Writer(path).beat()
+    b = heartbeat.read(path)
     kw = dict(expect_beats=True, heartbeat_timeout=2.0, startup_timeout=10.0)
-    assert health.verdict(b, b.first, b.last + 1.0, **kw) is None
-    assert "no heartbeat for 3.0s" in health.verdict(b, b.first, b.last + 3.0, **kw)
-    health.mark(path, "exiting")
-    b = health.read(path)
+    assert heartbeat.verdict(b, b.first, b.last + 1.0, **kw) is None
+    assert "no heartbeat for 3.0s" in heartbeat.verdict(b, b.first, b.last + 3.0, **kw)
+    heartbeat.mark(path, "exiting")
+    b = heartbeat.read(path)
     assert b.exiting >= b.last
-    assert health.verdict(b, b.first, b.exiting + health.EXIT_TIMEOUT - 1, **kw) is None
-    assert "interpreter exit hung" in health.verdict(
-        b, b.first, b.exiting + health.EXIT_TIMEOUT + 1, **kw
+    assert heartbeat.verdict(b, b.first, b.exiting + heartbeat.EXIT_TIMEOUT - 1, **kw) is None
+    assert "interpreter exit hung" in heartbeat.verdict(
+        b, b.first, b.exiting + heartbeat.EXIT_TIMEOUT + 1, **kw
     )
 
 
 def test_startup_timeout_applies_only_when_beats_are_expected(tmp_path):
     path = str(tmp_path / "hb")
-    health.create(path)
-    b = health.read(path)
+    heartbeat.create(path)
+    b = heartbeat.read(path)
     assert (
-        health.verdict(b, 0.0, 11.0, expect_beats=False, heartbeat_timeout=2, startup_timeout=10)
+        heartbeat.verdict(b, 0.0, 11.0, expect_beats=False, heartbeat_timeout=2, startup_timeout=10)
         is None
     )
-    assert "startup timeout" in health.verdict(
+    assert "startup timeout" in heartbeat.verdict(
         b, 0.0, 11.0, expect_beats=True, heartbeat_timeout=2, startup_timeout=10
     )
     (tmp_path / "bad").write_bytes(b"junk" * 20)
-    assert health.read(str(tmp_path / "bad")) is None
-    assert health.read(str(tmp_path / "missing")) is None
+    assert heartbeat.read(str(tmp_path / "bad")) is None
+    assert heartbeat.read(str(tmp_path / "missing")) is None
 
 
 def test_reads_never_see_a_beat_half_written(tmp_path):
@@ -67,12 +67,13 @@ def test_reads_never_see_a_beat_half_written(tmp_path):
     step count and a last-beat time (struct.pack_into zero-filled the fields mid-beat, which the
     daemon read as "silent for hours" and restarted a healthy job)."""
     path = str(tmp_path / "hb")
-    health.create(path)
+    heartbeat.create(path)
     prog = (
-        f"from elasticd.worker import health\nw = health.Writer({path!r})\nwhile True: w.beat()\n"
+        f"from elasticd.worker import heartbeat\nw = heartbeat.Writer({path!r})\n"
+        "while True: w.beat()\n"
     )
     p = subprocess.Popen([sys.executable, "-c", prog], cwd=ROOT)
-    reader = health.Reader(path)
+    reader = heartbeat.Reader(path)
     try:
         wait_until(lambda: (b := reader.read()) and b.beats, 30, what="the first beat")
         deadline = time.monotonic() + 1.0
@@ -92,7 +93,7 @@ def test_process_watch_sees_a_zombie_not_a_stop_and_nothing_once_reaped():
         [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)"],
         stdout=subprocess.PIPE,
     )
-    watch = health.ProcessWatch(p.pid)
+    watch = heartbeat.ProcessWatch(p.pid)
     try:
         assert p.stdout.readline() == b"up\n"  # started: its size no longer changes
         assert watch.verdict() is None
@@ -102,7 +103,7 @@ def test_process_watch_sees_a_zombie_not_a_stop_and_nothing_once_reaped():
             lambda: psutil.Process(p.pid).status() == psutil.STATUS_STOPPED, 5, what="state T"
         )
         assert (
-            watch.verdict() is health.process_verdict(p.pid) is None
+            watch.verdict() is heartbeat.process_verdict(p.pid) is None
         )  # judged by its silence only
         os.kill(p.pid, signal.SIGKILL)
         wait_until(lambda: watch.verdict() == "process is a zombie", 5, what="the zombie")

@@ -1,4 +1,4 @@
-"""What the fork server learns to preload (worker/learned.py) and what it leaves out, with real
+"""What the fork server learns to preload (worker/preload.py) and what it leaves out, with real
 imports of modules made for the test, in a fresh interpreter each (a probe forks, and the
 imports must not land in pytest's process)."""
 
@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 from elasticd.daemon import learning
-from elasticd.worker import imported, learned
+from elasticd.worker import imported, preload
 from harness import ROOT
 
 MODULES = {
@@ -38,8 +38,8 @@ def _learn(tmp_path, wanted: list[str], origins: dict | None = None, first: str 
         (tmp_path / rel).write_text(text)
     code = (
         "import json, os, sys\n"
-        "from elasticd.worker import learned\n"
-        f"report = learned.learn({wanted!r}, {origins!r})\n"
+        "from elasticd.worker import preload\n"
+        f"report = preload.learn({wanted!r}, {origins!r})\n"
         "report['loaded'] = sorted(m for m in sys.modules if m in "
         f"{sorted({w.split('.')[0] for w in wanted})!r})\n"
         "report['environ_class_restored'] = type(os.environ).__getitem__.__name__\n"
@@ -164,10 +164,10 @@ def test_the_server_reads_each_name_with_its_file(tmp_path):
     names.write_text(f"json\t{json.__file__}\nno_file\n")
     code = (
         "import json, sys\n"
-        "from elasticd.worker import learned\n"
+        "from elasticd.worker import preload\n"
         "seen = []\n"
-        "learned.learn = lambda wanted, origins: seen.append((wanted, origins)) or {}\n"
-        f"learned.learn_from({str(names)!r})\n"
+        "preload.learn = lambda wanted, origins: seen.append((wanted, origins)) or {}\n"
+        f"preload.learn_from({str(names)!r})\n"
         "print(json.dumps(seen[0]))\n"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -233,8 +233,8 @@ def test_every_elasticd_variable_a_worker_sees_otherwise_than_the_server_is_audi
     server = forkclient._spare_env("tok", 2, ("torch",))
     differ = {k for k in worker.keys() | server.keys() if worker.get(k) != server.get(k)}
     assert {"RANK", "MASTER_PORT", "ELASTICD_HEARTBEAT_FILE"} <= differ
-    assert [k for k in differ if not learned.rank_variable(k)] == []
-    assert not learned.rank_variable("ELASTICD_AGENT")  # the same token in both
+    assert [k for k in differ if not preload.rank_variable(k)] == []
+    assert not preload.rank_variable("ELASTICD_AGENT")  # the same token in both
 
 
 def test_a_rank_takes_the_spare_bound_to_its_values_else_an_unbound_one():

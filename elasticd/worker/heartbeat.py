@@ -422,3 +422,26 @@ class ProcessWatch:
             if fd is not None:
                 os.close(fd)
         self._stat = self._statm = None
+
+
+_process_writer: Writer | None = None
+_opened = False
+
+
+def writer() -> Writer | None:
+    """This process's heartbeat file writer, opened at the first call from the path in
+    ELASTICD_HEARTBEAT_FILE; None outside elasticd (or when the file cannot be opened). The public
+    `elasticd.heartbeat()`, the bootstrap's hooks and the checkpoint library all write through
+    it."""
+    global _process_writer, _opened
+    if not _opened:
+        _opened = True
+        from elasticd import names
+
+        path = os.environ.get(names.HEARTBEAT_FILE)
+        if path:
+            try:
+                _process_writer = Writer(path)
+            except OSError:
+                _process_writer = None
+    return _process_writer

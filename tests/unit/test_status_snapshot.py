@@ -1,7 +1,7 @@
-"""The status snapshot as types (elasticd/ops/snapshot.py): its JSON form is the wire format that
-`elasticd status --json` prints and operators' scripts read, so the record must round-trip
-through JSON unchanged, and a reader must take what another version of the daemon wrote as it
-always did (unknown keys ignored, missing ones empty)."""
+"""The status snapshot as types (elasticd/ops/status_snapshot.py): its JSON form is the wire
+format that `elasticd status --json` prints and operators' scripts read, so the record must
+round-trip through JSON unchanged, and a reader must take what another version of the daemon
+wrote as it always did (unknown keys ignored, missing ones empty)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import json
 
 from elasticd.daemon.states import Failure, RestartCause
 from elasticd.ops import render
-from elasticd.ops.snapshot import (
+from elasticd.ops.status_snapshot import (
     Goodput,
     Health,
     HealthResult,
