@@ -1253,7 +1253,7 @@ class ElasticdNodes:
         process's nodes): check() while running; after the stall, the node-loss verdicts with
         the evidence of our stalled workers and without it (--peer-timeout)."""
         from elasticd.cluster.errors import StoreLost
-        from elasticd.daemon.states import RestartCause
+        from elasticd.lifecycle.states import RestartCause
 
         period = self.args.monitor_interval
         every = max(1, round(1.0 / period))
@@ -1301,7 +1301,7 @@ class ElasticdNodes:
         """The agent loop after a node's loss, as the daemon's: a lost neighbour makes this node
         ask for a restart naming it; a restart asked (by anyone) sends it to the next round."""
         from elasticd.cluster.errors import StoreUnreachable
-        from elasticd.daemon.states import RestartCause
+        from elasticd.lifecycle.states import RestartCause
 
         if node.restarting:
             return

@@ -5,7 +5,7 @@ value each node reads once (compare-and-set: when several close, one closing win
 
 The nodes it expects are the previous members and the nodes that waited to join, less the lost;
 the beats of those missing are read for the rule. After a failure, the repeat verdict (`_repeats`,
-daemon/triage.py's rule) is taken here, so every node reads the same one from the members.
+lifecycle/triage.py's rule) is taken here, so every node reads the same one from the members.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from elasticd.cluster import arrivals, silence, values
 from elasticd.cluster.closing_rule import Decision, Limits, budget_spent, decide, missing
 from elasticd.cluster.errors import RendezvousFailed
 from elasticd.cluster.timing import CLOSE_POLL
-from elasticd.daemon import triage
+from elasticd.lifecycle import triage
 
 if TYPE_CHECKING:
     from elasticd.cluster.rendezvous import Rendezvous
@@ -81,7 +81,7 @@ def _verdict(rz: Rendezvous, number: int, d: Decision, reason: dict) -> str:
 
 
 def _repeats(rz: Rendezvous, number: int, reason: dict) -> dict:
-    """The repeat rule (daemon/triage.py) for the failure that ended round `number` - 1: its
+    """The repeat rule (lifecycle/triage.py) for the failure that ended round `number` - 1: its
     signature against the one the previous closing recorded; the record this closing keeps, and
     where the failure is deterministic, the job's end (every node reads it from the members)."""
     sig = reason.get("sig", "")

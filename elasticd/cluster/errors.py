@@ -27,7 +27,7 @@ class BudgetSpent(RendezvousFailed):
 
 class Deterministic(BudgetSpent):
     """The round after a failure found it the same failure, at the same step, as the attempts
-    before it (daemon/triage.py's repeat rule): restarting again would fail the same way."""
+    before it (lifecycle/triage.py's repeat rule): restarting again would fail the same way."""
 
 
 class StoreUnreachable(Exception):

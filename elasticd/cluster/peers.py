@@ -38,9 +38,9 @@ from elasticd.cluster.timing import (
     WAIT_SLICE,
 )
 from elasticd.config import Config
-from elasticd.daemon import supervise
-from elasticd.daemon.states import Failure, RestartCause, Scale
-from elasticd.daemon.triage import FailureClass
+from elasticd.lifecycle import supervise
+from elasticd.lifecycle.states import Failure, RestartCause, Scale
+from elasticd.lifecycle.triage import FailureClass
 from elasticd.worker.heartbeat import Beat
 
 log = logs.get("elasticd.peers")

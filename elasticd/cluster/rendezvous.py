@@ -54,7 +54,7 @@ from elasticd.cluster.rounds import Round, new_node_id
 from elasticd.cluster.stores import local_address, open_store
 from elasticd.cluster.timing import BEAT_EVERY, CLOCK_SKEW, HOST_DOWN_POLL, LOST_SILENCE
 from elasticd.config import Config
-from elasticd.daemon import triage
+from elasticd.lifecycle import triage
 
 log = logs.get("elasticd.rendezvous")
 

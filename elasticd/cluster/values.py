@@ -156,7 +156,7 @@ def members(text: str) -> dict | None:
     deterministic = value.get("deterministic", False)
     if not isinstance(deterministic, bool):
         return None
-    # the repeat rule's record (daemon/triage.py): the failure this closing followed, and how
+    # the repeat rule's record (lifecycle/triage.py): the failure this closing followed, and how
     # many consecutive attempts ended in it
     return {
         "members": found,

@@ -39,7 +39,7 @@ from elasticd.control.access import (
 )
 from elasticd.control.commands import COMMANDS, parse_request
 from elasticd.control.protocol import MAX_REQUEST, VERSION, error
-from elasticd.daemon import supervise
+from elasticd.lifecycle import supervise
 
 log = structlog.get_logger("elasticd.control")
 

@@ -1,8 +1,8 @@
 """The agent's main loop (`Agent`: rendezvous -> run -> watch -> restart / stop / exit barrier):
 the only code that changes daemon state.
 
-It walks the state machine of elasticd/daemon/states.py (State, and the TRANSITIONS that set_state
-checks at every change).
+It walks the state machine of elasticd/lifecycle/states.py (State, and the TRANSITIONS that
+set_state checks at every change).
 
 Signals and control commands only post to the inbox; the loop waits in one place (waits.py's
 idle), which feeds the watchdog, takes forked spares and drains the inbox at every wake-up; while
@@ -36,12 +36,16 @@ from elasticd.cluster.peers import Peers
 from elasticd.cluster.rendezvous import Rendezvous
 from elasticd.cluster.rounds import Round
 from elasticd.config import Config
-from elasticd.daemon import hangs, processes, supervise
+from elasticd.daemon import hangs, processes
 from elasticd.daemon.group import LocalGroup
 from elasticd.daemon.inbox import Inbox, StopRequest, Stops
 from elasticd.daemon.recovery import Recovery
 from elasticd.daemon.spares import SparePool
-from elasticd.daemon.states import (
+from elasticd.daemon.status import StatusBoard
+from elasticd.daemon.waits import Interrupted, Waits
+from elasticd.exit_codes import ExitCode
+from elasticd.lifecycle import supervise
+from elasticd.lifecycle.states import (
     Failure,
     RestartCause,
     Scale,
@@ -50,9 +54,6 @@ from elasticd.daemon.states import (
     first_elsewhere,
     restart_request,
 )
-from elasticd.daemon.status import StatusBoard
-from elasticd.daemon.waits import Interrupted, Waits
-from elasticd.exit_codes import ExitCode
 from elasticd.ops.healthcheck import HealthCheck
 from elasticd.ops.quarantine import Quarantine
 

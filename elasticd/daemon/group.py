@@ -15,8 +15,9 @@ from elasticd import logs, names
 from elasticd.checkpoint.memory import directory
 from elasticd.cluster.rounds import Round
 from elasticd.config import Config
-from elasticd.daemon import driver, forkclient, oom, processes, spawn, tee, triage
-from elasticd.daemon.states import Failure, RestartCause
+from elasticd.daemon import driver, forkclient, oom, processes, spawn, tee
+from elasticd.lifecycle import triage
+from elasticd.lifecycle.states import Failure, RestartCause
 from elasticd.worker import heartbeat
 
 ODD_STATE_HOLD = 1.0  # seconds a zombie worker must stay so before it counts as hung
@@ -234,7 +235,8 @@ class LocalGroup:
         )
 
     def _triage(self, w: spawn.Worker, exception: str | None, stack: str | None) -> dict[str, Any]:
-        """A failed worker's class, signature and step (daemon/triage.py): the Failure's fields."""
+        """A failed worker's class, signature and step (lifecycle/triage.py): the Failure's
+        fields."""
         beat = self.beat(w)
         step = beat.step if beat and beat.beats and beat.step >= 0 else None
         killed = w.exit_code is not None and w.exit_code != 0 and self.oom.killed(w.pid)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from elasticd.cluster import hang_summaries
 from elasticd.cluster.errors import RendezvousFailed, StoreUnreachable
 from elasticd.daemon import culprit
-from elasticd.daemon.states import Failure, RestartCause, Scale, restart_request
+from elasticd.lifecycle.states import Failure, RestartCause, Scale, restart_request
 
 if TYPE_CHECKING:
     from elasticd.daemon.agent import Agent

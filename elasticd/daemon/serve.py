@@ -14,9 +14,10 @@ from typing import TYPE_CHECKING
 
 from elasticd import logs, names
 from elasticd.config import Config
-from elasticd.daemon import processes, supervise
+from elasticd.daemon import processes
 from elasticd.daemon.agent import Agent
-from elasticd.daemon.states import State
+from elasticd.lifecycle import supervise
+from elasticd.lifecycle.states import State
 
 if TYPE_CHECKING:
     from elasticd.control.server import ControlServer, Deferred

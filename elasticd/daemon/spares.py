@@ -29,7 +29,8 @@ from pathlib import Path
 import psutil
 
 from elasticd.config import Config
-from elasticd.daemon import forkclient, learning, processes, supervise
+from elasticd.daemon import forkclient, learning, processes
+from elasticd.lifecycle import supervise
 from elasticd.worker import proctitle
 
 REFILL_AFTER = (

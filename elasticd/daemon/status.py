@@ -25,8 +25,8 @@ from elasticd import names
 from elasticd.checkpoint.memory import directory
 from elasticd.cluster.rounds import Round
 from elasticd.config import Config
-from elasticd.daemon import supervise
-from elasticd.daemon.states import Failure, State
+from elasticd.lifecycle import supervise
+from elasticd.lifecycle.states import Failure, State
 from elasticd.ops.figures import Figures
 from elasticd.ops.replication import Replication
 from elasticd.ops.status_snapshot import (

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from elasticd import logs
-from elasticd.daemon import supervise
+from elasticd.lifecycle import supervise
 
 MAX_ECHO_LINE = 64 * 1024  # bytes; a longer line is echoed in pieces, each with the prefix
 REDRAW_INTERVAL = 0.5  # seconds; a progress bar's redraws are echoed at most this often per rank

@@ -27,7 +27,7 @@ import collections
 import statistics
 from typing import Any
 
-from elasticd.daemon.states import Failure, RestartCause, Scale
+from elasticd.lifecycle.states import Failure, RestartCause, Scale
 from elasticd.worker import heartbeat
 
 # the causes counted in restarts_total{cause=...}, by label: every one that restarts the group
@@ -61,7 +61,7 @@ class Figures:
     def __init__(self, started: float) -> None:
         self.started = started  # monotonic: when the daemon started (the job, for this node)
         self.restarts = dict.fromkeys(CAUSES, 0)
-        self.failures: dict[str, int] = {}  # by class (daemon/triage.py's FailureClass values)
+        self.failures: dict[str, int] = {}  # by class (lifecycle/triage.py's FailureClass values)
         self.recoveries = [0] * (
             len(RECOVERY_BUCKETS) + 1
         )  # per bucket (not cumulative), +Inf last

@@ -36,7 +36,7 @@ import psutil
 from elasticd import logs, names
 from elasticd.config import Config
 from elasticd.daemon import systemd
-from elasticd.daemon.states import Failure, RestartCause
+from elasticd.lifecycle.states import Failure, RestartCause
 from elasticd.ops.status_snapshot import HealthResult as Result
 
 MAX_REASON = 300  # characters of the check's output kept as its reason

@@ -30,7 +30,7 @@ from prometheus_client.core import (
 
 from elasticd import __version__, logs, safeio
 from elasticd.daemon.recovery import STEPS
-from elasticd.daemon.states import State
+from elasticd.lifecycle.states import State
 from elasticd.ops import replication
 from elasticd.ops.figures import CAUSES
 from elasticd.ops.metrics_server import BoundedServer, Handler, serve

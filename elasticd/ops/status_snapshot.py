@@ -63,7 +63,7 @@ class LastFailure:
     node: str | None = None
     lost: list[str] = field(default_factory=list)
     at: float | None = None  # Unix time
-    failure_class: str | None = None  # daemon/triage.py's FailureClass value
+    failure_class: str | None = None  # lifecycle/triage.py's FailureClass value
     signature: str | None = None  # what the repeat rule compares ("" where it does not judge)
     step: int | None = None  # the failing rank's last step (None: before its first)
     frame: str | None = None  # its traceback's innermost frame of user code (FILE:LINE in FUNC)
@@ -73,7 +73,7 @@ class LastFailure:
 
 @dataclass(frozen=True)
 class Part:
-    """One of elasticd's own processes or threads (daemon/supervise.py)."""
+    """One of elasticd's own processes or threads (lifecycle/supervise.py)."""
 
     state: str | None = None  # up, restarting or off
     restarts: int = 0

@@ -1,5 +1,5 @@
 """elasticd's own parts come back when killed: the fork server, its spares, the guard, the control
-and tee threads (elasticd/daemon/supervise.py); a part that keeps dying is given up, and status
+and tee threads (elasticd/lifecycle/supervise.py); a part that keeps dying is given up, and status
 says so."""
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import psutil
 from e2e.test_forkserver import _forked_spares, _training_with_spares
 from elasticd.control import client, protocol
 from elasticd.control.server import ControlServer
-from elasticd.daemon import supervise
 from elasticd.daemon.tee import Tee
+from elasticd.lifecycle import supervise
 from harness import leftover_processes, script, wait_until
 
 

@@ -12,7 +12,8 @@ import json
 import sys
 import time
 
-from elasticd.daemon import driver, triage
+from elasticd.daemon import driver
+from elasticd.lifecycle import triage
 
 XID79 = "3,1042,123456789,-;NVRM: Xid (PCI:0000:3b:00): 79, pid=1234, GPU has fallen off the bus.\n"
 

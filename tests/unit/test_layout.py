@@ -32,7 +32,25 @@ import pytest
 from harness import ROOT
 
 PACKAGE = ROOT / "elasticd"
-DAEMON_SIDE = ("elasticd.daemon", "elasticd.cluster", "elasticd.control", "elasticd.ops")
+DAEMON_SIDE = (
+    "elasticd.daemon",
+    "elasticd.lifecycle",
+    "elasticd.cluster",
+    "elasticd.control",
+    "elasticd.ops",
+)
+# The daemon process's packages in one direction: a package imports only packages of a lower
+# rank (the shared top-level modules and the worker side are below them all). ops and daemon
+# still share a rank: ops holds both the operator's CLI (above the daemon: it starts it) and the
+# daemon's reporting (below it), and is split next; until then SAME_RANK lists that pair alone.
+RANKS = {
+    "elasticd.lifecycle": 1,
+    "elasticd.cluster": 2,
+    "elasticd.control": 2,
+    "elasticd.ops": 3,
+    "elasticd.daemon": 3,
+}
+SAME_RANK = {("elasticd.ops", "elasticd.daemon"), ("elasticd.daemon", "elasticd.ops")}
 DEPENDENCIES = {"torch", "psutil", "structlog", "tenacity", "prometheus_client", "elasticd"}
 
 
@@ -128,6 +146,30 @@ def chain_to_daemon_side(start: str) -> list[str] | None:
     return None
 
 
+def _package(name: str) -> str | None:
+    return next((p for p in RANKS if name == p or name.startswith(p + ".")), None)
+
+
+def test_the_daemons_packages_import_in_one_direction():
+    """No daemon-side package imports one of a higher rank, nor another of its own rank (but the
+    pair SAME_RANK names): the failure vocabulary and the supervision sit below the rendezvous
+    and the control socket that use them, so neither reaches up into the daemon."""
+    upward = []
+    for name in MODULES:
+        here = _package(name)
+        if here is None:
+            continue
+        for target, line in imports(name):
+            there = _package(target)
+            if there is None or there == here:
+                continue
+            if RANKS[there] > RANKS[here] or (
+                RANKS[there] == RANKS[here] and (here, there) not in SAME_RANK
+            ):
+                upward.append(f"{MODULES[name].relative_to(ROOT)}:{line} imports {target}")
+    assert upward == [], "\n".join(upward)
+
+
 def test_the_layout_is_what_the_checks_assume():
     assert "elasticd.worker.bootstrap" in MODULES and "elasticd.checkpoint.format" in MODULES
     assert "elasticd.sampler" in MODULES and "elasticd.daemon.agent" in MODULES
@@ -154,7 +196,7 @@ def test_the_import_reader_sees_every_form(tmp_path, monkeypatch):
         "from ..control import server",
         "import importlib\nimportlib.import_module('elasticd.ops.cli')",
         "from elasticd import names  # fine\nfrom elasticd.worker import heartbeat  # fine\n"
-        "from elasticd.daemon.states import State",
+        "from elasticd.lifecycle.states import State",
     ]
     for i, source in enumerate(forms):
         fake = tmp_path / f"fake{i}.py"

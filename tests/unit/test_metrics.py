@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from elasticd import config, config_values
 from elasticd.config import ConfigError
-from elasticd.daemon.states import Failure, RestartCause
+from elasticd.lifecycle.states import Failure, RestartCause
 from elasticd.ops import metrics
 from elasticd.ops.figures import Figures
 from elasticd.ops.stragglers import Stragglers

@@ -11,7 +11,7 @@ import pytest
 
 from elasticd import config
 from elasticd.config import ConfigError
-from elasticd.daemon import triage
+from elasticd.lifecycle import triage
 from elasticd.ops import quarantine as q
 from elasticd.ops.render import status as render
 from elasticd.ops.status_snapshot import Health, Snapshot

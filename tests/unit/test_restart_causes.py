@@ -10,7 +10,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from elasticd.daemon.states import Failure, RestartCause, Scale
+from elasticd.lifecycle.states import Failure, RestartCause, Scale
 from elasticd.ops import metrics
 from elasticd.ops.figures import CAUSES, Figures
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from elasticd.daemon.states import Failure, RestartCause
+from elasticd.lifecycle.states import Failure, RestartCause
 from elasticd.ops import render
 from elasticd.ops.status_snapshot import (
     Goodput,

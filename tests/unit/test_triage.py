@@ -1,4 +1,4 @@
-"""The triage rules, pure (elasticd/daemon/triage.py): a failure's signature, its class and the
+"""The triage rules, pure (elasticd/lifecycle/triage.py): a failure's signature, its class and the
 repeat rule that calls it deterministic; and the OOM counters' files (daemon/oom.py)."""
 
 import dataclasses
@@ -8,9 +8,10 @@ import signal
 import pytest
 
 from elasticd.cluster import values
-from elasticd.daemon import oom, triage
-from elasticd.daemon.states import Failure, RestartCause, first_elsewhere, restart_request
-from elasticd.daemon.triage import FailureClass as C
+from elasticd.daemon import oom
+from elasticd.lifecycle import triage
+from elasticd.lifecycle.states import Failure, RestartCause, first_elsewhere, restart_request
+from elasticd.lifecycle.triage import FailureClass as C
 
 STACK = """Traceback (most recent call last):
   File "/usr/lib/python3.12/runpy.py", line 88, in _run_code

@@ -28,8 +28,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from elasticd.daemon import triage
-from elasticd.daemon.triage import FailureClass
+from elasticd.lifecycle import triage
+from elasticd.lifecycle.triage import FailureClass
 
 
 class State(str, enum.Enum):
@@ -95,7 +95,7 @@ def check_transition(old: State, new: State) -> None:
     if new not in TRANSITIONS[old]:
         raise IllegalTransition(
             f"agent state {old.value} -> {new.value} is not a transition of the state "
-            f"machine (elasticd/daemon/states.py TRANSITIONS)"
+            f"machine (elasticd/lifecycle/states.py TRANSITIONS)"
         )
 
 
