@@ -33,7 +33,7 @@ from pathlib import Path
 
 import psutil
 
-from elasticd.daemon.recovery import STEPS
+from elasticd.reporting.status_snapshot import STEPS
 
 HERE = Path(__file__).resolve().parent
 SCRIPT = HERE / "step_logger.py"
@@ -227,7 +227,7 @@ def timeline(log: Path) -> dict[str, float]:
             events.append(json.loads(line))
     return {
         k: statistics.median(e[k] for e in events)
-        for k in STEPS  # the recovery's phases, in order (elasticd/daemon/recovery.py)
+        for k in STEPS  # the recovery's phases, in order (elasticd/reporting/status_snapshot.py)
         if events and all(k in e for e in events)
     }
 

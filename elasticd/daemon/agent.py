@@ -4,15 +4,15 @@ the only code that changes daemon state.
 It walks the state machine of elasticd/lifecycle/states.py (State, and the TRANSITIONS that
 set_state checks at every change).
 
-Signals and control commands only post to the inbox; the loop waits in one place (waits.py's
-idle), which feeds the watchdog, takes forked spares and drains the inbox at every wake-up; while
-running, it polls workers (exits, heartbeats, process state) and peers every monitor_interval (and
-at once on SIGCHLD), acts, and publishes an immutable status snapshot for the control socket.
-Its helpers each own one concern: the local workers (group.py), the warm spares (spares.py), the
-other nodes (cluster/peers.py), backoff and recovery timeline (recovery.py), the status snapshot
-and the operators' figures in it (status.py: ops/figures.py, ops/stragglers.py), the inbox and
-stop requests (inbox.py), the waits (waits.py); and the node's health check
-(ops/healthcheck.py), which it calls at a few hooks.
+Signals and control commands only post to the inbox; the loop waits in one place (waits.py's idle),
+which feeds the watchdog, takes forked spares and drains the inbox at every wake-up; while running,
+it polls workers (exits, heartbeats, process state) and peers every monitor_interval (and at once on
+SIGCHLD), acts, and publishes an immutable status snapshot for the control socket. Its helpers each
+own one concern: the local workers (group.py), the warm spares (spares.py), the other nodes
+(cluster/peers.py), backoff and recovery timeline (recovery.py), the status snapshot and the
+operators' figures in it (status.py: reporting/figures.py, reporting/stragglers.py), the inbox and
+stop requests (inbox.py), the waits (waits.py); and the node's health check (daemon/healthcheck.py),
+which it calls at a few hooks.
 
 The collaborators that reach outside the daemon (store and rounds, peers, local group, spares,
 health check, subreaper) are made from factories `Agent` is given, the real ones by default:
@@ -38,7 +38,9 @@ from elasticd.cluster.rounds import Round
 from elasticd.config import Config
 from elasticd.daemon import hangs, processes
 from elasticd.daemon.group import LocalGroup
+from elasticd.daemon.healthcheck import HealthCheck
 from elasticd.daemon.inbox import Inbox, StopRequest, Stops
+from elasticd.daemon.quarantine import Quarantine
 from elasticd.daemon.recovery import Recovery
 from elasticd.daemon.spares import SparePool
 from elasticd.daemon.status import StatusBoard
@@ -54,11 +56,10 @@ from elasticd.lifecycle.states import (
     first_elsewhere,
     restart_request,
 )
-from elasticd.ops.healthcheck import HealthCheck
-from elasticd.ops.quarantine import Quarantine
 
 if TYPE_CHECKING:
-    from elasticd.ops import healthcheck, metrics
+    from elasticd.daemon import healthcheck
+    from elasticd.reporting import metrics
 
 log = logs.get("elasticd.agent")
 
@@ -350,7 +351,7 @@ class Agent:
 
     def _leave(self, check: healthcheck.Result) -> int:
         """This node's health check failed: it leaves the job (`_leave_job`), exit code 5, or 7
-        where that failure quarantines it (ops/quarantine.py)."""
+        where that failure quarantines it (daemon/quarantine.py)."""
         why = self.health_check.failure(check, self.node)
         if self.quarantine.strike(why):
             return self._leave_job(why, *self.quarantine.departure(self.round is not None))

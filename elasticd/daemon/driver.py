@@ -1,7 +1,7 @@
 """Whether the GPU driver itself reported a hardware fault during an attempt (`Watch`): its Xid
 records in the kernel log and NVML's counters, read as the attempt starts and again after a
 worker's failure (an exit or a hang). That is evidence the job cannot write: it calls the
-failure `hardware` (lifecycle/triage.py) and strikes the node (ops/quarantine.py), as a failed
+failure `hardware` (lifecycle/triage.py) and strikes the node (daemon/quarantine.py), as a failed
 --health-check does.
 
 The two sources:

@@ -13,11 +13,8 @@ import time
 import tenacity
 
 from elasticd.config import Config
+from elasticd.reporting.status_snapshot import STEPS
 from elasticd.worker import heartbeat
-
-# the steps of a recovery, in the order they happen; reported as seconds since the failure was
-# detected (status's last_recovery, the metrics' phases, bench/recovery.py's timeline)
-STEPS = ("torn_down", "rendezvous_done", "spawned", "pg_ready", "state_loaded", "first_step")
 
 
 def backoff_delay(cfg: Config, attempt: int) -> float:

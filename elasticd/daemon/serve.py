@@ -21,7 +21,7 @@ from elasticd.lifecycle.states import State
 
 if TYPE_CHECKING:
     from elasticd.control.server import ControlServer, Deferred
-    from elasticd.ops import metrics
+    from elasticd.reporting import metrics
 
 log = logs.get("elasticd.agent")
 
@@ -115,7 +115,7 @@ def _metrics_exporter(cfg: Config, agent: Agent) -> metrics.Exporter | None:
         return None
     from elasticd.config import ConfigError
     from elasticd.config_values import parse_metrics_address
-    from elasticd.ops import metrics
+    from elasticd.reporting import metrics
 
     address = parse_metrics_address(cfg.metrics_address) if cfg.metrics_address else None
     exporter = metrics.Exporter(

@@ -1,13 +1,13 @@
 """The status the control socket serves (`StatusBoard`): an immutable snapshot the agent loop
 publishes (at every state change and every PUBLISH_EVERY seconds while running), with the recent
 events, what a restart would resume from, and the operators' figures: the board owns the job's
-figures (ops/figures.py), the stragglers (ops/stragglers.py) and the replication
-(ops/replication.py), which read the workers' heartbeats at every publish; the loop feeds the
+figures (reporting/figures.py), the stragglers (reporting/stragglers.py) and the replication
+(reporting/replication.py), which read the workers' heartbeats at every publish; the loop feeds the
 figures its restarts and recoveries.
 
-At every publish the board builds an ops/status_snapshot.py `Snapshot` and keeps its JSON form,
-which the control socket and the metrics read; the health check's report and the checkpoint and
-in-memory step a restart would resume from go into it.
+At every publish the board builds an reporting/status_snapshot.py `Snapshot` and keeps its JSON
+form, which the control socket and the metrics read; the health check's report and the checkpoint
+and in-memory step a restart would resume from go into it.
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from elasticd.cluster.rounds import Round
 from elasticd.config import Config
 from elasticd.lifecycle import supervise
 from elasticd.lifecycle.states import Failure, State
-from elasticd.ops.figures import Figures
-from elasticd.ops.replication import Replication
-from elasticd.ops.status_snapshot import (
+from elasticd.reporting.figures import Figures
+from elasticd.reporting.replication import Replication
+from elasticd.reporting.status_snapshot import (
     LastFailure,
     Part,
     Snapshot,
@@ -37,7 +37,7 @@ from elasticd.ops.status_snapshot import (
     fields_from_json,
     from_json,
 )
-from elasticd.ops.stragglers import Stragglers
+from elasticd.reporting.stragglers import Stragglers
 
 if TYPE_CHECKING:
     from elasticd.daemon.group import LocalGroup
@@ -98,7 +98,7 @@ class StatusBoard:
         now: float,
     ) -> None:
         """`group`: the local workers, their rows and the heartbeats the figures read; `health`:
-        the health check's report (ops/healthcheck.py)."""
+        the health check's report (daemon/healthcheck.py)."""
         ranks = group.rows(now)
         checkpoint, memory_step = self._resume_points(now, memory_dir)
         figures = self._figures(group, ranks, health, now)
@@ -206,9 +206,12 @@ class StatusBoard:
 
 def _known(cls: type, data: dict[str, Any]) -> dict[str, Any]:
     """`data`, whose every key must be a field of `cls`: one that is not would vanish from the
-    wire without a word, so a figure or a row without its field in ops/status_snapshot.py fails
+    wire without a word, so a figure or a row without its field in reporting/status_snapshot.py
+    fails
     here, in every test that runs a daemon."""
     unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
     if unknown:
-        raise KeyError(f"{sorted(unknown)}: not fields of {cls.__name__} (ops/status_snapshot.py)")
+        raise KeyError(
+            f"{sorted(unknown)}: not fields of {cls.__name__} (reporting/status_snapshot.py)"
+        )
     return data

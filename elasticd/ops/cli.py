@@ -234,8 +234,7 @@ def _reader_gone() -> int:
 def _run(args: argparse.Namespace, extra: list[str]) -> int:
     from elasticd import config, logs
     from elasticd.cluster import signing
-    from elasticd.daemon import preflight, systemd
-    from elasticd.ops import quarantine
+    from elasticd.daemon import preflight, quarantine, systemd
 
     systemd.quiet_torch_cpp()  # before anything imports torch
 
@@ -374,7 +373,7 @@ def _run_dir(cfg, base: Path) -> Path:
 def _node(args: argparse.Namespace) -> int:
     """`elasticd node status / clear`: the record in the state directory `run` would use."""
     from elasticd import config
-    from elasticd.ops import quarantine
+    from elasticd.daemon import quarantine
 
     given = {k: getattr(args, k) for k in ("state_dir", "log_dir") if getattr(args, k)}
     try:  # nproc 1: the default's device count would import torch, for nothing here

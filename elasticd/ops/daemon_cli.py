@@ -16,7 +16,7 @@ import time
 from elasticd import names
 from elasticd.exit_codes import ExitCode
 from elasticd.ops import render
-from elasticd.ops.status_snapshot import Snapshot, from_json
+from elasticd.reporting.status_snapshot import Snapshot, from_json
 
 FINAL_STATES = ("SUCCEEDED", "FAILED", "STOPPED", "LEFT")
 

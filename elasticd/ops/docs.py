@@ -148,15 +148,15 @@ def settings_page() -> str:
 
 
 def metrics_page() -> str:
-    from elasticd.ops.metrics import METRICS
+    from elasticd.reporting.metrics import METRICS
 
     lines = [
         _GENERATED,
         "",
         "# Metrics reference",
         "",
-        "Every metric elasticd exports, made from `elasticd.ops.metrics.METRICS`. Every series "
-        "also carries",
+        "Every metric elasticd exports, made from `elasticd.reporting.metrics.METRICS`. Every "
+        "series also carries",
         "the labels `run_id` and `node`. How they are served and how the figures are reckoned:",
         "[metrics.md](metrics.md).",
         "",

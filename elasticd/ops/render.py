@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 
-from elasticd.ops.status_snapshot import Snapshot
+from elasticd.reporting.status_snapshot import Snapshot
 
 
 def age(seconds: float | None) -> str:

@@ -76,7 +76,7 @@ FIGURES = (
 # the replica_state figure's values, by index: not decided yet (no sharded refresh), on, or off
 # and why: one node (no other to hold a replica), nodes of unequal or unknown size, no memory
 # directory on this node, a partner that failed (memory_replica_off in the worker's log); a node
-# whose ranks differ shows the last of these any rank is in (ops/replication.py)
+# whose ranks differ shows the last of these any rank is in (reporting/replication.py)
 REPLICA_STATES = ("", "on", "one_node", "uneven_nodes", "no_directory", "failed")
 _FIGURES = struct.Struct(f"<{len(FIGURES)}d")
 _FIGURES_AT = 72

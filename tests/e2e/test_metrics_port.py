@@ -18,7 +18,7 @@ import urllib.request
 import psutil
 import pytest
 
-from elasticd.ops import metrics, metrics_server
+from elasticd.reporting import metrics, metrics_server
 from harness import FAST, ROOT, free_port, script, wait_until
 
 IDLE = 400  # connections a test opens and leaves idle

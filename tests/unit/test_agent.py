@@ -21,9 +21,9 @@ from elasticd.cluster.errors import BudgetSpent, Deterministic, RendezvousFailed
 from elasticd.cluster.rounds import Member, Round
 from elasticd.daemon import preflight
 from elasticd.daemon.agent import Agent
+from elasticd.daemon.healthcheck import HealthCheck
 from elasticd.exit_codes import ExitCode
 from elasticd.lifecycle.states import TRANSITIONS, Failure, RestartCause, State
-from elasticd.ops.healthcheck import HealthCheck
 
 S = State
 EDGES = {(old, new) for old, targets in TRANSITIONS.items() for new in targets}

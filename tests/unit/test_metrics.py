@@ -17,9 +17,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from elasticd import config, config_values
 from elasticd.config import ConfigError
 from elasticd.lifecycle.states import Failure, RestartCause
-from elasticd.ops import metrics
-from elasticd.ops.figures import Figures
-from elasticd.ops.stragglers import Stragglers
+from elasticd.reporting import metrics
+from elasticd.reporting.figures import Figures
+from elasticd.reporting.stragglers import Stragglers
 from elasticd.worker import heartbeat
 from harness import ROOT
 
@@ -395,7 +395,7 @@ def test_health_check_results(tmp_path):
     run."""
     import time
 
-    from elasticd.ops.healthcheck import HealthCheck
+    from elasticd.daemon.healthcheck import HealthCheck
 
     def run(command: str, timeout: str = "10"):
         cfg = config.build(

@@ -1,4 +1,4 @@
-"""This node's record (ops/quarantine.py): strikes counted within the window, quarantine at the
+"""This node's record (daemon/quarantine.py): strikes counted within the window, quarantine at the
 limit, the file written whole and never through a symlink, a damaged one refused in one line,
 and no worker's error text ever taken for the node's hardware."""
 
@@ -11,10 +11,10 @@ import pytest
 
 from elasticd import config
 from elasticd.config import ConfigError
+from elasticd.daemon import quarantine as q
 from elasticd.lifecycle import triage
-from elasticd.ops import quarantine as q
 from elasticd.ops.render import status as render
-from elasticd.ops.status_snapshot import Health, Snapshot
+from elasticd.reporting.status_snapshot import Health, Snapshot
 
 DAY = 86400.0
 

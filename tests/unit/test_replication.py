@@ -12,9 +12,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from elasticd.checkpoint.memory import directory
 from elasticd.checkpoint.memory.replica import off_reason, partners
-from elasticd.ops import metrics, render, replication
-from elasticd.ops.replication import Replication, node_state, state_of
-from elasticd.ops.status_snapshot import Snapshot, Worker, from_json
+from elasticd.ops import render
+from elasticd.reporting import metrics, replication
+from elasticd.reporting.replication import Replication, node_state, state_of
+from elasticd.reporting.status_snapshot import Snapshot, Worker, from_json
 from elasticd.worker import heartbeat
 from unit.test_metrics import beat
 

@@ -11,8 +11,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from elasticd.lifecycle.states import Failure, RestartCause, Scale
-from elasticd.ops import metrics
-from elasticd.ops.figures import CAUSES, Figures
+from elasticd.reporting import metrics
+from elasticd.reporting.figures import CAUSES, Figures
 
 LABEL = re.compile(r"[a-z][a-z0-9_]*")  # a Prometheus label value that needs no quoting thought
 

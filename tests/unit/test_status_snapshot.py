@@ -1,4 +1,4 @@
-"""The status snapshot as types (elasticd/ops/status_snapshot.py): its JSON form is the wire
+"""The status snapshot as types (elasticd/reporting/status_snapshot.py): its JSON form is the wire
 format that `elasticd status --json` prints and operators' scripts read, so the record must
 round-trip through JSON unchanged, and a reader must take what another version of the daemon
 wrote as it always did (unknown keys ignored, missing ones empty)."""
@@ -10,7 +10,7 @@ import json
 
 from elasticd.lifecycle.states import Failure, RestartCause
 from elasticd.ops import render
-from elasticd.ops.status_snapshot import (
+from elasticd.reporting.status_snapshot import (
     Goodput,
     Health,
     HealthResult,

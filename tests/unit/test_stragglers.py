@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from elasticd.ops.stragglers import judge
+from elasticd.reporting.stragglers import judge
 
 T = 0.2  # --straggler-threshold: above means more than 1.2x the period's median
 W = 3.0  # --straggler-window, seconds

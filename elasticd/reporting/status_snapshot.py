@@ -21,6 +21,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+# the steps of a recovery, in the order they happen; reported as seconds since the failure was
+# detected (status's last_recovery, the metrics' phases, bench/recovery.py's timeline), measured
+# by daemon/recovery.py
+STEPS = ("torn_down", "rendezvous_done", "spawned", "pg_ready", "state_loaded", "first_step")
+
 T = TypeVar("T")
 
 
@@ -40,7 +45,7 @@ class Worker:
     work_time: float | None = None  # own work per step, outside the gradient sync
     straggler_ratio: float | None = None  # own work over the node's median (stragglers.py)
     straggler: bool = False
-    # a sharded job's replica of its shards on the next node (ops/replication.py): on, or why
+    # a sharded job's replica of its shards on the next node (reporting/replication.py): on, or why
     # not (None: undecided), and its exchanges' bytes this attempt, the last one's bytes and time
     replica: str | None = None
     replica_bytes: int | None = None
@@ -123,7 +128,7 @@ class MemoryRefresh:
 
 @dataclass(frozen=True)
 class MemoryReplica:
-    """This node's side of a sharded job's replication (ops/replication.py), and the /dev/shm
+    """This node's side of a sharded job's replication (reporting/replication.py), and the /dev/shm
     bytes it holds for the in-memory state."""
 
     state: str | None = None  # on, or off and why; None before the first sharded refresh
@@ -139,7 +144,7 @@ class MemoryReplica:
 @dataclass(frozen=True)
 class Straggler:
     """A rank found slow for the whole window: what a report shows and an action would act on
-    (ops/stragglers.py makes them)."""
+    (reporting/stragglers.py makes them)."""
 
     rank: int | None = None
     local_rank: int | None = None
@@ -152,7 +157,7 @@ class Straggler:
 
 @dataclass(frozen=True)
 class HealthResult:
-    """One run of the health check (ops/healthcheck.py makes them)."""
+    """One run of the health check (daemon/healthcheck.py makes them)."""
 
     ok: bool = False
     reason: str | None = None  # "passed" or why it failed: exit code or signal, last line
@@ -180,7 +185,7 @@ class Health:
     last: HealthResult | None = None
     running: bool = False
     peers_left: list[PeerLeft] = field(default_factory=list)
-    # this node's record (ops/quarantine.py): quarantined, and its failures within the window
+    # this node's record (daemon/quarantine.py): quarantined, and its failures within the window
     quarantined: bool = False
     quarantined_since: float | None = None
     quarantine_reason: str | None = None
@@ -192,7 +197,7 @@ class Health:
 @dataclass(frozen=True)
 class Snapshot:
     """The daemon's state as status shows it. The fields after `parts` are the operators'
-    figures (ops/figures.py, stragglers.py, healthcheck.py)."""
+    figures (reporting/figures.py, stragglers.py, healthcheck.py)."""
 
     state: str | None = None  # a states.State's value
     run_id: str | None = None

@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from elasticd.config import Config
-from elasticd.ops.status_snapshot import Straggler
+from elasticd.reporting.status_snapshot import Straggler
 from elasticd.worker import heartbeat
 
 SAMPLE_EVERY = 1.0  # seconds between comparisons

@@ -164,7 +164,7 @@ class Replication:
 
 
 def put_metrics(put: Callable[..., None], s: Any) -> None:
-    """The samples of METRICS from the snapshot `s` (ops/status_snapshot.py's Snapshot)."""
+    """The samples of METRICS from the snapshot `s` (reporting/status_snapshot.py's Snapshot)."""
     rep = s.memory_replica
     if rep.state:
         for state in ("on", *OFF_FIRST):

@@ -243,7 +243,7 @@ class Quarantine:
         return f"node {self.node} left the job: quarantined: {why}", line, ExitCode.QUARANTINED
 
     def report(self) -> dict[str, Any]:
-        """Status's quarantine fields (ops/status_snapshot.py `Health`)."""
+        """Status's quarantine fields (reporting/status_snapshot.py `Health`)."""
         q = self.record.quarantined
         now = time.time()
         return {

@@ -37,7 +37,7 @@ from elasticd import logs, names
 from elasticd.config import Config
 from elasticd.daemon import systemd
 from elasticd.lifecycle.states import Failure, RestartCause
-from elasticd.ops.status_snapshot import HealthResult as Result
+from elasticd.reporting.status_snapshot import HealthResult as Result
 
 MAX_REASON = 300  # characters of the check's output kept as its reason
 OUTPUT_KEPT = 64 * 1024  # bytes of the check's output kept (its end, where the last line is)

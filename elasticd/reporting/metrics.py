@@ -29,12 +29,11 @@ from prometheus_client.core import (
 )
 
 from elasticd import __version__, logs, safeio
-from elasticd.daemon.recovery import STEPS
 from elasticd.lifecycle.states import State
-from elasticd.ops import replication
-from elasticd.ops.figures import CAUSES
-from elasticd.ops.metrics_server import BoundedServer, Handler, serve
-from elasticd.ops.status_snapshot import Recoveries, Snapshot, from_json
+from elasticd.reporting import replication
+from elasticd.reporting.figures import CAUSES
+from elasticd.reporting.metrics_server import BoundedServer, Handler, serve
+from elasticd.reporting.status_snapshot import STEPS, Recoveries, Snapshot, from_json
 
 log = logs.get("elasticd.metrics")
 
@@ -279,7 +278,8 @@ METRICS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
         "Seconds since each peer node's liveness beat last moved",
         ("peer_group_rank",),
     ),
-    *replication.METRICS,  # a sharded job's replica and the /dev/shm held (ops/replication.py)
+    # a sharded job's replica and the /dev/shm held (reporting/replication.py)
+    *replication.METRICS,
 )
 _BY_NAME = {m[0]: m for m in METRICS}
 
