@@ -13,12 +13,11 @@ import argparse
 import os
 import signal
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
 
-from recovery import HERE, kill_tree, latest_pids, launcher_cmd, read_steps
+from recovery import kill_tree, latest_pids, launcher_cmd, read_steps, spawn
 
 
 def one_trial(kind: str, fault: str, hb_timeout: float, bound: float) -> float | None:
@@ -27,15 +26,7 @@ def one_trial(kind: str, fault: str, hb_timeout: float, bound: float) -> float |
         out, flag = workdir / "steps.txt", workdir / "hang"
         env = dict(os.environ, BENCH_OUT=str(out), BENCH_HANG_FLAG=str(flag))
         extra = ("--heartbeat-timeout", str(hb_timeout))
-        with open(workdir / "launcher.log", "wb") as log:
-            proc = subprocess.Popen(
-                launcher_cmd(kind, 3, workdir, extra),
-                env=env,
-                stdout=log,
-                stderr=log,
-                cwd=HERE.parent,
-                start_new_session=True,
-            )
+        proc = spawn(launcher_cmd(kind, 3, workdir, extra), env, workdir / "launcher.log")
         try:
             start = time.time()
             deadline = time.monotonic() + 120

@@ -99,6 +99,26 @@ def launcher_cmd(
     ]
 
 
+def spawn(cmd: list[str], env: dict, log: Path) -> subprocess.Popen:
+    """A launcher started in a session of its own, its stdout and stderr into `log`."""
+    with open(log, "wb") as out:
+        return subprocess.Popen(
+            cmd, env=env, stdout=out, stderr=out, cwd=HERE.parent, start_new_session=True
+        )
+
+
+def events(log: Path) -> list[dict]:
+    """elasticd's JSON events (`--log-format json`) in a launcher's log."""
+    found = []
+    for line in log.read_text(errors="replace").splitlines():
+        if line.startswith("{"):
+            try:
+                found.append(json.loads(line))
+            except ValueError:
+                continue
+    return found
+
+
 def kill_tree(proc: subprocess.Popen) -> None:
     try:
         tree = psutil.Process(proc.pid).children(recursive=True) + [psutil.Process(proc.pid)]
@@ -221,14 +241,11 @@ def run_launcher(
 def timeline(log: Path) -> dict[str, float]:
     """elasticd's recovery timeline ("recovered" events: seconds since the failure was detected),
     median per phase over the trials; empty for torchrun, which logs none."""
-    events = []
-    for line in log.read_text(errors="replace").splitlines():
-        if '"recovered"' in line and line.startswith("{"):
-            events.append(json.loads(line))
+    recovered = [e for e in events(log) if e.get("event") == "recovered"]
     return {
-        k: statistics.median(e[k] for e in events)
+        k: statistics.median(e[k] for e in recovered)
         for k in STEPS  # the recovery's phases, in order (elasticd/reporting/status_snapshot.py)
-        if events and all(k in e for e in events)
+        if recovered and all(k in e for e in recovered)
     }
 
 
