@@ -22,7 +22,6 @@ from elasticd.worker import heartbeat
 
 ODD_STATE_HOLD = 1.0  # seconds a zombie worker must stay so before it counts as hung
 MAX_CONSEQUENCES = 8  # the later failures a failure names
-CLOCK_SLACK = triage.CLOCK_SLACK
 
 
 @dataclass(frozen=True)
@@ -207,13 +206,13 @@ class LocalGroup:
     def _first(self, failed: list[Seen], now: float, wait: bool = True) -> Failure | None:
         """The cause among the failed (triage.first: the earliest, a rank that died of its
         peer's going yielding to a failure that came about then), the others its consequences;
-        None while the cause is such a death of under CLOCK_SLACK ago and a worker still runs
+        None while the cause is such a death of under triage.CLOCK_SLACK ago and a worker still runs
         (the failure it follows may be about to show)."""
         order = triage.first([(s.when, triage.consequence(s.exception)) for s in failed])
         cause, rest = failed[order[0]], [failed[i] for i in order[1:]]
         failing = {s.w.pid for s in failed}
         waiting = any(w.exit_code is None and w.pid not in failing for w in self.workers)
-        soon = now - cause.when < CLOCK_SLACK
+        soon = now - cause.when < triage.CLOCK_SLACK
         if wait and triage.consequence(cause.exception) and waiting and soon:
             return None
         w = cause.w

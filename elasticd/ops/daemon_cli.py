@@ -166,9 +166,8 @@ def stop(args: argparse.Namespace) -> int:
         return ExitCode.USAGE
     reply = _ask(path, {"command": names.STOP, "timeout": args.timeout})
     if isinstance(reply, int):
-        return (
-            ExitCode.OK if reply == ExitCode.NOT_RUNNING else reply
-        )  # none running: nothing to stop
+        # none running: nothing to stop
+        return ExitCode.OK if reply == ExitCode.NOT_RUNNING else reply
     # Wait for the daemon to finish stopping: the socket goes away when it exits.
     deadline = time.monotonic() + (args.timeout if args.timeout is not None else 30.0) + 60.0
     while time.monotonic() < deadline:
