@@ -179,6 +179,30 @@ def test_the_first_failure_is_the_jobs_not_the_rank_that_died_of_it(daemons):
     assert "not restarted: rank 1 (node " in line and "then rank 0: RuntimeError" in line, line
 
 
+def test_at_three_ranks_both_ranks_that_died_of_it_are_consequences(daemons):
+    """Three ranks: rank 1 raises and closes its connections; ranks 0 and 2, both its neighbours
+    in gloo's ring, die of its going before it exits. Every attempt's cause is rank 1's, and the
+    deterministic verdict names it, the others after it."""
+    d = daemons(
+        script("first_failure.py"),
+        "--nproc-per-node",
+        "3",
+        "--max-restarts",
+        "3",
+        "--deterministic-retries",
+        "1",
+        *FAST,
+    )
+    assert d.wait(120) == ExitCode.DETERMINISTIC, d.stderr()[-3000:]
+    causes = [e["cause"] for e in d.events() if e.get("new") == "RESTARTING"]
+    assert len(causes) == 2, causes
+    for cause in causes:
+        assert cause.startswith("rank 1 (node ") and "; ValueError: bad batch at step 3" in cause
+        assert "then rank 0: " in cause or "then rank 2: " in cause, cause
+    line = final_lines(d.stderr())[-1]
+    assert "not restarted: rank 1 (node " in line, line
+
+
 def _rank_holder(a, b, rank: str):
     for n in (a, b):
         if any(rank in e["pids"] for e in n.events() if e.get("pids")):
