@@ -1510,7 +1510,7 @@ class ElasticdNodes:
         try:
             key = names.job_key(rdzv.scope, names.ROUND)
             number = rdzv.open(key, kv.get(key), int) or 0
-            raw = kv.get(rdzv.arrivals_key(number))
+            raw = kv.get(rdzv.sealed.arrivals_key(number))
             return f"round {number}: {raw.decode() if raw else 0} arrived"
         except Exception as e:  # noqa: BLE001 - reported
             return f"{type(e).__name__}: {e}"

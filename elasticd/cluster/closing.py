@@ -15,7 +15,7 @@ import time
 from typing import TYPE_CHECKING
 
 from elasticd import logs, names
-from elasticd.cluster import arrivals, silence, values
+from elasticd.cluster import silence, values
 from elasticd.cluster.closing_rule import Decision, Limits, budget_spent, decide, missing
 from elasticd.cluster.errors import RendezvousFailed
 from elasticd.cluster.timing import CLOSE_POLL
@@ -39,7 +39,7 @@ def close_round(rz: Rendezvous, number: int, deadline: float) -> dict:
     reached_min = None
     while True:
         now = time.monotonic()
-        records.update(arrivals.read_records(rz, arrivals.new_records(rz, number, set(records))))
+        records.update(rz.arrivals.read_records(rz.arrivals.new_records(number, set(records))))
         if expected is not None:
             ids = {r["id"] for r in records.values()}
             beats = rz.read_beats(rz.kv, missing(expected, ids, lost))
@@ -73,7 +73,7 @@ def _verdict(rz: Rendezvous, number: int, d: Decision, reason: dict) -> str:
         if verdict["deterministic"]:
             return json.dumps(verdict)
         failed = budget_spent(
-            rz.spend_restart(number), rz.cfg.max_restarts, reason.get("summary", "?")
+            rz.budget.spend(number), rz.cfg.max_restarts, reason.get("summary", "?")
         )
         if failed is not None:
             verdict["failed"] = failed

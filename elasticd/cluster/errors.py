@@ -41,16 +41,17 @@ class StoreUnreachable(Exception):
 
 
 def store_call(method):
-    """A kv.Unreachable in a Rendezvous method (or a function taking the Rendezvous first)
-    becomes StoreLost (etcd refused us: for good) or StoreUnreachable (silence, or a c10d host
-    that refuses the connection: down for now), each one line naming the store."""
+    """A kv.Unreachable in a method of a part that has `etcd` and `endpoint` (the Rendezvous,
+    the Run; or a function taking the Rendezvous first) becomes StoreLost (etcd refused us: for
+    good) or StoreUnreachable (silence, or a c10d host that refuses the connection: down for
+    now), each one line naming the store."""
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
         try:
             return method(self, *args, **kwargs)
         except kvmod.Unreachable as e:
-            if e.refused and self.cfg.etcd:
+            if e.refused and self.etcd:
                 raise StoreLost(
                     f"the etcd cluster refused us ({e}): check the credentials and the user's "
                     "permissions on the elasticd/ prefix"

@@ -13,7 +13,7 @@ import time
 from typing import TYPE_CHECKING
 
 from elasticd import logs, names
-from elasticd.cluster import arrivals, closing, values
+from elasticd.cluster import closing, values
 from elasticd.cluster.errors import BudgetSpent, Deterministic, RendezvousFailed, store_call
 from elasticd.cluster.rounds import Round
 from elasticd.cluster.timing import CLOSE_POLL, GARBAGE_BACKOFF, LOST_SILENCE, WAIT_SLICE
@@ -47,7 +47,7 @@ def _alone(rz: Rendezvous, rnd: Round) -> None:
     log.warning(
         "rendezvous_alone",
         round=rnd.number,
-        run=rz.run,
+        run=rz.run.id,
         lost=rz.partners,
         why=(f"found lost (silent): {', '.join(found_lost)}; " if found_lost else "")
         + "the round closed with this node only (the others did not come before it closed, "
@@ -57,15 +57,14 @@ def _alone(rz: Rendezvous, rnd: Round) -> None:
 
 @store_call
 def _try_round(rz: Rendezvous, nproc: int, deadline: float) -> Round | None:
-    if rz.follows_run:
+    if rz.run.follows:
         rz.follow_run(deadline)  # the store's host may have been started again: a new run
     rz.check_open()
     number = rz.current_round()
-    rz.bad_records.clear()  # keys of earlier rounds: never read again anyway
+    rz.arrivals.forget()  # keys of earlier rounds: never read again anyway
     rz.enter(number)
     prev = rz.last.group_rank if rz.last and rz.last.number == number - 1 else -1
-    index = arrivals.claim(
-        rz,
+    index = rz.arrivals.claim(
         number,
         json.dumps({"id": rz.node_id, "nproc": nproc, "addr": rz.addr, "prev": prev}),
     )

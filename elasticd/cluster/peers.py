@@ -56,6 +56,8 @@ class Peers:
         self.node = node
         self._wake = wake
         self._round: Round | None = None
+        # the round watched, and its watched group ranks -> (beat count, when it last went up)
+        self._seen: tuple[Round | None, dict[int, tuple[int, float]]] = (None, {})
         self._restart: tuple[int, dict] | None = None  # (round number, reason) the waiter saw
         self._next_waiting_check = 0.0
         self.waiting: tuple[int, list[str]] = (-1, [])  # (round, ids of nodes waiting to join it)
@@ -95,6 +97,7 @@ class Peers:
         # round)
         self.unreachable_since, self._last_ok = None, time.monotonic()
         self._round = rnd
+        self._seen = (rnd, {})
         self._restart = None
         self.waiting = (-1, [])
         self._next_waiting_check = time.monotonic() + WAITING_EVERY
@@ -168,7 +171,9 @@ class Peers:
             ((rnd.group_rank + k) % rnd.group_world_size, m.node_id)
             for k, m in enumerate(watched, 1)
         ]
-        rnd.peer_seen.update(silence.account(rnd.peer_seen, ranks, beats, now, self._last_ok))
+        watching, seen = self._seen
+        if watching is rnd:  # (not a round the loop has left since this beat began)
+            seen.update(silence.account(seen, ranks, beats, now, self._last_ok))
         if now >= self._next_waiting_check:
             self._next_waiting_check = now + WAITING_EVERY
             if rnd.group_rank == 0 and rnd.group_world_size > 1:
@@ -196,6 +201,10 @@ class Peers:
                 time.sleep(min(1.0, BEAT_EVERY * 2))  # the liveness thread judges the store
 
     # --- the loop's view ---
+
+    def silences(self, now: float) -> dict[int, float]:
+        """Seconds since each watched neighbour's beat last went up, by group rank (status)."""
+        return {r: round(now - t, 1) for r, (_, t) in sorted(dict(self._seen[1]).items())}
 
     def check(
         self, rnd: Round, now: float, beats: Callable[[], list[Beat | None]]
@@ -245,7 +254,8 @@ class Peers:
     ) -> Failure | None:
         """A watched node silent for --peer-timeout, or for long enough with our workers stuck
         (silence.judge)."""
-        seen = dict(rnd.peer_seen)
+        watching, seen = self._seen
+        seen = dict(seen) if watching is rnd else {}
         if not silence.anyone_silent(seen, now, min(LOST_SILENCE, self.cfg.peer_timeout)):
             return None  # nobody silent: no need to read our workers' heartbeats
         progress, step = silence.pace(beats())

@@ -28,11 +28,13 @@ overwrite its keys, and the job then waits, restarts or fails; it cannot be stee
 restart for a reason, run a value, connect workers elsewhere) without the secret. A single-node
 job has no store anyone can reach: its KV is a dict in the daemon (kv.LocalKV).
 
-The protocol's parts: the run (run.py), joining a round (joining.py) and its arrival records
-(arrivals.py), closing it (closing.py, its rule in closing_rule.py), the exit barrier
+The protocol's parts, each owning its own state and seeing the store through the sealed view
+(sealed.py: the store, the seal, the run's key names, the log of values that failed): the run
+(run.py), the arrival records (arrivals.py), the restart budget (budget.py); joining a round
+(joining.py), closing it (closing.py, its rule in closing_rule.py), the exit barrier
 (barrier.py), the values' forms (values.py), opening the store (stores.py), the pacing
-(timing.py). `Rendezvous` holds what they share: the store, the seal, the node and the
-last round it was a member of.
+(timing.py). `Rendezvous` holds the parts, the node's identity and the last round it was a
+member of; the liveness of the others (peers.py) keeps what it saw of their beats itself.
 """
 
 from __future__ import annotations
@@ -41,8 +43,10 @@ import json
 import time
 
 from elasticd import logs, names
-from elasticd.cluster import arrivals, barrier, joining, run, signing, values
+from elasticd.cluster import barrier, joining, signing, values
 from elasticd.cluster import kv as kvmod
+from elasticd.cluster.arrivals import Arrivals
+from elasticd.cluster.budget import Budget
 from elasticd.cluster.errors import (
     BudgetSpent,
     RendezvousFailed,
@@ -51,6 +55,8 @@ from elasticd.cluster.errors import (
     store_call,
 )
 from elasticd.cluster.rounds import Round, new_node_id
+from elasticd.cluster.run import Run
+from elasticd.cluster.sealed import Sealed
 from elasticd.cluster.stores import local_address, open_store
 from elasticd.cluster.timing import BEAT_EVERY, CLOCK_SKEW, HOST_DOWN_POLL, LOST_SILENCE
 from elasticd.config import Config
@@ -58,8 +64,6 @@ from elasticd.lifecycle import triage
 
 log = logs.get("elasticd.rendezvous")
 
-REJECTED_LOGS = 20  # at most this many store_value_rejected lines per REJECTED_WINDOW seconds
-REJECTED_WINDOW = 10.0
 
 __all__ = [
     "BudgetSpent",
@@ -72,28 +76,26 @@ __all__ = [
 
 
 class Rendezvous:
-    """One per daemon: rounds, restart requests, the exit barrier, the job's budget and end."""
+    """One per daemon: rounds, restart requests, the exit barrier, the job's budget and end.
+    Its parts own their state: the sealed store (`sealed`), the run (`run`), the arrival records
+    read (`arrivals`), the restart budget (`budget`); it keeps the node's identity and the last
+    round it was a member of."""
 
     def __init__(self, cfg: Config, store: kvmod.KV | None = None, begins_run: bool | None = None):
         """`store`: one opened already (else open_store); `begins_run`: whether this node writes
         the run's nonce (by default: the store is new, hosted here or in-process)."""
         self.cfg = cfg
-        self.signer = signing.Signer(signing.job_secret(cfg), cfg.rdzv_id)
         self.server = None
         if store is None:
             store, self.server = open_store(cfg)
-        self.kv = store
         self.is_host = self.server is not None
+        self.sealed = Sealed(
+            store, signing.Signer(signing.job_secret(cfg), cfg.rdzv_id), cfg.rdzv_id
+        )
         self.addr = cfg.local_addr or local_address(cfg.rdzv_host, cfg.rdzv_port)
         self.node_id = new_node_id()
         self.last: Round | None = None  # the last round this node was a member of
-        self._restarts_seen = 0  # the budget counter only grows: an older value is a replay
-        self._logged: dict[str, float] = {}
-        self._log_window: list[float] = [0.0, 0, 0]  # window start, lines in it, lines suppressed
-        self.bad_records: set[str] = set()  # arrival records that failed verification: not read
-        self.unverified_run = False  # a run record seen here did not verify (another secret?)
-        self.waiting_seen: tuple[int, dict[str, str | None]] = (-1, {})  # waiting_ids', per round
-        self.listed_at = 0.0  # when the round's records were last listed (counter raised too far)
+        self.partners: list[str] = []  # the other members of the last round this node was in
         self.started = time.time()  # a job's end issued before this (less CLOCK_SKEW) is older
         self._unreachable_logs = logs.Throttle(5.0)
         begins = (
@@ -102,21 +104,16 @@ class Rendezvous:
             else begins_run
         )
         # a c10d store we do not host may be restarted by its host with a new run: followed, once
-        # its host answers in it (run.followed); the store's host answers in its own
-        self.follows_run = not begins and not cfg.etcd
-        self.hosts_run = begins and not cfg.etcd
-        self.run_record: bytes | None = None  # the record of the run this node began
-        self.host_beats, self.echoed = 0, None  # the host's beat count, the challenges it echoed
-        self.confirmed_on: tuple = (None, None)  # the connection our run's host last answered on
-        self.partners: list[str] = []  # the other members of the last round this node was in
-        self.run, self.scope = "", ""
-        self.run = run.join_run(self, begins)
-        self.scope = f"{cfg.rdzv_id}/{self.run}"  # every key of this run is under elasticd/<scope>/
-        log.info("rendezvous_run", run=self.run)
+        # its host answers in it (Run.followed); the store's host answers in its own
+        self.run = Run(self.sealed, cfg.join_timeout, self.started, begins, cfg.etcd)
+        self.arrivals = Arrivals(self.sealed, cfg.max_nodes)
+        self.budget = Budget(self.sealed)
+        self.sealed.enter_run(self.run.join(self.answered))  # every key of this run under it
+        log.info("rendezvous_run", run=self.run.id)
 
     def follow_run(self, deadline: float) -> None:
         """At every try to join a round, on a c10d store we do not host: take the run its host
-        began, if that is no longer ours, once its host has answered us in it (run.followed:
+        began, if that is no longer ours, once its host has answered us in it (Run.followed:
         an earlier run's record written back moves nothing, and a run whose host is gone is
         not joined). The store's host restarted (its daemon started again, by systemd or by
         hand) and hosts a fresh store: the same job (the run's record is sealed with the job's
@@ -124,57 +121,53 @@ class Rendezvous:
         closing, no budget. This node joins it as a new member (its round numbers start again),
         carrying the restarts the job has spent into it. It never begins a run there itself:
         only the host does."""
-        found = run.followed(self, deadline)
-        if found == self.run:
+        found = self.run.followed(deadline)
+        if found == self.run.id:
             return
         log.warning(
             "rendezvous_store_restarted",
             endpoint=self.endpoint,
-            previous_run=self.run,
+            previous_run=self.run.id,
             run=found,
-            restarts_used=self._restarts_seen,
+            restarts_used=self.budget.seen,
         )
-        self.run, self.scope = found, f"{self.cfg.rdzv_id}/{found}"
+        self.run.id = found
+        self.sealed.enter_run(found)
         self.last = None
-        self.bad_records.clear()
-        self.waiting_seen, self.listed_at = (-1, {}), 0.0
-        self._carry_budget()
+        self.arrivals.reset()
+        self.budget.carry()
 
-    def _carry_budget(self) -> None:
-        """Raise the new run's restart budget to what this node saw spent in the old one
-        (compare-and-set, as `spend_restart`): a store restarted empty must not give the job its
-        restarts back."""
-        key = self.job_key(names.RESTARTS)
-        for _ in range(100):
-            if self._restarts_seen == 0:
-                return
-            raw = self.kv.get(key)
-            used = (self.open(key, raw, values.budget) or (0, 0))[0]
-            if used >= self._restarts_seen:
-                return
-            if self.kv.compare_set(key, raw, self.seal(key, f"{self._restarts_seen} 0")):
-                return
+    # --- the parts' views, for the agent and the liveness thread ---
+
+    @property
+    def kv(self) -> kvmod.KV:
+        return self.sealed.kv
+
+    @property
+    def signer(self) -> signing.Signer:
+        return self.sealed.signer
 
     @property
     def endpoint(self) -> str:
-        return self.kv.endpoint
+        return self.sealed.endpoint
+
+    @property
+    def etcd(self) -> bool:
+        return self.cfg.etcd
+
+    @property
+    def scope(self) -> str:
+        return self.sealed.scope
+
+    @property
+    def hosts_run(self) -> bool:
+        return self.run.hosts
 
     def job_key(self, name: str) -> str:
-        return names.job_key(self.scope, name)
+        return self.sealed.job_key(name)
 
     def round_key(self, number: int, name: str) -> str:
-        return names.round_key(self.scope, number, name)
-
-    def _tag(self, number: int) -> str:
-        """Names the round's arrival keys: no one without the secret can make it, so no one can
-        raise the counter or fill the records before the round's first node arrives."""
-        return self.signer.mac(f"arrivals/{self.scope}/{number}", b"")[:16]
-
-    def arrivals_key(self, number: int) -> str:
-        return names.arrivals_key(self.scope, number, self._tag(number))
-
-    def arrival_key(self, number: int, index: int) -> str:
-        return names.arrival_key(self.scope, number, self._tag(number), index)
+        return self.sealed.round_key(number, name)
 
     def answered(self, call, deadline: float):
         """call(), or None after a pause when the store did not answer it (a partition, an etcd
@@ -193,7 +186,7 @@ class Rendezvous:
                     else f"{e}, for --join-timeout {self.cfg.join_timeout:g}s: check the "
                     "network and the store's host"
                 )
-                if self.unverified_run:  # the likelier cause, seen before the store went away
+                if self.run.unverified:  # the likelier cause, seen before the store went away
                     why += (
                         "; the job's run record there did not verify: give every node the same "
                         "--rdzv-secret-file"
@@ -209,48 +202,11 @@ class Rendezvous:
     # --- sealed values ---
 
     def seal(self, key: str, payload: str) -> bytes:
-        return self.signer.seal(key, payload)
+        return self.sealed.seal(key, payload)
 
     def open(self, key: str, raw: bytes | None, parse):
-        """The parsed value, or None: absent, or (logged) not sealed for this key with the job's
-        secret, or not of its form (a parser of values.py)."""
-        if raw is None:
-            return None
-        data = self.signer.open(key, raw)
-        value = None
-        if data is not None:
-            try:
-                value = parse(data.decode())
-            except (ValueError, UnicodeDecodeError, RecursionError):
-                value = None
-        if value is None:
-            self.rejected(key, "bad signature" if data is None else "malformed")
-        return value
-
-    def rejected(self, key: str, why: str) -> None:
-        """Log a value that failed: one line per key per 5 s, and at most REJECTED_LOGS lines per
-        REJECTED_WINDOW in all: a forger writing many keys in a loop must not flood the log."""
-        now = time.monotonic()
-        if now - self._logged.get(key, -60.0) < 5.0:
-            return
-        window = self._log_window
-        if now - window[0] >= REJECTED_WINDOW:
-            window[:] = [now, 0, window[2]]
-        if window[1] >= REJECTED_LOGS:
-            window[2] += 1
-            return
-        if len(self._logged) > 4096:
-            self._logged.clear()
-        self._logged[key] = now
-        window[1] += 1
-        log.warning(
-            "store_value_rejected",
-            key=key[:200],
-            rejected=self.signer.rejected,
-            why=why,
-            suppressed=window[2],
-        )
-        window[2] = 0
+        """The parsed value, or None (Sealed.open)."""
+        return self.sealed.open(key, raw, parse)
 
     # --- rounds ---
 
@@ -289,7 +245,9 @@ class Rendezvous:
         issued, why = closed
         if issued < self.started - CLOCK_SKEW:
             # sealed for this run, yet older than us: never a verdict on us
-            self.rejected(key, f"issued {self.started - issued:.0f}s before this daemon started")
+            self.sealed.rejected(
+                key, f"issued {self.started - issued:.0f}s before this daemon started"
+            )
             return
         raise RendezvousFailed(
             f"the job has ended ({why}): nothing to join; give a new --rdzv-id to start a new job"
@@ -326,13 +284,13 @@ class Rendezvous:
         challenges of nodes that would follow its run, and its run's record kept (run.py)."""
         key = names.alive_key(self.scope, self.node_id)
         store.set(key, self.seal(key, str(count)))
-        if self.hosts_run:
-            run.host_beat(self, store, count)
+        if self.run.hosts:
+            self.run.host_beat(store, count)
 
     def answer(self, store: kvmod.KV) -> None:
         """The c10d store's host, between its beats: challenges asked since, answered (run.py)."""
-        if self.hosts_run:
-            run.answer(self, store)
+        if self.run.hosts:
+            self.run.answer(store)
 
     def keep_master(self, store: kvmod.KV, rnd: Round) -> None:
         """Group rank 0, once a second: its worker store's address put back if someone wrote over
@@ -352,46 +310,19 @@ class Rendezvous:
 
     def waiting_ids(self, store: kvmod.KV, rnd: Round) -> list[str]:
         """Nodes that arrived after the round closed and wait for the next one (arrivals.py)."""
-        return arrivals.waiting_ids(self, store, rnd)
+        return self.arrivals.waiting_ids(store, rnd)
 
     @store_call
     def exit_barrier(self, rnd: Round, timeout: float) -> bool:
         """Wait until every node of the round is done (or one asked for a restart). False on
         timeout (barrier.py)."""
-        return barrier.exit_barrier(self, rnd, timeout)
+        return barrier.exit_barrier(self.sealed, rnd, timeout)
 
     # --- job-wide restart budget and end (shared by all nodes) ---
 
     def restarts_used(self) -> int:
         """The budget spent so far (the highest seen, if the store does not answer now)."""
-        key = self.job_key(names.RESTARTS)
-        try:
-            used = self.open(key, self.kv.get(key), values.budget)
-        except kvmod.Unreachable:
-            return self._restarts_seen
-        self._restarts_seen = max(self._restarts_seen, used[0] if used else 0)
-        return self._restarts_seen
-
-    def spend_restart(self, number: int) -> int:
-        """Spend one restart for round `number` (its closer does, once however many closers try):
-        the job's signed counter holds the count and the round that last spent, and moves by
-        compare-and-set. A value that does not verify (or went down: a replay) counts as the
-        highest this node has seen, and is written over."""
-        key = self.job_key(names.RESTARTS)
-        for _ in range(100):
-            raw = self.kv.get(key)
-            used, spent_for = self.open(key, raw, values.budget) or (0, -1)
-            if spent_for >= number:
-                self._restarts_seen = max(self._restarts_seen, used)
-                return used
-            used = max(used, self._restarts_seen)
-            if self.kv.compare_set(key, raw, self.seal(key, f"{used + 1} {number}")):
-                self._restarts_seen = used + 1
-                return used + 1
-        raise RendezvousFailed(
-            "the restart budget in the store changed 100 times while one restart was "
-            "spent: something other than the job's nodes writes to the store"
-        )
+        return self.budget.used()
 
     def close(self, job_finished: bool, why: str = "finished") -> None:
         """Best effort at exit: a finished or failed job is closed, so that nodes arriving later

@@ -35,8 +35,6 @@ class Round:
     master_addr: str = ""
     master_port: int = 0
     worker_store: dist.TCPStore | None = None  # held by group rank 0 for the round's workers
-    # watched group rank -> (its beat count, the monotonic time it last went up): peers.py
-    peer_seen: dict[int, tuple[int, float]] = field(default_factory=dict)
     # the key of the MACs on the in-memory state the workers exchange (signing.state_key)
     state_key: bytes = field(default=b"", repr=False)
 

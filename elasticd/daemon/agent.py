@@ -177,6 +177,7 @@ class Agent:
             last_recovery=self.recovery.last,
             memory_dir=self.memory_dir,
             health={**self.health_check.report(), **self.quarantine.report()},
+            peers=self.peers.silences(now) if self.peers is not None else {},
             now=now,
         )
         if self.metrics is not None:

@@ -95,10 +95,12 @@ class StatusBoard:
         last_recovery: dict[str, float] | None,
         memory_dir: str | None,
         health: dict[str, Any],
+        peers: dict[int, float],
         now: float,
     ) -> None:
         """`group`: the local workers, their rows and the heartbeats the figures read; `health`:
-        the health check's report (daemon/healthcheck.py)."""
+        the health check's report (daemon/healthcheck.py); `peers`: the watched ring
+        neighbours' silences (cluster/peers.py)."""
         ranks = group.rows(now)
         checkpoint, memory_step = self._resume_points(now, memory_dir)
         figures = self._figures(group, ranks, health, now)
@@ -120,9 +122,7 @@ class StatusBoard:
             entrypoint=self.cfg.entrypoint,
             workers=[from_json(Worker, _known(Worker, row)) for row in ranks],
             # its ring neighbours, the peer nodes it watches
-            peers={r: round(now - seen, 1) for r, (_, seen) in sorted(rnd.peer_seen.items())}
-            if rnd
-            else {},
+            peers=peers if rnd else {},
             node_id=rnd.node_id if rnd else None,
             lost_nodes=list(rnd.lost) if rnd else [],
             last_failure=from_json(LastFailure, asdict(last_failure)) if last_failure else None,

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from elasticd import config, names
-from elasticd.cluster import kv, rendezvous, run, tcpstore
+from elasticd.cluster import kv, rendezvous, sealed, tcpstore
 from etcd_cluster import shared_cluster_fixture  # noqa: F401 (the fixture: cluster)
 from harness import secret_flags
 
@@ -105,8 +105,8 @@ def _keys(r: rendezvous.Rendezvous) -> list[str]:
             for k in (names.MEMBERS, names.MASTER, names.RESTART, names.DONE_COUNT, names.ALL_DONE)
         ]
         keys += [
-            r.arrivals_key(n),
-            *(r.arrival_key(n, i) for i in (1, 2, 3)),
+            r.sealed.arrivals_key(n),
+            *(r.sealed.arrival_key(n, i) for i in (1, 2, 3)),
             names.done_key(job, n, 0),
         ]
     return keys
@@ -169,7 +169,7 @@ def test_any_value_under_any_key_is_garbage_never_a_crash_or_a_hang(store, write
     assert isinstance(r.waiting_ids(other, first), list)
     assert isinstance(r.restarts_used(), int)
     r.beat(other, 4)  # on c10d, the host's answer to the challenges and its record put back
-    assert run.answering(r, [r.run], time.monotonic() + 0.1) in (None, r.run)
+    assert r.run.answering([r.run.id], time.monotonic() + 0.1) in (None, r.run.id)
     try:
         r.request_restart(first, {"summary": "fuzz", "node": "n", "spends": True})
         rnd = r.next_round(1)
@@ -192,7 +192,7 @@ def test_a_counter_holding_no_64_bit_count_is_set_back(store, garbage):
     r = rendezvous.Rendezvous(make_cfg(), store=connect(), begins_run=True)
     first = r.next_round(1)
     for number in (0, 1):
-        r.kv.set(r.arrivals_key(number), garbage)
+        r.kv.set(r.sealed.arrivals_key(number), garbage)
     assert r.waiting_ids(r.kv, first) == []
     r.request_restart(first, {"summary": "fuzz", "node": "n", "spends": True})
     rnd = r.next_round(1)
@@ -210,7 +210,7 @@ def test_rejections_are_rate_limited_overall(store):
         for i in range(1000):
             assert r.open(f"{r.scope}/forged/{i}", b"not sealed", str) is None
     lines = [e for e in logged if e["event"] == "store_value_rejected"]
-    assert len(lines) == rendezvous.REJECTED_LOGS, len(lines)
+    assert len(lines) == sealed.REJECTED_LOGS, len(lines)
     r.kv.close()
 
 
@@ -228,7 +228,7 @@ def test_a_value_of_an_earlier_run_never_verifies_in_the_next(store):
         k.endswith("/master") for k in recorded
     )
     b = rendezvous.Rendezvous(cfg, store=connect(), begins_run=True)  # a new run (its store's host)
-    assert b.run != a.run
+    assert b.run.id != a.run.id
     for k, v in recorded.items():
         b.kv.set(k.replace(a.scope, b.scope), v)
     rnd_b = b.next_round(1)  # no "the job has ended", members and master its own
@@ -261,14 +261,14 @@ def test_on_etcd_a_node_begins_a_new_run_only_after_the_last_one_ended_before_it
     cfg = make_cfg()
     a = rendezvous.Rendezvous(cfg, store=connect())
     b = rendezvous.Rendezvous(cfg, store=connect())
-    assert b.run == a.run  # the run going on
+    assert b.run.id == a.run.id  # the run going on
     a.close(True, "finished")
     c = rendezvous.Rendezvous(cfg, store=connect())
-    assert c.run == a.run
+    assert c.run.id == a.run.id
     with pytest.raises(rendezvous.RendezvousFailed, match="has ended"):
         c.next_round(1)
     key = names.job_key(a.scope, names.CLOSED)
     a.kv.set(key, a.seal(key, f"{time.time() - rendezvous.CLOCK_SKEW - 600:.3f} finished"))
     d = rendezvous.Rendezvous(cfg, store=connect())
-    assert d.run != a.run
+    assert d.run.id != a.run.id
     d.next_round(1).close()

@@ -104,6 +104,9 @@ class FakePeers:
     def new_round(self, rnd: Round) -> None:
         pass
 
+    def silences(self, now: float) -> dict[int, float]:
+        return {}
+
     def check(self, rnd: Round, now: float, beats) -> Failure | None:
         if self.s.peers_fail:
             raise StoreLost("the store's host is gone")

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from elasticd import config, names
-from elasticd.cluster import kv, rendezvous, run, values
+from elasticd.cluster import kv, rendezvous, values
 from elasticd.cluster.peers import Peers
 from elasticd.cluster.rounds import Member, Round
 from elasticd.cluster.timing import BEAT_EVERY, LOST_SILENCE
@@ -71,7 +71,7 @@ def _nodes(store: kv.LocalKV, cfg=None):
     cfg = cfg or _cfg()
     host = _host(store, cfg)
     other = rendezvous.Rendezvous(cfg, store=store.clone(), begins_run=False)
-    assert other.run == host.run and other.follows_run and not host.follows_run
+    assert other.run.id == host.run.id and other.run.follows and not host.run.follows
     return host, other
 
 
@@ -83,21 +83,21 @@ def test_the_same_store_keeps_the_run():
     host, other = _nodes(kv.LocalKV())
     other.last = Round(3, 1, [Member("a", 1, "h"), Member(other.node_id, 1, "h")])
     other.follow_run(_deadline())
-    assert (other.run, other.last.number) == (host.run, 3)  # a healed partition: nothing new
+    assert (other.run.id, other.last.number) == (host.run.id, 3)  # a healed partition: nothing new
 
 
 def test_a_restarted_host_s_fresh_store_is_the_job_s_next_run_with_its_budget():
     old_host, other = _nodes(kv.LocalKV())
-    assert old_host.spend_restart(1) == 1 and old_host.spend_restart(2) == 2
+    assert old_host.budget.spend(1) == 1 and old_host.budget.spend(2) == 2
     assert other.restarts_used() == 2
     other.last = Round(3, 1, [Member("a", 1, "h"), Member(other.node_id, 1, "h")])
     closed_before = other.job_key(names.CLOSED)
     old_host.stop_beating.set()
     fresh = kv.LocalKV()  # the host's daemon started again: a new store, none of the old keys
     new_host = _host(fresh)
-    other.kv = fresh.clone()
+    other.sealed.kv = fresh.clone()
     other.follow_run(_deadline())
-    assert other.run == new_host.run != old_host.run
+    assert other.run.id == new_host.run.id != old_host.run.id
     assert other.scope == new_host.scope and other.job_key(names.CLOSED) != closed_before
     assert other.last is None and other.current_round() == 0  # round numbers start again
     assert new_host.restarts_used() == 2  # the job's spent restarts carried into the new run
@@ -106,19 +106,19 @@ def test_a_restarted_host_s_fresh_store_is_the_job_s_next_run_with_its_budget():
 
 def test_a_fresh_store_without_a_run_is_waited_for_never_begun():
     _, other = _nodes(kv.LocalKV())
-    before = other.run
-    other.kv = kv.LocalKV()  # listening, but its host has not begun the run (or never will)
+    before = other.run.id
+    other.sealed.kv = kv.LocalKV()  # listening, but its host has not begun the run (or never will)
     t0 = time.monotonic()
     with pytest.raises(rendezvous.RendezvousFailed, match="--join-timeout"):
         other.follow_run(_deadline())
     assert time.monotonic() - t0 < 3
-    assert other.kv.get(names.job_key("job", names.RUN)) is None and other.run == before
+    assert other.kv.get(names.job_key("job", names.RUN)) is None and other.run.id == before
 
 
 @pytest.mark.parametrize("stranger", ["another job", "another secret"])
 def test_a_store_started_by_someone_else_is_not_taken_for_the_job(tmp_path, stranger):
     _, other = _nodes(kv.LocalKV())
-    before = other.run
+    before = other.run.id
     fresh = kv.LocalKV()
     if stranger == "another job":
         rendezvous.Rendezvous(_cfg(job="job2"), store=fresh, begins_run=True)
@@ -127,10 +127,10 @@ def test_a_store_started_by_someone_else_is_not_taken_for_the_job(tmp_path, stra
         path.write_bytes(b"another secret, another job" * 2)
         path.chmod(0o600)
         rendezvous.Rendezvous(_cfg(secret=str(path)), store=fresh, begins_run=True)
-    other.kv = fresh.clone()
+    other.sealed.kv = fresh.clone()
     with pytest.raises(rendezvous.RendezvousFailed, match="no run of job job"):
         other.follow_run(_deadline())
-    assert other.run == before
+    assert other.run.id == before
 
 
 def test_a_failed_job_s_host_keeps_its_store_up_while_the_others_still_beat():
@@ -177,7 +177,7 @@ def test_the_old_round_is_never_kept_under_the_new_run_s_keys():
         peers.new_round(old)
         fresh = kv.LocalKV()
         new_host = _host(fresh)
-        other.kv = fresh.clone()
+        other.sealed.kv = fresh.clone()
         peers._beat_kv = fresh.clone()
         other.follow_run(_deadline())
         peers._beat(1)
@@ -234,7 +234,7 @@ def test_an_earlier_run_s_record_written_back_moves_no_one(caplog):
     host, other = _nodes(store)
     store.set(RECORD, _earlier_record())
     other.follow_run(time.monotonic() + 5)
-    assert other.run == host.run
+    assert other.run.id == host.run.id
 
 
 def test_a_node_starting_on_an_earlier_run_s_record_follows_the_live_host():
@@ -247,7 +247,7 @@ def test_a_node_starting_on_an_earlier_run_s_record_follows_the_live_host():
     store.set(RECORD, _earlier_record())
     threading.Timer(0.5, lambda: _beat(host, store, 100)).start()  # back
     other = rendezvous.Rendezvous(_cfg(join_timeout=8), store=store.clone(), begins_run=False)
-    assert other.run == host.run
+    assert other.run.id == host.run.id
 
 
 def test_a_replay_of_the_old_run_on_a_restarted_host_s_store_is_not_followed():
@@ -261,9 +261,9 @@ def test_a_replay_of_the_old_run_on_a_restarted_host_s_store_is_not_followed():
     fresh = kv.LocalKV()
     new_host = _host(fresh)
     fresh.set(RECORD, old_record)
-    other.kv = fresh.clone()
+    other.sealed.kv = fresh.clone()
     other.follow_run(time.monotonic() + 8)
-    assert other.run == new_host.run != old_host.run
+    assert other.run.id == new_host.run.id != old_host.run.id
 
 
 def test_values_of_the_challenge_and_the_answer():
@@ -285,7 +285,7 @@ def test_the_host_answers_between_its_beats():
         took = []
         for _ in range(5):
             t0 = time.monotonic()
-            assert run.answering(other, [host.run], t0 + 2) == host.run
+            assert other.run.answering([host.run.id], t0 + 2) == host.run.id
             took.append(time.monotonic() - t0)
         assert sorted(took)[2] < BEAT_EVERY / 2, took
     finally:
@@ -311,7 +311,7 @@ def test_a_connection_kept_since_the_host_answered_is_the_same_store_and_host():
     store.set(RECORD, _earlier_record())
     t0 = time.monotonic()
     other.follow_run(time.monotonic() + 3)
-    assert other.run == host.run and time.monotonic() - t0 < 0.1
+    assert other.run.id == host.run.id and time.monotonic() - t0 < 0.1
     other.kv.connections += 1  # reconnected: no host answers in either run now
     with pytest.raises(rendezvous.RendezvousFailed, match="whose host answers"):
         other.follow_run(time.monotonic() + 1)
