@@ -114,6 +114,19 @@ def leftover_processes(exclude: set[int] = frozenset()) -> list[psutil.Process]:
     return found
 
 
+def alive(pid: int) -> bool:
+    """Whether the process runs (a zombie does not: it has exited, its parent has not reaped it)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def gone(pids) -> bool:
+    """Whether every one of these processes has exited (the workers of a node, for instance)."""
+    return not any(alive(p) for p in pids)
+
+
 ECHOED = re.compile(r"\[rank\d+\]: ")  # a line of a worker's output, as the daemon echoes it
 
 
@@ -231,14 +244,7 @@ class Daemon:
         ]
         if not running:
             return {}
-        out = {}
-        for rank, pid in running[-1]["pids"].items():
-            try:
-                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                    out[int(rank)] = pid
-            except psutil.Error:
-                pass
-        return out
+        return {int(rank): pid for rank, pid in running[-1]["pids"].items() if alive(pid)}
 
     def log_text(self, rank: int, attempt: int | None = None) -> str:
         dirs = self.attempt_dirs()

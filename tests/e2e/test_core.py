@@ -14,7 +14,7 @@ import pytest
 
 from elasticd.daemon import spawn as spawn_mod
 from harness import FAST_STOP5 as FAST
-from harness import leftover_processes, script, wait_until
+from harness import gone, leftover_processes, script, wait_until
 
 
 def test_unmodified_torchrun_script_completes(daemons, tmp_path):
@@ -358,15 +358,8 @@ def test_sigkill_of_daemon_takes_workers_and_grandchildren(daemons):
     # A process tearing down its memory has no readable environment yet is not a zombie: it is
     # no longer found as ours above, so wait for every process of the tree itself to finish.
     wait_until(
-        lambda: all(_dead(p) for p in tree), 10, what="every process of the daemon's tree dead"
+        lambda: gone(p.pid for p in tree), 10, what="every process of the daemon's tree dead"
     )
-
-
-def _dead(p: psutil.Process) -> bool:
-    try:
-        return not p.is_running() or p.status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
 
 
 def test_worker_output_is_prefixed_and_logged_per_rank(daemons):

@@ -5,7 +5,6 @@ regained, every endpoint dead or silent, authentication and TLS."""
 
 from __future__ import annotations
 
-import datetime
 import re
 import shutil
 import signal
@@ -18,7 +17,8 @@ import urllib.request
 import psutil
 import pytest
 
-from elasticd.cluster import etcd, kv, tcpstore
+import stores
+from elasticd.cluster import etcd, kv
 from etcd_cluster import (  # noqa: F401 (the fixtures)
     SKIP_REASON,
     EtcdCluster,
@@ -31,44 +31,12 @@ from etcd_cluster import (  # noqa: F401 (the fixtures)
 needs_etcd = pytest.mark.skipif(etcd_binary() is None, reason=SKIP_REASON)
 
 
-@pytest.fixture(params=["tcpstore", "etcd", "local"])
+@pytest.fixture(params=stores.BACKENDS)
 def connect(request):
     """A function making a new connection (a kv.KV) to one store: a c10d TCPStore, the etcd cluster,
     or a single-node job's in-process store (each connection a clone of the first)."""
-    if request.param == "local":
-        first = kv.LocalKV()
-        yield first.clone
-        return
-    if request.param == "etcd":
-        c = request.getfixturevalue("cluster")
-        made = []
-
-        def open_etcd():
-            made.append(etcd.connect(c.endpoints, timeout=5))
-            return made[-1]
-
-        yield open_etcd
-        for s in made:
-            s.close()
-        return
-    import torch.distributed as dist
-
-    server = dist.TCPStore(
-        "127.0.0.1",
-        0,
-        is_master=True,
-        wait_for_workers=False,
-        timeout=datetime.timedelta(seconds=10),
-    )
-    port = server.port
-
-    def open_tcp():
-        return tcpstore.TCPStoreKV(
-            tcpstore.tcp_connector("127.0.0.1", port), f"127.0.0.1:{port}", timeout=5
-        )
-
-    yield open_tcp
-    del server
+    for made, _endpoint in stores.connections(request):
+        yield made
 
 
 _n = iter(range(1_000_000))

@@ -16,7 +16,6 @@ import secrets
 import time
 from dataclasses import dataclass
 
-import psutil
 import pytest
 
 import netns as netns_mod
@@ -32,7 +31,7 @@ from e2e.test_nodeloss import (
     stop_nodes,
 )
 from etcd_cluster import ELECTION_MS, SKIP_REASON, EtcdCluster, etcd_binary
-from harness import script, secret_flags, wait_until
+from harness import gone, script, secret_flags, wait_until
 
 
 @dataclass
@@ -195,13 +194,7 @@ def test_partitioned_node_stops_its_workers_and_rejoins_when_healed(daemons, lay
     )
     assert "etcd" in said[0]["why"], said[0]
     wait_until(
-        lambda: (
-            not [
-                p
-                for p in pids.values()
-                if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
-            ]
-        ),
+        lambda: gone(pids.values()),
         15,
         what="its workers gone",
     )

@@ -17,11 +17,9 @@ import re
 import time
 from pathlib import Path
 
-import psutil
-
 from e2e.test_nodeloss import STEP, _nodes, _start_store, steps
 from elasticd import ledger
-from harness import run_cli, wait_until
+from harness import gone, run_cli, wait_until
 from netns import netns_fixture  # noqa: F401 (the netns fixture)
 
 TOTAL = 40
@@ -29,13 +27,6 @@ EPOCH_END = 8  # world 3: the last step of epoch 0
 CUT_AT = 11  # world 2: mid-epoch 1
 GROW_AT = 14  # world 1: still epoch 1
 HOLD_AFTER_GROW = 16
-
-
-def alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
 
 
 def at_step(nodes, step: int, world: int) -> bool:
@@ -88,7 +79,7 @@ def test_exactly_once_through_kill_cut_heal_and_rejoin(daemons, netns, tmp_path)
         wait_until(lambda: at_step((a, b, c), EPOCH_END, 3), 90, what="all at epoch 0's end")
         pids = list(c.worker_pids().values())
         c.kill()  # right after the epoch boundary: 3 -> 2
-        wait_until(lambda: not any(map(alive, pids)), 15, what="c's workers gone with it")
+        wait_until(lambda: gone(pids), 15, what="c's workers gone with it")
         release(EPOCH_END)  # (c's workers, still alive, would have trained one more step)
         wait_until(lambda: at_step((a, b), CUT_AT, 2), 60, what="a and b mid-epoch 1")
         net.cut(2)  # b's link, mid-epoch: 2 -> 1

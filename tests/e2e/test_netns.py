@@ -8,10 +8,8 @@ import subprocess
 import sys
 import time
 
-import psutil
-
 from harness import FAST_NODES as FAST
-from harness import ROOT, script, secret_flags, wait_until
+from harness import ROOT, gone, script, secret_flags, wait_until
 from netns import DEV, ip, netns_fixture, sweep_orphans  # noqa: F401 (the netns fixture)
 
 PORT = 29400  # a fresh namespace has every port free
@@ -87,7 +85,7 @@ def judge_host_not_back(host, other, pids: dict, store: str, join_timeout: int) 
     assert "refused the connection" in why and "the node hosting it is down" in why, why
     assert time.monotonic() - t0 < 3 + 3  # at once, plus the teardown (more under load)
     wait_until(
-        lambda: not [p for p in pids.values() if psutil.pid_exists(p) and live(p)],
+        lambda: gone(pids.values()),
         10,
         what="its workers gone",
     )
@@ -104,13 +102,6 @@ def judge_host_not_back(host, other, pids: dict, store: str, join_timeout: int) 
     assert f"did not come back within --join-timeout {join_timeout}s" in last, last
     # torch's own warnings came as JSON events too
     assert [ln for ln in err.splitlines() if ln.strip() and not ln.startswith("{")] == [last]
-
-
-def live(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
 
 
 LOADED = re.compile(r"checkpoint_loaded.*?\bpath=(\S+).*?\bsource=(\w+).*?\bstep=(\d+)")

@@ -17,10 +17,9 @@ import sys
 import time
 from datetime import datetime
 
-import psutil
 import pytest
 
-from harness import SESSION, script, secret_flags, wait_until
+from harness import SESSION, gone, script, secret_flags, wait_until
 from netns import DEV, netns_fixture  # noqa: F401 (the netns fixture)
 
 PORT = 29400
@@ -243,13 +242,7 @@ def test_partitioned_node_stops_its_workers_and_rejoins_when_healed(daemons, net
         )
         assert "cannot reach the rendezvous store" in said[0]["why"]
         wait_until(
-            lambda: (
-                not [
-                    p
-                    for p in pids.values()
-                    if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
-                ]
-            ),
+            lambda: gone(pids.values()),
             15,
             what="b's workers gone",
         )

@@ -6,85 +6,49 @@ for its own. Real stores (etcd: a real 3-member cluster on loopback), real Rende
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import itertools
 import time
 
 import pytest
 import structlog
-import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import stores
 from elasticd import config, names
-from elasticd.cluster import kv, rendezvous, sealed, tcpstore
+from elasticd.cluster import rendezvous, sealed
 from etcd_cluster import shared_cluster_fixture  # noqa: F401 (the fixture: cluster)
 from harness import secret_flags
 
 _jobs = itertools.count()
 
 
-@pytest.fixture(params=["tcpstore", "etcd", "local"])
+@pytest.fixture(params=stores.BACKENDS)
 def store(request):
     """(a new KV connection to one store, the config a node of a job on it gets)."""
     secret = secret_flags()[1]
+    for connect, endpoint in stores.connections(request, timeout=10):
 
-    def cfg(**extra):
-        settings_ = {
-            "entrypoint": "x.py",
-            "nnodes": "1:2",
-            "rdzv_id": f"fuzz{next(_jobs)}",
-            "last_call_timeout": 0,
-            "join_timeout": 4,
-            "peer_timeout": 2,
-            "rdzv_secret_file": secret,
-            **extra,
-        }
-        if request.param == "etcd":
-            settings_.update(
-                rdzv_backend="etcd", rdzv_endpoint=request.getfixturevalue("cluster").endpoints
-            )
-        elif request.param == "tcpstore":
-            settings_["rdzv_endpoint"] = f"127.0.0.1:{port}"
-        else:
-            settings_["nnodes"] = "1"
-        return config.build(settings_, None, environ={})
-
-    port, made = 0, []
-    if request.param == "local":
-        local = kv.LocalKV()
-        yield local.clone, cfg
-        return
-    if request.param == "etcd":
-        from elasticd.cluster import etcd
-
-        endpoints = request.getfixturevalue("cluster").endpoints
-
-        def connect():
-            made.append(etcd.connect(endpoints, timeout=5))
-            return made[-1]
+        def cfg(**extra):
+            settings_ = {
+                "entrypoint": "x.py",
+                "nnodes": "1:2",
+                "rdzv_id": f"fuzz{next(_jobs)}",
+                "last_call_timeout": 0,
+                "join_timeout": 4,
+                "peer_timeout": 2,
+                "rdzv_secret_file": secret,
+                **extra,
+            }
+            if request.param == "etcd":
+                settings_.update(rdzv_backend="etcd", rdzv_endpoint=endpoint)
+            elif request.param == "tcpstore":
+                settings_["rdzv_endpoint"] = endpoint
+            else:
+                settings_["nnodes"] = "1"
+            return config.build(settings_, None, environ={})
 
         yield connect, cfg
-        for s in made:
-            s.close()
-        return
-    server = dist.TCPStore(
-        "127.0.0.1",
-        0,
-        is_master=True,
-        wait_for_workers=False,
-        timeout=datetime.timedelta(seconds=10),
-    )
-    port = server.port
-    yield (
-        (
-            lambda: tcpstore.TCPStoreKV(
-                tcpstore.tcp_connector("127.0.0.1", port), f"127.0.0.1:{port}", timeout=10
-            )
-        ),
-        cfg,
-    )
-    del server
 
 
 def _keys(r: rendezvous.Rendezvous) -> list[str]:
