@@ -10,7 +10,7 @@
 #             refreshes, SIGKILL mid-refresh, and the default job (README's first command) on NCCL.
 #          2. bench/recovery.py --device cuda --nproc 1 (elasticd vs torchrun, kill -9 -> next
 #             step) and bench/steady.py --nproc 1 --workloads gpu (step time, alternating).
-# sharded: 1. tests/unit/test_sharded_gpu.py: FSDP2 on NCCL, CUDA shards refreshed overlapped,
+# sharded: 1. tests/unit/checkpoint/test_sharded_gpu.py: FSDP2 on NCCL, CUDA shards refreshed overlapped,
 #             a crash resumed bit-exact onto the GPU (two GPUs: a node lost, from the replica).
 #          2. bench/sharded.py --device cuda at 2 ranks where two GPUs allow (NCCL wants a GPU
 #             per rank), else 1: 100 MB, then 1 GB if time allows: stall per disk save and per
@@ -45,7 +45,7 @@ reap() {  # a bench cut short by its timeout leaves its launchers (own sessions)
 sharded_tests() {
   step "sharded: tests that need a GPU ($gpus GPUs)"
   timeout 200 python3 -m pytest -q -rs -p no:cacheprovider --basetemp=/tmp/gpu-sharded-tests \
-    tests/unit/test_sharded_gpu.py >"$out/sharded-tests.txt" 2>&1
+    tests/unit/checkpoint/test_sharded_gpu.py >"$out/sharded-tests.txt" 2>&1
   tail -8 "$out/sharded-tests.txt"
 }
 sharded_bench() {  # MB TIMEOUT
@@ -57,8 +57,8 @@ sharded_bench() {  # MB TIMEOUT
 ddp_tests() {
   step "tests that need a GPU"
   timeout 240 python3 -m pytest -q -rs -p no:cacheprovider --basetemp=/tmp/gpu-ddp-tests \
-    -k "cuda or overlapped or gpu or default_job" tests/unit/test_memory.py \
-    tests/unit/test_checkpoint.py tests/e2e/test_resume.py tests/e2e/test_torchrun_compat.py >"$out/tests.txt" 2>&1
+    -k "cuda or overlapped or gpu or default_job" tests/unit/checkpoint/test_memory.py \
+    tests/unit/checkpoint/test_checkpoint.py tests/e2e/test_resume.py tests/e2e/test_torchrun_flags_run.py >"$out/tests.txt" 2>&1
   tail -15 "$out/tests.txt"
 }
 recovery() {

@@ -1,6 +1,6 @@
 """How one optimizer step's global batch is split into micro-batches over the ranks: pure
-functions of (global batch G, micro-batch m, world W), so the rules are table- and
-property-tested (tests/unit/test_global_batch.py) and every rank computes the same split alone.
+functions of (global batch G, micro-batch m, world W), so the rules are table- and property-tested
+(tests/unit/shared/test_global_batch.py) and every rank computes the same split alone.
 
 A global batch is G consecutive positions of the epochs' seeded order (elasticd.global_batch).
 It is cut into micro-batches, each at most m samples and a contiguous run of those positions,

@@ -30,11 +30,11 @@ manager (CheckpointManager). The public names (`CheckpointManager`, `capture`, `
 `load_latest`, ...) are each imported from their module at first use, so importing the package
 or its format module loads no torch.
 
-A worker-side library: it runs in the user's training processes and imports nothing of the
-daemon, cluster, control or ops packages (tests/unit/test_layout.py checks it). The daemon reads the
+A worker-side library: it runs in the user's training processes and imports nothing of the daemon,
+cluster, control or ops packages (tests/unit/project/test_layout.py checks it). The daemon reads the
 torch-free parts: format (the latest checkpoint, for status), and memory/directory.py and
-memory/slots.py (the in-memory directory it owns); tests/unit/test_layout.py checks they load no
-torch.
+memory/slots.py (the in-memory directory it owns); tests/unit/project/test_layout.py checks they
+load no torch.
 """
 
 from __future__ import annotations

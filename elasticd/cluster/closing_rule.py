@@ -1,6 +1,6 @@
 """When the node closing a round closes it, with whom, and what it costs: the rule, pure (plain
 data in, a `Decision` out; the store's reads and writes are closing.py's), so that a table of
-cases can check every branch (tests/unit/test_closing_rule.py).
+cases can check every branch (tests/unit/cluster/test_closing_rule.py).
 
 A round closes once MAX nodes are in; a restarted round also once every node it expects came
 (the previous members and the nodes that waited to join, less the lost) and MIN are in; else

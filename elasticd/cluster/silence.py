@@ -1,5 +1,6 @@
 """Who has been silent how long: the liveness rules, pure (the clock is passed in, the store's
-reads are done by the caller), so that a table of cases can check them (tests/unit/test_silence.py).
+reads are done by the caller), so that a table of cases can check them
+(tests/unit/cluster/test_silence.py).
 
 A node's silence is the time since its beat counter last went up. Two readers keep it: the
 liveness thread for the ring neighbours this node watches (peers.py: `account`, then `judge`

@@ -16,7 +16,7 @@ which it calls at a few hooks.
 
 The collaborators that reach outside the daemon (store and rounds, peers, local group, spares,
 health check, subreaper) are made from factories `Agent` is given, the real ones by default:
-tests/unit/test_agent.py gives fakes and drives every edge of `TRANSITIONS`.
+tests/unit/daemon/test_agent.py gives fakes and drives every edge of `TRANSITIONS`.
 """
 
 from __future__ import annotations

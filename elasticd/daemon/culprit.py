@@ -1,6 +1,6 @@
 """Which rank a hang is the fault of (or that it is a desync: ranks in different collectives), from
 the stack dumps taken when it was declared. Pure: dump text in, verdict out
-(tests/unit/test_culprit.py is its table).
+(tests/unit/daemon/test_culprit.py is its table).
 
 In a collective hang every rank stops beating at once, so the heartbeat names whichever rank's
 silence was read first. The stacks tell them apart: the ranks waiting in a torch.distributed

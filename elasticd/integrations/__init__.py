@@ -11,7 +11,7 @@ each module runs in the user's training processes and imports its framework (an 
   `accelerator.unwrap_model(model)`, its optimizer and scheduler, `skip_first_batches`).
 
 Worker side, like elasticd.checkpoint: these run in the user's training processes and import
-nothing of the daemon's packages (tests/unit/test_layout.py). Each imports its framework, so
+nothing of the daemon's packages (tests/unit/project/test_layout.py). Each imports its framework, so
 importing `elasticd.integrations` alone loads none of them. (The modules are named after the
 framework they serve, the public path a script imports; absolute imports keep `import
 transformers` inside them the framework's own.)

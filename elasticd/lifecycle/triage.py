@@ -3,7 +3,7 @@ hardware, a hang, the cluster, a stop), its signature (what makes two failures t
 an attempt's failures came first (`first`: by time, a rank that died of another's going yielding;
 `comes_first` between nodes' restart requests), and the repeat rule that calls a failure
 deterministic. Plain data in, plain data out, so that a
-table of cases checks every rule (tests/unit/test_triage.py).
+table of cases checks every rule (tests/unit/lifecycle/test_triage.py).
 
 Where each is decided: the class of a local worker's failure in daemon/group.py (its exit, the
 error file's text, the OOM counters of daemon/oom.py), of the others where their RestartCause is
@@ -100,7 +100,7 @@ _LIBRARY = re.compile(
 def mask_numbers(text: str) -> str:
     """Numbers as N (a step, a port, a pid, a pointer, a loss: -0.2718, 3.2e-05, 0x7f3a2c00) and
     ids as ID (a uuid, a hex digest, a temporary file's name): what differs between attempts of
-    the same failure. A table of real messages: tests/unit/test_triage.py."""
+    the same failure. A table of real messages: tests/unit/lifecycle/test_triage.py."""
     return _MASK.sub(lambda m: m.lastgroup or "N", text)
 
 

@@ -4,8 +4,8 @@ docstrings of the package's modules (read as text: nothing is imported), and the
 in docs/architecture.md from lifecycle/states.py's.
 
 `python3 -m elasticd.ops.docs` writes them all (`--check`: only say whether they are current, exit 1
-if not); tests/unit/test_docs.py fails when any differs from what the code would write. Nothing the
-daemon runs imports this module.
+if not); tests/unit/project/test_docs.py fails when any differs from what the code would write.
+Nothing the daemon runs imports this module.
 """
 
 from __future__ import annotations

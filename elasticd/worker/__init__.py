@@ -5,9 +5,9 @@ elasticd.worker.bootstrap`: the working directory never on their path).
 
 Here: the bootstrap every worker starts as (bootstrap, then the user's script or module), the fork
 server that forks warm spares (forkserver; what it learns to import: imported, learned; a spare
-bound to a rank: bound; torch's threads in a spare: threads), the workers' command line as ps
-shows it (proctitle), and the heartbeat file's format (health: the worker writes it, the daemon
-reads it). These modules import only the shared top-level modules (names, safeio, logs) and each
-other: never the daemon, cluster, control or ops packages (tests/unit/test_layout.py checks it),
-so a worker loads none of the daemon's code.
+bound to a rank: bound; torch's threads in a spare: threads), the workers' command line as ps shows
+it (proctitle), and the heartbeat file's format (health: the worker writes it, the daemon reads it).
+These modules import only the shared top-level modules (names, safeio, logs) and each other: never
+the daemon, cluster, control or ops packages (tests/unit/project/test_layout.py checks it), so a
+worker loads none of the daemon's code.
 """

@@ -12,7 +12,7 @@ preloaded package, whose import would have imported torch cold), the spare watch
 `builtins.__import__`; at that import, if the thread variables differ from those torch was
 imported with, it calls torch.set_num_threads with what the cold import would have chosen
 (`cold_count`: MKL's rule above).
-Inter-op threads do not depend on the environment. Measured: tests/e2e/test_torchrun_compat.py.
+Inter-op threads do not depend on the environment. Measured: tests/e2e/test_torchrun_flags_run.py.
 """
 
 from __future__ import annotations

@@ -236,8 +236,8 @@ def test_exception_in_worker_restarts_and_reports_error_file(daemons):
     assert "injected failure" in err["message"]["message"]
 
 
-# the same failure at the same step in every attempt: without this, the second attempt would end
-# the job as deterministic (tests/e2e/test_triage.py); these tests are about the budget and backoff
+# the same failure at the same step in every attempt: without this, the second attempt would end the
+# job as deterministic (tests/e2e/test_triage_jobs.py); these tests are about the budget and backoff
 SAME_FAILURE_RETRIED = ("--deterministic-retries", "0")
 
 

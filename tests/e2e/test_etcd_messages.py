@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from e2e.test_etcd_hostile import run_flags
+from e2e.test_etcd_hostile_members import run_flags
 from fake_member import FakeMember, healthy
 from harness import final_lines, free_port
 

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from e2e.test_etcd_hostile import run_flags
+from e2e.test_etcd_hostile_members import run_flags
 from elasticd import config
 from fake_member import FakeMember, response
 from harness import ROOT, final_lines, free_port

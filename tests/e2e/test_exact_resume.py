@@ -5,7 +5,7 @@ state of the same command run without a fault, bit for bit.
 The job is tests/scripts/exact_job.py (AdamW, dropout, warm-up, a shuffled sampler, a numpy and a
 Python draw per step, 50 samples: no world here divides them). The fault-free run and the faulty
 one run side by side, two jobs of their own. The same property over many more combinations, with
-forked ranks: tests/unit/test_resume_property.py.
+forked ranks: tests/unit/checkpoint/test_resume_property.py.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ import pytest
 
 from e2e.test_operability import scrape
 from harness import free_port, node_flags, script, wait_until
-from unit.test_replication import samples
+from unit.reporting.test_replication import samples
 
 pytest.importorskip("torch.distributed.fsdp")
 

@@ -42,7 +42,7 @@ def test_fsdp2_node_killed_survivor_resumes_from_memory_at_the_smaller_world(
     daemons, netns, tmp_path
 ):
     """The node lost holds rank 0 (the other case: the three-node test below, and forked ranks
-    in tests/unit/test_sharded_memory.py)."""
+    in tests/unit/checkpoint/test_sharded_memory.py)."""
     lose_rank0 = True
     net = netns(3, subnet=34)
     store = _start_store(net)

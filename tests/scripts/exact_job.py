@@ -3,10 +3,10 @@ must get back in play: DDP (or FSDP2's fully_shard), AdamW with weight decay, dr
 LR schedule, a shuffled ResumableDistributedSampler, a DataLoader (0 or 2 worker processes,
 drop_last on or off), a numpy and a Python draw per step, several epochs.
 
-One job, two users: tests/unit/test_resume_property.py forks its ranks and calls `run` (a crash:
-every rank stops dead after a step), tests/e2e/test_exact_resume.py runs it under `elasticd run`
-(EXACT_* environment; a crash: one rank SIGKILLs itself once). Rank 0 writes the final model and
-optimizer state's sha256 to OUT, and every rank appends `step sha256-prefix` lines to OUT.RANK
+One job, two users: tests/unit/checkpoint/test_resume_property.py forks its ranks and calls `run` (a
+crash: every rank stops dead after a step), tests/e2e/test_exact_resume.py runs it under `elasticd
+run` (EXACT_* environment; a crash: one rank SIGKILLs itself once). Rank 0 writes the final model
+and optimizer state's sha256 to OUT, and every rank appends `step sha256-prefix` lines to OUT.RANK
 (the parameters after each step), so a failure names the first step that differs.
 """
 

@@ -48,7 +48,7 @@ WAIT = 60.0  # seconds any step of the exchange waits for its peers, plus the by
 SPEED = 20e6  # bytes/s assumed of the slowest link when bounding the all_to_all's wait
 ALIGN = 8  # each slice starts at a multiple of 8 bytes, so the bytes view as any dtype in place
 # Tests only: called on each outgoing message (rank to, bytes) after its MAC was taken, as a bad
-# link or someone on it would change it (tests/unit/test_sharded_exchange.py).
+# link or someone on it would change it (tests/unit/checkpoint/test_sharded_exchange.py).
 TAMPER: Callable[[int, torch.Tensor], None] | None = None
 
 

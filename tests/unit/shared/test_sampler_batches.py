@@ -21,7 +21,7 @@ from elasticd import ledger
 from elasticd.ledger import LedgerFile
 from elasticd.ops import ledger_check
 from elasticd.sampler import ResumableDistributedSampler
-from unit.test_sampler import Range
+from unit.shared.test_sampler import Range
 
 
 class Recorder:

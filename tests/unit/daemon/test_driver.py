@@ -2,8 +2,9 @@
 interfaces' stand-ins: a regular file of kernel records in /dev/kmsg's form, written by the test,
 and an executable standing in for nvidia-smi that answers its --query-gpu from a state file. Only
 the kernel's own hardware Xid records written during the attempt count, and a rise of NVML's
-counters; without a driver a Watch says nothing; a wedged nvidia-smi is waited for TIMEOUT at
-most. The failure's class: tests/unit/test_triage.py; under a daemon: tests/e2e/test_quarantine.py.
+counters; without a driver a Watch says nothing; a wedged nvidia-smi is waited for TIMEOUT at most.
+The failure's class: tests/unit/lifecycle/test_triage.py; under a daemon:
+tests/e2e/test_quarantine_nodes.py.
 """
 
 from __future__ import annotations

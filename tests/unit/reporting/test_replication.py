@@ -17,7 +17,7 @@ from elasticd.reporting import metrics, replication
 from elasticd.reporting.replication import Replication, node_state, state_of
 from elasticd.reporting.status_snapshot import Snapshot, Worker, from_json
 from elasticd.worker import heartbeat
-from unit.test_metrics import beat
+from unit.reporting.test_metrics import beat
 
 BASE = ("run_id", "node")  # the labels every series carries
 ON = heartbeat.REPLICA_STATES.index("on")

@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import _ckpt_helpers as helpers
 from elasticd.checkpoint import CheckpointManager, capture, restore
-from unit.test_sharded_disk import _full, _model, _step
+from unit.checkpoint.test_sharded_disk import _full, _model, _step
 
 pytest.importorskip("torch.distributed.fsdp")
 

@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader
 from elasticd import ledger, names
 from elasticd.ops import ledger_check
 from elasticd.sampler import ResumableDistributedSampler
-from unit.test_sampler import Range
+from unit.shared.test_sampler import Range
 
 SEED = 3
 

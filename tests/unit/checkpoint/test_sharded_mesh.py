@@ -13,7 +13,7 @@ import torch.nn as nn
 
 import _ckpt_helpers as helpers
 from elasticd.checkpoint import CheckpointManager, capture, restore
-from unit.test_sharded_disk import _full, _model, _same, _step
+from unit.checkpoint.test_sharded_disk import _full, _model, _same, _step
 
 pytest.importorskip("torch.distributed.fsdp")
 

@@ -1,8 +1,8 @@
 """The MACs on the in-memory state's bytes that cross the network (memory.seal): the node's whole
-state a rank sends to a rank whose node lacks it is decoded only when its MAC verifies, and a MAC
-is bound to the key and to what the bytes are (another step's, or another part's, does not
-verify). The replica ring and the shard exchange end to end: tests/unit/test_sharded_memory.py,
-tests/unit/test_sharded_exchange.py."""
+state a rank sends to a rank whose node lacks it is decoded only when its MAC verifies, and a MAC is
+bound to the key and to what the bytes are (another step's, or another part's, does not verify). The
+replica ring and the shard exchange end to end: tests/unit/checkpoint/test_sharded_memory.py,
+tests/unit/checkpoint/test_sharded_exchange.py."""
 
 from __future__ import annotations
 

@@ -1,9 +1,10 @@
 """Sharded state with real gloo ranks on CPU: a model sharded by FSDP2's fully_shard holds
-DTensors. The in-memory state keeps each rank's own shards (tests/unit/test_sharded_memory.py has
-the resumes); a DTensor anywhere else in the state, and the disk's plain Snapshot path, refuse
-them with one line naming the key, and the rank goes on or raises: never a segfault (the in-memory
-writer once copied from a DTensor's data_ptr(), which is 0). The disk save takes them
-(tests/unit/test_sharded_disk.py)."""
+DTensors. The in-memory state keeps each rank's own shards
+(tests/unit/checkpoint/test_sharded_memory.py has the resumes); a DTensor anywhere else in the
+state, and the disk's plain Snapshot path, refuse them with one line naming the key, and the rank
+goes on or raises: never a segfault (the in-memory writer once copied from a DTensor's data_ptr(),
+which is 0). The disk save takes them
+(tests/unit/checkpoint/test_sharded_disk.py)."""
 
 from __future__ import annotations
 

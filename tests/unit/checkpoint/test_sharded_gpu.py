@@ -21,7 +21,7 @@ from elasticd.checkpoint.memory import directory, slots
 from elasticd.checkpoint.memory.replica import Replicator
 from elasticd.checkpoint.memory.writer import Writer
 from harness import ROOT, script
-from unit.test_sharded_memory import _same
+from unit.checkpoint.test_sharded_memory import _same
 
 pytest.importorskip("torch.distributed.fsdp")
 

@@ -1,5 +1,6 @@
 """The straggler rule (stragglers.judge) as a table: figures in, verdict out, no clock, no
-heartbeats. The integration through Stragglers.observe is in tests/unit/test_metrics.py."""
+heartbeats. The integration through Stragglers.observe is in
+tests/unit/reporting/test_metrics.py."""
 
 from __future__ import annotations
 
