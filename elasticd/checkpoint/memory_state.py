@@ -45,6 +45,7 @@ from elasticd.checkpoint.files import load_latest_entry, looks_at_disk
 from elasticd.checkpoint.format import Entry, candidates
 from elasticd.checkpoint.memory import cadence, reader, replica, seal, shards, slots
 from elasticd.checkpoint.memory import directory as memdir
+from elasticd.checkpoint.memory.choice import newest
 from elasticd.checkpoint.memory.writer import Writer
 from elasticd.checkpoint.state import REFRESH, Refresh
 from elasticd.worker import heartbeat
@@ -81,27 +82,23 @@ def choose(views: list[dict[str, Any]]) -> tuple[Choice | None, str]:
       hold, then the larger lineage number, so that every rank picks the same.
 
     Returns (the choice or None, why none)."""
-    disk = max(v["disk"] for v in views)
     holders: dict[tuple[int, int], list[int]] = {}
     wrote: dict[tuple[int, int], int] = {}
     for r, v in enumerate(views):
         for step, lineage, _local_world, world_size in v["whole"]:
             holders.setdefault((step, lineage), []).append(r)
             wrote[(step, lineage)] = world_size
-    if not holders:
-        return None, "no step held in memory"
-    why = ""
-    for (step, lineage), have in sorted(
-        holders.items(), key=lambda kv: (kv[0][0], len(kv[1]), kv[0][1]), reverse=True
-    ):
-        if step < disk:
-            return None, why or f"disk checkpoint at step {disk} is newer"
+
+    def fits(step: int, lineage: int) -> tuple[Choice | None, str]:
         lacking = [r for r, v in enumerate(views) if not _fits(v, step, lineage)]
-        if not lacking:
-            keepers = tuple(r for r, v in enumerate(views) if [step, lineage] in v["own"])
-            return Choice(step, lineage, wrote[(step, lineage)], tuple(have), keepers), ""
-        why = why or f"rank {lacking[0]} lacks its own RNG state at step {step}"
-    return None, why
+        if lacking:
+            return None, f"rank {lacking[0]} lacks its own RNG state at step {step}"
+        keepers = tuple(r for r, v in enumerate(views) if [step, lineage] in v["own"])
+        have = tuple(holders[(step, lineage)])
+        return Choice(step, lineage, wrote[(step, lineage)], have, keepers), ""
+
+    disk = max(v["disk"] for v in views)
+    return newest({k: len(v) for k, v in holders.items()}, disk, fits)
 
 
 def _fits(view: dict[str, Any], step: int, lineage: int) -> bool:

@@ -75,7 +75,6 @@ log = structlog.get_logger()
 
 REST = "state.pt"
 METADATA = ".metadata"
-PARTS = ("model", "optimizer")  # what DCP holds; the rest goes to state.pt
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,10 +153,10 @@ class ShardedSaver:
         if not self._grouped and dist_on() and dist.get_world_size() > 1:
             self._group = dist.new_group(backend="gloo")
         self._grouped = True
-        shards = self._host.take({k: state[k] for k in PARTS if k in state})
+        shards = self._host.take({k: state[k] for k in sharded.PARTS if k in state})
         # taken on every rank, though rank 0 alone writes it: a state the copy refuses raises on
         # every rank, never leaving the others waiting for rank 0 in the writer's collectives
-        others = self._snap.take({k: v for k, v in state.items() if k not in PARTS})
+        others = self._snap.take({k: v for k, v in state.items() if k not in sharded.PARTS})
         rest = {"format": FORMAT, "step": step, "meta": meta, "parts": list(shards)}
         rest["state"] = others
         return Job(step, meta, shards, rest if rank() == 0 else None)
@@ -328,7 +327,7 @@ def _open(directory: str, entry: Entry) -> dict[str, Any]:
         raise ValueError("not an elasticd checkpoint")
     if not isinstance(payload.get("format"), int) or payload["format"] > FORMAT:
         raise ValueError(f"written by a newer elasticd (format {payload.get('format')!r})")
-    parts = tuple(p for p in PARTS if p in payload.get("parts", ()))
+    parts = tuple(p for p in sharded.PARTS if p in payload.get("parts", ()))
     state = dict(payload["state"])
     shards = tuple(n for n in files if n not in (METADATA, REST))
     on_disk = OnDisk(path, files[METADATA], parts, shards)

@@ -25,6 +25,10 @@ import torch
 
 from elasticd.checkpoint.snapshot import Snapshot
 
+# the parts of a captured state that hold a sharded model's DTensors (get_state_dict's model and
+# optimizer); the rest of a state is the same on every rank. Disk (DCP) and memory alike split here
+PARTS = ("model", "optimizer")
+
 # model -> whether any of its parameters is a DTensor (fully_shard is applied before training)
 _SHARDED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 

@@ -34,7 +34,8 @@ The modules, one concern each: directory (the daemon's /dev/shm directory: creat
 what a dead daemon left; torch-free, the only one the daemon imports, with slots), slots (the
 slot files' format and headers, torch-free), cadence (how often to refresh, torch-free),
 description (how a state's non-tensor part is written and read back), writer (the refresh) and
-reader (a slot's state, in place or as bytes to send); for sharded jobs, shards (the resume:
+reader (a slot's state, in place or as bytes to send), choice (which step a resume takes: one
+rule, each layout saying who holds a step); for sharded jobs, shards (the resume:
 which step, from where, placed in the new mesh) and replica (the ring that keeps each rank's
 slot on the next node).
 """

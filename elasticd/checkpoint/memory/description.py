@@ -18,10 +18,10 @@ from typing import Any, NamedTuple
 
 import torch
 
+from elasticd.checkpoint import sharded
 from elasticd.checkpoint import walk as _walk
 
 _T = "\x00"
-_SHARDED_PARTS = ("model", "optimizer")  # where capture() puts a sharded model's DTensors
 # (mesh, placements, global shape) -> this rank's chunk offsets: the same at every refresh, and
 # working them out (DTensor.__create_chunk_list__) was two thirds of a tiny model's refresh
 _OFFSETS: dict = {}
@@ -65,11 +65,11 @@ class Description:
         key = (spec.mesh, spec.placements, t.shape)
         offsets = _OFFSETS.get(key)
         if offsets is None:
-            if _walk.root(at) not in _SHARDED_PARTS or any(p.is_partial() for p in t.placements):
+            if _walk.root(at) not in sharded.PARTS or any(p.is_partial() for p in t.placements):
                 raise _walk.wrapped(type(t), at, self.cannot)
             (chunk,) = t.__create_chunk_list__()
             offsets = _OFFSETS[key] = list(chunk.offsets)
-        elif _walk.root(at) not in _SHARDED_PARTS:
+        elif _walk.root(at) not in sharded.PARTS:
             raise _walk.wrapped(type(t), at, self.cannot)
         # the local shard itself (what to_local() returns, without its autograd function)
         local = getattr(t, "_local_tensor", None)

@@ -42,7 +42,6 @@ from elasticd.checkpoint.memory import seal
 from elasticd.checkpoint.memory.description import Chunk
 from elasticd.checkpoint.walk import keys, root, where
 
-PARTS = ("model", "optimizer")
 MARK = "\x00elasticd.chunk"  # a skeleton's stand-in for a chunk: {MARK: [global shape, dtype]}
 WAIT = 60.0  # seconds any step of the exchange waits for its peers, plus the bytes at SPEED
 SPEED = 20e6  # bytes/s assumed of the slowest link when bounding the all_to_all's wait
@@ -190,7 +189,7 @@ class Exchange:
         from their holders, as DTensors of the live ones' specs, for sharded.apply."""
         t0 = time.perf_counter()
         marks: list = []
-        for part in PARTS:
+        for part in sharded.PARTS:
             _leaves(self.parts.get(part), (None, part), marks, _is_mark)
         why, needs, targets = None, [None] * len(marks), {}
         try:
@@ -227,7 +226,7 @@ class Exchange:
         holds, chunks = {}, {}
         for q, state in self.held.items():
             found: list = []
-            for part in PARTS:
+            for part in sharded.PARTS:
                 _leaves(state.get(part), (None, part), found, lambda o: isinstance(o, Chunk))
             if [where(a) for a, _ in found] != [where(a) for a, _ in marks]:
                 return f"rank {rank()}: rank {q}'s slot holds other tensors than rank 0's", {}

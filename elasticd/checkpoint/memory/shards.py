@@ -41,14 +41,13 @@ from elasticd.checkpoint.collectives import (
 )
 from elasticd.checkpoint.format import Entry
 from elasticd.checkpoint.memory import exchange, reader, seal
+from elasticd.checkpoint.memory.choice import newest
 from elasticd.checkpoint.memory.description import Chunk
 from elasticd.checkpoint.memory.slots import OWN, REPLICA, held, invalidate, keep_only, slot_path
 from elasticd.checkpoint.state import InMemory
 from elasticd.checkpoint.walk import where
 
 log = structlog.get_logger()
-
-PARTS = ("model", "optimizer")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,46 +76,40 @@ def choose(views: list[dict[str, Any]], world_size: int) -> tuple[Choice | None,
     """The newest (step, lineage) whose every old rank's slot some rank of the new world holds
     (its own or a replica), not older than the newest disk checkpoint ("disk"), and at which every
     rank that took part in the lineage holds its own slot (a torn refresh: the step before).
-    Ties: the one more old ranks are held of, then the larger lineage. (None, why) when none."""
-    disk = max(v["disk"] for v in views)
+    Ties: the one more old ranks are held of, then the larger lineage (choice.newest). (None,
+    why) when none."""
     have: dict[tuple[int, int], dict[int, list[tuple[int, str]]]] = {}
     wrote: dict[tuple[int, int], int] = {}
     for r, v in enumerate(views):
         for step, lineage, size, old, kind in v["pieces"]:
             have.setdefault((step, lineage), {}).setdefault(old, []).append((r, kind))
             wrote[(step, lineage)] = size
-    if not have:
-        return None, "no step held in memory"
-    why = ""
-    for (step, lineage), by in sorted(
-        have.items(), key=lambda kv: (kv[0][0], len(kv[1]), kv[0][1]), reverse=True
-    ):
-        if step < disk:
-            return None, why or f"disk checkpoint at step {disk} is newer"
-        was = wrote[(step, lineage)]
+    own = [{(p[0], p[1]) for p in v["pieces"] if p[4] == OWN} for v in views]
+
+    def fits(step: int, lineage: int) -> tuple[Choice | None, str]:
+        by, was = have[(step, lineage)], wrote[(step, lineage)]
         missing = [q for q in range(was) if q not in by]
         if missing:
-            why = why or (
+            return None, (
                 f"no survivor holds rank {missing[0]}'s shards of step {step} in memory (its "
                 f"node and the node keeping its replica are both gone)"
             )
-            continue
-        own = [{(p[0], p[1]) for p in v["pieces"] if p[4] == OWN} for v in views]
         lacking = [
             r
             for r, mine in enumerate(own)
             if (step, lineage) not in mine and any(x == lineage for _, x in mine)
         ]
         if lacking:
-            why = why or f"rank {lacking[0]} lacks its own slot at step {step}"
-            continue
+            return None, f"rank {lacking[0]} lacks its own slot at step {step}"
         source = tuple(
             min(by[q], key=lambda rk, q=q: (rk[1] != OWN, rk[0] != q, rk[0])) for q in range(was)
         )
         keepers = tuple(r for r, mine in enumerate(own) if (step, lineage) in mine)
         direct = was == world_size and all(source[q] == (q, OWN) for q in range(was))
         return Choice(step, lineage, was, source, keepers, direct), ""
-    return None, why
+
+    disk = max(v["disk"] for v in views)
+    return newest({k: len(v) for k, v in have.items()}, disk, fits)
 
 
 def resume(
@@ -254,7 +247,7 @@ def fetch(
     if why is not None:
         return None, why, refused
     serves = [src for src, _ in choice.source]
-    parts = {k: rest[k] for k in PARTS if k in rest}
+    parts = {k: rest[k] for k in sharded.PARTS if k in rest}
     pieces = Pieces(exchange=exchange.Exchange(parts, held, serves, (step, lineage)))
     return {"state": _with_pieces(rest, pieces), "rng": rng}, None, refused
 
@@ -276,8 +269,8 @@ def _refuse(directory: str | None, local_rank: int, choice: Choice, old: int, wh
 
 def _with_pieces(state: Mapping[str, Any], pieces: Pieces) -> dict[str, Any]:
     """The rest of the state, with `pieces` where the model and optimizer go."""
-    out = {k: v for k, v in state.items() if k not in PARTS}
-    for part in PARTS:
+    out = {k: v for k, v in state.items() if k not in sharded.PARTS}
+    for part in sharded.PARTS:
         if part in state:
             out[part] = pieces
     return out
