@@ -268,7 +268,7 @@ def state_hash(directory: Path) -> tuple[str | None, int | None]:
     import torch
 
     from elasticd import checkpoint
-    from elasticd.checkpoint import shard_files
+    from elasticd.checkpoint.disk import shard_files
 
     state = checkpoint.load_latest(directory)
     if state is None:
@@ -302,7 +302,7 @@ def sharded_tensors(on_disk) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from elasticd.checkpoint import shard_files
+    from elasticd.checkpoint.disk import shard_files
 
     reader = shard_files.verified_reader(on_disk)
     md = reader.read_metadata()

@@ -19,14 +19,15 @@ Adopting it in a DDP loop (the same code runs under elasticd, torchrun or as one
 Every rank calls the same methods at the same steps: `capture()` gathers each rank's RNG state and
 the save/stop decisions are agreed across ranks, so those calls are collectives.
 
-The modules, one concern each: format (the directory's layout and manifest, torch-free: all the
-daemon reads), files (write, verify, load and broadcast checkpoint files), collectives (bytes
-between ranks over gloo), walk and snapshot (what a state may hold; its host copy), state and rng
-(capture/restore; RNG states), sharded and shard_files (a sharded model's state through
-torch.distributed.checkpoint's state_dict API; its checkpoints in DCP's format), stop (SIGTERM and
-its watchdog), memory (the in-memory state's slot files in /dev/shm), overlap (their device copies
-overlapping the next step), memory_state (the in-memory state's cadence, refreshes and resume) and
-manager (CheckpointManager). The public names (`CheckpointManager`, `capture`, `restore`,
+The modules, one concern each, with the public API on top (this package's names): disk/ (the
+directory's layout and manifest, torch-free: all the daemon reads; checkpoint files written,
+verified, loaded and broadcast; their host copy; a sharded model's checkpoints in DCP's format)
+and memory/ (the in-memory state: its slot files in /dev/shm, its cadence, refreshes and resume),
+the two places a state is kept; collectives (bytes between ranks over gloo), walk (what a state
+may hold), training_state and rng (capture/restore; RNG states), sharded (a sharded model's state
+through torch.distributed.checkpoint's state_dict API), overlap (device copies overlapping the
+next step), stop (SIGTERM and its watchdog) and manager (CheckpointManager, which drives both).
+The public names (`CheckpointManager`, `capture`, `restore`,
 `load_latest`, ...) are each imported from their module at first use, so importing the package
 or its format module loads no torch.
 
@@ -42,7 +43,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from elasticd.checkpoint.format import (
+from elasticd.checkpoint.disk.format import (
     FORMAT,
     MANIFEST,
     Entry,
@@ -50,10 +51,10 @@ from elasticd.checkpoint.format import (
     latest_info,
     read_manifest,
 )
-from elasticd.checkpoint.format import (
+from elasticd.checkpoint.disk.format import (
     MAX_MANIFEST as MAX_MANIFEST,
 )  # public limits, outside __all__
-from elasticd.checkpoint.format import MAX_STEP as MAX_STEP
+from elasticd.checkpoint.disk.format import MAX_STEP as MAX_STEP
 
 __all__ = [
     "FORMAT",
@@ -77,11 +78,11 @@ __all__ = [
 _TORCH_NAMES = {  # name -> the module that defines it (imported at first use: they import torch)
     "CheckpointError": "manager",
     "CheckpointManager": "manager",
-    "capture": "state",
-    "restore": "state",
-    "unwrap_model": "state",
-    "load_latest": "files",
-    "load_file": "files",
+    "capture": "training_state",
+    "restore": "training_state",
+    "unwrap_model": "training_state",
+    "load_latest": "disk.files",
+    "load_file": "disk.files",
     "install_sigterm_handler": "stop",
     "stop_requested": "stop",
     "request_stop": "stop",

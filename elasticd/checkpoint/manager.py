@@ -1,6 +1,6 @@
 """CheckpointManager: periodic, atomic, asynchronous checkpoints (rank 0's file, or every rank's
 shards through shard_files.py) with retention and error reporting, the stop agreed across ranks
-(`maybe_save`, `should_stop`), and (through elasticd.checkpoint.memory_state) the in-memory
+(`maybe_save`, `should_stop`), and (through elasticd.checkpoint.memory.state) the in-memory
 state's refreshes."""
 
 from __future__ import annotations
@@ -17,9 +17,10 @@ import torch
 import torch.distributed as dist
 
 from elasticd import names
-from elasticd.checkpoint import files, shard_files, sharded, stop
+from elasticd.checkpoint import sharded, stop
 from elasticd.checkpoint.collectives import cpu_group, dist_on, rank, world
-from elasticd.checkpoint.format import (
+from elasticd.checkpoint.disk import files, shard_files
+from elasticd.checkpoint.disk.format import (
     FORMAT,
     Entry,
     candidates,
@@ -28,8 +29,8 @@ from elasticd.checkpoint.format import (
     resolve_dir,
     write_manifest,
 )
-from elasticd.checkpoint.memory_state import MemoryState
-from elasticd.checkpoint.snapshot import Snapshot
+from elasticd.checkpoint.disk.snapshot import Snapshot
+from elasticd.checkpoint.memory.state import MemoryState
 from elasticd.worker import heartbeat
 
 log = structlog.get_logger()
@@ -147,7 +148,7 @@ class CheckpointManager:
     def load_latest(self) -> dict[str, Any] | None:
         """The newest state: the in-memory state when every rank can resume from it at a step at
         least as new as the newest disk checkpoint (at this world size or another: ranks whose
-        node lacks it receive it from one that holds it; see memory_state.choose), else the
+        node lacks it receive it from one that holds it; see memory/state.py: choose), else the
         module function's disk checkpoint. Records the entry in `self.loaded` (its file is
         "memory:..." for in-memory state)."""
         got = self._memory.load(self.directory, self._took) if self._memory.wanted else None
@@ -219,7 +220,7 @@ class CheckpointManager:
             "world_size": world(),
             "time": time.time(),
         }
-        if shards:  # every rank writes its own shards (elasticd.checkpoint.shard_files)
+        if shards:  # every rank writes its own shards (elasticd.checkpoint.disk.shard_files)
             if self._shards is None:
                 self._shards = shard_files.ShardedSaver(self.directory, self.keep)
             job = self._shards.stage(int(step), state, meta)

@@ -200,7 +200,7 @@ def set_state(state: Mapping[str, Any]) -> None:
 def derived_seed(rng: Mapping[str, Any], rank: int) -> int:
     """For a rank the state has no RNG state for (the world grew, or the rank's node was lost):
     reproducible, distinct per rank. The base is the state's own `seed` where it has one (an
-    in-memory resume sets it from the step and the world size: memory_state.derived_base), else
+    in-memory resume sets it from the step and the world size: memory/state.py: derived_base), else
     the first rank's torch state that a disk checkpoint holds."""
     seed = rng.get("seed")
     if isinstance(seed, int):

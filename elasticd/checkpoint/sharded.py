@@ -1,11 +1,11 @@
 """Sharded state: a model whose parameters are DTensors (FSDP2's fully_shard, tensor parallel).
 
 capture() and restore() take its state through torch.distributed.checkpoint.state_dict
-(get_state_dict / set_state_dict) with the sharded options: each rank holds its own shards,
-nothing is gathered, and the optimizer's state is keyed by parameter name (FQN), which is what
-resharding at another world size needs. HostCopy is the copy a disk save writes in the background
-(elasticd.checkpoint.shard_files): each rank's local shards in host buffers, still DTensors of the
-same spec, so torch.distributed.checkpoint writes each rank's own shards.
+(get_state_dict / set_state_dict) with the sharded options: each rank holds its own shards, nothing
+is gathered, and the optimizer's state is keyed by parameter name (FQN), which is what resharding at
+another world size needs. HostCopy is the copy a disk save writes in the background
+(elasticd.checkpoint.disk.shard_files): each rank's local shards in host buffers, still DTensors of
+the same spec, so torch.distributed.checkpoint writes each rank's own shards.
 
 `is_sharded` tells a sharded model. `apply_full` loads a full (DDP-era) state into a sharded
 model: set_state_dict with full_state_dict=True, the optimizer's index keys matched by name.
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from elasticd.checkpoint.snapshot import Snapshot
+from elasticd.checkpoint.disk.snapshot import Snapshot
 
 # the parts of a captured state that hold a sharded model's DTensors (get_state_dict's model and
 # optimizer); the rest of a state is the same on every rank. Disk (DCP) and memory alike split here

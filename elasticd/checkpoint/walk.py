@@ -1,5 +1,5 @@
 """What a training state may hold, and the one walk over it that both copies of a state use: the
-disk snapshot (elasticd.checkpoint.snapshot) and the in-memory description
+disk snapshot (elasticd.checkpoint.disk.snapshot) and the in-memory description
 (elasticd.checkpoint.memory.description).
 
 Allowed: tensors, but not subclasses that wrap others (the DTensor of a sharded model: FSDP2,

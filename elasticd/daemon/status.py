@@ -185,7 +185,8 @@ class StatusBoard:
         directory = os.environ.get(names.CHECKPOINT_DIR) or self.cfg.checkpoint_dir
         if not directory:
             return None
-        from elasticd.checkpoint.format import latest_info  # torch-free: all the daemon reads of it
+        # torch-free: all the daemon reads of it
+        from elasticd.checkpoint.disk.format import latest_info
 
         try:
             info = latest_info(directory)

@@ -20,7 +20,7 @@ import structlog
 
 from elasticd import names
 from elasticd.checkpoint import CheckpointManager, capture, restore
-from elasticd.checkpoint.state import REFRESH
+from elasticd.checkpoint.training_state import REFRESH
 
 log = structlog.get_logger()
 

@@ -220,7 +220,7 @@ class Snapshot:
     lost_nodes: list[str] = field(default_factory=list)  # of the previous round, found lost
     last_failure: LastFailure | None = None
     last_recovery: dict[str, float] | None = None  # phase -> seconds after detection
-    # the newest checkpoint's manifest entry (checkpoint/format.py's), its path and age
+    # the newest checkpoint's manifest entry (checkpoint/disk/format.py's), its path and age
     checkpoint: dict[str, Any] | None = None
     memory_step: int | None = None
     parts: dict[str, Part] = field(default_factory=dict)

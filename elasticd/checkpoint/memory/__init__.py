@@ -6,7 +6,7 @@ passed to workers as ELASTICD_MEMORY_DIR, flocked while the daemon lives, remove
 workers of every attempt of that run write into it through CheckpointManager. It survives worker
 crashes and a change of world size (the node's slots are named by local rank, not global rank),
 not the node itself nor its daemon: a lost node's ranks are served by the nodes that still hold
-the state (elasticd.checkpoint.memory_state), and disk checkpoints stay the fallback.
+the state (elasticd.checkpoint.memory.state), and disk checkpoints stay the fallback.
 
 Each local rank L owns two preallocated slot files, `l<L>.0` and `l<L>.1`, memory-mapped and
 written in turn, so a refresh is a memory copy of the tensors into the mapping plus a small

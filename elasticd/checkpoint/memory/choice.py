@@ -1,12 +1,12 @@
 """Which step a resume from memory takes: one rule for both layouts. Every rank reports what it
 holds, every rank runs this on the same reports, so all pick the same step without a leader.
 
-The newest (step, lineage) first (ties: the one more of the job holds, then the larger lineage,
-so that every rank picks the same), never one older than the newest disk checkpoint (the disk's
-is taken then; equal: memory), and the first that the layout's own test accepts: who holds a
-step and whether every rank can resume from it is the layout's to say (memory_state.choose for a
-DDP job's whole state, shards.choose for a sharded job's shards). (None, why) when none fits:
-the first reason a newer step was passed over, which the resume's line says.
+The newest (step, lineage) first (ties: the one more of the job holds, then the larger lineage, so
+that every rank picks the same), never one older than the newest disk checkpoint (the disk's is
+taken then; equal: memory), and the first that the layout's own test accepts: who holds a step and
+whether every rank can resume from it is the layout's to say (memory/state.py: choose, for a DDP
+job's whole state, shards.choose for a sharded job's shards). (None, why) when none fits: the first
+reason a newer step was passed over, which the resume's line says.
 """
 
 from __future__ import annotations

@@ -39,12 +39,12 @@ from elasticd.checkpoint.collectives import (
     to_bytes,
     world,
 )
-from elasticd.checkpoint.format import Entry
+from elasticd.checkpoint.disk.format import Entry
 from elasticd.checkpoint.memory import exchange, reader, seal
 from elasticd.checkpoint.memory.choice import newest
 from elasticd.checkpoint.memory.description import Chunk
 from elasticd.checkpoint.memory.slots import OWN, REPLICA, held, invalidate, keep_only, slot_path
-from elasticd.checkpoint.state import InMemory
+from elasticd.checkpoint.training_state import InMemory
 from elasticd.checkpoint.walk import where
 
 log = structlog.get_logger()

@@ -26,13 +26,13 @@ from elasticd.checkpoint import (
     CheckpointError,
     CheckpointManager,
     capture,
-    files,
     load_file,
     load_latest,
     restore,
     stop,
 )
-from elasticd.checkpoint.snapshot import Snapshot
+from elasticd.checkpoint.disk import files
+from elasticd.checkpoint.disk.snapshot import Snapshot
 from elasticd.sampler import ResumableDistributedSampler
 
 

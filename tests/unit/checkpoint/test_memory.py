@@ -17,7 +17,7 @@ from elasticd import checkpoint
 from elasticd.checkpoint import CheckpointManager
 from elasticd.checkpoint import rng as ckpt_rng
 from elasticd.checkpoint.memory import cadence, description, directory, reader, slots, writer
-from elasticd.checkpoint.state import REFRESH, Refresh
+from elasticd.checkpoint.training_state import REFRESH, Refresh
 from harness import script
 
 

@@ -2,7 +2,7 @@
 global rank 0) and the survivors resume from their own memory; nodes added, whose ranks receive
 the state from a rank that holds it. At most one refresh interval of work is lost, the state is
 the very one held, each sample of the epoch is trained on exactly once over the whole run, and
-the RNG rules hold (memory_state.choose, derived_base).
+the RNG rules hold (memory/state.py: choose, derived_base).
 
 Nodes are simulated: each has its own memory directory (the daemon's) and disk directory, and
 its ranks are local ranks 0, 1 of it; the daemons' rendezvous plays no part."""
@@ -22,8 +22,8 @@ import _ckpt_helpers as helpers
 from elasticd import checkpoint
 from elasticd.checkpoint import rng as rng_state
 from elasticd.checkpoint.memory import slots
+from elasticd.checkpoint.memory.state import choose, derived_base
 from elasticd.checkpoint.memory.writer import Writer
-from elasticd.checkpoint.memory_state import choose, derived_base
 
 SAMPLES, EVERY, CRASH = 96, 3, 8  # refreshed at 3 and 6, disk at 5, dead after 8: resume at 6
 

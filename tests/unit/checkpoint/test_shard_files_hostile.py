@@ -21,9 +21,9 @@ from torch.distributed.checkpoint.metadata import (
     StorageMeta,
 )
 
-from elasticd.checkpoint import shard_files
 from elasticd.checkpoint.collectives import to_bytes
-from elasticd.checkpoint.format import FORMAT, Entry, files_digest
+from elasticd.checkpoint.disk import shard_files
+from elasticd.checkpoint.disk.format import FORMAT, Entry, files_digest
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

@@ -18,8 +18,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import _ckpt_helpers as helpers
 from elasticd.checkpoint import CheckpointManager, capture
+from elasticd.checkpoint.disk.snapshot import Snapshot
 from elasticd.checkpoint.memory import slots, writer
-from elasticd.checkpoint.snapshot import Snapshot
 
 fsdp = pytest.importorskip("torch.distributed.fsdp")
 

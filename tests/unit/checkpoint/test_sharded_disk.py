@@ -31,9 +31,9 @@ from elasticd.checkpoint import (
     capture,
     load_latest,
     restore,
-    shard_files,
 )
-from elasticd.checkpoint.format import files_digest
+from elasticd.checkpoint.disk import shard_files
+from elasticd.checkpoint.disk.format import files_digest
 
 fsdp = pytest.importorskip("torch.distributed.fsdp")
 

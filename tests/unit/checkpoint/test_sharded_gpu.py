@@ -122,7 +122,7 @@ def _owned_by_optimizer(rank: int, world: int) -> None:
     from torch.distributed.fsdp import fully_shard
 
     from elasticd.checkpoint import capture
-    from elasticd.checkpoint.state import REFRESH, Refresh
+    from elasticd.checkpoint.training_state import REFRESH, Refresh
 
     net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8))
     fully_shard(net, mesh=init_device_mesh("cpu", (world,)))  # forked: no CUDA here

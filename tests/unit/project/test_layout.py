@@ -170,7 +170,7 @@ def test_the_daemons_packages_import_in_one_direction():
 
 
 def test_the_layout_is_what_the_checks_assume():
-    assert "elasticd.worker.bootstrap" in MODULES and "elasticd.checkpoint.format" in MODULES
+    assert "elasticd.worker.bootstrap" in MODULES and "elasticd.checkpoint.disk.format" in MODULES
     assert "elasticd.sampler" in MODULES and "elasticd.daemon.agent" in MODULES
     assert [m for m in MODULES if worker_side(m) and daemon_side(m)] == []
 
@@ -205,7 +205,8 @@ def test_the_import_reader_sees_every_form(tmp_path, monkeypatch):
         assert chain is not None and daemon_side(chain[-1]), (source, chain)
     fine = tmp_path / "fine.py"
     fine.write_text(
-        "import os\nfrom elasticd import names, safeio\nfrom elasticd.checkpoint import format\n"
+        "import os\nfrom elasticd import names, safeio\n"
+        "from elasticd.checkpoint.disk import format\n"
     )
     monkeypatch.setitem(MODULES, "elasticd.checkpoint.fine", fine)
     assert chain_to_daemon_side("elasticd.checkpoint.fine") is None
@@ -250,7 +251,7 @@ def _imported(statement: str) -> dict:
         "elasticd.cluster.etcd.reply",
         "elasticd.cluster.etcd.watch",
         "elasticd.cluster.etcd.wire",
-        "elasticd.checkpoint.format",
+        "elasticd.checkpoint.disk.format",
         "elasticd.checkpoint",
         "elasticd.checkpoint.memory.directory",
         "elasticd.checkpoint.memory.slots",

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from elasticd.checkpoint import ddp_buckets, shard_files, sharded
+from elasticd.checkpoint import ddp_buckets, sharded
 from elasticd.checkpoint import rng as rng_state
 from elasticd.checkpoint.collectives import (
     all_gather_bytes,
@@ -26,7 +26,8 @@ from elasticd.checkpoint.collectives import (
     to_bytes,
 )
 from elasticd.checkpoint.collectives import rank as this_rank
-from elasticd.checkpoint.format import FORMAT
+from elasticd.checkpoint.disk import shard_files
+from elasticd.checkpoint.disk.format import FORMAT
 
 
 @dataclasses.dataclass

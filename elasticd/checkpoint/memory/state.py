@@ -41,13 +41,13 @@ from elasticd.checkpoint.collectives import (
     send_bytes,
     world,
 )
-from elasticd.checkpoint.files import load_latest_entry, looks_at_disk
-from elasticd.checkpoint.format import Entry, candidates
+from elasticd.checkpoint.disk.files import load_latest_entry, looks_at_disk
+from elasticd.checkpoint.disk.format import Entry, candidates
 from elasticd.checkpoint.memory import cadence, reader, replica, seal, shards, slots
 from elasticd.checkpoint.memory import directory as memdir
 from elasticd.checkpoint.memory.choice import newest
 from elasticd.checkpoint.memory.writer import Writer
-from elasticd.checkpoint.state import REFRESH, Refresh
+from elasticd.checkpoint.training_state import REFRESH, Refresh
 from elasticd.worker import heartbeat
 
 log = structlog.get_logger()

@@ -57,7 +57,7 @@ from elasticd.checkpoint.collectives import (
     rank,
     to_bytes,
 )
-from elasticd.checkpoint.format import (
+from elasticd.checkpoint.disk.format import (
     FORMAT,
     SHARDED_NAME,
     Entry,
@@ -69,7 +69,7 @@ from elasticd.checkpoint.format import (
     remove_temporaries,
     write_manifest,
 )
-from elasticd.checkpoint.snapshot import Snapshot
+from elasticd.checkpoint.disk.snapshot import Snapshot
 
 log = structlog.get_logger()
 

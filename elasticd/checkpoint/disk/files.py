@@ -19,7 +19,6 @@ import structlog
 import torch
 import torch.distributed as dist
 
-from elasticd.checkpoint import shard_files
 from elasticd.checkpoint.collectives import (
     all_gather_ints,
     broadcast_bytes,
@@ -27,7 +26,8 @@ from elasticd.checkpoint.collectives import (
     dist_on,
     from_bytes,
 )
-from elasticd.checkpoint.format import (
+from elasticd.checkpoint.disk import shard_files
+from elasticd.checkpoint.disk.format import (
     FORMAT,
     NAME,
     Entry,

@@ -7,7 +7,7 @@ Directory layout (format 1; a newer elasticd keeps reading it):
     manifest.json                       {"format": 1, "latest": file, "checkpoints": [entry, ...]}
                                         entries oldest first: file, step, epoch, position,
                                         world_size, time, bytes, sha256
-    ckpt-<step:012d>-<sha256[:16]>.dcp/ a sharded checkpoint (elasticd.checkpoint.shard_files):
+    ckpt-<step:012d>-<sha256[:16]>.dcp/ a sharded checkpoint (elasticd.checkpoint.disk.shard_files):
                                         torch.distributed.checkpoint's `.metadata` and
                                         `__<rank>_<n>.distcp`, plus `state.pt` (the rest of the
                                         state); its entry lists every file's sha256 (`files`), the
