@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from elasticd import names
-from elasticd.checkpoint import files, shard_files, sharded, stop
+from elasticd.checkpoint import audit, files, shard_files, sharded, stop
 from elasticd.checkpoint.collectives import cpu_group, dist_on, rank, world
 from elasticd.checkpoint.format import (
     FORMAT,
@@ -101,6 +101,7 @@ class CheckpointManager:
         memory_budget: float = 0.0075,
         memory_dir: str | os.PathLike | None = None,
         memory_overlap: bool = True,
+        audit_replicas: bool = True,
     ):
         if keep < 1:
             raise ValueError(f"keep must be at least 1, got {keep}")
@@ -128,6 +129,7 @@ class CheckpointManager:
         self._stop = stop.PROCESS
         self._signals = stop.install_sigterm_handler(stop_timeout) if handle_sigterm else False
         self._memory = MemoryState(memory_dir, memory_every, memory_budget, memory_overlap)
+        self._audit = audit.Auditor(audit_replicas)
 
     @property
     def memory_every(self) -> int:
@@ -185,7 +187,34 @@ class CheckpointManager:
         `state` is a callable around capture()). Returns the stall in seconds. A full or missing
         tmpfs, or a state it cannot hold, turns in-memory state off with one warning; disk
         checkpoints go on."""
-        return self._memory.refresh(step, state)
+        return self._memory.refresh(step, state, self._audit)
+
+    @property
+    def audits(self) -> int:
+        """Audits of the replicas this manager ran (checkpoint/audit.py)."""
+        return self._audit.audits
+
+    @property
+    def audit_seconds(self) -> float:
+        """Seconds its audits took, summed (part of the refreshes' and saves' stalls)."""
+        return self._audit.seconds
+
+    def _captured(
+        self, step: int, state: Mapping[str, Any] | Callable[[], Mapping[str, Any]]
+    ) -> Mapping[str, Any]:
+        """The state to keep at `step`: what the callable (around capture()) returns, audited
+        across the replicas first (raises audit.SilentDataCorruption when they disagree). A
+        state given as a mapping is kept unaudited: capture() never saw the live objects."""
+        if not callable(state):
+            return state
+        seen = self._audit.wanted()
+        token = audit.SEEN.set(seen)
+        try:
+            state = state()
+        finally:
+            audit.SEEN.reset(token)
+        self._audit.check(step, seen)
+        return state
 
     # -- saving ----------------------------------------------------------------------------------
     def save(
@@ -201,7 +230,7 @@ class CheckpointManager:
         to the sampler's state inside `state`."""
         t0 = time.perf_counter()
         self._join()
-        state = state() if callable(state) else state
+        state = self._captured(step, state)
         self._last_step, self._last_time = int(step), time.monotonic()
         shards = sharded.holds_shards(state)
         if rank() != 0 and not shards:
@@ -401,9 +430,9 @@ class CheckpointManager:
         memory_due = bool(every) and step % every == 0
         if not (step_due or time_due or final):
             if memory_due:
-                self._memory.refresh(step, state)
+                self._memory.refresh(step, state, self._audit)
             return False
-        state = state() if callable(state) else state
+        state = self._captured(step, state)
         self.save(step, state, epoch=epoch, position=position)
         if memory_due:
             self._memory.refresh(step, state)

@@ -203,6 +203,24 @@ METRICS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
     ),
     ("elasticd_memory_step", "gauge", "The newest step held in memory on this node", ()),
     (
+        "elasticd_sdc_audits_total",
+        "counter",
+        "Audits of the replicas' parameters and optimizer state run by this node's ranks",
+        (),
+    ),
+    (
+        "elasticd_sdc_audit_seconds_total",
+        "counter",
+        "Seconds the replicas' audits took (part of the refreshes' and saves' stalls)",
+        (),
+    ),
+    (
+        "elasticd_sdc_detected_total",
+        "counter",
+        "Silent data corruption the replicas' audit found, by node blamed (undecided: no majority)",
+        ("node",),
+    ),
+    (
         "elasticd_rank_heartbeat_age_seconds",
         "gauge",
         "Seconds since each local rank's last heartbeat",
@@ -399,6 +417,10 @@ def _costs(put: Put, s: Snapshot) -> None:
         put("elasticd_memory_refresh_last_seconds", mem.last_seconds)
         put("elasticd_memory_refresh_interval_steps", mem.every)
     put("elasticd_memory_step", s.memory_step)
+    put("elasticd_sdc_audits_total", s.sdc_audit.audits)
+    put("elasticd_sdc_audit_seconds_total", s.sdc_audit.seconds_total)
+    for node, count in sorted(s.sdc_audit.detected.items()):
+        put("elasticd_sdc_detected_total", count, node=node)
 
 
 def _ranks(put: Put, s: Snapshot) -> None:

@@ -1,0 +1,74 @@
+"""Silent data corruption under `elasticd run`: one rank flips a bit of its own weights (the test
+script, tests/scripts/exact_job.py, from outside the library); the replicas' audit finds it at the
+next keep, every rank rolls back to the newest certified state and goes on. A one-off flip ends
+bit-identical to the fault-free run beside it; a persistent one quarantines the node (exit 7)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from elasticd import exit_codes
+from elasticd.daemon import quarantine
+from harness import FAST, script
+from scripts.exact_job import first_difference
+
+STEPS = 10
+FLIP_AT = 4
+
+
+def _job(daemons, tmp, name: str, nproc: int, cfg: dict, *flags: str):
+    env = {"EXACT_JOB": json.dumps({**cfg, "steps": STEPS, "out": str(tmp / f"{name}.out")})}
+    return daemons(
+        script("exact_job.py"),
+        *("--nproc-per-node", str(nproc), "--max-restarts", "3"),
+        *("--checkpoint-dir", str(tmp / f"{name}.ckpt"), "--state-dir", str(tmp / f"{name}.state")),
+        *FAST,
+        *flags,
+        name=name,
+        env=env,
+    )
+
+
+def _events(d, name: str) -> list[dict]:
+    return [e for e in d.events() if e.get("event") == name]
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_a_one_off_flip_is_found_rolled_back_and_ends_bit_identical(daemons, tmp_path, nproc):
+    clean = _job(daemons, tmp_path, "clean", nproc, {})
+    faulty = _job(daemons, tmp_path, "faulty", nproc, {"flip_at": FLIP_AT})
+    for d in (clean, faulty):
+        assert d.wait(120) == 0, d.stderr()[-3000:]
+    assert (tmp_path / "faulty.out.flipped").read_text() == "flip\n"
+    suspected = _events(faulty, "sdc_suspected")
+    assert len(suspected) == 1, suspected
+    found = suspected[0]
+    assert found["step"] == FLIP_AT + 1, found  # the next keep after the flip
+    if nproc == 3:  # a majority names the odd one out
+        assert found["rank"] == 1 and found["node"] and not found["undecided"], found
+    else:  # two replicas: which one is undecided
+        assert found["rank"] is None and found["undecided"], found
+    assert not _events(faulty, "sdc_confirmed")
+    assert "resumed from step" not in clean.stdout()
+    # rolled back to the state certified before the flip, from memory
+    loaded = [e for e in faulty.events() if e.get("event") == "recovered"]
+    assert loaded, "no restart after the detection"
+    assert "silent data corruption" in faulty.stdout() + faulty.stderr(workers=True)
+    clean_out, faulty_out = tmp_path / "clean.out", tmp_path / "faulty.out"
+    same = clean_out.read_text() == faulty_out.read_text()
+    assert same, first_difference(str(clean_out), str(faulty_out), nproc)
+
+
+def test_a_persistent_flip_quarantines_the_node(daemons, tmp_path):
+    faulty = _job(daemons, tmp_path, "faulty", 3, {"flip_at": FLIP_AT, "flip_persistent": True})
+    assert faulty.wait(120) == exit_codes.ExitCode.QUARANTINED, faulty.stderr()[-3000:]
+    assert (tmp_path / "faulty.out.flipped").read_text() == "flip\n" * 2
+    suspected = _events(faulty, "sdc_suspected")
+    confirmed = _events(faulty, "sdc_confirmed")
+    # after the rollback to step 4 its first flip comes after step 5: found at step 6
+    assert [(e["rank"], e["step"]) for e in suspected] == [(1, 5), (1, 6)], suspected
+    assert len(confirmed) == 1 and confirmed[0]["rank"] == 1, confirmed
+    record = quarantine.read(tmp_path / "faulty.state")
+    assert record.quarantined and "silent data corruption" in record.quarantined["why"], record
