@@ -359,9 +359,11 @@ class CheckpointManager:
             self._thread.join()
 
     # -- cadence and stop ------------------------------------------------------------------------
-    def _agree(self) -> tuple[bool, bool]:
+    def _agree(self, step: int | None = None) -> tuple[bool, bool]:
         """(stop, time due), the same on every rank: any rank's SIGTERM or timer counts. The
-        in-memory cadence is agreed in the same call (the largest rank's proposal).
+        in-memory cadence is agreed in the same call (the largest rank's proposal), and, where a
+        keep is due at `step`, the replicas' audit (audit.Auditor.ballot: their digests' largest
+        and smallest; raises audit.SilentDataCorruption when they differ).
 
         Under torch.distributed this is one small all_reduce on CPU every `sync_every`-th call
         (on other calls both are False), so every rank must call in the same pattern."""
@@ -377,9 +379,13 @@ class CheckpointManager:
             elif self._calls % self.sync_every:
                 flags = [False, False, 0]
             else:
-                t = torch.tensor([*map(int, local), self._memory.proposal()], dtype=torch.int64)
+                ballot = self._audit.ballot(step, step is not None and self._keep_due(step))
+                t = torch.tensor(
+                    [*map(int, local), self._memory.proposal(), *ballot], dtype=torch.int64
+                )
                 dist.all_reduce(t, op=dist.ReduceOp.MAX, group=cpu_group())
                 flags = t.tolist()
+                self._audit.tally(flags[3:])
         else:
             flags = [*local, self._memory.proposal()]
         if flags[2]:
@@ -388,6 +394,14 @@ class CheckpointManager:
             self._stopping = True
             log.info("checkpoint_stop_requested", action="saving and stopping at this step")
         return bool(flags[0]), bool(flags[1])
+
+    def _keep_due(self, step: int) -> bool:
+        """Whether a refresh or a disk save is foreseen at `step` from what every rank agreed
+        before it (a timer's save or a cadence changed in this call is not: its keep gathers
+        the digests itself)."""
+        every = self._memory.every
+        disk = bool(self.every_steps) and step % self.every_steps == 0 and step != self._last_step
+        return disk or (bool(every) and step % every == 0)
 
     def maybe_save(
         self,
@@ -420,7 +434,7 @@ class CheckpointManager:
         position: int | None,
     ) -> bool:
         self._stop.at_boundary()
-        stop, time_due = self._agree()
+        stop, time_due = self._agree(step)
         self._agreed = True
         step_due = (
             bool(self.every_steps) and step % self.every_steps == 0 and step != self._last_step
