@@ -7,7 +7,8 @@ Each run is `torchrun --nproc-per-node W bench/sdc.py --worker ...` (the library
 the launcher; the in-memory directories are given, as elasticd would give one). Paired, in one
 process group: two CheckpointManagers on the same model, one auditing (the default) and one with
 audit_replicas=False, take turns keeping the state in alternating chunks of CHUNK steps, so that a
-shared machine's drift hits both alike. Reported: each side's median chunk (rank 0's mean step
+shared machine's drift hits both alike (--aa: both unaudited, which shows the pairing's own
+noise). Reported: each side's median chunk (rank 0's mean step
 time, refreshes included) and the median of the per-pair ratios; and, measured directly, the
 audits' own seconds over the auditing side's training time (the overhead in % of step time), the
 cost of one audit, and each side's refresh cadence (the audit's cost is the refresh's, under the
@@ -61,12 +62,40 @@ def _setup(width: int, depth: int, batch: int, adamw: bool, device: str):
     return model, opt, x, y
 
 
+def _detections(trials: int, auditor, model, opt, train, now) -> list[int | None]:
+    """Steps from each flip (rank 1, one bit of one weight, after the keep of a random step) to
+    the audit that ends it, None where none did; every rank then takes rank 0's state again."""
+    import torch
+    import torch.distributed as dist
+
+    from elasticd.checkpoint import audit
+
+    latencies: list[int | None] = []
+    interval, rng = max(1, auditor.memory_every), random.Random(7)
+    for _ in range(trials):
+        flip_at = now() + rng.randrange(1, 2 * interval + 1)  # drawn alike on every rank
+        where = rng.randrange(next(model.parameters()).numel())
+        try:
+            while now() < flip_at + 10 * interval + 10:  # else: never found (None)
+                train(auditor, 1)
+                if now() == flip_at and dist.get_rank() == 1:
+                    weight = next(model.parameters()).detach()
+                    weight.view(-1).view(torch.int32)[where] ^= 1 << 12
+            latencies.append(None)
+        except audit.SilentDataCorruption:
+            latencies.append(now() - flip_at)
+        with torch.no_grad():
+            for t in audit.tensors(model.module, opt):
+                dist.broadcast(t, 0)
+    return latencies
+
+
 def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from elasticd.checkpoint import CheckpointManager, audit, capture
+    from elasticd.checkpoint import CheckpointManager, capture
 
     cuda = args.device == "cuda"
     device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if cuda else "cpu"
@@ -81,7 +110,7 @@ def worker(args: argparse.Namespace) -> None:
             f"{args.dir}/ckpt-{on}",
             handle_sigterm=False,
             memory_dir=f"{args.dir}/mem-{on}",
-            audit_replicas=on,
+            audit_replicas=on and not args.aa,
         )
         for on in (True, False)
     }
@@ -114,23 +143,7 @@ def worker(args: argparse.Namespace) -> None:
                 shares.append((sides[on].audit_seconds - before) / took)
     auditor = sides[True]
     clean_audits = auditor.audits
-    latencies, interval = [], max(1, auditor.memory_every)
-    rng = random.Random(7)
-    for _ in range(args.trials):
-        flip_at = step + rng.randrange(1, 2 * interval + 1)  # drawn alike on every rank
-        where = rng.randrange(next(model.parameters()).numel())
-        try:
-            while step < flip_at + 10 * interval + 10:  # else: never found (None)
-                train(auditor, 1)
-                if step == flip_at and rank == 1:
-                    weight = next(model.parameters()).detach()
-                    weight.view(-1).view(torch.int32)[where] ^= 1 << 12
-            latencies.append(None)
-        except audit.SilentDataCorruption:
-            latencies.append(step - flip_at)
-        with torch.no_grad():  # every rank takes rank 0's state again
-            for t in audit.tensors(model.module, opt):
-                dist.broadcast(t, 0)
+    latencies = _detections(args.trials, auditor, model, opt, train, lambda: step)
     if rank == 0:
         on, off = chunks[True][1:], chunks[False][1:]
         print(
@@ -167,6 +180,7 @@ def measure(args: argparse.Namespace) -> dict:
             *("--width", str(args.width), "--depth", str(args.depth)),
             *("--batch", str(args.batch), "--device", args.device),
             *(("--adamw",) if args.adamw else ()),
+            *(("--aa",) if args.aa else ()),
         ]
         return torchrun_json(HERE / "sdc.py", args.world, worker_args, args.timeout)
     finally:
@@ -207,6 +221,9 @@ def main() -> None:
     p.add_argument("--depth", type=int, default=2)
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--adamw", action="store_true", help="AdamW, whose state is audited too")
+    p.add_argument(
+        "--aa", action="store_true", help="both sides unaudited: the paired ratio's own noise"
+    )
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--json", action="store_true", help="the raw figures as a last line")

@@ -25,8 +25,9 @@ between ranks over gloo), walk and snapshot (what a state may hold; its host cop
 (capture/restore; RNG states), sharded and shard_files (a sharded model's state through
 torch.distributed.checkpoint's state_dict API; its checkpoints in DCP's format), stop (SIGTERM and
 its watchdog), memory (the in-memory state's slot files in /dev/shm), overlap (their device copies
-overlapping the next step), memory_state (the in-memory state's cadence, refreshes and resume) and
-manager (CheckpointManager). The public names (`CheckpointManager`, `capture`, `restore`,
+overlapping the next step), memory_state (the in-memory state's cadence, refreshes and resume),
+audit (the replicas' audit against silent data corruption, before a state is kept) and manager
+(CheckpointManager). The public names (`CheckpointManager`, `capture`, `restore`,
 `load_latest`, ...) are each imported from their module at first use, so importing the package
 or its format module loads no torch.
 

@@ -158,6 +158,7 @@ class Auditor:
         self._live: Seen | None = None  # the model and optimizer capture() last saw
         self._mine: tuple[int, int, float] | None = None  # (step, digest, seconds) of a ballot
         self._told: set[str] = set()  # why audits are off, said once each
+        self._ballot_spent: tuple[int, float] = (-1, 0.0)  # the last passed ballot's step, cost
 
     def wanted(self) -> Seen | None:
         """A Seen for capture() to fill, or None when no audit can run here."""
@@ -188,8 +189,15 @@ class Auditor:
         if largest == -neg_least:
             self._counted(seconds)
             self.last_step = step
+            self._ballot_spent = (step, seconds)
             return
         self._gathered(step, mine, time.perf_counter() - seconds)
+
+    def spent(self, step: int) -> float:
+        """Seconds the ballot that passed at `step` took (its digest, made before the keep, is
+        part of the keep's cost: the refresh's cadence counts it); 0 where none did."""
+        at, seconds = self._ballot_spent
+        return seconds if at == step else 0.0
 
     def check(self, step: int, seen: Seen | None) -> None:
         """Audit the state capture() saw at `step` unless its ballot passed (a collective: every
@@ -199,7 +207,9 @@ class Auditor:
         if seen is None:
             return
         if seen.model is None or seen.sharded:
-            self._off("sharded" if seen.sharded else "no model given to capture()")
+            self.off(
+                "sharded: no replica to compare" if seen.sharded else "no model given to capture()"
+            )
             return
         self._live = seen  # the next keeps' ballots digest these live objects
         if step == self.last_step:
@@ -259,8 +269,9 @@ class Auditor:
         bootstrap.write_error_file(exc)  # what status and the final line show of it
         raise exc
 
-    def _off(self, why: str) -> None:
+    def off(self, why: str) -> None:
+        """Say once per reason, on rank 0, why states are kept unaudited."""
         if why not in self._told:
             self._told.add(why)
-            if rank() == 0:
+            if rank() == 0 and self.wanted() is not None:
                 log.info("sdc_audit_off", reason=why, action="states are kept unaudited")

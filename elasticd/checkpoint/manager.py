@@ -1,7 +1,7 @@
 """CheckpointManager: periodic, atomic, asynchronous checkpoints (rank 0's file, or every rank's
 shards through shard_files.py) with retention and error reporting, the stop agreed across ranks
-(`maybe_save`, `should_stop`), and (through elasticd.checkpoint.memory_state) the in-memory
-state's refreshes."""
+(`maybe_save`, `should_stop`), (through elasticd.checkpoint.memory_state) the in-memory state's
+refreshes, and (through elasticd.checkpoint.audit) the replicas' audit before a state is kept."""
 
 from __future__ import annotations
 
@@ -84,7 +84,12 @@ class CheckpointManager:
     (`memory_overlap`, elasticd.checkpoint.overlap: on an H100 a 200 MB state's refresh costs the
     step about 1 ms instead of 17 ms, so the same budget refreshes it about fifteen times as often);
     memory_overlap=False copies it at once, for a script that writes its parameters by hand
-    between a refresh and its next optimizer step."""
+    between a refresh and its next optimizer step.
+
+    Every state kept (refreshed or saved) is first audited across the DDP replicas
+    (elasticd.checkpoint.audit; `audit_replicas=False` turns it off): a disagreement keeps nothing
+    and ends every rank with names.SDC_EXIT, so the daemon resumes them from the newest state
+    that passed."""
 
     def __init__(
         self,
@@ -434,6 +439,8 @@ class CheckpointManager:
         position: int | None,
     ) -> bool:
         self._stop.at_boundary()
+        if not callable(state):
+            self._audit.off("a state passed as a mapping, not as lambda: capture(...)")
         stop, time_due = self._agree(step)
         self._agreed = True
         step_due = (

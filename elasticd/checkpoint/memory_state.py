@@ -380,8 +380,9 @@ class MemoryState:
         auditor: audit.Auditor | None = None,
     ) -> float:
         """Write `state` (or what the callable, around capture(), returns) as `step`; the stall
-        in seconds. A callable's state is audited first (`auditor`, a collective: its cost is the
-        refresh's, under the cadence's budget) and written only if the replicas agree. A full or
+        in seconds. A callable's state is audited first (`auditor`, a collective; its cost, here or
+        on the boundary's all-reduce, counts as the refresh's under the cadence's budget) and
+        written only if the replicas agree. A full or
         missing tmpfs, or a state it cannot hold, turns the in-memory state off with one
         warning; disk checkpoints go on."""
         if not self.every:
@@ -454,7 +455,10 @@ class MemoryState:
             figures.note("refresh_every", self.every)
         if self.on:
             if not mapped and not writer.queued:
-                self.cadence.costs.append(self.last_stall)
+                # the audit's digest of this step, made before the refresh (on the boundary's
+                # all-reduce), is the refresh's cost too: both stay under the one budget
+                spent = auditor.spent(step) if auditor is not None else 0.0
+                self.cadence.costs.append(self.last_stall + spent)
             self.cadence.costs.extend(
                 writer.costs()
             )  # overlapped refreshes, once their events passed

@@ -117,13 +117,16 @@ def write(directory: Path, record: Record) -> None:
     os.replace(tmp, path)
 
 
-def strike(directory: Path, why: str, after: int, window: float, now: float) -> Record:
-    """Record one failure of the node's; quarantined once `after` (> 0) fall within `window`."""
+def strike(
+    directory: Path, why: str, after: int, window: float, now: float, at_once: bool = False
+) -> Record:
+    """Record one failure of the node's; quarantined once `after` (> 0) fall within `window`, or
+    by this one where `at_once` (and `after` is not 0: never)."""
     record = read(directory)
     recent = [s for s in record.strikes if now - s["at"] < window]
     record.strikes = [*recent, {"at": now, "why": why[:MAX_WHY]}][-MAX_STRIKES:]
     record.after, record.window = after, window
-    if after and len(record.strikes) >= after and record.quarantined is None:
+    if after and (at_once or len(record.strikes) >= after) and record.quarantined is None:
         record.quarantined = {
             "at": now,
             "why": f"{len(record.strikes)} failure(s) within {_span(window)}, the last: {why}"[
@@ -216,14 +219,14 @@ class Quarantine:
         outvoted again: daemon/sdc.py), unless --quarantine-after 0 says never."""
         if self.directory is None:
             return False
-        after = self.cfg.quarantine_after
         try:
             self.record = strike(
                 self.directory,
                 why.summary(),
-                min(after, 1) if at_once else after,
+                self.cfg.quarantine_after,
                 self.cfg.quarantine_window,
                 time.time(),
+                at_once,
             )
         except (OSError, ConfigError) as e:
             self.event("node_record_unwritable", level="error", why=str(e))

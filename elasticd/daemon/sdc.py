@@ -57,11 +57,13 @@ def node_of(rnd: Round | None, rank: int | None) -> str:
 
 
 class Corruption:
-    """This daemon's detections: by node blamed (status, elasticd_sdc_detected_total{node})."""
+    """This daemon's detections: by node blamed (status), those that blamed this node
+    (elasticd_sdc_detected_total, whose node label is this node's) and the undecided ones."""
 
     def __init__(self, event: Callable[..., None]) -> None:
         self.event = event
         self.detected: dict[str, int] = {}
+        self.here = 0  # detections that blamed this node
 
     def judge(
         self, why: Failure, beats: list[heartbeat.Beat | None], rnd: Round | None
@@ -98,8 +100,13 @@ class Corruption:
             step=found.step,
         )
         here = rnd is not None and found.rank is not None and found.node == rnd.node_id
+        self.here += here
         return restated, here, again
 
-    def report(self) -> dict[str, int]:
-        """Detections by node blamed (UNDECIDED: no majority), for status and the metrics."""
-        return dict(self.detected)
+    def report(self) -> dict[str, Any]:
+        """Status's part (reporting/status_snapshot.py `SdcAudit`, less the workers' figures)."""
+        return {
+            "detected": self.here,
+            "undecided": self.detected.get(UNDECIDED, 0),
+            "by_node": dict(self.detected),
+        }

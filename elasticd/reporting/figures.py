@@ -87,7 +87,7 @@ class Figures:
         self._base = dict.fromkeys(TOTALS, 0.0)  # totals of attempts that ended
         self._now_totals = dict.fromkeys(TOTALS, 0.0)  # this attempt's, as last read
         self._lasts = dict.fromkeys(LASTS, 0.0)
-        self.sdc_detected: dict[str, int] = {}  # the replicas' audit's detections, by node blamed
+        self.sdc: dict[str, Any] = {}  # the replicas' audit's detections (daemon/sdc.py report)
         self.step: int | None = None
         self.rank_times: dict[
             int, tuple[float | None, float | None]
@@ -95,9 +95,9 @@ class Figures:
 
     # --- hooks ---
 
-    def on_sdc(self, detected: dict[str, int]) -> None:
-        """The replicas' audit's detections so far, by node blamed (daemon/sdc.py)."""
-        self.sdc_detected = dict(detected)
+    def on_sdc(self, detections: dict[str, Any]) -> None:
+        """The replicas' audit's detections so far (daemon/sdc.py `Corruption.report`)."""
+        self.sdc = dict(detections)
 
     def on_restart(self, why: Failure | Scale, beats: list[heartbeat.Beat | None]) -> None:
         """A running group ends early (before its teardown): count the cause, and note the step
@@ -253,7 +253,7 @@ class Figures:
             "sdc_audit": {
                 "audits": int(totals["sdc_audits"]),
                 "seconds_total": round(totals["audit_total"], 6),
-                "detected": dict(self.sdc_detected),
+                **self.sdc,
             },
         }
 

@@ -217,8 +217,14 @@ METRICS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
     (
         "elasticd_sdc_detected_total",
         "counter",
-        "Silent data corruption the replicas' audit found, by node blamed (undecided: no majority)",
-        ("node",),
+        "Silent data corruption the replicas' audit found on this node (a rank of it outvoted)",
+        (),
+    ),
+    (
+        "elasticd_sdc_undecided_total",
+        "counter",
+        "Disagreements of the replicas' audit with no majority to name a rank (two replicas)",
+        (),
     ),
     (
         "elasticd_rank_heartbeat_age_seconds",
@@ -419,8 +425,8 @@ def _costs(put: Put, s: Snapshot) -> None:
     put("elasticd_memory_step", s.memory_step)
     put("elasticd_sdc_audits_total", s.sdc_audit.audits)
     put("elasticd_sdc_audit_seconds_total", s.sdc_audit.seconds_total)
-    for node, count in sorted(s.sdc_audit.detected.items()):
-        put("elasticd_sdc_detected_total", count, node=node)
+    put("elasticd_sdc_detected_total", s.sdc_audit.detected)
+    put("elasticd_sdc_undecided_total", s.sdc_audit.undecided)
 
 
 def _ranks(put: Put, s: Snapshot) -> None:

@@ -129,13 +129,15 @@ class MemoryRefresh:
 @dataclass(frozen=True)
 class SdcAudit:
     """The replicas' audit (checkpoint/audit.py, daemon/sdc.py): audits run by this node's ranks
-    (each audit counted once: its ranks run it together), the seconds they took (part of the
-    refreshes' and saves' stalls), and the silent data corruption found, by node blamed
-    ("undecided" where no majority named one)."""
+    (each audit counted once: its ranks run it together), the seconds they took, and the silent
+    data corruption this node's ranks saw: how often it blamed this node, how often no majority
+    named one, and by node blamed (the job's view as this node saw it; "undecided" too)."""
 
     audits: int = 0
     seconds_total: float = 0.0
-    detected: dict[str, int] = field(default_factory=dict)
+    detected: int = 0
+    undecided: int = 0
+    by_node: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
