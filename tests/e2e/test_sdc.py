@@ -1,7 +1,8 @@
 """Silent data corruption under `elasticd run`: one rank flips a bit of its own weights (the test
 script, tests/scripts/exact_job.py, from outside the library); the replicas' audit finds it at the
 next keep, every rank rolls back to the newest certified state and goes on. A one-off flip ends
-bit-identical to the fault-free run beside it; a persistent one quarantines the node (exit 7)."""
+bit-identical to the fault-free run beside it; a persistent one quarantines the node (exit 7),
+and an elastic job goes on without it."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 
 from elasticd import exit_codes
 from elasticd.daemon import quarantine
-from harness import FAST, script
+from harness import FAST, free_port, node_flags, script
 from scripts.exact_job import first_difference
 
 STEPS = 10
@@ -72,3 +73,34 @@ def test_a_persistent_flip_quarantines_the_node(daemons, tmp_path):
     assert len(confirmed) == 1 and confirmed[0]["rank"] == 1, confirmed
     record = quarantine.read(tmp_path / "faulty.state")
     assert record.quarantined and "silent data corruption" in record.quarantined["why"], record
+
+
+def test_a_node_quarantined_for_persistent_corruption_leaves_and_the_job_goes_on(daemons, tmp_path):
+    """Three nodes of one rank; the bad part is node b's, whatever rank it runs: outvoted twice,
+    b is quarantined (exit 7) and the others finish at two ranks from their own memory."""
+    port = free_port()
+    cfg = {"flip_at": FLIP_AT, "flip_persistent": True, "flip_rank": None, "steps": STEPS}
+    env = {"EXACT_JOB": json.dumps({**cfg, "out": str(tmp_path / "job.out")})}
+    nodes = {
+        name: daemons(
+            script("exact_job.py"),
+            *("--nproc-per-node", "1", "--max-restarts", "4"),
+            *("--checkpoint-dir", str(tmp_path / "ckpt"), "--state-dir", str(tmp_path / name)),
+            *node_flags(port, "2:3", "sdc"),
+            name=name,
+            env={**env, **({"EXACT_FLIP_HERE": "1"} if name == "b" else {})},
+        )
+        for name in ("a", "b", "c")
+    }
+    codes = {name: d.wait(150) for name, d in nodes.items()}
+    assert codes == {"a": 0, "b": exit_codes.ExitCode.QUARANTINED, "c": 0}, {
+        n: d.stderr()[-2000:] for n, d in nodes.items()
+    }
+    confirmed = _events(nodes["b"], "sdc_confirmed")
+    assert len(confirmed) == 1 and confirmed[0]["node"], confirmed
+    assert quarantine.read(tmp_path / "b").quarantined is not None
+    assert quarantine.read(tmp_path / "a").quarantined is None
+    for name in ("a", "c"):  # they saw it too, and were never struck
+        assert [e["node"] for e in _events(nodes[name], "sdc_suspected")] == [
+            confirmed[0]["node"]
+        ] * 2

@@ -47,8 +47,9 @@ DEFAULTS = {
     "crash_after": None,  # every rank stops dead after this step (forked ranks)
     "kill_at": None,  # KILL_RANK SIGKILLs itself after this step, once (under elasticd)
     "kill_rank": 0,
-    # FLIP_RANK flips one mantissa bit of one weight after this step: once, or (flip_persistent)
-    # after every step from then on, as a bad part of its node would (silent data corruption)
+    # FLIP_RANK (None: the node with EXACT_FLIP_HERE) flips one mantissa bit of one weight after
+    # this step: once, or (flip_persistent) after every step from then on, as a bad part of its
+    # node would (silent data corruption)
     "flip_at": None,
     "flip_rank": 1,
     "flip_persistent": False,
@@ -77,6 +78,12 @@ def _held(model, opt, sharded: bool) -> list[torch.Tensor]:
         s = osd["state"][k]
         tensors += [torch.as_tensor(s[n]) for n in sorted(s)]
     return tensors
+
+
+def _faulty(rank: int, flip_rank: int | None) -> bool:
+    """Whether this rank's bits flip: FLIP_RANK's, or (flip_rank None) any rank of the node
+    whose daemon set EXACT_FLIP_HERE: a bad part stays with its node, whatever rank it runs."""
+    return rank == flip_rank if flip_rank is not None else bool(os.environ.get("EXACT_FLIP_HERE"))
 
 
 def _flip(model: nn.Module, marker: str, persistent: bool) -> None:
@@ -169,7 +176,7 @@ def run(cfg: dict, rank: int, world: int) -> int:
                     os.kill(os.getpid(), signal.SIGKILL)
             flip_at = cfg["flip_at"]
             persists = cfg["flip_persistent"] and flip_at is not None and step > flip_at
-            if (step == flip_at or persists) and rank == cfg["flip_rank"]:
+            if (step == flip_at or persists) and _faulty(rank, cfg["flip_rank"]):
                 _flip(model, f"{cfg['out']}.flipped", cfg["flip_persistent"])
             if step >= cfg["steps"]:
                 break
