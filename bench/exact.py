@@ -115,6 +115,12 @@ def _rss_mb() -> float:
 
 
 def measure(workload: str, world: int, mode: str) -> dict:
+    return torchrun_json(HERE / "exact.py", world, ["--worker", workload, "--mode", mode])
+
+
+def torchrun_json(script: Path, world: int, args: list[str], timeout: float = 600) -> dict:
+    """`torchrun --nproc-per-node W --standalone script args` (this checkout's elasticd on the
+    path, one intra-op thread), killed whole at `timeout`: the last JSON line rank 0 printed."""
     cmd = [
         sys.executable,
         "-m",
@@ -122,11 +128,8 @@ def measure(workload: str, world: int, mode: str) -> dict:
         "--nproc-per-node",
         str(world),
         "--standalone",
-        str(HERE / "exact.py"),
-        "--worker",
-        workload,
-        "--mode",
-        mode,
+        str(script),
+        *args,
     ]
     env = dict(os.environ, PYTHONPATH=str(HERE.parent), OMP_NUM_THREADS="1")
     proc = subprocess.Popen(
@@ -138,7 +141,7 @@ def measure(workload: str, world: int, mode: str) -> dict:
         start_new_session=True,
     )
     try:
-        out, err = proc.communicate(timeout=600)
+        out, err = proc.communicate(timeout=timeout)
     finally:
         if proc.poll() is None:  # torchrun and its workers, all in its session
             os.killpg(proc.pid, signal.SIGKILL)

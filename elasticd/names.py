@@ -43,6 +43,12 @@ USER_CPP_LOG_LEVEL = (
 )
 SETTING_PREFIX = "ELASTICD_"  # ELASTICD_<SETTING> variables are a config layer
 
+# --- a worker's exit code the daemon reads as the library's verdict, not the script's
+
+# the replicas' audit found silent data corruption (elasticd.checkpoint.audit): every rank ends
+# with it, the daemon restarts from the newest certified state and judges the rank blamed
+SDC_EXIT = 86
+
 # --- control commands (how each is served: control.commands.COMMANDS; the loop's: agent.FORWARDED)
 
 STATUS = "status"  # the daemon's snapshot, served by the control thread

@@ -26,7 +26,8 @@ and memory/ (the in-memory state: its slot files in /dev/shm, its cadence, refre
 the two places a state is kept; collectives (bytes between ranks over gloo), walk (what a state
 may hold), training_state and rng (capture/restore; RNG states), sharded (a sharded model's state
 through torch.distributed.checkpoint's state_dict API), overlap (device copies overlapping the
-next step), stop (SIGTERM and its watchdog) and manager (CheckpointManager, which drives both).
+next step), stop (SIGTERM and its watchdog), audit (the replicas' audit against silent data
+corruption, before a state is kept) and manager (CheckpointManager, which drives them all).
 The public names (`CheckpointManager`, `capture`, `restore`,
 `load_latest`, ...) are each imported from their module at first use, so importing the package
 or its format module loads no torch.

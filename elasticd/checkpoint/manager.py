@@ -1,7 +1,7 @@
 """CheckpointManager: periodic, atomic, asynchronous checkpoints (rank 0's file, or every rank's
 shards through shard_files.py) with retention and error reporting, the stop agreed across ranks
-(`maybe_save`, `should_stop`), and (through elasticd.checkpoint.memory.state) the in-memory
-state's refreshes."""
+(`maybe_save`, `should_stop`), (through elasticd.checkpoint.memory.state) the in-memory state's
+refreshes, and (through elasticd.checkpoint.audit) the replicas' audit before a state is kept."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from elasticd import names
-from elasticd.checkpoint import sharded, stop
+from elasticd.checkpoint import audit, sharded, stop
 from elasticd.checkpoint.collectives import cpu_group, dist_on, rank, world
 from elasticd.checkpoint.disk import files, shard_files
 from elasticd.checkpoint.disk.format import (
@@ -85,7 +85,12 @@ class CheckpointManager:
     (`memory_overlap`, elasticd.checkpoint.overlap: on an H100 a 200 MB state's refresh costs the
     step about 1 ms instead of 17 ms, so the same budget refreshes it about fifteen times as often);
     memory_overlap=False copies it at once, for a script that writes its parameters by hand
-    between a refresh and its next optimizer step."""
+    between a refresh and its next optimizer step.
+
+    Every state kept (refreshed or saved) is first audited across the DDP replicas
+    (elasticd.checkpoint.audit; `audit_replicas=False` turns it off): a disagreement keeps nothing
+    and ends every rank with names.SDC_EXIT, so the daemon resumes them from the newest state
+    that passed."""
 
     def __init__(
         self,
@@ -102,6 +107,7 @@ class CheckpointManager:
         memory_budget: float = 0.0075,
         memory_dir: str | os.PathLike | None = None,
         memory_overlap: bool = True,
+        audit_replicas: bool = True,
     ):
         if keep < 1:
             raise ValueError(f"keep must be at least 1, got {keep}")
@@ -129,6 +135,7 @@ class CheckpointManager:
         self._stop = stop.PROCESS
         self._signals = stop.install_sigterm_handler(stop_timeout) if handle_sigterm else False
         self._memory = MemoryState(memory_dir, memory_every, memory_budget, memory_overlap)
+        self._audit = audit.Auditor(audit_replicas)
 
     @property
     def memory_every(self) -> int:
@@ -186,7 +193,34 @@ class CheckpointManager:
         `state` is a callable around capture()). Returns the stall in seconds. A full or missing
         tmpfs, or a state it cannot hold, turns in-memory state off with one warning; disk
         checkpoints go on."""
-        return self._memory.refresh(step, state)
+        return self._memory.refresh(step, state, self._audit)
+
+    @property
+    def audits(self) -> int:
+        """Audits of the replicas this manager ran (checkpoint/audit.py)."""
+        return self._audit.audits
+
+    @property
+    def audit_seconds(self) -> float:
+        """Seconds its audits took, summed (part of the refreshes' and saves' stalls)."""
+        return self._audit.seconds
+
+    def _captured(
+        self, step: int, state: Mapping[str, Any] | Callable[[], Mapping[str, Any]]
+    ) -> Mapping[str, Any]:
+        """The state to keep at `step`: what the callable (around capture()) returns, audited
+        across the replicas first (raises audit.SilentDataCorruption when they disagree). A
+        state given as a mapping is kept unaudited: capture() never saw the live objects."""
+        if not callable(state):
+            return state
+        seen = self._audit.wanted()
+        token = audit.SEEN.set(seen)
+        try:
+            state = state()
+        finally:
+            audit.SEEN.reset(token)
+        self._audit.check(step, seen)
+        return state
 
     # -- saving ----------------------------------------------------------------------------------
     def save(
@@ -202,7 +236,7 @@ class CheckpointManager:
         to the sampler's state inside `state`."""
         t0 = time.perf_counter()
         self._join()
-        state = state() if callable(state) else state
+        state = self._captured(step, state)
         self._last_step, self._last_time = int(step), time.monotonic()
         shards = sharded.holds_shards(state)
         if rank() != 0 and not shards:
@@ -331,9 +365,11 @@ class CheckpointManager:
             self._thread.join()
 
     # -- cadence and stop ------------------------------------------------------------------------
-    def _agree(self) -> tuple[bool, bool]:
+    def _agree(self, step: int | None = None) -> tuple[bool, bool]:
         """(stop, time due), the same on every rank: any rank's SIGTERM or timer counts. The
-        in-memory cadence is agreed in the same call (the largest rank's proposal).
+        in-memory cadence is agreed in the same call (the largest rank's proposal), and, where a
+        keep is due at `step`, the replicas' audit (audit.Auditor.ballot: their digests' largest
+        and smallest; raises audit.SilentDataCorruption when they differ).
 
         Under torch.distributed this is one small all_reduce on CPU every `sync_every`-th call
         (on other calls both are False), so every rank must call in the same pattern."""
@@ -349,9 +385,13 @@ class CheckpointManager:
             elif self._calls % self.sync_every:
                 flags = [False, False, 0]
             else:
-                t = torch.tensor([*map(int, local), self._memory.proposal()], dtype=torch.int64)
+                ballot = self._audit.ballot(step, step is not None and self._keep_due(step))
+                t = torch.tensor(
+                    [*map(int, local), self._memory.proposal(), *ballot], dtype=torch.int64
+                )
                 dist.all_reduce(t, op=dist.ReduceOp.MAX, group=cpu_group())
                 flags = t.tolist()
+                self._audit.tally(flags[3:])
         else:
             flags = [*local, self._memory.proposal()]
         if flags[2]:
@@ -360,6 +400,14 @@ class CheckpointManager:
             self._stopping = True
             log.info("checkpoint_stop_requested", action="saving and stopping at this step")
         return bool(flags[0]), bool(flags[1])
+
+    def _keep_due(self, step: int) -> bool:
+        """Whether a refresh or a disk save is foreseen at `step` from what every rank agreed
+        before it (a timer's save or a cadence changed in this call is not: its keep gathers
+        the digests itself)."""
+        every = self._memory.every
+        disk = bool(self.every_steps) and step % self.every_steps == 0 and step != self._last_step
+        return disk or (bool(every) and step % every == 0)
 
     def maybe_save(
         self,
@@ -392,7 +440,9 @@ class CheckpointManager:
         position: int | None,
     ) -> bool:
         self._stop.at_boundary()
-        stop, time_due = self._agree()
+        if not callable(state):
+            self._audit.off("a state passed as a mapping, not as lambda: capture(...)")
+        stop, time_due = self._agree(step)
         self._agreed = True
         step_due = (
             bool(self.every_steps) and step % self.every_steps == 0 and step != self._last_step
@@ -402,9 +452,9 @@ class CheckpointManager:
         memory_due = bool(every) and step % every == 0
         if not (step_due or time_due or final):
             if memory_due:
-                self._memory.refresh(step, state)
+                self._memory.refresh(step, state, self._audit)
             return False
-        state = state() if callable(state) else state
+        state = self._captured(step, state)
         self.save(step, state, epoch=epoch, position=position)
         if memory_due:
             self._memory.refresh(step, state)

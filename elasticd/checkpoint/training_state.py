@@ -2,7 +2,8 @@
 sampler, every rank's RNG, the user's values) as one weights_only-loadable dict, and back.
 
 `REFRESH` is the one context an in-memory refresh sets for the user's `lambda: capture(...)`, so
-capture() knows it is one."""
+capture() knows it is one; `audit.SEEN`, set before a state is kept, is where capture() leaves
+the live model and optimizer for the replicas' audit (checkpoint/audit.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from elasticd.checkpoint import ddp_buckets, sharded
+from elasticd.checkpoint import audit, ddp_buckets, sharded
 from elasticd.checkpoint import rng as rng_state
 from elasticd.checkpoint.collectives import (
     all_gather_bytes,
@@ -95,6 +96,9 @@ def capture(
     state: dict[str, Any] = {"format": FORMAT}
     refresh = REFRESH.get()
     shards = model is not None and sharded.is_sharded(model)
+    seen = audit.SEEN.get()
+    if seen is not None and model is not None:  # the replicas' audit digests the live state
+        seen.model, seen.optimizer, seen.sharded = unwrap_model(model), optimizer, shards
     if shards and refresh is not None:
         refresh.sharded = True  # every local rank keeps its own shards
     rng_only = refresh is not None and not refresh.whole and not shards

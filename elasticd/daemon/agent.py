@@ -36,7 +36,7 @@ from elasticd.cluster.peers import Peers
 from elasticd.cluster.rendezvous import Rendezvous
 from elasticd.cluster.rounds import Round
 from elasticd.config import Config
-from elasticd.daemon import hangs, processes
+from elasticd.daemon import hangs, processes, sdc
 from elasticd.daemon.group import LocalGroup
 from elasticd.daemon.healthcheck import HealthCheck
 from elasticd.daemon.inbox import Inbox, StopRequest, Stops
@@ -56,6 +56,7 @@ from elasticd.lifecycle.states import (
     first_elsewhere,
     restart_request,
 )
+from elasticd.lifecycle.triage import FailureClass
 
 if TYPE_CHECKING:
     from elasticd.daemon import healthcheck
@@ -118,6 +119,7 @@ class Agent:
             cfg, self.token, self.event, wake=lambda: self.post(("wake",))
         )
         self.quarantine = Quarantine(cfg, self.node, self.event)  # the node's failures, kept
+        self.sdc = sdc.Corruption(self.event)  # the replicas' audit's verdicts
         self.metrics: metrics.Exporter | None = None  # serve() binds it
         self.left_line: str | None = None  # the one line a node that left the job exits with
         self.reaper: bool | None = None  # whether the daemon became a subreaper (warm_up)
@@ -280,13 +282,28 @@ class Agent:
                     self.publish()
                 continue
             why = hangs.name_culprit(why, self)
-            # never a strike by its text: the GPU driver's own evidence (daemon/driver.py) or the
-            # health check before the restart is what strikes the node
-            if isinstance(why, Failure) and why.driver and self.quarantine.strike(why):
-                return self._leave_job(why, *self.quarantine.departure(self.round is not None))
+            why, left = self._judge(why)
+            if left is not None:
+                return left
             code = self._restart(why)
             if code is not None:
                 return code
+
+    def _judge(self, why: Failure | Scale) -> tuple[Failure | Scale, int | None]:
+        """Whether a failure strikes this node, and whether it leaves the job for it (an exit
+        code). Never a strike by its text: the GPU driver's own evidence (daemon/driver.py), the
+        replicas' audit's numbers (daemon/sdc.py) or the health check before the restart."""
+        if not isinstance(why, Failure):
+            return why, None
+        if why.driver and self.quarantine.strike(why):
+            return why, self._leave_job(why, *self.quarantine.departure(self.round is not None))
+        if why.failure_class == FailureClass.SDC.value:
+            why, blamed, again = self.sdc.judge(why, self.group.beats(), self.round)
+            self.status.figures.on_sdc(self.sdc.report())
+            # one of this node's ranks outvoted: a strike; again in this run: quarantined
+            if blamed and self.quarantine.strike(why, at_once=again):
+                return why, self._leave_job(why, *self.quarantine.departure(True))
+        return why, None
 
     def _chores(self) -> None:
         """What the loop owes at every wake-up of its waits (besides systemd's watchdog): take

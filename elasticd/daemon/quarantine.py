@@ -1,14 +1,15 @@
 """Bad nodes remembered: this node's record of failures that were the node's, not the job's (its
 health check failed: before a start, at a restart after a worker's failure, or while training; a
-worker failed while the GPU driver itself reported a fault, daemon/driver.py), kept in its state
-directory across daemon restarts and jobs. A worker's failure is never a strike by its text,
-whatever its error file says (a job writes that text: "Xid 79" in a data record, a
-`KeyError: 'xid'`); the health check that runs before the restart confirms or clears the node.
---quarantine-after such failures within --quarantine-window quarantine the node: it leaves the
-job (the others go on without it, as for a failed health check) and `elasticd run` refuses to
-start here, with one line and exit code 7, until an operator runs `elasticd node clear` (a
-scheduler drains the node on that code; systemd's unit does not restart it). Torch-free: the CLI
-reads the record without a daemon (`elasticd node status / clear`).
+worker failed while the GPU driver itself reported a fault, daemon/driver.py; the replicas' audit
+outvoted one of its ranks, daemon/sdc.py, which quarantines at once when it happens again), kept in
+its state directory across daemon restarts and jobs. A worker's failure is never a strike by its
+text, whatever its error file says (a job writes that text: "Xid 79" in a data record, a `KeyError:
+'xid'`); the health check that runs before the restart confirms or clears the node.
+--quarantine-after such failures within --quarantine-window quarantine the node: it leaves the job
+(the others go on without it, as for a failed health check) and `elasticd run` refuses to start
+here, with one line and exit code 7, until an operator runs `elasticd node clear` (a scheduler
+drains the node on that code; systemd's unit does not restart it). Torch-free: the CLI reads the
+record without a daemon (`elasticd node status / clear`).
 
 `strike` records one, the node quarantined once --quarantine-after fall within the window;
 `refusal` is the line `run` refuses with (`ExitCode.QUARANTINED`, 7); `node_command` is `elasticd
@@ -116,13 +117,16 @@ def write(directory: Path, record: Record) -> None:
     os.replace(tmp, path)
 
 
-def strike(directory: Path, why: str, after: int, window: float, now: float) -> Record:
-    """Record one failure of the node's; quarantined once `after` (> 0) fall within `window`."""
+def strike(
+    directory: Path, why: str, after: int, window: float, now: float, at_once: bool = False
+) -> Record:
+    """Record one failure of the node's; quarantined once `after` (> 0) fall within `window`, or
+    by this one where `at_once` (and `after` is not 0: never)."""
     record = read(directory)
     recent = [s for s in record.strikes if now - s["at"] < window]
     record.strikes = [*recent, {"at": now, "why": why[:MAX_WHY]}][-MAX_STRIKES:]
     record.after, record.window = after, window
-    if after and len(record.strikes) >= after and record.quarantined is None:
+    if after and (at_once or len(record.strikes) >= after) and record.quarantined is None:
         record.quarantined = {
             "at": now,
             "why": f"{len(record.strikes)} failure(s) within {_span(window)}, the last: {why}"[
@@ -209,8 +213,10 @@ class Quarantine:
         self.directory = Path(cfg.state_dir) if cfg.state_dir else None  # set by `run`'s checks
         self.record = read(self.directory) if self.directory else Record()
 
-    def strike(self, why: Any) -> bool:
-        """Record `why` (a Failure) against this node; whether it is now quarantined."""
+    def strike(self, why: Any, at_once: bool = False) -> bool:
+        """Record `why` (a Failure) against this node; whether it is now quarantined. `at_once`:
+        quarantined by this strike, whatever the count (a rank whose state the replicas' audit
+        outvoted again: daemon/sdc.py), unless --quarantine-after 0 says never."""
         if self.directory is None:
             return False
         try:
@@ -220,6 +226,7 @@ class Quarantine:
                 self.cfg.quarantine_after,
                 self.cfg.quarantine_window,
                 time.time(),
+                at_once,
             )
         except (OSError, ConfigError) as e:
             self.event("node_record_unwritable", level="error", why=str(e))

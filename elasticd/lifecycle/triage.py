@@ -63,6 +63,11 @@ class FailureClass(str, enum.Enum):
     """The rendezvous itself failed (the store lost, the job failed elsewhere)."""
     SCALE = "scale"
     """Not a failure: nodes waiting to join."""
+    SDC = "sdc"
+    """Silent data corruption: the checkpoint library's audit of the replicas (checkpoint/audit.py)
+    found a rank's parameters or optimizer state differ from the others', and every rank ended
+    with names.SDC_EXIT (daemon/sdc.py judges it; never a repeat: a rank blamed again is the
+    node's, and quarantines it)."""
     UNKNOWN = "unknown"
     """A peer's failure whose class it did not say (an older elasticd)."""
 

@@ -36,7 +36,15 @@ CAUSES = tuple(cause.label for cause in RestartCause if cause.restarts)
 RECOVERY_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 SAMPLES = 20  # distinct heartbeat readings a rank's step time is measured over (about 10 s at 2 Hz)
 # heartbeat.FIGURES of the checkpoint library that are totals or counts (kept across attempts)
-TOTALS = ("saves", "save_stall_total", "save_write_total", "refreshes", "refresh_total")
+TOTALS = (
+    "saves",
+    "save_stall_total",
+    "save_write_total",
+    "refreshes",
+    "refresh_total",
+    "sdc_audits",
+    "audit_total",
+)
 LASTS = ("save_stall_last", "save_write_last", "refresh_last", "refresh_every")
 
 
@@ -79,12 +87,17 @@ class Figures:
         self._base = dict.fromkeys(TOTALS, 0.0)  # totals of attempts that ended
         self._now_totals = dict.fromkeys(TOTALS, 0.0)  # this attempt's, as last read
         self._lasts = dict.fromkeys(LASTS, 0.0)
+        self.sdc: dict[str, Any] = {}  # the replicas' audit's detections (daemon/sdc.py report)
         self.step: int | None = None
         self.rank_times: dict[
             int, tuple[float | None, float | None]
         ] = {}  # local rank -> (step, work) s
 
     # --- hooks ---
+
+    def on_sdc(self, detections: dict[str, Any]) -> None:
+        """The replicas' audit's detections so far (daemon/sdc.py `Corruption.report`)."""
+        self.sdc = dict(detections)
 
     def on_restart(self, why: Failure | Scale, beats: list[heartbeat.Beat | None]) -> None:
         """A running group ends early (before its teardown): count the cause, and note the step
@@ -236,6 +249,11 @@ class Figures:
                 "seconds_total": round(totals["refresh_total"], 6),
                 "last_seconds": round(self._lasts["refresh_last"], 6),
                 "every": int(self._lasts["refresh_every"]),
+            },
+            "sdc_audit": {
+                "audits": int(totals["sdc_audits"]),
+                "seconds_total": round(totals["audit_total"], 6),
+                **self.sdc,
             },
         }
 

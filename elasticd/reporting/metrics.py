@@ -203,6 +203,30 @@ METRICS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
     ),
     ("elasticd_memory_step", "gauge", "The newest step held in memory on this node", ()),
     (
+        "elasticd_sdc_audits_total",
+        "counter",
+        "Audits of the replicas' parameters and optimizer state run by this node's ranks",
+        (),
+    ),
+    (
+        "elasticd_sdc_audit_seconds_total",
+        "counter",
+        "Seconds the replicas' audits took (part of the refreshes' and saves' stalls)",
+        (),
+    ),
+    (
+        "elasticd_sdc_detected_total",
+        "counter",
+        "Silent data corruption the replicas' audit found on this node (a rank of it outvoted)",
+        (),
+    ),
+    (
+        "elasticd_sdc_undecided_total",
+        "counter",
+        "Disagreements of the replicas' audit with no majority to name a rank (two replicas)",
+        (),
+    ),
+    (
         "elasticd_rank_heartbeat_age_seconds",
         "gauge",
         "Seconds since each local rank's last heartbeat",
@@ -399,6 +423,10 @@ def _costs(put: Put, s: Snapshot) -> None:
         put("elasticd_memory_refresh_last_seconds", mem.last_seconds)
         put("elasticd_memory_refresh_interval_steps", mem.every)
     put("elasticd_memory_step", s.memory_step)
+    put("elasticd_sdc_audits_total", s.sdc_audit.audits)
+    put("elasticd_sdc_audit_seconds_total", s.sdc_audit.seconds_total)
+    put("elasticd_sdc_detected_total", s.sdc_audit.detected)
+    put("elasticd_sdc_undecided_total", s.sdc_audit.undecided)
 
 
 def _ranks(put: Put, s: Snapshot) -> None:

@@ -127,6 +127,20 @@ class MemoryRefresh:
 
 
 @dataclass(frozen=True)
+class SdcAudit:
+    """The replicas' audit (checkpoint/audit.py, daemon/sdc.py): audits run by this node's ranks
+    (each audit counted once: its ranks run it together), the seconds they took, and the silent
+    data corruption this node's ranks saw: how often it blamed this node, how often no majority
+    named one, and by node blamed (the job's view as this node saw it; "undecided" too)."""
+
+    audits: int = 0
+    seconds_total: float = 0.0
+    detected: int = 0
+    undecided: int = 0
+    by_node: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class MemoryReplica:
     """This node's side of a sharded job's replication (reporting/replication.py), and the /dev/shm
     bytes it holds for the in-memory state."""
@@ -240,6 +254,7 @@ class Snapshot:
     # the failures this node saw, by class (triage.FailureClass's values)
     failures_by_class: dict[str, int] = field(default_factory=dict)
     memory_replica: MemoryReplica = field(default_factory=MemoryReplica)
+    sdc_audit: SdcAudit = field(default_factory=SdcAudit)
 
     def to_json(self) -> dict[str, Any]:
         return to_json(self)

@@ -18,8 +18,9 @@ read with `marked`).
 Then running figures, f64 each, written by the worker for status and metrics (FIGURES): its own work
 per step (the time outside the gradient sync, summed, and the steps that measured it: what the
 straggler check compares), the step the checkpoint library resumed from, and the library's save and
-in-memory refresh costs and cadence, and a sharded job's replication (what it sends to the next
-node, how long that took, whether it is on: REPLICA_STATES). Each is one aligned store into the
+in-memory refresh costs and cadence, a sharded job's replication (what it sends to the next
+node, how long that took, whether it is on: REPLICA_STATES), and the replicas' audit (its count and
+cost, and its verdict on a disagreement). Each is one aligned store into the
 mapping, at most a few per step.
 
 The worker owns the file and may write anything into it: the daemon's Reader takes only values
@@ -42,7 +43,7 @@ from elasticd import safeio
 
 _LAYOUT = struct.Struct("<4sIqqdddddd")
 MAGIC = b"EDHB"
-SIZE = 256
+SIZE = 512
 _BEATS, _STEP, _LAST, _FIRST = 8, 16, 24, 32  # offsets of the fields a beat writes
 MARKS = {"exiting": 40, "pg_ready": 48, "state_loaded": 56, "abandon": 64}  # offsets
 # One more one-off mark, in the file's last 8 bytes (the figures may grow towards it): the
@@ -72,6 +73,14 @@ FIGURES = (
     "replica_bytes_last",
     "replica_seconds_total",
     "replica_seconds_last",
+    # the replicas' audit (checkpoint/audit.py): audits run and their seconds (summed); and its
+    # verdict when they disagreed: disagreements found, the step, the rank outvoted plus one
+    # (0: undecided, no majority)
+    "sdc_audits",
+    "audit_total",
+    "sdc_found",
+    "sdc_step",
+    "sdc_rank",
 )
 # the replica_state figure's values, by index: not decided yet (no sharded refresh), on, or off
 # and why: one node (no other to hold a replica), nodes of unequal or unknown size, no memory

@@ -3,11 +3,13 @@ must get back in play: DDP (or FSDP2's fully_shard), AdamW with weight decay, dr
 LR schedule, a shuffled ResumableDistributedSampler, a DataLoader (0 or 2 worker processes,
 drop_last on or off), a numpy and a Python draw per step, several epochs.
 
-One job, two users: tests/unit/checkpoint/test_resume_property.py forks its ranks and calls `run` (a
-crash: every rank stops dead after a step), tests/e2e/test_exact_resume.py runs it under `elasticd
-run` (EXACT_* environment; a crash: one rank SIGKILLs itself once). Rank 0 writes the final model
-and optimizer state's sha256 to OUT, and every rank appends `step sha256-prefix` lines to OUT.RANK
-(the parameters after each step), so a failure names the first step that differs.
+One job, three users: tests/unit/checkpoint/test_resume_property.py forks its ranks and calls `run`
+(a crash: every rank stops dead after a step), tests/e2e/test_exact_resume.py runs it under
+`elasticd run` (EXACT_* environment; a crash: one rank SIGKILLs itself once), and
+tests/e2e/test_sdc.py (one rank flips a bit of its own weights: silent data corruption, once or
+persistently). Rank 0 writes the final model and optimizer state's sha256 to OUT, and every rank
+appends `step sha256-prefix` lines to OUT.RANK (the parameters after each step), so a failure names
+the first step that differs.
 """
 
 from __future__ import annotations
@@ -45,6 +47,12 @@ DEFAULTS = {
     "crash_after": None,  # every rank stops dead after this step (forked ranks)
     "kill_at": None,  # KILL_RANK SIGKILLs itself after this step, once (under elasticd)
     "kill_rank": 0,
+    # FLIP_RANK (None: the node with EXACT_FLIP_HERE) flips one mantissa bit of one weight after
+    # this step: once, or (flip_persistent) after every step from then on, as a bad part of its
+    # node would (silent data corruption)
+    "flip_at": None,
+    "flip_rank": 1,
+    "flip_persistent": False,
     "out": None,
 }
 
@@ -70,6 +78,23 @@ def _held(model, opt, sharded: bool) -> list[torch.Tensor]:
         s = osd["state"][k]
         tensors += [torch.as_tensor(s[n]) for n in sorted(s)]
     return tensors
+
+
+def _faulty(rank: int, flip_rank: int | None) -> bool:
+    """Whether this rank's bits flip: FLIP_RANK's, or (flip_rank None) any rank of the node
+    whose daemon set EXACT_FLIP_HERE: a bad part stays with its node, whatever rank it runs."""
+    return rank == flip_rank if flip_rank is not None else bool(os.environ.get("EXACT_FLIP_HERE"))
+
+
+def _flip(model: nn.Module, marker: str, persistent: bool) -> None:
+    """One mantissa bit of one weight, in place, from outside the library (the value stays
+    finite, as almost all silent corruption does); `marker` counts the flips."""
+    if os.path.exists(marker) and not persistent:
+        return
+    with open(marker, "a") as f:
+        f.write("flip\n")
+    weight = next(model.parameters()).detach()  # the same storage, outside autograd
+    weight.view(-1).view(torch.int32)[5] ^= 1 << 12
 
 
 def _model(world: int, sharded: bool) -> nn.Module:
@@ -149,6 +174,10 @@ def run(cfg: dict, rank: int, world: int) -> int:
                 if not os.path.exists(marker):
                     open(marker, "w").close()
                     os.kill(os.getpid(), signal.SIGKILL)
+            flip_at = cfg["flip_at"]
+            persists = cfg["flip_persistent"] and flip_at is not None and step > flip_at
+            if (step == flip_at or persists) and _faulty(rank, cfg["flip_rank"]):
+                _flip(model, f"{cfg['out']}.flipped", cfg["flip_persistent"])
             if step >= cfg["steps"]:
                 break
         else:

@@ -30,7 +30,7 @@ from typing import Any
 import structlog
 
 from elasticd import names
-from elasticd.checkpoint import sharded
+from elasticd.checkpoint import audit, sharded
 from elasticd.checkpoint.collectives import (
     all_gather_bytes,
     all_ok,
@@ -371,23 +371,33 @@ class MemoryState:
         return state, source, None
 
     def refresh(
-        self, step: int, state: Mapping[str, Any] | Callable[[], Mapping[str, Any]]
+        self,
+        step: int,
+        state: Mapping[str, Any] | Callable[[], Mapping[str, Any]],
+        auditor: audit.Auditor | None = None,
     ) -> float:
         """Write `state` (or what the callable, around capture(), returns) as `step`; the stall
-        in seconds. A full or missing tmpfs, or a state it cannot hold, turns the in-memory
-        state off with one warning; disk checkpoints go on."""
+        in seconds. A callable's state is audited first (`auditor`, a collective; its cost, here or
+        on the boundary's all-reduce, counts as the refresh's under the cadence's budget) and
+        written only if the replicas agree. A full or
+        missing tmpfs, or a state it cannot hold, turns the in-memory state off with one
+        warning; disk checkpoints go on."""
         if not self.every:
             return 0.0
         t0 = time.perf_counter()
         owned, shard = None, False
         if callable(state):
             how = Refresh(whole=self.local_rank == 0, owned=set() if self.overlap else None)
-            token = REFRESH.set(how)
+            seen = auditor.wanted() if auditor is not None else None
+            token, watched = REFRESH.set(how), audit.SEEN.set(seen)
             try:
                 state = state()
             finally:
+                audit.SEEN.reset(watched)
                 REFRESH.reset(token)
             owned, shard = how.owned, how.sharded
+            if auditor is not None:
+                auditor.check(step, seen)  # raises on a disagreement: nothing is written
         else:  # captured already, for a disk save at the same step
             shard = sharded.holds_shards(state)
         mapped = True
@@ -442,7 +452,10 @@ class MemoryState:
             figures.note("refresh_every", self.every)
         if self.on:
             if not mapped and not writer.queued:
-                self.cadence.costs.append(self.last_stall)
+                # the audit's digest of this step, made before the refresh (on the boundary's
+                # all-reduce), is the refresh's cost too: both stay under the one budget
+                spent = auditor.spent(step) if auditor is not None else 0.0
+                self.cadence.costs.append(self.last_stall + spent)
             self.cadence.costs.extend(
                 writer.costs()
             )  # overlapped refreshes, once their events passed

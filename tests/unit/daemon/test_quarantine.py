@@ -41,6 +41,15 @@ def test_zero_never_quarantines(tmp_path):
     assert record.quarantined is None and len(record.strikes) == 5
 
 
+def test_a_strike_at_once_quarantines_under_the_kept_rule_unless_never(tmp_path):
+    """A rank the replicas' audit outvoted again (daemon/sdc.py): quarantined by that strike,
+    the record still counting by --quarantine-after; --quarantine-after 0 still means never."""
+    record = q.strike(tmp_path, "sdc again", 3, DAY, 1.7e9, at_once=True)
+    assert record.quarantined is not None and record.after == 3
+    never = tmp_path / "never"
+    assert q.strike(never, "sdc again", 0, DAY, 1.7e9, at_once=True).quarantined is None
+
+
 @pytest.mark.parametrize(
     "content",
     [b"{", b"[]", b'{"strikes": [{"at": "x", "why": "y"}]}', b'{"quarantined": 3}', b"\xff"],

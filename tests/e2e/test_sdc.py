@@ -1,0 +1,106 @@
+"""Silent data corruption under `elasticd run`: one rank flips a bit of its own weights (the test
+script, tests/scripts/exact_job.py, from outside the library); the replicas' audit finds it at the
+next keep, every rank rolls back to the newest certified state and goes on. A one-off flip ends
+bit-identical to the fault-free run beside it; a persistent one quarantines the node (exit 7),
+and an elastic job goes on without it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from elasticd import exit_codes
+from elasticd.daemon import quarantine
+from harness import FAST, free_port, node_flags, script
+from scripts.exact_job import first_difference
+
+STEPS = 10
+FLIP_AT = 4
+
+
+def _job(daemons, tmp, name: str, nproc: int, cfg: dict, *flags: str):
+    env = {"EXACT_JOB": json.dumps({**cfg, "steps": STEPS, "out": str(tmp / f"{name}.out")})}
+    return daemons(
+        script("exact_job.py"),
+        *("--nproc-per-node", str(nproc), "--max-restarts", "3"),
+        *("--checkpoint-dir", str(tmp / f"{name}.ckpt"), "--state-dir", str(tmp / f"{name}.state")),
+        *FAST,
+        *flags,
+        name=name,
+        env=env,
+    )
+
+
+def _events(d, name: str) -> list[dict]:
+    return [e for e in d.events() if e.get("event") == name]
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_a_one_off_flip_is_found_rolled_back_and_ends_bit_identical(daemons, tmp_path, nproc):
+    clean = _job(daemons, tmp_path, "clean", nproc, {})
+    faulty = _job(daemons, tmp_path, "faulty", nproc, {"flip_at": FLIP_AT})
+    for d in (clean, faulty):
+        assert d.wait(120) == 0, d.stderr()[-3000:]
+    assert (tmp_path / "faulty.out.flipped").read_text() == "flip\n"
+    suspected = _events(faulty, "sdc_suspected")
+    assert len(suspected) == 1, suspected
+    found = suspected[0]
+    assert found["step"] == FLIP_AT + 1, found  # the next keep after the flip
+    if nproc == 3:  # a majority names the odd one out
+        assert found["rank"] == 1 and found["node"] and not found["undecided"], found
+    else:  # two replicas: which one is undecided
+        assert found["rank"] is None and found["undecided"], found
+    assert not _events(faulty, "sdc_confirmed")
+    assert "resumed from step" not in clean.stdout()
+    # rolled back to the state certified before the flip, from memory
+    loaded = [e for e in faulty.events() if e.get("event") == "recovered"]
+    assert loaded, "no restart after the detection"
+    assert "silent data corruption" in faulty.stdout() + faulty.stderr(workers=True)
+    clean_out, faulty_out = tmp_path / "clean.out", tmp_path / "faulty.out"
+    same = clean_out.read_text() == faulty_out.read_text()
+    assert same, first_difference(str(clean_out), str(faulty_out), nproc)
+
+
+def test_a_persistent_flip_quarantines_the_node(daemons, tmp_path):
+    faulty = _job(daemons, tmp_path, "faulty", 3, {"flip_at": FLIP_AT, "flip_persistent": True})
+    assert faulty.wait(120) == exit_codes.ExitCode.QUARANTINED, faulty.stderr()[-3000:]
+    assert (tmp_path / "faulty.out.flipped").read_text() == "flip\n" * 2
+    suspected = _events(faulty, "sdc_suspected")
+    confirmed = _events(faulty, "sdc_confirmed")
+    # after the rollback to step 4 its first flip comes after step 5: found at step 6
+    assert [(e["rank"], e["step"]) for e in suspected] == [(1, 5), (1, 6)], suspected
+    assert len(confirmed) == 1 and confirmed[0]["rank"] == 1, confirmed
+    record = quarantine.read(tmp_path / "faulty.state")
+    assert record.quarantined and "silent data corruption" in record.quarantined["why"], record
+
+
+def test_a_node_quarantined_for_persistent_corruption_leaves_and_the_job_goes_on(daemons, tmp_path):
+    """Three nodes of one rank; the bad part is node b's, whatever rank it runs: outvoted twice,
+    b is quarantined (exit 7) and the others finish at two ranks from their own memory."""
+    port = free_port()
+    cfg = {"flip_at": FLIP_AT, "flip_persistent": True, "flip_rank": None, "steps": STEPS}
+    env = {"EXACT_JOB": json.dumps({**cfg, "out": str(tmp_path / "job.out")})}
+    nodes = {
+        name: daemons(
+            script("exact_job.py"),
+            *("--nproc-per-node", "1", "--max-restarts", "4"),
+            *("--checkpoint-dir", str(tmp_path / "ckpt"), "--state-dir", str(tmp_path / name)),
+            *node_flags(port, "2:3", "sdc"),
+            name=name,
+            env={**env, **({"EXACT_FLIP_HERE": "1"} if name == "b" else {})},
+        )
+        for name in ("a", "b", "c")
+    }
+    codes = {name: d.wait(150) for name, d in nodes.items()}
+    assert codes == {"a": 0, "b": exit_codes.ExitCode.QUARANTINED, "c": 0}, {
+        n: d.stderr()[-2000:] for n, d in nodes.items()
+    }
+    confirmed = _events(nodes["b"], "sdc_confirmed")
+    assert len(confirmed) == 1 and confirmed[0]["node"], confirmed
+    assert quarantine.read(tmp_path / "b").quarantined is not None
+    assert quarantine.read(tmp_path / "a").quarantined is None
+    for name in ("a", "c"):  # they saw it too, and were never struck
+        assert [e["node"] for e in _events(nodes[name], "sdc_suspected")] == [
+            confirmed[0]["node"]
+        ] * 2

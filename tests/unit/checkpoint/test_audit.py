@@ -1,0 +1,97 @@
+"""The replicas' audit (checkpoint/audit.py): the digest reads bits, the verdict names the odd one
+out, and a CheckpointManager keeps no state the replicas disagree on (real gloo ranks, forked)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import _ckpt_helpers as helpers
+from elasticd import names
+from elasticd.checkpoint import CheckpointManager, audit, capture
+from elasticd.checkpoint.memory import slots
+
+
+def flip(t: torch.Tensor, index: int = 0, bit: int = 3) -> None:
+    """One mantissa bit of one float32 value, in place: the value stays finite."""
+    ints = t.data.view(-1).view(torch.int32)
+    ints[index] ^= 1 << bit
+
+
+def test_digest_is_the_bits_not_the_values():
+    a = [torch.randn(5, 7), torch.arange(6, dtype=torch.float16), torch.tensor([True, False])]
+    same = [t.clone() for t in a]
+    assert audit.digest(a) == audit.digest(same)
+    flipped = [t.clone() for t in a]
+    flip(flipped[0], 11, 0)
+    assert torch.allclose(flipped[0], a[0]) and audit.digest(flipped) != audit.digest(a)
+    # -0.0 and 0.0 are equal values, different bits
+    assert audit.digest([torch.tensor([0.0])]) != audit.digest([torch.tensor([-0.0])])
+    # a non-contiguous view digests its own elements
+    m = torch.randn(4, 4)
+    assert audit.digest([m.t()]) == audit.digest([m.t().contiguous()])
+
+
+@pytest.mark.parametrize(
+    "digests, odd, suspects",
+    [
+        ([7, 7, 7], None, ()),
+        ([7, 8, 7], (1,), (1,)),
+        ([7, 8], (), (0, 1)),  # two replicas: undecided
+        ([1, 1, 2, 2], (), (0, 1, 2, 3)),  # no majority
+        ([1, 1, 1, 2, 3], (3, 4), (3, 4)),
+    ],
+)
+def test_verdict(digests, odd, suspects):
+    v = audit.verdict(digests)
+    assert v.agreed == (odd is None)
+    if odd is not None:
+        assert v.odd == odd and v.suspects == suspects and v.undecided == (not odd)
+
+
+def _job(rank: int, world: int, tmp: str, flip_rank: int | None, flip_after: int) -> None:
+    torch.manual_seed(0)
+    model = DDP(nn.Linear(4, 3))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    mgr = CheckpointManager(tmp + "/ckpt", memory_every=1, memory_dir=f"{tmp}/mem")
+    torch.manual_seed(rank)
+    step = 0
+    try:
+        while step < 6:
+            loss = model(torch.randn(2, 4)).square().sum()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            step += 1
+            mgr.maybe_save(step, lambda: capture(model=model, optimizer=opt, step=step))
+            if step == flip_after and rank == flip_rank:
+                flip(model.module.weight, 5)
+    except audit.SilentDataCorruption as e:
+        held = [h.step for h in slots.held(f"{tmp}/mem", 0)]  # the node's state
+        # nothing of the step the replicas disagreed on was kept; the newest kept is certified
+        assert step == flip_after + 1 and max(held) == flip_after, (step, held)
+        assert e.code == names.SDC_EXIT and f"step {step}" in str(e)
+        with open(f"{tmp}/sdc{rank}", "w") as f:  # the forked rank's exit code is the helper's
+            f.write(str(e))
+        return
+    assert mgr.audits == 6, mgr.audits
+    mgr.close()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_flipped_bit_on_one_rank_ends_every_rank_before_the_state_is_kept(tmp_path, world):
+    (tmp_path / "mem").mkdir()
+    helpers.run(_job, world, tmp_path, str(tmp_path), 1, 3)
+    said = [(tmp_path / f"sdc{r}").read_text() for r in range(world)]
+    assert len(set(said)) == 1, said  # every rank reached the same verdict
+    if world == 3:
+        assert "rank(s) 1 disagreed with the other 2 replicas" in said[0], said[0]
+    else:
+        assert "undecided between ranks 0, 1" in said[0], said[0]
+
+
+def test_clean_replicas_pass_every_audit(tmp_path):
+    (tmp_path / "mem").mkdir()
+    helpers.run(_job, 3, tmp_path, str(tmp_path), None, 3)
