@@ -151,7 +151,8 @@ def _wrap_process_group_calls(dist_module) -> None:
     signatures, results and exceptions:
 
     - init: its return is marked in the heartbeat file (the recovery timeline's "process group
-      ready");
+      ready"); on the in-place path the group is made to re-form in place, and a script entered
+      again finds its group re-formed (worker/reconfigure.py `init`);
     - destroy: afterwards the GIL is let go for a moment, so gloo's worker threads can drop their
       last finished work (which takes the GIL). Otherwise a script that destroys the group and
       then frees its DDP model (returning from main()) deadlocks now and then, in torch under any
@@ -161,8 +162,9 @@ def _wrap_process_group_calls(dist_module) -> None:
 
     @functools.wraps(init)
     def init_process_group(*args, **kwargs):
-        result = init(*args, **kwargs)
-        from elasticd.worker import heartbeat
+        from elasticd.worker import heartbeat, reconfigure
+
+        result = reconfigure.init(init, dist_module, args, kwargs)
 
         heartbeat.mark(path, "pg_ready")
         return result
@@ -431,6 +433,17 @@ def main() -> None:
     if warm:
         threads.follow(preloaded)
     try:
+        while not run_once(entrypoint, args):
+            pass  # re-entered in place: the script runs again in this process
+    finally:
+        _mark("exiting")
+
+
+def run_once(entrypoint: str, args: list[str]) -> bool:
+    """Run the entrypoint: True once this process is done with it; False where it unwound from
+    a fault elsewhere and the group re-formed in place (worker/reconfigure.py `reenter`), so it
+    runs again."""
+    try:
         run_entrypoint(entrypoint, args)
     except SystemExit as stop:
         if stop.code is None or stop.code == 0:
@@ -439,11 +452,14 @@ def main() -> None:
     except KeyboardInterrupt:
         raise  # the interpreter ends the process by SIGINT, as it should
     except BaseException as exc:  # noqa: BLE001 - shown and ended as the interpreter would
+        if os.environ.get(names.IN_PLACE_GEN) is not None:
+            from elasticd.worker import reconfigure
+
+            if reconfigure.reenter(exc) is None:
+                return False
         uncaught(exc)
-    else:
-        _mark("returned")  # before interpreter teardown: its death no longer fails the job
-    finally:
-        _mark("exiting")
+    _mark("returned")  # before interpreter teardown: its death no longer fails the job
+    return True
 
 
 if __name__ == "__main__":
