@@ -2,7 +2,9 @@
 place (`support`: `init_process_group(enable_reconfigure=True)`, `dist._get_reconfigure_handle`,
 `dist._reconfigure`, from torch 2.14; `backend_support`: gloo, NCCL where torch's
 ProcessGroupNCCL has `reconfigure`), and the group's membership in this process (`Member`):
-formed at init, re-formed at each generation the daemon announces in the workers' store.
+formed at init, re-formed at each generation the daemon announces in the workers' store (a
+survivor aborts its connections of the failed generation first, so that a peer blocked on it
+fails and unwinds too).
 
 Feature-detected, never version-compared: the API is experimental, a build may lack it or
 change it, and what matters is what this interpreter's torch has. Each answer carries a reason,
@@ -160,7 +162,7 @@ class Member:
         try:
             store.wait(keys, timedelta(seconds=REFORM_TIMEOUT))
         except Exception as e:
-            raise Refused(f"the handles of generation {generation} did not all come: {e}") from e
+            raise Refused(self._missing(generation, keys)) from e
         handles = []
         for r, k in enumerate(keys):
             handle = opened(key, generation, r, store.get(k))
@@ -175,6 +177,28 @@ class Member:
             raise Refused(f"reconfigure of generation {generation} failed: {e}") from e
         self.generation = generation
         return time.monotonic() - t0
+
+    def _missing(self, generation: int, keys: list[str]) -> str:
+        """Who gave no handle in time: a rank whose script caught the collective's error and
+        went on never comes to re-form."""
+        try:
+            missing = [r for r, k in enumerate(keys) if not self.store.check([k])]
+        except Exception:  # noqa: BLE001 - the store itself is gone
+            return f"the workers' store went away while generation {generation} formed"
+        return (
+            f"rank(s) {', '.join(map(str, missing))} gave no handle for generation {generation} "
+            f"in {REFORM_TIMEOUT:g} s (dead, or a script that caught the collective's error)"
+        )
+
+    def abort(self) -> None:
+        """Close this rank's connections of the failed generation: a survivor still blocked in a
+        collective on this rank (not on the dead one) then fails too, and unwinds, instead of
+        waiting out gloo's timeout while this rank waits for its handle. The group re-forms
+        after an abort (torch's recovery-after-abort case)."""
+        try:
+            self.dist.distributed_c10d._get_default_group().abort()
+        except Exception as e:  # noqa: BLE001 - a group that cannot abort re-forms or times out
+            log.warning("in_place_abort_failed", error=str(e), rank=self.rank)
 
     def announced(self, deadline: float) -> int | None:
         """The next generation, once the daemon has set it (signed) before `deadline`."""
@@ -262,6 +286,7 @@ def reenter(exc: BaseException) -> str | None:
     found = member()
     if found is None:
         return "not on the in-place path" if _member is None else "the group was destroyed"
+    found.abort()
     gen = found.announced(time.monotonic() + GENERATION_WAIT)
     if gen is None:
         _fallback(f"no generation announced in {GENERATION_WAIT:g} s after: {exc}")

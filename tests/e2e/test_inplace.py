@@ -67,19 +67,39 @@ def test_kill_9_of_one_rank_of_three_recovers_in_place(daemons, tmp_path):
     assert not leftover_processes()
 
 
-def test_a_survivor_that_cannot_vouch_for_itself_falls_back_to_the_restart(daemons, tmp_path):
-    """A thread the script started still runs when the script unwound: the survivor cannot
-    say what it will do when the script runs again, so it ends, with one line saying why, and
-    the group restarts as today."""
+def restarted_after_kill(daemons, *flags: str):
+    """inplace_faults.py with `flags`, rank 1 SIGKILLed at step 10, until the group restarted
+    (then stopped): the daemon, which replaced the rank in place first."""
     d = daemons(
-        script("inplace_thread.py"), *FLAGS, "--restart-backoff", "0", args=["--steps", "400"]
-    )
+        script("inplace_faults.py"), *FLAGS, "--restart-backoff", "0",
+        args=["--steps", "2000", *flags],
+    )  # fmt: skip
     wait_until(lambda: re.search(r"^step 10\b", d.log_text(0, 1), re.M), 90, what="step 10")
     os.kill(d.worker_pids()[1], signal.SIGKILL)
     wait_until(lambda: len(d.attempt_dirs()) > 1, 60, what="the restart")
     d.kill(signal.SIGTERM)
     d.wait(60)
     assert len(events(d, "replaced_in_place")) == 1
+    return d
+
+
+def test_a_survivor_that_cannot_vouch_for_itself_falls_back_to_the_restart(daemons):
+    """A thread the script started still runs when the script unwound: the survivor cannot
+    say what it will do when the script runs again, so it ends, with one line saying why, and
+    the group restarts as today."""
+    d = restarted_after_kill(daemons, "--thread")
     text = d.log_text(0, 1) + d.log_text(2, 1)
     assert text.count("in_place_fallback") == 2 and "threads still run: ticker" in text, text
+    assert not leftover_processes()
+
+
+def test_a_script_that_swallows_the_collectives_error_ends_in_the_restart(daemons):
+    """Rank 0 catches the failed collective and goes on: it never comes to re-form, so the
+    others' wait for its handle ends (10 s) with a line naming rank 0, and the group restarts as
+    today."""
+    d = restarted_after_kill(daemons, "--swallow")
+    assert "ignored:" in d.log_text(0, 1)
+    # rank 2 unwound and waited for every handle of the new generation: rank 0's never came
+    survivor = d.log_text(2, 1)
+    assert "in_place_fallback" in survivor and "rank(s) 0 gave no handle" in survivor, survivor
     assert not leftover_processes()
