@@ -106,7 +106,8 @@ def replace(agent: Agent, why: Failure) -> bool:
     agent.in_place_used += 1
     gen = group.generation + 1
     store = agent.round.worker_store
-    store.set(names.in_place_key(gen), reconfigure.sign(agent.round.state_key, gen, -1, str(gen)))
+    said = f"{gen} {','.join(str(w.global_rank) for w in dead)}"  # the ranks that start
+    store.set(names.in_place_key(gen), reconfigure.sign(agent.round.state_key, gen, -1, said))
     pids = group.replace(dead, agent.spares.spares)
     agent.recovery.mark("spawned")
     agent.spares.after_spawn([w.env for w in group.workers])

@@ -402,14 +402,16 @@ def _mark(name: str) -> None:
         heartbeat.mark(os.environ[names.HEARTBEAT_FILE], name)
 
 
-def quit_unused() -> None:
+def quit_unused(code: int = 0) -> None:
     """Exit a spare or fork server the daemon let go: no user code ran, so there is nothing to
     finish but output; an interpreter's shutdown with torch loaded would keep the daemon's exit
-    (it waits for them) ~0.3 s per process."""
+    (it waits for them) ~0.3 s per process. Also a survivor that could not re-enter in place
+    (code 1): a thread its script left running would keep an interpreter's shutdown waiting,
+    and the daemon restarts the group only once it has exited."""
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
-    os._exit(0)
+    os._exit(code)
 
 
 def main() -> None:
@@ -457,6 +459,10 @@ def run_once(entrypoint: str, args: list[str]) -> bool:
 
             if reconfigure.reenter(exc) is None:
                 return False
+            try:  # fell back: end now, as a restart expects, whatever threads the script left
+                uncaught(exc)
+            finally:
+                quit_unused(1)
         uncaught(exc)
     _mark("returned")  # before interpreter teardown: its death no longer fails the job
     return True

@@ -15,7 +15,9 @@ every rank of generation G sets its reconfigure handle under g<G>/h<rank>, waits
 and calls `dist._reconfigure` with them in rank order and a uuid of the run, round and G. G is 0
 at an attempt's start (the bootstrap's init_process_group, `init`), the daemon's number for a
 spare that replaces a failed rank (names.IN_PLACE_GEN), and for a survivor whose script unwound
-from a failed collective the next G the daemon sets (`reenter`, called by the bootstrap). A
+from a failed collective the next G the daemon sets with the ranks that start for it (`reenter`,
+called by the bootstrap): a starting rank's handle may take a process start
+(init_process_group's timeout), a running rank's comes within REFORM_TIMEOUT. A
 handle is a way into the group: every value is signed with the job's state key (names.STATE_KEY,
 HMAC-SHA256 bound to the generation and rank: `sign`), and one that does not verify ends the
 re-forming; the rank then falls back to the whole-group restart, as for every other doubt.
@@ -41,7 +43,9 @@ from elasticd import names
 
 log = structlog.get_logger("elasticd.in_place")
 
-REFORM_TIMEOUT = 10.0  # seconds for every handle of a generation to arrive, and the reconfigure
+# seconds for the handles of the ranks already running to arrive, and for the reconfigure; a
+# rank whose process starts for the generation has init_process_group's timeout (Member)
+REFORM_TIMEOUT = 10.0
 GENERATION_WAIT = 15.0  # seconds a survivor waits for the daemon to announce the next generation
 THREADS_WAIT = 2.0  # seconds a survivor waits for the script's own threads to end before re-entry
 
@@ -148,10 +152,13 @@ class Member:
     store: object  # a client of the workers' store
     rank: int
     world: int
+    start_timeout: float  # seconds a rank's process may take to start: init_process_group's
     generation: int = -1
 
-    def form(self, generation: int) -> float:
-        """Re-form the group as generation `generation`: seconds it took."""
+    def form(self, generation: int, starting: frozenset[int] | None = None) -> float:
+        """Re-form the group as generation `generation`: seconds it took. `starting`: the ranks
+        whose processes start for it (all of them where None: this rank is one), whose handles
+        may take a process start (`start_timeout`); the others' come within REFORM_TIMEOUT."""
         dist, store, key = self.dist, self.store, _key()
         t0 = time.monotonic()
         store.set(
@@ -159,10 +166,15 @@ class Member:
             sign(key, generation, self.rank, dist._get_reconfigure_handle()),
         )
         keys = [names.in_place_key(generation, r) for r in range(self.world)]
-        try:
-            store.wait(keys, timedelta(seconds=REFORM_TIMEOUT))
-        except Exception as e:
-            raise Refused(self._missing(generation, keys)) from e
+        new = set(range(self.world)) if starting is None else starting
+        for ranks, seconds in (
+            ([r for r in range(self.world) if r not in new], REFORM_TIMEOUT),
+            (sorted(new), self.start_timeout),
+        ):
+            try:
+                store.wait([keys[r] for r in ranks], timedelta(seconds=seconds))
+            except Exception as e:
+                raise Refused(self._missing(generation, keys, ranks, seconds)) from e
         handles = []
         for r, k in enumerate(keys):
             handle = opened(key, generation, r, store.get(k))
@@ -178,16 +190,16 @@ class Member:
         self.generation = generation
         return time.monotonic() - t0
 
-    def _missing(self, generation: int, keys: list[str]) -> str:
+    def _missing(self, generation: int, keys: list[str], ranks: list[int], seconds: float) -> str:
         """Who gave no handle in time: a rank whose script caught the collective's error and
         went on never comes to re-form."""
         try:
-            missing = [r for r, k in enumerate(keys) if not self.store.check([k])]
+            missing = [r for r in ranks if not self.store.check([keys[r]])]
         except Exception:  # noqa: BLE001 - the store itself is gone
             return f"the workers' store went away while generation {generation} formed"
         return (
             f"rank(s) {', '.join(map(str, missing))} gave no handle for generation {generation} "
-            f"in {REFORM_TIMEOUT:g} s (dead, or a script that caught the collective's error)"
+            f"in {seconds:g} s (dead, or a script that caught the collective's error)"
         )
 
     def abort(self) -> None:
@@ -200,15 +212,20 @@ class Member:
         except Exception as e:  # noqa: BLE001 - a group that cannot abort re-forms or times out
             log.warning("in_place_abort_failed", error=str(e), rank=self.rank)
 
-    def announced(self, deadline: float) -> int | None:
-        """The next generation, once the daemon has set it (signed) before `deadline`."""
+    def announced(self, deadline: float) -> tuple[int, frozenset[int]] | None:
+        """The next generation and the ranks that start for it, once the daemon has set them
+        (signed: "G R,R...") before `deadline`."""
         gen = self.generation + 1
         key = names.in_place_key(gen)
         try:
             self.store.wait([key], timedelta(seconds=max(0.1, deadline - time.monotonic())))
-        except Exception:  # noqa: BLE001 - a timeout, or the store gone with the daemon
+            text = opened(_key(), gen, -1, self.store.get(key))
+            number, ranks = text.split(" ") if text else ("", "")
+            if number != str(gen):
+                return None
+            return gen, frozenset(int(r) for r in ranks.split(",") if r)
+        except Exception:  # noqa: BLE001 - a timeout, the store gone with the daemon, a bad value
             return None
-        return gen if opened(_key(), gen, -1, self.store.get(key)) == str(gen) else None
 
 
 _member: Member | None = None
@@ -264,8 +281,10 @@ def init(init_process_group, dist, args, kwargs):
         is_master=False,
         timeout=timedelta(seconds=REFORM_TIMEOUT),
     )
-    _member = Member(dist, store, dist.get_rank(), dist.get_world_size())
-    _member.form(int(gen))
+    timeout = kwargs.get("timeout") or dist.default_pg_timeout
+    joining = Member(dist, store, dist.get_rank(), dist.get_world_size(), timeout.total_seconds())
+    joining.form(int(gen))  # Refused: the script fails here, and this rank falls back
+    _member = joining
     return result
 
 
@@ -287,8 +306,8 @@ def reenter(exc: BaseException) -> str | None:
     if found is None:
         return "not on the in-place path" if _member is None else "the group was destroyed"
     found.abort()
-    gen = found.announced(time.monotonic() + GENERATION_WAIT)
-    if gen is None:
+    announced = found.announced(time.monotonic() + GENERATION_WAIT)
+    if announced is None:
         _fallback(f"no generation announced in {GENERATION_WAIT:g} s after: {exc}")
         return "no new generation"
     # the unwound script's frames hold its model, loaders and managers: let them go
@@ -301,11 +320,13 @@ def reenter(exc: BaseException) -> str | None:
         why = f"child processes still run (DataLoader workers?): {len(children)}"
     if why is None:
         try:
-            seconds = found.form(gen)
+            seconds = found.form(*announced)
         except Refused as e:
             why = str(e)
         else:
-            log.info("re_entered", generation=gen, reform_s=round(seconds, 4), rank=found.rank)
+            log.info(
+                "re_entered", generation=announced[0], reform_s=round(seconds, 4), rank=found.rank
+            )
             return None
     _fallback(why)
     return why
