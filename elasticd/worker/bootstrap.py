@@ -162,9 +162,14 @@ def _wrap_process_group_calls(dist_module) -> None:
 
     @functools.wraps(init)
     def init_process_group(*args, **kwargs):
-        from elasticd.worker import heartbeat, reconfigure
+        from elasticd.worker import heartbeat
 
-        result = reconfigure.init(init, dist_module, args, kwargs)
+        if os.environ.get(names.IN_PLACE_GEN) is None:  # the restart path: torch's, untouched
+            result = init(*args, **kwargs)
+        else:
+            from elasticd.worker import reconfigure
+
+            result = reconfigure.init(init, dist_module, args, kwargs)
 
         heartbeat.mark(path, "pg_ready")
         return result
