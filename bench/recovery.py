@@ -13,9 +13,16 @@ steps; in memory where the launcher offers shared memory, i.e. under elasticd), 
 under 1% of a step), `elasticd-every-step` at every step whatever it costs.
 The last launcher, `torchrun-snapshot`, runs the same script with the hand-written snapshot a
 torchrun tutorial teaches (rank 0 torch.save every --ckpt-every steps, torch.load at start).
+`elasticd-in-place` is elasticd with --in-place auto (torch>=2.14; elsewhere it restarts as
+`elasticd` does, and its daemon's recovery_path line says so): only the killed rank is replaced,
+the others re-form the group in their own processes. Recovered, for every launcher, is every
+rank having logged the first step the replacement logs (the same step number: the resumed run's
+first), which a survivor that never left its process logs too; `kept` counts the trials where
+every survivor did it under its old pid.
 
     python bench/recovery.py --trials 10
     python bench/recovery.py --device cuda --nproc 1      # NCCL, one worker per GPU
+    python bench/recovery.py --nproc 3 --launchers elasticd-in-place,elasticd,torchrun  # torch 2.14
 """
 
 from __future__ import annotations
@@ -57,6 +64,7 @@ CKPT_MODE = {"torchrun-snapshot": "handwritten"}
 MEMORY_EVERY = {
     "elasticd-every-step": "1"
 }  # elasticd's default cadence keeps refreshes under 1% of a step
+EXTRA = {"elasticd-in-place": ("--in-place", "auto")}  # flags of a launcher kind
 
 
 def launcher_cmd(
@@ -150,7 +158,7 @@ def run_launcher(
     nproc: int = 2,
     device: str = "cpu",
 ) -> dict:
-    times, lost, failures = [], [], 0
+    times, lost, failures, kept = [], [], 0, 0
     with tempfile.TemporaryDirectory(prefix=f"bench-{kind}-") as tmp:
         workdir = Path(tmp)
         out = workdir / "steps.txt"
@@ -169,7 +177,7 @@ def run_launcher(
         while trial < trials:
             if proc is None or proc.poll() is not None:
                 proc = subprocess.Popen(
-                    launcher_cmd(kind, trials, workdir, nproc=nproc),
+                    launcher_cmd(kind, trials, workdir, EXTRA.get(kind, ()), nproc=nproc),
                     env=env,
                     stdout=log,
                     stderr=log,
@@ -191,7 +199,8 @@ def run_launcher(
                 kill_tree(proc)
                 proc = None
                 continue
-            victim = pids[trial % nproc]
+            victim_rank = trial % nproc
+            victim = pids[victim_rank]
             t_kill = time.time()
             os.kill(victim, signal.SIGKILL)
             before = max((r[3] for r in read_steps(out) if r[0] in pids.values()), default=0)
@@ -199,14 +208,12 @@ def run_launcher(
             recovered = None
             while time.monotonic() < deadline:
                 rows = [r for r in read_steps(out) if r[4] > t_kill and r[0] != victim]
-                new, resumed = {}, []
-                for pid, rank, _r, step, t in rows:
-                    if pid not in pids.values():  # a step by a process started after the kill
-                        new.setdefault(rank, t)
-                        resumed.append(step)
-                if len(new) == nproc:
-                    recovered = max(new.values()) - t_kill
-                    lost.append(before - (min(resumed) - 1))
+                done = stepped_again(rows, set(pids.values()))
+                if len(done) == nproc:
+                    recovered = max(t for t, _pid in done.values()) - t_kill
+                    first = min(s for p, _r, _x, s, _t in rows if p not in pids.values())
+                    lost.append(before - (first - 1))
+                    kept += all(pids[r] == pid for r, (_t, pid) in done.items() if r != victim_rank)
                     break
                 time.sleep(0.01)
             trial += 1
@@ -234,8 +241,22 @@ def run_launcher(
         "lost": lost,
         "failures": failures,
         "trials": trials,
+        "kept": kept,
         "timeline": phases,
     }
+
+
+def stepped_again(rows, old: set[int]) -> dict[int, tuple[float, int]]:
+    """rank -> (when, pid) each rank logged the first step a process started after the kill
+    logged (the resumed run's first step; rows: after the kill, the victim's left out)."""
+    firsts = [step for pid, _r, _x, step, _t in rows if pid not in old]
+    if not firsts:
+        return {}
+    first, done = min(firsts), {}
+    for pid, rank, _r, step, t in rows:
+        if step == first:
+            done.setdefault(rank, (t, pid))
+    return done
 
 
 def timeline(log: Path) -> dict[str, float]:
@@ -291,7 +312,7 @@ def main() -> None:
     )
     print(
         f"{'launcher':<20} {'median s':>9} {'min s':>7} {'max s':>7} {'recovered':>10} "
-        f"{'steps lost (median/max)':>24}"
+        f"{'steps lost (median/max)':>24} {'kept':>6}"
     )
     med = {}
     for kind, r in results.items():
@@ -301,7 +322,7 @@ def main() -> None:
         lost_s = f"{statistics.median(lost):g}/{max(lost)}" if lost else "-"
         print(
             f"{kind:<20} {med[kind]:>9.2f} {min(t, default=float('nan')):>7.2f} "
-            f"{max(t, default=float('nan')):>7.2f} {ok:>10} {lost_s:>24}"
+            f"{max(t, default=float('nan')):>7.2f} {ok:>10} {lost_s:>24} {r['kept']:>6}"
         )
     for kind, r in results.items():
         if r["timeline"]:
@@ -309,9 +330,10 @@ def main() -> None:
                 f"{kind} recovery timeline, median seconds after detection: "
                 + ", ".join(f"{k} {v:.3f}" for k, v in r["timeline"].items())
             )
-    for other in ("torchrun", "torchrun-snapshot"):
-        if "elasticd" in med and other in med:
-            print(f"ratio elasticd/{other} median recovery: {med['elasticd'] / med[other]:.2f}x")
+    for mine in ("elasticd", "elasticd-in-place"):
+        for other in ("elasticd", "torchrun", "torchrun-snapshot"):
+            if mine != other and mine in med and other in med:
+                print(f"ratio {mine}/{other} median recovery: {med[mine] / med[other]:.2f}x")
 
 
 if __name__ == "__main__":

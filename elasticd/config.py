@@ -46,6 +46,9 @@ class ConfigError(Exception):
 LOG_FORMATS = ("auto", "json", "console")
 # "restart" and "exclude-node" may come: stragglers.Straggler carries what they need
 STRAGGLER_ACTIONS = ("report",)
+# how a failed rank's group recovers: auto (in place, where torch and the job allow it: the
+# daemon's recovery_path line says which and why), off (the whole group restarts)
+IN_PLACE = ("auto", "off")
 
 
 def _setting(default: Any, doc: str, *flags: str, torchrun: bool = False, **parse: Any) -> Any:
@@ -320,6 +323,13 @@ class Config:
         "what to do about a straggler: report (an event, a metric and a "
         "status field; nothing is restarted)",
         choices=STRAGGLER_ACTIONS,
+    )
+    in_place: str = _setting(
+        "off",
+        "in-place recovery: auto (where this torch can re-form a group in place, a rank's "
+        "failure replaces that rank only, the others staying in their processes; elsewhere the "
+        "whole group restarts) or off (default {default}: experimental)",
+        choices=IN_PLACE,
     )
     health_check: str = _setting(
         "",

@@ -19,6 +19,7 @@ from typing import Any
 
 from elasticd.config import (
     FIELDS,
+    IN_PLACE,
     LOG_FORMATS,
     MAX_NPROC,
     MAX_RESTARTS,
@@ -188,6 +189,7 @@ _NAME_RULES = {
         else f"use {' or '.join(STRAGGLER_ACTIONS)} "
         "(restart and exclude-node are not implemented yet)"
     ),
+    "in_place": lambda v: None if v in IN_PLACE else f"use {' or '.join(IN_PLACE)}",
     "health_check": lambda v: (
         None
         if v.isprintable() and len(v) <= 4096

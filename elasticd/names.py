@@ -34,6 +34,9 @@ LOCAL_RANK = "ELASTICD_LOCAL_RANK"
 ROUND_NUMBER = "ELASTICD_ROUND"
 # set (--ledger): the directory where each worker writes its per-sample ledger (elasticd.ledger)
 LEDGER_DIR = "ELASTICD_LEDGER_DIR"
+# set for every worker of a job on the in-place path (daemon/inplace.py): the generation of the
+# group it joins, 0 at an attempt's start, N for a spare that replaces a failed rank in place
+IN_PLACE_GEN = "ELASTICD_IN_PLACE_GEN"
 WARM_PRELOAD = "ELASTICD_WARM_PRELOAD"  # modules a warm spare or the fork server imports ahead
 SOCKET = (
     "ELASTICD_SOCKET"  # the control socket, for the CLI and the daemon (also the `socket` setting)
@@ -83,6 +86,16 @@ RESTART = "restart"  # the first restart request's reason: every node of the rou
 HANG = "hang"  # hang/<node id>: that node's ranks' innermost frames when a hang was declared
 DONE_COUNT = "done_count"  # a counter of nodes at the exit barrier
 ALL_DONE = "all_done"  # set once every node's done key verifies
+
+# --- the workers' store (the round's, at MASTER_ADDR:MASTER_PORT): in-place recovery's keys,
+# each value signed with the job's state key (worker/reconfigure.py `sign`)
+
+
+def in_place_key(generation: int, rank: int | None = None) -> str:
+    """The daemon's word that generation N of the group is forming (rank None), or the
+    reconfigure handle rank R gives for it (worker/reconfigure.py)."""
+    where = f"elasticd/in-place/g{generation}"
+    return where if rank is None else f"{where}/h{rank}"
 
 
 def job_key(job: str, name: str) -> str:

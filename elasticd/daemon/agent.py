@@ -36,7 +36,7 @@ from elasticd.cluster.peers import Peers
 from elasticd.cluster.rendezvous import Rendezvous
 from elasticd.cluster.rounds import Round
 from elasticd.config import Config
-from elasticd.daemon import hangs, processes, sdc
+from elasticd.daemon import hangs, inplace, processes, sdc
 from elasticd.daemon.group import LocalGroup
 from elasticd.daemon.healthcheck import HealthCheck
 from elasticd.daemon.inbox import Inbox, StopRequest, Stops
@@ -98,6 +98,8 @@ class Agent:
         self._failed_in: int | None = None  # the round whose attempt last_failure ended
         # in-memory state directory (elasticd.checkpoint.memory), ours to remove
         self.memory_dir: str | None = None
+        self.recovery_path = None  # daemon/inplace.Path, chosen at start (serve.py)
+        self.in_place_used = 0  # ranks' failures recovered in place (daemon/inplace.py)
         self.notify = None  # elasticd.daemon.systemd once serve() wires it
         self._connect, self._peers, self._subreaper = rendezvous, peers, subreaper
         self.inbox = Inbox()
@@ -408,7 +410,10 @@ class Agent:
     def _restart(self, why: Failure | Scale) -> int | None:
         """Tear the group down and decide: next round, or the job has failed. The restart
         request tells every node why; whether it costs the job's budget is decided by the next
-        round's closing (cluster/closing.py), which knows whether a node was lost."""
+        round's closing (cluster/closing.py), which knows whether a node was lost. On the in-place
+        path a rank's failure replaces that rank alone (daemon/inplace.py), the others staying."""
+        if inplace.replace(self, why):
+            return None
         self.recovery.detected()
         why = self._first_here(why)
         self.status.figures.on_restart(why, self.group.beats())

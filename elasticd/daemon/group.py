@@ -5,6 +5,7 @@ daemon's stdout (the tee), stack dumps on request, and the teardown.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -63,6 +64,9 @@ class LocalGroup:
         self.gpu_sources = driver.Sources.found()  # the GPU driver's evidence, where it has one
         self.gpu = driver.Watch(driver.Sources(None))  # over this attempt
         self.dumps: list[dict[str, Any]] = []  # the stacks the last hang verdict took (_rows)
+        self.in_place = False  # on the in-place path (daemon/inplace.py): workers re-form
+        self.spec: spawn.GroupSpec | None = None  # this attempt's, for a rank replaced in place
+        self.generation = 0  # of the group in place: raised at each rank replaced (replace)
 
     def start(
         self, rnd: Round, restart_count: int, memory_dir: str | None, spares: list[forkclient.Spare]
@@ -96,10 +100,34 @@ class LocalGroup:
         )
         self.gpu.close()
         self.gpu = driver.Watch(self.gpu_sources)  # before the workers: what rises is theirs
+        self.spec, self.generation = spec, 0
         self.workers = spawn.spawn(spec, spares)
         self._exit_seen, self._returned = {}, set()
         self.oom = oom.Counters([w.pid for w in self.workers])
-        for w in self.workers:
+        self._follow(self.workers)
+
+    def replace(self, dead: list[spawn.Worker], spares: list[forkclient.Spare]) -> list[int]:
+        """Start new workers for the `dead` ones' ranks, in place (daemon/inplace.py): the next
+        generation of the group, in a directory of its own under the attempt's; their pids."""
+        self.generation += 1
+        spec = dataclasses.replace(
+            self.spec,
+            attempt_dir=self.spec.attempt_dir / f"in-place{self.generation}",
+            extra_env={**self.spec.extra_env, names.IN_PLACE_GEN: str(self.generation)},
+        )
+        new = spawn.spawn(spec, spares, [w.local_rank for w in dead])
+        for old, w in zip(dead, new):
+            self.workers[self.workers.index(old)] = w
+            reader, proc = self._watches.pop(old.pid, (None, None))
+            if reader is not None:
+                reader.close()
+                proc.close()
+        self._follow(new)
+        return [w.pid for w in new]
+
+    def _follow(self, workers: list[spawn.Worker]) -> None:
+        """Echo the workers' output on the daemon's (the tee)."""
+        for w in workers:
             prefix = tee.console_prefix(
                 self.cfg.role, w.global_rank, w.local_rank, self.cfg.log_line_prefix_template
             )
@@ -110,9 +138,12 @@ class LocalGroup:
 
     def _extra_env(self, rnd: Round, memory_dir: str | None) -> dict[str, str]:
         env = {names.ROUND_NUMBER: str(rnd.number)}
+        if memory_dir or self.in_place:  # the key signs state and in-place handles
+            env[names.STATE_KEY] = rnd.state_key.hex()
         if memory_dir:
             env[directory.ENV] = memory_dir
-            env[names.STATE_KEY] = rnd.state_key.hex()
+        if self.in_place:
+            env[names.IN_PLACE_GEN] = "0"
         if self.cfg.ledger:  # elasticd/ledger.py: beside the ranks' logs
             env[names.LEDGER_DIR] = str(self.run_dir / f"attempt{self.attempt}")
         return env

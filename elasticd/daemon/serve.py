@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from elasticd import logs, names
 from elasticd.config import Config
-from elasticd.daemon import processes
+from elasticd.daemon import inplace, processes
 from elasticd.daemon.agent import Agent
 from elasticd.lifecycle import supervise
 from elasticd.lifecycle.states import State
@@ -83,6 +83,8 @@ def serve(cfg: Config, run_dir: Path) -> int:
             from elasticd.cluster import tcpstore  # noqa: F401
 
             logs.adopt_torch()
+            agent.recovery_path = inplace.announce(cfg)
+            agent.group.in_place = agent.recovery_path.in_place
         except BaseException:
             agent.spares.close()
             raise

@@ -171,15 +171,18 @@ def _paths(spec: GroupSpec, rank: int) -> dict[str, Path]:
     }
 
 
-def spawn(spec: GroupSpec, spares: list[Spare] | None = None) -> list[Worker]:
-    """Start the local workers, handing ranks to warm spares first (see forkclient).
+def spawn(
+    spec: GroupSpec, spares: list[Spare] | None = None, local_ranks: list[int] | None = None
+) -> list[Worker]:
+    """Start the local workers (`local_ranks`: only those, replacing failed ones in place),
+    handing ranks to warm spares first (see forkclient).
 
     Call from the agent loop's thread: the parent-death signal the bootstrap arms fires when the
     *thread* that forked the child exits."""
     safeio.mkdir(spec.attempt_dir)  # fresh in our fresh run directory: an existing one was planted
     spares = spares if spares is not None else []
     workers = []
-    for local_rank in range(spec.nproc):
+    for local_rank in range(spec.nproc) if local_ranks is None else local_ranks:
         rank = spec.rank_base + local_rank
         paths = _paths(spec, rank)
         heartbeat.create(str(paths["heartbeat"]))

@@ -151,7 +151,8 @@ def _wrap_process_group_calls(dist_module) -> None:
     signatures, results and exceptions:
 
     - init: its return is marked in the heartbeat file (the recovery timeline's "process group
-      ready");
+      ready"); on the in-place path the group is made to re-form in place, and a script entered
+      again finds its group re-formed (worker/reconfigure.py `init`);
     - destroy: afterwards the GIL is let go for a moment, so gloo's worker threads can drop their
       last finished work (which takes the GIL). Otherwise a script that destroys the group and
       then frees its DDP model (returning from main()) deadlocks now and then, in torch under any
@@ -161,8 +162,14 @@ def _wrap_process_group_calls(dist_module) -> None:
 
     @functools.wraps(init)
     def init_process_group(*args, **kwargs):
-        result = init(*args, **kwargs)
         from elasticd.worker import heartbeat
+
+        if os.environ.get(names.IN_PLACE_GEN) is None:  # the restart path: torch's, untouched
+            result = init(*args, **kwargs)
+        else:
+            from elasticd.worker import reconfigure
+
+            result = reconfigure.init(init, dist_module, args, kwargs)
 
         heartbeat.mark(path, "pg_ready")
         return result
@@ -400,14 +407,16 @@ def _mark(name: str) -> None:
         heartbeat.mark(os.environ[names.HEARTBEAT_FILE], name)
 
 
-def quit_unused() -> None:
+def quit_unused(code: int = 0) -> None:
     """Exit a spare or fork server the daemon let go: no user code ran, so there is nothing to
     finish but output; an interpreter's shutdown with torch loaded would keep the daemon's exit
-    (it waits for them) ~0.3 s per process."""
+    (it waits for them) ~0.3 s per process. Also a survivor that could not re-enter in place
+    (code 1): a thread its script left running would keep an interpreter's shutdown waiting,
+    and the daemon restarts the group only once it has exited."""
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
-    os._exit(0)
+    os._exit(code)
 
 
 def main() -> None:
@@ -431,6 +440,17 @@ def main() -> None:
     if warm:
         threads.follow(preloaded)
     try:
+        while not run_once(entrypoint, args):
+            pass  # re-entered in place: the script runs again in this process
+    finally:
+        _mark("exiting")
+
+
+def run_once(entrypoint: str, args: list[str]) -> bool:
+    """Run the entrypoint: True once this process is done with it; False where it unwound from
+    a fault elsewhere and the group re-formed in place (worker/reconfigure.py `reenter`), so it
+    runs again."""
+    try:
         run_entrypoint(entrypoint, args)
     except SystemExit as stop:
         if stop.code is None or stop.code == 0:
@@ -439,11 +459,18 @@ def main() -> None:
     except KeyboardInterrupt:
         raise  # the interpreter ends the process by SIGINT, as it should
     except BaseException as exc:  # noqa: BLE001 - shown and ended as the interpreter would
+        if os.environ.get(names.IN_PLACE_GEN) is not None:
+            from elasticd.worker import reconfigure
+
+            if reconfigure.reenter(exc) is None:
+                return False
+            try:  # fell back: end now, as a restart expects, whatever threads the script left
+                uncaught(exc)
+            finally:
+                quit_unused(1)
         uncaught(exc)
-    else:
-        _mark("returned")  # before interpreter teardown: its death no longer fails the job
-    finally:
-        _mark("exiting")
+    _mark("returned")  # before interpreter teardown: its death no longer fails the job
+    return True
 
 
 if __name__ == "__main__":

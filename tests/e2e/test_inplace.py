@@ -1,0 +1,105 @@
+"""In-place recovery (--in-place auto, daemon/inplace.py, worker/reconfigure.py): kill -9 of one
+rank of three replaces that rank alone; the survivors unwind their unchanged script, re-form the
+group in their own processes and resume from the in-memory state they hold, and the run ends
+bit for bit where a fault-free one does. Needs a torch that can re-form a group (2.14 on);
+CI runs this file in its second environment (.ci/run)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from e2e.test_resume import final_state, tensors
+from harness import leftover_processes, script, wait_until
+
+pytestmark = pytest.mark.skipif(
+    not hasattr(dist, "_reconfigure"),
+    reason=f"torch {torch.__version__} cannot re-form a group in place (needs torch>=2.14)",
+)
+
+ARGS = ["--steps", "60", "--checkpoint-every", "5", "--log-every", "1", "--samples", "1024"]
+FLAGS = ("--nproc-per-node", "3", "--in-place", "auto", "--max-restarts", "3")
+
+
+def events(d, name):
+    return [e for e in d.events() if e.get("event") == name]
+
+
+def test_kill_9_of_one_rank_of_three_recovers_in_place(daemons, tmp_path):
+    common = [*ARGS, "--hidden", "32", "--memory-every", "1"]
+    clean = daemons(
+        "entrypoints.train", *FLAGS, "--checkpoint-dir", str(tmp_path / "clean"),
+        name="clean", args=common,
+    )  # fmt: skip
+    hit = daemons(
+        "entrypoints.train", *FLAGS, "--checkpoint-dir", str(tmp_path / "hit"),
+        name="hit", args=[*common, "--step-delay", "0.05"],
+    )  # fmt: skip
+    wait_until(lambda: re.search(r"^step 12/60", hit.log_text(0, 1), re.M), 90, what="step 12")
+    before = hit.worker_pids()
+    os.kill(before[1], signal.SIGKILL)
+    assert hit.wait(120) == 0, hit.stderr()[-3000:]
+    assert clean.wait(120) == 0, clean.stderr()[-3000:]
+    path = events(hit, "recovery_path")
+    assert [e["path"] for e in path] == ["in_place"], path
+    replaced = events(hit, "replaced_in_place")
+    assert len(replaced) == 1 and replaced[0]["ranks"] == [1], replaced
+    # the survivors never left their processes: the same pids ran to the end, and no restart
+    assert sorted(replaced[0]["survivors"]) == sorted([before[0], before[2]])
+    assert not events(hit, "in_place_refused") and len(hit.attempt_dirs()) == 1
+    assert not [e for e in events(hit, "state") if e.get("new") == "RESTARTING"]
+    log0 = hit.log_text(0, 1)
+    assert "re_entered" in log0 and "in_place_fallback" not in log0
+    # they resumed from the in-memory state they held: at most the step in flight lost
+    resumed = [int(m) for m in re.findall(r"resumed from step (\d+)", log0)]
+    assert len(resumed) == 1 and resumed[0] >= 11, resumed
+    assert len(events(hit, "recovered")) == 1
+    a, b = final_state(tmp_path / "clean"), final_state(tmp_path / "hit")
+    for part in ("model", "optimizer"):
+        ta, tb = dict(tensors(a[part])), dict(tensors(b[part]))
+        assert ta.keys() == tb.keys() and ta
+        assert all(torch.equal(ta[k], tb[k]) for k in ta), part
+    assert not leftover_processes()
+
+
+def restarted_after_kill(daemons, *flags: str):
+    """inplace_faults.py with `flags`, rank 1 SIGKILLed at step 10, until the group restarted
+    (then stopped): the daemon, which replaced the rank in place first."""
+    d = daemons(
+        script("inplace_faults.py"), *FLAGS, "--restart-backoff", "0",
+        args=["--steps", "2000", *flags],
+    )  # fmt: skip
+    wait_until(lambda: re.search(r"^step 10\b", d.log_text(0, 1), re.M), 90, what="step 10")
+    os.kill(d.worker_pids()[1], signal.SIGKILL)
+    wait_until(lambda: len(d.attempt_dirs()) > 1, 60, what="the restart")
+    d.kill(signal.SIGTERM)
+    d.wait(60)
+    assert len(events(d, "replaced_in_place")) == 1
+    return d
+
+
+def test_a_survivor_that_cannot_vouch_for_itself_falls_back_to_the_restart(daemons):
+    """A thread the script started still runs when the script unwound: the survivor cannot
+    say what it will do when the script runs again, so it ends, with one line saying why, and
+    the group restarts as today."""
+    d = restarted_after_kill(daemons, "--thread")
+    text = d.log_text(0, 1) + d.log_text(2, 1)
+    assert text.count("in_place_fallback") == 2 and "threads still run: ticker" in text, text
+    assert not leftover_processes()
+
+
+def test_a_script_that_swallows_the_collectives_error_ends_in_the_restart(daemons):
+    """Rank 0 catches the failed collective and goes on: it never comes to re-form, so the
+    others' wait for its handle ends (10 s) with a line naming rank 0, and the group restarts as
+    today."""
+    d = restarted_after_kill(daemons, "--swallow")
+    assert "ignored:" in d.log_text(0, 1)
+    # rank 2 unwound and waited for every handle of the new generation: rank 0's never came
+    survivor = d.log_text(2, 1)
+    assert "in_place_fallback" in survivor and "rank(s) 0 gave no handle" in survivor, survivor
+    assert not leftover_processes()

@@ -1,0 +1,38 @@
+"""A torchrun script that does what a survivor cannot re-enter in place after (tests/e2e/
+test_inplace.py), by its flags: `--thread` starts a thread of its own (not a daemon thread) that
+runs until the training loop ends, so it still runs when a collective fails and the script
+unwinds; `--swallow` has rank 0 catch a collective's error and go on, so it never unwinds.
+Prints `step N` per step."""
+
+import argparse
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+p = argparse.ArgumentParser()
+p.add_argument("--steps", type=int, default=100)
+p.add_argument("--thread", action="store_true")
+p.add_argument("--swallow", action="store_true")
+args = p.parse_args()
+
+dist.init_process_group("gloo")
+done = threading.Event()
+if args.thread:
+    threading.Thread(target=done.wait, name="ticker").start()
+w = torch.nn.Parameter(torch.zeros(4))
+opt = torch.optim.SGD([w], lr=0.1)
+for step in range(1, args.steps + 1):
+    w.grad = torch.ones(4)
+    try:
+        dist.all_reduce(w.grad)
+    except RuntimeError as e:
+        if not (args.swallow and dist.get_rank() == 0):
+            raise
+        print(f"ignored: {e}", flush=True)
+    opt.step()  # the heartbeat beats at every optimizer step
+    print(f"step {step}", flush=True)
+    time.sleep(0.05)
+done.set()  # only where the loop ended: an error leaves the thread running
+dist.destroy_process_group()

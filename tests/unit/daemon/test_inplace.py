@@ -1,0 +1,63 @@
+"""Which recovery path a job is on (daemon/inplace.py) and what this torch can re-form in place
+(worker/reconfigure.py), against the real torch.distributed of the interpreter that runs the
+tests: torch 2.13 (the first CI run) lacks reconfigure, torch 2.14.1 (the second) has it."""
+
+import dataclasses
+
+import pytest
+import torch.distributed as dist
+
+from elasticd.config import Config
+from elasticd.daemon import inplace
+from elasticd.worker import reconfigure
+
+HAS = hasattr(dist, "_reconfigure")
+
+
+def test_support_follows_what_torch_has():
+    found = reconfigure.support()
+    assert found.ok is HAS
+    assert torch_version() in found.why
+    if not HAS:
+        assert "_reconfigure" in found.why and "torch>=2.14" in found.why
+
+
+@pytest.mark.parametrize(
+    "backend, ok",
+    [("gloo", True), ("cpu:gloo,cuda:nccl", True), ("nccl", True), ("mpi", False)],
+)
+def test_backends(backend, ok):
+    found = reconfigure.backend_support(backend)
+    if not HAS:
+        assert not found.ok and "torch>=2.14" in found.why
+        return
+    nccl = hasattr(getattr(dist, "ProcessGroupNCCL", None), "reconfigure")
+    assert found.ok is (ok and (nccl or "nccl" not in backend)), found.why
+
+
+@pytest.mark.parametrize(
+    "changes, path, words",
+    [
+        ({}, "restart", "--in-place off"),
+        ({"in_place": "auto", "no_python": True}, "restart", "--no-python"),
+        ({"in_place": "auto", "nnodes": "2"}, "restart", "one node only"),
+        ({"in_place": "auto", "nnodes": "1:2"}, "restart", "one node only"),
+    ],
+)
+def test_the_path_where_the_job_rules_it_out(changes, path, words):
+    chosen = inplace.choose(dataclasses.replace(Config(), **changes))
+    assert (chosen.name, chosen.in_place) == (path, False)
+    assert words in chosen.why
+
+
+def test_the_path_where_torch_decides():
+    chosen = inplace.choose(dataclasses.replace(Config(), in_place="auto"))
+    assert chosen.in_place is HAS
+    assert chosen.name == ("in_place" if HAS else "restart")
+    assert ("has dist._reconfigure" if HAS else "lacks") in chosen.why
+
+
+def torch_version():
+    import torch
+
+    return torch.__version__
