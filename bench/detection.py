@@ -81,7 +81,8 @@ TORCHRUN_SAW = re.compile(r"closing signal|failed \(exitcode|Worker group (FAILE
 TORCHRUN_NAMED = re.compile(r"failed \(exitcode: -?\d+\) local_rank: \d+ \(pid: (\d+)\)")
 GLOG = re.compile(r"^[IWEF](\d\d)(\d\d) (\d\d):(\d\d):(\d\d)\.(\d{6}) ")
 CAUSE_RANK = re.compile(r"^rank (\d+)\b")
-CAUSE_NODE = re.compile(r"\bnode (\S+) \(group rank \d+\)")  # a node lost, by its id
+# a node lost, by its id: the cause's first words ("node ID; lost: group rank G ...")
+CAUSE_NODE = re.compile(r"^node (\S+); lost\b")
 
 
 @dataclass

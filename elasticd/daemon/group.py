@@ -63,6 +63,7 @@ class LocalGroup:
         self.gpu_sources = driver.Sources.found()  # the GPU driver's evidence, where it has one
         self.gpu = driver.Watch(driver.Sources(None))  # over this attempt
         self.dumps: list[dict[str, Any]] = []  # the stacks the last hang verdict took (_rows)
+        self._raised: list[Seen] = []  # error files written, none exited (as of the last check)
 
     def start(
         self, rnd: Round, restart_count: int, memory_dir: str | None, spares: list[forkclient.Spare]
@@ -128,7 +129,10 @@ class LocalGroup:
         now_wall = self._reap()
         failed = self._failed()
         if any(s.w.exit_code is not None for s in failed):
-            return self._first(failed, now_wall)
+            first = self._first(failed, now_wall)
+            self._raised = failed if first is None else []  # a death of a peer's going, waited
+            return first
+        self._raised = failed  # error files written, their workers still exiting
         now = time.monotonic()
         for w in self.workers:
             if w.exit_code is not None:
@@ -184,6 +188,15 @@ class LocalGroup:
                 when = written or self._exit_seen.get(w.pid, time.time())
                 seen.append(Seen(w, exception, stack, when))
         return seen
+
+    def raised(self) -> Failure | None:
+        """The failure among the workers the last check found failed but did not act on yet
+        (error files written, none exited; or a death of a peer's going it waits behind,
+        `_first`): triage.first's cause, or None. What the agent may look behind before the check
+        acts (a death of a closed connection in a job of several nodes, Agent._behind)."""
+        if not self._raised:
+            return None
+        return self._first(self._raised, time.time(), wait=False)
 
     def failed_now(self) -> Failure | None:
         """A failure among this node's workers, whether or not one has exited (a rank that
