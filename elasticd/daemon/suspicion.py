@@ -5,9 +5,10 @@ The deadline is learned from gaps the job has shown, so a slow step it has not s
 first checkpoint save, an evaluation, a data stall) would pass it. A hang is declared at the
 learned deadline only where:
 - a silent rank is stopped by a signal (state T: SIGSTOP, a terminal's ^Z), or
-- a silent rank is idle (under IDLE_SHARE of a CPU over the last part of its silence: not
-  computing, not writing) and the stack dumps (daemon/culprit.py) name it the culprit, elsewhere
-  while other ranks wait in a collective, or show a desync.
+- a silent rank is idle (asleep, and under IDLE_SHARE of a CPU over the last part of its
+  silence: not computing, not starved of a CPU it wants, not in a disk's I/O) and the stack
+  dumps (daemon/culprit.py) name it the culprit, elsewhere while other ranks wait in a
+  collective, or show a desync.
 A rank that computes, ranks that all wait in one collective (the culprit is on another node, or
 the network holds them), or all in the same code (an evaluation) are left alone: one event says
 so (`hang_deadline_passed`), and the next look is when the silence has doubled; the ceiling
@@ -74,9 +75,10 @@ class Suspicion:
         return self._state.get(pid) == "T"
 
     def idle(self, pid: int, now: float, silence: float) -> bool:
-        """Under IDLE_SHARE of a CPU over the latest min(silence / 2, IDLE_WINDOW) seconds."""
+        """Asleep now (not R, running or starved; not D, in a disk's I/O), and under IDLE_SHARE
+        of a CPU over the latest min(silence / 2, IDLE_WINDOW) seconds."""
         samples = self._cpu.get(pid)
-        if not samples:
+        if not samples or self._state.get(pid) in ("R", "D"):  # running (or starved), in I/O
             return False
         since = now - min(silence / 2, IDLE_WINDOW)
         start = next((s for s in samples if s[0] >= since), samples[0])

@@ -92,6 +92,8 @@ def test_idle_and_busy_by_the_cpu_time_of_the_silence_latest_part():
     assert _watched(0).idle(10, 102.9, 2.0)
     assert not _watched(10).idle(10, 102.9, 2.0)  # a full CPU (100 ticks a second)
     assert not suspicion.Suspicion().idle(10, 102.9, 2.0)  # never sampled: not idle
+    assert not _watched(0, state="R").idle(10, 102.9, 2.0)  # starved of a CPU it wants
+    assert not _watched(0, state="D").idle(10, 102.9, 2.0)  # in a disk's I/O
 
 
 def _judge(s: suspicion.Suspicion, texts: dict[int, str], other_cpu: int = 0):
