@@ -1,7 +1,8 @@
 """Detection time per fault kind: elasticd vs torchrun, same script, same machine, one run.
 
 Each trial starts the launcher afresh on bench/step_logger.py (gloo), lets every rank train for
---warmup seconds, injects one fault into rank 1 (or the node holding it) and times the injection
+--warmup seconds (4: elasticd learns its hang deadline from the first 50 steps), injects one
+fault into rank 1 (or the node holding it) and times the injection
 (the benchmark's clock, read right before it sends the signal, writes the flag or cuts the link)
 -> the launcher's own record that it saw the failure:
 
@@ -477,7 +478,12 @@ def main() -> None:
     p.add_argument("--nproc", type=int, default=3, help="workers of the one-node kinds (default 3)")
     p.add_argument("--bound", type=float, default=15.0, help="a fault not seen by then: not within")
     p.add_argument("--hb", type=float, default=2.0, help="elasticd-hb's --heartbeat-timeout")
-    p.add_argument("--warmup", type=float, default=2.0, help="seconds of training before a fault")
+    p.add_argument(
+        "--warmup",
+        type=float,
+        default=4.0,
+        help="seconds of training before a fault (elasticd learns its deadline in 50 steps)",
+    )
     p.add_argument("--start-timeout", type=float, default=120.0)
     p.add_argument("--all", action="store_true", help="try what is not measured here too")
     p.add_argument("--json", action="store_true", help="also one JSON line of every trial")

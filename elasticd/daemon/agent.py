@@ -452,6 +452,7 @@ class Agent:
         request tells every node why; whether it costs the job's budget is decided by the next
         round's closing (cluster/closing.py), which knows whether a node was lost."""
         self.recovery.detected()
+        self._held = None  # the next attempt's deaths are looked behind afresh
         why = self._first_here(why)
         self.status.figures.on_restart(why, self.group.beats())
         self.health_check.peer_left(why)

@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass
 
 FLOOR = 1.0  # seconds: the least learned deadline (a loaded host's pauses, the loop's tick)
-WARMUP = 100  # steps per rank (pooled over the node's ranks) before the deadline is learned
+WARMUP = 50  # steps per rank (pooled over the node's ranks) before the deadline is learned
 RANK_WARMUP = 10  # beats of a rank in its attempt before the learned deadline judges it
 P99_TIMES = 2.0
 LONGEST = 3.0  # times the longest gap seen

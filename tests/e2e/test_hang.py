@@ -178,7 +178,7 @@ def _learned(d) -> dict | None:
 
 
 def test_at_the_defaults_a_sigstop_is_found_at_the_deadline_learned_from_the_job(daemons):
-    """No --heartbeat-timeout (300 s, the ceiling): after 100 steps the deadline is learned from
+    """No --heartbeat-timeout (300 s, the ceiling): after 50 steps the deadline is learned from
     the job's step gaps (the floor, 1 s, for 20 ms steps), and a SIGSTOP of rank 1 is a hang
     within it, put on rank 1 as stopped (before: not found for 300 s)."""
     d = daemons(
