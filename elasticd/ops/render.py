@@ -77,6 +77,8 @@ def _header(s: Snapshot, socket: str | None) -> list[str]:
         )
     if s.lost_nodes:
         lines.append("  nodes lost when this round formed: " + ", ".join(s.lost_nodes))
+    if s.hang_deadline_basis:
+        lines.append(f"  hang deadline: {s.hang_deadline_basis}")
     if s.peers:
         lines.append(
             "  watched peer nodes (group rank: last beat) "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -191,6 +192,9 @@ def test_at_the_defaults_a_sigstop_is_found_at_the_deadline_learned_from_the_job
     )
     learned = wait_until(lambda: _learned(d), 60, what="the deadline learned")
     assert 1.0 <= learned["seconds"] < 5 and learned["ceiling"] == 300, learned
+    shown = json.loads(d.status("--json").stdout)
+    assert shown["hang_deadline_basis"].startswith("the job's deadline "), shown
+    assert 1.0 <= shown["hang_deadline"] < 300, shown
     pid = d.worker_pids()[1]
     t0 = time.time()
     os.kill(pid, signal.SIGSTOP)

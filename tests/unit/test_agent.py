@@ -19,7 +19,7 @@ import pytest
 from elasticd import config, names
 from elasticd.cluster.errors import BudgetSpent, Deterministic, RendezvousFailed, StoreLost
 from elasticd.cluster.rounds import Member, Round
-from elasticd.daemon import preflight
+from elasticd.daemon import deadlines, preflight
 from elasticd.daemon.agent import Agent
 from elasticd.daemon.healthcheck import HealthCheck
 from elasticd.exit_codes import ExitCode
@@ -126,6 +126,7 @@ class FakeGroup:
         self.tee = None
         self.workers: list = []
         self.attempt = 0
+        self.deadline = deadlines.Deadline(300.0, False)
 
     def start(self, rnd: Round, restart_count: int, memory_dir, spares) -> None:
         self.attempt += 1
