@@ -8,7 +8,8 @@ are back), drawn from a shuffled deck of the kinds (every kind once per round). 
     kill9 / segv / sigterm     kill -9, SIGSEGV, SIGTERM of one worker (SIGTERM: the library saves
                                at the next step and the unfinished job exits 143)
     stop                       SIGSTOP of one worker, held past --heartbeat-timeout
-    stop_short                 SIGSTOP held half the heartbeat timeout, then SIGCONT (a debugger's
+    stop_short                 SIGSTOP held half the heartbeat timeout (at most 0.5 s: under the
+                               deadline elasticd learns, 1 s at least), then SIGCONT (a debugger's
                                pause): the job should go on without a restart
     loader                     kill -9 of one worker's DataLoader process
     both                       kill -9 of every worker at once
@@ -355,7 +356,9 @@ def inject(
     if kind == "stop_short":
         t = time.time()
         _signal(workers[rank], signal.SIGSTOP)
-        time.sleep(hb / 2)
+        # under the deadline elasticd learns from the job too (never under 1 s): past it, a
+        # stopped rank is a hang (daemon/suspicion.py)
+        time.sleep(min(hb / 2, 0.5))
         _signal(workers[rank], signal.SIGCONT)
         return t, [workers[rank]], time.time()
     if kind == "loader":

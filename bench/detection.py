@@ -1,7 +1,8 @@
 """Detection time per fault kind: elasticd vs torchrun, same script, same machine, one run.
 
 Each trial starts the launcher afresh on bench/step_logger.py (gloo), lets every rank train for
---warmup seconds, injects one fault into rank 1 (or the node holding it) and times the injection
+--warmup seconds (4: elasticd learns its hang deadline from the first 50 steps), injects one
+fault into rank 1 (or the node holding it) and times the injection
 (the benchmark's clock, read right before it sends the signal, writes the flag or cuts the link)
 -> the launcher's own record that it saw the failure:
 
@@ -26,12 +27,18 @@ torchrun's: its agent's first line about the failed group (closing the other wor
 the local rank of that "failed" line, mapped to the global rank through the workers' pids. A fault
 not seen within --bound seconds is "not within N s".
 
-elasticd runs with its default timeouts (--heartbeat-timeout 300 s, --peer-timeout 10 s);
+elasticd runs with its defaults (the hang deadline learned from the job's step gaps under the
+--heartbeat-timeout 300 s ceiling, --peer-timeout 10 s);
 `--launchers elasticd,elasticd-hb,torchrun` adds elasticd with `--heartbeat-timeout --hb` (2 s, as
 the tests hand-set it) for the three hang kinds.
 
     PYTHONPATH=$PWD python bench/detection.py --trials 3
     PYTHONPATH=$PWD python bench/detection.py --kinds crash,desync --launchers elasticd --trials 1
+
+`--false-alarms 10000` instead runs 10,000 steps at elasticd's defaults with every rank sleeping a
+log-normal extra each step (`--jitter MEDIAN,SIGMA`, 10 ms and 1.0 by default: a heavy tail) and
+counts the hangs declared (each a false alarm), the suspicions the evidence cleared, the deadline
+learned and the step gaps the job showed.
 """
 
 from __future__ import annotations
@@ -81,7 +88,8 @@ TORCHRUN_SAW = re.compile(r"closing signal|failed \(exitcode|Worker group (FAILE
 TORCHRUN_NAMED = re.compile(r"failed \(exitcode: -?\d+\) local_rank: \d+ \(pid: (\d+)\)")
 GLOG = re.compile(r"^[IWEF](\d\d)(\d\d) (\d\d):(\d\d):(\d\d)\.(\d{6}) ")
 CAUSE_RANK = re.compile(r"^rank (\d+)\b")
-CAUSE_NODE = re.compile(r"\bnode (\S+) \(group rank \d+\)")  # a node lost, by its id
+# a node lost, by its id: the cause's first words ("node ID; lost: group rank G ...")
+CAUSE_NODE = re.compile(r"^node (\S+); lost\b")
 
 
 @dataclass
@@ -324,6 +332,51 @@ def _network():
         return None, f"not measured: {e}"
 
 
+def false_alarms(args) -> dict:
+    """elasticd at its defaults on --false-alarms steps whose every rank sleeps a log-normal
+    extra each step (--jitter MEDIAN,SIGMA): the hangs declared (each a false alarm), the
+    suspicions the evidence cleared (`hang_deadline_passed`), the deadline learned, and the
+    step gaps the job showed (p50, p99, longest, from its own log)."""
+    with tempfile.TemporaryDirectory(prefix="bench-detect-jitter-") as tmp:
+        work = Path(tmp)
+        out, log_path = work / "steps.txt", work / "launcher.log"
+        env = dict(
+            os.environ,
+            BENCH_OUT=str(out),
+            BENCH_STEPS=str(args.false_alarms),
+            BENCH_JITTER=args.jitter,
+        )
+        t0 = time.monotonic()
+        proc = spawn(launcher_cmd("elasticd", 1, work, (), nproc=args.nproc), env, log_path)
+        try:
+            code = proc.wait(timeout=args.false_alarms * 0.5 + args.start_timeout)
+        except subprocess.TimeoutExpired:
+            code = None
+        finally:
+            kill_tree(proc)
+            sweep(out)
+        found = events(log_path)
+        rows = read_steps(out)
+    hangs = [e for e in found if e.get("new") == "RESTARTING" and e.get("failure_class") == "hang"]
+    learned = [e for e in found if e.get("event") == "hang_deadline_learned"]
+    by_rank: dict[int, list[float]] = {}
+    for _, rank, _, _, at in rows:
+        by_rank.setdefault(rank, []).append(at)
+    gaps = sorted(b - a for ts in by_rank.values() for a, b in zip(ts, ts[1:]))
+    return {
+        "exit_code": code,
+        "steps": max((r[3] for r in rows), default=0),
+        "seconds": round(time.monotonic() - t0, 1),
+        "hangs": len(hangs),
+        "hang_causes": [e.get("cause", "")[:200] for e in hangs],
+        "cleared": sum(e.get("event") == "hang_deadline_passed" for e in found),
+        "deadline": learned[0] if learned else None,
+        "gap_p50": gaps[len(gaps) // 2] if gaps else None,
+        "gap_p99": gaps[int(0.99 * len(gaps))] if gaps else None,
+        "gap_max": gaps[-1] if gaps else None,
+    }
+
+
 def run(args) -> dict:
     results: dict = {}
     for fault in args.kinds:
@@ -425,11 +478,30 @@ def main() -> None:
     p.add_argument("--nproc", type=int, default=3, help="workers of the one-node kinds (default 3)")
     p.add_argument("--bound", type=float, default=15.0, help="a fault not seen by then: not within")
     p.add_argument("--hb", type=float, default=2.0, help="elasticd-hb's --heartbeat-timeout")
-    p.add_argument("--warmup", type=float, default=2.0, help="seconds of training before a fault")
+    p.add_argument(
+        "--warmup",
+        type=float,
+        default=4.0,
+        help="seconds of training before a fault (elasticd learns its deadline in 50 steps)",
+    )
     p.add_argument("--start-timeout", type=float, default=120.0)
     p.add_argument("--all", action="store_true", help="try what is not measured here too")
     p.add_argument("--json", action="store_true", help="also one JSON line of every trial")
+    p.add_argument(
+        "--false-alarms",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="instead: run STEPS steps with --jitter at the defaults, count the hangs declared",
+    )
+    p.add_argument(
+        "--jitter", default="0.01,1.0", help="MEDIAN,SIGMA (s) of each step's log-normal sleep"
+    )
     args = p.parse_args()
+    if args.false_alarms:
+        got = false_alarms(args)
+        print(json.dumps(got))
+        return
     args.kinds = [k for k in KINDS if k in args.kinds.split(",")]
     args.launchers = args.launchers.split(",")
     t0 = time.monotonic()

@@ -7,7 +7,9 @@ after every optimizer step each rank appends `pid rank restart step wall_time` t
 When the file $BENCH_HANG_FLAG.<rank> appears, that rank deletes it and, by what the file says:
 spins forever (empty), sleeps in `read_batch` outside any collective while the others wait in
 DDP's all_reduce (`sleep`), or calls all_gather while the others wait in that all_reduce, a
-desync (`all_gather`); gloo leaves both waiting.
+desync (`all_gather`); gloo leaves both waiting. BENCH_JITTER=MEDIAN,SIGMA adds to every step
+of every rank a sleep drawn from a log-normal distribution (seconds; a heavy tail), and
+BENCH_STEPS ends the run after that many steps.
 BENCH_DEVICE=cuda trains on the local rank's GPU with NCCL (one GPU per local rank) and waits for
 each step's kernels before logging it, so the logged time is the step's, not its launch's.
 
@@ -22,6 +24,7 @@ file renamed into place), and every rank torch.loads it at start.
 """
 
 import os
+import random
 import time
 
 import torch
@@ -103,7 +106,12 @@ def main():
     step_time = float(os.environ.get("BENCH_STEP_TIME", "0.02"))
     steps = int(os.environ.get("BENCH_STEPS", "1000000"))
     hang_flag = os.environ.get("BENCH_HANG_FLAG", "")
+    # BENCH_JITTER=MEDIAN,SIGMA: each step of each rank sleeps a log-normal extra (a heavy tail)
+    jitter = [float(x) for x in os.environ.get("BENCH_JITTER", "").split(",") if x]
+    rng = random.Random(rank)
     for step in range(first, steps + 1):
+        if jitter:
+            time.sleep(jitter[0] * rng.lognormvariate(0.0, jitter[1]))
         if hang_flag and os.path.exists(f"{hang_flag}.{rank}"):
             inject(f"{hang_flag}.{rank}")
         opt.zero_grad()

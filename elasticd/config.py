@@ -197,7 +197,9 @@ class Config:
         True, "do not echo worker output to the daemon's stdout and stderr (it stays in the logs)"
     )
     heartbeat_timeout: float = _setting(
-        300.0, "a rank silent this long after a beat is hung (default {default:g} s)"
+        300.0,
+        "the ceiling: a rank silent this long after a beat is hung; below it the deadline is "
+        "learned from the job's step gaps, with evidence (default {default:g} s)",
     )
     startup_timeout: float = _setting(
         900.0, "time allowed before the first beat (default {default:g} s)"

@@ -11,8 +11,12 @@ Two threads, each with its own store connection, so the loop never blocks on the
 
 A node is lost when it has been silent for --peer-timeout, or silent for LOST_SILENCE (and for
 more than two of our steps) with evidence that it is gone rather than slow: none of our workers
-has stepped since it went quiet (their collectives wait on it). A daemon stopped for a few
-seconds (its workers still training) or a starved one (its beats late, not missing) is never lost.
+has stepped since it went quiet (their collectives wait on it); or silent for two beats since
+about when one of our workers died of a closed connection (the agent asks, `died_at`: that death
+and the silence together). The failure names the lost node in its first words (its id, group rank
+and ranks), and a node told of it by another's restart request says the same (`told`). A daemon
+stopped for a few seconds (its workers still training) or a starved one (its beats late, not
+missing) is never lost.
 A c10d store's host that refuses the connection is down, acted on at once. On the c10d store's
 host, the liveness thread also answers the challenges of the nodes that would follow its run,
 every ANSWER_EVERY between beats (run.answer).
@@ -20,6 +24,7 @@ every ANSWER_EVERY between beats (run.answer).
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable
@@ -39,7 +44,7 @@ from elasticd.cluster.timing import (
 )
 from elasticd.config import Config
 from elasticd.lifecycle import supervise
-from elasticd.lifecycle.states import Failure, RestartCause, Scale
+from elasticd.lifecycle.states import Failure, RestartCause, Scale, node_lost
 from elasticd.lifecycle.triage import FailureClass
 from elasticd.worker.heartbeat import Beat
 
@@ -207,10 +212,16 @@ class Peers:
         return {r: round(now - t, 1) for r, (_, t) in sorted(dict(self._seen[1]).items())}
 
     def check(
-        self, rnd: Round, now: float, beats: Callable[[], list[Beat | None]]
+        self,
+        rnd: Round,
+        now: float,
+        beats: Callable[[], list[Beat | None]],
+        died_at: float | None = None,
     ) -> Failure | Scale | None:
         """Why this node must restart because of the others, if it must. `beats` reads our
-        workers' heartbeats, only when a watched node is silent (the loop calls this every tick)."""
+        workers' heartbeats, only when a watched node is silent (the loop calls this every tick);
+        `died_at`: when one of our workers died of a closed connection (monotonic), while the
+        loop looks for the node whose going it follows (silence.judge)."""
         if self.lost_store is not None:
             raise StoreLost(
                 f"the etcd cluster at {self.rdzv.endpoint} refused us ({self.lost_store}): check "
@@ -234,14 +245,8 @@ class Peers:
                 node=self.node,
             )
         if self._restart is not None and self._restart[0] == rnd.number:
-            reason = self._restart[1]
-            return Failure(
-                RestartCause.PEER,
-                f"peer asked for restart: {reason.get('summary', reason)}",
-                node=reason.get("node", "?"),
-                failure_class=_known_class(reason.get("class", "")),
-            )
-        lost = self.lost_neighbour(rnd, now, beats)
+            return told(self._restart[1])
+        lost = self.lost_neighbour(rnd, now, beats, died_at)
         if lost is not None:
             return lost
         number, waiting = self.waiting
@@ -250,26 +255,57 @@ class Peers:
         return None
 
     def lost_neighbour(
-        self, rnd: Round, now: float, beats: Callable[[], list[Beat | None]]
+        self,
+        rnd: Round,
+        now: float,
+        beats: Callable[[], list[Beat | None]],
+        died_at: float | None = None,
     ) -> Failure | None:
         """A watched node silent for --peer-timeout, or for long enough with our workers stuck
-        (silence.judge)."""
+        or dead of a closed connection (silence.judge): the failure names it (its id, group rank
+        and ranks) in its first words, and when it went quiet."""
         watching, seen = self._seen
         seen = dict(seen) if watching is rnd else {}
-        if not silence.anyone_silent(seen, now, min(LOST_SILENCE, self.cfg.peer_timeout)):
+        limit = min(LOST_SILENCE, self.cfg.peer_timeout)
+        if died_at is not None:
+            limit = min(limit, 2 * BEAT_EVERY)
+        if not silence.anyone_silent(seen, now, limit):
             return None  # nobody silent: no need to read our workers' heartbeats
         progress, step = silence.pace(beats())
-        found = silence.judge(seen, now, self.cfg.peer_timeout, progress, step)
+        found = silence.judge(seen, now, self.cfg.peer_timeout, progress, step, died_at=died_at)
         if found is None:
             return None
         g, why = found
-        node_id = rnd.members[g].node_id
+        member = rnd.members[g]
+        first = sum(m.nproc for m in rnd.members[:g])
         return Failure(
             RestartCause.NODE_LOST,
-            f"node {node_id} (group rank {g}) {why}",
-            node=self.node,
-            lost=(node_id,),
+            f"lost: group rank {g} ({ranks_text(first, member.nproc)}) {why}; "
+            f"seen by node {self.node}",
+            node=member.node_id,
+            lost=(member.node_id,),
+            at=time.time() - (now - seen[g][1]),  # when it went quiet, Unix time
         )
+
+
+def ranks_text(first: int, count: int) -> str:
+    """A node's ranks as a cause names them: "rank 4", "ranks 4-7"."""
+    return f"rank {first}" if count == 1 else f"ranks {first}-{first + count - 1}"
+
+
+def told(reason: dict) -> Failure:
+    """The restart another node asked for, as this node's cause: where it names lost nodes, the
+    first of them in its first words (class node_lost, states.node_lost), else the node that
+    asked."""
+    klass = _known_class(reason.get("class", ""))
+    if reason.get("lost") and klass == FailureClass.NODE_LOST.value:
+        return dataclasses.replace(node_lost(reason), kind=RestartCause.PEER)
+    return Failure(
+        RestartCause.PEER,
+        f"peer asked for restart: {reason.get('summary', reason)}",
+        node=reason.get("node", "?"),
+        failure_class=klass,
+    )
 
 
 def _known_class(value: str) -> str:

@@ -7,7 +7,8 @@ liveness thread for the ring neighbours this node watches (peers.py: `account`, 
 whether one is lost), and the node closing a restarted round for the expected nodes that have
 not arrived (closing.py: `missing_lost`). Time we could not see the store is excused; the
 closer's missing nodes are lost after LOST_SILENCE; a watched node is lost when silent for
---peer-timeout, or for a few beats while our workers wait on it.
+--peer-timeout, or for a few beats while our workers wait on it, or for two beats once one of our
+workers died of a closed connection (`died_at`: the peer's going is then both evidences at once).
 """
 
 from __future__ import annotations
@@ -111,16 +112,21 @@ def judge(
     step: float | None,
     lost_silence: float = LOST_SILENCE,
     beat_every: float = BEAT_EVERY,
+    died_at: float | None = None,
 ) -> tuple[int, str] | None:
     """The first watched node (by `seen`'s order) that is lost, and why: silent for
     --peer-timeout, or silent for `lost_silence` (and two and a half of our steps) while our
-    workers made no step since it went quiet (their collectives wait on it). A daemon stopped
-    for a few seconds (its workers still training) or a starved one (its beats late, not
-    missing) is never lost."""
+    workers made no step since it went quiet (their collectives wait on it), or, where one of our
+    workers died of a closed connection at `died_at` (monotonic), silent for two beats since
+    before then (its last beat heard at most two beats after that death: the read that would have
+    seen a later one). A daemon stopped for a few seconds (its workers still training) or a
+    starved one (its beats late, not missing) is never lost."""
     for g, (_, since) in seen.items():
         silent = now - since
         if silent >= peer_timeout:
             return g, f"went silent for {silent:.1f}s (--peer-timeout {peer_timeout:g})"
+        if died_at is not None and silent >= 2 * beat_every and since <= died_at + 2 * beat_every:
+            return g, f"went silent for {silent:.1f}s, and our worker died of a closed connection"
         if (
             progress is not None
             and step is not None

@@ -21,6 +21,7 @@ tests/unit/daemon/test_agent.py gives fakes and drives every edge of `TRANSITION
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import socket
 import time
@@ -35,6 +36,7 @@ from elasticd.cluster.errors import BudgetSpent, Deterministic, RendezvousFailed
 from elasticd.cluster.peers import Peers
 from elasticd.cluster.rendezvous import Rendezvous
 from elasticd.cluster.rounds import Round
+from elasticd.cluster.timing import LOST_SILENCE
 from elasticd.config import Config
 from elasticd.daemon import hangs, inplace, processes, sdc
 from elasticd.daemon.group import LocalGroup
@@ -46,7 +48,7 @@ from elasticd.daemon.spares import SparePool
 from elasticd.daemon.status import StatusBoard
 from elasticd.daemon.waits import Interrupted, Waits
 from elasticd.exit_codes import ExitCode
-from elasticd.lifecycle import supervise
+from elasticd.lifecycle import supervise, triage
 from elasticd.lifecycle.states import (
     Failure,
     RestartCause,
@@ -96,6 +98,7 @@ class Agent:
         self.first_failure: Failure | None = None
         self.last_failure: Failure | None = None
         self._failed_in: int | None = None  # the round whose attempt last_failure ended
+        self._held: float | None = None  # since when a local consequence waits (`_behind`)
         # in-memory state directory (elasticd.checkpoint.memory), ours to remove
         self.memory_dir: str | None = None
         self.recovery_path = None  # daemon/inplace.Path, chosen at start (serve.py)
@@ -259,15 +262,11 @@ class Agent:
             self.waits.idle(time.monotonic() + cfg.monitor_interval)
             if self.stop_request is not None:
                 continue
-            why = self.group.check()
+            why = self._local()
+            if why is self.HOLD:
+                continue
             if why is None and self.group.finished:
-                self.set_state(State.EXIT_BARRIER)
-                ok = self._barrier()
-                if not ok:
-                    self.event(
-                        "exit_barrier_timeout", level="warning", timeout=cfg.exit_barrier_timeout
-                    )
-                return self._finish(State.SUCCEEDED, ExitCode.OK)
+                return self._succeed()
             if why is None:
                 try:
                     why = self.peers.check(self.round, time.monotonic(), self.group.beats)
@@ -306,6 +305,67 @@ class Agent:
             if blamed and self.quarantine.strike(why, at_once=again):
                 return why, self._leave_job(why, *self.quarantine.departure(True))
         return why, None
+
+    def _succeed(self) -> int:
+        """Every local worker exited 0: the exit barrier, then the job's end."""
+        self.set_state(State.EXIT_BARRIER)
+        if not self._barrier():
+            timeout = self.cfg.exit_barrier_timeout
+            self.event("exit_barrier_timeout", level="warning", timeout=timeout)
+        return self._finish(State.SUCCEEDED, ExitCode.OK)
+
+    HOLD: Any = object()  # `_behind`: still looking for the failure a local one follows
+
+    def _local(self) -> Failure | None | Any:
+        """This node's workers' failure (LocalGroup.check), looked behind (`_behind`)."""
+        why, exited = self.group.check(), True
+        if why is None and self._several():
+            # a rank that raised and still exits (its interpreter's teardown can take a second):
+            # a death of a closed connection is looked behind from its error file
+            why, exited = self.group.raised(), False
+        return self._behind(why, exited)
+
+    def _several(self) -> bool:
+        return self.round is not None and self.round.group_world_size > 1
+
+    def _behind(self, why: Failure | None, exited: bool = True) -> Failure | Scale | None | Any:
+        """A local worker's death of a closed connection (triage.consequence) in a job of several
+        nodes follows another node's going: for up to LOST_SILENCE, look for it (HOLD meanwhile)
+        - a watched node silent since about then (lost: silence.judge, two beats) or another
+        node's restart request - and make that the cause, ours a consequence of it; past that,
+        ours as it is (the next round's closing may still find the node lost: _first_elsewhere),
+        or, for a rank that has not `exited` yet, None (its exit is acted on). Any other
+        failure, or none, as it is."""
+        rnd = self.round
+        if not (
+            isinstance(why, Failure)
+            and why.kind in (RestartCause.CRASH, RestartCause.SIGNAL)
+            and triage.consequence(why.exception)
+            and rnd is not None
+            and self._several()
+        ):
+            self._held = None
+            return why if exited else None  # a rank still exiting: its exit is acted on
+        now = time.monotonic()
+        if self._held is None:
+            self._held = now
+            self.event("consequence_held", rank=why.rank, why=(why.exception or "")[:200])
+        died_at = now - max(0.0, time.time() - why.at)  # its error file's time, monotonic
+        try:
+            theirs = self.peers.check(rnd, now, self.group.beats, died_at=died_at)
+        except StoreUnreachable:
+            theirs = None
+        if isinstance(theirs, Failure) and (theirs.lost or theirs.kind is RestartCause.PEER):
+            self._held = None
+            then = f"rank {why.rank} (node {why.node}): {why.exception}"[:160]
+            then += f" (+{max(0.0, why.at - theirs.at):.2f} s)" if theirs.lost else ""
+            return dataclasses.replace(theirs, consequences=(then, *theirs.consequences))
+        if now - self._held < LOST_SILENCE:
+            return self.HOLD
+        if not exited:
+            return None  # still exiting: its exit is acted on as it is
+        self._held = None
+        return why
 
     def _chores(self) -> None:
         """What the loop owes at every wake-up of its waits (besides systemd's watchdog): take
@@ -415,13 +475,16 @@ class Agent:
         if inplace.replace(self, why):
             return None
         self.recovery.detected()
+        self._held = None  # the next attempt's deaths are looked behind afresh
         why = self._first_here(why)
         self.status.figures.on_restart(why, self.group.beats())
         self.health_check.peer_left(why)
         self.set_state(State.RESTARTING, cause=why.summary(), failure_class=why.failure_class)
         spends = why.kind.spends_budget
-        if spends:
+        # ours, a node lost, another node's failure ours followed (`_behind`)
+        if spends or (isinstance(why, Failure) and (why.lost or why.consequences)):
             self.last_failure = why
+        if spends:
             self.first_failure = self.first_failure or why
             self._failed_in = self.round.number if self.round is not None else None
         if why.kind is RestartCause.STORE_UNREACHABLE:
@@ -480,13 +543,17 @@ class Agent:
             request = self.waits.blocking(self.rdzv.read_restart, self.rdzv.kv, previous)
         except (StoreUnreachable, kvmod.Unreachable):
             return
-        first = first_elsewhere(request, self.last_failure)
+        first = first_elsewhere(request, self.last_failure, self.round.lost)
         if first is not None:
             if self.first_failure is self.last_failure:
                 self.first_failure = first  # the job's first failure was that one, too
             self.last_failure = first
             self.event(
-                "first_failure_elsewhere", rank=first.rank, node=first.node, why=first.reason
+                "first_failure_elsewhere",
+                rank=first.rank,
+                node=first.node,
+                lost=list(first.lost),
+                why=first.reason,
             )
 
     def _ask_restart(self, reason: dict[str, Any]) -> None:

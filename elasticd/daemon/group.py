@@ -16,7 +16,7 @@ from elasticd import logs, names
 from elasticd.checkpoint.memory import directory
 from elasticd.cluster.rounds import Round
 from elasticd.config import Config
-from elasticd.daemon import driver, forkclient, oom, processes, spawn, tee
+from elasticd.daemon import deadlines, driver, forkclient, oom, processes, spawn, suspicion, tee
 from elasticd.lifecycle import triage
 from elasticd.lifecycle.states import Failure, RestartCause
 from elasticd.worker import heartbeat
@@ -67,6 +67,11 @@ class LocalGroup:
         self.in_place = False  # on the in-place path (daemon/inplace.py): workers re-form
         self.spec: spawn.GroupSpec | None = None  # this attempt's, for a rank replaced in place
         self.generation = 0  # of the group in place: raised at each rank replaced (replace)
+        self._raised: list[Seen] = []  # error files written, none exited (as of the last check)
+        self.steps = deadlines.StepTimes()  # the gaps between beats: the learned deadline
+        self.deadline = deadlines.Deadline(cfg.heartbeat_timeout, False)
+        self.suspects = suspicion.Suspicion()  # ranks past it: the evidence
+        self._learned_said = False
 
     def start(
         self, rnd: Round, restart_count: int, memory_dir: str | None, spares: list[forkclient.Spare]
@@ -159,15 +164,25 @@ class LocalGroup:
         now_wall = self._reap()
         failed = self._failed()
         if any(s.w.exit_code is not None for s in failed):
-            return self._first(failed, now_wall)
+            first = self._first(failed, now_wall)
+            self._raised = failed if first is None else []  # a death of a peer's going, waited
+            return first
+        self._raised = failed  # error files written, their workers still exiting
         now = time.monotonic()
+        self.deadline = self.steps.deadline(self.cfg.heartbeat_timeout, len(self.workers))
+        self._say_learned()
+        late: list[suspicion.Silent] = []
         for w in self.workers:
             if w.exit_code is not None:
                 continue
             beat = self.beat(w)
             if beat and beat.beats:
                 self.seen_beats = True
-            why = self._lasting(w.pid, self._watch(w)[1].verdict(), now) or heartbeat.verdict(
+                self.steps.observe(w.pid, beat.beats, beat.last)
+            sample = self._watch(w)[1].sample()
+            self.suspects.sample(w.pid, now, sample)
+            odd = "process is a zombie" if sample and sample[0] == "Z" else None
+            why = self._lasting(w.pid, odd, now) or heartbeat.verdict(
                 beat,
                 w.started,
                 now,
@@ -178,27 +193,92 @@ class LocalGroup:
             if why and w.proc.poll() is not None:
                 return self.check()  # it exited just now: report the exit, not a hang
             if why:
-                # a --no-python worker has no stack-dump handler: the signal would only end it
-                dumps = (
-                    []
-                    if self.cfg.no_python
-                    else processes.dump_stacks(self.workers, self.cfg.stack_signal)
-                )
-                self.dumps = _rows(dumps)
-                fault = self.gpu.since()  # a GPU off the bus hangs its ranks' collectives
-                klass = triage.classify(None, None, False, hung=True, driver_fault=bool(fault))
-                return Failure(
-                    RestartCause.HANG,
-                    f"hung: {why}",
-                    rank=w.global_rank,
-                    pid=w.pid,
-                    log_path=str(w.log_path),
-                    stacks=tuple(str(d.stack_path) for d, _ in dumps),
-                    node=self.node,
-                    failure_class=klass.value,
-                    driver=fault,
-                )
-        return None
+                return self._hung(w, why)
+            if self._late(beat, now):
+                late.append(suspicion.Silent(w.global_rank, w.pid, beat.last, beat.step))
+        return self._suspect(late, now) if late else None
+
+    def _late(self, beat: heartbeat.Beat | None, now: float) -> bool:
+        """Silent past the learned deadline (deadlines.py), after its attempt's warm-up."""
+        return (
+            self.deadline.learned
+            and beat is not None
+            and beat.beats >= deadlines.RANK_WARMUP
+            and not beat.exiting
+            and now - beat.last > self.deadline.seconds
+        )
+
+    def _suspect(self, late: list[suspicion.Silent], now: float) -> Failure | None:
+        """Ranks past the learned deadline: a hang where the evidence says so (suspicion.py)."""
+        late.sort(key=lambda s: s.last)  # the longest silent first: the others waited on it
+        if self.cfg.no_python or not self.suspects.due(late[0], now):
+            return None
+        taken: list[tuple[spawn.Worker, str]] = []
+
+        def dumps() -> list[dict[str, Any]]:
+            taken[:] = processes.dump_stacks(self.workers, self.cfg.stack_signal)
+            return _rows(taken)
+
+        def passed(first: suspicion.Silent, why: str, basis: str) -> None:
+            self.event(
+                "hang_deadline_passed",
+                rank=first.rank,
+                silent=round(now - first.last, 3),
+                deadline=basis,
+                why=why[:300],
+            )
+
+        basis = self.deadline.basis()
+        verdict = self.suspects.judge(late, now, dumps, passed, basis)
+        if verdict is None:
+            return None
+        w = next(w for w in self.workers if w.global_rank == verdict.rank)
+        silent = next(s for s in late if s.rank == verdict.rank)
+        why = (
+            f"no heartbeat for {now - silent.last:.1f}s ({basis}; last step {silent.step}); "
+            f"{verdict.why}"
+        )
+        return self._hung(w, why, taken)
+
+    def _say_learned(self) -> None:
+        """One event when the deadline is first learned (and the ceiling no longer rules)."""
+        d = self.deadline
+        if d.learned and not self._learned_said:
+            self._learned_said = True
+            self.event(
+                "hang_deadline_learned",
+                seconds=round(d.seconds, 3),
+                p99=round(d.p99, 4),
+                longest=round(d.longest, 4),
+                steps=d.steps,
+                ceiling=self.cfg.heartbeat_timeout,
+            )
+
+    def _hung(
+        self, w: spawn.Worker, why: str, dumps: list[tuple[spawn.Worker, str]] | None = None
+    ) -> Failure:
+        """The hang put on `w`, with every live rank's stacks (taken now unless given)."""
+        if dumps is None:
+            # a --no-python worker has no stack-dump handler: the signal would only end it
+            dumps = (
+                []
+                if self.cfg.no_python
+                else processes.dump_stacks(self.workers, self.cfg.stack_signal)
+            )
+        self.dumps = _rows(dumps)
+        fault = self.gpu.since()  # a GPU off the bus hangs its ranks' collectives
+        klass = triage.classify(None, None, False, hung=True, driver_fault=bool(fault))
+        return Failure(
+            RestartCause.HANG,
+            f"hung: {why}",
+            rank=w.global_rank,
+            pid=w.pid,
+            log_path=str(w.log_path),
+            stacks=tuple(str(d.stack_path) for d, _ in dumps),
+            node=self.node,
+            failure_class=klass.value,
+            driver=fault,
+        )
 
     def _failed(self) -> list[Seen]:
         """Every worker that failed (exited non-zero, but not after its script returned), with
@@ -215,6 +295,15 @@ class LocalGroup:
                 when = written or self._exit_seen.get(w.pid, time.time())
                 seen.append(Seen(w, exception, stack, when))
         return seen
+
+    def raised(self) -> Failure | None:
+        """The failure among the workers the last check found failed but did not act on yet
+        (error files written, none exited; or a death of a peer's going it waits behind,
+        `_first`): triage.first's cause, or None. What the agent may look behind before the check
+        acts (a death of a closed connection in a job of several nodes, Agent._behind)."""
+        if not self._raised:
+            return None
+        return self._first(self._raised, time.time(), wait=False)
 
     def failed_now(self) -> Failure | None:
         """A failure among this node's workers, whether or not one has exited (a rank that
@@ -363,6 +452,8 @@ class LocalGroup:
             unkillable=stuck,
         )
         self.workers = []
+        self.steps.forget(set())
+        self.suspects.forget()
         for reader, proc in self._watches.values():
             reader.close()
             proc.close()

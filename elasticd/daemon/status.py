@@ -125,6 +125,8 @@ class StatusBoard:
             peers=peers if rnd else {},
             node_id=rnd.node_id if rnd else None,
             lost_nodes=list(rnd.lost) if rnd else [],
+            hang_deadline=round(group.deadline.seconds, 3),
+            hang_deadline_basis=group.deadline.basis(),
             last_failure=from_json(LastFailure, asdict(last_failure)) if last_failure else None,
             last_recovery=last_recovery,
             checkpoint=checkpoint,

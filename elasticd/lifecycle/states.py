@@ -255,33 +255,70 @@ def restart_request(why: Failure | Scale, node: str) -> dict[str, Any] | None:
     if why.kind is RestartCause.SCALE:
         return {**reason, "summary": why.reason, "scale": True, "waiting": list(why.ids)}
     if why.kind is RestartCause.NODE_LOST:
-        return {**reason, "lost": list(why.lost)}
+        # when it went quiet: a request for a death of its going gives way to it
+        # (triage.comes_first)
+        return {**reason, "lost": list(why.lost), "at": why.at}
     return None
 
 
-def first_elsewhere(request: dict | None, mine: Failure) -> Failure | None:
+def first_elsewhere(
+    request: dict | None, mine: Failure, lost: list[str] | tuple[str, ...] = ()
+) -> Failure | None:
     """This node's failure as the job's, where the restart request the round ended with names
     another node's failure that came first (triage.comes_first; a node told to restart put it in
-    our request's place): that failure, ours among its consequences; None where the request is
-    ours, names none, or came after."""
-    if not request or not mine.kind.spends_budget:
+    our request's place), or a node lost (the request's, or `lost`: the previous round's members
+    the next one's closing found gone) where ours was a death of a closed connection: that
+    failure, ours among its consequences; None where the request is ours, names none, or came
+    after."""
+    if not mine.kind.spends_budget:
         return None
-    ours = restart_request(mine, mine.node) or {}
-    if (request.get("at"), request.get("rank")) == (ours.get("at"), ours.get("rank")):
-        return None
-    if not triage.comes_first(request, ours):
-        return None
-    rank, node = request.get("rank"), str(request.get("node", "?"))
-    summary = str(request.get("summary", "?"))
-    who = f"rank {rank} (node {node}); "
     then = f"rank {mine.rank} (node {mine.node}): {mine.exception or mine.reason}"[:160]
+    ours = restart_request(mine, mine.node) or {}
+    if request and (request.get("at"), request.get("rank")) == (ours.get("at"), ours.get("rank")):
+        request = None  # ours
+    if request and triage.comes_first(request, ours):
+        if request.get("lost"):
+            return node_lost(request, (then,))
+        rank, node = request.get("rank"), str(request.get("node", "?"))
+        summary = str(request.get("summary", "?"))
+        who = f"rank {rank} (node {node}); "
+        return Failure(
+            mine.kind,
+            summary.removeprefix(who),
+            rank=rank,
+            node=node,
+            at=request["at"],
+            failure_class=str(request.get("class") or mine.failure_class),
+            signature=str(request.get("sig", "")),
+            consequences=(then,),
+        )
+    if lost and triage.consequence(mine.exception):
+        names = ", ".join(lost[:4]) + (f" and {len(lost) - 4} more" if len(lost) > 4 else "")
+        return Failure(
+            RestartCause.NODE_LOST,
+            f"lost: never came back to the next round (node(s) {names}); our rank died of a "
+            "closed connection before",
+            node=lost[0],
+            lost=tuple(lost),
+            at=mine.at,
+            consequences=(then,),
+        )
+    return None
+
+
+def node_lost(request: dict, consequences: tuple[str, ...] = ()) -> Failure:
+    """The failure a restart request that names lost nodes describes (another node saw it): the
+    first lost node in its first words, the asker named after."""
+    lost = tuple(str(n) for n in request.get("lost", []))
+    asker = str(request.get("node", "?"))
+    summary = str(request.get("summary", "?")).removeprefix(f"node {lost[0]}; ")
+    at = request.get("at")
     return Failure(
-        mine.kind,
-        summary.removeprefix(who),
-        rank=rank,
-        node=node,
-        at=request["at"],
-        failure_class=str(request.get("class") or mine.failure_class),
-        signature=str(request.get("sig", "")),
-        consequences=(then,),
+        RestartCause.NODE_LOST,
+        summary if f"node {asker}" in summary else f"{summary} (told by node {asker})",
+        node=lost[0],
+        lost=lost,
+        failure_class=FailureClass.NODE_LOST.value,
+        consequences=consequences,
+        **({"at": float(at)} if isinstance(at, (int, float)) and at > 0 else {}),
     )

@@ -244,11 +244,16 @@ def first(failures: list[tuple[float, bool]]) -> list[int]:
 def comes_first(ours: dict, theirs: dict) -> bool:
     """Whether our restart request's failure comes before theirs (`first`), so that ours should
     take its place: both a failure's that spends the budget, with its time (`at`; a request of an
-    older elasticd has none, and stays)."""
-    if not (ours.get("spends") and theirs.get("spends")):
-        return False
+    older elasticd has none, and stays); or ours names a lost node that went quiet before theirs,
+    a rank's death of a closed connection, happened (or at most CLOCK_SLACK after: clocks)."""
     times = [r.get("at") for r in (theirs, ours)]
     if not all(isinstance(t, (int, float)) and not isinstance(t, bool) for t in times):
+        return False
+    if ours.get("lost") and not ours.get("spends"):
+        return bool(theirs.get("spends") and theirs.get("consequence")) and (
+            times[1] <= times[0] + CLOCK_SLACK
+        )
+    if not (ours.get("spends") and theirs.get("spends")):
         return False
     return (
         first(

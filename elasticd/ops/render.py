@@ -77,6 +77,8 @@ def _header(s: Snapshot, socket: str | None) -> list[str]:
         )
     if s.lost_nodes:
         lines.append("  nodes lost when this round formed: " + ", ".join(s.lost_nodes))
+    if s.hang_deadline_basis:
+        lines.append(f"  hang deadline: {s.hang_deadline_basis}")
     if s.peers:
         lines.append(
             "  watched peer nodes (group rank: last beat) "
@@ -218,9 +220,11 @@ def _history(s: Snapshot) -> list[str]:
     lines = []
     f = s.last_failure
     if f:
+        who = f"rank {f.rank}" + (f" (node {f.node})" if f.node else "")
+        if f.rank is None:  # a node's failure (lost, unreachable): the node first
+            who = f"node {f.node or '?'}"
         lines.append(
-            f"  last failure: rank {f.rank}"
-            + (f" (node {f.node})" if f.node else "")
+            f"  last failure: {who}"
             + f" {f.reason}"
             + (f": {f.exception}" if f.exception else "")
             + (f" ({f.frame})" if f.frame else "")

@@ -232,6 +232,10 @@ class Snapshot:
     peers: dict[Any, float] = field(default_factory=dict)
     node_id: str | None = None
     lost_nodes: list[str] = field(default_factory=list)  # of the previous round, found lost
+    # seconds a rank may be silent before it is a suspect (daemon/deadlines.py), and how it was
+    # made: learned from the job's step gaps, or --heartbeat-timeout while learning
+    hang_deadline: float | None = None
+    hang_deadline_basis: str | None = None
     last_failure: LastFailure | None = None
     last_recovery: dict[str, float] | None = None  # phase -> seconds after detection
     # the newest checkpoint's manifest entry (checkpoint/disk/format.py's), its path and age

@@ -368,7 +368,8 @@ def process_verdict(pid: int) -> str | None:
     """A worker that is alive but a zombie never beats again. A stopped one (state T: SIGSTOP, or
     t: a debugger, strace or py-spy attached) is not judged by its state: someone inspecting a
     slow or stuck job must not have it restarted under them, and a stop that lasts is caught by
-    the heartbeat timeout like any other silence."""
+    the heartbeat timeout like any other silence (a SIGSTOP past the deadline learned from the
+    job sooner: daemon/suspicion.py, which judges state T, never t)."""
     import psutil  # daemon side only: workers import this module for Writer
 
     try:
@@ -420,6 +421,16 @@ class ProcessWatch:
         end = data.rfind(b")")  # the command name before it may hold spaces and parentheses
         status = self._STATUS.get(data[end + 2 : end + 3]) if end >= 0 else None
         return _status_verdict(status) if status else None
+
+    def sample(self) -> tuple[str, int] | None:
+        """The process's state letter (proc(5): R, S, D, T stopped by a signal, t by a tracer, Z)
+        and the CPU time it has used (user + system, clock ticks); None once gone."""
+        data = self._read(self._stat)
+        end = data.rfind(b")")
+        fields = data[end + 2 :].split() if end >= 0 else []
+        if len(fields) < 13:
+            return None
+        return fields[0].decode(errors="replace"), int(fields[11]) + int(fields[12])
 
     def rss(self) -> int | None:
         """Resident set size in bytes (what psutil's memory_info().rss reads), None once gone."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -170,3 +171,53 @@ def test_slow_interpreter_exit_is_not_a_hang(daemons):
     )
     assert d.wait(90) == 0, d.stderr()[-3000:]
     assert not hang_events(d)
+
+
+def _learned(d) -> dict | None:
+    found = [e for e in d.events() if e.get("event") == "hang_deadline_learned"]
+    return found[0] if found else None
+
+
+def test_at_the_defaults_a_sigstop_is_found_at_the_deadline_learned_from_the_job(daemons):
+    """No --heartbeat-timeout (300 s, the ceiling): after 50 steps the deadline is learned from
+    the job's step gaps (the floor, 1 s, for 20 ms steps), and a SIGSTOP of rank 1 is a hang
+    within it, put on rank 1 as stopped (before: not found for 300 s)."""
+    d = daemons(
+        script("hang.py"),
+        "--nproc-per-node",
+        "2",
+        "--restart-grace",
+        "0.5",
+        args=["--steps", "300", "--step-time", "0.02"],
+    )
+    learned = wait_until(lambda: _learned(d), 60, what="the deadline learned")
+    assert 1.0 <= learned["seconds"] < 5 and learned["ceiling"] == 300, learned
+    shown = json.loads(d.status("--json").stdout)
+    assert shown["hang_deadline_basis"].startswith("the job's deadline "), shown
+    assert 1.0 <= shown["hang_deadline"] < 300, shown
+    pid = d.worker_pids()[1]
+    t0 = time.time()
+    os.kill(pid, signal.SIGSTOP)
+    wait_until(lambda: hang_events(d), 30, what="the hang")
+    cause = hang_events(d)[0]["cause"]
+    assert cause.startswith("rank 1 (node ") and "the job's deadline" in cause, cause
+    assert "stopped by a signal (state T)" in cause, cause
+    took = restart_time(d) - t0
+    print(f"SIGSTOP found after {took:.2f}s (deadline {learned['seconds']}s)")
+    assert took < learned["seconds"] + 2.0, (took, learned)
+    assert d.wait(90) == 0, d.stderr()[-3000:]
+
+
+def test_heavy_tailed_step_jitter_raises_no_false_hang(daemons):
+    """600 steps whose every rank sleeps a log-normal extra each step (median 10 ms, sigma 1: a
+    few steps ten times the median): the deadline is learned and no hang is declared."""
+    d = daemons(
+        script("hang.py"),
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "0",
+        args=["--steps", "600", "--step-time", "0.005", "--jitter", "0.01,1.0"],
+    )
+    assert d.wait(120) == 0, d.stderr()[-3000:]
+    assert _learned(d) and not hang_events(d)

@@ -9,6 +9,7 @@ state and prints every step's wall time and the samples it drew.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -191,6 +192,23 @@ def test_killed_node_survivor_steps_again_within_seconds_and_loses_at_most_a_ref
             lambda: stepping_alone(survivor, t_kill), 30, what="the survivor stepping alone"
         )
         recovery = first[2] - t_kill
+        # the failure is put on the node lost, in its first words (its id, group rank and rank),
+        # in the restart's cause, status and the figures, the survivor's rank that died of a
+        # closed connection a consequence (before: "rank 0 (node ...); RuntimeError: ...
+        # Connection reset by peer", class user)
+        (lost_id,) = [e["node_id"] for e in victim.events() if e.get("event") == "rendezvous_store"]
+        group_rank, rank = (0, 0) if lose_rank0 else (1, 1)
+        cause = [e for e in survivor.events() if e.get("new") == "RESTARTING"][0]
+        assert cause["cause"].startswith(
+            f"node {lost_id}; lost: group rank {group_rank} (rank {rank}) went silent"
+        ), cause
+        assert cause["failure_class"] == "node_lost", cause
+        s = json.loads(survivor.status("--json").stdout)
+        failure = s["last_failure"]
+        assert (failure["node"], failure["rank"], failure["lost"]) == (lost_id, None, [lost_id])
+        assert failure["failure_class"] == "node_lost" and s["failures_by_class"] == {
+            "node_lost": 1
+        }, s
         last_before = max(s for s, *_ in steps(survivor, attempt))
         lost = last_before - resumed_at(survivor)
         print(

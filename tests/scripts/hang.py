@@ -1,5 +1,6 @@
 """Hang injection for tests: `--mode loop|deadlock|sleep|stuck` at `--at` step on rank `--rank`
-(stuck: the rank sleeps in `read_batch` while the others wait in all_reduce).
+(stuck: the rank sleeps in `read_batch` while the others wait in all_reduce); `--jitter
+MEDIAN,SIGMA` adds a log-normal sleep to every step of every rank.
 
 Trains a tiny model with a real optimizer (so elasticd's automatic heartbeat sees every step) and
 an all_reduce per step. Faults fire only in the first attempt, so the restarted run completes."""
@@ -7,6 +8,7 @@ an all_reduce per step. Faults fire only in the first attempt, so the restarted 
 import argparse
 import atexit
 import os
+import random
 import time
 
 import torch
@@ -27,6 +29,9 @@ def main():
     p.add_argument("--step-time", type=float, default=0.05)
     p.add_argument("--sleep", type=float, default=0.0, help="--mode sleep: a long silent phase")
     p.add_argument(
+        "--jitter", default="", help="MEDIAN,SIGMA: each step also sleeps a log-normal extra"
+    )
+    p.add_argument(
         "--exit-delay", type=float, default=0.0, help="an atexit handler that takes this long"
     )
     args = p.parse_args()
@@ -38,7 +43,11 @@ def main():
     model = torch.nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     t = torch.ones(1)
+    jitter = [float(x) for x in args.jitter.split(",") if x]
+    rng = random.Random(rank)
     for step in range(1, args.steps + 1):
+        if jitter:  # a heavy-tailed pause: a data read's, on every rank independently
+            time.sleep(jitter[0] * rng.lognormvariate(0.0, jitter[1]))
         opt.zero_grad()
         model(torch.randn(2, 4)).sum().backward()
         opt.step()

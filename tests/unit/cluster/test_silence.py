@@ -143,6 +143,21 @@ JUDGE = [
 ]  # fmt: skip
 
 
+@pytest.mark.parametrize(
+    ("since", "died_at", "want"),
+    [
+        (T - 0.6, T - 0.3, (1, "went silent for 0.6s, and our worker died of a closed connection")),
+        (T - 0.4, T - 0.3, None),  # two beats not missed yet
+        (T - 0.6, None, None),  # no death: LOST_SILENCE's rule
+        (T - 0.6, T - 1.2, None),  # it beat after our worker died (+ two beats): not its going
+        (T - 0.7, T - 1.1, (1, "went silent for 0.7s, and our worker died of a closed connection")),
+    ],
+)
+def test_judge_with_a_death_of_a_closed_connection(since, died_at, want):
+    got = judge({1: (3, since)}, T, 10.0, T - 0.5, 0.02, 1.25, 0.25, died_at=died_at)
+    assert got == want
+
+
 @pytest.mark.parametrize("row", JUDGE, ids=[r[0] for r in JUDGE])
 def test_judge(row):
     _, seen, peer_timeout, progress, step, want = row

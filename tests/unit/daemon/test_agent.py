@@ -19,7 +19,7 @@ import pytest
 from elasticd import config, names
 from elasticd.cluster.errors import BudgetSpent, Deterministic, RendezvousFailed, StoreLost
 from elasticd.cluster.rounds import Member, Round
-from elasticd.daemon import preflight
+from elasticd.daemon import deadlines, preflight
 from elasticd.daemon.agent import Agent
 from elasticd.daemon.healthcheck import HealthCheck
 from elasticd.exit_codes import ExitCode
@@ -55,6 +55,8 @@ class Script:
     barrier_fails: bool = False  # the exit barrier raises (the store is gone)
     peers_fail: bool = False  # the peers' check raises (the store is gone)
     checks: list[bool] = field(default_factory=list)  # health checks' outcomes (on when given)
+    # what the peers' check finds once asked about a local death of a closed connection
+    behind: Failure | None = None
     agent: Agent | None = None
     calls: list[tuple] = field(default_factory=list)  # what the fakes were asked, in order
 
@@ -107,9 +109,12 @@ class FakePeers:
     def silences(self, now: float) -> dict[int, float]:
         return {}
 
-    def check(self, rnd: Round, now: float, beats) -> Failure | None:
+    def check(self, rnd: Round, now: float, beats, died_at=None) -> Failure | None:
         if self.s.peers_fail:
             raise StoreLost("the store's host is gone")
+        if died_at is not None:
+            self.s.calls.append(("looked_behind", died_at))
+            return self.s.behind
         return None
 
     def close(self) -> None:
@@ -124,6 +129,7 @@ class FakeGroup:
         self.tee = None
         self.workers: list = []
         self.attempt = 0
+        self.deadline = deadlines.Deadline(300.0, False)
 
     def start(self, rnd: Round, restart_count: int, memory_dir, spares) -> None:
         self.attempt += 1
@@ -140,6 +146,9 @@ class FakeGroup:
 
     def failed_now(self) -> Failure | None:
         return None  # told by a peer to restart, nothing failed here
+
+    def raised(self) -> Failure | None:
+        return None  # no error file written by a worker still exiting
 
     @property
     def finished(self) -> bool:
@@ -378,6 +387,54 @@ def test_a_node_whose_health_check_fails_while_running_leaves_the_job(tmp_path):
     assert agent.left_line.startswith("elasticd: this node left the job")
 
 
+GLOO_CLOSED = "RuntimeError: [pair.cc:553] Connection closed by peer [10.0.0.2]:17828"
+
+
+def test_a_death_of_a_closed_connection_is_put_on_the_node_lost(tmp_path):
+    """Rank 0 dies of a closed connection in a job of two nodes: the loop looks behind it, finds
+    node-1 lost, and that is the restart's cause (its first words), status's last failure and the
+    request (a node lost: nothing spent); rank 0's death a consequence."""
+    died = Failure(RestartCause.CRASH, "exit code 1", rank=0, exit_code=1, exception=GLOO_CLOSED)
+    lost = Failure(
+        RestartCause.NODE_LOST,
+        "lost: group rank 1 (rank 1) went silent for 0.6s, and our worker died of a closed "
+        "connection; seen by node node-0",
+        node="node-1",
+        lost=("node-1",),
+        at=died.at - 0.2,
+    )
+    s = Script(members=2, failures={1: died}, finishes={2}, behind=lost)
+    code, path, agent = run(tmp_path, s)
+    assert code == ExitCode.OK and path.count(S.RESTARTING) == 1
+    assert [c for c in s.calls if c[0] == "looked_behind"]
+    why = agent.last_failure
+    assert (why.kind, why.node, why.lost, why.failure_class) == (
+        RestartCause.NODE_LOST,
+        "node-1",
+        ("node-1",),
+        "node_lost",
+    )
+    assert why.summary().startswith("node node-1; lost: group rank 1 (rank 1) went silent")
+    assert why.consequences[0].startswith("rank 0 (node ") and "closed by peer" in why.summary()
+    (asked,) = [c[1] for c in s.calls if c[0] == "request_restart"]
+    assert asked["lost"] == ["node-1"] and not asked.get("spends"), asked
+    assert agent.first_failure is None  # nothing of the job's budget
+
+
+def test_a_death_of_a_closed_connection_with_nobody_behind_it_is_ours_after_a_while(tmp_path):
+    """Nobody found lost, no other node's request within LOST_SILENCE: rank 0's own failure is the
+    cause, as before (and it spends the budget)."""
+    died = Failure(RestartCause.CRASH, "exit code 1", rank=0, exit_code=1, exception=GLOO_CLOSED)
+    s = Script(members=2, failures={1: died}, finishes={2})
+    t0 = time.monotonic()
+    code, path, agent = run(tmp_path, s)
+    assert code == ExitCode.OK and path.count(S.RESTARTING) == 1
+    assert time.monotonic() - t0 >= 1.25
+    assert agent.last_failure is died and agent.first_failure is died
+    (asked,) = [c[1] for c in s.calls if c[0] == "request_restart"]
+    assert asked["spends"] and asked["consequence"], asked
+
+
 NOT_OURS = [
     Failure(RestartCause.PEER, "node-1 asked", node="node-1"),
     Failure(RestartCause.NODE_LOST, "node-1 silent", node="node-1", lost=("node-1",)),
@@ -393,7 +450,13 @@ def test_a_restart_that_is_not_this_nodes_failure_spends_nothing(tmp_path, why):
     asked = [c[1] for c in s.calls if c[0] == "request_restart"]
     if why.kind is RestartCause.NODE_LOST:
         assert asked == [
-            {"summary": why.summary(), "node": agent.node, "class": "node_lost", "lost": ["node-1"]}
+            {
+                "summary": why.summary(),
+                "node": agent.node,
+                "class": "node_lost",
+                "lost": ["node-1"],
+                "at": why.at,
+            }
         ]
     else:  # another node asked already, or the store cannot be reached
         assert asked == []

@@ -466,6 +466,10 @@ def _request(at, consequence=False, spends=True):
     return {"summary": "s", "spends": spends, "at": at, "consequence": consequence}
 
 
+def _lost(at):
+    return {"summary": "node n; lost", "lost": ["n"], "at": at, "node": "a"}
+
+
 @pytest.mark.parametrize(
     "ours, theirs, expect",
     [
@@ -476,6 +480,12 @@ def _request(at, consequence=False, spends=True):
         (_request(10.0), {"summary": "s", "spends": True}, False),  # an older elasticd's: stays
         (_request(10.0), {"summary": "s", "lost": ["n"]}, False),  # a node lost: stays
         (_request(10.0, spends=False), _request(10.5), False),
+        # a node lost (quiet since 10.0) takes the place of a death of its going
+        (_lost(10.0), _request(10.3, consequence=True), True),
+        (_lost(10.9), _request(10.3, consequence=True), True),  # within CLOCK_SLACK: clocks
+        (_lost(11.5), _request(10.3, consequence=True), False),  # it died before: not of this
+        (_lost(10.0), _request(10.3), False),  # a rank's own failure stays
+        ({"summary": "s", "lost": ["n"]}, _request(10.3, consequence=True), False),  # no time
     ],
 )
 def test_a_restart_request_for_the_first_failure_takes_the_place(ours, theirs, expect):
@@ -518,3 +528,42 @@ def test_a_failure_elsewhere_that_came_first_becomes_this_nodes_last():
     later = dataclasses.replace(theirs, exception="ValueError: x", at=11.5)
     assert first_elsewhere(restart_request(later, "b"), mine) is None
     assert first_elsewhere(None, mine) is None
+
+
+def test_a_node_lost_that_came_first_becomes_this_nodes_last():
+    """Node a's rank 0 died of a closed connection at 10.3; node c saw node b go quiet at 10.0
+    and its request took the place of a's: a's status names node b lost (class node_lost), its
+    own rank a consequence. Where no request named it, the next round's closing finding b gone
+    says as much."""
+    mine = Failure(
+        RestartCause.CRASH, "exit code 1", rank=0, node="a", exception=GLOO_RESET, at=10.3
+    )
+    seen = Failure(
+        RestartCause.NODE_LOST,
+        "lost: group rank 1 (rank 1) went silent for 0.6s; seen by node c",
+        node="b-77-abc",
+        lost=("b-77-abc",),
+        at=10.0,
+    )
+    request = restart_request(seen, "c")
+    assert request["lost"] == ["b-77-abc"] and request["at"] == 10.0
+    assert values.reason(json.dumps(request)) == request
+    first = first_elsewhere(request, mine)
+    assert (first.kind, first.node, first.rank, first.lost) == (
+        RestartCause.NODE_LOST,
+        "b-77-abc",
+        None,
+        ("b-77-abc",),
+    )
+    assert first.failure_class == "node_lost" and first.at == 10.0
+    assert first.summary().startswith(
+        "node b-77-abc; lost: group rank 1 (rank 1) went silent for 0.6s; seen by node c; then "
+        "rank 0 (node a): RuntimeError: [../third_party/gloo"
+    ), first.summary()
+    # no request named it (a's own stood), but the closing found b gone
+    gone = first_elsewhere(restart_request(mine, "a"), mine, ["b-77-abc"])
+    assert gone.summary().startswith("node b-77-abc; lost: never came back"), gone.summary()
+    assert gone.failure_class == "node_lost"
+    # a rank's own failure is never put on a node lost
+    own = dataclasses.replace(mine, exception="ValueError: bad batch 3")
+    assert first_elsewhere(restart_request(own, "a"), own, ["b-77-abc"]) is None

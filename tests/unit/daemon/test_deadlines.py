@@ -1,0 +1,132 @@
+"""The hang deadline learned from the job (daemon/deadlines.py) and the evidence that makes a
+rank past it a hang (daemon/suspicion.py): warm-up, floor, ceiling, a tail; 10,000 heavy-tailed
+steps as the loop observes them without one false alarm; stopped, busy and idle ranks."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from elasticd.daemon import deadlines, suspicion
+from elasticd.daemon.deadlines import FLOOR, WARMUP, StepTimes
+from unit.daemon.test_culprit import ALL_REDUCE, BACKWARD, SLEEP
+
+
+def regular(gap: float, steps: int, ranks: int = 1) -> StepTimes:
+    times = StepTimes()
+    for r in range(ranks):
+        for n in range(1, steps + 1):
+            times.observe(r, n, n * gap)
+    return times
+
+
+def test_the_ceiling_rules_until_enough_steps_are_seen():
+    d = regular(0.02, WARMUP - 1).deadline(300.0, 1)
+    assert (d.seconds, d.learned) == (300.0, False)
+    d = regular(0.02, WARMUP + 2).deadline(300.0, 1)
+    assert (d.seconds, d.learned) == (FLOOR, True)  # 20 ms steps: the floor
+    # three ranks of a node pool their samples, and need as many steps each
+    assert not regular(0.02, WARMUP // 2, ranks=3).deadline(300.0, 3).learned
+
+
+def test_slow_regular_steps_and_a_tail_set_it_and_the_flag_caps_it():
+    d = regular(2.0, 200).deadline(300.0, 1)
+    assert d.learned and 6.0 <= d.seconds <= 6.5, d  # 3 x the longest (2 s): 6 s
+    assert "the job's deadline" in d.basis() and "over 199 steps" in d.basis()  # 199 gaps
+    times = regular(0.02, 500)
+    times.add(1.5)  # one 1.5 s stall (a data read): the next one is not a hang
+    assert times.deadline(300.0, 1).seconds == pytest.approx(4.5)
+    assert times.deadline(3.0, 1) == deadlines.Deadline(3.0, False, times.quantile(0.99), 1.5, 500)
+
+
+def test_several_beats_between_two_readings_count_as_that_many_steps_of_the_whole_gap():
+    times = StepTimes()
+    times.observe(7, 1, 10.0)
+    times.observe(7, 5, 10.4)  # 4 steps in 0.4 s: each at most 0.4 s
+    times.observe(7, 5, 10.4)  # the same reading again: nothing
+    assert (times.total, times.longest) == (4, pytest.approx(0.4))
+
+
+def _jitter_run(seed: int, steps: int = 10_000, tick: float = 0.1) -> tuple[int, float]:
+    """DDP steps of three ranks in lockstep, each step 25 ms plus the slowest rank's
+    log-normal sleep (median 10 ms, sigma 1), read every `tick` as the loop reads the heartbeats:
+    the ticks at which a rank was silent past the deadline then, and the deadline at the end."""
+    rng = random.Random(seed)
+    times, t, now, alarms, n = StepTimes(), 0.0, 0.0, 0, 0
+    ends = []
+    for _ in range(steps):
+        t += 0.025 + max(0.01 * rng.lognormvariate(0.0, 1.0) for _ in range(3))
+        ends.append(t)
+    last = 0.0
+    while n < len(ends):
+        now += tick
+        while n < len(ends) and ends[n] <= now:
+            last, n = ends[n], n + 1
+        d = times.deadline(300.0, 3)
+        if n and d.learned and now - last > d.seconds:
+            alarms += 1
+        for rank in range(3):
+            times.observe(rank, n, last)
+    return alarms, times.deadline(300.0, 3).seconds
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_ten_thousand_heavy_tailed_steps_raise_no_false_alarm(seed):
+    alarms, seconds = _jitter_run(seed)
+    assert alarms == 0
+    assert FLOOR <= seconds < 3.0, seconds  # still far below the 300 s ceiling
+
+
+# --- suspicion: the evidence past the deadline ---
+
+
+def _watched(cpu_per_tick: int, state: str = "S", pid: int = 10) -> suspicion.Suspicion:
+    s = suspicion.Suspicion()
+    for i in range(30):  # 3 s of samples, every 0.1 s
+        s.sample(pid, 100.0 + i * 0.1, (state, 1000 + i * cpu_per_tick))
+    return s
+
+
+def test_idle_and_busy_by_the_cpu_time_of_the_silence_latest_part():
+    assert _watched(0).idle(10, 102.9, 2.0)
+    assert not _watched(10).idle(10, 102.9, 2.0)  # a full CPU (100 ticks a second)
+    assert not suspicion.Suspicion().idle(10, 102.9, 2.0)  # never sampled: not idle
+    assert not _watched(0, state="R").idle(10, 102.9, 2.0)  # starved of a CPU it wants
+    assert not _watched(0, state="D").idle(10, 102.9, 2.0)  # in a disk's I/O
+
+
+def _judge(s: suspicion.Suspicion, texts: dict[int, str], other_cpu: int = 0):
+    """Rank 1 (pid 10, as `s` sampled it) and rank 0 (pid 11: waiting, idle unless `other_cpu`)
+    silent past the deadline, their stacks `texts`: the verdict and what the event said."""
+    said = []
+    silent = [suspicion.Silent(1, 10, 100.5, 42), suspicion.Silent(0, 11, 100.52, 42)]
+    for i in range(30):
+        s.sample(11, 100.0 + i * 0.1, ("S", 500 + i * other_cpu))
+    rows = [{"rank": r, "text": t} for r, t in texts.items()]
+    verdict = s.judge(
+        silent, 102.9, lambda: rows, lambda first, why, basis: said.append(why), "deadline 1s"
+    )
+    return verdict, said
+
+
+def test_a_stopped_rank_is_a_hang_and_named():
+    verdict, said = _judge(_watched(0, state="T"), {0: BACKWARD})
+    assert verdict == suspicion.Verdict(1, "stopped by a signal (state T)") and not said
+
+
+def test_an_idle_rank_outside_the_collective_the_others_wait_in_is_a_hang():
+    verdict, _ = _judge(_watched(0), {0: BACKWARD, 1: SLEEP})
+    assert verdict.rank == 1 and "rank 1 was in `read_batch`" in verdict.why, verdict
+
+
+def test_a_busy_rank_and_ranks_all_in_one_collective_are_left_alone_and_looked_at_later():
+    s = _watched(10)
+    verdict, said = _judge(s, {0: BACKWARD, 1: SLEEP}, other_cpu=10)
+    assert verdict is None and said == ["busy: every silent rank uses the CPU"]
+    verdict, said = _judge(_watched(10), {0: BACKWARD, 1: SLEEP})  # the waiter idle: stacks
+    assert verdict is None and said[0].startswith("busy: its culprit uses the CPU (rank 1 was")
+    first = suspicion.Silent(1, 10, 100.5, 42)
+    assert not s.due(first, 104.0) and s.due(first, 105.5)  # the silence doubled (2.4 s -> 4.8)
+    verdict, said = _judge(_watched(0), {0: ALL_REDUCE, 1: ALL_REDUCE})
+    assert verdict is None and said[0].startswith("not a hang by the stacks: every rank waited")
