@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -51,8 +52,9 @@ def test_sigstop_past_the_heartbeat_timeout_is_a_hang(daemons):
 
 def test_debugger_attach_and_a_short_stop_never_restart(daemons):
     """gdb -p, strace -p, py-spy dump --native: a ptrace attach stops the worker (state t) for as
-    long as someone looks. Neither that nor a SIGSTOP shorter than the heartbeat timeout restarts
-    anything: same pids, training goes on."""
+    long as someone looks. Neither that nor a SIGSTOP shorter than the heartbeat timeout before the
+    job's deadline is learned (daemon/deadlines.py: 50 steps) restarts anything: same pids,
+    training goes on."""
     d = daemons(
         script("hang.py"),
         "--nproc-per-node",
@@ -81,6 +83,9 @@ def test_debugger_attach_and_a_short_stop_never_restart(daemons):
         assert looks and all(
             ln.startswith("state t tracer ") and not ln.endswith(" 0") for ln in looks
         ), looks
+    # a step after the looks, so the stop's 3 s are its whole silence (not the looks' 3 s as well)
+    last = max(int(n) for n in re.findall(r"^step (\d+)\b", d.log_text(1), re.M))
+    d.wait_for_step(1, last + 1, timeout=30)
     os.kill(pids[1], signal.SIGSTOP)
     time.sleep(3)
     os.kill(pids[1], signal.SIGCONT)
