@@ -211,7 +211,16 @@ class MemoryState:
         here for the steps it will write, whatever is resumed. `took`: what the caller does with
         a disk checkpoint's (state, entry) (CheckpointManager's bookkeeping), for a sharded resume
         that fails in restore() and loads the disk instead (_instead)."""
-        world_size, my_rank, local = world(), rank(), self.local_rank
+        views, multi = self._views(disk)
+        self.lineage = int(views[0]["next"])
+        if any(v["pieces"] for v in views):  # a sharded job's
+            return self._load_shards(views, disk, multi, took)
+        return self._load_whole(views, multi)
+
+    def _views(self, disk: str) -> tuple[list[dict[str, Any]], bool]:
+        """What every rank holds (its node's whole slots, its own, its shards) and the newest disk
+        step it sees, gathered from all ranks (a collective); and whether there are several."""
+        local = self.local_rank
         node = slots.held(self.directory, 0)
         own = node if local == 0 else slots.held(self.directory, local)
         found = candidates(disk) if looks_at_disk() else []
@@ -223,23 +232,36 @@ class MemoryState:
             "next": int.from_bytes(os.urandom(8), "little") >> 1 or 1,
             "pieces": shards.view(self.directory, local),
         }  # rank 0's is taken
-        multi = dist_on() and world_size > 1
-        views = (
-            [json.loads(b) for b in all_gather_bytes(json.dumps(view).encode(), cpu_group())]
-            if multi
-            else [view]
-        )
-        self.lineage = int(views[0]["next"])
-        if any(v["pieces"] for v in views):  # a sharded job's
-            got = shards.resume(views, self.directory, self.local_rank, multi, derived_base)
-            self.resumed = got[2] if got is not None else None
-            if got is None:
-                return None
-            pieces = got[0].get("model")
-            if isinstance(pieces, shards.Pieces):
-                on_disk = max(v["disk"] for v in views) >= 0
-                pieces.fallback = lambda why: self._instead(why, disk, on_disk, took)
-            return got[:2]
+        multi = dist_on() and world() > 1
+        if not multi:
+            return [view], False
+        gathered = all_gather_bytes(json.dumps(view).encode(), cpu_group())
+        return [json.loads(b) for b in gathered], True
+
+    def _load_shards(
+        self,
+        views: list[dict[str, Any]],
+        disk: str,
+        multi: bool,
+        took: Callable[[Any], dict[str, Any] | None] | None,
+    ) -> tuple[dict[str, Any], Entry] | None:
+        """A sharded job's resume (memory/shards.py), falling back to the disk together if a rank
+        fails to restore its pieces (_instead)."""
+        got = shards.resume(views, self.directory, self.local_rank, multi, derived_base)
+        self.resumed = got[2] if got is not None else None
+        if got is None:
+            return None
+        pieces = got[0].get("model")
+        if isinstance(pieces, shards.Pieces):
+            on_disk = max(v["disk"] for v in views) >= 0
+            pieces.fallback = lambda why: self._instead(why, disk, on_disk, took)
+        return got[:2]
+
+    def _load_whole(
+        self, views: list[dict[str, Any]], multi: bool
+    ) -> tuple[dict[str, Any], Entry] | None:
+        """A replicated job's resume: the chosen step read here or received from its holder."""
+        world_size, my_rank, local = world(), rank(), self.local_rank
         choice, why = choose(views)
         state, source = None, None
         if choice is not None:
@@ -385,23 +407,41 @@ class MemoryState:
         if not self.every:
             return 0.0
         t0 = time.perf_counter()
-        owned, shard = None, False
-        if callable(state):
-            how = Refresh(whole=self.local_rank == 0, owned=set() if self.overlap else None)
-            seen = auditor.wanted() if auditor is not None else None
-            token, watched = REFRESH.set(how), audit.SEEN.set(seen)
-            try:
-                state = state()
-            finally:
-                audit.SEEN.reset(watched)
-                REFRESH.reset(token)
-            owned, shard = how.owned, how.sharded
-            if auditor is not None:
-                auditor.check(step, seen)  # raises on a disagreement: nothing is written
-        else:  # captured already, for a disk save at the same step
-            shard = sharded.holds_shards(state)
-        mapped = True
-        writer = self.writer
+        state, owned, shard = self._capture(step, state, auditor)
+        mapped, writer = self._write(int(step), state, owned, shard, t0)
+        self.last_stall = time.perf_counter() - t0
+        self._account(step, mapped, writer, auditor)
+        return self.last_stall
+
+    def _capture(
+        self,
+        step: int,
+        state: Mapping[str, Any] | Callable[[], Mapping[str, Any]],
+        auditor: audit.Auditor | None,
+    ) -> tuple[Mapping[str, Any], set[str] | None, bool]:
+        """The state to write, the keys this rank owns (overlap) and whether it holds shards; a
+        callable runs under this refresh's context and is audited (raises on a disagreement)."""
+        if not callable(state):  # captured already, for a disk save at the same step
+            return state, None, sharded.holds_shards(state)
+        how = Refresh(whole=self.local_rank == 0, owned=set() if self.overlap else None)
+        seen = auditor.wanted() if auditor is not None else None
+        token, watched = REFRESH.set(how), audit.SEEN.set(seen)
+        try:
+            captured = state()
+        finally:
+            audit.SEEN.reset(watched)
+            REFRESH.reset(token)
+        if auditor is not None:
+            auditor.check(step, seen)  # raises on a disagreement: nothing is written
+        return captured, how.owned, how.sharded
+
+    def _write(
+        self, step: int, state: Mapping[str, Any], owned: set[str] | None, shard: bool, t0: float
+    ) -> tuple[bool, Writer | None]:
+        """Into this rank's slot (and, sharded, off to the next node's replica); whether the slot
+        was mapped in place. A full or missing tmpfs, or a state it cannot hold, turns the
+        in-memory state off with one warning."""
+        mapped, writer = True, self.writer
         try:
             if shard and writer is not None:
                 writer.settle()  # an overlapped slot whole (or dropped) before its exchange ends
@@ -416,13 +456,7 @@ class MemoryState:
                     local_world=self.local_world,
                 )
             mapped = writer.write(
-                int(step),
-                state,
-                world=world(),
-                rank=rank(),
-                owned=owned,
-                started=t0,
-                sharded=shard,
+                step, state, world=world(), rank=rank(), owned=owned, started=t0, sharded=shard
             )
             if shard and writer.written is not None:
                 self.ring.send(*writer.written, writer.landed if writer.queued else None)
@@ -443,20 +477,23 @@ class MemoryState:
             )
             self.close()
             self.on = False
-        self.last_stall = time.perf_counter() - t0
+        return mapped, writer
+
+    def _account(
+        self, step: int, mapped: bool, writer: Writer | None, auditor: audit.Auditor | None
+    ) -> None:
+        """The stall into the heartbeat's figures and the cadence's budget."""
         figures = heartbeat.writer()
         if figures is not None:
             figures.add("refreshes", 1)
             figures.add("refresh_total", self.last_stall)
             figures.note("refresh_last", self.last_stall)
             figures.note("refresh_every", self.every)
-        if self.on:
-            if not mapped and not writer.queued:
-                # the audit's digest of this step, made before the refresh (on the boundary's
-                # all-reduce), is the refresh's cost too: both stay under the one budget
-                spent = auditor.spent(step) if auditor is not None else 0.0
-                self.cadence.costs.append(self.last_stall + spent)
-            self.cadence.costs.extend(
-                writer.costs()
-            )  # overlapped refreshes, once their events passed
-        return self.last_stall
+        if not self.on or writer is None:
+            return
+        if not mapped and not writer.queued:
+            # the audit's digest of this step, made before the refresh (on the boundary's
+            # all-reduce), is the refresh's cost too: both stay under the one budget
+            spent = auditor.spent(step) if auditor is not None else 0.0
+            self.cadence.costs.append(self.last_stall + spent)
+        self.cadence.costs.extend(writer.costs())  # overlapped refreshes, once their events passed
