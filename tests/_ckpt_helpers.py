@@ -21,13 +21,13 @@ import torch
 import torch._dynamo  # DDP's constructor imports it: once here, not in every fork
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, TensorDataset
 
 from elasticd import checkpoint
 from elasticd.checkpoint import CheckpointManager, capture, collectives, restore
 from elasticd.sampler import ResumableDistributedSampler
+from scripts.exact_job import exact_step
 
 _fork = multiprocessing.get_context("fork")
 
@@ -149,20 +149,7 @@ def train(
     while step < total:
         sampler.set_epoch(epoch)
         for x, y in loader:
-            scale = 1.0 + 0.1 * random.random() + 0.1 * float(np.random.rand())
-            loss = F.mse_loss(model(x), y) * scale
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            sched.step()
-            sampler.advance(len(x))
-            step += 1
-            mgr.maybe_save(
-                step,
-                lambda: capture(
-                    model=model, optimizer=opt, scheduler=sched, sampler=sampler, step=step
-                ),
-            )
+            step = exact_step(model, opt, sched, sampler, mgr, x, y, step)
             if step == crash_after:
                 mgr.wait()
                 if dist.is_initialized():
@@ -263,17 +250,8 @@ def train_on_nodes(
     while step < total and not (crash_after and step >= crash_after):
         sampler.set_epoch(sampler.epoch)
         for x, y, i in loader:
-            scale = 1.0 + 0.1 * random.random() + 0.1 * float(np.random.rand())
-            loss = F.mse_loss(model(x), y) * scale
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            sampler.advance(len(x))
-            step += 1
+            step = exact_step(model, opt, None, sampler, mgr, x, y, step)
             seen.append([step, sampler.epoch, i.tolist()])
-            mgr.maybe_save(
-                step, lambda: capture(model=model, optimizer=opt, sampler=sampler, step=step)
-            )
             if step % every == 0:
                 torch.save(held(), f"{out}.s{step}.{rank}")
             if step >= total or step == crash_after:

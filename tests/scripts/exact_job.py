@@ -57,6 +57,27 @@ DEFAULTS = {
 }
 
 
+def exact_step(model, opt, sched, sampler, mgr, x, y, step: int) -> int:
+    """One step of the loop, written once for this job and the forked checkpoint tests
+    (tests/_ckpt_helpers.py): a loss scaled by a Python and a numpy draw (a resume must bring both
+    RNGs back), the optimizer's and scheduler's step, the sampler's position, and the checkpoint
+    boundary (maybe_save); the step reached."""
+    scale = 1.0 + 0.1 * random.random() + 0.1 * float(np.random.rand())
+    loss = F.mse_loss(model(x), y) * scale
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    if sched is not None:
+        sched.step()
+    sampler.advance(len(x))
+    step += 1
+    mgr.maybe_save(
+        step,
+        lambda: capture(model=model, optimizer=opt, scheduler=sched, sampler=sampler, step=step),
+    )
+    return step
+
+
 def _digest(tensors) -> str:
     h = hashlib.sha256()
     for t in tensors:
@@ -149,20 +170,7 @@ def run(cfg: dict, rank: int, world: int) -> int:
     while step < cfg["steps"]:
         sampler.set_epoch(sampler.epoch)  # the epoch in progress keeps its position
         for x, y in loader:
-            scale = 1.0 + 0.1 * random.random() + 0.1 * float(np.random.rand())
-            loss = F.mse_loss(model(x), y) * scale
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            sched.step()
-            sampler.advance(len(x))
-            step += 1
-            mgr.maybe_save(
-                step,
-                lambda: capture(
-                    model=model, optimizer=opt, scheduler=sched, sampler=sampler, step=step
-                ),
-            )
+            step = exact_step(model, opt, sched, sampler, mgr, x, y, step)
             log.write(f"{step} {_digest(p for p in model.parameters())[:16]}\n")
             log.flush()
             if step == cfg["crash_after"]:
