@@ -230,11 +230,15 @@ def compact(found: Mapping[str, Progress] | None) -> str:
     if not found:
         return ""
     rows = [
-        [p.group, p.desc, p.enqueued, p.completed, [[o.seq, o.op, o.shapes, o.dtype] for o in p.ops]]
+        [p.group, p.desc, p.enqueued, p.completed, [list(_fields(o)) for o in p.ops]]
         for p in list(found.values())[:MAX_GROUPS]
     ]
     text = json.dumps(rows, separators=(",", ":"))
     return text if len(text) <= MAX_COMPACT else ""
+
+
+def _fields(o: Op) -> tuple[int, str, str, str]:
+    return (o.seq, o.op, o.shapes, o.dtype)
 
 
 def parse_compact(text: str) -> dict[str, Progress] | None:

@@ -113,7 +113,10 @@ def _rank(rank: int, world: int, store: str, dump: str, fault: str) -> None:
         os.environ[names.COLLECTIVES_FILE] = dump
         torch.set_num_threads(1)
         dist.init_process_group(
-            "gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+            "gloo",
+            init_method=f"file://{store}",
+            rank=rank,
+            world_size=world,
             timeout=timedelta(seconds=20),
         )
         flight.arm()
@@ -150,8 +153,9 @@ def _judged(tmp_path, fault: str, world: int) -> cs.Verdict:
             time.sleep(0.5)  # each rank listens once its group is up
             asked = cs.ask(dumps)
             found = cs.collect(asked, 3.0)
-            progress = {r: cs.progress(found[d]) if d in found else None for r, d in enumerate(dumps)}
-            verdict = cs.judge(progress)
+            verdict = cs.judge(
+                {r: cs.progress(found[d]) if d in found else None for r, d in enumerate(dumps)}
+            )
         return verdict
     finally:
         for p in procs:
