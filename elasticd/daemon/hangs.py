@@ -78,7 +78,7 @@ def judge(
         return stacks, seqs
     if not seqs.decides:  # every rank arrived, or none waits: the stacks name whom they can
         return dataclasses.replace(stacks, text=f"{stacks.text}; {seqs.text}"), seqs
-    text = f"{seqs.text}; stacks: {stacks.text}"
+    text = f"{seqs.text}; {stacks.text}"
     blamed = seqs.culprits or stacks.culprits
     desync = seqs.kind == "desync" or stacks.desync
     return culprit.Verdict(blamed, stacks.waited_in, stacks.waiting, text, desync), seqs

@@ -123,7 +123,11 @@ def test_a_desync_names_the_odd_rank(daemons):
     d = daemons(script("hang.py"), "--nproc-per-node", "3", *HB, "--max-restarts", "1", args=job)
     (ev,) = wait_until(lambda: culprit_events(d), 90, what="the hang's verdict")
     assert ev["desync"] is True and ev["culprits"] == [1], ev
-    assert ev["verdict"].startswith("desync: rank 1 waited in recv [stacks "), ev
+    # the collectives first (rank 1 never called seq 3's all_reduce), then the stacks
+    assert ev["collectives"] == "never_arrived" and ev["seq"] == 3, ev
+    said = "rank 1 (its last seq 2, all_reduce) never arrived at seq 3 "
+    assert ev["verdict"].startswith(said), ev
+    assert "; desync: rank 1 waited in recv [stacks " in ev["verdict"], ev
     assert ev["verdict"].endswith("while 2 ranks waited in all_reduce"), ev
     (cause,) = wait_until(lambda: restart_causes(d), 30, what="the restart")
     assert cause.startswith("rank 1 (node ") and "; desync: rank 1 waited in recv" in cause, cause
