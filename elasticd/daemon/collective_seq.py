@@ -123,16 +123,19 @@ def _kept(found: dict[str, Progress]) -> dict[str, Progress]:
     return {p.group: p for p in order[:MAX_GROUPS]}
 
 
-def judge(ranks: Mapping[int, Mapping[str, Progress] | None]) -> Verdict:
+def judge(
+    ranks: Mapping[int, Mapping[str, Progress] | None], nodes: Mapping[int, str] | None = None
+) -> Verdict:
     """The verdict of the ranks' collectives (None: no dump from that rank): the first group's
     that decides (a desync before a rank behind), else the first group's with a collective
-    outstanding, else that none is."""
+    outstanding, else that none is. A rank named alone is named with its node, where known."""
+    nodes = nodes or {}
     unknown = tuple(sorted(r for r, p in ranks.items() if p is None))
     groups = sorted({g for p in ranks.values() if p for g in p})
     verdicts = []
     for g in groups:
         seen = {r: p[g] for r, p in ranks.items() if p and g in p}
-        verdicts.append(_judge_group(seen, unknown))
+        verdicts.append(_judge_group(seen, nodes))
     if not verdicts:
         return NONE
     order = ("desync", "never_arrived", "arrived", "idle")
@@ -141,7 +144,7 @@ def judge(ranks: Mapping[int, Mapping[str, Progress] | None]) -> Verdict:
     return Verdict(best.kind, best.culprits, best.seq, best.text + tail)
 
 
-def _judge_group(seen: dict[int, Progress], unknown: tuple[int, ...]) -> Verdict:
+def _judge_group(seen: dict[int, Progress], nodes: Mapping[int, str]) -> Verdict:
     any_p = next(iter(seen.values()))
     where = "" if any_p.group == "0" else f" in group {any_p.desc or any_p.group}"
     top = max(p.enqueued for p in seen.values())
@@ -149,7 +152,7 @@ def _judge_group(seen: dict[int, Progress], unknown: tuple[int, ...]) -> Verdict
         return Verdict(
             "idle", (), top, f"no rank waited in a collective{where} (the last was seq {top})"
         )
-    desync = _desync(seen, where)
+    desync = _desync(seen, where, nodes)
     if desync is not None:
         return desync
     behind = tuple(sorted(r for r, p in seen.items() if p.enqueued < top))
@@ -161,7 +164,7 @@ def _judge_group(seen: dict[int, Progress], unknown: tuple[int, ...]) -> Verdict
             f"(the network, or a rank not seen, holds it)"
         )
         return Verdict("arrived", (), top, text)
-    named = "; ".join(_behind(r, seen[r]) for r in behind[:NAMED])
+    named = "; ".join(_behind(r, seen[r], nodes.get(r)) for r in behind[:NAMED])
     more = f" and {len(behind) - NAMED} more" if len(behind) > NAMED else ""
     text = (
         f"{named}{more} never arrived at seq {top}{where} ({op.label}) "
@@ -170,13 +173,14 @@ def _judge_group(seen: dict[int, Progress], unknown: tuple[int, ...]) -> Verdict
     return Verdict("never_arrived", behind, top, text)
 
 
-def _behind(rank: int, p: Progress) -> str:
+def _behind(rank: int, p: Progress, node: str | None) -> str:
     last = p.at(p.enqueued)
     what = f", {last.op}" if last else ""
-    return f"rank {rank} (its last seq {p.enqueued}{what})"
+    on = f"node {node}, " if node else ""
+    return f"rank {rank} ({on}its last seq {p.enqueued}{what})"
 
 
-def _desync(seen: dict[int, Progress], where: str) -> Verdict | None:
+def _desync(seen: dict[int, Progress], where: str, nodes: Mapping[int, str]) -> Verdict | None:
     """The earliest sequence number the ranks called different collectives at, said as such."""
     seqs = sorted({o.seq for p in seen.values() for o in p.ops})
     for seq in seqs:
@@ -189,10 +193,10 @@ def _desync(seen: dict[int, Progress], where: str) -> Verdict | None:
         by_size = sorted(kinds.items(), key=lambda k: (-len(k[1]), k[1][0]))
         label = {k: at[rs[0]].label for k, rs in kinds.items()}
         if len(by_size[0][1]) == len(by_size[1][1]):  # no majority: each is said
-            text = "; ".join(f"{_ranks(rs)} called {label[k]}" for k, rs in by_size)
+            text = "; ".join(f"{_ranks(rs, nodes)} called {label[k]}" for k, rs in by_size)
             return Verdict("desync", (), seq, f"desync at seq {seq}{where}: {text}")
         (major, majority), odd = by_size[0], by_size[1:]
-        said = "; ".join(f"{_ranks(rs)} called {label[k]}" for k, rs in odd[:NAMED])
+        said = "; ".join(f"{_ranks(rs, nodes)} called {label[k]}" for k, rs in odd[:NAMED])
         others = "the others" if len(majority) > 1 else "the other"
         text = (
             f"desync at seq {seq}{where}: {said} while {others} ({_ranks(majority)}) "
@@ -209,7 +213,9 @@ def _fingerprint(op: Op) -> tuple[str, str, str]:
     return (op.op, "" if uneven else op.shapes, op.dtype)
 
 
-def _ranks(ranks: list[int] | tuple[int, ...]) -> str:
+def _ranks(ranks: list[int] | tuple[int, ...], nodes: Mapping[int, str] | None = None) -> str:
+    if len(ranks) == 1 and nodes and nodes.get(ranks[0]):
+        return f"rank {ranks[0]} (node {nodes[ranks[0]]})"
     return f"rank{'s' if len(ranks) != 1 else ''} {_list(tuple(ranks))}"
 
 

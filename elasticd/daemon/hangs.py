@@ -73,7 +73,8 @@ def judge(
     after); and the collectives' own verdict."""
     stacks = culprit.judge_hang(ranks)
     found = {r: w and collective_seq.parse_compact(w.collectives) for r, w in ranks.items()}
-    seqs = collective_seq.judge(found) if any(found.values()) else collective_seq.NONE
+    nodes = {r: w.node for r, w in ranks.items() if w and w.node}
+    seqs = collective_seq.judge(found, nodes) if any(found.values()) else collective_seq.NONE
     if not seqs.text:
         return stacks, seqs
     if not seqs.decides:  # every rank arrived, or none waits: the stacks name whom they can
