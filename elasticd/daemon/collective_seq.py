@@ -88,10 +88,11 @@ def progress(text: str) -> dict[str, Progress] | None:
     for anything not of its form."""
     try:
         data = json.loads(text)
-        status = data.get("pg_status", {})
+        dumps = data if isinstance(data, list) else [data]  # one per recorder (flight.dump)
+        status = {k: v for d in dumps for k, v in d.get("pg_status", {}).items()}
         by_group: dict[str, list[Op]] = {}
         names: dict[str, tuple[str, str]] = {}  # pg_id -> (name, desc)
-        for e in data.get("entries", []):
+        for e in (e for d in dumps for e in d.get("entries", [])):
             if e.get("is_p2p"):
                 continue
             pg = str(e["pg_id"])

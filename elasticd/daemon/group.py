@@ -33,7 +33,7 @@ from elasticd.worker import heartbeat
 
 ODD_STATE_HOLD = 1.0  # seconds a zombie worker must stay so before it counts as hung
 MAX_CONSEQUENCES = 8  # the later failures a failure names
-SEQ_WAIT = 0.5  # seconds the collectives' dumps get after the stacks' wait (they answer at once)
+SEQ_WAIT = 1.0  # seconds the collectives' dumps get after the stacks' (2000 entries: 0.1-1.3 s)
 
 
 @dataclass(frozen=True)
