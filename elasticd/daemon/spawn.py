@@ -174,6 +174,15 @@ def _paths(spec: GroupSpec, rank: int) -> dict[str, Path]:
     }
 
 
+def _ask_fifo(dump: Path) -> None:
+    """The FIFO through which the daemon asks a rank for its collectives (worker/flight.py); a
+    filesystem without FIFOs costs that evidence only (the stacks still judge a hang)."""
+    try:
+        os.mkfifo(flight.ask_path(str(dump)), 0o600)
+    except OSError as e:
+        logs.get("elasticd.workers").warning("collectives_fifo_failed", path=str(dump), why=str(e))
+
+
 def spawn(
     spec: GroupSpec, spares: list[Spare] | None = None, local_ranks: list[int] | None = None
 ) -> list[Worker]:
@@ -190,7 +199,7 @@ def spawn(
         paths = _paths(spec, rank)
         heartbeat.create(str(paths["heartbeat"]))
         if not spec.no_python:
-            os.mkfifo(flight.ask_path(str(paths["collectives"])), 0o600)
+            _ask_fifo(paths["collectives"])
         env = worker_env(spec, local_rank, paths)
         args = spec.worker_args(local_rank)
         proc = None
