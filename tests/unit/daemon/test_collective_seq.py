@@ -11,6 +11,8 @@ import time
 from datetime import timedelta
 
 import pytest
+import torch  # imported once here: a forked rank starts in milliseconds
+import torch.distributed as dist
 
 from elasticd import names
 from elasticd.daemon import collective_seq as cs
@@ -107,9 +109,6 @@ _fork = multiprocessing.get_context("fork")
 def _rank(rank: int, world: int, store: str, dump: str, fault: str) -> None:
     code = 0
     try:
-        import torch
-        import torch.distributed as dist
-
         os.environ[names.COLLECTIVES_FILE] = dump
         torch.set_num_threads(1)
         dist.init_process_group(
@@ -135,7 +134,9 @@ def _rank(rank: int, world: int, store: str, dump: str, fault: str) -> None:
         os._exit(code)
 
 
-def _judged(tmp_path, fault: str, world: int) -> cs.Verdict:
+def _judged(tmp_path, fault: str, world: int, want: tuple) -> cs.Verdict:
+    """The verdict once it is `want` (kind, culprits), else the last one within 30 s: asked
+    before every rank reached the fault, a rank still behind is a true verdict of that moment."""
     dumps = [tmp_path / f"rank{r}.collectives.json" for r in range(world)]
     for d in dumps:
         os.mkfifo(flight.ask_path(str(d)), 0o600)
@@ -149,7 +150,7 @@ def _judged(tmp_path, fault: str, world: int) -> cs.Verdict:
     try:
         deadline = time.monotonic() + 30
         verdict = cs.NONE
-        while not verdict.decides and time.monotonic() < deadline:
+        while (verdict.kind, verdict.culprits) != want and time.monotonic() < deadline:
             time.sleep(0.5)  # each rank listens once its group is up
             asked = cs.ask(dumps)
             found = cs.collect(asked, 3.0)
@@ -165,7 +166,7 @@ def _judged(tmp_path, fault: str, world: int) -> cs.Verdict:
 
 
 def test_gloo_desync_names_the_rank_both_ops_and_the_seq(tmp_path):
-    v = _judged(tmp_path, "desync", 3)
+    v = _judged(tmp_path, "desync", 3, ("desync", (2,)))
     assert v.kind == "desync" and v.culprits == (2,), v
     assert v.text.startswith(
         "desync at seq 4: rank 2 called all_gather ([[4, 3]] Float) while the others (ranks 0, 1) "
@@ -174,6 +175,6 @@ def test_gloo_desync_names_the_rank_both_ops_and_the_seq(tmp_path):
 
 
 def test_gloo_hang_names_the_rank_that_never_arrived(tmp_path):
-    v = _judged(tmp_path, "hang", 3)
+    v = _judged(tmp_path, "hang", 3, ("never_arrived", (1,)))
     assert v.kind == "never_arrived" and v.culprits == (1,), v
     assert v.text.startswith("rank 1 (its last seq 3, all_reduce) never arrived at seq 4"), v.text
