@@ -14,7 +14,6 @@ parts that touch files: every wait bounded.
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import stat
@@ -271,16 +270,16 @@ def ask(dumps: list[Path]) -> dict[Path, tuple[int, int] | None]:
     asked = {}
     for path in dumps:
         before = _identity(path)
-        try:
+        try:  # ENXIO: nobody reads it (yet); ENOENT: never made; ELOOP: not ours
             fd = os.open(flight.ask_path(str(path)), os.O_WRONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
-        except OSError as e:
-            if e.errno not in (errno.ENXIO, errno.ENOENT):  # ENXIO: nobody reads it (yet)
-                raise
+        except OSError:
             continue
         try:
             if stat.S_ISFIFO(os.fstat(fd).st_mode):
                 os.write(fd, b"?")
                 asked[path] = before
+        except OSError:
+            continue
         finally:
             os.close(fd)
     return asked

@@ -260,10 +260,7 @@ class LocalGroup:
         and pid -> its collectives' compact form (collective_seq.py)."""
         live = [w for w in workers if w.exit_code is None]
         paths = {collectives_path(w): w.pid for w in live}
-        try:
-            asked = collective_seq.ask(list(paths))
-        except OSError:
-            asked = {}
+        asked = collective_seq.ask(list(paths))
         taken = processes.dump_stacks(live, self.cfg.stack_signal)
         found = collective_seq.collect(asked, SEQ_WAIT)
         return taken, {
