@@ -178,3 +178,16 @@ def test_gloo_hang_names_the_rank_that_never_arrived(tmp_path):
     v = _judged(tmp_path, "hang", 3, ("never_arrived", (1,)))
     assert v.kind == "never_arrived" and v.culprits == (1,), v
     assert v.text.startswith("rank 1 (its last seq 3, all_reduce) never arrived at seq 4"), v.text
+
+
+def test_ask_skips_a_rank_not_listening_and_never_writes_through_what_is_not_its_fifo(tmp_path):
+    quiet, planted, regular = (tmp_path / f"rank{r}.collectives.json" for r in range(3))
+    os.mkfifo(flight.ask_path(str(quiet)), 0o600)  # made, nobody reading: ENXIO
+    target = tmp_path / "precious"
+    target.write_text("keep")
+    os.symlink(target, flight.ask_path(str(planted)))
+    (tmp_path / "rank2.collectives.json.ask").write_text("x")
+    assert cs.ask([quiet, planted, regular]) == {}
+    assert target.read_text() == "keep" and flight.ask_path(str(regular)).endswith(".ask")
+    assert (tmp_path / "rank2.collectives.json.ask").read_text() == "x"
+    assert cs.collect({}, 5.0) == {}  # nothing asked: no wait
