@@ -261,6 +261,22 @@ def parse_compact(text: str) -> dict[str, Progress] | None:
     return found
 
 
+def describe(text: str) -> str:
+    """A rank's collectives in one line for people (`elasticd stacks`): "" where none came."""
+    found = parse_compact(text)
+    if not found:
+        return ""
+    parts = []
+    for p in found.values():
+        name = p.desc or p.group
+        op = p.waiting
+        if op is not None:
+            parts.append(f"{name}: waits in seq {op.seq}, {op.label}; completed {p.completed}")
+        else:
+            parts.append(f"{name}: in no collective; the last was seq {p.enqueued}")
+    return "collectives: " + " | ".join(parts)
+
+
 # --- asking the workers (worker/flight.py) ---
 
 

@@ -191,3 +191,13 @@ def test_ask_skips_a_rank_not_listening_and_never_writes_through_what_is_not_its
     assert target.read_text() == "keep" and flight.ask_path(str(regular)).endswith(".ask")
     assert (tmp_path / "rank2.collectives.json.ask").read_text() == "x"
     assert cs.collect({}, 5.0) == {}  # nothing asked: no wait
+
+
+def test_describe_says_where_each_group_is():
+    waiting = cs.compact(ranks((5, 4, {4: AR, 5: AG}))[0])
+    assert cs.describe(waiting) == (
+        "collectives: default_pg: waits in seq 5, all_gather ([[4, 3]] Float); completed 4"
+    )
+    idle = cs.compact(ranks((5, 5, {5: AR}))[0])
+    assert cs.describe(idle) == "collectives: default_pg: in no collective; the last was seq 5"
+    assert cs.describe("") == ""
