@@ -23,7 +23,7 @@ import json
 import os
 import threading
 
-from elasticd import names
+from elasticd import names, safeio
 
 # torch's dumps, newest first: the CPU recorder (gloo) and, where built, NCCL's
 _DUMPS = ("_dump_fr_trace_json", "_dump_nccl_trace_json")
@@ -87,6 +87,7 @@ def _serve(path: str, recorders: list) -> None:
         except Exception as e:  # noqa: BLE001 - the daemon reads the reason instead
             text = json.dumps({"errors": [f"{type(e).__name__}: {e}"[:200]]})
         with contextlib.suppress(OSError):
-            with open(tmp, "w") as f:
+            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+            with os.fdopen(os.open(tmp, flags, safeio.FILE_MODE), "w") as f:
                 f.write(text)
             os.replace(tmp, path)
