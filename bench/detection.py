@@ -35,6 +35,15 @@ the tests hand-set it) for the three hang kinds.
     PYTHONPATH=$PWD python bench/detection.py --trials 3
     PYTHONPATH=$PWD python bench/detection.py --kinds crash,desync --launchers elasticd --trials 1
 
+`--overhead 20000` instead measures what the collectives' evidence costs a job: --world gloo
+ranks (bench/flight_cost.py; 1 by default: no wait for a peer, so the recorder's own CPU cost is
+not lost in the noise of a loaded machine) time 20,000 all_reduces of one float (the smallest
+collective: where a fixed cost shows most) with torch's Flight Recorder as torch leaves it (on,
+2000 entries) and off (TORCH_FR_BUFFER_SIZE=0), --rounds times each, alternating; and what
+answering the daemon's ask takes (the recorder's dump, worker/flight.py). elasticd adds nothing
+per collective: the recorder is torch's own, and the daemon reads it only when a rank is past
+its deadline.
+
 `--false-alarms 10000` instead runs 10,000 steps at elasticd's defaults with every rank sleeping a
 log-normal extra each step (`--jitter MEDIAN,SIGMA`, 10 ms and 1.0 by default: a heavy tail) and
 counts the hangs declared (each a false alarm), the suspicions the evidence cleared, the deadline
@@ -468,6 +477,61 @@ def table(results: dict, args) -> str:
     return "\n".join(lines)
 
 
+def overhead(args) -> dict:
+    """Per all_reduce, the Flight Recorder on and off (medians, and the fastest, over --rounds
+    runs of each)."""
+    runs: dict[str, list[dict]] = {"on": [], "off": []}
+    for i in range(args.rounds):
+        for mode in ("on", "off") if i % 2 == 0 else ("off", "on"):
+            env = {**os.environ, "OMP_NUM_THREADS": "1"}
+            env.pop("TORCH_FR_BUFFER_SIZE", None)
+            if mode == "off":
+                env["TORCH_FR_BUFFER_SIZE"] = "0"
+            port = free_port()
+            cmd = [sys.executable, str(HERE / "flight_cost.py")]
+            procs = [
+                subprocess.Popen(
+                    [*cmd, str(r), str(args.world), str(port), str(args.overhead), "1"],
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    text=True,
+                )
+                for r in range(args.world)
+            ]
+            try:
+                out = procs[0].communicate(timeout=300)[0]
+                for p in procs[1:]:
+                    p.wait(60)
+            finally:
+                for p in procs:
+                    if p.poll() is None:
+                        p.kill()
+                        p.wait(10)
+            got = json.loads(out.strip().splitlines()[-1])
+            runs[mode].append(got)
+            print(f"  {mode}: {got}", file=sys.stderr, flush=True)
+    on = statistics.median(r["us_per_op"] for r in runs["on"])
+    off = statistics.median(r["us_per_op"] for r in runs["off"])
+    # the fastest run of each: the least disturbed by other load (a CPU cost only adds)
+    on_min = min(r["us_per_op"] for r in runs["on"])
+    off_min = min(r["us_per_op"] for r in runs["off"])
+    return {
+        "us_per_op_fastest_on": round(on_min, 2),
+        "us_per_op_fastest_off": round(off_min, 2),
+        "recorder_cost_us_fastest": round(on_min - off_min, 2),
+        "ops": args.overhead,
+        "world": args.world,
+        "rounds": args.rounds,
+        "us_per_op_recorder_on": round(on, 2),
+        "us_per_op_recorder_off": round(off, 2),
+        "recorder_cost_us": round(on - off, 2),
+        "recorder_cost_share": round((on - off) / off, 4),
+        "ask_answered_ms": round(statistics.median(r["dump_ms"] for r in runs["on"]), 2),
+        "entries_dumped": runs["on"][0]["entries"],
+        "load": os.getloadavg()[0],
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--trials", type=int, default=1)
@@ -497,7 +561,19 @@ def main() -> None:
     p.add_argument(
         "--jitter", default="0.01,1.0", help="MEDIAN,SIGMA (s) of each step's log-normal sleep"
     )
+    p.add_argument(
+        "--overhead",
+        type=int,
+        default=0,
+        metavar="OPS",
+        help="instead: time OPS all_reduces with torch's Flight Recorder on and off",
+    )
+    p.add_argument("--rounds", type=int, default=5, help="--overhead's runs of each")
+    p.add_argument("--world", type=int, default=1, help="--overhead's gloo ranks")
     args = p.parse_args()
+    if args.overhead:
+        print(json.dumps(overhead(args)))
+        return
     if args.false_alarms:
         got = false_alarms(args)
         print(json.dumps(got))

@@ -20,6 +20,9 @@ NO_PYTHON = (
 HEARTBEAT_FILE = "ELASTICD_HEARTBEAT_FILE"  # the rank's heartbeat file (elasticd.worker.heartbeat)
 STACK_FILE = "ELASTICD_STACK_FILE"  # where faulthandler appends the rank's stacks
 STACK_SIGNAL = "ELASTICD_STACK_SIGNAL"  # the signal that asks for them
+# where the rank writes its collectives as torch's Flight Recorder keeps them, when the daemon
+# asks through the FIFO beside it (elasticd.worker.flight)
+COLLECTIVES_FILE = "ELASTICD_COLLECTIVES_FILE"
 ATTEMPT_DIR = "ELASTICD_ATTEMPT_DIR"  # this attempt's directory of logs and error files
 CHECKPOINT_DIR = "ELASTICD_CHECKPOINT_DIR"  # where elasticd.checkpoint keeps the job's checkpoints
 # the daemon's /dev/shm directory of in-memory state (elasticd.checkpoint.memory)

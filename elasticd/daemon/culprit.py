@@ -57,6 +57,7 @@ _BACKWARD_FUNCS = frozenset({"backward", "_engine_run_backward", "run_backward"}
 MAX_NAME = 120  # characters of a function name or site kept
 MAX_RANKS = 256  # ranks one node's summary may carry
 NAMED = 4  # culprits named one by one in the verdict's text
+MAX_COLLECTIVES = 2000  # characters of a rank's collectives (collective_seq.MAX_COMPACT)
 
 _FRAME = re.compile(r'^\s+File "(?P<file>.*)", line (?P<line>\d+) in (?P<func>.*)$')
 _THREAD = re.compile(r"^(?:Current thread|Thread) 0x[0-9a-f]+ ")
@@ -75,6 +76,8 @@ class Where:
     site: str  # file name:line
     node: str = ""
     stacks: str = ""  # the rank's stack file on its node
+    # its collectives' sequence numbers and ops (daemon/collective_seq.py's compact form; "": none)
+    collectives: str = ""
 
     @property
     def label(self) -> str:
@@ -114,7 +117,7 @@ def main_frames(dump: str) -> list[tuple[str, int, str]]:
     return current[0] if current else (found[0][1] if found else [])
 
 
-def where(dump: str, node: str = "", stacks: str = "") -> Where | None:
+def where(dump: str, node: str = "", stacks: str = "", collectives: str = "") -> Where | None:
     """One rank's dump reduced to where it waits; None when the dump holds no frame (the worker
     did not answer in time)."""
     frames = main_frames(dump)
@@ -125,7 +128,7 @@ def where(dump: str, node: str = "", stacks: str = "") -> Where | None:
         (f for f in frames if not _stdlib(f[0])), frames[0]
     )  # all stdlib: its innermost
     site = f"{file.rsplit('/', 1)[-1]}:{line}"
-    return Where(collective, func[:MAX_NAME], site[:MAX_NAME], node, stacks)
+    return Where(collective, func[:MAX_NAME], site[:MAX_NAME], node, stacks, collectives)
 
 
 def _collective(frames: list[tuple[str, int, str]]) -> str | None:
@@ -213,7 +216,7 @@ def _list(ranks: tuple[int, ...]) -> str:
 def summary(ranks: Mapping[int, Where]) -> str:
     """JSON of a node's ranks' `Where`s: a few short strings per rank, at most MAX_RANKS."""
     rows = [
-        [r, w.collective or "", w.func, w.site, w.node, w.stacks[:300]]
+        [r, w.collective or "", w.func, w.site, w.node, w.stacks[:300], w.collectives]
         for r, w in sorted(ranks.items())[:MAX_RANKS]
     ]
     return json.dumps(rows)
@@ -221,7 +224,7 @@ def summary(ranks: Mapping[int, Where]) -> str:
 
 def parse_summary(text: str) -> dict[int, Where] | None:
     """A summary read back; None for anything not of its form (a value from the store)."""
-    if len(text) > 128 * 1024:
+    if len(text) > 1024 * 1024:
         return None
     rows = json.loads(text)
     if not isinstance(rows, list) or len(rows) > MAX_RANKS:
@@ -230,13 +233,14 @@ def parse_summary(text: str) -> dict[int, Where] | None:
     for row in rows:
         if (
             not isinstance(row, list)
-            or len(row) != 6
+            or len(row) not in (6, 7)  # 6: a daemon before the collectives' evidence
             or not isinstance(row[0], int)
             or isinstance(row[0], bool)
             or not 0 <= row[0] < 1 << 24
-            or not all(isinstance(x, str) and len(x) <= 300 for x in row[1:])
+            or not all(isinstance(x, str) and len(x) <= 300 for x in row[1:6])
+            or not all(isinstance(x, str) and len(x) <= MAX_COLLECTIVES for x in row[6:])
         ):
             return None
-        rank, collective, func, site, node, stacks = row
-        found[rank] = Where(collective or None, func, site, node, stacks)
+        rank, collective, func, site, node, stacks, *seqs = row
+        found[rank] = Where(collective or None, func, site, node, stacks, "".join(seqs))
     return found

@@ -16,13 +16,24 @@ from elasticd import logs, names
 from elasticd.checkpoint.memory import directory
 from elasticd.cluster.rounds import Round
 from elasticd.config import Config
-from elasticd.daemon import deadlines, driver, forkclient, oom, processes, spawn, suspicion, tee
+from elasticd.daemon import (
+    collective_seq,
+    deadlines,
+    driver,
+    forkclient,
+    oom,
+    processes,
+    spawn,
+    suspicion,
+    tee,
+)
 from elasticd.lifecycle import triage
 from elasticd.lifecycle.states import Failure, RestartCause
 from elasticd.worker import heartbeat
 
 ODD_STATE_HOLD = 1.0  # seconds a zombie worker must stay so before it counts as hung
 MAX_CONSEQUENCES = 8  # the later failures a failure names
+SEQ_WAIT = 1.0  # seconds the collectives' dumps get after the stacks' (2000 entries: 0.1-1.3 s)
 
 
 @dataclass(frozen=True)
@@ -215,9 +226,12 @@ class LocalGroup:
             return None
         taken: list[tuple[spawn.Worker, str]] = []
 
+        seqs: dict[int, str] = {}
+
         def dumps() -> list[dict[str, Any]]:
-            taken[:] = processes.dump_stacks(self.workers, self.cfg.stack_signal)
-            return _rows(taken)
+            taken[:], found = self._dump(self.workers)
+            seqs.update(found)
+            return _rows(taken, found)
 
         def passed(first: suspicion.Silent, why: str, basis: str) -> None:
             self.event(
@@ -238,7 +252,21 @@ class LocalGroup:
             f"no heartbeat for {now - silent.last:.1f}s ({basis}; last step {silent.step}); "
             f"{verdict.why}"
         )
-        return self._hung(w, why, taken)
+        return self._hung(w, why, taken, seqs)
+
+    def _dump(self, workers: list[spawn.Worker]) -> tuple[list[tuple[spawn.Worker, str]], dict]:
+        """Every live worker's stacks and collectives (their Flight Recorder's, asked first so
+        that both are taken in the same wait), before anything is killed: (worker, stack text)
+        and pid -> its collectives' compact form (collective_seq.py)."""
+        live = [w for w in workers if w.exit_code is None]
+        paths = {collectives_path(w): w.pid for w in live}
+        asked = collective_seq.ask(list(paths))
+        taken = processes.dump_stacks(live, self.cfg.stack_signal)
+        found = collective_seq.collect(asked, SEQ_WAIT)
+        return taken, {
+            paths[p]: collective_seq.compact(collective_seq.progress(text))
+            for p, text in found.items()
+        }
 
     def _say_learned(self) -> None:
         """One event when the deadline is first learned (and the ceiling no longer rules)."""
@@ -255,17 +283,18 @@ class LocalGroup:
             )
 
     def _hung(
-        self, w: spawn.Worker, why: str, dumps: list[tuple[spawn.Worker, str]] | None = None
+        self,
+        w: spawn.Worker,
+        why: str,
+        dumps: list[tuple[spawn.Worker, str]] | None = None,
+        seqs: dict[int, str] | None = None,
     ) -> Failure:
-        """The hang put on `w`, with every live rank's stacks (taken now unless given)."""
+        """The hang put on `w`, with every live rank's stacks and collectives (taken now unless
+        given)."""
         if dumps is None:
             # a --no-python worker has no stack-dump handler: the signal would only end it
-            dumps = (
-                []
-                if self.cfg.no_python
-                else processes.dump_stacks(self.workers, self.cfg.stack_signal)
-            )
-        self.dumps = _rows(dumps)
+            dumps, seqs = ([], {}) if self.cfg.no_python else self._dump(self.workers)
+        self.dumps = _rows(dumps, seqs or {})
         fault = self.gpu.since()  # a GPU off the bus hangs its ranks' collectives
         klass = triage.classify(None, None, False, hung=True, driver_fault=bool(fault))
         return Failure(
@@ -406,16 +435,14 @@ class LocalGroup:
                 "ok": False,
                 "error": "--no-python workers are not Python: they cannot dump their stacks",
             }
-        dumps = processes.dump_stacks(
-            [w for w in self.workers if w.exit_code is None], self.cfg.stack_signal
-        )
+        dumps, seqs = self._dump(self.workers)
         if not dumps:
             return {
                 "ok": False,
                 "error": f"no worker is running right now (state {state}); try again",
             }
         self.event("stacks_dumped", ranks=[w.global_rank for w, _ in dumps])
-        return {"ok": True, "stacks": _rows(dumps)}
+        return {"ok": True, "stacks": _rows(dumps, seqs)}
 
     def stop(
         self,
@@ -497,8 +524,9 @@ class LocalGroup:
         return why if now - self._odd_since.setdefault(pid, now) >= ODD_STATE_HOLD else None
 
 
-def _rows(dumps: list[tuple[spawn.Worker, str]]) -> list[dict[str, Any]]:
-    """Stack dumps as `elasticd stacks` answers them (and daemon/hangs.py reads them)."""
+def _rows(dumps: list[tuple[spawn.Worker, str]], seqs: dict[int, str]) -> list[dict[str, Any]]:
+    """Stack dumps as `elasticd stacks` answers them (and daemon/hangs.py reads them), each with
+    its rank's collectives (collective_seq's compact form, "" without)."""
     return [
         {
             "rank": w.global_rank,
@@ -506,6 +534,12 @@ def _rows(dumps: list[tuple[spawn.Worker, str]]) -> list[dict[str, Any]]:
             "pid": w.pid,
             "path": str(w.stack_path),
             "text": text,
+            "collectives": seqs.get(w.pid, ""),
         }
         for w, text in dumps
     ]
+
+
+def collectives_path(w: spawn.Worker) -> Path:
+    """Where the worker writes its Flight Recorder's dump (spawn's paths)."""
+    return w.stack_path.with_name(f"rank{w.global_rank}.collectives.json")

@@ -1,10 +1,11 @@
 """A hang's culprit named before the restart (the agent's hook, `name_culprit`): this node's ranks'
-stack dumps reduced to where each waits (culprit.py), published to the other nodes and theirs
-gathered (cluster/hang_summaries.py), and the job-wide verdict added to the failure's reason (and a
-`hang_culprit` event), so that the restart cause, status and the final line name the rank (and node)
-elsewhere while the others waited in a collective; the failure's rank, node, pid and log become the
-culprit's. A node told of a hang by another node dumps its
-own workers' stacks for it first. Every wait is bounded (GATHER, 3 s): a node that says nothing in
+stack dumps reduced to where each waits (culprit.py), with each rank's collectives' sequence
+numbers and ops (collective_seq.py: they decide a desync and who never arrived), published to the
+other nodes and theirs gathered (cluster/hang_summaries.py), and the job-wide verdict added to the
+failure's reason (and a `hang_culprit` event), so that the restart cause, status and the final
+line name the rank (and node) elsewhere while the others waited in a collective; the failure's
+rank, node, pid and log become the culprit's. A node told of a hang by another node dumps its own
+workers' stacks for it first. Every wait is bounded (GATHER, 3 s): a node that says nothing in
 time is named as such, never waited for."""
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from elasticd.cluster import hang_summaries
 from elasticd.cluster.errors import RendezvousFailed, StoreUnreachable
-from elasticd.daemon import culprit
+from elasticd.daemon import collective_seq, culprit
 from elasticd.lifecycle.states import Failure, RestartCause, Scale, restart_request
 
 if TYPE_CHECKING:
@@ -40,11 +41,15 @@ def name_culprit(why: Failure | Scale, agent: Agent) -> Failure | Scale:
     rnd = agent.round
     multi = rnd is not None and rnd.group_world_size > 1
     node = agent.rdzv.node_id if multi else ""
-    ranks = {r["rank"]: culprit.where(r["text"], node, r["path"]) for r in rows if r.get("text")}
+    ranks = {
+        r["rank"]: culprit.where(r["text"], node, r["path"], r.get("collectives", ""))
+        for r in rows
+        if r.get("text")
+    }
     silent: list[str] = []
     if multi:
         ranks, silent = _across_nodes(why, agent, ranks)
-    verdict = culprit.judge_hang(ranks)
+    verdict, seqs = judge(ranks)
     text = verdict.text + (f"; no stacks from node(s) {', '.join(silent)}" if silent else "")
     agent.event(
         "hang_culprit",
@@ -53,9 +58,31 @@ def name_culprit(why: Failure | Scale, agent: Agent) -> Failure | Scale:
         culprits=list(verdict.culprits),
         waited_in=verdict.waited_in,
         desync=verdict.desync,
+        collectives=seqs.kind,  # what the ranks' sequence numbers said (collective_seq.py)
+        seq=seqs.seq,
         seconds=round(time.monotonic() - t0, 3),  # what naming it added to the recovery
     )
     return _blamed(dataclasses.replace(why, reason=f"{why.reason}; {text}"), verdict, ranks, agent)
+
+
+def judge(
+    ranks: dict[int, culprit.Where | None],
+) -> tuple[culprit.Verdict, collective_seq.Verdict]:
+    """The job-wide verdict: the collectives' sequence numbers where they decide (a desync, or
+    the ranks that never arrived: named first), the stacks' otherwise (where each rank was, said
+    after); and the collectives' own verdict."""
+    stacks = culprit.judge_hang(ranks)
+    found = {r: w and collective_seq.parse_compact(w.collectives) for r, w in ranks.items()}
+    nodes = {r: w.node for r, w in ranks.items() if w and w.node}
+    seqs = collective_seq.judge(found, nodes) if any(found.values()) else collective_seq.NONE
+    if not seqs.text:
+        return stacks, seqs
+    if not seqs.decides:  # every rank arrived, or none waits: the stacks name whom they can
+        return dataclasses.replace(stacks, text=f"{stacks.text}; {seqs.text}"), seqs
+    text = f"{seqs.text}; {stacks.text}"
+    blamed = seqs.culprits or stacks.culprits
+    desync = seqs.kind == "desync" or stacks.desync
+    return culprit.Verdict(blamed, stacks.waited_in, stacks.waiting, text, desync), seqs
 
 
 def _blamed(

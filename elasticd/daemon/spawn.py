@@ -26,7 +26,7 @@ from pathlib import Path
 from elasticd import logs, names, safeio
 from elasticd.daemon import systemd, tee
 from elasticd.daemon.forkclient import Child, Spare
-from elasticd.worker import heartbeat, proctitle
+from elasticd.worker import flight, heartbeat, proctitle
 
 
 @dataclass(frozen=True)
@@ -129,6 +129,8 @@ def worker_env(spec: GroupSpec, local_rank: int, paths: dict[str, Path]) -> dict
         env["LOCAL_RANK"] = "0"
     if spec.no_python:
         env[names.NO_PYTHON] = "1"
+    else:  # torch's Flight Recorder, read when the daemon asks (worker/flight.py)
+        env[names.COLLECTIVES_FILE] = str(paths["collectives"])
     if spec.checkpoint_dir:
         env.setdefault(names.CHECKPOINT_DIR, spec.checkpoint_dir)
     if spec.nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
@@ -168,7 +170,17 @@ def _paths(spec: GroupSpec, rank: int) -> dict[str, Path]:
         "error": spec.attempt_dir / f"rank{rank}.error.json",
         "stack": spec.attempt_dir / f"rank{rank}.stacks.txt",
         "heartbeat": spec.attempt_dir / f"rank{rank}.heartbeat",
+        "collectives": spec.attempt_dir / f"rank{rank}.collectives.json",
     }
+
+
+def _ask_fifo(dump: Path) -> None:
+    """The FIFO through which the daemon asks a rank for its collectives (worker/flight.py); a
+    filesystem without FIFOs costs that evidence only (the stacks still judge a hang)."""
+    try:
+        os.mkfifo(flight.ask_path(str(dump)), 0o600)
+    except OSError as e:
+        logs.get("elasticd.workers").warning("collectives_fifo_failed", path=str(dump), why=str(e))
 
 
 def spawn(
@@ -186,6 +198,8 @@ def spawn(
         rank = spec.rank_base + local_rank
         paths = _paths(spec, rank)
         heartbeat.create(str(paths["heartbeat"]))
+        if not spec.no_python:
+            _ask_fifo(paths["collectives"])
         env = worker_env(spec, local_rank, paths)
         args = spec.worker_args(local_rank)
         proc = None

@@ -6,14 +6,16 @@ first checkpoint save, an evaluation, a data stall) would pass it. A hang is dec
 learned deadline only where:
 - a silent rank is stopped by a signal (state T: SIGSTOP, a terminal's ^Z), or
 - a silent rank is idle (asleep, and under IDLE_SHARE of a CPU over the last part of its
-  silence: not computing, not starved of a CPU it wants, not in a disk's I/O) and the stack
-  dumps (daemon/culprit.py) name it the culprit, elsewhere while other ranks wait in a
-  collective, or show a desync.
-A rank that computes, ranks that all wait in one collective (the culprit is on another node, or
-the network holds them), or all in the same code (an evaluation) are left alone: one event says
-so (`hang_deadline_passed`), and the next look is when the silence has doubled; the ceiling
-(--heartbeat-timeout) still ends any silence. A rank stopped by a tracer (state t: gdb, py-spy)
-is never judged here.
+  silence: not computing, not starved of a CPU it wants, not in a disk's I/O) and the ranks'
+  collectives' sequence numbers (daemon/collective_seq.py) say it never arrived at the
+  collective the others wait in, or show a desync; else where the stack dumps (daemon/culprit.py)
+  name it the culprit, elsewhere while other ranks wait in a collective, or show a desync.
+A rank that computes (a straggler: the sequence numbers show it behind while it uses the CPU),
+ranks that all wait in one collective (the culprit is on another node, or the network holds
+them: every rank arrived at the same sequence number), or all in the same code (an evaluation)
+are left alone: one event says so (`hang_deadline_passed`), and the next look is when the
+silence has doubled; the ceiling (--heartbeat-timeout) still ends any silence. A rank stopped by
+a tracer (state t: gdb, py-spy) is never judged here.
 
 `Suspicion.sample` takes each live rank's state and CPU time every tick (a few seconds kept);
 `judge` decides for the ranks past the deadline, with the dumps taken by the caller only once
@@ -28,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from elasticd.daemon import culprit
+from elasticd.daemon import collective_seq, culprit
 
 IDLE_SHARE = 0.1  # of one CPU: a rank under it over the window is not computing
 IDLE_WINDOW = 2.0  # seconds: the longest stretch of the silence judged (its latest part)
@@ -116,6 +118,15 @@ class Suspicion:
             event(first, "busy: every silent rank uses the CPU", deadline)
             return None
         rows = dumps()
+        seqs = collective_seq.judge(
+            {r["rank"]: collective_seq.parse_compact(r.get("collectives", "")) for r in rows}
+        )
+        behind = [r for r in seqs.culprits if r in idle]
+        if seqs.decides and (behind or seqs.kind == "desync"):
+            return Verdict(behind[0] if behind else first.rank, f"idle; {seqs.text}")
+        if seqs.decides:  # behind, and computing: a straggler (or a long step), not a hang
+            event(first, f"busy: {seqs.text}; it uses the CPU (a straggler?)", deadline)
+            return None
         verdict = culprit.judge_hang(
             {r["rank"]: culprit.where(r["text"]) if r.get("text") else None for r in rows}
         )

@@ -140,6 +140,7 @@ def stacks(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(reply["stacks"], indent=2))
         return ExitCode.OK
+    from elasticd.daemon import collective_seq
     from elasticd.logs import printable
 
     for d in reply["stacks"]:  # the workers' own dumps: escaped, their lines kept
@@ -149,6 +150,8 @@ def stacks(args: argparse.Namespace) -> int:
                 f"also in {d['path']}) ==="
             )
         )
+        if said := collective_seq.describe(d.get("collectives", "")):
+            print(printable(said))
         print(
             printable(d["text"].rstrip("\n"), keep="\n")
             or "(no dump within a second: the worker may be in "

@@ -172,6 +172,9 @@ def _wrap_process_group_calls(dist_module) -> None:
             result = reconfigure.init(init, dist_module, args, kwargs)
 
         heartbeat.mark(path, "pg_ready")
+        from elasticd.worker import flight
+
+        flight.arm()  # answers the daemon's asks for this rank's collectives
         return result
 
     @functools.wraps(destroy)

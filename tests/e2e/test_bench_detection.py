@@ -26,3 +26,13 @@ def test_detection_bench_times_a_crash_and_prints_every_kind():
     )
     assert [k for k in kinds if any(ln.startswith(f"| {k}") for ln in rows)] == list(kinds), rows
     assert sum("not run (--kinds)" in ln for ln in rows) == 5, rows
+
+
+def test_overhead_times_the_flight_recorder_on_and_off():
+    """--overhead at its smallest: both runs done, each with a time per op; the recorder's ring
+    dumped where it is on (what answering the daemon's ask costs), empty where it is off."""
+    r = bench("detection.py", "--overhead", "300", "--rounds", "1", timeout=120)
+    got = json.loads(r.stdout.splitlines()[-1])
+    assert got["us_per_op_recorder_on"] > 0 and got["us_per_op_recorder_off"] > 0, got
+    assert got["entries_dumped"] > 0 and got["ask_answered_ms"] > 0, got
+    assert "off: {" in r.stderr and "'entries': 0" in r.stderr, r.stderr

@@ -231,3 +231,59 @@ def test_heavy_tailed_step_jitter_raises_no_false_hang(daemons):
     )
     assert d.wait(120) == 0, d.stderr()[-3000:]
     assert _learned(d) and not hang_events(d)
+
+
+def _culprit(d) -> dict:
+    return wait_until(
+        lambda: next((e for e in d.events() if e.get("event") == "hang_culprit"), None),
+        90,
+        what="the hang's verdict",
+    )
+
+
+def test_a_desync_names_the_rank_both_ops_and_the_seq(daemons):
+    """Three ranks: at step 3 rank 2 calls all_gather where ranks 0 and 1 call all_reduce. The
+    ranks' own collectives (torch's Flight Recorder, asked before anything is killed) name rank
+    2, both ops and the sequence number, in the cause's first words and its fields."""
+    d = daemons(
+        script("hang.py"),
+        "--nproc-per-node",
+        "3",
+        *HB,
+        args=["--steps", "6", "--mode", "desync", "--at", "3", "--rank", "2"],
+    )
+    ev = _culprit(d)
+    assert ev["collectives"] == "desync" and ev["seq"] == 3 and ev["culprits"] == [2], ev
+    assert ev["desync"] is True, ev
+    said = (
+        "desync at seq 3: rank 2 called all_gather ([[1]] Float) while the others (ranks 0, 1) "
+        "called all_reduce ([[1]] Float)"
+    )
+    assert ev["verdict"].startswith(said), ev
+    cause = wait_until(lambda: hang_events(d), 30, what="the restart")[0]["cause"]
+    assert cause.startswith("rank 2 (node ") and said in cause, cause
+    dump = json.loads((d.run_dir() / "attempt1" / "rank2.collectives.json").read_text())
+    assert dump["entries"][-1]["profiling_name"] == "gloo:all_gather", dump["entries"][-1]
+    assert d.wait(90) == 0, d.stderr()[-3000:]
+
+
+def test_a_hang_in_a_collective_names_who_never_arrived(daemons):
+    """Two ranks: at step 3 rank 1 sleeps in a data read while rank 0 waits in all_reduce. The
+    sequence numbers name rank 1 as never arrived at seq 3 (its last: seq 2)."""
+    d = daemons(
+        script("hang.py"),
+        "--nproc-per-node",
+        "2",
+        *HB,
+        args=["--steps", "6", "--mode", "stuck", "--at", "3", "--step-time", "0.02"],
+    )
+    ev = _culprit(d)
+    assert ev["collectives"] == "never_arrived" and ev["culprits"] == [1], ev
+    said = (
+        "rank 1 (its last seq 2, all_reduce) never arrived at seq 3 (all_reduce ([[1]] Float)) "
+        "while 1 rank waited in it; rank 1 was in `read_batch`"
+    )
+    assert ev["verdict"].startswith(said), ev
+    cause = wait_until(lambda: hang_events(d), 30, what="the restart")[0]["cause"]
+    assert cause.startswith("rank 1 (node ") and said in cause, cause
+    assert d.wait(90) == 0, d.stderr()[-3000:]

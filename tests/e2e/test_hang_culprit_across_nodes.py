@@ -76,7 +76,10 @@ def test_two_nodes_name_the_node_and_rank(daemons, netns):
     for n in nodes:
         evs = culprit_events(n)
         assert evs and evs[0]["culprits"] == [1] and evs[0]["waited_in"] == "all_reduce", evs
-        assert evs[0]["verdict"].startswith(f"rank 1 (node {b_id}) was in `read_batch`"), evs
+        # the collectives first (rank 1 never called seq 3), then where the stacks found it
+        said = f"rank 1 (node {b_id}, its last seq 2, all_reduce) never arrived at seq 3 "
+        assert evs[0]["verdict"].startswith(said), evs
+        assert f"; rank 1 (node {b_id}) was in `read_batch`" in evs[0]["verdict"], evs
         assert "while 1 rank waited in all_reduce" in evs[0]["verdict"], evs
         assert "no stacks from" not in evs[0]["verdict"], evs
         print("naming the culprit took", evs[0]["seconds"], "s")  # measured: see the report
@@ -123,7 +126,11 @@ def test_a_desync_names_the_odd_rank(daemons):
     d = daemons(script("hang.py"), "--nproc-per-node", "3", *HB, "--max-restarts", "1", args=job)
     (ev,) = wait_until(lambda: culprit_events(d), 90, what="the hang's verdict")
     assert ev["desync"] is True and ev["culprits"] == [1], ev
-    assert ev["verdict"].startswith("desync: rank 1 waited in recv [stacks "), ev
+    # the collectives first (rank 1 never called seq 3's all_reduce), then the stacks
+    assert ev["collectives"] == "never_arrived" and ev["seq"] == 3, ev
+    said = "rank 1 (its last seq 2, all_reduce) never arrived at seq 3 "
+    assert ev["verdict"].startswith(said), ev
+    assert "; desync: rank 1 waited in recv [stacks " in ev["verdict"], ev
     assert ev["verdict"].endswith("while 2 ranks waited in all_reduce"), ev
     (cause,) = wait_until(lambda: restart_causes(d), 30, what="the restart")
     assert cause.startswith("rank 1 (node ") and "; desync: rank 1 waited in recv" in cause, cause

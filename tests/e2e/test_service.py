@@ -82,6 +82,8 @@ def test_stacks_shows_every_workers_threads_and_the_job_goes_on(daemons, tmp_pat
     assert all('faulty.py", line' in sec and "in main" in sec for sec in sections), (
         r.stdout
     )  # where each is now
+    # and each rank's collectives, from torch's Flight Recorder (daemon/collective_seq.py)
+    assert all(re.search(r"^collectives: default_pg: ", sec, re.M) for sec in sections), r.stdout
     with ThreadPoolExecutor(8) as pool:  # asked at once: one dump answers them together
         replies = list(
             pool.map(

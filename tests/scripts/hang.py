@@ -1,5 +1,6 @@
-"""Hang injection for tests: `--mode loop|deadlock|sleep|stuck` at `--at` step on rank `--rank`
-(stuck: the rank sleeps in `read_batch` while the others wait in all_reduce); `--jitter
+"""Hang injection for tests: `--mode loop|deadlock|sleep|stuck|desync` at `--at` step on rank
+`--rank` (stuck: the rank sleeps in `read_batch` while the others wait in all_reduce; desync: it
+calls all_gather where the others call all_reduce); `--jitter
 MEDIAN,SIGMA` adds a log-normal sleep to every step of every rank.
 
 Trains a tiny model with a real optimizer (so elasticd's automatic heartbeat sees every step) and
@@ -23,7 +24,9 @@ def read_batch():
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--mode", choices=["none", "loop", "deadlock", "sleep", "stuck"], default="none")
+    p.add_argument(
+        "--mode", choices=["none", "loop", "deadlock", "sleep", "stuck", "desync"], default="none"
+    )
     p.add_argument("--at", type=int, default=3)
     p.add_argument("--rank", type=int, default=1)
     p.add_argument("--step-time", type=float, default=0.05)
@@ -61,6 +64,9 @@ def main():
         if armed and step == args.at and args.mode == "deadlock":
             print(f"rank {rank} skips the all_reduce and waits for a message", flush=True)
             dist.recv(t, src=0)
+        elif armed and step == args.at and args.mode == "desync":
+            print(f"rank {rank} calls all_gather where the others call all_reduce", flush=True)
+            dist.all_gather([torch.zeros(1) for _ in range(dist.get_world_size())], t)
         else:
             dist.all_reduce(t)
         print(f"step {step}", flush=True)

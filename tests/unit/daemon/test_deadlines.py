@@ -4,6 +4,7 @@ steps as the loop observes them without one false alarm; stopped, busy and idle 
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -96,14 +97,18 @@ def test_idle_and_busy_by_the_cpu_time_of_the_silence_latest_part():
     assert not _watched(0, state="D").idle(10, 102.9, 2.0)  # in a disk's I/O
 
 
-def _judge(s: suspicion.Suspicion, texts: dict[int, str], other_cpu: int = 0):
+def _judge(
+    s: suspicion.Suspicion, texts: dict[int, str], other_cpu: int = 0, seqs: dict | None = None
+):
     """Rank 1 (pid 10, as `s` sampled it) and rank 0 (pid 11: waiting, idle unless `other_cpu`)
     silent past the deadline, their stacks `texts`: the verdict and what the event said."""
     said = []
     silent = [suspicion.Silent(1, 10, 100.5, 42), suspicion.Silent(0, 11, 100.52, 42)]
     for i in range(30):
         s.sample(11, 100.0 + i * 0.1, ("S", 500 + i * other_cpu))
-    rows = [{"rank": r, "text": t} for r, t in texts.items()]
+    rows = [
+        {"rank": r, "text": t, "collectives": (seqs or {}).get(r, "")} for r, t in texts.items()
+    ]
     verdict = s.judge(
         silent, 102.9, lambda: rows, lambda first, why, basis: said.append(why), "deadline 1s"
     )
@@ -130,3 +135,29 @@ def test_a_busy_rank_and_ranks_all_in_one_collective_are_left_alone_and_looked_a
     assert not s.due(first, 104.0) and s.due(first, 105.5)  # the silence doubled (2.4 s -> 4.8)
     verdict, said = _judge(_watched(0), {0: ALL_REDUCE, 1: ALL_REDUCE})
     assert verdict is None and said[0].startswith("not a hang by the stacks: every rank waited")
+
+
+def _seq(enqueued: int, completed: int, op: str = "all_reduce") -> str:
+    """A rank's collectives in the default group, compact (collective_seq.compact)."""
+    ops = [[seq, "all_reduce" if seq < enqueued else op, "[[1]]", "Float"] for seq in (41, 42)]
+    return json.dumps([["0", "default_pg", enqueued, completed, ops[: enqueued - 40]]])
+
+
+def test_the_collectives_name_an_idle_rank_behind_and_a_desync_before_the_stacks():
+    # rank 1 sleeps, last seq 41, while rank 0 waits in seq 42: never arrived
+    verdict, _ = _judge(
+        _watched(0), {0: BACKWARD, 1: SLEEP}, seqs={0: _seq(42, 41), 1: _seq(41, 41)}
+    )
+    assert verdict.rank == 1 and verdict.why.startswith("idle; rank 1 (its last seq 41"), verdict
+    # rank 1 in all_gather at seq 42, rank 0 in all_reduce: a desync, though both wait
+    seqs = {0: _seq(42, 41), 1: _seq(42, 41, "all_gather")}
+    verdict, _ = _judge(_watched(0), {0: ALL_REDUCE, 1: ALL_REDUCE}, seqs=seqs)
+    assert verdict.why.startswith("idle; desync at seq 42: rank 0 called all_reduce"), verdict
+
+
+def test_a_rank_behind_that_computes_is_a_straggler_left_alone():
+    verdict, said = _judge(
+        _watched(10), {0: BACKWARD, 1: SLEEP}, seqs={0: _seq(42, 41), 1: _seq(41, 41)}
+    )
+    assert verdict is None and said[0].startswith("busy: rank 1 (its last seq 41"), said
+    assert said[0].endswith("it uses the CPU (a straggler?)"), said

@@ -1,0 +1,48 @@
+"""One rank of bench/detection.py --overhead: OPS gloo all_reduces of a SIZE-float tensor, timed,
+with torch's Flight Recorder as the environment leaves it (on by default; TORCH_FR_BUFFER_SIZE=0
+off); rank 0 prints the time per op and what answering the daemon's ask costs (worker/flight.py's
+dump of the recorder's ring).
+
+    python bench/flight_cost.py RANK WORLD PORT OPS SIZE
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from elasticd.worker import flight
+
+
+def main() -> None:
+    rank, world, port, ops, size = (int(a) for a in sys.argv[1:6])
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    t = torch.ones(size)
+    for _ in range(200):  # warm-up
+        dist.all_reduce(t)
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(ops):
+        dist.all_reduce(t)
+    took = time.perf_counter() - t0
+    dist.barrier()
+    if rank == 0:
+        recorders = flight.recorders()
+        d0 = time.perf_counter()
+        text = flight.dump(recorders)
+        dumped = time.perf_counter() - d0
+        entries = len(json.loads(text).get("entries", []))
+        got = {"us_per_op": took / ops * 1e6, "dump_ms": dumped * 1e3, "entries": entries}
+        print(json.dumps(got), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
