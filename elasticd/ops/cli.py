@@ -15,7 +15,8 @@ Exit codes:
      not requeue
   7  run: this node is quarantined (too many health check or hardware failures): it did not
      start, or it left the job; node status: it is quarantined (`elasticd node clear` ends it)
-replay: 0 the failure reproduced, 1 it did not, 2 the bundle refused (damaged, another version's)
+replay: 0 the failure reproduced, 1 it did not (the step completed), 2 the bundle refused (damaged,
+     another version's), 3 undecided (another error, the samples differ, the time ran out)
 141  status/stop/stacks: the reader of the output went away (`elasticd status | head`): quiet, as
      git (128 + SIGPIPE, what a shell shows for a command a closed pipe ended)
 
@@ -45,7 +46,7 @@ EPILOG = """exit codes: 0 success (status: running), 1 job failed, 2 bad input (
 5 this node's health check failed (run: it did not start, or left the job),
 6 deterministic failure: the same failure at the same step again (run; do not requeue),
 7 this node is quarantined (run, node status; `elasticd node clear` ends it),
-replay: 0 reproduced, 1 not reproduced, 2 bundle refused,
+replay: 0 reproduced, 1 not reproduced, 2 bundle refused, 3 undecided,
 141 the output's reader went away (status | head)"""
 
 
@@ -171,8 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
         "under `elasticd run --ledger`, leaves rankR.repro beside its error file: the certified "
         "state before the failed step, the ledger's samples since, its RNG, what ran. This runs "
         "that step again as a world of one and says whether the same error comes back (exit "
-        "0), or not (1: the step completed, with its state's digest, or another error); a "
-        "damaged bundle or another version's is refused in one line (2). See docs/replay.md.",
+        "0), or not (1: the step completed, with its state's digest); a damaged bundle or "
+        "another version's is refused in one line (2); 3: undecided (another error, samples "
+        "that differ from the ledger's, the time ran out). See docs/replay.md.",
     )
     rp.add_argument("bundle", metavar="BUNDLE", help="a rankR.repro file")
     rp.add_argument(

@@ -10,8 +10,9 @@ the error's signature (lifecycle/triage.py: type, message with numbers masked, t
 of the user's code), never the raw text, and checks the replay's samples against the bundle's
 ledger record.
 
-Exit: 0 reproduced (the same failure at the same step); 1 not reproduced (the step completed, a
-different error, the script ended first, the samples differ, the time ran out); 2 refused.
+Exit: 0 reproduced (the same failure at the same step); 1 not reproduced (the step completed: a
+transient, for the daemon, daemon/replay_verdict.py); 2 refused (the bundle); 3 undecided (another
+error, the script ended first, the samples differ from the ledger's, the time ran out).
 
 Faithful only where the certified state is the failed step's own pre-step state: every step
 replayed before it runs at a world of one, its gradient this rank's alone (docs/replay.md).
@@ -33,7 +34,7 @@ from typing import Any
 from elasticd import ledger, names, repro
 from elasticd.lifecycle import triage
 
-REFUSED, REPRODUCED, NOT_REPRODUCED = 2, 0, 1
+REPRODUCED, NOT_REPRODUCED, REFUSED, UNDECIDED = 0, 1, 2, 3
 
 
 def _port() -> int:
@@ -85,7 +86,7 @@ def run(bundle: str, timeout: float) -> int:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-            return _say(head, NOT_REPRODUCED, f"not finished in {timeout:g} s (--timeout)")
+            return _say(head, UNDECIDED, f"undecided: not finished in {timeout:g} s (--timeout)")
         got = _read(result)
         code, text = judge(head, got, _samples(ledger_dir))
     return _say(head, code, text)
@@ -114,9 +115,9 @@ def judge(head: dict[str, Any], got: dict[str, Any], seen: dict[int, list[int]])
     wanted = {int(s): v for s, v in (head.get("samples") or {}).items()}
     for step, indices in sorted(wanted.items()):
         if seen.get(step) != indices:
-            return NOT_REPRODUCED, (
-                f"not a replay of the failed step: step {step}'s samples differ from the "
-                "ledger's (the script deals its own, not through elasticd.sampler's state?)"
+            return UNDECIDED, (
+                f"undecided: not a replay of the failed step: step {step}'s samples differ from "
+                "the ledger's (the script deals its own, not through elasticd.sampler's state?)"
             )
     outcome = got.get("outcome")
     if outcome == "refused":
@@ -132,13 +133,13 @@ def judge(head: dict[str, Any], got: dict[str, Any], seen: dict[int, list[int]])
         now = triage.signature(None, got.get("exception"), got.get("callstack"))
         if before == now:
             return REPRODUCED, f"reproduced at step {failed}: {_short(got.get('exception'))}"
-        return NOT_REPRODUCED, f"did not reproduce: another error: {_short(got.get('exception'))}"
+        return UNDECIDED, f"undecided: another error: {_short(got.get('exception'))}"
     if outcome == "ended":
-        return NOT_REPRODUCED, (
-            f"did not reproduce: the script ended (exit {got.get('code')}) before step {failed} "
+        return UNDECIDED, (
+            f"undecided: the script ended (exit {got.get('code')}) before step {failed} "
             "completed (does it call CheckpointManager.maybe_save every step?)"
         )
-    return NOT_REPRODUCED, "did not reproduce: the replay process died without a result"
+    return UNDECIDED, "undecided: the replay process died without a result"
 
 
 def _short(text: Any) -> str:
