@@ -80,17 +80,17 @@ def _on_failure(exc: BaseException) -> None:
 
 def write(mgr: Any, exc: BaseException, path: str) -> str:
     """Write the bundle of `exc` at `path`; "" when written, else why not."""
-    own = ledger.own_file()
-    if not ledger.enabled() or own is None:
+    if not ledger.enabled():
         return "the ledger is off (elasticd run --ledger): the step's samples would be unverified"
     failed = (mgr._boundary if mgr._boundary is not None else (mgr._last_step or 0)) + 1
     got = certified(mgr, failed - 1)
     if isinstance(got, str):
         return got
     state, step, source = got
+    own = ledger.own_file()  # None: nothing recorded yet (a script that deals its own batches)
     samples = {
         str(s): [i for indices, _ in rec for i in indices]
-        for s, rec in ledger.read(own).steps.items()
+        for s, rec in (ledger.read(own).steps.items() if own is not None else ())
         if step < s < failed
     }
     buf = io.BytesIO()

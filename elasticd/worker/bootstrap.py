@@ -48,6 +48,10 @@ from typing import Any
 from elasticd import names, safeio
 from elasticd.worker import proctitle, threads
 
+if __name__ == "__main__":  # `python -m elasticd.worker.bootstrap` (a cold start): one module,
+    # whatever later imports it by name (the checkpoint library's FAILURE_HOOKS are this one's)
+    sys.modules.setdefault("elasticd.worker.bootstrap", sys.modules[__name__])
+
 _PR_SET_PDEATHSIG = 1
 
 

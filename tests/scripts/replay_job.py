@@ -4,6 +4,7 @@ CheckpointManager every step) with a failure for `elasticd replay` to judge
 
 --bad-sample N: a data bug. The step whose batch holds sample N raises, on whichever rank was
 dealt it, from the data alone: a replay of that step reproduces it.
+--bug-at S: a bug in the code: every rank raises at step S.
 --flaky-rank R --flaky-step S: a transient. Rank R raises at step S in the job's first attempt
 only (TORCHELASTIC_RESTART_COUNT 0, a world above one): a replay does not reproduce it.
 """
@@ -25,6 +26,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--bad-sample", type=int, default=-1)
+    p.add_argument("--bug-at", type=int, default=-1)
     p.add_argument("--flaky-rank", type=int, default=-1)
     p.add_argument("--flaky-step", type=int, default=-1)
     args = p.parse_args()
@@ -50,6 +52,8 @@ def main():
             if args.bad_sample in index.tolist():
                 bad = args.bad_sample
                 raise ValueError(f"sample {bad} has a malformed label at step {step + 1}")
+            if step + 1 == args.bug_at:
+                raise KeyError(f"no schedule for step {step + 1}")
             if flaky and step + 1 == args.flaky_step:
                 raise ConnectionError(f"a flaky read of the dataset at step {step + 1}")
             opt.zero_grad()
