@@ -46,7 +46,7 @@ def kept_env(env: dict[str, str] | os._Environ) -> dict[str, str]:
     return {k: v for k, v in env.items() if not _DROPPED.search(k)}
 
 
-def write(path: str | os.PathLike, header: dict[str, Any], payload: bytes) -> None:
+def write(path: str | os.PathLike, header: dict[str, Any], payload: bytes | memoryview) -> None:
     """Write the bundle at `path` (created new, never through a link; atomic by rename)."""
     head = dict(header)
     head.update(

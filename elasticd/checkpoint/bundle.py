@@ -113,7 +113,7 @@ def write(mgr: Any, exc: BaseException, path: str) -> str:
         "samples": samples,
         "error": {"exception": f"{type(exc).__name__}: {exc}", "callstack": tb},
     }
-    repro.write(path, header, buf.getvalue())
+    repro.write(path, header, buf.getbuffer())  # no copy of the state
     return ""
 
 
