@@ -29,6 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from elasticd import repro
+from elasticd.lifecycle import triage
 from elasticd.lifecycle.states import Failure, RestartCause
 from elasticd.lifecycle.triage import FailureClass
 
@@ -37,13 +38,15 @@ SLACK = 10.0  # seconds past the replay's own --timeout before the daemon kills 
 
 
 def bundle_of(why: Failure, attempt_dir: Path | None) -> Path | None:
-    """The failed rank's bundle, where its failure is an exception of the user's code."""
+    """The failed rank's bundle, where its failure is an exception of the user's code (not a
+    death of another rank's going: on another node, its own replay would only delay its join)."""
     if (
         attempt_dir is None
         or why.kind is not RestartCause.CRASH
         or why.failure_class != FailureClass.USER.value
         or why.rank is None
         or not why.exception
+        or triage.consequence(why.exception)  # died of another's going: its step replays clean
     ):
         return None
     path = attempt_dir / f"rank{why.rank}{repro.SUFFIX}"

@@ -9,6 +9,7 @@ either changes a scenario's path or goes missing from the set."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -329,10 +330,13 @@ def test_a_failure_with_a_bundle_is_replayed_and_its_verdict_amends_the_request(
     assert ("elasticd replay: reproduced" in said) == bool(verdict), said
 
 
-def test_no_replay_when_it_is_off(tmp_path):
+@pytest.mark.parametrize("off", ["timeout 0", "a death of another's going"])
+def test_no_replay_when_it_is_off_or_the_failure_is_a_consequence(tmp_path, off):
     attempt, why = _bundle(tmp_path, "bad sample 7")
+    if off != "timeout 0":
+        why = dataclasses.replace(why, exception=GLOO_CLOSED)
     s = Script(failures={1: why}, finishes={2}, attempt_dir=attempt)
-    run(tmp_path / "agent", s, replay_timeout=0)
+    run(tmp_path / "agent", s, replay_timeout=0 if off == "timeout 0" else 120)
     assert not [c for c in s.calls if c[0] == "amend_restart"]
     assert not (attempt / "rank0.replay.log").exists()
 
