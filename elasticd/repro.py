@@ -82,6 +82,12 @@ def read_header(path: str | os.PathLike) -> tuple[dict[str, Any], int]:
             while chunk := f.read(1 << 20):
                 digest.update(chunk)
                 n += len(chunk)
+    except FileNotFoundError:
+        raise BundleError(
+            f"{p}: no such file (a bundle is written only under --ledger, by a script using "
+            "CheckpointManager, once a state was kept: the rank's repro_bundle_skipped line "
+            "says why not)"
+        ) from None
     except OSError as e:
         raise BundleError(f"{p}: cannot read it: {e.strerror}") from None
     if n != head.get("payload_bytes") or digest.hexdigest() != head.get("payload_sha256"):
