@@ -76,6 +76,17 @@ def _grace(text: str) -> float:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _seconds(text: str) -> float:
+    """A positive, finite number of seconds (`replay --timeout`)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
+    return value
+
+
 _RDZV_ID_HELP = (
     "the job (its --rdzv-id) whose daemon is meant, where several run here (default: every "
     "daemon found, as `status` lists them)"
@@ -179,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("bundle", metavar="BUNDLE", help="a rankR.repro file")
     rp.add_argument(
         "--timeout",
-        type=float,
+        type=_seconds,
         default=600.0,
         metavar="SECONDS",
         help="give up on the replay after this long (default 600)",

@@ -76,3 +76,10 @@ def test_a_bad_bundle_is_refused_in_one_line(tmp_path):
         lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
         assert len(lines) == 1 and lines[0].startswith("elasticd replay: refused: "), r.stderr
         assert r.stdout == ""
+
+
+@pytest.mark.parametrize("timeout", ["0", "-1", "nan", "inf", "soon"])
+def test_a_timeout_that_is_no_number_of_seconds_is_bad_input(timeout):
+    r = run_cli("replay", "x.repro", "--timeout", timeout, timeout=60)
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and "number of seconds" in lines[0], r.stderr
