@@ -82,3 +82,12 @@ def test_no_bundle_without_the_ledger_or_a_kept_state_and_the_repeat_rule_judges
         assert len(skipped) in (1, 2) and all(why in ln for ln in skipped), d.stdout()[-3000:]
         assert not list(d.attempt_dirs()[0].glob("*.repro"))
         assert not _events(d, "replay_verdict") and not _events(d, "replay_undecided")
+
+
+def test_without_the_in_memory_state_the_bundle_takes_the_disk_checkpoint(daemons, tmp_path):
+    flags = ("--ledger", "--no-memory-state", "--checkpoint-dir", str(tmp_path / "ckpt"))
+    d = _job(daemons, "disk", *flags, args=(*BAD_SAMPLE, "--every", "2"))
+    assert d.wait(180) == exit_codes.ExitCode.DETERMINISTIC, d.stderr()[-3000:]
+    (verdict,) = _events(d, "replay_verdict")
+    assert verdict["verdict"] == "reproduced", verdict
+    assert "(disk)" in verdict["said"] and "rank 1 of 2" in verdict["said"], verdict

@@ -27,6 +27,7 @@ def main():
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--bad-sample", type=int, default=-1)
     p.add_argument("--bug-at", type=int, default=-1)
+    p.add_argument("--every", type=int, default=1000, help="disk checkpoints' cadence")
     p.add_argument("--flaky-rank", type=int, default=-1)
     p.add_argument("--flaky-step", type=int, default=-1)
     args = p.parse_args()
@@ -38,7 +39,7 @@ def main():
     net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.1), torch.nn.Linear(16, 1))
     model = DDP(net)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    mgr = CheckpointManager(every_steps=1000, memory_every=1)
+    mgr = CheckpointManager(every_steps=args.every, memory_every=1)
     state = mgr.load_latest()
     step = restore(state, model=model, optimizer=opt, sampler=sampler)["step"] if state else 0
     flaky = (
