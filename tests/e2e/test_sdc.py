@@ -62,6 +62,22 @@ def test_a_one_off_flip_is_found_rolled_back_and_ends_bit_identical(daemons, tmp
     assert same, first_difference(str(clean_out), str(faulty_out), nproc)
 
 
+def test_a_flip_in_a_sharded_state_goes_unseen_the_audit_is_off_for_fsdp2(daemons, tmp_path):
+    """The known gap (issue 44, point 4, docs/checkpoints.md): FSDP2's shards have no replica
+    within a step, so the audit is off for them, said once; a flip in rank 1's shard ends the job
+    with exit 0 and a final state that differs from the fault-free run's. When a sharded audit is
+    built, this test is the one to turn around."""
+    clean = _job(daemons, tmp_path, "clean", 2, {"sharded": True})
+    faulty = _job(daemons, tmp_path, "faulty", 2, {"sharded": True, "flip_at": FLIP_AT})
+    for d in (clean, faulty):
+        assert d.wait(180) == 0, d.stderr()[-3000:]
+    assert (tmp_path / "faulty.out.flipped").read_text() == "flip\n"
+    assert not _events(faulty, "sdc_suspected")
+    off = [ln for ln in faulty.stdout().splitlines() if "sdc_audit_off" in ln]
+    assert len(off) == 1 and "sharded" in off[0], faulty.stdout()[-2000:]
+    assert (tmp_path / "clean.out").read_text() != (tmp_path / "faulty.out").read_text()
+
+
 def test_a_persistent_flip_quarantines_the_node(daemons, tmp_path):
     faulty = _job(daemons, tmp_path, "faulty", 3, {"flip_at": FLIP_AT, "flip_persistent": True})
     assert faulty.wait(120) == exit_codes.ExitCode.QUARANTINED, faulty.stderr()[-3000:]
