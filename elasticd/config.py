@@ -252,6 +252,13 @@ class Config:
         "same step) before the job stops as deterministic with exit code 6 (default {default}; 0: "
         "never)",
     )
+    replay_timeout: float = _setting(
+        120.0,
+        "after a worker's exception, how long its repro bundle's replay (elasticd replay, one "
+        "process, on this node) may take to decide: reproduced ends the job as deterministic "
+        "(exit code 6) after one failure, not reproduced restarts it (default {default:g} s; 0: "
+        "no replay, the repeat rule alone)",
+    )
     fatal_exit_codes: tuple[int, ...] = _setting(
         (), "comma-separated worker exit codes that fail the job without restart"
     )

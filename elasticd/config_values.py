@@ -60,6 +60,7 @@ _RANGES: dict[str, tuple[float, float, bool]] = {
             "restart_backoff_max",
             "last_call_timeout",
             "health_check_interval",
+            "replay_timeout",
         )
     },
     "health_check_timeout": (0.0, MAX_SECONDS, False),

@@ -61,6 +61,7 @@ class Writer:
     def __init__(self, directory: str):
         self.directory = directory
         self.fd: int | None = None
+        self.path: Path | None = None  # the file, once created (a repro bundle reads it back)
         self.started = False  # a resumed record written (the first step record writes one)
 
     def _open(self) -> int:
@@ -72,6 +73,7 @@ class Writer:
             except FileExistsError:  # a second process of this rank in one directory
                 path = path.with_name(f"rank{rank}-{os.getpid()}{SUFFIX}")
                 self.fd = safeio.create(path, os.O_WRONLY | os.O_APPEND)
+            self.path = path
             header = json.dumps(
                 {
                     "rank": int(rank),
@@ -118,6 +120,12 @@ def _get() -> Writer | None:
 
 def enabled() -> bool:
     return _get() is not None
+
+
+def own_file() -> Path | None:
+    """This process's ledger file, once it wrote one (elasticd.checkpoint.bundle reads it)."""
+    w = _get()
+    return w.path if w is not None else None
 
 
 def resumed(step: int) -> None:

@@ -40,6 +40,12 @@ LEDGER_DIR = "ELASTICD_LEDGER_DIR"
 # set for every worker of a job on the in-place path (daemon/inplace.py): the generation of the
 # group it joins, 0 at an attempt's start, N for a spare that replaces a failed rank in place
 IN_PLACE_GEN = "ELASTICD_IN_PLACE_GEN"
+# set by `elasticd replay` in the one process that re-runs a failed step
+# (elasticd.checkpoint.bundle): the bundle, the rank and world it stands for ("R/W": the sampler
+# deals that rank's samples), and the file where the replay leaves its result for the CLI
+REPLAY = "ELASTICD_REPLAY"
+REPLAY_AS = "ELASTICD_REPLAY_AS"
+REPLAY_RESULT = "ELASTICD_REPLAY_RESULT"
 WARM_PRELOAD = "ELASTICD_WARM_PRELOAD"  # modules a warm spare or the fork server imports ahead
 SOCKET = (
     "ELASTICD_SOCKET"  # the control socket, for the CLI and the daemon (also the `socket` setting)

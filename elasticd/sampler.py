@@ -54,7 +54,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data.distributed import DistributedSampler
 
-from elasticd import ledger
+from elasticd import ledger, names
 
 __all__ = ["ResumableDistributedSampler", "STATE_FORMAT"]
 
@@ -63,7 +63,12 @@ STATE_FORMAT = 2  # 2: carry, fresh_world and step added (a format-1 state reads
 
 def _world_and_rank(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
     """From the arguments, else torch.distributed when initialized, else torchrun's env, else
-    1/0."""
+    1/0. In `elasticd replay` (names.REPLAY_AS, "R/W"), the failed rank's: its samples."""
+    replay_as = os.environ.get(names.REPLAY_AS, "")
+    if replay_as:
+        as_rank, as_world = map(int, replay_as.split("/"))
+        num_replicas = as_world if num_replicas is None else num_replicas
+        rank = as_rank if rank is None else rank
     initialized = dist.is_available() and dist.is_initialized()
     if num_replicas is None:
         num_replicas = (

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from elasticd import names
-from elasticd.checkpoint import audit, sharded, stop
+from elasticd.checkpoint import audit, bundle, sharded, stop
 from elasticd.checkpoint.collectives import cpu_group, dist_on, rank, world
 from elasticd.checkpoint.disk import files, shard_files
 from elasticd.checkpoint.disk.format import (
@@ -136,6 +136,8 @@ class CheckpointManager:
         self._signals = stop.install_sigterm_handler(stop_timeout) if handle_sigterm else False
         self._memory = MemoryState(memory_dir, memory_every, memory_budget, memory_overlap)
         self._audit = audit.Auditor(audit_replicas)
+        self._boundary: int | None = None  # the last maybe_save's step (a repro bundle's)
+        bundle.arm(self)
 
     @property
     def memory_every(self) -> int:
@@ -157,7 +159,9 @@ class CheckpointManager:
         least as new as the newest disk checkpoint (at this world size or another: ranks whose
         node lacks it receive it from one that holds it; see memory/state.py: choose), else the
         module function's disk checkpoint. Records the entry in `self.loaded` (its file is
-        "memory:..." for in-memory state)."""
+        "memory:..." for in-memory state; "replay:..." in `elasticd replay`)."""
+        if bundle.replaying():
+            return self._took(bundle.replay_state())
         got = self._memory.load(self.directory, self._took) if self._memory.wanted else None
         if got is None:
             got = files.load_latest_entry(self.directory)
@@ -175,14 +179,14 @@ class CheckpointManager:
         if self.loaded.step is not None:
             path = (
                 self.loaded.file
-                if self.loaded.file.startswith("memory:")
+                if self.loaded.file.startswith(("memory:", "replay:"))
                 else os.path.join(self.directory, self.loaded.file)
             )
             log.info(
                 "checkpoint_loaded",
                 path=path,
                 step=self.loaded.step,
-                source="memory" if path.startswith("memory:") else "disk",
+                source=path.split(":", 1)[0] if path.startswith(("memory:", "replay:")) else "disk",
             )
         return state
 
@@ -193,6 +197,8 @@ class CheckpointManager:
         `state` is a callable around capture()). Returns the stall in seconds. A full or missing
         tmpfs, or a state it cannot hold, turns in-memory state off with one warning; disk
         checkpoints go on."""
+        if bundle.replaying():
+            return 0.0
         return self._memory.refresh(step, state, self._audit)
 
     @property
@@ -234,6 +240,8 @@ class CheckpointManager:
         """Checkpoint `state` (or what the callable returns: it is called on every rank, so
         capture() may be passed) as `step`. Returns the stall in seconds. epoch/position default
         to the sampler's state inside `state`."""
+        if bundle.replaying():
+            return 0.0  # a replay keeps nothing
         t0 = time.perf_counter()
         self._join()
         state = self._captured(step, state)
@@ -420,6 +428,10 @@ class CheckpointManager:
         """Save if `step` is a multiple of every_steps, every_seconds have passed, or a stop was
         requested (then once: the final save). Call it on every rank at every step boundary.
         The in-memory state is refreshed every `memory_every` steps (see cadence.Cadence)."""
+        self._boundary = step
+        if bundle.replaying():
+            bundle.boundary(step, state)  # past the failed step: ends the replay
+            return False
         cadence = self._memory.cadence
         writer = _figures()
         if writer is not None:

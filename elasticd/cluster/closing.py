@@ -52,6 +52,8 @@ def close_round(rz: Rendezvous, number: int, deadline: float) -> dict:
         d = decide(records, expected, gone, lost, reached_min, now, deadline, limits, spends)
         reached_min = d.reached_min
         if d.close:
+            if spends:  # read again: a replay's verdict may have replaced it since (states.py)
+                reason = _restart_request(rz, number) or reason
             found = _write_members(rz, key, _verdict(rz, number, d, reason))
             if found is not None:
                 return found
@@ -88,9 +90,15 @@ def _repeats(rz: Rendezvous, number: int, reason: dict) -> dict:
     prev_key = rz.round_key(number - 1, names.MEMBERS)
     prev = rz.open(prev_key, rz.kv.get(prev_key), values.members) if number > 0 else None
     previous = (prev["sig"], prev["repeats"]) if prev and prev["sig"] else None
-    count, deterministic = triage.repeats(previous, sig, rz.cfg.deterministic_retries)
+    reproduced = reason.get("replayed") == "reproduced"
+    count, deterministic = triage.repeats(previous, sig, rz.cfg.deterministic_retries, reproduced)
     record: dict = {"sig": sig if count else "", "repeats": count, "deterministic": deterministic}
-    if deterministic:
+    if deterministic and reproduced and count <= rz.cfg.deterministic_retries:
+        record["failed"] = (
+            f"deterministic failure: its replay from the repro bundle, in one process, failed "
+            f"the same way ({sig}); not restarted: {reason.get('summary', '?')}"
+        )[: values.MAX_REASON]
+    elif deterministic:
         # rounds number - count .. number - 1 ended in it: attempts number - count + 1 .. number
         first, last = number - count + 1, number
         span = f"{first} and {last}" if count == 2 else f"{first} to {last}"
@@ -129,14 +137,19 @@ def _write_members(rz: Rendezvous, key: str, value: str) -> dict | None:
     return None  # it changed under us each time: look again at the next poll
 
 
+def _restart_request(rz: Rendezvous, number: int) -> dict | None:
+    """The restart request that ended round `number` - 1, as it is now."""
+    restart = rz.round_key(number - 1, names.RESTART)
+    return rz.open(restart, rz.kv.get(restart), values.reason)
+
+
 def expected_nodes(rz: Rendezvous, number: int) -> tuple[set[str] | None, set[str], dict]:
     """Whom a restarted round waits for: the previous round's members (as that round's closing
     wrote them) but those its restart request named lost, plus the nodes that were waiting to
     join; the lost; and the restart request. (None, {}, {}) for a first round."""
     if number == 0:
         return None, set(), {}
-    restart = rz.round_key(number - 1, names.RESTART)
-    reason = rz.open(restart, rz.kv.get(restart), values.reason) or {}
+    reason = _restart_request(rz, number) or {}
     prev = rz.round_key(number - 1, names.MEMBERS)
     closed = rz.open(prev, rz.kv.get(prev), values.members)
     if closed is not None:

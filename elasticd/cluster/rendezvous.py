@@ -272,6 +272,17 @@ class Rendezvous:
         self.kv.set(key, sealed)
         return True
 
+    def amend_restart(self, rnd: Round, ours: dict, amended: dict) -> bool:
+        """Put `amended` in place of our restart request `ours` (a replay's verdict added,
+        daemon/replay_verdict.py), where ours still stands: never over another node's."""
+        key = self.restart_key(rnd)
+        raw = self.kv.get(key)
+        there = self.open(key, raw, values.reason)
+        same = ("at", "rank", "node")
+        if there is None or any(there.get(k) != ours.get(k) for k in same):
+            return False
+        return self.kv.compare_set(key, raw, self.seal(key, json.dumps(amended)))
+
     def restart_key(self, rnd: Round) -> str:
         return self.round_key(rnd.number, names.RESTART)
 

@@ -190,7 +190,7 @@ def reason(text: str) -> dict | None:
         isinstance(value.get(k, False), bool) for k in ("scale", "spends")
     ):
         return None
-    if not _first_fields(value):
+    if not _first_fields(value) or value.get("replayed", "") not in ("", "reproduced", "transient"):
         return None
     for name in ("lost", "waiting"):
         ids = value.get(name, [])

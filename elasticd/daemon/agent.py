@@ -38,7 +38,7 @@ from elasticd.cluster.rendezvous import Rendezvous
 from elasticd.cluster.rounds import Round
 from elasticd.cluster.timing import LOST_SILENCE
 from elasticd.config import Config
-from elasticd.daemon import hangs, inplace, processes, sdc
+from elasticd.daemon import hangs, inplace, processes, replay_verdict, sdc
 from elasticd.daemon.group import LocalGroup
 from elasticd.daemon.healthcheck import HealthCheck
 from elasticd.daemon.inbox import Inbox, StopRequest, Stops
@@ -498,6 +498,8 @@ class Agent:
         broken = why.kind is not RestartCause.SCALE
         self._teardown(self.cfg.crash_grace if broken else self.cfg.restart_grace, abandon=broken)
         self.recovery.mark("torn_down")
+        if reason is not None and isinstance(why, Failure):
+            why = self._replayed(why, reason)
         # before the next start: runs beside the backoff and the rendezvous
         self.health_check.begin()
         if why.kind is RestartCause.CRASH and why.exit_code in self.cfg.fatal_exit_codes:
@@ -517,6 +519,27 @@ class Agent:
             self.waits.idle(time.monotonic() + delay, lambda: self.stop_request is not None)
         self.set_state(State.RENDEZVOUS)
         return None
+
+    def _replayed(self, why: Failure, reason: dict[str, Any]) -> Failure:
+        """The failure with its replay's verdict (daemon/replay_verdict.py), where the failed
+        rank left a repro bundle; the restart request amended to carry it to the closing."""
+        spec = self.group.spec
+        path = replay_verdict.bundle_of(why, spec.attempt_dir if spec is not None else None)
+        if path is None or self.cfg.replay_timeout <= 0 or self.round is None:
+            return why
+        why = replay_verdict.judge(
+            why,
+            path,
+            self.cfg.replay_timeout,
+            lambda until, done: self.waits.idle(until, done),
+            self.event,
+        )
+        if why.replayed:
+            self.last_failure = why
+            amended = restart_request(why, self.node)
+            if amended is not None:
+                self.rdzv.amend_restart(self.round, reason, amended)
+        return why
 
     def _first_here(self, why: Failure | Scale) -> Failure | Scale:
         """Told by another node to restart for its failure: a failure of a local rank that came

@@ -191,6 +191,9 @@ class Failure:
     consequences: tuple[str, ...] = ()
     # what the GPU driver reported meanwhile (daemon/driver.py): hardware evidence, a strike
     driver: str = ""
+    # the replay's verdict on it (daemon/replay_verdict.py): "reproduced" (the closing calls it
+    # deterministic at once), "transient", or "" where none ran or it decided nothing
+    replayed: str = ""
 
     def __post_init__(self) -> None:
         if not self.failure_class:
@@ -251,6 +254,8 @@ def restart_request(why: Failure | Scale, node: str) -> dict[str, Any] | None:
         # when it happened and whether it is a consequence's death, so that a request for a
         # failure that came first takes the place of one already there (triage.comes_first)
         first = {"at": why.at, "consequence": triage.consequence(why.exception)}
+        if why.replayed:  # the next closing's repeat rule reads it (triage.repeats)
+            first["replayed"] = why.replayed
         return {**reason, "spends": True, "sig": why.signature, "rank": why.rank, **first}
     if why.kind is RestartCause.SCALE:
         return {**reason, "summary": why.reason, "scale": True, "waiting": list(why.ids)}

@@ -17,7 +17,8 @@ killed, rendezvous, scale, unknown); `classify` takes a worker's exit, error-fil
 evidence, and never makes a failure `hardware` from its error text (the job writes that: a GPU
 fault is the health check's to find). `signature` is the exception type and message with numbers
 masked and the innermost user frame, else the exit code or signal. `repeats` is the
-deterministic-failure rule (`--deterministic-retries`), and judges user, oom and hardware alike.
+deterministic-failure rule (`--deterministic-retries`), and judges user, oom and hardware alike;
+a failure its replay reproduced (daemon/replay_verdict.py) is deterministic the first time.
 """
 
 from __future__ import annotations
@@ -177,17 +178,19 @@ def judged(klass: FailureClass) -> bool:
 
 
 def repeats(
-    previous: tuple[str, int] | None, current: str | None, retries: int
+    previous: tuple[str, int] | None, current: str | None, retries: int, reproduced: bool = False
 ) -> tuple[int, bool]:
     """The repeat rule: (how many consecutive attempts ended in this same failure, whether it is
     deterministic). `previous`: the signature and count the closing before this one recorded, None
     where it recorded none (a node lost, a scale event, a first failure); `current`: this
     failure's key (signature and step), None where the rule does not judge it; `retries`: how many
-    identical repeats are retried (--deterministic-retries; 0: never called deterministic)."""
+    identical repeats are retried (--deterministic-retries; 0: never called deterministic);
+    `reproduced`: a replay of the failed step from its repro bundle gave the same failure
+    (daemon/replay_verdict.py): deterministic at its first time, no second failure needed."""
     if not current:
         return 0, False
     count = previous[1] + 1 if previous is not None and previous[0] == current else 1
-    return count, retries > 0 and count > retries
+    return count, retries > 0 and (count > retries or reproduced)
 
 
 def _signal_of(exit_code: int | None) -> int | None:

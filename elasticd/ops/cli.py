@@ -1,5 +1,5 @@
-"""`elasticd run / status / stop / stacks / node / ledger`: argument parsing, and every error turned
-into an exit code (the commands to a running daemon are in daemon_cli.py).
+"""`elasticd run / status / stop / stacks / node / ledger / replay`: argument parsing, and every
+error turned into an exit code (the commands to a running daemon are in daemon_cli.py).
 
 Exit codes:
   0  run: the job succeeded, or was stopped on request; status: the daemon is running; stop: done;
@@ -15,6 +15,8 @@ Exit codes:
      not requeue
   7  run: this node is quarantined (too many health check or hardware failures): it did not
      start, or it left the job; node status: it is quarantined (`elasticd node clear` ends it)
+replay: 0 the failure reproduced, 1 it did not (the step completed), 2 the bundle refused (damaged,
+     another version's), 3 undecided (another error, the samples differ, the time ran out)
 141  status/stop/stacks: the reader of the output went away (`elasticd status | head`): quiet, as
      git (128 + SIGPIPE, what a shell shows for a command a closed pipe ended)
 
@@ -44,6 +46,7 @@ EPILOG = """exit codes: 0 success (status: running), 1 job failed, 2 bad input (
 5 this node's health check failed (run: it did not start, or left the job),
 6 deterministic failure: the same failure at the same step again (run; do not requeue),
 7 this node is quarantined (run, node status; `elasticd node clear` ends it),
+replay: 0 reproduced, 1 not reproduced, 2 bundle refused, 3 undecided,
 141 the output's reader went away (status | head)"""
 
 
@@ -71,6 +74,17 @@ def _grace(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
     except ConfigError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _seconds(text: str) -> float:
+    """A positive, finite number of seconds (`replay --timeout`)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
+    return value
 
 
 _RDZV_ID_HELP = (
@@ -162,6 +176,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     lg.add_argument("action", choices=("check",))
     lg.add_argument("paths", nargs="+", metavar="DIR", help="log or run directories, or files")
+    rp = sub.add_parser(
+        "replay",
+        help="re-run a failed step from its repro bundle, in one process",
+        description="A worker that died of an exception, in a script using CheckpointManager "
+        "under `elasticd run --ledger`, leaves rankR.repro beside its error file: the certified "
+        "state before the failed step, the ledger's samples since, its RNG, what ran. This runs "
+        "that step again as a world of one and says whether the same error comes back (exit "
+        "0), or not (1: the step completed, with its state's digest); a damaged bundle or "
+        "another version's is refused in one line (2); 3: undecided (another error, samples "
+        "that differ from the ledger's, the time ran out). See docs/replay.md.",
+    )
+    rp.add_argument("bundle", metavar="BUNDLE", help="a rankR.repro file")
+    rp.add_argument(
+        "--timeout",
+        type=_seconds,
+        default=600.0,
+        metavar="SECONDS",
+        help="give up on the replay after this long (default 600)",
+    )
     return p
 
 
@@ -189,6 +222,10 @@ def main(argv: list[str] | None = None) -> int:
         from elasticd.ops import ledger_check
 
         return ledger_check.check(args.paths)
+    if args.command == "replay":
+        from elasticd.ops import replay
+
+        return replay.run(args.bundle, args.timeout)
     from elasticd.ops import daemon_cli
 
     control_command = {

@@ -42,9 +42,15 @@ import sys
 import time
 import traceback
 import types
+from collections.abc import Callable
+from typing import Any
 
 from elasticd import names, safeio
 from elasticd.worker import proctitle, threads
+
+if __name__ == "__main__":  # `python -m elasticd.worker.bootstrap` (a cold start): one module,
+    # whatever later imports it by name (the checkpoint library's FAILURE_HOOKS are this one's)
+    sys.modules.setdefault("elasticd.worker.bootstrap", sys.modules[__name__])
 
 _PR_SET_PDEATHSIG = 1
 
@@ -250,7 +256,15 @@ def entry_path(directory: str) -> None:
         sys.path[0] = directory
 
 
+# what this process runs (a repro bundle records it: elasticd.checkpoint.bundle)
+RUNNING: dict[str, Any] = {}
+# called with an exception the script left uncaught, after its error file is written (the
+# checkpoint library's repro bundle); each must never raise
+FAILURE_HOOKS: list[Callable[[BaseException], None]] = []
+
+
 def run_entrypoint(entrypoint: str, args: list[str]) -> None:
+    RUNNING.update(entrypoint=entrypoint, args=list(args), cwd=os.getcwd())
     if entrypoint.endswith(".py") or os.sep in entrypoint:
         path = os.path.abspath(entrypoint)
         sys.argv = [entrypoint, *args]
@@ -398,6 +412,8 @@ def uncaught(exc: BaseException) -> None:
     would gain the frames of runpy, the fork server and this shim on its way out."""
     exc.__traceback__ = script_traceback(exc.__traceback__)
     write_error_file(exc)
+    for hook in FAILURE_HOOKS:
+        hook(exc)
     sys.last_type, sys.last_value, sys.last_traceback = type(exc), exc, exc.__traceback__
     sys.excepthook(type(exc), exc, exc.__traceback__)
     raise SystemExit(1)

@@ -115,6 +115,7 @@ def _flip(model: nn.Module, marker: str, persistent: bool) -> None:
     with open(marker, "a") as f:
         f.write("flip\n")
     weight = next(model.parameters()).detach()  # the same storage, outside autograd
+    weight = weight.to_local() if hasattr(weight, "to_local") else weight  # a rank's own shard
     weight.view(-1).view(torch.int32)[5] ^= 1 << 12
 
 

@@ -9,14 +9,17 @@ either changes a scenario's path or goes missing from the set."""
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from elasticd import config, names
+from elasticd import config, names, repro
 from elasticd.cluster.errors import BudgetSpent, Deterministic, RendezvousFailed, StoreLost
 from elasticd.cluster.rounds import Member, Round
 from elasticd.daemon import deadlines, preflight
@@ -57,6 +60,7 @@ class Script:
     checks: list[bool] = field(default_factory=list)  # health checks' outcomes (on when given)
     # what the peers' check finds once asked about a local death of a closed connection
     behind: Failure | None = None
+    attempt_dir: Path | None = None  # where the group's ranks leave their files (a repro bundle)
     agent: Agent | None = None
     calls: list[tuple] = field(default_factory=list)  # what the fakes were asked, in order
 
@@ -88,6 +92,10 @@ class FakeRendezvous:
 
     def request_restart(self, rnd: Round, reason: dict) -> None:
         self.s.calls.append(("request_restart", reason))
+
+    def amend_restart(self, rnd: Round, ours: dict, amended: dict) -> bool:
+        self.s.calls.append(("amend_restart", amended))
+        return True
 
     def exit_barrier(self, rnd: Round, timeout: float) -> bool:
         self.s.calls.append(("exit_barrier",))
@@ -130,6 +138,8 @@ class FakeGroup:
         self.workers: list = []
         self.attempt = 0
         self.deadline = deadlines.Deadline(300.0, False)
+        dirs = script.attempt_dir
+        self.spec = SimpleNamespace(attempt_dir=dirs) if dirs is not None else None
 
     def start(self, rnd: Round, restart_count: int, memory_dir, spares) -> None:
         self.attempt += 1
@@ -281,6 +291,54 @@ def test_a_crash_restarts_the_group_and_spends_the_budget(tmp_path):
     assert len(asked) == 1 and asked[0]["spends"] is True
     assert ("teardown", 1, True) in s.calls and ("start", 2, 1) in s.calls  # restart count 1
     assert agent.first_failure is not None and agent.first_failure.exit_code == 1
+
+
+def _bundle(tmp_path: Path, raises: str) -> tuple[Path, Failure]:
+    """An attempt directory whose rank 0 left a repro bundle of a script that raises `raises`
+    (no torch: the replay runs the script, which fails before any state is asked for)."""
+    attempt, bug = tmp_path / "attempt", tmp_path / "bug.py"
+    attempt.mkdir()
+    bug.write_text(f"raise ValueError({raises!r})\n")
+    head = {
+        **{"rank": 0, "world": 1, "certified_step": 1, "failed_step": 2, "samples": {}},
+        **{"entrypoint": str(bug), "args": [], "cwd": str(tmp_path)},
+        "env": {"PYTHONPATH": os.environ.get("PYTHONPATH", "")},
+        "error": {
+            "exception": "ValueError: bad sample 3",
+            "callstack": f'Traceback:\n  File "{bug}", line 1, in <module>\n',
+        },
+    }
+    repro.write(attempt / "rank0.repro", head, b"")
+    why = Failure(
+        RestartCause.CRASH, "exit code 1", rank=0, exit_code=1, exception=head["error"]["exception"]
+    )
+    return attempt, why
+
+
+@pytest.mark.parametrize("raises, verdict", [("bad sample 7", "reproduced"), ("another thing", "")])
+def test_a_failure_with_a_bundle_is_replayed_and_its_verdict_amends_the_request(
+    tmp_path, raises, verdict
+):
+    attempt, why = _bundle(tmp_path, raises)
+    s = Script(failures={1: why}, finishes={2}, attempt_dir=attempt)
+    code, _, agent = run(tmp_path / "agent", s)
+    assert code == ExitCode.OK  # the fakes' rounds judge nothing: the closing's part, e2e
+    amended = [c[1] for c in s.calls if c[0] == "amend_restart"]
+    assert [a["replayed"] for a in amended] == ([verdict] if verdict else [])
+    assert agent.last_failure.replayed == verdict
+    said = (attempt / "rank0.replay.log").read_text()
+    assert ("elasticd replay: reproduced" in said) == bool(verdict), said
+
+
+@pytest.mark.parametrize("off", ["timeout 0", "a death of another's going"])
+def test_no_replay_when_it_is_off_or_the_failure_is_a_consequence(tmp_path, off):
+    attempt, why = _bundle(tmp_path, "bad sample 7")
+    if off != "timeout 0":
+        why = dataclasses.replace(why, exception=GLOO_CLOSED)
+    s = Script(failures={1: why}, finishes={2}, attempt_dir=attempt)
+    run(tmp_path / "agent", s, replay_timeout=0 if off == "timeout 0" else 120)
+    assert not [c for c in s.calls if c[0] == "amend_restart"]
+    assert not (attempt / "rank0.replay.log").exists()
 
 
 def test_a_fatal_exit_code_fails_the_job_without_a_round(tmp_path):

@@ -275,6 +275,29 @@ def test_repeat_rule(previous, current, retries, expect):
     assert triage.repeats(previous, current, retries) == expect
 
 
+@pytest.mark.parametrize(
+    "previous, current, retries, expect",
+    [
+        (None, SIG, 1, (1, True)),  # its replay reproduced it: deterministic the first time
+        (None, SIG, 3, (1, True)),  # whatever the retries allowed
+        (None, SIG, 0, (1, False)),  # 0: never deterministic, the replay's verdict neither
+        (None, "", 1, (0, False)),  # not judged: no verdict carries it
+    ],
+)
+def test_a_reproduced_failure_is_deterministic_at_once(previous, current, retries, expect):
+    assert triage.repeats(previous, current, retries, reproduced=True) == expect
+
+
+def test_the_replays_verdict_travels_in_the_restart_request():
+    why = Failure(RestartCause.CRASH, "exit 1", rank=1, signature=SIG, replayed="reproduced")
+    reason = restart_request(why, "n1")
+    assert reason["replayed"] == "reproduced"
+    assert values.reason(__import__("json").dumps(reason)) == reason
+    assert "replayed" not in restart_request(Failure(RestartCause.CRASH, "exit 1"), "n1")
+    forged = __import__("json").dumps({**reason, "replayed": "yes"})
+    assert values.reason(forged) is None  # only the verdicts elasticd writes
+
+
 def test_every_cause_has_a_class_and_a_failure_keeps_the_one_given():
     for cause in RestartCause:
         assert Failure(cause, "x").failure_class in {c.value for c in C}
