@@ -161,10 +161,13 @@ def run_launcher(
     ckpt_every: int,
     nproc: int = 2,
     device: str = "cpu",
+    keep: str | None = None,
 ) -> dict:
     times, lost, failures, kept, phases = [], [], 0, 0, []
+    if keep:  # the launcher's logs and the ranks' kept for reading
+        os.makedirs(keep, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f"bench-{kind}-") as tmp:
-        workdir = Path(tmp)
+        workdir = Path(tempfile.mkdtemp(prefix=f"{kind}-", dir=keep) if keep else tmp)
         out = workdir / "steps.txt"
         env = dict(
             os.environ,
@@ -239,9 +242,14 @@ def run_launcher(
             print(
                 f"  {kind} trial {trial}: "
                 + (
-                    f"{recovered:.2f}s, {lost[-1]} steps lost"
+                    f"{recovered:.3f}s, {lost[-1]} steps lost"
                     if recovered is not None
                     else "NOT RECOVERED"
+                )
+                + (
+                    " (" + ", ".join(f"{k} {v:.3f}" for k, v in phases[-1].items()) + ")"
+                    if recovered is not None and kind in EXTRA
+                    else ""
                 ),
                 flush=True,
             )
@@ -277,8 +285,8 @@ PHASE_LINE = re.compile(r"\b(re_entered|joined_in_place)\b.*?\bat=([\d.]+).*?pha
 
 
 def in_place_phases(workdir: Path, t_kill: float) -> dict[str, float]:
-    """One in-place trial's timeline, seconds after the kill: the daemon's replacement
-    (`replaced`, its event's time), the survivors' phases (the last survivor's: `unwound`,
+    """One in-place trial's timeline, seconds after the kill: the daemon's (`seen`: the exit,
+    `replaced`: its event's time), the survivors' phases (the last survivor's: `unwound`,
     `aborted`, `announced`, `collected`, `handles`, `reformed`) and the replacement's
     (`new.init`, `new.initialized`, `new.handles`, `new.reformed`), from the ranks' log lines
     (worker/reconfigure.py `timeline`)."""
@@ -288,6 +296,8 @@ def in_place_phases(workdir: Path, t_kill: float) -> dict[str, float]:
             at = datetime.fromisoformat(e["timestamp"]).timestamp() - t_kill
             if at > 0:
                 out["replaced"] = min(out.get("replaced", at), at)
+                if e.get("failed_at"):
+                    out["seen"] = e["failed_at"] - t_kill
     for path in (workdir / "logs").rglob("rank*.log"):
         for line in path.read_text(errors="replace").splitlines():
             m = PHASE_LINE.search(line)
@@ -315,6 +325,7 @@ def timeline(log: Path) -> dict[str, float]:
 PHASES = (
     "unwound",
     "aborted",
+    "seen",
     "replaced",
     "announced",
     "collected",
@@ -356,6 +367,7 @@ def main() -> None:
         default="cpu",
         help="cuda: each worker trains on its own GPU with NCCL (needs --nproc GPUs)",
     )
+    p.add_argument("--keep", metavar="DIR", help="keep each launcher's logs in a folder under DIR")
     args = p.parse_args()
     results = {}
     for kind in args.launchers.split(","):
@@ -368,6 +380,7 @@ def main() -> None:
             args.ckpt_every,
             args.nproc,
             args.device,
+            args.keep,
         )
     print()
     backend = "CUDA/NCCL" if args.device == "cuda" else "CPU/gloo"

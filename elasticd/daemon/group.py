@@ -111,13 +111,16 @@ class LocalGroup:
         self.oom = oom.Counters([w.pid for w in self.workers])
         self._follow(self.workers)
 
-    def replace(self, dead: list[spawn.Worker], spares: list[forkclient.Spare]) -> list[int]:
+    def replace(
+        self, dead: list[spawn.Worker], spares: list[forkclient.Spare], again: bool = False
+    ) -> list[int]:
         """Start new workers for the `dead` ones' ranks, in place (daemon/inplace.py): the next
-        generation of the group, in a directory of its own under the attempt's; their pids."""
-        self.generation += 1
+        generation of the group (`again`: the one forming, for a rank killed while it formed),
+        in a directory of its own under the attempt's; their pids."""
+        self.generation += 0 if again else 1
         spec = dataclasses.replace(
             self.spec,
-            attempt_dir=self.spec.attempt_dir / f"in-place{self.generation}",
+            attempt_dir=self.spec.attempt_dir / f"in-place{self.generation}{'b' if again else ''}",
             extra_env={**self.spec.extra_env, names.IN_PLACE_GEN: str(self.generation)},
         )
         new = spawn.spawn(spec, spares, [w.local_rank for w in dead])

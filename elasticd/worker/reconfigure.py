@@ -25,6 +25,7 @@ re-forming; the rank then falls back to the whole-group restart, as for every ot
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import hashlib
 import hmac
@@ -334,6 +335,8 @@ def reenter(exc: BaseException) -> str | None:
         _fallback(f"no generation announced in {GENERATION_WAIT:g} s after: {exc}")
         return "no new generation"
     at["announced"] = time.time()
+    with contextlib.suppress(Exception):  # only spares this rank the daemon's kill (unstick)
+        found.store.set(names.in_place_unwound_key(announced[0], found.rank), b"1")
     # the unwound script's frames hold its model, loaders and managers: let them go
     traceback.clear_frames(exc.__traceback__)
     gc.collect()

@@ -93,13 +93,30 @@ def test_a_survivor_that_cannot_vouch_for_itself_falls_back_to_the_restart(daemo
     assert not leftover_processes()
 
 
-def test_a_script_that_swallows_the_collectives_error_ends_in_the_restart(daemons):
-    """Rank 0 catches the failed collective and goes on: it never comes to re-form, so the
-    others' wait for its handle ends (10 s) with a line naming rank 0, and the group restarts as
-    today."""
-    d = restarted_after_kill(daemons, "--swallow")
+def test_a_rank_that_never_gives_its_handle_is_killed_and_replaced_in_place(daemons):
+    """Rank 0 catches the failed collective and goes on: it never comes to re-form (as a
+    survivor blocked in a collective that no abort ends). The daemon waits about a step for its
+    handle (1 s before the job's step times are learned), kills it and starts rank 0 again into
+    the generation forming, with one line naming it; the group goes on in place, no restart."""
+    d = daemons(
+        script("inplace_faults.py"), *FLAGS, "--restart-backoff", "0",
+        args=["--steps", "2000", "--swallow"],
+    )  # fmt: skip
+    wait_until(lambda: re.search(r"^step 10\b", d.log_text(0, 1), re.M), 90, what="step 10")
+    before = d.worker_pids()
+    os.kill(before[1], signal.SIGKILL)
+    wait_until(lambda: events(d, "in_place_unstuck"), 30, what="rank 0 killed and replaced")
+    # every rank steps again in the re-formed group: rank 2 in its own process
+    wait_until(
+        lambda: re.search(r"re_entered.*\n(.*\n)*step 3\b", d.log_text(2, 1)), 60,
+        what="rank 2 stepping after re-entry",
+    )  # fmt: skip
+    d.kill(signal.SIGTERM)
+    d.wait(60)
+    unstuck = events(d, "in_place_unstuck")
+    assert len(unstuck) == 1 and unstuck[0]["ranks"] == [0], unstuck
+    assert unstuck[0]["killed"] == [before[0]] and "gave no handle" in unstuck[0]["why"]
     assert "ignored:" in d.log_text(0, 1)
-    # rank 2 unwound and waited for every handle of the new generation: rank 0's never came
-    survivor = d.log_text(2, 1)
-    assert "in_place_fallback" in survivor and "rank(s) 0 gave no handle" in survivor, survivor
+    assert len(d.attempt_dirs()) == 1 and not events(d, "in_place_refused")
+    assert before[2] in events(d, "replaced_in_place")[0]["survivors"]
     assert not leftover_processes()
