@@ -19,9 +19,11 @@ it unwound (names.in_place_unwound_key) once the generation has waited `stuck_af
 On that path, `replace` is the agent's first answer to a local worker's crash or signal death:
 the dead ranks are started again from warm spares (LocalGroup.replace) as the group's next
 generation, announced in the workers' store (signed), while the others stay in their processes,
-unwind their script and re-form the group with them (worker/reconfigure.py). Anything else
-(a hang, a peer, every rank dead, a second fault before the last replacement stepped, the
-in-place budget spent) goes the restart's way, with one `in_place_refused` line.
+unwind their script and re-form the group with them (worker/reconfigure.py). A hang is answered
+the same way once its rank is killed (the others' pending collective then fails, and they
+re-enter). Anything else (a hang with the GPU driver's evidence or no rank named, or one while
+a generation forms, a peer, every rank dead, a second fault before the last replacement
+stepped, the in-place budget spent) goes the restart's way, with one `in_place_refused` line.
 """
 
 from __future__ import annotations
@@ -89,9 +91,15 @@ def announce(cfg: Config, dist=None) -> Path:
 def _refused(agent: Agent, why: Failure) -> str | None:
     """Why this failure cannot be recovered in place (None: it can)."""
     group = agent.group
-    if not isinstance(why, Failure) or why.kind not in (RestartCause.CRASH, RestartCause.SIGNAL):
+    kinds = (RestartCause.CRASH, RestartCause.SIGNAL, RestartCause.HANG)
+    if not isinstance(why, Failure) or why.kind not in kinds:
         kind = getattr(why, "kind", None)
         return f"a failure of kind {getattr(kind, 'value', 'scale')} restarts the group"
+    if why.kind is RestartCause.HANG:
+        if why.rank is None or why.driver:
+            return "a hang with no rank to blame, or the GPU driver's evidence, restarts the group"
+        if agent.forming is not None:
+            return "a hang while a generation formed in place"
     if why.kind is RestartCause.CRASH and why.exit_code in agent.cfg.fatal_exit_codes:
         return "a fatal exit code"
     if agent.round is None or agent.round.worker_store is None:
@@ -124,16 +132,18 @@ def stuck_after(deadline) -> float:
     return min(max(STUCK_FLOOR, 2 * deadline.p99), deadline.seconds / 2)
 
 
-def _kill(w) -> None:
-    """SIGKILL a worker's process group and reap it (bounded)."""
-    try:
-        os.killpg(w.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    try:
-        w.exit_code = w.proc.wait(timeout=REAP_WAIT)
-    except subprocess.TimeoutExpired:
-        log.warning("in_place_unreaped", pid=w.pid)
+def _kill(*workers) -> None:
+    """SIGKILL workers' process groups and reap them (bounded)."""
+    for w in workers:
+        try:
+            os.killpg(w.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    for w in workers:
+        try:
+            w.exit_code = w.proc.wait(timeout=REAP_WAIT)
+        except subprocess.TimeoutExpired:
+            log.warning("in_place_unreaped", pid=w.pid)
 
 
 def unstick(agent: Agent, now: float) -> None:
@@ -167,8 +177,7 @@ def unstick(agent: Agent, now: float) -> None:
     )  # fmt: skip
     if not stuck:
         return  # exited meanwhile: the loop's check acts on it
-    for w in stuck:
-        _kill(w)
+    _kill(*stuck)
     pids = group.replace(stuck, agent.spares.spares, again=True)
     agent.spares.after_spawn([w.env for w in group.workers])
     agent.event(
@@ -197,6 +206,8 @@ def replace(agent: Agent, why: Failure) -> bool:
         agent.event("in_place_refused", level="warning", why=refused, cause=why.summary())
         return False
     group = agent.group
+    if why.kind is RestartCause.HANG:  # the hung rank dies; the others' collective then fails
+        _kill(*[w for w in group.workers if w.global_rank == why.rank and w.exit_code is None])
     dead = [w for w in group.workers if w.exit_code is not None]
     agent.recovery.detected()
     agent.in_place_used += 1

@@ -120,3 +120,29 @@ def test_a_rank_that_never_gives_its_handle_is_killed_and_replaced_in_place(daem
     assert len(d.attempt_dirs()) == 1 and not events(d, "in_place_refused")
     assert before[2] in events(d, "replaced_in_place")[0]["survivors"]
     assert not leftover_processes()
+
+
+def test_a_hung_rank_is_killed_and_replaced_the_others_re_enter(daemons):
+    """Rank 1 sleeps outside the step's collective while ranks 0 and 2 wait in it: past the
+    heartbeat timeout the daemon names rank 1 hung, kills it and replaces it in place; the
+    others' collective fails, they re-enter in their own processes, and no restart follows."""
+    d = daemons(
+        script("inplace_faults.py"), *FLAGS, "--heartbeat-timeout", "3",
+        args=["--steps", "2000", "--hang-at", "15"],
+    )  # fmt: skip
+    wait_until(lambda: re.search(r"^step 14\b", d.log_text(1, 1), re.M), 90, what="step 14")
+    before = d.worker_pids()
+    wait_until(lambda: events(d, "replaced_in_place"), 30, what="the hung rank replaced")
+    wait_until(
+        lambda: re.search(r"re_entered.*\n(.*\n)*step 3\b", d.log_text(2, 1)), 60,
+        what="rank 2 stepping after re-entry",
+    )  # fmt: skip
+    d.kill(signal.SIGTERM)
+    d.wait(60)
+    replaced = events(d, "replaced_in_place")
+    assert len(replaced) == 1 and replaced[0]["ranks"] == [1], replaced
+    assert "hung" in replaced[0]["cause"] and "rank 1" in replaced[0]["cause"]
+    assert sorted(replaced[0]["survivors"]) == sorted([before[0], before[2]])
+    assert len(d.attempt_dirs()) == 1 and not events(d, "in_place_refused")
+    assert "re_entered" in d.log_text(0, 1)
+    assert not leftover_processes()
