@@ -68,6 +68,7 @@ class LocalGroup:
         self.spec: spawn.GroupSpec | None = None  # this attempt's, for a rank replaced in place
         self.generation = 0  # of the group in place: raised at each rank replaced (replace)
         self.quiet_from = 0.0  # monotonic: the last in-place replacement (a silence starts there)
+        self.started_in_place = 0  # replacements started in place (a folder of its own each)
         self._raised: list[Seen] = []  # error files written, none exited (as of the last check)
         self.steps = deadlines.StepTimes()  # the gaps between beats: the learned deadline
         self.deadline = deadlines.Deadline(cfg.heartbeat_timeout, False)
@@ -119,10 +120,12 @@ class LocalGroup:
         generation of the group (`again`: the one forming, for a rank killed while it formed),
         in a directory of its own under the attempt's; their pids."""
         self.generation += 0 if again else 1
+        self.started_in_place += 1
         self.quiet_from = time.monotonic()  # the survivors' silence is judged from here
         spec = dataclasses.replace(
             self.spec,
-            attempt_dir=self.spec.attempt_dir / f"in-place{self.generation}{'b' if again else ''}",
+            attempt_dir=self.spec.attempt_dir
+            / f"in-place{self.generation}{f'-{self.started_in_place}' if again else ''}",
             extra_env={**self.spec.extra_env, names.IN_PLACE_GEN: str(self.generation)},
         )
         new = spawn.spawn(spec, spares, [w.local_rank for w in dead])
