@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from e2e.test_resume import final_state, tensors
-from harness import leftover_processes, script, wait_until
+from harness import bench, leftover_processes, script, wait_until
 
 pytestmark = pytest.mark.skipif(
     not hasattr(dist, "_reconfigure"),
@@ -145,4 +145,18 @@ def test_a_hung_rank_is_killed_and_replaced_the_others_re_enter(daemons):
     assert sorted(replaced[0]["survivors"]) == sorted([before[0], before[2]])
     assert len(d.attempt_dirs()) == 1 and not events(d, "in_place_refused")
     assert "re_entered" in d.log_text(0, 1)
+    assert not leftover_processes()
+
+
+def test_the_recovery_bench_reports_the_in_place_timeline():
+    """bench/recovery.py's smoke run: two kills, every one recovered in place (the survivors'
+    pids kept), and the timeline's phases printed, median / p90."""
+    r = bench(
+        "recovery.py", "--nproc", "3", "--launchers", "elasticd-in-place", "--trials", "2",
+        "--warmup", "1.5", "--trial-timeout", "20", timeout=240,
+    )  # fmt: skip
+    row = re.search(r"^elasticd-in-place +([\d.]+) .* (\d+)/2 .* (\d+)$", r.stdout, re.M)
+    assert row and row[2] == "2" and row[3] == "2", r.stdout
+    for phase in ("seen", "unwound", "replaced", "reformed", "new.reformed", "first_step"):
+        assert re.search(rf"^  {re.escape(phase)} +[\d.]+ / [\d.]+", r.stdout, re.M), r.stdout
     assert not leftover_processes()
