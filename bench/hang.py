@@ -24,7 +24,9 @@ from pathlib import Path
 from recovery import EXTRA, kill_tree, latest_pids, launcher_cmd, read_steps, spawn
 
 
-def one_trial(kind: str, fault: str, hb_timeout: float, bound: float) -> float | None:
+def one_trial(kind: str, fault: str, hb_timeout: float, bound: float) -> tuple[float, bool] | None:
+    """Seconds from the fault to every rank stepping again, and whether rank 0 (never faulted)
+    did so in its own process; None past `bound`."""
     with tempfile.TemporaryDirectory(prefix=f"bench-hang-{kind}-") as tmp:
         workdir = Path(tmp)
         out, flag = workdir / "steps.txt", workdir / "hang"
@@ -55,11 +57,11 @@ def one_trial(kind: str, fault: str, hb_timeout: float, bound: float) -> float |
                 fresh = [t for pid, _r, _x, _s, t in rows if pid not in pids.values()]
                 if fresh:
                     again = {}
-                    for _pid, rank, _r, _s, t in rows:
+                    for pid, rank, _r, _s, t in rows:
                         if t >= min(fresh):
-                            again.setdefault(rank, t)
+                            again.setdefault(rank, (t, pid))
                     if len(again) == 2:
-                        return max(again.values()) - t_fault
+                        return max(t for t, _p in again.values()) - t_fault, again[0][1] == pids[0]
                 time.sleep(0.02)
             return None
         finally:
@@ -78,26 +80,32 @@ def main() -> None:
     rows = []
     for fault in ("sigstop", "loop"):
         for kind in args.launchers.split(","):
-            times = []
+            times, kept = [], 0
             for i in range(args.trials):
-                t = one_trial(kind, fault, args.heartbeat_timeout, args.bound)
+                got = one_trial(kind, fault, args.heartbeat_timeout, args.bound)
+                t = got[0] if got else None
                 print(
                     f"  {kind} {fault} trial {i + 1}: "
-                    + (f"{t:.2f}s" if t is not None else f"not recovered within {args.bound:g}s"),
+                    + (
+                        f"{t:.2f}s" + (", rank 0 in its own process" if got[1] else "")
+                        if got
+                        else f"not recovered within {args.bound:g}s"
+                    ),
                     flush=True,
                 )
                 times.append(t)
-            rows.append((fault, kind, times))
+                kept += bool(got and got[1])
+            rows.append((fault, kind, times, kept))
     print()
     print(
         f"hang -> every rank stepping again, 2 workers, {os.cpu_count()} cores, torch CPU/gloo; "
         f"elasticd --heartbeat-timeout {args.heartbeat_timeout:g}s; bound {args.bound:g}s"
     )
-    print(f"{'fault':<8} {'launcher':<18} {'median s':>9} {'recovered':>10}")
-    for fault, kind, times in rows:
+    print(f"{'fault':<8} {'launcher':<18} {'median s':>9} {'recovered':>10} {'kept':>5}")
+    for fault, kind, times, kept in rows:
         ok = [t for t in times if t is not None]
         med = f"{statistics.median(ok):.2f}" if ok else f">{args.bound:g}"
-        print(f"{fault:<8} {kind:<18} {med:>9} {f'{len(ok)}/{len(times)}':>10}")
+        print(f"{fault:<8} {kind:<18} {med:>9} {f'{len(ok)}/{len(times)}':>10} {kept:>5}")
 
 
 if __name__ == "__main__":
