@@ -1,10 +1,14 @@
 """Hang detection: a SIGSTOPped rank and a rank in an endless loop, elasticd vs torchrun.
 
 For each launcher and fault: start 2 workers on bench/step_logger.py, let them train, inject the
-fault into one rank, and time fault -> every rank has taken a step in new processes (resumed).
+fault into one rank, and time fault -> every rank has taken a step after the first step of a
+process started since the fault (the resumed run's): in new processes after a restart, the
+survivors in their own after a recovery in place (`elasticd-in-place`, --in-place auto, torch
+2.14: the hung rank killed and replaced, the others re-entering).
 torchrun has no hang detection, so its trials end at --bound and are reported as not recovered.
 
     python bench/hang.py --trials 3 --heartbeat-timeout 2
+    python bench/hang.py --launchers elasticd-in-place,elasticd    # torch 2.14
 """
 
 from __future__ import annotations
@@ -17,15 +21,23 @@ import tempfile
 import time
 from pathlib import Path
 
-from recovery import kill_tree, latest_pids, launcher_cmd, read_steps, spawn
+from recovery import EXTRA, kill_tree, latest_pids, launcher_cmd, read_steps, spawn
 
 
-def one_trial(kind: str, fault: str, hb_timeout: float, bound: float) -> float | None:
+def one_trial(kind: str, fault: str, hb_timeout: float, bound: float) -> tuple[float, bool] | None:
+    """Seconds from the fault to every rank stepping again, and whether rank 0 (never faulted)
+    did so in its own process; None past `bound`."""
     with tempfile.TemporaryDirectory(prefix=f"bench-hang-{kind}-") as tmp:
         workdir = Path(tmp)
         out, flag = workdir / "steps.txt", workdir / "hang"
-        env = dict(os.environ, BENCH_OUT=str(out), BENCH_HANG_FLAG=str(flag))
-        extra = ("--heartbeat-timeout", str(hb_timeout))
+        env = dict(
+            os.environ,
+            BENCH_OUT=str(out),
+            BENCH_HANG_FLAG=str(flag),
+            PYTHONPYCACHEPREFIX=str(workdir / "pycache"),  # as an installed package has them
+        )
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
+        extra = ("--heartbeat-timeout", str(hb_timeout), *EXTRA.get(kind, ()))
         proc = spawn(launcher_cmd(kind, 3, workdir, extra), env, workdir / "launcher.log")
         try:
             start = time.time()
@@ -41,12 +53,15 @@ def one_trial(kind: str, fault: str, hb_timeout: float, bound: float) -> float |
                 flag.with_name("hang.1").touch()
             deadline = time.monotonic() + bound
             while time.monotonic() < deadline:
-                new = {}
-                for pid, rank, _r, _s, t in read_steps(out):
-                    if t > t_fault and pid not in pids.values():
-                        new.setdefault(rank, t)
-                if len(new) == 2:
-                    return max(new.values()) - t_fault
+                rows = [r for r in read_steps(out) if r[4] > t_fault]
+                fresh = [t for pid, _r, _x, _s, t in rows if pid not in pids.values()]
+                if fresh:
+                    again = {}
+                    for pid, rank, _r, _s, t in rows:
+                        if t >= min(fresh):
+                            again.setdefault(rank, (t, pid))
+                    if len(again) == 2:
+                        return max(t for t, _p in again.values()) - t_fault, again[0][1] == pids[0]
                 time.sleep(0.02)
             return None
         finally:
@@ -65,26 +80,32 @@ def main() -> None:
     rows = []
     for fault in ("sigstop", "loop"):
         for kind in args.launchers.split(","):
-            times = []
+            times, kept = [], 0
             for i in range(args.trials):
-                t = one_trial(kind, fault, args.heartbeat_timeout, args.bound)
+                got = one_trial(kind, fault, args.heartbeat_timeout, args.bound)
+                t = got[0] if got else None
                 print(
                     f"  {kind} {fault} trial {i + 1}: "
-                    + (f"{t:.2f}s" if t is not None else f"not recovered within {args.bound:g}s"),
+                    + (
+                        f"{t:.2f}s" + (", rank 0 in its own process" if got[1] else "")
+                        if got
+                        else f"not recovered within {args.bound:g}s"
+                    ),
                     flush=True,
                 )
                 times.append(t)
-            rows.append((fault, kind, times))
+                kept += bool(got and got[1])
+            rows.append((fault, kind, times, kept))
     print()
     print(
         f"hang -> every rank stepping again, 2 workers, {os.cpu_count()} cores, torch CPU/gloo; "
         f"elasticd --heartbeat-timeout {args.heartbeat_timeout:g}s; bound {args.bound:g}s"
     )
-    print(f"{'fault':<8} {'launcher':<10} {'median s':>9} {'recovered':>10}")
-    for fault, kind, times in rows:
+    print(f"{'fault':<8} {'launcher':<18} {'median s':>9} {'recovered':>10} {'kept':>5}")
+    for fault, kind, times, kept in rows:
         ok = [t for t in times if t is not None]
         med = f"{statistics.median(ok):.2f}" if ok else f">{args.bound:g}"
-        print(f"{fault:<8} {kind:<10} {med:>9} {f'{len(ok)}/{len(times)}':>10}")
+        print(f"{fault:<8} {kind:<18} {med:>9} {f'{len(ok)}/{len(times)}':>10} {kept:>5}")
 
 
 if __name__ == "__main__":

@@ -28,14 +28,18 @@ every survivor did it under its old pid.
 from __future__ import annotations
 
 import argparse
+import ast
 import json
+import math
 import os
+import re
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from datetime import datetime
 from pathlib import Path
 
 import psutil
@@ -157,10 +161,13 @@ def run_launcher(
     ckpt_every: int,
     nproc: int = 2,
     device: str = "cpu",
+    keep: str | None = None,
 ) -> dict:
-    times, lost, failures, kept = [], [], 0, 0
+    times, lost, failures, kept, phases = [], [], 0, 0, []
+    if keep:  # the launcher's logs and the ranks' kept for reading
+        os.makedirs(keep, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f"bench-{kind}-") as tmp:
-        workdir = Path(tmp)
+        workdir = Path(tempfile.mkdtemp(prefix=f"{kind}-", dir=keep) if keep else tmp)
         out = workdir / "steps.txt"
         env = dict(
             os.environ,
@@ -170,7 +177,11 @@ def run_launcher(
             BENCH_CKPT_MODE=CKPT_MODE.get(kind, "elasticd"),
             BENCH_MEMORY_EVERY=MEMORY_EVERY.get(kind, ""),
             BENCH_DEVICE=device,
+            # compiled modules cached, as an installed package has them (a checkout run with
+            # PYTHONDONTWRITEBYTECODE compiles elasticd's modules in every new process)
+            PYTHONPYCACHEPREFIX=str(workdir / "pycache"),
         )
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
         log = open(workdir / "launcher.log", "wb")
         proc = None
         trial = 0
@@ -214,6 +225,11 @@ def run_launcher(
                     first = min(s for p, _r, _x, s, _t in rows if p not in pids.values())
                     lost.append(before - (first - 1))
                     kept += all(pids[r] == pid for r, (_t, pid) in done.items() if r != victim_rank)
+                    if kind in EXTRA:  # the in-place path: its phases, from the logs
+                        found = in_place_phases(workdir, t_kill)
+                        found["first_step.new"] = done[victim_rank][0] - t_kill
+                        found["first_step"] = recovered
+                        phases.append(found)
                     break
                 time.sleep(0.01)
             trial += 1
@@ -226,23 +242,29 @@ def run_launcher(
             print(
                 f"  {kind} trial {trial}: "
                 + (
-                    f"{recovered:.2f}s, {lost[-1]} steps lost"
+                    f"{recovered:.3f}s, {lost[-1]} steps lost"
                     if recovered is not None
                     else "NOT RECOVERED"
+                )
+                + (
+                    " (" + ", ".join(f"{k} {v:.3f}" for k, v in phases[-1].items()) + ")"
+                    if recovered is not None and kind in EXTRA
+                    else ""
                 ),
                 flush=True,
             )
         if proc is not None:
             kill_tree(proc)
         log.close()
-        phases = timeline(workdir / "launcher.log")
+        summary = timeline(workdir / "launcher.log")
     return {
         "times": times,
         "lost": lost,
         "failures": failures,
         "trials": trials,
         "kept": kept,
-        "timeline": phases,
+        "timeline": summary,
+        "phases": phases,
     }
 
 
@@ -259,6 +281,35 @@ def stepped_again(rows, old: set[int]) -> dict[int, tuple[float, int]]:
     return done
 
 
+PHASE_LINE = re.compile(r"\b(re_entered|joined_in_place)\b.*?\bat=([\d.]+).*?phases=(\{[^}]*\})")
+
+
+def in_place_phases(workdir: Path, t_kill: float) -> dict[str, float]:
+    """One in-place trial's timeline, seconds after the kill: the daemon's (`seen`: the exit,
+    `replaced`: its event's time), the survivors' phases (the last survivor's: `unwound`,
+    `aborted`, `announced`, `collected`, `handles`, `reformed`) and the replacement's
+    (`new.init`, `new.initialized`, `new.handles`, `new.reformed`), from the ranks' log lines
+    (worker/reconfigure.py `timeline`)."""
+    out: dict[str, float] = {}
+    for e in events(workdir / "launcher.log"):
+        if e.get("event") == "replaced_in_place":
+            at = datetime.fromisoformat(e["timestamp"]).timestamp() - t_kill
+            if at > 0:
+                out["replaced"] = min(out.get("replaced", at), at)
+                if e.get("failed_at"):
+                    out["seen"] = e["failed_at"] - t_kill
+    for path in (workdir / "logs").rglob("rank*.log"):
+        for line in path.read_text(errors="replace").splitlines():
+            m = PHASE_LINE.search(line)
+            if not m or float(m[2]) < t_kill:
+                continue
+            prefix = "" if m[1] == "re_entered" else "new."
+            for k, v in ast.literal_eval(m[3]).items():
+                key = prefix + k
+                out[key] = max(out.get(key, 0.0), float(m[2]) + v - t_kill)
+    return out
+
+
 def timeline(log: Path) -> dict[str, float]:
     """elasticd's recovery timeline ("recovered" events: seconds since the failure was detected),
     median per phase over the trials; empty for torchrun, which logs none."""
@@ -268,6 +319,33 @@ def timeline(log: Path) -> dict[str, float]:
         for k in STEPS  # the recovery's phases, in order (elasticd/reporting/status_snapshot.py)
         if recovered and all(k in e for e in recovered)
     }
+
+
+# an in-place recovery's phases in the order they happen (in_place_phases)
+PHASES = (
+    "unwound",
+    "aborted",
+    "seen",
+    "replaced",
+    "announced",
+    "collected",
+    "new.init",
+    "new.initialized",
+    "handles",
+    "new.handles",
+    "reformed",
+    "new.reformed",
+    "first_step.new",
+    "first_step",
+)
+
+
+def p90(values: list[float]) -> float:
+    """The 90th percentile (nearest rank); nan for none."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(0.9 * len(ordered)) - 1)]
 
 
 def main() -> None:
@@ -289,6 +367,7 @@ def main() -> None:
         default="cpu",
         help="cuda: each worker trains on its own GPU with NCCL (needs --nproc GPUs)",
     )
+    p.add_argument("--keep", metavar="DIR", help="keep each launcher's logs in a folder under DIR")
     args = p.parse_args()
     results = {}
     for kind in args.launchers.split(","):
@@ -301,6 +380,7 @@ def main() -> None:
             args.ckpt_every,
             args.nproc,
             args.device,
+            args.keep,
         )
     print()
     backend = "CUDA/NCCL" if args.device == "cuda" else "CPU/gloo"
@@ -311,8 +391,8 @@ def main() -> None:
         f"{args.ckpt_every} steps"
     )
     print(
-        f"{'launcher':<20} {'median s':>9} {'min s':>7} {'max s':>7} {'recovered':>10} "
-        f"{'steps lost (median/max)':>24} {'kept':>6}"
+        f"{'launcher':<20} {'median s':>9} {'p90 s':>7} {'min s':>7} {'max s':>7} "
+        f"{'recovered':>10} {'steps lost (median/max)':>24} {'kept':>6}"
     )
     med = {}
     for kind, r in results.items():
@@ -321,9 +401,18 @@ def main() -> None:
         ok = f"{r['trials'] - r['failures']}/{r['trials']}"
         lost_s = f"{statistics.median(lost):g}/{max(lost)}" if lost else "-"
         print(
-            f"{kind:<20} {med[kind]:>9.2f} {min(t, default=float('nan')):>7.2f} "
-            f"{max(t, default=float('nan')):>7.2f} {ok:>10} {lost_s:>24} {r['kept']:>6}"
+            f"{kind:<20} {med[kind]:>9.3f} {p90(t):>7.3f} {min(t, default=float('nan')):>7.3f} "
+            f"{max(t, default=float('nan')):>7.3f} {ok:>10} {lost_s:>24} {r['kept']:>6}"
         )
+    for kind, r in results.items():
+        if r["phases"]:
+            print(f"{kind} in-place timeline, seconds after the kill (median / p90 over trials):")
+            for k in PHASES:
+                got = [ph[k] for ph in r["phases"] if k in ph]
+                if got:
+                    print(
+                        f"  {k:<18} {statistics.median(got):.3f} / {p90(got):.3f}  (n={len(got)})"
+                    )
     for kind, r in results.items():
         if r["timeline"]:
             print(

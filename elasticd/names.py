@@ -107,6 +107,12 @@ def in_place_key(generation: int, rank: int | None = None) -> str:
     return where if rank is None else f"{where}/h{rank}"
 
 
+def in_place_unwound_key(generation: int, rank: int) -> str:
+    """Rank R's word that its script unwound for generation N (it re-forms or falls back
+    itself: daemon/inplace.py `unstick` kills only a rank that said neither)."""
+    return f"elasticd/in-place/g{generation}/u{rank}"
+
+
 def job_key(job: str, name: str) -> str:
     return f"elasticd/{job}/{name}"
 

@@ -103,6 +103,7 @@ class Agent:
         self.memory_dir: str | None = None
         self.recovery_path = None  # daemon/inplace.Path, chosen at start (serve.py)
         self.in_place_used = 0  # ranks' failures recovered in place (daemon/inplace.py)
+        self.forming = None  # daemon/inplace.Forming: the generation whose handles are awaited
         self.notify = None  # elasticd.daemon.systemd once serve() wires it
         self._connect, self._peers, self._subreaper = rendezvous, peers, subreaper
         self.inbox = Inbox()
@@ -278,6 +279,7 @@ class Agent:
                 if unhealthy is not None:
                     return self._leave(unhealthy)
                 self._after_start_up(now)
+                inplace.unstick(self, now)
                 self.spares.learn(self.group.workers)
                 if self.status.due(now):
                     self.publish()

@@ -78,6 +78,8 @@ class LocalGroup:
         self.in_place = False  # on the in-place path (daemon/inplace.py): workers re-form
         self.spec: spawn.GroupSpec | None = None  # this attempt's, for a rank replaced in place
         self.generation = 0  # of the group in place: raised at each rank replaced (replace)
+        self.quiet_from = 0.0  # monotonic: the last in-place replacement (a silence starts there)
+        self.started_in_place = 0  # replacements started in place (a folder of its own each)
         self._raised: list[Seen] = []  # error files written, none exited (as of the last check)
         self.steps = deadlines.StepTimes()  # the gaps between beats: the learned deadline
         self.deadline = deadlines.Deadline(cfg.heartbeat_timeout, False)
@@ -122,13 +124,19 @@ class LocalGroup:
         self.oom = oom.Counters([w.pid for w in self.workers])
         self._follow(self.workers)
 
-    def replace(self, dead: list[spawn.Worker], spares: list[forkclient.Spare]) -> list[int]:
+    def replace(
+        self, dead: list[spawn.Worker], spares: list[forkclient.Spare], again: bool = False
+    ) -> list[int]:
         """Start new workers for the `dead` ones' ranks, in place (daemon/inplace.py): the next
-        generation of the group, in a directory of its own under the attempt's; their pids."""
-        self.generation += 1
+        generation of the group (`again`: the one forming, for a rank killed while it formed),
+        in a directory of its own under the attempt's; their pids."""
+        self.generation += 0 if again else 1
+        self.started_in_place += 1
+        self.quiet_from = time.monotonic()  # the survivors' silence is judged from here
         spec = dataclasses.replace(
             self.spec,
-            attempt_dir=self.spec.attempt_dir / f"in-place{self.generation}",
+            attempt_dir=self.spec.attempt_dir
+            / f"in-place{self.generation}{f'-{self.started_in_place}' if again else ''}",
             extra_env={**self.spec.extra_env, names.IN_PLACE_GEN: str(self.generation)},
         )
         new = spawn.spawn(spec, spares, [w.local_rank for w in dead])
@@ -190,6 +198,8 @@ class LocalGroup:
             if beat and beat.beats:
                 self.seen_beats = True
                 self.steps.observe(w.pid, beat.beats, beat.last)
+                if beat.last < self.quiet_from:  # silent since before a generation in place
+                    beat = dataclasses.replace(beat, last=self.quiet_from)
             sample = self._watch(w)[1].sample()
             self.suspects.sample(w.pid, now, sample)
             odd = "process is a zombie" if sample and sample[0] == "Z" else None

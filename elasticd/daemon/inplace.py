@@ -8,16 +8,30 @@ interpreter's torch (worker/reconfigure.py, feature-detected), and the job's sha
 is the script's choice, made later: a worker whose group's backend cannot re-form, or that
 cannot vouch for its own state, falls back to the restart with its own line.
 
+A survivor whose pending collective neither fails nor is ended by an abort (gloo: about 1 in 8
+kills on a loaded 2-core VM left one blocked in DDP's all-reduce; neither its peers' abort nor
+its own, from another thread, ended the wait) never unwinds, nor does a script that catches the
+collective's error and goes on: `unstick` kills a survivor that neither gave its handle nor said
+it unwound (names.in_place_unwound_key) once the generation has waited `stuck_after` for it
+(about one step of the job), and starts a spare for its rank into the same generation, with one
+`in_place_unstuck` line, long before the hang deadline would restart the whole group.
+
 On that path, `replace` is the agent's first answer to a local worker's crash or signal death:
 the dead ranks are started again from warm spares (LocalGroup.replace) as the group's next
 generation, announced in the workers' store (signed), while the others stay in their processes,
-unwind their script and re-form the group with them (worker/reconfigure.py). Anything else
-(a hang, a peer, every rank dead, a second fault before the last replacement stepped, the
-in-place budget spent) goes the restart's way, with one `in_place_refused` line.
+unwind their script and re-form the group with them (worker/reconfigure.py). A hang is answered
+the same way once its rank is killed (the others' pending collective then fails, and they
+re-enter). Anything else (a hang with the GPU driver's evidence or no rank named, or one while
+a generation forms, a peer, every rank dead, a second fault before the last replacement
+stepped, the in-place budget spent) goes the restart's way, with one `in_place_refused` line.
 """
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -32,6 +46,9 @@ if TYPE_CHECKING:
 log = logs.get("elasticd.agent")
 
 IN_PLACE, RESTART = "in_place", "restart"
+STUCK_FLOOR = 0.3  # seconds a survivor may take to give its handle, at least (`stuck_after`)
+STUCK_UNLEARNED = 1.0  # the same before the job's step times are learned
+REAP_WAIT = 2.0  # seconds for a stuck survivor killed to exit
 
 
 @dataclass(frozen=True)
@@ -74,9 +91,15 @@ def announce(cfg: Config, dist=None) -> Path:
 def _refused(agent: Agent, why: Failure) -> str | None:
     """Why this failure cannot be recovered in place (None: it can)."""
     group = agent.group
-    if not isinstance(why, Failure) or why.kind not in (RestartCause.CRASH, RestartCause.SIGNAL):
+    kinds = (RestartCause.CRASH, RestartCause.SIGNAL, RestartCause.HANG)
+    if not isinstance(why, Failure) or why.kind not in kinds:
         kind = getattr(why, "kind", None)
         return f"a failure of kind {getattr(kind, 'value', 'scale')} restarts the group"
+    if why.kind is RestartCause.HANG:
+        if why.rank is None or why.driver:
+            return "a hang with no rank to blame, or the GPU driver's evidence, restarts the group"
+        if agent.forming is not None:
+            return "a hang while a generation formed in place"
     if why.kind is RestartCause.CRASH and why.exit_code in agent.cfg.fatal_exit_codes:
         return "a fatal exit code"
     if agent.round is None or agent.round.worker_store is None:
@@ -90,6 +113,88 @@ def _refused(agent: Agent, why: Failure) -> str | None:
     return None
 
 
+@dataclass
+class Forming:
+    """A generation announced whose running ranks' handles are awaited (`unstick`)."""
+
+    generation: int
+    since: float  # monotonic, when it was announced
+    after: float  # seconds a running rank may take (stuck_after)
+    running: tuple[int, ...]  # global ranks of the survivors, which give their handle
+
+
+def stuck_after(deadline) -> float:
+    """Seconds a survivor may take to unwind and give its handle: about one step of the job
+    (2 x the p99 of its step gaps, at least STUCK_FLOOR), under half its hang deadline (so the
+    rank is replaced before the group is judged hung); STUCK_UNLEARNED before it is learned."""
+    if deadline is None or not deadline.learned:
+        return STUCK_UNLEARNED
+    return min(max(STUCK_FLOOR, 2 * deadline.p99), deadline.seconds / 2)
+
+
+def _kill(*workers) -> None:
+    """SIGKILL workers' process groups and reap them (bounded)."""
+    for w in workers:
+        try:
+            os.killpg(w.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    for w in workers:
+        try:
+            w.exit_code = w.proc.wait(timeout=REAP_WAIT)
+        except subprocess.TimeoutExpired:
+            log.warning("in_place_unreaped", pid=w.pid)
+
+
+def unstick(agent: Agent, now: float) -> None:
+    """While a generation forms: a survivor that gave no handle within `Forming.after` is
+    blocked where its abort does not reach; kill it and start its rank again into the same
+    generation, which the others still wait for (worker/reconfigure.py)."""
+    forming = agent.forming
+    if forming is None:
+        return
+    store = agent.round.worker_store if agent.round is not None else None
+    if store is None or forming.generation != agent.group.generation:
+        agent.forming = None
+        return
+    gen = forming.generation
+    try:
+        missing = [r for r in forming.running if not store.check([names.in_place_key(gen, r)])]
+        if not missing:
+            agent.forming = None
+            return
+        if now - forming.since < forming.after:
+            return
+        # a rank that unwound re-forms or falls back (exits) on its own
+        missing = [r for r in missing if not store.check([names.in_place_unwound_key(gen, r)])]
+    except Exception:  # noqa: BLE001 - the store's trouble is the peers' thread's to judge
+        return
+    group = agent.group
+    stuck = [w for w in group.workers if w.global_rank in missing and w.exit_code is None]
+    agent.forming = Forming(
+        forming.generation, forming.since, forming.after,
+        tuple(r for r in forming.running if r not in missing),
+    )  # fmt: skip
+    if not stuck:
+        return  # exited meanwhile: the loop's check acts on it
+    _kill(*stuck)
+    pids = group.replace(stuck, agent.spares.spares, again=True)
+    agent.spares.after_spawn([w.env for w in group.workers])
+    agent.event(
+        "in_place_unstuck",
+        level="warning",
+        why=(
+            f"rank(s) {', '.join(str(w.global_rank) for w in stuck)} gave no handle for "
+            f"generation {forming.generation} in {now - forming.since:.2f} s (blocked in a "
+            "collective its abort did not end): killed and started again into it"
+        ),
+        generation=forming.generation,
+        ranks=[w.global_rank for w in stuck],
+        killed=[w.pid for w in stuck],
+        pids=pids,
+    )
+
+
 def replace(agent: Agent, why: Failure) -> bool:
     """Recover the failed ranks in place: True when done (the loop goes on watching), False
     when the caller must restart the group (said in one line)."""
@@ -101,6 +206,8 @@ def replace(agent: Agent, why: Failure) -> bool:
         agent.event("in_place_refused", level="warning", why=refused, cause=why.summary())
         return False
     group = agent.group
+    if why.kind is RestartCause.HANG:  # the hung rank dies; the others' collective then fails
+        _kill(*[w for w in group.workers if w.global_rank == why.rank and w.exit_code is None])
     dead = [w for w in group.workers if w.exit_code is not None]
     agent.recovery.detected()
     agent.in_place_used += 1
@@ -110,6 +217,10 @@ def replace(agent: Agent, why: Failure) -> bool:
     store.set(names.in_place_key(gen), reconfigure.sign(agent.round.state_key, gen, -1, said))
     pids = group.replace(dead, agent.spares.spares)
     agent.recovery.mark("spawned")
+    agent.forming = Forming(
+        gen, time.monotonic(), stuck_after(getattr(group, "deadline", None)),
+        tuple(w.global_rank for w in group.workers if w.pid not in pids),
+    )  # fmt: skip
     agent.spares.after_spawn([w.env for w in group.workers])
     agent.event(
         "replaced_in_place",
@@ -119,5 +230,6 @@ def replace(agent: Agent, why: Failure) -> bool:
         ranks=[w.global_rank for w in dead],
         pids=pids,
         survivors=[w.pid for w in group.workers if w.pid not in pids],
+        failed_at=why.at,  # Unix time the exit was seen (bench/recovery.py's timeline)
     )
     return True

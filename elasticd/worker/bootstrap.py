@@ -89,7 +89,8 @@ def _register_step_hook(optimizer_module) -> None:
 
 def _hook_optimizer_steps(optimizer_module) -> None:
     _register_step_hook(optimizer_module)
-    _report_imports_once(optimizer_module)
+    if os.environ.get(names.IN_PLACE_GEN, "0") == "0":  # a rank replaced in place: learned already
+        _report_imports_once(optimizer_module)
 
 
 def _report_imports_once(optimizer_module) -> None:

@@ -25,6 +25,7 @@ re-forming; the rank then falls back to the whole-group restart, as for every ot
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import hashlib
 import hmac
@@ -34,7 +35,7 @@ import os
 import threading
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import structlog
@@ -154,6 +155,7 @@ class Member:
     world: int
     start_timeout: float  # seconds a rank's process may take to start: init_process_group's
     generation: int = -1
+    marks: dict[str, float] = field(default_factory=dict)  # the latest form's: wall times
 
     def form(self, generation: int, starting: frozenset[int] | None = None) -> float:
         """Re-form the group as generation `generation`: seconds it took. `starting`: the ranks
@@ -161,6 +163,7 @@ class Member:
         may take a process start (`start_timeout`); the others' come within REFORM_TIMEOUT."""
         dist, store, key = self.dist, self.store, _key()
         t0 = time.monotonic()
+        self.marks = {}
         store.set(
             names.in_place_key(generation, self.rank),
             sign(key, generation, self.rank, dist._get_reconfigure_handle()),
@@ -175,6 +178,7 @@ class Member:
                 store.wait([keys[r] for r in ranks], timedelta(seconds=seconds))
             except Exception as e:
                 raise Refused(self._missing(generation, keys, ranks, seconds)) from e
+        self.marks["handles"] = time.time()
         handles = []
         for r, k in enumerate(keys):
             handle = opened(key, generation, r, store.get(k))
@@ -187,6 +191,7 @@ class Member:
             ).wait()
         except Exception as e:
             raise Refused(f"reconfigure of generation {generation} failed: {e}") from e
+        self.marks["reformed"] = time.time()
         self.generation = generation
         return time.monotonic() - t0
 
@@ -274,7 +279,9 @@ def init(init_process_group, dist, args, kwargs):
     if why is not None:
         _fallback(why)
         return init_process_group(*args, **kwargs)
+    at = {"init": time.time()}
     result = init_process_group(*args, **{**kwargs, "enable_reconfigure": True})
+    at["initialized"] = time.time()
     store = dist.TCPStore(
         os.environ["MASTER_ADDR"],
         int(os.environ["MASTER_PORT"]),
@@ -285,7 +292,22 @@ def init(init_process_group, dist, args, kwargs):
     joining = Member(dist, store, dist.get_rank(), dist.get_world_size(), timeout.total_seconds())
     joining.form(int(gen))  # Refused: the script fails here, and this rank falls back
     _member = joining
+    if int(gen) > 0:  # a replacement, joined late
+        log.info(
+            "joined_in_place",
+            generation=int(gen),
+            rank=joining.rank,
+            **timeline({**at, **joining.marks}),
+        )
     return result
+
+
+def timeline(at: dict[str, float]) -> dict[str, object]:
+    """A re-forming's phases for its log line: the first one's wall time (`at`, to line up
+    with the daemon's and the other ranks'), the others' seconds after it (bench/recovery.py
+    reads them)."""
+    start = min(at.values())
+    return {"at": round(start, 4), "phases": {k: round(v - start, 4) for k, v in at.items()}}
 
 
 def _stray_threads() -> list[str]:
@@ -305,14 +327,20 @@ def reenter(exc: BaseException) -> str | None:
     found = member()
     if found is None:
         return "not on the in-place path" if _member is None else "the group was destroyed"
+    at = {"unwound": time.time()}
     found.abort()
+    at["aborted"] = time.time()
     announced = found.announced(time.monotonic() + GENERATION_WAIT)
     if announced is None:
         _fallback(f"no generation announced in {GENERATION_WAIT:g} s after: {exc}")
         return "no new generation"
+    at["announced"] = time.time()
+    with contextlib.suppress(Exception):  # only spares this rank the daemon's kill (unstick)
+        found.store.set(names.in_place_unwound_key(announced[0], found.rank), b"1")
     # the unwound script's frames hold its model, loaders and managers: let them go
     traceback.clear_frames(exc.__traceback__)
     gc.collect()
+    at["collected"] = time.time()
     why = None
     if threads := _stray_threads():
         why = f"the script's threads still run: {', '.join(threads)}"
@@ -325,7 +353,11 @@ def reenter(exc: BaseException) -> str | None:
             why = str(e)
         else:
             log.info(
-                "re_entered", generation=announced[0], reform_s=round(seconds, 4), rank=found.rank
+                "re_entered",
+                generation=announced[0],
+                reform_s=round(seconds, 4),
+                rank=found.rank,
+                **timeline({**at, **found.marks}),
             )
             return None
     _fallback(why)

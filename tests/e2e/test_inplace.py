@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from e2e.test_resume import final_state, tensors
-from harness import leftover_processes, script, wait_until
+from harness import bench, leftover_processes, script, wait_until
 
 pytestmark = pytest.mark.skipif(
     not hasattr(dist, "_reconfigure"),
@@ -93,13 +93,70 @@ def test_a_survivor_that_cannot_vouch_for_itself_falls_back_to_the_restart(daemo
     assert not leftover_processes()
 
 
-def test_a_script_that_swallows_the_collectives_error_ends_in_the_restart(daemons):
-    """Rank 0 catches the failed collective and goes on: it never comes to re-form, so the
-    others' wait for its handle ends (10 s) with a line naming rank 0, and the group restarts as
-    today."""
-    d = restarted_after_kill(daemons, "--swallow")
+def test_a_rank_that_never_gives_its_handle_is_killed_and_replaced_in_place(daemons):
+    """Rank 0 catches the failed collective and goes on: it never comes to re-form (as a
+    survivor blocked in a collective that no abort ends). The daemon waits about a step for its
+    handle (1 s before the job's step times are learned), kills it and starts rank 0 again into
+    the generation forming, with one line naming it; the group goes on in place, no restart."""
+    d = daemons(
+        script("inplace_faults.py"), *FLAGS, "--restart-backoff", "0",
+        args=["--steps", "2000", "--swallow"],
+    )  # fmt: skip
+    wait_until(lambda: re.search(r"^step 10\b", d.log_text(0, 1), re.M), 90, what="step 10")
+    before = d.worker_pids()
+    os.kill(before[1], signal.SIGKILL)
+    wait_until(lambda: events(d, "in_place_unstuck"), 30, what="rank 0 killed and replaced")
+    # every rank steps again in the re-formed group: rank 2 in its own process
+    wait_until(
+        lambda: re.search(r"re_entered.*\n(.*\n)*step 3\b", d.log_text(2, 1)), 60,
+        what="rank 2 stepping after re-entry",
+    )  # fmt: skip
+    d.kill(signal.SIGTERM)
+    d.wait(60)
+    unstuck = events(d, "in_place_unstuck")
+    assert len(unstuck) == 1 and unstuck[0]["ranks"] == [0], unstuck
+    assert unstuck[0]["killed"] == [before[0]] and "gave no handle" in unstuck[0]["why"]
     assert "ignored:" in d.log_text(0, 1)
-    # rank 2 unwound and waited for every handle of the new generation: rank 0's never came
-    survivor = d.log_text(2, 1)
-    assert "in_place_fallback" in survivor and "rank(s) 0 gave no handle" in survivor, survivor
+    assert len(d.attempt_dirs()) == 1 and not events(d, "in_place_refused")
+    assert before[2] in events(d, "replaced_in_place")[0]["survivors"]
+    assert not leftover_processes()
+
+
+def test_a_hung_rank_is_killed_and_replaced_the_others_re_enter(daemons):
+    """Rank 1 sleeps outside the step's collective while ranks 0 and 2 wait in it: past the
+    heartbeat timeout the daemon names rank 1 hung, kills it and replaces it in place; the
+    others' collective fails, they re-enter in their own processes, and no restart follows."""
+    d = daemons(
+        script("inplace_faults.py"), *FLAGS, "--heartbeat-timeout", "3",
+        args=["--steps", "2000", "--hang-at", "15"],
+    )  # fmt: skip
+    wait_until(lambda: re.search(r"^step 14\b", d.log_text(1, 1), re.M), 90, what="step 14")
+    before = d.worker_pids()
+    wait_until(lambda: events(d, "replaced_in_place"), 30, what="the hung rank replaced")
+    wait_until(
+        lambda: re.search(r"re_entered.*\n(.*\n)*step 3\b", d.log_text(2, 1)), 60,
+        what="rank 2 stepping after re-entry",
+    )  # fmt: skip
+    d.kill(signal.SIGTERM)
+    d.wait(60)
+    replaced = events(d, "replaced_in_place")
+    assert len(replaced) == 1 and replaced[0]["ranks"] == [1], replaced
+    assert "hung" in replaced[0]["cause"] and "rank 1" in replaced[0]["cause"]
+    assert sorted(replaced[0]["survivors"]) == sorted([before[0], before[2]])
+    assert len(d.attempt_dirs()) == 1 and not events(d, "in_place_refused")
+    assert "re_entered" in d.log_text(0, 1)
+    assert not leftover_processes()
+
+
+def test_the_recovery_bench_reports_the_in_place_timeline():
+    """bench/recovery.py's smoke run: two kills, every one recovered in place (the survivors'
+    pids kept), and the timeline's phases printed, median / p90."""
+    r = bench(
+        "recovery.py", "--nproc", "3", "--launchers", "elasticd-in-place", "--trials", "2",
+        "--warmup", "1.5", "--trial-timeout", "20", timeout=240,
+    )  # fmt: skip
+    row = re.search(r"^elasticd-in-place +([\d.]+) .* (\d+)/2 .* (\d+)$", r.stdout, re.M)
+    assert row and row[2] == "2" and row[3] == "2", r.stdout
+    for phase in ("seen", "unwound", "replaced", "reformed", "new.reformed", "first_step"):
+        assert re.search(rf"^  {re.escape(phase)} +[\d.]+ / [\d.]+", r.stdout, re.M), r.stdout
     assert not leftover_processes()

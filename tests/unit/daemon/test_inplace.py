@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from elasticd.config import Config
 from elasticd.daemon import inplace
+from elasticd.daemon.deadlines import Deadline
 from elasticd.worker import reconfigure
 
 HAS = hasattr(dist, "_reconfigure")
@@ -61,3 +62,17 @@ def torch_version():
     import torch
 
     return torch.__version__
+
+
+@pytest.mark.parametrize(
+    "deadline, seconds",
+    [
+        (None, inplace.STUCK_UNLEARNED),
+        (Deadline(300.0, False), inplace.STUCK_UNLEARNED),  # not learned yet
+        (Deadline(1.0, True, p99=0.02), inplace.STUCK_FLOOR),  # fast steps: the floor
+        (Deadline(4.0, True, p99=0.5), 1.0),  # about a step: 2 x p99
+        (Deadline(1.0, True, p99=0.4), 0.5),  # under half the hang deadline
+    ],
+)
+def test_a_survivor_is_stuck_after_about_one_step(deadline, seconds):
+    assert inplace.stuck_after(deadline) == pytest.approx(seconds)
