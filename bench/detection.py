@@ -29,6 +29,9 @@ not seen within --bound seconds is "not within N s".
 
 elasticd runs with its defaults (the hang deadline learned from the job's step gaps under the
 --heartbeat-timeout 300 s ceiling, --peer-timeout 10 s);
+`--launchers elasticd,elasticd-noprobe` adds, for the node kinds, elasticd as it was before the
+probe of a silent node's address (cluster/probe.py): node 1's probe port is held by the benchmark
+(bound, not listening), so its daemon cannot listen and node 0 judges it by its beats alone;
 `--launchers elasticd,elasticd-hb,torchrun` adds elasticd with `--heartbeat-timeout --hb` (2 s, as
 the tests hand-set it) for the three hang kinds.
 
@@ -193,6 +196,8 @@ def launcher(kind: str, hb: float) -> tuple[str, tuple[str, ...]]:
     """recovery.py's launcher kind and the flags added for a column of this table."""
     if kind == "elasticd-hb":
         return "elasticd", ("--heartbeat-timeout", f"{hb:g}")
+    if kind == "elasticd-noprobe":
+        return "elasticd", ()
     return kind, ()
 
 
@@ -263,7 +268,10 @@ def two_nodes(column: str, fault: str, args, work: Path) -> Trial:
         host, prefix = net.addr(0), [net.prefix(0), net.prefix(1)]
         env["GLOO_SOCKET_IFNAME"] = dev  # gloo on the namespace's link, not its loopback
     procs, logs = [], [work / "node0.log", work / "node1.log"]
+    held = None
     try:
+        if net is not None and column == "elasticd-noprobe":
+            held = net.call(1, lambda: _hold(net.addr(1), port))
         for i in (0, 1):
             if kind == "elasticd":
                 nodes = ("--nnodes", "2", "--rdzv-endpoint", f"{host}:{port}")
@@ -293,9 +301,18 @@ def two_nodes(column: str, fault: str, args, work: Path) -> Trial:
     finally:
         for p in procs:
             kill_tree(p)
+        if held is not None:
+            held.close()
         if net is not None:
             net.close()
         sweep(out)
+
+
+def _hold(addr: str, port: int) -> socket.socket:
+    """The port bound and not listening, so the daemon's probe listener cannot take it."""
+    sock = socket.socket()
+    sock.bind((addr, port))
+    return sock
 
 
 def _answers(net, host: str, port: int) -> bool:
@@ -392,6 +409,8 @@ def run(args) -> dict:
         for column in args.launchers:
             if column == "elasticd-hb" and fault not in HANGS:
                 continue
+            if column == "elasticd-noprobe" and fault not in NODES:
+                continue
             trials = []
             for i in range(args.trials):
                 with tempfile.TemporaryDirectory(prefix=f"bench-detect-{column}-{fault}-") as tmp:
@@ -451,15 +470,14 @@ def table(results: dict, args) -> str:
     cols = [c for c in args.launchers if c != "torchrun"]
     head = ["fault"]
     for c in cols:
-        name = (
-            "elasticd (defaults)"
-            if c == "elasticd"
-            else f"elasticd --heartbeat-timeout {args.hb:g}"
-        )
+        name = {
+            "elasticd": "elasticd (defaults)",
+            "elasticd-noprobe": "elasticd, no probe (before)",
+        }.get(c, f"elasticd --heartbeat-timeout {args.hb:g}")
         head += [f"{name}: detected after (median, range), detected", "rank named right"]
     if "torchrun" in args.launchers:
         head += ["torchrun: detected after", "rank named right"]
-        head += [f"ratio {c if c == 'elasticd' else 'hb'}/torchrun" for c in cols]
+        head += [f"ratio {c.removeprefix('elasticd-') or c}/torchrun" for c in cols]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for fault in KINDS:
         got = results.get(fault)
@@ -537,7 +555,9 @@ def main() -> None:
     p.add_argument("--trials", type=int, default=1)
     p.add_argument("--kinds", default=",".join(KINDS), help=f"of {','.join(KINDS)}")
     p.add_argument(
-        "--launchers", default="elasticd,torchrun", help="of elasticd,elasticd-hb,torchrun"
+        "--launchers",
+        default="elasticd,torchrun",
+        help="of elasticd,elasticd-hb,elasticd-noprobe,torchrun",
     )
     p.add_argument("--nproc", type=int, default=3, help="workers of the one-node kinds (default 3)")
     p.add_argument("--bound", type=float, default=15.0, help="a fault not seen by then: not within")

@@ -17,6 +17,9 @@ and the silence together). The failure names the lost node in its first words (i
 and ranks), and a node told of it by another's restart request says the same (`told`). A daemon
 stopped for a few seconds (its workers still training) or a starved one (its beats late, not
 missing) is never lost.
+A silent neighbour is also probed at its own address (probe.py): one that answered before and now
+answers nothing, or refuses, is lost after one beat of silence (a partition, a node killed),
+since a starved or stopped daemon's kernel still answers.
 A c10d store's host that refuses the connection is down, acted on at once. On the c10d store's
 host, the liveness thread also answers the challenges of the nodes that would follow its run,
 every ANSWER_EVERY between beats (run.answer).
@@ -31,7 +34,7 @@ from collections.abc import Callable
 
 from elasticd import logs
 from elasticd.cluster import kv as kvmod
-from elasticd.cluster import silence
+from elasticd.cluster import probe, silence
 from elasticd.cluster.errors import StoreLost, host_down_line
 from elasticd.cluster.rendezvous import Rendezvous
 from elasticd.cluster.rounds import Round
@@ -52,6 +55,7 @@ log = logs.get("elasticd.peers")
 
 WATCHED = 2  # ring neighbours each node watches (and so each node is watched by as many)
 WAITING_EVERY = 1.0  # seconds between reads of the nodes waiting to join
+PROBE_TRIES = 3  # probes of a neighbour that never answered before it is judged by beats alone
 
 
 class Peers:
@@ -63,6 +67,11 @@ class Peers:
         self._round: Round | None = None
         # the round watched, and its watched group ranks -> (beat count, when it last went up)
         self._seen: tuple[Round | None, dict[int, tuple[int, float]]] = (None, {})
+        # the round probed: group ranks that answered, tries of those that never did, and those
+        # that then stopped answering -> (when that probe began, its verdict)
+        self._probed: tuple[Round | None, set[int], dict[int, int], dict[int, tuple[float, str]]]
+        self._probed = (None, set(), {}, {})
+        self._listener = _listener(cfg, rdzv)
         self._restart: tuple[int, dict] | None = None  # (round number, reason) the waiter saw
         self._next_waiting_check = 0.0
         self.waiting: tuple[int, list[str]] = (-1, [])  # (round, ids of nodes waiting to join it)
@@ -92,6 +101,8 @@ class Peers:
         self._round = None
         self._beat_kv.close()
         self._wait_kv.close()
+        if self._listener is not None:
+            self._listener.close()
         for t in (self._thread, *self._waiters):
             if t.ident is not None:
                 t.join(timeout=WAIT_SLICE + 2 * getattr(self.rdzv.kv, "timeout", 2.5))
@@ -103,6 +114,7 @@ class Peers:
         self.unreachable_since, self._last_ok = None, time.monotonic()
         self._round = rnd
         self._seen = (rnd, {})
+        self._probed = (rnd, set(), {}, {})
         self._restart = None
         self.waiting = (-1, [])
         self._next_waiting_check = time.monotonic() + WAITING_EVERY
@@ -179,6 +191,7 @@ class Peers:
         watching, seen = self._seen
         if watching is rnd:  # (not a round the loop has left since this beat began)
             seen.update(silence.account(seen, ranks, beats, now, self._last_ok))
+            self._probe(rnd, seen, now)
         if now >= self._next_waiting_check:
             self._next_waiting_check = now + WAITING_EVERY
             if rnd.group_rank == 0 and rnd.group_world_size > 1:
@@ -188,6 +201,36 @@ class Peers:
                 self.waiting = (rnd.number, waiting)
                 if waiting:
                     self._wake()
+
+    def _probe(self, rnd: Round, seen: dict[int, tuple[int, float]], now: float) -> None:
+        """Queued probes of us accepted; our watched neighbours probed at their own address
+        (probe.py) where they never answered yet (up to PROBE_TRIES) or did not beat since our
+        last read: a neighbour that answered before and no longer does is evidence it is gone."""
+        probe.drain(self._listener)
+        probed, answered, tries, unreachable = self._probed
+        if probed is not rnd:
+            return
+        targets = {}
+        for g, (_, since) in seen.items():
+            addr = rnd.members[g].addr
+            fresh = g not in answered and tries.get(g, 0) < PROBE_TRIES
+            if addr != self.rdzv.addr and addr != self.cfg.rdzv_host and (fresh or since < now):
+                targets[(addr, self.cfg.rdzv_port)] = g
+        if not targets:
+            return
+        began = time.monotonic()
+        for target, verdict in probe.probe(targets).items():
+            g = targets[target]
+            if verdict == "answered":
+                answered.add(g)
+                unreachable.pop(g, None)
+            elif g not in answered:
+                tries[g] = tries.get(g, 0) + 1
+            elif g not in unreachable:
+                said = "refused us" if verdict == "refused" else "gave no answer"
+                unreachable[g] = (began, f"its address {target[0]}:{target[1]} {said}")
+                log.warning("peer_unreachable", group_rank=g, addr=target[0], verdict=verdict)
+                self._wake()
 
     def _wait_restart(self, rnd: Round) -> None:
         key = self.rdzv.restart_key(rnd)
@@ -266,13 +309,25 @@ class Peers:
         and ranks) in its first words, and when it went quiet."""
         watching, seen = self._seen
         seen = dict(seen) if watching is rnd else {}
+        probed, _, _, unreachable = self._probed
+        unreachable = dict(unreachable) if probed is rnd else {}
         limit = min(LOST_SILENCE, self.cfg.peer_timeout)
         if died_at is not None:
             limit = min(limit, 2 * BEAT_EVERY)
+        if unreachable:
+            limit = min(limit, BEAT_EVERY)
         if not silence.anyone_silent(seen, now, limit):
             return None  # nobody silent: no need to read our workers' heartbeats
         progress, step = silence.pace(beats())
-        found = silence.judge(seen, now, self.cfg.peer_timeout, progress, step, died_at=died_at)
+        found = silence.judge(
+            seen,
+            now,
+            self.cfg.peer_timeout,
+            progress,
+            step,
+            died_at=died_at,
+            unreachable=unreachable,
+        )
         if found is None:
             return None
         g, why = found
@@ -286,6 +341,14 @@ class Peers:
             lost=(member.node_id,),
             at=time.time() - (now - seen[g][1]),  # when it went quiet, Unix time
         )
+
+
+def _listener(cfg: Config, rdzv: Rendezvous):
+    """Where our peers probe us (probe.py): our address at the rendezvous port, for a
+    multi-node c10d job, but on the store's own address (the store is there)."""
+    if cfg.etcd or cfg.max_nodes == 1 or rdzv.addr in ("", cfg.rdzv_host):
+        return None
+    return probe.listen(rdzv.addr, cfg.rdzv_port)
 
 
 def ranks_text(first: int, count: int) -> str:

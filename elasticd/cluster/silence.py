@@ -8,7 +8,9 @@ whether one is lost), and the node closing a restarted round for the expected no
 not arrived (closing.py: `missing_lost`). Time we could not see the store is excused; the
 closer's missing nodes are lost after LOST_SILENCE; a watched node is lost when silent for
 --peer-timeout, or for a few beats while our workers wait on it, or for two beats once one of our
-workers died of a closed connection (`died_at`: the peer's going is then both evidences at once).
+workers died of a closed connection (`died_at`: the peer's going is then both evidences at once),
+or for one beat once its daemon's address stopped answering after it went quiet (`unreachable`,
+probe.py: a starved or stopped node still answers, so this is evidence it is gone).
 """
 
 from __future__ import annotations
@@ -113,18 +115,24 @@ def judge(
     lost_silence: float = LOST_SILENCE,
     beat_every: float = BEAT_EVERY,
     died_at: float | None = None,
+    unreachable: Mapping[int, tuple[float, str]] | None = None,
 ) -> tuple[int, str] | None:
     """The first watched node (by `seen`'s order) that is lost, and why: silent for
     --peer-timeout, or silent for `lost_silence` (and two and a half of our steps) while our
     workers made no step since it went quiet (their collectives wait on it), or, where one of our
     workers died of a closed connection at `died_at` (monotonic), silent for two beats since
     before then (its last beat heard at most two beats after that death: the read that would have
-    seen a later one). A daemon stopped for a few seconds (its workers still training) or a
-    starved one (its beats late, not missing) is never lost."""
+    seen a later one), or silent for a beat with its daemon's address not answering a probe
+    made after it went quiet (`unreachable`: group rank -> (when that probe began, its verdict)).
+    A daemon stopped for a few seconds (its workers still training) or a starved one (its beats
+    late, not missing) is never lost."""
     for g, (_, since) in seen.items():
         silent = now - since
         if silent >= peer_timeout:
             return g, f"went silent for {silent:.1f}s (--peer-timeout {peer_timeout:g})"
+        probed = (unreachable or {}).get(g)
+        if probed is not None and probed[0] > since and silent >= beat_every:
+            return g, f"went silent for {silent:.2f}s and {probed[1]}"
         if died_at is not None and silent >= 2 * beat_every and since <= died_at + 2 * beat_every:
             return g, f"went silent for {silent:.1f}s, and our worker died of a closed connection"
         if (

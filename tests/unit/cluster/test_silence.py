@@ -163,3 +163,20 @@ def test_judge(row):
     _, seen, peer_timeout, progress, step, want = row
     got = judge(seen, T, peer_timeout, progress, step, lost_silence=1.25, beat_every=0.25)
     assert got == want
+
+
+@pytest.mark.parametrize(
+    ("since", "probed", "want"),
+    [
+        # silent a beat, and the probe made since then went unanswered: lost at once
+        (T - 0.3, (T - 0.1, "x refused"), (1, "went silent for 0.30s and x refused")),
+        (T - 0.31, (T - 0.1, "y"), (1, "went silent for 0.31s and y")),
+        (T - 0.2, (T - 0.1, "no answer"), None),  # not a beat yet
+        (T - 0.3, (T - 0.4, "no answer"), None),  # it beat after that probe: the probe is stale
+        (T - 0.3, None, None),  # it answered (or was never probed): slow, not lost
+    ],
+)  # fmt: skip
+def test_judge_with_an_unanswered_probe(since, probed, want):
+    unreachable = {} if probed is None else {1: probed}
+    got = judge({1: (3, since)}, T, 10.0, None, None, 1.25, 0.25, unreachable=unreachable)
+    assert got == want
