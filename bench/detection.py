@@ -16,6 +16,7 @@ fault into rank 1 (or the node holding it) and times the injection
                 store (started second) SIGKILLed whole, launcher and workers at once
     partition   the same two nodes, each in a network namespace of its own (tests/netns.py: root
                 and iproute2, else not measured), node 1's link cut
+    node_kill_netns  node_kill in those namespaces: node 1's address stays up, its port refuses
 
 elasticd's record: the first JSON event on its stderr (`--log-format json`) that names the failure,
 the RESTARTING (or FAILED / LEFT) state event or the hang's verdict, by its own timestamp; the rank
@@ -75,22 +76,25 @@ import psutil
 from recovery import HERE, SCRIPT, events, kill_tree, latest_pids, launcher_cmd, read_steps, spawn
 from rendezvous import free_port, node_cmd, secret_file
 
-KINDS = ("crash", "stop", "stuck", "desync", "node_kill", "partition")
+KINDS = ("crash", "stop", "stuck", "desync", "node_kill", "node_kill_netns", "partition")
 LABELS = {
     "crash": "crash (kill -9 of rank 1)",
     "stop": "hang in compute (SIGSTOP of rank 1)",
     "stuck": "hang in a collective (rank 1 sleeps outside it)",
     "desync": "desync (rank 1 in all_gather, the others in all_reduce)",
     "node_kill": "node kill (node 1's launcher and worker SIGKILLed)",
+    "node_kill_netns": "node kill, nodes in network namespaces",
     "partition": "partition (node 1's link cut)",
 }
 HANGS = {"stop", "stuck", "desync"}  # what a heartbeat timeout decides
-NODES = {"node_kill", "partition"}
+NODES = {"node_kill", "node_kill_netns", "partition"}
+NETNS = {"node_kill_netns", "partition"}  # the two-node kinds run in network namespaces
 FLAGS = {"stuck": "sleep", "desync": "all_gather"}  # step_logger.py's faults by flag file
 # torchrun's c10d store, in these namespaces on the 2-core VM, timed out its own node's client
 UNMEASURED = {
-    ("torchrun", "partition"): "not measured: torchrun's c10d store timed out its own node's "
+    ("torchrun", kind): "not measured: torchrun's c10d store timed out its own node's "
     "client inside the network namespaces here"
+    for kind in NETNS
 }
 VICTIM = 1  # the rank faulted on one node
 # elasticd's events that name a failure (daemon/agent.py `set_state`, daemon/hangs.py)
@@ -261,7 +265,7 @@ def two_nodes(column: str, fault: str, args, work: Path) -> Trial:
     kind, _ = launcher(column, args.hb)
     out, port = work / "steps.txt", free_port()
     net, host, prefix, env = None, "127.0.0.1", [(), ()], dict(os.environ, BENCH_OUT=str(out))
-    if fault == "partition":
+    if fault in NETNS:
         net, dev = _network()
         if net is None:
             return Trial(said=dev)
@@ -290,12 +294,12 @@ def two_nodes(column: str, fault: str, args, work: Path) -> Trial:
         right = {f"rank {rank_of[p.pid]}" for p in tree if p.pid in rank_of}
         right |= {f"node {n}" for n in _node_ids(logs[1])}
         t = time.time()
-        for victim in tree if net is None else ():  # the launcher first: it reports nothing
+        for victim in tree if fault != "partition" else ():  # the launcher first: it says nothing
             try:
                 victim.kill()
             except psutil.Error:
                 pass
-        if net is not None:
+        if fault == "partition":
             net.cut(1)
         return _detected(kind, logs[0], t, rank_of, args.bound, right)
     finally:
