@@ -21,11 +21,12 @@ def test_detection_bench_times_a_crash_and_prints_every_kind():
         "hang in compute",
         "hang in a collective",
         "desync",
-        "node kill",
+        "node kill (",
+        "node kill, nodes in network namespaces",
         "partition",
     )
     assert [k for k in kinds if any(ln.startswith(f"| {k}") for ln in rows)] == list(kinds), rows
-    assert sum("not run (--kinds)" in ln for ln in rows) == 5, rows
+    assert sum("not run (--kinds)" in ln for ln in rows) == 6, rows
 
 
 def test_overhead_times_the_flight_recorder_on_and_off():

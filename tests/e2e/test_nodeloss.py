@@ -251,6 +251,10 @@ def test_partitioned_node_stops_its_workers_and_rejoins_when_healed(daemons, net
         net.cut(2)  # b's link: its packets are lost, nothing fails fast
         first = wait_until(lambda: stepping_alone(a, t_cut), 30, what="a stepping alone")
         print(f"partition: a stepping again {first[2] - t_cut:.2f}s after the cut")
+        # the direct evidence (cluster/probe.py): b's address, which answered, now answers nothing
+        unanswered = [e for e in a.events() if e.get("event") == "peer_unreachable"]
+        assert unanswered and unanswered[0]["verdict"] == "no answer", a.stderr()[-3000:]
+        assert _when(unanswered[0]) > t_cut, unanswered
         assert first[2] - t_cut < RECOVERY_GOAL + LOADED_MARGIN
         # b: within --peer-timeout (10 s) it knows it is cut off, says so, and stops its workers
         said = wait_until(
