@@ -28,6 +28,7 @@ every ANSWER_EVERY between beats (run.answer).
 from __future__ import annotations
 
 import dataclasses
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -72,6 +73,8 @@ class Peers:
         self._probed: tuple[Round | None, set[int], dict[int, int], dict[int, tuple[float, str]]]
         self._probed = (None, set(), {}, {})
         self._listener = _listener(cfg, rdzv)
+        # ours, and the store's (its TCPStore would look up the name of each probe's connection)
+        self._not_probed = {rdzv.addr, *_addresses(cfg.rdzv_host)}
         self._restart: tuple[int, dict] | None = None  # (round number, reason) the waiter saw
         self._next_waiting_check = 0.0
         self.waiting: tuple[int, list[str]] = (-1, [])  # (round, ids of nodes waiting to join it)
@@ -208,13 +211,13 @@ class Peers:
         last read: a neighbour that answered before and no longer does is evidence it is gone."""
         probe.drain(self._listener)
         probed, answered, tries, unreachable = self._probed
-        if probed is not rnd:
+        if probed is not rnd or self.cfg.etcd:  # on etcd no daemon listens (`_listener`)
             return
         targets = {}
         for g, (_, since) in seen.items():
             addr = rnd.members[g].addr
             fresh = g not in answered and tries.get(g, 0) < PROBE_TRIES
-            if addr != self.rdzv.addr and addr != self.cfg.rdzv_host and (fresh or since < now):
+            if addr not in self._not_probed and (fresh or since < now):
                 targets[(addr, self.cfg.rdzv_port)] = g
         if not targets:
             return
@@ -226,11 +229,13 @@ class Peers:
                 unreachable.pop(g, None)
             elif g not in answered:
                 tries[g] = tries.get(g, 0) + 1
-            elif g not in unreachable:
+            else:  # the latest failed probe: one made before the node beat again is stale
                 said = "refused us" if verdict == "refused" else "gave no answer"
+                new = g not in unreachable
                 unreachable[g] = (began, f"its address {target[0]}:{target[1]} {said}")
-                log.warning("peer_unreachable", group_rank=g, addr=target[0], verdict=verdict)
-                self._wake()
+                if new:
+                    log.warning("peer_unreachable", group_rank=g, addr=target[0], verdict=verdict)
+                    self._wake()
 
     def _wait_restart(self, rnd: Round) -> None:
         key = self.rdzv.restart_key(rnd)
@@ -349,6 +354,14 @@ def _listener(cfg: Config, rdzv: Rendezvous):
     if cfg.etcd or cfg.max_nodes == 1 or rdzv.addr in ("", cfg.rdzv_host):
         return None
     return probe.listen(rdzv.addr, cfg.rdzv_port)
+
+
+def _addresses(host: str) -> set[str]:
+    """The addresses a host name stands for (itself if it does not resolve)."""
+    try:
+        return {host, *(str(a[4][0]) for a in socket.getaddrinfo(host, None))}
+    except (OSError, UnicodeError):
+        return {host}
 
 
 def ranks_text(first: int, count: int) -> str:
