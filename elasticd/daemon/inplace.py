@@ -22,8 +22,9 @@ generation, announced in the workers' store (signed), while the others stay in t
 unwind their script and re-form the group with them (worker/reconfigure.py). A hang is answered
 the same way once its rank is killed (the others' pending collective then fails, and they
 re-enter). Anything else (a hang with the GPU driver's evidence or no rank named, or one while
-a generation forms, a peer, every rank dead, a second fault before the last replacement
-stepped, the in-place budget spent) goes the restart's way, with one `in_place_refused` line.
+a generation forms, a peer, every rank dead, a rank that stopped on SIGTERM (exit 143: every
+rank stops with it), a second fault before the last replacement stepped, the in-place budget
+spent) goes the restart's way, with one `in_place_refused` line.
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ IN_PLACE, RESTART = "in_place", "restart"
 STUCK_FLOOR = 0.3  # seconds a survivor may take to give its handle, at least (`stuck_after`)
 STUCK_UNLEARNED = 1.0  # the same before the job's step times are learned
 REAP_WAIT = 2.0  # seconds for a stuck survivor killed to exit
+# a rank's exit after its stop request (checkpoint/stop.py): its peers agreed to stop and exit too
+STOPPED = 128 + signal.SIGTERM
 
 
 @dataclass(frozen=True)
@@ -102,14 +105,19 @@ def _refused(agent: Agent, why: Failure) -> str | None:
             return "a hang while a generation formed in place"
     if why.kind is RestartCause.CRASH and why.exit_code in agent.cfg.fatal_exit_codes:
         return "a fatal exit code"
+    if why.kind is RestartCause.CRASH and why.exit_code == STOPPED:
+        return (
+            f"exit {STOPPED}: the rank stopped on SIGTERM (the checkpoint library saves and every "
+            "rank stops with it)"
+        )
     if agent.round is None or agent.round.worker_store is None:
         return "this node does not host the workers' store"
     if any(b is None or not b.beats for b in group.beats()):
         return "a rank had not stepped yet (a second fault during re-entry, or at the start)"
     if agent.in_place_used >= agent.cfg.max_restarts:
         return f"the in-place budget is spent ({agent.cfg.max_restarts}: --max-restarts)"
-    if not [w for w in group.workers if w.exit_code is None]:
-        return "every rank has exited"
+    if not [w for w in group.workers if w.exit_code is None and w.proc.poll() is None]:
+        return "every rank has exited"  # polled: ranks killed together die a moment apart
     return None
 
 
