@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 
 from elasticd import logs, names
 from elasticd.config import Config, parse_nnodes
+from elasticd.daemon import processes
 from elasticd.lifecycle.states import Failure, RestartCause
 from elasticd.worker import reconfigure
 
@@ -50,6 +51,7 @@ IN_PLACE, RESTART = "in_place", "restart"
 STUCK_FLOOR = 0.3  # seconds a survivor may take to give its handle, at least (`stuck_after`)
 STUCK_UNLEARNED = 1.0  # the same before the job's step times are learned
 REAP_WAIT = 2.0  # seconds for a stuck survivor killed to exit
+STACKS_WAIT = 0.3  # seconds a stuck survivor's stack dump is waited for, before its kill
 # a rank's exit after its stop request (checkpoint/stop.py): its peers agreed to stop and exit too
 STOPPED = 128 + signal.SIGTERM
 
@@ -154,6 +156,13 @@ def _kill(*workers) -> None:
             log.warning("in_place_unreaped", pid=w.pid)
 
 
+def _innermost(dump: str) -> str:
+    """The main thread's innermost frame of a faulthandler dump ("" if none)."""
+    main = dump.split("Current thread", 1)[-1] if "Current thread" in dump else dump
+    frame = next((ln.strip() for ln in main.splitlines() if ln.strip().startswith("File ")), "")
+    return frame[:200]
+
+
 def unstick(agent: Agent, now: float) -> None:
     """While a generation forms: a survivor that gave no handle within `Forming.after` is
     blocked where its abort does not reach; kill it and start its rank again into the same
@@ -185,6 +194,8 @@ def unstick(agent: Agent, now: float) -> None:
     )  # fmt: skip
     if not stuck:
         return  # exited meanwhile: the loop's check acts on it
+    # where it waits is not known yet (docs/in-place.md): its stacks, briefly, before the kill
+    dumps = processes.dump_stacks(stuck, agent.cfg.stack_signal, wait=STACKS_WAIT)
     _kill(*stuck)
     pids = group.replace(stuck, agent.spares.spares, again=True)
     agent.spares.after_spawn([w.env for w in group.workers])
@@ -200,6 +211,8 @@ def unstick(agent: Agent, now: float) -> None:
         ranks=[w.global_rank for w in stuck],
         killed=[w.pid for w in stuck],
         pids=pids,
+        where=[_innermost(text) for _w, text in dumps],
+        stacks=[str(w.stack_path) for w in stuck],
     )
 
 
