@@ -156,6 +156,16 @@ def _kill(*workers) -> None:
             log.warning("in_place_unreaped", pid=w.pid)
 
 
+def _starting(agent: Agent, forming: Forming, store) -> bool:
+    """Whether a rank started for the generation has not given its handle yet: the survivors,
+    which gave theirs, then wait in form without beating (a replacement's start takes seconds
+    on a loaded machine; measured: a survivor named hung at a 2 s heartbeat timeout while it
+    waited, and the group restarted). Their silence counts from when the handles are in; the
+    starting rank is judged by the startup timeout, and the survivors' own wait is bounded."""
+    starting = [w.global_rank for w in agent.group.workers if w.global_rank not in forming.running]
+    return any(not store.check([names.in_place_key(forming.generation, r)]) for r in starting)
+
+
 def _end_children(dead) -> None:
     """SIGKILL what is left of dead ranks' process groups: a child a rank forked after its group
     formed (a DataLoader worker) holds the rank's gloo sockets open, and the survivors' pending
@@ -191,7 +201,10 @@ def unstick(agent: Agent, now: float) -> None:
     try:
         missing = [r for r in forming.running if not store.check([names.in_place_key(gen, r)])]
         if not missing:
-            agent.forming = None
+            if _starting(agent, forming, store):
+                agent.group.quiet_from = now  # the survivors wait in form for a starting rank
+            else:
+                agent.forming = None
             return
         if now - forming.since < forming.after:
             return
