@@ -257,6 +257,7 @@ def replace(agent: Agent, why: Failure) -> bool:
         _kill(*[w for w in group.workers if w.global_rank == why.rank and w.exit_code is None])
     dead = [w for w in group.workers if w.exit_code is not None]
     _end_children(dead)
+    agent.recovery.replaced_in_place()  # refused above unless every rank had stepped
     agent.recovery.detected()
     agent.in_place_used += 1
     gen = group.generation + 1

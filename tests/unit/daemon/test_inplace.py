@@ -109,3 +109,21 @@ def test_a_rank_that_stopped_on_sigterm_restarts_the_group(code, words):
     finally:
         live.kill()
         live.wait(10)
+
+
+def test_an_attempt_that_replaced_a_rank_in_place_had_trained():
+    """A second fault before the replacement's first step restarts the group (`_refused`), but
+    the attempt trained (every rank had stepped, or nothing was replaced in place): no crash
+    streak grows from it, no backoff doubles (bench/chaos.py --in-place auto waited 25.6 s)."""
+    from elasticd.daemon.recovery import Recovery
+
+    r = Recovery(Config())
+    r.started()
+    assert not r.trained([None, None])
+    r.replaced_in_place()
+    assert r.trained([None, None])
+    r.crash_streak = 5
+    r.backoff(r.trained([None]))
+    assert r.crash_streak == 0
+    r.started()  # the next attempt judged on its own
+    assert not r.trained([None, None])
