@@ -73,6 +73,8 @@ NO_RESTART = {
     "stop_short",
 }  # faults the job should ride out in the same processes
 TOKEN = "ELASTICD_AGENT"
+IN_PLACE = ("replaced_in_place", "in_place_unstuck")  # events naming ranks started in place
+REPLACING = ("state", *IN_PLACE)
 
 
 @dataclass
@@ -83,6 +85,8 @@ class Fault:
     recovery_s: float | None = None  # None: not recovered within the timeout
     steps_lost: int | None = None
     restarted: bool = False
+    path: str | None = None  # in_place / restart: how the job recovered (None: nothing restarted)
+    why: str | None = None  # the daemon's in_place_refused line, when it fell back
 
 
 class Job:
@@ -126,6 +130,7 @@ class Job:
             "--heartbeat-timeout",
             str(args.heartbeat_timeout),
             *(("--no-memory-state",) if args.disk else ()),  # the disk path
+            *(("--in-place", args.in_place) if args.in_place != "off" else ()),
             str(HERE / "chaos_train.py"),
         ]
         self.nproc = args.nproc
@@ -144,6 +149,25 @@ class Job:
         threading.Thread(target=self._reap, daemon=True).start()
         self.tokens: set[str] = set()
         self._pos, self.rows = 0, []  # (pid, rank, step, t)
+
+    def marks(self) -> tuple[int, int, int]:
+        """Where the daemon's restarts, in-place replacements and refusals stand (`path_since`)."""
+        restarts = [e for e in self.events("state") if e.get("new") == "RESTARTING"]
+        return len(restarts), len(self.events(*IN_PLACE)), len(self.events("in_place_refused"))
+
+    def path_since(self, marks: tuple[int, int, int]) -> tuple[str | None, str | None]:
+        """How the job recovered since `marks`: ("restart", the refusal's why if one) after a
+        group restart, ("in_place", None) after ranks replaced in place, else (None, None)."""
+        now = self.marks()
+        if now[0] > marks[0]:
+            refused = self.events("in_place_refused")[marks[2] :]
+            return "restart", refused[0]["why"] if refused else None
+        return ("in_place", None) if now[1] > marks[1] else (None, None)
+
+    @property
+    def hit(self) -> set[int]:
+        """Survivors the daemon killed to start their rank again in place (in_place_unstuck)."""
+        return {p for e in self.events("in_place_unstuck") for p in e["killed"]}
 
     def open_gate(self, step: int) -> None:
         """Let the ranks run up to (not including) `step`."""
@@ -166,19 +190,27 @@ class Job:
             self.rows.append((int(pid), int(rank), int(step), float(t)))
         return self.rows
 
-    def events(self, name: str) -> list[dict]:
+    def events(self, *wanted: str) -> list[dict]:
+        """The daemon's events of these names, in order."""
         out = []
         for line in self.stderr.read_text(errors="replace").splitlines():
-            if line.startswith("{") and f'"{name}"' in line:
+            if line.startswith("{") and any(f'"{name}"' in line for name in wanted):
                 e = json.loads(line)
-                if e.get("event") == name:
+                if e.get("event") in wanted:
                     out.append(e)
         return out
 
     def workers(self) -> dict[int, int]:
-        """rank -> pid of the latest attempt's workers, while they live."""
-        running = [e for e in self.events("state") if e.get("new") == "RUNNING"]
-        out = {int(r): p for r, p in running[-1]["pids"].items()} if running else {}
+        """rank -> pid of the latest attempt's workers, while they live: the last RUNNING's, with
+        the ranks replaced in place since (--in-place auto: `replaced_in_place`, `in_place_unstuck`
+        name the ranks and their new pids, in order)."""
+        out: dict[int, int] = {}
+        for e in self.events(*REPLACING):
+            if e["event"] == "state":
+                if e.get("new") == "RUNNING":
+                    out = {int(r): p for r, p in e["pids"].items()}
+            else:
+                out.update(zip(e["ranks"], e["pids"]))
         return {r: p for r, p in out.items() if _alive(p)}
 
     def helpers(self) -> tuple[int | None, list[int]]:
@@ -336,6 +368,15 @@ def stepping(job: Job, since: float, old: set[int], new_processes: bool) -> floa
     return max(first.values()) if len(first) == job.nproc else None
 
 
+def recovered(job: Job, since: float, old: set[int], marks: tuple, restart: bool) -> float | None:
+    """`stepping` for a fault: a restarting fault is recovered when every rank steps in a new
+    process; one recovered in place (no restart since `marks`), when every rank steps in a
+    process that is neither dead nor hit (the survivors in their own)."""
+    if restart and job.path_since(marks)[0] == "in_place":
+        return stepping(job, since, {p for p in old if not _alive(p)} | job.hit, True)
+    return stepping(job, since, old, restart)
+
+
 def inject(
     job: Job, kind: str, args, rng: random.Random, hb: float
 ) -> tuple[float, list[int], float]:
@@ -380,9 +421,10 @@ def inject(
     if kind == "restart":
         t = time.time()
         _signal(workers[rank], signal.SIGKILL)
-        old = set(workers.values())
+        # the victim's rank started again (in a restart every rank is; in place, that one)
         new = wait_for(
-            lambda: (w := job.workers()) and not old & set(w.values()) and w, args.fault_timeout
+            lambda: (w := job.workers()) and len(w) == job.nproc and w[rank] != workers[rank] and w,
+            args.fault_timeout,
         )
         if new:
             _signal(new[rng.randrange(job.nproc)], signal.SIGKILL)
@@ -461,18 +503,21 @@ def chaos_run(args, steps: int) -> dict:
         old |= set(fault.victims)
         faults.append(fault)
         restart = kind not in NO_RESTART
-        done = wait_for(lambda: stepping(job, since, old, restart), args.fault_timeout)
+        marks = job.marks()
+        done = wait_for(lambda: recovered(job, since, old, marks, restart), args.fault_timeout)
         if kind == "stop":  # a stopped worker the daemon has not killed yet
             _signal(victims[0], signal.SIGCONT)
         if done is None:
             ok = None
             continue
         fault.recovery_s = round(done - t, 3)
-        new_rows = [(p, s) for p, _r, s, tt in job.steps() if tt > since and p not in old]
+        new_rows = [(p, s, tt) for p, _r, s, tt in job.steps() if tt > since and p not in old]
         fault.restarted = bool(new_rows)
-        if fault.restarted:
-            before = max(s for p, _r, s, _t in job.steps() if p in old)
-            fault.steps_lost = before - (min(s for _p, s in new_rows) - 1)
+        fault.path, fault.why = job.path_since(marks)
+        if fault.restarted:  # the newest step before the first new process's step, - resumed
+            first = min(tt for _p, _s, tt in new_rows)
+            before = max(s for p, _r, s, tt in job.steps() if p in old and tt < first)
+            fault.steps_lost = before - (min(s for _p, s, _t in new_rows) - 1)
     job.open_gate(steps)
     job.note_tokens()
     code, wall = job.wait(args.fault_timeout + steps * (args.step_delay + 0.05))
@@ -486,6 +531,8 @@ def chaos_run(args, steps: int) -> dict:
         "final_step": final,
         "orphans": orphans(job.tokens),
         "resumed_from": resumed_from(job.work / "logs"),
+        "unstuck": len(job.events("in_place_unstuck")),
+        "fallbacks": fallbacks(job.work / "logs"),
     }
 
 
@@ -501,6 +548,18 @@ def resumed_from(logs: Path) -> dict[str, int]:
                 source = re.search(r"source[\"=: ]+(memory|disk)", line)
                 if source:
                     found[source.group(1)] += 1
+    return found
+
+
+def fallbacks(logs: Path) -> dict[str, int]:
+    """The workers' own in_place_fallback lines (worker/reconfigure.py), by their reason."""
+    found: dict[str, int] = {}
+    for path in logs.rglob("*"):
+        if path.is_file():
+            for line in path.read_text(errors="replace").splitlines():
+                if "in_place_fallback" in line:
+                    why = re.sub(r"\d+(\.\d+)?", "N", line.split("in_place_fallback", 1)[1])
+                    found[why.strip()[:120]] = found.get(why.strip()[:120], 0) + 1
     return found
 
 
@@ -535,13 +594,21 @@ def summarize(args, steps: int, clean: dict, chaos: dict) -> dict:
     )
     per_kind = {}
     for f in faults:
-        k = per_kind.setdefault(f.kind, {"n": 0, "survived": 0, "restarted": 0, "recovery_s": []})
+        k = per_kind.setdefault(
+            f.kind, {"n": 0, "survived": 0, "restarted": 0, "in_place": 0, "recovery_s": []}
+        )
         k["n"] += 1
         k["survived"] += f.recovery_s is not None
         k["restarted"] += f.restarted
+        k["in_place"] += f.path == "in_place"
         if f.recovery_s is not None and f.kind != "exit":
             k["recovery_s"].append(round(f.recovery_s, 3))
     lost = [f.steps_lost for f in faults if f.steps_lost is not None]
+    whys: dict[str, int] = {}
+    for f in faults:
+        if f.path == "restart":
+            why = f.why or "no refusal: a fault of every rank, or a rank's fallback"
+            whys[why] = whys.get(why, 0) + 1
     return {
         "faults": len(faults),
         "requested": args.faults,
@@ -566,6 +633,12 @@ def summarize(args, steps: int, clean: dict, chaos: dict) -> dict:
         "clean_wall_s": round(clean["wall_s"], 2),
         "per_kind": per_kind,
         "resumed_from": chaos["resumed_from"],
+        "in_place": args.in_place,
+        "recovered_in_place": sum(f.path == "in_place" for f in faults),
+        "group_restarts": sum(f.path == "restart" for f in faults),
+        "restart_why": whys,
+        "unstuck": chaos.get("unstuck", 0),
+        "worker_fallbacks": chaos.get("fallbacks", {}),
         "fault_log": [asdict(f) for f in faults],
         "cores": os.cpu_count(),
         "ranks": args.nproc,
@@ -584,12 +657,16 @@ def table(r: dict) -> str:
     lines = [
         f"chaos: {r['faults']} faults (seed {r['seed']}), {r['ranks']} ranks, {r['steps']} steps, "
         f"{r['cores']} cores",
-        f"{'fault':<12} {'n':>3} {'survived':>9} {'restarted':>10} {'recovery median/max s':>22}",
+        f"{'fault':<12} {'n':>3} {'survived':>9} {'restarted':>10} {'in place':>9} "
+        f"{'recovery median/max s':>22}",
     ]
     for kind, k in sorted(r["per_kind"].items()):
         rec = k["recovery_s"]
         rs = f"{statistics.median(rec):.2f}/{max(rec):.2f}" if rec else "-"
-        lines.append(f"{kind:<12} {k['n']:>3} {k['survived']:>9} {k['restarted']:>10} {rs:>22}")
+        lines.append(
+            f"{kind:<12} {k['n']:>3} {k['survived']:>9} {k['restarted']:>10} "
+            f"{k['in_place']:>9} {rs:>22}"
+        )
     lines += [
         f"survived {r['survived']}/{r['faults']}, bit-identical {r['bit_identical']}, orphans "
         f"{r['orphans']}, "
@@ -603,6 +680,12 @@ def table(r: dict) -> str:
         f"{r['wall_s']} s vs "
         f"fault-free {r['clean_wall_s']} s",
     ]
+    if r["in_place"] == "auto":
+        lines.append(
+            f"--in-place auto: {r['recovered_in_place']} recovered in place, "
+            f"{r['group_restarts']} group restarts, {r['unstuck']} survivors unstuck; "
+            f"restarts' why {r['restart_why']}; workers' fallbacks {r['worker_fallbacks']}"
+        )
     return "\n".join(lines)
 
 
@@ -647,6 +730,13 @@ def main(argv=None) -> int:
         "--disk",
         action="store_true",
         help="resume from disk checkpoints only (the job runs with --no-memory-state)",
+    )
+    p.add_argument(
+        "--in-place",
+        choices=("auto", "off"),
+        default="off",
+        help="the faulted job's recovery path (the fault-free run's too): auto recovers a rank's "
+        "fault in place where torch can re-form a group (2.14 on)",
     )
     p.add_argument(
         "--side-by-side",

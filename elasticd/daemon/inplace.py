@@ -22,8 +22,9 @@ generation, announced in the workers' store (signed), while the others stay in t
 unwind their script and re-form the group with them (worker/reconfigure.py). A hang is answered
 the same way once its rank is killed (the others' pending collective then fails, and they
 re-enter). Anything else (a hang with the GPU driver's evidence or no rank named, or one while
-a generation forms, a peer, every rank dead, a second fault before the last replacement
-stepped, the in-place budget spent) goes the restart's way, with one `in_place_refused` line.
+a generation forms, a peer, every rank dead, a rank that stopped on SIGTERM (exit 143: every
+rank stops with it), a second fault before the last replacement stepped, the in-place budget
+spent) goes the restart's way, with one `in_place_refused` line.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from typing import TYPE_CHECKING
 
 from elasticd import logs, names
 from elasticd.config import Config, parse_nnodes
+from elasticd.daemon import processes
 from elasticd.lifecycle.states import Failure, RestartCause
 from elasticd.worker import reconfigure
 
@@ -49,6 +51,9 @@ IN_PLACE, RESTART = "in_place", "restart"
 STUCK_FLOOR = 0.3  # seconds a survivor may take to give its handle, at least (`stuck_after`)
 STUCK_UNLEARNED = 1.0  # the same before the job's step times are learned
 REAP_WAIT = 2.0  # seconds for a stuck survivor killed to exit
+STACKS_WAIT = 0.3  # seconds a stuck survivor's stack dump is waited for, before its kill
+# a rank's exit after its stop request (checkpoint/stop.py): its peers agreed to stop and exit too
+STOPPED = 128 + signal.SIGTERM
 
 
 @dataclass(frozen=True)
@@ -102,14 +107,19 @@ def _refused(agent: Agent, why: Failure) -> str | None:
             return "a hang while a generation formed in place"
     if why.kind is RestartCause.CRASH and why.exit_code in agent.cfg.fatal_exit_codes:
         return "a fatal exit code"
+    if why.kind is RestartCause.CRASH and why.exit_code == STOPPED:
+        return (
+            f"exit {STOPPED}: the rank stopped on SIGTERM (the checkpoint library saves and every "
+            "rank stops with it)"
+        )
     if agent.round is None or agent.round.worker_store is None:
         return "this node does not host the workers' store"
     if any(b is None or not b.beats for b in group.beats()):
         return "a rank had not stepped yet (a second fault during re-entry, or at the start)"
     if agent.in_place_used >= agent.cfg.max_restarts:
         return f"the in-place budget is spent ({agent.cfg.max_restarts}: --max-restarts)"
-    if not [w for w in group.workers if w.exit_code is None]:
-        return "every rank has exited"
+    if not [w for w in group.workers if w.exit_code is None and w.proc.poll() is None]:
+        return "every rank has exited"  # polled: ranks killed together die a moment apart
     return None
 
 
@@ -146,6 +156,36 @@ def _kill(*workers) -> None:
             log.warning("in_place_unreaped", pid=w.pid)
 
 
+def _starting(agent: Agent, forming: Forming, store) -> bool:
+    """Whether a rank started for the generation has not given its handle yet: the survivors,
+    which gave theirs, then wait in form without beating (a replacement's start takes seconds
+    on a loaded machine; measured: a survivor named hung at a 2 s heartbeat timeout while it
+    waited, and the group restarted). Their silence counts from when the handles are in; the
+    starting rank is judged by the startup timeout, and the survivors' own wait is bounded."""
+    starting = [w.global_rank for w in agent.group.workers if w.global_rank not in forming.running]
+    return any(not store.check([names.in_place_key(forming.generation, r)]) for r in starting)
+
+
+def _end_children(dead) -> None:
+    """SIGKILL what is left of dead ranks' process groups: a child a rank forked after its group
+    formed (a DataLoader worker) holds the rank's gloo sockets open, and the survivors' pending
+    collective with it fails only when the last holder closes them (the DataLoader's own check
+    of its parent comes seconds later). Measured: 2 ranks with a DataLoader worker, every
+    survivor (6 of 6) stayed blocked until `unstick` killed it."""
+    for w in dead:
+        try:
+            os.killpg(w.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _innermost(dump: str) -> str:
+    """The main thread's innermost frame of a faulthandler dump ("" if none)."""
+    main = dump.split("Current thread", 1)[-1] if "Current thread" in dump else dump
+    frame = next((ln.strip() for ln in main.splitlines() if ln.strip().startswith("File ")), "")
+    return frame[:200]
+
+
 def unstick(agent: Agent, now: float) -> None:
     """While a generation forms: a survivor that gave no handle within `Forming.after` is
     blocked where its abort does not reach; kill it and start its rank again into the same
@@ -161,7 +201,10 @@ def unstick(agent: Agent, now: float) -> None:
     try:
         missing = [r for r in forming.running if not store.check([names.in_place_key(gen, r)])]
         if not missing:
-            agent.forming = None
+            if _starting(agent, forming, store):
+                agent.group.quiet_from = now  # the survivors wait in form for a starting rank
+            else:
+                agent.forming = None
             return
         if now - forming.since < forming.after:
             return
@@ -177,6 +220,8 @@ def unstick(agent: Agent, now: float) -> None:
     )  # fmt: skip
     if not stuck:
         return  # exited meanwhile: the loop's check acts on it
+    # where it waits is not known yet (docs/in-place.md): its stacks, briefly, before the kill
+    dumps = processes.dump_stacks(stuck, agent.cfg.stack_signal, wait=STACKS_WAIT)
     _kill(*stuck)
     pids = group.replace(stuck, agent.spares.spares, again=True)
     agent.spares.after_spawn([w.env for w in group.workers])
@@ -192,6 +237,8 @@ def unstick(agent: Agent, now: float) -> None:
         ranks=[w.global_rank for w in stuck],
         killed=[w.pid for w in stuck],
         pids=pids,
+        where=[_innermost(text) for _w, text in dumps],
+        stacks=[str(w.stack_path) for w in stuck],
     )
 
 
@@ -209,6 +256,8 @@ def replace(agent: Agent, why: Failure) -> bool:
     if why.kind is RestartCause.HANG:  # the hung rank dies; the others' collective then fails
         _kill(*[w for w in group.workers if w.global_rank == why.rank and w.exit_code is None])
     dead = [w for w in group.workers if w.exit_code is not None]
+    _end_children(dead)
+    agent.recovery.replaced_in_place()  # refused above unless every rank had stepped
     agent.recovery.detected()
     agent.in_place_used += 1
     gen = group.generation + 1

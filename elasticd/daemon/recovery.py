@@ -36,6 +36,7 @@ class Recovery:
         self.last: dict[str, float] | None = None  # the latest recovery, reported
         self.attempt_started = time.monotonic()
         self.crash_streak = 0  # consecutive failed attempts that never trained (backoff exponent)
+        self.stepped = False  # every rank of the attempt stepped once (before a rank in place)
 
     def detected(self) -> None:
         """A failure (or scale event) was detected: a new timeline starts."""
@@ -48,11 +49,19 @@ class Recovery:
     def started(self) -> None:
         """A new attempt began (the rendezvous is done)."""
         self.attempt_started = time.monotonic()
+        self.stepped = False
+
+    def replaced_in_place(self) -> None:
+        """Every rank had stepped when one was replaced in place (daemon/inplace.py checks):
+        the attempt trained, whatever its replacement's beats say when the next fault comes
+        (else every such fault grew the crash streak: bench/chaos.py --in-place auto waited
+        25.6 s of backoff after 10 of them)."""
+        self.stepped = True
 
     def trained(self, beats: list[heartbeat.Beat | None]) -> bool:
         """Did the failed attempt get anywhere? Every rank stepped, or (for a script that never
         beats) it ran longer than the longest backoff."""
-        if time.monotonic() - self.attempt_started >= self.cfg.restart_backoff_max:
+        if self.stepped or time.monotonic() - self.attempt_started >= self.cfg.restart_backoff_max:
             return True
         return bool(beats) and all(b and b.beats for b in beats)
 
