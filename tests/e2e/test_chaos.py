@@ -37,6 +37,15 @@ def run_chaos(tmp_path, *args: str, timeout: float) -> tuple[dict, subprocess.Co
     return json.loads(r.stdout.splitlines()[-1]), r
 
 
+def survived_all(report: dict, r: subprocess.CompletedProcess, faults: int, kinds: str) -> None:
+    """Every fault dealt and survived, the run bit-identical to the fault-free one, no orphans,
+    every kind asked for dealt (and the kill after the final step)."""
+    assert report["faults"] == faults and report["survived"] == faults, r.stdout
+    assert report["bit_identical"], r.stdout
+    assert report["orphans"] == 0, report["orphan_list"]
+    assert set(report["per_kind"]) == {*kinds.split(","), "exit"}, report["per_kind"]
+
+
 def test_a_fault_of_every_kind_survived_bit_identical_no_orphans(tmp_path):
     # seed 9 deals the fork server's kill last: until the daemon respawns it, every restart
     # after it waits for fresh interpreters importing torch (5-7 s here), correct but slow
@@ -64,10 +73,7 @@ def test_a_sharded_job_survives_kill_stop_and_term_bit_identical(tmp_path):
         *("--steps-per-fault", "10", "--step-delay", "0.002", "--ckpt-every", "5"),
         timeout=120,
     )
-    assert report["faults"] == 4 and report["survived"] == 4, r.stdout
-    assert report["bit_identical"], r.stdout
-    assert report["orphans"] == 0, report["orphan_list"]
-    assert set(report["per_kind"]) == {*kinds.split(","), "exit"}, report["per_kind"]
+    survived_all(report, r, 4, kinds)
     # 3 restarts of both ranks resumed from memory, none from disk (the kill at exit restarts
     # nothing, or resumes from memory too)
     assert report["resumed_from"]["disk"] == 0, report["resumed_from"]
@@ -86,8 +92,6 @@ def test_three_ranks_survive_every_restarting_fault_bit_identical(tmp_path):
         *("--steps-per-fault", "15", "--step-delay", "0.002", "--ckpt-every", "10"),
         timeout=180,
     )
-    assert report["ranks"] == 3 and report["faults"] == 9 and report["survived"] == 9, r.stdout
-    assert report["bit_identical"], r.stdout
-    assert report["orphans"] == 0, report["orphan_list"]
-    assert set(report["per_kind"]) == {*kinds.split(","), "exit"}, report["per_kind"]
+    assert report["ranks"] == 3, r.stdout
+    survived_all(report, r, 9, kinds)
     assert r.returncode == 0

@@ -107,12 +107,7 @@ def test_a_rank_that_never_gives_its_handle_is_killed_and_replaced_in_place(daem
     os.kill(before[1], signal.SIGKILL)
     wait_until(lambda: events(d, "in_place_unstuck"), 30, what="rank 0 killed and replaced")
     # every rank steps again in the re-formed group: rank 2 in its own process
-    wait_until(
-        lambda: re.search(r"re_entered.*\n(.*\n)*step 3\b", d.log_text(2, 1)), 60,
-        what="rank 2 stepping after re-entry",
-    )  # fmt: skip
-    d.kill(signal.SIGTERM)
-    d.wait(60)
+    _rank_2_re_entered_then_stop(d)
     unstuck = events(d, "in_place_unstuck")
     assert len(unstuck) == 1 and unstuck[0]["ranks"] == [0], unstuck
     assert unstuck[0]["killed"] == [before[0]] and "gave no handle" in unstuck[0]["why"]
@@ -133,12 +128,7 @@ def test_a_hung_rank_is_killed_and_replaced_the_others_re_enter(daemons):
     wait_until(lambda: re.search(r"^step 14\b", d.log_text(1, 1), re.M), 90, what="step 14")
     before = d.worker_pids()
     wait_until(lambda: events(d, "replaced_in_place"), 30, what="the hung rank replaced")
-    wait_until(
-        lambda: re.search(r"re_entered.*\n(.*\n)*step 3\b", d.log_text(2, 1)), 60,
-        what="rank 2 stepping after re-entry",
-    )  # fmt: skip
-    d.kill(signal.SIGTERM)
-    d.wait(60)
+    _rank_2_re_entered_then_stop(d)
     replaced = events(d, "replaced_in_place")
     assert len(replaced) == 1 and replaced[0]["ranks"] == [1], replaced
     assert "hung" in replaced[0]["cause"] and "rank 1" in replaced[0]["cause"]
@@ -160,3 +150,13 @@ def test_the_recovery_bench_reports_the_in_place_timeline():
     for phase in ("seen", "unwound", "replaced", "reformed", "new.reformed", "first_step"):
         assert re.search(rf"^  {re.escape(phase)} +[\d.]+ / [\d.]+", r.stdout, re.M), r.stdout
     assert not leftover_processes()
+
+
+def _rank_2_re_entered_then_stop(d) -> None:
+    """Rank 2, a survivor, steps again in the re-formed group in its own process; then stop."""
+    wait_until(
+        lambda: re.search(r"re_entered.*\n(.*\n)*step 3\b", d.log_text(2, 1)), 60,
+        what="rank 2 stepping after re-entry",
+    )  # fmt: skip
+    d.kill(signal.SIGTERM)
+    d.wait(60)
