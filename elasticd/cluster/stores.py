@@ -86,7 +86,7 @@ def open_etcd(cfg: Config) -> kvmod.KV:
 
     retry = tenacity.Retrying(
         stop=tenacity.stop_after_delay(cfg.join_timeout),
-        wait=tenacity.wait_exponential_jitter(initial=0.1, max=2.0),
+        wait=tenacity.wait_exponential_jitter(multiplier=0.1, max=2.0),
         retry=tenacity.retry_if_exception(may_heal),
         before_sleep=lambda st: log.info(
             "store_connect_retry",
@@ -168,7 +168,7 @@ def open_store(cfg: Config) -> tuple[kvmod.KV, dist.TCPStore | None]:
     store = TCPStoreKV(tcp_connector(host, port), f"{host}:{port}", op_timeout(cfg))
     retry = tenacity.Retrying(
         stop=tenacity.stop_after_delay(cfg.join_timeout),
-        wait=tenacity.wait_exponential_jitter(initial=0.1, max=2.0),
+        wait=tenacity.wait_exponential_jitter(multiplier=0.1, max=2.0),
         retry=tenacity.retry_if_exception_type(kvmod.Unreachable),
         before_sleep=lambda st: log.info(
             "store_connect_retry", endpoint=store.endpoint, attempt=st.attempt_number

@@ -22,7 +22,7 @@ def backoff_delay(cfg: Config, attempt: int) -> float:
     if cfg.restart_backoff <= 0:
         return 0.0
     wait = tenacity.wait_exponential_jitter(
-        initial=cfg.restart_backoff, max=cfg.restart_backoff_max, jitter=cfg.restart_backoff
+        multiplier=cfg.restart_backoff, max=cfg.restart_backoff_max, jitter=cfg.restart_backoff
     )
     state = tenacity.RetryCallState(retry_object=tenacity.Retrying(), fn=None, args=(), kwargs={})
     state.attempt_number = attempt

@@ -80,7 +80,7 @@ def test_three_ranks_killed_at_the_edges(root, kill):
 
 
 @settings(
-    max_examples=10,
+    max_examples=5,
     deadline=None,
     derandomize=True,  # the same examples every run: CI never meets a new one by chance
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],

@@ -225,50 +225,63 @@ def _imported(statement: str) -> dict:
     return json.loads(r.stdout)
 
 
-@pytest.mark.parametrize(
-    "module",
-    [
-        "elasticd.ops.cli",
-        "elasticd.ops.daemon_cli",
-        "elasticd.reporting.status_snapshot",
-        "elasticd.cluster.kv",
-        "elasticd.cluster.etcd",
-        "elasticd.cluster.signing",
-        "elasticd.cluster.values",
-        "elasticd.cluster.rounds",
-        "elasticd.cluster.errors",
-        "elasticd.cluster.timing",
-        "elasticd.cluster.silence",
-        "elasticd.cluster.closing_rule",
-        "elasticd.cluster.stores",
-        "elasticd.cluster.joining",
-        "elasticd.cluster.rendezvous",
-        "elasticd.cluster.peers",
-        "elasticd.cluster.etcd.client",
-        "elasticd.cluster.etcd.connections",
-        "elasticd.cluster.etcd.endpoints",
-        "elasticd.cluster.etcd.errors",
-        "elasticd.cluster.etcd.reply",
-        "elasticd.cluster.etcd.watch",
-        "elasticd.cluster.etcd.wire",
-        "elasticd.checkpoint.disk.format",
-        "elasticd.checkpoint",
-        "elasticd.checkpoint.memory.directory",
-        "elasticd.checkpoint.memory.slots",
-        "elasticd.checkpoint.memory.cadence",
-        "elasticd.names",
-        "elasticd.config",
-        "elasticd.control.client",
-        "elasticd.control.paths",
-    ],
-)
-def test_torch_free_modules_load_no_torch(module):
+TORCH_FREE = [
+    "elasticd.ops.cli",
+    "elasticd.ops.daemon_cli",
+    "elasticd.reporting.status_snapshot",
+    "elasticd.cluster.kv",
+    "elasticd.cluster.etcd",
+    "elasticd.cluster.signing",
+    "elasticd.cluster.values",
+    "elasticd.cluster.rounds",
+    "elasticd.cluster.errors",
+    "elasticd.cluster.timing",
+    "elasticd.cluster.silence",
+    "elasticd.cluster.closing_rule",
+    "elasticd.cluster.stores",
+    "elasticd.cluster.joining",
+    "elasticd.cluster.rendezvous",
+    "elasticd.cluster.peers",
+    "elasticd.cluster.etcd.client",
+    "elasticd.cluster.etcd.connections",
+    "elasticd.cluster.etcd.endpoints",
+    "elasticd.cluster.etcd.errors",
+    "elasticd.cluster.etcd.reply",
+    "elasticd.cluster.etcd.watch",
+    "elasticd.cluster.etcd.wire",
+    "elasticd.checkpoint.disk.format",
+    "elasticd.checkpoint",
+    "elasticd.checkpoint.memory.directory",
+    "elasticd.checkpoint.memory.slots",
+    "elasticd.checkpoint.memory.cadence",
+    "elasticd.names",
+    "elasticd.config",
+    "elasticd.control.client",
+    "elasticd.control.paths",
+]
+
+
+def test_torch_free_modules_load_no_torch():
     """Worth keeping: the CLI answers `elasticd status` without torch's seconds of import; the
     daemon reads checkpoints (format), its in-memory state directory (memory.directory, the
     slots' headers) and etcd without it. Daemon code may import torch inside the functions that
-    need it."""
-    loaded = _imported(f"import {module}")
-    assert "torch" not in loaded, (
+    need it. One interpreter imports them in turn: the first whose import brings torch in is the
+    one named (whatever it imports had been imported alone before it, torch-free)."""
+    code = (
+        "import json, sys\n"
+        f"for m in {TORCH_FREE!r}:\n"
+        "    __import__(m)\n"
+        "    if 'torch' in sys.modules:\n"
+        "        print(json.dumps(m)); break\n"
+        "else:\n"
+        "    print(json.dumps(None))\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    module = json.loads(r.stdout.splitlines()[-1])
+    assert module is None, (
         f"importing {module} imports torch; make the import that pulls it in lazy"
     )
 

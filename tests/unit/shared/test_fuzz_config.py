@@ -238,13 +238,13 @@ def config_file(content: bytes) -> str:
     return str(path)
 
 
-@settings(max_examples=700, **SETTINGS)
+@settings(max_examples=250, **SETTINGS)
 @given(doc=documents)
 def test_random_toml_documents(doc):
     build_or_error({"entrypoint": "x.py"}, config_file(toml_document(doc)), {})
 
 
-@settings(max_examples=300, **SETTINGS)
+@settings(max_examples=120, **SETTINGS)
 @given(
     data=st.one_of(
         st.binary(max_size=200),
@@ -259,13 +259,13 @@ def test_random_bytes_as_the_config_file(data):
     build_or_error({"entrypoint": "x.py"}, config_file(data), {})
 
 
-@settings(max_examples=800, **SETTINGS)
+@settings(max_examples=120, **SETTINGS)
 @given(env=environments, flags=st.dictionaries(st.sampled_from(KEYS), env_values, max_size=4))
 def test_random_environment_and_flag_values(env, flags):
     build_or_error(flags, None, env)
 
 
-@settings(max_examples=500, **SETTINGS)
+@settings(max_examples=180, **SETTINGS)
 @given(doc=documents, env=environments, flags=flag_lists)
 def test_cli_in_process(doc, env, flags):
     """The CLI's own path (argparse, layers, validation, entrypoint check): exit 2, one line."""
@@ -281,7 +281,7 @@ def test_cli_in_process(doc, env, flags):
     assert_one_line(code, stderr)
 
 
-@settings(max_examples=300, **SETTINGS)
+@settings(max_examples=120, **SETTINGS)
 @given(value=env_values)
 def test_stop_timeout_flag(value):
     """`elasticd stop --timeout X` with no daemon to ask: a bad X is one line and exit 2 before
