@@ -23,7 +23,7 @@ import torch.distributed as dist
 from elasticd.cluster import signing, values
 from elasticd.config import ConfigError
 from harness import FAST_NODES as FAST
-from harness import ROOT, as_user, free_port, node_flags, script, wait_until
+from harness import ROOT, as_user, end_soon, free_port, node_flags, script, wait_until
 
 NOBODY = 65534
 needs_root = pytest.mark.skipif(
@@ -131,7 +131,9 @@ def test_unprivileged_store_writer_cannot_fail_crash_or_slow_a_restart(daemons, 
 
     marker = tmp_path / "pwned"
     port = free_port()
+    stop = tmp_path / "stop"
     args = ["--steps", "400", "--step-time", "0.05", "--snapshot", str(tmp_path / "snap.pt")]
+    args += ["--stop-file", str(stop)]
     # elastic (2:3), so each node looks for nodes waiting to join every second; both in the first
     # round
     nodes = [
@@ -163,6 +165,12 @@ def test_unprivileged_store_writer_cannot_fail_crash_or_slow_a_restart(daemons, 
     os.kill(
         next(iter(nodes[0].worker_pids().values())), signal.SIGKILL
     )  # a real failure: within budget
+    wait_until(
+        lambda: all(sum(e.get("new") == "RUNNING" for e in n.events()) == 2 for n in nodes),
+        60,
+        what="both nodes restarted",
+    )
+    end_soon(stop, *nodes)
     for n in nodes:
         assert n.wait(120) == 0, n.stderr()[-3000:]
     out = nodes[0].stdout() + nodes[1].stdout()
