@@ -56,16 +56,16 @@ def _args(tmp_path, run: str, total: int, disk: int) -> list[str]:
 
 
 def crash_and_compare(daemons, tmp_path, name: str, total: int, kill_at: int, disk: int):
-    """A clean run and one whose rank 1 is SIGKILLed once rank 0 logged `kill_at`; returns the
-    crashed run's rank 0 log of the attempt that resumed."""
+    """A clean run and one whose rank 1 is SIGKILLed once rank 0 logged `kill_at`, side by side;
+    returns the crashed run's rank 0 log of the attempt that resumed."""
     clean = daemons(script(name), *FLAGS, name="clean", args=_args(tmp_path, "clean", total, disk))
-    assert clean.wait(180) == 0, clean.stderr()[-3000:]
     args = _args(tmp_path, "crashed", total, disk)
     crashed = daemons(script(name), *FLAGS, name="crashed", args=args)
     crashed.wait_for_step(0, kill_at, 120)
     before = max(steps(crashed.log_text(0)))
     os.kill(crashed.worker_pids()[1], signal.SIGKILL)
     assert crashed.wait(180) == 0, crashed.stderr()[-3000:]
+    assert clean.wait(180) == 0, clean.stderr()[-3000:]
     assert len(crashed.attempt_dirs()) == 2, "one restart"
     log = crashed.log_text(0)
     (resumed,) = resumed_at(log)
