@@ -33,6 +33,9 @@ elasticd runs with its defaults (the hang deadline learned from the job's step g
 `--launchers elasticd,elasticd-noprobe` adds, for the node kinds, elasticd as it was before the
 probe of a silent node's address (cluster/probe.py): node 1's probe port is held by the benchmark
 (bound, not listening), so its daemon cannot listen and node 0 judges it by its beats alone;
+`--launchers elasticd,elasticd-before --before DIR` adds elasticd as another checkout of it runs
+(DIR, e.g. `git worktree add /tmp/before main`): the same faults, side by side in one run, the
+code before a change against the code after it;
 `--launchers elasticd,elasticd-hb,torchrun` adds elasticd with `--heartbeat-timeout --hb` (2 s, as
 the tests hand-set it) for the three hang kinds.
 
@@ -200,9 +203,19 @@ def launcher(kind: str, hb: float) -> tuple[str, tuple[str, ...]]:
     """recovery.py's launcher kind and the flags added for a column of this table."""
     if kind == "elasticd-hb":
         return "elasticd", ("--heartbeat-timeout", f"{hb:g}")
-    if kind == "elasticd-noprobe":
+    if kind in ("elasticd-noprobe", "elasticd-before"):
         return "elasticd", ()
     return kind, ()
+
+
+def checkout(column: str, env: dict, args) -> tuple[dict, Path | None]:
+    """The environment and working directory that run this column's elasticd: --before's
+    checkout for elasticd-before, else this one."""
+    if column != "elasticd-before":
+        return env, None
+    if not args.before:
+        raise SystemExit("elasticd-before needs --before DIR: a checkout of the code before")
+    return {**env, "PYTHONPATH": str(args.before)}, args.before
 
 
 def one_node(column: str, fault: str, args, work: Path) -> Trial:
@@ -210,7 +223,8 @@ def one_node(column: str, fault: str, args, work: Path) -> Trial:
     env = dict(os.environ, BENCH_OUT=str(out), BENCH_HANG_FLAG=str(flag))
     kind, extra = launcher(column, args.hb)
     log_path = work / "launcher.log"
-    proc = spawn(launcher_cmd(kind, 1, work, extra, nproc=args.nproc), env, log_path)
+    env, cwd = checkout(column, env, args)
+    proc = spawn(launcher_cmd(kind, 1, work, extra, nproc=args.nproc), env, log_path, cwd)
     try:
         pids = _training(out, args.nproc, args)
         if pids is None:
@@ -271,6 +285,7 @@ def two_nodes(column: str, fault: str, args, work: Path) -> Trial:
             return Trial(said=dev)
         host, prefix = net.addr(0), [net.prefix(0), net.prefix(1)]
         env["GLOO_SOCKET_IFNAME"] = dev  # gloo on the namespace's link, not its loopback
+    env, cwd = checkout(column, env, args)
     procs, logs = [], [work / "node0.log", work / "node1.log"]
     held = None
     try:
@@ -283,7 +298,7 @@ def two_nodes(column: str, fault: str, args, work: Path) -> Trial:
                 cmd = launcher_cmd(kind, 1, work / f"node{i}", nodes, nproc=1)
             else:
                 cmd = node_cmd(kind, 2, port, work, i, SCRIPT, host=host)
-            procs.append(spawn([*prefix[i], *cmd], env, logs[i]))
+            procs.append(spawn([*prefix[i], *cmd], env, logs[i], cwd))
             if i == 0 and not _until(lambda: _answers(net, host, port), args.start_timeout, 0.2):
                 return Trial(said="node 0 never hosted the store")
         pids = _training(out, 2, args)
@@ -408,21 +423,23 @@ def false_alarms(args) -> dict:
 
 
 def run(args) -> dict:
+    """Every fault's trials, the columns taking turns trial by trial (the same load for each)."""
     results: dict = {}
     for fault in args.kinds:
-        for column in args.launchers:
-            if column == "elasticd-hb" and fault not in HANGS:
-                continue
-            if column == "elasticd-noprobe" and fault not in NODES:
-                continue
-            trials = []
-            for i in range(args.trials):
+        columns = [
+            c
+            for c in args.launchers
+            if not (c == "elasticd-hb" and fault not in HANGS)
+            and not (c == "elasticd-noprobe" and fault not in NODES)
+        ]
+        for i in range(args.trials):
+            for column in columns:
                 with tempfile.TemporaryDirectory(prefix=f"bench-detect-{column}-{fault}-") as tmp:
                     work = Path(tmp)
                     measure = two_nodes if fault in NODES else one_node
                     why = None if args.all else UNMEASURED.get((column, fault))
                     trial = Trial(said=why) if why else measure(column, fault, args, work)
-                trials.append(trial)
+                results.setdefault(fault, {}).setdefault(column, []).append(trial)
                 got = (
                     f"{trial.seconds:.3f} s, named {trial.named or '-'} "
                     f"({'right' if trial.right else 'wrong'})"
@@ -434,7 +451,6 @@ def run(args) -> dict:
                     file=sys.stderr,
                     flush=True,
                 )
-            results.setdefault(fault, {})[column] = trials
     return results
 
 
@@ -477,6 +493,7 @@ def table(results: dict, args) -> str:
         name = {
             "elasticd": "elasticd (defaults)",
             "elasticd-noprobe": "elasticd, no probe (before)",
+            "elasticd-before": f"elasticd at {args.before} (before)",
         }.get(c, f"elasticd --heartbeat-timeout {args.hb:g}")
         head += [f"{name}: detected after (median, range), detected", "rank named right"]
     if "torchrun" in args.launchers:
@@ -561,7 +578,10 @@ def main() -> None:
     p.add_argument(
         "--launchers",
         default="elasticd,torchrun",
-        help="of elasticd,elasticd-hb,elasticd-noprobe,torchrun",
+        help="of elasticd,elasticd-hb,elasticd-noprobe,elasticd-before,torchrun",
+    )
+    p.add_argument(
+        "--before", type=Path, help="elasticd-before's checkout (the code before a change)"
     )
     p.add_argument("--nproc", type=int, default=3, help="workers of the one-node kinds (default 3)")
     p.add_argument("--bound", type=float, default=15.0, help="a fault not seen by then: not within")
