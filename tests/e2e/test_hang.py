@@ -10,6 +10,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from harness import script, wait_until
 
 HB = (
@@ -241,16 +243,28 @@ def _culprit(d) -> dict:
     )
 
 
-def test_a_desync_names_the_rank_both_ops_and_the_seq(daemons):
+# the collectives' evidence: torch's Flight Recorder (its default), or our dispatcher hook where
+# the user turned the recorder off (worker/collective_hook.py)
+RECORDERS = pytest.mark.parametrize(
+    ("recorder", "env"),
+    [("gloo", {}), ("elasticd", {"TORCH_FR_BUFFER_SIZE": "0"})],
+    ids=["flight_recorder", "recorder_off"],
+)
+
+
+@RECORDERS
+def test_a_desync_names_the_rank_both_ops_and_the_seq(daemons, recorder, env):
     """Three ranks: at step 3 rank 2 calls all_gather where ranks 0 and 1 call all_reduce. The
-    ranks' own collectives (torch's Flight Recorder, asked before anything is killed) name rank
-    2, both ops and the sequence number, in the cause's first words and its fields."""
+    ranks' own collectives (torch's Flight Recorder, or our hook where it is off; asked before
+    anything is killed) name rank 2, both ops and the sequence number, in the cause's first
+    words and its fields."""
     d = daemons(
         script("hang.py"),
         "--nproc-per-node",
         "3",
         *HB,
         args=["--steps", "6", "--mode", "desync", "--at", "3", "--rank", "2"],
+        env=env,
     )
     ev = _culprit(d)
     assert ev["collectives"] == "desync" and ev["seq"] == 3 and ev["culprits"] == [2], ev
@@ -263,11 +277,12 @@ def test_a_desync_names_the_rank_both_ops_and_the_seq(daemons):
     cause = wait_until(lambda: hang_events(d), 30, what="the restart")[0]["cause"]
     assert cause.startswith("rank 2 (node ") and said in cause, cause
     dump = json.loads((d.run_dir() / "attempt1" / "rank2.collectives.json").read_text())
-    assert dump["entries"][-1]["profiling_name"] == "gloo:all_gather", dump["entries"][-1]
+    assert dump["entries"][-1]["profiling_name"] == f"{recorder}:all_gather", dump["entries"][-1]
     assert d.wait(90) == 0, d.stderr()[-3000:]
 
 
-def test_a_hang_in_a_collective_names_who_never_arrived(daemons):
+@RECORDERS
+def test_a_hang_in_a_collective_names_who_never_arrived(daemons, recorder, env):
     """Two ranks: at step 3 rank 1 sleeps in a data read while rank 0 waits in all_reduce. The
     sequence numbers name rank 1 as never arrived at seq 3 (its last: seq 2)."""
     d = daemons(
@@ -276,6 +291,7 @@ def test_a_hang_in_a_collective_names_who_never_arrived(daemons):
         "2",
         *HB,
         args=["--steps", "6", "--mode", "stuck", "--at", "3", "--step-time", "0.02"],
+        env=env,
     )
     ev = _culprit(d)
     assert ev["collectives"] == "never_arrived" and ev["culprits"] == [1], ev
