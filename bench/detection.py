@@ -46,7 +46,8 @@ the tests hand-set it) for the three hang kinds.
 ranks (bench/flight_cost.py; 1 by default: no wait for a peer, so the recorder's own CPU cost is
 not lost in the noise of a loaded machine) time 20,000 all_reduces of one float (the smallest
 collective: where a fixed cost shows most) with torch's Flight Recorder as torch leaves it (on,
-2000 entries) and off (TORCH_FR_BUFFER_SIZE=0), --rounds times each, alternating; and what
+2000 entries), off (TORCH_FR_BUFFER_SIZE=0), and off with elasticd's own dispatcher hook in its
+place (worker/collective_hook.py), --rounds times each, alternating; and what
 answering the daemon's ask takes (the recorder's dump, worker/flight.py). elasticd adds nothing
 per collective: the recorder is torch's own, and the daemon reads it only when a rank is past
 its deadline.
@@ -519,13 +520,15 @@ def table(results: dict, args) -> str:
 def overhead(args) -> dict:
     """Per all_reduce, the Flight Recorder on and off (medians, and the fastest, over --rounds
     runs of each)."""
-    runs: dict[str, list[dict]] = {"on": [], "off": []}
+    runs: dict[str, list[dict]] = {"on": [], "off": [], "hook": []}
     for i in range(args.rounds):
-        for mode in ("on", "off") if i % 2 == 0 else ("off", "on"):
+        for mode in ("on", "off", "hook") if i % 2 == 0 else ("hook", "off", "on"):
             env = {**os.environ, "OMP_NUM_THREADS": "1"}
             env.pop("TORCH_FR_BUFFER_SIZE", None)
-            if mode == "off":
+            if mode != "on":
                 env["TORCH_FR_BUFFER_SIZE"] = "0"
+            if mode == "hook":
+                env["BENCH_HOOK"] = "1"
             port = free_port()
             cmd = [sys.executable, str(HERE / "flight_cost.py")]
             procs = [
@@ -554,7 +557,13 @@ def overhead(args) -> dict:
     # the fastest run of each: the least disturbed by other load (a CPU cost only adds)
     on_min = min(r["us_per_op"] for r in runs["on"])
     off_min = min(r["us_per_op"] for r in runs["off"])
+    hook = statistics.median(r["us_per_op"] for r in runs["hook"])
+    hook_min = min(r["us_per_op"] for r in runs["hook"])
     return {
+        "us_per_op_fastest_hook": round(hook_min, 2),
+        "hook_cost_us_fastest": round(hook_min - off_min, 2),
+        "hook_cost_us": round(hook - off, 2),
+        "hook_ask_answered_ms": round(statistics.median(r["dump_ms"] for r in runs["hook"]), 2),
         "us_per_op_fastest_on": round(on_min, 2),
         "us_per_op_fastest_off": round(off_min, 2),
         "recorder_cost_us_fastest": round(on_min - off_min, 2),

@@ -133,7 +133,7 @@ def judge(
     for g, (_, since) in seen.items():
         silent = now - since
         if g in (gone or {}):
-            return g, f"{gone[g][1]} {max(0.0, now - gone[g][0]):.2f}s ago"
+            return g, f"went silent: {gone[g][1]} {max(0.0, now - gone[g][0]):.2f}s ago"
         if silent >= peer_timeout:
             return g, f"went silent for {silent:.1f}s (--peer-timeout {peer_timeout:g})"
         probed = (unreachable or {}).get(g)

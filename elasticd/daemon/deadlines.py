@@ -16,6 +16,8 @@ job with a tail (a data stall, a periodic long step) from being called hung at i
 step, which a p99 alone would do about once per 300 steps of a log-normal tail. The deadline
 is a suspicion, not a verdict: group.py declares a hang past it only with evidence (the rank
 stopped, or idle while the others wait in a collective: daemon/group.py `_suspect`).
+A rank stopped by a signal (state T) is its own evidence, and a job's tail is no excuse for it:
+its deadline is `Deadline.stopped`, 2 x p99 alone (never under STOP_FLOOR), the issue's rule.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import math
 from dataclasses import dataclass
 
 FLOOR = 1.0  # seconds: the least learned deadline (a loaded host's pauses, the loop's tick)
+STOP_FLOOR = 0.2  # seconds: the least for a rank stopped by a signal (two of the loop's ticks)
 WARMUP = 50  # steps per rank (pooled over the node's ranks) before the deadline is learned
 RANK_WARMUP = 10  # beats of a rank in its attempt before the learned deadline judges it
 P99_TIMES = 2.0
@@ -50,11 +53,21 @@ class Deadline:
     p99: float = 0.0
     longest: float = 0.0
     steps: int = 0
+    stopped: float = 0.0  # the deadline of a rank stopped by a signal (state T); 0: `seconds`
 
-    def basis(self) -> str:
+    @property
+    def for_stopped(self) -> float:
+        return self.stopped or self.seconds
+
+    def basis(self, stopped: bool = False) -> str:
         """How it was made, for the hang's reason and the events."""
         if not self.learned:
             return f"heartbeat timeout {self.seconds:g}s"
+        if stopped:
+            return (
+                f"a stopped rank's deadline {self.for_stopped:.2f}s: 2 x p99 {self.p99:.3f}s, "
+                f"floor {STOP_FLOOR:g}s, over {self.steps} steps"
+            )
         return (
             f"the job's deadline {self.seconds:.2f}s: 2 x p99 {self.p99:.3f}s, "
             f"{LONGEST:g} x longest {self.longest:.3f}s, floor {FLOOR:g}s, over {self.steps} steps"
@@ -110,4 +123,5 @@ class StepTimes:
         seconds = max(FLOOR, P99_TIMES * p99, LONGEST * self.longest)
         if seconds >= ceiling:
             return Deadline(ceiling, False, p99, self.longest, steps)
-        return Deadline(seconds, True, p99, self.longest, steps)
+        stopped = max(STOP_FLOOR, P99_TIMES * p99)
+        return Deadline(seconds, True, p99, self.longest, steps, min(stopped, seconds))
