@@ -487,6 +487,30 @@ def ratio(ours: list[Trial], theirs: list[Trial], bound: float) -> str:
     return "—"
 
 
+P99 = re.compile(r"2 x p99 ([\d.]+)s")  # the learned deadline's basis, in the hang's cause
+
+
+def against_p99(results: dict) -> list[str]:
+    """For the hang kinds, each column's detection against 2 x the p99 step gap the daemon had
+    learned when it judged (from the cause: "2 x p99 0.215s"): the issue's bound for a SIGSTOP."""
+    lines = []
+    for fault in sorted(HANGS & set(results)):
+        for column, trials in results[fault].items():
+            pairs = [
+                (t.seconds, 2 * float(m[1]))
+                for t in trials
+                if t.seconds is not None and (m := P99.search(t.said))
+            ]
+            if pairs:
+                within = sum(s <= bound for s, bound in pairs)
+                said = ", ".join(f"{s:.3f} s / {bound:.3f} s" for s, bound in pairs)
+                lines.append(
+                    f"{fault} {column}: detected within 2 x p99 in {within}/{len(trials)} "
+                    f"(detected / 2 x p99: {said})"
+                )
+    return lines
+
+
 def table(results: dict, args) -> str:
     cols = [c for c in args.launchers if c != "torchrun"]
     head = ["fault"]
@@ -643,6 +667,8 @@ def main() -> None:
         f"{time.monotonic() - t0:.0f} s"
     )
     print(table(results, args))
+    for line in against_p99(results):
+        print(line)
     if args.json:
         print(
             json.dumps(

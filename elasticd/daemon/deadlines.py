@@ -17,7 +17,8 @@ step, which a p99 alone would do about once per 300 steps of a log-normal tail. 
 is a suspicion, not a verdict: group.py declares a hang past it only with evidence (the rank
 stopped, or idle while the others wait in a collective: daemon/group.py `_suspect`).
 A rank stopped by a signal (state T) is its own evidence, and a job's tail is no excuse for it:
-its deadline is `Deadline.stopped`, 2 x p99 alone (never under STOP_FLOOR), the issue's rule.
+its deadline is `Deadline.stopped`, 2 x p99 alone less the loop's tick (it is acted on within a
+tick of passing it), never under STOP_FLOOR: the rank is named within 2 x p99 of its stop.
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ class Deadline:
             return f"heartbeat timeout {self.seconds:g}s"
         if stopped:
             return (
-                f"a stopped rank's deadline {self.for_stopped:.2f}s: 2 x p99 {self.p99:.3f}s, "
+                f"a stopped rank's deadline {self.for_stopped:.2f}s: 2 x p99 {self.p99:.3f}s less "
+                "a tick, "
                 f"floor {STOP_FLOOR:g}s, over {self.steps} steps"
             )
         return (
@@ -114,8 +116,9 @@ class StepTimes:
                 return _upper(i)
         return _upper(_BUCKETS - 1)
 
-    def deadline(self, ceiling: float, ranks: int) -> Deadline:
-        """The deadline now, for a node of `ranks` ranks (see the module's docstring)."""
+    def deadline(self, ceiling: float, ranks: int, tick: float = 0.0) -> Deadline:
+        """The deadline now, for a node of `ranks` ranks looked at every `tick` seconds (see the
+        module's docstring)."""
         steps = self.total // max(1, ranks)
         if steps < WARMUP:
             return Deadline(ceiling, False, steps=steps)
@@ -123,5 +126,5 @@ class StepTimes:
         seconds = max(FLOOR, P99_TIMES * p99, LONGEST * self.longest)
         if seconds >= ceiling:
             return Deadline(ceiling, False, p99, self.longest, steps)
-        stopped = max(STOP_FLOOR, P99_TIMES * p99)
+        stopped = max(STOP_FLOOR, P99_TIMES * p99 - tick)
         return Deadline(seconds, True, p99, self.longest, steps, min(stopped, seconds))

@@ -188,7 +188,9 @@ class LocalGroup:
             return first
         self._raised = failed  # error files written, their workers still exiting
         now = time.monotonic()
-        self.deadline = self.steps.deadline(self.cfg.heartbeat_timeout, len(self.workers))
+        self.deadline = self.steps.deadline(
+            self.cfg.heartbeat_timeout, len(self.workers), self.cfg.monitor_interval
+        )
         self._say_learned()
         late: list[suspicion.Silent] = []
         for w in self.workers:

@@ -50,6 +50,9 @@ def test_a_stopped_rank_s_deadline_is_two_p99_alone_never_under_its_floor():
     assert "a stopped rank's deadline" in d.basis(stopped=True) and "2 x p99" in d.basis(True)
     slow = regular(0.4, 200).deadline(300.0, 1)  # 0.4 s steps: 2 x p99 over the floor
     assert 0.8 <= slow.for_stopped <= 1.0 < slow.seconds, slow
+    # looked at every 0.1 s: a tick less, so that it is acted on within 2 x p99
+    ticked = regular(0.4, 200).deadline(300.0, 1, tick=0.1)
+    assert ticked.for_stopped == pytest.approx(slow.for_stopped - 0.1), ticked
     assert not regular(0.02, 10).deadline(300.0, 1).learned  # warming up: the ceiling for both
     assert regular(0.02, 10).deadline(300.0, 1).for_stopped == 300.0
 
