@@ -94,9 +94,16 @@ HANGS = {"stop", "stuck", "desync"}  # what a heartbeat timeout decides
 NODES = {"node_kill", "node_kill_netns", "partition"}
 NETNS = {"node_kill_netns", "partition"}  # the two-node kinds run in network namespaces
 FLAGS = {"stuck": "sleep", "desync": "all_gather"}  # step_logger.py's faults by flag file
-# what cannot be measured here, by (column, fault): none now (torchrun in the namespaces is told
-# which node hosts its store: rendezvous.node_cmd's is_host)
-UNMEASURED: dict[tuple[str, str], str] = {}
+# torchrun in these namespaces, told which node hosts its store (rendezvous.node_cmd's is_host:
+# its own guess fails there), still never trains: its TCPStore names each connection it accepts
+# with a reverse lookup on its one thread, which here fails after about 10 s a connection
+# ("The hostname of the client socket cannot be retrieved. err=-3"), so its clients time out (a
+# private /etc/hosts and resolv.conf for it, tried, did not shorten that)
+UNMEASURED = {
+    ("torchrun", kind): "not measured: torchrun's store takes about 10 s per connection "
+    "in the namespaces here (a reverse lookup on its one thread), so its clients time out"
+    for kind in NETNS
+}
 VICTIM = 1  # the rank faulted on one node
 # elasticd's events that name a failure (daemon/agent.py `set_state`, daemon/hangs.py)
 STATES = {"RESTARTING", "FAILED", "LEFT"}
