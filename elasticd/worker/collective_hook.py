@@ -99,29 +99,34 @@ def _kernel(torch, name: str, op, said: str, inputs: int, group: int):
 
 def _note(op: str, tensors, pg) -> dict:
     """The op entered as its group's next collective."""
-    flat = tensors if isinstance(tensors, (list, tuple)) else [tensors]
-    flat = [t for x in flat for t in (x if isinstance(x, (list, tuple)) else [x])]
+    flat = tensors if isinstance(tensors, (list, tuple)) else (tensors,)
+    if flat and isinstance(flat[0], (list, tuple)):
+        flat = [t for x in flat for t in x]
     try:
         name, desc = pg.group_name, pg.group_desc
     except Exception:  # noqa: BLE001 - a ScriptObject that does not say: one group for all
         name, desc = "0", ""
     entry = {
         "op": op,
-        "sizes": [list(t.shape) for t in flat],
-        "dtypes": [_dtype(t) for t in flat],
+        "sizes": [t.shape for t in flat],  # made lists only when dumped
+        "dtypes": [t.dtype for t in flat],
         "work": None,
     }
     with _lock:
-        g = _groups.setdefault(name, {"desc": desc, "seq": 0, "ops": deque(maxlen=KEPT)})
+        g = _groups.get(name)
+        if g is None:
+            g = _groups[name] = {"desc": desc, "seq": 0, "ops": deque(maxlen=KEPT)}
         g["seq"] += 1
         entry["seq"] = g["seq"]
         g["ops"].append(entry)
     return entry
 
 
-def _dtype(t) -> str:
-    """A tensor's dtype as the recorder names it ("Float", "BFloat16")."""
-    return t.type().rsplit(".", 1)[-1].removesuffix("Tensor")
+def _dtype(dtype) -> str:
+    """A dtype as the recorder names it ("Float", "BFloat16")."""
+    import torch
+
+    return torch.empty(0, dtype=dtype).type().rsplit(".", 1)[-1].removesuffix("Tensor")
 
 
 def dump(include_collectives: bool = True, only_active: bool = False) -> str:
@@ -145,8 +150,8 @@ def dump(include_collectives: bool = True, only_active: bool = False) -> str:
                     "process_group": [name, desc],
                     "collective_seq_id": e["seq"],
                     "profiling_name": f"elasticd:{e['op']}",
-                    "input_sizes": e["sizes"],
-                    "input_dtypes": e["dtypes"],
+                    "input_sizes": [list(s) for s in e["sizes"]],
+                    "input_dtypes": [_dtype(d) for d in e["dtypes"]],
                     "is_p2p": False,
                 }
             )

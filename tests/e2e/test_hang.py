@@ -188,7 +188,8 @@ def _learned(d) -> dict | None:
 def test_at_the_defaults_a_sigstop_is_found_at_the_deadline_learned_from_the_job(daemons):
     """No --heartbeat-timeout (300 s, the ceiling): after 50 steps the deadline is learned from
     the job's step gaps (the floor, 1 s, for 20 ms steps), and a SIGSTOP of rank 1 is a hang
-    within it, put on rank 1 as stopped (before: not found for 300 s)."""
+    at a stopped rank's own deadline (2 x the p99 step gap less a tick, at least 0.2 s: within
+    the learned one), put on rank 1 as stopped (before: not found for 300 s)."""
     d = daemons(
         script("hang.py"),
         "--nproc-per-node",
@@ -212,7 +213,8 @@ def test_at_the_defaults_a_sigstop_is_found_at_the_deadline_learned_from_the_job
     os.kill(pid, signal.SIGSTOP)
     wait_until(lambda: hang_events(d), 30, what="the hang")
     cause = hang_events(d)[0]["cause"]
-    assert cause.startswith("rank 1 (node ") and "the job's deadline" in cause, cause
+    assert cause.startswith("rank 1 (node ") and "a stopped rank's deadline" in cause, cause
+    assert "2 x p99" in cause, cause
     assert "stopped by a signal (state T)" in cause, cause
     took = restart_time(d) - t0
     print(f"SIGSTOP found after {took:.2f}s (deadline {learned['seconds']}s)")

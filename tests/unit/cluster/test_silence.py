@@ -186,7 +186,7 @@ def test_judge_with_an_unanswered_probe(since, probed, want):
     ("since", "gone", "want"),
     [
         # its daemon's held connection ended with no word: lost at once, silent or not
-        (T - 0.01, {1: (T - 0.02, "its daemon died")}, (1, "went silent: its daemon died 0.02s ago")),
+        (T - 0.01, {1: (T - 0.02, "it died")}, (1, "went silent: it died 0.02s ago")),
         (T - 0.3, {1: (T - 0.1, "its daemon died")}, (1, "went silent: its daemon died 0.10s ago")),
         (T - 0.3, {2: (T - 0.1, "another's")}, None),  # another node's going
         (T - 0.3, {}, None),  # nothing ended: silent a beat is slow, not lost
