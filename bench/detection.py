@@ -33,6 +33,9 @@ elasticd runs with its defaults (the hang deadline learned from the job's step g
 `--launchers elasticd,elasticd-noprobe` adds, for the node kinds, elasticd as it was before the
 probe of a silent node's address (cluster/probe.py): node 1's probe port is held by the benchmark
 (bound, not listening), so its daemon cannot listen and node 0 judges it by its beats alone;
+`--launchers elasticd,elasticd-before --before DIR` adds elasticd as another checkout of it runs
+(DIR, e.g. `git worktree add /tmp/before main`): the same faults, side by side in one run, the
+code before a change against the code after it;
 `--launchers elasticd,elasticd-hb,torchrun` adds elasticd with `--heartbeat-timeout --hb` (2 s, as
 the tests hand-set it) for the three hang kinds.
 
@@ -43,7 +46,8 @@ the tests hand-set it) for the three hang kinds.
 ranks (bench/flight_cost.py; 1 by default: no wait for a peer, so the recorder's own CPU cost is
 not lost in the noise of a loaded machine) time 20,000 all_reduces of one float (the smallest
 collective: where a fixed cost shows most) with torch's Flight Recorder as torch leaves it (on,
-2000 entries) and off (TORCH_FR_BUFFER_SIZE=0), --rounds times each, alternating; and what
+2000 entries), off (TORCH_FR_BUFFER_SIZE=0), and off with elasticd's own dispatcher hook in its
+place (worker/collective_hook.py), --rounds times each, alternating; and what
 answering the daemon's ask takes (the recorder's dump, worker/flight.py). elasticd adds nothing
 per collective: the recorder is torch's own, and the daemon reads it only when a rank is past
 its deadline.
@@ -90,10 +94,14 @@ HANGS = {"stop", "stuck", "desync"}  # what a heartbeat timeout decides
 NODES = {"node_kill", "node_kill_netns", "partition"}
 NETNS = {"node_kill_netns", "partition"}  # the two-node kinds run in network namespaces
 FLAGS = {"stuck": "sleep", "desync": "all_gather"}  # step_logger.py's faults by flag file
-# torchrun's c10d store, in these namespaces on the 2-core VM, timed out its own node's client
+# torchrun in these namespaces, told which node hosts its store (rendezvous.node_cmd's is_host:
+# its own guess fails there), still never trains: its TCPStore names each connection it accepts
+# with a reverse lookup on its one thread, which here fails after about 10 s a connection
+# ("The hostname of the client socket cannot be retrieved. err=-3"), so its clients time out (a
+# private /etc/hosts and resolv.conf for it, tried, did not shorten that)
 UNMEASURED = {
-    ("torchrun", kind): "not measured: torchrun's c10d store timed out its own node's "
-    "client inside the network namespaces here"
+    ("torchrun", kind): "not measured: torchrun's store takes about 10 s per connection "
+    "in the namespaces here (a reverse lookup on its one thread), so its clients time out"
     for kind in NETNS
 }
 VICTIM = 1  # the rank faulted on one node
@@ -200,9 +208,19 @@ def launcher(kind: str, hb: float) -> tuple[str, tuple[str, ...]]:
     """recovery.py's launcher kind and the flags added for a column of this table."""
     if kind == "elasticd-hb":
         return "elasticd", ("--heartbeat-timeout", f"{hb:g}")
-    if kind == "elasticd-noprobe":
+    if kind in ("elasticd-noprobe", "elasticd-before"):
         return "elasticd", ()
     return kind, ()
+
+
+def checkout(column: str, env: dict, args) -> tuple[dict, Path | None]:
+    """The environment and working directory that run this column's elasticd: --before's
+    checkout for elasticd-before, else this one."""
+    if column != "elasticd-before":
+        return env, None
+    if not args.before:
+        raise SystemExit("elasticd-before needs --before DIR: a checkout of the code before")
+    return {**env, "PYTHONPATH": str(args.before)}, args.before
 
 
 def one_node(column: str, fault: str, args, work: Path) -> Trial:
@@ -210,7 +228,8 @@ def one_node(column: str, fault: str, args, work: Path) -> Trial:
     env = dict(os.environ, BENCH_OUT=str(out), BENCH_HANG_FLAG=str(flag))
     kind, extra = launcher(column, args.hb)
     log_path = work / "launcher.log"
-    proc = spawn(launcher_cmd(kind, 1, work, extra, nproc=args.nproc), env, log_path)
+    env, cwd = checkout(column, env, args)
+    proc = spawn(launcher_cmd(kind, 1, work, extra, nproc=args.nproc), env, log_path, cwd)
     try:
         pids = _training(out, args.nproc, args)
         if pids is None:
@@ -253,7 +272,9 @@ def _detected(
     if got is None:
         return Trial(said=f"not within {bound:g} s")
     if not got.named:  # the verdict, or torchrun closing the others, came first: the name next
-        got.named = (_until(lambda: (s := saw()) and s.named, 10, 0.05) or "").strip()
+        later = _until(lambda: (s := saw()) and s.named and s, 10, 0.05)
+        if later:
+            got.named, got.said = later.named.strip(), later.said
     got.right = got.named in right
     return got
 
@@ -271,6 +292,7 @@ def two_nodes(column: str, fault: str, args, work: Path) -> Trial:
             return Trial(said=dev)
         host, prefix = net.addr(0), [net.prefix(0), net.prefix(1)]
         env["GLOO_SOCKET_IFNAME"] = dev  # gloo on the namespace's link, not its loopback
+    env, cwd = checkout(column, env, args)
     procs, logs = [], [work / "node0.log", work / "node1.log"]
     held = None
     try:
@@ -283,7 +305,7 @@ def two_nodes(column: str, fault: str, args, work: Path) -> Trial:
                 cmd = launcher_cmd(kind, 1, work / f"node{i}", nodes, nproc=1)
             else:
                 cmd = node_cmd(kind, 2, port, work, i, SCRIPT, host=host)
-            procs.append(spawn([*prefix[i], *cmd], env, logs[i]))
+            procs.append(spawn([*prefix[i], *cmd], env, logs[i], cwd))
             if i == 0 and not _until(lambda: _answers(net, host, port), args.start_timeout, 0.2):
                 return Trial(said="node 0 never hosted the store")
         pids = _training(out, 2, args)
@@ -408,21 +430,23 @@ def false_alarms(args) -> dict:
 
 
 def run(args) -> dict:
+    """Every fault's trials, the columns taking turns trial by trial (the same load for each)."""
     results: dict = {}
     for fault in args.kinds:
-        for column in args.launchers:
-            if column == "elasticd-hb" and fault not in HANGS:
-                continue
-            if column == "elasticd-noprobe" and fault not in NODES:
-                continue
-            trials = []
-            for i in range(args.trials):
+        columns = [
+            c
+            for c in args.launchers
+            if not (c == "elasticd-hb" and fault not in HANGS)
+            and not (c == "elasticd-noprobe" and fault not in NODES)
+        ]
+        for i in range(args.trials):
+            for column in columns:
                 with tempfile.TemporaryDirectory(prefix=f"bench-detect-{column}-{fault}-") as tmp:
                     work = Path(tmp)
                     measure = two_nodes if fault in NODES else one_node
                     why = None if args.all else UNMEASURED.get((column, fault))
                     trial = Trial(said=why) if why else measure(column, fault, args, work)
-                trials.append(trial)
+                results.setdefault(fault, {}).setdefault(column, []).append(trial)
                 got = (
                     f"{trial.seconds:.3f} s, named {trial.named or '-'} "
                     f"({'right' if trial.right else 'wrong'})"
@@ -434,7 +458,6 @@ def run(args) -> dict:
                     file=sys.stderr,
                     flush=True,
                 )
-            results.setdefault(fault, {})[column] = trials
     return results
 
 
@@ -470,6 +493,30 @@ def ratio(ours: list[Trial], theirs: list[Trial], bound: float) -> str:
     return "—"
 
 
+P99 = re.compile(r"2 x p99 ([\d.]+)s")  # the learned deadline's basis, in the hang's cause
+
+
+def against_p99(results: dict) -> list[str]:
+    """For the hang kinds, each column's detection against 2 x the p99 step gap the daemon had
+    learned when it judged (from the cause: "2 x p99 0.215s"): the issue's bound for a SIGSTOP."""
+    lines = []
+    for fault in sorted(HANGS & set(results)):
+        for column, trials in results[fault].items():
+            pairs = [
+                (t.seconds, 2 * float(m[1]))
+                for t in trials
+                if t.seconds is not None and (m := P99.search(t.said))
+            ]
+            if pairs:
+                within = sum(s <= bound for s, bound in pairs)
+                said = ", ".join(f"{s:.3f} s / {bound:.3f} s" for s, bound in pairs)
+                lines.append(
+                    f"{fault} {column}: detected within 2 x p99 in {within}/{len(trials)} "
+                    f"(detected / 2 x p99: {said})"
+                )
+    return lines
+
+
 def table(results: dict, args) -> str:
     cols = [c for c in args.launchers if c != "torchrun"]
     head = ["fault"]
@@ -477,6 +524,7 @@ def table(results: dict, args) -> str:
         name = {
             "elasticd": "elasticd (defaults)",
             "elasticd-noprobe": "elasticd, no probe (before)",
+            "elasticd-before": f"elasticd at {args.before} (before)",
         }.get(c, f"elasticd --heartbeat-timeout {args.hb:g}")
         head += [f"{name}: detected after (median, range), detected", "rank named right"]
     if "torchrun" in args.launchers:
@@ -502,13 +550,15 @@ def table(results: dict, args) -> str:
 def overhead(args) -> dict:
     """Per all_reduce, the Flight Recorder on and off (medians, and the fastest, over --rounds
     runs of each)."""
-    runs: dict[str, list[dict]] = {"on": [], "off": []}
+    runs: dict[str, list[dict]] = {"on": [], "off": [], "hook": []}
     for i in range(args.rounds):
-        for mode in ("on", "off") if i % 2 == 0 else ("off", "on"):
+        for mode in ("on", "off", "hook") if i % 2 == 0 else ("hook", "off", "on"):
             env = {**os.environ, "OMP_NUM_THREADS": "1"}
             env.pop("TORCH_FR_BUFFER_SIZE", None)
-            if mode == "off":
+            if mode != "on":
                 env["TORCH_FR_BUFFER_SIZE"] = "0"
+            if mode == "hook":
+                env["BENCH_HOOK"] = "1"
             port = free_port()
             cmd = [sys.executable, str(HERE / "flight_cost.py")]
             procs = [
@@ -537,7 +587,13 @@ def overhead(args) -> dict:
     # the fastest run of each: the least disturbed by other load (a CPU cost only adds)
     on_min = min(r["us_per_op"] for r in runs["on"])
     off_min = min(r["us_per_op"] for r in runs["off"])
+    hook = statistics.median(r["us_per_op"] for r in runs["hook"])
+    hook_min = min(r["us_per_op"] for r in runs["hook"])
     return {
+        "us_per_op_fastest_hook": round(hook_min, 2),
+        "hook_cost_us_fastest": round(hook_min - off_min, 2),
+        "hook_cost_us": round(hook - off, 2),
+        "hook_ask_answered_ms": round(statistics.median(r["dump_ms"] for r in runs["hook"]), 2),
         "us_per_op_fastest_on": round(on_min, 2),
         "us_per_op_fastest_off": round(off_min, 2),
         "recorder_cost_us_fastest": round(on_min - off_min, 2),
@@ -561,7 +617,10 @@ def main() -> None:
     p.add_argument(
         "--launchers",
         default="elasticd,torchrun",
-        help="of elasticd,elasticd-hb,elasticd-noprobe,torchrun",
+        help="of elasticd,elasticd-hb,elasticd-noprobe,elasticd-before,torchrun",
+    )
+    p.add_argument(
+        "--before", type=Path, help="elasticd-before's checkout (the code before a change)"
     )
     p.add_argument("--nproc", type=int, default=3, help="workers of the one-node kinds (default 3)")
     p.add_argument("--bound", type=float, default=15.0, help="a fault not seen by then: not within")
@@ -614,6 +673,8 @@ def main() -> None:
         f"{time.monotonic() - t0:.0f} s"
     )
     print(table(results, args))
+    for line in against_p99(results):
+        print(line)
     if args.json:
         print(
             json.dumps(

@@ -111,11 +111,12 @@ def launcher_cmd(
     ]
 
 
-def spawn(cmd: list[str], env: dict, log: Path) -> subprocess.Popen:
-    """A launcher started in a session of its own, its stdout and stderr into `log`."""
+def spawn(cmd: list[str], env: dict, log: Path, cwd: Path | None = None) -> subprocess.Popen:
+    """A launcher started in a session of its own, its stdout and stderr into `log`; `cwd`: the
+    checkout whose elasticd `-m elasticd` runs (this one by default)."""
     with open(log, "wb") as out:
         return subprocess.Popen(
-            cmd, env=env, stdout=out, stderr=out, cwd=HERE.parent, start_new_session=True
+            cmd, env=env, stdout=out, stderr=out, cwd=cwd or HERE.parent, start_new_session=True
         )
 
 

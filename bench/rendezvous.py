@@ -99,7 +99,10 @@ def node_cmd(
         "--rdzv-id",
         "bench",
         "--rdzv-conf",
-        "join_timeout=300",
+        # off loopback, torchrun guesses whether it hosts the store by matching the endpoint
+        # against its host name's addresses, which a network namespace's own address is not
+        # among: node 0 then never hosts it and every node times out; say which node hosts it
+        "join_timeout=300" + ("" if host == "127.0.0.1" else f",is_host={i == 0}".lower()),
         str(script),
     ]
 

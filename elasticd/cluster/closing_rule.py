@@ -49,7 +49,7 @@ class Decision:
 
     close: bool
     why: str  # "" while waiting
-    members: list[list]  # [node id, nproc, addr] in group-rank order (empty while waiting)
+    members: list[list]  # [node id, nproc, addr, link port] in group-rank order (empty: waiting)
     lost: list[str]  # the previous round's nodes that never came, and those its request named
     spends: bool  # closing spends a restart of the job's budget (a failure, no node lost)
     count: int  # distinct nodes arrived
@@ -109,7 +109,7 @@ def order(records: Mapping[str, dict], max_nodes: int) -> list[list]:
     for _, r in chosen:
         if r["id"] not in seen_ids and len(members) < max_nodes:
             seen_ids.add(r["id"])
-            members.append([r["id"], r["nproc"], r["addr"]])
+            members.append([r["id"], r["nproc"], r["addr"], r.get("link", 0)])
     return members
 
 

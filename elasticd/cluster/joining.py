@@ -66,7 +66,9 @@ def _try_round(rz: Rendezvous, nproc: int, deadline: float) -> Round | None:
     prev = rz.last.group_rank if rz.last and rz.last.number == number - 1 else -1
     index = rz.arrivals.claim(
         number,
-        json.dumps({"id": rz.node_id, "nproc": nproc, "addr": rz.addr, "prev": prev}),
+        json.dumps(
+            {"id": rz.node_id, "nproc": nproc, "addr": rz.addr, "prev": prev, "link": rz.link}
+        ),
     )
     found = _members(rz, number, index, deadline)
     if found["failed"]:

@@ -19,7 +19,8 @@ stopped for a few seconds (its workers still training) or a starved one (its bea
 missing) is never lost.
 A silent neighbour is also probed at its own address (probe.py): one that answered before and now
 answers nothing, or refuses, is lost after one beat of silence (a partition, a node killed),
-since a starved or stopped daemon's kernel still answers.
+since a starved or stopped daemon's kernel still answers. A watched node whose daemon's held
+connection ends with no word (links.py: its daemon died, on one host too) is lost at once.
 A c10d store's host that refuses the connection is down, acted on at once. On the c10d store's
 host, the liveness thread also answers the challenges of the nodes that would follow its run,
 every ANSWER_EVERY between beats (run.answer).
@@ -35,7 +36,7 @@ from collections.abc import Callable
 
 from elasticd import logs
 from elasticd.cluster import kv as kvmod
-from elasticd.cluster import probe, silence
+from elasticd.cluster import links, probe, silence
 from elasticd.cluster.errors import StoreLost, host_down_line
 from elasticd.cluster.rendezvous import Rendezvous
 from elasticd.cluster.rounds import Round
@@ -73,6 +74,8 @@ class Peers:
         self._probed: tuple[Round | None, set[int], dict[int, int], dict[int, tuple[float, str]]]
         self._probed = (None, set(), {}, {})
         self._listener = _listener(cfg, rdzv)
+        # held connections to the watched nodes' daemons, and our watchers' to us (links.py)
+        self.links = _links(cfg, rdzv, self._listener, wake)
         # ours, and the store's (its TCPStore would look up the name of each probe's connection)
         self._not_probed = {rdzv.addr, *_addresses(cfg.rdzv_host)}
         self._restart: tuple[int, dict] | None = None  # (round number, reason) the waiter saw
@@ -104,7 +107,9 @@ class Peers:
         self._round = None
         self._beat_kv.close()
         self._wait_kv.close()
-        if self._listener is not None:
+        if self.links is not None:
+            self.links.close()  # our listener's too
+        elif self._listener is not None:
             self._listener.close()
         for t in (self._thread, *self._waiters):
             if t.ident is not None:
@@ -181,6 +186,8 @@ class Peers:
             rnd = None
         self.rdzv.beat(self._beat_kv, count)
         watched = rnd.neighbours(WATCHED) if rnd is not None else []
+        if self.links is not None:
+            self.links.watch({m.node_id: (m.addr, m.link) for m in watched if m.link})
         beats = self.rdzv.read_beats(
             self._beat_kv, [self.rdzv.node_id, *(m.node_id for m in watched)]
         )
@@ -209,7 +216,8 @@ class Peers:
         """Queued probes of us accepted; our watched neighbours probed at their own address
         (probe.py) where they never answered yet (up to PROBE_TRIES) or did not beat since our
         last read: a neighbour that answered before and no longer does is evidence it is gone."""
-        probe.drain(self._listener)
+        if self.links is None:
+            probe.drain(self._listener)  # else the links' thread accepts (and holds) them
         probed, answered, tries, unreachable = self._probed
         if probed is not rnd or self.cfg.etcd:  # on etcd no daemon listens (`_listener`)
             return
@@ -321,7 +329,8 @@ class Peers:
             limit = min(limit, 2 * BEAT_EVERY)
         if unreachable:
             limit = min(limit, BEAT_EVERY)
-        if not silence.anyone_silent(seen, now, limit):
+        gone = self._gone(rnd, seen)
+        if not gone and not silence.anyone_silent(seen, now, limit):
             return None  # nobody silent: no need to read our workers' heartbeats
         progress, step = silence.pace(beats())
         found = silence.judge(
@@ -332,20 +341,30 @@ class Peers:
             step,
             died_at=died_at,
             unreachable=unreachable,
+            gone=gone,
         )
         if found is None:
             return None
         g, why = found
         member = rnd.members[g]
         first = sum(m.nproc for m in rnd.members[:g])
+        quiet = min(seen[g][1], gone[g][0]) if g in gone else seen[g][1]
         return Failure(
             RestartCause.NODE_LOST,
             f"lost: group rank {g} ({ranks_text(first, member.nproc)}) {why}; "
             f"seen by node {self.node}",
             node=member.node_id,
             lost=(member.node_id,),
-            at=time.time() - (now - seen[g][1]),  # when it went quiet, Unix time
+            at=time.time() - (now - quiet),  # when it went quiet, Unix time
         )
+
+    def _gone(self, rnd: Round, seen: dict[int, tuple[int, float]]) -> dict[int, tuple[float, str]]:
+        """The watched nodes whose daemon's held connection ended with no word (links.py), by
+        group rank: when, and why."""
+        if self.links is None:
+            return {}
+        gone = dict(self.links.gone)
+        return {g: gone[rnd.members[g].node_id] for g in seen if rnd.members[g].node_id in gone}
 
 
 def _listener(cfg: Config, rdzv: Rendezvous):
@@ -354,6 +373,21 @@ def _listener(cfg: Config, rdzv: Rendezvous):
     if cfg.etcd or cfg.max_nodes == 1 or rdzv.addr in ("", cfg.rdzv_host):
         return None
     return probe.listen(rdzv.addr, cfg.rdzv_port)
+
+
+def _links(cfg: Config, rdzv: Rendezvous, listener, wake: Callable[[], None]):
+    """Our links (links.py), for a job of several nodes: on the probe's listener where we have
+    one, else on a port of our own address, which our arrival record carries (`rdzv.link`)."""
+    if cfg.max_nodes == 1 or not rdzv.addr:
+        return None
+    sock = listener if listener is not None else links.listen(rdzv.addr)
+    if sock is None:
+        log.info("links_not_listening", addr=rdzv.addr)
+        return None
+    made = links.Links(sock, wake)
+    rdzv.link = made.port
+    log.info("links_listening", addr=rdzv.addr, port=made.port)
+    return made
 
 
 def _addresses(host: str) -> set[str]:

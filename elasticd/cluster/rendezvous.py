@@ -94,6 +94,7 @@ class Rendezvous:
         )
         self.addr = cfg.local_addr or local_address(cfg.rdzv_host, cfg.rdzv_port)
         self.node_id = new_node_id()
+        self.link = 0  # the port our daemon's links listen on, for our arrival record (links.py)
         self.last: Round | None = None  # the last round this node was a member of
         self.partners: list[str] = []  # the other members of the last round this node was in
         self.started = time.time()  # a job's end issued before this (less CLOCK_SKEW) is older

@@ -20,6 +20,7 @@ class Member:
     node_id: str
     nproc: int
     addr: str
+    link: int = 0  # the port its daemon holds our connections on (links.py; 0: none)
 
 
 @dataclass

@@ -10,7 +10,8 @@ closer's missing nodes are lost after LOST_SILENCE; a watched node is lost when 
 --peer-timeout, or for a few beats while our workers wait on it, or for two beats once one of our
 workers died of a closed connection (`died_at`: the peer's going is then both evidences at once),
 or for one beat once its daemon's address stopped answering after it went quiet (`unreachable`,
-probe.py: a starved or stopped node still answers, so this is evidence it is gone).
+probe.py: a starved or stopped node still answers, so this is evidence it is gone), or at once
+once its daemon's held connection ended with no word (`gone`, links.py: the daemon died).
 """
 
 from __future__ import annotations
@@ -116,6 +117,7 @@ def judge(
     beat_every: float = BEAT_EVERY,
     died_at: float | None = None,
     unreachable: Mapping[int, tuple[float, str]] | None = None,
+    gone: Mapping[int, tuple[float, str]] | None = None,
 ) -> tuple[int, str] | None:
     """The first watched node (by `seen`'s order) that is lost, and why: silent for
     --peer-timeout, or silent for `lost_silence` (and two and a half of our steps) while our
@@ -123,11 +125,15 @@ def judge(
     workers died of a closed connection at `died_at` (monotonic), silent for two beats since
     before then (its last beat heard at most two beats after that death: the read that would have
     seen a later one), or silent for a beat with its daemon's address not answering a probe
-    made after it went quiet (`unreachable`: group rank -> (when that probe began, its verdict)).
+    made after it went quiet (`unreachable`: group rank -> (when that probe began, its verdict)),
+    or at once where its daemon's held connection ended with no word (`gone`, links.py: the
+    daemon died; group rank -> (when, why)).
     A daemon stopped for a few seconds (its workers still training) or a starved one (its beats
     late, not missing) is never lost."""
     for g, (_, since) in seen.items():
         silent = now - since
+        if g in (gone or {}):
+            return g, f"went silent: {gone[g][1]} {max(0.0, now - gone[g][0]):.2f}s ago"
         if silent >= peer_timeout:
             return g, f"went silent for {silent:.1f}s (--peer-timeout {peer_timeout:g})"
         probed = (unreachable or {}).get(g)

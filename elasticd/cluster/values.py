@@ -98,18 +98,22 @@ def master(text: str) -> tuple[str, int] | None:
 
 
 def record(text: str) -> dict | None:
-    """A node's arrival record: id, nproc, addr, and its group rank in the previous round."""
+    """A node's arrival record: id, nproc, addr, its group rank in the previous round, and the
+    port its daemon's links listen on (links.py; 0 or absent: none)."""
     if len(text) > 1024:
         return None
     r = json.loads(text)
     if not isinstance(r, dict) or not safe_name(r.get("id"), 128) or not safe_name(r.get("addr")):
         return None
     nproc, prev = r.get("nproc"), r.get("prev")
+    link = r.setdefault("link", 0)
     if (
         type(nproc) is not int
         or not 1 <= nproc <= 1 << 20
         or type(prev) is not int
         or not -1 <= prev < 1 << 20
+        or type(link) is not int
+        or not 0 <= link < 65536
     ):
         return None
     return r
@@ -118,13 +122,14 @@ def record(text: str) -> dict | None:
 def _member(m: object) -> Member | None:
     if (
         isinstance(m, list)
-        and len(m) == 3
+        and len(m) in (3, 4)
         and safe_name(m[0], 128)
         and type(m[1]) is int
         and 1 <= m[1] <= 1 << 20
         and safe_name(m[2])
+        and (len(m) == 3 or (type(m[3]) is int and 0 <= m[3] < 65536))
     ):
-        return Member(m[0], m[1], m[2])
+        return Member(*m)
     return None
 
 

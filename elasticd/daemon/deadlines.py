@@ -16,6 +16,9 @@ job with a tail (a data stall, a periodic long step) from being called hung at i
 step, which a p99 alone would do about once per 300 steps of a log-normal tail. The deadline
 is a suspicion, not a verdict: group.py declares a hang past it only with evidence (the rank
 stopped, or idle while the others wait in a collective: daemon/group.py `_suspect`).
+A rank stopped by a signal (state T) is its own evidence, and a job's tail is no excuse for it:
+its deadline is `Deadline.stopped`, 2 x p99 alone less the loop's tick (it is acted on within a
+tick of passing it), never under STOP_FLOOR: the rank is named within 2 x p99 of its stop.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import math
 from dataclasses import dataclass
 
 FLOOR = 1.0  # seconds: the least learned deadline (a loaded host's pauses, the loop's tick)
+STOP_FLOOR = 0.2  # seconds: the least for a rank stopped by a signal (two of the loop's ticks)
 WARMUP = 50  # steps per rank (pooled over the node's ranks) before the deadline is learned
 RANK_WARMUP = 10  # beats of a rank in its attempt before the learned deadline judges it
 P99_TIMES = 2.0
@@ -50,11 +54,22 @@ class Deadline:
     p99: float = 0.0
     longest: float = 0.0
     steps: int = 0
+    stopped: float = 0.0  # the deadline of a rank stopped by a signal (state T); 0: `seconds`
 
-    def basis(self) -> str:
+    @property
+    def for_stopped(self) -> float:
+        return self.stopped or self.seconds
+
+    def basis(self, stopped: bool = False) -> str:
         """How it was made, for the hang's reason and the events."""
         if not self.learned:
             return f"heartbeat timeout {self.seconds:g}s"
+        if stopped:
+            return (
+                f"a stopped rank's deadline {self.for_stopped:.2f}s: 2 x p99 {self.p99:.3f}s less "
+                "a tick, "
+                f"floor {STOP_FLOOR:g}s, over {self.steps} steps"
+            )
         return (
             f"the job's deadline {self.seconds:.2f}s: 2 x p99 {self.p99:.3f}s, "
             f"{LONGEST:g} x longest {self.longest:.3f}s, floor {FLOOR:g}s, over {self.steps} steps"
@@ -101,8 +116,9 @@ class StepTimes:
                 return _upper(i)
         return _upper(_BUCKETS - 1)
 
-    def deadline(self, ceiling: float, ranks: int) -> Deadline:
-        """The deadline now, for a node of `ranks` ranks (see the module's docstring)."""
+    def deadline(self, ceiling: float, ranks: int, tick: float = 0.0) -> Deadline:
+        """The deadline now, for a node of `ranks` ranks looked at every `tick` seconds (see the
+        module's docstring)."""
         steps = self.total // max(1, ranks)
         if steps < WARMUP:
             return Deadline(ceiling, False, steps=steps)
@@ -110,4 +126,5 @@ class StepTimes:
         seconds = max(FLOOR, P99_TIMES * p99, LONGEST * self.longest)
         if seconds >= ceiling:
             return Deadline(ceiling, False, p99, self.longest, steps)
-        return Deadline(seconds, True, p99, self.longest, steps)
+        stopped = max(STOP_FLOOR, P99_TIMES * p99 - tick)
+        return Deadline(seconds, True, p99, self.longest, steps, min(stopped, seconds))

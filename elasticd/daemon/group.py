@@ -188,7 +188,9 @@ class LocalGroup:
             return first
         self._raised = failed  # error files written, their workers still exiting
         now = time.monotonic()
-        self.deadline = self.steps.deadline(self.cfg.heartbeat_timeout, len(self.workers))
+        self.deadline = self.steps.deadline(
+            self.cfg.heartbeat_timeout, len(self.workers), self.cfg.monitor_interval
+        )
         self._say_learned()
         late: list[suspicion.Silent] = []
         for w in self.workers:
@@ -215,18 +217,20 @@ class LocalGroup:
                 return self.check()  # it exited just now: report the exit, not a hang
             if why:
                 return self._hung(w, why)
-            if self._late(beat, now):
+            if self._late(beat, now, self.suspects.stopped(w.pid)):
                 late.append(suspicion.Silent(w.global_rank, w.pid, beat.last, beat.step))
         return self._suspect(late, now) if late else None
 
-    def _late(self, beat: heartbeat.Beat | None, now: float) -> bool:
-        """Silent past the learned deadline (deadlines.py), after its attempt's warm-up."""
+    def _late(self, beat: heartbeat.Beat | None, now: float, stopped: bool) -> bool:
+        """Silent past the learned deadline (deadlines.py; a rank `stopped` by a signal: its
+        own, 2 x p99), after its attempt's warm-up."""
+        d = self.deadline
         return (
-            self.deadline.learned
+            d.learned
             and beat is not None
             and beat.beats >= deadlines.RANK_WARMUP
             and not beat.exiting
-            and now - beat.last > self.deadline.seconds
+            and now - beat.last > (d.for_stopped if stopped else d.seconds)
         )
 
     def _suspect(self, late: list[suspicion.Silent], now: float) -> Failure | None:
@@ -258,6 +262,8 @@ class LocalGroup:
             return None
         w = next(w for w in self.workers if w.global_rank == verdict.rank)
         silent = next(s for s in late if s.rank == verdict.rank)
+        if self.suspects.stopped(silent.pid):
+            basis = self.deadline.basis(stopped=True)
         why = (
             f"no heartbeat for {now - silent.last:.1f}s ({basis}; last step {silent.step}); "
             f"{verdict.why}"

@@ -4,10 +4,11 @@ collectives at one sequence number), read before anything is killed (daemon/coll
 
 The Flight Recorder is torch's own ring of each process group's latest collectives (sequence
 number, op, input shapes and dtypes, the group), recorded in C++ by the backend itself (gloo and
-NCCL alike, DDP's gradient all-reduce included), on by default (2000 entries, torch 2.13;
-TORCH_FR_BUFFER_SIZE=0 turns it off, and the stacks alone then judge a hang). elasticd changes
-nothing of it, so a job pays what it pays under torchrun (bench/detection.py --overhead measures
-the recorder's cost); nothing is written until the daemon asks.
+NCCL alike, DDP's gradient all-reduce included), on by default (2000 entries, torch 2.13).
+Where the user turned it off (TORCH_FR_BUFFER_SIZE=0), our own dispatcher hook on the c10d ops
+keeps the same evidence instead (worker/collective_hook.py). elasticd changes nothing of the
+recorder, so a job pays what it pays under torchrun (bench/detection.py --overhead measures the
+recorder's cost and the hook's); nothing is written until the daemon asks.
 
 The ask: a FIFO beside the dump (`ask_path`), made by the daemon. A daemon thread of the worker
 blocks opening it for reading (no CPU, the GIL let go); the daemon opens it for writing without
@@ -24,6 +25,7 @@ import os
 import threading
 
 from elasticd import names, safeio
+from elasticd.worker import collective_hook
 
 # torch's dumps, newest first: the CPU recorder (gloo) and, where built, NCCL's
 _DUMPS = ("_dump_fr_trace_json", "_dump_nccl_trace_json")
@@ -43,6 +45,8 @@ def arm() -> None:
     if _armed or not path or not os.path.exists(ask_path(path)):
         return
     dumps = recorders()
+    if collective_hook.recorder_off() or not dumps:  # torch's is off: ours (collective_hook.py)
+        dumps = [collective_hook.dump] if collective_hook.install() else []
     if not dumps:
         return
     _armed = True

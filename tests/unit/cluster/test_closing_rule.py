@@ -9,8 +9,9 @@ LIMITS = Limits(min_nodes=2, max_nodes=4, last_call=10.0, restart_wait=30.0)
 NOW, DEADLINE = 1000.0, 2000.0
 
 
-def rec(node: str, prev: int = -1, nproc: int = 1) -> dict:
-    return {"id": node, "nproc": nproc, "addr": f"{node}.host", "prev": prev}
+def rec(node: str, prev: int = -1, nproc: int = 1, link: int | None = None) -> dict:
+    r = {"id": node, "nproc": nproc, "addr": f"{node}.host", "prev": prev}
+    return r if link is None else {**r, "link": link}
 
 
 def arrived(*records: dict) -> dict[str, dict]:
@@ -18,8 +19,8 @@ def arrived(*records: dict) -> dict[str, dict]:
     return {f"arr/{i}": r for i, r in enumerate(records, 1)}
 
 
-def member(node: str, nproc: int = 1) -> list:
-    return [node, nproc, f"{node}.host"]
+def member(node: str, nproc: int = 1, link: int = 0) -> list:
+    return [node, nproc, f"{node}.host", link]
 
 
 # (name, records, expected, gone, lost, reached_min, spends, limits) ->
@@ -120,9 +121,9 @@ def test_a_closing_past_the_deadline_still_closes():
     assert d.close and d.timed_out  # the closer writes; it fails only if that write lost
 
 
-def test_members_carry_nproc_and_address():
-    assert order(arrived(rec("a", nproc=8), rec("b", nproc=2)), 4) == [
-        member("a", 8),
+def test_members_carry_nproc_address_and_link_port():
+    assert order(arrived(rec("a", nproc=8, link=4321), rec("b", nproc=2)), 4) == [
+        member("a", 8, link=4321),
         member("b", 2),
     ]
 

@@ -180,3 +180,18 @@ def test_judge_with_an_unanswered_probe(since, probed, want):
     unreachable = {} if probed is None else {1: probed}
     got = judge({1: (3, since)}, T, 10.0, None, None, 1.25, 0.25, unreachable=unreachable)
     assert got == want
+
+
+@pytest.mark.parametrize(
+    ("since", "gone", "want"),
+    [
+        # its daemon's held connection ended with no word: lost at once, silent or not
+        (T - 0.01, {1: (T - 0.02, "it died")}, (1, "went silent: it died 0.02s ago")),
+        (T - 0.3, {1: (T - 0.1, "its daemon died")}, (1, "went silent: its daemon died 0.10s ago")),
+        (T - 0.3, {2: (T - 0.1, "another's")}, None),  # another node's going
+        (T - 0.3, {}, None),  # nothing ended: silent a beat is slow, not lost
+    ],
+)  # fmt: skip
+def test_judge_with_a_daemon_gone(since, gone, want):
+    got = judge({1: (3, since)}, T, 10.0, None, None, 1.25, 0.25, gone=gone)
+    assert got == want

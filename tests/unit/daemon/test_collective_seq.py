@@ -106,10 +106,12 @@ def test_compact_round_trip_and_refusals():
 _fork = multiprocessing.get_context("fork")
 
 
-def _rank(rank: int, world: int, store: str, dump: str, fault: str) -> None:
+def _rank(rank: int, world: int, store: str, dump: str, fault: str, off: bool) -> None:
     code = 0
     try:
         os.environ[names.COLLECTIVES_FILE] = dump
+        if off:  # the user turned torch's recorder off: our hook (worker/collective_hook.py)
+            os.environ["TORCH_FR_BUFFER_SIZE"] = "0"
         torch.set_num_threads(1)
         dist.init_process_group(
             "gloo",
@@ -134,7 +136,7 @@ def _rank(rank: int, world: int, store: str, dump: str, fault: str) -> None:
         os._exit(code)
 
 
-def _judged(tmp_path, fault: str, world: int, want: tuple) -> cs.Verdict:
+def _judged(tmp_path, fault: str, world: int, want: tuple, off: bool = False) -> cs.Verdict:
     """The verdict once it is `want` (kind, culprits), else the last one within 30 s: asked
     before every rank reached the fault, a rank still behind is a true verdict of that moment."""
     dumps = [tmp_path / f"rank{r}.collectives.json" for r in range(world)]
@@ -142,7 +144,7 @@ def _judged(tmp_path, fault: str, world: int, want: tuple) -> cs.Verdict:
         os.mkfifo(flight.ask_path(str(d)), 0o600)
     store = str(tmp_path / "store")
     procs = [
-        _fork.Process(target=_rank, args=(r, world, store, str(dumps[r]), fault))
+        _fork.Process(target=_rank, args=(r, world, store, str(dumps[r]), fault, off))
         for r in range(world)
     ]
     for p in procs:
@@ -165,8 +167,12 @@ def _judged(tmp_path, fault: str, world: int, want: tuple) -> cs.Verdict:
             p.join(10)
 
 
-def test_gloo_desync_names_the_rank_both_ops_and_the_seq(tmp_path):
-    v = _judged(tmp_path, "desync", 3, ("desync", (2,)))
+RECORDER = pytest.mark.parametrize("off", [False, True], ids=["flight_recorder", "recorder_off"])
+
+
+@RECORDER
+def test_gloo_desync_names_the_rank_both_ops_and_the_seq(tmp_path, off):
+    v = _judged(tmp_path, "desync", 3, ("desync", (2,)), off)
     assert v.kind == "desync" and v.culprits == (2,), v
     assert v.text.startswith(
         "desync at seq 4: rank 2 called all_gather ([[4, 3]] Float) while the others (ranks 0, 1) "
@@ -174,8 +180,9 @@ def test_gloo_desync_names_the_rank_both_ops_and_the_seq(tmp_path):
     ), v.text
 
 
-def test_gloo_hang_names_the_rank_that_never_arrived(tmp_path):
-    v = _judged(tmp_path, "hang", 3, ("never_arrived", (1,)))
+@RECORDER
+def test_gloo_hang_names_the_rank_that_never_arrived(tmp_path, off):
+    v = _judged(tmp_path, "hang", 3, ("never_arrived", (1,)), off)
     assert v.kind == "never_arrived" and v.culprits == (1,), v
     assert v.text.startswith("rank 1 (its last seq 3, all_reduce) never arrived at seq 4"), v.text
 

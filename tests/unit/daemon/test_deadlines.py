@@ -10,7 +10,7 @@ import random
 import pytest
 
 from elasticd.daemon import deadlines, suspicion
-from elasticd.daemon.deadlines import FLOOR, WARMUP, StepTimes
+from elasticd.daemon.deadlines import FLOOR, STOP_FLOOR, WARMUP, StepTimes
 from unit.daemon.test_culprit import ALL_REDUCE, BACKWARD, SLEEP
 
 
@@ -39,6 +39,22 @@ def test_slow_regular_steps_and_a_tail_set_it_and_the_flag_caps_it():
     times.add(1.5)  # one 1.5 s stall (a data read): the next one is not a hang
     assert times.deadline(300.0, 1).seconds == pytest.approx(4.5)
     assert times.deadline(3.0, 1) == deadlines.Deadline(3.0, False, times.quantile(0.99), 1.5, 500)
+
+
+def test_a_stopped_rank_s_deadline_is_two_p99_alone_never_under_its_floor():
+    times = regular(0.02, 500)
+    times.add(1.5)  # a stall in the tail: the deadline of a silent rank 4.5 s, not a stopped one's
+    d = times.deadline(300.0, 1)
+    p99 = times.quantile(0.99)
+    assert d.seconds == pytest.approx(4.5) and d.for_stopped == max(STOP_FLOOR, 2 * p99), d
+    assert "a stopped rank's deadline" in d.basis(stopped=True) and "2 x p99" in d.basis(True)
+    slow = regular(0.4, 200).deadline(300.0, 1)  # 0.4 s steps: 2 x p99 over the floor
+    assert 0.8 <= slow.for_stopped <= 1.0 < slow.seconds, slow
+    # looked at every 0.1 s: a tick less, so that it is acted on within 2 x p99
+    ticked = regular(0.4, 200).deadline(300.0, 1, tick=0.1)
+    assert ticked.for_stopped == pytest.approx(slow.for_stopped - 0.1), ticked
+    assert not regular(0.02, 10).deadline(300.0, 1).learned  # warming up: the ceiling for both
+    assert regular(0.02, 10).deadline(300.0, 1).for_stopped == 300.0
 
 
 def test_several_beats_between_two_readings_count_as_that_many_steps_of_the_whole_gap():

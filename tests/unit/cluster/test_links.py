@@ -1,0 +1,109 @@
+"""Held connections to a watched daemon (cluster/links.py), against a real process holding the
+other end: killed, it is gone at once; stopped, closed in order, or turning us away, it is not."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from elasticd.cluster import links
+
+# a daemon's side: its links listening on loopback, the port printed, then held until killed
+HOLDER = """
+import sys, time
+from elasticd.cluster import links
+made = links.Links(links.listen("127.0.0.1"), lambda: None)
+print(made.port, flush=True)
+if sys.stdin.readline().strip() == "close":
+    made.close()
+    time.sleep(30)
+"""
+
+
+@pytest.fixture
+def holder():
+    procs = []
+
+    def start():
+        p = subprocess.Popen(
+            [sys.executable, "-c", HOLDER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        procs.append(p)
+        return p, int(p.stdout.readline())
+
+    yield start
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGCONT)
+            p.kill()
+        p.wait(10)
+
+
+def watcher():
+    woke = threading.Event()
+    return links.Links(links.listen("127.0.0.1"), woke.set), woke
+
+
+def held(made, node, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while node not in made._held and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return node in made._held
+
+
+def test_a_killed_daemon_is_gone_at_once(holder):
+    p, port = holder()
+    made, woke = watcher()
+    try:
+        made.watch({"b": ("127.0.0.1", port)})
+        assert held(made, "b")
+        os.kill(p.pid, signal.SIGKILL)
+        assert woke.wait(10), "the link's end was not seen"
+        assert "b" in made.gone and "died" in made.gone["b"][1]
+    finally:
+        made.close()
+
+
+def test_a_stopped_daemon_or_one_closing_in_order_is_not_gone(holder):
+    stopped, port1 = holder()
+    closing, port2 = holder()
+    made, woke = watcher()
+    try:
+        made.watch({"s": ("127.0.0.1", port1), "c": ("127.0.0.1", port2)})
+        assert held(made, "s") and held(made, "c")
+        os.kill(stopped.pid, signal.SIGSTOP)
+        closing.stdin.write("close\n")
+        closing.stdin.flush()
+        deadline = time.monotonic() + 10
+        while "c" in made._held and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert "c" not in made._held, "the orderly end was not seen"
+        time.sleep(0.5)
+        assert made.gone == {} and not woke.is_set()
+        assert "s" in made._held
+    finally:
+        made.close()
+
+
+def test_over_the_cap_a_watcher_is_turned_away_in_order(holder):
+    _, port = holder()
+    made, woke = watcher()
+    conns = []
+    try:
+        for _ in range(links.MAX_HELD):  # the holder's cap, filled by others
+            conns.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+        made.watch({"b": ("127.0.0.1", port)})
+        deadline = time.monotonic() + 10
+        while made._tried.get("b", 0) < links.CONNECT_TRIES and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert made._tried["b"] == links.CONNECT_TRIES and "b" not in made._held
+        assert made.gone == {} and not woke.is_set(), "turned away, taken for a death"
+    finally:
+        made.close()
+        for c in conns:
+            c.close()
