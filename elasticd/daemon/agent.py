@@ -104,6 +104,7 @@ class Agent:
         self.recovery_path = None  # daemon/inplace.Path, chosen at start (serve.py)
         self.in_place_used = 0  # ranks' failures recovered in place (daemon/inplace.py)
         self.forming = None  # daemon/inplace.Forming: the generation whose handles are awaited
+        self.in_place_kv = None  # (round number, its workers' store's client): inplace.store
         self.notify = None  # elasticd.daemon.systemd once serve() wires it
         self._connect, self._peers, self._subreaper = rendezvous, peers, subreaper
         self.inbox = Inbox()
@@ -279,6 +280,7 @@ class Agent:
                 if unhealthy is not None:
                     return self._leave(unhealthy)
                 self._after_start_up(now)
+                inplace.follow(self, now)
                 inplace.unstick(self, now)
                 self.spares.learn(self.group.workers)
                 if self.status.due(now):
