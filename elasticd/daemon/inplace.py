@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING
 
 from elasticd import logs, names
 from elasticd.cluster.kv import Unreachable
-from elasticd.config import Config
+from elasticd.config import Config, parse_nnodes
 from elasticd.daemon import processes
 from elasticd.lifecycle.states import Failure, RestartCause
 from elasticd.worker import reconfigure
@@ -270,7 +270,9 @@ def unstick(agent: Agent, now: float) -> None:
     )
 
 
-def _announce(agent: Agent, starting: tuple[int, ...]) -> int:
+def _announce(
+    agent: Agent, starting: tuple[int, ...], world: int = 0, mapping: dict[int, int] | None = None
+) -> int:
     """Take the round's next generation (the nodes share the roll) and announce it, signed,
     with the ranks that start for it: the survivors on every node wait for this word."""
     kv = store(agent)
@@ -281,8 +283,20 @@ def _announce(agent: Agent, starting: tuple[int, ...]) -> int:
             "another node's recovery is forming (a second fault at once)"
         )
     said = f"{gen} {','.join(map(str, starting))}"
+    if mapping is not None:  # a smaller world: its size, and each surviving rank's new number
+        said += f" {world} {','.join(f'{a}:{b}' for a, b in mapping.items())}"
     kv.set(names.in_place_key(gen), reconfigure.sign(agent.round.state_key, gen, -1, said))
     return gen
+
+
+def _holders(rnd, mapping: dict[int, int]) -> set[str]:
+    """The nodes whose ranks `mapping` keeps."""
+    held, old = set(), 0
+    for m in rnd.members:
+        if any(r in mapping for r in range(old, old + m.nproc)):
+            held.add(m.node_id)
+        old += m.nproc
+    return held
 
 
 def follow(agent: Agent, now: float) -> None:
@@ -306,7 +320,18 @@ def follow(agent: Agent, now: float) -> None:
     if text is None:
         log.warning("in_place_bad_announcement", generation=gen)
         return
-    starting = tuple(int(r) for r in text.partition(" ")[2].split(",") if r)
+    fields = text.split(" ")
+    starting = tuple(int(r) for r in fields[1].split(",") if r) if len(fields) > 1 else ()
+    if len(fields) == 4:  # a smaller world another survivor announced
+        world = int(fields[2])
+        mapping = dict(tuple(map(int, p.split(":"))) for p in fields[3].split(",") if p)
+        old = {w.global_rank for w in agent.group.workers}
+        lost = {m.node_id for m in agent.round.members} - _holders(agent.round, mapping)
+        if not old <= mapping.keys():
+            log.warning("in_place_bad_announcement", generation=gen, why="this node's ranks left")
+            return
+        _shrunk(agent, gen, lost, world, mapping, now, Failure(RestartCause.NODE_LOST, "followed"))
+        return
     group = agent.group
     group.generation, group.quiet_from = gen, now
     running = tuple(w.global_rank for w in group.workers if w.exit_code is None)
@@ -315,12 +340,149 @@ def follow(agent: Agent, now: float) -> None:
     agent.event("in_place_followed", generation=gen, ranks=list(starting), survivors=list(running))
 
 
+def smaller(members, lost) -> tuple[int, dict[int, int]]:
+    """The world without the `lost` nodes' ranks, and each surviving rank's new number (in the
+    members' order, so every survivor computes the same)."""
+    mapping, old = {}, 0
+    for m in members:
+        for r in range(old, old + m.nproc):
+            if m.node_id not in lost:
+                mapping[r] = len(mapping)
+        old += m.nproc
+    return len(mapping), mapping
+
+
+def _shrink_refused(agent: Agent, why: Failure) -> str | None:
+    """Why a lost node cannot be recovered in place here (None: it can)."""
+    rnd, lost = agent.round, set(why.lost or ())
+    if not lost or rnd is None:
+        return "no lost node named"
+    if rnd.members[0].node_id in lost:
+        return (
+            "the lost node hosted the workers' store (group rank 0): the survivors' handles "
+            "have nowhere to go"
+        )
+    left = len([m for m in rnd.members if m.node_id not in lost])
+    if left < parse_nnodes(agent.cfg.nnodes)[0]:
+        return f"{left} node(s) left, fewer than --nnodes {agent.cfg.nnodes} allows"
+    if agent.forming is not None:
+        return "a node lost while a generation formed in place"
+    if any(w.exit_code is not None for w in agent.group.workers):
+        return "a rank of this node died too"
+    if any(b is None or not b.beats for b in agent.group.beats()):
+        return "a rank had not stepped yet"
+    if agent.in_place_used >= agent.cfg.max_restarts:
+        return f"the in-place budget is spent ({agent.cfg.max_restarts}: --max-restarts)"
+    if store(agent) is None:
+        return "the workers' store is not known to this node"
+    return None
+
+
+def _smaller_round(agent: Agent, lost, world: int, mapping: dict[int, int]) -> None:
+    """This node's view of the group without the lost nodes: the round's members and its ranks,
+    the spec a later replacement starts with, the workers' global ranks (their handles' keys),
+    and the peers' watch (the lost node is no longer a neighbour)."""
+    rnd, group = agent.round, agent.group
+    members = [m for m in rnd.members if m.node_id not in lost]
+    here = next(i for i, m in enumerate(members) if m.node_id == rnd.node_id)
+    base = sum(m.nproc for m in members[:here])
+    agent.round = rnd = dataclasses.replace(
+        rnd, members=members, group_rank=here, rank_base=base, world_size=world,
+        claimed=rnd.claimed or rnd.group_world_size,
+    )  # fmt: skip
+    agent.rdzv.last = rnd
+    agent.peers.new_round(rnd)
+    group.spec = dataclasses.replace(
+        group.spec, rank_base=base, world_size=world, group_rank=here,
+        group_world_size=len(members),
+    )  # fmt: skip
+    for w in group.workers:
+        w.global_rank = mapping[w.global_rank]
+
+
+def _take_lost(agent: Agent, lost) -> bool:
+    """Whether this node announces the smaller world: the first survivor to claim the lost
+    nodes does; the others follow its announcement."""
+    key = f"elasticd/in-place/lost/{','.join(sorted(lost))}"
+    return store(agent).compare_set(key, None, agent.round.node_id.encode())
+
+
+def shrink(agent: Agent, why: Failure) -> bool:
+    """A node lost, no replacement: this node's ranks (and every survivor's) re-form at the
+    smaller world in their own processes. True when done; False: the caller restarts."""
+    refused = _shrink_refused(agent, why)
+    lost = set(why.lost or ())
+    try:
+        mine = refused is None and _take_lost(agent, lost)
+    except Unreachable as e:
+        refused = f"the workers' store: {e}"
+    if refused is not None:
+        agent.event("in_place_refused", level="warning", why=refused, cause=why.summary())
+        return False
+    world, mapping = smaller(agent.round.members, lost)
+    now = time.monotonic()
+    if not mine:  # another survivor announces: follow it (its word comes within a look or two)
+        agent.event("in_place_lost_followed", lost=sorted(lost), world=world)
+        return _await_shrink(agent, why, now)
+    agent.recovery.replaced_in_place()
+    agent.recovery.detected()
+    try:
+        gen = _announce(agent, (), world, mapping)
+    except (Unreachable, ValueError) as e:
+        agent.event("in_place_refused", level="warning", why=str(e), cause=why.summary())
+        return False
+    _shrunk(agent, gen, lost, world, mapping, now, why)
+    return True
+
+
+def _await_shrink(agent: Agent, why: Failure, now: float) -> bool:
+    """Another survivor claimed the lost node: its announcement, waited a moment (bounded)."""
+    deadline = now + 5 * STORE_TIMEOUT
+    gen = agent.group.generation + 1
+    kv = store(agent)
+    while time.monotonic() < deadline:
+        try:
+            if _has(kv, names.in_place_key(gen)):
+                follow(agent, time.monotonic())
+                return agent.forming is not None
+        except Unreachable:
+            break
+        time.sleep(0.02)
+    agent.event(
+        "in_place_refused", level="warning", why="no smaller world announced", cause=why.summary()
+    )
+    return False
+
+
+def _shrunk(agent: Agent, gen: int, lost, world: int, mapping: dict[int, int], now, why) -> None:
+    """This node's side of a smaller world announced: its view, the generation forming."""
+    agent.in_place_used += 1
+    _smaller_round(agent, lost, world, mapping)
+    group = agent.group
+    group.generation, group.quiet_from = gen, now
+    running = tuple(w.global_rank for w in group.workers)
+    agent.forming = Forming(gen, now, stuck_after(getattr(group, "deadline", None)), running)
+    agent.event(
+        "shrunk_in_place",
+        level="warning",
+        cause=why.summary(),
+        generation=gen,
+        lost=sorted(lost),
+        world=world,
+        ranks={str(k): v for k, v in mapping.items()},
+        survivors=[w.pid for w in group.workers],
+        failed_at=why.at,
+    )
+
+
 def replace(agent: Agent, why: Failure) -> bool:
     """Recover the failed ranks in place: True when done (the loop goes on watching), False
     when the caller must restart the group (said in one line)."""
     path = agent.recovery_path
     if path is None or not path.in_place:
         return False
+    if isinstance(why, Failure) and why.kind is RestartCause.NODE_LOST:
+        return shrink(agent, why)
     refused = _refused(agent, why)
     if refused is not None:
         agent.event("in_place_refused", level="warning", why=refused, cause=why.summary())

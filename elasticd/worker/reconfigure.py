@@ -237,12 +237,25 @@ class Member:
         try:
             self.store.wait([key], timedelta(seconds=max(0.1, deadline - time.monotonic())))
             text = opened(_key(), gen, -1, self.store.get(key))
-            number, ranks = text.split(" ") if text else ("", "")
-            if number != str(gen):
+            fields = text.split(" ") if text else []
+            if len(fields) not in (2, 4) or fields[0] != str(gen):
                 return None
-            return gen, frozenset(int(r) for r in ranks.split(",") if r)
+            if len(fields) == 4:  # a smaller world: this rank's new number in it
+                mapping = dict(tuple(map(int, p.split(":"))) for p in fields[3].split(",") if p)
+                self.renumber(mapping[self.rank], int(fields[2]))
+            return gen, frozenset(int(r) for r in fields[1].split(",") if r)
         except Exception:  # noqa: BLE001 - a timeout, the store gone with the daemon, a bad value
             return None
+
+    def renumber(self, rank: int, world: int) -> None:
+        """This rank's number and the world after a node was lost: the script, run again, reads
+        them where torchrun puts them (the group node's own numbers stay: GROUP_RANK is the
+        daemon's to say at the next round)."""
+        log.info("in_place_renumbered", rank=self.rank, new_rank=rank, world=world)
+        self.rank, self.world = rank, world
+        os.environ.update(
+            RANK=str(rank), ROLE_RANK=str(rank), WORLD_SIZE=str(world), ROLE_WORLD_SIZE=str(world)
+        )
 
 
 def _sockets() -> dict[int, int]:

@@ -10,13 +10,24 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
+import sys
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from e2e.test_inplace import events
-from harness import alive, free_port, leftover_processes, node_flags, wait_until
+from harness import (
+    SESSION,
+    alive,
+    free_port,
+    leftover_processes,
+    node_flags,
+    script,
+    secret_flags,
+    wait_until,
+)
 
 pytestmark = pytest.mark.skipif(
     not hasattr(dist, "_reconfigure"),
@@ -79,3 +90,61 @@ def test_a_rank_killed_on_one_node_is_replaced_there_alone(daemons, tmp_path):
     resumed = [int(m) for m in re.findall(r"resumed from step (\d+)", host.log_text(0, 1))]
     assert len(resumed) == 1 and resumed[0] >= 11, resumed
     assert not leftover_processes()
+
+
+def store_host(port: int):
+    """The job's rendezvous store, hosted by no node (tests/scripts/store_server.py), so that
+    losing a node never loses the store."""
+    proc = subprocess.Popen(
+        [sys.executable, script("store_server.py"), "127.0.0.1", str(port), "job",
+         secret_flags()[1]],
+        stdout=subprocess.PIPE, text=True, env=dict(os.environ, ELASTICD_TEST_SESSION=SESSION),
+    )  # fmt: skip
+    assert proc.stdout.readline().strip() == "serving"
+    return proc
+
+
+def test_a_lost_node_s_survivors_re_form_at_the_smaller_world_in_place(daemons, tmp_path):
+    """Node B's daemon SIGKILLed (its guard kills its workers): node A's ranks re-form at world 2
+    in their own processes (GlobalBatch keeps the global batch) and train to the end; no
+    restart, A's pids unchanged."""
+    port = free_port()
+    store = store_host(port)
+    try:
+        flags = (*FLAGS, *node_flags(port, "1:2"), "--last-call-timeout", "30")
+        nodes = []
+        for i in range(2):  # the first at the store takes group rank 0 (the workers' store)
+            nodes.append(
+                daemons(
+                    "entrypoints.train",
+                    *flags,
+                    "--checkpoint-dir",
+                    str(tmp_path / f"c{i}"),
+                    name=f"n{i}",
+                    args=ARGS,
+                )  # fmt: skip
+            )
+            wait_until(
+                lambda: any(e.get("event") == "rendezvous_store" for e in nodes[-1].events()),
+                60, what="at the store",
+            )  # fmt: skip
+        a, b = nodes
+        wait_until(lambda: re.search(r"^step 12/60", a.log_text(0, 1), re.M), 120, what="step 12")
+        before = a.worker_pids()
+        assert sorted(before) == [0, 1], before
+        b.kill(signal.SIGKILL)
+        assert a.wait(120) == 0, a.stderr()[-3000:]
+        shrunk = events(a, "shrunk_in_place")
+        assert len(shrunk) == 1 and shrunk[0]["world"] == 2, shrunk
+        assert sorted(shrunk[0]["survivors"]) == sorted(before.values())
+        assert not events(a, "in_place_refused") and len(a.attempt_dirs()) == 1
+        assert not [e for e in events(a, "state") if e.get("new") == "RESTARTING"]
+        log0 = a.log_text(0, 1)
+        assert "re_entered" in log0 and "in_place_fallback" not in log0
+        resumed = [int(m) for m in re.findall(r"resumed from step (\d+)", log0)]
+        assert len(resumed) == 1 and resumed[0] >= 11, resumed
+        assert re.search(r"^step 60/60", log0, re.M)
+    finally:
+        store.kill()
+        store.wait(10)
+    wait_until(lambda: not leftover_processes(), 30, what="no process left")
