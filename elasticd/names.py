@@ -113,6 +113,12 @@ def in_place_counter_key() -> str:
     return "elasticd/in-place/next"
 
 
+def in_place_waiting_key(generation: int) -> str:
+    """How many ranks unwound from a failed collective wait for generation N (a counter each
+    adds 1 to): before it is announced, the daemons' evidence that a silent node is gone."""
+    return f"elasticd/in-place/g{generation}/waiting"
+
+
 def in_place_unwound_key(generation: int, rank: int) -> str:
     """Rank R's word that its script unwound for generation N (it re-forms or falls back
     itself: daemon/inplace.py `unstick` kills only a rank that said neither)."""

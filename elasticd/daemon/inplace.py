@@ -299,6 +299,20 @@ def _holders(rnd, mapping: dict[int, int]) -> set[str]:
     return held
 
 
+def _waits(agent: Agent, kv, gen: int, now: float) -> None:
+    """Whether ranks wait, unwound, for generation `gen` not announced yet: from when this node
+    first saw it (Agent.in_place_waits: the peers' `died_at`, so a silent node is judged lost
+    after two beats, not --peer-timeout's silence)."""
+    try:
+        raw = kv.get(names.in_place_waiting_key(gen))  # nobody waits on this key: a read is fine
+    except Unreachable:
+        return
+    if raw is None:
+        agent.in_place_waits = None
+    elif agent.in_place_waits is None:
+        agent.in_place_waits = now
+
+
 def follow(agent: Agent, now: float) -> None:
     """On a node whose ranks all run: a generation another node announced (it replaced ranks
     of its own) is this node's too. Its survivors unwind and re-form; this node counts their
@@ -315,7 +329,9 @@ def follow(agent: Agent, now: float) -> None:
     except Unreachable:
         return  # the peers' thread judges the store; the ranks fall back on their own
     if value is None:
+        _waits(agent, kv, gen, now)
         return
+    agent.in_place_waits = None
     text = reconfigure.opened(agent.round.state_key, gen, -1, value)
     if text is None:
         log.warning("in_place_bad_announcement", generation=gen)
@@ -457,6 +473,7 @@ def _await_shrink(agent: Agent, why: Failure, now: float) -> bool:
 def _shrunk(agent: Agent, gen: int, lost, world: int, mapping: dict[int, int], now, why) -> None:
     """This node's side of a smaller world announced: its view, the generation forming."""
     agent.in_place_used += 1
+    agent.in_place_waits = None
     _smaller_round(agent, lost, world, mapping)
     group = agent.group
     group.generation, group.quiet_from = gen, now

@@ -387,6 +387,8 @@ def reenter(exc: BaseException) -> str | None:
     at = {"unwound": time.time()}
     found.abort()
     at["aborted"] = time.time()
+    with contextlib.suppress(Exception):  # the daemons' evidence that a silent node is gone
+        found.store.add(names.in_place_waiting_key(found.generation + 1), 1)
     announced = found.announced(time.monotonic() + GENERATION_WAIT)
     if announced is None:
         _fallback(f"no generation announced in {GENERATION_WAIT:g} s after: {exc}")

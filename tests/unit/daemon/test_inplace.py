@@ -141,6 +141,7 @@ def _node(kv, generation=0, ranks=(0, 1)):
         forming=None,
         round=SimpleNamespace(number=1, master_addr="127.0.0.1", master_port=1, state_key=b"k"),
         in_place_kv=(1, kv),
+        in_place_waits=None,
         group=SimpleNamespace(workers=workers, generation=generation, quiet_from=0.0),
         event=lambda name, **kw: events.append((name, kw)),
     )
