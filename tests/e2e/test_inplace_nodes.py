@@ -21,6 +21,7 @@ from e2e.test_inplace import events
 from harness import (
     SESSION,
     alive,
+    bench,
     free_port,
     leftover_processes,
     node_flags,
@@ -148,3 +149,11 @@ def test_a_lost_node_s_survivors_re_form_at_the_smaller_world_in_place(daemons, 
         store.kill()
         store.wait(10)
     wait_until(lambda: not leftover_processes(), 30, what="no process left")
+
+
+def test_the_node_loss_bench_runs_in_place():
+    """bench/nodeloss.py's smoke run: one node lost, its survivors stepping again at the smaller
+    world in their own processes."""
+    r = bench("nodeloss.py", "--trials", "1", "--modes", "in-place", timeout=240)
+    row = re.search(r"^in-place +([\d.]+) .* (\d+)/1 +(\d+)$", r.stdout, re.M)
+    assert row and row[2] == "1" and row[3] == "1", r.stdout + r.stderr[-2000:]
