@@ -181,3 +181,35 @@ def test_two_nodes_announcing_at_once_is_refused():
     assert inplace._announce(a, (1,)) == 1
     with pytest.raises(ValueError, match="another node's recovery"):
         inplace._announce(b, (3,))
+
+
+@pytest.mark.parametrize(
+    "lost, world, mapping",
+    [
+        ({"b"}, 4, {0: 0, 1: 1, 4: 2, 5: 3}),  # a node after the lost one moves down
+        ({"c"}, 4, {0: 0, 1: 1, 2: 2, 3: 3}),
+        ({"a"}, 4, {2: 0, 3: 1, 4: 2, 5: 3}),
+        ({"b", "c"}, 2, {0: 0, 1: 1}),
+    ],
+)
+def test_the_smaller_world_and_each_survivor_s_new_number(lost, world, mapping):
+    """Every survivor computes the same from the round's members, in their order."""
+    members = [SimpleNamespace(node_id=n, nproc=2) for n in "abc"]
+    assert inplace.smaller(members, lost) == (world, mapping)
+
+
+def test_a_lost_node_that_held_the_workers_store_restarts_the_group():
+    """The lost node hosted the workers' store (group rank 0): the survivors' handles have
+    nowhere to go; fewer nodes than --nnodes' minimum left: the restart too."""
+    from elasticd.cluster.kv import LocalKV
+
+    agent, _ = _node(LocalKV())
+    agent.round.members = [SimpleNamespace(node_id=n, nproc=2) for n in ("a", "b")]
+    agent.cfg = SimpleNamespace(nnodes="1:2", max_restarts=3)
+    agent.group.beats = lambda: [SimpleNamespace(beats=3)] * 2
+    agent.in_place_used = 0
+    lost = lambda n: Failure(RestartCause.NODE_LOST, "lost", lost=(n,))  # noqa: E731
+    assert "hosted the workers' store" in inplace._shrink_refused(agent, lost("a"))
+    assert inplace._shrink_refused(agent, lost("b")) is None
+    agent.cfg.nnodes = "2"
+    assert "fewer than --nnodes 2" in inplace._shrink_refused(agent, lost("b"))
