@@ -7,6 +7,7 @@ second environment)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -18,7 +19,9 @@ import torch
 import torch.distributed as dist
 
 from e2e.test_inplace import events
+from etcd_cluster import SKIP_REASON, EtcdCluster, etcd_binary
 from harness import (
+    FAST_NODES,
     SESSION,
     alive,
     bench,
@@ -105,14 +108,39 @@ def store_host(port: int):
     return proc
 
 
-def test_a_lost_node_s_survivors_re_form_at_the_smaller_world_in_place(daemons, tmp_path):
-    """Node B's daemon SIGKILLed (its guard kills its workers): node A's ranks re-form at world 2
-    in their own processes (GlobalBatch keeps the global batch) and train to the end; no
-    restart, A's pids unchanged."""
+@contextlib.contextmanager
+def rendezvous(backend: str, tmp_path):
+    """A rendezvous store hosted by no node, as a node's flags name it: a c10d TCPStore
+    (tests/scripts/store_server.py) or a 1-member etcd cluster."""
+    if backend == "etcd":
+        if etcd_binary() is None:
+            pytest.skip(SKIP_REASON)
+        cluster = EtcdCluster(tmp_path / "etcd", size=1).start()
+        try:
+            yield ("--rdzv-backend", "etcd", "--rdzv-endpoint", cluster.endpoints)
+        finally:
+            cluster.stop()
+        return
     port = free_port()
     store = store_host(port)
     try:
-        flags = (*FLAGS, *node_flags(port, "1:2"), "--last-call-timeout", "30")
+        yield ("--rdzv-endpoint", f"127.0.0.1:{port}")
+    finally:
+        store.kill()
+        store.wait(10)
+
+
+@pytest.mark.parametrize("backend", ["c10d", "etcd"])
+def test_a_lost_node_s_survivors_re_form_at_the_smaller_world_in_place(daemons, tmp_path, backend):
+    """Node B's daemon SIGKILLed (its guard kills its workers): node A's ranks re-form at world 2
+    in their own processes (GlobalBatch keeps the global batch) and train to the end; no
+    restart, A's pids unchanged. The same on etcd: nothing of it goes through the rendezvous
+    store."""
+    with rendezvous(backend, tmp_path) as where:
+        flags = (
+            *FLAGS, "--nnodes", "1:2", *where, "--rdzv-id", "job", *FAST_NODES, *secret_flags(),
+            "--last-call-timeout", "30",
+        )  # fmt: skip
         nodes = []
         for i in range(2):  # the first at the store takes group rank 0 (the workers' store)
             nodes.append(
@@ -135,19 +163,16 @@ def test_a_lost_node_s_survivors_re_form_at_the_smaller_world_in_place(daemons, 
         assert sorted(before) == [0, 1], before
         b.kill(signal.SIGKILL)
         assert a.wait(120) == 0, a.stderr()[-3000:]
-        shrunk = events(a, "shrunk_in_place")
-        assert len(shrunk) == 1 and shrunk[0]["world"] == 2, shrunk
-        assert sorted(shrunk[0]["survivors"]) == sorted(before.values())
-        assert not events(a, "in_place_refused") and len(a.attempt_dirs()) == 1
-        assert not [e for e in events(a, "state") if e.get("new") == "RESTARTING"]
-        log0 = a.log_text(0, 1)
-        assert "re_entered" in log0 and "in_place_fallback" not in log0
-        resumed = [int(m) for m in re.findall(r"resumed from step (\d+)", log0)]
-        assert len(resumed) == 1 and resumed[0] >= 11, resumed
-        assert re.search(r"^step 60/60", log0, re.M)
-    finally:
-        store.kill()
-        store.wait(10)
+    shrunk = events(a, "shrunk_in_place")
+    assert len(shrunk) == 1 and shrunk[0]["world"] == 2, shrunk
+    assert sorted(shrunk[0]["survivors"]) == sorted(before.values())
+    assert not events(a, "in_place_refused") and len(a.attempt_dirs()) == 1
+    assert not [e for e in events(a, "state") if e.get("new") == "RESTARTING"]
+    log0 = a.log_text(0, 1)
+    assert "re_entered" in log0 and "in_place_fallback" not in log0
+    resumed = [int(m) for m in re.findall(r"resumed from step (\d+)", log0)]
+    assert len(resumed) == 1 and resumed[0] >= 11, resumed
+    assert re.search(r"^step 60/60", log0, re.M)
     wait_until(lambda: not leftover_processes(), 30, what="no process left")
 
 
