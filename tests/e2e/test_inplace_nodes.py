@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from e2e.test_inplace import events
+from e2e.test_resume import final_state, tensors
 from etcd_cluster import SKIP_REASON, EtcdCluster, etcd_binary
 from harness import (
     FAST_NODES,
@@ -130,12 +131,15 @@ def rendezvous(backend: str, tmp_path):
         store.wait(10)
 
 
-@pytest.mark.parametrize("backend", ["c10d", "etcd"])
-def test_a_lost_node_s_survivors_re_form_at_the_smaller_world_in_place(daemons, tmp_path, backend):
+@pytest.mark.parametrize("backend, exact", [("c10d", False), ("etcd", False), ("c10d", True)])
+def test_a_lost_node_s_survivors_re_form_at_the_smaller_world_in_place(
+    daemons, tmp_path, backend, exact
+):
     """Node B's daemon SIGKILLed (its guard kills its workers): node A's ranks re-form at world 2
     in their own processes (GlobalBatch keeps the global batch) and train to the end; no
     restart, A's pids unchanged. The same on etcd: nothing of it goes through the rendezvous
-    store."""
+    store. In exact mode the run ends bit for bit where an uninterrupted one at world 2 does."""
+    args = [*ARGS, "--exact"] if exact else ARGS
     with rendezvous(backend, tmp_path) as where:
         flags = (
             *FLAGS, "--nnodes", "1:2", *where, "--rdzv-id", "job", *FAST_NODES, *secret_flags(),
@@ -150,7 +154,7 @@ def test_a_lost_node_s_survivors_re_form_at_the_smaller_world_in_place(daemons, 
                     "--checkpoint-dir",
                     str(tmp_path / f"c{i}"),
                     name=f"n{i}",
-                    args=ARGS,
+                    args=args,
                 )  # fmt: skip
             )
             wait_until(
@@ -173,6 +177,17 @@ def test_a_lost_node_s_survivors_re_form_at_the_smaller_world_in_place(daemons, 
     resumed = [int(m) for m in re.findall(r"resumed from step (\d+)", log0)]
     assert len(resumed) == 1 and resumed[0] >= 11, resumed
     assert re.search(r"^step 60/60", log0, re.M)
+    if exact:
+        clean = daemons(
+            "entrypoints.train", "--nproc-per-node", "2", "--checkpoint-dir",
+            str(tmp_path / "clean"), name="clean", args=args,
+        )  # fmt: skip
+        assert clean.wait(180) == 0, clean.stderr()[-3000:]
+        want, got = final_state(tmp_path / "clean"), final_state(tmp_path / "c0")
+        for part in ("model", "optimizer"):
+            tw, tg = dict(tensors(want[part])), dict(tensors(got[part]))
+            assert tw.keys() == tg.keys() and tw
+            assert all(torch.equal(tw[k], tg[k]) for k in tw), part
     wait_until(lambda: not leftover_processes(), 30, what="no process left")
 
 
