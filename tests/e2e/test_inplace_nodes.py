@@ -197,3 +197,35 @@ def test_the_node_loss_bench_runs_in_place():
     r = bench("nodeloss.py", "--trials", "1", "--modes", "in-place", timeout=240)
     row = re.search(r"^in-place +([\d.]+) .* (\d+)/1 +(\d+)$", r.stdout, re.M)
     assert row and row[2] == "1" and row[3] == "1", r.stdout + r.stderr[-2000:]
+
+
+def test_a_lost_node_that_held_the_workers_store_falls_back_to_the_restart(daemons, tmp_path):
+    """Node A (group rank 0) lost: the survivors' handles have nowhere to go; node B says why
+    in one line and restarts as today, alone at the smaller world, to the end."""
+    with rendezvous("c10d", tmp_path) as where:
+        flags = (*FLAGS, "--nnodes", "1:2", *where, "--rdzv-id", "job", *FAST_NODES,
+                 *secret_flags(), "--last-call-timeout", "30")  # fmt: skip
+        nodes = []
+        for i in range(2):
+            nodes.append(
+                daemons(
+                    "entrypoints.train",
+                    *flags,
+                    "--checkpoint-dir",
+                    str(tmp_path / "c"),
+                    name=f"n{i}",
+                    args=ARGS,
+                )  # fmt: skip
+            )
+            wait_until(
+                lambda: any(e.get("event") == "rendezvous_store" for e in nodes[-1].events()),
+                60, what="at the store",
+            )  # fmt: skip
+        a, b = nodes
+        wait_until(lambda: re.search(r"^step 12/60", a.log_text(0, 1), re.M), 120, what="step 12")
+        a.kill(signal.SIGKILL)
+        assert b.wait(180) == 0, b.stderr()[-3000:]
+    refused = events(b, "in_place_refused")
+    assert len(refused) == 1 and "hosted the workers' store" in refused[0]["why"], refused
+    assert not events(b, "shrunk_in_place") and len(b.attempt_dirs()) == 2
+    wait_until(lambda: not leftover_processes(), 30, what="no process left")
