@@ -107,6 +107,18 @@ def in_place_key(generation: int, rank: int | None = None) -> str:
     return where if rank is None else f"{where}/h{rank}"
 
 
+def in_place_counter_key() -> str:
+    """The roll of the round's in-place generations (KV `take`): a daemon that replaces ranks
+    takes the next number, so the nodes of a job never announce the same generation twice."""
+    return "elasticd/in-place/next"
+
+
+def in_place_waiting_key(generation: int) -> str:
+    """How many ranks unwound from a failed collective wait for generation N (a counter each
+    adds 1 to): before it is announced, the daemons' evidence that a silent node is gone."""
+    return f"elasticd/in-place/g{generation}/waiting"
+
+
 def in_place_unwound_key(generation: int, rank: int) -> str:
     """Rank R's word that its script unwound for generation N (it re-forms or falls back
     itself: daemon/inplace.py `unstick` kills only a rank that said neither)."""

@@ -96,7 +96,8 @@ class Arrivals:
             self.waiting_seen = (rnd.number, {})
         seen = self.waiting_seen[1]
         # members claimed the first numbers (a late node's number follows theirs)
-        new = self.new_records(rnd.number, set(seen), store, first=rnd.group_world_size + 1)[:16]
+        first = (rnd.claimed or rnd.group_world_size) + 1
+        new = self.new_records(rnd.number, set(seen), store, first=first)[:16]
         if new:
             found = self.read_records(new, store)
             seen.update({k: found[k]["id"] if k in found else None for k in new})

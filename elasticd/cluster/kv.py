@@ -105,6 +105,10 @@ class LocalKV:
         with self._cond:
             return self._data.get(key)
 
+    def check(self, keys: list[str]) -> bool:
+        with self._cond:
+            return all(k in self._data for k in keys)
+
     def multi_get(self, keys: list[str]) -> list[bytes | None]:
         with self._cond:
             return [self._data.get(k) for k in keys]

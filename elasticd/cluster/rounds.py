@@ -31,6 +31,9 @@ class Round:
     group_rank: int
     members: list[Member]
     lost: list[str] = field(default_factory=list)  # node ids of the previous round that never came
+    # arrival numbers its members took (0: one each); a round shrunk in place keeps its first
+    # count, so a lost node's arrival is never taken for a node waiting to join
+    claimed: int = 0
     rank_base: int = 0
     world_size: int = 0
     master_addr: str = ""

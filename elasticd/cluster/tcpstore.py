@@ -185,6 +185,12 @@ class TCPStoreKV:
         found = self._call("compare_set", key, _ABSENT, _ABSENT)
         return None if found == _ABSENT else found
 
+    def check(self, keys: list[str]) -> bool:
+        """Whether every key exists: a read that touches no key (a compare_set read of a missing
+        key wakes the clients waiting on it: the traps in docs/architecture.md), for a store the
+        workers wait on (daemon/inplace.py)."""
+        return bool(self._call("check", keys))
+
     def multi_get(self, keys: list[str]) -> list[bytes | None]:
         if keys and self._call("check", keys):
             return list(self._call("multi_get", keys))

@@ -104,6 +104,10 @@ class Agent:
         self.recovery_path = None  # daemon/inplace.Path, chosen at start (serve.py)
         self.in_place_used = 0  # ranks' failures recovered in place (daemon/inplace.py)
         self.forming = None  # daemon/inplace.Forming: the generation whose handles are awaited
+        self.in_place_kv = None  # (round number, its workers' store's client): inplace.store
+        # monotonic: since when a rank waits, unwound, for a generation not announced yet
+        # (inplace.follow): the peers' evidence that a silent node is gone, as a rank's death
+        self.in_place_waits = None
         self.notify = None  # elasticd.daemon.systemd once serve() wires it
         self._connect, self._peers, self._subreaper = rendezvous, peers, subreaper
         self.inbox = Inbox()
@@ -270,7 +274,9 @@ class Agent:
                 return self._succeed()
             if why is None:
                 try:
-                    why = self.peers.check(self.round, time.monotonic(), self.group.beats)
+                    why = self.peers.check(
+                        self.round, time.monotonic(), self.group.beats, died_at=self.in_place_waits
+                    )
                 except StoreUnreachable as e:
                     why = Failure(RestartCause.STORE_UNREACHABLE, str(e), node=self.node)
             if why is None:
@@ -279,6 +285,7 @@ class Agent:
                 if unhealthy is not None:
                     return self._leave(unhealthy)
                 self._after_start_up(now)
+                inplace.follow(self, now)
                 inplace.unstick(self, now)
                 self.spares.learn(self.group.workers)
                 if self.status.due(now):
@@ -462,7 +469,8 @@ class Agent:
         if self.spares.refill_due is None and not self.recovery.marks:
             return
         beats = self.group.beats()
-        stepped = all(b and b.beats for b in beats)
+        since = self.recovery.marks.get("detected", 0.0)  # in place: the survivors step again
+        stepped = all(b and b.beats and b.last >= since for b in beats)
         if stepped and self.recovery.marks:
             timeline = self.recovery.report(beats)
             self.event("recovered", **timeline)

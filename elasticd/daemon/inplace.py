@@ -25,10 +25,17 @@ re-enter). Anything else (a hang with the GPU driver's evidence or no rank named
 a generation forms, a peer, every rank dead, a rank that stopped on SIGTERM (exit 143: every
 rank stops with it), a second fault before the last replacement stepped, the in-place budget
 spent) goes the restart's way, with one `in_place_refused` line.
+
+Over several nodes the same: every daemon reaches the round's workers' store (`store`, hosted by
+group rank 0's daemon, whatever the rendezvous backend), the generation numbers are one roll in
+it (`_announce`: a node that takes a number past the one it knows refuses: two nodes' faults at
+once), and a node whose ranks all run takes another node's generation as its own (`follow`):
+its survivors' silence counts from then, and it unsticks its own survivors.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -37,6 +44,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from elasticd import logs, names
+from elasticd.cluster.kv import Unreachable
 from elasticd.config import Config, parse_nnodes
 from elasticd.daemon import processes
 from elasticd.lifecycle.states import Failure, RestartCause
@@ -52,6 +60,7 @@ STUCK_FLOOR = 0.3  # seconds a survivor may take to give its handle, at least (`
 STUCK_UNLEARNED = 1.0  # the same before the job's step times are learned
 REAP_WAIT = 2.0  # seconds for a stuck survivor killed to exit
 STACKS_WAIT = 0.3  # seconds a stuck survivor's stack dump is waited for, before its kill
+STORE_TIMEOUT = 2.0  # seconds any one call to the workers' store may take (from any node)
 # a rank's exit after its stop request (checkpoint/stop.py): its peers agreed to stop and exit too
 STOPPED = 128 + signal.SIGTERM
 
@@ -74,8 +83,6 @@ def choose(cfg: Config, dist=None) -> Path:
         return Path(RESTART, "--in-place off (the default while in-place recovery is experimental)")
     if cfg.no_python:
         return Path(RESTART, "--no-python: the entrypoint is not Python, it cannot re-enter")
-    if parse_nnodes(cfg.nnodes) != (1, 1):
-        return Path(RESTART, "in-place recovery across nodes is not built yet: one node only")
     found = reconfigure.support(dist)
     if not found.ok:
         return Path(RESTART, found.why)
@@ -112,8 +119,8 @@ def _refused(agent: Agent, why: Failure) -> str | None:
             f"exit {STOPPED}: the rank stopped on SIGTERM (the checkpoint library saves and every "
             "rank stops with it)"
         )
-    if agent.round is None or agent.round.worker_store is None:
-        return "this node does not host the workers' store"
+    if store(agent) is None:
+        return "the workers' store is not known to this node"
     if any(b is None or not b.beats for b in group.beats()):
         return "a rank had not stepped yet (a second fault during re-entry, or at the start)"
     if agent.in_place_used >= agent.cfg.max_restarts:
@@ -130,7 +137,8 @@ class Forming:
     generation: int
     since: float  # monotonic, when it was announced
     after: float  # seconds a running rank may take (stuck_after)
-    running: tuple[int, ...]  # global ranks of the survivors, which give their handle
+    running: tuple[int, ...]  # global ranks of this node's survivors, which give their handle
+    starting: tuple[int, ...] = ()  # global ranks started for it (on any node)
 
 
 def stuck_after(deadline) -> float:
@@ -156,14 +164,35 @@ def _kill(*workers) -> None:
             log.warning("in_place_unreaped", pid=w.pid)
 
 
+def store(agent: Agent):
+    """This node's client of the round's workers' store (MASTER_ADDR:MASTER_PORT, hosted by
+    group rank 0's daemon), where the generations are announced and the handles exchanged: the
+    one store every node's workers already share, each value signed with the job's state key.
+    Every call bounded (cluster/tcpstore.py); None before a round."""
+    from elasticd.cluster.tcpstore import TCPStoreKV, tcp_connector
+
+    rnd = agent.round
+    if rnd is None or not rnd.master_port:
+        return None
+    held = agent.in_place_kv
+    if held is None or held[0] != rnd.number:
+        where = f"{rnd.master_addr}:{rnd.master_port}"
+        kv = TCPStoreKV(tcp_connector(rnd.master_addr, rnd.master_port), where, STORE_TIMEOUT)
+        agent.in_place_kv = held = (rnd.number, kv)
+    return held[1]
+
+
+def _has(kv, key: str) -> bool:
+    return kv.check([key])  # never a compare_set read: it wakes the ranks waiting on the key
+
+
 def _starting(agent: Agent, forming: Forming, store) -> bool:
     """Whether a rank started for the generation has not given its handle yet: the survivors,
     which gave theirs, then wait in form without beating (a replacement's start takes seconds
     on a loaded machine; measured: a survivor named hung at a 2 s heartbeat timeout while it
     waited, and the group restarted). Their silence counts from when the handles are in; the
     starting rank is judged by the startup timeout, and the survivors' own wait is bounded."""
-    starting = [w.global_rank for w in agent.group.workers if w.global_rank not in forming.running]
-    return any(not store.check([names.in_place_key(forming.generation, r)]) for r in starting)
+    return any(not _has(store, names.in_place_key(forming.generation, r)) for r in forming.starting)
 
 
 def _end_children(dead) -> None:
@@ -193,15 +222,15 @@ def unstick(agent: Agent, now: float) -> None:
     forming = agent.forming
     if forming is None:
         return
-    store = agent.round.worker_store if agent.round is not None else None
-    if store is None or forming.generation != agent.group.generation:
+    kv = store(agent)
+    if kv is None or forming.generation != agent.group.generation:
         agent.forming = None
         return
     gen = forming.generation
     try:
-        missing = [r for r in forming.running if not store.check([names.in_place_key(gen, r)])]
+        missing = [r for r in forming.running if not _has(kv, names.in_place_key(gen, r))]
         if not missing:
-            if _starting(agent, forming, store):
+            if _starting(agent, forming, kv):
                 agent.group.quiet_from = now  # the survivors wait in form for a starting rank
             else:
                 agent.forming = None
@@ -209,15 +238,14 @@ def unstick(agent: Agent, now: float) -> None:
         if now - forming.since < forming.after:
             return
         # a rank that unwound re-forms or falls back (exits) on its own
-        missing = [r for r in missing if not store.check([names.in_place_unwound_key(gen, r)])]
+        missing = [r for r in missing if not _has(kv, names.in_place_unwound_key(gen, r))]
     except Exception:  # noqa: BLE001 - the store's trouble is the peers' thread's to judge
         return
     group = agent.group
     stuck = [w for w in group.workers if w.global_rank in missing and w.exit_code is None]
-    agent.forming = Forming(
-        forming.generation, forming.since, forming.after,
-        tuple(r for r in forming.running if r not in missing),
-    )  # fmt: skip
+    agent.forming = dataclasses.replace(
+        forming, running=tuple(r for r in forming.running if r not in missing)
+    )
     if not stuck:
         return  # exited meanwhile: the loop's check acts on it
     # where it waits is not known yet (docs/in-place.md): its stacks, briefly, before the kill
@@ -242,12 +270,236 @@ def unstick(agent: Agent, now: float) -> None:
     )
 
 
+def _announce(
+    agent: Agent, starting: tuple[int, ...], world: int = 0, mapping: dict[int, int] | None = None
+) -> int:
+    """Take the round's next generation (the nodes share the roll) and announce it, signed,
+    with the ranks that start for it: the survivors on every node wait for this word."""
+    kv = store(agent)
+    gen = kv.take(names.in_place_counter_key())
+    if gen != agent.group.generation + 1:  # another node announced one this node has not seen
+        raise ValueError(
+            f"generation {gen} taken while this node stood at {agent.group.generation}: "
+            "another node's recovery is forming (a second fault at once)"
+        )
+    said = f"{gen} {','.join(map(str, starting))}"
+    if mapping is not None:  # a smaller world: its size, and each surviving rank's new number
+        said += f" {world} {','.join(f'{a}:{b}' for a, b in mapping.items())}"
+    kv.set(names.in_place_key(gen), reconfigure.sign(agent.round.state_key, gen, -1, said))
+    return gen
+
+
+def _holders(rnd, mapping: dict[int, int]) -> set[str]:
+    """The nodes whose ranks `mapping` keeps."""
+    held, old = set(), 0
+    for m in rnd.members:
+        if any(r in mapping for r in range(old, old + m.nproc)):
+            held.add(m.node_id)
+        old += m.nproc
+    return held
+
+
+def _waits(agent: Agent, kv, gen: int, now: float) -> None:
+    """Whether ranks wait, unwound, for generation `gen` not announced yet: from when this node
+    first saw it (Agent.in_place_waits: the peers' `died_at`, so a silent node is judged lost
+    after two beats, not --peer-timeout's silence)."""
+    try:
+        raw = kv.get(names.in_place_waiting_key(gen))  # nobody waits on this key: a read is fine
+    except Unreachable:
+        return
+    if raw is None:
+        agent.in_place_waits = None
+    elif agent.in_place_waits is None:
+        agent.in_place_waits = now
+
+
+def follow(agent: Agent, now: float) -> None:
+    """On a node whose ranks all run: a generation another node announced (it replaced ranks
+    of its own) is this node's too. Its survivors unwind and re-form; this node counts their
+    silence from now (they wait in form for a rank starting elsewhere) and unsticks the ones
+    that never give their handle, as the announcing node does for its own."""
+    path = agent.recovery_path
+    if path is None or not path.in_place or agent.forming is not None or agent.round is None:
+        return
+    kv = store(agent)
+    gen = agent.group.generation + 1
+    try:
+        key = names.in_place_key(gen)
+        value = kv.get(key) if kv is not None and _has(kv, key) else None
+    except Unreachable:
+        return  # the peers' thread judges the store; the ranks fall back on their own
+    if value is None:
+        _waits(agent, kv, gen, now)
+        return
+    agent.in_place_waits = None
+    text = reconfigure.opened(agent.round.state_key, gen, -1, value)
+    if text is None:
+        log.warning("in_place_bad_announcement", generation=gen)
+        return
+    fields = text.split(" ")
+    starting = tuple(int(r) for r in fields[1].split(",") if r) if len(fields) > 1 else ()
+    if len(fields) == 4:  # a smaller world another survivor announced
+        world = int(fields[2])
+        mapping = dict(tuple(map(int, p.split(":"))) for p in fields[3].split(",") if p)
+        old = {w.global_rank for w in agent.group.workers}
+        lost = {m.node_id for m in agent.round.members} - _holders(agent.round, mapping)
+        if not old <= mapping.keys():
+            log.warning("in_place_bad_announcement", generation=gen, why="this node's ranks left")
+            return
+        _shrunk(agent, gen, lost, world, mapping, now, Failure(RestartCause.NODE_LOST, "followed"))
+        return
+    group = agent.group
+    group.generation, group.quiet_from = gen, now
+    running = tuple(w.global_rank for w in group.workers if w.exit_code is None)
+    after = stuck_after(getattr(group, "deadline", None))
+    agent.forming = Forming(gen, now, after, running, starting)
+    agent.event("in_place_followed", generation=gen, ranks=list(starting), survivors=list(running))
+
+
+def smaller(members, lost) -> tuple[int, dict[int, int]]:
+    """The world without the `lost` nodes' ranks, and each surviving rank's new number (in the
+    members' order, so every survivor computes the same)."""
+    mapping, old = {}, 0
+    for m in members:
+        for r in range(old, old + m.nproc):
+            if m.node_id not in lost:
+                mapping[r] = len(mapping)
+        old += m.nproc
+    return len(mapping), mapping
+
+
+def _shrink_refused(agent: Agent, why: Failure) -> str | None:
+    """Why a lost node cannot be recovered in place here (None: it can)."""
+    rnd, lost = agent.round, set(why.lost or ())
+    if not lost or rnd is None:
+        return "no lost node named"
+    if rnd.members[0].node_id in lost:
+        return (
+            "the lost node hosted the workers' store (group rank 0): the survivors' handles "
+            "have nowhere to go"
+        )
+    left = len([m for m in rnd.members if m.node_id not in lost])
+    if left < parse_nnodes(agent.cfg.nnodes)[0]:
+        return f"{left} node(s) left, fewer than --nnodes {agent.cfg.nnodes} allows"
+    if agent.forming is not None:
+        return "a node lost while a generation formed in place"
+    if any(w.exit_code is not None for w in agent.group.workers):
+        return "a rank of this node died too"
+    if any(b is None or not b.beats for b in agent.group.beats()):
+        return "a rank had not stepped yet"
+    if agent.in_place_used >= agent.cfg.max_restarts:
+        return f"the in-place budget is spent ({agent.cfg.max_restarts}: --max-restarts)"
+    if store(agent) is None:
+        return "the workers' store is not known to this node"
+    return None
+
+
+def _smaller_round(agent: Agent, lost, world: int, mapping: dict[int, int]) -> None:
+    """This node's view of the group without the lost nodes: the round's members and its ranks,
+    the spec a later replacement starts with, the workers' global ranks (their handles' keys),
+    and the peers' watch (the lost node is no longer a neighbour)."""
+    rnd, group = agent.round, agent.group
+    members = [m for m in rnd.members if m.node_id not in lost]
+    here = next(i for i, m in enumerate(members) if m.node_id == rnd.node_id)
+    base = sum(m.nproc for m in members[:here])
+    agent.round = rnd = dataclasses.replace(
+        rnd, members=members, group_rank=here, rank_base=base, world_size=world,
+        claimed=rnd.claimed or rnd.group_world_size,
+    )  # fmt: skip
+    agent.rdzv.last = rnd
+    agent.peers.new_round(rnd)
+    group.spec = dataclasses.replace(
+        group.spec, rank_base=base, world_size=world, group_rank=here,
+        group_world_size=len(members),
+    )  # fmt: skip
+    for w in group.workers:
+        w.global_rank = mapping[w.global_rank]
+
+
+def _take_lost(agent: Agent, lost) -> bool:
+    """Whether this node announces the smaller world: the first survivor to claim the lost
+    nodes does; the others follow its announcement."""
+    key = f"elasticd/in-place/lost/{','.join(sorted(lost))}"
+    return store(agent).compare_set(key, None, agent.round.node_id.encode())
+
+
+def shrink(agent: Agent, why: Failure) -> bool:
+    """A node lost, no replacement: this node's ranks (and every survivor's) re-form at the
+    smaller world in their own processes. True when done; False: the caller restarts."""
+    refused = _shrink_refused(agent, why)
+    lost = set(why.lost or ())
+    try:
+        mine = refused is None and _take_lost(agent, lost)
+    except Unreachable as e:
+        refused = f"the workers' store: {e}"
+    if refused is not None:
+        agent.event("in_place_refused", level="warning", why=refused, cause=why.summary())
+        return False
+    world, mapping = smaller(agent.round.members, lost)
+    now = time.monotonic()
+    if not mine:  # another survivor announces: follow it (its word comes within a look or two)
+        agent.event("in_place_lost_followed", lost=sorted(lost), world=world)
+        return _await_shrink(agent, why, now)
+    agent.recovery.replaced_in_place()
+    agent.recovery.detected()
+    try:
+        gen = _announce(agent, (), world, mapping)
+    except (Unreachable, ValueError) as e:
+        agent.event("in_place_refused", level="warning", why=str(e), cause=why.summary())
+        return False
+    _shrunk(agent, gen, lost, world, mapping, now, why)
+    return True
+
+
+def _await_shrink(agent: Agent, why: Failure, now: float) -> bool:
+    """Another survivor claimed the lost node: its announcement, waited a moment (bounded)."""
+    deadline = now + 5 * STORE_TIMEOUT
+    gen = agent.group.generation + 1
+    kv = store(agent)
+    while time.monotonic() < deadline:
+        try:
+            if _has(kv, names.in_place_key(gen)):
+                follow(agent, time.monotonic())
+                return agent.forming is not None
+        except Unreachable:
+            break
+        time.sleep(0.02)
+    agent.event(
+        "in_place_refused", level="warning", why="no smaller world announced", cause=why.summary()
+    )
+    return False
+
+
+def _shrunk(agent: Agent, gen: int, lost, world: int, mapping: dict[int, int], now, why) -> None:
+    """This node's side of a smaller world announced: its view, the generation forming."""
+    agent.in_place_used += 1
+    agent.in_place_waits = None
+    _smaller_round(agent, lost, world, mapping)
+    group = agent.group
+    group.generation, group.quiet_from = gen, now
+    running = tuple(w.global_rank for w in group.workers)
+    agent.forming = Forming(gen, now, stuck_after(getattr(group, "deadline", None)), running)
+    agent.event(
+        "shrunk_in_place",
+        level="warning",
+        cause=why.summary(),
+        generation=gen,
+        lost=sorted(lost),
+        world=world,
+        ranks={str(k): v for k, v in mapping.items()},
+        survivors=[w.pid for w in group.workers],
+        failed_at=why.at,
+    )
+
+
 def replace(agent: Agent, why: Failure) -> bool:
     """Recover the failed ranks in place: True when done (the loop goes on watching), False
     when the caller must restart the group (said in one line)."""
     path = agent.recovery_path
     if path is None or not path.in_place:
         return False
+    if isinstance(why, Failure) and why.kind is RestartCause.NODE_LOST:
+        return shrink(agent, why)
     refused = _refused(agent, why)
     if refused is not None:
         agent.event("in_place_refused", level="warning", why=refused, cause=why.summary())
@@ -257,18 +509,21 @@ def replace(agent: Agent, why: Failure) -> bool:
         _kill(*[w for w in group.workers if w.global_rank == why.rank and w.exit_code is None])
     dead = [w for w in group.workers if w.exit_code is not None]
     _end_children(dead)
+    ranks = tuple(w.global_rank for w in dead)
+    try:
+        gen = _announce(agent, ranks)
+    except (Unreachable, ValueError) as e:
+        agent.event("in_place_refused", level="warning", why=str(e), cause=why.summary())
+        return False
     agent.recovery.replaced_in_place()  # refused above unless every rank had stepped
     agent.recovery.detected()
     agent.in_place_used += 1
-    gen = group.generation + 1
-    store = agent.round.worker_store
-    said = f"{gen} {','.join(str(w.global_rank) for w in dead)}"  # the ranks that start
-    store.set(names.in_place_key(gen), reconfigure.sign(agent.round.state_key, gen, -1, said))
+    group.generation = gen - 1  # group.replace raises it to the generation announced
     pids = group.replace(dead, agent.spares.spares)
     agent.recovery.mark("spawned")
     agent.forming = Forming(
         gen, time.monotonic(), stuck_after(getattr(group, "deadline", None)),
-        tuple(w.global_rank for w in group.workers if w.pid not in pids),
+        tuple(w.global_rank for w in group.workers if w.pid not in pids), ranks,
     )  # fmt: skip
     agent.spares.after_spawn([w.env for w in group.workers])
     agent.event(

@@ -77,7 +77,9 @@ class Recovery:
         for mark in ("pg_ready", "state_loaded"):
             if all(getattr(b, mark) for b in beats):
                 t[mark] = max(getattr(b, mark) for b in beats)
-        t["first_step"] = max(b.first for b in beats)
+        # a rank that stayed in its process (in place) first beat long before: its latest beat
+        # (this report comes at the first look that finds every rank stepped since)
+        t["first_step"] = max(b.first if b.first >= t["detected"] else b.last for b in beats)
         self.last = {k: round(t[k] - t["detected"], 3) for k in STEPS if k in t}
         self.marks = {}
         return self.last

@@ -32,6 +32,7 @@ import hmac
 import inspect
 import multiprocessing
 import os
+import socket
 import threading
 import time
 import traceback
@@ -156,6 +157,8 @@ class Member:
     start_timeout: float  # seconds a rank's process may take to start: init_process_group's
     generation: int = -1
     marks: dict[str, float] = field(default_factory=dict)  # the latest form's: wall times
+    # fd -> inode: the connected sockets the latest reconfigure made (gloo's pairs; `abort`)
+    pairs: dict[int, int] = field(default_factory=dict)
 
     def form(self, generation: int, starting: frozenset[int] | None = None) -> float:
         """Re-form the group as generation `generation`: seconds it took. `starting`: the ranks
@@ -185,12 +188,14 @@ class Member:
             if handle is None:
                 raise Refused(f"rank {r}'s handle for generation {generation} does not verify")
             handles.append(handle)
+        before = _sockets()
         try:
             dist._reconfigure(
                 uuid=uuid_of(generation), handles=handles, timeout=timedelta(seconds=REFORM_TIMEOUT)
             ).wait()
         except Exception as e:
             raise Refused(f"reconfigure of generation {generation} failed: {e}") from e
+        self.pairs = {fd: ino for fd, ino in _sockets().items() if before.get(fd) != ino}
         self.marks["reformed"] = time.time()
         self.generation = generation
         return time.monotonic() - t0
@@ -211,7 +216,14 @@ class Member:
         """Close this rank's connections of the failed generation: a survivor still blocked in a
         collective on this rank (not on the dead one) then fails too, and unwinds, instead of
         waiting out gloo's timeout while this rank waits for its handle. The group re-forms
-        after an abort (torch's recovery-after-abort case)."""
+        after an abort (torch's recovery-after-abort case).
+
+        The group's abort alone does not reach the peers (gloo, torch 2.14.1: a survivor two
+        hops from the dead rank in the ring, rank 1 of 4 when rank 3 died, stayed blocked in
+        every multi-node trial, the rare stuck survivor of one node too): the sockets the last
+        reconfigure made are shut down first, so each peer's pending receive sees its
+        connection closed at once."""
+        _shut(self.pairs)
         try:
             self.dist.distributed_c10d._get_default_group().abort()
         except Exception as e:  # noqa: BLE001 - a group that cannot abort re-forms or times out
@@ -225,12 +237,57 @@ class Member:
         try:
             self.store.wait([key], timedelta(seconds=max(0.1, deadline - time.monotonic())))
             text = opened(_key(), gen, -1, self.store.get(key))
-            number, ranks = text.split(" ") if text else ("", "")
-            if number != str(gen):
+            fields = text.split(" ") if text else []
+            if len(fields) not in (2, 4) or fields[0] != str(gen):
                 return None
-            return gen, frozenset(int(r) for r in ranks.split(",") if r)
+            if len(fields) == 4:  # a smaller world: this rank's new number in it
+                mapping = dict(tuple(map(int, p.split(":"))) for p in fields[3].split(",") if p)
+                self.renumber(mapping[self.rank], int(fields[2]))
+            return gen, frozenset(int(r) for r in fields[1].split(",") if r)
         except Exception:  # noqa: BLE001 - a timeout, the store gone with the daemon, a bad value
             return None
+
+    def renumber(self, rank: int, world: int) -> None:
+        """This rank's number and the world after a node was lost: the script, run again, reads
+        them where torchrun puts them (the group node's own numbers stay: GROUP_RANK is the
+        daemon's to say at the next round)."""
+        log.info("in_place_renumbered", rank=self.rank, new_rank=rank, world=world)
+        self.rank, self.world = rank, world
+        os.environ.update(
+            RANK=str(rank), ROLE_RANK=str(rank), WORLD_SIZE=str(world), ROLE_WORLD_SIZE=str(world)
+        )
+
+
+def _sockets() -> dict[int, int]:
+    """This process's sockets: fd -> inode (/proc/self/fd)."""
+    found = {}
+    with contextlib.suppress(OSError):
+        for name in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):
+                target = os.readlink(f"/proc/self/fd/{name}")
+                if target.startswith("socket:["):
+                    found[int(name)] = int(target[8:-1])
+    return found
+
+
+def _shut(pairs: dict[int, int]) -> None:
+    """Shut down the connected sockets of `pairs` still open as the same socket (an fd closed
+    and reused since is left alone); a listening one has no peer and is kept."""
+    now = _sockets()
+    for fd, inode in pairs.items():
+        if now.get(fd) != inode:
+            continue
+        try:
+            s = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        try:
+            s.getpeername()
+            s.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        finally:
+            s.close()  # the duplicate only
 
 
 _member: Member | None = None
@@ -330,6 +387,8 @@ def reenter(exc: BaseException) -> str | None:
     at = {"unwound": time.time()}
     found.abort()
     at["aborted"] = time.time()
+    with contextlib.suppress(Exception):  # the daemons' evidence that a silent node is gone
+        found.store.add(names.in_place_waiting_key(found.generation + 1), 1)
     announced = found.announced(time.monotonic() + GENERATION_WAIT)
     if announced is None:
         _fallback(f"no generation announced in {GENERATION_WAIT:g} s after: {exc}")

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch.distributed as dist
 
+from elasticd import names
 from elasticd.config import Config
 from elasticd.daemon import inplace
 from elasticd.daemon.deadlines import Deadline
@@ -45,8 +46,6 @@ def test_backends(backend, ok):
     [
         ({}, "restart", "--in-place off"),
         ({"in_place": "auto", "no_python": True}, "restart", "--no-python"),
-        ({"in_place": "auto", "nnodes": "2"}, "restart", "one node only"),
-        ({"in_place": "auto", "nnodes": "1:2"}, "restart", "one node only"),
     ],
 )
 def test_the_path_where_the_job_rules_it_out(changes, path, words):
@@ -55,8 +54,11 @@ def test_the_path_where_the_job_rules_it_out(changes, path, words):
     assert words in chosen.why
 
 
-def test_the_path_where_torch_decides():
-    chosen = inplace.choose(dataclasses.replace(Config(), in_place="auto"))
+@pytest.mark.parametrize("nnodes", ["1", "2", "1:2"])
+def test_the_path_where_torch_decides(nnodes):
+    """Several nodes too: the generations and handles travel through the workers' store every
+    node's workers share (inplace.store)."""
+    chosen = inplace.choose(dataclasses.replace(Config(), in_place="auto", nnodes=nnodes))
     assert chosen.in_place is HAS
     assert chosen.name == ("in_place" if HAS else "restart")
     assert ("has dist._reconfigure" if HAS else "lacks") in chosen.why
@@ -97,7 +99,8 @@ def test_a_rank_that_stopped_on_sigterm_restarts_the_group(code, words):
             group=SimpleNamespace(workers=[worker], beats=lambda: [SimpleNamespace(beats=3)]),
             forming=None,
             cfg=SimpleNamespace(fatal_exit_codes={7}, max_restarts=3),
-            round=SimpleNamespace(worker_store=object()),
+            round=SimpleNamespace(number=1, master_addr="127.0.0.1", master_port=1),
+            in_place_kv=None,
             in_place_used=0,
         )
         why = Failure(RestartCause.CRASH, "r", rank=1, exit_code=code)
@@ -127,3 +130,86 @@ def test_an_attempt_that_replaced_a_rank_in_place_had_trained():
     assert r.crash_streak == 0
     r.started()  # the next attempt judged on its own
     assert not r.trained([None, None])
+
+
+def _node(kv, generation=0, ranks=(0, 1)):
+    """An agent on the in-place path holding `kv` as its round's workers' store."""
+    events = []
+    workers = [SimpleNamespace(global_rank=r, exit_code=None) for r in ranks]
+    agent = SimpleNamespace(
+        recovery_path=inplace.Path(inplace.IN_PLACE, "test"),
+        forming=None,
+        round=SimpleNamespace(number=1, master_addr="127.0.0.1", master_port=1, state_key=b"k"),
+        in_place_kv=(1, kv),
+        in_place_waits=None,
+        group=SimpleNamespace(workers=workers, generation=generation, quiet_from=0.0),
+        event=lambda name, **kw: events.append((name, kw)),
+    )
+    return agent, events
+
+
+def test_a_generation_another_node_announced_is_followed_here():
+    """Node B replaced rank 3: node A, whose ranks 0 and 1 run, takes generation 1 as its own
+    (its survivors' silence counted from now, the ones that give no handle unstuck here); one
+    that does not verify is not followed."""
+    from elasticd.cluster.kv import LocalKV
+
+    kv = LocalKV()
+    b, _ = _node(kv, ranks=(2, 3))
+    assert inplace._announce(b, (3,)) == 1
+    a, events = _node(kv)
+    inplace.follow(a, 5.0)
+    assert (a.group.generation, a.group.quiet_from) == (1, 5.0)
+    assert (a.forming.generation, a.forming.running, a.forming.starting) == (1, (0, 1), (3,))
+    assert events[0][0] == "in_place_followed"
+    a.forming = None
+    inplace.follow(a, 6.0)  # nothing announced past 1
+    assert a.forming is None and a.group.generation == 1
+    kv.set(names.in_place_key(2), reconfigure.sign(b"not the key", 2, -1, "2 3"))
+    inplace.follow(a, 7.0)
+    assert a.forming is None and a.group.generation == 1
+
+
+def test_two_nodes_announcing_at_once_is_refused():
+    """The roll is shared: a node that takes a generation past the one it knows (another node's
+    recovery forms) refuses, and the restart follows."""
+    from elasticd.cluster.kv import LocalKV
+
+    kv = LocalKV()
+    a, _ = _node(kv)
+    b, _ = _node(kv, ranks=(2, 3))
+    assert inplace._announce(a, (1,)) == 1
+    with pytest.raises(ValueError, match="another node's recovery"):
+        inplace._announce(b, (3,))
+
+
+@pytest.mark.parametrize(
+    "lost, world, mapping",
+    [
+        ({"b"}, 4, {0: 0, 1: 1, 4: 2, 5: 3}),  # a node after the lost one moves down
+        ({"c"}, 4, {0: 0, 1: 1, 2: 2, 3: 3}),
+        ({"a"}, 4, {2: 0, 3: 1, 4: 2, 5: 3}),
+        ({"b", "c"}, 2, {0: 0, 1: 1}),
+    ],
+)
+def test_the_smaller_world_and_each_survivor_s_new_number(lost, world, mapping):
+    """Every survivor computes the same from the round's members, in their order."""
+    members = [SimpleNamespace(node_id=n, nproc=2) for n in "abc"]
+    assert inplace.smaller(members, lost) == (world, mapping)
+
+
+def test_a_lost_node_that_held_the_workers_store_restarts_the_group():
+    """The lost node hosted the workers' store (group rank 0): the survivors' handles have
+    nowhere to go; fewer nodes than --nnodes' minimum left: the restart too."""
+    from elasticd.cluster.kv import LocalKV
+
+    agent, _ = _node(LocalKV())
+    agent.round.members = [SimpleNamespace(node_id=n, nproc=2) for n in ("a", "b")]
+    agent.cfg = SimpleNamespace(nnodes="1:2", max_restarts=3)
+    agent.group.beats = lambda: [SimpleNamespace(beats=3)] * 2
+    agent.in_place_used = 0
+    lost = lambda n: Failure(RestartCause.NODE_LOST, "lost", lost=(n,))  # noqa: E731
+    assert "hosted the workers' store" in inplace._shrink_refused(agent, lost("a"))
+    assert inplace._shrink_refused(agent, lost("b")) is None
+    agent.cfg.nnodes = "2"
+    assert "fewer than --nnodes 2" in inplace._shrink_refused(agent, lost("b"))

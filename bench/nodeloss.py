@@ -1,0 +1,193 @@
+"""A node lost (its daemon SIGKILLed; its guard kills its workers) -> the survivors stepping
+again: elasticd's in-place recovery (--in-place auto, torch>=2.14: the survivors re-form the
+group at the smaller world in their own processes) beside today's whole-group restart
+(--in-place off: the survivor's workers are stopped and started again at the smaller world),
+same job, same machine, one run.
+
+Each trial: a rendezvous store hosted by no node (tests/scripts/store_server.py, so the lost
+node never holds it), node A (group rank 0: it hosts the workers' store) and node B, --nproc
+workers each, on tests/scripts/node_train.py (DDP, the in-memory state every step, a line per
+step with its wall time and world). Once A's rank 0 trains at the full world, B's daemon is
+SIGKILLed; recovered is A's rank 0 logging a step at the smaller world, timed from the kill.
+`kept`: the trials where A's workers stepped again under their old pids.
+
+    python bench/nodeloss.py --trials 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = ROOT / "tests" / "scripts"
+STEP = re.compile(r"^step (\d+) world (\d+) t ([\d.]+)", re.M)
+MODES = {"in-place": "auto", "restart": "off"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def events(path: Path) -> list[dict]:
+    out = []
+    for line in path.read_text(errors="replace").splitlines():
+        if line.startswith("{"):
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                pass
+    return out
+
+
+def steps(log_dir: Path) -> list[tuple[int, int, float]]:
+    """(step, world, wall time) of every step rank 0 logged on this node, in every attempt."""
+    rows = []
+    for path in log_dir.glob("*/attempt*/rank0.log"):
+        rows += [(int(a), int(b), float(c)) for a, b, c in STEP.findall(path.read_text())]
+    return sorted(rows, key=lambda r: r[2])
+
+
+def wait(predicate, timeout: float):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.01)
+    return None
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    try:
+        kids = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        kids = []
+    for p in [proc, *kids]:
+        try:
+            p.send_signal(signal.SIGKILL) if isinstance(p, subprocess.Popen) else p.kill()
+        except (ProcessLookupError, psutil.NoSuchProcess):
+            pass
+    proc.wait(10)
+    psutil.wait_procs(kids, timeout=10)
+
+
+def daemon(work: Path, name: str, port: int, secret: Path, mode: str, nproc: int, delay: float):
+    out = work / name
+    out.mkdir()
+    cmd = [
+        sys.executable, "-m", "elasticd", "run", "--log-dir", str(out / "logs"),
+        "--socket", str(out / "sock"), "--log-format", "json",
+        "--nproc-per-node", str(nproc), "--nnodes", "1:2", "--rdzv-endpoint", f"127.0.0.1:{port}",
+        "--rdzv-id", "job", "--rdzv-secret-file", str(secret), "--in-place", MODES[mode],
+        "--peer-timeout", "3", "--last-call-timeout", "2", "--restart-grace", "1",
+        "--stop-grace", "3", "--max-restarts", "5", "--checkpoint-dir", str(out / "ckpt"),
+        str(SCRIPTS / "node_train.py"), "--", "100000", str(delay),
+    ]  # fmt: skip
+    env = dict(os.environ, NODE_TRAIN_MEMORY_EVERY="1", PYTHONUNBUFFERED="1")
+    with open(out / "stderr.txt", "wb") as err:
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.DEVNULL, stderr=err, cwd=ROOT, env=env,
+            start_new_session=True,
+        )  # fmt: skip
+    return proc, out
+
+
+def pids(stderr: Path) -> set[int]:
+    """A's workers' pids: the latest RUNNING state's."""
+    running = [e for e in events(stderr) if e.get("event") == "state" and e.get("new") == "RUNNING"]
+    return set(running[-1]["pids"].values()) if running else set()
+
+
+def trial(work: Path, mode: str, nproc: int, delay: float, warmup: float, timeout: float):
+    """Seconds from B's kill to A's rank 0 stepping at the smaller world, and whether A's
+    workers kept their pids; None where it did not recover in time."""
+    port = free_port()
+    secret = work / "secret"
+    secret.write_bytes(os.urandom(24).hex().encode())
+    secret.chmod(0o600)
+    store = subprocess.Popen(
+        [sys.executable, str(SCRIPTS / "store_server.py"), "127.0.0.1", str(port), "job",
+         str(secret)],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    started = []
+    try:
+        assert store.stdout.readline().strip() == "serving"
+        a, a_dir = daemon(work, "a", port, secret, mode, nproc, delay)
+        started.append(a)
+        at_store = lambda: any(  # noqa: E731
+            e.get("event") == "rendezvous_store" for e in events(a_dir / "stderr.txt")
+        )
+        wait(at_store, 60)
+        b, _ = daemon(work, "b", port, secret, mode, nproc, delay)
+        started.append(b)
+        full = 2 * nproc
+        first = wait(lambda: [r for r in steps(a_dir / "logs") if r[1] == full], 90)
+        if not first:
+            return None
+        time.sleep(warmup)
+        before = pids(a_dir / "stderr.txt")
+        t_kill = time.time()
+        b.send_signal(signal.SIGKILL)
+        after = wait(
+            lambda: [r for r in steps(a_dir / "logs") if r[1] == nproc and r[2] > t_kill], timeout
+        )
+        if not after:
+            return None
+        kept = before and before <= {p.pid for p in psutil.Process(a.pid).children(True)}
+        return after[0][2] - t_kill, bool(kept) and pids(a_dir / "stderr.txt") == before
+    finally:
+        for p in started:
+            kill_tree(p)
+        store.kill()
+        store.wait(10)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--trials", type=int, default=5)
+    p.add_argument("--modes", default="in-place,restart")
+    p.add_argument("--nproc", type=int, default=1, help="workers per node")
+    p.add_argument("--delay", type=float, default=0.02, help="seconds of each step's sleep")
+    p.add_argument("--warmup", type=float, default=2.0, help="seconds trained before the kill")
+    p.add_argument("--trial-timeout", type=float, default=30.0)
+    args = p.parse_args()
+    results: dict[str, list] = {}
+    for n in range(args.trials):  # the modes in turn, so a load change hits both
+        for mode in args.modes.split(","):
+            with tempfile.TemporaryDirectory(prefix="elasticd-nodeloss-") as d:
+                got = trial(Path(d), mode, args.nproc, args.delay, args.warmup, args.trial_timeout)
+            results.setdefault(mode, []).append(got)
+            print(f"trial {n + 1} {mode}: {got}", file=sys.stderr, flush=True)
+    print(f"{'mode':10} {'median s':>9} {'p90 s':>7} {'ok':>5} {'kept':>5}")
+    medians = {}
+    for mode, rows in results.items():
+        ok = sorted(r[0] for r in rows if r)
+        kept = sum(1 for r in rows if r and r[1])
+        if ok:
+            medians[mode] = statistics.median(ok)
+            p90 = ok[min(len(ok) - 1, round(0.9 * (len(ok) - 1)))]
+            print(f"{mode:10} {medians[mode]:9.3f} {p90:7.3f} {len(ok):>2}/{len(rows)} {kept:>5}")
+        else:
+            print(f"{mode:10} {'-':>9} {'-':>7}  0/{len(rows)} {kept:>5}")
+    if "in-place" in medians and "restart" in medians:
+        print(f"restart / in-place: {medians['restart'] / medians['in-place']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,231 @@
+"""In-place recovery over several nodes (--in-place auto, two daemons on loopback as nodes): a
+rank killed on one node is replaced alone on that node; every other rank, on both nodes,
+re-enters in its own process. The generation is announced and the handles exchanged, signed,
+in the round's workers' store that both nodes' workers share (daemon/inplace.py `store`); the
+node that did not fail follows the generation (`in_place_followed`). Needs torch>=2.14 (.ci/run's
+second environment)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from e2e.test_inplace import events
+from e2e.test_resume import final_state, tensors
+from etcd_cluster import SKIP_REASON, EtcdCluster, etcd_binary
+from harness import (
+    FAST_NODES,
+    SESSION,
+    alive,
+    bench,
+    free_port,
+    leftover_processes,
+    node_flags,
+    script,
+    secret_flags,
+    wait_until,
+)
+
+pytestmark = pytest.mark.skipif(
+    not hasattr(dist, "_reconfigure"),
+    reason=f"torch {torch.__version__} cannot re-form a group in place (needs torch>=2.14)",
+)
+
+ARGS = ["--steps", "60", "--checkpoint-every", "5", "--log-every", "1", "--samples", "1024"]
+ARGS += ["--hidden", "32", "--memory-every", "1", "--step-delay", "0.05"]
+FLAGS = ("--nproc-per-node", "2", "--in-place", "auto", "--max-restarts", "3")
+
+
+def two_nodes(daemons, tmp_path, job="job"):
+    """Two nodes of 2 ranks each, one job; returned as (the node of rank 0, the other)."""
+    port = free_port()
+    nodes = [
+        daemons(
+            "entrypoints.train",
+            *FLAGS,
+            *node_flags(port, "2", job=job),
+            "--checkpoint-dir",
+            str(tmp_path / f"ckpt{i}"),
+            name=f"n{i}",
+            args=ARGS,
+        )  # fmt: skip
+        for i in range(2)
+    ]
+    wait_until(lambda: all(len(n.worker_pids()) == 2 for n in nodes), 90, what="4 workers")
+    return sorted(nodes, key=lambda n: min(n.worker_pids()))
+
+
+def test_a_rank_killed_on_one_node_is_replaced_there_alone(daemons, tmp_path):
+    host, other = two_nodes(daemons, tmp_path)
+    victim = max(other.worker_pids())
+    wait_until(lambda: re.search(r"^step 12/60", host.log_text(0, 1), re.M), 90, what="step 12")
+    before = {**host.worker_pids(), **other.worker_pids()}
+    os.kill(before[victim], signal.SIGKILL)
+    survivors = {r: p for r, p in before.items() if r != victim}
+    node = {r: host if r in host.worker_pids() else other for r in survivors}
+    wait_until(
+        lambda: all("re_entered" in node[r].log_text(r, 1) for r in survivors),
+        60,
+        what="every survivor re-entered",
+    )
+    assert all(alive(p) for p in survivors.values()), "a survivor left its process"
+    for n in (host, other):
+        assert n.wait(120) == 0, n.stderr()[-3000:]
+    replaced = events(other, "replaced_in_place")
+    assert len(replaced) == 1 and replaced[0]["ranks"] == [victim], replaced
+    followed = events(host, "in_place_followed")
+    assert len(followed) == 1 and followed[0]["ranks"] == [victim], followed
+    assert followed[0]["generation"] == replaced[0]["generation"] == 1
+    assert not events(host, "replaced_in_place")
+    for n in (host, other):
+        assert [e["path"] for e in events(n, "recovery_path")] == ["in_place"]
+        assert not events(n, "in_place_refused") and len(n.attempt_dirs()) == 1
+        assert not [e for e in events(n, "state") if e.get("new") == "RESTARTING"]
+    for r in survivors:
+        assert "in_place_fallback" not in node[r].log_text(r, 1), r
+    # rank 0 (it prints it) resumed from the in-memory state it held: the step in flight lost
+    resumed = [int(m) for m in re.findall(r"resumed from step (\d+)", host.log_text(0, 1))]
+    assert len(resumed) == 1 and resumed[0] >= 11, resumed
+    assert not leftover_processes()
+
+
+def store_host(port: int):
+    """The job's rendezvous store, hosted by no node (tests/scripts/store_server.py), so that
+    losing a node never loses the store."""
+    proc = subprocess.Popen(
+        [sys.executable, script("store_server.py"), "127.0.0.1", str(port), "job",
+         secret_flags()[1]],
+        stdout=subprocess.PIPE, text=True, env=dict(os.environ, ELASTICD_TEST_SESSION=SESSION),
+    )  # fmt: skip
+    assert proc.stdout.readline().strip() == "serving"
+    return proc
+
+
+@contextlib.contextmanager
+def rendezvous(backend: str, tmp_path):
+    """A rendezvous store hosted by no node, as a node's flags name it: a c10d TCPStore
+    (tests/scripts/store_server.py) or a 1-member etcd cluster."""
+    if backend == "etcd":
+        if etcd_binary() is None:
+            pytest.skip(SKIP_REASON)
+        cluster = EtcdCluster(tmp_path / "etcd", size=1).start()
+        try:
+            yield ("--rdzv-backend", "etcd", "--rdzv-endpoint", cluster.endpoints)
+        finally:
+            cluster.stop()
+        return
+    port = free_port()
+    store = store_host(port)
+    try:
+        yield ("--rdzv-endpoint", f"127.0.0.1:{port}")
+    finally:
+        store.kill()
+        store.wait(10)
+
+
+@pytest.mark.parametrize("backend, exact", [("c10d", False), ("etcd", False), ("c10d", True)])
+def test_a_lost_node_s_survivors_re_form_at_the_smaller_world_in_place(
+    daemons, tmp_path, backend, exact
+):
+    """Node B's daemon SIGKILLed (its guard kills its workers): node A's ranks re-form at world 2
+    in their own processes (GlobalBatch keeps the global batch) and train to the end; no
+    restart, A's pids unchanged. The same on etcd: nothing of it goes through the rendezvous
+    store. In exact mode the run ends bit for bit where an uninterrupted one at world 2 does."""
+    args = [*ARGS, "--exact"] if exact else ARGS
+    with rendezvous(backend, tmp_path) as where:
+        flags = (
+            *FLAGS, "--nnodes", "1:2", *where, "--rdzv-id", "job", *FAST_NODES, *secret_flags(),
+            "--last-call-timeout", "30",
+        )  # fmt: skip
+        nodes = []
+        for i in range(2):  # the first at the store takes group rank 0 (the workers' store)
+            nodes.append(
+                daemons(
+                    "entrypoints.train",
+                    *flags,
+                    "--checkpoint-dir",
+                    str(tmp_path / f"c{i}"),
+                    name=f"n{i}",
+                    args=args,
+                )  # fmt: skip
+            )
+            wait_until(
+                lambda: any(e.get("event") == "rendezvous_store" for e in nodes[-1].events()),
+                60, what="at the store",
+            )  # fmt: skip
+        a, b = nodes
+        wait_until(lambda: re.search(r"^step 12/60", a.log_text(0, 1), re.M), 120, what="step 12")
+        before = a.worker_pids()
+        assert sorted(before) == [0, 1], before
+        b.kill(signal.SIGKILL)
+        assert a.wait(120) == 0, a.stderr()[-3000:]
+    shrunk = events(a, "shrunk_in_place")
+    assert len(shrunk) == 1 and shrunk[0]["world"] == 2, shrunk
+    assert sorted(shrunk[0]["survivors"]) == sorted(before.values())
+    assert not events(a, "in_place_refused") and len(a.attempt_dirs()) == 1
+    assert not [e for e in events(a, "state") if e.get("new") == "RESTARTING"]
+    log0 = a.log_text(0, 1)
+    assert "re_entered" in log0 and "in_place_fallback" not in log0
+    resumed = [int(m) for m in re.findall(r"resumed from step (\d+)", log0)]
+    assert len(resumed) == 1 and resumed[0] >= 11, resumed
+    assert re.search(r"^step 60/60", log0, re.M)
+    if exact:
+        clean = daemons(
+            "entrypoints.train", "--nproc-per-node", "2", "--checkpoint-dir",
+            str(tmp_path / "clean"), name="clean", args=args,
+        )  # fmt: skip
+        assert clean.wait(180) == 0, clean.stderr()[-3000:]
+        want, got = final_state(tmp_path / "clean"), final_state(tmp_path / "c0")
+        for part in ("model", "optimizer"):
+            tw, tg = dict(tensors(want[part])), dict(tensors(got[part]))
+            assert tw.keys() == tg.keys() and tw
+            assert all(torch.equal(tw[k], tg[k]) for k in tw), part
+    wait_until(lambda: not leftover_processes(), 30, what="no process left")
+
+
+def test_the_node_loss_bench_runs_in_place():
+    """bench/nodeloss.py's smoke run: one node lost, its survivors stepping again at the smaller
+    world in their own processes."""
+    r = bench("nodeloss.py", "--trials", "1", "--modes", "in-place", timeout=240)
+    row = re.search(r"^in-place +([\d.]+) .* (\d+)/1 +(\d+)$", r.stdout, re.M)
+    assert row and row[2] == "1" and row[3] == "1", r.stdout + r.stderr[-2000:]
+
+
+def test_a_lost_node_that_held_the_workers_store_falls_back_to_the_restart(daemons, tmp_path):
+    """Node A (group rank 0) lost: the survivors' handles have nowhere to go; node B says why
+    in one line and restarts as today, alone at the smaller world, to the end."""
+    with rendezvous("c10d", tmp_path) as where:
+        flags = (*FLAGS, "--nnodes", "1:2", *where, "--rdzv-id", "job", *FAST_NODES,
+                 *secret_flags(), "--last-call-timeout", "30")  # fmt: skip
+        nodes = []
+        for i in range(2):
+            nodes.append(
+                daemons(
+                    "entrypoints.train",
+                    *flags,
+                    "--checkpoint-dir",
+                    str(tmp_path / "c"),
+                    name=f"n{i}",
+                    args=ARGS,
+                )  # fmt: skip
+            )
+            wait_until(
+                lambda: any(e.get("event") == "rendezvous_store" for e in nodes[-1].events()),
+                60, what="at the store",
+            )  # fmt: skip
+        a, b = nodes
+        wait_until(lambda: re.search(r"^step 12/60", a.log_text(0, 1), re.M), 120, what="step 12")
+        a.kill(signal.SIGKILL)
+        assert b.wait(180) == 0, b.stderr()[-3000:]
+    refused = events(b, "in_place_refused")
+    assert len(refused) == 1 and "hosted the workers' store" in refused[0]["why"], refused
+    assert not events(b, "shrunk_in_place") and len(b.attempt_dirs()) == 2
+    wait_until(lambda: not leftover_processes(), 30, what="no process left")
