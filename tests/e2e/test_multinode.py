@@ -84,7 +84,9 @@ def test_worker_kill_on_non_host_restarts_every_node(daemons, tmp_path):
 
 def test_lost_node_job_continues_smaller(daemons, tmp_path):
     port = free_port()
-    args = ["--steps", "60", "--step-time", "0.05", "--snapshot", str(tmp_path / "snap.pt")]
+    stop = tmp_path / "stop"  # a step count would end the job before the kill on a loaded host
+    args = ["--steps", "100000", "--step-time", "0.05", "--snapshot", str(tmp_path / "snap.pt")]
+    args += ["--stop-file", str(stop)]
     host = daemons(
         script("ddp_tutorial.py"),
         "--nproc-per-node",
@@ -131,6 +133,12 @@ def test_lost_node_job_continues_smaller(daemons, tmp_path):
     assert len(peers) == 1 and 0 <= list(peers.values())[0] < 3, peers
     assert "peer nodes (group rank: last beat) " in host.status().stdout
     other.kill(signal.SIGKILL)
+    wait_until(
+        lambda: [e for e in host.events() if e.get("new") == "RUNNING" and e["world_size"] == 2],
+        60,
+        what="the host training alone",
+    )
+    end_soon(stop, host)
     assert host.wait(120) == 0, host.stderr()[-3000:]
     assert "[rank0]: done world_size=2 rank=0" in host.stdout()
 
