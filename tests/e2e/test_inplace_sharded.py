@@ -24,23 +24,25 @@ pytestmark = pytest.mark.skipif(
 STEPS = 40
 
 
-def _run(daemons, tmp_path, name, delay, nproc):
+def _run(daemons, tmp_path, name, delay, mesh):
     out = tmp_path / f"{name}-out"
     out.mkdir()
     d = daemons(
-        script("fsdp_train.py"), "--nproc-per-node", str(nproc), "--in-place", "auto",
+        script("fsdp_train.py"), "--nproc-per-node", "2", "--in-place", "auto",
         "--max-restarts", "3", "--checkpoint-dir", str(tmp_path / name),
-        name=name, args=[str(STEPS), "5", delay, str(out)],
+        name=name, args=[str(STEPS), "5", delay, str(out), mesh],
     )  # fmt: skip
     return d, out
 
 
-def test_fsdp2_kill_9_of_one_rank_recovers_in_place_bit_identical(daemons, tmp_path):
-    """The survivor re-enters in its process: its groups (the default one re-formed, the
-    checkpoint writer's made again on it) and its shards from its own in-memory slot; the
-    replacement resumes from the same step; the run ends where a fault-free one does."""
-    clean, clean_out = _run(daemons, tmp_path, "clean", "0", 2)
-    hit, hit_out = _run(daemons, tmp_path, "hit", "0.05", 2)
+@pytest.mark.parametrize("mesh", ["1d", "2d"])
+def test_fsdp2_kill_9_of_one_rank_recovers_in_place_bit_identical(daemons, tmp_path, mesh):
+    """The survivor re-enters in its process: its groups (the default one re-formed; the
+    checkpoint writer's and, on a 2-D mesh, init_device_mesh's made again on it) and its shards
+    from its own in-memory slot; the replacement resumes from the same step; the run ends where
+    a fault-free one does."""
+    clean, clean_out = _run(daemons, tmp_path, "clean", "0", mesh)
+    hit, hit_out = _run(daemons, tmp_path, "hit", "0.05", mesh)
     wait_until(lambda: re.search(r"^step 17/", hit.log_text(1, 1), re.M), 120, what="step 17")
     before = hit.worker_pids()
     os.kill(before[1], signal.SIGKILL)
