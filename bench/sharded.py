@@ -153,6 +153,8 @@ def recovery(
         )
         if not rows:
             return {"recovery_s": None, "steps_lost": None, "source": None, "why": "never reached"}
+        if launcher != "torchrun":  # not while the daemon replaces its spares with learned ones
+            _until(lambda: _spares_learned(log.read_bytes()), LEARNED_WAIT)
         old = {r[0] for r in read_steps(out)}
         t_kill = time.time()
         os.kill(rows[0][0], signal.SIGKILL)
@@ -174,6 +176,18 @@ def recovery(
         }
     finally:
         kill_tree(proc)
+
+
+# seconds to wait, before a kill, for the daemon's warm spares to be made again with the modules
+# learned at the first step: a kill in a job's first seconds, as the spares are let go for the
+# learned ones, waits for a spare's start (7 s once on this VM), in place or not
+LEARNED_WAIT = 20.0
+
+
+def _spares_learned(text: bytes) -> bool:
+    """Whether the daemon's log says its spares were forked again after `preload_learned`."""
+    at = text.find(b'"preload_learned"')
+    return at >= 0 and b'"spares_bound"' in text[at:]
 
 
 IN_PLACE_FLAGS = {"elasticd-in-place": ("--in-place", "auto")}
