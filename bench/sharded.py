@@ -32,6 +32,7 @@ Per world size and state size:
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import re
@@ -134,12 +135,11 @@ def recovery(
     """One kill -9 of the last rank under a fresh `launcher`; its recovery within `bound` s."""
     work.mkdir()
     out, log = work / "steps.txt", work / "launcher.log"
-    cmd = (
-        elasticd_run(world, work)
-        if launcher == "elasticd"
-        else torchrun(world, "--max-restarts", "3", "--monitor-interval", "0.1")
-    )
-    ckpt = "elasticd" if launcher == "elasticd" else "dcp-async"
+    if launcher == "torchrun":
+        cmd = torchrun(world, "--max-restarts", "3", "--monitor-interval", "0.1")
+    else:
+        cmd = elasticd_run(world, work, *IN_PLACE_FLAGS.get(launcher, ()))
+    ckpt = "dcp-async" if launcher == "torchrun" else "elasticd"
     cmd += ["--mode", "train", "--ckpt", ckpt, "--mb", str(mb), "--every", str(every)]
     cmd += ["--dir", str(work / "ckpt"), "--out", str(out), *SCRIPT_ARGS]
     kill_at = 2 * every + every // 2
@@ -153,10 +153,14 @@ def recovery(
         )
         if not rows:
             return {"recovery_s": None, "steps_lost": None, "source": None, "why": "never reached"}
+        if launcher != "torchrun":  # not while the daemon replaces its spares with learned ones
+            _until(lambda: _spares_learned(log.read_bytes()), LEARNED_WAIT)
         old = {r[0] for r in read_steps(out)}
         t_kill = time.time()
         os.kill(rows[0][0], signal.SIGKILL)
         before = max(r[3] for r in read_steps(out) if r[0] in old)
+        if launcher in IN_PLACE_FLAGS:
+            return _in_place(work, out, t_kill, old, before, world, bound, proc)
         first = _until(
             lambda: _first_new(out, t_kill, old, world) or proc.poll() is not None, bound
         )
@@ -172,6 +176,97 @@ def recovery(
         }
     finally:
         kill_tree(proc)
+
+
+# seconds to wait, before a kill, for the daemon's warm spares to be made again with the modules
+# learned at the first step: a kill in a job's first seconds, as the spares are let go for the
+# learned ones, waits for a spare's start (7 s once on this VM), in place or not
+LEARNED_WAIT = 20.0
+
+
+def _spares_learned(text: bytes) -> bool:
+    """Whether the daemon's log says its spares were forked again after `preload_learned`."""
+    at = text.find(b'"preload_learned"')
+    return at >= 0 and b'"spares_bound"' in text[at:]
+
+
+IN_PLACE_FLAGS = {"elasticd-in-place": ("--in-place", "auto")}
+
+
+def _loaded(out: Path, since: float) -> dict[int, tuple]:
+    """rank -> (pid, began, built, loaded): its script's (re)start, its model built, its state
+    restored, after `since`."""
+    got = {}
+    for line in _text(Path(f"{out}.loaded")).splitlines():
+        pid, rank, *times = line.split()
+        if float(times[-1]) > since:
+            got.setdefault(int(rank), (int(pid), *map(float, times)))
+    return got
+
+
+def _re_entered(work: Path, rank: int) -> dict[str, float] | None:
+    """A survivor's re_entered timeline (worker/reconfigure.py): phase -> wall time."""
+    for path in work.glob(f"logs/*/attempt1/rank{rank}.log"):
+        m = re.search(r"re_entered +at=([\d.]+) .*phases=(\{[^}]*\})", _text(path))
+        if m:
+            return {k: float(m[1]) + v for k, v in ast.literal_eval(m[2]).items()}
+    return None
+
+
+def _in_place(work, out, t_kill, old, before, world, bound, proc) -> dict:
+    """An in-place recovery: every rank stepping again (the survivors in their own processes),
+    and its two parts apart. A survivor's: its own work, not its wait for the replacement
+    (unwinding, aborting, collecting, re-forming once the handles are in, running the script
+    again and restoring its shards from its own slot). The replacement's: the kill to its
+    shards restored (the daemon seeing the exit, the spare's start, joining, loading)."""
+
+    def back():
+        loaded = _loaded(out, t_kill)
+        if len(loaded) < world:
+            return None
+        first = {}
+        for pid, rank, _r, step, t in read_steps(out):
+            if rank not in first and pid == loaded[rank][0] and t > loaded[rank][-1]:
+                first[rank] = (t, step)
+        return (loaded, first) if len(first) == world else None
+
+    got = _until(lambda: back() or proc.poll() is not None, bound)
+    if not isinstance(got, tuple):
+        why = f"exited {proc.returncode}" if got else f"not recovered in {bound:g} s"
+        return {"recovery_s": None, "steps_lost": None, "source": None, "why": why}
+    loaded, first = got
+    survivors, replacement, parts = [], None, {}
+    # every rank's load begins with a collective (the ranks agree on the step): a survivor's
+    # own part of it starts once the last rank has built its model
+    ready = max(built for _pid, _began, built, _done in loaded.values())
+    for rank, (pid, began, built, done) in loaded.items():
+        at = _re_entered(work, rank) if pid in old else None
+        if at is None:
+            replacement = done - t_kill if replacement is None else max(replacement, done - t_kill)
+            continue
+        # the survivor's own phases: seen and unwound (from the kill), re-formed once every
+        # handle was in, the script run again up to its model built, its shards restored (once
+        # every rank was there); not its waits for the replacement
+        mine = {
+            "unwind": at["collected"] - t_kill,
+            "reform": at["reformed"] - at["handles"],
+            "rerun": began - at["reformed"],
+            "build": built - began,
+            "load": done - ready,
+        }
+        if not survivors or sum(mine.values()) > max(survivors):
+            parts = {k: round(v, 4) for k, v in mine.items()}
+        survivors.append(sum(mine.values()))
+    said = re.findall(r"resumed from step \d+ \((\w+)\)", _text(Path(f"{out}.resumed")))
+    return {
+        "recovery_s": max(t for t, _s in first.values()) - t_kill,
+        "steps_lost": before - (min(s for _t, s in first.values()) - 1),
+        "source": said[-1] if said else "start",
+        "survivors_s": max(survivors) if survivors else None,
+        "replacement_s": replacement,
+        "kept": f"{len(survivors)}/{world - 1}",
+        "survivor_phases": parts,
+    }
 
 
 def node_loss(world: int, mb: float, every: int, work: Path, timeout: float, bound: float) -> dict:
@@ -277,6 +372,12 @@ def measure(args, world: int, mb: float, root: Path) -> dict:
             "recovered": f"{len(done)}/{len(trials)}",
             "failed": sorted({t["why"] for t in trials if "why" in t}),
         }
+        for part in ("survivors_s", "replacement_s"):
+            got = [t[part] for t in done if t.get(part) is not None]
+            if launcher in IN_PLACE_FLAGS:
+                row[launcher][part] = statistics.median(got) if got else None
+        if launcher in IN_PLACE_FLAGS:
+            row[launcher]["kept"] = ",".join(t["kept"] for t in done)
     if "elasticd" in args.launchers.split(",") and world % 2 == 0 and not args.no_recovery:
         got = node_loss(
             world,
@@ -323,6 +424,19 @@ def table(rows: list[dict]) -> str:
             lines.append(
                 f"{r['world']:>5} {size:>8} {name:<16} {d:>9.3f} {a:>10.3f} {e:>9.3f} "
                 f"{_s(mem) if key == 'stall_s' else '':>7} {_ratio(e, d):>8} {_ratio(e, a):>8}"
+            )
+        x = r.get("elasticd-in-place")
+        if x is not None:
+            ratios = " ".join(
+                f"vs {other} {_ratio(x['recovery_s'], r[other]['recovery_s'])}"
+                for other in ("elasticd", "torchrun")
+                if other in r
+            )
+            lines.append(
+                f"{r['world']:>5} {size:>8} {'kill -9 in place':<16} {_s(x['recovery_s'])} s "
+                f"({x['recovered']} recovered, survivors kept {x['kept']}), survivors' part "
+                f"{_s(x['survivors_s'])} s, replacement's {_s(x['replacement_s'])} s, "
+                f"{x['steps_lost']} lost ({x['source'] or ', '.join(x['failed'])}) {ratios}"
             )
         for launcher in ("elasticd", "torchrun"):
             if launcher in r and not ("elasticd" in r and "torchrun" in r):

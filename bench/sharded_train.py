@@ -154,7 +154,9 @@ class ElasticdCheckpoints:
 
 
 def train(args) -> None:
+    began = time.time()
     model, opt = build(args.mb, dist.get_world_size())
+    built = time.time()
     rank = dist.get_rank()
     ck = (
         ElasticdCheckpoints(args.dir, args.every)
@@ -162,6 +164,8 @@ def train(args) -> None:
         else UserCheckpoints(args.dir, args.ckpt == "dcp-async")
     )
     first = ck.load_latest(model, opt) + 1
+    with open(f"{args.out}.loaded", "a") as f:  # every rank: its (re)build and load, for in place
+        f.write(f"{os.getpid()} {rank} {began:.6f} {built:.6f} {time.time():.6f}\n")
     if first > 1 and rank == 0:
         source = ck.source() if isinstance(ck, ElasticdCheckpoints) else "disk"
         with open(f"{args.out}.resumed", "a") as f:  # the launchers keep stdout apart
@@ -292,10 +296,10 @@ def main() -> None:
         torch.cuda.set_device(DEVICE)
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     torch.manual_seed(dist.get_rank())
-    try:
-        (train if args.mode == "train" else costs)(args)
-    finally:
-        dist.destroy_process_group()
+    (train if args.mode == "train" else costs)(args)
+    # not in a finally: a rank unwinding from a fault elsewhere keeps its group to re-enter in
+    # place (a destroyed one falls back to the restart: docs/in-place.md)
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

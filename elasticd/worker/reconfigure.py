@@ -198,6 +198,8 @@ class Member:
         self.pairs = {fd: ino for fd, ino in _sockets().items() if before.get(fd) != ino}
         self.marks["reformed"] = time.time()
         self.generation = generation
+        if generation > 0:
+            fresh_subgroups(dist, generation)
         return time.monotonic() - t0
 
     def _missing(self, generation: int, keys: list[str], ranks: list[int], seconds: float) -> str:
@@ -222,12 +224,15 @@ class Member:
         hops from the dead rank in the ring, rank 1 of 4 when rank 3 died, stayed blocked in
         every multi-node trial, the rare stuck survivor of one node too): the sockets the last
         reconfigure made are shut down first, so each peer's pending receive sees its
-        connection closed at once."""
+        connection closed at once. Then the default group and the groups made on it abort."""
         _shut(self.pairs)
-        try:
-            self.dist.distributed_c10d._get_default_group().abort()
-        except Exception as e:  # noqa: BLE001 - a group that cannot abort re-forms or times out
-            log.warning("in_place_abort_failed", error=str(e), rank=self.rank)
+        c10d = self.dist.distributed_c10d
+        default = c10d._get_default_group()
+        for group in [default, *subgroups(self.dist)]:
+            try:
+                group.abort()
+            except Exception as e:  # noqa: BLE001 - a group that cannot abort re-forms or times out
+                log.warning("in_place_abort_failed", error=str(e), rank=self.rank)
 
     def announced(self, deadline: float) -> tuple[int, frozenset[int]] | None:
         """The next generation and the ranks that start for it, once the daemon has set them
@@ -288,6 +293,36 @@ def _shut(pairs: dict[int, int]) -> None:
             pass
         finally:
             s.close()  # the duplicate only
+
+
+# new_group's names (and so its store keys) count up from the default group's; a generation
+# starts its count here, the same on a survivor and its replacement, fresh in the store
+GROUPS_PER_GENERATION = 1_000_000
+
+
+def subgroups(dist) -> list:
+    """This process's groups other than the default one (new_group's, init_device_mesh's)."""
+    c10d = dist.distributed_c10d
+    return [g for g in list(c10d._world.pg_map) if g is not c10d.GroupMember.WORLD]
+
+
+def fresh_subgroups(dist, generation: int) -> None:
+    """After the default group re-formed as `generation`: drop the groups made on the failed
+    generation (a dead rank was in them, and torch 2.14 re-forms only a group made with
+    enable_reconfigure, which new_group cannot ask for), and start new_group's count where
+    every rank of `generation` starts it. The script, entered again, makes its groups again on
+    the re-formed default group (init_device_mesh, new_group, the checkpoint writer's), in the
+    same order on a survivor and on its replacement, so they agree on names and store keys
+    (torch resets the count so itself when its default group is destroyed)."""
+    c10d = dist.distributed_c10d
+    for group in subgroups(dist):
+        try:
+            dist.destroy_process_group(group)
+        except Exception as e:  # noqa: BLE001 - dropped from torch's maps all the same below
+            log.warning("in_place_subgroup_destroy_failed", error=str(e))
+            for table in (c10d._world.pg_map, c10d._world.pg_names, c10d._world.pg_group_ranks):
+                table.pop(group, None)
+    c10d._world.group_count = 1 + generation * GROUPS_PER_GENERATION
 
 
 _member: Member | None = None

@@ -44,3 +44,25 @@ def test_sharded_bench_at_a_tiny_size(tmp_path):
     assert 0 <= n["steps_lost"] <= 4, n  # --every 4: disk would lose up to 4 plus the kill's lag
     assert 0.2e6 < n["replica_bytes"] < 1.2e6 and n["replica_ms"] > 0, n
     assert "node lost        elasticd" in r.stdout
+
+
+@pytest.mark.skipif(
+    not hasattr(__import__("torch").distributed, "_reconfigure"),
+    reason="in-place recovery needs torch>=2.14",
+)
+def test_sharded_bench_in_place_times_the_survivors_part_and_the_replacements(tmp_path):
+    """--launchers elasticd-in-place: the kill recovered with the survivor's pid kept, from
+    memory, and its two parts (the survivor's own phases, the replacement's) each timed."""
+    r = bench(
+        "sharded.py",
+        *("--worlds", "2", "--sizes", "1", "--every", "4", "--no-costs"),
+        *("--launchers", "elasticd-in-place", "--timeout", "60", "--recovery-timeout", "20"),
+        *("--workdir", str(tmp_path), "--json"),
+        timeout=150,
+    )
+    (row,) = json.loads(r.stdout.splitlines()[-1])
+    x = row["elasticd-in-place"]
+    assert x["recovered"] == "1/1" and x["kept"] == "1/1" and x["source"] == "memory", x
+    assert 0 < x["survivors_s"] < 20 and 0 < x["replacement_s"] < 20, x
+    assert 0 <= x["steps_lost"] <= 2, x
+    assert "kill -9 in place" in r.stdout and "node lost" not in r.stdout

@@ -55,19 +55,32 @@ def _args(tmp_path, run: str, total: int, disk: int) -> list[str]:
     return [*out, *every, "--step-time", "0.03"]
 
 
-def crash_and_compare(daemons, tmp_path, name: str, total: int, kill_at: int, disk: int):
+def crash_and_compare(
+    daemons, tmp_path, name: str, total: int, kill_at: int, disk: int, in_place: bool = False
+):
     """A clean run and one whose rank 1 is SIGKILLed once rank 0 logged `kill_at`, side by side;
-    returns the crashed run's rank 0 log of the attempt that resumed."""
+    returns the crashed run's rank 0 log of the attempt that resumed. `in_place`: with
+    --in-place auto, rank 0 re-entered in its own process (the part of its log after it
+    re-entered)."""
     clean = daemons(script(name), *FLAGS, name="clean", args=_args(tmp_path, "clean", total, disk))
     args = _args(tmp_path, "crashed", total, disk)
-    crashed = daemons(script(name), *FLAGS, name="crashed", args=args)
+    flags = (*FLAGS, "--in-place", "auto") if in_place else FLAGS
+    crashed = daemons(script(name), *flags, name="crashed", args=args)
     crashed.wait_for_step(0, kill_at, 120)
     before = max(steps(crashed.log_text(0)))
-    os.kill(crashed.worker_pids()[1], signal.SIGKILL)
+    pids = crashed.worker_pids()
+    os.kill(pids[1], signal.SIGKILL)
     assert crashed.wait(180) == 0, crashed.stderr()[-3000:]
     assert clean.wait(180) == 0, clean.stderr()[-3000:]
-    assert len(crashed.attempt_dirs()) == 2, "one restart"
     log = crashed.log_text(0)
+    if in_place:
+        assert len(crashed.attempt_dirs()) == 1, "no restart"
+        replaced = [e for e in crashed.events() if e.get("event") == "replaced_in_place"]
+        assert len(replaced) == 1 and replaced[0]["survivors"] == [pids[0]], replaced
+        assert "in_place_fallback" not in log, log[-3000:]
+        log = log.split("re_entered", 1)[1]  # rank 0's second run of the script
+    else:
+        assert len(crashed.attempt_dirs()) == 2, "one restart"
     (resumed,) = resumed_at(log)
     # every=1: memory holds the step before the kill (one more may have finished meanwhile);
     # the disk checkpoint is older (every `disk` steps)
@@ -92,3 +105,22 @@ def test_transformers_trainer_resumes_its_state_from_memory_bit_identical(daemon
 def test_accelerate_recipe_resumes_from_memory_bit_identical(daemons, tmp_path):
     """docs/checkpoints.md's recipe: elasticd.checkpoint in an Accelerate loop."""
     crash_and_compare(daemons, tmp_path, "accelerate_train.py", 60, kill_at=33, disk=20)
+
+
+FRAMEWORKS = [
+    pytest.param("lightning_train.py", marks=needs("pytorch_lightning"), id="lightning"),
+    pytest.param("transformers_train.py", marks=needs("transformers", "accelerate"), id="hf"),
+    pytest.param("accelerate_train.py", marks=needs("accelerate"), id="accelerate"),
+]
+
+
+@pytest.mark.skipif(
+    not hasattr(torch.distributed, "_reconfigure"), reason="in place needs torch>=2.14"
+)
+@pytest.mark.parametrize("name", FRAMEWORKS)
+def test_each_framework_re_enters_in_place_bit_identical(daemons, tmp_path, name):
+    """--in-place auto: the survivor's framework (Lightning's Trainer, transformers' Trainer over
+    Accelerate's state, an Accelerate loop) unwinds from the failed collective, the script runs
+    again in the same process, the framework's init finds the re-formed group, and its own step
+    counter resumes from elasticd's memory: no restart, no fallback, bit-identical."""
+    crash_and_compare(daemons, tmp_path, name, 60, kill_at=33, disk=20, in_place=True)

@@ -1,6 +1,9 @@
 """A small FSDP2 (fully_shard) job on gloo/CPU with elasticd's checkpoints, the README's calls.
 
-usage: fsdp_train.py STEPS EVERY DELAY OUT
+usage: fsdp_train.py STEPS EVERY DELAY OUT [MESH]
+
+MESH 2d: the model sharded over the "shard" dimension of a 2-D mesh (1 x world, "replicate" x
+"shard"), whose "replicate" dimension init_device_mesh makes with new_group (a group per rank).
 
 Each step's data comes from the global torch RNG, so a resume is bit-identical only when the
 RNG, the parameters and Adam's state all come back exactly. At the end every rank writes the
@@ -26,7 +29,11 @@ def main() -> None:
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))  # gloo on CPU, GPU or not
+    if sys.argv[5:] == ["2d"]:
+        dims = ("replicate", "shard")
+        mesh = init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=dims)["shard"]
+    else:
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))  # gloo on CPU, GPU or not
     for layer in (model[0], model[2], model):
         fully_shard(layer, mesh=mesh)
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
