@@ -280,6 +280,11 @@ def test_a_survivor_after_the_lost_node_is_renumbered_in_place(daemons, tmp_path
     assert "re_entered" in log2 and "in_place_fallback" not in log2, log2[-3000:]
     renumbered = [ln for ln in log2.splitlines() if "in_place_renumbered" in ln]
     assert len(renumbered) == 1 and re.search(r"new_rank.{0,4}1\b", renumbered[0]), renumbered
+    # the script run again sees its new number, in the group torch re-formed and in RANK
+    entered = [ln for ln in log2.splitlines() if "re_entered" in ln]
+    assert len(entered) == 1, entered
+    assert re.search(r"torch_rank.{0,4}1\b", entered[0]), entered
+    assert re.search(r"env_rank.{0,4}1\b", entered[0]), entered
     assert "re_entered" in a.log_text(0, 1) and re.search(r"^step 60/60", a.log_text(0, 1), re.M)
     clean = daemons(
         "entrypoints.train", "--nproc-per-node", "2", "--checkpoint-dir",
