@@ -97,6 +97,15 @@ def test_a_rank_killed_on_one_node_is_replaced_there_alone(daemons, tmp_path):
     assert not leftover_processes()
 
 
+def assert_cause_names(cause: str, lost_id: str) -> None:
+    """A lost node's cause names it and what was seen: its daemon's held connection closed
+    (cluster/links.py), or, with no connection, the ranks waiting in place - never a worker's
+    death of a closed connection, which did not happen on the in-place path."""
+    assert cause.startswith(f"node {lost_id}; lost: group rank 1 "), cause
+    assert f"node {lost_id}: its daemon died" in cause or "wait for a generation" in cause, cause
+    assert "died of a closed connection" not in cause, cause
+
+
 def store_host(port: int):
     """The job's rendezvous store, hosted by no node (tests/scripts/store_server.py), so that
     losing a node never loses the store."""
@@ -170,6 +179,8 @@ def test_a_lost_node_s_survivors_re_form_at_the_smaller_world_in_place(
     shrunk = events(a, "shrunk_in_place")
     assert len(shrunk) == 1 and shrunk[0]["world"] == 2, shrunk
     assert sorted(shrunk[0]["survivors"]) == sorted(before.values())
+    (b_id,) = [e["node_id"] for e in b.events() if e.get("event") == "rendezvous_store"]
+    assert_cause_names(shrunk[0]["cause"], b_id)
     assert not events(a, "in_place_refused") and len(a.attempt_dirs()) == 1
     assert not [e for e in events(a, "state") if e.get("new") == "RESTARTING"]
     log0 = a.log_text(0, 1)
@@ -276,6 +287,11 @@ def test_a_survivor_after_the_lost_node_is_renumbered_in_place(daemons, tmp_path
         assert not events(n, "in_place_refused") and len(n.attempt_dirs()) == 1
         assert not [e for e in events(n, "state") if e.get("new") == "RESTARTING"]
     assert sorted(shrunk[0]["survivors"]) == [before[2]]  # C's survivor, its pid kept
+    (b_id,) = [e["node_id"] for e in b.events() if e.get("event") == "rendezvous_store"]
+    causes = [events(n, "shrunk_in_place")[0]["cause"] for n in (a, c)]
+    claimed = [x for x in causes if "followed" not in x]  # the other followed its announcement
+    assert len(claimed) == 1, causes
+    assert_cause_names(claimed[0], b_id)
     log2 = c.log_text(2, 1)
     assert "re_entered" in log2 and "in_place_fallback" not in log2, log2[-3000:]
     renumbered = [ln for ln in log2.splitlines() if "in_place_renumbered" in ln]
