@@ -9,7 +9,13 @@ node never holds it), node A (group rank 0: it hosts the workers' store) and nod
 workers each, on tests/scripts/node_train.py (DDP, the in-memory state every step, a line per
 step with its wall time and world). Once A's rank 0 trains at the full world, B's daemon is
 SIGKILLed; recovered is A's rank 0 logging a step at the smaller world, timed from the kill.
-`kept`: the trials where A's workers stepped again under their old pids.
+`kept`: the trials where A's workers stepped again under their old pids. The in-place trials'
+timeline, seconds after the kill (median over trials): `detected` (A's daemon saw B's daemon
+gone: its held connection closed, `peer_daemon_gone`, cluster/links.py), `announced` (A's
+daemon announced the smaller world, `shrunk_in_place`), the survivors' phases (the last one's:
+`unwound`, `aborted`, `seen` the announcement, `collected`, `handles`, `reformed`;
+worker/reconfigure.py) and `first_step`; `link` counts the trials whose cause names B's daemon
+gone by the link, not by missed beats.
 
     python bench/nodeloss.py --trials 5
 """
@@ -27,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from datetime import datetime
 from pathlib import Path
 
 import psutil
@@ -35,6 +42,9 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "tests" / "scripts"
 STEP = re.compile(r"^step (\d+) world (\d+) t ([\d.]+)", re.M)
 MODES = {"in-place": "auto", "restart": "off"}
+PHASE_LINE = re.compile(r"\bre_entered\b.*?\bat=([\d.]+).*?phases=(\{[^}]*\})")
+PHASES = ("detected", "announced", "unwound", "aborted", "seen", "collected", "handles")
+PHASES += ("reformed", "first_step")
 
 
 def free_port() -> int:
@@ -113,9 +123,30 @@ def pids(stderr: Path) -> set[int]:
     return set(running[-1]["pids"].values()) if running else set()
 
 
+def phases(a_dir: Path, t_kill: float) -> dict[str, float]:
+    """An in-place trial's timeline on node A, seconds after the kill (PHASES), and `link`: 1
+    where the cause names B's daemon gone by its held connection."""
+    out: dict[str, float] = {}
+    for e in events(a_dir / "stderr.txt"):
+        at = datetime.fromisoformat(e["timestamp"]).timestamp() - t_kill if "timestamp" in e else 0
+        if e.get("event") == "peer_daemon_gone" and at > 0:
+            out.setdefault("detected", at)
+        elif e.get("event") == "shrunk_in_place":
+            out["announced"] = at
+            out["link"] = float("connection to it closed" in e.get("cause", ""))
+    for path in (a_dir / "logs").rglob("rank*.log"):
+        for m in PHASE_LINE.finditer(path.read_text(errors="replace")):
+            if float(m[1]) < t_kill:
+                continue
+            for k, v in json.loads(m[2].replace("'", '"')).items():
+                key = "seen" if k == "announced" else k
+                out[key] = max(out.get(key, 0.0), float(m[1]) + v - t_kill)
+    return out
+
+
 def trial(work: Path, mode: str, nproc: int, delay: float, warmup: float, timeout: float):
-    """Seconds from B's kill to A's rank 0 stepping at the smaller world, and whether A's
-    workers kept their pids; None where it did not recover in time."""
+    """Seconds from B's kill to A's rank 0 stepping at the smaller world, whether A's workers
+    kept their pids, and the timeline (`phases`); None where it did not recover in time."""
     port = free_port()
     secret = work / "secret"
     secret.write_bytes(os.urandom(24).hex().encode())
@@ -150,7 +181,10 @@ def trial(work: Path, mode: str, nproc: int, delay: float, warmup: float, timeou
         if not after:
             return None
         kept = before and before <= {p.pid for p in psutil.Process(a.pid).children(True)}
-        return after[0][2] - t_kill, bool(kept) and pids(a_dir / "stderr.txt") == before
+        kept = bool(kept) and pids(a_dir / "stderr.txt") == before
+        time.sleep(0.3)  # the last survivor's re_entered line
+        timeline = phases(a_dir, t_kill) if mode == "in-place" else {}
+        return after[0][2] - t_kill, kept, {**timeline, "first_step": after[0][2] - t_kill}
     finally:
         for p in started:
             kill_tree(p)
@@ -173,7 +207,8 @@ def main() -> None:
             with tempfile.TemporaryDirectory(prefix="elasticd-nodeloss-") as d:
                 got = trial(Path(d), mode, args.nproc, args.delay, args.warmup, args.trial_timeout)
             results.setdefault(mode, []).append(got)
-            print(f"trial {n + 1} {mode}: {got}", file=sys.stderr, flush=True)
+            shown = got and (round(got[0], 3), got[1], {k: round(v, 3) for k, v in got[2].items()})
+            print(f"trial {n + 1} {mode}: {shown}", file=sys.stderr, flush=True)
     print(f"{'mode':10} {'median s':>9} {'p90 s':>7} {'ok':>5} {'kept':>5}")
     medians = {}
     for mode, rows in results.items():
@@ -185,6 +220,15 @@ def main() -> None:
             print(f"{mode:10} {medians[mode]:9.3f} {p90:7.3f} {len(ok):>2}/{len(rows)} {kept:>5}")
         else:
             print(f"{mode:10} {'-':>9} {'-':>7}  0/{len(rows)} {kept:>5}")
+    done = [r[2] for r in results.get("in-place", []) if r]
+    if done:
+        print("in-place timeline, seconds after the kill (median over trials):")
+        print(", ".join(
+            f"{k} {statistics.median(t[k] for t in done if k in t):.3f}"
+            for k in PHASES if any(k in t for t in done)
+        ))  # fmt: skip
+        linked = sum(t.get("link", 0) for t in done)
+        print(f"cause by the link (B's daemon's connection closed): {linked:.0f}/{len(done)}")
     if "in-place" in medians and "restart" in medians:
         print(f"restart / in-place: {medians['restart'] / medians['in-place']:.2f}x")
 

@@ -273,11 +273,13 @@ class Peers:
         now: float,
         beats: Callable[[], list[Beat | None]],
         died_at: float | None = None,
+        died_of: str = silence.CLOSED,
     ) -> Failure | Scale | None:
         """Why this node must restart because of the others, if it must. `beats` reads our
         workers' heartbeats, only when a watched node is silent (the loop calls this every tick);
         `died_at`: when one of our workers died of a closed connection (monotonic), while the
-        loop looks for the node whose going it follows (silence.judge)."""
+        loop looks for the node whose going it follows (silence.judge); `died_of`: what that
+        evidence was, for the cause (silence.WAITING: our ranks unwound, waiting in place)."""
         if self.lost_store is not None:
             raise StoreLost(
                 f"the etcd cluster at {self.rdzv.endpoint} refused us ({self.lost_store}): check "
@@ -302,7 +304,7 @@ class Peers:
             )
         if self._restart is not None and self._restart[0] == rnd.number:
             return told(self._restart[1])
-        lost = self.lost_neighbour(rnd, now, beats, died_at)
+        lost = self.lost_neighbour(rnd, now, beats, died_at, died_of)
         if lost is not None:
             return lost
         number, waiting = self.waiting
@@ -316,10 +318,12 @@ class Peers:
         now: float,
         beats: Callable[[], list[Beat | None]],
         died_at: float | None = None,
+        died_of: str = silence.CLOSED,
     ) -> Failure | None:
         """A watched node silent for --peer-timeout, or for long enough with our workers stuck
         or dead of a closed connection (silence.judge): the failure names it (its id, group rank
-        and ranks) in its first words, and when it went quiet."""
+        and ranks) in its first words, and when it went quiet; one whose daemon died (its held
+        connection closed, links.py) by its node id too."""
         watching, seen = self._seen
         seen = dict(seen) if watching is rnd else {}
         probed, _, _, unreachable = self._probed
@@ -342,6 +346,7 @@ class Peers:
             died_at=died_at,
             unreachable=unreachable,
             gone=gone,
+            died_of=died_of,
         )
         if found is None:
             return None
@@ -349,10 +354,11 @@ class Peers:
         member = rnd.members[g]
         first = sum(m.nproc for m in rnd.members[:g])
         quiet = min(seen[g][1], gone[g][0]) if g in gone else seen[g][1]
+        said = f"group rank {g} ({ranks_text(first, member.nproc)})"
+        said = f"{said}, node {member.node_id}:" if g in gone else said
         return Failure(
             RestartCause.NODE_LOST,
-            f"lost: group rank {g} ({ranks_text(first, member.nproc)}) {why}; "
-            f"seen by node {self.node}",
+            f"lost: {said} {why}; seen by node {self.node}",
             node=member.node_id,
             lost=(member.node_id,),
             at=time.time() - (now - quiet),  # when it went quiet, Unix time

@@ -107,6 +107,11 @@ def pace(workers: Sequence[Stepping | None]) -> tuple[float | None, float | None
     return progress, step
 
 
+CLOSED = "our worker died of a closed connection"  # judge's `died_of` unless told
+# the in-place path's evidence instead (daemon/inplace.py `_waits`): nobody died, they wait
+WAITING = "our ranks unwound from a failed collective and wait for a generation nobody announced"
+
+
 def judge(
     seen: Mapping[int, Heard],
     now: float,
@@ -118,11 +123,13 @@ def judge(
     died_at: float | None = None,
     unreachable: Mapping[int, tuple[float, str]] | None = None,
     gone: Mapping[int, tuple[float, str]] | None = None,
+    died_of: str = CLOSED,
 ) -> tuple[int, str] | None:
     """The first watched node (by `seen`'s order) that is lost, and why: silent for
     --peer-timeout, or silent for `lost_silence` (and two and a half of our steps) while our
     workers made no step since it went quiet (their collectives wait on it), or, where one of our
-    workers died of a closed connection at `died_at` (monotonic), silent for two beats since
+    workers died of a closed connection at `died_at` (monotonic; `died_of` says what that evidence
+    was: on the in-place path, our ranks unwound and waiting), silent for two beats since
     before then (its last beat heard at most two beats after that death: the read that would have
     seen a later one), or silent for a beat with its daemon's address not answering a probe
     made after it went quiet (`unreachable`: group rank -> (when that probe began, its verdict)),
@@ -133,14 +140,14 @@ def judge(
     for g, (_, since) in seen.items():
         silent = now - since
         if g in (gone or {}):
-            return g, f"went silent: {gone[g][1]} {max(0.0, now - gone[g][0]):.2f}s ago"
+            return g, f"{gone[g][1]} {max(0.0, now - gone[g][0]):.2f}s ago"
         if silent >= peer_timeout:
             return g, f"went silent for {silent:.1f}s (--peer-timeout {peer_timeout:g})"
         probed = (unreachable or {}).get(g)
         if probed is not None and probed[0] > since and silent >= beat_every:
             return g, f"went silent for {silent:.2f}s and {probed[1]}"
         if died_at is not None and silent >= 2 * beat_every and since <= died_at + 2 * beat_every:
-            return g, f"went silent for {silent:.1f}s, and our worker died of a closed connection"
+            return g, f"went silent for {silent:.1f}s, and {died_of}"
         if (
             progress is not None
             and step is not None

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from elasticd import logs
 from elasticd.checkpoint.memory import directory
 from elasticd.cluster import kv as kvmod
+from elasticd.cluster import silence
 from elasticd.cluster.errors import BudgetSpent, Deterministic, RendezvousFailed, StoreUnreachable
 from elasticd.cluster.peers import Peers
 from elasticd.cluster.rendezvous import Rendezvous
@@ -274,9 +275,7 @@ class Agent:
                 return self._succeed()
             if why is None:
                 try:
-                    why = self.peers.check(
-                        self.round, time.monotonic(), self.group.beats, died_at=self.in_place_waits
-                    )
+                    why = self._peers_check()
                 except StoreUnreachable as e:
                     why = Failure(RestartCause.STORE_UNREACHABLE, str(e), node=self.node)
             if why is None:
@@ -298,6 +297,16 @@ class Agent:
             code = self._restart(why)
             if code is not None:
                 return code
+
+    def _peers_check(self) -> Failure | Scale | None:
+        """The peers' check; ranks waiting, unwound, for a generation nobody announced
+        (inplace.follow) are its evidence as a worker's death of a closed connection is."""
+        now, waits = time.monotonic(), self.in_place_waits
+        if waits is None:
+            return self.peers.check(self.round, now, self.group.beats)
+        return self.peers.check(
+            self.round, now, self.group.beats, died_at=waits, died_of=silence.WAITING
+        )
 
     def _judge(self, why: Failure | Scale) -> tuple[Failure | Scale, int | None]:
         """Whether a failure strikes this node, and whether it leaves the job for it (an exit

@@ -451,6 +451,9 @@ def reenter(exc: BaseException) -> str | None:
                 generation=announced[0],
                 reform_s=round(seconds, 4),
                 rank=found.rank,
+                # what the script, run again, will read: the re-formed group's and torchrun's
+                torch_rank=found.dist.get_rank(),
+                env_rank=os.environ.get("RANK"),
                 **timeline({**at, **found.marks}),
             )
             return None

@@ -97,6 +97,15 @@ def test_a_rank_killed_on_one_node_is_replaced_there_alone(daemons, tmp_path):
     assert not leftover_processes()
 
 
+def assert_cause_names(cause: str, lost_id: str) -> None:
+    """A lost node's cause names it and what was seen: its daemon's held connection closed
+    (cluster/links.py), or, with no connection, the ranks waiting in place - never a worker's
+    death of a closed connection, which did not happen on the in-place path."""
+    assert cause.startswith(f"node {lost_id}; lost: group rank 1 "), cause
+    assert f"node {lost_id}: its daemon died" in cause or "wait for a generation" in cause, cause
+    assert "died of a closed connection" not in cause, cause
+
+
 def store_host(port: int):
     """The job's rendezvous store, hosted by no node (tests/scripts/store_server.py), so that
     losing a node never loses the store."""
@@ -170,6 +179,8 @@ def test_a_lost_node_s_survivors_re_form_at_the_smaller_world_in_place(
     shrunk = events(a, "shrunk_in_place")
     assert len(shrunk) == 1 and shrunk[0]["world"] == 2, shrunk
     assert sorted(shrunk[0]["survivors"]) == sorted(before.values())
+    (b_id,) = [e["node_id"] for e in b.events() if e.get("event") == "rendezvous_store"]
+    assert_cause_names(shrunk[0]["cause"], b_id)
     assert not events(a, "in_place_refused") and len(a.attempt_dirs()) == 1
     assert not [e for e in events(a, "state") if e.get("new") == "RESTARTING"]
     log0 = a.log_text(0, 1)
@@ -228,4 +239,77 @@ def test_a_lost_node_that_held_the_workers_store_falls_back_to_the_restart(daemo
     refused = events(b, "in_place_refused")
     assert len(refused) == 1 and "hosted the workers' store" in refused[0]["why"], refused
     assert not events(b, "shrunk_in_place") and len(b.attempt_dirs()) == 2
+    wait_until(lambda: not leftover_processes(), 30, what="no process left")
+
+
+def test_a_survivor_after_the_lost_node_is_renumbered_in_place(daemons, tmp_path):
+    """Three nodes of one rank each; the middle one (group rank 1) lost: node C's rank 2 moves
+    down to rank 1 in its own process (`in_place_renumbered`), re-forms at world 2 with A's
+    rank 0, and the run ends bit for bit where an uninterrupted one at world 2 does (exact
+    mode: each rank's share of the global batch follows its number, so a survivor training
+    under its old number, or two ranks under one, ends elsewhere)."""
+    args = [*ARGS, "--exact"]
+    with rendezvous("c10d", tmp_path) as where:
+        flags = (
+            "--nproc-per-node", "1", "--in-place", "auto", "--max-restarts", "3",
+            "--nnodes", "1:3", *where, "--rdzv-id", "job", *FAST_NODES, *secret_flags(),
+            "--last-call-timeout", "30",
+        )  # fmt: skip
+        nodes = []
+        for i in range(3):  # in order at the store: group ranks 0, 1, 2
+            nodes.append(
+                daemons(
+                    "entrypoints.train",
+                    *flags,
+                    "--checkpoint-dir",
+                    str(tmp_path / f"c{i}"),
+                    name=f"n{i}",
+                    args=args,
+                )  # fmt: skip
+            )
+            wait_until(
+                lambda: any(e.get("event") == "rendezvous_store" for e in nodes[-1].events()),
+                60, what="at the store",
+            )  # fmt: skip
+        a, b, c = nodes
+        wait_until(lambda: re.search(r"^step 12/60", a.log_text(0, 1), re.M), 120, what="step 12")
+        assert (list(a.worker_pids()), list(b.worker_pids()), list(c.worker_pids())) == (
+            [0], [1], [2]
+        )  # fmt: skip
+        before = {**a.worker_pids(), **c.worker_pids()}
+        b.kill(signal.SIGKILL)
+        for n in (a, c):
+            assert n.wait(120) == 0, n.stderr()[-3000:]
+    for n in (a, c):
+        shrunk = events(n, "shrunk_in_place")
+        assert len(shrunk) == 1 and shrunk[0]["world"] == 2, shrunk
+        assert shrunk[0]["ranks"] == {"0": 0, "2": 1}, shrunk
+        assert not events(n, "in_place_refused") and len(n.attempt_dirs()) == 1
+        assert not [e for e in events(n, "state") if e.get("new") == "RESTARTING"]
+    assert sorted(shrunk[0]["survivors"]) == [before[2]]  # C's survivor, its pid kept
+    (b_id,) = [e["node_id"] for e in b.events() if e.get("event") == "rendezvous_store"]
+    causes = [events(n, "shrunk_in_place")[0]["cause"] for n in (a, c)]
+    claimed = [x for x in causes if "followed" not in x]  # the other followed its announcement
+    assert len(claimed) == 1, causes
+    assert_cause_names(claimed[0], b_id)
+    log2 = c.log_text(2, 1)
+    assert "re_entered" in log2 and "in_place_fallback" not in log2, log2[-3000:]
+    renumbered = [ln for ln in log2.splitlines() if "in_place_renumbered" in ln]
+    assert len(renumbered) == 1 and re.search(r"new_rank.{0,4}1\b", renumbered[0]), renumbered
+    # the script run again sees its new number, in the group torch re-formed and in RANK
+    entered = [ln for ln in log2.splitlines() if "re_entered" in ln]
+    assert len(entered) == 1, entered
+    assert re.search(r"torch_rank.{0,4}1\b", entered[0]), entered
+    assert re.search(r"env_rank.{0,4}1\b", entered[0]), entered
+    assert "re_entered" in a.log_text(0, 1) and re.search(r"^step 60/60", a.log_text(0, 1), re.M)
+    clean = daemons(
+        "entrypoints.train", "--nproc-per-node", "2", "--checkpoint-dir",
+        str(tmp_path / "clean"), name="clean", args=args,
+    )  # fmt: skip
+    assert clean.wait(180) == 0, clean.stderr()[-3000:]
+    want, got = final_state(tmp_path / "clean"), final_state(tmp_path / "c0")
+    for part in ("model", "optimizer"):
+        tw, tg = dict(tensors(want[part])), dict(tensors(got[part]))
+        assert tw.keys() == tg.keys() and tw
+        assert all(torch.equal(tw[k], tg[k]) for k in tw), part
     wait_until(lambda: not leftover_processes(), 30, what="no process left")

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import pytest
 
 from elasticd.cluster.silence import (
+    WAITING,
     account,
     anyone_silent,
     excuse_blindness,
@@ -158,6 +159,15 @@ def test_judge_with_a_death_of_a_closed_connection(since, died_at, want):
     assert got == want
 
 
+def test_judge_says_the_in_place_evidence_for_what_it_is():
+    """On the in-place path nobody died: the ranks unwound and wait for a generation; the cause
+    says so, not "our worker died of a closed connection"."""
+    got = judge({1: (3, T - 0.6)}, T, 10.0, T - 0.5, 0.02, 1.25, 0.25, died_at=T - 0.3,
+                died_of=WAITING)  # fmt: skip
+    assert got == (1, f"went silent for 0.6s, and {WAITING}")
+    assert "closed connection" not in got[1] and "wait for a generation" in got[1]
+
+
 @pytest.mark.parametrize("row", JUDGE, ids=[r[0] for r in JUDGE])
 def test_judge(row):
     _, seen, peer_timeout, progress, step, want = row
@@ -186,8 +196,8 @@ def test_judge_with_an_unanswered_probe(since, probed, want):
     ("since", "gone", "want"),
     [
         # its daemon's held connection ended with no word: lost at once, silent or not
-        (T - 0.01, {1: (T - 0.02, "it died")}, (1, "went silent: it died 0.02s ago")),
-        (T - 0.3, {1: (T - 0.1, "its daemon died")}, (1, "went silent: its daemon died 0.10s ago")),
+        (T - 0.01, {1: (T - 0.02, "it died")}, (1, "it died 0.02s ago")),
+        (T - 0.3, {1: (T - 0.1, "its daemon died")}, (1, "its daemon died 0.10s ago")),
         (T - 0.3, {2: (T - 0.1, "another's")}, None),  # another node's going
         (T - 0.3, {}, None),  # nothing ended: silent a beat is slow, not lost
     ],

@@ -117,7 +117,7 @@ class FakePeers:
     def silences(self, now: float) -> dict[int, float]:
         return {}
 
-    def check(self, rnd: Round, now: float, beats, died_at=None) -> Failure | None:
+    def check(self, rnd: Round, now: float, beats, died_at=None, died_of=None) -> Failure | None:
         if self.s.peers_fail:
             raise StoreLost("the store's host is gone")
         if died_at is not None:
