@@ -486,8 +486,10 @@ def test_our_values_verify_only_for_their_round_and_key_and_form():
     assert values.master("10.0.0.1 29500") == ("10.0.0.1", 29500)
     for text in ("10.0.0.1 0", "10.0.0.1 70000", "a;b 1", "host", " 1", "h 1e3", "h -1"):
         assert values.master(text) is None, text
-    record = {"id": "n-1-ab", "nproc": 2, "addr": "10.0.0.1", "prev": -1}
+    record = {"id": "n-1-ab", "nproc": 2, "addr": "10.0.0.1", "prev": -1, "link": 29501}
     assert parsed(values.record, json.dumps(record)) == record
+    no_link = {k: v for k, v in record.items() if k != "link"}  # a daemon without links
+    assert parsed(values.record, json.dumps(no_link)) == {**no_link, "link": 0}
     for bad in (
         {"nproc": 0},
         {"nproc": 99999999},
@@ -495,6 +497,10 @@ def test_our_values_verify_only_for_their_round_and_key_and_form():
         {"id": "a b"},
         {"addr": "x;y"},
         {"prev": -2},
+        {"link": 65536},
+        {"link": -1},
+        {"link": True},
+        {"link": "29501"},
     ):
         assert parsed(values.record, json.dumps({**record, **bad})) is None, bad
     members = {"members": [["a", 1, "10.0.0.1"], ["b", 2, "10.0.0.2"]], "lost": ["c"]}
