@@ -7,8 +7,10 @@ address (on one host, or loopback, there is none to probe). Each daemon of a mul
 listens (`Links`: the probe's listener where it has one, else a port of its own address, which
 its arrival record carries) and holds a connection to each node it watches. A daemon that goes
 in order (its end, a stop, a node leaving) writes a word before it closes, and so does one that
-turns a connection away (over MAX_HELD): a connection that ends with no word is a daemon that
-died. A stopped or starved daemon's kernel keeps its connections open: never taken for gone.
+turns a connection away (over MAX_HELD): a connection that ends with no word, to a daemon whose
+port then refuses a new one (or does not answer it), is a daemon that died; one that answers was
+reset on the way (a firewall, a NAT) and is held again. A stopped or starved daemon's kernel
+keeps its connections open: never taken for gone.
 """
 
 from __future__ import annotations
@@ -181,12 +183,29 @@ class Links:
             return  # nothing yet (a spurious wake-up)
         with self._lock:
             self._held.pop(node, None)
+            target = self._want.get(node)
         s.close()
+        if got is None and target is not None and self._answers(node, target):
+            return  # a connection reset between us (a middlebox's): the daemon is alive
         self._tried[node] = CONNECT_TRIES  # not again: it goes, or turned us away
         if got is None:
             self.gone[node] = (time.monotonic(), "its daemon died (our connection to it closed)")
             log.warning("peer_daemon_gone", node=node)
             self._wake()
+
+    def _answers(self, node: str, target: tuple[str, int]) -> bool:
+        """Whether the daemon's listener still takes a connection, held from then on: a killed
+        daemon's port refuses at once (its host's kernel answers), a lost host gives no answer
+        within CONNECT_WAIT; a live daemon whose connection a firewall or NAT reset answers."""
+        try:
+            s = socket.create_connection(target, timeout=CONNECT_WAIT)
+        except OSError:
+            return False
+        s.setblocking(False)
+        with self._lock:
+            self._held[node] = s
+        log.info("peer_link_reset", node=node)
+        return True
 
 
 def _read(s: socket.socket) -> bytes | None:

@@ -15,12 +15,21 @@ from elasticd.cluster import links
 
 # a daemon's side: its links listening on loopback, the port printed, then held until killed
 HOLDER = """
-import sys, time
+import socket, struct, sys, time
 from elasticd.cluster import links
 made = links.Links(links.listen("127.0.0.1"), lambda: None)
 print(made.port, flush=True)
-if sys.stdin.readline().strip() == "close":
+said = sys.stdin.readline().strip()
+if said == "close":
     made.close()
+    time.sleep(30)
+elif said == "reset":  # every held connection reset, the daemon alive (as a middlebox would)
+    with made._lock:
+        conns, made._accepted = list(made._accepted.values()), {}
+    for c in conns:
+        c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        c.close()
+    print("reset", flush=True)
     time.sleep(30)
 """
 
@@ -107,3 +116,24 @@ def test_over_the_cap_a_watcher_is_turned_away_in_order(holder):
         made.close()
         for c in conns:
             c.close()
+
+
+def test_a_connection_reset_with_its_daemon_alive_is_held_again(holder):
+    """A firewall's or a NAT's reset of an idle connection is not a death: the daemon's port
+    still takes a new connection, which is held from then on."""
+    p, port = holder()
+    made, woke = watcher()
+    try:
+        made.watch({"b": ("127.0.0.1", port)})
+        assert held(made, "b")
+        first = made._held["b"]
+        p.stdin.write("reset\n")
+        p.stdin.flush()
+        assert p.stdout.readline().strip() == "reset"
+        deadline = time.monotonic() + 10
+        while made._held.get("b") in (None, first) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert made._held.get("b") not in (None, first), "not held again"
+        assert made.gone == {} and not woke.is_set(), "a reset taken for a death"
+    finally:
+        made.close()
