@@ -27,7 +27,6 @@ import json
 import os
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -38,6 +37,9 @@ from pathlib import Path
 
 import psutil
 
+from recovery import events, kill_tree
+from rendezvous import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "tests" / "scripts"
 STEP = re.compile(r"^step (\d+) world (\d+) t ([\d.]+)", re.M)
@@ -45,23 +47,6 @@ MODES = {"in-place": "auto", "restart": "off"}
 PHASE_LINE = re.compile(r"\bre_entered\b.*?\bat=([\d.]+).*?phases=(\{[^}]*\})")
 PHASES = ("detected", "announced", "unwound", "aborted", "seen", "collected", "handles")
 PHASES += ("reformed", "first_step")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def events(path: Path) -> list[dict]:
-    out = []
-    for line in path.read_text(errors="replace").splitlines():
-        if line.startswith("{"):
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                pass
-    return out
 
 
 def steps(log_dir: Path) -> list[tuple[int, int, float]]:
@@ -80,20 +65,6 @@ def wait(predicate, timeout: float):
             return value
         time.sleep(0.01)
     return None
-
-
-def kill_tree(proc: subprocess.Popen) -> None:
-    try:
-        kids = psutil.Process(proc.pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        kids = []
-    for p in [proc, *kids]:
-        try:
-            p.send_signal(signal.SIGKILL) if isinstance(p, subprocess.Popen) else p.kill()
-        except (ProcessLookupError, psutil.NoSuchProcess):
-            pass
-    proc.wait(10)
-    psutil.wait_procs(kids, timeout=10)
 
 
 def daemon(work: Path, name: str, port: int, secret: Path, mode: str, nproc: int, delay: float):

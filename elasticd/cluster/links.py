@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Mapping
 
 from elasticd import logs
+from elasticd.cluster import probe
 from elasticd.lifecycle import supervise
 
 log = logs.get("elasticd.links")
@@ -36,18 +37,9 @@ POLL_SLICE = 0.5  # seconds between looks at a stop when nothing happens
 def listen(addr: str, port: int = 0) -> socket.socket | None:
     """A non-blocking listener on (addr, port), or None where it cannot bind."""
     try:
-        sock = socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET)
+        return probe.bound(addr, port)
     except OSError:
         return None
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((addr, port))
-        sock.listen(1024)
-        sock.setblocking(False)
-    except OSError:
-        sock.close()
-        return None
-    return sock
 
 
 class Links:

@@ -27,19 +27,26 @@ PROBE_WAIT = 0.15  # seconds a probe waits for the handshake (a LAN answers in w
 BACKLOG = 1024  # connections queued while the daemon is stopped: four a second per watcher
 
 
-def listen(addr: str, port: int) -> socket.socket | None:
-    """A listener on (addr, port) that only completes handshakes, or None where it cannot bind."""
-    try:
-        sock = socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET)
-    except OSError:
-        return None
+def bound(addr: str, port: int = 0) -> socket.socket:
+    """A non-blocking listener on (addr, port) (0: a port of the kernel's choosing); OSError
+    where it cannot bind."""
+    sock = socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((addr, port))
         sock.listen(BACKLOG)
         sock.setblocking(False)
-    except OSError as e:
+    except OSError:
         sock.close()
+        raise
+    return sock
+
+
+def listen(addr: str, port: int) -> socket.socket | None:
+    """A listener on (addr, port) that only completes handshakes, or None where it cannot bind."""
+    try:
+        sock = bound(addr, port)
+    except OSError as e:
         log.info("probe_not_listening", addr=addr, port=port, why=e.strerror)
         return None
     log.info("probe_listening", addr=addr, port=port)

@@ -63,6 +63,25 @@ def two_nodes(daemons, tmp_path, job="job"):
     return sorted(nodes, key=lambda n: min(n.worker_pids()))
 
 
+def in_order(daemons, tmp_path, flags, n: int, args=ARGS, shared_ckpt: bool = False) -> list:
+    """`n` nodes started one after another, each waited for at the store, so that they take
+    group ranks 0, 1, ... in that order (group rank 0's node hosts the workers' store); every
+    node its own checkpoint directory, or one for all (`shared_ckpt`)."""
+    nodes = []
+    for i in range(n):
+        ckpt = tmp_path / ("c" if shared_ckpt else f"c{i}")
+        nodes.append(
+            daemons(
+                "entrypoints.train", *flags, "--checkpoint-dir", str(ckpt), name=f"n{i}", args=args
+            )
+        )
+        wait_until(
+            lambda: any(e.get("event") == "rendezvous_store" for e in nodes[-1].events()),
+            60, what="at the store",
+        )  # fmt: skip
+    return nodes
+
+
 def test_a_rank_killed_on_one_node_is_replaced_there_alone(daemons, tmp_path):
     host, other = two_nodes(daemons, tmp_path)
     victim = max(other.worker_pids())
@@ -154,22 +173,8 @@ def test_a_lost_node_s_survivors_re_form_at_the_smaller_world_in_place(
             *FLAGS, "--nnodes", "1:2", *where, "--rdzv-id", "job", *FAST_NODES, *secret_flags(),
             "--last-call-timeout", "30",
         )  # fmt: skip
-        nodes = []
-        for i in range(2):  # the first at the store takes group rank 0 (the workers' store)
-            nodes.append(
-                daemons(
-                    "entrypoints.train",
-                    *flags,
-                    "--checkpoint-dir",
-                    str(tmp_path / f"c{i}"),
-                    name=f"n{i}",
-                    args=args,
-                )  # fmt: skip
-            )
-            wait_until(
-                lambda: any(e.get("event") == "rendezvous_store" for e in nodes[-1].events()),
-                60, what="at the store",
-            )  # fmt: skip
+        # the first at the store takes group rank 0 (the workers' store)
+        nodes = in_order(daemons, tmp_path, flags, 2, args)
         a, b = nodes
         wait_until(lambda: re.search(r"^step 12/60", a.log_text(0, 1), re.M), 120, what="step 12")
         before = a.worker_pids()
@@ -216,22 +221,7 @@ def test_a_lost_node_that_held_the_workers_store_falls_back_to_the_restart(daemo
     with rendezvous("c10d", tmp_path) as where:
         flags = (*FLAGS, "--nnodes", "1:2", *where, "--rdzv-id", "job", *FAST_NODES,
                  *secret_flags(), "--last-call-timeout", "30")  # fmt: skip
-        nodes = []
-        for i in range(2):
-            nodes.append(
-                daemons(
-                    "entrypoints.train",
-                    *flags,
-                    "--checkpoint-dir",
-                    str(tmp_path / "c"),
-                    name=f"n{i}",
-                    args=ARGS,
-                )  # fmt: skip
-            )
-            wait_until(
-                lambda: any(e.get("event") == "rendezvous_store" for e in nodes[-1].events()),
-                60, what="at the store",
-            )  # fmt: skip
+        nodes = in_order(daemons, tmp_path, flags, 2, shared_ckpt=True)
         a, b = nodes
         wait_until(lambda: re.search(r"^step 12/60", a.log_text(0, 1), re.M), 120, what="step 12")
         a.kill(signal.SIGKILL)
@@ -255,22 +245,7 @@ def test_a_survivor_after_the_lost_node_is_renumbered_in_place(daemons, tmp_path
             "--nnodes", "1:3", *where, "--rdzv-id", "job", *FAST_NODES, *secret_flags(),
             "--last-call-timeout", "30",
         )  # fmt: skip
-        nodes = []
-        for i in range(3):  # in order at the store: group ranks 0, 1, 2
-            nodes.append(
-                daemons(
-                    "entrypoints.train",
-                    *flags,
-                    "--checkpoint-dir",
-                    str(tmp_path / f"c{i}"),
-                    name=f"n{i}",
-                    args=args,
-                )  # fmt: skip
-            )
-            wait_until(
-                lambda: any(e.get("event") == "rendezvous_store" for e in nodes[-1].events()),
-                60, what="at the store",
-            )  # fmt: skip
+        nodes = in_order(daemons, tmp_path, flags, 3, args)  # group ranks 0, 1, 2
         a, b, c = nodes
         wait_until(lambda: re.search(r"^step 12/60", a.log_text(0, 1), re.M), 120, what="step 12")
         assert (list(a.worker_pids()), list(b.worker_pids()), list(c.worker_pids())) == (
