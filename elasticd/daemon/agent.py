@@ -301,11 +301,12 @@ class Agent:
     def _peers_check(self) -> Failure | Scale | None:
         """The peers' check; ranks waiting, unwound, for a generation nobody announced
         (inplace.follow) are its evidence as a worker's death of a closed connection is."""
-        now, waits = time.monotonic(), self.in_place_waits
-        if waits is None:
-            return self.peers.check(self.round, now, self.group.beats)
         return self.peers.check(
-            self.round, now, self.group.beats, died_at=waits, died_of=silence.WAITING
+            self.round,
+            time.monotonic(),
+            self.group.beats,
+            died_at=self.in_place_waits,  # None: no rank waits; died_of then says nothing
+            died_of=silence.WAITING,
         )
 
     def _judge(self, why: Failure | Scale) -> tuple[Failure | Scale, int | None]:
