@@ -22,9 +22,16 @@ undecided between them. A disagreement ends every rank with `names.SDC_EXIT`
 heartbeat figures (sdc_*), the library's numbers, and as the rank's error file, the text people
 read.
 
+A sharded (FSDP2) state has no replica in the same step, so it is audited in time instead of
+across ranks (`Auditor.arm`, `Auditor.verify`): each rank digests its own shards at the boundary
+before a keep is due and again when the optimizer's next step begins (a step pre-hook); between
+the two the parameters and optimizer state are only read (forward, backward), so a difference is
+a change at rest, and the rank that saw it is named, no majority needed. Both digests are the
+keep's cost, under the refresh's budget; the windows between other steps go unaudited.
+
 What it does not see: a fault in a step's computation that the gradients' all-reduce spread to
-every replica alike (all replicas then agree on wrong bits), and a sharded (FSDP2) state, which
-has no replica in the same step; both need the step replayed elsewhere.
+every replica alike (all replicas then agree on wrong bits), or, sharded, one in the optimizer's
+update itself; both need the step replayed elsewhere.
 """
 
 from __future__ import annotations
@@ -76,7 +83,7 @@ class SilentDataCorruption(SystemExit):
 def tensors(model: Any, optimizer: Any) -> list[torch.Tensor]:
     """The replicated state: the model's parameters (not its buffers: BatchNorm's running
     statistics are each rank's own until DDP broadcasts them at the next forward) and the
-    optimizer's state, in parameter order."""
+    optimizer's state, in parameter order; of a DTensor, this rank's own shard (a view)."""
     params = list(model.parameters()) if model is not None else []
     out = list(params)
     if isinstance(optimizer, torch.optim.Optimizer):
@@ -85,7 +92,16 @@ def tensors(model: Any, optimizer: Any) -> list[torch.Tensor]:
                 for _, t in sorted(optimizer.state.get(p, {}).items(), key=lambda kv: str(kv[0])):
                     if isinstance(t, torch.Tensor):
                         out.append(t)
-    return out
+    return [t.to_local() if hasattr(t, "to_local") else t for t in out]
+
+
+def owned(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """What `optimizer` updates (its parameters, each rank's own shards, and their state): the
+    state a sharded audit in time digests. A parameter another optimizer updates is not in it,
+    so its step is never taken for a change at rest."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in params]
+    return local + tensors(None, optimizer)
 
 
 def digest(ts: list[torch.Tensor]) -> int:
@@ -144,10 +160,12 @@ class Auditor:
     is due rides on the small all-reduce the manager makes at every boundary anyway (`ballot`,
     `tally`: its MAX of [d, -d] is the largest and the smallest digest), at no extra collective;
     a disagreement then gathers every rank's digest to name the odd one out. Otherwise (the first
-    keep, a keep that was not foreseen) `check` gathers the digests at the keep. Off outside
-    torch.distributed, at world size 1 and for a sharded model (no replicas to compare)."""
+    keep, a keep that was not foreseen) `check` gathers the digests at the keep. A sharded
+    model is audited in time (the module's docstring): its verdict, whether any rank's shards
+    changed at rest, is the ballot's fifth int. Off outside torch.distributed and at world
+    size 1."""
 
-    BALLOT = 4  # ints of the ballot: [has, -has, digest, -digest]
+    BALLOT = 5  # ints of the ballot: [has, -has, digest, -digest, a shard changed at rest]
 
     def __init__(self, on: bool = True) -> None:
         self.on = bool(on)
@@ -159,6 +177,12 @@ class Auditor:
         self._mine: tuple[int, int, float] | None = None  # (step, digest, seconds) of a ballot
         self._told: set[str] = set()  # why audits are off, said once each
         self._ballot_spent: tuple[int, float] = (-1, 0.0)  # the last passed ballot's step, cost
+        # sharded: the digest armed at a boundary, (step, digest, seconds), until verified; then
+        # the window's verdict (changed at rest?) and its seconds, until the ballot carries it
+        self._armed: tuple[int, int, float] | None = None
+        self._window: tuple[int, bool, float] | None = None  # (step, changed, seconds)
+        self._hooked: Any = None  # the optimizer whose step pre-hook verifies
+        self._hook: Any = None
 
     def wanted(self) -> Seen | None:
         """A Seen for capture() to fill, or None when no audit can run here."""
@@ -171,17 +195,24 @@ class Auditor:
         `step` when a keep is due there and the live objects are known, else zeros."""
         self._mine = None
         live = self._live
+        if live is not None and live.sharded:
+            if self._armed is not None:
+                self.verify()  # no optimizer step since the boundary: the state is as armed
+            return [0, 0, 0, 0, int(bool(self._window and self._window[1]))]
         if not (due and live is not None and self.on and step != self.last_step):
             return [0] * self.BALLOT
         t0 = time.perf_counter()
         mine = digest(tensors(live.model, live.optimizer))
         self._mine = (step, mine, time.perf_counter() - t0)
-        return [1, -1, mine, -mine]
+        return [1, -1, mine, -mine, 0]
 
     def tally(self, reduced: list[int]) -> None:
         """The all-reduced ballots: passed when every rank had a digest and the largest is the
         smallest; a disagreement gathers the digests to name the odd one out, and raises."""
-        has, neg_least_has, largest, neg_least = reduced
+        has, neg_least_has, largest, neg_least, changed = reduced
+        if self._window is not None or changed:
+            self._windowed(bool(changed))
+            return
         if self._mine is None or not has or -neg_least_has != 1:
             return  # not every rank had one: the keep gathers them (check)
         step, mine, seconds = self._mine
@@ -206,16 +237,71 @@ class Auditor:
         model)."""
         if seen is None:
             return
-        if seen.model is None or seen.sharded:
-            self.off(
-                "sharded: no replica to compare" if seen.sharded else "no model given to capture()"
-            )
+        if seen.model is None:
+            self.off("no model given to capture()")
+            return
+        if seen.sharded:
+            self._watch(seen)
+            if self._window is not None:  # the boundary's all-reduce did not carry it
+                flag = torch.tensor([int(self._window[1])], dtype=torch.int64)
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=cpu_group())
+                self._windowed(bool(flag.item()))
             return
         self._live = seen  # the next keeps' ballots digest these live objects
         if step == self.last_step:
             return
         t0 = time.perf_counter()
         self._gathered(step, digest(tensors(seen.model, seen.optimizer)), t0)
+
+    def _watch(self, seen: Seen) -> None:
+        """Audit these sharded objects from now on: the optimizer's step pre-hook verifies."""
+        if not isinstance(seen.optimizer, torch.optim.Optimizer):
+            self.off("sharded: no torch.optim.Optimizer given to capture() marks the updates")
+            return
+        self._live = seen
+        if self._hooked is not seen.optimizer:
+            if self._hook is not None:
+                self._hook.remove()
+            self._hooked = seen.optimizer
+            self._hook = seen.optimizer.register_step_pre_hook(lambda *_: self.verify())
+
+    def arm(self, step: int, due: bool) -> None:
+        """At the boundary of `step`, sharded, when a keep is due at the next one: digest this
+        rank's shards, to be verified when the next update begins."""
+        live = self._live
+        self._armed = None
+        if not (due and self.on and live is not None and live.sharded):
+            return
+        t0 = time.perf_counter()
+        armed = digest(owned(live.optimizer))
+        self._armed = (step, armed, time.perf_counter() - t0)
+
+    def verify(self) -> None:
+        """Sharded: whether this rank's shards still have the bits armed at the boundary (the
+        optimizer's step pre-hook: only forward and backward read them in between)."""
+        if self._armed is None or self._live is None:
+            return
+        at, armed, seconds = self._armed
+        self._armed = None
+        t0 = time.perf_counter()
+        now = digest(owned(self._live.optimizer))
+        self._window = (at + 1, now != armed, seconds + time.perf_counter() - t0)
+
+    def _windowed(self, changed: bool) -> None:
+        """The window's verdict, agreed: every rank learns whether any rank's shards changed at
+        rest before the update of `step`; those that did are gathered and named."""
+        step, mine, seconds = self._window if self._window is not None else (-1, False, 0.0)
+        self._window = None
+        if not changed:
+            self._counted(seconds)
+            self.last_step = step
+            self._ballot_spent = (step, seconds)
+            return
+        out = [torch.zeros(2, dtype=torch.int64) for _ in range(world())]
+        dist.all_gather(out, torch.tensor([int(mine), step], dtype=torch.int64), group=cpu_group())
+        odd = tuple(r for r, t in enumerate(out) if t[0].item())
+        step = max(int(t[1].item()) for t in out)  # the window the ranks that saw it audited
+        self._diverged(step, Verdict(False, odd, odd), self._counted(seconds), sharded=True)
 
     def _gathered(self, step: int, mine: int, t0: float) -> None:
         out = [torch.zeros(1, dtype=torch.int64) for _ in range(world())]
@@ -237,9 +323,15 @@ class Auditor:
             figures.add("audit_total", seconds)
         return figures
 
-    def _diverged(self, step: int, found: Verdict, figures: Any) -> None:
+    def _diverged(self, step: int, found: Verdict, figures: Any, sharded: bool = False) -> None:
         me = rank()
-        if found.odd:
+        if sharded:
+            what = (
+                f"silent data corruption: rank(s) {', '.join(map(str, found.odd))}'s shards of "
+                f"the parameters and optimizer state changed at rest before step {step}'s "
+                f"update (their digest differs from the one made at step {step - 1}'s boundary)"
+            )
+        elif found.odd:
             what = (
                 f"silent data corruption: rank(s) {', '.join(map(str, found.odd))} disagreed "
                 f"with the other {world() - len(found.odd)} replicas of the parameters and "

@@ -90,7 +90,8 @@ class CheckpointManager:
     Every state kept (refreshed or saved) is first audited across the DDP replicas
     (elasticd.checkpoint.audit; `audit_replicas=False` turns it off): a disagreement keeps nothing
     and ends every rank with names.SDC_EXIT, so the daemon resumes them from the newest state
-    that passed."""
+    that passed. A sharded (FSDP2) state is audited in time instead: each rank's shards are
+    digested at the boundary before a keep and again as the optimizer's next step begins."""
 
     def __init__(
         self,
@@ -440,7 +441,9 @@ class CheckpointManager:
             )  # status and metrics show the training step, not a count of beats
         cadence.step_began()
         try:
-            return self._maybe_save(step, state, epoch, position)
+            kept = self._maybe_save(step, state, epoch, position)
+            self._audit.arm(step, self._keep_due(step + 1))  # sharded: the window to the next
+            return kept
         finally:
             cadence.step_ended()
 

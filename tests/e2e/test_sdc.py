@@ -2,7 +2,8 @@
 script, tests/scripts/exact_job.py, from outside the library); the replicas' audit finds it at the
 next keep, every rank rolls back to the newest certified state and goes on. A one-off flip ends
 bit-identical to the fault-free run beside it; a persistent one quarantines the node (exit 7),
-and an elastic job goes on without it."""
+and an elastic job goes on without it. The same with FSDP2, whose shards are audited in time
+(checkpoint/audit.py)."""
 
 from __future__ import annotations
 
@@ -62,20 +63,38 @@ def test_a_one_off_flip_is_found_rolled_back_and_ends_bit_identical(daemons, tmp
     assert same, first_difference(str(clean_out), str(faulty_out), nproc)
 
 
-def test_a_flip_in_a_sharded_state_goes_unseen_the_audit_is_off_for_fsdp2(daemons, tmp_path):
-    """The known gap (issue 44, point 4, docs/checkpoints.md): FSDP2's shards have no replica
-    within a step, so the audit is off for them, said once; a flip in rank 1's shard ends the job
-    with exit 0 and a final state that differs from the fault-free run's. When a sharded audit is
-    built, this test is the one to turn around."""
+def test_a_one_off_flip_in_a_sharded_state_is_found_rolled_back_and_ends_bit_identical(
+    daemons, tmp_path
+):
+    """FSDP2 (issue 44, point 4): rank 1 flips a bit of its own shard after step 4's boundary;
+    the audit in time finds its shard changed before step 5's update and names rank 1 (no
+    majority needed), every rank rolls back to step 4 from memory and the run ends bit-identical
+    to the fault-free one."""
     clean = _job(daemons, tmp_path, "clean", 2, {"sharded": True})
     faulty = _job(daemons, tmp_path, "faulty", 2, {"sharded": True, "flip_at": FLIP_AT})
     for d in (clean, faulty):
         assert d.wait(180) == 0, d.stderr()[-3000:]
     assert (tmp_path / "faulty.out.flipped").read_text() == "flip\n"
-    assert not _events(faulty, "sdc_suspected")
-    off = [ln for ln in faulty.stdout().splitlines() if "sdc_audit_off" in ln]
-    assert len(off) == 1 and "sharded" in off[0], faulty.stdout()[-2000:]
-    assert (tmp_path / "clean.out").read_text() != (tmp_path / "faulty.out").read_text()
+    suspected = _events(faulty, "sdc_suspected")
+    assert [(e["rank"], e["step"], e["undecided"]) for e in suspected] == [
+        (1, FLIP_AT + 1, False)
+    ], suspected
+    assert not _events(faulty, "sdc_confirmed") and not _events(clean, "sdc_suspected")
+    assert "sdc_audit_off" not in faulty.stdout()
+    assert "changed at rest" in faulty.stdout() + faulty.stderr(workers=True)
+    clean_out, faulty_out = tmp_path / "clean.out", tmp_path / "faulty.out"
+    same = clean_out.read_text() == faulty_out.read_text()
+    assert same, first_difference(str(clean_out), str(faulty_out), 2)
+
+
+def test_a_persistent_flip_in_a_sharded_state_quarantines_the_node(daemons, tmp_path):
+    cfg = {"sharded": True, "flip_at": FLIP_AT, "flip_persistent": True}
+    faulty = _job(daemons, tmp_path, "faulty", 2, cfg)
+    assert faulty.wait(180) == exit_codes.ExitCode.QUARANTINED, faulty.stderr()[-3000:]
+    suspected = _events(faulty, "sdc_suspected")
+    assert [(e["rank"], e["step"]) for e in suspected] == [(1, 5), (1, 6)], suspected
+    confirmed = _events(faulty, "sdc_confirmed")
+    assert len(confirmed) == 1 and confirmed[0]["rank"] == 1, confirmed
 
 
 def test_a_persistent_flip_quarantines_the_node(daemons, tmp_path):

@@ -95,3 +95,56 @@ def test_a_flipped_bit_on_one_rank_ends_every_rank_before_the_state_is_kept(tmp_
 def test_clean_replicas_pass_every_audit(tmp_path):
     (tmp_path / "mem").mkdir()
     helpers.run(_job, 3, tmp_path, str(tmp_path), None, 3)
+
+
+def _sharded_job(rank: int, world: int, tmp: str, flip_after: int | None, skip: bool) -> None:
+    """FSDP2 over `world` ranks; rank 1 flips a bit of its own shard after `flip_after`'s
+    boundary. `skip`: that step's optimizer.step() is not called (as a GradScaler skips it), so
+    the boundary itself verifies the window."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 3))
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    mgr = CheckpointManager(tmp + "/ckpt", memory_every=1, memory_dir=f"{tmp}/mem")
+    torch.manual_seed(rank)
+    step = 0
+    try:
+        while step < 6:
+            loss = model(torch.randn(2, 4)).square().sum()
+            opt.zero_grad()
+            loss.backward()
+            if not (skip and step == flip_after):
+                opt.step()
+            step += 1
+            mgr.maybe_save(step, lambda: capture(model=model, optimizer=opt, step=step))
+            if step == flip_after and rank == 1:
+                flip(next(model.parameters()).to_local(), 1)
+    except audit.SilentDataCorruption as e:
+        held = [h.step for h in slots.held(f"{tmp}/mem", rank)]  # this rank's own shards
+        assert step == flip_after + 1 and max(held) == flip_after, (step, held)
+        assert e.code == names.SDC_EXIT and mgr.audits == flip_after, mgr.audits  # 2..4
+        with open(f"{tmp}/sdc{rank}", "w") as f:
+            f.write(str(e))
+        return
+    assert flip_after is None and mgr.audits == 5, mgr.audits  # every window after the first keep
+    mgr.close()
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_a_flipped_bit_in_one_ranks_shard_names_it_before_the_state_is_kept(tmp_path, skip):
+    pytest.importorskip("torch.distributed.fsdp")
+    (tmp_path / "mem").mkdir()
+    helpers.run(_sharded_job, 2, tmp_path, str(tmp_path), 3, skip)
+    said = [(tmp_path / f"sdc{r}").read_text() for r in range(2)]
+    assert len(set(said)) == 1, said
+    assert "rank(s) 1's shards" in said[0] and "before step 4's update" in said[0], said[0]
+
+
+def test_clean_shards_pass_every_audit_in_time(tmp_path):
+    pytest.importorskip("torch.distributed.fsdp")
+    (tmp_path / "mem").mkdir()
+    helpers.run(_sharded_job, 2, tmp_path, str(tmp_path), None, False)
+    assert not list(tmp_path.glob("sdc*"))
