@@ -14,6 +14,10 @@ audits' own seconds over the auditing side's training time (the overhead in % of
 cost of one audit, and each side's refresh cadence (the audit's cost is the refresh's, under the
 same budget, so the auditing side may refresh less often).
 
+--sharded: the model is FSDP2's (fully_shard over the W ranks), whose shards the audit checks in
+time (each rank's own, digested at the boundary before a keep and again as the next optimizer
+step begins) instead of across replicas.
+
 Then detection: TRIALS times, rank 1 flips one mantissa bit of one weight after a keep at a
 random step, training goes on until the audit ends it (audit.SilentDataCorruption, caught here),
 and the steps in between are the detection latency, against the audit interval; every rank then
@@ -22,6 +26,7 @@ clean steps must pass: any failure is a false alarm, counted.
 
     python bench/sdc.py                    # compute, 2 ranks, CPU
     python bench/sdc.py --world 3 --steps 600 --adamw
+    python bench/sdc.py --sharded --adamw
 """
 
 from __future__ import annotations
@@ -42,8 +47,9 @@ HERE = Path(__file__).resolve().parent
 CHUNK = 20  # steps per timed chunk; the first pair is warm-up
 
 
-def _setup(width: int, depth: int, batch: int, adamw: bool, device: str):
+def _setup(width: int, depth: int, batch: int, adamw: bool, device: str, sharded: bool):
     import torch
+    import torch.distributed as dist
     import torch.nn as nn
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -51,7 +57,15 @@ def _setup(width: int, depth: int, batch: int, adamw: bool, device: str):
     dims = [64] + [width] * depth
     layers = [m for a, b in zip(dims, dims[1:]) for m in (nn.Linear(a, b), nn.ReLU())]
     model = nn.Sequential(*layers, nn.Linear(width, 1)).to(device)
-    model = DDP(model, device_ids=[torch.device(device).index] if device != "cpu" else None)
+    if sharded:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh(torch.device(device).type, (dist.get_world_size(),))
+        for layer in [m for m in model if isinstance(m, nn.Linear)] + [model]:
+            fully_shard(layer, mesh=mesh)
+    else:
+        model = DDP(model, device_ids=[torch.device(device).index] if device != "cpu" else None)
     opt = (
         torch.optim.AdamW(model.parameters(), lr=1e-3)
         if adamw
@@ -74,19 +88,21 @@ def _detections(trials: int, auditor, model, opt, train, now) -> list[int | None
     interval, rng = max(1, auditor.memory_every), random.Random(7)
     for _ in range(trials):
         flip_at = now() + rng.randrange(1, 2 * interval + 1)  # drawn alike on every rank
-        where = rng.randrange(next(model.parameters()).numel())
+        where = rng.randrange(next(model.parameters()).numel())  # a DTensor's: global
         try:
             while now() < flip_at + 10 * interval + 10:  # else: never found (None)
                 train(auditor, 1)
                 if now() == flip_at and dist.get_rank() == 1:
                     weight = next(model.parameters()).detach()
-                    weight.view(-1).view(torch.int32)[where] ^= 1 << 12
+                    weight = weight.to_local() if hasattr(weight, "to_local") else weight
+                    weight.view(-1).view(torch.int32)[where % weight.numel()] ^= 1 << 12
             latencies.append(None)
         except audit.SilentDataCorruption:
             latencies.append(now() - flip_at)
-        with torch.no_grad():
-            for t in audit.tensors(model.module, opt):
-                dist.broadcast(t, 0)
+        if hasattr(model, "module"):  # DDP: the replicas agree again (a shard is its own)
+            with torch.no_grad():
+                for t in audit.tensors(model.module, opt):
+                    dist.broadcast(t, 0)
     return latencies
 
 
@@ -104,7 +120,7 @@ def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("nccl" if cuda else "gloo")
     rank = dist.get_rank()
-    model, opt, x, y = _setup(args.width, args.depth, args.batch, args.adamw, device)
+    model, opt, x, y = _setup(args.width, args.depth, args.batch, args.adamw, device, args.sharded)
     sides = {
         on: CheckpointManager(
             f"{args.dir}/ckpt-{on}",
@@ -180,6 +196,7 @@ def measure(args: argparse.Namespace) -> dict:
             *("--width", str(args.width), "--depth", str(args.depth)),
             *("--batch", str(args.batch), "--device", args.device),
             *(("--adamw",) if args.adamw else ()),
+            *(("--sharded",) if args.sharded else ()),
             *(("--aa",) if args.aa else ()),
         ]
         return torchrun_json(HERE / "sdc.py", args.world, worker_args, args.timeout)
@@ -193,7 +210,8 @@ def table(args: argparse.Namespace, r: dict) -> list[str]:
     missed = len(r["latencies"]) - len(lat)
     return [
         f"workload: {args.width}-wide MLP, depth {args.depth}, batch {args.batch}, "
-        f"{'AdamW' if args.adamw else 'SGD'}, {args.world} ranks, {args.device}",
+        f"{'AdamW' if args.adamw else 'SGD'}, {args.world} ranks, {args.device}"
+        f"{', FSDP2' if args.sharded else ', DDP'}",
         "| | step time (median chunk) | refresh every |",
         "| --- | --- | --- |",
         f"| audit on (default) | {r['audit_ms']:.2f} ms | {r['every_on']} steps |",
@@ -221,6 +239,7 @@ def main() -> None:
     p.add_argument("--depth", type=int, default=2)
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--adamw", action="store_true", help="AdamW, whose state is audited too")
+    p.add_argument("--sharded", action="store_true", help="FSDP2: the audit in time")
     p.add_argument(
         "--aa", action="store_true", help="both sides unaudited: the paired ratio's own noise"
     )

@@ -1,7 +1,8 @@
 """Silent data corruption as the daemon judges it (`Corruption`): the workers' audit of the
 replicas (checkpoint/audit.py) found a rank's state differing, kept nothing of it and ended every
 rank with names.SDC_EXIT; its verdict (the step, the rank a majority outvoted, or none: undecided)
-is in the ranks' heartbeat figures, the library's numbers, never read from text.
+is in the ranks' heartbeat figures, the library's numbers, never read from text. A sharded
+state's audit in time names the rank whose shards changed at rest, as a majority would.
 
 The restart that follows resumes from the newest certified state (the newest one kept: every
 state kept passed an audit), so a one-off flip ends bit-identical to the fault-free run. Each
@@ -84,7 +85,7 @@ class Corruption:
         else:
             reason = (
                 f"silent data corruption at step {found.step}: rank {found.rank} (node "
-                f"{found.node or '?'}) outvoted by the other replicas"
+                f"{found.node or '?'}) named by the audit"
                 + (", again: a persistent fault" if again else "")
                 + "; restarting from the newest certified state"
             )

@@ -217,7 +217,7 @@ METRICS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
     (
         "elasticd_sdc_detected_total",
         "counter",
-        "Silent data corruption the replicas' audit found on this node (a rank of it outvoted)",
+        "Silent data corruption the replicas' audit found on this node (a rank of it named)",
         (),
     ),
     (
