@@ -26,8 +26,10 @@ A sharded (FSDP2) state has no replica in the same step, so it is audited in tim
 across ranks (`Auditor.arm`, `Auditor.verify`): each rank digests its own shards at the boundary
 before a keep is due and again when the optimizer's next step begins (a step pre-hook); between
 the two the parameters and optimizer state are only read (forward, backward), so a difference is
-a change at rest, and the rank that saw it is named, no majority needed. Both digests are the
-keep's cost, under the refresh's budget; the windows between other steps go unaudited.
+a change at rest, and the rank that saw it is named, no majority needed. The windows have a
+cadence of their own (every step where two digests of a rank's shards cost at most
+WINDOW_BUDGET of a step, the rest of the 1% the refresh's 0.75% leaves), agreed on the same
+all-reduce; a flip in a window left out is trained into the state unseen.
 
 What it does not see: a fault in a step's computation that the gradients' all-reduce spread to
 every replica alike (all replicas then agree on wrong bits), or, sharded, one in the optimizer's
@@ -40,7 +42,10 @@ import contextvars
 import ctypes
 import dataclasses
 import hashlib
+import math
+import statistics
 import time
+from collections import deque
 from typing import Any
 
 import structlog
@@ -54,6 +59,9 @@ from elasticd.worker import bootstrap, heartbeat
 log = structlog.get_logger()
 
 _INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+# a sharded audit's share of step time: with the refresh's 0.75% (memory.cadence), the 1% a job
+# may pay elasticd
+WINDOW_BUDGET = 0.0025
 
 
 @dataclasses.dataclass
@@ -165,7 +173,8 @@ class Auditor:
     changed at rest, is the ballot's fifth int. Off outside torch.distributed and at world
     size 1."""
 
-    BALLOT = 5  # ints of the ballot: [has, -has, digest, -digest, a shard changed at rest]
+    # ints of the ballot: [has, -has, digest, -digest, a shard changed at rest, windows' every]
+    BALLOT = 6
 
     def __init__(self, on: bool = True) -> None:
         self.on = bool(on)
@@ -183,6 +192,8 @@ class Auditor:
         self._window: tuple[int, bool, float] | None = None  # (step, changed, seconds)
         self._hooked: Any = None  # the optimizer whose step pre-hook verifies
         self._hook: Any = None
+        self.window_every = 1  # sharded: a window before every N-th step's update, agreed
+        self._window_costs: deque = deque(maxlen=25)  # seconds of the windows audited
 
     def wanted(self) -> Seen | None:
         """A Seen for capture() to fill, or None when no audit can run here."""
@@ -190,26 +201,40 @@ class Auditor:
             return None
         return Seen()
 
-    def ballot(self, step: int, due: bool) -> list[int]:
+    def ballot(self, step: int, due: bool, step_time: float = 0.0) -> list[int]:
         """This rank's part of the boundary's MAX all-reduce: its digest of the live state at
-        `step` when a keep is due there and the live objects are known, else zeros."""
+        `step` when a keep is due there and the live objects are known, else zeros; sharded,
+        whether its shards changed at rest and its windows' cadence for `step_time` steps."""
         self._mine = None
         live = self._live
         if live is not None and live.sharded:
             if self._armed is not None:
                 self.verify()  # no optimizer step since the boundary: the state is as armed
-            return [0, 0, 0, 0, int(bool(self._window and self._window[1]))]
+            changed = int(bool(self._window and self._window[1]))
+            return [0, 0, 0, 0, changed, self._proposal(step_time)]
         if not (due and live is not None and self.on and step != self.last_step):
             return [0] * self.BALLOT
         t0 = time.perf_counter()
         mine = digest(tensors(live.model, live.optimizer))
         self._mine = (step, mine, time.perf_counter() - t0)
-        return [1, -1, mine, -mine, 0]
+        return [1, -1, mine, -mine, 0, 0]
+
+    def _proposal(self, step_time: float) -> int:
+        """Sharded: the smallest N whose windows, one before every N-th update, cost at most
+        WINDOW_BUDGET of step time (every step until five windows were measured)."""
+        if len(self._window_costs) < 5 or step_time <= 0:
+            return self.window_every
+        allowed = WINDOW_BUDGET * step_time
+        return max(1, math.ceil(statistics.median(self._window_costs) / allowed))
 
     def tally(self, reduced: list[int]) -> None:
         """The all-reduced ballots: passed when every rank had a digest and the largest is the
         smallest; a disagreement gathers the digests to name the odd one out, and raises."""
-        has, neg_least_has, largest, neg_least, changed = reduced
+        has, neg_least_has, largest, neg_least, changed, every = reduced
+        if every and every != self.window_every:
+            self.window_every = int(every)
+            if rank() == 0:
+                log.info("sdc_audit_cadence", every=self.window_every, budget=WINDOW_BUDGET)
         if self._window is not None or changed:
             self._windowed(bool(changed))
             return
@@ -265,11 +290,12 @@ class Auditor:
             self._hooked = seen.optimizer
             self._hook = seen.optimizer.register_step_pre_hook(lambda *_: self.verify())
 
-    def arm(self, step: int, due: bool) -> None:
-        """At the boundary of `step`, sharded, when a keep is due at the next one: digest this
-        rank's shards, to be verified when the next update begins."""
+    def arm(self, step: int) -> None:
+        """At the boundary of `step`, sharded, when the next update's window is due (every
+        `window_every`-th): digest this rank's shards, to be verified when that update begins."""
         live = self._live
         self._armed = None
+        due = (step + 1) % self.window_every == 0
         if not (due and self.on and live is not None and live.sharded):
             return
         t0 = time.perf_counter()
@@ -291,11 +317,12 @@ class Auditor:
         """The window's verdict, agreed: every rank learns whether any rank's shards changed at
         rest before the update of `step`; those that did are gathered and named."""
         step, mine, seconds = self._window if self._window is not None else (-1, False, 0.0)
+        if self._window is not None:
+            self._window_costs.append(seconds)
         self._window = None
         if not changed:
             self._counted(seconds)
             self.last_step = step
-            self._ballot_spent = (step, seconds)
             return
         out = [torch.zeros(2, dtype=torch.int64) for _ in range(world())]
         dist.all_gather(out, torch.tensor([int(mine), step], dtype=torch.int64), group=cpu_group())

@@ -394,13 +394,14 @@ class CheckpointManager:
             elif self._calls % self.sync_every:
                 flags = [False, False, 0]
             else:
-                ballot = self._audit.ballot(step, step is not None and self._keep_due(step))
+                due = step is not None and self._keep_due(step)
+                ballot = self._audit.ballot(step, due, self._memory.cadence.step_time())
                 t = torch.tensor(
                     [*map(int, local), self._memory.proposal(), *ballot], dtype=torch.int64
                 )
                 dist.all_reduce(t, op=dist.ReduceOp.MAX, group=cpu_group())
                 flags = t.tolist()
-                self._audit.tally(flags[3:])
+                self._audit.tally(flags[3:])  # raises audit.SilentDataCorruption
         else:
             flags = [*local, self._memory.proposal()]
         if flags[2]:
@@ -442,7 +443,7 @@ class CheckpointManager:
         cadence.step_began()
         try:
             kept = self._maybe_save(step, state, epoch, position)
-            self._audit.arm(step, self._keep_due(step + 1))  # sharded: the window to the next
+            self._audit.arm(step)  # sharded: the window up to the next update, when due
             return kept
         finally:
             cadence.step_ended()

@@ -148,3 +148,12 @@ def test_clean_shards_pass_every_audit_in_time(tmp_path):
     (tmp_path / "mem").mkdir()
     helpers.run(_sharded_job, 2, tmp_path, str(tmp_path), None, False)
     assert not list(tmp_path.glob("sdc*"))
+
+
+def test_the_windows_cadence_holds_their_budget_of_step_time():
+    a = audit.Auditor()
+    assert a._proposal(0.1) == 1  # nothing measured yet: every step
+    a._window_costs.extend([0.0005] * 5)  # two digests, 0.5 ms
+    assert a._proposal(0.1) == 2  # 0.25% of a 100 ms step is 0.25 ms
+    assert a._proposal(1.0) == 1 and a._proposal(0.01) == 20
+    assert audit.WINDOW_BUDGET + 0.0075 <= 0.01  # with the refresh's budget: the 1%
