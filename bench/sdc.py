@@ -175,6 +175,7 @@ def worker(args: argparse.Namespace) -> None:
                     "steady_share": statistics.median(shares[len(shares) // 2 :]),
                     "every_on": auditor.memory_every,
                     "every_off": sides[False].memory_every,
+                    "window_every": auditor._audit.window_every,  # sharded: the audit in time's
                     "latencies": latencies,
                     "false_alarms": 0,  # an alarm on a clean step would have ended the run
                 }
@@ -224,7 +225,8 @@ def table(args: argparse.Namespace, r: dict) -> list[str]:
         f"{100 * r['steady_share']:.3f}% once the cadence settled (median chunk, second half)",
         f"detection: {len(lat)} flips found ({missed} missed), after "
         f"{min(lat, default=0)}-{max(lat, default=0)} steps (mean "
-        f"{statistics.mean(lat) if lat else 0:.1f}); audit interval {r['every_on']} steps",
+        f"{statistics.mean(lat) if lat else 0:.1f}); audit interval {r['every_on']} steps"
+        + (f" (sharded: a window every {r['window_every']})" if args.sharded else ""),
     ]
 
 
