@@ -37,7 +37,7 @@ def test_blamed_once_a_strike_again_quarantined_and_only_on_its_node():
     verdict = [None, beat(sdc_found=1, sdc_step=12, sdc_rank=4)]  # rank 3, on n1
     why, struck, again = judge(failure(), verdict, three_nodes(1))
     assert (why.rank, why.node, why.step, struck, again) == (3, "n1", 12, True, False)
-    assert "rank 3 (node n1) outvoted" in why.reason and why.exception == failure().exception
+    assert "rank 3 (node n1) named by the audit" in why.reason and why.exception == failure().exception
     assert [name for name, _ in events] == ["sdc_suspected"]
     assert events[0][1] == {
         "level": "error",
