@@ -26,6 +26,7 @@ import json
 import os
 import platform
 import sys
+import time
 import traceback
 import weakref
 from typing import Any
@@ -211,10 +212,13 @@ def _referee_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     params = [p for group in optimizer.param_groups for p in group["params"]]
     out, into = os.environ.get(names.REFEREE_GRADS_OUT), os.environ.get(names.REFEREE_GRADS_IN)
     if out:
-        torch.save([p.grad for p in params], out)
+        torch.save([p.grad for p in params], f"{out}.tmp")
+        os.replace(f"{out}.tmp", out)  # whole, for the other replay that waits for it
         result({"outcome": "gradients", "step": int(_bundle()[0]["failed_step"])})
         raise ReplayDone(0)
     if into:
+        while not os.path.exists(into):  # the first replay, side by side (the referee's bound)
+            time.sleep(0.01)
         other = torch.load(into, weights_only=True)
         if len(other) != len(params):
             raise RuntimeError("the referee's two replays hold different parameters")

@@ -7,9 +7,10 @@ Why it is exact: DDP's default hook divides each rank's gradient by the world si
 all-reduces the sum; with two addends the sum is the same bits in either order, so g0/2 + g1/2
 made in one process is the job's gradient (checked bit for bit against gloo, docs/replay.md).
 Each rank left a bundle at the disagreement (checkpoint/bundle.py `on_sdc`: the certified state,
-its RNG, its samples, both digests); the first replay (a world of one, as `elasticd replay`)
-leaves rank 1's local gradients of the step, the second replays rank 0's with them mixed in and
-takes the step: its digest is the job's had no bit flipped.
+its RNG, its samples, both digests); two replays (each a world of one, as `elasticd replay`),
+side by side: one leaves rank 1's local gradients of the step, the other replays rank 0's, waits
+for them at its optimizer step, mixes them in and takes the step: its digest is the job's had no
+bit flipped.
 
 What it cannot decide (one `sdc_referee_undecided` line, the undecided rule stands): no bundles
 (ledger off, no state kept, not DDP), the two ranks' bundles on different nodes, a certified state
@@ -63,10 +64,20 @@ def referee(attempt_dir: Path | None, step: int, timeout: float, idle: Idle) -> 
     digests = [int(d) for d in heads[0]["digests"]]
     with tempfile.TemporaryDirectory(prefix="elasticd-referee-") as tmp:
         grads = os.path.join(tmp, "rank1.grads")
-        got = _replay(heads[1], paths[1], {names.REFEREE_GRADS_OUT: grads}, tmp, deadline, idle)
-        if got.get("outcome") != "gradients":
-            return Call(None, f"rank 1's replay: {_outcome(got)}", time.monotonic() - t0)
-        got = _replay(heads[0], paths[0], {names.REFEREE_GRADS_IN: grads}, tmp, deadline, idle)
+        # side by side: the second imports and loads while the first runs; it waits for the
+        # gradients only at its optimizer step
+        first = _start(heads[1], paths[1], {names.REFEREE_GRADS_OUT: grads}, tmp)
+        second = _start(heads[0], paths[0], {names.REFEREE_GRADS_IN: grads}, tmp)
+        try:
+            idle(deadline, lambda: first[0].poll() is not None)
+            got = _finish(*first)
+            if got.get("outcome") != "gradients":
+                return Call(None, f"rank 1's replay: {_outcome(got)}", time.monotonic() - t0)
+            idle(deadline, lambda: second[0].poll() is not None)
+            got = _finish(*second)
+        finally:
+            for proc, _ in (first, second):
+                _kill(proc)
     seconds = time.monotonic() - t0
     if got.get("outcome") != "completed" or not isinstance(got.get("digest"), int):
         return Call(None, f"rank 0's replay: {_outcome(got)}", seconds)
@@ -118,10 +129,9 @@ def _heads(paths: list[Path], step: int) -> list[dict] | str:
     return heads
 
 
-def _replay(
-    head: dict, bundle: Path, extra: dict[str, str], tmp: str, deadline: float, idle: Idle
-) -> dict:
-    """One replay process (worker/replay.py) of `bundle`, as `elasticd replay` runs it."""
+def _start(head: dict, bundle: Path, extra: dict[str, str], tmp: str) -> tuple:
+    """One replay process (worker/replay.py) of `bundle`, as `elasticd replay` starts it, its
+    output appended to rankR.sdc.replay.log beside the bundle; (process, result file)."""
     result, ledger_dir = os.path.join(tmp, f"{bundle.name}.json"), os.path.join(tmp, bundle.name)
     os.mkdir(ledger_dir, 0o700)
     env = {**repro.replay_env(head, str(bundle), result, ledger_dir), **extra}
@@ -132,13 +142,22 @@ def _replay(
             cmd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             start_new_session=True,
         )  # fmt: skip
-        idle(deadline, lambda: proc.poll() is not None)
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            return {"outcome": "timeout"}
+    return proc, result
+
+
+def _finish(proc: subprocess.Popen, result: str) -> dict:
+    """The replay's result; a process still running (past the deadline) is killed first."""
+    if proc.poll() is None:
+        _kill(proc)
+        return {"outcome": "timeout"}
     return repro.read_result(result)
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
 def _outcome(got: dict) -> str:
