@@ -16,7 +16,9 @@ are exact and associative, so identical bits give an identical digest on any dev
 reduction order; one flipped bit always changes the sum, by 2^k mod 2^64), and the sums hashed
 with BLAKE2b. The verdict (`verdict`) is pure: with three
 replicas or more a strict majority names the odd ones out; with two, or no majority, it is
-undecided between them. A disagreement ends every rank with `names.SDC_EXIT`
+undecided between them (with two, each rank leaves a bundle of the step for the daemon's referee
+to replay, checkpoint/bundle.py `on_sdc`, daemon/referee.py). A disagreement ends every rank
+with `names.SDC_EXIT`
 (`SilentDataCorruption`), which the daemon restarts from the newest certified state and judges
 (a rank blamed again quarantines its node, daemon/sdc.py); its verdict goes to the daemon as
 heartbeat figures (sdc_*), the library's numbers, and as the rank's error file, the text people
