@@ -17,6 +17,10 @@ Replaying (`replaying`, `replay_state`, `boundary`): `load_latest()` returns the
 (loaded with weights_only=True), nothing is saved or refreshed, and the boundary after the failed
 step ends the replay with the digest of the live parameters and optimizer state
 (checkpoint/audit.py's `digest`). The sampler deals the failed rank's samples (names.REPLAY_AS).
+
+The referee (daemon/referee.py): where two replicas disagree, each rank writes a bundle of the
+disputed step (`on_sdc`, both digests in it), and the referee's two replays meet at the step's
+optimizer step (`_referee_step`): one hands over its rank's gradients, the other mixes them in.
 """
 
 from __future__ import annotations
