@@ -24,9 +24,16 @@ and the steps in between are the detection latency, against the audit interval; 
 takes rank 0's parameters and optimizer state again (a broadcast) and goes on. Every audit of the
 clean steps must pass: any failure is a false alarm, counted.
 
+And `--referee N`: the verdict's latency under `elasticd run` (tests/scripts/exact_job.py, the
+e2e test's job, --ledger): N times side by side, a 2-rank job whose rank 1 flips one bit in its
+update (the referee's replay names it, daemon/referee.py) and a 3-rank job whose rank 1 flips
+the same bit (a majority names it, no replay); each time from the disagreement (rank 0's
+error file, written there) to the daemon's `sdc_suspected`, and the referee's own seconds.
+
     python bench/sdc.py                    # compute, 2 ranks, CPU
     python bench/sdc.py --world 3 --steps 600 --adamw
     python bench/sdc.py --sharded --adamw
+    python bench/sdc.py --referee 3
 """
 
 from __future__ import annotations
@@ -230,6 +237,61 @@ def table(args: argparse.Namespace, r: dict) -> list[str]:
     ]
 
 
+def _verdict_after(nproc: int, tmp: Path, timeout: float) -> dict:
+    """One job under `elasticd run`: seconds from rank 0's sdc_detected to sdc_suspected."""
+    import datetime
+
+    from recovery import events, kill_tree, spawn
+
+    cfg = {"flip_at": 4, "flip_in": "update", "steps": 6, "out": str(tmp / "job.out")}
+    env = {**os.environ, "EXACT_JOB": json.dumps(cfg)}
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), str(HERE.parent / "tests")])
+    cmd = [
+        *("python3", "-m", "elasticd", "run", "--nproc-per-node", str(nproc), "--ledger"),
+        *("--log-dir", str(tmp / "logs"), "--state-dir", str(tmp / "state"), "--no-tee"),
+        *("--checkpoint-dir", str(tmp / "ckpt"), "--log-format", "json", "--max-restarts", "2"),
+        str(HERE.parent / "tests" / "scripts" / "exact_job.py"),
+    ]
+    proc = spawn(cmd, env, tmp / "daemon.log")
+    try:
+        proc.wait(timeout)
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc)
+
+    def at(e: dict) -> float:
+        return datetime.datetime.fromisoformat(e["timestamp"]).timestamp()
+
+    (found,) = [e for e in events(tmp / "daemon.log") if e.get("event") == "sdc_suspected"]
+    # rank 0's error file, written at the disagreement (checkpoint/audit.py), and never after
+    detected = next((tmp / "logs").rglob("attempt1/rank0.error.json")).stat().st_mtime
+    return {
+        "seconds": at(found) - detected,
+        "rank": found["rank"],
+        "referee_seconds": found.get("referee_seconds"),
+    }
+
+
+def referee_trials(trials: int, timeout: float) -> list[str]:
+    rows: dict[int, list[dict]] = {2: [], 3: []}
+    for _ in range(trials):
+        for nproc in (2, 3):
+            with tempfile.TemporaryDirectory(prefix="elasticd-bench-referee-") as tmp:
+                rows[nproc].append(_verdict_after(nproc, Path(tmp), timeout))
+    two, three = rows[2], rows[3]
+    ratio = [a["seconds"] / b["seconds"] for a, b in zip(two, three)]
+    fmt = lambda xs: ", ".join(f"{x:.2f}" for x in xs)  # noqa: E731
+    return [
+        "from the disagreement (rank 0's error file) to sdc_suspected, seconds:",
+        f"  2 ranks, the referee's replay: {fmt(r['seconds'] for r in two)} "
+        f"(named rank {sorted({r['rank'] for r in two})}; the referee itself "
+        f"{fmt(r['referee_seconds'] or 0 for r in two)})",
+        f"  3 ranks, a majority:           {fmt(r['seconds'] for r in three)} "
+        f"(named rank {sorted({r['rank'] for r in three})})",
+        f"  referee / majority, per pair: {fmt(ratio)} (median {statistics.median(ratio):.1f})",
+    ]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -248,7 +310,13 @@ def main() -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--json", action="store_true", help="the raw figures as a last line")
+    p.add_argument(
+        "--referee", type=int, default=0, metavar="N", help="time the verdict under elasticd run"
+    )
     args = p.parse_args()
+    if args.referee:
+        print("\n".join(referee_trials(args.referee, args.timeout)))
+        return
     if args.worker:
         worker(args)
         return

@@ -256,8 +256,9 @@ class Config:
         120.0,
         "after a worker's exception, how long its repro bundle's replay (elasticd replay, one "
         "process, on this node) may take to decide: reproduced ends the job as deterministic "
-        "(exit code 6) after one failure, not reproduced restarts it (default {default:g} s; 0: "
-        "no replay, the repeat rule alone)",
+        "(exit code 6) after one failure, not reproduced restarts it; also the referee's replay "
+        "of a step two replicas disagree on (silent data corruption at two ranks) (default "
+        "{default:g} s; 0: no replay, the repeat rule and an undecided verdict alone)",
     )
     fatal_exit_codes: tuple[int, ...] = _setting(
         (), "comma-separated worker exit codes that fail the job without restart"

@@ -46,6 +46,10 @@ IN_PLACE_GEN = "ELASTICD_IN_PLACE_GEN"
 REPLAY = "ELASTICD_REPLAY"
 REPLAY_AS = "ELASTICD_REPLAY_AS"
 REPLAY_RESULT = "ELASTICD_REPLAY_RESULT"
+# set by the referee of two disagreeing replicas (daemon/referee.py) in its replays: where the
+# first leaves its rank's local gradients of the disputed step, and where the second reads them
+REFEREE_GRADS_OUT = "ELASTICD_REFEREE_GRADS_OUT"
+REFEREE_GRADS_IN = "ELASTICD_REFEREE_GRADS_IN"
 WARM_PRELOAD = "ELASTICD_WARM_PRELOAD"  # modules a warm spare or the fork server imports ahead
 SOCKET = (
     "ELASTICD_SOCKET"  # the control socket, for the CLI and the daemon (also the `socket` setting)

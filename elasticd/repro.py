@@ -18,15 +18,17 @@ import hashlib
 import json
 import os
 import re
+import socket
 import struct
 from pathlib import Path
 from typing import Any
 
-from elasticd import __version__, safeio
+from elasticd import __version__, names, safeio
 
 MAGIC = b"ELDREPR1"
 FORMAT = 1
 SUFFIX = ".repro"
+SDC_SUFFIX = ".sdc.repro"  # a replica's bundle of a disagreement, for the referee
 MAX_HEADER = 64 << 20  # bytes: a header is small (the samples of a few steps)
 # what the replay sets itself, or must never carry: the run's own files, ranks, store, secrets
 _DROPPED = re.compile(
@@ -128,3 +130,46 @@ def payload(path: str | os.PathLike, offset: int) -> bytes:
     if hashlib.sha256(data).hexdigest() != head["payload_sha256"] or at != offset:
         raise BundleError(f"{path}: changed while it was read")
     return data
+
+
+# -- the replay process, as `elasticd replay` and the referee (daemon/referee.py) start it --------
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def replay_env(head: dict[str, Any], bundle: str, result: str, ledger_dir: str) -> dict[str, str]:
+    """The bundle's environment as a world of one, the replay's variables set."""
+    env = dict(head.get("env") or {})
+    for key in ("PATH", "HOME"):
+        if key not in env and key in os.environ:
+            env[key] = os.environ[key]
+    env.update(
+        {
+            "RANK": "0",
+            "LOCAL_RANK": "0",
+            "GROUP_RANK": "0",
+            "WORLD_SIZE": "1",
+            "LOCAL_WORLD_SIZE": "1",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(_port()),
+            names.REPLAY: os.path.abspath(bundle),
+            names.REPLAY_AS: f"{int(head['rank'])}/{int(head['world'])}",
+            names.REPLAY_RESULT: result,
+            names.LEDGER_DIR: ledger_dir,
+            names.CHECKPOINT_DIR: os.path.join(os.path.dirname(result), "checkpoints"),
+        }
+    )
+    return env
+
+
+def read_result(result: str) -> dict[str, Any]:
+    """The replay process's result file, or outcome 'lost'."""
+    try:
+        with open(result) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {"outcome": "lost"}

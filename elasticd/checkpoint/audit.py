@@ -16,15 +16,17 @@ are exact and associative, so identical bits give an identical digest on any dev
 reduction order; one flipped bit always changes the sum, by 2^k mod 2^64), and the sums hashed
 with BLAKE2b. The verdict (`verdict`) is pure: with three
 replicas or more a strict majority names the odd ones out; with two, or no majority, it is
-undecided between them. A disagreement ends every rank with `names.SDC_EXIT`
+undecided between them (with two, each rank leaves a bundle of the step for the daemon's referee
+to replay, checkpoint/bundle.py `on_sdc`, daemon/referee.py). A disagreement ends every rank
+with `names.SDC_EXIT`
 (`SilentDataCorruption`), which the daemon restarts from the newest certified state and judges
 (a rank blamed again quarantines its node, daemon/sdc.py); its verdict goes to the daemon as
 heartbeat figures (sdc_*), the library's numbers, and as the rank's error file, the text people
 read.
 
 A sharded (FSDP2) state has no replica in the same step, so it is audited in time instead of
-across ranks (`Auditor.arm`, `Auditor.verify`): each rank digests its own shards at the boundary
-before a keep is due and again when the optimizer's next step begins (a step pre-hook); between
+across ranks (`Auditor.arm`, `Auditor.verify`): each rank digests its own shards at a boundary
+and again when the optimizer's next step begins (a step pre-hook); between
 the two the parameters and optimizer state are only read (forward, backward), so a difference is
 a change at rest, and the rank that saw it is named, no majority needed. The windows have a
 cadence of their own (every step where two digests of a rank's shards cost at most
@@ -333,12 +335,13 @@ class Auditor:
     def _gathered(self, step: int, mine: int, t0: float) -> None:
         out = [torch.zeros(1, dtype=torch.int64) for _ in range(world())]
         dist.all_gather(out, torch.tensor([mine], dtype=torch.int64), group=cpu_group())
-        found = verdict([int(t.item()) for t in out])
+        digests = [int(t.item()) for t in out]
+        found = verdict(digests)
         figures = self._counted(time.perf_counter() - t0)
         if found.agreed:
             self.last_step = step
             return
-        self._diverged(step, found, figures)
+        self._diverged(step, found, figures, digests)
 
     def _counted(self, seconds: float) -> Any:
         self.audits += 1
@@ -350,7 +353,14 @@ class Auditor:
             figures.add("audit_total", seconds)
         return figures
 
-    def _diverged(self, step: int, found: Verdict, figures: Any, sharded: bool = False) -> None:
+    def _diverged(
+        self,
+        step: int,
+        found: Verdict,
+        figures: Any,
+        digests: list[int] | None = None,
+        sharded: bool = False,
+    ) -> None:
         me = rank()
         if sharded:
             what = (
@@ -386,6 +396,10 @@ class Auditor:
         )
         exc = SilentDataCorruption(f"{what}; {action}")
         bootstrap.write_error_file(exc)  # what status and the final line show of it
+        if found.undecided and world() == 2 and digests is not None:
+            from elasticd.checkpoint import bundle  # bundle imports this module
+
+            bundle.on_sdc(exc, step, digests)  # the referee's evidence (daemon/referee.py)
         raise exc
 
     def off(self, why: str) -> None:

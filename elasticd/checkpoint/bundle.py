@@ -17,6 +17,10 @@ Replaying (`replaying`, `replay_state`, `boundary`): `load_latest()` returns the
 (loaded with weights_only=True), nothing is saved or refreshed, and the boundary after the failed
 step ends the replay with the digest of the live parameters and optimizer state
 (checkpoint/audit.py's `digest`). The sampler deals the failed rank's samples (names.REPLAY_AS).
+
+The referee (daemon/referee.py): where two replicas disagree, each rank writes a bundle of the
+disputed step (`on_sdc`, both digests in it), and the referee's two replays meet at the step's
+optimizer step (`_referee_step`): one hands over its rank's gradients, the other mixes them in.
 """
 
 from __future__ import annotations
@@ -26,12 +30,14 @@ import json
 import os
 import platform
 import sys
+import time
 import traceback
 import weakref
 from typing import Any
 
 import structlog
 import torch
+import torch.optim.optimizer as optimizer_hooks
 
 from elasticd import __version__, ledger, names, repro
 from elasticd.checkpoint import audit
@@ -78,11 +84,37 @@ def _on_failure(exc: BaseException) -> None:
         log.error("repro_bundle_written", rank=rank(), path=path, replay=f"elasticd replay {path}")
 
 
-def write(mgr: Any, exc: BaseException, path: str) -> str:
-    """Write the bundle of `exc` at `path`; "" when written, else why not."""
+def on_sdc(exc: BaseException, step: int, digests: list[int]) -> None:
+    """Two replicas disagreed at `step` (checkpoint/audit.py): this rank's bundle of that step,
+    with every rank's digest, for the referee (daemon/referee.py) to replay the global step
+    from; `rankR.sdc.repro` beside the error file. One `sdc_referee_bundle_skipped` line
+    where none can be written."""
+    mgr = _manager() if _manager is not None else None
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if mgr is None or not error_file or replaying():
+        return
+    path = os.path.join(os.path.dirname(error_file), f"rank{rank()}{repro.SDC_SUFFIX}")
+    try:
+        why = write(mgr, exc, path, failed=step, extra={"kind": "sdc", "digests": digests})
+    except Exception as e:  # noqa: BLE001 - the detection stands; the bundle is extra
+        why = f"writing it failed: {type(e).__name__}: {e}"
+    if why:
+        log.warning("sdc_referee_bundle_skipped", rank=rank(), reason=why, action="undecided")
+
+
+def write(
+    mgr: Any,
+    exc: BaseException,
+    path: str,
+    failed: int | None = None,
+    extra: dict[str, Any] | None = None,
+) -> str:
+    """Write the bundle of `exc` at `path` (the failed step: the one after the last boundary,
+    unless given); "" when written, else why not."""
     if not ledger.enabled():
         return "the ledger is off (elasticd run --ledger): the step's samples would be unverified"
-    failed = (mgr._boundary if mgr._boundary is not None else (mgr._last_step or 0)) + 1
+    if failed is None:
+        failed = (mgr._boundary if mgr._boundary is not None else (mgr._last_step or 0)) + 1
     got = certified(mgr, failed - 1)
     if isinstance(got, str):
         return got
@@ -112,6 +144,7 @@ def write(mgr: Any, exc: BaseException, path: str) -> str:
         "failed_step": failed,
         "samples": samples,
         "error": {"exception": f"{type(exc).__name__}: {exc}", "callstack": tb},
+        **(extra or {}),
     }
     repro.write(path, header, buf.getbuffer())  # no copy of the state
     return ""
@@ -169,7 +202,35 @@ def replay_state() -> tuple[dict[str, Any], Any]:
     head, offset = _bundle()
     got = torch.load(io.BytesIO(repro.payload(path, offset)), weights_only=True)
     step = int(head["certified_step"])
+    if os.environ.get(names.REFEREE_GRADS_OUT) or os.environ.get(names.REFEREE_GRADS_IN):
+        optimizer_hooks.register_optimizer_step_pre_hook(_referee_step)
     return got["state"], Entry(file=f"replay:{path}", step=step, world_size=1)
+
+
+def _referee_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    """The referee's replays (daemon/referee.py) of a disputed step, before its optimizer step:
+    the first leaves its rank's local gradients (at a world of one, DDP's all-reduce is the
+    identity) and ends; the second sets each gradient to what DDP's default hook gives at a world
+    of two, its own and the other's each divided by 2, then summed (two addends: the same bits
+    in either order), so that the step's update and digest are the job's."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    out, into = os.environ.get(names.REFEREE_GRADS_OUT), os.environ.get(names.REFEREE_GRADS_IN)
+    if out:
+        torch.save([p.grad for p in params], f"{out}.tmp")
+        os.replace(f"{out}.tmp", out)  # whole, for the other replay that waits for it
+        result({"outcome": "gradients", "step": int(_bundle()[0]["failed_step"])})
+        raise ReplayDone(0)
+    if into:
+        while not os.path.exists(into):  # the first replay, side by side (the referee's bound)
+            time.sleep(0.01)
+        other = torch.load(into, weights_only=True)
+        if len(other) != len(params):
+            raise RuntimeError("the referee's two replays hold different parameters")
+        for p, g in zip(params, other, strict=True):
+            if p.grad is not None and g is not None:
+                p.grad = p.grad.div(2) + g.div(2)
+            elif p.grad is not None or g is not None:
+                raise RuntimeError("the referee's two replays' gradients differ in which exist")
 
 
 def boundary(step: int, state: Any) -> None:

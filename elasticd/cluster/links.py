@@ -31,6 +31,13 @@ BYE = b"bye\n"  # an orderly end: the daemon stops or turns the connection away
 MAX_HELD = 64  # connections of watchers held at once (each node has WATCHED): more get BYE
 CONNECT_WAIT = 0.15  # seconds a connect to a neighbour may take (a LAN answers in well under 1 ms)
 CONNECT_TRIES = 3  # failed connects to a node before it is left to the beats and the probe
+# TCP keepalive on every held connection: a probe after KEEPALIVE_IDLE s of silence keeps a
+# firewall's or NAT's state for it (one that forgets an idle connection would leave it silently
+# dead), and a host gone without a word (power, cable) ends it after KEEPALIVE_IDLE +
+# KEEPALIVE_INTERVAL x KEEPALIVE_PROBES s; the beats and the probe usually tell first.
+KEEPALIVE_IDLE = 10
+KEEPALIVE_INTERVAL = 2
+KEEPALIVE_PROBES = 3
 POLL_SLICE = 0.5  # seconds between looks at a stop when nothing happens
 
 
@@ -136,7 +143,7 @@ class Links:
             except OSError:
                 self._tried[node] = self._tried.get(node, 0) + 1
                 continue
-            s.setblocking(False)
+            _hold(s)
             with self._lock:
                 self._held[node] = s
 
@@ -146,7 +153,7 @@ class Links:
                 conn, _ = self._listener.accept()
             except OSError:
                 return
-            conn.setblocking(False)
+            _hold(conn)
             with self._lock:
                 if len(self._accepted) >= MAX_HELD:
                     _bye(conn)
@@ -193,11 +200,24 @@ class Links:
             s = socket.create_connection(target, timeout=CONNECT_WAIT)
         except OSError:
             return False
-        s.setblocking(False)
+        _hold(s)
         with self._lock:
             self._held[node] = s
         log.info("peer_link_reset", node=node)
         return True
+
+
+def _hold(s: socket.socket) -> None:
+    """Ready a connection to be held: non-blocking (one thread polls them all), kept alive."""
+    s.setblocking(False)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for opt, value in (
+        ("TCP_KEEPIDLE", KEEPALIVE_IDLE),
+        ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL),
+        ("TCP_KEEPCNT", KEEPALIVE_PROBES),
+    ):
+        if hasattr(socket, opt):  # Linux has all three; elsewhere the system's defaults
+            s.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), value)
 
 
 def _read(s: socket.socket) -> bytes | None:

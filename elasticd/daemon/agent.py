@@ -39,7 +39,7 @@ from elasticd.cluster.rendezvous import Rendezvous
 from elasticd.cluster.rounds import Round
 from elasticd.cluster.timing import LOST_SILENCE
 from elasticd.config import Config
-from elasticd.daemon import hangs, inplace, processes, replay_verdict, sdc
+from elasticd.daemon import hangs, inplace, processes, referee, replay_verdict, sdc
 from elasticd.daemon.group import LocalGroup
 from elasticd.daemon.healthcheck import HealthCheck
 from elasticd.daemon.inbox import Inbox, StopRequest, Stops
@@ -318,12 +318,25 @@ class Agent:
         if why.driver and self.quarantine.strike(why):
             return why, self._leave_job(why, *self.quarantine.departure(self.round is not None))
         if why.failure_class == FailureClass.SDC.value:
-            why, blamed, again = self.sdc.judge(why, self.group.beats(), self.round)
+            why, blamed, again = self.sdc.judge(why, self.group.beats(), self.round, self._referee)
             self.status.figures.on_sdc(self.sdc.report())
             # one of this node's ranks outvoted: a strike; again in this run: quarantined
             if blamed and self.quarantine.strike(why, at_once=again):
                 return why, self._leave_job(why, *self.quarantine.departure(True))
         return why, None
+
+    def _referee(self, step: int) -> referee.Call:
+        """Two replicas disagreed at `step`: the referee's replay of it (daemon/referee.py),
+        within --replay-timeout."""
+        spec = self.group.spec
+        if self.cfg.replay_timeout <= 0:
+            return referee.Call(None, "--replay-timeout 0: no replay", 0.0)
+        return referee.referee(
+            spec.attempt_dir if spec is not None else None,
+            step,
+            self.cfg.replay_timeout,
+            lambda until, done: self.waits.idle(until, done),
+        )
 
     def _succeed(self) -> int:
         """Every local worker exited 0: the exit barrier, then the job's end."""

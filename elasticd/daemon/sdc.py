@@ -9,8 +9,9 @@ state kept passed an audit), so a one-off flip ends bit-identical to the fault-f
 detection is an `sdc_suspected` event naming the rank, its node and the step; a node blamed
 again in this daemon's run (the same rank's hardware, a persistent fault) is `sdc_confirmed` and
 quarantined at once (daemon/quarantine.py), its first blame being one strike. An undecided
-verdict (two replicas, no majority) blames no node: the restart's budget bounds its repeats
-until a replay breaks the tie.
+verdict (two replicas, no majority) goes to the referee (daemon/referee.py), whose replay of the
+step names the odd rank as a majority would; where it cannot, it blames no node and the
+restart's budget bounds its repeats.
 """
 
 from __future__ import annotations
@@ -67,13 +68,28 @@ class Corruption:
         self.here = 0  # detections that blamed this node
 
     def judge(
-        self, why: Failure, beats: list[heartbeat.Beat | None], rnd: Round | None
+        self,
+        why: Failure,
+        beats: list[heartbeat.Beat | None],
+        rnd: Round | None,
+        referee: Callable[[int], Any] | None = None,
     ) -> tuple[Failure, bool, bool]:
         """The local failure `why` (class sdc) restated as the verdict, whether this node is
-        blamed (a strike), and whether it was blamed before in this run (quarantine at once)."""
+        blamed (a strike), and whether it was blamed before in this run (quarantine at once).
+        `referee(step)` (daemon/referee.py `Call`) breaks an undecided verdict where it can."""
         found = finding(beats, rnd)
         if found is None:
             return why, False, False
+        refereed: dict[str, Any] = {}
+        if found.rank is None and referee is not None:
+            call = referee(found.step)
+            if call.odd is not None:
+                found = Finding(found.step, call.odd, node_of(rnd, call.odd))
+                refereed = {"referee": call.said, "referee_seconds": round(call.seconds, 3)}
+            else:
+                self.event("sdc_referee_undecided", level="warning", step=found.step,
+                           said=call.said, seconds=round(call.seconds, 3),
+                           action="undecided: no node struck")  # fmt: skip
         label = (found.node or UNDECIDED) if found.rank is not None else UNDECIDED
         self.detected[label] = self.detected.get(label, 0) + 1
         again = found.rank is not None and self.detected[label] > 1
@@ -85,12 +101,15 @@ class Corruption:
         else:
             reason = (
                 f"silent data corruption at step {found.step}: rank {found.rank} (node "
-                f"{found.node or '?'}) named by the audit"
+                f"{found.node or '?'}) "
+                + ("named by the referee's replay" if refereed else "named by the audit")
                 + (", again: a persistent fault" if again else "")
                 + "; restarting from the newest certified state"
             )
         fields: dict[str, Any] = {"rank": found.rank, "node": found.node, "step": found.step}
-        self.event("sdc_suspected", level="error", **fields, undecided=found.rank is None)
+        self.event(
+            "sdc_suspected", level="error", **fields, undecided=found.rank is None, **refereed
+        )
         if again:
             self.event("sdc_confirmed", level="error", **fields, detections=self.detected[label])
         restated = dataclasses.replace(

@@ -21,51 +21,18 @@ replayed before it runs at a world of one, its gradient this rank's alone (docs/
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from elasticd import ledger, names, repro
+from elasticd import ledger, repro
 from elasticd.lifecycle import triage
 
 REPRODUCED, NOT_REPRODUCED, REFUSED, UNDECIDED = 0, 1, 2, 3
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def replay_env(head: dict[str, Any], bundle: str, result: str, ledger_dir: str) -> dict[str, str]:
-    """The bundle's environment as a world of one, the replay's variables set."""
-    env = dict(head.get("env") or {})
-    for key in ("PATH", "HOME"):
-        if key not in env and key in os.environ:
-            env[key] = os.environ[key]
-    env.update(
-        {
-            "RANK": "0",
-            "LOCAL_RANK": "0",
-            "GROUP_RANK": "0",
-            "WORLD_SIZE": "1",
-            "LOCAL_WORLD_SIZE": "1",
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(_port()),
-            names.REPLAY: os.path.abspath(bundle),
-            names.REPLAY_AS: f"{int(head['rank'])}/{int(head['world'])}",
-            names.REPLAY_RESULT: result,
-            names.LEDGER_DIR: ledger_dir,
-            names.CHECKPOINT_DIR: os.path.join(os.path.dirname(result), "checkpoints"),
-        }
-    )
-    return env
 
 
 def run(bundle: str, timeout: float) -> int:
@@ -77,7 +44,7 @@ def run(bundle: str, timeout: float) -> int:
     with tempfile.TemporaryDirectory(prefix="elasticd-replay-") as tmp:
         result, ledger_dir = os.path.join(tmp, "result.json"), os.path.join(tmp, "ledger")
         os.mkdir(ledger_dir, 0o700)
-        env = replay_env(head, bundle, result, ledger_dir)
+        env = repro.replay_env(head, bundle, result, ledger_dir)
         cmd = [sys.executable, "-P", "-m", "elasticd.worker.replay", bundle, result]
         proc = subprocess.Popen(cmd, env=env, start_new_session=True)
         try:
@@ -87,17 +54,9 @@ def run(bundle: str, timeout: float) -> int:
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             return _say(head, UNDECIDED, f"undecided: not finished in {timeout:g} s (--timeout)")
-        got = _read(result)
+        got = repro.read_result(result)
         code, text = judge(head, got, _samples(ledger_dir))
     return _say(head, code, text)
-
-
-def _read(result: str) -> dict[str, Any]:
-    try:
-        with open(result) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return {"outcome": "lost"}
 
 
 def _samples(ledger_dir: str) -> dict[int, list[int]]:

@@ -40,7 +40,7 @@ def _events(d, name: str) -> list[dict]:
 @pytest.mark.parametrize("nproc", [2, 3, 4])
 def test_a_one_off_flip_is_found_rolled_back_and_ends_bit_identical(daemons, tmp_path, nproc):
     clean = _job(daemons, tmp_path, "clean", nproc, {})
-    faulty = _job(daemons, tmp_path, "faulty", nproc, {"flip_at": FLIP_AT})
+    faulty = _job(daemons, tmp_path, "faulty", nproc, {"flip_at": FLIP_AT}, "--ledger")
     for d in (clean, faulty):
         assert d.wait(120) == 0, d.stderr()[-3000:]
     assert (tmp_path / "faulty.out.flipped").read_text() == "flip\n"
@@ -50,8 +50,10 @@ def test_a_one_off_flip_is_found_rolled_back_and_ends_bit_identical(daemons, tmp
     assert found["step"] == FLIP_AT + 1, found  # the next keep after the flip
     if nproc >= 3:  # a majority names the odd one out (2 of 3, 3 of 4)
         assert found["rank"] == 1 and found["node"] and not found["undecided"], found
-    else:  # two replicas: which one is undecided
+    else:  # two replicas: the flip reached both through the all-reduce; the referee says so
         assert found["rank"] is None and found["undecided"], found
+        (left,) = _events(faulty, "sdc_referee_undecided")
+        assert "reproduced neither" in left["said"], left
     assert not _events(faulty, "sdc_confirmed")
     assert "resumed from step" not in clean.stdout()
     # rolled back to the state certified before the flip, from memory
@@ -61,6 +63,42 @@ def test_a_one_off_flip_is_found_rolled_back_and_ends_bit_identical(daemons, tmp
     clean_out, faulty_out = tmp_path / "clean.out", tmp_path / "faulty.out"
     same = clean_out.read_text() == faulty_out.read_text()
     assert same, first_difference(str(clean_out), str(faulty_out), nproc)
+
+
+REFEREED = {"flip_at": FLIP_AT, "flip_in": "update"}  # only rank 1's update is off
+
+
+def test_two_replicas_the_referee_names_the_flipped_rank_and_the_run_ends_bit_identical(
+    daemons, tmp_path
+):
+    """Two ranks, no majority: the referee replays the disputed step from the certified state,
+    reproduces rank 0's digest and names rank 1 (its node struck once, not quarantined)."""
+    clean = _job(daemons, tmp_path, "clean", 2, {})
+    faulty = _job(daemons, tmp_path, "faulty", 2, REFEREED, "--ledger")
+    for d in (clean, faulty):
+        assert d.wait(150) == 0, d.stderr()[-3000:]
+    (found,) = _events(faulty, "sdc_suspected")
+    assert (found["rank"], found["step"], found["undecided"]) == (1, FLIP_AT + 1, False), found
+    assert "referee" in found and "reproduced rank 0's digest" in found["referee"], found
+    assert not _events(faulty, "sdc_confirmed") and not _events(faulty, "sdc_referee_undecided")
+    record = quarantine.read(tmp_path / "faulty.state")
+    assert not record.quarantined and record.strikes, record
+    clean_out, faulty_out = tmp_path / "clean.out", tmp_path / "faulty.out"
+    same = clean_out.read_text() == faulty_out.read_text()
+    assert same, first_difference(str(clean_out), str(faulty_out), 2)
+
+
+def test_two_replicas_a_persistent_flip_the_referee_names_twice_quarantines(daemons, tmp_path):
+    cfg = {**REFEREED, "flip_persistent": True}
+    faulty = _job(daemons, tmp_path, "faulty", 2, cfg, "--ledger")
+    assert faulty.wait(150) == exit_codes.ExitCode.QUARANTINED, faulty.stderr()[-3000:]
+    suspected = _events(faulty, "sdc_suspected")
+    assert [(e["rank"], e["step"]) for e in suspected] == [(1, 5), (1, 6)], suspected
+    assert all("referee" in e for e in suspected), suspected
+    (confirmed,) = _events(faulty, "sdc_confirmed")
+    assert confirmed["rank"] == 1, confirmed
+    record = quarantine.read(tmp_path / "faulty.state")
+    assert record.quarantined and "silent data corruption" in record.quarantined["why"], record
 
 
 def test_a_one_off_flip_in_a_sharded_state_is_found_rolled_back_and_ends_bit_identical(
@@ -110,35 +148,53 @@ def test_a_persistent_flip_quarantines_the_node(daemons, tmp_path):
     assert record.quarantined and "silent data corruption" in record.quarantined["why"], record
 
 
-def test_a_node_quarantined_for_persistent_corruption_leaves_and_the_job_goes_on(daemons, tmp_path):
-    """Three nodes of one rank; the bad part is node b's, whatever rank it runs: outvoted twice,
-    b is quarantined (exit 7) and the others finish at two ranks from their own memory. Node a
-    starts first and hosts the c10d store: a quarantined node that hosts it takes the store with
-    it when it leaves (to go on past that, a job needs etcd: docs/multinode.md)."""
+def _nodes_one_faulty(daemons, tmp_path, names: str, nnodes: str) -> dict:
+    """One daemon of one rank per name, node b's part faulty (it flips persistently, whatever
+    rank it runs); a starts first and hosts the c10d store. Each node's exit code."""
     port = free_port()
     cfg = {"flip_at": FLIP_AT, "flip_persistent": True, "flip_rank": None, "steps": STEPS}
     env = {"EXACT_JOB": json.dumps({**cfg, "out": str(tmp_path / "job.out")})}
     nodes = {}
-    for name in ("a", "b", "c"):
+    for name in names:
         nodes[name] = daemons(
             script("exact_job.py"),
             *("--nproc-per-node", "1", "--max-restarts", "4"),
             *("--checkpoint-dir", str(tmp_path / "ckpt"), "--state-dir", str(tmp_path / name)),
-            *node_flags(port, "2:3", "sdc"),
+            *node_flags(port, nnodes, "sdc"),
             name=name,
             env={**env, **({"EXACT_FLIP_HERE": "1"} if name == "b" else {})},
         )
         if name == "a":  # alone, it can only be in a run it began: it hosts the store
             wait_until(lambda: _events(nodes["a"], "rendezvous_run"), 30, what="a's store")
+    return nodes
+
+
+def _b_left_and_the_others_finished(nodes: dict, tmp_path) -> None:
     codes = {name: d.wait(150) for name, d in nodes.items()}
-    assert codes == {"a": 0, "b": exit_codes.ExitCode.QUARANTINED, "c": 0}, {
-        n: d.stderr()[-2000:] for n, d in nodes.items()
-    }
+    want = {n: exit_codes.ExitCode.QUARANTINED if n == "b" else 0 for n in nodes}
+    assert codes == want, {n: d.stderr()[-2000:] for n, d in nodes.items()}
     confirmed = _events(nodes["b"], "sdc_confirmed")
     assert len(confirmed) == 1 and confirmed[0]["node"], confirmed
     assert quarantine.read(tmp_path / "b").quarantined is not None
-    assert quarantine.read(tmp_path / "a").quarantined is None
-    for name in ("a", "c"):  # they saw it too, and were never struck
-        assert [e["node"] for e in _events(nodes[name], "sdc_suspected")] == [
-            confirmed[0]["node"]
-        ] * 2
+    for name in nodes:
+        if name != "b":  # they saw it too, and were never struck
+            assert quarantine.read(tmp_path / name).quarantined is None
+            assert [e["node"] for e in _events(nodes[name], "sdc_suspected")] == [
+                confirmed[0]["node"]
+            ] * 2
+
+
+def test_a_node_quarantined_for_persistent_corruption_leaves_and_the_job_goes_on(daemons, tmp_path):
+    """Three nodes of one rank; the bad part is node b's, whatever rank it runs: outvoted twice,
+    b is quarantined (exit 7) and the others finish at two ranks from their own memory. Node a
+    starts first and hosts the c10d store: a quarantined node that hosts it takes the store with
+    it when it leaves (to go on past that, a job needs etcd: docs/multinode.md)."""
+    nodes = _nodes_one_faulty(daemons, tmp_path, "abc", "2:3")
+    _b_left_and_the_others_finished(nodes, tmp_path)
+
+
+def test_four_ranks_a_persistent_flip_is_outvoted_quarantined_and_three_go_on(daemons, tmp_path):
+    """Four nodes of one rank, node b's part faulty: a majority of three outvotes it twice, b is
+    quarantined and the other three finish at a world of three (--nnodes 3:4)."""
+    nodes = _nodes_one_faulty(daemons, tmp_path, "abcd", "3:4")
+    _b_left_and_the_others_finished(nodes, tmp_path)

@@ -53,6 +53,10 @@ DEFAULTS = {
     "flip_at": None,
     "flip_rank": 1,
     "flip_persistent": False,
+    # where the flip lands: "weights" right after the step's keep (the next forward reads it, so
+    # its gradient reaches every rank through the all-reduce) or "update": in the next step after
+    # its all-reduce, before the optimizer's step (only this rank's update is off)
+    "flip_in": "weights",
     "out": None,
 }
 
@@ -119,6 +123,30 @@ def _flip(model: nn.Module, marker: str, persistent: bool) -> None:
     weight.view(-1).view(torch.int32)[5] ^= 1 << 12
 
 
+def _flipper(cfg: dict, model: nn.Module, opt, rank: int):
+    """What to do after each step: the flip cfg asks for, in the weights at once or (flip_in
+    "update") inside the next optimizer step, before it updates."""
+    marker, persistent, armed = f"{cfg['out']}.flipped", cfg["flip_persistent"], []
+    if cfg["flip_in"] == "update":
+
+        def flip_armed(*_) -> None:
+            if armed:
+                _flip(model, armed.pop(), persistent)
+
+        opt.register_step_pre_hook(flip_armed)
+
+    def after(step: int) -> None:
+        flip_at = cfg["flip_at"]
+        persists = persistent and flip_at is not None and step > flip_at
+        if (step == flip_at or persists) and _faulty(rank, cfg["flip_rank"]):
+            if cfg["flip_in"] == "update":
+                armed[:] = [marker]
+            else:
+                _flip(model, marker, persistent)
+
+    return after
+
+
 def _model(world: int, sharded: bool) -> nn.Module:
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 1))
@@ -168,6 +196,7 @@ def run(cfg: dict, rank: int, world: int) -> int:
     if state is not None:
         step = restore(state, model=model, optimizer=opt, scheduler=sched, sampler=sampler)["step"]
     log = open(f"{cfg['out']}.{rank}", "a")  # open for the whole run
+    flip = _flipper(cfg, model, opt, rank)
     while step < cfg["steps"]:
         sampler.set_epoch(sampler.epoch)  # the epoch in progress keeps its position
         for x, y in loader:
@@ -183,10 +212,7 @@ def run(cfg: dict, rank: int, world: int) -> int:
                 if not os.path.exists(marker):
                     open(marker, "w").close()
                     os.kill(os.getpid(), signal.SIGKILL)
-            flip_at = cfg["flip_at"]
-            persists = cfg["flip_persistent"] and flip_at is not None and step > flip_at
-            if (step == flip_at or persists) and _faulty(rank, cfg["flip_rank"]):
-                _flip(model, f"{cfg['out']}.flipped", cfg["flip_persistent"])
+            flip(step)
             if step >= cfg["steps"]:
                 break
         else:

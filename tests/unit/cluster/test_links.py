@@ -137,3 +137,26 @@ def test_a_connection_reset_with_its_daemon_alive_is_held_again(holder):
         assert made.gone == {} and not woke.is_set(), "a reset taken for a death"
     finally:
         made.close()
+
+
+def test_held_connections_are_kept_alive_both_ways(holder):
+    """Each held connection, ours and a watcher's, has TCP keepalive at our settings: a
+    firewall that forgets idle connections keeps it, a host gone without a word ends it."""
+    _, port = holder()
+    made, _ = watcher()
+    theirs = socket.create_connection(("127.0.0.1", made.port), timeout=5)
+    try:
+        made.watch({"b": ("127.0.0.1", port)})
+        assert held(made, "b")
+        deadline = time.monotonic() + 10
+        while not made._accepted and time.monotonic() < deadline:
+            time.sleep(0.01)
+        for s in (made._held["b"], *made._accepted.values()):
+            assert s.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+            tcp = socket.IPPROTO_TCP
+            assert s.getsockopt(tcp, socket.TCP_KEEPIDLE) == links.KEEPALIVE_IDLE
+            assert s.getsockopt(tcp, socket.TCP_KEEPINTVL) == links.KEEPALIVE_INTERVAL
+            assert s.getsockopt(tcp, socket.TCP_KEEPCNT) == links.KEEPALIVE_PROBES
+    finally:
+        theirs.close()
+        made.close()

@@ -58,7 +58,7 @@ def test_samples_that_differ_from_the_ledgers_make_it_no_replay_of_the_step():
 
 def test_the_replays_environment_is_a_world_of_one_standing_for_the_failed_rank():
     head = {**HEAD, "env": {"PYTHONPATH": "/src", "RANK": "1"}}
-    env = replay.replay_env(head, "b.repro", "/tmp/r.json", "/tmp/l")
+    env = repro.replay_env(head, "b.repro", "/tmp/r.json", "/tmp/l")
     assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"]) == ("0", "1", "1")
     assert env["ELASTICD_REPLAY_AS"] == "1/2" and env["PYTHONPATH"] == "/src"
     assert env["ELASTICD_LEDGER_DIR"] == "/tmp/l" and env["ELASTICD_REPLAY"].endswith("b.repro")
