@@ -341,6 +341,7 @@ def follow(agent: Agent, now: float) -> None:
     if path is None or not path.in_place or agent.forming is not None or agent.round is None:
         return
     if not agent.round.master_port or not _watch(agent, agent.group.generation + 1):
+        agent.in_place_waits = None  # no rank waits (a time from an earlier round is no evidence)
         return
     _follow(agent, now)
 

@@ -260,6 +260,10 @@ def test_ranks_that_wait_unannounced_wake_the_watch_and_are_the_peers_evidence(s
         server.set(names.in_place_waiting_key(1), b"0")
         inplace.follow(a, 3.0)
         assert a.in_place_waits is None
+        a.in_place_waits = 2.0  # a restart: the next round's store has no word, nor evidence
+        a.round.number = 2
+        inplace.follow(a, 4.0)
+        assert a.in_place_waits is None and a.in_place_watch.number == 2
     finally:
         a.in_place_watch.end()
 
