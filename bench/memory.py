@@ -6,10 +6,16 @@ is read with psutil: RSS (what `top` shows: shared pages counted in every proces
 process's own pages) and PSS (each shared page split among the processes that map it, so that
 the sum over processes is what the node really holds). elasticd's tree has its daemon, the death
 guard, the fork server, the warm spares and the workers; torchrun's its agent and the workers.
-The ratio is elasticd's PSS sum over torchrun's.
+The ratio is each elasticd launcher's PSS sum over torchrun's.
+
+`elasticd` is today's recovery path (--in-place off); `elasticd-in-place` runs with --in-place
+auto (torch>=2.14: the workers' group made with enable_reconfigure, the collective hook and the
+re-entry machinery loaded), and says which path the daemon took (`recovery_path`), so a torch
+without reconfigure is not mistaken for the in-place figures.
 
     python bench/memory.py                    # 2 workers, 20 s in
     python bench/memory.py --nproc 1 --json
+    python bench/memory.py --launchers elasticd,elasticd-in-place,torchrun
 """
 
 from __future__ import annotations
@@ -25,10 +31,15 @@ from pathlib import Path
 
 import psutil
 
-from recovery import kill_tree
+from recovery import kill_tree, recovery_path
 
 HERE = Path(__file__).resolve().parent
 SCRIPT = HERE / "step_logger.py"
+LAUNCHERS = {  # name: elasticd's recovery path flag (None: torchrun)
+    "elasticd": ("--in-place", "off"),
+    "elasticd-in-place": ("--in-place", "auto"),
+    "torchrun": None,
+}
 
 
 def _kinds(procs: list[psutil.Process], launcher: int) -> dict[int, str]:
@@ -71,20 +82,23 @@ def measure(launcher: str, nproc: int, settle: float, work: Path, timeout: float
         BENCH_CKPT_EVERY="50",
         PYTHONPATH=os.pathsep.join(filter(None, [str(HERE.parent), os.environ.get("PYTHONPATH")])),
     )
-    if launcher == "elasticd":
+    ours = LAUNCHERS[launcher] is not None
+    if ours:
         cmd = [sys.executable, "-m", "elasticd", "run", "--nproc-per-node", str(nproc)]
         cmd += ["--log-dir", str(work / "logs"), "--socket", str(work / "ctl.sock"), "--no-tee"]
+        cmd += ["--log-format", "json", *LAUNCHERS[launcher]]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
         cmd += ["--nproc-per-node", str(nproc)]
-    proc = subprocess.Popen(
-        [*cmd, str(SCRIPT)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env=env,
-        cwd=HERE.parent,
-        start_new_session=True,
-    )
+    with open(work / "launcher.log", "wb") as log:
+        proc = subprocess.Popen(
+            [*cmd, str(SCRIPT)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=HERE.parent,
+            start_new_session=True,
+        )
     try:
         _first_step(out, timeout, proc)
         time.sleep(settle)
@@ -93,7 +107,7 @@ def measure(launcher: str, nproc: int, settle: float, work: Path, timeout: float
         while True:  # elasticd's steady state holds a warm spare: one being swapped is waited for
             procs = [root, *root.children(recursive=True)]
             kinds = _kinds(procs, proc.pid)
-            if launcher != "elasticd" or "spare" in kinds.values() or time.monotonic() > deadline:
+            if not ours or "spare" in kinds.values() or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
         rows: dict[str, list] = {}
@@ -105,7 +119,7 @@ def measure(launcher: str, nproc: int, settle: float, work: Path, timeout: float
             row = {"pid": p.pid, "rss": m.rss, "uss": m.uss, "pss": m.pss}
             rows.setdefault(kinds[p.pid], []).append(row)
         total = {k: sum(r[k] for rs in rows.values() for r in rs) for k in ("rss", "uss", "pss")}
-        return {"processes": rows, "total": total}
+        return {"processes": rows, "total": total, "path": recovery_path(work / "launcher.log")}
     finally:
         kill_tree(proc)
 
@@ -119,13 +133,19 @@ def report(got: dict) -> str:
     for launcher, m in got.items():
         t = m["total"]
         sums = ", ".join(f"{k.upper()} {_mib(t[k])}" for k in ("pss", "uss", "rss"))
-        lines.append(f"{launcher}: {sums}")
+        path = f" (recovery path: {m['path']})" if m["path"] else ""
+        lines.append(f"{launcher}{path}: {sums}")
         for kind, rows in m["processes"].items():
             each = ", ".join(f"{_mib(r['pss'])} ({_mib(r['uss'])} own)" for r in rows)
             lines.append(f"  {kind:<12} PSS {each}")
-    if len(got) == 2:
-        ratio = got["elasticd"]["total"]["pss"] / got["torchrun"]["total"]["pss"]
-        lines.append(f"ratio elasticd/torchrun, PSS summed over each tree: {ratio:.2f}x")
+    base = got.get("torchrun")
+    for launcher, m in got.items():
+        if base is not None and launcher != "torchrun":
+            ratio = m["total"]["pss"] / base["total"]["pss"]
+            lines.append(f"ratio {launcher}/torchrun, PSS summed over each tree: {ratio:.2f}x")
+    if "elasticd" in got and "elasticd-in-place" in got:
+        extra = got["elasticd-in-place"]["total"]["pss"] - got["elasticd"]["total"]["pss"]
+        lines.append(f"elasticd-in-place - elasticd, PSS: {extra / 2**20:+.0f} MiB")
     return "\n".join(lines)
 
 
@@ -134,9 +154,12 @@ def main() -> None:
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--settle", type=float, default=20.0, help="seconds after the first step")
     p.add_argument("--timeout", type=float, default=120.0, help="bound on the first step")
-    p.add_argument("--launchers", default="elasticd,torchrun")
+    p.add_argument("--launchers", default="elasticd,torchrun", help=", ".join(LAUNCHERS))
     p.add_argument("--json", action="store_true", help="the figures as JSON on the last line")
     args = p.parse_args()
+    unknown = [x for x in args.launchers.split(",") if x not in LAUNCHERS]
+    if unknown:
+        p.error(f"unknown launcher {unknown[0]!r}: choose from {', '.join(LAUNCHERS)}")
     got = {}
     with tempfile.TemporaryDirectory(prefix="bench-memory-") as tmp:
         for launcher in args.launchers.split(","):

@@ -132,6 +132,11 @@ def events(log: Path) -> list[dict]:
     return found
 
 
+def recovery_path(log: Path) -> str | None:
+    """The recovery path elasticd's daemon said it took (`recovery_path`: in_place, restart)."""
+    return next((e.get("path") for e in events(log) if e.get("event") == "recovery_path"), None)
+
+
 def kill_tree(proc: subprocess.Popen) -> None:
     try:
         tree = psutil.Process(proc.pid).children(recursive=True) + [psutil.Process(proc.pid)]

@@ -12,7 +12,9 @@ same steps is divided by their wall time. The script checkpoints as in bench/rec
 `elasticd` includes its in-memory state (default cadence); `elasticd --no-memory-state` is the
 launcher alone; `elasticd synchronous refresh` (not run by default: it matters on a GPU) copies
 GPU tensors into the in-memory state at once (CheckpointManager(memory_overlap=False)) instead
-of beside the next step.
+of beside the next step. `elasticd --in-place auto` (torch>=2.14; not run by default) is the
+in-place recovery path in steady state, beside `elasticd` (today's path, --in-place off): each of
+its lines says the path the daemon took.
 
 By default launchers run one at a time, alternating within each round so drift on the machine
 hits all alike. With --paired each elasticd variant runs at the same time as torchrun, each
@@ -23,6 +25,7 @@ median over rounds and the median and range of the per-round ratios to torchrun.
 
     python bench/steady.py --rounds 5
     python bench/steady.py --paired --rounds 5
+    python bench/steady.py --variants "elasticd,elasticd --in-place auto"   # torch>=2.14
 """
 
 from __future__ import annotations
@@ -39,11 +42,14 @@ from pathlib import Path
 
 import psutil
 
-from recovery import HERE, launcher_cmd, read_steps
+from recovery import HERE, launcher_cmd, read_steps, recovery_path
 
 VARIANTS = {  # name: (launcher, its arguments, the script's environment)
     "elasticd": ("elasticd", (), {}),
     "elasticd --no-memory-state": ("elasticd", ("--no-memory-state",), {}),
+    # in-place recovery's path (torch>=2.14): the group made with enable_reconfigure, the
+    # collective hook and re-entry's machinery, against "elasticd" (today's, --in-place off)
+    "elasticd --in-place auto": ("elasticd", ("--in-place", "auto"), {}),
     "elasticd synchronous refresh": ("elasticd", (), {"BENCH_MEMORY_OVERLAP": "0"}),
     "torchrun": ("torchrun", (), {}),
 }
@@ -149,12 +155,21 @@ def cadence(workdir: Path) -> str:
     return found
 
 
+def path_note(variant: str, workdir: Path) -> str:
+    """Which recovery path an --in-place variant's daemon took: a torch without reconfigure
+    takes the restart's, and its figures are not the in-place path's."""
+    if "--in-place" not in VARIANTS[variant][1]:
+        return ""
+    return f" [recovery path: {recovery_path(workdir / 'launcher.log')}]"
+
+
 def one_run(variant: str, workload: str, ckpt_every: int, nproc: int) -> tuple[float, float, str]:
     """One launcher alone on the machine, start-up excluded."""
     with tempfile.TemporaryDirectory(prefix="bench-steady-") as tmp:
         run = launch(variant, workload, ckpt_every, Path(tmp), nproc=nproc)
         watch([run])
-        return (*measure(run, *window(run, WORKLOADS[workload][2])), cadence(Path(tmp)))
+        note = cadence(Path(tmp)) + path_note(variant, Path(tmp))
+        return (*measure(run, *window(run, WORKLOADS[workload][2])), note)
 
 
 def paired_run(
@@ -188,7 +203,8 @@ def paired_run(
                 f"{workload}: the two runs overlapped only {end - begin:.1f} s in steady state; "
                 "raise --steps-scale"
             )
-        return measure(runs[0], begin, end), measure(runs[1], begin, end)
+        mine = (*measure(runs[0], begin, end), path_note(variant, Path(a)))
+        return mine, measure(runs[1], begin, end)
 
 
 def main() -> None:
@@ -258,7 +274,7 @@ def main() -> None:
                     ):  # each launcher on each half: the halves differ a little
                         mine, theirs = paired_run(variant, w, args.ckpt_every, swap, args.nproc)
                         side = f" on CPU half {int(swap)}"
-                        record(r, w, variant, mine, side)
+                        record(r, w, variant, mine[:2], side + mine[2])
                         record(
                             r,
                             w,

@@ -106,6 +106,7 @@ class Agent:
         self.in_place_used = 0  # ranks' failures recovered in place (daemon/inplace.py)
         self.forming = None  # daemon/inplace.Forming: the generation whose handles are awaited
         self.in_place_kv = None  # (round number, its workers' store's client): inplace.store
+        self.in_place_watch = None  # the round's wait for the next generation: inplace_watch.py
         # monotonic: since when a rank waits, unwound, for a generation not announced yet
         # (inplace.follow): the peers' evidence that a silent node is gone, as a rank's death
         self.in_place_waits = None

@@ -30,7 +30,9 @@ Over several nodes the same: every daemon reaches the round's workers' store (`s
 group rank 0's daemon, whatever the rendezvous backend), the generation numbers are one roll in
 it (`_announce`: a node that takes a number past the one it knows refuses: two nodes' faults at
 once), and a node whose ranks all run takes another node's generation as its own (`follow`):
-its survivors' silence counts from then, and it unsticks its own survivors.
+its survivors' silence counts from then, and it unsticks its own survivors. It reads the store
+for that only once the round's watch (daemon/inplace_watch.py: one held wait, not a look at
+every tick) saw ranks wait for the generation or its announcement.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from elasticd import logs, names
 from elasticd.cluster.kv import Unreachable
 from elasticd.config import Config, parse_nnodes
 from elasticd.daemon import processes
+from elasticd.daemon.inplace_watch import Watch
 from elasticd.lifecycle.states import Failure, RestartCause
 from elasticd.worker import reconfigure
 
@@ -282,6 +285,8 @@ def _announce(
             f"generation {gen} taken while this node stood at {agent.group.generation}: "
             "another node's recovery is forming (a second fault at once)"
         )
+    # the followers' watch (daemon/inplace_watch.py) wakes on this key: made first, at 0
+    kv.compare_set(names.in_place_waiting_key(gen), None, b"0")
     said = f"{gen} {','.join(map(str, starting))}"
     if mapping is not None:  # a smaller world: its size, and each surviving rank's new number
         said += f" {world} {','.join(f'{a}:{b}' for a, b in mapping.items())}"
@@ -307,20 +312,42 @@ def _waits(agent: Agent, kv, gen: int, now: float) -> None:
         raw = kv.get(names.in_place_waiting_key(gen))  # nobody waits on this key: a read is fine
     except Unreachable:
         return
-    if raw is None:
+    if raw is None or raw == b"0":  # 0: made by the announcing daemon (_announce), none waits
         agent.in_place_waits = None
     elif agent.in_place_waits is None:
         agent.in_place_waits = now
+
+
+def _watch(agent: Agent, gen: int) -> bool:
+    """Whether the store has word of generation `gen` (daemon/inplace_watch.py: one held wait on
+    a thread, not a look at every tick); the round's watch is started here."""
+    rnd, watch = agent.round, agent.in_place_watch
+    if watch is None or watch.number != rnd.number:
+        if watch is not None:
+            watch.end()
+        watch = agent.in_place_watch = Watch(
+            rnd.number, rnd.master_addr, rnd.master_port, agent.inbox.post
+        )
+    return watch.due(gen)
 
 
 def follow(agent: Agent, now: float) -> None:
     """On a node whose ranks all run: a generation another node announced (it replaced ranks
     of its own) is this node's too. Its survivors unwind and re-form; this node counts their
     silence from now (they wait in form for a rank starting elsewhere) and unsticks the ones
-    that never give their handle, as the announcing node does for its own."""
+    that never give their handle, as the announcing node does for its own. The store is read
+    only once the round's watch saw ranks wait for the generation, or its announcement."""
     path = agent.recovery_path
     if path is None or not path.in_place or agent.forming is not None or agent.round is None:
         return
+    if not agent.round.master_port or not _watch(agent, agent.group.generation + 1):
+        agent.in_place_waits = None  # no rank waits (a time from an earlier round is no evidence)
+        return
+    _follow(agent, now)
+
+
+def _follow(agent: Agent, now: float) -> None:
+    """`follow`'s read of the store and what it does with the word it finds."""
     kv = store(agent)
     gen = agent.group.generation + 1
     try:
@@ -459,7 +486,7 @@ def _await_shrink(agent: Agent, why: Failure, now: float) -> bool:
     while time.monotonic() < deadline:
         try:
             if _has(kv, names.in_place_key(gen)):
-                follow(agent, time.monotonic())
+                _follow(agent, time.monotonic())
                 return agent.forming is not None
         except Unreachable:
             break

@@ -5,6 +5,7 @@ tests: torch 2.13 (the first CI run) lacks reconfigure, torch 2.14.1 (the second
 import dataclasses
 import subprocess
 import sys
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -158,16 +159,113 @@ def test_a_generation_another_node_announced_is_followed_here():
     b, _ = _node(kv, ranks=(2, 3))
     assert inplace._announce(b, (3,)) == 1
     a, events = _node(kv)
-    inplace.follow(a, 5.0)
+    inplace._follow(a, 5.0)
     assert (a.group.generation, a.group.quiet_from) == (1, 5.0)
     assert (a.forming.generation, a.forming.running, a.forming.starting) == (1, (0, 1), (3,))
     assert events[0][0] == "in_place_followed"
     a.forming = None
-    inplace.follow(a, 6.0)  # nothing announced past 1
+    inplace._follow(a, 6.0)  # nothing announced past 1
     assert a.forming is None and a.group.generation == 1
     kv.set(names.in_place_key(2), reconfigure.sign(b"not the key", 2, -1, "2 3"))
-    inplace.follow(a, 7.0)
+    inplace._follow(a, 7.0)
     assert a.forming is None and a.group.generation == 1
+
+
+class _Counting:
+    """A real TCPStore client that counts the requests it sends (the store's load)."""
+
+    calls: list = []
+
+    def __init__(self, inner):
+        self._inner = inner
+
+    def __repr__(self):
+        return repr(self._inner)  # tcpstore.bound_replies finds the socket there
+
+    def __getattr__(self, name):
+        fn = getattr(self._inner, name)
+
+        def call(*args):
+            _Counting.calls.append(name)
+            return fn(*args)
+
+        return call
+
+
+@pytest.fixture
+def served(monkeypatch):
+    """A real workers' store on loopback, and every client of it counting its requests."""
+    import queue
+
+    from elasticd.cluster import tcpstore
+
+    server = tcpstore.serve_store("127.0.0.1", 0, 5.0)
+    real = tcpstore.tcp_connector
+    monkeypatch.setattr(tcpstore, "tcp_connector", lambda h, p: lambda t: _Counting(real(h, p)(t)))
+    _Counting.calls = []
+    posted = queue.Queue()
+    yield server, posted
+    del server
+
+
+def _store_node(server, posted):
+    kv = inplace.store(SimpleNamespace(
+        round=SimpleNamespace(number=1, master_addr="127.0.0.1", master_port=server.port),
+        in_place_kv=None,
+    ))  # fmt: skip
+    agent, events = _node(kv)
+    agent.round.master_port = server.port
+    agent.in_place_watch = None
+    agent.inbox = SimpleNamespace(post=posted.put)
+    return agent, events
+
+
+def test_a_node_reads_the_store_for_the_next_generation_only_once_it_has_word(served):
+    """Before: two requests to the workers' store at every tick of the loop (about 20 a second
+    per daemon). Now the round's watch holds one wait, and `follow` reads nothing until ranks
+    wait for the generation or it is announced; then the loop is woken (its inbox) and follows."""
+    server, posted = served
+    a, events = _store_node(server, posted)
+    b, _ = _store_node(server, posted)
+    try:
+        for tick in range(20):  # two seconds of a loop at the default --monitor-interval
+            inplace.follow(a, float(tick))
+        time.sleep(0.5)
+        assert a.in_place_watch.due(1) is False and a.forming is None
+        assert _Counting.calls.count("wait") == 1, _Counting.calls
+        assert set(_Counting.calls) <= {"wait", "check"}, _Counting.calls  # no read per tick
+        assert inplace._announce(b, (3,)) == 1
+        assert posted.get(timeout=5.0)[1] == 1  # the loop is woken
+        inplace.follow(a, 30.0)
+        assert (a.group.generation, a.forming.generation, a.forming.starting) == (1, 1, (3,))
+        assert events[0][0] == "in_place_followed"
+        a.forming = None
+        inplace.follow(a, 31.0)  # the watch now waits for generation 2
+        assert not a.in_place_watch.due(2)
+    finally:
+        a.in_place_watch.end()
+
+
+def test_ranks_that_wait_unannounced_wake_the_watch_and_are_the_peers_evidence(served):
+    """A rank that unwound adds to the waiting counter (worker/reconfigure.py): the watch wakes,
+    `follow` reads it and dates the evidence; the announcing daemon's own 0 is no evidence."""
+    server, posted = served
+    a, _ = _store_node(server, posted)
+    try:
+        inplace.follow(a, 1.0)
+        server.add(names.in_place_waiting_key(1), 1)
+        assert posted.get(timeout=5.0)[1] == 1
+        inplace.follow(a, 2.0)
+        assert a.in_place_waits == 2.0 and a.forming is None
+        server.set(names.in_place_waiting_key(1), b"0")
+        inplace.follow(a, 3.0)
+        assert a.in_place_waits is None
+        a.in_place_waits = 2.0  # a restart: the next round's store has no word, nor evidence
+        a.round.number = 2
+        inplace.follow(a, 4.0)
+        assert a.in_place_waits is None and a.in_place_watch.number == 2
+    finally:
+        a.in_place_watch.end()
 
 
 def test_two_nodes_announcing_at_once_is_refused():
