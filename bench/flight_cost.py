@@ -41,7 +41,8 @@ def main() -> None:
         d0 = time.perf_counter()
         text = flight.dump(recorders)
         dumped = time.perf_counter() - d0
-        entries = len(json.loads(text).get("entries", []))
+        got = json.loads(text)  # a list of dumps where the build has two (CPU's and NCCL's)
+        entries = sum(len(d.get("entries", [])) for d in (got if isinstance(got, list) else [got]))
         got = {"us_per_op": took / ops * 1e6, "dump_ms": dumped * 1e3, "entries": entries}
         print(json.dumps(got), flush=True)
     dist.destroy_process_group()
