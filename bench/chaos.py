@@ -193,7 +193,9 @@ class Job:
     def events(self, *wanted: str) -> list[dict]:
         """The daemon's events of these names, in order."""
         out = []
-        for line in self.stderr.read_text(errors="replace").splitlines():
+        text = self.stderr.read_text(errors="replace")
+        # only whole lines: the daemon may be writing the last one as we read
+        for line in text[: text.rfind("\n") + 1].splitlines():
             if line.startswith("{") and any(f'"{name}"' in line for name in wanted):
                 e = json.loads(line)
                 if e.get("event") in wanted:

