@@ -155,6 +155,20 @@ def recovery(
             return {"recovery_s": None, "steps_lost": None, "source": None, "why": "never reached"}
         if launcher != "torchrun":  # not while the daemon replaces its spares with learned ones
             _until(lambda: _spares_learned(log.read_bytes()), LEARNED_WAIT)
+            # that wait trained on: kill at the same point of the save cycle as kill_at (half an
+            # interval after a disk save, where the in-memory state is the newer one)
+            past = max(r[3] for r in read_steps(out))
+            rows = (
+                _until(
+                    lambda: [
+                        r
+                        for r in read_steps(out)
+                        if r[1] == world - 1 and r[3] > past and r[3] % every == kill_at % every
+                    ],
+                    timeout,
+                )
+                or rows
+            )
         old = {r[0] for r in read_steps(out)}
         t_kill = time.time()
         os.kill(rows[0][0], signal.SIGKILL)
