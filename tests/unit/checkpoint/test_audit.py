@@ -51,10 +51,10 @@ def test_verdict(digests, odd, suspects):
         assert v.odd == odd and v.suspects == suspects and v.undecided == (not odd)
 
 
-def _job(rank: int, world: int, tmp: str, flip_rank: int | None, flip_after: int) -> None:
-    torch.manual_seed(0)
-    model = DDP(nn.Linear(4, 3))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+def _train(rank, model, opt, tmp, flip_after, flipped, skip=False):
+    """Six steps of `model`, kept in memory at every step; after `flip_after`'s boundary
+    `flipped()` flips a bit (None: not on this rank); `skip`: that step's optimizer.step() is not
+    called. (the step reached, the manager, the audit's SilentDataCorruption or None)"""
     mgr = CheckpointManager(tmp + "/ckpt", memory_every=1, memory_dir=f"{tmp}/mem")
     torch.manual_seed(rank)
     step = 0
@@ -63,18 +63,30 @@ def _job(rank: int, world: int, tmp: str, flip_rank: int | None, flip_after: int
             loss = model(torch.randn(2, 4)).square().sum()
             opt.zero_grad()
             loss.backward()
-            opt.step()
+            if not (skip and step == flip_after):
+                opt.step()
             step += 1
             mgr.maybe_save(step, lambda: capture(model=model, optimizer=opt, step=step))
-            if step == flip_after and rank == flip_rank:
-                flip(model.module.weight, 5)
+            if step == flip_after and flipped is not None:
+                flipped()
     except audit.SilentDataCorruption as e:
+        with open(f"{tmp}/sdc{rank}", "w") as f:  # the forked rank's exit code is the helper's
+            f.write(str(e))
+        return step, mgr, e
+    return step, mgr, None
+
+
+def _job(rank: int, world: int, tmp: str, flip_rank: int | None, flip_after: int) -> None:
+    torch.manual_seed(0)
+    model = DDP(nn.Linear(4, 3))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    flipped = (lambda: flip(model.module.weight, 5)) if rank == flip_rank else None
+    step, mgr, e = _train(rank, model, opt, tmp, flip_after, flipped)
+    if e is not None:
         held = [h.step for h in slots.held(f"{tmp}/mem", 0)]  # the node's state
         # nothing of the step the replicas disagreed on was kept; the newest kept is certified
         assert step == flip_after + 1 and max(held) == flip_after, (step, held)
         assert e.code == names.SDC_EXIT and f"step {step}" in str(e)
-        with open(f"{tmp}/sdc{rank}", "w") as f:  # the forked rank's exit code is the helper's
-            f.write(str(e))
         return
     assert mgr.audits == 6, mgr.audits
     mgr.close()
@@ -108,26 +120,12 @@ def _sharded_job(rank: int, world: int, tmp: str, flip_after: int | None, skip: 
     model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 3))
     fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    mgr = CheckpointManager(tmp + "/ckpt", memory_every=1, memory_dir=f"{tmp}/mem")
-    torch.manual_seed(rank)
-    step = 0
-    try:
-        while step < 6:
-            loss = model(torch.randn(2, 4)).square().sum()
-            opt.zero_grad()
-            loss.backward()
-            if not (skip and step == flip_after):
-                opt.step()
-            step += 1
-            mgr.maybe_save(step, lambda: capture(model=model, optimizer=opt, step=step))
-            if step == flip_after and rank == 1:
-                flip(next(model.parameters()).to_local(), 1)
-    except audit.SilentDataCorruption as e:
+    flipped = (lambda: flip(next(model.parameters()).to_local(), 1)) if rank == 1 else None
+    step, mgr, e = _train(rank, model, opt, tmp, flip_after, flipped, skip)
+    if e is not None:
         held = [h.step for h in slots.held(f"{tmp}/mem", rank)]  # this rank's own shards
         assert step == flip_after + 1 and max(held) == flip_after, (step, held)
         assert e.code == names.SDC_EXIT and mgr.audits == flip_after, mgr.audits  # 2..4
-        with open(f"{tmp}/sdc{rank}", "w") as f:
-            f.write(str(e))
         return
     assert flip_after is None and mgr.audits == 5, mgr.audits  # every window after the first keep
     mgr.close()
