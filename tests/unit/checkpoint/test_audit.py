@@ -131,20 +131,25 @@ def _sharded_job(rank: int, world: int, tmp: str, flip_after: int | None, skip: 
     mgr.close()
 
 
-@pytest.mark.parametrize("skip", [False, True])
-def test_a_flipped_bit_in_one_ranks_shard_names_it_before_the_state_is_kept(tmp_path, skip):
+@pytest.mark.parametrize(
+    ("world", "skip"), [(2, False), (2, True), (3, False)], ids=["2", "2-skipped-step", "3"]
+)
+def test_a_flipped_bit_in_one_ranks_shard_names_it_before_the_state_is_kept(tmp_path, world, skip):
+    """At 3 ranks the shards are uneven (8 rows: 3, 3, 2) and two ranks' audits pass: the
+    verdict still reaches every rank and names rank 1 alone."""
     pytest.importorskip("torch.distributed.fsdp")
     (tmp_path / "mem").mkdir()
-    helpers.run(_sharded_job, 2, tmp_path, str(tmp_path), 3, skip)
-    said = [(tmp_path / f"sdc{r}").read_text() for r in range(2)]
+    helpers.run(_sharded_job, world, tmp_path, str(tmp_path), 3, skip)
+    said = [(tmp_path / f"sdc{r}").read_text() for r in range(world)]
     assert len(set(said)) == 1, said
     assert "rank(s) 1's shards" in said[0] and "before step 4's update" in said[0], said[0]
 
 
-def test_clean_shards_pass_every_audit_in_time(tmp_path):
+@pytest.mark.parametrize("world", [2, 3])
+def test_clean_shards_pass_every_audit_in_time(tmp_path, world):
     pytest.importorskip("torch.distributed.fsdp")
     (tmp_path / "mem").mkdir()
-    helpers.run(_sharded_job, 2, tmp_path, str(tmp_path), None, False)
+    helpers.run(_sharded_job, world, tmp_path, str(tmp_path), None, False)
     assert not list(tmp_path.glob("sdc*"))
 
 
