@@ -380,7 +380,10 @@ class Auditor:
                 f"optimizer state disagree at step {step} with no majority (undecided between "
                 f"ranks {', '.join(map(str, found.suspects))})"
             )
-        action = f"rolling back to the newest certified state (step {self.last_step})"
+        # None: no audit passed in this process yet (it began with this run's resume), so the
+        # newest certified state is one kept before it, whose step this process does not know
+        known = f" (step {self.last_step})" if self.last_step is not None else ""
+        action = f"rolling back to the newest certified state{known}"
         if figures is not None:
             figures.note("sdc_step", step)
             figures.note("sdc_rank", found.odd[0] + 1 if len(found.odd) == 1 else 0)

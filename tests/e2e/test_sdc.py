@@ -8,6 +8,7 @@ and an elastic job goes on without it. The same with FSDP2, whose shards are aud
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -148,11 +149,11 @@ def test_a_persistent_flip_quarantines_the_node(daemons, tmp_path):
     assert record.quarantined and "silent data corruption" in record.quarantined["why"], record
 
 
-def _nodes_one_faulty(daemons, tmp_path, names: str, nnodes: str) -> dict:
+def _nodes_one_faulty(daemons, tmp_path, names: str, nnodes: str, **job) -> dict:
     """One daemon of one rank per name, node b's part faulty (it flips persistently, whatever
-    rank it runs); a starts first and hosts the c10d store. Each node's exit code."""
+    rank it runs); a starts first and hosts the c10d store. `job`: more of the job's config."""
     port = free_port()
-    cfg = {"flip_at": FLIP_AT, "flip_persistent": True, "flip_rank": None, "steps": STEPS}
+    cfg = {"flip_at": FLIP_AT, "flip_persistent": True, "flip_rank": None, "steps": STEPS, **job}
     env = {"EXACT_JOB": json.dumps({**cfg, "out": str(tmp_path / "job.out")})}
     nodes = {}
     for name in names:
@@ -198,3 +199,18 @@ def test_four_ranks_a_persistent_flip_is_outvoted_quarantined_and_three_go_on(da
     quarantined and the other three finish at a world of three (--nnodes 3:4)."""
     nodes = _nodes_one_faulty(daemons, tmp_path, "abcd", "3:4")
     _b_left_and_the_others_finished(nodes, tmp_path)
+
+
+def test_a_node_quarantined_for_corruption_in_its_shards_leaves_and_the_job_goes_on(
+    daemons, tmp_path
+):
+    """FSDP2 over three nodes of one rank, node b's shard flipped after every step from step 4:
+    the audit in time names b's rank twice, b is quarantined (exit 7), and a and c finish at a
+    world of two, b's shards taken from the replicas they hold of it."""
+    nodes = _nodes_one_faulty(daemons, tmp_path, "abc", "2:3", sharded=True)
+    _b_left_and_the_others_finished(nodes, tmp_path)
+    out = nodes["a"].stdout() + nodes["c"].stdout()
+    # rank 0 says how the world of two was resumed: b's old rank from a replica held of it
+    resumed = re.findall(r"memory_state_sharded .*from_replicas=\[(\d+)\].* world=2 ", out)
+    assert len(resumed) == 1, out[-3000:]
+    assert "sharded-replicas" in out and "(step None)" not in out
