@@ -237,7 +237,7 @@ def table(args: argparse.Namespace, r: dict) -> list[str]:
     ]
 
 
-def _verdict_after(nproc: int, tmp: Path, timeout: float) -> dict:
+def _verdict_after(nproc: int, tmp: Path, timeout: float, *flags: str) -> dict:
     """One job under `elasticd run`: seconds from rank 0's sdc_detected to sdc_suspected."""
     import datetime
 
@@ -250,6 +250,7 @@ def _verdict_after(nproc: int, tmp: Path, timeout: float) -> dict:
         *("python3", "-m", "elasticd", "run", "--nproc-per-node", str(nproc), "--ledger"),
         *("--log-dir", str(tmp / "logs"), "--state-dir", str(tmp / "state"), "--no-tee"),
         *("--checkpoint-dir", str(tmp / "ckpt"), "--log-format", "json", "--max-restarts", "2"),
+        *flags,
         str(HERE.parent / "tests" / "scripts" / "exact_job.py"),
     ]
     proc = spawn(cmd, env, tmp / "daemon.log")
@@ -269,27 +270,41 @@ def _verdict_after(nproc: int, tmp: Path, timeout: float) -> dict:
         "seconds": at(found) - detected,
         "rank": found["rank"],
         "referee_seconds": found.get("referee_seconds"),
+        "referee_warm": found.get("referee_warm", 0),
     }
 
 
 def referee_trials(trials: int, timeout: float) -> list[str]:
-    rows: dict[int, list[dict]] = {2: [], 3: []}
+    """Per trial, in turn: 2 ranks with the referee's replays in warm spares (the default), the
+    same in fresh interpreters (--no-warm-spawn), 3 ranks where a majority decides."""
+    kinds = {"warm": (2, ()), "cold": (2, ("--no-warm-spawn",)), "majority": (3, ())}
+    rows: dict[str, list[dict]] = {kind: [] for kind in kinds}
     for _ in range(trials):
-        for nproc in (2, 3):
+        for kind, (nproc, flags) in kinds.items():
             with tempfile.TemporaryDirectory(prefix="elasticd-bench-referee-") as tmp:
-                rows[nproc].append(_verdict_after(nproc, Path(tmp), timeout))
-    two, three = rows[2], rows[3]
-    ratio = [a["seconds"] / b["seconds"] for a, b in zip(two, three)]
+                rows[kind].append(_verdict_after(nproc, Path(tmp), timeout, *flags))
     fmt = lambda xs: ", ".join(f"{x:.2f}" for x in xs)  # noqa: E731
-    return [
-        "from the disagreement (rank 0's error file) to sdc_suspected, seconds:",
-        f"  2 ranks, the referee's replay: {fmt(r['seconds'] for r in two)} "
-        f"(named rank {sorted({r['rank'] for r in two})}; the referee itself "
-        f"{fmt(r['referee_seconds'] or 0 for r in two)})",
+    lines = ["from the disagreement (rank 0's error file) to sdc_suspected, seconds:"]
+    for kind in ("warm", "cold"):
+        got = rows[kind]
+        lines.append(
+            f"  2 ranks, the referee, {kind}: {fmt(r['seconds'] for r in got)} (named rank "
+            f"{sorted({r['rank'] for r in got})}; the referee itself "
+            f"{fmt(r['referee_seconds'] or 0 for r in got)}; replays in warm spares: "
+            f"{', '.join(str(r['referee_warm']) for r in got)} of 2)"
+        )
+    three = rows["majority"]
+    lines.append(
         f"  3 ranks, a majority:           {fmt(r['seconds'] for r in three)} "
-        f"(named rank {sorted({r['rank'] for r in three})})",
-        f"  referee / majority, per pair: {fmt(ratio)} (median {statistics.median(ratio):.1f})",
-    ]
+        f"(named rank {sorted({r['rank'] for r in three})})"
+    )
+    for kind in ("warm", "cold"):
+        ratio = [a["seconds"] / b["seconds"] for a, b in zip(rows[kind], three)]
+        lines.append(
+            f"  referee {kind} / majority, per trial: {fmt(ratio)} "
+            f"(median {statistics.median(ratio):.2f})"
+        )
+    return lines
 
 
 def main() -> None:

@@ -69,6 +69,8 @@ log = logs.get("elasticd.agent")
 
 # seconds a start waits for spares still being forked (a cold start takes as long)
 SPARE_WAIT = 20.0
+# seconds a replay waits for one: a replay in a fresh interpreter took 3-7 s on the 2-core VM
+REPLAY_SPARE_WAIT = 3.0
 
 
 class Agent:
@@ -337,7 +339,16 @@ class Agent:
             step,
             self.cfg.replay_timeout,
             lambda until, done: self.waits.idle(until, done),
+            self._warm_spare,
         )
+
+    def _warm_spare(self) -> Any:
+        """A warm spare for a replay (a forkclient.Spare), waiting up to REPLAY_SPARE_WAIT for one
+        the fork server is forking (a refill after the start the failure ended, say): a replay in
+        a fresh interpreter costs more. None if none came."""
+        pool = self.spares
+        self.waits.idle(time.monotonic() + REPLAY_SPARE_WAIT, pool.ready_or_none_coming)
+        return pool.take()
 
     def _succeed(self) -> int:
         """Every local worker exited 0: the exit barrier, then the job's end."""
@@ -567,6 +578,7 @@ class Agent:
             self.cfg.replay_timeout,
             lambda until, done: self.waits.idle(until, done),
             self.event,
+            self._warm_spare,
         )
         if why.replayed:
             self.last_failure = why

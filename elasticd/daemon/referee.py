@@ -10,7 +10,8 @@ Each rank left a bundle at the disagreement (checkpoint/bundle.py `on_sdc`: the 
 its RNG, its samples, both digests); two replays (each a world of one, as `elasticd replay`),
 side by side: one leaves rank 1's local gradients of the step, the other replays rank 0's, waits
 for them at its optimizer step, mixes them in and takes the step: its digest is the job's had no
-bit flipped.
+bit flipped. Each replay runs in a warm spare where the pool has one (torch and the job's imports
+loaded: a fresh interpreter's imports were most of a verdict's seconds), else in a fresh one.
 
 What it cannot decide (one `sdc_referee_undecided` line, the undecided rule stands): no bundles
 (ledger off, no state kept, not DDP), the two ranks' bundles on different nodes, a certified state
@@ -32,6 +33,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from elasticd import names, repro
+from elasticd.daemon import spawn
+from elasticd.daemon.forkclient import Spare
 
 BUNDLES_WAIT = 10.0  # seconds for the ranks' bundles to appear (each writes it before exiting)
 
@@ -44,14 +47,18 @@ class Call:
     odd: int | None
     said: str
     seconds: float
+    warm: int = 0  # replays that ran in a warm spare (of 2)
 
 
 Idle = Callable[[float, Callable[[], bool]], None]
+Take = Callable[[], Spare | None]  # a warm spare from the pool (spares.py `take`), or None
 
 
-def referee(attempt_dir: Path | None, step: int, timeout: float, idle: Idle) -> Call:
+def referee(
+    attempt_dir: Path | None, step: int, timeout: float, idle: Idle, take: Take = lambda: None
+) -> Call:
     """Replay the disputed `step` from the two ranks' bundles in `attempt_dir`, waiting through
-    the agent's loop (`idle`), at most `timeout` seconds in all."""
+    the agent's loop (`idle`), at most `timeout` seconds in all, in spares `take` gives."""
     t0 = time.monotonic()
     deadline = t0 + timeout
     if attempt_dir is None:
@@ -66,22 +73,24 @@ def referee(attempt_dir: Path | None, step: int, timeout: float, idle: Idle) -> 
         grads = os.path.join(tmp, "rank1.grads")
         # side by side: the second imports and loads while the first runs; it waits for the
         # gradients only at its optimizer step
-        first = _start(heads[1], paths[1], {names.REFEREE_GRADS_OUT: grads}, tmp)
-        second = _start(heads[0], paths[0], {names.REFEREE_GRADS_IN: grads}, tmp)
+        first = _start(heads[1], paths[1], {names.REFEREE_GRADS_OUT: grads}, tmp, take)
+        second = _start(heads[0], paths[0], {names.REFEREE_GRADS_IN: grads}, tmp, take)
+        warm = first[2] + second[2]
         try:
             idle(deadline, lambda: first[0].poll() is not None)
-            got = _finish(*first)
+            got = _finish(*first[:2])
             if got.get("outcome") != "gradients":
-                return Call(None, f"rank 1's replay: {_outcome(got)}", time.monotonic() - t0)
+                said = f"rank 1's replay: {_outcome(got)}"
+                return Call(None, said, time.monotonic() - t0, warm)
             idle(deadline, lambda: second[0].poll() is not None)
-            got = _finish(*second)
+            got = _finish(*second[:2])
         finally:
-            for proc, _ in (first, second):
+            for proc, _, _ in (first, second):
                 _kill(proc)
     seconds = time.monotonic() - t0
     if got.get("outcome") != "completed" or not isinstance(got.get("digest"), int):
-        return Call(None, f"rank 0's replay: {_outcome(got)}", seconds)
-    return judge(got["digest"], digests, step, seconds)
+        return Call(None, f"rank 0's replay: {_outcome(got)}", seconds, warm)
+    return dataclasses.replace(judge(got["digest"], digests, step, seconds), warm=warm)
 
 
 def judge(replayed: int, digests: list[int], step: int, seconds: float) -> Call:
@@ -129,20 +138,25 @@ def _heads(paths: list[Path], step: int) -> list[dict] | str:
     return heads
 
 
-def _start(head: dict, bundle: Path, extra: dict[str, str], tmp: str) -> tuple:
-    """One replay process (worker/replay.py) of `bundle`, as `elasticd replay` starts it, its
-    output appended to rankR.sdc.replay.log beside the bundle; (process, result file)."""
+def _start(head: dict, bundle: Path, extra: dict[str, str], tmp: str, take: Take):
+    """One replay (worker/replay.py) of `bundle`, as `elasticd replay` runs it, in a warm spare
+    `take` gives, else in a fresh interpreter; its output in rankR.sdc.replay.log beside the
+    bundle. (process, result file, 1 if in a spare else 0)"""
     result, ledger_dir = os.path.join(tmp, f"{bundle.name}.json"), os.path.join(tmp, bundle.name)
     os.mkdir(ledger_dir, 0o700)
     env = {**repro.replay_env(head, str(bundle), result, ledger_dir), **extra}
     log = bundle.with_name(bundle.name.replace(repro.SUFFIX, ".replay.log"))
-    cmd = [sys.executable, "-P", "-m", "elasticd.worker.replay", str(bundle), result]
-    with open(log, "ab") as out:
+    argv = [str(bundle), result]
+    spare = take() if not log.exists() else None  # a spare creates it, as a rank's log
+    if spare is not None and (proc := spawn.assign(spare, env, tuple(argv), log)) is not None:
+        return proc, result, 1
+    cmd = [sys.executable, "-P", "-m", "elasticd.worker.replay", *argv]
+    with open(log, "ab") as out:  # after an earlier replay of the bundle too
         proc = subprocess.Popen(
             cmd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             start_new_session=True,
         )  # fmt: skip
-    return proc, result
+    return proc, result, 0
 
 
 def _finish(proc: subprocess.Popen, result: str) -> dict:

@@ -85,10 +85,11 @@ class Corruption:
             call = referee(found.step)
             if call.odd is not None:
                 found = Finding(found.step, call.odd, node_of(rnd, call.odd))
-                refereed = {"referee": call.said, "referee_seconds": round(call.seconds, 3)}
+                refereed = {"referee": call.said, "referee_seconds": round(call.seconds, 3),
+                            "referee_warm": call.warm}  # fmt: skip
             else:
                 self.event("sdc_referee_undecided", level="warning", step=found.step,
-                           said=call.said, seconds=round(call.seconds, 3),
+                           said=call.said, seconds=round(call.seconds, 3), warm=call.warm,
                            action="undecided: no node struck")  # fmt: skip
         label = (found.node or UNDECIDED) if found.rank is not None else UNDECIDED
         self.detected[label] = self.detected.get(label, 0) + 1

@@ -6,11 +6,11 @@ A fork server that dies (an OOM killer's pick: torch imported, a large RSS) is s
 after a backoff (supervise.Part), while fresh-interpreter spares cover the gap; an unfit one would
 be unfit again, and stays off.
 
-Spares are asked for while the nodes meet, handed to spawn.spawn at a start, and refilled:
-at once after a start when the fork server makes them (a fork each: nothing the starting
-workers would notice), otherwise once the new workers are past start-up (a fresh interpreter's
-imports would slow theirs), or after REFILL_AFTER seconds. A spare that died (killed: an OOM
-killer's pick too) is replaced.
+Spares are asked for while the nodes meet, handed to spawn.spawn at a start (or to the referee's
+replays, daemon/referee.py), and refilled: at once after a start when the fork server makes them
+(a fork each: nothing the starting workers would notice), otherwise once the new workers are past
+start-up (a fresh interpreter's imports would slow theirs), or after REFILL_AFTER seconds. A
+spare that died (killed: an OOM killer's pick too) is replaced.
 
 Once learning (learning.py) found modules that read a rank variable, one more spare per local rank
 is bound to its environment in the running attempt (worker/bound.py; the `spares_bound` event);
@@ -140,6 +140,21 @@ class SparePool:
             fs.close()
             self._start_server()
         self._fill()
+
+    def take(self) -> forkclient.Spare | None:
+        """A warm spare for work other than a rank's (the replays: torch and the job's imports
+        already loaded); None where none is ready. The next top-up replaces it."""
+        for i, spare in enumerate(self.spares):
+            if spare.bound is None and spare.proc.poll() is None:
+                return self.spares.pop(i)
+        return None
+
+    def ready_or_none_coming(self) -> bool:
+        """Whether `take` has one now, or none is on its way (asked of the fork server: a refill
+        after a start, say, forked while it learns too): what a wait for one checks."""
+        fs = self.forkserver
+        coming = fs is not None and fs.usable and fs.pending > 0
+        return not coming or any(p.bound is None and p.proc.poll() is None for p in self.spares)
 
     def top_up(self) -> None:
         """Ask the fork server for the spares missing, or start fresh interpreters where it is

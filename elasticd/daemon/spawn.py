@@ -204,7 +204,7 @@ def spawn(
         args = spec.worker_args(local_rank)
         proc = None
         while proc is None and (spare := _pick(spares, env)) is not None:
-            proc = _assign(spare, env, args, paths)
+            proc = assign(spare, env, args, paths["log"], paths["stderr"])
         if proc is None:
             with (
                 os.fdopen(safeio.create(paths["log"]), "ab") as out,
@@ -248,12 +248,17 @@ def _pick(spares: list[Spare], env: dict[str, str]) -> Spare | None:
     return None
 
 
-def _assign(spare: Spare, env: dict[str, str], args: tuple[str, ...], paths: dict[str, Path]):
-    """Give a spare its rank (and its stdout and stderr files); None if it died meanwhile (then
-    the caller takes another or a cold start)."""
+def assign(
+    spare: Spare, env: dict[str, str], args: tuple[str, ...], log: Path, err: Path | None = None
+):
+    """Give a spare its rank and its stdout and stderr files (new files: the spare creates them;
+    no `err`: stderr to `log` too); None if it died meanwhile (then the caller takes another or a
+    cold start). The referee hands its replays to spares so too."""
     if spare.proc.poll() is not None:
         return None
-    job = {"env": env, "args": list(args), "log": str(paths["log"]), "err": str(paths["stderr"])}
+    job = {"env": env, "args": list(args), "log": str(log)}
+    if err is not None:
+        job["err"] = str(err)
     try:
         spare.job.write(json.dumps(job).encode() + b"\n")
         spare.job.close()

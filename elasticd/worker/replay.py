@@ -17,6 +17,7 @@ import json
 import os
 import sys
 import traceback
+from typing import NoReturn
 
 from elasticd import repro
 from elasticd.worker import bootstrap
@@ -56,8 +57,14 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    code = main(sys.argv[1:])
+def run(argv: list[str]) -> NoReturn:
+    """main, then out at once: a thread or process group the script left must not hold the
+    verdict. A warm spare handed a replay (the referee's, daemon/referee.py) comes here too."""
+    code = main(argv)
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
-    os._exit(code)  # a thread or process group the script left must not hold the verdict
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    run(sys.argv[1:])

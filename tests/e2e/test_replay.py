@@ -35,8 +35,12 @@ def test_a_data_bug_replays_the_same_and_ends_deterministic_after_one_failure(da
     assert not _events(d, "recovered"), "restarted: the replay should have decided at once"
     (verdict,) = _events(d, "replay_verdict")
     assert verdict["verdict"] == "reproduced" and verdict["rank"] == 1, verdict
+    assert verdict["warm"] is True, verdict  # replayed in one of the pool's warm spares
     assert "its replay from the repro bundle" in d.stderr(), d.stderr()[-2000:]
     attempt = d.attempt_dirs()[0]
+    said = (attempt / "rank1.replay.log").read_text().splitlines()[-1]
+    assert said == verdict["said"], (said, verdict)
+    assert said.startswith("elasticd replay: reproduced at step 7: ValueError: sample 37"), said
     bundle = attempt / "rank1.repro"
     # by hand: the same verdict, from the same file, in one process
     r = run_cli("replay", str(bundle), timeout=120)
@@ -64,10 +68,12 @@ def test_a_data_bug_replays_the_same_and_ends_deterministic_after_one_failure(da
 
 
 def test_a_transient_does_not_replay_and_the_job_restarts(daemons):
-    d = _job(daemons, "flaky", "--ledger", args=("--flaky-rank", "1", "--flaky-step", "5"))
+    """Without warm spares (--no-warm-spawn) the daemon runs `elasticd replay` itself."""
+    flaky = ("--flaky-rank", "1", "--flaky-step", "5")
+    d = _job(daemons, "flaky", "--ledger", "--no-warm-spawn", args=flaky)
     assert d.wait(180) == 0, d.stderr()[-3000:]
     (verdict,) = _events(d, "replay_verdict")
-    assert verdict["verdict"] == "transient", verdict
+    assert verdict["verdict"] == "transient" and verdict["warm"] is False, verdict
     assert "did not reproduce: step 5 completed" in verdict["said"], verdict
     assert "done" in d.stdout()
 

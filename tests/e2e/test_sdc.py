@@ -73,7 +73,8 @@ def test_two_replicas_the_referee_names_the_flipped_rank_and_the_run_ends_bit_id
     daemons, tmp_path
 ):
     """Two ranks, no majority: the referee replays the disputed step from the certified state,
-    reproduces rank 0's digest and names rank 1 (its node struck once, not quarantined)."""
+    in the pool's two warm spares, reproduces rank 0's digest and names rank 1 (its node struck
+    once, not quarantined)."""
     clean = _job(daemons, tmp_path, "clean", 2, {})
     faulty = _job(daemons, tmp_path, "faulty", 2, REFEREED, "--ledger")
     for d in (clean, faulty):
@@ -81,6 +82,7 @@ def test_two_replicas_the_referee_names_the_flipped_rank_and_the_run_ends_bit_id
     (found,) = _events(faulty, "sdc_suspected")
     assert (found["rank"], found["step"], found["undecided"]) == (1, FLIP_AT + 1, False), found
     assert "referee" in found and "reproduced rank 0's digest" in found["referee"], found
+    assert found["referee_warm"] == 2, found
     assert not _events(faulty, "sdc_confirmed") and not _events(faulty, "sdc_referee_undecided")
     record = quarantine.read(tmp_path / "faulty.state")
     assert not record.quarantined and record.strikes, record
@@ -90,12 +92,13 @@ def test_two_replicas_the_referee_names_the_flipped_rank_and_the_run_ends_bit_id
 
 
 def test_two_replicas_a_persistent_flip_the_referee_names_twice_quarantines(daemons, tmp_path):
+    """Without warm spares (--no-warm-spawn) the referee's replays run in fresh interpreters."""
     cfg = {**REFEREED, "flip_persistent": True}
-    faulty = _job(daemons, tmp_path, "faulty", 2, cfg, "--ledger")
+    faulty = _job(daemons, tmp_path, "faulty", 2, cfg, "--ledger", "--no-warm-spawn")
     assert faulty.wait(150) == exit_codes.ExitCode.QUARANTINED, faulty.stderr()[-3000:]
     suspected = _events(faulty, "sdc_suspected")
     assert [(e["rank"], e["step"]) for e in suspected] == [(1, 5), (1, 6)], suspected
-    assert all("referee" in e for e in suspected), suspected
+    assert all("referee" in e and e["referee_warm"] == 0 for e in suspected), suspected
     (confirmed,) = _events(faulty, "sdc_confirmed")
     assert confirmed["rank"] == 1, confirmed
     record = quarantine.read(tmp_path / "faulty.state")

@@ -204,6 +204,12 @@ class FakeSpares:
     def keep(self) -> frozenset[int]:
         return frozenset()
 
+    def take(self) -> None:
+        return None  # no warm spare: a replay runs as `elasticd replay`, in a fresh interpreter
+
+    def ready_or_none_coming(self) -> bool:
+        return True
+
     def close(self) -> None:
         pass
 

@@ -1,13 +1,13 @@
-"""`elasticd replay`'s verdict (ops/replay.py `judge`, pure) and its refusal of a bad bundle, in
-one line, exit 2, before torch loads (the real replay of a real failure:
-tests/e2e/test_replay.py)."""
+"""`elasticd replay`'s verdict (daemon/replay_verdict.py `verdict`, pure, the daemon's too) and
+its refusal of a bad bundle, in one line, exit 2, before torch loads (the real replay of a real
+failure: tests/e2e/test_replay.py)."""
 
 from __future__ import annotations
 
 import pytest
 
 from elasticd import repro
-from elasticd.ops import replay
+from elasticd.daemon import replay_verdict
 from harness import run_cli
 
 TB = 'Traceback (most recent call last):\n  File "/src/train.py", line {line}, in main\n'
@@ -44,15 +44,15 @@ def _error(text: str, line: int = 52) -> dict:
     ],
 )
 def test_the_verdict(got, seen, code, words):
-    assert replay.judge(HEAD, got, seen)[0] == code
-    assert words in replay.judge(HEAD, got, seen)[1]
+    assert replay_verdict.verdict(HEAD, got, seen)[0] == code
+    assert words in replay_verdict.verdict(HEAD, got, seen)[1]
 
 
 def test_samples_that_differ_from_the_ledgers_make_it_no_replay_of_the_step():
     head = {**HEAD, "certified_step": 4, "samples": {"5": [1, 2], "6": [3, 4]}}
     same = _error(HEAD["error"]["exception"])
-    assert replay.judge(head, same, {5: [1, 2], 6: [3, 4], 7: [9]})[0] == 0
-    code, words = replay.judge(head, same, {5: [1, 2], 6: [4, 3]})
+    assert replay_verdict.verdict(head, same, {5: [1, 2], 6: [3, 4], 7: [9]})[0] == 0
+    code, words = replay_verdict.verdict(head, same, {5: [1, 2], 6: [4, 3]})
     assert code == 3 and "step 6's samples differ from the ledger's" in words
 
 
