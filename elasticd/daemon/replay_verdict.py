@@ -42,9 +42,8 @@ REPRODUCED, NOT_REPRODUCED, REFUSED, UNDECIDED = 0, 1, 2, 3
 VERDICTS = {REPRODUCED: "reproduced", NOT_REPRODUCED: "transient"}
 SLACK = 10.0  # seconds past the replay's own --timeout before the daemon kills it
 
-Take = Callable[
-    [], Any
-]  # a warm spare from the pool (spares.py `take`, a forkclient.Spare), or None
+# a warm spare from the pool (spares.py `take`: a forkclient.Spare), or None
+Take = Callable[[], Any]
 
 
 def bundle_of(why: Failure, attempt_dir: Path | None) -> Path | None:
