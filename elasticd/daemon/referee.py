@@ -21,10 +21,8 @@ replay that reproduces neither digest (a fault before the step's all-reduce spre
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -33,7 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from elasticd import names, repro
-from elasticd.daemon import spawn
+from elasticd.daemon import replay_verdict, spawn
 from elasticd.daemon.forkclient import Spare
 
 BUNDLES_WAIT = 10.0  # seconds for the ranks' bundles to appear (each writes it before exiting)
@@ -86,7 +84,7 @@ def referee(
             got = _finish(*second[:2])
         finally:
             for proc, _, _ in (first, second):
-                _kill(proc)
+                replay_verdict.end(proc)
     seconds = time.monotonic() - t0
     if got.get("outcome") != "completed" or not isinstance(got.get("digest"), int):
         return Call(None, f"rank 0's replay: {_outcome(got)}", seconds, warm)
@@ -162,16 +160,9 @@ def _start(head: dict, bundle: Path, extra: dict[str, str], tmp: str, take: Take
 def _finish(proc: subprocess.Popen, result: str) -> dict:
     """The replay's result; a process still running (past the deadline) is killed first."""
     if proc.poll() is None:
-        _kill(proc)
+        replay_verdict.end(proc)
         return {"outcome": "timeout"}
     return repro.read_result(result)
-
-
-def _kill(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
 
 
 def _outcome(got: dict) -> str:

@@ -99,7 +99,7 @@ def _in_cli(path: Path, log: Path, timeout: float, idle) -> tuple[int, str]:
             start_new_session=True,
         )  # fmt: skip
         idle(t0 + timeout + SLACK, lambda: proc.poll() is not None)
-        _end(proc)
+        end(proc)
     return proc.returncode, _last_line(log)
 
 
@@ -125,7 +125,7 @@ def _in_spare(path: Path, log: Path, timeout: float, idle, take: Take) -> tuple[
         if proc is None:
             return None
         idle(t0 + timeout, lambda: proc.poll() is not None)
-        if _end(proc):
+        if end(proc):
             code, text = UNDECIDED, f"undecided: not finished in {timeout:g} s (--replay-timeout)"
         else:
             code, text = verdict(head, repro.read_result(result), samples(ledger_dir))
@@ -135,7 +135,7 @@ def _in_spare(path: Path, log: Path, timeout: float, idle, take: Take) -> tuple[
     return code, line
 
 
-def _end(proc) -> bool:
+def end(proc) -> bool:
     """Kill the replay's process group if it still runs (past its time, or a stop came) and reap
     it; whether it was killed."""
     running = proc.poll() is None

@@ -145,7 +145,7 @@ class SparePool:
         """A warm spare for work other than a rank's (the replays: torch and the job's imports
         already loaded); None where none is ready. The next top-up replaces it."""
         for i, spare in enumerate(self.spares):
-            if spare.bound is None and spare.proc.poll() is None:
+            if _free(spare):
                 return self.spares.pop(i)
         return None
 
@@ -154,7 +154,7 @@ class SparePool:
         after a start, say, forked while it learns too): what a wait for one checks."""
         fs = self.forkserver
         coming = fs is not None and fs.usable and fs.pending > 0
-        return not coming or any(p.bound is None and p.proc.poll() is None for p in self.spares)
+        return not coming or any(map(_free, self.spares))
 
     def top_up(self) -> None:
         """Ask the fork server for the spares missing, or start fresh interpreters where it is
@@ -303,3 +303,8 @@ class SparePool:
     def _shown(self) -> list[str]:
         """The workers' command line as ps shows it (see proctitle)."""
         return proctitle.title(self.cfg.entrypoint, self.cfg.args)
+
+
+def _free(spare: forkclient.Spare) -> bool:
+    """Alive and bound to no rank: a spare `take` may hand out."""
+    return spare.bound is None and spare.proc.poll() is None
