@@ -472,8 +472,8 @@ class CheckpointManager:
             return False
         state = self._captured(step, state)
         self.save(step, state, epoch=epoch, position=position)
-        if memory_due:
-            self._memory.refresh(step, state)
+        if memory_due or (final and every):  # the stop's step in memory too: a world change
+            self._memory.refresh(step, state)  # (a node joining) resumes from it, not the disk
         self._stop_saved = self._stop_saved or stop
         return True
 

@@ -200,13 +200,18 @@ def test_partitioned_node_stops_its_workers_and_rejoins_when_healed(daemons, lay
     )
     t_heal = time.time()
     layout.net.heal(k)
-    for n in nodes:
-        wait_until(
-            lambda n=n: any(w == 3 and t > t_heal for _, w, t, *_ in steps(n)),
+    for n in nodes:  # settled: running, a few steps into its group (a stop in a rendezvous
+        wait_until(  # round ends it there, STOPPED, with no workers to stop)
+            lambda n=n: _running(n) and sum(w == 3 and t > t_heal for _, w, t, *_ in steps(n)) >= 3,
             60,
             what="all three training again",
         )
     stop_nodes(nodes)
+
+
+def _running(node) -> bool:
+    states = [e["new"] for e in node.events() if e.get("event") == "state"]
+    return bool(states) and states[-1] == "RUNNING"
 
 
 def test_lost_quorum_stops_the_workers_and_they_start_again_when_it_returns(daemons, layout):

@@ -14,7 +14,7 @@ import torch
 
 import _ckpt_helpers as helpers
 from elasticd import checkpoint
-from elasticd.checkpoint import CheckpointManager
+from elasticd.checkpoint import CheckpointManager, stop
 from elasticd.checkpoint import rng as ckpt_rng
 from elasticd.checkpoint.memory import cadence, description, directory, reader, slots, writer
 from elasticd.checkpoint.training_state import REFRESH, Refresh
@@ -139,6 +139,21 @@ def test_single_process_refresh_every_n_steps_and_keep_two(tmp_path):
         state["model"]["weight"], model.weight.detach()
     )
     assert mgr.last_memory_stall > 0
+
+
+def test_the_final_save_of_a_stop_refreshes_memory_off_its_cadence(tmp_path, monkeypatch):
+    """A stop (a node joining restarts the group) at a step the cadence skips: the memory holds
+    that step too, so the resume that follows takes it from memory, not from the disk."""
+    monkeypatch.setattr(stop.PROCESS, "requested", type(stop.PROCESS.requested)())
+    mgr, mem, model = refresh_loop(tmp_path, 5, memory_every=2)
+    assert slots.steps(str(mem), world=1, rank=0, local_rank=0) == [4, 2]
+    checkpoint.request_stop()
+    assert mgr.maybe_save(7, lambda: checkpoint.capture(model=model, step=7))  # the final save
+    assert slots.steps(str(mem), world=1, rank=0, local_rank=0) == [7, 4]
+    mgr.close()
+    resumed = CheckpointManager(tmp_path / "disk", handle_sigterm=False, memory_dir=mem)
+    assert resumed.load_latest()["user"]["step"] == 7
+    assert resumed.loaded.file.startswith("memory:"), resumed.loaded
 
 
 @pytest.mark.parametrize(
