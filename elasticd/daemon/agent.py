@@ -345,10 +345,14 @@ class Agent:
     def _warm_spare(self) -> Any:
         """A warm spare for a replay (a forkclient.Spare), waiting up to REPLAY_SPARE_WAIT for one
         the fork server is forking (a refill after the start the failure ended, say): a replay in
-        a fresh interpreter costs more. None if none came."""
-        pool = self.spares
-        self.waits.idle(time.monotonic() + REPLAY_SPARE_WAIT, pool.ready_or_none_coming)
-        return pool.take()
+        a fresh interpreter costs more. None if none came (one line saying why)."""
+        pool, t0 = self.spares, time.monotonic()
+        self.waits.idle(t0 + REPLAY_SPARE_WAIT, pool.ready_or_none_coming)
+        spare = pool.take()
+        if spare is None:  # the replay runs cold: seconds more, and why, for whoever reads on
+            self.event("replay_spare_missing", waited=round(time.monotonic() - t0, 2),
+                       pool=pool.missing())  # fmt: skip
+        return spare
 
     def _succeed(self) -> int:
         """Every local worker exited 0: the exit barrier, then the job's end."""
@@ -645,7 +649,7 @@ class Agent:
         self.group.stop(
             0.0 if self.stops.forced() else grace,
             abandon=abandon,
-            keep=self.spares.keep() | self.health_check.pids(),
+            keep=lambda: self.spares.keep() | self.health_check.pids(),
             cut_short=self.stops.forced,
             spared=self.health_check.sessions(),
         )

@@ -465,11 +465,12 @@ class LocalGroup:
         grace: float,
         *,
         abandon: bool,
-        keep: frozenset[int],
+        keep: Callable[[], frozenset[int]],
         cut_short: Callable[[], bool],
         spared: frozenset[int] = frozenset(),
     ) -> None:
-        """Stop every worker (see processes.stop; `keep` and the sessions `spared` are left alone).
+        """Stop every worker (see processes.stop; what `keep()` names and the sessions `spared` are
+        left alone).
         `abandon`: a restart after a failure; the workers are told (a heartbeat-file mark) so that
         the checkpoint library ends them at SIGTERM instead of waiting for a step boundary that a
         broken collective will never reach."""

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import psutil
@@ -130,12 +131,14 @@ def stop(
     token: str,
     grace: float,
     kill_timeout: float,
-    keep: frozenset[int] = frozenset(),
+    keep: Callable[[], frozenset[int]] = frozenset,
     cut_short=lambda: False,
     spared: frozenset[int] = frozenset(),
 ) -> list[int]:
     """SIGTERM every worker's process group, wait up to `grace`, SIGKILL what is left, then sweep
-    the whole tree (sparing the processes `keep` and the sessions `spared`). `cut_short()`
+    the whole tree (sparing the processes `keep()` names, asked at every round of the sweep: a
+    spare forked meanwhile is reparented to the daemon, a descendant like a worker's, and the
+    sessions `spared`). `cut_short()`
     turning true ends the grace early (a second stop signal). Every wait is bounded: returns the
     pids that could not be reaped (a process in uninterruptible sleep cannot be), which the
     caller reports. A sweep that cannot read /proc (no file descriptor left) is tried again
@@ -164,11 +167,12 @@ def stop(
     while True:
         poll(workers)
         done = {w.pid for w in workers if w.exit_code is not None}
+        kept = keep()
         try:
             leftover = [
                 p
                 for p in find_tree(token, workers, spared)
-                if p.pid not in done and p.pid not in keep
+                if p.pid not in done and p.pid not in kept
             ]
             failed = None
         except (OSError, psutil.Error) as e:  # EMFILE: /proc cannot be read now
@@ -178,7 +182,7 @@ def stop(
                 p.kill()
             except (OSError, psutil.Error):
                 pass
-        reap_orphans(workers, keep)
+        reap_orphans(workers, kept)
         if not (leftover or failed) and all(w.exit_code is not None for w in workers):
             return []
         if time.monotonic() >= deadline:

@@ -149,6 +149,28 @@ class SparePool:
                 return self.spares.pop(i)
         return None
 
+    def missing(self) -> str:
+        """Why `take` has none now, in words (the `replay_spare_missing` event's): warm spawn
+        off, the spares bound to ranks or dead, those being forked, the fork server's state."""
+        if not self.cfg.warm_spawn:
+            return "warm spawn is off (--no-warm-spawn)"
+        fs = self.forkserver
+        bound = sum(p.bound is not None for p in self.spares)
+        dead = [p.proc.poll() for p in self.spares if p.proc.poll() is not None]
+        server = (
+            "no fork server (fresh interpreters)"
+            if fs is None
+            else "the fork server unusable"
+            if not fs.usable
+            else "the fork server learning the workers' imports (no forks meanwhile)"
+            if fs.learning
+            else "the fork server ready"
+        )
+        return (
+            f"{len(self.spares)} spare(s), {bound} bound to ranks, {len(dead)} dead {dead}; "
+            f"{fs.pending if fs else 0} being forked; {server}"
+        )
+
     def ready_or_none_coming(self) -> bool:
         """Whether `take` has one now, or none is on its way (asked of the fork server: a refill
         after a start, say, forked while it learns too): what a wait for one checks."""
@@ -283,13 +305,19 @@ class SparePool:
             self.top_up()
 
     def keep(self) -> frozenset[int]:
-        """Processes a teardown sweep must spare: the spares, their fork server and its
-        children (a learning probe: killed, the learning the next start needs would be lost)."""
+        """Processes a teardown sweep must spare (asked at each of its rounds): the spares,
+        those the fork server forked since the last collect (reparented to the daemon, like a
+        worker's descendants: the sweep killed them, and a replay then found its spare dead),
+        the server and its descendants (a spare being forked; a learning probe: killed, the
+        learning the next start needs would be lost)."""
+        fs = self.forkserver
+        if fs is not None and (fs.pending or fs.learning) and fs.usable:
+            self._place(fs.collect())  # no new ones asked for: nothing is forked on its own
         keep = {p.pid for p in self.spares}
-        if self.forkserver:
-            keep.add(self.forkserver.proc.pid)
+        if fs is not None:
+            keep.add(fs.proc.pid)
             with contextlib.suppress(psutil.Error):
-                keep.update(c.pid for c in psutil.Process(self.forkserver.proc.pid).children())
+                keep.update(c.pid for c in psutil.Process(fs.proc.pid).children(recursive=True))
         return frozenset(keep)
 
     def close(self) -> None:

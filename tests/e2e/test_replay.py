@@ -35,10 +35,9 @@ def test_a_data_bug_replays_the_same_and_ends_deterministic_after_one_failure(da
     assert not _events(d, "recovered"), "restarted: the replay should have decided at once"
     (verdict,) = _events(d, "replay_verdict")
     assert verdict["verdict"] == "reproduced" and verdict["rank"] == 1, verdict
-    # in a warm spare where one was back after the start (not always by step 7: the cause is
-    # not known yet); either way the same verdict and line. The warm path is asserted by
-    # test_sdc's referee test, the cold one by the transient test below
-    assert isinstance(verdict["warm"], bool), verdict
+    # in a warm spare: the one the fork server forked after learning the workers' imports,
+    # just before the failure (the teardown's sweep once killed it: cold 2 times in 3)
+    assert verdict["warm"] is True, (verdict, _events(d, "replay_spare_missing"))
     assert "its replay from the repro bundle" in d.stderr(), d.stderr()[-2000:]
     attempt = d.attempt_dirs()[0]
     said = (attempt / "rank1.replay.log").read_text().splitlines()[-1]
@@ -77,6 +76,8 @@ def test_a_transient_does_not_replay_and_the_job_restarts(daemons):
     assert d.wait(180) == 0, d.stderr()[-3000:]
     (verdict,) = _events(d, "replay_verdict")
     assert verdict["verdict"] == "transient" and verdict["warm"] is False, verdict
+    (missing,) = _events(d, "replay_spare_missing")
+    assert missing["pool"] == "warm spawn is off (--no-warm-spawn)", missing
     assert "did not reproduce: step 5 completed" in verdict["said"], verdict
     assert "done" in d.stdout()
 

@@ -210,6 +210,9 @@ class FakeSpares:
     def ready_or_none_coming(self) -> bool:
         return True
 
+    def missing(self) -> str:
+        return "none in this test"
+
     def close(self) -> None:
         pass
 
