@@ -58,7 +58,13 @@ from elasticd.cluster.rounds import Round, new_node_id
 from elasticd.cluster.run import Run
 from elasticd.cluster.sealed import Sealed
 from elasticd.cluster.stores import local_address, open_store
-from elasticd.cluster.timing import BEAT_EVERY, CLOCK_SKEW, HOST_DOWN_POLL, LOST_SILENCE
+from elasticd.cluster.timing import (
+    BEAT_EVERY,
+    CLOCK_SKEW,
+    HOST_DOWN_POLL,
+    LOST_SILENCE,
+    WAIT_SLICE,
+)
 from elasticd.config import Config
 from elasticd.lifecycle import triage
 
@@ -283,6 +289,28 @@ class Rendezvous:
         if there is None or any(there.get(k) != ours.get(k) for k in same):
             return False
         return self.kv.compare_set(key, raw, self.seal(key, json.dumps(amended)))
+
+    @store_call
+    def note_replay(self, rnd: Round, name: str, value: dict) -> None:
+        """A word of the replay on another node (daemon/replay_elsewhere.py): the failed node's
+        `replay_ask` (where its bundle is), the other node's `replayed` (its verdict)."""
+        key = self.round_key(rnd.number, name)
+        self.kv.set(key, self.seal(key, json.dumps(value)))
+
+    @store_call
+    def replay_noted(self, rnd: Round, name: str, timeout: float) -> dict | None:
+        """The other node's word `name` (note_replay), waited for up to `timeout` seconds; None
+        where none came that verifies."""
+        key = self.round_key(rnd.number, name)
+        parse = values.replay_ask if name == names.REPLAY_ASK else values.replay_answer
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            if self.kv.wait(key, min(WAIT_SLICE, left)):
+                found = self.open(key, self.kv.get(key), parse)
+                if found is not None:
+                    return found
+                time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))  # a forger's
+        return None
 
     def restart_key(self, rnd: Round) -> str:
         return self.round_key(rnd.number, names.RESTART)

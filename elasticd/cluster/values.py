@@ -183,6 +183,45 @@ def _first_fields(value: dict) -> bool:
     return isinstance(value.get("consequence", False), bool)
 
 
+# a replay's verdict as a restart request carries it (daemon/replay_verdict.py)
+REPLAYED = ("", "reproduced", "transient", "hardware")
+
+
+def _bundle_path(path: object) -> bool:
+    """Where a failed rank's bundle is copied for another node's replay: an absolute path."""
+    return isinstance(path, str) and path.startswith("/") and 0 < len(path) <= 4096
+
+
+def replay_ask(text: str) -> dict | None:
+    """Where a failed node copied its rank's bundle for another node's replay: the path and the
+    file's SHA-256 (hex); or, where it could not, why ("none")."""
+    if len(text) > 8192:
+        return None
+    value = json.loads(text)
+    if isinstance(value, dict) and isinstance(value.get("none"), str):
+        return value
+    if not isinstance(value, dict) or not _bundle_path(value.get("path")):
+        return None
+    sha = value.get("sha256")
+    ok = isinstance(sha, str) and len(sha) == 64 and all(c in "0123456789abcdef" for c in sha)
+    return value if ok else None
+
+
+def replay_answer(text: str) -> dict | None:
+    """Another node's replay of a failed rank's bundle (daemon/replay_elsewhere.py): the node
+    that ran it, `elasticd replay`'s exit code (0 reproduced, 1 not, 2 refused, 3 undecided) and
+    its line."""
+    if len(text) > 2048:
+        return None
+    value = json.loads(text)
+    if not isinstance(value, dict) or not safe_name(value.get("node"), 255):
+        return None
+    code, said = value.get("code"), value.get("said")
+    if type(code) is not int or not 0 <= code <= 3 or not isinstance(said, str):
+        return None
+    return value
+
+
 def reason(text: str) -> dict | None:
     """A restart request: summary, node, whether it spends the budget or scales, the lost and the
     waiting nodes it names."""
@@ -195,8 +234,10 @@ def reason(text: str) -> dict | None:
         isinstance(value.get(k, False), bool) for k in ("scale", "spends")
     ):
         return None
-    if not _first_fields(value) or value.get("replayed", "") not in ("", "reproduced", "transient"):
+    if not _first_fields(value) or value.get("replayed", "") not in REPLAYED:
         return None
+    if "replay_on" in value and not safe_name(value["replay_on"], 128):
+        return None  # the node that replays the failed step too (daemon/replay_elsewhere.py)
     for name in ("lost", "waiting"):
         ids = value.get(name, [])
         if (

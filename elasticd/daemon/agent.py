@@ -39,7 +39,15 @@ from elasticd.cluster.rendezvous import Rendezvous
 from elasticd.cluster.rounds import Round
 from elasticd.cluster.timing import LOST_SILENCE
 from elasticd.config import Config
-from elasticd.daemon import hangs, inplace, processes, referee, replay_verdict, sdc
+from elasticd.daemon import (
+    hangs,
+    inplace,
+    processes,
+    referee,
+    replay_elsewhere,
+    replay_verdict,
+    sdc,
+)
 from elasticd.daemon.group import LocalGroup
 from elasticd.daemon.healthcheck import HealthCheck
 from elasticd.daemon.inbox import Inbox, StopRequest, Stops
@@ -339,10 +347,10 @@ class Agent:
             step,
             self.cfg.replay_timeout,
             lambda until, done: self.waits.idle(until, done),
-            self._warm_spare,
+            self.spare,
         )
 
-    def _warm_spare(self) -> Any:
+    def spare(self) -> Any:
         """A warm spare for a replay (a forkclient.Spare), waiting up to REPLAY_SPARE_WAIT for one
         the fork server is forking (a refill after the start the failure ended, say): a replay in
         a fresh interpreter costs more. None if none came (one line saying why)."""
@@ -539,6 +547,8 @@ class Agent:
         if why.kind is RestartCause.STORE_UNREACHABLE:
             self.event("store_unreachable", level="error", why=why.reason)
         reason = restart_request(why, self.node)
+        if reason is not None and isinstance(why, Failure):
+            replay_elsewhere.offer(self, why, reason)  # which node replays its step too
         if reason is not None:
             self._ask_restart(reason)
         trained = self.recovery.trained(self.group.beats())
@@ -549,6 +559,11 @@ class Agent:
         self.recovery.mark("torn_down")
         if reason is not None and isinstance(why, Failure):
             why = self._replayed(why, reason)
+            # reproduced on this node only: its hardware (quarantine off: a restart as before)
+            if why.replayed == replay_verdict.HARDWARE and self.quarantine.strike(why, True):
+                return self._leave_job(why, *self.quarantine.departure(True))
+        if why.kind is not RestartCause.SCALE and not why.replayed:
+            replay_elsewhere.for_peer(self)  # where another node's request asks this one
         # before the next start: runs beside the backoff and the rendezvous
         self.health_check.begin()
         if why.kind is RestartCause.CRASH and why.exit_code in self.cfg.fatal_exit_codes:
@@ -582,12 +597,15 @@ class Agent:
             self.cfg.replay_timeout,
             lambda until, done: self.waits.idle(until, done),
             self.event,
-            self._warm_spare,
+            self.spare,
+            replay_elsewhere.start(self, why, reason, path),
         )
         if why.replayed:
             self.last_failure = why
             amended = restart_request(why, self.node)
             if amended is not None:
+                if why.replayed == replay_verdict.HARDWARE:  # the next round does not wait
+                    amended["lost"] = [self.rdzv.node_id]
                 self.rdzv.amend_restart(self.round, reason, amended)
         return why
 

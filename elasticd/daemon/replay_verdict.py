@@ -13,9 +13,9 @@ next closing, cluster/closing.py). A replay whose step completes calls the failu
 job restarts as before. Anything else (no bundle, a refused or undecided replay, the time out)
 decides nothing, with one `replay_undecided` line, and the repeat rule stays the judge.
 
-What it cannot tell: hardware (a failure that replays on another node but not on this one needs
-the replay elsewhere, not done yet), nor a failure at a world of one where the step needs the
-world's gradients (docs/replay.md).
+Hardware (a failure that replays on this node but not on another) takes the replay on another
+node too: daemon/replay_elsewhere.py. What it cannot tell: a failure at a world of one where the
+step needs the world's gradients (docs/replay.md).
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from elasticd.lifecycle.triage import FailureClass
 # `elasticd replay`'s exit codes: the first two decide
 REPRODUCED, NOT_REPRODUCED, REFUSED, UNDECIDED = 0, 1, 2, 3
 VERDICTS = {REPRODUCED: "reproduced", NOT_REPRODUCED: "transient"}
+HARDWARE = "hardware"  # reproduced on its own node only (daemon/replay_elsewhere.py)
 SLACK = 10.0  # seconds past the replay's own --timeout before the daemon kills it
 
 # a warm spare from the pool (spares.py `take`: a forkclient.Spare), or None
@@ -69,24 +70,44 @@ def judge(
     idle: Callable[[float, Callable[[], bool]], None],
     event: Callable[..., None],
     take: Take = lambda: None,
+    elsewhere: Callable[[], tuple[str, dict[str, Any]]] | None = None,
 ) -> Failure:
     """Run the replay of `path` (its output in rankR.replay.log beside it), in a spare `take`
     gives or else as `elasticd replay`, waiting through the agent's loop (`idle`), and return
-    `why` with its verdict ("" where it decided nothing)."""
+    `why` with its verdict ("" where it decided nothing). Where it reproduced, `elsewhere()`
+    (daemon/replay_elsewhere.py: the verdict with another node's replay, and the event's fields
+    for it) may call it the node's hardware instead."""
     log = path.with_name(path.name.replace(repro.SUFFIX, ".replay.log"))
     t0 = time.monotonic()
-    warm = _in_spare(path, log, timeout, idle, take)
-    code, said = warm if warm is not None else _in_cli(path, log, timeout, idle)
-    verdict = VERDICTS.get(code, "")
+    code, said, warm = replay(path, log, timeout, idle, take)
+    verdict, more = VERDICTS.get(code, ""), {}
+    if code == REPRODUCED and elsewhere is not None:
+        verdict, more = elsewhere()
     fields = {"rank": why.rank, "bundle": str(path), "seconds": round(time.monotonic() - t0, 2),
-              "warm": warm is not None}  # fmt: skip
+              "warm": warm, **more}  # fmt: skip
     if verdict:
         event("replay_verdict", level="error" if code == 0 else "info", verdict=verdict,
               said=said, **fields)  # fmt: skip
     else:
         event("replay_undecided", level="warning", said=said or f"exit {code}", **fields,
               action="the repeat rule judges it")  # fmt: skip
+    if verdict == HARDWARE:
+        reason = (f"{why.reason}; its replay failed the same way on this node only "
+                  f"({more.get('elsewhere', '')}): this node's hardware")  # fmt: skip
+        return dataclasses.replace(why, replayed=verdict, reason=reason,
+                                   failure_class=FailureClass.HARDWARE.value)  # fmt: skip
     return dataclasses.replace(why, replayed=verdict)
+
+
+def replay(
+    path: Path, log: Path, timeout: float, idle: Callable[[float, Callable[[], bool]], None],
+    take: Take,
+) -> tuple[int, str, bool]:  # fmt: skip
+    """The replay of `path` in a spare `take` gives, or else as `elasticd replay` (its output
+    in `log`): (`elasticd replay`'s exit code, its line, whether a spare ran it)."""
+    warm = _in_spare(path, log, timeout, idle, take)
+    code, said = warm if warm is not None else _in_cli(path, log, timeout, idle)
+    return code, said, warm is not None
 
 
 def _in_cli(path: Path, log: Path, timeout: float, idle) -> tuple[int, str]:

@@ -16,6 +16,7 @@ RENDEZVOUS, RUNNING, RESTARTING, EXIT_BARRIER, STOPPING ──store lost / rende
 RENDEZVOUS ──the round's closing found the restart budget spent──→ FAILED
 RENDEZVOUS, RUNNING ──this node's health check failed──→ LEFT (exit 5; the rendezvous stays open)
 RENDEZVOUS, RUNNING ──that failure, or a hardware-class one, quarantines the node──→ LEFT (exit 7)
+RESTARTING ──a failure whose replay reproduced on this node only: its hardware──→ LEFT (exit 7)
 
 The agent checks every transition against TRANSITIONS where it happens (Agent.set_state): one
 that is not in the table is a bug in the agent and raises IllegalTransition.
@@ -77,7 +78,7 @@ TRANSITIONS: dict[State, frozenset[State]] = {
     State.RUNNING: frozenset(
         {State.EXIT_BARRIER, State.RESTARTING, State.STOPPING, State.FAILED, State.LEFT}
     ),
-    State.RESTARTING: frozenset({State.RENDEZVOUS, State.FAILED}),
+    State.RESTARTING: frozenset({State.RENDEZVOUS, State.FAILED, State.LEFT}),
     State.EXIT_BARRIER: frozenset({State.SUCCEEDED, State.FAILED}),
     State.STOPPING: frozenset({State.STOPPED, State.FAILED}),
     State.SUCCEEDED: frozenset(),

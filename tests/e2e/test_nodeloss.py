@@ -59,10 +59,12 @@ def _nodes(
     ns=1,
     in_order=True,
     job: str = "node_train.py",
+    args=None,
 ):
     """Daemons of `job` (tests/scripts/), one per name, in namespaces ns, ns+1, ... of `net`, for
-    a job of 1 to `nnodes` nodes (default: as many as names). `in_order`: each reaches the store
-    before the next starts, so the first takes group rank 0; else they start at once."""
+    a job of 1 to `nnodes` nodes (default: as many as names), given `args` (default: node_train's
+    steps and delay). `in_order`: each reaches the store before the next starts, so the first
+    takes group rank 0; else they start at once."""
     flags = (
         "--nproc-per-node",
         "1",
@@ -85,7 +87,7 @@ def _nodes(
                 script(job),
                 *flags,
                 name=name,
-                args=[str(steps), str(delay)],
+                args=[str(steps), str(delay)] if args is None else list(args),
                 env=env,
                 prefix=net.prefix(k + ns),
             )

@@ -7,10 +7,15 @@ dealt it, from the data alone: a replay of that step reproduces it.
 --bug-at S: a bug in the code: every rank raises at step S.
 --flaky-rank R --flaky-step S: a transient. Rank R raises at step S in the job's first attempt
 only (TORCHELASTIC_RESTART_COUNT 0, a world above one): a replay does not reproduce it.
+--bad-node ADDR --bad-node-step S: a fault of one machine's (a bad GPU, bad memory). The rank on
+the node that has address ADDR (in its network namespace: tests/e2e/test_replay_nodes.py)
+raises at step S, every attempt, and so does a replay there; a replay on another node completes
+the step.
 """
 
 import argparse
 import os
+import socket
 
 import torch
 import torch.distributed as dist
@@ -30,6 +35,8 @@ def main():
     p.add_argument("--every", type=int, default=1000, help="disk checkpoints' cadence")
     p.add_argument("--flaky-rank", type=int, default=-1)
     p.add_argument("--flaky-step", type=int, default=-1)
+    p.add_argument("--bad-node", default="")
+    p.add_argument("--bad-node-step", type=int, default=-1)
     args = p.parse_args()
     dist.init_process_group("gloo")
     torch.manual_seed(0)
@@ -57,6 +64,8 @@ def main():
                 raise KeyError(f"no schedule for step {step + 1}")
             if flaky and step + 1 == args.flaky_step:
                 raise ConnectionError(f"a flaky read of the dataset at step {step + 1}")
+            if step + 1 == args.bad_node_step and _has_address(args.bad_node):
+                raise RuntimeError(f"illegal memory access at step {step + 1}")
             opt.zero_grad()
             F.mse_loss(model(x), y).backward()
             opt.step()
@@ -71,6 +80,18 @@ def main():
         sampler.set_epoch(epoch)
     mgr.close()
     print("done", flush=True)
+
+
+def _has_address(addr: str) -> bool:
+    """Whether this machine (its network namespace) has `addr`: the faulty one's."""
+    if not addr:
+        return False
+    with socket.socket() as s:
+        try:
+            s.bind((addr, 0))
+        except OSError:
+            return False
+    return True
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 from elasticd import names
-from elasticd.cluster import closing
+from elasticd.cluster import closing, values
 from elasticd.cluster.rendezvous import Rendezvous
 from elasticd.cluster.rounds import Member, Round
 from elasticd.config import Config
@@ -62,3 +62,34 @@ def test_the_closing_reads_the_request_as_it_is_when_it_closes():
     assert "replayed" not in closing._restart_request(rz, 1)
     rz.amend_restart(rnd, ours, {**ours, "replayed": "reproduced"})
     assert closing._restart_request(rz, 1)["replayed"] == "reproduced"
+
+
+def test_the_replay_on_another_node_is_asked_and_answered_through_the_round():
+    """daemon/replay_elsewhere.py's keys: the request names the node that replays, the failed
+    node says where the bundle is, the other answers; a value not of its form is never taken."""
+    rz = Rendezvous(Config())
+    rnd = _round(rz)
+    ours = {**OURS, "at": 100.0, "replay_on": "node-b"}
+    assert rz.request_restart(rnd, ours)
+    assert rz.read_restart(rz.kv, rnd)["replay_on"] == "node-b"
+    assert rz.replay_noted(rnd, names.REPLAY_ASK, 0.05) is None  # nothing yet: None in time
+    ask = {"path": "/ckpt/repro/job-r0-rank1.repro", "sha256": "ab" * 32}
+    rz.note_replay(rnd, names.REPLAY_ASK, ask)
+    assert rz.replay_noted(rnd, names.REPLAY_ASK, 1.0) == ask
+    answer = {"node": "b", "code": 1, "said": "elasticd replay: did not reproduce", "warm": True}
+    rz.note_replay(rnd, names.REPLAYED_ELSEWHERE, answer)
+    assert rz.replay_noted(rnd, names.REPLAYED_ELSEWHERE, 1.0) == answer
+    hardware = {**ours, "replayed": "hardware", "class": "hardware", "lost": ["node-a"]}
+    assert rz.amend_restart(rnd, ours, hardware)
+    assert rz.read_restart(rz.kv, rnd) == hardware
+
+
+def test_replay_values_not_of_their_form_are_refused():
+    assert values.reason(json.dumps({**OURS, "replay_on": "../etc"})) is None
+    assert values.reason(json.dumps({**OURS, "replayed": "maybe"})) is None
+    assert values.replay_ask(json.dumps({"path": "relative.repro", "sha256": "ab" * 32})) is None
+    assert values.replay_ask(json.dumps({"path": "/a.repro", "sha256": "xyz"})) is None
+    assert values.replay_ask(json.dumps({"none": "could not copy"})) == {"none": "could not copy"}
+    for bad in ({"node": "b", "code": 7, "said": ""}, {"node": "b", "code": True, "said": ""},
+                {"node": "b c", "code": 1, "said": ""}, {"node": "b", "code": 1}):  # fmt: skip
+        assert values.replay_answer(json.dumps(bad)) is None, bad

@@ -10,6 +10,7 @@ either changes a scenario's path or goes missing from the set."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 import threading
 import time
@@ -22,7 +23,7 @@ import pytest
 from elasticd import config, names, repro
 from elasticd.cluster.errors import BudgetSpent, Deterministic, RendezvousFailed, StoreLost
 from elasticd.cluster.rounds import Member, Round
-from elasticd.daemon import deadlines, preflight
+from elasticd.daemon import deadlines, preflight, quarantine
 from elasticd.daemon.agent import Agent
 from elasticd.daemon.healthcheck import HealthCheck
 from elasticd.exit_codes import ExitCode
@@ -61,6 +62,9 @@ class Script:
     # what the peers' check finds once asked about a local death of a closed connection
     behind: Failure | None = None
     attempt_dir: Path | None = None  # where the group's ranks leave their files (a repro bundle)
+    # the verdict of the node the restart request names to replay the failed step too
+    # (daemon/replay_elsewhere.py), None: no word from it
+    elsewhere: dict | None = None
     agent: Agent | None = None
     calls: list[tuple] = field(default_factory=list)  # what the fakes were asked, in order
 
@@ -96,6 +100,12 @@ class FakeRendezvous:
     def amend_restart(self, rnd: Round, ours: dict, amended: dict) -> bool:
         self.s.calls.append(("amend_restart", amended))
         return True
+
+    def note_replay(self, rnd: Round, name: str, value: dict) -> None:
+        self.s.calls.append(("note_replay", name, value))
+
+    def replay_noted(self, rnd: Round, name: str, timeout: float) -> dict | None:
+        return self.s.elsewhere if name == names.REPLAYED_ELSEWHERE else None
 
     def exit_barrier(self, rnd: Round, timeout: float) -> bool:
         self.s.calls.append(("exit_barrier",))
@@ -306,7 +316,7 @@ def _bundle(tmp_path: Path, raises: str) -> tuple[Path, Failure]:
     """An attempt directory whose rank 0 left a repro bundle of a script that raises `raises`
     (no torch: the replay runs the script, which fails before any state is asked for)."""
     attempt, bug = tmp_path / "attempt", tmp_path / "bug.py"
-    attempt.mkdir()
+    attempt.mkdir(parents=True)
     bug.write_text(f"raise ValueError({raises!r})\n")
     head = {
         **{"rank": 0, "world": 1, "certified_step": 1, "failed_step": 2, "samples": {}},
@@ -337,6 +347,42 @@ def test_a_failure_with_a_bundle_is_replayed_and_its_verdict_amends_the_request(
     assert agent.last_failure.replayed == verdict
     said = (attempt / "rank0.replay.log").read_text()
     assert ("elasticd replay: reproduced" in said) == bool(verdict), said
+
+
+@pytest.mark.parametrize(
+    "there, verdict",
+    [(1, "hardware"), (0, "reproduced"), (3, "reproduced"), (None, "reproduced")],
+    ids=["completed-there", "reproduced-there", "undecided-there", "no-word"],
+)
+def test_a_replay_reproduced_here_is_replayed_on_another_node_too(tmp_path, there, verdict):
+    """Where the failure's own replay reproduced, the node after this one replays the bundle too
+    (daemon/replay_elsewhere.py): completed there, the failure is this node's hardware, which
+    leaves the job quarantined from RESTARTING (exit 7); reproduced there, undecided there or no
+    word: reproduced, the job's end in the closing's hands as before."""
+    attempt, why = _bundle(tmp_path, "bad sample 7")
+    said = "elasticd replay: did not reproduce" if there == 1 else "elasticd replay: ..."
+    answer = None if there is None else {"node": "other", "code": there, "said": said}
+    s = Script(members=2, failures={1: why}, finishes={2}, attempt_dir=attempt, elsewhere=answer)
+    ckpt, state = tmp_path / "ckpt", tmp_path / "state"
+    code, path, agent = run(
+        tmp_path / "agent", s, checkpoint_dir=str(ckpt), state_dir=str(state), replay_timeout=5
+    )
+    (asked,) = [c[1] for c in s.calls if c[0] == "request_restart"][:1]
+    assert asked["replay_on"] == "node-1", asked  # the next member in group order
+    (noted,) = [c for c in s.calls if c[0] == "note_replay"]
+    copy = Path(noted[2]["path"])
+    assert noted[1] == names.REPLAY_ASK and copy.parent == ckpt / "repro", noted
+    assert copy.read_bytes() == (attempt / "rank0.repro").read_bytes()
+    assert noted[2]["sha256"] == hashlib.sha256(copy.read_bytes()).hexdigest()
+    (amended,) = [c[1] for c in s.calls if c[0] == "amend_restart"]
+    assert amended["replayed"] == verdict == agent.last_failure.replayed
+    if verdict == "hardware":
+        assert code == ExitCode.QUARANTINED and path[-2:] == [S.RESTARTING, S.LEFT], path
+        assert amended["lost"] == ["node-0"] and amended["class"] == "hardware", amended
+        assert quarantine.read(state).quarantined is not None
+    else:
+        assert code == ExitCode.OK and "lost" not in amended, (code, amended)
+        assert S.LEFT not in path
 
 
 @pytest.mark.parametrize("off", ["timeout 0", "a death of another's going"])
@@ -557,4 +603,5 @@ SCENARIOS = [
     test_a_store_lost_while_running_fails_the_job,
     test_a_node_whose_health_check_fails_before_starting_never_joins,
     test_a_node_whose_health_check_fails_while_running_leaves_the_job,
+    lambda tmp: test_a_replay_reproduced_here_is_replayed_on_another_node_too(tmp, 1, "hardware"),
 ]

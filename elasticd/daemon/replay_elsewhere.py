@@ -1,0 +1,228 @@
+"""The replay of a failed rank's step on another node: what tells the node's hardware from the
+job's code. The replay on the failed rank's own node (daemon/replay_verdict.py) tells a failure
+that repeats from one that does not; one that repeats there may still be the node's (a bad GPU,
+bad memory: every replay on it fails alike). So where it repeats, another node replays the same
+bundle too: reproduced there as well, the code's or the data's (exit 6, as before); not there,
+the node's hardware (quarantined at once, exit 7 for it; the job goes on without it).
+
+The protocol, over the round's keys (signed like every value, cluster/signing.py):
+1. the failed node's restart request names the node that replays (`replay_on`: the next member
+   of the round in group order) - the restart is not delayed by anything else;
+2. after its teardown the failed node copies the bundle into the checkpoint directory the nodes
+   share (`<checkpoint dir>/repro/`), and writes where, with its SHA-256, to `replay_ask`;
+3. the node named waits for that (its own restart's teardown done), checks that the file is its
+   checkpoint directory's and has that digest (a file someone else could write there is never
+   run), replays it in one of its warm spares and writes its verdict to `replayed`;
+4. the failed node, whose own replay reproduced the failure, waits for that verdict up to
+   --replay-timeout and judges (`combine`).
+
+Anything missing (no other node, no shared checkpoint directory, a refused or undecided replay,
+the time out) decides nothing more: the failed node's own verdict stands, with one line saying
+why not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from elasticd import names, repro
+from elasticd.cluster import kv as kvmod
+from elasticd.cluster.errors import StoreUnreachable
+from elasticd.cluster.rounds import Round
+from elasticd.daemon import replay_verdict
+from elasticd.daemon.replay_verdict import NOT_REPRODUCED, REFUSED, REPRODUCED, UNDECIDED
+from elasticd.lifecycle.states import Failure
+
+if TYPE_CHECKING:
+    from elasticd.daemon.agent import Agent
+
+# the verdict with the other node's replay, and the replay_verdict event's fields for it
+Verdict = Callable[[], tuple[str, dict[str, Any]]]
+
+FOLDER = "repro"  # under the checkpoint directory: the bundles copied for another node
+SHARED = "a replay on another node needs one --checkpoint-dir every node shares"
+ASK_WAIT = 30.0  # seconds the node named waits for the failed node's copy (its teardown first)
+
+
+def target(rnd: Round | None, node_id: str) -> str | None:
+    """The node that replays this node's failure: the next member of the round in group order
+    (None alone)."""
+    if rnd is None or rnd.group_world_size < 2:
+        return None
+    ids = [m.node_id for m in rnd.members]
+    return ids[(ids.index(node_id) + 1) % len(ids)] if node_id in ids else None
+
+
+def copy_path(checkpoint_dir: str, run_id: str, rnd: Round, rank: int) -> Path:
+    return Path(checkpoint_dir) / FOLDER / f"{run_id}-r{rnd.number}-rank{rank}{repro.SUFFIX}"
+
+
+def publish(bundle: Path, dest: Path) -> tuple[str, str]:
+    """Copy `bundle` to `dest` whole (a temporary name, fsync, rename); (its SHA-256, "") or
+    ("", why not)."""
+    digest = hashlib.sha256()
+    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
+    try:
+        dest.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
+        with open(bundle, "rb") as src, open(tmp, "xb") as out:
+            while chunk := src.read(1 << 20):
+                digest.update(chunk)
+                out.write(chunk)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, dest)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        return "", f"could not copy the bundle to {dest} ({e})"
+    return digest.hexdigest(), ""
+
+
+def serve(
+    ask: dict[str, Any] | None,
+    checkpoint_dir: str,
+    log: Path,
+    timeout: float,
+    idle: Callable[[float, Callable[[], bool]], None],
+    take: replay_verdict.Take,
+) -> tuple[int, str, bool]:
+    """On the node named: the replay `ask` (the failed node's `replay_ask`: path, sha256)
+    describes, judged as `elasticd replay` would: (exit code, line, warm)."""
+    if ask is None:
+        return UNDECIDED, "undecided: the failed node said nothing of its bundle in time", False
+    path = Path(str(ask.get("path", "")))
+    ours = (Path(checkpoint_dir) / FOLDER).resolve()
+    if not checkpoint_dir or path.resolve().parent != ours:
+        return REFUSED, f"refused: the bundle {path} is not in this node's {ours} ({SHARED})", False
+    try:
+        digest = _sha256(path)
+    except OSError as e:
+        return REFUSED, f"refused: the bundle is not readable here ({e}; {SHARED})", False
+    if digest != ask.get("sha256"):
+        return REFUSED, f"refused: {path} is not the bundle the failed node wrote (SHA-256)", False
+    return replay_verdict.replay(path, log, timeout, idle, take)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def combine(answer: dict[str, Any] | None, why_none: str) -> tuple[str, dict[str, Any]]:
+    """The verdict on a failure that reproduced on its own node, given the other node's
+    `answer` (None: `why_none`): "reproduced" (there too, or nothing more decided) or "hardware"
+    (there it completed); and the event's fields that say so."""
+    if answer is None:
+        return "reproduced", {"elsewhere": f"none: {why_none}"}
+    said = f"node {answer['node']}: {answer['said']}"
+    if answer["code"] == NOT_REPRODUCED:
+        return "hardware", {"elsewhere": said}
+    if answer["code"] == REPRODUCED:
+        return "reproduced", {"elsewhere": said}
+    return "reproduced", {"elsewhere": f"undecided: {said}"}
+
+
+# --- in the agent's restart (Agent._restart): each a step of the protocol above
+
+
+def offer(agent: Agent, why: Failure, reason: dict[str, Any]) -> None:
+    """Name in the restart request `reason` the node that replays `why`'s step too (step 1),
+    where this failure's replay runs at all and another node can."""
+    if agent.cfg.replay_timeout <= 0 or not agent.cfg.checkpoint_dir:
+        return
+    spec = agent.group.spec
+    if replay_verdict.bundle_of(why, spec.attempt_dir if spec is not None else None) is None:
+        return
+    other = target(agent.round, agent.rdzv.node_id)
+    if other is not None:
+        reason["replay_on"] = other
+
+
+def start(agent: Agent, why: Failure, reason: dict[str, Any], bundle: Path) -> Verdict | None:
+    """The failed node, its group torn down: the bundle copied and its place told (step 2); the
+    verdict with the other node's replay, for replay_verdict.judge to ask once its own replay
+    reproduced (step 4). None where the request names no other node."""
+    other, rnd = reason.get("replay_on"), agent.round
+    if not other or rnd is None or why.rank is None:
+        return None
+    dest = copy_path(agent.cfg.checkpoint_dir, agent.cfg.rdzv_id, rnd, why.rank)
+    sha, failed = publish(bundle, dest)
+    ask = {"path": str(dest), "sha256": sha} if sha else {"none": failed}
+    try:
+        agent.waits.blocking(agent.rdzv.note_replay, rnd, names.REPLAY_ASK, ask)
+    except (StoreUnreachable, kvmod.Unreachable) as e:
+        failed = failed or f"the store did not take the bundle's place ({e})"
+    t0 = time.monotonic()
+
+    def verdict() -> tuple[str, dict[str, Any]]:
+        if failed:
+            return combine(None, failed)
+        try:
+            there = agent.waits.blocking(agent.rdzv.read_restart, agent.rdzv.kv, rnd)
+            if there and any(there.get(k) != reason.get(k) for k in ("at", "rank", "node")):
+                return combine(None, "another node's failure came first: the request is its")
+            left = agent.cfg.replay_timeout - (time.monotonic() - t0)
+            answer = agent.waits.blocking(
+                agent.rdzv.replay_noted, rnd, names.REPLAYED_ELSEWHERE, max(left, 0.0)
+            )
+        except (StoreUnreachable, kvmod.Unreachable) as e:
+            return combine(None, f"the store did not answer ({e})")
+        return combine(answer, f"no word from node {other} within --replay-timeout")
+
+    return verdict
+
+
+def for_peer(agent: Agent) -> None:
+    """A node restarting for another's failure (told to, or its ranks died of that node's
+    going): where that node's restart request names this one, its replay of the failed step,
+    and the verdict told (step 3). Its wait and the replay are bounded by --replay-timeout; its
+    next round waits for it, as the failed node's does."""
+    rnd, timeout = agent.round, agent.cfg.replay_timeout
+    if rnd is None or rnd.group_world_size < 2 or timeout <= 0 or not agent.cfg.checkpoint_dir:
+        return
+    t0 = time.monotonic()
+    try:
+        asked = agent.waits.blocking(agent.rdzv.read_restart, agent.rdzv.kv, rnd)
+        if not asked or asked.get("replay_on") != agent.rdzv.node_id:
+            return
+        ask = agent.waits.blocking(
+            agent.rdzv.replay_noted, rnd, names.REPLAY_ASK, min(ASK_WAIT, timeout)
+        )
+    except (StoreUnreachable, kvmod.Unreachable):
+        return  # the restart goes on; the failed node's own verdict stands
+    node, rank = str(asked.get("node", "?")), asked.get("rank")
+    spec = agent.group.spec
+    where = spec.attempt_dir if spec is not None else Path(agent.cfg.checkpoint_dir)
+    named = "".join(c if c.isalnum() or c in "-_" else "_" for c in node)[:64]  # a file's name
+    log = where / f"node-{named}-rank{rank}.replay.log"
+    idle = agent.waits.idle
+    if ask is not None and "none" in ask:
+        code, said, warm = UNDECIDED, f"undecided: {ask['none']}", False
+    else:
+        code, said, warm = serve(ask, agent.cfg.checkpoint_dir, log, timeout, idle, agent.spare)
+        if ask is not None and code != REFUSED:  # the copy was for this replay alone (the
+            # failed node keeps its own bundle)
+            with contextlib.suppress(OSError):
+                Path(ask["path"]).unlink()
+    answer = {"node": agent.node, "code": code, "said": said[:1500], "warm": warm}
+    with contextlib.suppress(StoreUnreachable, kvmod.Unreachable):
+        agent.waits.blocking(agent.rdzv.note_replay, rnd, names.REPLAYED_ELSEWHERE, answer)
+    agent.event(
+        "replayed_for_node",
+        level="info" if code in (REPRODUCED, NOT_REPRODUCED) else "warning",
+        node=node,
+        rank=rank,
+        verdict=replay_verdict.VERDICTS.get(code, "undecided"),
+        said=said,
+        warm=warm,
+        seconds=round(time.monotonic() - t0, 2),
+    )
