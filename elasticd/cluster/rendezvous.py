@@ -293,7 +293,8 @@ class Rendezvous:
     @store_call
     def note_replay(self, rnd: Round, name: str, value: dict) -> None:
         """A word of the replay on another node (daemon/replay_elsewhere.py): the failed node's
-        `replay_ask` (where its bundle is), the other node's `replayed` (its verdict)."""
+        `replay_ask` (where its bundle is), the other node's `replayed` (its verdict); for the
+        referee of two replicas on two nodes, `referee_ask` and `refereed`."""
         key = self.round_key(rnd.number, name)
         self.kv.set(key, self.seal(key, json.dumps(value)))
 
@@ -302,7 +303,12 @@ class Rendezvous:
         """The other node's word `name` (note_replay), waited for up to `timeout` seconds; None
         where none came that verifies."""
         key = self.round_key(rnd.number, name)
-        parse = values.replay_ask if name == names.REPLAY_ASK else values.replay_answer
+        parse = {
+            names.REPLAY_ASK: values.replay_ask,
+            names.REFEREE_ASK: values.replay_ask,
+            names.REPLAYED_ELSEWHERE: values.replay_answer,
+            names.REFEREED: values.refereed,
+        }[name]
         deadline = time.monotonic() + timeout
         while (left := deadline - time.monotonic()) > 0:
             if self.kv.wait(key, min(WAIT_SLICE, left)):

@@ -222,6 +222,20 @@ def replay_answer(text: str) -> dict | None:
     return value
 
 
+def refereed(text: str) -> dict | None:
+    """The referee's verdict on two replicas of two nodes (daemon/replay_elsewhere.py): the odd
+    rank (None: undecided), its words, the replays that ran warm."""
+    if len(text) > 2048:
+        return None
+    value = json.loads(text)
+    if not isinstance(value, dict) or value.get("odd") not in (None, 0, 1):
+        return None
+    said, warm = value.get("said"), value.get("warm")
+    if type(value.get("odd")) is bool or not isinstance(said, str) or warm not in (0, 1, 2):
+        return None
+    return value if type(warm) is int else None
+
+
 def reason(text: str) -> dict | None:
     """A restart request: summary, node, whether it spends the budget or scales, the lost and the
     waiting nodes it names."""

@@ -342,6 +342,9 @@ class Agent:
         spec = self.group.spec
         if self.cfg.replay_timeout <= 0:
             return referee.Call(None, "--replay-timeout 0: no replay", 0.0)
+        across = replay_elsewhere.referee_across(self, step)  # the two ranks on two nodes
+        if across is not None:
+            return across
         return referee.referee(
             spec.attempt_dir if spec is not None else None,
             step,

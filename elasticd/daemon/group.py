@@ -23,6 +23,7 @@ from elasticd.daemon import (
     forkclient,
     oom,
     processes,
+    sdc,
     spawn,
     suspicion,
     tee,
@@ -406,10 +407,8 @@ class LocalGroup:
         killed = w.exit_code is not None and w.exit_code != 0 and self.oom.killed(w.pid)
         fault = self.gpu.since()  # the driver's own evidence: never the job's words
         klass = triage.classify(w.exit_code, exception, killed, driver_fault=bool(fault))
-        # the audit's verdict (its numbers, and the exit code it ends with or its error file
-        # written on the way out), which daemon/sdc.py judges
-        sdc = w.exit_code in (None, names.SDC_EXIT) and beat and beat.figure("sdc_found") > 0
-        if klass is triage.FailureClass.USER and sdc:
+        # the audit's verdict (its numbers, and how it ended), which daemon/sdc.py judges
+        if klass is triage.FailureClass.USER and sdc.ended_by_audit(w.exit_code, beat):
             klass = triage.FailureClass.SDC
         sig = ""
         if triage.judged(klass):

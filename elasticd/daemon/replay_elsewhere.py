@@ -19,11 +19,16 @@ The protocol, over the round's keys (signed like every value, cluster/signing.py
 Anything missing (no other node, no shared checkpoint directory, a refused or undecided replay,
 the time out) decides nothing more: the failed node's own verdict stands, with one line saying
 why not.
+
+The referee of two replicas (daemon/referee.py) needs both ranks' bundles in one place: with the
+two ranks on two nodes, rank 1's node copies its bundle the same way (`referee_ask`), rank 0's
+referees and tells the verdict (`refereed`), and both name the same odd rank (`referee_across`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import os
 import time
@@ -35,7 +40,7 @@ from elasticd import names, repro
 from elasticd.cluster import kv as kvmod
 from elasticd.cluster.errors import StoreUnreachable
 from elasticd.cluster.rounds import Round
-from elasticd.daemon import replay_verdict
+from elasticd.daemon import referee, replay_verdict
 from elasticd.daemon.replay_verdict import NOT_REPRODUCED, REFUSED, REPRODUCED, UNDECIDED
 from elasticd.lifecycle.states import Failure
 
@@ -59,8 +64,10 @@ def target(rnd: Round | None, node_id: str) -> str | None:
     return ids[(ids.index(node_id) + 1) % len(ids)] if node_id in ids else None
 
 
-def copy_path(checkpoint_dir: str, run_id: str, rnd: Round, rank: int) -> Path:
-    return Path(checkpoint_dir) / FOLDER / f"{run_id}-r{rnd.number}-rank{rank}{repro.SUFFIX}"
+def copy_path(
+    checkpoint_dir: str, run_id: str, rnd: Round, rank: int, suffix: str = repro.SUFFIX
+) -> Path:
+    return Path(checkpoint_dir) / FOLDER / f"{run_id}-r{rnd.number}-rank{rank}{suffix}"
 
 
 def publish(bundle: Path, dest: Path) -> tuple[str, str]:
@@ -96,17 +103,29 @@ def serve(
     describes, judged as `elasticd replay` would: (exit code, line, warm)."""
     if ask is None:
         return UNDECIDED, "undecided: the failed node said nothing of its bundle in time", False
+    path, why = verified(ask, checkpoint_dir)
+    if path is None:
+        return REFUSED, f"refused: {why}", False
+    return replay_verdict.replay(path, log, timeout, idle, take)
+
+
+def verified(ask: dict[str, Any], checkpoint_dir: str) -> tuple[Path | None, str]:
+    """The copy `ask` names, where it is in this node's checkpoint directory's FOLDER and has
+    the SHA-256 the other node wrote: a file someone else could put there is never run. (None,
+    why not) otherwise."""
+    if "none" in ask:
+        return None, str(ask["none"])
     path = Path(str(ask.get("path", "")))
     ours = (Path(checkpoint_dir) / FOLDER).resolve()
     if not checkpoint_dir or path.resolve().parent != ours:
-        return REFUSED, f"refused: the bundle {path} is not in this node's {ours} ({SHARED})", False
+        return None, f"the bundle {path} is not in this node's {ours} ({SHARED})"
     try:
         digest = _sha256(path)
     except OSError as e:
-        return REFUSED, f"refused: the bundle is not readable here ({e}; {SHARED})", False
+        return None, f"the bundle is not readable here ({e}; {SHARED})"
     if digest != ask.get("sha256"):
-        return REFUSED, f"refused: {path} is not the bundle the failed node wrote (SHA-256)", False
-    return replay_verdict.replay(path, log, timeout, idle, take)
+        return None, f"{path} is not the bundle the other node wrote (SHA-256)"
+    return path, ""
 
 
 def _sha256(path: Path) -> str:
@@ -226,3 +245,53 @@ def for_peer(agent: Agent) -> None:
         warm=warm,
         seconds=round(time.monotonic() - t0, 2),
     )
+
+
+def referee_across(agent: Agent, step: int) -> referee.Call | None:
+    """Two replicas on two nodes of one rank each (daemon/referee.py needs both ranks' bundles):
+    rank 1's node copies its bundle as above (`referee_ask`) and waits for the verdict; rank 0's
+    node referees with it and tells the verdict (`refereed`), so both nodes name the same odd
+    rank. None where the job is not of that shape (the local referee decides)."""
+    rnd, spec, cfg = agent.round, agent.group.spec, agent.cfg
+    if rnd is None or spec is None or rnd.world_size != 2 or rnd.group_world_size != 2:
+        return None
+    t0, idle = time.monotonic(), agent.waits.idle
+    mine = spec.attempt_dir / f"rank{rnd.rank_base}{repro.SDC_SUFFIX}"
+    idle(t0 + referee.BUNDLES_WAIT, mine.is_file)  # each rank writes its own before it exits
+    try:
+        if rnd.rank_base == 1:
+            return _to_referee(agent, rnd, mine, t0)
+        ask = agent.waits.blocking(
+            agent.rdzv.replay_noted, rnd, names.REFEREE_ASK, referee.BUNDLES_WAIT
+        )
+        path, why = verified(ask, cfg.checkpoint_dir) if ask else (None, "no word in time")
+        if path is None:
+            call = referee.Call(None, f"rank 1's bundle: {why}", time.monotonic() - t0)
+        else:
+            left = cfg.replay_timeout - (time.monotonic() - t0)
+            call = referee.referee(spec.attempt_dir, step, left, idle, agent.spare, [mine, path])
+            call = dataclasses.replace(call, seconds=time.monotonic() - t0)
+            with contextlib.suppress(OSError):
+                path.unlink()  # the copy was for this referee alone
+        told = {"odd": call.odd, "said": call.said[:1500], "warm": call.warm}
+        agent.waits.blocking(agent.rdzv.note_replay, rnd, names.REFEREED, told)
+        return call
+    except (StoreUnreachable, kvmod.Unreachable) as e:
+        return referee.Call(None, f"the store did not answer ({e})", time.monotonic() - t0)
+
+
+def _to_referee(agent: Agent, rnd: Round, mine: Path, t0: float) -> referee.Call:
+    """Rank 1's node: its bundle copied for rank 0's, and the verdict that comes back."""
+    cfg = agent.cfg
+    dest = copy_path(cfg.checkpoint_dir, cfg.rdzv_id, rnd, 1, repro.SDC_SUFFIX)
+    sha, failed = publish(mine, dest) if mine.is_file() else ("", f"no {mine.name} on its node")
+    ask = {"path": str(dest), "sha256": sha} if sha else {"none": failed}
+    agent.waits.blocking(agent.rdzv.note_replay, rnd, names.REFEREE_ASK, ask)
+    if failed:
+        return referee.Call(None, f"rank 1's bundle: {failed}", time.monotonic() - t0)
+    wait = cfg.replay_timeout + referee.BUNDLES_WAIT
+    told = agent.waits.blocking(agent.rdzv.replay_noted, rnd, names.REFEREED, wait)
+    if told is None:
+        why = "no word from the referee (rank 0's node) within --replay-timeout"
+        return referee.Call(None, why, time.monotonic() - t0)
+    return referee.Call(told["odd"], told["said"], time.monotonic() - t0, told["warm"])

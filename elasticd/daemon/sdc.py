@@ -20,6 +20,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from elasticd import names
 from elasticd.cluster.rounds import Round
 from elasticd.lifecycle.states import Failure
 from elasticd.worker import heartbeat
@@ -44,6 +45,16 @@ def finding(beats: list[heartbeat.Beat | None], rnd: Round | None) -> Finding | 
             rank = blamed if blamed >= 0 else None
             return Finding(int(beat.figure("sdc_step")), rank, node_of(rnd, rank))
     return None
+
+
+def ended_by_audit(exit_code: int | None, beat: heartbeat.Beat | None) -> bool:
+    """Whether a worker's end is the audit's: its figures say it found a disagreement (the
+    library's numbers, noted just before it raised), and it ended with names.SDC_EXIT, is still
+    ending, or died of a signal on the way out (a C++ thread ended badly in the interpreter's
+    teardown: SIGABRT, seen 1 time in 7 with gloo; taken for the job's own failure, the
+    detection went unjudged, no referee, no strike)."""
+    ending = exit_code is None or exit_code == names.SDC_EXIT or exit_code < 0
+    return ending and beat is not None and beat.figure("sdc_found") > 0
 
 
 def node_of(rnd: Round | None, rank: int | None) -> str:

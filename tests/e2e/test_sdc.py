@@ -163,9 +163,10 @@ def test_a_persistent_flip_quarantines_the_node(daemons, tmp_path):
     assert record.quarantined and "silent data corruption" in record.quarantined["why"], record
 
 
-def _nodes_one_faulty(daemons, tmp_path, names: str, nnodes: str, **job) -> dict:
+def _nodes_one_faulty(daemons, tmp_path, names: str, nnodes: str, *flags: str, **job) -> dict:
     """One daemon of one rank per name, node b's part faulty (it flips persistently, whatever
-    rank it runs); a starts first and hosts the c10d store. `job`: more of the job's config."""
+    rank it runs); a starts first and hosts the c10d store. `flags`: more of the daemons';
+    `job`: more of the job's config."""
     port = free_port()
     cfg = {"flip_at": FLIP_AT, "flip_persistent": True, "flip_rank": None, "steps": STEPS, **job}
     env = {"EXACT_JOB": json.dumps({**cfg, "out": str(tmp_path / "job.out")})}
@@ -176,6 +177,7 @@ def _nodes_one_faulty(daemons, tmp_path, names: str, nnodes: str, **job) -> dict
             *("--nproc-per-node", "1", "--max-restarts", "4"),
             *("--checkpoint-dir", str(tmp_path / "ckpt"), "--state-dir", str(tmp_path / name)),
             *node_flags(port, nnodes, "sdc"),
+            *flags,
             name=name,
             env={**env, **({"EXACT_FLIP_HERE": "1"} if name == "b" else {})},
         )
@@ -206,6 +208,33 @@ def test_a_node_quarantined_for_persistent_corruption_leaves_and_the_job_goes_on
     it when it leaves (to go on past that, a job needs etcd: docs/multinode.md)."""
     nodes = _nodes_one_faulty(daemons, tmp_path, "abc", "2:3")
     _b_left_and_the_others_finished(nodes, tmp_path)
+
+
+def test_two_nodes_the_referee_meets_both_bundles_and_quarantines_the_flipping_one(
+    daemons, tmp_path
+):
+    """Two nodes of one rank, node b's update flipped after every step from step 4: no majority,
+    so b's rank's bundle goes to a through the checkpoint directory they share, a referees and
+    tells b (daemon/replay_elsewhere.py); both name b's rank twice, b is quarantined (exit 7)
+    and a finishes alone."""
+    last_call = ("--last-call-timeout", "30")  # the first round waits for both
+    nodes = _nodes_one_faulty(
+        daemons, tmp_path, "ab", "1:2", "--ledger", *last_call, flip_in="update"
+    )
+    codes = {name: d.wait(150) for name, d in nodes.items()}
+    assert codes == {"a": 0, "b": exit_codes.ExitCode.QUARANTINED}, {
+        n: d.stderr()[-2000:] for n, d in nodes.items()
+    }
+    found = {n: _events(d, "sdc_suspected") for n, d in nodes.items()}
+    b_node = _events(nodes["b"], "sdc_confirmed")[0]["node"]
+    for name, seen in found.items():  # each node names b, by the referee's replay, twice
+        assert [(e["node"], e["undecided"]) for e in seen] == [(b_node, False)] * 2, (name, seen)
+        assert all("reproduced rank" in e["referee"] for e in seen), seen
+    # a's pool holds one spare per local rank: one replay warm, the other in a fresh interpreter
+    assert all(e["referee_warm"] >= 1 for e in found["a"]), found["a"]
+    assert quarantine.read(tmp_path / "b").quarantined is not None
+    assert quarantine.read(tmp_path / "a").quarantined is None
+    assert not list((tmp_path / "ckpt" / "repro").iterdir())  # each copy removed once refereed
 
 
 def test_four_ranks_a_persistent_flip_is_outvoted_quarantined_and_three_go_on(daemons, tmp_path):

@@ -93,3 +93,9 @@ def test_replay_values_not_of_their_form_are_refused():
     for bad in ({"node": "b", "code": 7, "said": ""}, {"node": "b", "code": True, "said": ""},
                 {"node": "b c", "code": 1, "said": ""}, {"node": "b", "code": 1}):  # fmt: skip
         assert values.replay_answer(json.dumps(bad)) is None, bad
+    # the referee's verdict for the other node of two replicas: the odd rank 0, 1 or none
+    for good in ({"odd": 1, "said": "x", "warm": 2}, {"odd": None, "said": "", "warm": 0}):
+        assert values.refereed(json.dumps(good)) == good
+    for bad in ({"odd": 2, "said": "", "warm": 0}, {"odd": True, "said": "", "warm": 0},
+                {"odd": 0, "said": 1, "warm": 0}, {"odd": 0, "said": "", "warm": 3}):  # fmt: skip
+        assert values.refereed(json.dumps(bad)) is None, bad

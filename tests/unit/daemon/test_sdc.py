@@ -106,3 +106,15 @@ def test_a_referee_that_cannot_decide_leaves_one_line_and_the_undecided_rule():
     # a majority's verdict never asks the referee
     majority = [beat(sdc_found=1, sdc_step=5, sdc_rank=2), None]
     assert c.judge(failure(), majority, three_nodes(0), lambda s: 1 / 0)[0].rank == 1
+
+
+def test_a_worker_ended_by_the_audit_is_one_whatever_signal_took_it_on_the_way_out():
+    """The audit's numbers decide, with how the worker ended: SDC_EXIT, not ended yet, or a
+    signal in the interpreter's teardown (SIGABRT of a C++ thread: it was taken for the job's
+    own failure, and the detection went unjudged); any other exit is the script's."""
+    found, clean = beat(sdc_found=1, sdc_step=5), beat()
+    for code in (86, None, -6, -9):
+        assert sdc.ended_by_audit(code, found), code
+        assert not sdc.ended_by_audit(code, clean) and not sdc.ended_by_audit(code, None), code
+    for code in (0, 1, 2):
+        assert not sdc.ended_by_audit(code, found), code
