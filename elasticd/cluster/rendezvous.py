@@ -315,7 +315,8 @@ class Rendezvous:
                 found = self.open(key, self.kv.get(key), parse)
                 if found is not None:
                     return found
-                time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))  # a forger's
+                # a value that does not verify (a forger's): its writer's may still replace it
+                time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
         return None
 
     def restart_key(self, rnd: Round) -> str:

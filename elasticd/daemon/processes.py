@@ -136,14 +136,13 @@ def stop(
     spared: frozenset[int] = frozenset(),
 ) -> list[int]:
     """SIGTERM every worker's process group, wait up to `grace`, SIGKILL what is left, then sweep
-    the whole tree (sparing the processes `keep()` names, asked at every round of the sweep: a
-    spare forked meanwhile is reparented to the daemon, a descendant like a worker's, and the
-    sessions `spared`). `cut_short()`
-    turning true ends the grace early (a second stop signal). Every wait is bounded: returns the
-    pids that could not be reaped (a process in uninterruptible sleep cannot be), which the
-    caller reports. A sweep that cannot read /proc (no file descriptor left) is tried again
-    until `kill_timeout`, then said in one line: the job goes on (the guard sweeps if the daemon
-    dies)."""
+    the whole tree, sparing the processes `keep()` names (asked at every round: a spare forked
+    meanwhile is the daemon's child, as a worker's orphan is) and the sessions `spared`.
+    `cut_short()` turning true ends the grace early (a second stop signal). Every wait is
+    bounded: returns the pids that could not be reaped (a process in uninterruptible sleep
+    cannot be), which the caller reports. A sweep that cannot read /proc (no file descriptor
+    left) is tried again until `kill_timeout`, then said in one line: the job goes on (the guard
+    sweeps if the daemon dies)."""
     live = [w for w in workers if w.proc.poll() is None]
     if live and grace > 0:
         for w in live:

@@ -57,22 +57,16 @@ Take = Callable[[], Spare | None]  # a warm spare from the pool (spares.py `take
 
 
 def referee(
-    attempt_dir: Path | None,
-    step: int,
-    timeout: float,
-    idle: Idle,
-    take: Take = lambda: None,
-    paths: list[Path] | None = None,
+    attempt_dir: Path | None, step: int, timeout: float, idle: Idle, take: Take = lambda: None
 ) -> Call:
-    """Replay the disputed `step` from the two ranks' bundles in `attempt_dir` (or `paths`: one
-    copied from the other node, daemon/replay_elsewhere.py), waiting through the agent's loop
-    (`idle`), at most `timeout` seconds in all, in spares `take` gives; the replays' output in
-    `attempt_dir`."""
+    """Replay the disputed `step` from the two ranks' bundles in `attempt_dir` (one may have
+    come from the other node: daemon/replay_elsewhere.py), waiting through the agent's loop
+    (`idle`), at most `timeout` seconds in all, in spares `take` gives."""
     t0 = time.monotonic()
     deadline = t0 + timeout
     if attempt_dir is None:
         return Call(None, "no attempt directory", 0.0)
-    paths = paths or [attempt_dir / f"rank{r}{repro.SDC_SUFFIX}" for r in (0, 1)]
+    paths = [attempt_dir / f"rank{r}{repro.SDC_SUFFIX}" for r in (0, 1)]
     idle(min(deadline, t0 + BUNDLES_WAIT), lambda: all(p.is_file() for p in paths))
     heads = _heads(paths, step)
     if isinstance(heads, str):
@@ -82,8 +76,8 @@ def referee(
         grads = os.path.join(tmp, "rank1.grads")
         # side by side: the second imports and loads while the first runs; it waits for the
         # gradients only at its optimizer step
-        first = _start(heads[1], paths[1], {names.REFEREE_GRADS_OUT: grads}, tmp, take, attempt_dir)
-        second = _start(heads[0], paths[0], {names.REFEREE_GRADS_IN: grads}, tmp, take, attempt_dir)
+        first = _start(heads[1], paths[1], {names.REFEREE_GRADS_OUT: grads}, tmp, take)
+        second = _start(heads[0], paths[0], {names.REFEREE_GRADS_IN: grads}, tmp, take)
         warm = first[2] + second[2]
         try:
             idle(deadline, lambda: first[0].poll() is not None)
@@ -147,14 +141,14 @@ def _heads(paths: list[Path], step: int) -> list[dict] | str:
     return heads
 
 
-def _start(head: dict, bundle: Path, extra: dict[str, str], tmp: str, take: Take, logs: Path):
+def _start(head: dict, bundle: Path, extra: dict[str, str], tmp: str, take: Take):
     """One replay (worker/replay.py) of `bundle`, as `elasticd replay` runs it, in a warm spare
-    `take` gives, else in a fresh interpreter; its output in rankR.sdc.replay.log in `logs`.
-    (process, result file, 1 if in a spare else 0)"""
+    `take` gives, else in a fresh interpreter; its output in rankR.sdc.replay.log beside the
+    bundle. (process, result file, 1 if in a spare else 0)"""
     result, ledger_dir = os.path.join(tmp, f"{bundle.name}.json"), os.path.join(tmp, bundle.name)
     os.mkdir(ledger_dir, 0o700)
     env = {**repro.replay_env(head, str(bundle), result, ledger_dir), **extra}
-    log = logs / bundle.name.replace(repro.SUFFIX, ".replay.log")
+    log = bundle.with_name(bundle.name.replace(repro.SUFFIX, ".replay.log"))
     argv = [str(bundle), result]
     spare = take() if not log.exists() else None  # a spare creates it, as a rank's log
     if spare is not None and (proc := spawn.assign(spare, env, tuple(argv), log)) is not None:

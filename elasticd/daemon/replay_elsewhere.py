@@ -10,9 +10,10 @@ The protocol, over the round's keys (signed like every value, cluster/signing.py
    of the round in group order) - the restart is not delayed by anything else;
 2. after its teardown the failed node copies the bundle into the checkpoint directory the nodes
    share (`<checkpoint dir>/repro/`), and writes where, with its SHA-256, to `replay_ask`;
-3. the node named waits for that (its own restart's teardown done), checks that the file is its
-   checkpoint directory's and has that digest (a file someone else could write there is never
-   run), replays it in one of its warm spares and writes its verdict to `replayed`;
+3. the node named waits for that (its own restart's teardown done), copies the file from its own
+   checkpoint directory into its attempt's and checks that copy's digest (a file someone else
+   could put there is never run), removes the shared one, replays it in one of its warm spares
+   and writes its verdict to `replayed`;
 4. the failed node, whose own replay reproduced the failure, waits for that verdict up to
    --replay-timeout and judges (`combine`).
 
@@ -100,40 +101,38 @@ def serve(
     take: replay_verdict.Take,
 ) -> tuple[int, str, bool]:
     """On the node named: the replay `ask` (the failed node's `replay_ask`: path, sha256)
-    describes, judged as `elasticd replay` would: (exit code, line, warm)."""
+    describes, judged as `elasticd replay` would: (exit code, line, warm). The bundle is
+    fetched beside `log` first."""
     if ask is None:
         return UNDECIDED, "undecided: the failed node said nothing of its bundle in time", False
-    path, why = verified(ask, checkpoint_dir)
+    path, why = fetched(ask, checkpoint_dir, log.with_name(log.name.replace(".replay.log", "")))
     if path is None:
         return REFUSED, f"refused: {why}", False
     return replay_verdict.replay(path, log, timeout, idle, take)
 
 
-def verified(ask: dict[str, Any], checkpoint_dir: str) -> tuple[Path | None, str]:
-    """The copy `ask` names, where it is in this node's checkpoint directory's FOLDER and has
-    the SHA-256 the other node wrote: a file someone else could put there is never run. (None,
-    why not) otherwise."""
+def fetched(ask: dict[str, Any], checkpoint_dir: str, into: Path) -> tuple[Path | None, str]:
+    """The bundle `ask` names, copied to `into` (this node's own directory), where it is in
+    this node's checkpoint directory's FOLDER and the copy has the SHA-256 the other node wrote;
+    the shared copy is removed then (it was for this replay alone). What runs is the private
+    copy whose digest was checked: a file someone else puts there, before or after the check,
+    never runs. (None, why not) otherwise."""
     if "none" in ask:
         return None, str(ask["none"])
     path = Path(str(ask.get("path", "")))
     ours = (Path(checkpoint_dir) / FOLDER).resolve()
     if not checkpoint_dir or path.resolve().parent != ours:
         return None, f"the bundle {path} is not in this node's {ours} ({SHARED})"
-    try:
-        digest = _sha256(path)
-    except OSError as e:
-        return None, f"the bundle is not readable here ({e}; {SHARED})"
-    if digest != ask.get("sha256"):
+    sha, failed = publish(path, into)
+    if failed:
+        return None, f"{failed}; {SHARED}"
+    if sha != ask.get("sha256"):
+        with contextlib.suppress(OSError):
+            into.unlink()
         return None, f"{path} is not the bundle the other node wrote (SHA-256)"
-    return path, ""
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
+    with contextlib.suppress(OSError):
+        path.unlink()
+    return into, ""
 
 
 def combine(answer: dict[str, Any] | None, why_none: str) -> tuple[str, dict[str, Any]]:
@@ -228,10 +227,6 @@ def for_peer(agent: Agent) -> None:
         code, said, warm = UNDECIDED, f"undecided: {ask['none']}", False
     else:
         code, said, warm = serve(ask, agent.cfg.checkpoint_dir, log, timeout, idle, agent.spare)
-        if ask is not None and code != REFUSED:  # the copy was for this replay alone (the
-            # failed node keeps its own bundle)
-            with contextlib.suppress(OSError):
-                Path(ask["path"]).unlink()
     answer = {"node": agent.node, "code": code, "said": said[:1500], "warm": warm}
     with contextlib.suppress(StoreUnreachable, kvmod.Unreachable):
         agent.waits.blocking(agent.rdzv.note_replay, rnd, names.REPLAYED_ELSEWHERE, answer)
@@ -264,15 +259,14 @@ def referee_across(agent: Agent, step: int) -> referee.Call | None:
         ask = agent.waits.blocking(
             agent.rdzv.replay_noted, rnd, names.REFEREE_ASK, referee.BUNDLES_WAIT
         )
-        path, why = verified(ask, cfg.checkpoint_dir) if ask else (None, "no word in time")
+        theirs = spec.attempt_dir / f"rank1{repro.SDC_SUFFIX}"  # beside rank 0's, as if local
+        path, why = fetched(ask, cfg.checkpoint_dir, theirs) if ask else (None, "no word in time")
         if path is None:
             call = referee.Call(None, f"rank 1's bundle: {why}", time.monotonic() - t0)
         else:
             left = cfg.replay_timeout - (time.monotonic() - t0)
-            call = referee.referee(spec.attempt_dir, step, left, idle, agent.spare, [mine, path])
+            call = referee.referee(spec.attempt_dir, step, left, idle, agent.spare)
             call = dataclasses.replace(call, seconds=time.monotonic() - t0)
-            with contextlib.suppress(OSError):
-                path.unlink()  # the copy was for this referee alone
         told = {"odd": call.odd, "said": call.said[:1500], "warm": call.warm}
         agent.waits.blocking(agent.rdzv.note_replay, rnd, names.REFEREED, told)
         return call

@@ -61,7 +61,9 @@ def test_the_node_named_runs_nothing_it_cannot_verify(tmp_path, case):
         raise AssertionError("nothing may run")
 
     directory = "" if case == "no-folder" else str(ckpt)
-    code, said, warm = elsewhere.serve(ask, directory, tmp_path / "log", 5.0, never, never)
+    log = tmp_path / "attempt" / "node-a-rank0.replay.log"
+    log.parent.mkdir()
+    code, said, warm = elsewhere.serve(ask, directory, log, 5.0, never, never)
     assert warm is False
     if case == "no-ask":
         assert code == elsewhere.UNDECIDED and "said nothing of its bundle" in said
@@ -69,6 +71,23 @@ def test_the_node_named_runs_nothing_it_cannot_verify(tmp_path, case):
         assert code == elsewhere.REFUSED and said.startswith("refused: "), said
         if case != "digest":
             assert "one --checkpoint-dir every node shares" in said, said
+    assert not list(log.parent.iterdir())  # no copy of what it refused kept
+    assert inside.read_bytes() == outside.read_bytes() == b"bundle"  # nor anything removed
+
+
+def test_what_runs_is_a_private_copy_whose_digest_was_checked(tmp_path):
+    """The shared copy is fetched into the node's own directory, checked there, and removed:
+    a file swapped in after the check never runs."""
+    ckpt = tmp_path / "ckpt"
+    shared = ckpt / elsewhere.FOLDER / "job-r0-rank0.repro"
+    shared.parent.mkdir(parents=True)
+    shared.write_bytes(b"bundle")
+    ask = {"path": str(shared), "sha256": hashlib.sha256(b"bundle").hexdigest()}
+    into = tmp_path / "rank1.sdc.repro"
+    path, why = elsewhere.fetched(ask, str(ckpt), into)
+    assert (path, why) == (into, "") and into.read_bytes() == b"bundle"
+    assert not shared.exists()  # it was for this replay alone
+    assert elsewhere.fetched({"none": "no bundle"}, str(ckpt), into) == (None, "no bundle")
 
 
 @pytest.mark.parametrize(
