@@ -58,13 +58,7 @@ from elasticd.cluster.rounds import Round, new_node_id
 from elasticd.cluster.run import Run
 from elasticd.cluster.sealed import Sealed
 from elasticd.cluster.stores import local_address, open_store
-from elasticd.cluster.timing import (
-    BEAT_EVERY,
-    CLOCK_SKEW,
-    HOST_DOWN_POLL,
-    LOST_SILENCE,
-    WAIT_SLICE,
-)
+from elasticd.cluster.timing import BEAT_EVERY, CLOCK_SKEW, HOST_DOWN_POLL, LOST_SILENCE
 from elasticd.config import Config
 from elasticd.lifecycle import triage
 
@@ -309,15 +303,10 @@ class Rendezvous:
             names.REPLAYED_ELSEWHERE: values.replay_answer,
             names.REFEREED: values.refereed,
         }[name]
-        deadline = time.monotonic() + timeout
-        while (left := deadline - time.monotonic()) > 0:
-            if self.kv.wait(key, min(WAIT_SLICE, left)):
-                found = self.open(key, self.kv.get(key), parse)
-                if found is not None:
-                    return found
-                # a value that does not verify (a forger's): its writer's may still replace it
-                time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
-        return None
+        try:
+            return joining.await_value(self, key, parse, time.monotonic() + timeout)
+        except RendezvousFailed:
+            return None  # none in time, or the job ended meanwhile: nothing more decided
 
     def restart_key(self, rnd: Round) -> str:
         return self.round_key(rnd.number, names.RESTART)

@@ -106,8 +106,9 @@ def serve(
     if ask is None:
         return UNDECIDED, "undecided: the failed node said nothing of its bundle in time", False
     path, why = fetched(ask, checkpoint_dir, log.with_name(log.name.replace(".replay.log", "")))
-    if path is None:
-        return REFUSED, f"refused: {why}", False
+    if path is None:  # "none": the failed node had no copy to give, nothing refused here
+        word, code = ("undecided", UNDECIDED) if "none" in ask else ("refused", REFUSED)
+        return code, f"{word}: {why}", False
     return replay_verdict.replay(path, log, timeout, idle, take)
 
 
@@ -172,13 +173,10 @@ def start(agent: Agent, why: Failure, reason: dict[str, Any], bundle: Path) -> V
     other, rnd = reason.get("replay_on"), agent.round
     if not other or rnd is None or why.rank is None:
         return None
-    dest = copy_path(agent.cfg.checkpoint_dir, agent.cfg.rdzv_id, rnd, why.rank)
-    sha, failed = publish(bundle, dest)
-    ask = {"path": str(dest), "sha256": sha} if sha else {"none": failed}
     try:
-        agent.waits.blocking(agent.rdzv.note_replay, rnd, names.REPLAY_ASK, ask)
+        failed = _hand_over(agent, rnd, bundle, why.rank, names.REPLAY_ASK)
     except (StoreUnreachable, kvmod.Unreachable) as e:
-        failed = failed or f"the store did not take the bundle's place ({e})"
+        failed = f"the store did not take the bundle's place ({e})"
     t0 = time.monotonic()
 
     def verdict() -> tuple[str, dict[str, Any]]:
@@ -197,6 +195,19 @@ def start(agent: Agent, why: Failure, reason: dict[str, Any], bundle: Path) -> V
         return combine(answer, f"no word from node {other} within --replay-timeout")
 
     return verdict
+
+
+def _hand_over(agent: Agent, rnd: Round, bundle: Path, rank: int, name: str) -> str:
+    """`bundle` copied into the shared checkpoint directory and its place (or why there is
+    none) told under the round's key `name`; why not, or ""."""
+    cfg = agent.cfg
+    suffix = "." + bundle.name.split(".", 1)[1]  # .repro, or .sdc.repro (the referee's)
+    dest = copy_path(cfg.checkpoint_dir, cfg.rdzv_id, rnd, rank, suffix)
+    missing = f"no {bundle.name} on the node of rank {rank}"
+    sha, failed = publish(bundle, dest) if bundle.is_file() else ("", missing)
+    ask = {"path": str(dest), "sha256": sha} if sha else {"none": failed}
+    agent.waits.blocking(agent.rdzv.note_replay, rnd, name, ask)
+    return failed
 
 
 def for_peer(agent: Agent) -> None:
@@ -223,10 +234,7 @@ def for_peer(agent: Agent) -> None:
     named = "".join(c if c.isalnum() or c in "-_" else "_" for c in node)[:64]  # a file's name
     log = where / f"node-{named}-rank{rank}.replay.log"
     idle = agent.waits.idle
-    if ask is not None and "none" in ask:
-        code, said, warm = UNDECIDED, f"undecided: {ask['none']}", False
-    else:
-        code, said, warm = serve(ask, agent.cfg.checkpoint_dir, log, timeout, idle, agent.spare)
+    code, said, warm = serve(ask, agent.cfg.checkpoint_dir, log, timeout, idle, agent.spare)
     answer = {"node": agent.node, "code": code, "said": said[:1500], "warm": warm}
     with contextlib.suppress(StoreUnreachable, kvmod.Unreachable):
         agent.waits.blocking(agent.rdzv.note_replay, rnd, names.REPLAYED_ELSEWHERE, answer)
@@ -276,14 +284,10 @@ def referee_across(agent: Agent, step: int) -> referee.Call | None:
 
 def _to_referee(agent: Agent, rnd: Round, mine: Path, t0: float) -> referee.Call:
     """Rank 1's node: its bundle copied for rank 0's, and the verdict that comes back."""
-    cfg = agent.cfg
-    dest = copy_path(cfg.checkpoint_dir, cfg.rdzv_id, rnd, 1, repro.SDC_SUFFIX)
-    sha, failed = publish(mine, dest) if mine.is_file() else ("", f"no {mine.name} on its node")
-    ask = {"path": str(dest), "sha256": sha} if sha else {"none": failed}
-    agent.waits.blocking(agent.rdzv.note_replay, rnd, names.REFEREE_ASK, ask)
+    failed = _hand_over(agent, rnd, mine, 1, names.REFEREE_ASK)
     if failed:
         return referee.Call(None, f"rank 1's bundle: {failed}", time.monotonic() - t0)
-    wait = cfg.replay_timeout + referee.BUNDLES_WAIT
+    wait = agent.cfg.replay_timeout + referee.BUNDLES_WAIT
     told = agent.waits.blocking(agent.rdzv.replay_noted, rnd, names.REFEREED, wait)
     if told is None:
         why = "no word from the referee (rank 0's node) within --replay-timeout"

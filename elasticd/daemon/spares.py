@@ -156,7 +156,7 @@ class SparePool:
             return "warm spawn is off (--no-warm-spawn)"
         fs = self.forkserver
         bound = sum(p.bound is not None for p in self.spares)
-        dead = [p.proc.poll() for p in self.spares if p.proc.poll() is not None]
+        dead = [code for code in (p.proc.poll() for p in self.spares) if code is not None]
         server = (
             "no fork server (fresh interpreters)"
             if fs is None
