@@ -230,8 +230,8 @@ class Agent:
                 node_id=self.rdzv.node_id,
             )
             code = self._loop()
-        except Interrupted:
-            code = self._finish(State.STOPPED, ExitCode.OK)
+        except Interrupted:  # a stop while blocked on the store
+            code = self._interrupted()
         except BudgetSpent as e:  # the round after a failure (ours or not): spent, or deterministic
             code = self._verdict(e)
         except RendezvousFailed as e:
@@ -248,6 +248,14 @@ class Agent:
             if self.group.tee:
                 self.group.tee.close()
         return code
+
+    def _interrupted(self) -> int:
+        """A stop that came while the loop waited on the store: running (the referee's wait for
+        the other node's word), a stop as any other, the workers given the grace; joining, or
+        in a restart (a replay's word), the workers are down already: stopped there."""
+        if self.state is State.RUNNING:
+            return self._stop()
+        return self._finish(State.STOPPED, ExitCode.OK)
 
     def _verdict(self, e: BudgetSpent) -> int:
         """The job's end as the round after a failure wrote it (cluster/closing.py): the budget

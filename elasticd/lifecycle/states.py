@@ -9,7 +9,7 @@ INIT → RENDEZVOUS ────────────→ RUNNING ──all lo
            └── next round ── RESTARTING (stop the group, backoff) ──fatal exit code──→ FAILED
 
 RENDEZVOUS, RUNNING ──stop request or SIGTERM──→ STOPPING (workers checkpoint & exit) → STOPPED
-RENDEZVOUS ──stop while blocked joining──→ STOPPED
+RENDEZVOUS, RESTARTING ──stop while blocked on the store (joining, a replay's word)──→ STOPPED
 RENDEZVOUS, RUNNING, RESTARTING, EXIT_BARRIER, STOPPING ──store lost / rendezvous failed──→ FAILED
   (a c10d store's host down is not lost: RUNNING → RESTARTING → RENDEZVOUS, waiting for it to
    come back within --join-timeout, else FAILED)
@@ -51,7 +51,9 @@ class State(str, enum.Enum):
     """The local group is torn down and the backoff waited out (the restart budget is spent by
     the closing of the next round, cluster/closing.py, which knows whether a node was lost).
     Next: RENDEZVOUS (the next round, also when a stop came during the backoff: it is acted on
-    there); FAILED (a fatal exit code, or the store was lost)."""
+    there); STOPPED (a stop while blocked on the store, the workers already down: a replay's
+    word, daemon/replay_elsewhere.py); FAILED (a fatal exit code, or the store was lost); LEFT
+    (the failure's replay found this node's hardware at fault)."""
     EXIT_BARRIER = "EXIT_BARRIER"
     """Local workers are done; waiting for the other nodes to be done too. Next: SUCCEEDED;
     FAILED (the store was lost)."""
@@ -78,7 +80,7 @@ TRANSITIONS: dict[State, frozenset[State]] = {
     State.RUNNING: frozenset(
         {State.EXIT_BARRIER, State.RESTARTING, State.STOPPING, State.FAILED, State.LEFT}
     ),
-    State.RESTARTING: frozenset({State.RENDEZVOUS, State.FAILED, State.LEFT}),
+    State.RESTARTING: frozenset({State.RENDEZVOUS, State.STOPPED, State.FAILED, State.LEFT}),
     State.EXIT_BARRIER: frozenset({State.SUCCEEDED, State.FAILED}),
     State.STOPPING: frozenset({State.STOPPED, State.FAILED}),
     State.SUCCEEDED: frozenset(),

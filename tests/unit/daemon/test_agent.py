@@ -28,6 +28,7 @@ from elasticd.daemon.agent import Agent
 from elasticd.daemon.healthcheck import HealthCheck
 from elasticd.exit_codes import ExitCode
 from elasticd.lifecycle.states import TRANSITIONS, Failure, RestartCause, State
+from elasticd.worker import heartbeat
 
 S = State
 EDGES = {(old, new) for old, targets in TRANSITIONS.items() for new in targets}
@@ -53,6 +54,9 @@ class Script:
     members: int = 1  # nodes in every round (an exit barrier only with more than one)
     round_fails: dict[int, Exception] = field(default_factory=dict)  # round n raises this
     stop_in_round: int | None = None  # a stop arrives while round n is being joined
+    stop_in_read: str = ""  # a stop arrives while this is read from the store ("restart": the
+    # round's restart request; a replay key: the word another node leaves under it)
+    sdc: heartbeat.Beat | None = None  # what the local rank's audit noted, the attempt ended
     failures: dict[int, Failure] = field(default_factory=dict)  # attempt n's group reports this
     finishes: set[int] = field(default_factory=set)  # attempt n's workers all exit 0
     stop_in_attempt: set[int] = field(default_factory=set)  # a stop while attempt n runs
@@ -92,7 +96,15 @@ class FakeRendezvous:
     kv = None
 
     def read_restart(self, store, rnd: Round) -> dict | None:
-        return None  # the request this node wrote, or none: no other node's failure came first
+        self.stop_in("restart")
+        return None
+
+    def stop_in(self, what: str) -> None:
+        if self.s.stop_in_read == what:
+            stop(self.s.agent)
+            wait_for_stop(
+                self.s.agent
+            )  # the request this node wrote, or none: no other node's failure came first
 
     def request_restart(self, rnd: Round, reason: dict) -> None:
         self.s.calls.append(("request_restart", reason))
@@ -105,6 +117,7 @@ class FakeRendezvous:
         self.s.calls.append(("note_replay", name, value))
 
     def replay_noted(self, rnd: Round, name: str, timeout: float) -> dict | None:
+        self.stop_in(name)
         return self.s.elsewhere if name == names.REPLAYED_ELSEWHERE else None
 
     def exit_barrier(self, rnd: Round, timeout: float) -> bool:
@@ -175,7 +188,7 @@ class FakeGroup:
         return self.attempt in self.s.finishes
 
     def beats(self) -> list:
-        return [None for _ in self.workers]  # not beaten yet
+        return [self.s.sdc for _ in self.workers]  # None: not beaten yet
 
     def rows(self, now: float) -> list[dict]:
         return []
@@ -462,6 +475,34 @@ def test_a_stop_during_a_restart_is_acted_on_before_the_next_round(tmp_path):
     assert [c for c in s.calls if c[0] == "next_round"] == [("next_round", 1)]
 
 
+def test_a_stop_while_a_restart_waits_on_the_store_ends_there(tmp_path):
+    """A restart for another node's failure reads whether that node asks this one to replay its
+    step (daemon/replay_elsewhere.py): a stop (SIGTERM) in that read ends the daemon there, its
+    workers already down, exit 0, as a stop while joining does."""
+    s = Script(members=2, failures={1: NOT_OURS[0]}, stop_in_read="restart")
+    code, path, _ = run(tmp_path, s, checkpoint_dir=str(tmp_path / "ckpt"))
+    assert (code, path) == (ExitCode.OK, [S.INIT, S.RENDEZVOUS, S.RUNNING, S.RESTARTING, S.STOPPED])
+    assert [c for c in s.calls if c[0] == "next_round"] == [("next_round", 1)]
+
+
+def test_a_stop_while_the_referee_waits_for_the_other_node_stops_as_any_stop(tmp_path):
+    """Two replicas on two nodes disagreed: rank 0's node waits, still RUNNING, for rank 1's
+    bundle (replay_elsewhere.referee_across). A stop in that wait is a stop while running: its
+    workers get the grace, the exit barrier, exit 0."""
+    attempt = tmp_path / "attempt"
+    attempt.mkdir(parents=True)
+    (attempt / f"rank0{repro.SDC_SUFFIX}").write_bytes(b"rank 0's step")
+    found = Failure(RestartCause.CRASH, "sdc", rank=0, exit_code=names.SDC_EXIT,
+                    failure_class="sdc")  # fmt: skip
+    sdc = heartbeat.Beat(10, 7, 1.0, 0.5, figures=tuple(
+        {"sdc_found": 1.0, "sdc_step": 5.0}.get(f, 0.0) for f in heartbeat.FIGURES))  # fmt: skip
+    s = Script(members=2, failures={1: found}, stop_in_read=names.REFEREE_ASK, sdc=sdc,
+               attempt_dir=attempt)  # fmt: skip
+    code, path, _ = run(tmp_path / "agent", s, checkpoint_dir=str(tmp_path / "ckpt"))
+    assert (code, path) == (ExitCode.OK, [S.INIT, S.RENDEZVOUS, S.RUNNING, S.STOPPING, S.STOPPED])
+    assert ("teardown", 1, False) in s.calls and ("exit_barrier",) in s.calls
+
+
 def test_a_store_lost_in_a_stops_exit_barrier_fails_the_job(tmp_path):
     s = Script(members=2, stop_in_attempt={1}, barrier_fails=True)
     code, path, _ = run(tmp_path, s)
@@ -598,6 +639,8 @@ SCENARIOS = [
     test_a_stop_while_running_stops_the_workers,
     test_a_stop_while_joining_leaves_the_rendezvous,
     test_a_stop_during_a_restart_is_acted_on_before_the_next_round,
+    test_a_stop_while_a_restart_waits_on_the_store_ends_there,
+    test_a_stop_while_the_referee_waits_for_the_other_node_stops_as_any_stop,
     test_a_store_lost_in_a_stops_exit_barrier_fails_the_job,
     test_a_store_lost_in_the_exit_barrier_fails_the_job,
     test_a_store_lost_while_running_fails_the_job,
