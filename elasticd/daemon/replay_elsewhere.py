@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 from elasticd import names, repro
 from elasticd.cluster import kv as kvmod
+from elasticd.cluster import silence
 from elasticd.cluster.errors import StoreUnreachable
 from elasticd.cluster.rounds import Round
 from elasticd.daemon import referee, replay_verdict
@@ -54,6 +55,7 @@ Verdict = Callable[[], tuple[str, dict[str, Any]]]
 FOLDER = "repro"  # under the checkpoint directory: the bundles copied for another node
 SHARED = "a replay on another node needs one --checkpoint-dir every node shares"
 ASK_WAIT = 30.0  # seconds the node named waits for the failed node's copy (its teardown first)
+LOOK_EVERY = 0.5  # seconds between two looks at the beat of the node a word is awaited from
 
 
 def target(rnd: Round | None, node_id: str) -> str | None:
@@ -63,6 +65,14 @@ def target(rnd: Round | None, node_id: str) -> str | None:
         return None
     ids = [m.node_id for m in rnd.members]
     return ids[(ids.index(node_id) + 1) % len(ids)] if node_id in ids else None
+
+
+def source(rnd: Round | None, node_id: str) -> str | None:
+    """The node whose failure this node replays (`target`'s inverse): the member before it."""
+    if rnd is None or rnd.group_world_size < 2:
+        return None
+    ids = [m.node_id for m in rnd.members]
+    return ids[(ids.index(node_id) - 1) % len(ids)] if node_id in ids else None
 
 
 def copy_path(
@@ -187,12 +197,10 @@ def start(agent: Agent, why: Failure, reason: dict[str, Any], bundle: Path) -> V
             if there and any(there.get(k) != reason.get(k) for k in ("at", "rank", "node")):
                 return combine(None, "another node's failure came first: the request is its")
             left = agent.cfg.replay_timeout - (time.monotonic() - t0)
-            answer = agent.waits.blocking(
-                agent.rdzv.replay_noted, rnd, names.REPLAYED_ELSEWHERE, max(left, 0.0)
-            )
+            answer, gone = word(agent, rnd, names.REPLAYED_ELSEWHERE, other, left)
         except (StoreUnreachable, kvmod.Unreachable) as e:
             return combine(None, f"the store did not answer ({e})")
-        return combine(answer, f"no word from node {other} within --replay-timeout")
+        return combine(answer, gone or f"no word from node {other} within --replay-timeout")
 
     return verdict
 
@@ -210,6 +218,26 @@ def _hand_over(agent: Agent, rnd: Round, bundle: Path, rank: int, name: str) -> 
     return failed
 
 
+def word(
+    agent: Agent, rnd: Round, name: str, writer: str | None, timeout: float
+) -> tuple[dict[str, Any] | None, str]:
+    """The word `name` node `writer` leaves (Rendezvous.note_replay), waited for up to
+    `timeout` seconds while that node still beats: (the word, ""), or (None, why) once it has
+    been silent for --peer-timeout, the rule for a node gone with no other evidence (it died
+    while replaying: no word will come, and waiting out --replay-timeout would hold the whole
+    job's restart); (None, "") at the time out."""
+    until, heard = time.monotonic() + max(timeout, 0.0), {}
+    while (left := until - time.monotonic()) > 0:
+        said = agent.waits.blocking(agent.rdzv.replay_noted, rnd, name, min(left, LOOK_EVERY))
+        if said is not None or writer is None:
+            return said, ""
+        beats = agent.waits.blocking(agent.rdzv.read_beats, agent.rdzv.kv, [writer])
+        heard, lost = silence.missing_lost(heard, beats, time.monotonic(), agent.cfg.peer_timeout)
+        if lost:
+            return None, f"node {writer} silent for {lost[writer]:.1f} s (--peer-timeout): gone"
+    return None, ""
+
+
 def for_peer(agent: Agent) -> None:
     """A node restarting for another's failure (told to, or its ranks died of that node's
     going): where that node's restart request names this one, its replay of the failed step,
@@ -223,9 +251,8 @@ def for_peer(agent: Agent) -> None:
         asked = agent.waits.blocking(agent.rdzv.read_restart, agent.rdzv.kv, rnd)
         if not asked or asked.get("replay_on") != agent.rdzv.node_id:
             return
-        ask = agent.waits.blocking(
-            agent.rdzv.replay_noted, rnd, names.REPLAY_ASK, min(ASK_WAIT, timeout)
-        )
+        failed_node = source(rnd, agent.rdzv.node_id)
+        ask, _ = word(agent, rnd, names.REPLAY_ASK, failed_node, min(ASK_WAIT, timeout))
     except (StoreUnreachable, kvmod.Unreachable):
         return  # the restart goes on; the failed node's own verdict stands
     node, rank = str(asked.get("node", "?")), asked.get("rank")
@@ -264,11 +291,10 @@ def referee_across(agent: Agent, step: int) -> referee.Call | None:
     try:
         if rnd.rank_base == 1:
             return _to_referee(agent, rnd, mine, t0)
-        ask = agent.waits.blocking(
-            agent.rdzv.replay_noted, rnd, names.REFEREE_ASK, referee.BUNDLES_WAIT
-        )
+        other = source(rnd, agent.rdzv.node_id)
+        ask, gone = word(agent, rnd, names.REFEREE_ASK, other, referee.BUNDLES_WAIT)
         theirs = spec.attempt_dir / f"rank1{repro.SDC_SUFFIX}"  # beside rank 0's, as if local
-        path, why = fetched(ask, cfg.checkpoint_dir, theirs) if ask else (None, "no word in time")
+        path, why = fetched(ask, cfg.checkpoint_dir, theirs) if ask else (None, gone or "no word")
         if path is None:
             call = referee.Call(None, f"rank 1's bundle: {why}", time.monotonic() - t0)
         else:
@@ -288,8 +314,8 @@ def _to_referee(agent: Agent, rnd: Round, mine: Path, t0: float) -> referee.Call
     if failed:
         return referee.Call(None, f"rank 1's bundle: {failed}", time.monotonic() - t0)
     wait = agent.cfg.replay_timeout + referee.BUNDLES_WAIT
-    told = agent.waits.blocking(agent.rdzv.replay_noted, rnd, names.REFEREED, wait)
+    told, gone = word(agent, rnd, names.REFEREED, source(rnd, agent.rdzv.node_id), wait)
     if told is None:
-        why = "no word from the referee (rank 0's node) within --replay-timeout"
+        why = gone or "no word from the referee (rank 0's node) within --replay-timeout"
         return referee.Call(None, why, time.monotonic() - t0)
     return referee.Call(told["odd"], told["said"], time.monotonic() - t0, told["warm"])

@@ -19,6 +19,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import structlog.testing
 
 from elasticd import config, names, repro
 from elasticd.cluster.errors import BudgetSpent, Deterministic, RendezvousFailed, StoreLost
@@ -69,6 +70,7 @@ class Script:
     # the verdict of the node the restart request names to replay the failed step too
     # (daemon/replay_elsewhere.py), None: no word from it
     elsewhere: dict | None = None
+    peer_silent: bool = False  # the other nodes' beats stop (their daemons died)
     agent: Agent | None = None
     calls: list[tuple] = field(default_factory=list)  # what the fakes were asked, in order
 
@@ -118,7 +120,14 @@ class FakeRendezvous:
 
     def replay_noted(self, rnd: Round, name: str, timeout: float) -> dict | None:
         self.stop_in(name)
-        return self.s.elsewhere if name == names.REPLAYED_ELSEWHERE else None
+        word = self.s.elsewhere if name == names.REPLAYED_ELSEWHERE else None
+        if word is None:
+            time.sleep(min(timeout, 5.0))  # waited for in vain
+        return word
+
+    def read_beats(self, store, node_ids: list[str]) -> dict[str, int | None]:
+        self.beats = getattr(self, "beats", 0) + (not self.s.peer_silent)
+        return {n: self.beats for n in node_ids}
 
     def exit_barrier(self, rnd: Round, timeout: float) -> bool:
         self.s.calls.append(("exit_barrier",))
@@ -364,22 +373,36 @@ def test_a_failure_with_a_bundle_is_replayed_and_its_verdict_amends_the_request(
 
 @pytest.mark.parametrize(
     "there, verdict",
-    [(1, "hardware"), (0, "reproduced"), (3, "reproduced"), (None, "reproduced")],
-    ids=["completed-there", "reproduced-there", "undecided-there", "no-word"],
+    [(1, "hardware"), (0, "reproduced"), (3, "reproduced"), (None, "reproduced"), ("gone", "")],
+    ids=["completed-there", "reproduced-there", "undecided-there", "no-word", "gone-silent"],
 )
 def test_a_replay_reproduced_here_is_replayed_on_another_node_too(tmp_path, there, verdict):
     """Where the failure's own replay reproduced, the node after this one replays the bundle too
     (daemon/replay_elsewhere.py): completed there, the failure is this node's hardware, which
     leaves the job quarantined from RESTARTING (exit 7); reproduced there, undecided there or no
-    word: reproduced, the job's end in the closing's hands as before."""
+    word: reproduced, the job's end in the closing's hands as before. The node named gone
+    (silent for --peer-timeout): reproduced, without waiting out --replay-timeout."""
     attempt, why = _bundle(tmp_path, "bad sample 7")
     said = "elasticd replay: did not reproduce" if there == 1 else "elasticd replay: ..."
-    answer = None if there is None else {"node": "other", "code": there, "said": said}
-    s = Script(members=2, failures={1: why}, finishes={2}, attempt_dir=attempt, elsewhere=answer)
+    word = there in (None, "gone")
+    answer = None if word else {"node": "other", "code": there, "said": said}
+    s = Script(members=2, failures={1: why}, finishes={2}, attempt_dir=attempt, elsewhere=answer,
+               peer_silent=there == "gone")  # fmt: skip
     ckpt, state = tmp_path / "ckpt", tmp_path / "state"
-    code, path, agent = run(
-        tmp_path / "agent", s, checkpoint_dir=str(ckpt), state_dir=str(state), replay_timeout=5
-    )
+    t0 = time.monotonic()
+    with structlog.testing.capture_logs() as said:
+        code, path, agent = run(
+            tmp_path / "agent", s, checkpoint_dir=str(ckpt), state_dir=str(state),
+            replay_timeout=20 if there == "gone" else 2, peer_timeout=0.5,
+        )  # fmt: skip
+    took = time.monotonic() - t0
+    if there == "gone":
+        verdict = "reproduced"
+        assert took < 10, took  # the node named silent 0.5 s: not the 20 s of --replay-timeout
+        (judged,) = [e for e in said if e.get("event") == "replay_verdict"]
+        assert "silent for" in judged["elsewhere"] and "gone" in judged["elsewhere"], judged
+    elif there is None:
+        assert took >= 2, took  # the node named still beats: its word waited for to the end
     (asked,) = [c[1] for c in s.calls if c[0] == "request_restart"][:1]
     assert asked["replay_on"] == "node-1", asked  # the next member in group order
     (noted,) = [c for c in s.calls if c[0] == "note_replay"]
