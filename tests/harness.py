@@ -310,9 +310,13 @@ def secret_flags() -> tuple[str, ...]:
     """--rdzv-secret-file with a secret shared by every node a test starts (a multi-node job
     refuses to run without one): a mode-600 file in this session's own temporary directory."""
     if not _secret:
+        import atexit
+        import shutil
         import tempfile
 
-        path = Path(tempfile.mkdtemp(prefix="elasticd-test-secret-")) / "job.secret"
+        folder = tempfile.mkdtemp(prefix="elasticd-test-secret-")
+        atexit.register(shutil.rmtree, folder, True)  # the session leaves no file behind
+        path = Path(folder) / "job.secret"
         path.write_bytes(os.urandom(24).hex().encode())
         path.chmod(0o600)
         _secret.append(str(path))

@@ -10,11 +10,13 @@ Derandomized with a fixed number of examples, so CI sees the same inputs on ever
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import io
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -230,6 +232,7 @@ def assert_one_line(code: int, stderr: str) -> str:
 
 
 SCRATCH = Path(tempfile.mkdtemp(prefix="elasticd-fuzz-"))  # one file, rewritten per example
+atexit.register(shutil.rmtree, SCRATCH, True)  # the session leaves no file behind
 
 
 def config_file(content: bytes) -> str:
