@@ -228,7 +228,8 @@ def word(
     job's restart); (None, "") at the time out."""
     until, heard = time.monotonic() + max(timeout, 0.0), {}
     while (left := until - time.monotonic()) > 0:
-        said = agent.waits.blocking(agent.rdzv.replay_noted, rnd, name, min(left, LOOK_EVERY))
+        look = left if writer is None else min(left, LOOK_EVERY)  # no writer known: one wait
+        said = agent.waits.blocking(agent.rdzv.replay_noted, rnd, name, look)
         if said is not None or writer is None:
             return said, ""
         beats = agent.waits.blocking(agent.rdzv.read_beats, agent.rdzv.kv, [writer])

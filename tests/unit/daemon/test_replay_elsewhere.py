@@ -23,6 +23,9 @@ def test_the_next_member_in_group_order_replays():
     assert [elsewhere.target(rnd, n) for n in "abc"] == ["b", "c", "a"]
     assert elsewhere.target(_round(["a"]), "a") is None  # alone: nobody else
     assert elsewhere.target(None, "a") is None and elsewhere.target(rnd, "z") is None
+    # the node whose word the one named waits for (and whose silence ends that wait)
+    assert [elsewhere.source(rnd, elsewhere.target(rnd, n)) for n in "abc"] == list("abc")
+    assert elsewhere.source(_round(["a"]), "a") is None and elsewhere.source(rnd, "z") is None
 
 
 def test_the_copy_is_whole_and_its_digest_the_files(tmp_path):
