@@ -47,7 +47,11 @@ MAX_KEYS = (
 # member cut off mid-request costs a node's beats half a second, so its peers never take it for
 # lost (at 2 s they did, with a partitioned member). A follower whose leader just died holds a
 # request until a new leader is elected (about a second): the call goes round the members until
-# one answers, within its deadline, the time doubling with each round (an overloaded cluster).
+# one answers, within its deadline, the time doubling with each round of attempts that timed out
+# (an overloaded cluster). Quick refusals ("no leader", a refused connection) double nothing: an
+# election gives dozens of them, and a doubled time then let one member still catching up hold
+# a request for the call's whole deadline (a node's beats stalled that long, it was taken for
+# lost).
 ATTEMPT_TIMEOUT = 0.5
 _BACKOFF = (0.05, 0.5)  # after every endpoint failed once: first pause, longest pause
 REJECTED_EVERY = 60.0  # seconds between two log lines about one member's unreadable replies
@@ -264,6 +268,7 @@ class EtcdKV:
             errors: dict[int, Failed] = {}  # endpoint index -> its last failure
             lost_reply = False
             failures = 0
+            slow = 0  # attempts that timed out
             reauthed: set[int] = set()
             while True:
                 if self._pool.closing.is_set():
@@ -277,16 +282,17 @@ class EtcdKV:
                         frozenset(f.cause for f in errors.values()),
                     )
                 i = self._current
-                # each round of failures doubles a member's time: a member cut off costs half a
-                # second, while a cluster that is only slow (overloaded) is not sent every
-                # request again and again at half-second intervals
-                cap = self._attempt_cap * 2 ** (failures // len(self.endpoints))
+                # each round of timed-out attempts doubles a member's time: a member cut off
+                # costs half a second, while a cluster that is only slow (overloaded) is not sent
+                # every request again and again at half-second intervals
+                cap = self._attempt_cap * 2 ** (slow // len(self.endpoints))
                 try:
                     reply = self._attempt(i, path, data, time.monotonic() + min(left, cap))
                     return wire.decoded(decode, reply), lost_reply
                 except Failed as f:
                     errors[i] = f
                     lost_reply |= f.applied_maybe
+                    slow += f.cause == "timeout"
                     self._pool.drop(i)
                     if f.cause == "reply":
                         self._rejected(i, f.reason)
