@@ -19,7 +19,7 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 from elasticd import logs
 from elasticd.cluster import probe
@@ -79,6 +79,18 @@ class Links:
             if dict(targets) == self._want:
                 return
             self._want = dict(targets)
+        self._poke()
+
+    def forgive(self, nodes: Iterable[str]) -> None:
+        """Nodes that arrived for a new round are alive, whatever their connection did before
+        (a partition longer than the keepalive's 16 s ends it with no word, as a death does):
+        their gone mark and failed tries forgotten, a connection held to them again. Kept, a
+        node back from a partition was found gone again in every round it joined, at once,
+        round after round (a restart storm, 16 rounds in 13 s)."""
+        with self._lock:
+            for node in nodes:
+                self.gone.pop(node, None)
+                self._tried.pop(node, None)
         self._poke()
 
     def close(self) -> None:

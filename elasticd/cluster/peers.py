@@ -121,6 +121,8 @@ class Peers:
         # round)
         self.unreachable_since, self._last_ok = None, time.monotonic()
         self._round = rnd
+        if self.links is not None:  # its members arrived for it: alive, whatever came before
+            self.links.forgive(m.node_id for m in rnd.members)
         self._seen = (rnd, {})
         self._probed = (rnd, set(), {}, {})
         self._restart = None

@@ -78,6 +78,30 @@ def test_a_killed_daemon_is_gone_at_once(holder):
         made.close()
 
 
+def test_a_node_back_in_a_new_round_is_forgiven_and_held_again(holder):
+    """Its connection ended with no word (a partition past the keepalive ends it as a death
+    does): gone. It arrives for a new round (Peers.new_round forgives the members): no longer
+    gone, and a connection to it is held again, so that its real death is seen again."""
+    p, port = holder()
+    made, woke = watcher()
+    try:
+        made.watch({"b": ("127.0.0.1", port)})
+        assert held(made, "b")
+        os.kill(p.pid, signal.SIGKILL)
+        assert woke.wait(10) and "b" in made.gone
+        back, port2 = holder()  # its daemon (here a new one) listening again
+        made.watch({"b": ("127.0.0.1", port2)})
+        time.sleep(0.3)
+        assert "b" in made.gone and not held(made, "b", 0.2)  # gone: never tried again alone
+        made.forgive(["b"])
+        assert "b" not in made.gone and held(made, "b")
+        woke.clear()
+        os.kill(back.pid, signal.SIGKILL)
+        assert woke.wait(10) and "b" in made.gone  # and its death is seen again
+    finally:
+        made.close()
+
+
 def test_a_stopped_daemon_or_one_closing_in_order_is_not_gone(holder):
     stopped, port1 = holder()
     closing, port2 = holder()
