@@ -169,42 +169,32 @@ def _serve_while(conn: socket.socket, fd: int) -> None:
 def fork_spare(conn: socket.socket) -> int | None:
     """Fork one spare (twice: the middle process exits, so the spare is reparented to the
     daemon) and send the daemon its pid and the write end of its job pipe. Returns, in the spare,
-    the read end of that pipe; in the server, None.
-
-    The middle exits only once the pid is sent: until then the spare is the server's
-    descendant, from then on the daemon has its pid to read. Either way a teardown's sweep of
-    the daemon's children spares it (SparePool.keep); reparented before the daemon could know
-    it, the sweep killed it, and a replay that took it found it dead (1 run in ~10 under load)."""
+    the read end of that pipe; in the server, None."""
     read_end, write_end = os.pipe()
     report_r, report_w = os.pipe()
-    go_r, go_w = os.pipe()  # closed by the server once the pid is sent: the middle may exit
     middle = os.fork()
     if middle == 0:
-        os.close(go_w)
         spare = _fork_or_exit()
         if spare == 0:
-            for fd in (report_r, report_w, go_r, write_end):
-                os.close(fd)
+            os.close(report_r)
+            os.close(report_w)
+            os.close(write_end)
             conn.close()
             return read_end
         try:
             os.write(report_w, str(spare).encode())
-            os.read(go_r, 1)  # EOF: the daemon has been sent the pid
         finally:
             os._exit(0)
-    for fd in (report_w, read_end, go_r):
-        os.close(fd)
-    pid = os.read(report_r, 32)  # b"": the fork failed, or the middle was killed
+    os.close(report_w)
+    os.close(read_end)
+    os.waitpid(middle, 0)  # once it is reaped, its child has been reparented to the daemon
+    pid = os.read(report_r, 32)
     os.close(report_r)
-    try:
-        if pid:
-            socket.send_fds(conn, [pid], [write_end])
-        else:
-            conn.send(b"lost")  # the daemon stops waiting
-    finally:
-        os.close(go_w)
-        os.close(write_end)
-        os.waitpid(middle, 0)  # once it is reaped, its child has been reparented to the daemon
+    if pid:
+        socket.send_fds(conn, [pid], [write_end])
+    else:
+        conn.send(b"lost")  # the fork failed or the middle was killed: the daemon stops waiting
+    os.close(write_end)
     return None
 
 
