@@ -48,7 +48,11 @@ def _kinds(procs: list[psutil.Process], launcher: int) -> dict[int, str]:
     them (it forks every spare)."""
     kinds, forked = {}, []
     for p in procs:
-        line = " ".join(p.cmdline())
+        try:
+            line = " ".join(p.cmdline())
+            p.create_time()  # read once: cached for the sort below
+        except psutil.Error:
+            continue  # gone meanwhile (a spare swapped, a zombie not yet reaped): not measured
         if p.pid == launcher:
             kinds[p.pid] = "launcher"
         elif "elasticd.daemon.guard" in line:
@@ -104,20 +108,22 @@ def measure(launcher: str, nproc: int, settle: float, work: Path, timeout: float
         time.sleep(settle)
         root = psutil.Process(proc.pid)
         deadline = time.monotonic() + timeout
-        while True:  # elasticd's steady state holds a warm spare: one being swapped is waited for
+        while True:  # elasticd's steady state holds a warm spare: one being swapped is waited
+            # for, until a spare is both seen and measured (one swapped in between is gone)
             procs = [root, *root.children(recursive=True)]
             kinds = _kinds(procs, proc.pid)
-            if not ours or "spare" in kinds.values() or time.monotonic() > deadline:
+            rows: dict[str, list] = {}
+            for p in procs:
+                try:
+                    m = p.memory_full_info()
+                except psutil.Error:
+                    continue  # gone meanwhile
+                if p.pid in kinds:
+                    row = {"pid": p.pid, "rss": m.rss, "uss": m.uss, "pss": m.pss}
+                    rows.setdefault(kinds[p.pid], []).append(row)
+            if not ours or "spare" in rows or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
-        rows: dict[str, list] = {}
-        for p in procs:
-            try:
-                m = p.memory_full_info()
-            except psutil.Error:
-                continue  # gone meanwhile
-            row = {"pid": p.pid, "rss": m.rss, "uss": m.uss, "pss": m.pss}
-            rows.setdefault(kinds[p.pid], []).append(row)
         total = {k: sum(r[k] for rs in rows.values() for r in rs) for k in ("rss", "uss", "pss")}
         return {"processes": rows, "total": total, "path": recovery_path(work / "launcher.log")}
     finally:
