@@ -65,14 +65,19 @@ def held(made, node, timeout=10.0):
     return node in made._held
 
 
-def test_a_killed_daemon_is_gone_at_once(holder):
+def killed_while_held(holder, made, woke) -> None:
+    """Node b's daemon held by `made`, then SIGKILLed: the link's end seen."""
     p, port = holder()
+    made.watch({"b": ("127.0.0.1", port)})
+    assert held(made, "b")
+    os.kill(p.pid, signal.SIGKILL)
+    assert woke.wait(10), "the link's end was not seen"
+
+
+def test_a_killed_daemon_is_gone_at_once(holder):
     made, woke = watcher()
     try:
-        made.watch({"b": ("127.0.0.1", port)})
-        assert held(made, "b")
-        os.kill(p.pid, signal.SIGKILL)
-        assert woke.wait(10), "the link's end was not seen"
+        killed_while_held(holder, made, woke)
         assert "b" in made.gone and "died" in made.gone["b"][1]
     finally:
         made.close()
@@ -82,13 +87,10 @@ def test_a_node_back_in_a_new_round_is_forgiven_and_held_again(holder):
     """Its connection ended with no word (a partition past the keepalive ends it as a death
     does): gone. It arrives for a new round (Peers.new_round forgives the members): no longer
     gone, and a connection to it is held again, so that its real death is seen again."""
-    p, port = holder()
     made, woke = watcher()
     try:
-        made.watch({"b": ("127.0.0.1", port)})
-        assert held(made, "b")
-        os.kill(p.pid, signal.SIGKILL)
-        assert woke.wait(10) and "b" in made.gone
+        killed_while_held(holder, made, woke)
+        assert "b" in made.gone
         back, port2 = holder()  # its daemon (here a new one) listening again
         made.watch({"b": ("127.0.0.1", port2)})
         time.sleep(0.3)
