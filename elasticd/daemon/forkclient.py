@@ -39,8 +39,14 @@ class Child:
         if self.returncode is None:
             try:
                 pid, status = os.waitpid(self.pid, os.WNOHANG)
-            except ChildProcessError:  # not ours after all (the daemon is no subreaper): gone
-                self.returncode = -signal.SIGKILL
+            except ChildProcessError:
+                # not ours (yet): the fork server announces a spare before its middle process
+                # exits and hands it to us (forkserver.fork_spare); where the daemon is no
+                # subreaper, never. Gone only once it no longer exists.
+                try:
+                    os.kill(self.pid, 0)
+                except ProcessLookupError:
+                    self.returncode = -signal.SIGKILL
                 return self.returncode
             if pid:
                 self.returncode = os.waitstatus_to_exitcode(status)
@@ -207,7 +213,7 @@ class ForkServer:
             if msg == preload.ANSWER:
                 self.learning, self.learned = False, True
                 break
-            self.pending -= 1
+            self.pending = max(0, self.pending - 1)  # a middle killed after sending: two words
             if fds and msg != b"lost":
                 got.append(Spare(Child(int(msg)), os.fdopen(fds[0], "wb")))
         return got

@@ -166,16 +166,16 @@ def stop(
     while True:
         poll(workers)
         done = {w.pid for w in workers if w.exit_code is not None}
-        kept = keep()
         try:
-            leftover = [
-                p
-                for p in find_tree(token, workers, spared)
-                if p.pid not in done and p.pid not in kept
-            ]
+            found = find_tree(token, workers, spared)
             failed = None
         except (OSError, psutil.Error) as e:  # EMFILE: /proc cannot be read now
-            failed = e
+            found, failed = None, e
+        # asked after the listing: a spare found reparented to the daemon was announced (its pid
+        # in the daemon's socket) before it was, so keep() knows it (forkserver.fork_spare)
+        kept = keep()
+        if found is not None:
+            leftover = [p for p in found if p.pid not in done and p.pid not in kept]
         for p in leftover:
             try:
                 p.kill()

@@ -45,6 +45,8 @@ class SparePool:
         self.log_path = run_dir / "spares.log"
         self.event = event  # Agent.event: logged and shown in status
         self.spares: list[forkclient.Spare] = []  # warm processes waiting for a rank
+        # forked after a learning report the loop has not handled yet (collected by keep())
+        self.after_report: list[forkclient.Spare] = []
         self.forkserver: forkclient.ForkServer | None = None
         self.refill_due: float | None = (
             None  # when fresh-interpreter spares are refilled at the latest
@@ -122,13 +124,16 @@ class SparePool:
         """The fork server's report came: replace the spares forked before it (they lack what
         it imported); a server tainted after all is replaced by one that learns nothing."""
         fs.learned = False
+        late, self.after_report = self.after_report, []
         if self.learning is None:
+            self._place(late)
             return
         report = self.learning.reported()
         replace = bool(report.get("preloaded") or report.get("tainted"))
         # (else nothing new in the server: the spares are as good)
         self.learning.say(report, replaced=[p.pid for p in self.spares] if replace else [])
         if not replace:
+            self._place(late)
             return
         forkclient.discard_spares(self.spares)
         if report.get("bound"):
@@ -136,9 +141,12 @@ class SparePool:
             modules = {n: origins[n] for n in report["bound"] if n in origins}
             self.binding = modules, report.get("reads") or []
         if report.get("tainted"):
+            forkclient.discard_spares(late)
             self.learning = self.binding = None
             fs.close()
             self._start_server()
+        else:
+            self._place(late)  # forked after the report: they hold what it imported
         self._fill()
 
     def take(self) -> forkclient.Spare | None:
@@ -312,8 +320,11 @@ class SparePool:
         learning the next start needs would be lost)."""
         fs = self.forkserver
         if fs is not None and (fs.pending or fs.learning) and fs.usable:
-            self._place(fs.collect())  # no new ones asked for: nothing is forked on its own
-        keep = {p.pid for p in self.spares}
+            if not fs.learned:
+                self._place(fs.collect())  # no new ones asked for: nothing is forked on its own
+            if fs.learned:  # collect stopped at a report; what came after waits for _learned
+                self.after_report += fs.collect()
+        keep = {p.pid for p in self.spares + self.after_report}
         if fs is not None:
             keep.add(fs.proc.pid)
             with contextlib.suppress(psutil.Error):
@@ -325,6 +336,7 @@ class SparePool:
             self.environ_check.kill()
             self.environ_check.wait()
         forkclient.discard_spares(self.spares)
+        forkclient.discard_spares(self.after_report)
         if self.forkserver:
             self.forkserver.close()
 

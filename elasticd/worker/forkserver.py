@@ -168,33 +168,36 @@ def _serve_while(conn: socket.socket, fd: int) -> None:
 
 def fork_spare(conn: socket.socket) -> int | None:
     """Fork one spare (twice: the middle process exits, so the spare is reparented to the
-    daemon) and send the daemon its pid and the write end of its job pipe. Returns, in the spare,
-    the read end of that pipe; in the server, None."""
+    daemon). The middle process sends the daemon the spare's pid and the write end of its job
+    pipe before it exits: so the pid is in the daemon's socket before the spare becomes the
+    daemon's child, and a teardown sweep that finds it there finds its pid too (sent after the
+    reparenting, the sweep could kill a spare the daemon did not know yet). Returns, in the
+    spare, the read end of that pipe; in the server, None."""
     read_end, write_end = os.pipe()
     report_r, report_w = os.pipe()
     middle = os.fork()
     if middle == 0:
+        os.close(report_r)
         spare = _fork_or_exit()
         if spare == 0:
-            os.close(report_r)
             os.close(report_w)
             os.close(write_end)
             conn.close()
             return read_end
         try:
-            os.write(report_w, str(spare).encode())
+            socket.send_fds(conn, [str(spare).encode()], [write_end])
+            os.write(report_w, b"sent")
         finally:
             os._exit(0)
     os.close(report_w)
     os.close(read_end)
-    os.waitpid(middle, 0)  # once it is reaped, its child has been reparented to the daemon
-    pid = os.read(report_r, 32)
-    os.close(report_r)
-    if pid:
-        socket.send_fds(conn, [pid], [write_end])
-    else:
-        conn.send(b"lost")  # the fork failed or the middle was killed: the daemon stops waiting
     os.close(write_end)
+    os.waitpid(middle, 0)  # once it is reaped, its child has been reparented to the daemon
+    sent = os.read(report_r, 8)
+    os.close(report_r)
+    if sent != b"sent":
+        with contextlib.suppress(OSError):
+            conn.send(b"lost")  # the fork failed or the middle was killed: the daemon stops waiting
     return None
 
 
