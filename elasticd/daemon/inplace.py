@@ -122,15 +122,37 @@ def _refused(agent: Agent, why: Failure) -> str | None:
             f"exit {STOPPED}: the rank stopped on SIGTERM (the checkpoint library saves and every "
             "rank stops with it)"
         )
-    if store(agent) is None:
+    kv = store(agent)
+    if kv is None:
         return "the workers' store is not known to this node"
     if any(b is None or not b.beats for b in group.beats()):
         return "a rank had not stepped yet (a second fault during re-entry, or at the start)"
+    if off := _not_formed(agent, kv):
+        return off
     if agent.in_place_used >= agent.cfg.max_restarts:
         return f"the in-place budget is spent ({agent.cfg.max_restarts}: --max-restarts)"
     if not [w for w in group.workers if w.exit_code is None and w.proc.poll() is None]:
         return "every rank has exited"  # polled: ranks killed together die a moment apart
     return None
+
+
+def _not_formed(agent: Agent, kv) -> str | None:
+    """Why not every rank of the world is in the generation the group stands at (None: each
+    gave its handle): a rank whose init_process_group fell back (NCCL where this torch's cannot
+    re-form, an init_method of the script's, its `in_place_fallback` line) cannot re-enter, and
+    its group must restart as today, not wait for survivors that will never come."""
+    gen, world = agent.group.generation, agent.round.world_size
+    keys = [names.in_place_key(gen, r) for r in range(world)]
+    try:
+        if kv.check(keys):
+            return None
+        missing = [r for r, k in enumerate(keys) if not _has(kv, k)][:8]
+    except Unreachable as e:
+        return f"the workers' store cannot be read: {e}"
+    return (
+        f"rank(s) {', '.join(map(str, missing))} did not form their group in place at generation "
+        f"{gen} (their init_process_group fell back: see its in_place_fallback line)"
+    )
 
 
 @dataclass

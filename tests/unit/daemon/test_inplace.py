@@ -85,6 +85,27 @@ def test_a_survivor_is_stuck_after_about_one_step(deadline, seconds):
     assert inplace.stuck_after(deadline) == pytest.approx(seconds)
 
 
+def _workers_store(formed: list[int]) -> tuple[dist.TCPStore, int]:
+    """A real workers' store where the ranks `formed` gave their handle for generation 0."""
+    host = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    for r in formed:
+        host.set(names.in_place_key(0, r), b"handle")
+    return host, host.port
+
+
+def _agent(worker, port: int) -> SimpleNamespace:
+    return SimpleNamespace(
+        group=SimpleNamespace(
+            workers=[worker], beats=lambda: [SimpleNamespace(beats=3)], generation=0
+        ),
+        forming=None,
+        cfg=SimpleNamespace(fatal_exit_codes={7}, max_restarts=3),
+        round=SimpleNamespace(number=1, master_addr="127.0.0.1", master_port=port, world_size=2),
+        in_place_kv=None,
+        in_place_used=0,
+    )
+
+
 @pytest.mark.parametrize(
     "code, words",
     [(143, "stopped on SIGTERM"), (7, "a fatal exit code"), (1, None)],
@@ -94,16 +115,9 @@ def test_a_rank_that_stopped_on_sigterm_restarts_the_group(code, words):
     and exits too, so a spare started for the first would be wasted on a group that restarts
     (bench/chaos.py's sigterm: 9 s to a cold restart after it)."""
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    host, port = _workers_store([0, 1])
     try:
-        worker = SimpleNamespace(exit_code=None, proc=live)
-        agent = SimpleNamespace(
-            group=SimpleNamespace(workers=[worker], beats=lambda: [SimpleNamespace(beats=3)]),
-            forming=None,
-            cfg=SimpleNamespace(fatal_exit_codes={7}, max_restarts=3),
-            round=SimpleNamespace(number=1, master_addr="127.0.0.1", master_port=1),
-            in_place_kv=None,
-            in_place_used=0,
-        )
+        agent = _agent(SimpleNamespace(exit_code=None, proc=live), port)
         why = Failure(RestartCause.CRASH, "r", rank=1, exit_code=code)
         refused = inplace._refused(agent, why)
         assert refused is None if words is None else words in refused
@@ -113,6 +127,28 @@ def test_a_rank_that_stopped_on_sigterm_restarts_the_group(code, words):
     finally:
         live.kill()
         live.wait(10)
+        del host
+
+
+def test_a_rank_whose_group_did_not_form_in_place_restarts_the_group():
+    """A rank whose init_process_group fell back (NCCL where torch cannot re-form it, an
+    init_method of the script's) gave no handle: it cannot re-enter, so a fault restarts the
+    whole group at once, as with --in-place off, rather than waiting for survivors that never
+    come (a GPU job's survivors would sit in NCCL's collective until a timeout)."""
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    host, port = _workers_store([0])
+    try:
+        agent = _agent(SimpleNamespace(exit_code=None, proc=live), port)
+        refused = inplace._refused(agent, Failure(RestartCause.CRASH, "r", rank=0, exit_code=1))
+        assert refused is not None and "rank(s) 1 did not form their group in place" in refused
+        host.set(names.in_place_key(0, 1), b"handle")
+        assert (
+            inplace._refused(agent, Failure(RestartCause.CRASH, "r", rank=0, exit_code=1)) is None
+        )
+    finally:
+        live.kill()
+        live.wait(10)
+        del host
 
 
 def test_an_attempt_that_replaced_a_rank_in_place_had_trained():
