@@ -50,6 +50,7 @@ from elasticd.cluster.kv import Unreachable
 from elasticd.config import Config, parse_nnodes
 from elasticd.daemon import processes
 from elasticd.daemon.inplace_watch import Watch
+from elasticd.lifecycle import triage
 from elasticd.lifecycle.states import Failure, RestartCause
 from elasticd.worker import reconfigure
 
@@ -117,6 +118,11 @@ def _refused(agent: Agent, why: Failure) -> str | None:
             return "a hang while a generation formed in place"
     if why.kind is RestartCause.CRASH and why.exit_code in agent.cfg.fatal_exit_codes:
         return "a fatal exit code"
+    if why.kind is RestartCause.CRASH and why.exception and not triage.consequence(why.exception):
+        return (
+            "the rank raised an error of its own: the group restarts, where the replay and the "
+            "repeat rule judge whether it is deterministic"
+        )
     if why.kind is RestartCause.CRASH and why.exit_code == STOPPED:
         return (
             f"exit {STOPPED}: the rank stopped on SIGTERM (the checkpoint library saves and every "

@@ -486,6 +486,8 @@ def run_once(entrypoint: str, args: list[str]) -> bool:
         if os.environ.get(names.IN_PLACE_GEN) is not None:
             from elasticd.worker import reconfigure
 
+            if not reconfigure.from_elsewhere(exc):
+                uncaught(exc)  # its own error: it exits with it, as it would under torchrun
             if reconfigure.reenter(exc) is None:
                 return False
             try:  # fell back: end now, as a restart expects, whatever threads the script left

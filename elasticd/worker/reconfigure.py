@@ -412,6 +412,30 @@ def _stray_threads() -> list[str]:
     return [t.name for t in alive if t is not threading.main_thread() and not t.daemon]
 
 
+def from_elsewhere(exc: BaseException) -> bool:
+    """Whether the script unwound from a fault elsewhere, which re-entry answers: its collective
+    failed of a peer's going (the texts lifecycle/triage.py takes for a consequence: a connection
+    closed or reset, gloo's or NCCL's), or the daemon has already announced the next generation.
+    Anything else is the script's own error (a bug, bad data, a check of its own): the rank exits
+    with it as under torchrun, so that the daemon sees it and its restart judges it (the replay,
+    the repeat rule), rather than the rank waiting for a generation nobody will announce."""
+    from elasticd.lifecycle import triage
+
+    texts, seen, e = [], set(), exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        texts.append(f"{type(e).__name__}: {e}")
+        e = e.__cause__ or e.__context__
+    if triage.consequence("\n".join(texts)):
+        return True
+    found = member()
+    if found is None:
+        return True  # `reenter` says why it cannot
+    with contextlib.suppress(Exception):
+        return bool(found.store.check([names.in_place_key(found.generation + 1)]))
+    return False
+
+
 def reenter(exc: BaseException) -> str | None:
     """After the script unwound with `exc`: wait for the daemon's next generation, make sure
     this process can vouch for itself, and re-form the group. None when the script may run

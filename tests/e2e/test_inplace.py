@@ -154,6 +154,31 @@ def test_the_recovery_bench_reports_the_in_place_timeline():
     assert not leftover_processes()
 
 
+def test_a_rank_s_own_error_exits_at_once_and_restarts_the_group(daemons):
+    """Rank 1 raises a ValueError of its own (not a collective's failure): it exits with it at
+    once, as under torchrun, rather than waiting for a generation (15 s, before), and the daemon
+    restarts the group, where the replay and the repeat rule judge errors; the survivors, whose
+    collective failed of its going, are not the cause."""
+    d = daemons(
+        script("inplace_faults.py"), *FLAGS, "--restart-backoff", "0",
+        args=["--steps", "2000", "--raise-at", "10"],
+    )  # fmt: skip
+    wait_until(lambda: len(d.attempt_dirs()) > 1, 30, what="the restart")
+    refused = events(d, "in_place_refused")
+    assert len(refused) == 1 and "an error of its own" in refused[0]["why"], refused
+    assert "ValueError: bad sample at step 10" in refused[0]["cause"], refused
+    assert not events(d, "replaced_in_place")
+    # it ended at once: from its error to the restart's decision well under GENERATION_WAIT
+    failed = [e for e in events(d, "state") if e.get("new") == "RESTARTING"][0]
+    assert "rank 1" in failed["cause"]
+    text = d.log_text(1, 1)
+    assert "in_place_fallback" not in text and "no generation announced" not in text, text
+    wait_until(lambda: re.search(r"^step 3\b", d.log_text(0, 2), re.M), 60, what="restarted")
+    d.kill(signal.SIGTERM)
+    assert d.wait(60) == 0, d.stderr()[-3000:]
+    assert not leftover_processes()
+
+
 def _rank_2_re_entered_then_stop(d) -> None:
     """Rank 2, a survivor, steps again in the re-formed group in its own process; then stop."""
     wait_until(

@@ -3,7 +3,8 @@ test_inplace.py), by its flags: `--thread` starts a thread of its own (not a dae
 runs until the training loop ends, so it still runs when a collective fails and the script
 unwinds; `--swallow` has rank 0 catch a collective's error and go on, so it never unwinds;
 `--hang-at N` has rank 1, in its first process, sleep for ever before step N's collective (outside
-it: the others wait in it). Prints `step N` per step."""
+it: the others wait in it); `--raise-at N` has rank 1, in its first process, raise an error of
+its own (a ValueError, as bad data would) at step N. Prints `step N` per step."""
 
 import argparse
 import os
@@ -18,6 +19,7 @@ p.add_argument("--steps", type=int, default=100)
 p.add_argument("--thread", action="store_true")
 p.add_argument("--swallow", action="store_true")
 p.add_argument("--hang-at", type=int, default=0)
+p.add_argument("--raise-at", type=int, default=0)
 args = p.parse_args()
 
 dist.init_process_group("gloo")
@@ -28,9 +30,12 @@ w = torch.nn.Parameter(torch.zeros(4))
 opt = torch.optim.SGD([w], lr=0.1)
 for step in range(1, args.steps + 1):
     w.grad = torch.ones(4)
-    if step == args.hang_at and dist.get_rank() == 1 and os.environ["ELASTICD_IN_PLACE_GEN"] == "0":
+    first = dist.get_rank() == 1 and os.environ["ELASTICD_IN_PLACE_GEN"] == "0"
+    if step == args.hang_at and first:
         while True:
             time.sleep(1)
+    if step == args.raise_at and first:
+        raise ValueError(f"bad sample at step {step}")
     try:
         dist.all_reduce(w.grad)
     except RuntimeError as e:
