@@ -118,6 +118,13 @@ def _refused(agent: Agent, why: Failure) -> str | None:
             return "a hang while a generation formed in place"
     if why.kind is RestartCause.CRASH and why.exit_code in agent.cfg.fatal_exit_codes:
         return "a fatal exit code"
+    if why.failure_class == triage.FailureClass.SDC.value or why.exit_code == names.SDC_EXIT:
+        return (
+            "silent data corruption: every rank rolls back to the certified state together, and "
+            "each rank's exit of the audit is one finding, not a second"
+        )
+    if why.consequences:
+        return f"other ranks failed too: {'; '.join(why.consequences)[:300]}"
     if why.kind is RestartCause.CRASH and why.exception and not triage.consequence(why.exception):
         return (
             "the rank raised an error of its own: the group restarts, where the replay and the "
@@ -155,6 +162,8 @@ def _not_formed(agent: Agent, kv) -> str | None:
         missing = [r for r, k in enumerate(keys) if not _has(kv, k)][:8]
     except Unreachable as e:
         return f"the workers' store cannot be read: {e}"
+    if not missing:
+        return None  # the last handle came between the two reads
     return (
         f"rank(s) {', '.join(map(str, missing))} did not form their group in place at generation "
         f"{gen} (their init_process_group fell back: see its in_place_fallback line)"

@@ -48,6 +48,14 @@ _groups: dict[str, dict] = {}  # group name -> {"desc", "seq", "ops": deque of e
 _lib = None  # the torch.library.Library holding the kernels (kept: dropping it unregisters)
 
 
+def reset() -> None:
+    """Forget every group's collectives: the group re-formed in place (worker/reconfigure.py),
+    and its replacement counts from 1, as torch's recorder does for the new generation; a
+    survivor counting on would be judged "never arrived at seq 9" where the fault was at 3."""
+    with _lock:
+        _groups.clear()
+
+
 def recorder_off(env: dict | None = None) -> bool:
     """Whether torch's Flight Recorder is off for this process, as torch reads its setting."""
     env = os.environ if env is None else env

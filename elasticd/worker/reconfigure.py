@@ -42,6 +42,7 @@ from datetime import timedelta
 import structlog
 
 from elasticd import names
+from elasticd.worker import collective_hook
 
 log = structlog.get_logger("elasticd.in_place")
 
@@ -200,6 +201,7 @@ class Member:
         self.generation = generation
         if generation > 0:
             fresh_subgroups(dist, generation)
+            collective_hook.reset()
         return time.monotonic() - t0
 
     def _missing(self, generation: int, keys: list[str], ranks: list[int], seconds: float) -> str:

@@ -90,6 +90,7 @@ def _workers_store(formed: list[int]) -> tuple[dist.TCPStore, int]:
     host = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     for r in formed:
         host.set(names.in_place_key(0, r), b"handle")
+    host.check([names.in_place_key(0, r) for r in formed])  # a round trip: set has no reply
     return host, host.port
 
 
@@ -142,6 +143,7 @@ def test_a_rank_whose_group_did_not_form_in_place_restarts_the_group():
         refused = inplace._refused(agent, Failure(RestartCause.CRASH, "r", rank=0, exit_code=1))
         assert refused is not None and "rank(s) 1 did not form their group in place" in refused
         host.set(names.in_place_key(0, 1), b"handle")
+        host.check([names.in_place_key(0, 1)])
         assert (
             inplace._refused(agent, Failure(RestartCause.CRASH, "r", rank=0, exit_code=1)) is None
         )
@@ -347,3 +349,48 @@ def test_a_lost_node_that_held_the_workers_store_restarts_the_group():
     assert inplace._shrink_refused(agent, lost("b")) is None
     agent.cfg.nnodes = "2"
     assert "fewer than --nnodes 2" in inplace._shrink_refused(agent, lost("b"))
+
+
+@pytest.mark.parametrize(
+    "why, words",
+    [
+        (Failure(RestartCause.CRASH, "r", rank=1, exit_code=names.SDC_EXIT), "silent data"),
+        (
+            Failure(RestartCause.CRASH, "r", rank=1, exit_code=1, failure_class="sdc"),
+            "silent data",
+        ),
+        (
+            Failure(RestartCause.SIGNAL, "r", rank=1, consequences=("rank 2: exit 1 (+0.1 s)",)),
+            "other ranks failed too: rank 2",
+        ),
+        (
+            Failure(RestartCause.CRASH, "r", rank=1, exit_code=1, exception="ValueError: bad"),
+            "an error of its own",
+        ),
+        (
+            Failure(
+                RestartCause.CRASH,
+                "r",
+                rank=1,
+                exit_code=1,
+                exception="RuntimeError: [pair.cc:561] Connection closed by peer",
+            ),  # fmt: skip
+            None,
+        ),
+    ],
+    ids=["sdc-exit", "sdc-class", "consequences", "own-error", "died-of-a-peer"],
+)
+def test_what_only_the_restart_judges_is_not_recovered_in_place(why, words):
+    """The audit ends every rank at a disagreement (exit 86): the first reaped, recovered in
+    place, made the next ranks' exits a second finding and quarantined a node for one flip. A
+    failure with others after it, and a rank's own error (the replay and the repeat rule judge
+    it), restart too; a rank that died of a peer's going is recovered in place."""
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    host, port = _workers_store([0, 1])
+    try:
+        refused = inplace._refused(_agent(SimpleNamespace(exit_code=None, proc=live), port), why)
+        assert refused is None if words is None else words in refused, refused
+    finally:
+        live.kill()
+        live.wait(10)
+        del host
