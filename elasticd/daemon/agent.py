@@ -302,13 +302,9 @@ class Agent:
                 unhealthy = self.health_check.poll(now)
                 if unhealthy is not None:
                     return self._leave(unhealthy)
-                self._after_start_up(now)
-                inplace.follow(self, now)
-                inplace.unstick(self, now)
-                self.spares.learn(self.group.workers)
-                if self.status.due(now):
-                    self.publish()
-                continue
+                why = self._quiet(now)
+                if why is None:
+                    continue
             why = hangs.name_culprit(why, self)
             why, left = self._judge(why)
             if left is not None:
@@ -316,6 +312,19 @@ class Agent:
             code = self._restart(why)
             if code is not None:
                 return code
+
+    def _quiet(self, now: float) -> Failure | None:
+        """A tick where nothing failed: the start-up's report, the generation in place (one
+        another node announced; a survivor stuck, or one that finished meanwhile, which no
+        generation can then form without: that is a failure), the spares' learning, status."""
+        self._after_start_up(now)
+        inplace.follow(self, now)
+        why = inplace.unstick(self, now)
+        if why is None:
+            self.spares.learn(self.group.workers)
+            if self.status.due(now):
+                self.publish()
+        return why
 
     def _peers_check(self) -> Failure | Scale | None:
         """The peers' check; ranks waiting, unwound, for a generation nobody announced

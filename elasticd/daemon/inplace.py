@@ -255,18 +255,29 @@ def _innermost(dump: str) -> str:
     return frame[:200]
 
 
-def unstick(agent: Agent, now: float) -> None:
+def unstick(agent: Agent, now: float) -> Failure | None:
     """While a generation forms: a survivor that gave no handle within `Forming.after` is
     blocked where its abort does not reach; kill it and start its rank again into the same
-    generation, which the others still wait for (worker/reconfigure.py)."""
+    generation, which the others still wait for (worker/reconfigure.py). A survivor that
+    finished its script meanwhile (exit 0: it was past its last collective) can never join:
+    that is a failure for the restart, returned."""
     forming = agent.forming
     if forming is None:
-        return
+        return None
     kv = store(agent)
     if kv is None or forming.generation != agent.group.generation:
         agent.forming = None
-        return
+        return None
     gen = forming.generation
+    done = [w for w in agent.group.workers if w.global_rank in forming.running and w.exit_code == 0]
+    if done:
+        agent.forming = None
+        return Failure(
+            RestartCause.CRASH,
+            f"rank {done[0].global_rank} finished its script (exit 0) while generation {gen} "
+            "formed in place: the rank started for it cannot join a group that ended",
+            rank=done[0].global_rank, pid=done[0].pid, exit_code=0, node=agent.node,
+        )  # fmt: skip
     try:
         missing = [r for r in forming.running if not _has(kv, names.in_place_key(gen, r))]
         if not missing:
@@ -274,20 +285,20 @@ def unstick(agent: Agent, now: float) -> None:
                 agent.group.quiet_from = now  # the survivors wait in form for a starting rank
             else:
                 agent.forming = None
-            return
+            return None
         if now - forming.since < forming.after:
-            return
+            return None
         # a rank that unwound re-forms or falls back (exits) on its own
         missing = [r for r in missing if not _has(kv, names.in_place_unwound_key(gen, r))]
     except Exception:  # noqa: BLE001 - the store's trouble is the peers' thread's to judge
-        return
+        return None
     group = agent.group
     stuck = [w for w in group.workers if w.global_rank in missing and w.exit_code is None]
     agent.forming = dataclasses.replace(
         forming, running=tuple(r for r in forming.running if r not in missing)
     )
     if not stuck:
-        return  # exited meanwhile: the loop's check acts on it
+        return None  # exited meanwhile: the loop's check acts on it
     # where it waits is not known yet (docs/in-place.md): its stacks, briefly, before the kill
     dumps = processes.dump_stacks(stuck, agent.cfg.stack_signal, wait=STACKS_WAIT)
     _kill(*stuck)

@@ -179,6 +179,24 @@ def test_a_rank_s_own_error_exits_at_once_and_restarts_the_group(daemons):
     assert not leftover_processes()
 
 
+def test_a_survivor_that_finishes_while_a_generation_forms_restarts_the_group(daemons):
+    """Rank 1 dies past the last step; rank 0, past its last collective, sees no failure and
+    returns. The rank started for rank 1 could never join it (it waited without end, before:
+    the chaos soak's last fault): the survivor's exit 0 while the generation forms ends it, and
+    the group restarts and finishes."""
+    d = daemons(
+        script("inplace_faults.py"), "--nproc-per-node", "2", "--in-place", "auto",
+        "--max-restarts", "3", "--restart-backoff", "0",
+        args=["--steps", "15", "--die-at-end"],
+    )  # fmt: skip
+    assert d.wait(90) == 0, d.stderr()[-3000:]
+    assert len(events(d, "replaced_in_place")) == 1
+    restarts = [e for e in events(d, "state") if e.get("new") == "RESTARTING"]
+    assert len(restarts) == 1 and "finished its script (exit 0)" in restarts[0]["cause"], restarts
+    assert re.search(r"^step 15\b", d.log_text(1, 2), re.M)
+    assert not leftover_processes()
+
+
 def _rank_2_re_entered_then_stop(d) -> None:
     """Rank 2, a survivor, steps again in the re-formed group in its own process; then stop."""
     wait_until(

@@ -4,10 +4,15 @@ runs until the training loop ends, so it still runs when a collective fails and 
 unwinds; `--swallow` has rank 0 catch a collective's error and go on, so it never unwinds;
 `--hang-at N` has rank 1, in its first process, sleep for ever before step N's collective (outside
 it: the others wait in it); `--raise-at N` has rank 1, in its first process, raise an error of
-its own (a ValueError, as bad data would) at step N. Prints `step N` per step."""
+its own (a ValueError, as bad data would) at step N; `--die-at-end` has rank 1, in the job's first
+process, SIGKILL itself past the last step while rank 0 returns once the daemon announced the
+generation rank 1's replacement starts for (no collective after the loop, not even
+destroy_process_group's). Prints
+`step N` per step."""
 
 import argparse
 import os
+import signal
 import threading
 import time
 
@@ -20,6 +25,7 @@ p.add_argument("--thread", action="store_true")
 p.add_argument("--swallow", action="store_true")
 p.add_argument("--hang-at", type=int, default=0)
 p.add_argument("--raise-at", type=int, default=0)
+p.add_argument("--die-at-end", action="store_true")
 args = p.parse_args()
 
 dist.init_process_group("gloo")
@@ -46,4 +52,16 @@ for step in range(1, args.steps + 1):
     print(f"step {step}", flush=True)
     time.sleep(0.05)
 done.set()  # only where the loop ended: an error leaves the thread running
-dist.destroy_process_group()
+if args.die_at_end and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+    if dist.get_rank() == 1 and os.environ["ELASTICD_IN_PLACE_GEN"] == "0":
+        os.kill(os.getpid(), signal.SIGKILL)
+    # rank 0, past its last collective, sees no failure: it returns once the daemon announced
+    # the generation its replacement starts for (the store the daemon announces it in)
+    from datetime import timedelta
+
+    from elasticd import names
+
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+    store.wait([names.in_place_key(1)], timedelta(seconds=30))
+else:
+    dist.destroy_process_group()
