@@ -549,6 +549,7 @@ def _shrunk(agent: Agent, gen: int, lost, world: int, mapping: dict[int, int], n
     """This node's side of a smaller world announced: its view, the generation forming."""
     agent.in_place_used += 1
     agent.in_place_waits = None
+    _count(agent, why)
     _smaller_round(agent, lost, world, mapping)
     group = agent.group
     group.generation, group.quiet_from = gen, now
@@ -565,6 +566,14 @@ def _shrunk(agent: Agent, gen: int, lost, world: int, mapping: dict[int, int], n
         survivors=[w.pid for w in group.workers],
         failed_at=why.at,
     )
+
+
+def _count(agent: Agent, why: Failure) -> None:
+    """A failure recovered in place, where status and metrics show it (its cause, its class,
+    the steps it lost once every rank has loaded its state again) and as the last failure."""
+    agent.status.figures.on_restart(why, agent.group.beats(), in_place=True)
+    agent.last_failure = why
+    agent.publish()  # no state changes: status would show it only at its next due snapshot
 
 
 def replace(agent: Agent, why: Failure) -> bool:
@@ -593,6 +602,7 @@ def replace(agent: Agent, why: Failure) -> bool:
     agent.recovery.replaced_in_place()  # refused above unless every rank had stepped
     agent.recovery.detected()
     agent.in_place_used += 1
+    _count(agent, why)
     group.generation = gen - 1  # group.replace raises it to the generation announced
     pids = group.replace(dead, agent.spares.spares)
     agent.recovery.mark("spawned")

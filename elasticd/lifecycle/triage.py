@@ -27,6 +27,10 @@ import enum
 import re
 import signal
 
+# what a rank meets when another rank, or its node, went away first: never the cause of a job's
+# failure while another failure came before (the words, shared with the workers: peer_errors.py)
+from elasticd.peer_errors import CONSEQUENCE_TEXTS, consequence  # noqa: F401 - this module's too
+
 # the signals someone else sends to end a process: a death by one of them says nothing of the code
 OUTSIDE_SIGNALS = frozenset({signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
 # a shell or launcher between us and the process reports its signal death as 128 + N
@@ -210,22 +214,9 @@ def _signal_name(number: int) -> str:
         return str(number)
 
 
-# what a rank meets when another rank, or its node, went away first: the transport's words
-# (gloo, NCCL, sockets), never the cause of a job's failure while another failure came before
-CONSEQUENCE_TEXTS = re.compile(
-    r"Connection (?:reset|closed) by peer|Broken pipe|\bECONNRESET\b|\bEPIPE\b|Connection refused"
-    r"|remote process exited|communicator was aborted|\bDistNetworkError\b|Socket closed",
-    re.IGNORECASE,
-)
 # seconds by which a failure named a consequence may come before the failure it follows: clocks
 # of different nodes, and the daemon's view of an exit (its poll) that comes after the fact
 CLOCK_SLACK = 1.0
-
-
-def consequence(exception: str | None) -> bool:
-    """Whether an error's text is of the kind a rank dies of when another rank failed first (the
-    peer's connection reset or closed, a broken pipe, NCCL's remote process gone)."""
-    return bool(exception and CONSEQUENCE_TEXTS.search(exception))
 
 
 def first(failures: list[tuple[float, bool]]) -> list[int]:

@@ -119,6 +119,12 @@ def _figures(s: Snapshot) -> list[str]:
             + ", ".join(f"{c.replace('_', ' ')} {n}" for c, n in causes.items())
             + f"; budget left {s.budget_left}"
         )
+    kept = {c: n for c, n in s.in_place_by_cause.items() if n}
+    if kept:
+        lines.append(
+            "  recovered in place by cause: "
+            + ", ".join(f"{c.replace('_', ' ')} {n}" for c, n in kept.items())
+        )
     if s.failures_by_class:
         lines.append(
             "  failures by class: " + ", ".join(f"{c} {n}" for c, n in s.failures_by_class.items())

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import statistics
+import time
 from typing import Any
 
 from elasticd.lifecycle.states import Failure, RestartCause, Scale
@@ -69,6 +70,7 @@ class Figures:
     def __init__(self, started: float) -> None:
         self.started = started  # monotonic: when the daemon started (the job, for this node)
         self.restarts = dict.fromkeys(CAUSES, 0)
+        self.in_place = dict.fromkeys(CAUSES, 0)  # failures recovered in place (daemon/inplace.py)
         self.failures: dict[str, int] = {}  # by class (lifecycle/triage.py's FailureClass values)
         self.recoveries = [0] * (
             len(RECOVERY_BUCKETS) + 1
@@ -81,8 +83,9 @@ class Figures:
         self.productive_closed = 0.0  # seconds, attempts that ended
         self._attempt = 0  # the attempt the per-rank state below belongs to
         self._span: tuple[float, float] | None = None  # this attempt's (all stepped, latest beat)
-        # a restart's (attempt that failed, step reached, step time), until the next attempt resumed
-        self._pending: tuple[int, int, float] | None = None
+        # a recovery's (step reached, step time, when: monotonic), until every rank of the group
+        # after it has loaded its state since (a new attempt's, or a generation's in place)
+        self._pending: tuple[int, float, float] | None = None
         self._rates: dict[int, tuple[_Rate, _Rate]] = {}  # local rank -> (step interval, own work)
         self._base = dict.fromkeys(TOTALS, 0.0)  # totals of attempts that ended
         self._now_totals = dict.fromkeys(TOTALS, 0.0)  # this attempt's, as last read
@@ -99,16 +102,25 @@ class Figures:
         """The replicas' audit's detections so far (daemon/sdc.py `Corruption.report`)."""
         self.sdc = dict(detections)
 
-    def on_restart(self, why: Failure | Scale, beats: list[heartbeat.Beat | None]) -> None:
-        """A running group ends early (before its teardown): count the cause, and note the step
-        its ranks reached, to tell the steps lost once the next attempt has resumed."""
+    def on_restart(
+        self,
+        why: Failure | Scale,
+        beats: list[heartbeat.Beat | None],
+        in_place: bool = False,
+        now: float | None = None,
+    ) -> None:
+        """A running group ends early (before its teardown), or `in_place` a failure is recovered
+        with its survivors kept (daemon/inplace.py): count the cause, and note the step its ranks
+        reached, to tell the steps lost once the group after it has resumed (every rank loaded
+        its state after `now`, monotonic as the heartbeat's marks)."""
         if why.kind.restarts:
-            self.restarts[why.kind.label] += 1
+            (self.in_place if in_place else self.restarts)[why.kind.label] += 1
         if why.kind is not RestartCause.SCALE:
             self.on_failure(why.failure_class)
         reported = [b for b in beats if b and b.state_loaded and b.beats]
         if reported and len(reported) == len(beats):
-            self._pending = (self._attempt, max(b.step for b in reported), self.step_time() or 0.0)
+            reached, at = max(b.step for b in reported), time.monotonic() if now is None else now
+            self._pending = (reached, self.step_time() or 0.0, at)
         else:
             self._pending = None
             self.steps_lost_unknown += 1
@@ -167,11 +179,10 @@ class Figures:
                 self._lasts[name] = max(values)
         if (
             self._pending
-            and attempt > self._pending[0]
             and len(live) == len(beats)
-            and all(b.state_loaded for b in live)
-        ):
-            _, reached, step_time = self._pending
+            and all(b.state_loaded >= self._pending[2] for b in live)
+        ):  # every rank loaded its state since: a survivor kept in place, run again, too
+            reached, step_time, _ = self._pending
             self._pending = None
             lost = max(0, reached - int(min(b.figure("resumed") for b in live)))
             self.steps_lost_last = lost
@@ -223,6 +234,7 @@ class Figures:
                 "lost_seconds": round(self.lost_seconds, 3) if told else None,
             },
             "restarts_by_cause": dict(self.restarts),
+            "in_place_by_cause": dict(self.in_place),
             "failures_by_class": dict(self.failures),
             "steps_lost": {
                 "total": self.steps_lost_total if told else None,

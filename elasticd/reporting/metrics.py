@@ -58,6 +58,13 @@ METRICS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
         ("cause",),
     ),
     (
+        "elasticd_in_place_recoveries_total",
+        "counter",
+        "Failures recovered in place (the failed ranks replaced alone, the survivors kept in "
+        "their processes), by cause as this node saw it; the others restart the workers",
+        ("cause",),
+    ),
+    (
         "elasticd_failures_total",
         "counter",
         "Failures this node saw, by class (what kind of trouble: user, oom, hardware, hang, "
@@ -380,6 +387,8 @@ def _job(put: Put, s: Snapshot) -> None:
 def _restarts(put: Put, s: Snapshot) -> None:
     for cause, n in s.restarts_by_cause.items():
         put("elasticd_restarts_total", n, cause=cause)
+    for cause, n in s.in_place_by_cause.items():
+        put("elasticd_in_place_recoveries_total", n, cause=cause)
     for klass, n in s.failures_by_class.items():
         put("elasticd_failures_total", n, **{"class": klass})
     put("elasticd_restart_budget_used", s.restarts)

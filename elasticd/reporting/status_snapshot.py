@@ -245,6 +245,8 @@ class Snapshot:
     parts: dict[str, Part] = field(default_factory=dict)
     goodput: Goodput = field(default_factory=Goodput)
     restarts_by_cause: dict[str, int] = field(default_factory=dict)  # by RestartCause.label
+    # failures recovered in place, the survivors kept (daemon/inplace.py): by the same labels
+    in_place_by_cause: dict[str, int] = field(default_factory=dict)
     steps_lost: StepsLost = field(default_factory=StepsLost)
     recoveries: Recoveries | None = None
     step: int | None = None

@@ -41,7 +41,7 @@ from datetime import timedelta
 
 import structlog
 
-from elasticd import names
+from elasticd import names, peer_errors
 from elasticd.worker import collective_hook
 
 log = structlog.get_logger("elasticd.in_place")
@@ -416,19 +416,17 @@ def _stray_threads() -> list[str]:
 
 def from_elsewhere(exc: BaseException) -> bool:
     """Whether the script unwound from a fault elsewhere, which re-entry answers: its collective
-    failed of a peer's going (the texts lifecycle/triage.py takes for a consequence: a connection
+    failed of a peer's going (peer_errors.py's texts, a consequence to the daemon too: a connection
     closed or reset, gloo's or NCCL's), or the daemon has already announced the next generation.
     Anything else is the script's own error (a bug, bad data, a check of its own): the rank exits
     with it as under torchrun, so that the daemon sees it and its restart judges it (the replay,
     the repeat rule), rather than the rank waiting for a generation nobody will announce."""
-    from elasticd.lifecycle import triage
-
     texts, seen, e = [], set(), exc
     while e is not None and id(e) not in seen:
         seen.add(id(e))
         texts.append(f"{type(e).__name__}: {e}")
         e = e.__cause__ or e.__context__
-    if triage.consequence("\n".join(texts)):
+    if peer_errors.consequence("\n".join(texts)):
         return True
     found = member()
     if found is None:
@@ -472,6 +470,9 @@ def reenter(exc: BaseException) -> str | None:
         except Refused as e:
             why = str(e)
         else:
+            # the script, run again, sees its generation as a replacement of it does (a fault a
+            # script arms for its first process only, `== "0"`, stays disarmed)
+            os.environ[names.IN_PLACE_GEN] = str(announced[0])
             log.info(
                 "re_entered",
                 generation=announced[0],

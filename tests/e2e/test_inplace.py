@@ -6,6 +6,7 @@ CI runs this file in its second environment (.ci/run)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -128,6 +129,13 @@ def test_a_hung_rank_is_killed_and_replaced_the_others_re_enter(daemons):
     wait_until(lambda: re.search(r"^step 14\b", d.log_text(1, 1), re.M), 90, what="step 14")
     before = d.worker_pids()
     wait_until(lambda: events(d, "replaced_in_place"), 30, what="the hung rank replaced")
+    # status and metrics count it: in place, not a restart, and it is the last failure
+    shown = json.loads(d.status("--json").stdout)
+    assert shown["in_place_by_cause"]["hang"] == 1, shown["in_place_by_cause"]
+    assert sum(shown["restarts_by_cause"].values()) == 0, shown
+    assert shown["failures_by_class"].get("hang") == 1, shown["failures_by_class"]
+    assert "hung" in shown["last_failure"]["reason"], shown["last_failure"]
+    assert "recovered in place by cause: hang 1" in d.status().stdout
     _rank_2_re_entered_then_stop(d)
     replaced = events(d, "replaced_in_place")
     assert len(replaced) == 1 and replaced[0]["ranks"] == [1], replaced

@@ -75,16 +75,20 @@ def test_steps_lost_and_goodput():
         now=60,
     )
     f.on_restart(
-        Failure(RestartCause.SIGNAL, "killed by SIGKILL", rank=1), [beat(step=57), beat(step=57)]
+        Failure(RestartCause.SIGNAL, "killed by SIGKILL", rank=1),
+        [beat(step=57), beat(step=57)],
+        now=60.05,
     )
     f.observe(
         1, [0, 1], [beat(step=57, beats=51, first=10.5, last=60)] * 2, now=60.1
     )  # the RESTARTING snapshot
     assert f.steps_lost_last is None  # the old attempt's beats tell nothing of the resume
     f.observe(2, [], [], now=61)  # torn down
-    f.observe(2, [0, 1], [beat(step=50, beats=1, first=70, last=70, resumed=50)] * 2, now=70)
+    resumed = beat(step=50, beats=1, first=70, last=70, loaded=69, resumed=50)
+    f.observe(2, [0, 1], [resumed] * 2, now=70)
     assert (f.steps_lost_last, f.steps_lost_total) == (7, 7)
-    f.observe(2, [0, 1], [beat(step=100, beats=50, first=70, last=100, resumed=50)] * 2, now=100)
+    later = beat(step=100, beats=50, first=70, last=100, loaded=69, resumed=50)
+    f.observe(2, [0, 1], [later] * 2, now=100)
     r = f.report(100)
     assert r["restarts_by_cause"]["signal"] == 1 and sum(r["restarts_by_cause"].values()) == 1
     step_time = 1.0  # 50 steps over 50 s in the first attempt
@@ -94,6 +98,30 @@ def test_steps_lost_and_goodput():
     f.on_recovered({"torn_down": 0.1, "first_step": 0.4})
     rec = f.report(100)["recoveries"]
     assert rec["count"] == 1 and rec["sum"] == 0.4 and dict(map(tuple, rec["buckets"]))[0.5] == 1
+
+
+def test_a_recovery_in_place_is_counted_apart_and_its_steps_lost_told():
+    """The survivors keep their processes (the attempt does not change): the steps lost are told
+    once every rank has loaded its state again after the recovery (a survivor's run again too),
+    and the recovery counts in place, not as a restart."""
+    f = Figures(started=0.0)
+    f.observe(1, [0, 1], [beat(step=40, beats=40, first=10, last=50, loaded=9)] * 2, now=50)
+    f.on_restart(
+        Failure(RestartCause.SIGNAL, "killed by SIGKILL", rank=1),
+        [beat(step=40, loaded=9)] * 2,
+        in_place=True,
+        now=50.1,
+    )
+    # rank 0 re-entered but has not loaded yet; rank 1's replacement has
+    joined = beat(step=38, beats=1, first=51, last=51, loaded=50.8, resumed=38)
+    f.observe(1, [0, 1], [beat(step=40, loaded=9), joined], now=51)
+    assert f.steps_lost_last is None
+    again = beat(step=38, beats=41, first=10, last=51, loaded=50.9, resumed=38)
+    f.observe(1, [0, 1], [again, again], now=51.2)
+    assert (f.steps_lost_last, f.steps_lost_total) == (2, 2)
+    r = f.report(52)
+    assert r["in_place_by_cause"]["signal"] == 1 and sum(r["restarts_by_cause"].values()) == 0
+    assert r["failures_by_class"] and r["steps_lost"]["unknown"] == 0
 
 
 def test_steps_lost_unknown_without_the_checkpoint_library():
