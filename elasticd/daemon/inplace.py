@@ -125,10 +125,12 @@ def _refused(agent: Agent, why: Failure) -> str | None:
         )
     if why.consequences:
         return f"other ranks failed too: {'; '.join(why.consequences)[:300]}"
-    if why.kind is RestartCause.CRASH and why.exception and not triage.consequence(why.exception):
+    if why.signature and not triage.consequence(why.exception):
+        # a class the repeat rule judges (user, oom, hardware: triage.judged): not an outside
+        # kill, a hang or a lost node, which in place is for
         return (
-            "the rank raised an error of its own: the group restarts, where the replay and the "
-            "repeat rule judge whether it is deterministic"
+            f"a failure of the rank's own (class {why.failure_class}): the group restarts, where "
+            "the replay and the repeat rule judge whether it is deterministic"
         )
     if why.kind is RestartCause.CRASH and why.exit_code == STOPPED:
         return (
@@ -144,8 +146,11 @@ def _refused(agent: Agent, why: Failure) -> str | None:
         return off
     if agent.in_place_used >= agent.cfg.max_restarts:
         return f"the in-place budget is spent ({agent.cfg.max_restarts}: --max-restarts)"
-    if not [w for w in group.workers if w.exit_code is None and w.proc.poll() is None]:
-        return "every rank has exited"  # polled: ranks killed together die a moment apart
+    alive = [w for w in group.workers if w.exit_code is None and w.proc.poll() is None]
+    if not alive and agent.round.group_world_size <= 1:
+        # polled: ranks killed together die a moment apart; with other nodes, their ranks
+        # survive (one rank a node: this node's only one died), and say otherwise themselves
+        return "every rank has exited"
     return None
 
 
@@ -429,6 +434,9 @@ def _follow(agent: Agent, now: float) -> None:
     after = stuck_after(getattr(group, "deadline", None))
     agent.forming = Forming(gen, now, after, running, starting)
     agent.event("in_place_followed", generation=gen, ranks=list(starting), survivors=list(running))
+    ranks = ", ".join(map(str, starting))
+    why = f"another node recovered rank(s) {ranks} in place (generation {gen})"
+    _count(agent, Failure(RestartCause.PEER, why, node=agent.node))  # as a restart it asked for
 
 
 def smaller(members, lost) -> tuple[int, dict[int, int]]:

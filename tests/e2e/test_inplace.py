@@ -173,7 +173,7 @@ def test_a_rank_s_own_error_exits_at_once_and_restarts_the_group(daemons):
     )  # fmt: skip
     wait_until(lambda: len(d.attempt_dirs()) > 1, 30, what="the restart")
     refused = events(d, "in_place_refused")
-    assert len(refused) == 1 and "an error of its own" in refused[0]["why"], refused
+    assert len(refused) == 1 and "a failure of the rank's own" in refused[0]["why"], refused
     assert "ValueError: bad sample at step 10" in refused[0]["cause"], refused
     assert not events(d, "replaced_in_place")
     # it ended at once: from its error to the restart's decision well under GENERATION_WAIT

@@ -8,6 +8,7 @@ second environment)."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -44,13 +45,15 @@ ARGS += ["--hidden", "32", "--memory-every", "1", "--step-delay", "0.05"]
 FLAGS = ("--nproc-per-node", "2", "--in-place", "auto", "--max-restarts", "3")
 
 
-def two_nodes(daemons, tmp_path, job="job"):
-    """Two nodes of 2 ranks each, one job; returned as (the node of rank 0, the other)."""
+def two_nodes(daemons, tmp_path, job="job", nproc: int = 2):
+    """Two nodes of `nproc` ranks each, one job; returned as (the node of rank 0, the other)."""
     port = free_port()
     nodes = [
         daemons(
             "entrypoints.train",
-            *FLAGS,
+            *FLAGS[2:],  # all but its --nproc-per-node
+            "--nproc-per-node",
+            str(nproc),
             *node_flags(port, "2", job=job),
             "--checkpoint-dir",
             str(tmp_path / f"ckpt{i}"),
@@ -59,7 +62,7 @@ def two_nodes(daemons, tmp_path, job="job"):
         )  # fmt: skip
         for i in range(2)
     ]
-    wait_until(lambda: all(len(n.worker_pids()) == 2 for n in nodes), 90, what="4 workers")
+    wait_until(lambda: all(len(n.worker_pids()) == nproc for n in nodes), 90, what="every worker")
     return sorted(nodes, key=lambda n: min(n.worker_pids()))
 
 
@@ -82,8 +85,11 @@ def in_order(daemons, tmp_path, flags, n: int, args=ARGS, shared_ckpt: bool = Fa
     return nodes
 
 
-def test_a_rank_killed_on_one_node_is_replaced_there_alone(daemons, tmp_path):
-    host, other = two_nodes(daemons, tmp_path)
+@pytest.mark.parametrize("nproc", [2, 1], ids=["2-ranks-a-node", "1-rank-a-node"])
+def test_a_rank_killed_on_one_node_is_replaced_there_alone(daemons, tmp_path, nproc):
+    """With one rank a node, the node whose rank died keeps no survivor of its own: the other
+    node's rank is the survivor (before, "every rank has exited" restarted the group)."""
+    host, other = two_nodes(daemons, tmp_path, nproc=nproc)
     victim = max(other.worker_pids())
     wait_until(lambda: re.search(r"^step 12/60", host.log_text(0, 1), re.M), 90, what="step 12")
     before = {**host.worker_pids(), **other.worker_pids()}
@@ -96,6 +102,12 @@ def test_a_rank_killed_on_one_node_is_replaced_there_alone(daemons, tmp_path):
         what="every survivor re-entered",
     )
     assert all(alive(p) for p in survivors.values()), "a survivor left its process"
+    # each node's status counts it in place: the failed rank's node by its cause, the other as a
+    # peer's (as a restart another node asked for)
+    for n, cause in ((other, "signal"), (host, "peer")):
+        shown = json.loads(n.status("--json").stdout)
+        assert shown["in_place_by_cause"][cause] == 1, (cause, shown["in_place_by_cause"])
+        assert sum(shown["restarts_by_cause"].values()) == 0, shown["restarts_by_cause"]
     for n in (host, other):
         assert n.wait(120) == 0, n.stderr()[-3000:]
     replaced = events(other, "replaced_in_place")

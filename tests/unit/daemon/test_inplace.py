@@ -16,6 +16,7 @@ from elasticd.config import Config
 from elasticd.daemon import inplace
 from elasticd.daemon.deadlines import Deadline
 from elasticd.lifecycle.states import Failure, RestartCause
+from elasticd.reporting.figures import Figures
 from elasticd.worker import reconfigure
 
 HAS = hasattr(dist, "_reconfigure")
@@ -101,7 +102,9 @@ def _agent(worker, port: int) -> SimpleNamespace:
         ),
         forming=None,
         cfg=SimpleNamespace(fatal_exit_codes={7}, max_restarts=3),
-        round=SimpleNamespace(number=1, master_addr="127.0.0.1", master_port=port, world_size=2),
+        round=SimpleNamespace(
+            number=1, master_addr="127.0.0.1", master_port=port, world_size=2, group_world_size=1
+        ),
         in_place_kv=None,
         in_place_used=0,
     )
@@ -181,8 +184,14 @@ def _node(kv, generation=0, ranks=(0, 1)):
         round=SimpleNamespace(number=1, master_addr="127.0.0.1", master_port=1, state_key=b"k"),
         in_place_kv=(1, kv),
         in_place_waits=None,
-        group=SimpleNamespace(workers=workers, generation=generation, quiet_from=0.0),
+        group=SimpleNamespace(
+            workers=workers, generation=generation, quiet_from=0.0, beats=lambda: []
+        ),
         event=lambda name, **kw: events.append((name, kw)),
+        node="a",
+        status=SimpleNamespace(figures=Figures(started=0.0)),
+        publish=lambda: None,
+        last_failure=None,
     )
     return agent, events
 
@@ -201,6 +210,9 @@ def test_a_generation_another_node_announced_is_followed_here():
     assert (a.group.generation, a.group.quiet_from) == (1, 5.0)
     assert (a.forming.generation, a.forming.running, a.forming.starting) == (1, (0, 1), (3,))
     assert events[0][0] == "in_place_followed"
+    # counted here as a recovery another node asked for (status, metrics)
+    assert a.status.figures.in_place["peer"] == 1
+    assert "another node recovered rank(s) 3 in place" in a.last_failure.reason
     a.forming = None
     inplace._follow(a, 6.0)  # nothing announced past 1
     assert a.forming is None and a.group.generation == 1
@@ -364,9 +376,28 @@ def test_a_lost_node_that_held_the_workers_store_restarts_the_group():
             "other ranks failed too: rank 2",
         ),
         (
-            Failure(RestartCause.CRASH, "r", rank=1, exit_code=1, exception="ValueError: bad"),
-            "an error of its own",
+            Failure(
+                RestartCause.CRASH,
+                "r",
+                rank=1,
+                exit_code=1,
+                exception="ValueError: bad",
+                signature="ValueError: bad (step 3)",
+            ),  # fmt: skip
+            "a failure of the rank's own (class user)",
         ),
+        (
+            Failure(
+                RestartCause.SIGNAL,
+                "r",
+                rank=1,
+                exit_code=-11,
+                failure_class="user",
+                signature="signal SIGSEGV (step 3)",
+            ),  # fmt: skip
+            "a failure of the rank's own",
+        ),
+        (Failure(RestartCause.SIGNAL, "killed by SIGKILL", rank=1, exit_code=-9), None),
         (
             Failure(
                 RestartCause.CRASH,
@@ -378,13 +409,14 @@ def test_a_lost_node_that_held_the_workers_store_restarts_the_group():
             None,
         ),
     ],
-    ids=["sdc-exit", "sdc-class", "consequences", "own-error", "died-of-a-peer"],
+    ids=["sdc-exit", "sdc-class", "consequences", "own-error", "segv", "sigkill", "died-of-a-peer"],
 )
 def test_what_only_the_restart_judges_is_not_recovered_in_place(why, words):
     """The audit ends every rank at a disagreement (exit 86): the first reaped, recovered in
     place, made the next ranks' exits a second finding and quarantined a node for one flip. A
     failure with others after it, and a rank's own error (the replay and the repeat rule judge
-    it), restart too; a rank that died of a peer's going is recovered in place."""
+    it: a class it judges, which has a signature), restart too; an outside kill, and a rank that
+    died of a peer's going, are recovered in place."""
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     host, port = _workers_store([0, 1])
     try:
