@@ -52,7 +52,7 @@ from elasticd.daemon import processes
 from elasticd.daemon.inplace_watch import Watch
 from elasticd.lifecycle import triage
 from elasticd.lifecycle.states import Failure, RestartCause
-from elasticd.worker import reconfigure
+from elasticd.worker import heartbeat, reconfigure
 
 if TYPE_CHECKING:
     from elasticd.daemon.agent import Agent
@@ -260,11 +260,19 @@ def _innermost(dump: str) -> str:
     return frame[:200]
 
 
+def _finished(w) -> bool:
+    """Whether a rank's script has returned: it exited 0, or it says so in its heartbeat and
+    its interpreter is tearing down (seconds with torch on a loaded host: not stuck)."""
+    if w.exit_code is not None:
+        return w.exit_code == 0
+    return heartbeat.marked(str(w.heartbeat_path), "returned")
+
+
 def unstick(agent: Agent, now: float) -> Failure | None:
     """While a generation forms: a survivor that gave no handle within `Forming.after` is
     blocked where its abort does not reach; kill it and start its rank again into the same
     generation, which the others still wait for (worker/reconfigure.py). A survivor that
-    finished its script meanwhile (exit 0: it was past its last collective) can never join:
+    finished its script meanwhile (it was past its last collective) can never join:
     that is a failure for the restart, returned."""
     forming = agent.forming
     if forming is None:
@@ -274,12 +282,12 @@ def unstick(agent: Agent, now: float) -> Failure | None:
         agent.forming = None
         return None
     gen = forming.generation
-    done = [w for w in agent.group.workers if w.global_rank in forming.running and w.exit_code == 0]
+    done = [w for w in agent.group.workers if w.global_rank in forming.running and _finished(w)]
     if done:
         agent.forming = None
         return Failure(
             RestartCause.CRASH,
-            f"rank {done[0].global_rank} finished its script (exit 0) while generation {gen} "
+            f"rank {done[0].global_rank} finished its script (returned) while generation {gen} "
             "formed in place: the rank started for it cannot join a group that ended",
             rank=done[0].global_rank, pid=done[0].pid, exit_code=0, node=agent.node,
         )  # fmt: skip

@@ -200,7 +200,7 @@ def test_a_survivor_that_finishes_while_a_generation_forms_restarts_the_group(da
     assert d.wait(90) == 0, d.stderr()[-3000:]
     assert len(events(d, "replaced_in_place")) == 1
     restarts = [e for e in events(d, "state") if e.get("new") == "RESTARTING"]
-    assert len(restarts) == 1 and "finished its script (exit 0)" in restarts[0]["cause"], restarts
+    assert len(restarts) == 1 and "finished its script (returned)" in restarts[0]["cause"], restarts
     assert re.search(r"^step 15\b", d.log_text(1, 2), re.M)
     assert not leftover_processes()
 
