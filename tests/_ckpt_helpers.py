@@ -261,6 +261,10 @@ def train_on_nodes(
     mgr.wait()
     Path(f"{out}.idx.{rank}").write_text(repr(seen))
     if crash_after:
+        # the step's in-memory exchange lands first (close saves nothing): its replica on the
+        # next node is there, as the tests of "a crash after step N" read it (in flight, a
+        # loaded machine's exit beat it now and then: CI, the tampered-replica test)
+        mgr.close()
         os._exit(0)  # no final save, no teardown: a crash
     mgr.close()
 
