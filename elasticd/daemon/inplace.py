@@ -38,6 +38,7 @@ every tick) saw ranks wait for the generation or its announcement.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import signal
 import subprocess
@@ -164,7 +165,7 @@ def _not_formed(agent: Agent, kv) -> str | None:
     try:
         if kv.check(keys):
             return None
-        missing = [r for r, k in enumerate(keys) if not _has(kv, k)][:8]
+        missing = list(itertools.islice((r for r, k in enumerate(keys) if not _has(kv, k)), 8))
     except Unreachable as e:
         return f"the workers' store cannot be read: {e}"
     if not missing:
