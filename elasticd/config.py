@@ -90,7 +90,10 @@ class Config:
         type=str,
     )  # a word or a number: nproc_from_word reads it
     max_restarts: int = _setting(
-        3, "failure restarts of the job before it fails (default {default})", torchrun=True
+        3,
+        "failures the job survives before it fails, restarts and recoveries in place "
+        "alike (default {default})",
+        torchrun=True,
     )
     rdzv_backend: str = _setting(
         "c10d",

@@ -18,6 +18,14 @@ NO_PYTHON = (
     "ELASTICD_NO_PYTHON"  # set: ENTRYPOINT is an executable bootstrap execs (torchrun --no-python)
 )
 HEARTBEAT_FILE = "ELASTICD_HEARTBEAT_FILE"  # the rank's heartbeat file (elasticd.worker.heartbeat)
+
+
+def pairs_file(heartbeat: str) -> str:
+    """Beside a rank's heartbeat file: the sockets its group's latest forming made (worker/
+    reconfigure.py writes, daemon/outside_abort.py reads)."""
+    return f"{heartbeat}.pairs"
+
+
 STACK_FILE = "ELASTICD_STACK_FILE"  # where faulthandler appends the rank's stacks
 STACK_SIGNAL = "ELASTICD_STACK_SIGNAL"  # the signal that asks for them
 # where the rank writes its collectives as torch's Flight Recorder keeps them, when the daemon

@@ -1,6 +1,8 @@
 """The job's restart budget, shared by every node: one signed counter in the store holding the
 restarts spent and the round that last spent one, moved by compare-and-set, so that a round's
-restart costs one however many of its closers try. It only grows: this node remembers the highest
+restart costs one however many of its closers try. A failure recovered in place (daemon/
+inplace.py) spends from the same budget: `--max-restarts` bounds the failures a job survives,
+whichever path recovered them. It only grows: this node remembers the highest
 count it has seen, and a value that went down (a replay) or does not verify counts as that.
 """
 
@@ -46,6 +48,22 @@ class Budget:
                 return used + 1
         raise RendezvousFailed(
             "the restart budget in the store changed 100 times while one restart was "
+            "spent: something other than the job's nodes writes to the store"
+        )
+
+    def spend_in_place(self) -> int:
+        """Spend one for a failure recovered in place; the count after it. One node announces
+        each generation, so each recovery costs one; the round a restart last spent for stays."""
+        s, key = self.sealed, self._key()
+        for _ in range(100):
+            raw = s.kv.get(key)
+            used, spent_for = s.open(key, raw, values.budget) or (0, 0)
+            used = max(used, self.seen)
+            if s.kv.compare_set(key, raw, s.seal(key, f"{used + 1} {spent_for}")):
+                self.seen = used + 1
+                return used + 1
+        raise RendezvousFailed(
+            "the restart budget in the store changed 100 times while one recovery in place was "
             "spent: something other than the job's nodes writes to the store"
         )
 

@@ -113,7 +113,6 @@ class Agent:
         # in-memory state directory (elasticd.checkpoint.memory), ours to remove
         self.memory_dir: str | None = None
         self.recovery_path = None  # daemon/inplace.Path, chosen at start (serve.py)
-        self.in_place_used = 0  # ranks' failures recovered in place (daemon/inplace.py)
         self.forming = None  # daemon/inplace.Forming: the generation whose handles are awaited
         self.in_place_kv = None  # (round number, its workers' store's client): inplace.store
         self.in_place_watch = None  # the round's wait for the next generation: inplace_watch.py
@@ -554,6 +553,11 @@ class Agent:
         self.recovery.detected()
         self._held = None  # the next attempt's deaths are looked behind afresh
         why = self._first_here(why)
+        if isinstance(why, Failure):
+            theirs = inplace.waited_for(self, why)
+            if theirs is not why:  # the job's failure, which our ranks waited in place for
+                self.first_failure = self.first_failure or theirs
+            why = theirs
         self.status.figures.on_restart(why, self.group.beats())
         self.health_check.peer_left(why)
         self.set_state(State.RESTARTING, cause=why.summary(), failure_class=why.failure_class)

@@ -23,8 +23,9 @@ unwind their script and re-form the group with them (worker/reconfigure.py). A h
 the same way once its rank is killed (the others' pending collective then fails, and they
 re-enter). Anything else (a hang with the GPU driver's evidence or no rank named, or one while
 a generation forms, a peer, every rank dead, a rank that stopped on SIGTERM (exit 143: every
-rank stops with it), a second fault before the last replacement stepped, the in-place budget
-spent) goes the restart's way, with one `in_place_refused` line.
+rank stops with it), a second fault before the last replacement stepped, the job's restart
+budget spent: each recovery in place spends one, cluster/budget.py) goes the restart's way,
+with one `in_place_refused` line.
 
 Over several nodes the same: every daemon reaches the round's workers' store (`store`, hosted by
 group rank 0's daemon, whatever the rendezvous backend), the generation numbers are one roll in
@@ -47,12 +48,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from elasticd import logs, names
+from elasticd.cluster.errors import RendezvousFailed, StoreUnreachable
 from elasticd.cluster.kv import Unreachable
 from elasticd.config import Config, parse_nnodes
-from elasticd.daemon import processes
+from elasticd.daemon import outside_abort, processes
 from elasticd.daemon.inplace_watch import Watch
 from elasticd.lifecycle import triage
-from elasticd.lifecycle.states import Failure, RestartCause
+from elasticd.lifecycle.states import Failure, RestartCause, requested
 from elasticd.worker import heartbeat, reconfigure
 
 if TYPE_CHECKING:
@@ -145,14 +147,40 @@ def _refused(agent: Agent, why: Failure) -> str | None:
         return "a rank had not stepped yet (a second fault during re-entry, or at the start)"
     if off := _not_formed(agent, kv):
         return off
-    if agent.in_place_used >= agent.cfg.max_restarts:
-        return f"the in-place budget is spent ({agent.cfg.max_restarts}: --max-restarts)"
+    if spent := _budget_spent(agent):
+        return spent
     alive = [w for w in group.workers if w.exit_code is None and w.proc.poll() is None]
     if not alive and agent.round.group_world_size <= 1:
         # polled: ranks killed together die a moment apart; with other nodes, their ranks
         # survive (one rank a node: this node's only one died), and say otherwise themselves
         return "every rank has exited"
     return None
+
+
+def _budget_spent(agent: Agent) -> str | None:
+    """The job's restart budget, which a recovery in place spends too (cluster/budget.py), as
+    this node last saw it: read from memory, as the rendezvous store may be the one cut off. Two
+    nodes recovering at once may each spend the last one: the next failure finds it spent."""
+    used = agent.rdzv.budget.seen
+    if used >= agent.cfg.max_restarts:
+        return (
+            f"the restart budget is spent ({used} of --max-restarts {agent.cfg.max_restarts}: "
+            "restarts and recoveries in place alike)"
+        )
+    return None
+
+
+def _spend(agent: Agent) -> None:
+    """One of the job's restart budget spent for a recovery in place, once its replacement is
+    started (a round trip to the rendezvous store, kept off the survivors' path)."""
+    budget = agent.rdzv.budget
+    try:
+        agent.restart_count = budget.spend_in_place()
+    except (Unreachable, RendezvousFailed) as e:
+        budget.seen += 1  # counted here; the store's count catches up at the next spend
+        agent.restart_count = budget.seen
+        log.warning("in_place_budget_unrecorded", why=str(e), restarts_used=budget.seen)
+    agent.publish()  # status's restarts and budget left
 
 
 def _not_formed(agent: Agent, kv) -> str | None:
@@ -443,6 +471,7 @@ def _follow(agent: Agent, now: float) -> None:
     after = stuck_after(getattr(group, "deadline", None))
     agent.forming = Forming(gen, now, after, running, starting)
     agent.event("in_place_followed", generation=gen, ranks=list(starting), survivors=list(running))
+    _abort_survivors(agent)
     ranks = ", ".join(map(str, starting))
     why = f"another node recovered rank(s) {ranks} in place (generation {gen})"
     _count(agent, Failure(RestartCause.PEER, why, node=agent.node))  # as a restart it asked for
@@ -479,8 +508,8 @@ def _shrink_refused(agent: Agent, why: Failure) -> str | None:
         return "a rank of this node died too"
     if any(b is None or not b.beats for b in agent.group.beats()):
         return "a rank had not stepped yet"
-    if agent.in_place_used >= agent.cfg.max_restarts:
-        return f"the in-place budget is spent ({agent.cfg.max_restarts}: --max-restarts)"
+    if spent := _budget_spent(agent):
+        return spent
     if store(agent) is None:
         return "the workers' store is not known to this node"
     return None
@@ -564,7 +593,6 @@ def _await_shrink(agent: Agent, why: Failure, now: float) -> bool:
 
 def _shrunk(agent: Agent, gen: int, lost, world: int, mapping: dict[int, int], now, why) -> None:
     """This node's side of a smaller world announced: its view, the generation forming."""
-    agent.in_place_used += 1
     agent.in_place_waits = None
     _count(agent, why)
     _smaller_round(agent, lost, world, mapping)
@@ -583,6 +611,21 @@ def _shrunk(agent: Agent, gen: int, lost, world: int, mapping: dict[int, int], n
         survivors=[w.pid for w in group.workers],
         failed_at=why.at,
     )
+    _abort_survivors(agent)
+    _spend(agent)
+
+
+def _abort_survivors(agent: Agent) -> None:
+    """End the survivors' pending collective of the failed generation from outside (daemon/
+    outside_abort.py): a survivor blocked on a peer that closed nothing (cut off by a partition,
+    or two hops away in gloo's ring) unwinds at once, instead of being killed as stuck."""
+    forming, shut = agent.forming, {}
+    for w in agent.group.workers:
+        if w.exit_code is None and w.global_rank in forming.running:
+            if n := outside_abort.shut(w.pid, w.heartbeat_path, forming.generation):
+                shut[str(w.global_rank)] = n
+    if shut:
+        log.info("in_place_aborted", generation=forming.generation, sockets=shut)
 
 
 def _count(agent: Agent, why: Failure) -> None:
@@ -591,6 +634,29 @@ def _count(agent: Agent, why: Failure) -> None:
     agent.status.figures.on_restart(why, agent.group.beats(), in_place=True)
     agent.last_failure = why
     agent.publish()  # no state changes: status would show it only at its next due snapshot
+
+
+def waited_for(agent: Agent, why: Failure) -> Failure:
+    """Another node restarted the group for a failure of its own (one the restart judges: a
+    rank's own error) while this node's ranks, their collective failed, waited in place for a
+    generation that never came: that failure is this node's too, its ranks its consequences, as
+    with the restart path, where they died of it. Else `why`. (Before, such a node showed no
+    failure at all: a peer's restart with no consequence.)"""
+    path = agent.recovery_path
+    if why.kind is not RestartCause.PEER or why.consequences or why.lost:
+        return why
+    alive = [w.global_rank for w in agent.group.workers if w.exit_code is None]
+    if path is None or not path.in_place or not alive or agent.round is None:
+        return why
+    try:
+        request = agent.rdzv.read_restart(agent.rdzv.kv, agent.round)
+    except (StoreUnreachable, Unreachable):
+        request = None
+    if not request or request.get("rank") is None:
+        return why  # not a rank's failure (a node lost, a scale-up): nothing ours waited for
+    ranks = ", ".join(map(str, alive))
+    then = f"rank(s) {ranks} (node {agent.node}): unwound and waited in place, no generation came"
+    return requested(request, why.kind, (then,), why.failure_class)
 
 
 def replace(agent: Agent, why: Failure) -> bool:
@@ -618,7 +684,6 @@ def replace(agent: Agent, why: Failure) -> bool:
         return False
     agent.recovery.replaced_in_place()  # refused above unless every rank had stepped
     agent.recovery.detected()
-    agent.in_place_used += 1
     _count(agent, why)
     group.generation = gen - 1  # group.replace raises it to the generation announced
     pids = group.replace(dead, agent.spares.spares)
@@ -638,4 +703,6 @@ def replace(agent: Agent, why: Failure) -> bool:
         survivors=[w.pid for w in group.workers if w.pid not in pids],
         failed_at=why.at,  # Unix time the exit was seen (bench/recovery.py's timeline)
     )
+    _abort_survivors(agent)
+    _spend(agent)
     return True

@@ -285,21 +285,7 @@ def first_elsewhere(
     if request and (request.get("at"), request.get("rank")) == (ours.get("at"), ours.get("rank")):
         request = None  # ours
     if request and triage.comes_first(request, ours):
-        if request.get("lost"):
-            return node_lost(request, (then,))
-        rank, node = request.get("rank"), str(request.get("node", "?"))
-        summary = str(request.get("summary", "?"))
-        who = f"rank {rank} (node {node}); "
-        return Failure(
-            mine.kind,
-            summary.removeprefix(who),
-            rank=rank,
-            node=node,
-            at=request["at"],
-            failure_class=str(request.get("class") or mine.failure_class),
-            signature=str(request.get("sig", "")),
-            consequences=(then,),
-        )
+        return requested(request, mine.kind, (then,), mine.failure_class)
     if lost and triage.consequence(mine.exception):
         names = ", ".join(lost[:4]) + (f" and {len(lost) - 4} more" if len(lost) > 4 else "")
         return Failure(
@@ -312,6 +298,27 @@ def first_elsewhere(
             consequences=(then,),
         )
     return None
+
+
+def requested(
+    request: dict, kind: RestartCause, consequences: tuple[str, ...], klass: str = ""
+) -> Failure:
+    """The failure another node's restart request names (its rank, node, time, class and
+    signature), as `kind`, with this node's `consequences` of it."""
+    if request.get("lost"):
+        return node_lost(request, consequences)
+    rank, node = request.get("rank"), str(request.get("node", "?"))
+    summary = str(request.get("summary", "?"))
+    return Failure(
+        kind,
+        summary.removeprefix(f"rank {rank} (node {node}); "),
+        rank=rank,
+        node=node,
+        at=request.get("at", time.time()),
+        failure_class=str(request.get("class") or klass),
+        signature=str(request.get("sig", "")),
+        consequences=consequences,
+    )
 
 
 def node_lost(request: dict, consequences: tuple[str, ...] = ()) -> Failure:

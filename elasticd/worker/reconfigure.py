@@ -197,6 +197,7 @@ class Member:
         except Exception as e:
             raise Refused(f"reconfigure of generation {generation} failed: {e}") from e
         self.pairs = {fd: ino for fd, ino in _sockets().items() if before.get(fd) != ino}
+        _publish(generation, self.pairs)
         self.marks["reformed"] = time.time()
         self.generation = generation
         if generation > 0:
@@ -275,6 +276,22 @@ def _sockets() -> dict[int, int]:
                 if target.startswith("socket:["):
                     found[int(name)] = int(target[8:-1])
     return found
+
+
+def _publish(generation: int, pairs: dict[int, int]) -> None:
+    """Say which sockets are this generation's (names.pairs_file), so that the daemon can shut
+    them down from outside when the next generation is announced (daemon/outside_abort.py): a
+    survivor blocked on a peer that went silent without closing its connection (a partition)
+    then fails and unwinds, instead of being killed as stuck."""
+    heartbeat = os.environ.get(names.HEARTBEAT_FILE)
+    if not heartbeat:
+        return
+    path = names.pairs_file(heartbeat)
+    text = " ".join([str(generation), *(f"{fd}:{ino}" for fd, ino in sorted(pairs.items()))])
+    with contextlib.suppress(OSError):
+        with open(f"{path}.tmp", "w") as f:
+            f.write(text + "\n")
+        os.replace(f"{path}.tmp", path)
 
 
 def _shut(pairs: dict[int, int]) -> None:

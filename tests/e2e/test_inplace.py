@@ -146,6 +146,32 @@ def test_a_hung_rank_is_killed_and_replaced_the_others_re_enter(daemons):
     assert not leftover_processes()
 
 
+def test_recoveries_in_place_spend_the_job_s_restart_budget(daemons):
+    """--max-restarts 1: the first kill is recovered in place and spends the budget (status
+    shows it), so the second goes to the restart, whose closing finds the budget spent and ends
+    the job (before, in-place recoveries had a budget of their own, on top of the restarts)."""
+    d = daemons(
+        script("inplace_faults.py"), "--nproc-per-node", "3", "--in-place", "auto",
+        "--max-restarts", "1", "--restart-backoff", "0", args=["--steps", "2000"],
+    )  # fmt: skip
+    wait_until(lambda: re.search(r"^step 10\b", d.log_text(0, 1), re.M), 90, what="step 10")
+    os.kill(d.worker_pids()[1], signal.SIGKILL)
+    wait_until(lambda: events(d, "replaced_in_place"), 30, what="rank 1 replaced in place")
+    shown = json.loads(d.status("--json").stdout)
+    assert (shown["restarts"], shown["budget_left"]) == (1, 0), shown
+    wait_until(
+        lambda: re.search(r"re_entered.*\n(.*\n)*step 3\b", d.log_text(2, 1)), 60,
+        what="rank 2 stepping after re-entry",
+    )  # fmt: skip
+    os.kill(d.worker_pids()[0], signal.SIGKILL)  # a survivor's own process, this time
+    assert d.wait(90) == 1, d.stderr()[-3000:]
+    refused = events(d, "in_place_refused")
+    assert len(refused) == 1, refused
+    assert "restart budget is spent (1 of --max-restarts 1" in refused[0]["why"], refused
+    assert events(d, "restart_budget_spent"), [e.get("event") for e in d.events()][-20:]
+    assert not leftover_processes()
+
+
 def test_the_recovery_bench_reports_the_in_place_timeline():
     """bench/recovery.py's smoke run: two kills, both recovered, at least one with every
     survivor's pid kept (a survivor blocked where no abort reaches, about 1 kill in 6, is killed

@@ -14,12 +14,14 @@ import re
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from e2e.test_inplace import events
+from e2e.test_nodeloss import _nodes, _start_store, stepping_alone, training_together
 from e2e.test_resume import final_state, tensors
 from etcd_cluster import SKIP_REASON, EtcdCluster, etcd_binary
 from harness import (
@@ -28,12 +30,14 @@ from harness import (
     alive,
     bench,
     free_port,
+    gone,
     leftover_processes,
     node_flags,
     script,
     secret_flags,
     wait_until,
 )
+from netns import netns_fixture  # noqa: F401 (the netns fixture)
 
 pytestmark = pytest.mark.skipif(
     not hasattr(dist, "_reconfigure"),
@@ -217,6 +221,41 @@ def test_a_lost_node_s_survivors_re_form_at_the_smaller_world_in_place(
             assert tw.keys() == tg.keys() and tw
             assert all(torch.equal(tw[k], tg[k]) for k in tw), part
     wait_until(lambda: not leftover_processes(), 30, what="no process left")
+
+
+def test_a_partitioned_node_s_survivor_unwinds_from_outside_and_goes_on_in_place(daemons, netns):
+    """Node B cut off (its packets lost: nothing closes, nothing fails fast). Node A's rank,
+    blocked in its all-reduce with B's, would wait out gloo's timeout; A's daemon, having judged
+    B lost and announced the smaller world, shuts down that rank's connections of the failed
+    generation from outside its process (daemon/outside_abort.py): it unwinds and re-forms at
+    world 1 in its own process. Before, it was killed as stuck after about a step and started
+    again (in_place_unstuck, its process lost: all three partition runs)."""
+    net = netns(3, subnet=44)
+    store = _start_store(net)
+    try:
+        a, b = _nodes(
+            daemons, net, ["a", "b"], steps=100000, delay=0.02, extra=("--in-place", "auto")
+        )
+        wait_until(lambda: training_together((a, b), 30), 90, what="both nodes training")
+        before = a.worker_pids()
+        t_cut = time.time()
+        net.cut(2)
+        wait_until(lambda: stepping_alone(a, t_cut), 30, what="a stepping alone")
+        shrunk = events(a, "shrunk_in_place")
+        assert len(shrunk) == 1 and shrunk[0]["survivors"] == list(before.values()), shrunk
+        aborted = events(a, "in_place_aborted")
+        assert aborted and aborted[0]["generation"] == shrunk[0]["generation"], aborted
+        assert not events(a, "in_place_unstuck"), events(a, "in_place_unstuck")
+        assert a.worker_pids() == before and len(a.attempt_dirs()) == 1
+        assert "re_entered" in a.log_text(0, 1)
+        for d in (a, b):
+            d.proc.send_signal(signal.SIGTERM)
+        assert a.wait(60) == 0, a.stderr()[-3000:]
+        b.wait(60)
+    finally:
+        store.kill()
+        store.wait(10)
+    wait_until(lambda: gone(before.values()) and not leftover_processes(), 30, what="no process")
 
 
 def test_the_node_loss_bench_runs_in_place():

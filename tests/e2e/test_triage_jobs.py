@@ -10,6 +10,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
 from elasticd.exit_codes import ExitCode
 from harness import FAST, FAST_NODES, final_lines, free_port, node_flags, script, wait_until
@@ -245,14 +246,17 @@ def test_across_nodes_the_first_failure_takes_the_restart_request(daemons):
         assert "not restarted: rank 1 (node " in line, line
 
 
-def test_across_nodes_a_spent_budget_names_the_first_failure(daemons):
+@pytest.mark.parametrize("in_place", ["off", "auto"])
+def test_across_nodes_a_spent_budget_names_the_first_failure(daemons, in_place):
     """The same two nodes with no deterministic rule and one restart: the job fails with its
     budget spent, and both nodes' final line and the FAILED event of the node holding rank 0 name
     rank 1's failure as the job's first (before: that node named its own rank 0's closed
-    connection)."""
+    connection). In place, rank 0 does not die of it: it unwinds and waits for a generation
+    while node b restarts the group for its rank's own error; node a takes b's failure as its
+    own, its rank 0 a consequence (before: it named no failure, and its last line only node a)."""
     port = free_port()
     flags = ("--nproc-per-node", "1", "--max-restarts", "1", *FAST_NODES, *node_flags(port, "2"))
-    flags += ("--deterministic-retries", "0")
+    flags += ("--deterministic-retries", "0", "--in-place", in_place)
     a = daemons(script("first_failure.py"), *flags, name="a")
     b = daemons(script("first_failure.py"), *flags, name="b")
     for n in (a, b):
@@ -263,3 +267,7 @@ def test_across_nodes_a_spent_budget_names_the_first_failure(daemons):
     zero = _rank_holder(a, b, "0")
     (failed,) = [e for e in zero.events() if e.get("new") == "FAILED"]
     assert failed["first_failure"].startswith("rank 1 (node "), failed
+    if in_place == "auto" and hasattr(dist, "_reconfigure"):  # the rank 0 holder's restart
+        cause = [e for e in zero.events() if e.get("new") == "RESTARTING"][0]["cause"]
+        assert cause.startswith("rank 1 (node ") and "ValueError: bad batch" in cause, cause
+        assert "rank(s) 0 (node " in cause and "waited in place" in cause, cause

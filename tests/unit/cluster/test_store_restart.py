@@ -315,3 +315,16 @@ def test_a_connection_kept_since_the_host_answered_is_the_same_store_and_host():
     other.kv.connections += 1  # reconnected: no host answers in either run now
     with pytest.raises(rendezvous.RendezvousFailed, match="whose host answers"):
         other.follow_run(time.monotonic() + 1)
+
+
+def test_a_recovery_in_place_spends_the_job_s_budget_as_a_restart_does():
+    """--max-restarts bounds the failures a job survives, whichever path recovered them: a
+    recovery in place (one node announces each generation) costs one, and a round's restart
+    after it costs one more however many closers spend for it (it cost nothing before: the
+    in-place recoveries had a budget of their own, on top)."""
+    host, other = _nodes(kv.LocalKV())
+    assert other.budget.spend_in_place() == 1
+    assert host.budget.spend(1) == 2 and other.budget.spend(1) == 2  # one restart of round 1
+    assert host.budget.spend_in_place() == 3 and other.budget.spend_in_place() == 4
+    assert other.budget.spend(1) == 4  # round 1's restart is spent already
+    assert other.budget.spend(2) == 5 and host.restarts_used() == 5

@@ -6,6 +6,7 @@ import dataclasses
 import subprocess
 import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -106,7 +107,7 @@ def _agent(worker, port: int) -> SimpleNamespace:
             number=1, master_addr="127.0.0.1", master_port=port, world_size=2, group_world_size=1
         ),
         in_place_kv=None,
-        in_place_used=0,
+        rdzv=SimpleNamespace(budget=SimpleNamespace(seen=0)),
     )
 
 
@@ -128,6 +129,25 @@ def test_a_rank_that_stopped_on_sigterm_restarts_the_group(code, words):
         live.kill()
         live.wait(10)  # every rank gone: the restart's
         assert inplace._refused(agent, why) is not None
+    finally:
+        live.kill()
+        live.wait(10)
+        del host
+
+
+def test_a_spent_restart_budget_sends_a_failure_to_the_restart():
+    """Recoveries in place spend the job's restart budget (cluster/budget.py): once it is spent
+    (by restarts or recoveries, on any node), a failure goes to the restart, whose closing ends
+    the job with the budget's verdict."""
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    host, port = _workers_store([0, 1])
+    try:
+        agent = _agent(SimpleNamespace(exit_code=None, proc=live), port)
+        why = Failure(RestartCause.SIGNAL, "r", rank=1)
+        agent.rdzv.budget.seen = 2
+        assert inplace._refused(agent, why) is None
+        agent.rdzv.budget.seen = 3
+        assert "restart budget is spent (3 of --max-restarts 3" in inplace._refused(agent, why)
     finally:
         live.kill()
         live.wait(10)
@@ -177,7 +197,10 @@ def test_an_attempt_that_replaced_a_rank_in_place_had_trained():
 def _node(kv, generation=0, ranks=(0, 1)):
     """An agent on the in-place path holding `kv` as its round's workers' store."""
     events = []
-    workers = [SimpleNamespace(global_rank=r, exit_code=None) for r in ranks]
+    workers = [
+        SimpleNamespace(global_rank=r, exit_code=None, pid=-1, heartbeat_path=Path("/none/hb"))
+        for r in ranks
+    ]
     agent = SimpleNamespace(
         recovery_path=inplace.Path(inplace.IN_PLACE, "test"),
         forming=None,
@@ -355,7 +378,7 @@ def test_a_lost_node_that_held_the_workers_store_restarts_the_group():
     agent.round.members = [SimpleNamespace(node_id=n, nproc=2) for n in ("a", "b")]
     agent.cfg = SimpleNamespace(nnodes="1:2", max_restarts=3)
     agent.group.beats = lambda: [SimpleNamespace(beats=3)] * 2
-    agent.in_place_used = 0
+    agent.rdzv = SimpleNamespace(budget=SimpleNamespace(seen=0))
     lost = lambda n: Failure(RestartCause.NODE_LOST, "lost", lost=(n,))  # noqa: E731
     assert "hosted the workers' store" in inplace._shrink_refused(agent, lost("a"))
     assert inplace._shrink_refused(agent, lost("b")) is None
