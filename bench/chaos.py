@@ -130,7 +130,8 @@ class Job:
             "--heartbeat-timeout",
             str(args.heartbeat_timeout),
             *(("--no-memory-state",) if args.disk else ()),  # the disk path
-            *(("--in-place", args.in_place) if args.in_place != "off" else ()),
+            "--in-place",
+            args.in_place,
             str(HERE / "chaos_train.py"),
         ]
         self.nproc = args.nproc

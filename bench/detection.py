@@ -522,7 +522,7 @@ def table(results: dict, args) -> str:
     head = ["fault"]
     for c in cols:
         name = {
-            "elasticd": "elasticd (defaults)",
+            "elasticd": "elasticd (defaults, --in-place off)",
             "elasticd-noprobe": "elasticd, no probe (before)",
             "elasticd-before": f"elasticd at {args.before} (before)",
         }.get(c, f"elasticd --heartbeat-timeout {args.hb:g}")

@@ -40,6 +40,7 @@ def command(launcher: str, framework: str, work: Path, trials: int, step_time: f
     if launcher == "elasticd":
         head = [sys.executable, "-m", "elasticd", "run", "--log-dir", str(work / "logs")]
         head += ["--socket", str(work / "ctl.sock"), "--no-tee", "--log-format", "json"]
+        head += ["--in-place", "off"]  # the whole-group restart, as its figures were measured
     else:
         head = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
         head += ["--monitor-interval", "0.1"]

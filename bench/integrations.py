@@ -47,7 +47,7 @@ def rank1_pid(stderr: Path) -> int | None:
 
 def trial(framework: str, every: int, disk: int, kill_at: int, work: Path) -> dict:
     out, err = work / "out.txt", work / "err.txt"
-    cmd = [sys.executable, "-m", "elasticd", "run", "--nproc-per-node", "2"]
+    cmd = [sys.executable, "-m", "elasticd", "run", "--nproc-per-node", "2", "--in-place", "off"]
     cmd += ["--log-dir", str(work / "logs"), "--socket", str(work / "s.sock")]
     cmd += [str(ROOT / "tests" / "scripts" / SCRIPTS[framework])]
     cmd += ["--out", str(work / "out"), "--steps", "100000", "--save-every", str(disk)]

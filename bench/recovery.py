@@ -13,8 +13,9 @@ steps; in memory where the launcher offers shared memory, i.e. under elasticd), 
 under 1% of a step), `elasticd-every-step` at every step whatever it costs.
 The last launcher, `torchrun-snapshot`, runs the same script with the hand-written snapshot a
 torchrun tutorial teaches (rank 0 torch.save every --ckpt-every steps, torch.load at start).
-`elasticd-in-place` is elasticd with --in-place auto (torch>=2.14; elsewhere it restarts as
-`elasticd` does, and its daemon's recovery_path line says so): only the killed rank is replaced,
+Every `elasticd` kind runs the whole-group restart (--in-place off) but `elasticd-in-place`,
+elasticd with --in-place auto, its default (torch>=2.14; elsewhere it restarts as `elasticd`
+does, and its daemon's recovery_path line says so): only the killed rank is replaced,
 the others re-form the group in their own processes. Recovered, for every launcher, is every
 rank having logged the first step the replacement logs (the same step number: the resumed run's
 first), which a survivor that never left its process logs too; `kept` counts the trials where
@@ -75,6 +76,8 @@ def launcher_cmd(
     kind: str, trials: int, workdir: Path, extra: tuple[str, ...] = (), nproc: int = 2
 ) -> list[str]:
     if kind.startswith("elasticd"):
+        # the whole-group restart unless the kind names in place (EXTRA): auto is the default
+        path = () if "--in-place" in extra else ("--in-place", "off")
         return [
             sys.executable,
             "-m",
@@ -93,6 +96,7 @@ def launcher_cmd(
             "json",
             "--restart-grace",
             "3",
+            *path,
             *extra,
             str(SCRIPT),
         ]

@@ -93,6 +93,7 @@ def elasticd_run(world: int, work: Path, *extra: str) -> list[str]:
         "--no-tee",
         "--restart-grace",
         "3",
+        *(() if "--in-place" in extra else ("--in-place", "off")),  # the restart, unless named
         *extra,
         str(SCRIPT),
     ]

@@ -13,8 +13,8 @@ same steps is divided by their wall time. The script checkpoints as in bench/rec
 launcher alone; `elasticd synchronous refresh` (not run by default: it matters on a GPU) copies
 GPU tensors into the in-memory state at once (CheckpointManager(memory_overlap=False)) instead
 of beside the next step. `elasticd --in-place auto` (torch>=2.14; not run by default) is the
-in-place recovery path in steady state, beside `elasticd` (today's path, --in-place off): each of
-its lines says the path the daemon took.
+in-place recovery path in steady state, beside `elasticd` (the whole-group restart's,
+--in-place off): each of its lines says the path the daemon took.
 
 By default launchers run one at a time, alternating within each round so drift on the machine
 hits all alike. With --paired each elasticd variant runs at the same time as torchrun, each

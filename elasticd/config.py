@@ -338,10 +338,11 @@ class Config:
         choices=STRAGGLER_ACTIONS,
     )
     in_place: str = _setting(
-        "off",
-        "in-place recovery: auto (where this torch can re-form a group in place, a rank's "
-        "failure replaces that rank only, the others staying in their processes; elsewhere the "
-        "whole group restarts) or off (default {default}: experimental)",
+        "auto",
+        "in-place recovery: auto (default {default}: where this torch can re-form a group in "
+        "place, a rank's failure replaces that rank only, the others staying in their "
+        "processes; elsewhere the whole group restarts) or off (every failure restarts the "
+        "whole group)",
         choices=IN_PLACE,
     )
     health_check: str = _setting(

@@ -31,6 +31,10 @@ def free_port() -> int:
 FAST = ("--restart-grace", "1", "--stop-grace", "3")
 FAST_STOP5 = ("--restart-grace", "1", "--stop-grace", "5")  # workers that take a while to stop
 FAST_NODES = (*FAST, "--peer-timeout", "3", "--last-call-timeout", "0.5")
+# The whole-group restart, for a test whose subject it is (attempt directories, every pid new,
+# TORCHELASTIC_RESTART_COUNT, the restart's spares and triage): with --in-place auto, the
+# default, a rank's crash or hang is recovered in place where torch can re-form a group
+RESTART = ("--in-place", "off")
 
 
 def node_flags(

@@ -26,9 +26,13 @@ class Budget:
     def used(self) -> int:
         """The budget spent so far (the highest seen, if the store does not answer now)."""
         try:
-            found = self.sealed.read(self._key(), values.budget)
+            return self.answered()
         except kvmod.Unreachable:
             return self.seen
+
+    def answered(self) -> int:
+        """The budget spent, read now: kvmod.Unreachable when the store does not answer."""
+        found = self.sealed.read(self._key(), values.budget)
         self.seen = max(self.seen, found[0] if found else 0)
         return self.seen
 

@@ -81,6 +81,7 @@ class Peers:
         self._restart: tuple[int, dict] | None = None  # (round number, reason) the waiter saw
         self._next_waiting_check = 0.0
         self.waiting: tuple[int, list[str]] = (-1, [])  # (round, ids of nodes waiting to join it)
+        self.superseded = -1  # a round shrunk in place whose next one closed without this node
         self.unreachable_since: float | None = None  # when the store stopped answering our beats
         self._last_ok = time.monotonic()  # when it last answered (a beat, or a round formed)
         self.lost_store: str | None = None  # set when etcd refuses us (credentials): for good
@@ -127,6 +128,7 @@ class Peers:
         self._probed = (rnd, set(), {}, {})
         self._restart = None
         self.waiting = (-1, [])
+        self.superseded = -1
         self._next_waiting_check = time.monotonic() + WAITING_EVERY
         self._waiters = [t for t in self._waiters if t.is_alive()]
         if rnd.group_world_size > 1:
@@ -213,6 +215,11 @@ class Peers:
                 self.waiting = (rnd.number, waiting)
                 if waiting:
                     self._wake()
+            # a round shrunk in place goes on with no rendezvous; the nodes it lost may have met
+            # in the next one meanwhile, taking this one for lost (a partition, healed)
+            if rnd.claimed and self.rdzv.closed_without_us(self._beat_kv, rnd.number + 1):
+                self.superseded = rnd.number
+                self._wake()
 
     def _probe(self, rnd: Round, seen: dict[int, tuple[int, float]], now: float) -> None:
         """Queued probes of us accepted; our watched neighbours probed at their own address
@@ -306,6 +313,14 @@ class Peers:
             )
         if self._restart is not None and self._restart[0] == rnd.number:
             return told(self._restart[1])
+        if self.superseded == rnd.number:
+            return Failure(
+                RestartCause.PEER,
+                f"round {rnd.number + 1} closed without this node: the nodes this one recovered "
+                "without in place met again and took it for lost (a partition that healed); "
+                "joining them again",
+                node=self.node,
+            )
         lost = self.lost_neighbour(rnd, now, beats, died_at, died_of)
         if lost is not None:
             return lost

@@ -344,6 +344,12 @@ class Rendezvous:
             for n, k, raw in zip(node_ids, keys, store.multi_get(keys))
         }
 
+    def closed_without_us(self, store: kvmod.KV, number: int) -> bool:
+        """Whether round `number` closed (its members written, sealed) without this node."""
+        key = self.round_key(number, names.MEMBERS)
+        found = self.open(key, store.get(key), values.members)
+        return found is not None and all(m.node_id != self.node_id for m in found["members"])
+
     def waiting_ids(self, store: kvmod.KV, rnd: Round) -> list[str]:
         """Nodes that arrived after the round closed and wait for the next one (arrivals.py)."""
         return self.arrivals.waiting_ids(store, rnd)

@@ -193,6 +193,11 @@ class LocalGroup:
             self.cfg.heartbeat_timeout, len(self.workers), self.cfg.monitor_interval
         )
         self._say_learned()
+        live = [w for w in self.workers if w.exit_code is None]
+        if self.quiet_from and any(not getattr(self.beat(w), "beats", 0) for w in live):
+            # a rank started in place has not stepped yet: the others wait for it in their
+            # first collective, and its startup is what is judged (startup_timeout), not them
+            self.quiet_from = now
         late: list[suspicion.Silent] = []
         for w in self.workers:
             if w.exit_code is not None:

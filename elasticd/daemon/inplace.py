@@ -87,7 +87,7 @@ class Path:
 def choose(cfg: Config, dist=None) -> Path:
     """The path of this job; `dist` is torch.distributed (imported when not given)."""
     if cfg.in_place == "off":
-        return Path(RESTART, "--in-place off (the default while in-place recovery is experimental)")
+        return Path(RESTART, "--in-place off: every failure restarts the whole group")
     if cfg.no_python:
         return Path(RESTART, "--no-python: the entrypoint is not Python, it cannot re-enter")
     found = reconfigure.support(dist)
@@ -377,11 +377,25 @@ def _announce(
         )
     # the followers' watch (daemon/inplace_watch.py) wakes on this key: made first, at 0
     kv.compare_set(names.in_place_waiting_key(gen), None, b"0")
-    said = f"{gen} {','.join(map(str, starting))}"
+    # the job's restart budget spent once this recovery spends its one (`_spend`; a node lost
+    # spends none): every rank of the generation, survivor or replacement, sees it as
+    # TORCHELASTIC_RESTART_COUNT
+    count = agent.rdzv.budget.seen + (mapping is None)
+    agent.group.spec = dataclasses.replace(agent.group.spec, restart_count=count)
+    said = f"{gen} {','.join(map(str, starting))} {count}"
     if mapping is not None:  # a smaller world: its size, and each surviving rank's new number
         said += f" {world} {','.join(f'{a}:{b}' for a, b in mapping.items())}"
     kv.set(names.in_place_key(gen), reconfigure.sign(agent.round.state_key, gen, -1, said))
     return gen
+
+
+def _counted(agent: Agent, count: int) -> None:
+    """Another node's generation spent the job's budget up to `count`: this node's view of it
+    (status's restarts) and the restart count its next replacement starts with."""
+    budget = agent.rdzv.budget
+    budget.seen = max(budget.seen, count)
+    agent.restart_count = budget.seen
+    agent.group.spec = dataclasses.replace(agent.group.spec, restart_count=count)
 
 
 def _holders(rnd, mapping: dict[int, int]) -> set[str]:
@@ -454,10 +468,14 @@ def _follow(agent: Agent, now: float) -> None:
         log.warning("in_place_bad_announcement", generation=gen)
         return
     fields = text.split(" ")
-    starting = tuple(int(r) for r in fields[1].split(",") if r) if len(fields) > 1 else ()
-    if len(fields) == 4:  # a smaller world another survivor announced
-        world = int(fields[2])
-        mapping = dict(tuple(map(int, p.split(":"))) for p in fields[3].split(",") if p)
+    if len(fields) not in (3, 5):
+        log.warning("in_place_bad_announcement", generation=gen, why="its fields")
+        return
+    starting = tuple(int(r) for r in fields[1].split(",") if r)
+    _counted(agent, int(fields[2]))
+    if len(fields) == 5:  # a smaller world another survivor announced
+        world = int(fields[3])
+        mapping = dict(tuple(map(int, p.split(":"))) for p in fields[4].split(",") if p)
         old = {w.global_rank for w in agent.group.workers}
         lost = {m.node_id for m in agent.round.members} - _holders(agent.round, mapping)
         if not old <= mapping.keys():
@@ -508,10 +526,15 @@ def _shrink_refused(agent: Agent, why: Failure) -> str | None:
         return "a rank of this node died too"
     if any(b is None or not b.beats for b in agent.group.beats()):
         return "a rank had not stepped yet"
-    if spent := _budget_spent(agent):
-        return spent
     if store(agent) is None:
         return "the workers' store is not known to this node"
+    try:  # a node lost costs no budget (as with the restart); the read is the store's answer
+        agent.rdzv.budget.answered()
+    except Unreachable as e:
+        return (
+            f"the rendezvous store does not answer ({e}): this node may be the one cut off, "
+            "and must not go on alone"
+        )
     return None
 
 
@@ -612,7 +635,6 @@ def _shrunk(agent: Agent, gen: int, lost, world: int, mapping: dict[int, int], n
         failed_at=why.at,
     )
     _abort_survivors(agent)
-    _spend(agent)
 
 
 def _abort_survivors(agent: Agent) -> None:
@@ -645,8 +667,10 @@ def waited_for(agent: Agent, why: Failure) -> Failure:
     path = agent.recovery_path
     if why.kind is not RestartCause.PEER or why.consequences or why.lost:
         return why
+    if path is None or not path.in_place or agent.round is None:
+        return why
     alive = [w.global_rank for w in agent.group.workers if w.exit_code is None]
-    if path is None or not path.in_place or not alive or agent.round is None:
+    if not alive:
         return why
     try:
         request = agent.rdzv.read_restart(agent.rdzv.kv, agent.round)

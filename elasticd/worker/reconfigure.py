@@ -160,6 +160,7 @@ class Member:
     marks: dict[str, float] = field(default_factory=dict)  # the latest form's: wall times
     # fd -> inode: the connected sockets the latest reconfigure made (gloo's pairs; `abort`)
     pairs: dict[int, int] = field(default_factory=dict)
+    restarts: int | None = None  # the job's restart count the latest generation announced
 
     def form(self, generation: int, starting: frozenset[int] | None = None) -> float:
         """Re-form the group as generation `generation`: seconds it took. `starting`: the ranks
@@ -239,18 +240,20 @@ class Member:
 
     def announced(self, deadline: float) -> tuple[int, frozenset[int]] | None:
         """The next generation and the ranks that start for it, once the daemon has set them
-        (signed: "G R,R...") before `deadline`."""
+        (signed: "G R,R... C", C the job's restart count with this recovery; a smaller world
+        adds its size and the ranks' new numbers) before `deadline`."""
         gen = self.generation + 1
         key = names.in_place_key(gen)
         try:
             self.store.wait([key], timedelta(seconds=max(0.1, deadline - time.monotonic())))
             text = opened(_key(), gen, -1, self.store.get(key))
             fields = text.split(" ") if text else []
-            if len(fields) not in (2, 4) or fields[0] != str(gen):
+            if len(fields) not in (3, 5) or fields[0] != str(gen):
                 return None
-            if len(fields) == 4:  # a smaller world: this rank's new number in it
-                mapping = dict(tuple(map(int, p.split(":"))) for p in fields[3].split(",") if p)
-                self.renumber(mapping[self.rank], int(fields[2]))
+            self.restarts = int(fields[2])
+            if len(fields) == 5:  # a smaller world: this rank's new number in it
+                mapping = dict(tuple(map(int, p.split(":"))) for p in fields[4].split(",") if p)
+                self.renumber(mapping[self.rank], int(fields[3]))
             return gen, frozenset(int(r) for r in fields[1].split(",") if r)
         except Exception:  # noqa: BLE001 - a timeout, the store gone with the daemon, a bad value
             return None
@@ -490,6 +493,9 @@ def reenter(exc: BaseException) -> str | None:
             # the script, run again, sees its generation as a replacement of it does (a fault a
             # script arms for its first process only, `== "0"`, stays disarmed)
             os.environ[names.IN_PLACE_GEN] = str(announced[0])
+            # as its replacement sees it: each recovery in place spends one of the budget, as
+            # a restart does (a script's `if restart_count > 0: resume` holds on both paths)
+            os.environ["TORCHELASTIC_RESTART_COUNT"] = str(found.restarts)
             log.info(
                 "re_entered",
                 generation=announced[0],

@@ -15,7 +15,7 @@ def test_detection_bench_times_a_crash_and_prints_every_kind():
     (trial,) = json.loads(lines[-1])["crash"]["elasticd"]
     assert 0 < trial["seconds"] < 5 and trial["named"] == "rank 1" and trial["right"], trial
     rows = [ln for ln in lines if ln.startswith("| ")]
-    assert rows[0].startswith("| fault | elasticd (defaults): detected after"), rows
+    assert rows[0].startswith("| fault | elasticd (defaults, --in-place off): detected after"), rows
     kinds = (
         "crash (",
         "hang in compute",

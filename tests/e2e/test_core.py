@@ -14,7 +14,7 @@ import pytest
 
 from elasticd.daemon import spawn as spawn_mod
 from harness import FAST_STOP5 as FAST
-from harness import gone, leftover_processes, script, wait_until
+from harness import RESTART, gone, leftover_processes, script, wait_until
 
 
 def test_unmodified_torchrun_script_completes(daemons, tmp_path):
@@ -150,6 +150,7 @@ def test_process_group_teardown_never_deadlocks(daemons, tmp_path):
 def test_kill_9_of_a_worker_restarts_and_completes(daemons, tmp_path):
     d = daemons(
         script("ddp_tutorial.py"),
+        *RESTART,
         "--nproc-per-node",
         "2",
         "--max-restarts",
@@ -174,6 +175,7 @@ def test_twenty_kill_9_in_a_row_all_recover(daemons, tmp_path):
     kills = 20
     d = daemons(
         script("ddp_tutorial.py"),
+        *RESTART,
         "--nproc-per-node",
         "2",
         "--max-restarts",

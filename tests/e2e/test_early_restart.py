@@ -13,7 +13,7 @@ import time
 
 import psutil
 
-from harness import FAST, script, wait_until
+from harness import FAST, RESTART, script, wait_until
 
 # seconds from the kill's detection to every rank's first step: a bound against a restart that
 # waits for the probe, not a speed target (bench/recovery.py measures that): the whole suite and
@@ -52,6 +52,7 @@ def test_restart_while_the_imports_are_learned_takes_warm_spares(daemons, tmp_pa
     try:
         d = daemons(
             script("early_crash.py"),
+            *RESTART,
             *FAST,
             "--nproc-per-node",
             "2",

@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from harness import FAST_STOP5 as FAST
-from harness import script, wait_until
+from harness import RESTART, script, wait_until
 
 
 def _forked_spares(daemon_pid: int, workers: set[int]) -> set[int]:
@@ -37,6 +37,7 @@ def _training_with_spares(daemons, tmp_path):
     """A 2-worker job training, its workers (rank -> pid) and its two forked spares."""
     d = daemons(
         script("ddp_tutorial.py"),
+        *RESTART,  # the restart's spares
         "--nproc-per-node",
         "2",
         "--max-restarts",

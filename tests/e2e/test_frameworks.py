@@ -12,10 +12,10 @@ import signal
 
 import pytest
 
-from harness import FAST, run_cli, script, wait_until
+from harness import FAST, RESTART, run_cli, script, wait_until
 
 ENV = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-FLAGS = ("--nproc-per-node", "2", "--max-restarts", "2", *FAST)
+FLAGS = ("--nproc-per-node", "2", "--max-restarts", "2", *FAST, *RESTART)  # the restart's
 
 
 def _need(module: str) -> None:

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from harness import script, wait_until
+from harness import RESTART, script, wait_until
 
 HB = (
     "--heartbeat-timeout",
@@ -27,7 +27,14 @@ HB = (
 
 
 def hang_events(d):
-    return [e for e in d.events() if e.get("event") == "state" and e.get("new") == "RESTARTING"]
+    """The job's recoveries, each with its cause: a restart, or (--in-place auto, the default on
+    torch>=2.14) the hung rank killed and replaced in place."""
+    return [
+        e
+        for e in d.events()
+        if (e.get("event") == "state" and e.get("new") == "RESTARTING")
+        or e.get("event") == "replaced_in_place"
+    ]
 
 
 def restart_time(d) -> float:
@@ -39,7 +46,7 @@ def restart_time(d) -> float:
 
 def test_sigstop_past_the_heartbeat_timeout_is_a_hang(daemons):
     """A stopped worker is judged by its silence (the heartbeat timeout), never by its state."""
-    d = daemons(script("hang.py"), "--nproc-per-node", "2", *HB, args=["--steps", "40"])
+    d = daemons(script("hang.py"), *RESTART, "--nproc-per-node", "2", *HB, args=["--steps", "40"])
     d.wait_for_step(1, 3, timeout=60)
     pid = d.worker_pids()[1]
     t0 = time.time()
@@ -99,6 +106,7 @@ def test_debugger_attach_and_a_short_stop_never_restart(daemons):
 def test_endless_loop_detected_within_timeout(daemons):
     d = daemons(
         script("hang.py"),
+        *RESTART,
         "--nproc-per-node",
         "2",
         *HB,
@@ -192,6 +200,7 @@ def test_at_the_defaults_a_sigstop_is_found_at_the_deadline_learned_from_the_job
     the learned one), put on rank 1 as stopped (before: not found for 300 s)."""
     d = daemons(
         script("hang.py"),
+        *RESTART,
         "--nproc-per-node",
         "2",
         "--restart-grace",

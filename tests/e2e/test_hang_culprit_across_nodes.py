@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from harness import node_flags, script, wait_until
+from harness import RESTART, node_flags, script, wait_until
 from netns import DEV, netns_fixture  # noqa: F401 (the netns fixture)
 
 HB = ("--heartbeat-timeout", "2", "--startup-timeout", "60", "--restart-grace", "0.5")
@@ -25,12 +25,19 @@ def culprit_events(d) -> list[dict]:
 
 
 def restart_causes(d) -> list[str]:
-    return [e["cause"] for e in d.events() if e.get("new") == "RESTARTING"]
+    """The causes of the job's recoveries: its restarts, or (--in-place auto, the default on
+    torch>=2.14) the hung rank replaced in place."""
+    return [
+        e["cause"]
+        for e in d.events()
+        if e.get("new") == "RESTARTING" or e.get("event") == "replaced_in_place"
+    ]
 
 
 def test_one_node_names_the_sleeping_rank(daemons):
     d = daemons(
         script("hang.py"),
+        *RESTART,
         "--nproc-per-node",
         "3",
         *HB,
@@ -55,6 +62,7 @@ def test_two_nodes_name_the_node_and_rank(daemons, netns):
     nodes = [
         daemons(
             script("hang.py"),
+            *RESTART,  # in place, both nodes act on the hang at once (docs/in-place.md)
             "--nproc-per-node",
             "1",
             *node_flags(PORT, "2", host=net.addr(0)),
@@ -90,7 +98,9 @@ def test_the_hangs_fields_are_the_culprits(daemons):
     and rank 0's silence is read first. The failure's rank, log and first words are rank 1's, in
     the restart cause and in status's last_failure (before: rank 0's, the text alone naming 1)."""
     job = ["--steps", "400", "--mode", "stuck", "--at", "3", "--step-time", "0.02"]
-    d = daemons(script("hang.py"), "--nproc-per-node", "2", *HB, "--max-restarts", "1", args=job)
+    d = daemons(
+        script("hang.py"), *RESTART, "--nproc-per-node", "2", *HB, "--max-restarts", "1", args=job
+    )
     wait_until(lambda: restart_causes(d), 90, what="the hang's restart")
     (cause,) = restart_causes(d)
     assert cause.startswith("rank 1 (node "), cause

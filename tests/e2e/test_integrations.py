@@ -64,7 +64,7 @@ def crash_and_compare(
     re-entered)."""
     clean = daemons(script(name), *FLAGS, name="clean", args=_args(tmp_path, "clean", total, disk))
     args = _args(tmp_path, "crashed", total, disk)
-    flags = (*FLAGS, "--in-place", "auto") if in_place else FLAGS
+    flags = (*FLAGS, "--in-place", "auto" if in_place else "off")
     crashed = daemons(script(name), *flags, name="crashed", args=args)
     crashed.wait_for_step(0, kill_at, 120)
     before = max(steps(crashed.log_text(0)))

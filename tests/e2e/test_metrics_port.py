@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 from elasticd.reporting import metrics, metrics_server
-from harness import FAST, ROOT, free_port, script, wait_until
+from harness import FAST, RESTART, ROOT, free_port, script, wait_until
 
 IDLE = 400  # connections a test opens and leaves idle
 CAP = 32  # the most threads (and descriptors) idle connections may cost: the 16-32
@@ -242,6 +242,7 @@ def test_a_worker_killed_while_file_descriptors_are_scarce_restarts_and_the_job_
     port = free_port()
     d = daemons(
         script("ops_train.py"),
+        *RESTART,
         "--nproc-per-node",
         "2",
         *FAST,

@@ -11,7 +11,7 @@ import time
 from datetime import datetime
 
 from e2e.test_netns import judge_host_not_back
-from harness import end_soon, free_port, node_flags, script, secret_flags, wait_until
+from harness import RESTART, end_soon, free_port, node_flags, script, secret_flags, wait_until
 
 
 def state_times(d, new: str) -> list[float]:
@@ -47,6 +47,7 @@ def test_worker_kill_on_non_host_restarts_every_node(daemons, tmp_path):
     args = ["--steps", "40", "--step-time", "0.05", "--snapshot", str(tmp_path / "snap.pt")]
     host = daemons(
         script("ddp_tutorial.py"),
+        *RESTART,
         "--nproc-per-node",
         "2",
         *node_flags(port, "2"),
@@ -55,6 +56,7 @@ def test_worker_kill_on_non_host_restarts_every_node(daemons, tmp_path):
     )
     other = daemons(
         script("ddp_tutorial.py"),
+        *RESTART,
         "--nproc-per-node",
         "2",
         *node_flags(port, "2"),

@@ -20,7 +20,7 @@ from datetime import datetime
 
 import pytest
 
-from harness import SESSION, gone, script, secret_flags, wait_until
+from harness import RESTART, SESSION, gone, script, secret_flags, wait_until
 from netns import DEV, netns_fixture  # noqa: F401 (the netns fixture)
 
 PORT = 29400
@@ -182,7 +182,7 @@ def test_killed_node_survivor_steps_again_within_seconds_and_loses_at_most_a_ref
     net = netns(3, subnet=30 + lose_rank0)
     store = _start_store(net)
     try:
-        a, b = _nodes(daemons, net, ["a", "b"], steps=230)
+        a, b = _nodes(daemons, net, ["a", "b"], steps=230, extra=RESTART)  # in place: elsewhere
         wait_until(lambda: training_together((a, b), 60), 90, what="both nodes training")
         victim, survivor = (a, b) if holds_rank0(a) == lose_rank0 else (b, a)
         assert holds_rank0(victim) == lose_rank0
@@ -248,11 +248,17 @@ def test_killed_node_survivor_steps_again_within_seconds_and_loses_at_most_a_ref
         store.wait(10)
 
 
-def test_partitioned_node_stops_its_workers_and_rejoins_when_healed(daemons, netns):
-    net = netns(3, subnet=32)
+@pytest.mark.parametrize("in_place", ["auto", "off"])
+def test_partitioned_node_stops_its_workers_and_rejoins_when_healed(daemons, netns, in_place):
+    """In place, node a's rank re-forms alone in its own process while b is cut off; b, healed,
+    meets in the next round alone (it took a for lost), and a, finding that round closed
+    without it, joins again (before, the two trained apart for good: a in its round shrunk in
+    place, b in the next)."""
+    net = netns(3, subnet=32 if in_place == "off" else 45)
     store = _start_store(net)
     try:
-        a, b = _nodes(daemons, net, ["a", "b"], steps=100000, delay=0.02)
+        flags = ("--in-place", in_place)
+        a, b = _nodes(daemons, net, ["a", "b"], steps=100000, delay=0.02, extra=flags)
         wait_until(lambda: training_together((a, b), 30), 90, what="both nodes training")
         pids = b.worker_pids()
         t_cut = time.time()

@@ -18,7 +18,7 @@ import pytest
 
 from harness import FAST_NODES as NODE
 from harness import FAST_STOP5 as FAST
-from harness import ROOT, free_port, script, secret_flags, wait_until
+from harness import RESTART, ROOT, free_port, script, secret_flags, wait_until
 
 
 def get(url: str, timeout: float = 5.0) -> str:
@@ -130,6 +130,7 @@ def test_prometheus_scrapes_a_job_through_a_kill_9(daemons, tmp_path, prometheus
     check = check_script(tmp_path, "echo all good\n")
     d = daemons(
         script("ops_train.py"),
+        *RESTART,
         "--nproc-per-node",
         "2",
         *FAST,

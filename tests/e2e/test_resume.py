@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from elasticd import checkpoint
-from harness import ROOT, wait_until
+from harness import RESTART, ROOT, wait_until
 
 ARGS = [
     "--steps",
@@ -61,7 +61,7 @@ def final_state(directory):
 )
 def test_kill_9_at_three_steps_resumes_bit_identical(daemons, tmp_path, device):
     nproc = torch.cuda.device_count() if device == "cuda" else 2
-    flags = [*FLAGS[:1], str(nproc), *FLAGS[2:]]
+    flags = [*FLAGS[:1], str(nproc), *FLAGS[2:], *RESTART]
     args = [*ARGS, "--device", device]
     env = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}  # the same cuBLAS kernels in every process
     # the fault-free job runs beside the crashed one (two jobs of their own: nothing is shared

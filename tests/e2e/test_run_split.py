@@ -17,7 +17,7 @@ import time
 
 import torch.distributed as dist
 
-from harness import end_soon, free_port, node_flags, script, wait_until
+from harness import RESTART, end_soon, free_port, node_flags, script, wait_until
 
 RECORD = "elasticd/job/run"
 
@@ -54,6 +54,7 @@ class _Attacker:
 def _node(daemons, port: int, name: str, stop_file):
     return daemons(
         script("ddp_tutorial.py"),
+        *RESTART,
         "--nproc-per-node",
         "1",
         *node_flags(port, "1:2"),

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from elasticd import checkpoint
-from harness import script, wait_until
+from harness import RESTART, script, wait_until
 
 pytest.importorskip("torch.distributed.fsdp")
 
-FLAGS = ("--nproc-per-node", "2", "--restart-grace", "1", "--max-restarts", "3")
+FLAGS = ("--nproc-per-node", "2", "--restart-grace", "1", "--max-restarts", "3", *RESTART)
 STEPS = 40
 
 

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from elasticd.cluster import signing, values
 from elasticd.config import ConfigError
 from harness import FAST_NODES as FAST
-from harness import ROOT, as_user, end_soon, free_port, node_flags, script, wait_until
+from harness import RESTART, ROOT, as_user, end_soon, free_port, node_flags, script, wait_until
 
 NOBODY = 65534
 needs_root = pytest.mark.skipif(
@@ -65,6 +65,7 @@ def test_a_single_node_job_listens_on_no_store_of_its_own(daemons, tmp_path):
     store, which torch's init_process_group needs (as under torchrun)."""
     d = daemons(
         script("ddp_tutorial.py"),
+        *RESTART,
         "--nproc-per-node",
         "2",
         "--max-restarts",
@@ -139,6 +140,7 @@ def test_unprivileged_store_writer_cannot_fail_crash_or_slow_a_restart(daemons, 
     nodes = [
         daemons(
             script("ddp_tutorial.py"),
+            *RESTART,  # a restart's round, which the writer would slow
             "--nproc-per-node",
             "1",
             "--max-restarts",

@@ -47,7 +47,7 @@ def test_backends(backend, ok):
 @pytest.mark.parametrize(
     "changes, path, words",
     [
-        ({}, "restart", "--in-place off"),
+        ({"in_place": "off"}, "restart", "--in-place off"),
         ({"in_place": "auto", "no_python": True}, "restart", "--no-python"),
     ],
 )
@@ -60,8 +60,9 @@ def test_the_path_where_the_job_rules_it_out(changes, path, words):
 @pytest.mark.parametrize("nnodes", ["1", "2", "1:2"])
 def test_the_path_where_torch_decides(nnodes):
     """Several nodes too: the generations and handles travel through the workers' store every
-    node's workers share (inplace.store)."""
-    chosen = inplace.choose(dataclasses.replace(Config(), in_place="auto", nnodes=nnodes))
+    node's workers share (inplace.store). By default: `--in-place auto`."""
+    assert Config().in_place == "auto"
+    chosen = inplace.choose(dataclasses.replace(Config(), nnodes=nnodes))
     assert chosen.in_place is HAS
     assert chosen.name == ("in_place" if HAS else "restart")
     assert ("has dist._reconfigure" if HAS else "lacks") in chosen.why
@@ -194,6 +195,11 @@ def test_an_attempt_that_replaced_a_rank_in_place_had_trained():
     assert not r.trained([None, None])
 
 
+@dataclasses.dataclass
+class _Spec:
+    restart_count: int = 0  # what a replacement's TORCHELASTIC_RESTART_COUNT is
+
+
 def _node(kv, generation=0, ranks=(0, 1)):
     """An agent on the in-place path holding `kv` as its round's workers' store."""
     events = []
@@ -208,8 +214,10 @@ def _node(kv, generation=0, ranks=(0, 1)):
         in_place_kv=(1, kv),
         in_place_waits=None,
         group=SimpleNamespace(
-            workers=workers, generation=generation, quiet_from=0.0, beats=lambda: []
+            workers=workers, generation=generation, quiet_from=0.0, beats=lambda: [], spec=_Spec()
         ),
+        rdzv=SimpleNamespace(budget=SimpleNamespace(seen=0)),
+        restart_count=0,
         event=lambda name, **kw: events.append((name, kw)),
         node="a",
         status=SimpleNamespace(figures=Figures(started=0.0)),
@@ -236,10 +244,13 @@ def test_a_generation_another_node_announced_is_followed_here():
     # counted here as a recovery another node asked for (status, metrics)
     assert a.status.figures.in_place["peer"] == 1
     assert "another node recovered rank(s) 3 in place" in a.last_failure.reason
+    # the budget it spends, on both nodes: every rank's TORCHELASTIC_RESTART_COUNT, status's
+    assert b.group.spec.restart_count == 1 and b.rdzv.budget.seen == 0  # spent by `_spend`
+    assert (a.restart_count, a.rdzv.budget.seen, a.group.spec.restart_count) == (1, 1, 1)
     a.forming = None
     inplace._follow(a, 6.0)  # nothing announced past 1
     assert a.forming is None and a.group.generation == 1
-    kv.set(names.in_place_key(2), reconfigure.sign(b"not the key", 2, -1, "2 3"))
+    kv.set(names.in_place_key(2), reconfigure.sign(b"not the key", 2, -1, "2 3 1"))
     inplace._follow(a, 7.0)
     assert a.forming is None and a.group.generation == 1
 
@@ -372,16 +383,23 @@ def test_the_smaller_world_and_each_survivor_s_new_number(lost, world, mapping):
 def test_a_lost_node_that_held_the_workers_store_restarts_the_group():
     """The lost node hosted the workers' store (group rank 0): the survivors' handles have
     nowhere to go; fewer nodes than --nnodes' minimum left: the restart too."""
-    from elasticd.cluster.kv import LocalKV
+    from elasticd.cluster.kv import LocalKV, Unreachable
 
     agent, _ = _node(LocalKV())
     agent.round.members = [SimpleNamespace(node_id=n, nproc=2) for n in ("a", "b")]
     agent.cfg = SimpleNamespace(nnodes="1:2", max_restarts=3)
     agent.group.beats = lambda: [SimpleNamespace(beats=3)] * 2
-    agent.rdzv = SimpleNamespace(budget=SimpleNamespace(seen=0))
+    agent.rdzv = SimpleNamespace(budget=SimpleNamespace(seen=3, answered=lambda: 3))
     lost = lambda n: Failure(RestartCause.NODE_LOST, "lost", lost=(n,))  # noqa: E731
     assert "hosted the workers' store" in inplace._shrink_refused(agent, lost("a"))
-    assert inplace._shrink_refused(agent, lost("b")) is None
+    assert inplace._shrink_refused(agent, lost("b")) is None  # a node lost spends no budget
+
+    def cut_off():
+        raise Unreachable("store 10.0.0.1:29400: timed out")
+
+    # the side of a partition that cannot reach the rendezvous store must not go on alone
+    agent.rdzv.budget.answered = cut_off
+    assert "this node may be the one cut off" in inplace._shrink_refused(agent, lost("b"))
     agent.cfg.nnodes = "2"
     assert "fewer than --nnodes 2" in inplace._shrink_refused(agent, lost("b"))
 
