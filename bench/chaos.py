@@ -96,6 +96,7 @@ class Job:
         work.mkdir(parents=True)
         self.work, self.out, self.ckpt = work, work / "steps.txt", work / "ckpt"
         self.gate = work / "gate" if gated else None
+        self.gate_at = 0  # the step the ranks may run up to (open_gate)
         self.open_gate(args.steps_per_fault + 1)
         self.stderr = work / "daemon.err"
         env = dict(
@@ -172,6 +173,7 @@ class Job:
 
     def open_gate(self, step: int) -> None:
         """Let the ranks run up to (not including) `step`."""
+        self.gate_at = step
         if self.gate:
             (self.work / "gate.new").write_text(str(step))
             os.replace(self.work / "gate.new", self.gate)
@@ -439,6 +441,9 @@ def inject(
     if kind == "save":
         last = job.steps()[-1][2]
         target = (last // args.ckpt_every + 1) * args.ckpt_every
+        # room past the save's step to recover in: a loaded machine's ranks may be at the gate
+        # already, and a save there was killed where the restarted ranks could not step on
+        job.open_gate(max(job.gate_at, target + args.steps_per_fault))
         hit = wait_for(
             lambda: any(r == 0 and s == target for _p, r, s, _t in job.steps()),
             args.fault_timeout,

@@ -24,7 +24,7 @@ from e2e.test_nodeloss import (
     stop_nodes,
     training_together,
 )
-from harness import wait_until
+from harness import RESTART, wait_until
 from netns import netns_fixture  # noqa: F401 (the netns fixture)
 
 pytest.importorskip("torch.distributed.fsdp")
@@ -93,7 +93,9 @@ def test_fsdp2_three_nodes_one_lost_then_one_joins_all_from_memory(daemons, netn
     net = netns(5, subnet=36)
     store = _start_store(net)
     try:
-        shared = ("--checkpoint-dir", str(tmp_path / "ckpt"))
+        # the restart's resume from memory across a node lost and one joined (in place, a sharded
+        # job's survivors re-form alone: tests/e2e/test_inplace_sharded.py)
+        shared = ("--checkpoint-dir", str(tmp_path / "ckpt"), *RESTART)
         env = {"NODE_TRAIN_FSDP": "1", "NODE_TRAIN_SAMPLES": "1024"}
         a, b, c = _nodes(daemons, net, ["a", "b", "c"], steps=100000, extra=shared, env=env)
         wait_until(lambda: training_together((a, b, c), 10), 120, what="three nodes training")
