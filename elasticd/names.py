@@ -20,12 +20,6 @@ NO_PYTHON = (
 HEARTBEAT_FILE = "ELASTICD_HEARTBEAT_FILE"  # the rank's heartbeat file (elasticd.worker.heartbeat)
 
 
-def pairs_file(heartbeat: str) -> str:
-    """Beside a rank's heartbeat file: the sockets its group's latest forming made (worker/
-    reconfigure.py writes, daemon/outside_abort.py reads)."""
-    return f"{heartbeat}.pairs"
-
-
 STACK_FILE = "ELASTICD_STACK_FILE"  # where faulthandler appends the rank's stacks
 STACK_SIGNAL = "ELASTICD_STACK_SIGNAL"  # the signal that asks for them
 # where the rank writes its collectives as torch's Flight Recorder keeps them, when the daemon
@@ -139,6 +133,12 @@ def in_place_unwound_key(generation: int, rank: int) -> str:
     """Rank R's word that its script unwound for generation N (it re-forms or falls back
     itself: daemon/inplace.py `unstick` kills only a rank that said neither)."""
     return f"elasticd/in-place/g{generation}/u{rank}"
+
+
+def pairs_file(heartbeat: str) -> str:
+    """Beside a rank's heartbeat file: the sockets its group's latest forming made (worker/
+    reconfigure.py writes, daemon/outside_abort.py reads)."""
+    return f"{heartbeat}.pairs"
 
 
 def job_key(job: str, name: str) -> str:
