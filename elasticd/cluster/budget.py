@@ -39,36 +39,31 @@ class Budget:
     def spend(self, number: int) -> int:
         """Spend one restart for round `number` (its closer does, once however many closers
         try); the count after it."""
-        s, key = self.sealed, self._key()
-        for _ in range(100):
-            raw = s.kv.get(key)
-            used, spent_for = s.open(key, raw, values.budget) or (0, -1)
-            if spent_for >= number:
-                self.seen = max(self.seen, used)
-                return used
-            used = max(used, self.seen)
-            if s.kv.compare_set(key, raw, s.seal(key, f"{used + 1} {number}")):
-                self.seen = used + 1
-                return used + 1
-        raise RendezvousFailed(
-            "the restart budget in the store changed 100 times while one restart was "
-            "spent: something other than the job's nodes writes to the store"
-        )
+        return self._spend(number)
 
     def spend_in_place(self) -> int:
         """Spend one for a failure recovered in place; the count after it. One node announces
         each generation, so each recovery costs one; the round a restart last spent for stays."""
+        return self._spend(None)
+
+    def _spend(self, number: int | None) -> int:
+        """One more spent, by compare-and-set: for round `number` (once per round), or for a
+        recovery in place (None: every call)."""
         s, key = self.sealed, self._key()
         for _ in range(100):
             raw = s.kv.get(key)
-            used, spent_for = s.open(key, raw, values.budget) or (0, 0)
+            used, spent_for = s.open(key, raw, values.budget) or (0, -1)
+            if number is not None and spent_for >= number:
+                self.seen = max(self.seen, used)
+                return used
             used = max(used, self.seen)
-            if s.kv.compare_set(key, raw, s.seal(key, f"{used + 1} {spent_for}")):
+            mark = max(spent_for, 0) if number is None else number
+            if s.kv.compare_set(key, raw, s.seal(key, f"{used + 1} {mark}")):
                 self.seen = used + 1
                 return used + 1
         raise RendezvousFailed(
-            "the restart budget in the store changed 100 times while one recovery in place was "
-            "spent: something other than the job's nodes writes to the store"
+            "the restart budget in the store changed 100 times while one was spent: something "
+            "other than the job's nodes writes to the store"
         )
 
     def carry(self) -> None:
