@@ -47,6 +47,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import psutil
+
 from elasticd import logs, names
 from elasticd.cluster.errors import RendezvousFailed, StoreUnreachable
 from elasticd.cluster.kv import Unreachable
@@ -65,6 +67,9 @@ log = logs.get("elasticd.agent")
 IN_PLACE, RESTART = "in_place", "restart"
 STUCK_FLOOR = 0.3  # seconds a survivor may take to give its handle, at least (`stuck_after`)
 STUCK_UNLEARNED = 1.0  # the same before the job's step times are learned
+# CPU seconds a survivor past `stuck_after` must have used since the loop's previous look to be
+# taken for one still unwinding (starved on a loaded host), not one blocked where no abort reaches
+BUSY_CPU = 0.005
 REAP_WAIT = 2.0  # seconds for a stuck survivor killed to exit
 STACKS_WAIT = 0.3  # seconds a stuck survivor's stack dump is waited for, before its kill
 STORE_TIMEOUT = 2.0  # seconds any one call to the workers' store may take (from any node)
@@ -213,6 +218,38 @@ class Forming:
     after: float  # seconds a running rank may take (stuck_after)
     running: tuple[int, ...]  # global ranks of this node's survivors, which give their handle
     starting: tuple[int, ...] = ()  # global ranks started for it (on any node)
+    # pid -> the CPU seconds a survivor yet to give its handle had used at the loop's last look
+    cpu: dict[int, float] = dataclasses.field(default_factory=dict, compare=False)
+
+
+def _cpu(pid: int) -> float | None:
+    try:
+        t = psutil.Process(pid).cpu_times()
+    except psutil.Error:
+        return None
+    return t.user + t.system
+
+
+def _still_unwinding(forming: Forming, workers, now: float, deadline) -> list:
+    """Of survivors past `stuck_after`, those that used CPU since the loop's last look: starved
+    on a loaded host (two test files of several ranks each on 2 cores), they still unwind, where
+    one blocked in a collective no abort ends uses none. Held to half the hang deadline at most,
+    as `stuck_after` is (a script that caught the collective's error and spins on is killed then)."""
+    limit = deadline.seconds / 2 if deadline is not None else 5 * STUCK_UNLEARNED
+    if now - forming.since >= max(forming.after, limit):
+        return []
+    busy = []
+    for w in workers:
+        used, before = _cpu(w.pid), forming.cpu.get(w.pid)
+        if used is not None and before is not None and used - before >= BUSY_CPU:
+            busy.append(w)
+    return busy
+
+
+def _sample_cpu(forming: Forming, workers) -> None:
+    for w in workers:
+        if (used := _cpu(w.pid)) is not None:
+            forming.cpu[w.pid] = used
 
 
 def stuck_after(deadline) -> float:
@@ -329,6 +366,7 @@ def unstick(agent: Agent, now: float) -> Failure | None:
                 agent.forming = None
             return None
         if now - forming.since < forming.after:
+            _sample_cpu(forming, [w for w in agent.group.workers if w.global_rank in missing])
             return None
         # a rank that unwound re-forms or falls back (exits) on its own
         missing = [r for r in missing if not _has(kv, names.in_place_unwound_key(gen, r))]
@@ -336,6 +374,10 @@ def unstick(agent: Agent, now: float) -> Failure | None:
         return None
     group = agent.group
     stuck = [w for w in group.workers if w.global_rank in missing and w.exit_code is None]
+    deadline = getattr(group, "deadline", None)
+    if _still_unwinding(forming, stuck, now, deadline):
+        _sample_cpu(forming, stuck)
+        return None  # starved, not blocked: it gets its handle in as the host allows
     agent.forming = dataclasses.replace(
         forming, running=tuple(r for r in forming.running if r not in missing)
     )

@@ -88,6 +88,29 @@ def test_a_survivor_is_stuck_after_about_one_step(deadline, seconds):
     assert inplace.stuck_after(deadline) == pytest.approx(seconds)
 
 
+def test_a_survivor_that_still_uses_cpu_is_not_taken_for_stuck():
+    """Past `stuck_after`, a survivor starved on a loaded host still unwinds (it uses CPU as
+    the host allows) where one blocked in a collective uses none: only the blocked one is killed
+    as stuck, and the busy one too once half the hang deadline has passed (a script that caught
+    the collective's error and spins on)."""
+    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    sleep = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        busy, blocked = (SimpleNamespace(pid=p.pid) for p in (spin, sleep))
+        time.sleep(0.5)  # both past their interpreter's start
+        forming = inplace.Forming(1, time.monotonic(), 0.3, (0, 1))
+        inplace._sample_cpu(forming, [busy, blocked])
+        time.sleep(0.2)
+        now, deadline = time.monotonic(), Deadline(4.0, True, p99=0.1)
+        assert inplace._still_unwinding(forming, [busy, blocked], now, deadline) == [busy]
+        assert inplace._still_unwinding(forming, [busy], forming.since + 2.0, deadline) == []
+        assert inplace._still_unwinding(forming, [busy], now, None) == [busy]
+    finally:
+        for p in (spin, sleep):
+            p.kill()
+            p.wait(10)
+
+
 def _workers_store(formed: list[int]) -> tuple[dist.TCPStore, int]:
     """A real workers' store where the ranks `formed` gave their handle for generation 0."""
     host = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
