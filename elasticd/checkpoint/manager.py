@@ -31,7 +31,7 @@ from elasticd.checkpoint.disk.format import (
 )
 from elasticd.checkpoint.disk.snapshot import Snapshot
 from elasticd.checkpoint.memory.state import MemoryState
-from elasticd.worker import heartbeat
+from elasticd.worker import heartbeat, reconfigure
 
 log = structlog.get_logger()
 
@@ -49,6 +49,15 @@ def _mark_state_loaded(step: int) -> None:
     path = os.environ.get(names.HEARTBEAT_FILE)
     if path:
         heartbeat.mark(path, "state_loaded")
+
+
+def _regroup(agreed: bool, step: int) -> None:
+    """Every rank at this boundary agreed to re-form its group (a node joins in place): unwind
+    the script from here, its state of `step` in memory, to the bootstrap, which re-forms the
+    group and runs the script again (worker/reconfigure.py)."""
+    if agreed:
+        log.info("regroup_at_boundary", step=step)
+        raise reconfigure.Regroup(f"the group re-forms in place at step {step}: a node joins")
 
 
 def _figures():
@@ -374,8 +383,10 @@ class CheckpointManager:
             self._thread.join()
 
     # -- cadence and stop ------------------------------------------------------------------------
-    def _agree(self, step: int | None = None) -> tuple[bool, bool]:
-        """(stop, time due), the same on every rank: any rank's SIGTERM or timer counts. The
+    def _agree(self, step: int | None = None) -> tuple[bool, bool, bool]:
+        """(stop, time due, regroup), the same on every rank: any rank's SIGTERM or timer counts,
+        and any rank the daemon asked to re-form its group at this boundary (a node joins in
+        place: worker/reconfigure.py `regroup_asked`). The
         in-memory cadence is agreed in the same call (the largest rank's proposal), and, where a
         keep is due at `step`, the replicas' audit (audit.Auditor.ballot: their digests' largest
         and smallest; raises audit.SilentDataCorruption when they differ).
@@ -387,12 +398,13 @@ class CheckpointManager:
             self._stop.requested.is_set() or self._stopping,
             self.every_seconds is not None
             and time.monotonic() - self._last_time >= self.every_seconds,
+            reconfigure.regroup_asked(),
         ]
         if dist_on() and dist.get_world_size() > 1:
             if self._stopping:
-                flags = [True, False, 0]  # agreed everywhere already; timers no longer matter
+                flags = [True, False, 0, 0]  # agreed everywhere already; timers no longer matter
             elif self._calls % self.sync_every:
-                flags = [False, False, 0]
+                flags = [False, False, 0, 0]
             else:
                 due = step is not None and self._keep_due(step)
                 ballot = self._audit.ballot(step, due, self._memory.cadence.step_time())
@@ -401,15 +413,15 @@ class CheckpointManager:
                 )
                 dist.all_reduce(t, op=dist.ReduceOp.MAX, group=cpu_group())
                 flags = t.tolist()
-                self._audit.tally(flags[3:])  # raises audit.SilentDataCorruption
+                self._audit.tally(flags[4:])  # raises audit.SilentDataCorruption
         else:
             flags = [*local, self._memory.proposal()]
-        if flags[2]:
-            self._memory.adopt(int(flags[2]))
+        if flags[3]:
+            self._memory.adopt(int(flags[3]))
         if flags[0] and not self._stopping:
             self._stopping = True
             log.info("checkpoint_stop_requested", action="saving and stopping at this step")
-        return bool(flags[0]), bool(flags[1])
+        return bool(flags[0]), bool(flags[1]), bool(flags[2]) and not flags[0]
 
     def _keep_due(self, step: int) -> bool:
         """Whether a refresh or a disk save is foreseen at `step` from what every rank agreed
@@ -458,23 +470,26 @@ class CheckpointManager:
         self._stop.at_boundary()
         if not callable(state):
             self._audit.off("a state passed as a mapping, not as lambda: capture(...)")
-        stop, time_due = self._agree(step)
+        stop, time_due, regroup = self._agree(step)
         self._agreed = True
         step_due = (
             bool(self.every_steps) and step % self.every_steps == 0 and step != self._last_step
         )
         final = stop and not self._stop_saved
         every = self._memory.every
-        memory_due = bool(every) and step % every == 0
+        # a regroup's step in memory too: every rank resumes from it, none of it trained again
+        memory_due = bool(every) and (step % every == 0 or regroup)
         if not (step_due or time_due or final):
             if memory_due:
                 self._memory.refresh(step, state, self._audit)
+            _regroup(regroup, step)
             return False
         state = self._captured(step, state)
         self.save(step, state, epoch=epoch, position=position)
         if memory_due or (final and every):  # the stop's step in memory too: a world change
             self._memory.refresh(step, state)  # (a node joining) resumes from it, not the disk
         self._stop_saved = self._stop_saved or stop
+        _regroup(regroup, step)
         return True
 
     def should_stop(self) -> bool:

@@ -109,7 +109,8 @@ def order(records: Mapping[str, dict], max_nodes: int) -> list[list]:
     for _, r in chosen:
         if r["id"] not in seen_ids and len(members) < max_nodes:
             seen_ids.add(r["id"])
-            members.append([r["id"], r["nproc"], r["addr"], r.get("link", 0)])
+            carries = [r["carries"]] if r.get("carries") else []
+            members.append([r["id"], r["nproc"], r["addr"], r.get("link", 0), *carries])
     return members
 
 

@@ -2,8 +2,10 @@
 number (create-only), then waits for the round's members: written by the first arrival, which
 closes the round (closing.py), or by any node once the closer may have died. A node that arrives
 after the round closed waits for that round's restart and joins the next. Group rank 0 hosts the
-round's worker store and writes its address; the others wait for it. A node that was in a
-multi-node round and forms one of its own says so (`rendezvous_alone`).
+round's worker store and writes its address; the others wait for it (a node whose workers go on
+in their group, daemon/grow.py, says so in its record, and group rank 0's then goes on hosting
+the store they use). A node that was in a multi-node round and forms one of its own says so
+(`rendezvous_alone`).
 """
 
 from __future__ import annotations
@@ -64,12 +66,10 @@ def _try_round(rz: Rendezvous, nproc: int, deadline: float) -> Round | None:
     rz.arrivals.forget()  # keys of earlier rounds: never read again anyway
     rz.enter(number)
     prev = rz.last.group_rank if rz.last and rz.last.number == number - 1 else -1
-    index = rz.arrivals.claim(
-        number,
-        json.dumps(
-            {"id": rz.node_id, "nproc": nproc, "addr": rz.addr, "prev": prev, "link": rz.link}
-        ),
-    )
+    record = {"id": rz.node_id, "nproc": nproc, "addr": rz.addr, "prev": prev, "link": rz.link}
+    if rz.carry is not None and prev >= 0:  # daemon/grow.py: its workers go on in their group
+        record["carries"] = [rz.carry.round, rz.carry.generation]
+    index = rz.arrivals.claim(number, json.dumps(record))
     found = _members(rz, number, index, deadline)
     if found["failed"]:
         raise (Deterministic if found["deterministic"] else BudgetSpent)(found["failed"])
@@ -90,11 +90,17 @@ def _try_round(rz: Rendezvous, nproc: int, deadline: float) -> Round | None:
     rnd.world_size = sum(m.nproc for m in rnd.members)
     master = rz.round_key(number, names.MASTER)
     if rnd.group_rank == 0:
-        from elasticd.cluster.tcpstore import serve_store  # torch: the workers' store, hosted
+        carry = rz.carry if rz.carry is not None and rnd.members[0].carries else None
+        if carry is not None and carry.store is not None:
+            # its workers, and every carrying node's, are the store's clients: hosted on
+            rnd.worker_store, rnd.carried = carry.store, (carry.round, carry.generation)
+        else:
+            from elasticd.cluster.tcpstore import serve_store  # torch: the workers' store
 
-        rnd.worker_store = serve_store(rz.addr, 0, max(rz.cfg.join_timeout, 60.0))
-        rz.kv.set(master, rz.seal(master, f"{rz.addr} {rnd.worker_store.port}"))
-    rnd.master_addr, rnd.master_port = await_value(rz, master, values.master, deadline)
+            rnd.worker_store = serve_store(rz.addr, 0, max(rz.cfg.join_timeout, 60.0))
+        rnd.master_addr, rnd.master_port = rz.addr, rnd.worker_store.port
+        rz.kv.set(master, rz.seal(master, rnd.master_value()))
+    rnd.master_addr, rnd.master_port, rnd.carried = await_value(rz, master, values.master, deadline)
     return rnd
 
 

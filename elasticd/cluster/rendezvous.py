@@ -54,7 +54,7 @@ from elasticd.cluster.errors import (
     StoreUnreachable,
     store_call,
 )
-from elasticd.cluster.rounds import Round, new_node_id
+from elasticd.cluster.rounds import Carry, Round, new_node_id
 from elasticd.cluster.run import Run
 from elasticd.cluster.sealed import Sealed
 from elasticd.cluster.stores import local_address, open_store
@@ -97,6 +97,7 @@ class Rendezvous:
         self.link = 0  # the port our daemon's links listen on, for our arrival record (links.py)
         self.last: Round | None = None  # the last round this node was a member of
         self.partners: list[str] = []  # the other members of the last round this node was in
+        self.carry: Carry | None = None  # what this node brings into its next round in place
         self.started = time.time()  # a job's end issued before this (less CLOCK_SKEW) is older
         self._unreachable_logs = logs.Throttle(5.0)
         begins = (
@@ -335,7 +336,7 @@ class Rendezvous:
         key = self.round_key(rnd.number, names.MASTER)
         raw = store.get(key)
         if self.open(key, raw, values.master) is None:
-            store.compare_set(key, raw, self.seal(key, f"{rnd.master_addr} {rnd.master_port}"))
+            store.compare_set(key, raw, self.seal(key, rnd.master_value()))
 
     def read_beats(self, store: kvmod.KV, node_ids: list[str]) -> dict[str, int | None]:
         keys = [names.alive_key(self.scope, n) for n in node_ids]

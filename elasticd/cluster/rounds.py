@@ -21,6 +21,20 @@ class Member:
     nproc: int
     addr: str
     link: int = 0  # the port its daemon holds our connections on (links.py; 0: none)
+    # (round, generation) of the process group its workers stand in, carried into this round in
+    # place (daemon/grow.py): None where it started its workers afresh
+    carries: tuple[int, int] | None = None
+
+
+@dataclass
+class Carry:
+    """What a node brings into the next round in place: its workers' group, formed in round
+    `round` and standing at `generation`; group rank 0's node brings the workers' store too,
+    which it goes on hosting (the survivors are its clients)."""
+
+    round: int
+    generation: int
+    store: dist.TCPStore | None = None
 
 
 @dataclass
@@ -39,8 +53,16 @@ class Round:
     master_addr: str = ""
     master_port: int = 0
     worker_store: dist.TCPStore | None = None  # held by group rank 0 for the round's workers
+    # (round, generation) of the workers' group that goes on in place in this round, on the
+    # store it was formed on (daemon/grow.py); None: every node starts its workers afresh
+    carried: tuple[int, int] | None = None
     # the key of the MACs on the in-memory state the workers exchange (signing.state_key)
     state_key: bytes = field(default=b"", repr=False)
+
+    def master_value(self) -> str:
+        """The round's worker store as group rank 0 writes it (cluster/values.py's `master`)."""
+        carried = "".join(f" {v}" for v in self.carried or ())
+        return f"{self.master_addr} {self.master_port}{carried}"
 
     @property
     def group_world_size(self) -> int:

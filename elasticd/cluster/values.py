@@ -88,18 +88,27 @@ def safe_name(text: object, limit: int = 255) -> bool:
     )
 
 
-def master(text: str) -> tuple[str, int] | None:
-    """The round's worker store: address and port."""
-    addr, _, port = text.partition(" ")
+def master(text: str) -> tuple[str, int, tuple[int, int] | None] | None:
+    """The round's worker store: address and port, and where group rank 0 goes on hosting the
+    store of a group carried into the round in place (daemon/grow.py), that group's round and
+    generation."""
+    fields = text.split(" ")
+    if len(fields) not in (2, 4):
+        return None
+    addr, port, *carried = fields
     n = count(port)
     if n is None or not 0 < n < 65536 or not safe_name(addr):
         return None
-    return addr, n
+    group = tuple(count(v) for v in carried)
+    if None in group:
+        return None
+    return addr, n, group or None
 
 
 def record(text: str) -> dict | None:
-    """A node's arrival record: id, nproc, addr, its group rank in the previous round, and the
-    port its daemon's links listen on (links.py; 0 or absent: none)."""
+    """A node's arrival record: id, nproc, addr, its group rank in the previous round, the
+    port its daemon's links listen on (links.py; 0 or absent: none), and the group its workers
+    carry into the round in place (daemon/grow.py; absent: none)."""
     if len(text) > 1024:
         return None
     r = json.loads(text)
@@ -107,6 +116,8 @@ def record(text: str) -> dict | None:
         return None
     nproc, prev = r.get("nproc"), r.get("prev")
     link = r.setdefault("link", 0)
+    if "carries" in r and not _carries(r["carries"]):
+        return None
     if (
         type(nproc) is not int
         or not 1 <= nproc <= 1 << 20
@@ -119,17 +130,27 @@ def record(text: str) -> dict | None:
     return r
 
 
+def _carries(value: object) -> bool:
+    """(round, generation) of a group carried into a round in place (daemon/grow.py)."""
+    return (
+        isinstance(value, list)
+        and len(value) == 2
+        and all(type(v) is int and 0 <= v <= MAX_COUNT for v in value)
+    )
+
+
 def _member(m: object) -> Member | None:
     if (
         isinstance(m, list)
-        and len(m) in (3, 4)
+        and len(m) in (3, 4, 5)
         and safe_name(m[0], 128)
         and type(m[1]) is int
         and 1 <= m[1] <= 1 << 20
         and safe_name(m[2])
         and (len(m) == 3 or (type(m[3]) is int and 0 <= m[3] < 65536))
+        and (len(m) < 5 or _carries(m[4]))
     ):
-        return Member(*m)
+        return Member(*m[:4], carries=tuple(m[4]) if len(m) == 5 else None)
     return None
 
 

@@ -40,6 +40,7 @@ from elasticd.cluster.rounds import Round
 from elasticd.cluster.timing import LOST_SILENCE
 from elasticd.config import Config
 from elasticd.daemon import (
+    grow,
     hangs,
     inplace,
     processes,
@@ -251,8 +252,9 @@ class Agent:
     def _interrupted(self) -> int:
         """A stop that came while the loop waited on the store: running (the referee's wait for
         the other node's word), a stop as any other, the workers given the grace; joining, or
-        in a restart (a replay's word), the workers are down already: stopped there."""
-        if self.state is State.RUNNING:
+        in a restart (a replay's word), the workers are down already: stopped there; meeting a
+        round with its workers running (daemon/grow.py), they are given the grace too."""
+        if self.state is State.RUNNING or self.rdzv.carry is not None:
             return self._stop()
         return self._finish(State.STOPPED, ExitCode.OK)
 
@@ -457,6 +459,10 @@ class Agent:
             return self._leave(unhealthy)
         previous = self.round
         self.round = rnd = self.waits.blocking(self.rdzv.next_round, self.cfg.nproc_per_node)
+        carried = self.rdzv.carry is not None
+        kept = grow.joined(self, previous, rnd)
+        if carried and not kept:  # the group did not go on: its workers stop, as at a restart
+            self._stop_workers(self.cfg.restart_grace)
         if previous is not None:
             self._first_elsewhere(previous)
         if not first and (unhealthy := self._health_gate()):
@@ -477,10 +483,13 @@ class Agent:
         # At the first start the fork server may still be importing torch, and a cold start would
         # take as long: wait for its spares (the peers' liveness beats meanwhile on its own thread).
         # A peer found silent meanwhile is acted on once running.
-        self.waits.idle(
-            time.monotonic() + SPARE_WAIT, lambda: not self.spares.pending, stoppable=False
-        )
-        self.group.start(rnd, self.restart_count, self.memory_dir, self.spares.spares)
+        if not kept:
+            self.waits.idle(
+                time.monotonic() + SPARE_WAIT, lambda: not self.spares.pending, stoppable=False
+            )
+            self.group.start(
+                rnd, self.restart_count, self.memory_dir, self.spares.spares, grow.joining(rnd)
+            )
         self.recovery.mark("spawned")
         self.spares.after_spawn([w.env for w in self.group.workers])
         self.set_state(
@@ -548,6 +557,8 @@ class Agent:
         request tells every node why; whether it costs the job's budget is decided by the next
         round's closing (cluster/closing.py), which knows whether a node was lost. On the in-place
         path a rank's failure replaces that rank alone (daemon/inplace.py), the others staying."""
+        if grow.carry(self, why):
+            return self._carry_on(why)
         if inplace.replace(self, why):
             return None
         self.recovery.detected()
@@ -605,6 +616,17 @@ class Agent:
             )
             # waited out in full (a SIGCHLD must not cut it short), but not past a stop request
             self.waits.idle(time.monotonic() + delay, lambda: self.stop_request is not None)
+        self.set_state(State.RENDEZVOUS)
+        return None
+
+    def _carry_on(self, why: Failure | Scale) -> None:
+        """Nodes wait to join and this node's workers go on in their group (daemon/grow.py):
+        the restart asked (where it is this node's Scale), the next round met, no teardown."""
+        self.status.figures.on_restart(why, self.group.beats(), in_place=True)
+        self.set_state(State.RESTARTING, cause=why.summary(), failure_class=why.failure_class)
+        reason = restart_request(why, self.node)
+        if reason is not None:
+            self._ask_restart(reason)
         self.set_state(State.RENDEZVOUS)
         return None
 
@@ -688,6 +710,11 @@ class Agent:
         """Stop the local group (see LocalGroup.stop) and close its round's worker store."""
         if not self.group.workers:
             return
+        self._stop_workers(grace, abandon)
+        if self.round is not None:
+            self.round.close()
+
+    def _stop_workers(self, grace: float, abandon: bool = False) -> None:
         self.group.stop(
             0.0 if self.stops.forced() else grace,
             abandon=abandon,
@@ -695,8 +722,6 @@ class Agent:
             cut_short=self.stops.forced,
             spared=self.health_check.sessions(),
         )
-        if self.round is not None:
-            self.round.close()
 
     def _stop(self) -> int:
         grace = self.stop_request.grace

@@ -88,10 +88,16 @@ class LocalGroup:
         self._learned_said = False
 
     def start(
-        self, rnd: Round, restart_count: int, memory_dir: str | None, spares: list[forkclient.Spare]
+        self,
+        rnd: Round,
+        restart_count: int,
+        memory_dir: str | None,
+        spares: list[forkclient.Spare],
+        joining: tuple[int, int] | None = None,
     ) -> None:
         """Spawn the workers of a new attempt, taking warm spares first. From the loop's thread
-        (see spawn.spawn)."""
+        (see spawn.spawn). `joining`: the round and generation of a group that goes on in place
+        (daemon/grow.py), which these workers join late, as a replacement does."""
         self.attempt += 1
         cfg = self.cfg
         spec = spawn.GroupSpec(
@@ -115,11 +121,11 @@ class LocalGroup:
             virtual_local_rank=cfg.virtual_local_rank,
             no_python=cfg.no_python,
             signals_to_handle=cfg.signals_to_handle,
-            extra_env=self._extra_env(rnd, memory_dir),
+            extra_env=self._extra_env(rnd, memory_dir, joining),
         )
         self.gpu.close()
         self.gpu = driver.Watch(self.gpu_sources)  # before the workers: what rises is theirs
-        self.spec, self.generation = spec, 0
+        self.spec, self.generation = spec, joining[1] if joining else 0
         self.workers = spawn.spawn(spec, spares)
         self._exit_seen, self._returned = {}, set()
         self.oom = oom.Counters([w.pid for w in self.workers])
@@ -161,14 +167,16 @@ class LocalGroup:
             if self.tee and w.err_path and self.cfg.echoed(w.local_rank, 2):  # stderr to stderr
                 self.tee.follow(w.err_path, prefix, stderr=True)
 
-    def _extra_env(self, rnd: Round, memory_dir: str | None) -> dict[str, str]:
-        env = {names.ROUND_NUMBER: str(rnd.number)}
+    def _extra_env(
+        self, rnd: Round, memory_dir: str | None, joining: tuple[int, int] | None = None
+    ) -> dict[str, str]:
+        env = {names.ROUND_NUMBER: str(joining[0] if joining else rnd.number)}
         if memory_dir or self.in_place:  # the key signs state and in-place handles
             env[names.STATE_KEY] = rnd.state_key.hex()
         if memory_dir:
             env[directory.ENV] = memory_dir
         if self.in_place:
-            env[names.IN_PLACE_GEN] = "0"
+            env[names.IN_PLACE_GEN] = str(joining[1] if joining else 0)
         if self.cfg.ledger:  # elasticd/ledger.py: beside the ranks' logs
             env[names.LEDGER_DIR] = str(self.run_dir / f"attempt{self.attempt}")
         return env

@@ -220,6 +220,9 @@ class Forming:
     starting: tuple[int, ...] = ()  # global ranks started for it (on any node)
     # pid -> the CPU seconds a survivor yet to give its handle had used at the loop's last look
     cpu: dict[int, float] = dataclasses.field(default_factory=dict, compare=False)
+    # monotonic: when to end the survivors' pending collective from outside, where they were
+    # asked to re-form at their next step boundary first (daemon/grow.py); 0: done, or never
+    abort_at: float = 0.0
 
 
 def _cpu(pid: int) -> float | None:
@@ -234,7 +237,8 @@ def _still_unwinding(forming: Forming, workers, now: float, deadline) -> list:
     """Of survivors past `stuck_after`, those that used CPU since the loop's last look: starved
     on a loaded host (two test files of several ranks each on 2 cores), they still unwind, where
     one blocked in a collective no abort ends uses none. Held to half the hang deadline at most,
-    as `stuck_after` is (a script that caught the collective's error and spins on is killed then)."""
+    as `stuck_after` is (a script that caught the collective's error and spins on is killed
+    then)."""
     limit = deadline.seconds / 2 if deadline is not None else 5 * STUCK_UNLEARNED
     if now - forming.since >= max(forming.after, limit):
         return []
@@ -347,6 +351,12 @@ def unstick(agent: Agent, now: float) -> Failure | None:
     if kv is None or forming.generation != agent.group.generation:
         agent.forming = None
         return None
+    if forming.abort_at:
+        if now < forming.abort_at:
+            return None  # their step boundary comes first: none is stuck before it
+        # a plain script never reaches one (no checkpoint library): its next collective fails
+        agent.forming = forming = dataclasses.replace(forming, abort_at=0.0, since=now)
+        _abort_survivors(agent)
     gen = forming.generation
     done = [w for w in agent.group.workers if w.global_rank in forming.running and _finished(w)]
     if done:

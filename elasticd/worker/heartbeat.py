@@ -13,7 +13,9 @@ written by the worker; and abandon f64, written by the daemon just before it SIG
 restarting after a failure. The marks feed the hang verdict (exiting), the recovery timeline, and
 the checkpoint library's SIGTERM handling (abandon: die now, nothing to save). One more mark, at the
 file's end, says the entrypoint returned or exited 0 (returned: written before interpreter teardown,
-read with `marked`).
+read with `marked`); the 8 bytes before it, written by the daemon, the generation of the group in
+place its ranks are to re-form as at their next step boundary (`ask_regroup`: a node joins,
+daemon/grow.py), which the checkpoint library reads at its boundaries (`regroup_asked`).
 
 Then running figures, f64 each, written by the worker for status and metrics (FIGURES): its own work
 per step (the time outside the gradient sync, summed, and the steps that measured it: what the
@@ -33,6 +35,7 @@ daemon).
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import struct
@@ -49,6 +52,7 @@ MARKS = {"exiting": 40, "pg_ready": 48, "state_loaded": 56, "abandon": 64}  # of
 # One more one-off mark, in the file's last 8 bytes (the figures may grow towards it): the
 # entrypoint returned or exited 0, written before interpreter teardown (read with `marked`).
 _MARK_AT = {**MARKS, "returned": SIZE - 8}
+_REGROUP_AT = SIZE - 16  # the daemon's: the generation to re-form as at the next step boundary
 # Running figures after the marks, in this order from offset 72 (f64 each; counts too):
 FIGURES = (
     # seconds of the rank's own work (outside backward()'s gradient sync), summed over steps
@@ -315,6 +319,35 @@ class Writer:
     def add(self, name: str, value: float) -> None:
         """Add to one of FIGURES (a count or a total)."""
         self._floats[_FIGURE_INDEX[name]] += value
+
+
+def ask_regroup(path: str, generation: int) -> None:
+    """The daemon's word to a rank: re-form as `generation` at your next step boundary (a node
+    joins the group in place, daemon/grow.py). One pwrite."""
+    try:
+        fd = safeio.open_existing(path, os.O_WRONLY)
+    except OSError:
+        return
+    try:
+        os.pwrite(fd, struct.pack("<d", float(generation)), _REGROUP_AT)
+    finally:
+        os.close(fd)
+
+
+def regroup_asked(path: str | None) -> int:
+    """The generation the daemon asked this rank to re-form as (0: none asked)."""
+    if not path:
+        return 0
+    try:
+        fd = safeio.open_existing(path)
+    except OSError:
+        return 0
+    try:
+        data = os.pread(fd, 8, _REGROUP_AT)
+    finally:
+        os.close(fd)
+    value = struct.unpack("<d", data)[0] if len(data) == 8 else 0.0
+    return int(value) if math.isfinite(value) and 0 < value < 1 << 53 else 0
 
 
 def marked(path: str | None, name: str) -> bool:

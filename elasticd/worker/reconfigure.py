@@ -42,7 +42,7 @@ from datetime import timedelta
 import structlog
 
 from elasticd import names, peer_errors
-from elasticd.worker import collective_hook
+from elasticd.worker import collective_hook, heartbeat
 
 log = structlog.get_logger("elasticd.in_place")
 
@@ -114,6 +114,21 @@ def backend_support(backend: str, dist=None) -> Support:
 
 class Refused(Exception):
     """The group cannot re-form in place here; the message is the fallback line's reason."""
+
+
+class Regroup(Exception):
+    """Raised on every rank at one step boundary (the checkpoint library's agreement) where the
+    daemon asked the group to re-form as a larger one (a node joins: daemon/grow.py): the script
+    unwinds to the bootstrap, which re-forms the group and runs it again, no step lost."""
+
+
+def regroup_asked() -> bool:
+    """Whether the daemon asked this rank to re-form at its next step boundary as a generation
+    past the one its group stands at (heartbeat.regroup_asked); False off the in-place path."""
+    found = member()
+    if found is None:
+        return False
+    return heartbeat.regroup_asked(os.environ.get(names.HEARTBEAT_FILE)) > found.generation
 
 
 def _key() -> bytes:
@@ -286,10 +301,10 @@ def _publish(generation: int, pairs: dict[int, int]) -> None:
     them down from outside when the next generation is announced (daemon/outside_abort.py): a
     survivor blocked on a peer that went silent without closing its connection (a partition)
     then fails and unwinds, instead of being killed as stuck."""
-    heartbeat = os.environ.get(names.HEARTBEAT_FILE)
-    if not heartbeat:
+    beat_file = os.environ.get(names.HEARTBEAT_FILE)
+    if not beat_file:
         return
-    path = names.pairs_file(heartbeat)
+    path = names.pairs_file(beat_file)
     text = " ".join([str(generation), *(f"{fd}:{ino}" for fd, ino in sorted(pairs.items()))])
     with contextlib.suppress(OSError):
         with open(f"{path}.tmp", "w") as f:
@@ -443,6 +458,8 @@ def from_elsewhere(exc: BaseException) -> bool:
     the repeat rule), rather than the rank waiting for a generation nobody will announce."""
     texts, seen, e = [], set(), exc
     while e is not None and id(e) not in seen:
+        if isinstance(e, Regroup):
+            return True
         seen.add(id(e))
         texts.append(f"{type(e).__name__}: {e}")
         e = e.__cause__ or e.__context__

@@ -141,6 +141,21 @@ def assert_cause_names(cause: str, lost_id: str) -> None:
     assert "died of a closed connection" not in cause, cause
 
 
+def assert_as_uninterrupted(daemons, tmp_path, args, steps: int = 60) -> None:
+    """Node A's final checkpoint (c0) is bit for bit the one an uninterrupted run of the same
+    job (exact mode) at world 2 on one node writes: model and optimizer."""
+    clean = daemons(
+        "entrypoints.train", "--nproc-per-node", "2", "--checkpoint-dir",
+        str(tmp_path / "clean"), name="clean", args=args,
+    )  # fmt: skip
+    assert clean.wait(240) == 0, clean.stderr()[-3000:]
+    want, got = final_state(tmp_path / "clean", steps), final_state(tmp_path / "c0", steps)
+    for part in ("model", "optimizer"):
+        tw, tg = dict(tensors(want[part])), dict(tensors(got[part]))
+        assert tw.keys() == tg.keys() and tw
+        assert all(torch.equal(tw[k], tg[k]) for k in tw), part
+
+
 def store_host(port: int):
     """The job's rendezvous store, hosted by no node (tests/scripts/store_server.py), so that
     losing a node never loses the store."""
@@ -210,16 +225,7 @@ def test_a_lost_node_s_survivors_re_form_at_the_smaller_world_in_place(
     assert len(resumed) == 1 and resumed[0] >= 11, resumed
     assert re.search(r"^step 60/60", log0, re.M)
     if exact:
-        clean = daemons(
-            "entrypoints.train", "--nproc-per-node", "2", "--checkpoint-dir",
-            str(tmp_path / "clean"), name="clean", args=args,
-        )  # fmt: skip
-        assert clean.wait(180) == 0, clean.stderr()[-3000:]
-        want, got = final_state(tmp_path / "clean"), final_state(tmp_path / "c0")
-        for part in ("model", "optimizer"):
-            tw, tg = dict(tensors(want[part])), dict(tensors(got[part]))
-            assert tw.keys() == tg.keys() and tw
-            assert all(torch.equal(tw[k], tg[k]) for k in tw), part
+        assert_as_uninterrupted(daemons, tmp_path, args)
     wait_until(lambda: not leftover_processes(), 30, what="no process left")
 
 
@@ -328,14 +334,59 @@ def test_a_survivor_after_the_lost_node_is_renumbered_in_place(daemons, tmp_path
     assert re.search(r"torch_rank.{0,4}1\b", entered[0]), entered
     assert re.search(r"env_rank.{0,4}1\b", entered[0]), entered
     assert "re_entered" in a.log_text(0, 1) and re.search(r"^step 60/60", a.log_text(0, 1), re.M)
-    clean = daemons(
-        "entrypoints.train", "--nproc-per-node", "2", "--checkpoint-dir",
-        str(tmp_path / "clean"), name="clean", args=args,
-    )  # fmt: skip
-    assert clean.wait(180) == 0, clean.stderr()[-3000:]
-    want, got = final_state(tmp_path / "clean"), final_state(tmp_path / "c0")
-    for part in ("model", "optimizer"):
-        tw, tg = dict(tensors(want[part])), dict(tensors(got[part]))
-        assert tw.keys() == tg.keys() and tw
-        assert all(torch.equal(tw[k], tg[k]) for k in tw), part
+    assert_as_uninterrupted(daemons, tmp_path, args)
+    wait_until(lambda: not leftover_processes(), 30, what="no process left")
+
+
+@pytest.mark.parametrize("backend, exact", [("c10d", True), ("etcd", False)])
+def test_a_node_that_comes_back_joins_by_reconfigure_the_survivors_in_their_processes(
+    daemons, tmp_path, backend, exact
+):
+    """Node B lost (its daemon SIGKILLed): A's ranks re-form at world 2 in place. Then a node
+    comes back (B's daemon started again, a new node to the job): A carries its workers into
+    the next round instead of stopping them (`carrying_in_place`), and once the round closes
+    they re-form at world 4 in their own processes (`grown_in_place`), at a step boundary every
+    rank agreed on (none trained again), while the new node's ranks join that generation late
+    (`joined_in_place`), their state from A's memory. A's pids are
+    the same from start to end, one attempt, and in exact mode the run ends bit for bit where
+    an uninterrupted one does. The same on etcd (the round goes through the rendezvous store).
+    Before, the node came in by a whole-group restart (every pid new)."""
+    args = [*ARGS, "--exact"] if exact else [*ARGS]
+    args[args.index("--steps") + 1] = "300"
+    with rendezvous(backend, tmp_path) as where:
+        flags = (
+            *FLAGS, "--nnodes", "1:2", *where, "--rdzv-id", "job", *FAST_NODES, *secret_flags(),
+            "--last-call-timeout", "30",
+        )  # fmt: skip
+        a, b = in_order(daemons, tmp_path, flags, 2, args)
+        wait_until(lambda: re.search(r"^step 12/300", a.log_text(0, 1), re.M), 120, what="step 12")
+        before = a.worker_pids()
+        b.kill(signal.SIGKILL)
+        wait_until(lambda: events(a, "shrunk_in_place"), 60, what="a shrunk in place")
+        back = daemons(
+            "entrypoints.train", *flags, "--checkpoint-dir", str(tmp_path / "c1b"), name="back",
+            args=args,
+        )  # fmt: skip
+        wait_until(lambda: events(a, "grown_in_place"), 90, what="a grown in place")
+        assert a.wait(180) == 0, a.stderr()[-3000:]
+        assert back.wait(60) == 0, back.stderr()[-3000:]
+    grown = events(a, "grown_in_place")
+    assert len(grown) == 1 and grown[0]["world"] == 4 and grown[0]["starting"] == [2, 3], grown
+    assert sorted(grown[0]["survivors"]) == sorted(before.values()), (grown, before)
+    assert grown[0]["ranks"] == {"0": 0, "1": 1}, grown
+    assert not events(a, "grow_in_place_refused") and not events(a, "in_place_refused")
+    assert len(a.attempt_dirs()) == 1 and a.worker_pids() == {}  # finished: none alive
+    final = [e for e in events(a, "state") if e.get("new") == "RUNNING"][-1]["pids"]
+    assert sorted(final.values()) == sorted(before.values()), (final, before)
+    log0 = a.log_text(0, 1)
+    assert log0.count("re_entered") == 2 and "in_place_fallback" not in log0, log0[-3000:]
+    assert re.search(r"^step 300/300", log0, re.M)
+    # taken in at a step boundary every rank agreed on, kept in memory: no step trained again
+    (boundary,) = re.findall(r"regroup_at_boundary\s+step=(\d+)", log0)
+    assert re.findall(r"resumed from step (\d+)", log0)[-1] == boundary, log0[-3000:]
+    joined = back.all_logs()
+    assert joined.count("joined_in_place") == 2 and "in_place_fallback" not in joined
+    assert not [e for e in events(back, "state") if e.get("new") == "RESTARTING"]
+    if exact:
+        assert_as_uninterrupted(daemons, tmp_path, args, steps=300)
     wait_until(lambda: not leftover_processes(), 30, what="no process left")

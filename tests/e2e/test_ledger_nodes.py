@@ -7,9 +7,12 @@ trained exactly once, and each rank's ledger must hold what its DataLoader deliv
 
 The job (tests/scripts/node_train.py) holds at chosen steps until the test releases them, so each
 change lands where it should whatever the machine's load: 96 samples, batch 4, so an epoch is 8
-steps at world 3, 12 at world 2, 24 at world 1. The second test is the reported partition and
-heal with two nodes, the heal landing an odd number of steps into an epoch at world 1, so that
-the epoch's last global batch at world 2 borrows from the next epoch."""
+steps at world 3, 12 at world 2, 24 at world 1. The holds sit between step boundaries, so the
+nodes restart (`--in-place off`): in place, a node joining is taken in at the ranks' next
+boundary (daemon/grow.py), which a held rank never reaches until the test lets it go. The
+second test is the reported partition and heal with two nodes, the heal landing an odd number
+of steps into an epoch at world 1, so that the epoch's last global batch at world 2 borrows from
+the next epoch."""
 
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ from pathlib import Path
 
 from e2e.test_nodeloss import STEP, _nodes, _start_store, steps
 from elasticd import ledger
-from harness import gone, run_cli, wait_until
+from harness import RESTART, gone, run_cli, wait_until
 from netns import netns_fixture  # noqa: F401 (the netns fixture)
 
 TOTAL = 40
@@ -68,7 +71,7 @@ def test_exactly_once_through_kill_cut_heal_and_rejoin(daemons, netns, tmp_path)
     go = tmp_path / "go"
     holds = f"{EPOCH_END},{CUT_AT},{GROW_AT},{HOLD_AFTER_GROW}:{go}"
     env = {"NODE_TRAIN_SAMPLES": "96", "NODE_TRAIN_WHOLE": "1", "NODE_TRAIN_HOLD": holds}
-    extra = ("--ledger", "--peer-timeout", "4")
+    extra = ("--ledger", "--peer-timeout", "4", *RESTART)
 
     def release(step: int) -> None:
         Path(f"{go}{step}").touch()
@@ -168,7 +171,7 @@ def test_heal_mid_epoch_an_odd_number_of_steps_in_borrows_from_the_next_epoch(
         "NODE_TRAIN_MEMORY_EVERY": "1",
         "NODE_TRAIN_HOLD": f"{HEAL_CUT_AT},{HELD}:{go}",
     }
-    extra = ("--ledger", "--peer-timeout", "4")
+    extra = ("--ledger", "--peer-timeout", "4", *RESTART)
     try:
         t0 = time.time()
         a, b = _nodes(daemons, net, ["a", "b"], HEAL_TOTAL, 0.02, extra, env)

@@ -40,9 +40,9 @@ def tensors(obj, prefix=""):
             yield from tensors(v, f"{prefix}[{i}]")
 
 
-def final_state(directory):
+def final_state(directory, step: int = 60):
     state = checkpoint.load_latest(directory)
-    assert state is not None and state["user"]["step"] == 60
+    assert state is not None and state["user"]["step"] == step
     return state
 
 

@@ -485,7 +485,7 @@ def test_our_values_verify_only_for_their_round_and_key_and_form():
         "1e999",
     ):
         assert parsed(values.reason, text) is None, text[:20]
-    assert values.master("10.0.0.1 29500") == ("10.0.0.1", 29500)
+    assert values.master("10.0.0.1 29500") == ("10.0.0.1", 29500, None)
     for text in ("10.0.0.1 0", "10.0.0.1 70000", "a;b 1", "host", " 1", "h 1e3", "h -1"):
         assert values.master(text) is None, text
     record = {"id": "n-1-ab", "nproc": 2, "addr": "10.0.0.1", "prev": -1, "link": 29501}

@@ -1,8 +1,11 @@
 """The closing rule (cluster/closing_rule.py) as a table: each row is one look at a round's
 arrivals (inputs) and the decision it must give."""
 
+import json
+
 import pytest
 
+from elasticd.cluster import values
 from elasticd.cluster.closing_rule import Limits, budget_spent, decide, missing, order
 
 LIMITS = Limits(min_nodes=2, max_nodes=4, last_call=10.0, restart_wait=30.0)
@@ -126,6 +129,38 @@ def test_members_carry_nproc_address_and_link_port():
         member("a", 8, link=4321),
         member("b", 2),
     ]
+
+
+def test_a_member_says_the_group_its_workers_carry_into_the_round_in_place():
+    """daemon/grow.py: each node whose workers go on says their group (round, generation); the
+    members as every node reads them (cluster/values.py) keep it, and a form that is not two
+    counts is no member."""
+    a = {**rec("a", prev=0), "carries": [3, 2]}
+    written = order(arrived(a, rec("b")), 4)
+    assert written == [[*member("a"), [3, 2]], member("b")]
+    found = values.members(json.dumps({"members": written}))["members"]
+    assert [m.carries for m in found] == [(3, 2), None]
+    for bad in ([3], [3, -1], ["3", 2], 5):
+        assert values.record(json.dumps({**a, "carries": bad})) is None, bad
+        assert values.members(json.dumps({"members": [[*member("a"), bad]]})) is None, bad
+    assert values.record(json.dumps(a))["carries"] == [3, 2]
+
+
+@pytest.mark.parametrize(
+    "text, want",
+    [
+        ("10.0.0.1 29500", ("10.0.0.1", 29500, None)),
+        ("10.0.0.1 29500 3 2", ("10.0.0.1", 29500, (3, 2))),  # a group that goes on in place
+        ("10.0.0.1 29500 3", None),
+        ("10.0.0.1 29500 3 x", None),
+        ("10.0.0.1 0", None),
+        ("host", None),
+        ("", None),
+        ("10.0.0.1 29500 3 2 1", None),
+    ],
+)
+def test_the_round_s_worker_store_and_the_group_carried_on_it(text, want):
+    assert values.master(text) == want
 
 
 @pytest.mark.parametrize(

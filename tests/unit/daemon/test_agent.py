@@ -96,6 +96,7 @@ class FakeRendezvous:
         return sum(1 for c in self.s.calls if c[0] == "request_restart" and c[1].get("spends"))
 
     kv = None
+    carry = None  # daemon/grow.py: what a node carries into its next round (never, here)
 
     def read_restart(self, store, rnd: Round) -> dict | None:
         self.stop_in("restart")
@@ -173,7 +174,7 @@ class FakeGroup:
         dirs = script.attempt_dir
         self.spec = SimpleNamespace(attempt_dir=dirs) if dirs is not None else None
 
-    def start(self, rnd: Round, restart_count: int, memory_dir, spares) -> None:
+    def start(self, rnd: Round, restart_count: int, memory_dir, spares, joining=None) -> None:
         self.attempt += 1
         self.s.calls.append(("start", self.attempt, restart_count))
         self.workers = [

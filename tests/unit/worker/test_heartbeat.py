@@ -29,6 +29,25 @@ def test_beats_are_read_back_with_steps(tmp_path):
     assert 0 < b.first <= b.last <= time.monotonic()
 
 
+def test_the_daemon_s_word_to_regroup_leaves_the_beats_and_figures_alone(tmp_path):
+    """daemon/grow.py asks a rank to re-form as generation G at its next step boundary; the
+    worker reads G (0: none asked), and neither side's fields move."""
+    path = str(tmp_path / "hb")
+    heartbeat.create(path)
+    assert heartbeat.regroup_asked(path) == 0 and heartbeat.regroup_asked(None) == 0
+    w = heartbeat.Writer(path)
+    w.beat(step=7)
+    w.note("saves", 3.0)
+    heartbeat.ask_regroup(path, 5)
+    w.beat(step=8)
+    b = heartbeat.read(path)
+    assert heartbeat.regroup_asked(path) == 5 and (b.beats, b.step) == (2, 8)
+    assert b.figure("saves") == 3.0
+    assert not heartbeat.marked(path, "returned")
+    heartbeat.mark(path, "returned")  # the mark beside it
+    assert heartbeat.regroup_asked(path) == 5 and heartbeat.marked(path, "returned")
+
+
 def test_silence_past_the_timeout_is_a_hang_and_exit_gets_its_own_limit(tmp_path):
     path = str(tmp_path / "hb")
     heartbeat.create(path)
