@@ -71,7 +71,7 @@ def _refused(agent: Agent) -> str | None:
     kv = inplace.store(agent)
     if kv is None:
         return "no workers' store"
-    return inplace._not_formed(agent, kv)
+    return inplace.not_formed(agent, kv)
 
 
 def carry(agent: Agent, why: Failure | Scale) -> bool:
@@ -118,8 +118,8 @@ def larger(previous: Round, rnd: Round) -> tuple[dict[int, int], tuple[int, ...]
 def joined(agent: Agent, previous: Round | None, rnd: Round) -> bool:
     """After the round closed, on a node that carried its workers: True where they go on in the
     group `rnd` carries (this node's view and theirs renumbered, the next generation announced
-    by group rank 0, their pending collective ended from outside); False where the group did not
-    go on (its line said): the caller stops them and starts afresh."""
+    by group rank 0, the workers asked to take it at their next step boundary); False where the
+    group did not go on (its line said): the caller stops them and starts afresh."""
     carry, agent.rdzv.carry = agent.rdzv.carry, None
     if carry is None:
         return False
@@ -143,7 +143,7 @@ def joined(agent: Agent, previous: Round | None, rnd: Round) -> bool:
     gen = carry.generation + 1
     if rnd.group_rank == 0:
         try:
-            inplace._announce(agent, starting, rnd.world_size, mapping)
+            inplace.announce_generation(agent, starting, rnd.world_size, mapping)
         except (Unreachable, ValueError) as e:  # its own store: the workers find no word, fall back
             agent.event("grow_in_place_unannounced", level="warning", why=str(e))
     group.generation, group.quiet_from = gen, now

@@ -29,11 +29,11 @@ with one `in_place_refused` line.
 
 Over several nodes the same: every daemon reaches the round's workers' store (`store`, hosted by
 group rank 0's daemon, whatever the rendezvous backend), the generation numbers are one roll in
-it (`_announce`: a node that takes a number past the one it knows refuses: two nodes' faults at
-once), and a node whose ranks all run takes another node's generation as its own (`follow`):
-its survivors' silence counts from then, and it unsticks its own survivors. It reads the store
-for that only once the round's watch (daemon/inplace_watch.py: one held wait, not a look at
-every tick) saw ranks wait for the generation or its announcement.
+it (`announce_generation`: a node that takes a number past the one it knows refuses: two nodes'
+faults at once), and a node whose ranks all run takes another node's generation as its own
+(`follow`): its survivors' silence counts from then, and it unsticks its own survivors. It reads
+the store for that only once the round's watch (daemon/inplace_watch.py: one held wait, not a
+look at every tick) saw ranks wait for the generation or its announcement.
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ def _refused(agent: Agent, why: Failure) -> str | None:
         return "the workers' store is not known to this node"
     if any(b is None or not b.beats for b in group.beats()):
         return "a rank had not stepped yet (a second fault during re-entry, or at the start)"
-    if off := _not_formed(agent, kv):
+    if off := not_formed(agent, kv):
         return off
     if spent := _budget_spent(agent):
         return spent
@@ -188,7 +188,7 @@ def _spend(agent: Agent) -> None:
     agent.publish()  # status's restarts and budget left
 
 
-def _not_formed(agent: Agent, kv) -> str | None:
+def not_formed(agent: Agent, kv) -> str | None:
     """Why not every rank of the world is in the generation the group stands at (None: each
     gave its handle): a rank whose init_process_group fell back (NCCL where this torch's cannot
     re-form, an init_method of the script's, its `in_place_fallback` line) cannot re-enter, and
@@ -415,7 +415,7 @@ def unstick(agent: Agent, now: float) -> Failure | None:
     )
 
 
-def _announce(
+def announce_generation(
     agent: Agent, starting: tuple[int, ...], world: int = 0, mapping: dict[int, int] | None = None
 ) -> int:
     """Take the round's next generation (the nodes share the roll) and announce it, signed,
@@ -468,7 +468,7 @@ def _waits(agent: Agent, kv, gen: int, now: float) -> None:
         raw = kv.get(names.in_place_waiting_key(gen))  # nobody waits on this key: a read is fine
     except Unreachable:
         return
-    if raw is None or raw == b"0":  # 0: made by the announcing daemon (_announce), none waits
+    if raw is None or raw == b"0":  # 0: made by announce_generation; none waits
         agent.in_place_waits = None
     elif agent.in_place_waits is None:
         agent.in_place_waits = now
@@ -639,7 +639,7 @@ def shrink(agent: Agent, why: Failure) -> bool:
     agent.recovery.replaced_in_place()
     agent.recovery.detected()
     try:
-        gen = _announce(agent, (), world, mapping)
+        gen = announce_generation(agent, (), world, mapping)
     except (Unreachable, ValueError) as e:
         agent.event("in_place_refused", level="warning", why=str(e), cause=why.summary())
         return False
@@ -754,7 +754,7 @@ def replace(agent: Agent, why: Failure) -> bool:
     _end_children(dead)
     ranks = tuple(w.global_rank for w in dead)
     try:
-        gen = _announce(agent, ranks)
+        gen = announce_generation(agent, ranks)
     except (Unreachable, ValueError) as e:
         agent.event("in_place_refused", level="warning", why=str(e), cause=why.summary())
         return False

@@ -1,8 +1,8 @@
 """The in-place path's look-out for another node's recovery, on a thread of its own: one blocking
 wait on the round's workers' store for the next generation's waiting counter
 (names.in_place_waiting_key), which every rank that unwinds adds to and the daemon that announces
-the generation creates first (inplace._announce). `inplace.follow` reads the store only once that
-key is there, instead of at every tick of the agent loop.
+the generation creates first (inplace.announce_generation). `inplace.follow` reads the store only
+once that key is there, instead of at every tick of the agent loop.
 
 Why: a look at every tick was two requests (check, then read) about 10 times a second per daemon,
 on group rank 0's store, which its workers use too: thousands a second at a thousand nodes. The

@@ -258,7 +258,7 @@ def test_a_generation_another_node_announced_is_followed_here():
 
     kv = LocalKV()
     b, _ = _node(kv, ranks=(2, 3))
-    assert inplace._announce(b, (3,)) == 1
+    assert inplace.announce_generation(b, (3,)) == 1
     a, events = _node(kv)
     inplace._follow(a, 5.0)
     assert (a.group.generation, a.group.quiet_from) == (1, 5.0)
@@ -341,7 +341,7 @@ def test_a_node_reads_the_store_for_the_next_generation_only_once_it_has_word(se
         assert a.in_place_watch.due(1) is False and a.forming is None
         assert _Counting.calls.count("wait") == 1, _Counting.calls
         assert set(_Counting.calls) <= {"wait", "check"}, _Counting.calls  # no read per tick
-        assert inplace._announce(b, (3,)) == 1
+        assert inplace.announce_generation(b, (3,)) == 1
         assert posted.get(timeout=5.0)[1] == 1  # the loop is woken
         inplace.follow(a, 30.0)
         assert (a.group.generation, a.forming.generation, a.forming.starting) == (1, 1, (3,))
@@ -383,9 +383,9 @@ def test_two_nodes_announcing_at_once_is_refused():
     kv = LocalKV()
     a, _ = _node(kv)
     b, _ = _node(kv, ranks=(2, 3))
-    assert inplace._announce(a, (1,)) == 1
+    assert inplace.announce_generation(a, (1,)) == 1
     with pytest.raises(ValueError, match="another node's recovery"):
-        inplace._announce(b, (3,))
+        inplace.announce_generation(b, (3,))
 
 
 @pytest.mark.parametrize(
