@@ -17,7 +17,13 @@ daemon announced the smaller world, `shrunk_in_place`), the survivors' phases (t
 worker/reconfigure.py) and `first_step`; `link` counts the trials whose cause names B's daemon
 gone by the link, not by missed beats.
 
-    python bench/nodeloss.py --trials 5
+`--rejoin`: once A steps at the smaller world, a node comes back (B's daemon started again, a new
+node to the job); `rejoin` is from its arrival at the store (`rendezvous_waiting`) to A's rank 0
+stepping at the full world again, and `rejoin kept` the trials where A's workers took it in
+their own processes (in place: daemon/grow.py, at a step boundary; restart: every worker started
+again).
+
+    python bench/nodeloss.py --trials 5 [--rejoin]
 """
 
 from __future__ import annotations
@@ -115,9 +121,33 @@ def phases(a_dir: Path, t_kill: float) -> dict[str, float]:
     return out
 
 
-def trial(work: Path, mode: str, nproc: int, delay: float, warmup: float, timeout: float):
+def rejoined(a_dir: Path, start, full: int, timeout: float) -> dict[str, float]:
+    """A node started again (`start(name)`): from its arrival at the store to A's rank 0
+    stepping at the `full` world, and whether A's workers were the same processes after."""
+    before = pids(a_dir / "stderr.txt")
+    t_back = time.time()
+    _, b_dir = start("b2")
+    back = wait(
+        lambda: [r for r in steps(a_dir / "logs") if r[1] == full and r[2] > t_back], timeout
+    )
+    arrived = [
+        datetime.fromisoformat(e["timestamp"]).timestamp()
+        for e in events(b_dir / "stderr.txt")
+        if e.get("event") == "rendezvous_waiting"
+    ]
+    if not back or not arrived:
+        return {}
+    kept = float(pids(a_dir / "stderr.txt") == before)
+    return {"rejoin": back[0][2] - arrived[0], "rejoin_kept": kept}
+
+
+def trial(
+    work: Path, mode: str, nproc: int, delay: float, warmup: float, timeout: float,
+    rejoin: bool = False,
+):  # fmt: skip
     """Seconds from B's kill to A's rank 0 stepping at the smaller world, whether A's workers
-    kept their pids, and the timeline (`phases`); None where it did not recover in time."""
+    kept their pids, and the timeline (`phases`, and with `rejoin` a node coming back,
+    `rejoined`); None where it did not recover in time."""
     port = free_port()
     secret = work / "secret"
     secret.write_bytes(os.urandom(24).hex().encode())
@@ -155,7 +185,16 @@ def trial(work: Path, mode: str, nproc: int, delay: float, warmup: float, timeou
         kept = bool(kept) and pids(a_dir / "stderr.txt") == before
         time.sleep(0.3)  # the last survivor's re_entered line
         timeline = phases(a_dir, t_kill) if mode == "in-place" else {}
-        return after[0][2] - t_kill, kept, {**timeline, "first_step": after[0][2] - t_kill}
+        timeline["first_step"] = after[0][2] - t_kill
+        if rejoin:
+
+            def start(name: str):
+                proc, out = daemon(work, name, port, secret, mode, nproc, delay)
+                started.append(proc)
+                return proc, out
+
+            timeline.update(rejoined(a_dir, start, full, timeout))
+        return after[0][2] - t_kill, kept, timeline
     finally:
         for p in started:
             kill_tree(p)
@@ -171,12 +210,16 @@ def main() -> None:
     p.add_argument("--delay", type=float, default=0.02, help="seconds of each step's sleep")
     p.add_argument("--warmup", type=float, default=2.0, help="seconds trained before the kill")
     p.add_argument("--trial-timeout", type=float, default=30.0)
+    p.add_argument("--rejoin", action="store_true", help="then a node comes back (`rejoined`)")
     args = p.parse_args()
     results: dict[str, list] = {}
     for n in range(args.trials):  # the modes in turn, so a load change hits both
         for mode in args.modes.split(","):
             with tempfile.TemporaryDirectory(prefix="elasticd-nodeloss-") as d:
-                got = trial(Path(d), mode, args.nproc, args.delay, args.warmup, args.trial_timeout)
+                got = trial(
+                    Path(d), mode, args.nproc, args.delay, args.warmup, args.trial_timeout,
+                    args.rejoin,
+                )  # fmt: skip
             results.setdefault(mode, []).append(got)
             shown = got and (round(got[0], 3), got[1], {k: round(v, 3) for k, v in got[2].items()})
             print(f"trial {n + 1} {mode}: {shown}", file=sys.stderr, flush=True)
@@ -202,6 +245,13 @@ def main() -> None:
         print(f"cause by the link (B's daemon's connection closed): {linked:.0f}/{len(done)}")
     if "in-place" in medians and "restart" in medians:
         print(f"restart / in-place: {medians['restart'] / medians['in-place']:.2f}x")
+    if args.rejoin:
+        print("a node back: its arrival -> A stepping at the full world again")
+        for mode, rows in results.items():
+            took = sorted(r[2]["rejoin"] for r in rows if r and "rejoin" in r[2])
+            kept = sum(int(r[2].get("rejoin_kept", 0)) for r in rows if r)
+            shown = f"{statistics.median(took):.3f} s median" if took else "-"
+            print(f"{mode:10} {shown}, {len(took)}/{len(rows)} taken in, A's pids kept {kept}")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@ epoch exactly once.
 
 On when `ELASTICD_LEDGER_DIR` names a directory: `elasticd run --ledger` sets it to each attempt's
 directory (beside the ranks' logs); under another launcher set it yourself. Each process then
-appends to one file of its own there, `rank<RANK>.ledger`, with one `os.write` per call: nothing
+appends to one file of its own there, `rank<RANK>.ledger` (`rank<RANK>.g<G>.ledger` from a
+generation G of the group in place on: the script run again in place is an attempt of its own,
+`attempt_key`), with one `os.write` per call: nothing
 is buffered, so a SIGKILL loses no record of a step the in-memory state may hold. The sampler
 (elasticd.sampler) calls this module; code that deals its own batches calls it the same way:
 
@@ -49,10 +51,16 @@ MAX_FILE = 1 << 30  # bytes of one ledger file read at most (about 89 million sa
 
 def attempt_key(env: dict[str, str] | os._Environ = os.environ) -> str:
     """What every rank of one attempt shares and no other attempt has: the job, the round (a
-    restart count under torchrun) and the round's worker store."""
+    restart count under torchrun), the round's worker store and, recovered in place, the group's
+    generation: a survivor's script run again, its replacement and a joining node's ranks all
+    start one (names.IN_PLACE_GEN), which resumed from a state of its own (what the generation
+    before it recorded past that state was rolled back)."""
     round_ = env.get(names.ROUND_NUMBER) or f"restart{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     store = f"{env.get('MASTER_ADDR', '')}:{env.get('MASTER_PORT', '')}"
-    return f"{env.get('TORCHELASTIC_RUN_ID', 'none')}/{round_}/{store}"
+    gen = env.get(names.IN_PLACE_GEN, "0")
+    return f"{env.get('TORCHELASTIC_RUN_ID', 'none')}/{round_}/{store}" + (
+        f"/g{gen}" if gen not in ("", "0") else ""
+    )
 
 
 class Writer:
@@ -63,11 +71,17 @@ class Writer:
         self.fd: int | None = None
         self.path: Path | None = None  # the file, once created (a repro bundle reads it back)
         self.started = False  # a resumed record written (the first step record writes one)
+        self.gen = ""  # the generation in place the open file is of (names.IN_PLACE_GEN)
 
     def _open(self) -> int:
+        gen = os.environ.get(names.IN_PLACE_GEN, "0")
+        if self.fd is not None and gen != self.gen:  # re-entered in place: an attempt of its own
+            os.close(self.fd)
+            self.fd, self.path, self.started = None, None, False
         if self.fd is None:
             rank = os.environ.get("RANK", "0")
-            path = Path(self.directory) / f"rank{rank}{SUFFIX}"
+            name = f"rank{rank}{SUFFIX}" if gen in ("", "0") else f"rank{rank}.g{gen}{SUFFIX}"
+            path = Path(self.directory) / name
             try:
                 self.fd = safeio.create(path, os.O_WRONLY | os.O_APPEND)
             except FileExistsError:  # a second process of this rank in one directory
@@ -84,6 +98,7 @@ class Writer:
                 }
             ).encode()
             os.write(self.fd, MAGIC + struct.pack("<I", len(header)) + header)
+            self.gen = gen
         return self.fd
 
     def resumed(self, step: int) -> None:

@@ -254,7 +254,7 @@ class Agent:
         the other node's word), a stop as any other, the workers given the grace; joining, or
         in a restart (a replay's word), the workers are down already: stopped there; meeting a
         round with its workers running (daemon/grow.py), they are given the grace too."""
-        if self.state is State.RUNNING or self.rdzv.carry is not None:
+        if self.state is State.RUNNING or (self.rdzv is not None and self.rdzv.carry is not None):
             return self._stop()
         return self._finish(State.STOPPED, ExitCode.OK)
 

@@ -266,10 +266,12 @@ def test_a_partitioned_node_s_survivor_unwinds_from_outside_and_goes_on_in_place
 
 def test_the_node_loss_bench_runs_in_place():
     """bench/nodeloss.py's smoke run: one node lost, its survivors stepping again at the smaller
-    world in their own processes."""
-    r = bench("nodeloss.py", "--trials", "1", "--modes", "in-place", timeout=240)
+    world in their own processes; then a node back, taken in by them in the same processes."""
+    r = bench("nodeloss.py", "--trials", "1", "--modes", "in-place", "--rejoin", timeout=240)
     row = re.search(r"^in-place +([\d.]+) .* (\d+)/1 +(\d+)$", r.stdout, re.M)
     assert row and row[2] == "1" and row[3] == "1", r.stdout + r.stderr[-2000:]
+    back = re.search(r"^in-place +[\d.]+ s median, 1/1 taken in, A's pids kept 1$", r.stdout, re.M)
+    assert back, r.stdout + r.stderr[-2000:]
 
 
 def test_a_lost_node_that_held_the_workers_store_falls_back_to_the_restart(daemons, tmp_path):
@@ -389,4 +391,43 @@ def test_a_node_that_comes_back_joins_by_reconfigure_the_survivors_in_their_proc
     assert not [e for e in events(back, "state") if e.get("new") == "RESTARTING"]
     if exact:
         assert_as_uninterrupted(daemons, tmp_path, args, steps=300)
+    wait_until(lambda: not leftover_processes(), 30, what="no process left")
+
+
+def test_two_nodes_carry_their_workers_and_a_third_joins_them(daemons, tmp_path):
+    """Three nodes of one rank; C lost, A and B re-form at world 2. A node comes back: both A
+    (which hosts the workers' store and announces) and B (which follows) carry their workers
+    into the next round, and the new node's rank joins as rank 2; A's and B's pids the same from
+    start to end, each taken in at the same step boundary."""
+    args = [*ARGS]
+    args[args.index("--steps") + 1] = "300"
+    with rendezvous("c10d", tmp_path) as where:
+        flags = (
+            "--nproc-per-node", "1", "--in-place", "auto", "--max-restarts", "3",
+            "--nnodes", "1:3", *where, "--rdzv-id", "job", *FAST_NODES, *secret_flags(),
+            "--last-call-timeout", "30",
+        )  # fmt: skip
+        a, b, c = in_order(daemons, tmp_path, flags, 3, args)  # group ranks 0, 1, 2
+        wait_until(lambda: re.search(r"^step 12/300", a.log_text(0, 1), re.M), 120, what="step 12")
+        before = {**a.worker_pids(), **b.worker_pids()}
+        c.kill(signal.SIGKILL)
+        wait_until(lambda: all(events(n, "shrunk_in_place") for n in (a, b)), 60, what="shrunk")
+        back = daemons(
+            "entrypoints.train", *flags, "--checkpoint-dir", str(tmp_path / "c2b"), name="back",
+            args=args,
+        )  # fmt: skip
+        for n in (a, b, back):
+            assert n.wait(180) == 0, n.stderr()[-3000:]
+    for n, rank in ((a, 0), (b, 1)):
+        grown = events(n, "grown_in_place")
+        assert len(grown) == 1 and grown[0]["world"] == 3 and grown[0]["starting"] == [2], grown
+        assert grown[0]["ranks"] == {str(rank): rank} and grown[0]["survivors"] == [before[rank]]
+        assert len(n.attempt_dirs()) == 1 and not events(n, "grow_in_place_refused")
+        log = n.log_text(rank, 1)
+        assert log.count("re_entered") == 2 and "in_place_fallback" not in log, log[-2000:]
+    assert re.search(r"^step 300/300", a.log_text(0, 1), re.M)  # rank 0 logs the steps
+    steps = {re.findall(r"regroup_at_boundary\s+step=(\d+)", n.log_text(r, 1))[0] for n, r in
+             ((a, 0), (b, 1))}  # fmt: skip
+    assert len(steps) == 1, steps  # one boundary, agreed by every rank
+    assert "joined_in_place" in back.all_logs()
     wait_until(lambda: not leftover_processes(), 30, what="no process left")

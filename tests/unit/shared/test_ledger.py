@@ -100,6 +100,35 @@ def test_check_proves_exactly_once_across_a_rollback_and_a_world_change(monkeypa
     assert "twice or more: 7" in r.stdout and "exactly once: NO" in r.stdout
 
 
+def test_a_script_run_again_in_place_is_an_attempt_of_its_own(monkeypatch, tmp_path):
+    """Recovered in place, a survivor's script runs again in the same process (its ledger
+    writer kept) from a state of its own: what it and the lost rank recorded past that state
+    was rolled back. Each generation of the group is an attempt (names.IN_PLACE_GEN): without
+    it, the rolled-back step counted twice (a node lost at world 2, A's re-entry at world 1)."""
+    n = 24
+    d = attempt(monkeypatch, tmp_path, "a", "attempt1", 103, 2)
+    monkeypatch.setenv("ELASTICD_IN_PLACE_GEN", "0")
+    states = train(monkeypatch, d, n, 2, [0], 5)  # rank 0 and the lost rank 1 record step 5,
+    train(monkeypatch, attempt(monkeypatch, tmp_path, "b", "attempt1", 103, 2), n, 2, [1], 5)
+    time.sleep(0.01)
+    monkeypatch.setenv("ELASTICD_IN_PLACE_GEN", "1")  # ... but the state kept is step 4's
+    train(monkeypatch, d, n, 1, [0], 9, state=states[3])
+    r = run_cli("ledger", "check", str(tmp_path / "a"), str(tmp_path / "b"))
+    assert r.returncode == 0 and "exactly once: yes" in r.stdout, r.stdout + r.stderr
+    assert "(1 steps rolled back" in r.stdout and "2 samples x 9 steps (1 rank)" in r.stdout
+    # one writer, kept across the re-entry: a file of its own for the new generation
+    monkeypatch.setenv("ELASTICD_IN_PLACE_GEN", "0")
+    w = ledger.Writer(str(tmp_path / "one"))
+    (tmp_path / "one").mkdir()
+    w.record(0, 1, [1])
+    first = w.path
+    monkeypatch.setenv("ELASTICD_IN_PLACE_GEN", "2")
+    w.resumed(0)
+    w.record(0, 1, [1])
+    assert w.path != first and w.path.name == "rank0.g2.ledger"
+    assert ledger.read(w.path).attempt == ledger.read(first).attempt + "/g2"
+
+
 def test_check_refuses_what_is_not_a_ledger(tmp_path):
     assert_one_error(run_cli("ledger", "check", str(tmp_path)), "no ledger files", "--ledger")
     assert_one_error(run_cli("ledger", "check", str(tmp_path / "nope")), "no such file")
