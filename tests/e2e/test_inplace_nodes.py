@@ -141,6 +141,14 @@ def assert_cause_names(cause: str, lost_id: str) -> None:
     assert "died of a closed connection" not in cause, cause
 
 
+def rank_logs(d, rank: int) -> str:
+    """A rank's log over its processes in the first attempt: its first one's, then those of the
+    processes started again for it in place (attempt1/in-place<G>[-<n>]/), oldest first."""
+    first = d.attempt_dirs()[0]
+    again = sorted(first.glob(f"in-place*/rank{rank}.log"), key=lambda p: p.stat().st_mtime)
+    return d.log_text(rank, 1) + "".join(p.read_text(errors="replace") for p in again)
+
+
 def assert_as_uninterrupted(daemons, tmp_path, args, steps: int = 60) -> None:
     """Node A's final checkpoint (c0) is bit for bit the one an uninterrupted run of the same
     job (exact mode) at world 2 on one node writes: model and optimizer."""
@@ -219,8 +227,18 @@ def test_a_lost_node_s_survivors_re_form_at_the_smaller_world_in_place(
     assert_cause_names(shrunk[0]["cause"], b_id)
     assert not events(a, "in_place_refused") and len(a.attempt_dirs()) == 1
     assert not [e for e in events(a, "state") if e.get("new") == "RESTARTING"]
-    log0 = a.log_text(0, 1)
-    assert "re_entered" in log0 and "in_place_fallback" not in log0
+    # a survivor blocked where no abort reaches is killed and its rank started again into the
+    # same generation (in_place_unstuck; in exact mode, in 2 CI runs: rank 0 in the ordered
+    # sum's point-to-point send, its receiver unwound): its log goes on in in-place<G>-<n>/
+    unstuck = {r for e in events(a, "in_place_unstuck") for r in e["ranks"]}
+    assert len(unstuck) <= 1, unstuck  # the other survivor re-formed in its own process
+    for r in (0, 1):
+        own = a.log_text(r, 1)
+        if r in unstuck:
+            assert "joined_in_place" in rank_logs(a, r)
+        else:
+            assert "re_entered" in own and "in_place_fallback" not in own, own[-2000:]
+    log0 = rank_logs(a, 0)
     resumed = [int(m) for m in re.findall(r"resumed from step (\d+)", log0)]
     assert len(resumed) == 1 and resumed[0] >= 11, resumed
     assert re.search(r"^step 60/60", log0, re.M)
