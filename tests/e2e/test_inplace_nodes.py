@@ -204,7 +204,8 @@ def test_a_lost_node_s_survivors_re_form_at_the_smaller_world_in_place(
 ):
     """Node B's daemon SIGKILLed (its guard kills its workers): node A's ranks re-form at world 2
     in their own processes (GlobalBatch keeps the global batch) and train to the end; no
-    restart, A's pids unchanged. The same on etcd: nothing of it goes through the rendezvous
+    restart, A's pids unchanged (but for at most one survivor blocked where no abort reaches,
+    started again into the generation). The same on etcd: nothing of it goes through the rendezvous
     store. In exact mode the run ends bit for bit where an uninterrupted one at world 2 does."""
     args = [*ARGS, "--exact"] if exact else ARGS
     with rendezvous(backend, tmp_path) as where:
