@@ -94,10 +94,14 @@ def test_a_survivor_that_still_uses_cpu_is_not_taken_for_stuck():
     as stuck, and the busy one too once half the hang deadline has passed (a script that caught
     the collective's error and spins on)."""
     spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-    sleep = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    sleep = subprocess.Popen(
+        [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(30)"],
+        stdout=subprocess.PIPE,
+    )
     try:
         busy, blocked = (SimpleNamespace(pid=p.pid) for p in (spin, sleep))
-        time.sleep(0.5)  # both past their interpreter's start
+        assert sleep.stdout.readline() == b"up\n"  # past its interpreter's start: idle from here
+        time.sleep(0.05)
         forming = inplace.Forming(1, time.monotonic(), 0.3, (0, 1))
         inplace._sample_cpu(forming, [busy, blocked])
         time.sleep(0.2)
