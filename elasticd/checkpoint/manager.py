@@ -398,8 +398,7 @@ class CheckpointManager:
             self._stop.requested.is_set() or self._stopping,
             self.every_seconds is not None
             and time.monotonic() - self._last_time >= self.every_seconds,
-            reconfigure.regroup_asked(),
-        ]
+        ]  # and the regroup's word, read only where it is agreed on (a file read: not every call)
         if dist_on() and dist.get_world_size() > 1:
             if self._stopping:
                 flags = [True, False, 0, 0]  # agreed everywhere already; timers no longer matter
@@ -408,14 +407,16 @@ class CheckpointManager:
             else:
                 due = step is not None and self._keep_due(step)
                 ballot = self._audit.ballot(step, due, self._memory.cadence.step_time())
+                regroup = reconfigure.regroup_asked()
                 t = torch.tensor(
-                    [*map(int, local), self._memory.proposal(), *ballot], dtype=torch.int64
+                    [*map(int, local), regroup, self._memory.proposal(), *ballot],
+                    dtype=torch.int64,
                 )
                 dist.all_reduce(t, op=dist.ReduceOp.MAX, group=cpu_group())
                 flags = t.tolist()
                 self._audit.tally(flags[4:])  # raises audit.SilentDataCorruption
         else:
-            flags = [*local, self._memory.proposal()]
+            flags = [*local, reconfigure.regroup_asked(), self._memory.proposal()]
         if flags[3]:
             self._memory.adopt(int(flags[3]))
         if flags[0] and not self._stopping:

@@ -141,6 +141,22 @@ def assert_cause_names(cause: str, lost_id: str) -> None:
     assert "died of a closed connection" not in cause, cause
 
 
+def one_rank_nodes(where) -> tuple:
+    """The flags of a job of up to three nodes of one rank each, on the rendezvous `where`."""
+    return (
+        "--nproc-per-node", "1", "--in-place", "auto", "--max-restarts", "3",
+        "--nnodes", "1:3", *where, "--rdzv-id", "job", *FAST_NODES, *secret_flags(),
+        "--last-call-timeout", "30",
+    )  # fmt: skip
+
+
+def with_steps(args, steps: int) -> list:
+    """`args` with --steps set to `steps`."""
+    out = [*args]
+    out[out.index("--steps") + 1] = str(steps)
+    return out
+
+
 def rank_logs(d, rank: int) -> str:
     """A rank's log over its processes in the first attempt: its first one's, then those of the
     processes started again for it in place (attempt1/in-place<G>[-<n>]/), oldest first."""
@@ -318,11 +334,7 @@ def test_a_survivor_after_the_lost_node_is_renumbered_in_place(daemons, tmp_path
     under its old number, or two ranks under one, ends elsewhere)."""
     args = [*ARGS, "--exact"]
     with rendezvous("c10d", tmp_path) as where:
-        flags = (
-            "--nproc-per-node", "1", "--in-place", "auto", "--max-restarts", "3",
-            "--nnodes", "1:3", *where, "--rdzv-id", "job", *FAST_NODES, *secret_flags(),
-            "--last-call-timeout", "30",
-        )  # fmt: skip
+        flags = one_rank_nodes(where)
         nodes = in_order(daemons, tmp_path, flags, 3, args)  # group ranks 0, 1, 2
         a, b, c = nodes
         wait_until(lambda: re.search(r"^step 12/60", a.log_text(0, 1), re.M), 120, what="step 12")
@@ -372,8 +384,7 @@ def test_a_node_that_comes_back_joins_by_reconfigure_the_survivors_in_their_proc
     the same from start to end, one attempt, and in exact mode the run ends bit for bit where
     an uninterrupted one does. The same on etcd (the round goes through the rendezvous store).
     Before, the node came in by a whole-group restart (every pid new)."""
-    args = [*ARGS, "--exact"] if exact else [*ARGS]
-    args[args.index("--steps") + 1] = "300"
+    args = with_steps([*ARGS, "--exact"] if exact else ARGS, 300)
     with rendezvous(backend, tmp_path) as where:
         flags = (
             *FLAGS, "--nnodes", "1:2", *where, "--rdzv-id", "job", *FAST_NODES, *secret_flags(),
@@ -418,14 +429,9 @@ def test_two_nodes_carry_their_workers_and_a_third_joins_them(daemons, tmp_path)
     (which hosts the workers' store and announces) and B (which follows) carry their workers
     into the next round, and the new node's rank joins as rank 2; A's and B's pids the same from
     start to end, each taken in at the same step boundary."""
-    args = [*ARGS]
-    args[args.index("--steps") + 1] = "300"
+    args = with_steps(ARGS, 300)
     with rendezvous("c10d", tmp_path) as where:
-        flags = (
-            "--nproc-per-node", "1", "--in-place", "auto", "--max-restarts", "3",
-            "--nnodes", "1:3", *where, "--rdzv-id", "job", *FAST_NODES, *secret_flags(),
-            "--last-call-timeout", "30",
-        )  # fmt: skip
+        flags = one_rank_nodes(where)
         a, b, c = in_order(daemons, tmp_path, flags, 3, args)  # group ranks 0, 1, 2
         wait_until(lambda: re.search(r"^step 12/300", a.log_text(0, 1), re.M), 120, what="step 12")
         before = {**a.worker_pids(), **b.worker_pids()}
