@@ -5,6 +5,9 @@
 #   PARTS=sharded bash bench/gpu.sh [OUTDIR]    # the sharded (FSDP2) part
 #   PARTS=check bash bench/gpu.sh [OUTDIR]      # both parts' tests at once, then the recovery
 #                                               # and sharded rows while BUDGET (570 s) lasts
+#   PARTS=nccl bash bench/gpu.sh [OUTDIR]       # the checks of several NCCL ranks (sharing the
+#                                               # GPU where there is one), the DDP tests, then the
+#                                               # recovery and steady rows while BUDGET lasts
 #
 # ddp:     1. The tests that need a GPU: NCCL resume bit-identical, CUDA RNG, overlapped
 #             refreshes, SIGKILL mid-refresh, and the default job (README's first command) on NCCL.
@@ -15,6 +18,12 @@
 #          2. bench/sharded.py --device cuda at 2 ranks where two GPUs allow (NCCL wants a GPU
 #             per rank), else 1: 100 MB, then 1 GB if time allows: stall per disk save and per
 #             in-memory refresh against dcp.save/async_save, kill -9 resume against torchrun.
+# nccl:    1. At once, the tests of several NCCL ranks (sharing the GPU where there is one:
+#             tests/scripts/one_gpu.py gives each a host id of its own): the referee's claim on
+#             NCCL and the GPU, the hang verdicts on NCCL (a desync, a rank that never arrived;
+#             torch's NCCL Flight Recorder and our hook), the FSDP2 GPU tests at two ranks; and
+#             the DDP part's tests. Their files are kept in OUTDIR/nccl-tests.tgz.
+#          2. The DDP part's recovery and steady rows while BUDGET lasts.
 # Wheels in .whl/ (structlog, tenacity, prometheus-client, pytest-timeout: what a bare image
 # lacks) are installed to /tmp/site first.
 set -uo pipefail
@@ -69,11 +78,34 @@ recovery() {
 }
 steady() {
   step "steady state, gpu workload"
-  timeout 150 python3 bench/steady.py --nproc 1 --workloads gpu --rounds ${ROUNDS:-2} \
+  timeout "${1:-150}" python3 bench/steady.py --nproc 1 --workloads gpu --rounds ${ROUNDS:-2} \
     --variants elasticd 2>&1 | tee "$out/steady.txt" | tail -15
 }
 
+nccl_tests() {  # all at once: they time nothing (a broken NCCL costs the slowest one's timeout)
+  step "NCCL at 2-3 ranks ($gpus GPUs): the referee's claim, hang verdicts, FSDP2; the DDP tests"
+  pytest_to() {  # OUTFILE BASETEMP PYTEST-ARGS...
+    local to=$1 base=$2
+    shift 2
+    timeout 200 python3 -m pytest -q -rs -p no:cacheprovider --basetemp="/tmp/$base" "$@" \
+      >"$out/$to" 2>&1
+  }
+  pytest_to referee.txt gpu-referee tests/unit/daemon/test_referee.py -k nccl &
+  pytest_to hang-nccl.txt gpu-nccl tests/e2e/test_hang.py -k nccl &
+  pytest_to sharded-tests.txt gpu-sharded-tests tests/unit/checkpoint/test_sharded_gpu.py &
+  ddp_tests
+  wait
+  tail -n 6 "$out/referee.txt" "$out/hang-nccl.txt" "$out/sharded-tests.txt"
+  tar czf "$out/nccl-tests.tgz" -C /tmp gpu-referee gpu-nccl gpu-sharded-tests 2>/dev/null
+}
+
 case ${PARTS:-ddp} in
+  nccl)
+    python3 -c 'import torch.distributed as d; print("in place:", hasattr(d, "_reconfigure"))'
+    nccl_tests
+    if (($(left) > 140)); then recovery $(($(left) > 300 ? 200 : $(left) - 100)); fi
+    if (($(left) > 70)); then ROUNDS=1 steady $(($(left) - 5)); else step "steady skipped"; fi
+    ;;
   check)  # both parts' tests at once (they do not time anything), then the rows as time allows
     sharded_tests &
     ddp_tests

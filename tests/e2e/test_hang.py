@@ -11,6 +11,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from harness import RESTART, script, wait_until
 
@@ -255,17 +256,25 @@ def _culprit(d) -> dict:
     )
 
 
-# the collectives' evidence: torch's Flight Recorder (its default), or our dispatcher hook where
-# the user turned the recorder off (worker/collective_hook.py)
+# the collectives' evidence: torch's Flight Recorder (its default; the backend's own entries), or
+# our dispatcher hook where the user turned the recorder off (worker/collective_hook.py); on gloo,
+# and on NCCL where there is a GPU (the ranks may share one: tests/scripts/one_gpu.py)
+GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (NCCL)")
+OFF = {"TORCH_FR_BUFFER_SIZE": "0"}
 RECORDERS = pytest.mark.parametrize(
-    ("recorder", "env"),
-    [("gloo", {}), ("elasticd", {"TORCH_FR_BUFFER_SIZE": "0"})],
-    ids=["flight_recorder", "recorder_off"],
+    ("backend", "recorder", "env"),
+    [
+        ("gloo", "gloo", {}),
+        ("gloo", "elasticd", OFF),
+        pytest.param("nccl", "nccl", {}, marks=GPU),
+        pytest.param("nccl", "elasticd", OFF, marks=GPU),
+    ],
+    ids=["flight_recorder", "recorder_off", "nccl-flight_recorder", "nccl-recorder_off"],
 )
 
 
 @RECORDERS
-def test_a_desync_names_the_rank_both_ops_and_the_seq(daemons, recorder, env):
+def test_a_desync_names_the_rank_both_ops_and_the_seq(daemons, backend, recorder, env):
     """Three ranks: at step 3 rank 2 calls all_gather where ranks 0 and 1 call all_reduce. The
     ranks' own collectives (torch's Flight Recorder, or our hook where it is off; asked before
     anything is killed) name rank 2, both ops and the sequence number, in the cause's first
@@ -275,7 +284,7 @@ def test_a_desync_names_the_rank_both_ops_and_the_seq(daemons, recorder, env):
         "--nproc-per-node",
         "3",
         *HB,
-        args=["--steps", "6", "--mode", "desync", "--at", "3", "--rank", "2"],
+        args=["--steps", "6", "--mode", "desync", "--at", "3", "--rank", "2", "--backend", backend],
         env=env,
     )
     ev = _culprit(d)
@@ -289,16 +298,19 @@ def test_a_desync_names_the_rank_both_ops_and_the_seq(daemons, recorder, env):
     cause = wait_until(lambda: hang_events(d), 30, what="the restart")[0]["cause"]
     assert cause.startswith("rank 2 (node ") and said in cause, cause
     dump = json.loads((d.run_dir() / "attempt1" / "rank2.collectives.json").read_text())
-    # a build with NCCL too (torch 2.14.1's CUDA build) dumps a list: the CPU recorder's first
-    entries = next(
-        x["entries"] for x in (dump if isinstance(dump, list) else [dump]) if "entries" in x
-    )
+    # a build with NCCL too (torch 2.14.1's CUDA build) dumps a list: the CPU recorder's, NCCL's
+    entries = [
+        e
+        for x in (dump if isinstance(dump, list) else [dump])
+        for e in x.get("entries", [])
+        if e["profiling_name"].startswith(f"{recorder}:")
+    ]
     assert entries[-1]["profiling_name"] == f"{recorder}:all_gather", entries[-1]
     assert d.wait(90) == 0, d.stderr()[-3000:]
 
 
 @RECORDERS
-def test_a_hang_in_a_collective_names_who_never_arrived(daemons, recorder, env):
+def test_a_hang_in_a_collective_names_who_never_arrived(daemons, backend, recorder, env):
     """Two ranks: at step 3 rank 1 sleeps in a data read while rank 0 waits in all_reduce. The
     sequence numbers name rank 1 as never arrived at seq 3 (its last: seq 2)."""
     d = daemons(
@@ -306,7 +318,10 @@ def test_a_hang_in_a_collective_names_who_never_arrived(daemons, recorder, env):
         "--nproc-per-node",
         "2",
         *HB,
-        args=["--steps", "6", "--mode", "stuck", "--at", "3", "--step-time", "0.02"],
+        args=[
+            *("--steps", "6", "--mode", "stuck", "--at", "3", "--step-time", "0.02"),
+            *("--backend", backend),
+        ],
         env=env,
     )
     ev = _culprit(d)

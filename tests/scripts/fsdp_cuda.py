@@ -1,6 +1,7 @@
-"""An FSDP2 (fully_shard) job on CUDA/NCCL with the in-memory state, run under torchrun (one GPU
-per rank): the refresh of CUDA shards overlapped (page-locked slots, the optimizer's shards
-copied on a side stream), and the resume from memory placed back on the GPU.
+"""An FSDP2 (fully_shard) job on CUDA/NCCL with the in-memory state, run under torchrun (a GPU
+per rank, or ranks sharing one: one_gpu.py): the refresh of CUDA shards overlapped (page-locked
+slots, the optimizer's shards copied on a side stream), and the resume from memory placed back on
+the GPU.
 
 usage: fsdp_cuda.py STEPS CRASH MEMORY_DIR DISK_DIR OUT [nodes]
 
@@ -16,6 +17,7 @@ loading (OUT.loaded.RANK, with the entry's file and step) and after every refres
 import os
 import sys
 
+import one_gpu
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -36,10 +38,9 @@ def held(model, opt, **extra) -> dict:
 def main() -> None:
     steps, crash, mem, disk, out = int(sys.argv[1]), int(sys.argv[2]), *sys.argv[3:6]
     nodes = sys.argv[6:] == ["nodes"]
+    device = one_gpu.device()
     dist.init_process_group("nccl")
     rank = dist.get_rank()
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-    torch.cuda.set_device(device)
     if nodes:
         os.environ.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
         mem = os.path.join(mem, f"node{rank}")

@@ -1,60 +1,38 @@
 """The referee of two disagreeing replicas (daemon/referee.py): the claim it stands on, checked
 against real gloo ranks (DDP's all-reduced gradient at a world of two is g0/2 + g1/2 made in one
-process, bit for bit, every step of exact_job's model, dropout and AdamW included), its verdict,
-and what it refuses to judge."""
+process, bit for bit, every step of exact_job's model, dropout and AdamW included; on NCCL and the
+GPU too where there is one), its verdict, and what it refuses to judge."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
+import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 import _ckpt_helpers as ck
 from elasticd import repro
 from elasticd.daemon import referee
+from harness import ROOT, script
+from scripts import referee_job
 
-STEPS = 4
-
-
-def _net() -> nn.Module:  # tests/scripts/exact_job.py's model, unwrapped
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 1))
+GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (NCCL)")
 
 
-def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randn(4, 6, generator=g), torch.randn(4, 1, generator=g)
-
-
-def _ddp_rank(rank: int, world: int, out: str) -> None:
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    model = DDP(_net())
+def _replayed(ranks: list[dict], device: str) -> None:
+    """The disputed steps made again in one process as bundle._referee_step does (each rank's
+    local gradient from its own draws, then g0/2 + g1/2), checked bit for bit against the
+    gradients DDP all-reduced at every step and the parameters both ranks ended with."""
+    model = referee_job.net(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05)
-    torch.manual_seed(100 + rank)
-    steps = []
-    for s in range(STEPS):
-        x, y = _batch(rank, s)
-        rng = torch.get_rng_state()
-        opt.zero_grad()
-        F.mse_loss(model(x), y).backward()
-        steps.append({"rng": rng, "grads": [p.grad.clone() for p in model.parameters()]})
-        opt.step()
-    params = [p.detach().clone() for p in model.parameters()]
-    torch.save({"steps": steps, "params": params}, f"{out}.{rank}")
-
-
-def test_ddp_at_two_ranks_is_half_of_each_local_gradient_summed_in_one_process(tmp_path):
-    out = str(tmp_path / "ddp")
-    ck.run(_ddp_rank, 2, tmp_path, out, timeout=60)
-    ranks = [torch.load(f"{out}.{r}", weights_only=True) for r in (0, 1)]
-    model = _net()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05)
-    for s in range(STEPS):
+    for s in range(referee_job.STEPS):
         local = []
         for r in (0, 1):
-            torch.set_rng_state(ranks[r]["steps"][s]["rng"])  # the rank's dropout draws
-            x, y = _batch(r, s)
+            referee_job.set_rng(ranks[r]["steps"][s]["rng"])  # the rank's dropout draws
+            x, y = referee_job.batch(r, s, device)
             model.zero_grad()
             F.mse_loss(model(x), y).backward()
             local.append([p.grad.clone() for p in model.parameters()])
@@ -66,6 +44,32 @@ def test_ddp_at_two_ranks_is_half_of_each_local_gradient_summed_in_one_process(t
         opt.step()
     for r in (0, 1):
         assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ranks[r]["params"]))
+
+
+def test_ddp_at_two_ranks_is_half_of_each_local_gradient_summed_in_one_process(tmp_path):
+    out = str(tmp_path / "ddp")
+    ck.run(referee_job.train, 2, tmp_path, out, timeout=60)
+    _replayed([torch.load(f"{out}.{r}", weights_only=True) for r in (0, 1)], "cpu")
+
+
+@GPU
+def test_on_nccl_and_the_gpu_the_mix_in_one_process_is_what_ddp_all_reduced(tmp_path):
+    """The same claim with NCCL's all-reduce and the GPU's kernels (dropout's draws from the
+    CUDA generator): two ranks under torchrun (sharing the GPU where there is one), the replay
+    in this process on the GPU."""
+    out = str(tmp_path / "ddp")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    done = subprocess.run(
+        [*cmd, script("referee_job.py"), out],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=dict(os.environ, PYTHONPATH=path),
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    ranks = [torch.load(f"{out}.{r}", weights_only=True, map_location="cuda") for r in (0, 1)]
+    _replayed(ranks, "cuda")
 
 
 def test_the_rank_whose_digest_the_replay_reproduces_is_right():
