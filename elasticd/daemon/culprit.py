@@ -185,7 +185,7 @@ def judge_hang(stacks_by_rank: Mapping[int, Where | str | None]) -> Verdict:
             "stacks, or the network, holds it up)"
         )
         return Verdict((), waited_in, waiting, text + tail)
-    named = "; ".join(_culprit(r, known[r]) for r in culprits[:NAMED])
+    named = "; ".join(placed(r, known[r]) for r in culprits[:NAMED])
     more = f" and {len(culprits) - NAMED} more" if len(culprits) > NAMED else ""
     desync = all(known[r].collective for r in culprits)  # in another collective, every one
     text = f"{named}{more} while {_count(len(waiting))} waited in {waited_in}{tail}"
@@ -196,7 +196,8 @@ def _who(rank: int, w: Where) -> str:
     return f"rank {rank} (node {w.node})" if w.node else f"rank {rank}"
 
 
-def _culprit(rank: int, w: Where) -> str:
+def placed(rank: int, w: Where) -> str:
+    """Where a culprit was, as the verdict says it: "rank 1 was in `read_batch` (hang.py:24)"."""
     stacks = f" [stacks {w.stacks}]" if w.stacks else ""
     return f"{_who(rank, w)} {'waited' if w.collective else 'was'} in {w.label}{stacks}"
 

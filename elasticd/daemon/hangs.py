@@ -80,6 +80,14 @@ def judge(
     if not seqs.decides:  # every rank arrived, or none waits: the stacks name whom they can
         return dataclasses.replace(stacks, text=f"{stacks.text}; {seqs.text}"), seqs
     text = f"{seqs.text}; {stacks.text}"
+    if set(stacks.culprits) != set(seqs.culprits):
+        # the stacks blame others: on NCCL a rank waits where it syncs, not in the collective's
+        # call (none seen in one; in a desync the odd rank is the one seen in a collective), so
+        # say where the collectives' culprits were, from their own stacks
+        named = [
+            culprit.placed(r, ranks[r]) for r in seqs.culprits[: culprit.NAMED] if ranks.get(r)
+        ]
+        text = "; ".join([seqs.text, *(named or [stacks.text])])
     blamed = seqs.culprits or stacks.culprits
     desync = seqs.kind == "desync" or stacks.desync
     return culprit.Verdict(blamed, stacks.waited_in, stacks.waiting, text, desync), seqs

@@ -148,7 +148,9 @@ def dump(include_collectives: bool = True, only_active: bool = False) -> str:
         # ops before the oldest kept are taken as completed (their rank went on past them)
         completed = ops[0]["seq"] - 1 if ops else seq
         for e in ops:
-            if _completed(e["work"]):
+            done = _completed(e["work"])
+            # a Work that cannot say: done if the rank went on past it, else in progress
+            if done or (done is None and e is not ops[-1]):
                 completed = max(completed, e["seq"])
         status[name] = {"last_enqueued_collective": seq, "last_completed_collective": completed}
         for e in ops:
@@ -166,13 +168,15 @@ def dump(include_collectives: bool = True, only_active: bool = False) -> str:
     return json.dumps({"version": "elasticd-hook", "entries": entries, "pg_status": status})
 
 
-def _completed(work) -> bool:
-    """Whether an op's Work completed (none yet: the kernel still runs, the op in progress)."""
+def _completed(work) -> bool | None:
+    """Whether an op's Work completed (none yet: the kernel still runs, the op in progress); None
+    where the Work cannot say (NCCL's on torch 2.11 unboxes to None: seen on an H200). Taking
+    such an op as done made a rank waiting in it idle, and the hang's verdict lost its culprit."""
     if work is None:
         return False
     try:
         import torch
 
         return bool(torch._C._distributed_c10d.Work.unbox(work).is_completed())
-    except Exception:  # noqa: BLE001 - a Work that does not say: take it as done
-        return True
+    except Exception:  # noqa: BLE001 - a Work that does not say
+        return None

@@ -16,7 +16,9 @@ import torch.distributed as dist
 
 from elasticd import names
 from elasticd.daemon import collective_seq as cs
+from elasticd.daemon import hangs
 from elasticd.daemon.collective_seq import Op, Progress
+from elasticd.daemon.culprit import Where
 from elasticd.worker import flight
 
 AR = ("all_reduce", "[[4, 3]]", "Float")
@@ -208,3 +210,32 @@ def test_describe_says_where_each_group_is():
     idle = cs.compact(ranks((5, 5, {5: AR}))[0])
     assert cs.describe(idle) == "collectives: default_pg: in no collective; the last was seq 5"
     assert cs.describe("") == ""
+
+
+def test_the_collectives_culprits_are_placed_by_their_own_stacks():
+    """On NCCL a rank waits where it syncs (a loss's .item()), not in the collective's call, so
+    the stacks alone blame wrongly (seen on an H200): nobody in a collective (who never
+    arrived), or, in a desync, the two ranks outside the one collective seen. Where the sequence
+    numbers decide, the verdict says where their culprits were, from their own stacks."""
+    behind, waits = ranks((3, 2, {2: AR, 3: AR}), (2, 2, {1: AR, 2: AR})).values()
+    verdict, seqs = hangs.judge(
+        {
+            0: Where(None, "main", "hang.py:77", collectives=cs.compact(behind)),
+            1: Where(None, "read_batch", "hang.py:24", collectives=cs.compact(waits)),
+        }
+    )
+    assert seqs.kind == "never_arrived" and verdict.culprits == (1,), verdict
+    assert verdict.text == (
+        "rank 1 (its last seq 2, all_reduce) never arrived at seq 3 (all_reduce ([[4, 3]] Float))"
+        " while 1 rank waited in it; rank 1 was in `read_batch` (hang.py:24)"
+    ), verdict.text
+    same, odd = ranks((3, 2, {3: AR}), (3, 2, {3: AG})).values()
+    verdict, seqs = hangs.judge(
+        {
+            0: Where(None, "main", "hang.py:77", collectives=cs.compact(same)),
+            1: Where(None, "main", "hang.py:77", collectives=cs.compact(same)),
+            2: Where("all_gather", "all_gather", "c10d.py:1", collectives=cs.compact(odd)),
+        }
+    )
+    assert seqs.kind == "desync" and verdict.culprits == (2,), verdict
+    assert verdict.text.endswith("called all_reduce ([[4, 3]] Float); rank 2 waited in all_gather")

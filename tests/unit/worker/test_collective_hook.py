@@ -48,3 +48,22 @@ def test_a_group_re_formed_counts_its_collectives_from_one_again(tmp_path):
     seen = json.loads(out.read_text())
     assert [g["last_enqueued_collective"] for g in seen["before"].values()] == [3]
     assert [g["last_enqueued_collective"] for g in seen["after"].values()] == [1]
+
+
+def test_a_work_that_cannot_say_is_done_only_once_the_rank_went_on_past_it():
+    """NCCL's Work on torch 2.11 unboxes to None (seen on an H200): the newest such op is one
+    the rank may wait in, never one it finished (taken as done, a rank waiting in it read idle
+    and the hang lost its culprit); one it went on past is done."""
+    import torch
+
+    from elasticd.worker import collective_hook
+
+    collective_hook.reset()
+    try:
+        for _ in range(2):
+            entry = collective_hook._note("all_reduce", torch.ones(1), None)  # no group: "0"
+            entry["work"] = object()  # a Work that does not unbox
+        status = json.loads(collective_hook.dump())["pg_status"]["0"]
+        assert status == {"last_enqueued_collective": 2, "last_completed_collective": 1}, status
+    finally:
+        collective_hook.reset()
