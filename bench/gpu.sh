@@ -21,8 +21,8 @@
 # nccl:    1. At once, the tests of several NCCL ranks (sharing the GPU where there is one:
 #             tests/scripts/one_gpu.py gives each a host id of its own): the referee's claim on
 #             NCCL and the GPU, the hang verdicts on NCCL (a desync, a rank that never arrived;
-#             torch's NCCL Flight Recorder and our hook), the FSDP2 GPU tests at two ranks; and
-#             the DDP part's tests. Their files are kept in OUTDIR/nccl-tests.tgz.
+#             torch's NCCL Flight Recorder and our hook), the FSDP2 GPU tests (two ranks where
+#             two GPUs are); and the DDP part's tests. Their files: OUTDIR/nccl-tests.tgz.
 #          2. The DDP part's recovery and steady rows while BUDGET lasts.
 # Wheels in .whl/ (structlog, tenacity, prometheus-client, pytest-timeout: what a bare image
 # lacks) are installed to /tmp/site first.
@@ -83,7 +83,7 @@ steady() {
 }
 
 nccl_tests() {  # all at once: they time nothing (a broken NCCL costs the slowest one's timeout)
-  step "NCCL at 2-3 ranks ($gpus GPUs): the referee's claim, hang verdicts, FSDP2; the DDP tests"
+  step "NCCL at 2-3 ranks ($gpus GPUs): the referee's claim, hang verdicts; FSDP2; the DDP tests"
   pytest_to() {  # OUTFILE BASETEMP PYTEST-ARGS...
     local to=$1 base=$2
     shift 2
@@ -96,7 +96,7 @@ nccl_tests() {  # all at once: they time nothing (a broken NCCL costs the slowes
   ddp_tests
   wait
   tail -n 6 "$out/referee.txt" "$out/hang-nccl.txt" "$out/sharded-tests.txt"
-  tar czf "$out/nccl-tests.tgz" -C /tmp gpu-referee gpu-nccl gpu-sharded-tests 2>/dev/null
+  tar czf "$out/nccl-tests.tgz" -C /tmp gpu-referee gpu-nccl 2>/dev/null  # the logs (not sharded: 36 MB)
 }
 
 case ${PARTS:-ddp} in
