@@ -109,8 +109,10 @@ def order(records: Mapping[str, dict], max_nodes: int) -> list[list]:
     for _, r in chosen:
         if r["id"] not in seen_ids and len(members) < max_nodes:
             seen_ids.add(r["id"])
-            carries = [r["carries"]] if r.get("carries") else []
-            members.append([r["id"], r["nproc"], r["addr"], r.get("link", 0), *carries])
+            tail = [r["carries"]] if "carries" in r else []
+            if r.get("fresh"):  # a sixth field marks it, after its carries (or null)
+                tail = [r.get("carries"), True]
+            members.append([r["id"], r["nproc"], r["addr"], r.get("link", 0), *tail])
     return members
 
 

@@ -69,6 +69,8 @@ def _try_round(rz: Rendezvous, nproc: int, deadline: float) -> Round | None:
     record = {"id": rz.node_id, "nproc": nproc, "addr": rz.addr, "prev": prev, "link": rz.link}
     if rz.carry is not None and prev >= 0:  # daemon/grow.py: its workers go on in their group
         record["carries"] = [rz.carry.round, rz.carry.generation]
+    if not rz.in_place:  # its ranks cannot start into a group that goes on in place
+        record["fresh"] = True
     index = rz.arrivals.claim(number, json.dumps(record))
     found = _members(rz, number, index, deadline)
     if found["failed"]:
@@ -90,7 +92,9 @@ def _try_round(rz: Rendezvous, nproc: int, deadline: float) -> Round | None:
     rnd.world_size = sum(m.nproc for m in rnd.members)
     master = rz.round_key(number, names.MASTER)
     if rnd.group_rank == 0:
-        carry = rz.carry if rz.carry is not None and rnd.members[0].carries else None
+        # the group goes on only where every node that starts ranks into it can start them in place
+        goes_on = rnd.members[0].carries and not any(m.fresh for m in rnd.members)
+        carry = rz.carry if rz.carry is not None and goes_on else None
         if carry is not None and carry.store is not None:
             # its workers, and every carrying node's, are the store's clients: hosted on
             rnd.worker_store, rnd.carried = carry.store, (carry.round, carry.generation)

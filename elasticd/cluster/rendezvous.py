@@ -98,6 +98,9 @@ class Rendezvous:
         self.last: Round | None = None  # the last round this node was a member of
         self.partners: list[str] = []  # the other members of the last round this node was in
         self.carry: Carry | None = None  # what this node brings into its next round in place
+        # whether this node's ranks can start into a group that goes on in place (False: its
+        # torch has no reconfigure, or --in-place off; its arrival record says "fresh")
+        self.in_place = True
         self.started = time.time()  # a job's end issued before this (less CLOCK_SKEW) is older
         self._unreachable_logs = logs.Throttle(5.0)
         begins = (

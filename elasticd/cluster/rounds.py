@@ -24,6 +24,9 @@ class Member:
     # (round, generation) of the process group its workers stand in, carried into this round in
     # place (daemon/grow.py): None where it started its workers afresh
     carries: tuple[int, int] | None = None
+    # its ranks cannot start into a group that goes on in place (its torch has no reconfigure,
+    # or --in-place off): a round with such a member starts every node's workers afresh
+    fresh: bool = False
 
 
 @dataclass

@@ -107,8 +107,9 @@ def master(text: str) -> tuple[str, int, tuple[int, int] | None] | None:
 
 def record(text: str) -> dict | None:
     """A node's arrival record: id, nproc, addr, its group rank in the previous round, the
-    port its daemon's links listen on (links.py; 0 or absent: none), and the group its workers
-    carry into the round in place (daemon/grow.py; absent: none)."""
+    port its daemon's links listen on (links.py; 0 or absent: none), the group its workers
+    carry into the round in place (daemon/grow.py; absent: none), and whether its ranks can only
+    start afresh ("fresh": true; absent: they can start into a group in place)."""
     if len(text) > 1024:
         return None
     r = json.loads(text)
@@ -117,6 +118,8 @@ def record(text: str) -> dict | None:
     nproc, prev = r.get("nproc"), r.get("prev")
     link = r.setdefault("link", 0)
     if "carries" in r and not _carries(r["carries"]):
+        return None
+    if type(r.get("fresh", False)) is not bool:
         return None
     if (
         type(nproc) is not int
@@ -142,15 +145,17 @@ def _carries(value: object) -> bool:
 def _member(m: object) -> Member | None:
     if (
         isinstance(m, list)
-        and len(m) in (3, 4, 5)
+        and len(m) in (3, 4, 5, 6)
         and safe_name(m[0], 128)
         and type(m[1]) is int
         and 1 <= m[1] <= 1 << 20
         and safe_name(m[2])
         and (len(m) == 3 or (type(m[3]) is int and 0 <= m[3] < 65536))
-        and (len(m) < 5 or _carries(m[4]))
+        and (len(m) < 5 or _carries(m[4]) or (len(m) == 6 and m[4] is None))
+        and (len(m) < 6 or m[5] is True)
     ):
-        return Member(*m[:4], carries=tuple(m[4]) if len(m) == 5 else None)
+        carries = tuple(m[4]) if len(m) >= 5 and m[4] is not None else None
+        return Member(*m[:4], carries=carries, fresh=len(m) == 6)
     return None
 
 

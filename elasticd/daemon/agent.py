@@ -220,6 +220,7 @@ class Agent:
             log.info("memory_state", directory=self.memory_dir)
         try:
             self.rdzv = self.waits.blocking(self._connect, self.cfg)
+            self.rdzv.in_place = self.group.in_place  # its record says where it cannot join so
             self.peers = self._peers(
                 self.cfg, self.rdzv, self.node, wake=lambda: self.post(("wake",))
             )
@@ -483,6 +484,14 @@ class Agent:
         # At the first start the fork server may still be importing torch, and a cold start would
         # take as long: wait for its spares (the peers' liveness beats meanwhile on its own thread).
         # A peer found silent meanwhile is acted on once running.
+        if self.group.in_place and (fresh := [m.node_id for m in rnd.members if m.fresh]):
+            self.event(
+                "recovery_path",
+                path="restart",
+                why=f"node(s) {', '.join(fresh)} cannot start their ranks in place (their torch "
+                "has no reconfigure, or --in-place off): this round's workers start as torch's, "
+                "and a failure restarts the group",
+            )
         if not kept:
             self.waits.idle(
                 time.monotonic() + SPARE_WAIT, lambda: not self.spares.pending, stoppable=False

@@ -124,11 +124,18 @@ def joined(agent: Agent, previous: Round | None, rnd: Round) -> bool:
     if carry is None:
         return False
     if previous is None or rnd.carried != (carry.round, carry.generation):
+        fresh = [m.node_id for m in rnd.members if m.fresh]
+        why = (
+            f"node(s) {', '.join(fresh)} cannot start their ranks into a group in place (their "
+            "torch has no reconfigure, or --in-place off)"
+            if fresh
+            else "group rank 0's node did not carry it"
+        )
         agent.event(
             "grow_in_place_refused",
             level="warning",
             why=f"round {rnd.number} closed without the group this node carried going on "
-            "(group rank 0's node did not carry it): its workers stop and start afresh",
+            f"({why}): its workers stop and start afresh",
         )
         return False
     group, now = agent.group, time.monotonic()

@@ -456,3 +456,31 @@ def test_two_nodes_carry_their_workers_and_a_third_joins_them(daemons, tmp_path)
     assert len(steps) == 1, steps  # one boundary, agreed by every rank
     assert "joined_in_place" in back.all_logs()
     wait_until(lambda: not leftover_processes(), 30, what="no process left")
+
+
+def test_a_node_that_cannot_start_its_ranks_in_place_joins_by_a_restart(daemons, tmp_path):
+    """A runs alone on the in-place path; B joins with `--in-place off` (as a node whose torch
+    has no reconfigure would): its ranks cannot start into A's group in place, so the group
+    does not go on, with one line saying why, and the job takes B in by a whole-group restart
+    (A's workers stopped and started again at world 2) instead of B's ranks waiting for a fresh
+    group nobody forms."""
+    args = with_steps(ARGS, 200)
+    with rendezvous("c10d", tmp_path) as where:
+        flags = (*one_rank_nodes(where), "--last-call-timeout", "2")
+        (a,) = in_order(daemons, tmp_path, flags, 1, args)
+        wait_until(lambda: re.search(r"^step 8/200", a.log_text(0, 1), re.M), 120, what="step 8")
+        b = daemons(
+            "entrypoints.train", *flags, "--in-place", "off", "--checkpoint-dir",
+            str(tmp_path / "c1"), name="b", args=args,
+        )  # fmt: skip
+        for n in (a, b):  # before: b's rank waited in a fresh init nobody else made
+            assert n.wait(90) == 0, n.stderr()[-3000:]
+    refused = events(a, "grow_in_place_refused")
+    assert refused and "cannot start their ranks into a group in place" in refused[0]["why"]
+    assert not events(a, "grown_in_place") and len(a.attempt_dirs()) == 2
+    # the round's workers start as torch's, on every node: said once, where it was in place
+    path = [e for e in events(a, "recovery_path") if e["path"] == "restart"]
+    assert len(path) == 1 and "this round's workers start as torch's" in path[0]["why"], path
+    assert re.search(r"^step 200/200", a.log_text(0, 2), re.M)
+    assert "in_place_fallback" not in a.log_text(0, 2) + b.log_text(1)
+    wait_until(lambda: not leftover_processes(), 30, what="no process left")

@@ -146,6 +146,23 @@ def test_a_member_says_the_group_its_workers_carry_into_the_round_in_place():
     assert values.record(json.dumps(a))["carries"] == [3, 2]
 
 
+def test_a_member_whose_ranks_cannot_start_in_place_says_so():
+    """A node on torch's own init (its torch has no reconfigure, or --in-place off) says
+    "fresh" in its record: its member gets a sixth field after its carries (or null), which
+    every node reads, so the group does not go on in place and nobody's ranks start in place."""
+    a = {**rec("a", prev=0), "carries": [3, 2]}
+    b = {**rec("b"), "fresh": True}
+    written = order(arrived(a, b, {**rec("c"), "fresh": False}), 4)
+    assert written == [[*member("a"), [3, 2]], [*member("b"), None, True], member("c")]
+    found = values.members(json.dumps({"members": written}))["members"]
+    assert [(m.carries, m.fresh) for m in found] == [((3, 2), False), (None, True), (None, False)]
+    both = order(arrived({**a, "fresh": True}), 4)
+    assert values.members(json.dumps({"members": both}))["members"][0].carries == (3, 2)
+    for bad in ([*member("b"), None, False], [*member("b"), None, 1], [*member("b"), None]):
+        assert values.members(json.dumps({"members": [bad]})) is None, bad
+    assert values.record(json.dumps({**b, "fresh": "yes"})) is None
+
+
 @pytest.mark.parametrize(
     "text, want",
     [

@@ -168,6 +168,7 @@ class FakeGroup:
     def __init__(self, script: Script) -> None:
         self.s = script
         self.tee = None
+        self.in_place = False  # the restart path (serve.py sets it from inplace.announce)
         self.workers: list = []
         self.attempt = 0
         self.deadline = deadlines.Deadline(300.0, False)
