@@ -148,3 +148,19 @@ def test_a_round_that_does_not_go_on_with_the_carried_group_starts_afresh(live):
     assert events[-1][0] == "grow_in_place_refused"
     assert grow.joining(fresh) is None
     assert grow.joining(dataclasses.replace(fresh, carried=(0, 1))) == (0, 2)
+
+
+def test_a_member_whose_ranks_cannot_start_in_place_ends_the_carried_group(live):
+    """A member marked fresh (its torch has no reconfigure, or --in-place off): group rank 0
+    carries nothing, so the round goes on no group, and the carrying node's line names that node
+    and why, not group rank 0's node (the words an operator acts on)."""
+    host = _workers_store([0, 1])
+    agent, events = _node(host, live, group_rank=1)
+    assert grow.carry(agent, SCALE)
+    old = Member("b", 1, "127.0.0.1", fresh=True)
+    rnd = _round(1, ("x", 1), ("a", 2, (0, 1)))
+    rnd = dataclasses.replace(rnd, members=[*rnd.members, old])
+    assert not grow.joined(agent, agent.round, rnd)
+    name, fields = events[-1]
+    assert name == "grow_in_place_refused" and "node(s) b cannot start their ranks" in fields["why"]
+    assert grow.joining(rnd) is None
