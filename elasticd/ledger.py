@@ -57,10 +57,14 @@ def attempt_key(env: dict[str, str] | os._Environ = os.environ) -> str:
     before it recorded past that state was rolled back)."""
     round_ = env.get(names.ROUND_NUMBER) or f"restart{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     store = f"{env.get('MASTER_ADDR', '')}:{env.get('MASTER_PORT', '')}"
+    gen = _generation(env)
+    return f"{env.get('TORCHELASTIC_RUN_ID', 'none')}/{round_}/{store}" + (gen and f"/g{gen}")
+
+
+def _generation(env: dict[str, str] | os._Environ = os.environ) -> str:
+    """The group's generation in place (names.IN_PLACE_GEN); "" for the first (0) or none."""
     gen = env.get(names.IN_PLACE_GEN, "0")
-    return f"{env.get('TORCHELASTIC_RUN_ID', 'none')}/{round_}/{store}" + (
-        f"/g{gen}" if gen not in ("", "0") else ""
-    )
+    return "" if gen in ("", "0") else gen
 
 
 class Writer:
@@ -71,17 +75,16 @@ class Writer:
         self.fd: int | None = None
         self.path: Path | None = None  # the file, once created (a repro bundle reads it back)
         self.started = False  # a resumed record written (the first step record writes one)
-        self.gen = ""  # the generation in place the open file is of (names.IN_PLACE_GEN)
+        self.gen = ""  # the generation in place the open file is of ("": the first)
 
     def _open(self) -> int:
-        gen = os.environ.get(names.IN_PLACE_GEN, "0")
+        gen = _generation()
         if self.fd is not None and gen != self.gen:  # re-entered in place: an attempt of its own
             os.close(self.fd)
             self.fd, self.path, self.started = None, None, False
         if self.fd is None:
             rank = os.environ.get("RANK", "0")
-            name = f"rank{rank}{SUFFIX}" if gen in ("", "0") else f"rank{rank}.g{gen}{SUFFIX}"
-            path = Path(self.directory) / name
+            path = Path(self.directory) / f"rank{rank}{gen and f'.g{gen}'}{SUFFIX}"
             try:
                 self.fd = safeio.create(path, os.O_WRONLY | os.O_APPEND)
             except FileExistsError:  # a second process of this rank in one directory

@@ -93,7 +93,7 @@ def _try_round(rz: Rendezvous, nproc: int, deadline: float) -> Round | None:
     master = rz.round_key(number, names.MASTER)
     if rnd.group_rank == 0:
         # the group goes on only where every node that starts ranks into it can start them in place
-        goes_on = rnd.members[0].carries and not any(m.fresh for m in rnd.members)
+        goes_on = rnd.members[0].carries and not rnd.fresh
         carry = rz.carry if rz.carry is not None and goes_on else None
         if carry is not None and carry.store is not None:
             # its workers, and every carrying node's, are the store's clients: hosted on

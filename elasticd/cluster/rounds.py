@@ -72,6 +72,12 @@ class Round:
         return len(self.members)
 
     @property
+    def fresh(self) -> list[str]:
+        """The members whose ranks cannot start in place (`Member.fresh`): where there is one,
+        no group goes on in place and every node's ranks start as torch's."""
+        return [m.node_id for m in self.members if m.fresh]
+
+    @property
     def node_id(self) -> str:
         return self.members[self.group_rank].node_id
 

@@ -484,14 +484,9 @@ class Agent:
         # At the first start the fork server may still be importing torch, and a cold start would
         # take as long: wait for its spares (the peers' liveness beats meanwhile on its own thread).
         # A peer found silent meanwhile is acted on once running.
-        if self.group.in_place and (fresh := [m.node_id for m in rnd.members if m.fresh]):
-            self.event(
-                "recovery_path",
-                path="restart",
-                why=f"node(s) {', '.join(fresh)} cannot start their ranks in place (their torch "
-                "has no reconfigure, or --in-place off): this round's workers start as torch's, "
-                "and a failure restarts the group",
-            )
+        if self.group.in_place and rnd.fresh:
+            why = f"{grow.cannot_start(rnd.fresh)}: this round's workers start as torch's"
+            self.event("recovery_path", path="restart", why=f"{why}, a failure restarts the group")
         if not kept:
             self.waits.idle(
                 time.monotonic() + SPARE_WAIT, lambda: not self.spares.pending, stoppable=False

@@ -175,7 +175,7 @@ class LocalGroup:
             env[names.STATE_KEY] = rnd.state_key.hex()
         if memory_dir:
             env[directory.ENV] = memory_dir
-        if self.in_place and not any(m.fresh for m in rnd.members):
+        if self.in_place and not rnd.fresh:
             # in place only where every node's ranks form so: a rank on torch's own init and one
             # on the in-place one never meet in one group
             env[names.IN_PLACE_GEN] = str(joining[1] if joining else 0)

@@ -115,6 +115,14 @@ def larger(previous: Round, rnd: Round) -> tuple[dict[int, int], tuple[int, ...]
     return mapping, starting
 
 
+def cannot_start(nodes: list[str]) -> str:
+    """Why a round goes on no group in place: the nodes whose ranks cannot start so."""
+    return (
+        f"node(s) {', '.join(nodes)} cannot start their ranks into a group in place (their torch "
+        "has no reconfigure, or --in-place off)"
+    )
+
+
 def joined(agent: Agent, previous: Round | None, rnd: Round) -> bool:
     """After the round closed, on a node that carried its workers: True where they go on in the
     group `rnd` carries (this node's view and theirs renumbered, the next generation announced
@@ -124,13 +132,7 @@ def joined(agent: Agent, previous: Round | None, rnd: Round) -> bool:
     if carry is None:
         return False
     if previous is None or rnd.carried != (carry.round, carry.generation):
-        fresh = [m.node_id for m in rnd.members if m.fresh]
-        why = (
-            f"node(s) {', '.join(fresh)} cannot start their ranks into a group in place (their "
-            "torch has no reconfigure, or --in-place off)"
-            if fresh
-            else "group rank 0's node did not carry it"
-        )
+        why = cannot_start(rnd.fresh) if rnd.fresh else "group rank 0's node did not carry it"
         agent.event(
             "grow_in_place_refused",
             level="warning",
