@@ -251,3 +251,28 @@ def test_a_rank_takes_the_spare_bound_to_its_values_else_an_unbound_one():
     assert spawn._pick(spares, {"RANK": "6"}).pid == 4
     assert spawn._pick(spares, {"RANK": "7"}) is None
     assert spawn._pick([spare(5, {"RANK": "0"})], {}) is None  # unset is a value too
+
+
+def test_a_spare_that_preloaded_torch_reaches_its_group_without_scanning_the_installed_packages():
+    """torch 2.14 registers even gloo through an entry point at a process's first
+    init_process_group: a scan of every installed distribution's metadata, on a replacement's
+    path to its handle. After a spare's preload that scan is done: here any further scan fails
+    the script's init_process_group."""
+    code = (
+        "import os, importlib.metadata as md, torch.distributed as dist\n"
+        "from elasticd.worker import bootstrap\n"
+        "os.environ['ELASTICD_WARM_PRELOAD'] = 'torch'\n"
+        "bootstrap.preload()\n"
+        "def scan(*a, **k):\n"
+        "    raise AssertionError('entry points scanned after the preload')\n"
+        "md.entry_points = scan\n"
+        "store = dist.TCPStore('127.0.0.1', 0, 1, True)\n"
+        "dist.init_process_group('gloo', store=store, rank=0, world_size=1)\n"
+        "dist.destroy_process_group()\n"
+        "print('formed')\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert r.returncode == 0 and r.stdout.strip() == "formed", r.stderr[-2000:]
