@@ -506,6 +506,7 @@ def main(argv=None) -> int:
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-sharded-", dir=os.getcwd()) as tmp:
         tmp = args.workdir or tmp
+        os.makedirs(tmp, exist_ok=True)  # a --workdir not there yet
         for world in (int(w) for w in args.worlds.split(",")):
             for mb in (float(m) for m in args.sizes.split(",")):
                 rows.append(measure(args, world, mb, Path(tmp)))
