@@ -220,6 +220,8 @@ def train_on_nodes(
     random.seed(rank)
     np.random.seed(rank)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    stepped = [0]  # the optimizer's steps, a resume's own among them (torch's zero-gradient one)
+    opt.register_step_pre_hook(lambda *_: stepped.__setitem__(0, stepped[0] + 1))
     sampler = ResumableDistributedSampler(data, num_replicas=world, rank=rank, seed=7)
     loader = DataLoader(data, batch_size=2, sampler=sampler, generator=torch.Generator())
     mgr = CheckpointManager(
@@ -245,7 +247,11 @@ def train_on_nodes(
     state = mgr.load_latest()
     if state is not None:
         step = restore(state, model=model, optimizer=opt, sampler=sampler)["step"]
-    torch.save(held(file=mgr.loaded and mgr.loaded.file, step=step), f"{out}.loaded.{rank}")
+    loading_steps = stepped[0]
+    torch.save(
+        held(file=mgr.loaded and mgr.loaded.file, step=step, loading_steps=loading_steps),
+        f"{out}.loaded.{rank}",
+    )
     seen: list = []
     while step < total and not (crash_after and step >= crash_after):
         sampler.set_epoch(sampler.epoch)

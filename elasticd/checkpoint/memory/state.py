@@ -305,8 +305,9 @@ class MemoryState:
         """The newest disk checkpoint's state, which every rank takes together when a sharded
         resume from memory failed in restore() on some rank (`why`); the slots go as at any
         skip. Without a disk checkpoint this attempt ends: the live model and optimizer were
-        already touched (get_state_dict initializes the optimizer's state, and other ranks may
-        have loaded the memory's), so only a fresh start is a start from scratch."""
+        already touched (the optimizer's state made by get_state_dict or taken from the slot,
+        and other ranks may have loaded the memory's), so only a fresh start is a start from
+        scratch."""
         action = (
             "loading the newest disk checkpoint"
             if on_disk

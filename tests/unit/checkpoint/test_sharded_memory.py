@@ -80,6 +80,9 @@ def test_fsdp2_worker_crash_resumes_from_its_own_slot_bit_exact(tmp_path):
     for r in range(2):
         got = torch.load(f"{second}.loaded.{r}", weights_only=True)
         assert got["step"] == 7 and "/sharded-own/" in got["file"], got["file"]  # no exchange
+        # the optimizer's state came from the slot as it is, not made first by a step of zero
+        # gradients (torch's get_state_dict on a fresh optimizer)
+        assert got["loading_steps"] == 0
         _same(_state(f"{second}.loaded.{r}", rng=True), _state(f"{first}.s7.{r}", rng=True))
 
 
