@@ -89,6 +89,25 @@ def optimizer_owned(msd: Mapping, osd: Mapping, optimizer) -> set[int]:
     return owned
 
 
+def fresh_by_name(model: torch.nn.Module, optimizer, saved_state: Any) -> dict[str, Any] | None:
+    """The parameters a fresh optimizer (no state yet) steps, by name, where those names are
+    exactly a saved optimizer state's (`saved_state`: get_state_dict's "state", keyed by name) and
+    every one is a DTensor; else None. A sharded resume from memory then gives such an optimizer
+    its state itself (memory.shards.seed): torch's get_state_dict would make one by a step of
+    zero gradients (a whole step's compute and memory) for set_state_dict to replace. Names that
+    differ (a wrapper torch's names see through) leave the optimizer to torch."""
+    cls = dtensor_class()
+    if optimizer is None or optimizer.state or cls is None:
+        return None
+    if not isinstance(saved_state, Mapping) or not saved_state:
+        return None
+    stepped = {id(p) for g in optimizer.param_groups for p in g["params"] if p.requires_grad}
+    named = {n: p for n, p in model.named_parameters() if id(p) in stepped}
+    if len(named) != len(stepped) or set(saved_state) != set(named):
+        return None
+    return named if all(isinstance(p, cls) for p in named.values()) else None
+
+
 def _options(strict: bool = True, full: bool = False):
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 

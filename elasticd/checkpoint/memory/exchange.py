@@ -79,6 +79,28 @@ def _leaves(obj: Any, at: Any, found: list, test: Callable[[Any], bool]) -> None
             _leaves(v, (at, i), found, test)
 
 
+def _targets(model, optimizer, saved: Any, marks: list) -> dict[str, Any]:
+    """The live values the shards are placed in ({"model", "optimizer"}: state_dicts()'s). A fresh
+    optimizer whose saved state's names are its parameters' (sharded.fresh_by_name) has no state
+    to look in yet: each of its entries is placed in its parameter's spec instead (the same), and
+    Pieces.restore seeds the optimizer with what was placed, so torch's get_state_dict does not
+    make a state by a step of zero gradients first. Where any marker would find no DTensor that
+    way, state_dicts() as before."""
+    state = saved.get("state") if isinstance(saved, Mapping) else None
+    named = sharded.fresh_by_name(model, optimizer, state)
+    if named is not None:
+        msd, _ = sharded.state_dicts(model, None)
+        stand_in = {
+            n: dict.fromkeys(v, named[n]) for n, v in state.items() if isinstance(v, Mapping)
+        }
+        targets = {"model": msd, "optimizer": {"state": stand_in}}
+        cls = sharded.dtensor_class()
+        if all(isinstance(_lookup(targets, at), cls) for at, _ in marks):
+            return targets
+    msd, osd = sharded.state_dicts(model, optimizer)
+    return {"model": msd} | ({"optimizer": osd} if optimizer is not None else {})
+
+
 def _lookup(tree: Any, at: Any) -> Any:
     """The value at location `at` ((parent, key) chain) of `tree`, None where it has none."""
     for key in keys(at):
@@ -193,8 +215,7 @@ class Exchange:
             _leaves(self.parts.get(part), (None, part), marks, _is_mark)
         why, needs, targets = None, [None] * len(marks), {}
         try:
-            msd, osd = sharded.state_dicts(model, optimizer)
-            targets = {"model": msd} | ({"optimizer": osd} if optimizer is not None else {})
+            targets = _targets(model, optimizer, self.parts.get("optimizer"), marks)
             for i, (at, mark) in enumerate(marks):
                 if root(at) in targets:
                     needs[i] = _box(_lookup(targets, at), mark, at)

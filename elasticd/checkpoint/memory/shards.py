@@ -295,6 +295,8 @@ class Pieces(InMemory):
         new_m = new_o = why = None
         if self.exchange is not None:
             new_m, new_o, why = self.exchange.place(model, optimizer, multi)
+            if why is None and optimizer is not None:
+                seed(optimizer, model, new_o)
         else:
             try:
                 new_m, new_o = self._own(model, optimizer)
@@ -323,7 +325,7 @@ class Pieces(InMemory):
     def _own(self, model, optimizer) -> tuple[Any, Any]:
         assert self.pieces is not None
         if optimizer is not None and len(self.pieces) == 1:
-            _seed(optimizer, model, self.pieces[0].get("optimizer"))
+            seed(optimizer, model, self.pieces[0].get("optimizer"))
         msd, osd = sharded.state_dicts(model, optimizer)
         new_m = _place([p["model"] for p in self.pieces], msd, (None, "model"))
         new_o = None
@@ -332,40 +334,47 @@ class Pieces(InMemory):
         return new_m, new_o
 
 
-def _seed(optimizer, model, saved: Any) -> None:
-    """A fresh optimizer's state taken from this rank's own slot, where it is exactly this rank's
-    shards of every parameter it steps (matched by name): torch's get_state_dict would otherwise
-    make the state by a step of zero gradients (_init_optim_state: a whole step's compute and
-    memory, 0.44 s of a 1 GB Adam job's load) only for set_state_dict to replace it. Anything
-    else (another world, names that differ, a dtype) leaves the optimizer to torch. What is
-    loaded is set_state_dict's either way; these are its values, read for this load alone."""
+def seed(optimizer, model, saved: Any) -> None:
+    """A fresh optimizer's state made from a sharded resume's (`saved`: the optimizer part, its
+    tensors read from the own slot as Chunks, or placed by the exchange as DTensors), where each
+    is exactly this rank's shard of its parameter (sharded.fresh_by_name says which optimizer
+    and names qualify). set_state_dict loads the same values after; without this it would first
+    make a state by a step of zero gradients (0.44 s of a 1 GB Adam job's load), only to replace
+    it. Anything else leaves the optimizer to torch."""
     state = saved.get("state") if isinstance(saved, Mapping) else None
-    cls = sharded.dtensor_class()
-    if optimizer.state or not isinstance(state, Mapping) or not state or cls is None:
-        return
-    stepped = {id(p) for g in optimizer.param_groups for p in g["params"] if p.requires_grad}
-    named = {n: p for n, p in model.named_parameters() if id(p) in stepped}
-    if len(named) != len(stepped) or set(state) != set(named):
+    named = sharded.fresh_by_name(model, optimizer, state)
+    if named is None:
         return
     seeds = {}
     for name, values in state.items():
-        p = named[name]
-        if not isinstance(values, Mapping) or not isinstance(p, cls):
+        if not isinstance(values, Mapping):
             return
-        local = p.to_local()
-        (box,) = p.__create_chunk_list__()
-        need = [list(box.offsets), list(local.shape)]
         entry = {}
         for k, v in values.items():
-            if isinstance(v, Chunk):
-                t = v.tensor
-                exact = [list(v.offsets), list(t.shape)] == need and t.dtype == local.dtype
-                if tuple(v.shape) != tuple(p.shape) or not exact:
+            if isinstance(v, (Chunk, torch.Tensor)) and getattr(v, "ndim", 1):
+                v = _shard_of(named[name], v)
+                if v is None:
                     return
-                v = exchange.like(p, t.contiguous())
             entry[k] = v
-        seeds[p] = entry
+        seeds[named[name]] = entry
     optimizer.state.update(seeds)
+
+
+def _shard_of(param: Any, v: Any) -> Any:
+    """`v` as a DTensor of the parameter's spec, where it is exactly the parameter's local shard
+    (a Chunk read from the slot, or a DTensor the exchange placed); else None."""
+    local = param.to_local()
+    (box,) = param.__create_chunk_list__()
+    need = [list(box.offsets), list(local.shape)]
+    if isinstance(v, Chunk):
+        t = v.tensor
+        exact = [list(v.offsets), list(t.shape)] == need and tuple(v.shape) == tuple(param.shape)
+        return exchange.like(param, t.contiguous()) if exact and t.dtype == local.dtype else None
+    if not isinstance(v, type(param)) or v.shape != param.shape or v.dtype != param.dtype:
+        return None
+    (mine,) = v.__create_chunk_list__()
+    same = list(mine.offsets) == need[0] and list(v.to_local().shape) == need[1]
+    return v if same and v.placements == param.placements else None
 
 
 def agree(why: str | None, multi: bool, **extra: Any) -> tuple[str | None, list[dict]]:

@@ -106,6 +106,7 @@ def test_fsdp2_node_lost_survivor_resumes_from_own_shards_and_replica(tmp_path):
         got = torch.load(f"{second}.loaded.0", weights_only=True)
         assert "/sharded-replicas/" in got["file"], got["file"]
         assert got["step"] in (6, 7), got["step"]  # at most one refresh lost (every step here)
+        assert got["loading_steps"] == 0  # the optimizer's state placed as received, no dry step
         for r in range(2):
             _same(_state(f"{second}.loaded.0"), _state(f"{first}.s{got['step']}.{r}"))
         seen = [i for s, e, idx in _seen(first, 2) if e == 0 and s <= got["step"] for i in idx]
@@ -121,6 +122,7 @@ def test_fsdp2_world_grows_new_rank_receives_its_shards_from_memory(tmp_path):
     for r in range(2):
         got = torch.load(f"{second}.loaded.{r}", weights_only=True)
         assert got["step"] == 7 and "/sharded-exchanged/" in got["file"], got["file"]
+        assert got["loading_steps"] == 0  # the optimizer's state placed as received, no dry step
         _same(_state(f"{second}.loaded.{r}"), _state(f"{first}.s7.0"))
 
 
