@@ -95,14 +95,18 @@ class Arrivals:
         if self.waiting_seen[0] != rnd.number:
             self.waiting_seen = (rnd.number, {})
         seen = self.waiting_seen[1]
-        # members claimed the first numbers (a late node's number follows theirs)
-        first = (rnd.claimed or rnd.group_world_size) + 1
-        new = self.new_records(rnd.number, set(seen), store, first=first)[:16]
+        new = self.new_records(rnd.number, set(seen), store, first=first_late(rnd))[:16]
         if new:
             found = self.read_records(new, store)
             seen.update({k: found[k]["id"] if k in found else None for k in new})
         ids = {m.node_id for m in rnd.members}
         return sorted({i for i in seen.values() if i is not None and i not in ids})
+
+
+def first_late(rnd: Round) -> int:
+    """The arrival number of the first node to come after round `rnd` closed: its members claimed
+    the numbers before it."""
+    return (rnd.claimed or rnd.group_world_size) + 1
 
 
 def counter(s: Sealed, store: kvmod.KV, key: str, number: int, take: bool) -> int:

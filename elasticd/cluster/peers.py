@@ -1,13 +1,17 @@
 """The other nodes of the round, as the agent loop sees them through the store: their restart
 requests, their liveness (and ours), nodes waiting to join, and whether the store still answers.
 
-Two threads, each with its own store connection, so the loop never blocks on the store:
+Threads, each with its own store connection, so the loop never blocks on the store:
 - liveness: beats this node's counter every BEAT_EVERY seconds for as long as the daemon runs,
   reads the counters of the next WATCHED nodes in the ring of the round and, once a second, the
   nodes waiting to join (constant traffic per node, whatever the number of nodes); it also
   notices a store that stops answering;
 - the restart waiter: blocks on the round's restart key (the store answers when it is set), so a
-  request reaches every node at once without polling.
+  request reaches every node at once without polling;
+- the arrival waiter, while the round has room for more nodes: blocks on the key the next node
+  to come will claim its arrival record at, and then has the liveness thread's next beat read
+  the nodes waiting to join (a join in place then starts within a beat, not the once-a-second
+  look's second).
 
 A node is lost when it has been silent for --peer-timeout, or silent for LOST_SILENCE (and for
 more than two of our steps) with evidence that it is gone rather than slow: none of our workers
@@ -35,8 +39,8 @@ import time
 from collections.abc import Callable
 
 from elasticd import logs
+from elasticd.cluster import arrivals, links, probe, silence
 from elasticd.cluster import kv as kvmod
-from elasticd.cluster import links, probe, silence
 from elasticd.cluster.errors import StoreLost, host_down_line
 from elasticd.cluster.rendezvous import Rendezvous
 from elasticd.cluster.rounds import Round
@@ -91,6 +95,7 @@ class Peers:
         self._waiters: list[threading.Thread] = []
         self._beat_kv = rdzv.kv.clone()
         self._wait_kv = rdzv.kv.clone()
+        self._arrival_kv: kvmod.KV | None = None  # the arrival waiter's, made at its first round
         self._thread = supervise.thread(
             "liveness", self._beat_loop, risk="until it is back, peers may take this node for lost"
         )
@@ -108,6 +113,8 @@ class Peers:
         self._round = None
         self._beat_kv.close()
         self._wait_kv.close()
+        if self._arrival_kv is not None:
+            self._arrival_kv.close()
         if self.links is not None:
             self.links.close()  # our listener's too
         elif self._listener is not None:
@@ -134,6 +141,14 @@ class Peers:
         if rnd.group_world_size > 1:
             waiter = threading.Thread(
                 target=self._wait_restart, args=(rnd,), name="elasticd-restart-wait", daemon=True
+            )
+            waiter.start()
+            self._waiters.append(waiter)
+        if rnd.group_world_size < self.cfg.max_nodes and self._thread.ident is not None:
+            if self._arrival_kv is None:
+                self._arrival_kv = self.rdzv.kv.clone()
+            waiter = threading.Thread(
+                target=self._wait_arrival, args=(rnd,), name="elasticd-arrival-wait", daemon=True
             )
             waiter.start()
             self._waiters.append(waiter)
@@ -267,6 +282,23 @@ class Peers:
                         return
                     self._stop.wait(pause)  # a forger's value: the real one may replace it
                     pause = min(2 * pause, GARBAGE_BACKOFF)
+            except kvmod.Unreachable:
+                time.sleep(min(1.0, BEAT_EVERY * 2))  # the liveness thread judges the store
+
+    def _wait_arrival(self, rnd: Round) -> None:
+        """Block on the key the next node to come claims its arrival record at; once it is
+        there, the liveness thread's next beat reads the waiting nodes (a forger's value there
+        costs one such read). Records found by listing (a counter raised past every number)
+        are still read by the once-a-second look."""
+        assert self._arrival_kv is not None
+        index = arrivals.first_late(rnd)
+        while self._round is rnd and not self._stop.is_set():
+            try:
+                if self._arrival_kv.wait(
+                    self.rdzv.sealed.arrival_key(rnd.number, index), WAIT_SLICE
+                ):
+                    self._next_waiting_check = 0.0
+                    index += 1
             except kvmod.Unreachable:
                 time.sleep(min(1.0, BEAT_EVERY * 2))  # the liveness thread judges the store
 
