@@ -10,14 +10,16 @@ group its workers stand in (round and generation, `Member.carries`), and group r
 hosts the workers' store, goes on hosting the one they use and says so in the round's master
 value (`Round.carried`); every node reads there whether the group goes on, so none acts on a
 guess. Then group rank 0 announces the next generation in that store with the larger world and
-the kept ranks' new numbers, and each carrying node asks its workers to re-form at their next step
-boundary (heartbeat.ask_regroup): the checkpoint library agrees on it across ranks in the call it
-makes at every boundary, keeps that step in memory and unwinds the script on every rank at once
+the kept ranks' new numbers, and the joining ranks start, with the group's round and the new
+generation, while the running ones train on. Once every joining rank has given its handle, each
+carrying node asks its workers to re-form at their next step boundary (inplace.regroup,
+heartbeat.ask_regroup; asked at once, they waited at that boundary for the joining ranks' start,
+seconds on a GPU node): the checkpoint library agrees on the boundary across ranks in the call it
+makes at every one, keeps that step in memory and unwinds the script on every rank at once
 (worker/reconfigure.py `Regroup`), so no step is lost. A script without the library never says it
 reached one: after about a step, its pending collective is ended from outside
-(daemon/outside_abort.py; the step in flight is lost, as with any fault). The joining ranks,
-started with the group's round and the new generation, receive the state from the survivors'
-memory (checkpoint/memory/state.py).
+(daemon/outside_abort.py; the step in flight is lost, as with any fault). The joining ranks
+receive the state from the survivors' memory (checkpoint/memory/state.py).
 
 Where the group cannot go on (this torch has no reconfigure, `--in-place off`, a generation
 forming, a rank that exited or never stepped, a rank that did not form its group in place, the
@@ -39,15 +41,9 @@ from elasticd.cluster.rounds import Carry, Round
 from elasticd.daemon import inplace
 from elasticd.lifecycle.states import Failure, RestartCause, Scale
 from elasticd.lifecycle.triage import FailureClass
-from elasticd.worker import heartbeat
 
 if TYPE_CHECKING:
     from elasticd.daemon.agent import Agent
-
-# seconds past about a step (inplace.stuck_after) that the survivors' next step boundary is
-# waited for, before their pending collective is ended from outside (a script without the
-# checkpoint library never reaches one the daemon can see)
-BOUNDARY_SLACK = 0.5
 
 
 def _scale(why: Failure | Scale) -> bool:
@@ -155,14 +151,12 @@ def joined(agent: Agent, previous: Round | None, rnd: Round) -> bool:
             inplace.announce_generation(agent, starting, rnd.world_size, mapping)
         except (Unreachable, ValueError) as e:  # its own store: the workers find no word, fall back
             agent.event("grow_in_place_unannounced", level="warning", why=str(e))
-    group.generation, group.quiet_from = gen, now
+    group.generation = gen
     running = tuple(w.global_rank for w in group.workers)
-    for w in group.workers:  # at their next step boundary, every rank at the same one
-        heartbeat.ask_regroup(str(w.heartbeat_path), gen)
     after = inplace.stuck_after(getattr(group, "deadline", None))
-    agent.forming = inplace.Forming(
-        gen, now, after, running, starting, abort_at=now + after + BOUNDARY_SLACK
-    )
+    # asked to re-form once the joining ranks gave their handles (inplace.unstick), not now:
+    # until then they train, where they would wait at their next boundary for those ranks' start
+    agent.forming = inplace.Forming(gen, now, after, running, starting, ask_when_started=True)
     agent.event(
         "grown_in_place",
         level="warning",

@@ -223,6 +223,27 @@ class Forming:
     # monotonic: when to end the survivors' pending collective from outside, where they were
     # asked to re-form at their next step boundary first (daemon/grow.py); 0: done, or never
     abort_at: float = 0.0
+    # a join (daemon/grow.py): the survivors train on until every rank started for the
+    # generation gave its handle, and only then are asked to re-form at their next boundary
+    ask_when_started: bool = False
+
+
+# seconds past about a step (stuck_after) that the survivors' next step boundary is waited for,
+# once asked, before their pending collective is ended from outside (a script without the
+# checkpoint library never reaches one the daemon can see)
+BOUNDARY_SLACK = 0.5
+
+
+def regroup(agent: Agent, forming: Forming, now: float) -> Forming:
+    """Ask this node's survivors to re-form at their next step boundary (the checkpoint library
+    agrees on it across ranks in the call it makes at each one): `forming` from now on, its
+    stuck clock and the outside abort counted from the ask."""
+    for w in agent.group.workers:
+        heartbeat.ask_regroup(str(w.heartbeat_path), forming.generation)
+    agent.group.quiet_from = now
+    return dataclasses.replace(
+        forming, since=now, abort_at=now + forming.after + BOUNDARY_SLACK, ask_when_started=False
+    )
 
 
 def _cpu(pid: int) -> float | None:
@@ -350,6 +371,17 @@ def unstick(agent: Agent, now: float) -> Failure | None:
     kv = store(agent)
     if kv is None or forming.generation != agent.group.generation:
         agent.forming = None
+        return None
+    if forming.ask_when_started:
+        try:
+            if _starting(agent, forming, kv):
+                return None  # the survivors train on while the joining ranks start
+        except Exception:  # noqa: BLE001 - the store's trouble is the peers' thread's to judge
+            return None
+        agent.forming = regroup(agent, forming, now)
+        agent.event(
+            "regroup_asked", generation=forming.generation, waited=round(now - forming.since, 3)
+        )
         return None
     if forming.abort_at:
         if now < forming.abort_at:

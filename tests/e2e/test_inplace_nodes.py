@@ -7,6 +7,7 @@ second environment)."""
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import json
 import os
@@ -428,15 +429,21 @@ def test_two_nodes_carry_their_workers_and_a_third_joins_them(daemons, tmp_path)
     """Three nodes of one rank; C lost, A and B re-form at world 2. A node comes back: both A
     (which hosts the workers' store and announces) and B (which follows) carry their workers
     into the next round, and the new node's rank joins as rank 2; A's and B's pids the same from
-    start to end, each taken in at the same step boundary."""
+    the shrink's end to the job's, each taken in at the same step boundary. (A survivor of the
+    shrink may itself have been replaced, `in_place_unstuck`: the rare one its abort does not
+    reach; the pids the join carries are those the shrink ended with.)"""
     args = with_steps(ARGS, 300)
     with rendezvous("c10d", tmp_path) as where:
         flags = one_rank_nodes(where)
         a, b, c = in_order(daemons, tmp_path, flags, 3, args)  # group ranks 0, 1, 2
         wait_until(lambda: re.search(r"^step 12/300", a.log_text(0, 1), re.M), 120, what="step 12")
-        before = {**a.worker_pids(), **b.worker_pids()}
         c.kill(signal.SIGKILL)
         wait_until(lambda: all(events(n, "shrunk_in_place") for n in (a, b)), 60, what="shrunk")
+        wait_until(
+            lambda: all("generation=1" in rank_logs(n, r) for n, r in ((a, 0), (b, 1))),
+            60, what="both re-formed at world 2",
+        )  # fmt: skip
+        before = {**a.worker_pids(), **b.worker_pids()}
         back = daemons(
             "entrypoints.train", *flags, "--checkpoint-dir", str(tmp_path / "c2b"), name="back",
             args=args,
@@ -448,13 +455,46 @@ def test_two_nodes_carry_their_workers_and_a_third_joins_them(daemons, tmp_path)
         assert len(grown) == 1 and grown[0]["world"] == 3 and grown[0]["starting"] == [2], grown
         assert grown[0]["ranks"] == {str(rank): rank} and grown[0]["survivors"] == [before[rank]]
         assert len(n.attempt_dirs()) == 1 and not events(n, "grow_in_place_refused")
-        log = n.log_text(rank, 1)
-        assert log.count("re_entered") == 2 and "in_place_fallback" not in log, log[-2000:]
-    assert re.search(r"^step 300/300", a.log_text(0, 1), re.M)  # rank 0 logs the steps
-    steps = {re.findall(r"regroup_at_boundary\s+step=(\d+)", n.log_text(r, 1))[0] for n, r in
+        log = rank_logs(n, rank)  # the process the shrink ended with wrote its last part
+        assert re.search(r"re_entered .*generation=2", log), log[-2000:]
+        assert "in_place_fallback" not in log, log[-2000:]
+    assert re.search(r"^step 300/300", rank_logs(a, 0), re.M)  # rank 0 logs the steps
+    steps = {re.findall(r"regroup_at_boundary\s+step=(\d+)", rank_logs(n, r))[0] for n, r in
              ((a, 0), (b, 1))}  # fmt: skip
     assert len(steps) == 1, steps  # one boundary, agreed by every rank
     assert "joined_in_place" in back.all_logs()
+    wait_until(lambda: not leftover_processes(), 30, what="no process left")
+
+
+def test_the_running_ranks_train_on_while_a_joining_node_s_ranks_start(daemons, tmp_path):
+    """A runs alone on the in-place path; B joins, its workers taking 4 s to start (as a GPU
+    node's do). A's ranks are asked to re-form only once B's rank has given its handle
+    (`regroup_asked`, about those 4 s after the round closed), and they train meanwhile: they
+    give their own handles at their next step boundary after it, and wait for B's for no more
+    than a step. Before, they were asked at once and waited at their boundary for B's start."""
+    args = with_steps(ARGS, 200)
+    with rendezvous("c10d", tmp_path) as where:
+        flags = (*one_rank_nodes(where), "--last-call-timeout", "2")
+        (a,) = in_order(daemons, tmp_path, flags, 1, args)
+        wait_until(lambda: re.search(r"^step 8/200", a.log_text(0, 1), re.M), 120, what="step 8")
+        b = daemons(
+            str(script("slow_start.py")), *flags, "--checkpoint-dir", str(tmp_path / "c1"),
+            name="b", args=args, env={"ELASTICD_TEST_SLOW_START": "4"},
+        )  # fmt: skip
+        for n in (a, b):
+            assert n.wait(120) == 0, n.stderr()[-3000:]
+    assert len(events(a, "grown_in_place")) == 1 and not events(a, "in_place_refused")
+    (asked,) = events(a, "regroup_asked")
+    assert asked["waited"] >= 3.0, asked  # B's start, trained through
+    assert len(a.attempt_dirs()) == 1
+    log0 = a.log_text(0, 1)
+    assert len(re.findall(r"regroup_at_boundary\s+step=(\d+)", log0)) == 1, log0[-3000:]
+    # A's rank gave its handle once B's was in: its wait for the others' is short
+    (entered,) = re.findall(r"re_entered .*phases=(\{[^}]*\})", log0)
+    phases = ast.literal_eval(entered)
+    assert phases["handles"] - phases["collected"] < 2.0, phases  # before: B's 4 s start
+    assert re.search(r"^step 200/200", log0, re.M)
+    assert "joined_in_place" in b.all_logs() and "in_place_fallback" not in log0
     wait_until(lambda: not leftover_processes(), 30, what="no process left")
 
 
