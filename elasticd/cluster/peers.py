@@ -144,7 +144,7 @@ class Peers:
             )
             waiter.start()
             self._waiters.append(waiter)
-        if rnd.group_world_size < self.cfg.max_nodes and self._thread.ident is not None:
+        if rnd.group_world_size < self.cfg.max_nodes:  # (so more than one: the liveness runs)
             if self._arrival_kv is None:
                 self._arrival_kv = self.rdzv.kv.clone()
             waiter = threading.Thread(

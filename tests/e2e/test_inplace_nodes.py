@@ -466,23 +466,32 @@ def test_two_nodes_carry_their_workers_and_a_third_joins_them(daemons, tmp_path)
     wait_until(lambda: not leftover_processes(), 30, what="no process left")
 
 
-def test_the_running_ranks_train_on_while_a_joining_node_s_ranks_start(daemons, tmp_path):
-    """A runs alone on the in-place path; B joins, its workers taking 4 s to start (as a GPU
-    node's do). A's ranks are asked to re-form only once B's rank has given its handle
-    (`regroup_asked`, about those 4 s after the round closed), and they train meanwhile: they
-    give their own handles at their next step boundary after it, and wait for B's for no more
-    than a step. Before, they were asked at once and waited at their boundary for B's start."""
+def alone_then_b(daemons, tmp_path, entrypoint: str, *b_flags: str, env=None) -> tuple:
+    """Node A trains alone (one rank, in place, 200 steps) to step 8, then node B (`entrypoint`,
+    `b_flags`, `env`) joins; both waited for to a clean end. (a, b)."""
     args = with_steps(ARGS, 200)
     with rendezvous("c10d", tmp_path) as where:
         flags = (*one_rank_nodes(where), "--last-call-timeout", "2")
         (a,) = in_order(daemons, tmp_path, flags, 1, args)
         wait_until(lambda: re.search(r"^step 8/200", a.log_text(0, 1), re.M), 120, what="step 8")
         b = daemons(
-            str(script("slow_start.py")), *flags, "--checkpoint-dir", str(tmp_path / "c1"),
-            name="b", args=args, env={"ELASTICD_TEST_SLOW_START": "4"},
+            entrypoint, *flags, *b_flags, "--checkpoint-dir", str(tmp_path / "c1"), name="b",
+            args=args, env=env,
         )  # fmt: skip
         for n in (a, b):
             assert n.wait(120) == 0, n.stderr()[-3000:]
+    return a, b
+
+
+def test_the_running_ranks_train_on_while_a_joining_node_s_ranks_start(daemons, tmp_path):
+    """A runs alone on the in-place path; B joins, its workers taking 4 s to start (as a GPU
+    node's do). A's ranks are asked to re-form only once B's rank has given its handle
+    (`regroup_asked`, about those 4 s after the round closed), and they train meanwhile: they
+    give their own handles at their next step boundary after it, and wait for B's for no more
+    than a step. Before, they were asked at once and waited at their boundary for B's start."""
+    a, b = alone_then_b(
+        daemons, tmp_path, str(script("slow_start.py")), env={"ELASTICD_TEST_SLOW_START": "4"}
+    )
     assert len(events(a, "grown_in_place")) == 1 and not events(a, "in_place_refused")
     (asked,) = events(a, "regroup_asked")
     assert asked["waited"] >= 3.0, asked  # B's start, trained through
@@ -504,17 +513,8 @@ def test_a_node_that_cannot_start_its_ranks_in_place_joins_by_a_restart(daemons,
     does not go on, with one line saying why, and the job takes B in by a whole-group restart
     (A's workers stopped and started again at world 2) instead of B's ranks waiting for a fresh
     group nobody forms."""
-    args = with_steps(ARGS, 200)
-    with rendezvous("c10d", tmp_path) as where:
-        flags = (*one_rank_nodes(where), "--last-call-timeout", "2")
-        (a,) = in_order(daemons, tmp_path, flags, 1, args)
-        wait_until(lambda: re.search(r"^step 8/200", a.log_text(0, 1), re.M), 120, what="step 8")
-        b = daemons(
-            "entrypoints.train", *flags, "--in-place", "off", "--checkpoint-dir",
-            str(tmp_path / "c1"), name="b", args=args,
-        )  # fmt: skip
-        for n in (a, b):  # before: b's rank waited in a fresh init nobody else made
-            assert n.wait(90) == 0, n.stderr()[-3000:]
+    # before: b's rank waited in a fresh init nobody else made
+    a, b = alone_then_b(daemons, tmp_path, "entrypoints.train", "--in-place", "off")
     refused = events(a, "grow_in_place_refused")
     assert refused and "cannot start their ranks into a group in place" in refused[0]["why"]
     assert not events(a, "grown_in_place") and len(a.attempt_dirs()) == 2

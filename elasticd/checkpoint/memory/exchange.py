@@ -137,8 +137,13 @@ def _box(target: Any, mark: dict, at: Any) -> list:
     shape = mark[MARK][0]
     if list(target.shape) != shape:
         raise ValueError(f"{where(at)}: shape {shape} in memory, {list(target.shape)} in the model")
-    (chunk,) = target.__create_chunk_list__()
-    return [list(chunk.offsets), list(target.to_local().shape)]
+    return local_box(target)
+
+
+def local_box(t: Any) -> list:
+    """[offsets, local shape] of a DTensor's local shard in its global tensor."""
+    (chunk,) = t.__create_chunk_list__()
+    return [list(chunk.offsets), list(t.to_local().shape)]
 
 
 def meet(a: list, b: list) -> tuple[list, list] | None:

@@ -363,18 +363,23 @@ def seed(optimizer, model, saved: Any) -> None:
 def _shard_of(param: Any, v: Any) -> Any:
     """`v` as a DTensor of the parameter's spec, where it is exactly the parameter's local shard
     (a Chunk read from the slot, or a DTensor the exchange placed); else None."""
-    local = param.to_local()
-    (box,) = param.__create_chunk_list__()
-    need = [list(box.offsets), list(local.shape)]
     if isinstance(v, Chunk):
-        t = v.tensor
-        exact = [list(v.offsets), list(t.shape)] == need and tuple(v.shape) == tuple(param.shape)
-        return exchange.like(param, t.contiguous()) if exact and t.dtype == local.dtype else None
+        return _as_read(param, v)
     if not isinstance(v, type(param)) or v.shape != param.shape or v.dtype != param.dtype:
         return None
-    (mine,) = v.__create_chunk_list__()
-    same = list(mine.offsets) == need[0] and list(v.to_local().shape) == need[1]
+    same = exchange.local_box(v) == exchange.local_box(param)
     return v if same and v.placements == param.placements else None
+
+
+def _as_read(target: Any, c: Chunk) -> Any:
+    """A DTensor of the live `target`'s spec around the chunk's tensor as it was read, where the
+    chunk is exactly the target's local shard (the same world); else None. It was read from the
+    slot for this load alone: a second copy of each shard was a third of a 1 GB load's time."""
+    t = c.tensor
+    exact = tuple(c.shape) == tuple(target.shape) and t.dtype == target.to_local().dtype
+    if exact and [list(c.offsets), list(t.shape)] == exchange.local_box(target):
+        return exchange.like(target, t.contiguous())
+    return None
 
 
 def agree(why: str | None, multi: bool, **extra: Any) -> tuple[str | None, list[dict]]:
@@ -404,21 +409,18 @@ def _place(saved: list[Any], target: Any, at: Any) -> Any:
 
 def _assemble(target: Any, chunks: list[Chunk], at: Any) -> Any:
     """A DTensor of the live one's spec whose local shard is copied from the parts of the saved
-    chunks that overlap it (each distinct chunk once: replicated dims repeat them). A chunk that
-    is exactly this rank's shard (the same world) is taken as it is: it was read from the slot
-    for this load alone, and a second copy of each shard was a third of a 1 GB load's time."""
+    chunks that overlap it (each distinct chunk once: replicated dims repeat them); a chunk that
+    is exactly this rank's shard is taken as read (_as_read)."""
     local = target.to_local()
-    (box,) = target.__create_chunk_list__()
-    need = [list(box.offsets), list(local.shape)]
+    need = exchange.local_box(target)
     for c in chunks:
         if tuple(c.shape) != tuple(target.shape):
             raise ValueError(
                 f"{where(at)}: shape {list(c.shape)} in memory, {list(target.shape)} in the model"
             )
     for c in chunks:
-        t = c.tensor
-        if [list(c.offsets), list(t.shape)] == need and t.dtype == local.dtype:
-            return exchange.like(target, t.contiguous())
+        if (as_read := _as_read(target, c)) is not None:
+            return as_read
     out = torch.empty(need[1], dtype=local.dtype)
     covered, seen = 0, set()
     for c in chunks:
