@@ -107,6 +107,9 @@ def worker(workload: str, mode: str) -> None:
         if rank == 0:
             print(json.dumps({"grown_mb": max(grown)}))
     dist.destroy_process_group()
+    # gloo's worker threads drop their last work (taking the GIL) before the DDP model is freed:
+    # without this pause torch aborts now and then at exit (elasticd's bootstrap does the same)
+    time.sleep(0.05)
 
 
 def _rss_mb() -> float:

@@ -12,9 +12,10 @@ autograd computes when one rank accumulates every micro-batch into `.grad`. The 
 contiguous runs of indices (elasticd.batch_split.split_exact): rank 0 lets autograd fold its own
 into `.grad`; every other rank keeps each micro-batch's gradients apart (`.grad` taken away after
 each backward), receives the running sum from the rank before it, adds its own in order and
-passes it on; the last rank with work broadcasts the result. Cost: the other ranks hold one
-gradient per micro-batch they computed, and the W-1 sends follow one another (measured in
-bench/exact.py, docs/performance.md).
+passes it on; the last rank with work sends the result to every rank (NCCL: broadcasts it).
+Cost: the other ranks hold one gradient per micro-batch they computed, and the W-1 sends follow
+one another (measured in bench/exact.py, docs/performance.md). On gloo every wait of the sum
+is a receive (`OrderedSum._share`), which a dead or unwound peer ends at once.
 
 Elementwise additions are exact in IEEE arithmetic (one rounding, the same on every machine), so
 moving the running sum between ranks changes no bit. What is not covered, and why:
@@ -43,6 +44,8 @@ import torch.distributed as dist
 from elasticd.checkpoint.rng import numpy_or_none
 
 __all__ = ["OrderedSum", "deterministic", "micro_seed", "seed_micro_batch"]
+
+ANSWER_TAG = 1  # a receiver's answer travels apart from the gradients (tag 0)
 
 
 def micro_seed(seed: int, step: int, index: int) -> int:
@@ -101,6 +104,8 @@ class OrderedSum:
         # the tensors that travel: on the GPU with NCCL, else on the CPU (gloo)
         nccl = self.world > 1 and dist.get_backend() == "nccl"
         self.device = self.params[0].device if nccl and self.params else torch.device("cpu")
+        # how the sum travels (_share): gloo's TCP pairs need the receivers' answers
+        self._gloo = self.world > 1 and not nccl
         self.groups = _dtype_groups(self.params)
 
     def begin(self) -> None:
@@ -140,9 +145,11 @@ class OrderedSum:
         else:
             total = []
         self.kept.clear()
-        if self.rank < self.working - 1:
-            self._send(total, self.rank + 1)
-        total = self._broadcast(total, self.working - 1)
+        sent = self._post(total, [self.rank + 1]) if self.rank < self.working - 1 else []
+        if not self._gloo:  # NCCL: as a plain send
+            _wait(sent)
+        total = self._share(total, self.working - 1)
+        _wait(sent)  # done by now on gloo: the shared sum was built on what they carried
         for p, g in zip(self.params, total, strict=True):
             p.grad = None if g is None else g.to(p.device)
 
@@ -185,19 +192,40 @@ class OrderedSum:
                     at += n
         return out
 
-    def _send(self, grads, dst: int) -> None:
+    def _post(self, grads, dsts: list[int]) -> list:
         mask = self._mask(grads)
-        dist.send(mask, dst)
-        for flat in self._flat(grads, mask):
-            dist.send(flat, dst)
+        tensors = [mask, *self._flat(grads, mask)]
+        return [dist.isend(t, dst) for dst in dsts for t in tensors]
 
-    def _recv(self, src: int) -> list[torch.Tensor | None]:
+    def _recv(self, src: int, answer: bool = False) -> list[torch.Tensor | None]:
         mask = self._mask(self.params)  # shape only
         dist.recv(mask, src)
         flats = self._empty(mask)
         for flat in flats:
             dist.recv(flat, src)
+        if answer:
+            dist.send(torch.ones(1, dtype=torch.uint8), src, tag=ANSWER_TAG)
         return self._unflat(flats, mask)
+
+    def _share(self, grads, src: int) -> list[torch.Tensor | None]:
+        """The sum from the last working rank to every rank. On gloo it is sent to each, and
+        each answers with a byte once it has everything; the last rank waits for the answers
+        before its sends. A send whose data sits in the socket when its receiver stops reading
+        (it unwound from another fault, or died) is not ended by the connection's end (gloo
+        fails a failed pair's receives and the sends still waiting for the receiver, not one
+        being written; torch 2.14.1; a broadcast's root is stuck the same way) and waited out
+        the group's timeout, the survivor killed as stuck; a pending receive fails at once.
+        (The chain's senders need no answer: their next wait is this receive.) NCCL:
+        broadcast, as before."""
+        if not self._gloo:
+            return self._broadcast(grads, src)
+        if self.rank != src:
+            return self._recv(src, answer=True)
+        others = [r for r in range(self.world) if r != src]
+        sent = self._post(grads, others)
+        _wait([dist.irecv(torch.zeros(1, dtype=torch.uint8), r, tag=ANSWER_TAG) for r in others])
+        _wait(sent)
+        return grads
 
     def _broadcast(self, grads, src: int) -> list[torch.Tensor | None]:
         mine = self.rank == src
@@ -207,6 +235,11 @@ class OrderedSum:
         for flat in flats:
             dist.broadcast(flat, src)
         return grads if mine else self._unflat(flats, mask)
+
+
+def _wait(works: list) -> None:
+    for work in works:
+        work.wait()
 
 
 def _dtype_groups(params) -> dict[torch.dtype, list[int]]:

@@ -245,9 +245,9 @@ def test_a_lost_node_s_survivors_re_form_at_the_smaller_world_in_place(
     assert_cause_names(shrunk[0]["cause"], b_id)
     assert not events(a, "in_place_refused") and len(a.attempt_dirs()) == 1
     assert not [e for e in events(a, "state") if e.get("new") == "RESTARTING"]
-    # a survivor blocked where no abort reaches is killed and its rank started again into the
-    # same generation (in_place_unstuck; in exact mode, in 2 CI runs: rank 0 in the ordered
-    # sum's point-to-point send, its receiver unwound): its log goes on in in-place<G>-<n>/
+    # a survivor blocked where no abort reaches (gloo: a send that met the closed connection,
+    # docs/in-place.md) is killed and its rank started again into the same generation
+    # (in_place_unstuck): its log goes on in in-place<G>-<n>/
     unstuck = {r for e in events(a, "in_place_unstuck") for r in e["ranks"]}
     assert len(unstuck) <= 1, unstuck  # the other survivor re-formed in its own process
     for r in (0, 1):
@@ -358,6 +358,16 @@ def test_a_survivor_after_the_lost_node_is_renumbered_in_place(daemons, tmp_path
     claimed = [x for x in causes if "followed" not in x]  # the other followed its announcement
     assert len(claimed) == 1, causes
     assert_cause_names(claimed[0], b_id)
+    assert "re_entered" in a.log_text(0, 1) and re.search(r"^step 60/60", a.log_text(0, 1), re.M)
+    assert_as_uninterrupted(daemons, tmp_path, args)
+    wait_until(lambda: not leftover_processes(), 30, what="no process left")
+    if events(c, "in_place_unstuck"):
+        # gloo's rare stuck send (docs/in-place.md): C's rank was started again as rank 1, so
+        # the renumbering in its own process is not seen this run; the rest held
+        (unstuck,) = events(c, "in_place_unstuck")
+        assert unstuck["ranks"] == [1], unstuck
+        assert "joined_in_place" in rank_logs(c, 1), rank_logs(c, 1)[-2000:]
+        return
     log2 = c.log_text(2, 1)
     assert "re_entered" in log2 and "in_place_fallback" not in log2, log2[-3000:]
     renumbered = [ln for ln in log2.splitlines() if "in_place_renumbered" in ln]
@@ -367,9 +377,6 @@ def test_a_survivor_after_the_lost_node_is_renumbered_in_place(daemons, tmp_path
     assert len(entered) == 1, entered
     assert re.search(r"torch_rank.{0,4}1\b", entered[0]), entered
     assert re.search(r"env_rank.{0,4}1\b", entered[0]), entered
-    assert "re_entered" in a.log_text(0, 1) and re.search(r"^step 60/60", a.log_text(0, 1), re.M)
-    assert_as_uninterrupted(daemons, tmp_path, args)
-    wait_until(lambda: not leftover_processes(), 30, what="no process left")
 
 
 @pytest.mark.parametrize("backend, exact", [("c10d", True), ("etcd", False)])

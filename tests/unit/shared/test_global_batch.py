@@ -7,9 +7,13 @@ from __future__ import annotations
 
 import io
 import math
+import os
+import signal
+import time
 from collections import Counter
 from fractions import Fraction
 
+import psutil
 import pytest
 import structlog
 import structlog.testing
@@ -289,3 +293,49 @@ def _refuses_buffer_broadcast(rank: int, world: int) -> None:
 
 def test_exact_mode_refuses_a_ddp_model_that_broadcasts_buffers(tmp_path):
     helpers.run(_refuses_buffer_broadcast, 1, tmp_path, timeout=60)
+
+
+def _sender_and_stalled_receiver(rank: int, world: int, n: int, stage: str) -> None:
+    """One rank runs the ordered sum of a step; the other asks for data as the sum's next step
+    would (the running sum in the chain, or the result the last rank shares), then stops
+    reading (it stops itself; the test kills it): the first rank's data is left mid-send."""
+    big = nn.Parameter(torch.zeros(n))
+    chain = exact_mode.OrderedSum([big], working=2)
+    chain.begin()
+    big.grad = torch.ones(n)
+    stalled = 1 if stage == "chain" else 0
+    if rank == stalled:
+        if stage == "share":  # rank 0's part of the chain, all of it taken by rank 1
+            for work in chain._post([big.grad], [1]):
+                work.wait()
+        dist.irecv(torch.empty(1, dtype=torch.uint8), 1 - rank)  # the mask
+        dist.irecv(torch.empty(n), 1 - rank)  # the flat gradient
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return
+    if stage == "share":
+        chain.after_backward()  # rank 1 keeps its micro-batch's gradient apart
+    began = time.monotonic()
+    with pytest.raises(RuntimeError):
+        chain.finish()
+    waited = time.monotonic() - began
+    assert waited < 10, f"the send waited {waited:.1f}s for a dead receiver"
+    os._exit(0)  # the group is broken: no destroy
+
+
+@pytest.mark.parametrize("stage", ["chain", "share"])
+def test_a_rank_mid_send_in_the_ordered_sum_fails_at_once_when_its_receiver_dies(tmp_path, stage):
+    """A survivor blocked in the ordered sum's send (the running sum to the next rank, or the
+    result from the last rank to the others) when its receiver stopped reading and closed was
+    killed as stuck (gloo woke it only at the group's timeout, 30 s here): the send now ends
+    with the receiver's connection."""
+    n = 16 << 20  # 64 MB: more than the sockets' buffers hold
+    procs = helpers.start(_sender_and_stalled_receiver, 2, tmp_path, n, stage)
+    stalled = psutil.Process(procs[1 if stage == "chain" else 0].pid)
+    deadline = time.monotonic() + 30
+    while stalled.status() != psutil.STATUS_STOPPED:
+        assert time.monotonic() < deadline, "the receiver never stopped"
+        time.sleep(0.02)
+    time.sleep(0.3)  # the sender has filled the sockets' buffers
+    stalled.kill()
+    codes = helpers.join(procs, timeout=20)
+    assert codes[1 if stage == "share" else 0] == 0, codes
