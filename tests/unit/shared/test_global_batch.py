@@ -330,12 +330,14 @@ def test_a_rank_mid_send_in_the_ordered_sum_fails_at_once_when_its_receiver_dies
     with the receiver's connection."""
     n = 16 << 20  # 64 MB: more than the sockets' buffers hold
     procs = helpers.start(_sender_and_stalled_receiver, 2, tmp_path, n, stage)
-    stalled = psutil.Process(procs[1 if stage == "chain" else 0].pid)
-    deadline = time.monotonic() + 30
-    while stalled.status() != psutil.STATUS_STOPPED:
-        assert time.monotonic() < deadline, "the receiver never stopped"
-        time.sleep(0.02)
-    time.sleep(0.3)  # the sender has filled the sockets' buffers
-    stalled.kill()
-    codes = helpers.join(procs, timeout=20)
+    try:
+        stalled = psutil.Process(procs[1 if stage == "chain" else 0].pid)
+        deadline = time.monotonic() + 30
+        while stalled.status() != psutil.STATUS_STOPPED:
+            assert time.monotonic() < deadline, "the receiver never stopped"
+            time.sleep(0.02)
+        time.sleep(0.3)  # the sender has filled the sockets' buffers
+        stalled.kill()
+    finally:
+        codes = helpers.join(procs, timeout=20)  # kills what is left at the deadline
     assert codes[1 if stage == "share" else 0] == 0, codes
