@@ -105,7 +105,7 @@ class OrderedSum:
         nccl = self.world > 1 and dist.get_backend() == "nccl"
         self.device = self.params[0].device if nccl and self.params else torch.device("cpu")
         # how the sum travels (_share): gloo's TCP pairs need the receivers' answers
-        self._gloo = self.world > 1 and not nccl
+        self._gloo = not nccl
         self.groups = _dtype_groups(self.params)
 
     def begin(self) -> None:
@@ -149,7 +149,8 @@ class OrderedSum:
         if not self._gloo:  # NCCL: as a plain send
             _wait(sent)
         total = self._share(total, self.working - 1)
-        _wait(sent)  # done by now on gloo: the shared sum was built on what they carried
+        if self._gloo:  # done by now: the shared sum was built on what they carried
+            _wait(sent)
         for p, g in zip(self.params, total, strict=True):
             p.grad = None if g is None else g.to(p.device)
 
