@@ -8,6 +8,8 @@
 #   PARTS=nccl bash bench/gpu.sh [OUTDIR]       # the checks of several NCCL ranks (sharing the
 #                                               # GPU where there is one), the DDP tests, then the
 #                                               # recovery and steady rows while BUDGET lasts
+#   PARTS=inplace bash bench/gpu.sh [OUTDIR]    # in place on NCCL: what a survivor sees, and
+#                                               # its re-forming against a fresh rank's start
 #
 # ddp:     1. The tests that need a GPU: NCCL resume bit-identical, CUDA RNG, overlapped
 #             refreshes, SIGKILL mid-refresh, and the default job (README's first command) on NCCL.
@@ -24,6 +26,12 @@
 #             torch's NCCL Flight Recorder and our hook), the FSDP2 GPU tests (two ranks where
 #             two GPUs are); and the DDP part's tests. Their files: OUTDIR/nccl-tests.tgz.
 #          2. The DDP part's recovery and steady rows while BUDGET lasts.
+# inplace: bench/inplace_nccl.py, 2 NCCL ranks (sharing the GPU where there is one), rank 1
+#          SIGKILLed: how the survivor learns (an error, or stuck; with a thread of its own that
+#          aborts the group at the generation's announcement), whether it re-forms in place with a
+#          fresh rank 1 (dist._reconfigure) and sums right, each under TORCH_NCCL_ASYNC_ERROR_
+#          HANDLING 3 and 2; the fresh rank's import / CUDA context / init / form, what the
+#          survivor keeps.
 # Wheels in .whl/ (structlog, tenacity, prometheus-client, pytest-timeout: what a bare image
 # lacks) are installed to /tmp/site first.
 set -uo pipefail
@@ -49,7 +57,7 @@ world=$((gpus >= 2 ? 2 : 1))
 left() { echo $((${BUDGET:-570} - SECONDS)); }  # seconds left of this run's device time
 
 reap() {  # a bench cut short by its timeout leaves its launchers (own sessions) and their workers
-  pkill -9 -f 'm elasticd run|sharded_train.py|step_logger.py|torch.distributed.run' || true
+  pkill -9 -f 'm elasticd run|sharded_train.py|step_logger.py|inplace_nccl.py|torch.distributed.run' || true
 }
 sharded_tests() {
   step "sharded: tests that need a GPU ($gpus GPUs)"
@@ -100,6 +108,12 @@ nccl_tests() {  # all at once: they time nothing (a broken NCCL costs the slowes
 }
 
 case ${PARTS:-ddp} in
+  inplace)
+    step "in place on NCCL ($gpus GPUs)"
+    timeout $(($(left) - 60)) python3 bench/inplace_nccl.py --trials 2 2>&1 |
+      tee "$out/inplace-nccl.txt" | tail -12
+    reap
+    ;;
   nccl)
     python3 -c 'import torch.distributed as d; print("in place:", hasattr(d, "_reconfigure"))'
     nccl_tests

@@ -188,6 +188,25 @@ def test_the_recovery_bench_reports_the_in_place_timeline():
     assert not leftover_processes()
 
 
+def test_the_nccl_probe_re_forms_a_survivor_in_place_on_gloo():
+    """bench/inplace_nccl.py (bench/gpu.sh PARTS=inplace: what a GPU node answers before in place
+    is built on NCCL) in its CPU form: the survivor unwinds at once, re-forms with a fresh rank,
+    sums right in its own process, with and without the watcher's abort."""
+    r = bench(
+        "inplace_nccl.py", "--backend", "gloo", "--handling", "3", "--abort", "none,watcher",
+        "--trials", "1", timeout=120,
+    )  # fmt: skip
+    rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    assert [row["abort"] for row in rows] == ["none", "watcher"], r.stdout
+    for row in rows:
+        assert row["outcome"] == "re-formed in place" and row["summed_right"], row
+        assert row["unwound_s"] < row["reformed_s"] <= row["first_step_s"], row
+        assert set(row["replacement"]) >= {"import", "context", "init", "form"}, row
+    assert rows[1]["watcher_saw_announcement_s"] is not None, rows[1]
+    assert r.stdout.count("1/1 re-formed in place") == 2, r.stdout
+    assert not leftover_processes()
+
+
 def test_a_rank_s_own_error_exits_at_once_and_restarts_the_group(daemons):
     """Rank 1 raises a ValueError of its own (not a collective's failure): it exits with it at
     once, as under torchrun, rather than waiting for a generation (15 s, before), and the daemon
