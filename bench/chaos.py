@@ -8,9 +8,10 @@ are back), drawn from a shuffled deck of the kinds (every kind once per round). 
     kill9 / segv / sigterm     kill -9, SIGSEGV, SIGTERM of one worker (SIGTERM: the library saves
                                at the next step and the unfinished job exits 143)
     stop                       SIGSTOP of one worker, held past --heartbeat-timeout
-    stop_short                 SIGSTOP held half the heartbeat timeout (at most 0.5 s: under the
-                               deadline elasticd learns, 1 s at least), then SIGCONT (a debugger's
-                               pause): the job should go on without a restart
+    stop_short                 SIGSTOP held half the heartbeat timeout, at most 0.15 s (under a
+                               stopped rank's deadline that elasticd learns, 2 x p99 of a step and
+                               0.2 s at least, with the silence since its last beat), then SIGCONT
+                               (a debugger's pause): the job should go on without a restart
     loader                     kill -9 of one worker's DataLoader process
     both                       kill -9 of every worker at once
     spare / forkserver         kill -9 of a warm spare / of the fork server: no restart expected
@@ -402,9 +403,10 @@ def inject(
     if kind == "stop_short":
         t = time.time()
         _signal(workers[rank], signal.SIGSTOP)
-        # under the deadline elasticd learns from the job too (never under 1 s): past it, a
-        # stopped rank is a hang (daemon/suspicion.py)
-        time.sleep(min(hb / 2, 0.5))
+        # under a stopped rank's deadline elasticd learns from the job too (daemon/deadlines.py
+        # `Deadline.stopped`: 2 x p99, never under 0.2 s): past it, a stopped rank is a hang.
+        # 0.5 s, before, was past it at this job's steps (p99 0.15-0.2 s): 1 in 10 restarted
+        time.sleep(min(hb / 2, 0.15))
         _signal(workers[rank], signal.SIGCONT)
         return t, [workers[rank]], time.time()
     if kind == "loader":
