@@ -805,6 +805,7 @@ def replace(agent: Agent, why: Failure) -> bool:
         "replaced_in_place",
         level="warning",
         cause=why.summary(),
+        failure_class=why.failure_class,
         generation=gen,
         ranks=[w.global_rank for w in dead],
         pids=pids,

@@ -46,7 +46,8 @@ class FailureClass(str, enum.Enum):
     """The user's code: an exception, a non-zero exit, a crash of its own (SIGSEGV, SIGABRT)."""
     OOM = "oom"
     """Out of memory: the kernel's OOM killer ended the worker (its cgroup's oom_kill counter or
-    the host's went up with its SIGKILL), or the error file says so (CUDA out of memory)."""
+    the host's went up with its SIGKILL) or its DataLoader worker (torch's error for it, with the
+    counters up), or the error file says so (CUDA out of memory)."""
     HARDWARE = "hardware"
     """The node's hardware or health: a failed --health-check (which reads what the job cannot
     write: the driver's ECC counters, DCGM), or a worker's failure while the GPU driver itself
@@ -63,7 +64,9 @@ class FailureClass(str, enum.Enum):
     STOP = "stop"
     """A stop request or signal."""
     KILLED = "killed"
-    """A worker killed by a signal from outside (SIGKILL, SIGTERM, ...) that was no OOM kill."""
+    """A worker killed by a signal from outside (SIGKILL, SIGTERM, ...) that was no OOM kill, or
+    one whose DataLoader worker was (torch's "DataLoader worker (pid N) is killed by signal:
+    Killed.", the error the rank raises for it)."""
     RENDEZVOUS = "rendezvous"
     """The rendezvous itself failed (the store lost, the job failed elsewhere)."""
     SCALE = "scale"
@@ -81,6 +84,13 @@ class FailureClass(str, enum.Enum):
 OOM_TEXTS = re.compile(
     r"\bOutOfMemoryError\b|CUDA out of memory|\bMemoryError\b|out of memory", re.IGNORECASE
 )
+# torch's DataLoader's words for a worker of its (the rank's child) that died of SIGKILL, which the
+# rank raises as its own error: the OOM killer's (the counters went up) or someone's kill, not the
+# code's. "exited unexpectedly" names no signal: an OOM kill only where the counters say so
+LOADER_KILLED = re.compile(
+    r"\bDataLoader worker \(pid\(?s?\)? [\d, ]+\) is killed by signal: Killed\b"
+)
+LOADER_GONE = re.compile(r"\bDataLoader worker \(pid\(?s?\)? [\d, ]+\) exited unexpectedly")
 
 _HEX = "[0-9a-fA-F]"
 # what differs between attempts of the same failure, each as a regular expression and what it
@@ -168,6 +178,12 @@ def classify(
     killed_by = _signal_of(exit_code)
     if killed_by == signal.SIGKILL and oom_killed:
         return FailureClass.OOM
+    loader_killed = LOADER_KILLED.search(text)
+    if loader_killed or LOADER_GONE.search(text):
+        if oom_killed:  # the counters went up with the rank's exit (daemon/oom.py)
+            return FailureClass.OOM
+        if loader_killed:
+            return FailureClass.KILLED
     if killed_by in OUTSIDE_SIGNALS and not text:
         return FailureClass.KILLED
     return FailureClass.USER

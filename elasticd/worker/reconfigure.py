@@ -455,13 +455,21 @@ def from_elsewhere(exc: BaseException) -> bool:
     closed or reset, gloo's or NCCL's), or the daemon has already announced the next generation.
     Anything else is the script's own error (a bug, bad data, a check of its own): the rank exits
     with it as under torchrun, so that the daemon sees it and its restart judges it (the replay,
-    the repeat rule), rather than the rank waiting for a generation nobody will announce."""
+    the repeat rule), rather than the rank waiting for a generation nobody will announce.
+
+    Only a collective's errors count (torch's are RuntimeErrors: gloo's, NCCL's, the Dist*Error
+    family): an OSError in the chain is a Python socket's, which says nothing of a peer rank.
+    torch's DataLoader raises its "worker ... is killed by signal" while handling the
+    ConnectionResetError of multiprocessing's resource sharer (the batch's fd, from the dead
+    worker): taken for a peer's going, the rank waited for a generation nobody announced, its
+    abort closed the others' connections, and the daemon named another rank hung."""
     texts, seen, e = [], set(), exc
     while e is not None and id(e) not in seen:
         if isinstance(e, Regroup):
             return True
         seen.add(id(e))
-        texts.append(f"{type(e).__name__}: {e}")
+        if not isinstance(e, OSError):
+            texts.append(f"{type(e).__name__}: {e}")
         e = e.__cause__ or e.__context__
     if peer_errors.consequence("\n".join(texts)):
         return True

@@ -207,19 +207,33 @@ def test_the_nccl_probe_re_forms_a_survivor_in_place_on_gloo():
     assert not leftover_processes()
 
 
-def test_a_rank_s_own_error_exits_at_once_and_restarts_the_group(daemons):
-    """Rank 1 raises a ValueError of its own (not a collective's failure): it exits with it at
+@pytest.mark.parametrize(
+    "flags, error",
+    [
+        ([], "ValueError: bad sample at step 10"),
+        # a Python socket's "Connection reset by peer" in its chain is no collective's: taken
+        # for a peer's going, the rank waited for a generation nobody announced, and its abort
+        # closed the others' connections (their failures then taken for the first)
+        (
+            ["--loader-died-of", "Segmentation fault"],
+            "RuntimeError: DataLoader worker (pid 4242) is killed by signal: Segmentation fault",
+        ),
+    ],
+    ids=["value_error", "over_a_reset_socket"],
+)
+def test_a_rank_s_own_error_exits_at_once_and_restarts_the_group(daemons, flags, error):
+    """Rank 1 raises an error of its own (not a collective's failure): it exits with it at
     once, as under torchrun, rather than waiting for a generation (15 s, before), and the daemon
     restarts the group, where the replay and the repeat rule judge errors; the survivors, whose
     collective failed of its going, are not the cause."""
     d = daemons(
         script("inplace_faults.py"), *FLAGS, "--restart-backoff", "0",
-        args=["--steps", "2000", "--raise-at", "10"],
+        args=["--steps", "2000", "--raise-at", "10", *flags],
     )  # fmt: skip
     wait_until(lambda: len(d.attempt_dirs()) > 1, 30, what="the restart")
     refused = events(d, "in_place_refused")
     assert len(refused) == 1 and "a failure of the rank's own" in refused[0]["why"], refused
-    assert "ValueError: bad sample at step 10" in refused[0]["cause"], refused
+    assert error in refused[0]["cause"], refused
     assert not events(d, "replaced_in_place")
     # it ended at once: from its error to the restart's decision well under GENERATION_WAIT
     failed = [e for e in events(d, "state") if e.get("new") == "RESTARTING"][0]
@@ -229,6 +243,28 @@ def test_a_rank_s_own_error_exits_at_once_and_restarts_the_group(daemons):
     wait_until(lambda: re.search(r"^step 3\b", d.log_text(0, 2), re.M), 60, what="restarted")
     d.kill(signal.SIGTERM)
     assert d.wait(60) == 0, d.stderr()[-3000:]
+    assert not leftover_processes()
+
+
+def test_a_rank_whose_dataloader_worker_was_killed_is_replaced_in_place(daemons):
+    """torch's DataLoader raises "worker ... is killed by signal: Killed." in the rank whose
+    loader was SIGKILLed (the OOM killer's, or someone's): no error of the code's, so with no OOM
+    counter up it is an outside kill (class killed), recovered in place like a kill -9 of the rank
+    itself; it restarted the group as the rank's own error before, in 5 of 9 such faults of the
+    chaos soak."""
+    d = daemons(
+        script("inplace_faults.py"), *FLAGS, "--restart-backoff", "0",
+        args=["--steps", "40", "--raise-at", "10", "--loader-died-of", "Killed"],
+    )  # fmt: skip
+    wait_until(lambda: re.search(r"^step 9\b", d.log_text(1, 1), re.M), 60, what="step 9")
+    before = d.worker_pids()
+    assert d.wait(90) == 0, d.stderr()[-3000:]
+    replaced = events(d, "replaced_in_place")
+    assert len(replaced) == 1 and replaced[0]["ranks"] == [1], replaced
+    assert "is killed by signal: Killed" in replaced[0]["cause"], replaced
+    assert sorted(replaced[0]["survivors"]) == sorted([before[0], before[2]])
+    assert not events(d, "in_place_refused") and len(d.attempt_dirs()) == 1
+    assert replaced[0]["failure_class"] == "killed", replaced
     assert not leftover_processes()
 
 

@@ -4,7 +4,10 @@ runs until the training loop ends, so it still runs when a collective fails and 
 unwinds; `--swallow` has rank 0 catch a collective's error and go on, so it never unwinds;
 `--hang-at N` has rank 1, in its first process, sleep for ever before step N's collective (outside
 it: the others wait in it); `--raise-at N` has rank 1, in its first process, raise an error of
-its own (a ValueError, as bad data would) at step N; `--die-at-end` has rank 1, in the job's first
+its own (a ValueError, as bad data would) at step N, or with `--loader-died-of NAME` the error
+torch's DataLoader raises when its worker died of a signal (Killed, Segmentation fault) as it
+handed over a batch (raised while handling the ConnectionResetError of multiprocessing's
+resource sharer); `--die-at-end` has rank 1, in the job's first
 process, SIGKILL itself past the last step while rank 0 returns once the daemon announced the
 generation rank 1's replacement starts for (no collective after the loop, not even
 destroy_process_group's). Prints
@@ -25,6 +28,7 @@ p.add_argument("--thread", action="store_true")
 p.add_argument("--swallow", action="store_true")
 p.add_argument("--hang-at", type=int, default=0)
 p.add_argument("--raise-at", type=int, default=0)
+p.add_argument("--loader-died-of", default="")
 p.add_argument("--die-at-end", action="store_true")
 args = p.parse_args()
 
@@ -40,6 +44,13 @@ for step in range(1, args.steps + 1):
     if step == args.hang_at and first:
         while True:
             time.sleep(1)
+    if step == args.raise_at and first and args.loader_died_of:
+        try:  # a Python socket's error, not a collective's: the batch's fd from the dead worker
+            raise ConnectionResetError(104, "Connection reset by peer")
+        except ConnectionResetError:  # as torch raises it: the reset is its context
+            raise RuntimeError(  # noqa: B904
+                f"DataLoader worker (pid 4242) is killed by signal: {args.loader_died_of}. "
+            )
     if step == args.raise_at and first:
         raise ValueError(f"bad sample at step {step}")
     try:

@@ -236,6 +236,36 @@ def test_at_step(step, expect):
         (1, "KeyError: 'xid'", False, C.USER),
         (-signal.SIGKILL, "RuntimeError: uncorrectable ECC error", True, C.OOM),
         (1, "ValueError: expected 3 channels", False, C.USER),
+        # its DataLoader worker killed -9: someone's kill, or the OOM killer's (counters up)
+        (
+            1,
+            "RuntimeError: DataLoader worker (pid 6352) is killed by signal: Killed. ",
+            False,
+            C.KILLED,
+        ),
+        (
+            1,
+            "RuntimeError: DataLoader worker (pid 6352) is killed by signal: Killed. ",
+            True,
+            C.OOM,
+        ),
+        (1, "RuntimeError: DataLoader worker (pid(s) 5438, 5439) exited unexpectedly", True, C.OOM),
+        # no signal named, no OOM: as any error of the rank's
+        (1, "RuntimeError: DataLoader worker (pid(s) 5438) exited unexpectedly", False, C.USER),
+        # a loader's own crash (a decoder's segfault, /dev/shm too small) is the code's
+        (
+            1,
+            "RuntimeError: DataLoader worker (pid 12) is killed by signal: Segmentation fault.",
+            False,
+            C.USER,
+        ),
+        (
+            1,
+            "RuntimeError: DataLoader worker (pid 12) is killed by signal: Bus error. ",
+            True,
+            C.USER,
+        ),
+        (1, "ValueError: DataLoader worker (pid 12) is killed by signal: Killedx", False, C.USER),
     ],
 )
 def test_worker_failure_class(exit_code, exception, oom_killed, expect):
