@@ -341,3 +341,60 @@ def test_a_rank_mid_send_in_the_ordered_sum_fails_at_once_when_its_receiver_dies
     finally:
         codes = helpers.join(procs, timeout=20)  # kills what is left at the deadline
     assert codes[1 if stage == "share" else 0] == 0, codes
+
+
+def _three_ranks_one_stalled(rank: int, world: int, n: int, stage: str) -> None:
+    """The ordered sum of a step at three ranks, one of which asks for its data as the sum would,
+    then stops reading (it stops itself; the test kills it): "middle", the last rank (2), whose
+    running sum comes from the middle rank, which has just received its own from rank 0; "share",
+    rank 0, one of the two ranks the last rank sends the sum to, the other one reading on."""
+    big = nn.Parameter(torch.zeros(n))
+    chain = exact_mode.OrderedSum([big], working=3)
+    chain.begin()
+    big.grad = torch.ones(n)
+    stalled, sender = (2, 1) if stage == "middle" else (0, 2)
+    if rank == stalled:
+        if stage == "share":  # rank 0's part of the chain, all of it taken by rank 1
+            for work in chain._post([big.grad], [1]):
+                work.wait()
+        dist.irecv(torch.empty(1, dtype=torch.uint8), sender)  # the mask
+        dist.irecv(torch.empty(n), sender)  # the flat gradient
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return
+    if rank > 0:
+        chain.after_backward()  # each micro-batch's gradient kept apart, added in the chain
+    if stage == "share" and rank == 1:  # it reads on: the sum of all three reaches it
+        chain.finish()
+        assert torch.equal(big.grad, torch.full((n,), 3.0))
+        os._exit(0)
+    began = time.monotonic()
+    with pytest.raises(RuntimeError):
+        chain.finish()
+    waited = time.monotonic() - began
+    assert waited < 10, f"rank {rank} waited {waited:.1f}s for a dead peer"
+    os._exit(0)  # the group is broken: no destroy
+
+
+@pytest.mark.parametrize("stage", ["middle", "share"])
+def test_at_three_ranks_the_ordered_sum_ends_at_once_for_every_rank_whose_peer_dies(
+    tmp_path, stage
+):
+    """Three ranks, one of which stops reading mid-transfer and is killed: in the chain's middle
+    (rank 1 receives its running sum, then sends on to the stalled last rank; rank 0 waits for
+    the shared sum) each waiting rank ends with the dead one's connection, not at the group's
+    timeout (30 s here); with the shared sum (the last rank sends it to ranks 0 and 1, rank 0
+    stalled) the last rank ends at once and rank 1, which read on, has the whole sum."""
+    n = 16 << 20  # 64 MB: more than the sockets' buffers hold
+    stalled = 2 if stage == "middle" else 0
+    procs = helpers.start(_three_ranks_one_stalled, 3, tmp_path, n, stage)
+    try:
+        stopped = psutil.Process(procs[stalled].pid)
+        deadline = time.monotonic() + 30
+        while stopped.status() != psutil.STATUS_STOPPED:
+            assert time.monotonic() < deadline, "the stalled rank never stopped"
+            time.sleep(0.02)
+        time.sleep(0.3)  # the senders have filled the sockets' buffers
+        stopped.kill()
+    finally:
+        codes = helpers.join(procs, timeout=20)  # kills what is left at the deadline
+    assert [c for r, c in enumerate(codes) if r != stalled] == [0, 0], codes
