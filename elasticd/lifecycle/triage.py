@@ -86,11 +86,13 @@ OOM_TEXTS = re.compile(
 )
 # torch's DataLoader's words for a worker of its (the rank's child) that died of SIGKILL, which the
 # rank raises as its own error: the OOM killer's (the counters went up) or someone's kill, not the
-# code's. "exited unexpectedly" names no signal: an OOM kill only where the counters say so
+# code's. "exited unexpectedly" names no signal: an OOM kill only where the counters say so. The
+# words may follow a line break that the message's escaping made "\n" (the worker's note of a
+# loader's exit status after torch's "exited unexpectedly": worker/loader_exits.py): no \b first
 LOADER_KILLED = re.compile(
-    r"\bDataLoader worker \(pid\(?s?\)? [\d, ]+\) is killed by signal: Killed\b"
+    r"DataLoader worker \(pid\(?s?\)? [\d, ]+\) is killed by signal: Killed\b"
 )
-LOADER_GONE = re.compile(r"\bDataLoader worker \(pid\(?s?\)? [\d, ]+\) exited unexpectedly")
+LOADER_GONE = re.compile(r"DataLoader worker \(pid\(?s?\)? [\d, ]+\) exited unexpectedly")
 
 _HEX = "[0-9a-fA-F]"
 # what differs between attempts of the same failure, each as a regular expression and what it

@@ -217,7 +217,8 @@ def write_error_file(exc: BaseException) -> None:
         return
     data = {
         "message": {
-            "message": f"{type(exc).__name__}: {exc}",
+            # with its notes, as the interpreter prints the exception's last lines
+            "message": "\n".join([f"{type(exc).__name__}: {exc}", *getattr(exc, "__notes__", [])]),
             "extraInfo": {
                 "py_callstack": "".join(traceback.format_exception(exc)),
                 "timestamp": str(int(time.time())),
@@ -425,6 +426,9 @@ def uncaught(exc: BaseException) -> None:
     sys.last_*, exit status 1), here, so that the traceback starts at the script: raised on, it
     would gain the frames of runpy, the fork server and this shim on its way out."""
     exc.__traceback__ = script_traceback(exc.__traceback__)
+    from elasticd.worker import loader_exits  # only on a failure: the start imports little
+
+    loader_exits.note(exc)
     write_error_file(exc)
     for hook in FAILURE_HOOKS:
         hook(exc)

@@ -7,7 +7,9 @@ it: the others wait in it); `--raise-at N` has rank 1, in its first process, rai
 its own (a ValueError, as bad data would) at step N, or with `--loader-died-of NAME` the error
 torch's DataLoader raises when its worker died of a signal (Killed, Segmentation fault) as it
 handed over a batch (raised while handling the ConnectionResetError of multiprocessing's
-resource sharer); `--die-at-end` has rank 1, in the job's first
+resource sharer), or with `--loader-killed-unseen` a real DataLoader whose worker is SIGKILLed
+where torch's SIGCHLD handler does not see it (its own check reaps the worker: "exited
+unexpectedly", no cause named); `--die-at-end` has rank 1, in the job's first
 process, SIGKILL itself past the last step while rank 0 returns once the daemon announced the
 generation rank 1's replacement starts for (no collective after the loop, not even
 destroy_process_group's). Prints
@@ -29,6 +31,7 @@ p.add_argument("--swallow", action="store_true")
 p.add_argument("--hang-at", type=int, default=0)
 p.add_argument("--raise-at", type=int, default=0)
 p.add_argument("--loader-died-of", default="")
+p.add_argument("--loader-killed-unseen", action="store_true")
 p.add_argument("--die-at-end", action="store_true")
 args = p.parse_args()
 
@@ -51,6 +54,24 @@ for step in range(1, args.steps + 1):
             raise RuntimeError(  # noqa: B904
                 f"DataLoader worker (pid 4242) is killed by signal: {args.loader_died_of}. "
             )
+    if step == args.raise_at and first and args.loader_killed_unseen:
+        import multiprocessing
+
+        from torch.utils.data import DataLoader, Dataset
+
+        class Slow(Dataset):
+            def __len__(self):
+                return 4
+
+            def __getitem__(self, i):
+                time.sleep(60)
+                return i
+
+        batches = iter(DataLoader(Slow(), num_workers=1, timeout=2))
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # torch's handler, which names the cause
+        for worker in multiprocessing.active_children():
+            os.kill(worker.pid, signal.SIGKILL)
+        next(batches)  # "DataLoader worker (pid(s) N) exited unexpectedly"
     if step == args.raise_at and first:
         raise ValueError(f"bad sample at step {step}")
     try:

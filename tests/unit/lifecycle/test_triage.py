@@ -252,6 +252,22 @@ def test_at_step(step, expect):
         (1, "RuntimeError: DataLoader worker (pid(s) 5438, 5439) exited unexpectedly", True, C.OOM),
         # no signal named, no OOM: as any error of the rank's
         (1, "RuntimeError: DataLoader worker (pid(s) 5438) exited unexpectedly", False, C.USER),
+        # with the bootstrap's note of its exit status (worker/loader_exits.py), as the daemon
+        # reads the error file's message: its line breaks escaped
+        (
+            1,
+            "RuntimeError: DataLoader worker (pid(s) 5438) exited unexpectedly\\nDataLoader "
+            "worker (pid 5438) is killed by signal: Killed. (elasticd: its exit status)",
+            False,
+            C.KILLED,
+        ),
+        (
+            1,
+            "RuntimeError: DataLoader worker (pid(s) 5438) exited unexpectedly\\nDataLoader "
+            "worker (pid 5438) exited with code 3. (elasticd: its exit status)",
+            False,
+            C.USER,
+        ),
         # a loader's own crash (a decoder's segfault, /dev/shm too small) is the code's
         (
             1,

@@ -1,0 +1,106 @@
+"""worker/loader_exits.py: a DataLoader's "exited unexpectedly" gains its worker's exit status,
+from torch's own frame, with a real loader and a real worker process ended by a real signal or
+exit; and the error file's message carries it, where the daemon's triage reads it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import psutil
+import pytest
+from torch.utils.data import DataLoader, Dataset
+
+from elasticd.lifecycle import triage
+from elasticd.worker import bootstrap, loader_exits
+
+
+class Ends(Dataset):
+    """Item 0 ends its worker as asked (a code, or waiting to be killed)."""
+
+    def __init__(self, code: int | None) -> None:
+        self.code = code
+
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, i: int) -> int:
+        if self.code is not None:
+            os._exit(self.code)
+        time.sleep(60)
+        return i
+
+
+def _error_of_a_loader(code: int | None) -> RuntimeError:
+    """torch's "exited unexpectedly": the loader made off the main thread (torch's SIGCHLD
+    handler, which names the cause, is the main thread's), its worker ended by `code` or, where
+    None, SIGKILLed by the test."""
+    got: list[BaseException] = []
+
+    def run() -> None:
+        batches = iter(DataLoader(Ends(code), num_workers=1, timeout=1))
+        if code is None:
+            deadline = time.monotonic() + 30
+            while not (workers := psutil.Process().children()):
+                assert time.monotonic() < deadline, "no loader worker"
+                time.sleep(0.02)
+            for w in workers:
+                w.send_signal(signal.SIGKILL)
+        try:
+            next(batches)
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            got.append(e)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(60)
+    assert not thread.is_alive() and got, "the loader never failed"
+    assert isinstance(got[0], RuntimeError) and "exited unexpectedly" in str(got[0]), got
+    return got[0]
+
+
+@pytest.mark.parametrize(
+    ("code", "words", "klass"),
+    [
+        (None, "is killed by signal: Killed.", triage.FailureClass.KILLED),
+        (3, "exited with code 3.", triage.FailureClass.USER),
+    ],
+)
+def test_exited_unexpectedly_gains_the_worker_s_exit_status(
+    tmp_path, monkeypatch, code, words, klass
+):
+    exc = _error_of_a_loader(code)
+    pid = int(loader_exits.GONE.search(str(exc))["pids"])
+    loader_exits.note(exc)
+    assert exc.__notes__ == [f"DataLoader worker (pid {pid}) {words} (elasticd: its exit status)"]
+    # the error file's message carries it, and the daemon classifies what it reads there
+    path = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+    bootstrap.write_error_file(exc)
+    message = json.loads(path.read_text())["message"]["message"]
+    assert message.endswith(f"exited unexpectedly\n{exc.__notes__[0]}"), message
+    from elasticd.daemon import spawn
+
+    read, _stack = spawn.read_error_report(path)
+    assert triage.classify(1, read, oom_killed=False) is klass
+    if klass is triage.FailureClass.KILLED:  # the OOM killer's, where the counters went up
+        assert triage.classify(1, read, oom_killed=True) is triage.FailureClass.OOM
+
+
+def test_other_errors_and_a_chain_without_the_processes_gain_nothing():
+    plain = RuntimeError("DataLoader worker (pid(s) 4242) exited unexpectedly")
+    loader_exits.note(plain)  # raised by hand: no frame holds worker 4242
+    assert not getattr(plain, "__notes__", None)
+    other = ValueError("DataLoader worker (pid(s) 4242) exited unexpectedly")
+    loader_exits.note(other)
+    assert not getattr(other, "__notes__", None)
+
+
+def test_a_signal_s_name_and_an_unknown_signal():
+    assert loader_exits.said(7, -signal.SIGSEGV).endswith(
+        "is killed by signal: Segmentation fault. (elasticd: its exit status)"
+    )
+    assert "is killed by signal: " in loader_exits.said(7, -200)
