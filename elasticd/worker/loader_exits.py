@@ -14,6 +14,7 @@ message (bootstrap.write_error_file) classifies as it would have (lifecycle/tria
 
 from __future__ import annotations
 
+import contextlib
 import re
 import signal
 import types
@@ -24,7 +25,13 @@ GONE = re.compile(r"DataLoader worker \(pid\(s\) (?P<pids>[\d, ]+)\) exited unex
 
 def note(exc: BaseException) -> None:
     """Each "exited unexpectedly" in `exc`'s chain gains a note per worker it names whose exit
-    status its traceback's frames still hold."""
+    status its traceback's frames still hold. Never raises: it runs before the error file is
+    written, and the frames hold the script's objects, whatever their attributes do."""
+    with contextlib.suppress(Exception):
+        _note(exc)
+
+
+def _note(exc: BaseException) -> None:
     seen: set[int] = set()
     e: BaseException | None = exc
     while e is not None and id(e) not in seen:

@@ -104,3 +104,23 @@ def test_a_signal_s_name_and_an_unknown_signal():
         "is killed by signal: Segmentation fault. (elasticd: its exit status)"
     )
     assert "is killed by signal: " in loader_exits.said(7, -200)
+
+
+class _Hostile:
+    @property
+    def __dict__(self):
+        raise RuntimeError("an attribute that raises")
+
+
+def test_an_object_whose_attributes_raise_leaves_the_error_as_it_was():
+    """note runs before the error file is written: a script's object in the frames whose
+    attributes raise must not cost the rank its error file."""
+
+    def fail() -> None:
+        hostile = _Hostile()  # noqa: F841 - a local of the failing frame
+        raise RuntimeError("DataLoader worker (pid(s) 4242) exited unexpectedly")
+
+    with pytest.raises(RuntimeError) as got:
+        fail()
+    loader_exits.note(got.value)
+    assert not getattr(got.value, "__notes__", None)
