@@ -18,7 +18,8 @@ is a suspicion, not a verdict: group.py declares a hang past it only with eviden
 stopped, or idle while the others wait in a collective: daemon/group.py `_suspect`).
 A rank stopped by a signal (state T) is its own evidence, and a job's tail is no excuse for it:
 its deadline is `Deadline.stopped`, 2 x p99 alone less the loop's tick (it is acted on within a
-tick of passing it), never under STOP_FLOOR: the rank is named within 2 x p99 of its stop.
+tick of passing it), never under STOP_FLOOR: the rank is named within 2 x p99 of its stop, also
+where a tail puts the job's deadline over the ceiling.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ class Deadline:
 
     def basis(self, stopped: bool = False) -> str:
         """How it was made, for the hang's reason and the events."""
-        if not self.learned:
+        if not (self.learned or (stopped and self.stopped)):
             return f"heartbeat timeout {self.seconds:g}s"
         if stopped:
             return (
@@ -85,13 +86,18 @@ class StepTimes:
         self.longest = 0.0
         self._last: dict[int, tuple[int, float]] = {}  # key (a worker's pid) -> (beats, last)
 
-    def observe(self, key: int, beats: int, last: float) -> None:
-        """One reading of a rank's heartbeat (its count and latest beat's time)."""
+    def observe(self, key: int, beats: int, last: float, since: float = 0.0) -> None:
+        """One reading of a rank's heartbeat (its count and latest beat's time). A gap that
+        began before `since` (the group re-formed in place then) is a recovery's, not a step's:
+        a survivor keeps its pid and its count across it, and taken as a step it made a job
+        whose recoveries took a second or more (LONGEST x, over the ceiling) lose its learned
+        deadline for good, a stopped rank's too (the chaos soak's SIGSTOPs found at the 3 s
+        ceiling, not at 2 x p99, after its first slow recovery)."""
         if beats <= 0:
             return
         prev = self._last.get(key)
         self._last[key] = (beats, last)
-        if prev is None or beats <= prev[0] or last <= prev[1]:
+        if prev is None or beats <= prev[0] or last <= prev[1] or prev[1] < since:
             return
         self.add(last - prev[1], beats - prev[0])
 
@@ -124,7 +130,9 @@ class StepTimes:
             return Deadline(ceiling, False, steps=steps)
         p99 = self.quantile(0.99)
         seconds = max(FLOOR, P99_TIMES * p99, LONGEST * self.longest)
-        if seconds >= ceiling:
-            return Deadline(ceiling, False, p99, self.longest, steps)
         stopped = max(STOP_FLOOR, P99_TIMES * p99 - tick)
+        if seconds >= ceiling:  # the ceiling rules a silent rank; a stopped one's stands
+            return Deadline(
+                ceiling, False, p99, self.longest, steps, stopped if stopped < ceiling else 0.0
+            )
         return Deadline(seconds, True, p99, self.longest, steps, min(stopped, seconds))

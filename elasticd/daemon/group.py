@@ -215,7 +215,7 @@ class LocalGroup:
             beat = self.beat(w)
             if beat and beat.beats:
                 self.seen_beats = True
-                self.steps.observe(w.pid, beat.beats, beat.last)
+                self.steps.observe(w.pid, beat.beats, beat.last, since=self.quiet_from)
                 if beat.last < self.quiet_from:  # silent since before a generation in place
                     beat = dataclasses.replace(beat, last=self.quiet_from)
             sample = self._watch(w)[1].sample()
@@ -239,10 +239,11 @@ class LocalGroup:
 
     def _late(self, beat: heartbeat.Beat | None, now: float, stopped: bool) -> bool:
         """Silent past the learned deadline (deadlines.py; a rank `stopped` by a signal: its
-        own, 2 x p99), after its attempt's warm-up."""
+        own, 2 x p99, which stands where a tail put the job's over the ceiling), after its
+        attempt's warm-up."""
         d = self.deadline
         return (
-            d.learned
+            (d.learned or (stopped and d.stopped > 0))
             and beat is not None
             and beat.beats >= deadlines.RANK_WARMUP
             and not beat.exiting

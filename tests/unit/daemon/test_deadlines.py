@@ -38,7 +38,9 @@ def test_slow_regular_steps_and_a_tail_set_it_and_the_flag_caps_it():
     times = regular(0.02, 500)
     times.add(1.5)  # one 1.5 s stall (a data read): the next one is not a hang
     assert times.deadline(300.0, 1).seconds == pytest.approx(4.5)
-    assert times.deadline(3.0, 1) == deadlines.Deadline(3.0, False, times.quantile(0.99), 1.5, 500)
+    p99 = times.quantile(0.99)
+    # over a 3 s ceiling the ceiling rules a silent rank; a stopped one's deadline stands
+    assert times.deadline(3.0, 1) == deadlines.Deadline(3.0, False, p99, 1.5, 500, STOP_FLOOR)
 
 
 def test_a_stopped_rank_s_deadline_is_two_p99_alone_never_under_its_floor():
@@ -55,6 +57,35 @@ def test_a_stopped_rank_s_deadline_is_two_p99_alone_never_under_its_floor():
     assert ticked.for_stopped == pytest.approx(slow.for_stopped - 0.1), ticked
     assert not regular(0.02, 10).deadline(300.0, 1).learned  # warming up: the ceiling for both
     assert regular(0.02, 10).deadline(300.0, 1).for_stopped == 300.0
+
+
+def test_a_tail_over_the_ceiling_leaves_a_stopped_rank_s_deadline_standing():
+    """3 x the longest gap over --heartbeat-timeout: a silent rank waits for the ceiling, a
+    stopped one is still named at 2 x p99 (before, at the ceiling too: a tail is no excuse for a
+    rank stopped by a signal)."""
+    times = regular(0.3, 500)
+    times.add(1.2)  # one 1.2 s stall: 3.6 s, over a 3 s ceiling
+    d = times.deadline(3.0, 1, tick=0.1)
+    assert not d.learned and d.seconds == 3.0, d
+    assert d.for_stopped == pytest.approx(2 * times.quantile(0.99) - 0.1), d
+    assert 0.5 < d.for_stopped < 0.7, d
+    assert "a stopped rank's deadline" in d.basis(stopped=True), d.basis(stopped=True)
+    assert d.basis() == "heartbeat timeout 3s"
+    # steps of 2 s: 2 x p99 is over the ceiling too, which then rules both
+    slow = regular(2.0, 200).deadline(3.0, 1)
+    assert (slow.seconds, slow.for_stopped, slow.learned) == (3.0, 3.0, False), slow
+    assert slow.basis(stopped=True) == "heartbeat timeout 3s"
+
+
+def test_a_gap_across_a_recovery_in_place_is_not_a_step():
+    """A survivor keeps its pid and its count across a recovery in place: the gap from its last
+    beat before the fault to its first after is the recovery's, not a step's (the chaos soak:
+    after a 1.5 s recovery 3 x the longest gap was over the ceiling for the rest of the job)."""
+    times = regular(0.1, 100)
+    times.observe(0, 101, 10.1 + 1.5, since=10.5)  # its last beat 10.0, the group re-formed 10.5
+    assert times.longest == pytest.approx(0.1) and times.total == 99
+    times.observe(0, 102, 11.7, since=10.5)  # the next gap began after: a step again
+    assert times.total == 100 and times.longest == pytest.approx(0.1)
 
 
 def test_several_beats_between_two_readings_count_as_that_many_steps_of_the_whole_gap():
