@@ -421,14 +421,15 @@ def script_traceback(tb: types.TracebackType | None) -> types.TracebackType | No
     return tb
 
 
-def uncaught(exc: BaseException) -> None:
+def uncaught(exc: BaseException, sigchld: Callable | None = None) -> None:
     """What the interpreter does with an exception the script left uncaught (sys.excepthook,
     sys.last_*, exit status 1), here, so that the traceback starts at the script: raised on, it
-    would gain the frames of runpy, the fork server and this shim on its way out."""
+    would gain the frames of runpy, the fork server and this shim on its way out. `sigchld`:
+    the script's SIGCHLD handler, held while this runs (run_once), asked about dead loaders."""
     exc.__traceback__ = script_traceback(exc.__traceback__)
     from elasticd.worker import loader_exits  # only on a failure: the start imports little
 
-    loader_exits.note(exc)
+    loader_exits.note(exc, sigchld)
     write_error_file(exc)
     for hook in FAILURE_HOOKS:
         hook(exc)
@@ -500,20 +501,51 @@ def run_once(entrypoint: str, args: list[str]) -> bool:
     except KeyboardInterrupt:
         raise  # the interpreter ends the process by SIGINT, as it should
     except BaseException as exc:  # noqa: BLE001 - shown and ended as the interpreter would
-        if os.environ.get(names.IN_PLACE_GEN) is not None:
-            from elasticd.worker import reconfigure
+        held = _hold_sigchld()
+        try:
+            if os.environ.get(names.IN_PLACE_GEN) is not None:
+                from elasticd.worker import reconfigure
 
-            if not reconfigure.from_elsewhere(exc):
-                uncaught(exc)  # its own error: it exits with it, as it would under torchrun
-            if reconfigure.reenter(exc) is None:
-                return False
-            try:  # fell back: end now, as a restart expects, whatever threads the script left
-                uncaught(exc)
-            finally:
-                quit_unused(1)
-        uncaught(exc)
+                if not reconfigure.from_elsewhere(exc):
+                    uncaught(exc, held)  # its own error: it exits with it, as under torchrun
+                if reconfigure.reenter(exc) is None:
+                    return False
+                try:  # fell back: end now, as a restart expects, whatever threads it left
+                    uncaught(exc, held)
+                finally:
+                    quit_unused(1)
+            uncaught(exc, held)
+        finally:
+            _release_sigchld(held)
     _mark("returned")  # before interpreter teardown: its death no longer fails the job
     return True
+
+
+def _hold_sigchld() -> Callable | None:
+    """A Python SIGCHLD handler (torch's DataLoader's, which raises where a loader worker died)
+    swapped, while this shim handles the script's failure, for one that does nothing: torch's
+    raised its "killed by signal" inside the shim once (the chaos soak: the error the script
+    unwound with was the resource sharer's ConnectionResetError, the loader's death came during
+    its handling), and the rank died with no error file, taken for its own error. It is asked
+    once, where the error is written (loader_exits.note), and put back for a run again."""
+    try:
+        held = signal.getsignal(signal.SIGCHLD)
+        if not callable(held):
+            return None
+        signal.signal(signal.SIGCHLD, _noted)
+    except (ValueError, OSError):  # not the main thread
+        return None
+    return held
+
+
+def _noted(signum, frame) -> None:
+    """SIGCHLD while a failure is handled: torch's handler is asked later (_hold_sigchld)."""
+
+
+def _release_sigchld(held: Callable | None) -> None:
+    if held is not None:
+        with contextlib.suppress(ValueError, OSError):
+            signal.signal(signal.SIGCHLD, held)
 
 
 if __name__ == "__main__":

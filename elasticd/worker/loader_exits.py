@@ -18,17 +18,35 @@ import contextlib
 import re
 import signal
 import types
+from collections.abc import Callable
 from multiprocessing.process import BaseProcess
 
 GONE = re.compile(r"DataLoader worker \(pid\(s\) (?P<pids>[\d, ]+)\) exited unexpectedly$")
 
 
-def note(exc: BaseException) -> None:
+def note(exc: BaseException, sigchld: Callable | None = None) -> None:
     """Each "exited unexpectedly" in `exc`'s chain gains a note per worker it names whose exit
-    status its traceback's frames still hold. Never raises: it runs before the error file is
-    written, and the frames hold the script's objects, whatever their attributes do."""
+    status its traceback's frames still hold; and where the script's SIGCHLD handler (torch's
+    DataLoader's, held by the bootstrap while it handles the failure) says a loader worker died,
+    `exc` gains what it says. Never raises: it runs before the error file is written, and the
+    frames hold the script's objects, whatever their attributes do."""
     with contextlib.suppress(Exception):
         _note(exc)
+    if sigchld is not None:
+        _ask(exc, sigchld)
+
+
+def _ask(exc: BaseException, sigchld: Callable) -> None:
+    """torch's handler checks its loaders' workers (waitid, without reaping them) and raises
+    where one died: its words become a note (the error the script unwound with may be another,
+    such as the resource sharer's ConnectionResetError, raised first)."""
+    try:
+        sigchld(signal.SIGCHLD, None)
+    except Exception as e:  # noqa: BLE001 - what it raises is what it has to say
+        words = str(e).strip()
+        if "DataLoader worker" in words and words not in str(exc):
+            with contextlib.suppress(Exception):
+                exc.add_note(f"{words} (elasticd: torch's check of its loader's workers)")
 
 
 def _note(exc: BaseException) -> None:

@@ -124,3 +124,70 @@ def test_an_object_whose_attributes_raise_leaves_the_error_as_it_was():
         fail()
     loader_exits.note(got.value)
     assert not getattr(got.value, "__notes__", None)
+
+
+# a script's main thread: a loader (torch's SIGCHLD handler installed) whose worker dies unseen
+# (the signal's handler held aside meanwhile), then an error of another kind (the resource
+# sharer's reset) handled by the bootstrap's run_once, where the signal comes in late: it prints
+# how run_once ended and the error file's message
+RESET_WHILE_LOADER_DIES = """
+import json, os, signal, time
+import psutil
+from torch.utils.data import DataLoader, Dataset
+from elasticd.worker import bootstrap
+
+class Slow(Dataset):
+    def __len__(self):
+        return 2
+    def __getitem__(self, i):
+        time.sleep(60)
+        return i
+
+batches = iter(DataLoader(Slow(), num_workers=1))
+torch_handler = signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # SIG_DFL: the zombie stays
+worker = psutil.Process().children()[0]
+worker.kill()
+while worker.status() != psutil.STATUS_ZOMBIE:
+    time.sleep(0.01)
+signal.signal(signal.SIGCHLD, torch_handler)
+
+def script(*args):
+    raise ConnectionResetError(104, "Connection reset by peer")
+
+def signalled_then_written(exc):
+    os.kill(os.getpid(), signal.SIGCHLD)  # the loader's death, signalled late
+    time.sleep(0.2)
+    real(exc)
+
+bootstrap.run_entrypoint = script
+real = bootstrap.write_error_file
+bootstrap.write_error_file = signalled_then_written
+try:
+    bootstrap.run_once("x", [])
+except SystemExit as e:
+    print("exit", e.code)
+print(json.load(open(os.environ["TORCHELASTIC_ERROR_FILE"]))["message"]["message"])
+"""
+
+
+def test_a_loader_s_death_signalled_while_the_bootstrap_handles_another_error(tmp_path):
+    """The chaos soak: the script unwound with the resource sharer's ConnectionResetError, and
+    torch's SIGCHLD handler raised its "killed by signal" inside the bootstrap's handling of it;
+    the rank died without an error file, its failure taken for its own. The handler is held
+    while a failure is handled and asked where the error is written: a note says it."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "error.json"
+    out = subprocess.run(
+        [sys.executable, "-c", RESET_WHILE_LOADER_DIES],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "TORCHELASTIC_ERROR_FILE": str(path)},
+    )
+    assert "exit 1" in out.stdout, out.stdout + out.stderr
+    message = out.stdout.split("exit 1\n", 1)[1].strip()
+    assert message.startswith("ConnectionResetError: [Errno 104] Connection reset by peer\n")
+    assert "is killed by signal: Killed." in message, message
+    assert triage.classify(1, message.replace("\n", "\\n"), False) is triage.FailureClass.KILLED
