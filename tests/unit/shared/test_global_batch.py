@@ -303,23 +303,48 @@ def _sender_and_stalled_receiver(rank: int, world: int, n: int, stage: str) -> N
     chain = exact_mode.OrderedSum([big], working=2)
     chain.begin()
     big.grad = torch.ones(n)
-    stalled = 1 if stage == "chain" else 0
-    if rank == stalled:
-        if stage == "share":  # rank 0's part of the chain, all of it taken by rank 1
-            for work in chain._post([big.grad], [1]):
-                work.wait()
-        dist.irecv(torch.empty(1, dtype=torch.uint8), 1 - rank)  # the mask
-        dist.irecv(torch.empty(n), 1 - rank)  # the flat gradient
-        os.kill(os.getpid(), signal.SIGSTOP)
-        return
+    if rank == (1 if stage == "chain" else 0):
+        _stall(chain, big, n, share=stage == "share", sender=1 - rank)
     if stage == "share":
         chain.after_backward()  # rank 1 keeps its micro-batch's gradient apart
+    _fails_at_once(chain, "the send")
+
+
+def _stall(chain, big, n: int, share: bool, sender: int) -> None:
+    """Ask for the data the ordered sum sends next (for the shared sum, after rank 0's part of
+    the chain, all of it taken by rank 1), then stop reading: the sender is left mid-send."""
+    if share:
+        for work in chain._post([big.grad], [1]):
+            work.wait()
+    dist.irecv(torch.empty(1, dtype=torch.uint8), sender)  # the mask
+    dist.irecv(torch.empty(n), sender)  # the flat gradient
+    os.kill(os.getpid(), signal.SIGSTOP)
+    os._exit(0)  # not reached: the test kills the stopped rank
+
+
+def _fails_at_once(chain, who: str) -> None:
     began = time.monotonic()
     with pytest.raises(RuntimeError):
         chain.finish()
     waited = time.monotonic() - began
-    assert waited < 10, f"the send waited {waited:.1f}s for a dead receiver"
+    assert waited < 10, f"{who} waited {waited:.1f}s for a dead peer"
     os._exit(0)  # the group is broken: no destroy
+
+
+def _kill_when_stopped(procs, stalled: int) -> list:
+    """Kill the stalled rank once it has stopped itself and its senders have filled the
+    sockets' buffers; the ranks' exit codes."""
+    try:
+        stopped = psutil.Process(procs[stalled].pid)
+        deadline = time.monotonic() + 30
+        while stopped.status() != psutil.STATUS_STOPPED:
+            assert time.monotonic() < deadline, "the stalled rank never stopped"
+            time.sleep(0.02)
+        time.sleep(0.3)
+        stopped.kill()
+    finally:
+        codes = helpers.join(procs, timeout=20)  # kills what is left at the deadline
+    return codes
 
 
 @pytest.mark.parametrize("stage", ["chain", "share"])
@@ -330,16 +355,7 @@ def test_a_rank_mid_send_in_the_ordered_sum_fails_at_once_when_its_receiver_dies
     with the receiver's connection."""
     n = 16 << 20  # 64 MB: more than the sockets' buffers hold
     procs = helpers.start(_sender_and_stalled_receiver, 2, tmp_path, n, stage)
-    try:
-        stalled = psutil.Process(procs[1 if stage == "chain" else 0].pid)
-        deadline = time.monotonic() + 30
-        while stalled.status() != psutil.STATUS_STOPPED:
-            assert time.monotonic() < deadline, "the receiver never stopped"
-            time.sleep(0.02)
-        time.sleep(0.3)  # the sender has filled the sockets' buffers
-        stalled.kill()
-    finally:
-        codes = helpers.join(procs, timeout=20)  # kills what is left at the deadline
+    codes = _kill_when_stopped(procs, 1 if stage == "chain" else 0)
     assert codes[1 if stage == "share" else 0] == 0, codes
 
 
@@ -354,25 +370,14 @@ def _three_ranks_one_stalled(rank: int, world: int, n: int, stage: str) -> None:
     big.grad = torch.ones(n)
     stalled, sender = (2, 1) if stage == "middle" else (0, 2)
     if rank == stalled:
-        if stage == "share":  # rank 0's part of the chain, all of it taken by rank 1
-            for work in chain._post([big.grad], [1]):
-                work.wait()
-        dist.irecv(torch.empty(1, dtype=torch.uint8), sender)  # the mask
-        dist.irecv(torch.empty(n), sender)  # the flat gradient
-        os.kill(os.getpid(), signal.SIGSTOP)
-        return
+        _stall(chain, big, n, share=stage == "share", sender=sender)
     if rank > 0:
         chain.after_backward()  # each micro-batch's gradient kept apart, added in the chain
     if stage == "share" and rank == 1:  # it reads on: the sum of all three reaches it
         chain.finish()
         assert torch.equal(big.grad, torch.full((n,), 3.0))
         os._exit(0)
-    began = time.monotonic()
-    with pytest.raises(RuntimeError):
-        chain.finish()
-    waited = time.monotonic() - began
-    assert waited < 10, f"rank {rank} waited {waited:.1f}s for a dead peer"
-    os._exit(0)  # the group is broken: no destroy
+    _fails_at_once(chain, f"rank {rank}")
 
 
 @pytest.mark.parametrize("stage", ["middle", "share"])
@@ -387,14 +392,5 @@ def test_at_three_ranks_the_ordered_sum_ends_at_once_for_every_rank_whose_peer_d
     n = 16 << 20  # 64 MB: more than the sockets' buffers hold
     stalled = 2 if stage == "middle" else 0
     procs = helpers.start(_three_ranks_one_stalled, 3, tmp_path, n, stage)
-    try:
-        stopped = psutil.Process(procs[stalled].pid)
-        deadline = time.monotonic() + 30
-        while stopped.status() != psutil.STATUS_STOPPED:
-            assert time.monotonic() < deadline, "the stalled rank never stopped"
-            time.sleep(0.02)
-        time.sleep(0.3)  # the senders have filled the sockets' buffers
-        stopped.kill()
-    finally:
-        codes = helpers.join(procs, timeout=20)  # kills what is left at the deadline
+    codes = _kill_when_stopped(procs, stalled)
     assert [c for r, c in enumerate(codes) if r != stalled] == [0, 0], codes
