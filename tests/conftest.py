@@ -16,6 +16,15 @@ os.environ["ELASTICD_TEST_SESSION"] = SESSION
 # default check calls cuInit): the unit tests fork their ranks from it, and a fork of a process
 # that initialised CUDA cannot use it (torch's own checks, such as Adam's, then fail in the rank).
 os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+# The tests name only addresses and /etc/hosts names, never a name a DNS server must answer.
+# torch's TCPStore looks up the name of the address at the other end of every connection, the
+# client's (::ffff:127.0.0.1 here, which /etc/hosts does not list) and the store's event loop's,
+# until a lookup fails (c10d formatSockAddr). A DNS server that drops one query stalled that
+# connection and every client of the store 5 s (the resolver's timeout), and a test bounded
+# tighter failed. No query is sent now (glibc's resolver, attempts:0): the first lookup fails at
+# once and torch stops looking. cluster/reverse_dns.py says so where a node's lookups are slow;
+# its test sends real queries (tests/unit/cluster/test_reverse_dns.py).
+os.environ["RES_OPTIONS"] = "attempts:0"
 
 
 @pytest.fixture(autouse=True)

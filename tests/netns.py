@@ -77,7 +77,8 @@ def _pids(ns: str) -> list[int]:
 
 
 def _delete(ns: str, deadline: float) -> None:
-    """SIGKILL what runs inside `ns`, wait (until `deadline`) for it to go, delete `ns`."""
+    """SIGKILL what runs inside `ns`, wait (until `deadline`) for it to go, delete `ns` (and its
+    /etc/netns/ files: `Network.silent_dns`)."""
     while (left := _pids(ns)) and time.monotonic() < deadline:
         for pid in left:
             try:
@@ -86,6 +87,7 @@ def _delete(ns: str, deadline: float) -> None:
                 pass
         time.sleep(0.05)
     ip("netns", "del", ns)
+    shutil.rmtree(f"/etc/netns/{ns}", ignore_errors=True)
 
 
 class Network:
@@ -165,6 +167,20 @@ class Network:
         if "error" in out:
             raise out["error"]
         return out["value"]
+
+    def silent_dns(self, i: int, hosts: str = "127.0.0.1 localhost\n") -> None:
+        """Node i's resolver asks a DNS server on its own link that nobody answers for: each
+        query waits glibc's timeout (1 s), as where a DNS server drops queries or is cut off.
+        `ip netns exec` mounts /etc/netns/NAME/ over /etc: `hosts` is node i's /etc/hosts.
+        Programs run there with RES_OPTIONS set to "" (tests/conftest.py sets attempts:0)."""
+        server = self.addr(i).rsplit(".", 1)[0] + ".99"  # the query leaves, unanswered
+        ip("-n", self.nodes[i], "neigh", "add", server, "lladdr", "02:00:00:00:00:63", "dev", DEV)
+        etc = f"/etc/netns/{self.nodes[i]}"  # removed with the namespace (_delete)
+        os.makedirs(etc)
+        with open(f"{etc}/resolv.conf", "w") as f:
+            f.write(f"nameserver {server}\noptions timeout:1 attempts:1\n")
+        with open(f"{etc}/hosts", "w") as f:
+            f.write(hosts)
 
     def cut(self, i: int) -> None:
         ip("-n", self.switch, "link", "set", self._port(i), "down")

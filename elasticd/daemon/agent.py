@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from elasticd import logs
 from elasticd.checkpoint.memory import directory
 from elasticd.cluster import kv as kvmod
-from elasticd.cluster import silence
+from elasticd.cluster import reverse_dns, silence
 from elasticd.cluster.errors import BudgetSpent, Deterministic, RendezvousFailed, StoreUnreachable
 from elasticd.cluster.peers import Peers
 from elasticd.cluster.rendezvous import Rendezvous
@@ -230,6 +230,7 @@ class Agent:
                 hosted_here=self.rdzv.is_host,
                 node_id=self.rdzv.node_id,
             )
+            self._watch_lookups(self.rdzv.addr, "" if self.cfg.etcd else self.cfg.rdzv_host)
             code = self._loop()
         except Interrupted:  # a stop while blocked on the store
             code = self._interrupted()
@@ -249,6 +250,14 @@ class Agent:
             if self.group.tee:
                 self.group.tee.close()
         return code
+
+    @staticmethod
+    def _watch_lookups(*hosts: str) -> None:
+        """The stores' addresses whose name torch's TCPStore looks up on every connection: this
+        node's (the store's host looks it up), the rendezvous store's, the round's workers'
+        store's; a slow lookup is one warning line (cluster/reverse_dns.py)."""
+        for host in hosts:
+            reverse_dns.watch(host)
 
     def _interrupted(self) -> int:
         """A stop that came while the loop waited on the store: running (the referee's wait for
@@ -460,6 +469,7 @@ class Agent:
             return self._leave(unhealthy)
         previous = self.round
         self.round = rnd = self.waits.blocking(self.rdzv.next_round, self.cfg.nproc_per_node)
+        self._watch_lookups(rnd.master_addr)
         carried = self.rdzv.carry is not None
         kept = grow.joined(self, previous, rnd)
         if carried and not kept:  # the group did not go on: its workers stop, as at a restart
