@@ -80,6 +80,7 @@ class FakeRendezvous:
         self.s = script
         self.rounds = 0
         self.node_id, self.endpoint, self.is_host = "node-0", "fake:0", True
+        self.addr = "127.0.0.1"  # this node's address, whose name lookup the agent times
 
     def next_round(self, nproc: int) -> Round:
         self.rounds += 1
