@@ -118,6 +118,8 @@ def measure(launcher: str, nproc: int, settle: float, work: Path, timeout: float
                     m = p.memory_full_info()
                 except psutil.Error:
                     continue  # gone meanwhile
+                if not m.rss:  # it exited since the listing: a zombie maps nothing (all zeros)
+                    continue
                 if p.pid in kinds:
                     row = {"pid": p.pid, "rss": m.rss, "uss": m.uss, "pss": m.pss}
                     rows.setdefault(kinds[p.pid], []).append(row)
