@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from elasticd import logs, names, safeio
-from elasticd.daemon import systemd, tee
+from elasticd.daemon import forkclient, systemd, tee
 from elasticd.daemon.forkclient import Child, Spare
 from elasticd.worker import flight, heartbeat, proctitle
 
@@ -133,8 +133,7 @@ def worker_env(spec: GroupSpec, local_rank: int, paths: dict[str, Path]) -> dict
         env[names.COLLECTIVES_FILE] = str(paths["collectives"])
     if spec.checkpoint_dir:
         env.setdefault(names.CHECKPOINT_DIR, spec.checkpoint_dir)
-    if spec.nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
-        env["OMP_NUM_THREADS"] = "1"
+    env.update(forkclient.worker_defaults(spec.nproc))
     # Unbuffered output (the log is a file) comes from -u, as torchrun's `python -u`:
     # proctitle.command. Not PYTHONUNBUFFERED, which the script's own subprocesses would inherit.
     for key, value in tee.display_env().items():  # a Rich bar as live as on torchrun's terminal

@@ -91,6 +91,33 @@ def test_worker_environment_matches_torchrun(daemons, tmp_path, spawn):
         assert values[0] != values[1], key
 
 
+def _thp_mode() -> str:
+    with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+        return f.read().split("[")[1].split("]")[0]
+
+
+@pytest.mark.skipif(
+    not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled") or _thp_mode() != "madvise",
+    reason="the kernel puts no memory, or all of it, on transparent huge pages unasked",
+)
+@pytest.mark.parametrize(
+    "spawn, asked",
+    [((), None), (("--no-warm-spawn",), None), ((), "0")],
+    ids=["warm", "cold", "the user's 0"],
+)
+def test_workers_big_host_tensors_lie_on_huge_pages(daemons, tmp_path, spawn, asked):
+    """torch's CPU allocator asks for huge pages (THP_MEM_ALLOC_ENABLE=1, spawn.worker_env) in
+    every worker, the fork server's spares' included, unless the user set the variable."""
+    out = tmp_path / "huge.txt"
+    env = {"THP_MEM_ALLOC_ENABLE": asked} if asked else {}
+    d = daemons(script("huge_pages.py"), "--nproc-per-node", "2", *spawn, args=[str(out)], env=env)
+    assert d.wait(60) == 0, d.stderr()[-3000:]
+    rows = sorted(line.split() for line in out.read_text().splitlines())
+    assert [(rank, value) for rank, value, _ in rows] == [("0", asked or "1"), ("1", asked or "1")]
+    for _rank, _value, kb in rows:
+        assert (int(kb) >= 32 * 1024) == (asked is None), rows  # of the 64 MB tensor
+
+
 def test_torchrun_command_line_works_as_is(daemons, tmp_path):
     # `torchrun --nproc-per-node cpu --rdzv-backend c10d -m pkg.mod ARGS`: ARGS are the script's,
     # even where they look like our flags

@@ -258,6 +258,8 @@ DIFFERENT_VALUE = {
     "TORCHELASTIC_RUN_ID": "a random id each (no --rdzv-id)",
     "TORCHELASTIC_ERROR_FILE": "under each launcher's own log directory",
 }
+# What elasticd adds that torchrun does not give, with its value (docs/running.md too)
+ADDED = {"THP_MEM_ALLOC_ENABLE": "1"}  # torch's CPU allocator on huge pages (worker_defaults)
 
 
 def _observed(launchers: dict[str, list[str]], tmp_path) -> dict[str, dict[str, dict]]:
@@ -290,6 +292,9 @@ def _compare_env(how: str, ours: dict, theirs: dict) -> None:
     for key in sorted(set(theirs) | set(ours)):
         if key.startswith("ELASTICD_") and key not in theirs:
             continue  # our own features' variables
+        if key in ADDED and key not in theirs:
+            assert ours.get(key) == ADDED[key], (how, key, ours.get(key))
+            continue
         if key == "MASTER_ADDR" and not loopback:  # this host's name leads elsewhere: documented
             assert ours[key] == "127.0.0.1", ours[key]
         elif key in DIFFERENT_VALUE:
@@ -301,11 +306,11 @@ def _compare_env(how: str, ours: dict, theirs: dict) -> None:
 def test_workers_observe_what_torchrun_gives(tmp_path):
     """The same script under real torchrun (--standalone), elasticd's warm spares and
     --no-warm-spawn: every variable torchrun gives with its value (but an allowlist of documented
-    differences) and nothing more but ELASTICD_*, so no PYTHONUNBUFFERED for the script's own
-    children; argv, sys.orig_argv, sys.flags (but -P's safe_path), -u's unbuffered stdout; and
-    torch's threads from OMP_NUM_THREADS set before `import torch` (issue 31: a warm spare had
-    imported torch already), and not from one set after it; torch's unseeded generator different
-    in every worker."""
+    differences) and nothing more but ELASTICD_* and ADDED's, so no PYTHONUNBUFFERED for the
+    script's own children; argv, sys.orig_argv, sys.flags (but -P's safe_path), -u's unbuffered
+    stdout; and torch's threads from OMP_NUM_THREADS set before `import torch` (issue 31: a warm
+    spare had imported torch already), and not from one set after it; torch's unseeded generator
+    different in every worker."""
     elasticd = [sys.executable, "-m", "elasticd", "run", "--log-dir"]
     runs = _observed(
         {
