@@ -87,7 +87,9 @@ class CheckpointManager:
 
     Under elasticd, maybe_save() also refreshes the in-memory state (elasticd.checkpoint.memory):
     every `memory_every` steps, or by default as often as keeps its cost under `memory_budget` of
-    the step time (every step unless the state is big for the step: memory.cadence). The default
+    the step time (every step unless the state is big for the step: memory.cadence), and at every
+    disk save (the state is captured already; a resume then never reads a disk checkpoint newer
+    than memory: at 1 GB on CPU, 0.84 s against 0.20 s from memory). The default
     budget, 0.75%, leaves a quarter of the 1% that elasticd may cost a job in steady state to
     what the charge misses (it is the lower quartile of refresh costs; their mean runs 10-20%
     above it). A state with 8 MiB or more on the GPU is copied beside the next step
@@ -442,7 +444,8 @@ class CheckpointManager:
     ) -> bool:
         """Save if `step` is a multiple of every_steps, every_seconds have passed, or a stop was
         requested (then once: the final save). Call it on every rank at every step boundary.
-        The in-memory state is refreshed every `memory_every` steps (see cadence.Cadence)."""
+        The in-memory state is refreshed every `memory_every` steps (see cadence.Cadence) and at
+        every disk save, so a resume never finds the disk newer than memory and reads it."""
         self._boundary = step
         if bundle.replaying():
             bundle.boundary(step, state)  # past the failed step: ends the replay
@@ -487,8 +490,8 @@ class CheckpointManager:
             return False
         state = self._captured(step, state)
         self.save(step, state, epoch=epoch, position=position)
-        if memory_due or (final and every):  # the stop's step in memory too: a world change
-            self._memory.refresh(step, state)  # (a node joining) resumes from it, not the disk
+        if every:  # a disk save's step in memory too: a resume never finds the disk newer and
+            self._memory.refresh(step, state)  # reads it (the stop's: a node joining, say)
         self._stop_saved = self._stop_saved or stop
         _regroup(regroup, step)
         return True

@@ -156,6 +156,19 @@ def test_the_final_save_of_a_stop_refreshes_memory_off_its_cadence(tmp_path, mon
     assert resumed.loaded.file.startswith("memory:"), resumed.loaded
 
 
+def test_a_disk_saves_step_is_in_memory_too_so_a_resume_never_reads_the_disk(tmp_path):
+    """Disk saves every 4 steps and refreshes every 3 (a big state's cadence on fast steps): the
+    disk's steps are in memory as well, so the resume after step 8 reads step 8 from memory, not
+    from the disk (0.84 s against 0.20 s for 1 GB on CPU)."""
+    mgr, mem, model = refresh_loop(tmp_path, 8, memory_every=3, every_steps=4)
+    assert slots.steps(str(mem), world=1, rank=0, local_rank=0) == [8, 6]
+    mgr.close()
+    resumed = CheckpointManager(tmp_path / "disk", handle_sigterm=False, memory_dir=mem)
+    assert resumed.load_latest()["user"]["step"] == 8
+    assert resumed.loaded.file.startswith("memory:"), resumed.loaded
+    assert list((tmp_path / "disk").glob("ckpt-000000000008*")), "the disk holds step 8 too"
+
+
 @pytest.mark.parametrize(
     "device",
     [
