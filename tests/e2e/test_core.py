@@ -106,7 +106,7 @@ def _thp_mode() -> str:
     ids=["warm", "cold", "the user's 0"],
 )
 def test_workers_big_host_tensors_lie_on_huge_pages(daemons, tmp_path, spawn, asked):
-    """torch's CPU allocator asks for huge pages (THP_MEM_ALLOC_ENABLE=1, spawn.worker_env) in
+    """torch's CPU allocator asks for huge pages (THP_MEM_ALLOC_ENABLE=1, worker_defaults) in
     every worker, the fork server's spares' included, unless the user set the variable."""
     out = tmp_path / "huge.txt"
     env = {"THP_MEM_ALLOC_ENABLE": asked} if asked else {}
