@@ -86,7 +86,10 @@ def test_elastic_job_goes_on_without_a_node_quarantined_by_a_hardware_failure(da
     )
     ecc = "CUDA error: uncorrectable ECC error encountered"
     args = ["--steps", "40", "--step-time", "0.05", "--raise-at", "5", "--error", ecc]
-    a = daemons(script("faulty.py"), *flags, name="a", args=args)
+    # a starts alone (1:2) and must not finish before b, whose start may take seconds on a loaded
+    # machine, joins: its first attempt lasts until b's arrival re-forms the group
+    alone = [*args, "--first-attempt-steps", "100000"]
+    a = daemons(script("faulty.py"), *flags, name="a", args=alone)
     wait_until(
         lambda: any(e.get("event") == "rendezvous_store" for e in a.events()), 60, what="the store"
     )

@@ -3,7 +3,8 @@
 + the restart count, a failure that is not the same twice), `--exit-at N CODE`, `--abort-at N`
 (SIGABRT), `--abort-at-exit` (SIGABRT from an atexit handler, once the work is done, as a C++
 thread's std::terminate at interpreter exit), `--spawn-child` (a grandchild), `--beat` (report each
-step through elasticd.heartbeat, as a training loop would).
+step through elasticd.heartbeat, as a training loop would), `--first-attempt-steps N` (the first
+attempt's length: a node that starts alone keeps going until a joining node re-forms the group).
 
 Plain torch.distributed like any torchrun script; the fault hits only `--rank R` (default 1)."""
 
@@ -23,6 +24,7 @@ LOSSES = ("0.3123", "-0.2718", "3.2e-05", "0.00041")  # a float as a message pri
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--first-attempt-steps", type=int, default=-1)
     p.add_argument("--rank", type=int, default=1)
     p.add_argument("--raise-at", type=int, default=-1)
     p.add_argument("--error", default="", help="--raise-at raises RuntimeError(this text)")
@@ -40,6 +42,8 @@ def main():
     rank = dist.get_rank()
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     first = restarts == 0
+    if first and args.first_attempt_steps >= 0:
+        args.steps = args.first_attempt_steps
     if args.later_each_attempt:
         args.raise_at += restarts
     armed = rank == args.rank and (first or not args.only_first_attempt)
