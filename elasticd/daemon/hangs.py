@@ -6,7 +6,9 @@ failure's reason (and a `hang_culprit` event), so that the restart cause, status
 line name the rank (and node) elsewhere while the others waited in a collective; the failure's
 rank, node, pid and log become the culprit's. A node told of a hang by another node dumps its own
 workers' stacks for it first. Every wait is bounded (GATHER, 3 s): a node that says nothing in
-time is named as such, never waited for."""
+time is named as such, never waited for. A rank stopped by a signal (state T: SIGSTOP, a
+debugger, Ctrl-Z) is the culprit wherever the others wait, so its node asks no other node: their
+restart, which would make them dump their stacks, would also end a recovery in place."""
 
 from __future__ import annotations
 
@@ -47,10 +49,13 @@ def name_culprit(why: Failure | Scale, agent: Agent) -> Failure | Scale:
         if r.get("text")
     }
     silent: list[str] = []
-    if multi:
+    stopped = local and multi and _stopped(why, agent)
+    if multi and not stopped:
         ranks, silent = _across_nodes(why, agent, ranks)
     verdict, seqs = judge(ranks)
     text = verdict.text + (f"; no stacks from node(s) {', '.join(silent)}" if silent else "")
+    if stopped:
+        text = f"rank {why.rank} is stopped by a signal (state T), the culprit: {text}"
     agent.event(
         "hang_culprit",
         level="warning",
@@ -62,7 +67,15 @@ def name_culprit(why: Failure | Scale, agent: Agent) -> Failure | Scale:
         seq=seqs.seq,
         seconds=round(time.monotonic() - t0, 3),  # what naming it added to the recovery
     )
+    if stopped:  # the blame stays on it (this node's ranks alone may seem to wait on another)
+        return dataclasses.replace(why, reason=f"{why.reason}; {text}")
     return _blamed(dataclasses.replace(why, reason=f"{why.reason}; {text}"), verdict, ranks, agent)
+
+
+def _stopped(why: Failure, agent: Agent) -> bool:
+    """The hung rank's process was stopped by a signal (state T) when the loop last looked, before
+    the stack dump continued it (processes.dump_stacks)."""
+    return why.pid is not None and agent.group.suspects.stopped(why.pid)
 
 
 def judge(

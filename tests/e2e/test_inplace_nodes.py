@@ -50,7 +50,7 @@ ARGS += ["--hidden", "32", "--memory-every", "1", "--step-delay", "0.05"]
 FLAGS = ("--nproc-per-node", "2", "--in-place", "auto", "--max-restarts", "3")
 
 
-def two_nodes(daemons, tmp_path, job="job", nproc: int = 2):
+def two_nodes(daemons, tmp_path, job="job", nproc: int = 2, args=ARGS):
     """Two nodes of `nproc` ranks each, one job; returned as (the node of rank 0, the other)."""
     port = free_port()
     nodes = [
@@ -63,7 +63,7 @@ def two_nodes(daemons, tmp_path, job="job", nproc: int = 2):
             "--checkpoint-dir",
             str(tmp_path / f"ckpt{i}"),
             name=f"n{i}",
-            args=ARGS,
+            args=args,
         )  # fmt: skip
         for i in range(2)
     ]
@@ -90,15 +90,10 @@ def in_order(daemons, tmp_path, flags, n: int, args=ARGS, shared_ckpt: bool = Fa
     return nodes
 
 
-@pytest.mark.parametrize("nproc", [2, 1], ids=["2-ranks-a-node", "1-rank-a-node"])
-def test_a_rank_killed_on_one_node_is_replaced_there_alone(daemons, tmp_path, nproc):
-    """With one rank a node, the node whose rank died keeps no survivor of its own: the other
-    node's rank is the survivor (before, "every rank has exited" restarted the group)."""
-    host, other = two_nodes(daemons, tmp_path, nproc=nproc)
-    victim = max(other.worker_pids())
-    wait_until(lambda: re.search(r"^step 12/60", host.log_text(0, 1), re.M), 90, what="step 12")
-    before = {**host.worker_pids(), **other.worker_pids()}
-    os.kill(before[victim], signal.SIGKILL)
+def fault_and_reentry(host, other, before: dict, victim: int, sig: int) -> dict:
+    """`sig` to rank `victim` (pids `before`, by rank); once every other rank re-entered in its
+    own process: rank -> its node, for those survivors."""
+    os.kill(before[victim], sig)
     survivors = {r: p for r, p in before.items() if r != victim}
     node = {r: host if r in host.worker_pids() else other for r in survivors}
     wait_until(
@@ -107,6 +102,18 @@ def test_a_rank_killed_on_one_node_is_replaced_there_alone(daemons, tmp_path, np
         what="every survivor re-entered",
     )
     assert all(alive(p) for p in survivors.values()), "a survivor left its process"
+    return node
+
+
+@pytest.mark.parametrize("nproc", [2, 1], ids=["2-ranks-a-node", "1-rank-a-node"])
+def test_a_rank_killed_on_one_node_is_replaced_there_alone(daemons, tmp_path, nproc):
+    """With one rank a node, the node whose rank died keeps no survivor of its own: the other
+    node's rank is the survivor (before, "every rank has exited" restarted the group)."""
+    host, other = two_nodes(daemons, tmp_path, nproc=nproc)
+    victim = max(other.worker_pids())
+    wait_until(lambda: re.search(r"^step 12/60", host.log_text(0, 1), re.M), 90, what="step 12")
+    before = {**host.worker_pids(), **other.worker_pids()}
+    node = fault_and_reentry(host, other, before, victim, signal.SIGKILL)  # survivor -> node
     # each node's status counts it in place: the failed rank's node by its cause, the other as a
     # peer's (as a restart another node asked for)
     for n, cause in ((other, "signal"), (host, "peer")):
@@ -125,11 +132,39 @@ def test_a_rank_killed_on_one_node_is_replaced_there_alone(daemons, tmp_path, np
         assert [e["path"] for e in events(n, "recovery_path")] == ["in_place"]
         assert not events(n, "in_place_refused") and len(n.attempt_dirs()) == 1
         assert not [e for e in events(n, "state") if e.get("new") == "RESTARTING"]
-    for r in survivors:
-        assert "in_place_fallback" not in node[r].log_text(r, 1), r
+    for r, n in node.items():
+        assert "in_place_fallback" not in n.log_text(r, 1), r
     # rank 0 (it prints it) resumed from the in-memory state it held: the step in flight lost
     resumed = [int(m) for m in re.findall(r"resumed from step (\d+)", host.log_text(0, 1))]
     assert len(resumed) == 1 and resumed[0] >= 11, resumed
+    assert not leftover_processes()
+
+
+def test_a_rank_stopped_on_one_node_is_replaced_there_alone(daemons, tmp_path):
+    """SIGSTOP of a rank of node B once both nodes learned the job's step times: B names it hung
+    at a stopped rank's deadline and replaces it in place, asking node A for no stacks (that
+    request was a restart of every node, found by bench/chaos_nodes.py); every other rank, on A
+    and B, re-enters in its own process."""
+    host, other = two_nodes(daemons, tmp_path, args=with_steps(ARGS, 400))
+    wait_until(
+        lambda: all(events(n, "hang_deadline_learned") for n in (host, other)),
+        90, what="the step times learned",
+    )  # fmt: skip
+    before = {**host.worker_pids(), **other.worker_pids()}
+    victim = max(other.worker_pids())
+    fault_and_reentry(host, other, before, victim, signal.SIGSTOP)
+    assert not alive(before[victim])
+    (culprit,) = events(other, "hang_culprit")
+    assert f"rank {victim} is stopped by a signal (state T), the culprit" in culprit["verdict"]
+    replaced = events(other, "replaced_in_place")
+    assert len(replaced) == 1 and replaced[0]["ranks"] == [victim], replaced
+    assert "a stopped rank's deadline" in replaced[0]["cause"], replaced
+    followed = events(host, "in_place_followed")
+    assert len(followed) == 1 and followed[0]["ranks"] == [victim], followed
+    for n in (host, other):
+        assert n.wait(120) == 0, n.stderr()[-3000:]
+        assert not events(n, "in_place_refused") and len(n.attempt_dirs()) == 1
+        assert not [e for e in events(n, "state") if e.get("new") == "RESTARTING"]
     assert not leftover_processes()
 
 

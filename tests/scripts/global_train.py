@@ -2,7 +2,8 @@
 AdamW and a warm-up schedule, trained through elasticd.global_batch (exact mode with
 GB_EXACT=1) and elasticd.checkpoint (in-memory state every step). Arguments: steps, seconds of
 sleep per step. Environment: GB_GLOBAL, GB_MICRO (global and micro-batch), GB_SAMPLES, GB_DELAY1
-(the sleep per step in a world of one, so that a test can bring a node back before the end).
+(the sleep per step in a world of one, so that a test can bring a node back before the end),
+GB_NO_DELAY_FILE (once this file exists, no sleep: a run whose faults are done ends quickly).
 
 Every rank prints, per optimizer step, `gstep S world W rank R round T samples I,J,...` (the
 samples it trained on; T names the attempt's process group, the same on every rank of it), and
@@ -50,6 +51,7 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     if world == 1:
         delay = float(os.environ.get("GB_DELAY1", delay))
+    no_delay = os.environ.get("GB_NO_DELAY_FILE")
     tag = torch.tensor([int.from_bytes(os.urandom(7), "little") if rank == 0 else 0])
     dist.broadcast(tag, 0)
     data = Indexed(int(os.environ.get("GB_SAMPLES", "64")))
@@ -98,7 +100,8 @@ def main() -> None:
         )
         if mgr.should_stop():
             break
-        time.sleep(delay)
+        if delay and not (no_delay and os.path.exists(no_delay)):
+            time.sleep(delay)
     mgr.close()
     if rank == 0 and step >= total:
         print(f"final {digest(net.state_dict(), opt.state_dict()['state'])}", flush=True)
