@@ -50,8 +50,8 @@ def name_culprit(why: Failure | Scale, agent: Agent) -> Failure | Scale:
     }
     silent: list[str] = []
     stopped = local and multi and _stopped(why, agent)
-    if multi and not stopped:
-        ranks, silent = _across_nodes(why, agent, ranks)
+    if multi:
+        ranks, silent = _across_nodes(why, agent, ranks, ask=not stopped)
     verdict, seqs = judge(ranks)
     text = verdict.text + (f"; no stacks from node(s) {', '.join(silent)}" if silent else "")
     if stopped:
@@ -125,14 +125,17 @@ def _blamed(
 
 
 def _across_nodes(
-    why: Failure | Scale, agent: Agent, ranks: dict[int, culprit.Where | None]
+    why: Failure | Scale, agent: Agent, ranks: dict[int, culprit.Where | None], ask: bool
 ) -> tuple[dict[int, culprit.Where | None], list[str]]:
     """Publish ours (and, for a hang declared here, ask the others to restart now, so that they
-    dump theirs), then gather the others' until GATHER passes."""
+    dump theirs), then gather the others' until GATHER passes. Not `ask`: ours only, for a node
+    told of this hang by a restart that may follow (it gathers, and would wait for ours)."""
     mine = {r: w for r, w in ranks.items() if w is not None}
     deadline = time.monotonic() + GATHER
     try:
         hang_summaries.publish(agent.rdzv, agent.round, culprit.summary(mine))
+        if not ask:
+            return ranks, []
         if why.kind is RestartCause.HANG:
             agent.rdzv.request_restart(agent.round, restart_request(why, agent.node))
         found, silent = hang_summaries.gather(

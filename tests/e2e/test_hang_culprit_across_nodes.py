@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from harness import RESTART, node_flags, script, wait_until
+from harness import RESTART, free_port, node_flags, script, wait_until
 from netns import DEV, netns_fixture  # noqa: F401 (the netns fixture)
 
 HB = ("--heartbeat-timeout", "2", "--startup-timeout", "60", "--restart-grace", "0.5")
@@ -91,6 +91,28 @@ def test_two_nodes_name_the_node_and_rank(daemons, netns):
         assert "while 1 rank waited in all_reduce" in evs[0]["verdict"], evs
         assert "no stacks from" not in evs[0]["verdict"], evs
         print("naming the culprit took", evs[0]["seconds"], "s")  # measured: see the report
+
+
+def test_a_stopped_rank_s_node_names_it_alone_and_the_told_node_finds_its_stacks(daemons):
+    """Two nodes on loopback, the restart path: rank 1 stops itself (SIGSTOP) on node b, whose
+    2 s heartbeat timeout comes first (node a's is 30 s). Node b names its stopped rank without
+    asking node a; node a, told of the hang by b's restart, finds b's stacks in the store (before
+    the fix: b published none when it asked nothing, and a waited out the 3 s gather and said
+    "no stacks from node(s) b")."""
+    port = free_port()
+    job = [*STUCK[:2], "--mode", "stop", *STUCK[4:], "--rank", "1"]
+    flags = (*RESTART, "--nproc-per-node", "1", *node_flags(port, "2"), "--max-restarts", "1")
+    a = daemons(script("hang.py"), *flags, "--heartbeat-timeout", "30", name="a", args=job)
+    wait_until(lambda: [e for e in a.events() if e.get("event") == "rendezvous_store"], 60,
+               what="a at the store")  # fmt: skip
+    b = daemons(script("hang.py"), *flags, *HB, name="b", args=job)
+    for n in (a, b):
+        assert n.wait(120) == 0, n.stderr()[-3000:]
+    (on_b,) = culprit_events(b)
+    assert on_b["verdict"].startswith("rank 1 is stopped by a signal (state T), the culprit"), on_b
+    (on_a,) = culprit_events(a)
+    assert "no stacks from" not in on_a["verdict"], on_a
+    assert on_a["seconds"] < 3.0, on_a  # hang_summaries' gather: not waited out
 
 
 def test_the_hangs_fields_are_the_culprits(daemons):

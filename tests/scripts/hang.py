@@ -1,6 +1,7 @@
-"""Hang injection for tests: `--mode loop|deadlock|sleep|stuck|desync` at `--at` step on rank
+"""Hang injection for tests: `--mode loop|deadlock|sleep|stuck|desync|stop` at `--at` step on rank
 `--rank` (stuck: the rank sleeps in `read_batch` while the others wait in all_reduce; desync: it
-calls all_gather where the others call all_reduce); `--jitter
+calls all_gather where the others call all_reduce; stop: it stops itself, SIGSTOP, as Ctrl-Z
+would); `--jitter
 MEDIAN,SIGMA` adds a log-normal sleep to every step of every rank; `--backend nccl` runs on the
 GPU (one_gpu.py: ranks may share one), reading the loss after each step as a script that logs it
 does, so a rank waits where NCCL's collective does: in that read, not in the call that queued it.
@@ -12,6 +13,7 @@ import argparse
 import atexit
 import os
 import random
+import signal
 import time
 
 import one_gpu
@@ -28,7 +30,9 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=10)
     p.add_argument(
-        "--mode", choices=["none", "loop", "deadlock", "sleep", "stuck", "desync"], default="none"
+        "--mode",
+        choices=["none", "loop", "deadlock", "sleep", "stuck", "desync", "stop"],
+        default="none",
     )
     p.add_argument("--at", type=int, default=3)
     p.add_argument("--rank", type=int, default=1)
@@ -63,6 +67,9 @@ def main():
             print(f"rank {rank} entering an endless loop", flush=True)
             while True:
                 pass
+        if armed and step == args.at and args.mode == "stop":
+            print(f"rank {rank} stops itself", flush=True)
+            os.kill(os.getpid(), signal.SIGSTOP)
         if armed and step == args.at and args.mode == "stuck":
             print(f"rank {rank} stuck reading a batch", flush=True)
             read_batch()
