@@ -6,9 +6,10 @@ failure's reason (and a `hang_culprit` event), so that the restart cause, status
 line name the rank (and node) elsewhere while the others waited in a collective; the failure's
 rank, node, pid and log become the culprit's. A node told of a hang by another node dumps its own
 workers' stacks for it first. Every wait is bounded (GATHER, 3 s): a node that says nothing in
-time is named as such, never waited for. A rank stopped by a signal (state T: SIGSTOP, a
-debugger, Ctrl-Z) is the culprit wherever the others wait, so its node asks no other node: their
-restart, which would make them dump their stacks, would also end a recovery in place."""
+time is named as such, never waited for. A rank stopped by a signal (state T: SIGSTOP, Ctrl-Z)
+is the culprit wherever the others wait, so its node asks no other node (the restart that makes
+them dump would also end a recovery in place) and only publishes its own summary, for a node
+told of the hang by a restart that follows."""
 
 from __future__ import annotations
 
