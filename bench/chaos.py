@@ -207,17 +207,7 @@ class Job:
         return out
 
     def workers(self) -> dict[int, int]:
-        """rank -> pid of the latest attempt's workers, while they live: the last RUNNING's, with
-        the ranks replaced in place since (--in-place auto: `replaced_in_place`, `in_place_unstuck`
-        name the ranks and their new pids, in order)."""
-        out: dict[int, int] = {}
-        for e in self.events(*REPLACING):
-            if e["event"] == "state":
-                if e.get("new") == "RUNNING":
-                    out = {int(r): p for r, p in e["pids"].items()}
-            else:
-                out.update(zip(e["ranks"], e["pids"]))
-        return {r: p for r, p in out.items() if _alive(p)}
+        return workers_of(self.events(*REPLACING))
 
     def helpers(self) -> tuple[int | None, list[int]]:
         """(fork server pid, warm spare pids): the daemon's token-carrying children that are no
@@ -290,12 +280,27 @@ def _signal(pid: int | None, sig: int) -> bool:
         return False
 
 
-def orphans(tokens: set[str]) -> list[str]:
-    """Live processes carrying one of the daemon's tokens (after the daemon exited)."""
+def workers_of(events: list[dict]) -> dict[int, int]:
+    """rank -> pid of a daemon's latest attempt's workers, while they live, from its events: the
+    last RUNNING's, with the ranks replaced in place since (--in-place auto: `replaced_in_place`,
+    `in_place_unstuck` name the ranks and their new pids, in order)."""
+    out: dict[int, int] = {}
+    for e in events:
+        if e.get("event") == "state":
+            if e.get("new") == "RUNNING":
+                out = {int(r): p for r, p in e["pids"].items()}
+        elif e.get("event") in IN_PLACE:
+            out.update(zip(e["ranks"], e["pids"]))
+    return {r: p for r, p in out.items() if _alive(p)}
+
+
+def orphans(tokens: set[str], key: str = TOKEN) -> list[str]:
+    """Live processes whose environment's `key` is one of `tokens` (the daemon's token, after
+    the daemon exited)."""
     found = []
     for p in psutil.process_iter():
         try:
-            if p.environ().get(TOKEN) in tokens and p.status() != psutil.STATUS_ZOMBIE:
+            if p.environ().get(key) in tokens and p.status() != psutil.STATUS_ZOMBIE:
                 found.append(f"{p.pid} {' '.join(p.cmdline())[:100]}")
         except psutil.Error:
             continue

@@ -45,8 +45,7 @@ import uuid
 from collections import Counter, defaultdict
 from pathlib import Path
 
-import psutil
-
+from chaos import orphans, workers_of
 from nodeloss import wait
 from recovery import events, kill_tree
 from rendezvous import free_port
@@ -73,6 +72,7 @@ class Cluster:
         self.seen: dict[tuple[int, int, int], float] = {}  # (round, step, rank) -> first seen
         self.worlds: dict[tuple[int, int], int] = {}
         self.text: dict[Path, str] = {}  # each rank log's whole lines read so far
+        self.read: dict[Path, int] = {}  # and their length in bytes
         self.store = None
         if nnodes is None:
             return
@@ -118,15 +118,16 @@ class Cluster:
         """Read the rank logs' new whole lines; note each new step with the time first seen."""
         now = time.time()
         for path in self.work.glob("*/logs/*/attempt*/**/rank*.log"):
-            old = self.text.get(path, "")
             try:
                 with open(path, "rb") as f:
-                    f.seek(len(old.encode()))
-                    chunk = f.read().decode(errors="replace")
+                    f.seek(self.read.get(path, 0))
+                    chunk = f.read()
             except OSError:
                 continue
-            new = chunk[: chunk.rfind("\n") + 1]
-            self.text[path] = old + new
+            whole = chunk[: chunk.rfind(b"\n") + 1]
+            self.read[path] = self.read.get(path, 0) + len(whole)
+            new = whole.decode(errors="replace")
+            self.text[path] = self.text.get(path, "") + new
             for step, world, rank, tag, _ in LINE.findall(new):
                 key = (int(tag), int(step), int(rank))
                 if key not in self.seen:
@@ -151,32 +152,11 @@ class Cluster:
         return {n: p for n, p in self.daemons.items() if p.poll() is None}
 
     def workers(self, name: str) -> list[int]:
-        """A live daemon's workers' pids: its latest RUNNING state's, with the ranks replaced in
-        place since (the events name their new pids), those still running."""
-        pids: set[int] = set()
-        for e in events(self.work / name / "stderr.txt"):
-            if e.get("event") == "state" and e.get("new") == "RUNNING":
-                pids = set(e["pids"].values())
-            elif e.get("event") in ("replaced_in_place", "in_place_unstuck"):
-                pids |= set(e["pids"])
-        out = []
-        for pid in pids:
-            try:
-                if psutil.Process(pid).status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
-                    out.append(pid)
-            except psutil.Error:
-                continue
-        return sorted(out)
+        """A live daemon's workers' pids."""
+        return sorted(workers_of(events(self.work / name / "stderr.txt")).values())
 
     def leftovers(self) -> list[str]:
-        found = []
-        for p in psutil.process_iter():
-            try:
-                if p.environ().get(MARK) == self.tag and p.status() != psutil.STATUS_ZOMBIE:
-                    found.append(f"{p.pid} {' '.join(p.cmdline())[:100]}")
-            except psutil.Error:
-                continue
-        return found
+        return orphans({self.tag}, MARK)
 
     def logs(self) -> str:
         self.poll()
