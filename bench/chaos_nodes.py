@@ -10,6 +10,9 @@ is drawn from a shuffled deck (each kind once per round):
 
     worker    kill -9 of one worker of a random node: replaced (in place or by a restart)
     stop      SIGSTOP of one worker, held: a hang, found and killed by its daemon
+    stuck     one worker hangs in a data read that never returns (global_train.py's GB_STUCK_DIR),
+              neither dead nor stopped: a hang judged on every node's stacks (in place: by an
+              inquiry, restarting nothing), the rank killed by its daemon
     node      SIGKILL of a random node's daemon (its guard takes its workers): the others go on
               at the smaller world (in place where they can; where the node held group rank 0,
               and with it the workers' store, they restart); once they step, the node is started
@@ -52,7 +55,7 @@ from rendezvous import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "tests" / "scripts"
-KINDS = ("worker", "stop", "node")
+KINDS = ("worker", "stop", "stuck", "node")
 LINE = re.compile(r"^gstep (\d+) world (\d+) rank (\d+) round (\d+) samples ([\d,]*)$", re.M)
 FINAL = re.compile(r"^final ([0-9a-f]{64})$", re.M)
 MARK = "ELASTICD_CHAOS_NODES"  # in every daemon's environment, so in its workers': the leak check
@@ -67,6 +70,8 @@ class Cluster:
         """`nnodes` None: one standalone daemon (the uninterrupted run), no store."""
         self.work, self.args, self.steps, self.nnodes = work, args, steps, nnodes
         self.delay, self.no_delay = delay, work / "no-delay"
+        self.stuck = work / "stuck"  # a file named by a worker's pid there: it hangs (`stuck`)
+        self.stuck.mkdir(parents=True, exist_ok=True)
         self.tag = uuid.uuid4().hex
         self.daemons: dict[str, subprocess.Popen] = {}  # name -> daemon (every life of a node)
         self.seen: dict[tuple[int, int, int], float] = {}  # (round, step, rank) -> first seen
@@ -107,6 +112,7 @@ class Cluster:
         ]  # fmt: skip
         env = dict(os.environ, **JOB, **{MARK: self.tag}, PYTHONUNBUFFERED="1")
         env["GB_NO_DELAY_FILE"] = str(self.no_delay)
+        env["GB_STUCK_DIR"] = str(self.stuck)
         with open(out / "stderr.txt", "wb") as err:
             self.daemons[name] = subprocess.Popen(
                 cmd, stdout=subprocess.DEVNULL, stderr=err, stdin=subprocess.DEVNULL,
@@ -230,13 +236,17 @@ def inject(c: Cluster, kind: str, rng: random.Random, full: int, a) -> dict:
     alive = sorted(c.alive())
     name = rng.choice(alive)
     got: dict = {"kind": kind, "node": name, "at_step": c.newest_step()}
-    if kind in ("worker", "stop"):
+    if kind in ("worker", "stop", "stuck"):
         pids = c.workers(name)
         if not pids:
             got["skipped"] = "no worker of that node running"
             return got
         t = time.time()
-        os.kill(rng.choice(pids), signal.SIGKILL if kind == "worker" else signal.SIGSTOP)
+        pid = rng.choice(pids)
+        if kind == "stuck":  # at its next step
+            (c.stuck / str(pid)).touch()
+        else:
+            os.kill(pid, signal.SIGKILL if kind == "worker" else signal.SIGSTOP)
         done = wait(lambda: c.stepping(full, t), a.fault_timeout)
         got["recovery_s"] = done and round(done - t, 3)
         return got

@@ -102,7 +102,9 @@ REPLAY_ASK = "replay_ask"  # where the failed node copied its rank's bundle, for
 REPLAYED_ELSEWHERE = "replayed"  # that other node's replay of the failed step: its verdict
 REFEREE_ASK = "referee_ask"  # two replicas on two nodes: where rank 1's node copied its bundle
 REFEREED = "refereed"  # the referee's verdict (rank 0's node), for rank 1's node
-HANG = "hang"  # hang/<node id>: that node's ranks' innermost frames when a hang was declared
+HANG = "hang"  # hang/[<inquiry>/]<node id>: that node's ranks' innermost frames at a hang
+HANG_ASK = "hang_ask"  # hang_ask/<i>: the node that asks the others for their stacks, in place
+HANG_VERDICT = "hang_verdict"  # hang_verdict/<i>: its verdict, the culprit's rank and node
 DONE_COUNT = "done_count"  # a counter of nodes at the exit barrier
 ALL_DONE = "all_done"  # set once every node's done key verifies
 

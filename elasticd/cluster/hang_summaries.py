@@ -22,26 +22,33 @@ T = TypeVar("T")
 POLL = 0.1  # seconds between reads of the summaries still missing
 
 
-def key(rdzv: Rendezvous, rnd: Round, node_id: str) -> str:
-    return rdzv.round_key(rnd.number, f"{names.HANG}/{node_id}")
+def key(rdzv: Rendezvous, rnd: Round, node_id: str, inquiry: int | None = None) -> str:
+    """A node's summary: of the hang that restarts the round, or of inquiry N (a round recovered
+    in place lives through many hangs: cluster/hang_inquiry.py)."""
+    where = node_id if inquiry is None else f"{inquiry}/{node_id}"
+    return rdzv.round_key(rnd.number, f"{names.HANG}/{where}")
 
 
 @store_call
-def publish(rdzv: Rendezvous, rnd: Round, text: str) -> None:
-    k = key(rdzv, rnd, rdzv.node_id)
+def publish(rdzv: Rendezvous, rnd: Round, text: str, inquiry: int | None = None) -> None:
+    k = key(rdzv, rnd, rdzv.node_id, inquiry)
     rdzv.kv.set(k, rdzv.seal(k, text))
 
 
 @store_call
 def gather(
-    rdzv: Rendezvous, rnd: Round, parse: Callable[[str], T | None], deadline: float
+    rdzv: Rendezvous,
+    rnd: Round,
+    parse: Callable[[str], T | None],
+    deadline: float,
+    inquiry: int | None = None,
 ) -> tuple[dict[str, T], list[str]]:
     """Every other member's summary, waiting for them until `deadline` (monotonic): what came,
     by node id, and the nodes that said nothing by then."""
     missing = [m.node_id for m in rnd.members if m.node_id != rdzv.node_id]
     found: dict[str, T] = {}
     while missing:
-        keys = [key(rdzv, rnd, n) for n in missing]
+        keys = [key(rdzv, rnd, n, inquiry) for n in missing]
         for n, k, raw in zip(list(missing), keys, rdzv.kv.multi_get(keys)):
             value = rdzv.open(k, raw, parse)
             if value is not None:

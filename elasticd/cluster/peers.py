@@ -7,7 +7,8 @@ Threads, each with its own store connection, so the loop never blocks on the sto
   nodes waiting to join (constant traffic per node, whatever the number of nodes); it also
   notices a store that stops answering;
 - the restart waiter: blocks on the round's restart key (the store answers when it is set), so a
-  request reaches every node at once without polling;
+  request reaches every node at once without polling; the hang inquiries' waiter likewise
+  (hang_inquiry.py: a hang judged across nodes in place, which restarts nothing);
 - the arrival waiter, while the round has room for more nodes: blocks on the key the next node
   to come will claim its arrival record at, and then has the liveness thread's next beat read
   the nodes waiting to join (a join in place then starts within a beat, not the once-a-second
@@ -39,7 +40,7 @@ import time
 from collections.abc import Callable
 
 from elasticd import logs
-from elasticd.cluster import arrivals, links, probe, silence
+from elasticd.cluster import arrivals, hang_inquiry, links, probe, silence
 from elasticd.cluster import kv as kvmod
 from elasticd.cluster.errors import StoreLost, host_down_line
 from elasticd.cluster.rendezvous import Rendezvous
@@ -96,6 +97,7 @@ class Peers:
         self._beat_kv = rdzv.kv.clone()
         self._wait_kv = rdzv.kv.clone()
         self._arrival_kv: kvmod.KV | None = None  # the arrival waiter's, made at its first round
+        self.inquiries = hang_inquiry.Waiter(rdzv, wake)  # hangs judged across nodes, in place
         self._thread = supervise.thread(
             "liveness", self._beat_loop, risk="until it is back, peers may take this node for lost"
         )
@@ -113,6 +115,7 @@ class Peers:
         self._round = None
         self._beat_kv.close()
         self._wait_kv.close()
+        self.inquiries.close()
         if self._arrival_kv is not None:
             self._arrival_kv.close()
         if self.links is not None:
@@ -138,6 +141,7 @@ class Peers:
         self.superseded = -1
         self._next_waiting_check = time.monotonic() + WAITING_EVERY
         self._waiters = [t for t in self._waiters if t.is_alive()]
+        self.inquiries.new_round(rnd)
         if rnd.group_world_size > 1:
             waiter = threading.Thread(
                 target=self._wait_restart, args=(rnd,), name="elasticd-restart-wait", daemon=True

@@ -120,6 +120,8 @@ class Agent:
         # monotonic: since when a rank waits, unwound, for a generation not announced yet
         # (inplace.follow): the peers' evidence that a silent node is gone, as a rank's death
         self.in_place_waits = None
+        self.hang_hold = None  # daemon/hangs.Hold: a hang judged across nodes in place, waited on
+        self.hang_answered = (-1, -1)  # (round, inquiry) this node last gave its stacks for
         self.notify = None  # elasticd.daemon.systemd once serve() wires it
         self._connect, self._peers, self._subreaper = rendezvous, peers, subreaper
         self.inbox = Inbox()
@@ -316,21 +318,30 @@ class Agent:
                 why = self._quiet(now)
                 if why is None:
                     continue
-            why = hangs.name_culprit(why, self)
-            why, left = self._judge(why)
-            if left is not None:
-                return left
-            code = self._restart(why)
+            code = self._recover(why)
             if code is not None:
                 return code
+
+    def _recover(self, why: Failure | Scale) -> int | None:
+        """A failure's culprit named, judged and recovered (in place or by a restart): None to
+        go on, or the daemon's exit code."""
+        why = hangs.name_culprit(why, self)
+        if why is None:  # judged across nodes in place: the verdict is waited for
+            return None
+        why, left = self._judge(why)
+        if left is not None:
+            return left
+        return self._restart(why)
 
     def _quiet(self, now: float) -> Failure | None:
         """A tick where nothing failed: the start-up's report, the generation in place (one
         another node announced; a survivor stuck, or one that finished meanwhile, which no
-        generation can then form without: that is a failure), the spares' learning, status."""
+        generation can then form without: that is a failure), another node's hang inquiry and
+        its verdict (hangs.answer: a rank of ours named is a failure), the spares' learning,
+        status."""
         self._after_start_up(now)
         inplace.follow(self, now)
-        why = inplace.unstick(self, now)
+        why = hangs.answer(self, now) or inplace.unstick(self, now)
         if why is None:
             self.spares.learn(self.group.workers)
             if self.status.due(now):

@@ -1,15 +1,21 @@
-"""A hang's culprit named before the restart (the agent's hook, `name_culprit`): this node's ranks'
-stack dumps reduced to where each waits (culprit.py), with each rank's collectives' sequence
-numbers and ops (collective_seq.py: they decide a desync and who never arrived), published to the
-other nodes and theirs gathered (cluster/hang_summaries.py), and the job-wide verdict added to the
-failure's reason (and a `hang_culprit` event), so that the restart cause, status and the final
-line name the rank (and node) elsewhere while the others waited in a collective; the failure's
-rank, node, pid and log become the culprit's. A node told of a hang by another node dumps its own
-workers' stacks for it first. Every wait is bounded (GATHER, 3 s): a node that says nothing in
-time is named as such, never waited for. A rank stopped by a signal (state T: SIGSTOP, Ctrl-Z)
-is the culprit wherever the others wait, so its node asks no other node (the restart that makes
-them dump would also end a recovery in place) and only publishes its own summary, for a node
-told of the hang by a restart that follows."""
+"""A hang's culprit named before the recovery (the agent's hook, `name_culprit`): this node's
+ranks' stack dumps reduced to where each waits (culprit.py), with each rank's collectives'
+sequence numbers and ops (collective_seq.py: they decide a desync and who never arrived), the
+other nodes' gathered (cluster/hang_summaries.py), and the job-wide verdict added to the
+failure's reason (and a `hang_culprit` event), so that the cause, status and the final line name
+the rank (and node) elsewhere while the others waited in a collective; the failure's rank, node,
+pid and log become the culprit's. Every wait is bounded (GATHER, 3 s): a node that says nothing
+in time is named as such, never waited for.
+
+Over several nodes, on the in-place path, the node that declares the hang asks the others for
+their stacks by an inquiry (cluster/hang_inquiry.py), which restarts nothing: each answers
+(`answer`, from the loop's quiet tick) and waits for the asker's verdict; the culprit's node then
+replaces it in place and the others follow its generation (`Hold`: past its deadline, a
+restart). On the restart path (or where a generation forms) the request that makes the others
+dump is the restart itself, and a node told of the hang by it dumps its own workers' stacks
+for it first. A rank stopped by a signal (state T: SIGSTOP, Ctrl-Z) is the culprit wherever the
+others wait, so its node asks no other node and only publishes its own summary, for a node told
+of the hang by a restart that follows."""
 
 from __future__ import annotations
 
@@ -17,7 +23,7 @@ import dataclasses
 import time
 from typing import TYPE_CHECKING
 
-from elasticd.cluster import hang_summaries
+from elasticd.cluster import hang_inquiry, hang_summaries
 from elasticd.cluster.errors import RendezvousFailed, StoreUnreachable
 from elasticd.daemon import collective_seq, culprit
 from elasticd.lifecycle.states import Failure, RestartCause, Scale, restart_request
@@ -27,32 +33,81 @@ if TYPE_CHECKING:
 
 GATHER = 3.0  # seconds a node waits for the other nodes' summaries (they dump within ~1 s)
 HUNG = "hung: "  # how a hang's reason begins (group.py), in a peer's restart request too
+# seconds the other nodes wait for the culprit's node to announce its replacement in place, once
+# the verdict named it (it does so at its next tick)
+HANDOFF = 3.0
+
+
+@dataclasses.dataclass
+class Hold:
+    """This node waits on a hang judged across nodes in place (inquiry `index` of round
+    `round`): for the verdict (`named` None), then for the culprit's node's generation (past
+    `generation`); past `until`, `fallback` is the failure (the group restarts). `told`: the
+    verdict's failure where it named a rank of this node (the loop recovers it)."""
+
+    round: int
+    index: int
+    generation: int
+    until: float
+    fallback: Failure
+    named: hang_inquiry.Verdict | None = None
+    told: Failure | None = None
 
 
 def told_of_hang(why: Failure | Scale) -> bool:
     return why.kind is RestartCause.PEER and HUNG in why.reason
 
 
-def name_culprit(why: Failure | Scale, agent: Agent) -> Failure | Scale:
+def name_culprit(why: Failure | Scale, agent: Agent) -> Failure | Scale | None:
     """`why` with the culprit's verdict in its reason, for a hang declared here or told of by a
-    peer; any other failure as it is."""
+    peer; any other failure as it is. None: judged across nodes in place, its verdict (or the
+    culprit's node's generation) waited for (`Hold`)."""
+    hold = agent.hang_hold
+    if hold is not None and why is hold.told:  # named by an inquiry's verdict already
+        agent.hang_hold = None
+        return why
     local = why.kind is RestartCause.HANG
     if not (local or told_of_hang(why)) or agent.cfg.no_python:
         return why
+    if local and hold is not None:  # one hang, judged across nodes: its verdict is awaited
+        return None
     t0 = time.monotonic()
     rows = agent.group.dumps if local else agent.group.stacks(agent.state.value).get("stacks", [])
+    ranks = _wheres(agent, rows)
     rnd = agent.round
     multi = rnd is not None and rnd.group_world_size > 1
-    node = agent.rdzv.node_id if multi else ""
-    ranks = {
+    stopped = local and multi and _stopped(why, agent)
+    if local and multi and not stopped and _in_place(why, agent):
+        return _inquire(why, agent, ranks, t0)
+    silent: list[str] = []
+    if multi:
+        ranks, silent = _across_nodes(why, agent, ranks, ask=not stopped)
+    named, _ = _named(why, agent, ranks, silent, stopped, t0)
+    return named
+
+
+def _wheres(agent: Agent, rows: list[dict]) -> dict[int, culprit.Where | None]:
+    """This node's ranks' stack dumps (group.py's rows) as where each waits."""
+    rnd = agent.round
+    node = agent.rdzv.node_id if rnd is not None and rnd.group_world_size > 1 else ""
+    return {
         r["rank"]: culprit.where(r["text"], node, r["path"], r.get("collectives", ""))
         for r in rows
         if r.get("text")
     }
-    silent: list[str] = []
-    stopped = local and multi and _stopped(why, agent)
-    if multi:
-        ranks, silent = _across_nodes(why, agent, ranks, ask=not stopped)
+
+
+def _named(
+    why: Failure,
+    agent: Agent,
+    ranks: dict[int, culprit.Where | None],
+    silent: list[str],
+    stopped: bool,
+    t0: float,
+    **said,
+) -> tuple[Failure, str]:
+    """The verdict over `ranks` (every node's that came): a `hang_culprit` event, and the
+    failure blamed on its culprit, with the verdict's text."""
     verdict, seqs = judge(ranks)
     text = verdict.text + (f"; no stacks from node(s) {', '.join(silent)}" if silent else "")
     if stopped:
@@ -67,10 +122,200 @@ def name_culprit(why: Failure | Scale, agent: Agent) -> Failure | Scale:
         collectives=seqs.kind,  # what the ranks' sequence numbers said (collective_seq.py)
         seq=seqs.seq,
         seconds=round(time.monotonic() - t0, 3),  # what naming it added to the recovery
+        **said,
     )
+    why = dataclasses.replace(why, reason=f"{why.reason}; {text}")
     if stopped:  # the blame stays on it (this node's ranks alone may seem to wait on another)
-        return dataclasses.replace(why, reason=f"{why.reason}; {text}")
-    return _blamed(dataclasses.replace(why, reason=f"{why.reason}; {text}"), verdict, ranks, agent)
+        return why, text
+    return _blamed(why, verdict, ranks, agent), text
+
+
+def _in_place(why: Failure, agent: Agent) -> bool:
+    """Whether a hang declared here may be judged across nodes by an inquiry: the job recovers
+    in place, no generation forms, and a rank was named (else the group restarts anyway)."""
+    path = agent.recovery_path
+    return (
+        path is not None
+        and path.in_place
+        and agent.forming is None
+        and agent.peers is not None
+        and why.rank is not None
+        and not why.driver
+    )
+
+
+def _inquire(
+    why: Failure, agent: Agent, ranks: dict[int, culprit.Where | None], t0: float
+) -> Failure | None:
+    """Ask the other nodes for their stacks (an inquiry, hang_inquiry.py), publish ours for it,
+    gather theirs and say the verdict: the culprit, where it is ours (the loop replaces it in
+    place); else None, this node holding for the culprit's node's generation. Where another node
+    claimed the inquiry first (the same hang, declared there at once), it judges: None, holding
+    for its verdict."""
+    rdzv, rnd, waiter = agent.rdzv, agent.round, agent.peers.inquiries
+    mine = {r: w for r, w in ranks.items() if w is not None}
+    deadline = time.monotonic() + GATHER
+    gen = agent.group.generation
+    try:
+        index, claimed = hang_inquiry.ask(rdzv, rnd, waiter.next, gen)
+        agent.hang_answered = (rnd.number, index)  # ours, or one we joined: never answered again
+        hang_summaries.publish(rdzv, rnd, culprit.summary(mine), index)
+        if not claimed:
+            agent.event("hang_inquiry_joined", inquiry=index)
+            _hold(agent, index, gen, hang_inquiry.VERDICT_WAIT, _unjudged(why, agent, index))
+            return None
+        agent.event("hang_inquiry", inquiry=index, rank=why.rank)
+        found, silent = hang_summaries.gather(rdzv, rnd, culprit.parse_summary, deadline, index)
+    except (StoreUnreachable, RendezvousFailed) as e:
+        agent.event("hang_summaries_unreachable", level="warning", why=str(e))
+        return _named(why, agent, ranks, ["the store did not answer"], False, t0)[0]
+    for theirs in found.values():
+        ranks.update(theirs)
+    named, text = _named(why, agent, ranks, silent, False, t0, inquiry=index)
+    where = ranks.get(named.rank)
+    holder = rdzv.node_id if named.pid is not None else (where.node if where else "")
+    try:
+        hang_inquiry.say(rdzv, rnd, index, named.rank, holder, text)
+    except (StoreUnreachable, RendezvousFailed) as e:  # the others restart at their deadline
+        agent.event("hang_verdict_unsaid", level="warning", why=str(e))
+    if named.pid is not None:  # this node's rank: replaced in place (inplace.replace)
+        return named
+    _handed(agent, index, gen, named, holder)
+    return None
+
+
+def _unjudged(why: Failure, agent: Agent, index: int) -> Failure:
+    """What a node holding for inquiry `index`'s verdict restarts for when none comes."""
+    return dataclasses.replace(
+        why,
+        reason=f"{HUNG}no verdict on hang inquiry {index} came within "
+        f"{hang_inquiry.VERDICT_WAIT:g}s (its asker may be gone); {why.reason.removeprefix(HUNG)}",
+        rank=None,
+        pid=None,
+    )
+
+
+def _hold(agent: Agent, index: int, gen: int, seconds: float, fallback: Failure) -> Hold:
+    """Hold for `seconds`, or until a generation past `gen` (the one the inquiry was asked in:
+    one formed since, for this hang or a fault found at once elsewhere, ends the hold, and a
+    verdict on it, which may name a rank started for it, is no longer acted on): this node's
+    own ranks' silence is judged from its end (the hang is judged, or recovered, elsewhere)."""
+    now = time.monotonic()
+    hold = Hold(agent.round.number, index, gen, now + seconds, fallback)
+    agent.group.quiet_from = max(agent.group.quiet_from, hold.until)
+    agent.hang_hold = hold
+    return hold
+
+
+def _handed(agent: Agent, index: int, gen: int, named: Failure, holder: str) -> None:
+    """The verdict named another node's rank: hold for its node's generation in place."""
+    fallback = dataclasses.replace(
+        named,
+        reason=f"{named.reason}; its node {holder} did not replace it in place within {HANDOFF:g}s",
+    )
+    hold = _hold(agent, index, gen, HANDOFF, fallback)
+    hold.named = hang_inquiry.Verdict(agent.round.number, index, named.rank, holder, "")
+
+
+def answer(agent: Agent, now: float) -> Failure | None:
+    """The loop's quiet tick: another node's inquiry answered (this node's stacks published for
+    it, then held for its verdict); a verdict acted on: a rank of ours named is the failure
+    returned (recovered in place), another node's is waited for (its generation); a hold past its
+    deadline, its fallback (the group restarts)."""
+    rnd, peers = agent.round, agent.peers
+    if rnd is None or peers is None or agent.cfg.no_python:
+        return None
+    waiter = peers.inquiries
+    asked = waiter.asked
+    if (
+        asked is not None
+        and asked.round == rnd.number
+        and asked.node != agent.rdzv.node_id
+        and (rnd.number, asked.index) > agent.hang_answered
+        and agent.hang_hold is None
+    ):
+        _answer(agent, asked)
+    hold = agent.hang_hold
+    if hold is None:
+        return None
+    if hold.round != rnd.number or agent.group.generation > hold.generation:
+        agent.hang_hold = None  # the culprit's node's generation followed (or a new round)
+        return None
+    verdict = waiter.verdict
+    came = verdict is not None and (verdict.round, verdict.index) == (rnd.number, hold.index)
+    if hold.named is None and came:
+        return _verdict(agent, hold, verdict)
+    if now >= hold.until:
+        agent.hang_hold = None
+        agent.event("hang_hold_expired", level="warning", inquiry=hold.index)
+        return hold.fallback
+    return None
+
+
+def _answer(agent: Agent, asked: hang_inquiry.Asked) -> None:
+    """Our ranks' stacks for another node's inquiry, published; held for its verdict."""
+    t0 = time.monotonic()
+    agent.hang_answered = (asked.round, asked.index)
+    rows = agent.group.stacks(agent.state.value).get("stacks", [])
+    mine = {r: w for r, w in _wheres(agent, rows).items() if w is not None}
+    try:
+        hang_summaries.publish(agent.rdzv, agent.round, culprit.summary(mine), asked.index)
+    except (StoreUnreachable, RendezvousFailed) as e:
+        agent.event("hang_summaries_unreachable", level="warning", why=str(e))
+    agent.event(
+        "hang_inquiry_answered",
+        inquiry=asked.index,
+        asker=asked.node,
+        ranks=sorted(mine),
+        seconds=round(time.monotonic() - t0, 3),
+    )
+    why = Failure(
+        RestartCause.HANG,
+        f"{HUNG}node {asked.node} asked for every node's stacks",
+        node=agent.node,
+    )
+    fallback = _unjudged(why, agent, asked.index)
+    _hold(agent, asked.index, asked.generation, hang_inquiry.VERDICT_WAIT, fallback)
+
+
+def _verdict(agent: Agent, hold: Hold, verdict: hang_inquiry.Verdict) -> Failure | None:
+    """The asker's verdict, held for: a rank of ours named is this node's failure (replaced in
+    place by the loop); another node's, its generation waited for; none, the fallback."""
+    if verdict.rank is None:
+        agent.hang_hold = None
+        return hold.fallback
+    mine = next(
+        (w for w in agent.group.workers if w.global_rank == verdict.rank and w.exit_code is None),
+        None,
+    )
+    agent.event(
+        "hang_culprit",
+        level="warning",
+        verdict=verdict.text,
+        culprits=[verdict.rank],
+        inquiry=verdict.index,
+        told=True,  # the asker's verdict, on every node's stacks
+    )
+    if verdict.node != agent.rdzv.node_id or mine is None:
+        fallback = Failure(
+            RestartCause.HANG,
+            f"{HUNG}{verdict.text}; its node {verdict.node} did not replace it in place within "
+            f"{HANDOFF:g}s",
+            rank=verdict.rank,
+            node=verdict.node,
+        )
+        named = _hold(agent, verdict.index, hold.generation, HANDOFF, fallback)
+        named.named = verdict
+        return None
+    hold.told = Failure(
+        RestartCause.HANG,
+        f"{HUNG}{verdict.text} (judged on every node's stacks, hang inquiry {verdict.index})",
+        rank=mine.global_rank,
+        pid=mine.pid,
+        log_path=str(getattr(mine, "err_path", None) or mine.log_path),
+        node=agent.node,
+    )
+    return hold.told
 
 
 def _stopped(why: Failure, agent: Agent) -> bool:

@@ -119,11 +119,8 @@ def _refused(agent: Agent, why: Failure) -> str | None:
     if not isinstance(why, Failure) or why.kind not in kinds:
         kind = getattr(why, "kind", None)
         return f"a failure of kind {getattr(kind, 'value', 'scale')} restarts the group"
-    if why.kind is RestartCause.HANG:
-        if why.rank is None or why.driver:
-            return "a hang with no rank to blame, or the GPU driver's evidence, restarts the group"
-        if agent.forming is not None:
-            return "a hang while a generation formed in place"
+    if why.kind is RestartCause.HANG and (hang := _hang_refused(agent, why)):
+        return hang
     if why.kind is RestartCause.CRASH and why.exit_code in agent.cfg.fatal_exit_codes:
         return "a fatal exit code"
     if why.failure_class == triage.FailureClass.SDC.value or why.exit_code == names.SDC_EXIT:
@@ -159,6 +156,17 @@ def _refused(agent: Agent, why: Failure) -> str | None:
         # polled: ranks killed together die a moment apart; with other nodes, their ranks
         # survive (one rank a node: this node's only one died), and say otherwise themselves
         return "every rank has exited"
+    return None
+
+
+def _hang_refused(agent: Agent, why: Failure) -> str | None:
+    if why.rank is None or why.driver:
+        return "a hang with no rank to blame, or the GPU driver's evidence, restarts the group"
+    if agent.forming is not None:
+        return "a hang while a generation formed in place"
+    if not any(w.global_rank == why.rank for w in agent.group.workers):
+        # (daemon/hangs.py: the verdict named it, and its node let the handoff pass)
+        return f"a hang of another node's rank, which its node ({why.node}) did not replace"
     return None
 
 

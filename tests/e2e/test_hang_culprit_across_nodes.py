@@ -167,3 +167,40 @@ def test_a_desync_names_the_odd_rank(daemons):
     (cause,) = wait_until(lambda: restart_causes(d), 30, what="the restart")
     assert cause.startswith("rank 1 (node ") and "; desync: rank 1 waited in recv" in cause, cause
     assert d.wait(120) == 0, d.stderr()[-3000:]
+
+
+def test_a_hang_judged_across_two_nodes_is_recovered_in_place(daemons):
+    """Two nodes on loopback, in place (the default on torch>=2.14): rank 1 sleeps in
+    `read_batch` on one node while rank 0 waits in all_reduce on the other, neither stopped by a
+    signal, both nodes' 2 s heartbeat timeout passing at once. The node that declares the hang
+    asks the other for its stacks by an inquiry, which restarts nothing (the other node, if it
+    declared it too, joins it); both name rank 1 and its node; rank 1's node replaces it in
+    place and rank 0 re-enters in its own process (before: the request for the stacks was a
+    restart of every node)."""
+    port = free_port()
+    flags = ("--nproc-per-node", "1", *node_flags(port, "2"), *HB, "--max-restarts", "1")
+    a = daemons(script("hang.py"), *flags, name="a", args=[*STUCK, "--rank", "1"])
+    wait_until(lambda: [e for e in a.events() if e.get("event") == "rendezvous_store"], 60,
+               what="a at the store")  # fmt: skip
+    b = daemons(script("hang.py"), *flags, name="b", args=[*STUCK, "--rank", "1"])
+    for n in (a, b):
+        assert n.wait(120) == 0, n.stderr()[-3000:]
+    nodes = (a, b)
+    holder = next(n for n in nodes if "1" in next(e for e in n.events() if e.get("pids"))["pids"])
+    other = b if holder is a else a
+    holder_id = next(e["node_id"] for e in holder.events() if e.get("event") == "rendezvous_store")
+    asked = [e for n in nodes for e in n.events() if e.get("event") == "hang_inquiry"]
+    assert len(asked) == 1, asked
+    for n in nodes:
+        (ev,) = culprit_events(n)
+        assert ev["culprits"] == [1], ev
+        assert f"rank 1 (node {holder_id}) was in `read_batch`" in ev["verdict"], ev
+        assert "no stacks from" not in ev["verdict"], ev
+        assert not [e for e in n.events() if e.get("new") == "RESTARTING"], "a restart"
+        assert not [e for e in n.events() if e.get("event") == "in_place_refused"]
+        assert len(n.attempt_dirs()) == 1
+    (replaced,) = [e for e in holder.events() if e.get("event") == "replaced_in_place"]
+    assert replaced["ranks"] == [1] and "was in `read_batch`" in replaced["cause"], replaced
+    (followed,) = [e for e in other.events() if e.get("event") == "in_place_followed"]
+    assert followed["ranks"] == [1], followed
+    assert "re_entered" in other.log_text(0, 1)  # rank 0, in its own process

@@ -3,7 +3,9 @@ AdamW and a warm-up schedule, trained through elasticd.global_batch (exact mode 
 GB_EXACT=1) and elasticd.checkpoint (in-memory state every step). Arguments: steps, seconds of
 sleep per step. Environment: GB_GLOBAL, GB_MICRO (global and micro-batch), GB_SAMPLES, GB_DELAY1
 (the sleep per step in a world of one, so that a test can bring a node back before the end),
-GB_NO_DELAY_FILE (once this file exists, no sleep: a run whose faults are done ends quickly).
+GB_NO_DELAY_FILE (once this file exists, no sleep: a run whose faults are done ends quickly),
+GB_STUCK_DIR (a rank that finds a file named by its pid there removes it and hangs in a data read
+that never returns, neither dead nor stopped: bench/chaos_nodes.py's `stuck` fault).
 
 Every rank prints, per optimizer step, `gstep S world W rank R round T samples I,J,...` (the
 samples it trained on; T names the attempt's process group, the same on every rank of it), and
@@ -43,6 +45,12 @@ def digest(*states) -> str:
     return h.hexdigest()
 
 
+def read_batch() -> None:
+    """A data read that never returns (GB_STUCK_DIR): the rank sleeps, the others wait for it."""
+    while True:
+        time.sleep(3600)
+
+
 def main() -> None:
     total, delay = int(sys.argv[1]), float(sys.argv[2])
     exact = os.environ.get("GB_EXACT") == "1"
@@ -77,7 +85,11 @@ def main() -> None:
     )
     print(f"resumed at step {step} world {world}", flush=True)
     batches = iter(loader)
+    stuck = os.path.join(os.environ.get("GB_STUCK_DIR", ""), str(os.getpid()))
     while step < total:
+        if os.environ.get("GB_STUCK_DIR") and os.path.exists(stuck):
+            os.unlink(stuck)
+            read_batch()
         trained = []
         for mb, (x, y, idx) in gb.micro_batches(model, batches):
             noise = torch.from_numpy(np.random.standard_normal(x.shape).astype("float32"))

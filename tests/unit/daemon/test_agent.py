@@ -144,6 +144,8 @@ class FakeRendezvous:
 class FakePeers:
     def __init__(self, script: Script) -> None:
         self.s = script
+        # no other node asks about a hang (cluster/hang_inquiry.py)
+        self.inquiries = SimpleNamespace(next=0, asked=None, verdict=None)
 
     def new_round(self, rnd: Round) -> None:
         pass

@@ -1,0 +1,103 @@
+"""A hang judged across nodes without a restart (cluster/hang_inquiry.py): the node that declares
+it claims the round's next inquiry, the others' waiters see it at once and then the asker's
+verdict; two nodes that declare one hang together share one inquiry; a forger's claim or verdict
+is none. Real Rendezvous (sealed values) over an in-process store (kv.LocalKV)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from elasticd import config
+from elasticd.cluster import hang_inquiry, hang_summaries, kv, rendezvous
+from elasticd.cluster.rounds import Member, Round
+from harness import secret_flags
+
+
+def _cfg():
+    return config.build(
+        {
+            "entrypoint": "x.py",
+            "nnodes": "2",
+            "rdzv_id": "job",
+            "rdzv_endpoint": "127.0.0.1:29400",
+            "rdzv_secret_file": secret_flags()[1],
+        },
+        None,
+        environ={},
+    )
+
+
+@pytest.fixture
+def nodes():
+    """Nodes a and b of one round over one store, and b's waiter (woken: an Event)."""
+    cfg, store = _cfg(), kv.LocalKV()
+    a = rendezvous.Rendezvous(cfg, store=store, begins_run=True)
+    beating = threading.Event()
+
+    def beat() -> None:  # the store's host beats, answering b, which joins its run
+        count = 0
+        while not beating.wait(0.05):
+            count += 1
+            a.beat(store, count)
+
+    threading.Thread(target=beat, daemon=True).start()
+    b = rendezvous.Rendezvous(cfg, store=store.clone(), begins_run=False)
+    rnd = Round(0, 0, [Member(a.node_id, 1, "127.0.0.1"), Member(b.node_id, 1, "127.0.0.1")])
+    woken = threading.Event()
+    waiter = hang_inquiry.Waiter(b, woken.set)
+    waiter.new_round(rnd)
+    yield a, b, rnd, waiter, woken
+    waiter.close()
+    beating.set()
+
+
+def _until(check, seconds: float = 5.0):
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if found := check():
+            return found
+        time.sleep(0.01)
+    raise AssertionError("not within the time")
+
+
+def test_an_inquiry_and_its_verdict_reach_the_other_node_at_once(nodes):
+    a, b, rnd, waiter, woken = nodes
+    assert hang_inquiry.ask(a, rnd, waiter.next, 3) == (0, True)
+    t0 = time.monotonic()
+    asked = _until(lambda: waiter.asked)
+    assert asked == hang_inquiry.Asked(0, 0, a.node_id, 3) and woken.is_set()
+    assert time.monotonic() - t0 < 0.5  # a blocking wait, not a poll
+    # b answers under the inquiry's own key; a gathers it (a round lives through many hangs)
+    hang_summaries.publish(b, rnd, "[]", 0)
+    found, silent = hang_summaries.gather(a, rnd, lambda t: t, time.monotonic() + 1, 0)
+    assert found == {b.node_id: "[]"} and not silent
+    assert hang_summaries.gather(a, rnd, lambda t: t, time.monotonic(), 1) == ({}, [b.node_id])
+    woken.clear()
+    hang_inquiry.say(a, rnd, 0, 1, b.node_id, "rank 1 was in `read_batch`")
+    verdict = _until(lambda: waiter.verdict)
+    assert verdict == hang_inquiry.Verdict(0, 0, 1, b.node_id, "rank 1 was in `read_batch`")
+    assert woken.is_set() and waiter.next == 1
+    # the next hang is the next inquiry
+    assert hang_inquiry.ask(b, rnd, waiter.next, 4) == (1, True)
+    assert _until(lambda: waiter.asked.index == 1)
+
+
+def test_two_nodes_declaring_one_hang_at_once_share_its_inquiry(nodes):
+    a, b, rnd, waiter, _ = nodes
+    assert hang_inquiry.ask(a, rnd, 0, 0) == (0, True)
+    assert hang_inquiry.ask(b, rnd, 0, 0) == (0, False)  # b holds for a's verdict
+
+
+def test_a_forgers_claim_is_no_inquiry_and_its_verdict_none(nodes, monkeypatch):
+    a, b, rnd, waiter, _ = nodes
+    monkeypatch.setattr(hang_inquiry, "VERDICT_WAIT", 0.5)
+    a.kv.set(a.round_key(0, f"{hang_inquiry.ASK}/0"), b"forged")
+    assert hang_inquiry.ask(a, rnd, 0, 0) == (1, True)  # the next one claimed
+    asked = _until(lambda: waiter.asked)
+    assert asked.index == 1 and asked.node == a.node_id
+    a.kv.set(a.round_key(0, f"{hang_inquiry.VERDICT}/1"), b"forged")
+    verdict = _until(lambda: waiter.verdict)  # none verified within VERDICT_WAIT
+    assert verdict.index == 1 and verdict.rank is None and waiter.next == 2
