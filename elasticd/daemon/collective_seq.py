@@ -91,21 +91,32 @@ def progress(text: str) -> dict[str, Progress] | None:
         status = {k: v for d in dumps for k, v in d.get("pg_status", {}).items()}
         by_group: dict[str, list[Op]] = {}
         names: dict[str, tuple[str, str]] = {}  # pg_id -> (name, desc)
-        for e in (e for d in dumps for e in d.get("entries", [])):
+        entries = (e for d in dumps for e in d.get("entries", []))
+        for e in sorted(entries, key=lambda e: int(e.get("record_id", 0))):
             if e.get("is_p2p"):
                 continue
             pg = str(e["pg_id"])
             name, desc = (list(e.get("process_group") or [pg, ""]) + [""])[:2]
             names[pg] = (str(name)[:MAX_TEXT], str(desc)[:MAX_TEXT])
-            by_group.setdefault(pg, []).append(_op(e))
+            ops = by_group.setdefault(pg, [])
+            op = _op(e)
+            if ops and op.seq <= ops[-1].seq:  # the group re-formed in place: numbered afresh
+                ops.clear()
+            ops.append(op)
         found = {}
         for pg, ops in by_group.items():
+            # the entries' numbers count this group's collectives since it (re)formed, the same
+            # on every rank; the status's count messages too (gloo: a pipeline's, or exact
+            # mode's ordered sum, differ by rank) and go on across a re-forming in place, so
+            # from it only how many this rank has outstanding
             s = status.get(pg, {})
-            enqueued = int(s.get("last_enqueued_collective", max(o.seq for o in ops)))
-            completed = int(s.get("last_completed_collective", -1))
-            ops = sorted(ops, key=lambda o: o.seq)[-KEPT:]
+            enqueued = ops[-1].seq
+            outstanding = int(s.get("last_enqueued_collective", enqueued)) - int(
+                s.get("last_completed_collective", -1)
+            )
+            completed = enqueued - max(0, min(outstanding, enqueued + 1))
             name, desc = names[pg]
-            found[name] = Progress(name, desc, enqueued, completed, tuple(ops))
+            found[name] = Progress(name, desc, enqueued, completed, tuple(ops[-KEPT:]))
     except (ValueError, TypeError, KeyError, AttributeError):
         return None
     return _kept(found)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 # torch.distributed calls a rank blocks in (c10d's Python API; their object forms included)
@@ -53,6 +53,9 @@ COLLECTIVES = frozenset(
     }
 )
 BACKWARD = "backward"  # DDP's gradient all_reduce waits inside autograd's engine
+# elasticd's own waits on the other ranks where no torch.distributed frame shows (a Work's wait
+# is C++): exact mode's ordered sum waits on its isend/irecv, as its other ranks wait in `recv`
+_OWN_WAITS = {"_wait": ("elasticd/exact.py", "recv")}
 _BACKWARD_FUNCS = frozenset({"backward", "_engine_run_backward", "run_backward"})
 MAX_NAME = 120  # characters of a function name or site kept
 MAX_RANKS = 256  # ranks one node's summary may carry
@@ -140,6 +143,9 @@ def _collective(frames: list[tuple[str, int, str]]) -> str | None:
             return func
         if "torch/autograd/" in file and func in _BACKWARD_FUNCS:
             return BACKWARD
+        own = _OWN_WAITS.get(func)
+        if own and file.endswith(own[0]):
+            return own[1]
     inside = [func for file, _, func in frames if "torch/distributed/" in file]
     return f"torch.distributed's `{inside[0]}`" if inside else None
 
@@ -178,7 +184,8 @@ def judge_hang(stacks_by_rank: Mapping[int, Where | str | None]) -> Verdict:
         return Verdict((), None, (), text + tail, desync=True)
     waited_in = top[0]
     waiting = tuple(groups[waited_in])
-    culprits = tuple(elsewhere) if len(top) > 1 else tuple(r for r in known if r not in waiting)
+    others = [r for r in known if r not in waiting]
+    culprits = tuple(elsewhere) if len(top) > 1 else roots_first(others, known)
     if not culprits:
         text = (
             f"every rank waited in {waited_in}: none was elsewhere (a rank outside these "
@@ -190,6 +197,14 @@ def judge_hang(stacks_by_rank: Mapping[int, Where | str | None]) -> Verdict:
     desync = all(known[r].collective for r in culprits)  # in another collective, every one
     text = f"{named}{more} while {_count(len(waiting))} waited in {waited_in}{tail}"
     return Verdict(culprits, waited_in, waiting, ("desync: " if desync else "") + text, desync)
+
+
+def roots_first(ranks: Iterable[int], wheres: Mapping[int, Where | None]) -> tuple[int, ...]:
+    """`ranks` (each a culprit by some evidence) with those seen in no collective first: a rank
+    that waits in one (a `recv` from the hung rank, a collective the others left) waits on
+    someone, where one in a data read or a spin holds the others up (exact mode's ordered sum:
+    the rank receiving from the hung one is behind on the collectives too)."""
+    return tuple(sorted(ranks, key=lambda r: bool((w := wheres.get(r)) and w.collective)))
 
 
 def _who(rank: int, w: Where) -> str:

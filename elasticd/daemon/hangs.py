@@ -347,7 +347,7 @@ def judge(
             culprit.placed(r, ranks[r]) for r in seqs.culprits[: culprit.NAMED] if ranks.get(r)
         ]
         text = "; ".join([seqs.text, *(named or [stacks.text])])
-    blamed = seqs.culprits or stacks.culprits
+    blamed = culprit.roots_first(seqs.culprits, ranks) or stacks.culprits
     desync = seqs.kind == "desync" or stacks.desync
     return culprit.Verdict(blamed, stacks.waited_in, stacks.waiting, text, desync), seqs
 

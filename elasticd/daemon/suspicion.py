@@ -121,15 +121,14 @@ class Suspicion:
         seqs = collective_seq.judge(
             {r["rank"]: collective_seq.parse_compact(r.get("collectives", "")) for r in rows}
         )
-        behind = [r for r in seqs.culprits if r in idle]
+        wheres = {r["rank"]: culprit.where(r["text"]) if r.get("text") else None for r in rows}
+        behind = culprit.roots_first((r for r in seqs.culprits if r in idle), wheres)
         if seqs.decides and (behind or seqs.kind == "desync"):
             return Verdict(behind[0] if behind else first.rank, f"idle; {seqs.text}")
         if seqs.decides:  # behind, and computing: a straggler (or a long step), not a hang
             event(first, f"busy: {seqs.text}; it uses the CPU (a straggler?)", deadline)
             return None
-        verdict = culprit.judge_hang(
-            {r["rank"]: culprit.where(r["text"]) if r.get("text") else None for r in rows}
-        )
+        verdict = culprit.judge_hang(wheres)
         named = [r for r in verdict.culprits if r in idle]
         if named or verdict.desync:
             return Verdict(named[0] if named else first.rank, f"idle; {verdict.text}")

@@ -54,6 +54,11 @@ BARRIER = dump(
     (f"{SITE}/distributed/distributed_c10d.py", 4800, "barrier"),
     ("/srv/train.py", 60, "main"),
 )
+EXACT_WAIT = dump(  # exact mode's ordered sum, waiting on its isend/irecv (a Work's wait: C++)
+    ("/srv/venv/lib/python3.11/site-packages/elasticd/exact.py", 243, "_wait"),
+    ("/srv/venv/lib/python3.11/site-packages/elasticd/exact.py", 228, "_ordered"),
+    ("/srv/train.py", 50, "main"),
+)
 
 # name, dumps by rank, culprits, collective waited in, words the text must hold
 CASES = [
@@ -78,6 +83,20 @@ CASES = [
         (2,),
         "all_reduce",
         ["desync: rank 2 waited in recv while 2 ranks waited in all_reduce"],
+    ),
+    (
+        "a rank in a data read named before one waiting in another collective (on it)",
+        {0: ALL_REDUCE, 1: ALL_REDUCE, 2: RECV, 3: SLEEP},
+        (3, 2),
+        "all_reduce",
+        ["rank 3 was in `read_batch` (train.py:18); rank 2 waited in recv while 2 ranks"],
+    ),
+    (
+        "exact mode: a rank waiting on its messages waits with those in recv",
+        {0: RECV, 1: EXACT_WAIT, 2: RECV, 3: SLEEP},
+        (3,),
+        "recv",
+        ["rank 3 was in `read_batch` (train.py:18) while 3 ranks waited in recv"],
     ),
     (
         "DDP: the others wait in backward",
