@@ -8,8 +8,11 @@ The sequence number tells these apart where the stacks cannot: a rank in a data 
 one collective behind look alike on the stack, and two ranks in all_reduce may be at different
 sequence numbers. A rank's dump is reduced to a `Progress` per process group (`progress`), a few
 hundred bytes that travel between nodes in the hang summary (`compact` / `parse_compact`, carried
-by culprit.Where.collectives), and `judge` compares the ranks'. `ask` and `collect` are the only
-parts that touch files: every wait bounded.
+by culprit.Where.collectives), and `judge` compares the ranks'. The numbers compared are the
+recorder's entries' (collectives alone, numbered afresh when a group re-forms in place, so the
+same on every rank of a generation); gloo's per-group status counts point-to-point messages too
+and runs on across generations, so only how many collectives a rank has outstanding is taken
+from it. `ask` and `collect` are the only parts that touch files: every wait bounded.
 """
 
 from __future__ import annotations
@@ -91,8 +94,9 @@ def progress(text: str) -> dict[str, Progress] | None:
         status = {k: v for d in dumps for k, v in d.get("pg_status", {}).items()}
         by_group: dict[str, list[Op]] = {}
         names: dict[str, tuple[str, str]] = {}  # pg_id -> (name, desc)
-        entries = (e for d in dumps for e in d.get("entries", []))
-        for e in sorted(entries, key=lambda e: int(e.get("record_id", 0))):
+        # in each recorder's order (its record ids; NCCL's after the CPU one's, where both)
+        entries = [e for d in dumps for e in sorted(d.get("entries", []), key=_record)]
+        for e in entries:
             if e.get("is_p2p"):
                 continue
             pg = str(e["pg_id"])
@@ -120,6 +124,10 @@ def progress(text: str) -> dict[str, Progress] | None:
     except (ValueError, TypeError, KeyError, AttributeError):
         return None
     return _kept(found)
+
+
+def _record(e: dict) -> int:
+    return int(e.get("record_id", 0))  # (our hook's entries have none: kept in their order)
 
 
 def _op(e: dict) -> Op:
