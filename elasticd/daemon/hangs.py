@@ -162,7 +162,7 @@ def _inquire(
         hang_summaries.publish(rdzv, rnd, culprit.summary(mine), index)
         if not claimed:
             agent.event("hang_inquiry_joined", inquiry=index)
-            _hold(agent, index, gen, hang_inquiry.VERDICT_WAIT, _unjudged(why, agent, index))
+            _hold(agent, index, gen, hang_inquiry.VERDICT_WAIT, _unjudged(why, index))
             return None
         agent.event("hang_inquiry", inquiry=index, rank=why.rank)
         found, silent = hang_summaries.gather(rdzv, rnd, culprit.parse_summary, deadline, index)
@@ -184,7 +184,7 @@ def _inquire(
     return None
 
 
-def _unjudged(why: Failure, agent: Agent, index: int) -> Failure:
+def _unjudged(why: Failure, index: int) -> Failure:
     """What a node holding for inquiry `index`'s verdict restarts for when none comes."""
     return dataclasses.replace(
         why,
@@ -274,7 +274,7 @@ def _answer(agent: Agent, asked: hang_inquiry.Asked) -> None:
         f"{HUNG}node {asked.node} asked for every node's stacks",
         node=agent.node,
     )
-    fallback = _unjudged(why, agent, asked.index)
+    fallback = _unjudged(why, asked.index)
     _hold(agent, asked.index, asked.generation, hang_inquiry.VERDICT_WAIT, fallback)
 
 
@@ -304,8 +304,8 @@ def _verdict(agent: Agent, hold: Hold, verdict: hang_inquiry.Verdict) -> Failure
             rank=verdict.rank,
             node=verdict.node,
         )
-        named = _hold(agent, verdict.index, hold.generation, HANDOFF, fallback)
-        named.named = verdict
+        waiting = _hold(agent, verdict.index, hold.generation, HANDOFF, fallback)
+        waiting.named = verdict
         return None
     hold.told = Failure(
         RestartCause.HANG,

@@ -1,18 +1,23 @@
 """A hang judged across nodes without a restart (cluster/hang_inquiry.py): the node that declares
 it claims the round's next inquiry, the others' waiters see it at once and then the asker's
 verdict; two nodes that declare one hang together share one inquiry; a forger's claim or verdict
-is none. Real Rendezvous (sealed values) over an in-process store (kv.LocalKV)."""
+is none. Then daemon/hangs.py's side: a node asked gives its stacks and acts on the verdict, and
+each wait ends in the restart at its deadline. Real Rendezvous (sealed values) over an in-process
+store (kv.LocalKV); the agent's parts hangs.answer reads, as data."""
 
 from __future__ import annotations
 
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 
 from elasticd import config
 from elasticd.cluster import hang_inquiry, hang_summaries, kv, rendezvous
 from elasticd.cluster.rounds import Member, Round
+from elasticd.daemon import hangs, inplace
+from elasticd.lifecycle.states import RestartCause
 from harness import secret_flags
 
 
@@ -101,3 +106,80 @@ def test_a_forgers_claim_is_no_inquiry_and_its_verdict_none(nodes, monkeypatch):
     a.kv.set(a.round_key(0, f"{hang_inquiry.VERDICT}/1"), b"forged")
     verdict = _until(lambda: waiter.verdict)  # none verified within VERDICT_WAIT
     assert verdict.index == 1 and verdict.rank is None and waiter.next == 2
+
+
+# --- daemon/hangs.py's side: answering an inquiry, the verdict, and each fallback ---
+
+
+def _agent(rdzv, rnd, worker_rank: int):
+    """The parts of an Agent that hangs.answer reads: this node's one worker, its group's
+    generation, the waiter's view (set by hand: its thread is tested above)."""
+    worker = SimpleNamespace(global_rank=worker_rank, pid=4242, exit_code=None, log_path="r.log")
+    group = SimpleNamespace(
+        generation=0, quiet_from=0.0, workers=[worker], stacks=lambda state: {"stacks": []}
+    )
+    seen = []
+    return SimpleNamespace(
+        round=rnd,
+        rdzv=rdzv,
+        node="host",
+        state=SimpleNamespace(value="RUNNING"),
+        cfg=SimpleNamespace(no_python=False),
+        peers=SimpleNamespace(inquiries=SimpleNamespace(next=0, asked=None, verdict=None)),
+        group=group,
+        hang_hold=None,
+        hang_answered=(-1, -1),
+        event=lambda name, **kw: seen.append((name, kw)),
+        seen=seen,
+    )
+
+
+def test_a_node_asked_gives_its_stacks_and_replaces_its_rank_the_verdict_names(nodes):
+    a, b, rnd, _, _ = nodes
+    agent = _agent(b, rnd, worker_rank=1)
+    agent.peers.inquiries.asked = hang_inquiry.Asked(0, 0, a.node_id, 0)
+    assert hangs.answer(agent, time.monotonic()) is None  # answered, then held
+    found, _ = hang_summaries.gather(a, rnd, lambda t: t, time.monotonic() + 1, 0)
+    assert found == {b.node_id: "[]"} and agent.hang_hold is not None
+    assert agent.group.quiet_from >= agent.hang_hold.until  # its own verdicts held meanwhile
+    text = "rank 1 was in `read_batch`"
+    agent.peers.inquiries.verdict = hang_inquiry.Verdict(0, 0, 1, b.node_id, text)
+    told = hangs.answer(agent, time.monotonic())
+    assert told.kind is RestartCause.HANG and (told.rank, told.pid) == (1, 4242), told
+    assert text in told.reason and "hang inquiry 0" in told.reason
+    assert hangs.name_culprit(told, agent) is told and agent.hang_hold is None  # named already
+    assert hangs.answer(agent, time.monotonic()) is None  # not answered twice
+
+
+def test_no_verdict_in_time_restarts_the_group(nodes):
+    a, b, rnd, _, _ = nodes
+    agent = _agent(b, rnd, worker_rank=1)
+    agent.peers.inquiries.asked = hang_inquiry.Asked(0, 0, a.node_id, 0)
+    hangs.answer(agent, time.monotonic())
+    fallback = hangs.answer(agent, agent.hang_hold.until)
+    assert fallback.kind is RestartCause.HANG and fallback.rank is None, fallback
+    assert "no verdict on hang inquiry 0 came within 5s" in fallback.reason
+    assert [n for n, _ in agent.seen][-1] == "hang_hold_expired"
+
+
+def test_another_node_s_culprit_is_followed_or_past_the_handoff_restarted(nodes):
+    a, b, rnd, _, _ = nodes
+    agent = _agent(b, rnd, worker_rank=1)
+    agent.peers.inquiries.asked = hang_inquiry.Asked(0, 0, a.node_id, 0)
+    hangs.answer(agent, time.monotonic())
+    agent.peers.inquiries.verdict = hang_inquiry.Verdict(0, 0, 0, a.node_id, "rank 0 ...")
+    assert hangs.answer(agent, time.monotonic()) is None  # a's rank: a replaces it
+    hold = agent.hang_hold
+    assert hold.named is not None and hold.until - time.monotonic() <= hangs.HANDOFF
+    fallback = hangs.answer(agent, hold.until)  # a announced no generation in time
+    assert fallback.rank == 0 and fallback.node == a.node_id, fallback
+    assert "did not replace it in place within 3s" in fallback.reason
+    agent.forming = None
+    assert "another node's rank" in inplace._hang_refused(agent, fallback)
+    # followed in time instead: the generation a announced ends the hold
+    agent.hang_answered = (-1, -1)
+    hangs.answer(agent, time.monotonic())
+    agent.peers.inquiries.verdict = hang_inquiry.Verdict(0, 0, 0, a.node_id, "rank 0 ...")
+    hangs.answer(agent, time.monotonic())
+    agent.group.generation = 1
+    assert hangs.answer(agent, time.monotonic()) is None and agent.hang_hold is None
