@@ -24,6 +24,11 @@ if said == "close":
     made.close()
     time.sleep(30)
 elif said == "reset":  # every held connection reset, the daemon alive (as a middlebox would)
+    # once its thread took the connection (the watcher's connect returns at the handshake: on a
+    # loaded host, before it; a reset of none left it held, the test's flake)
+    until = time.monotonic() + 10
+    while not made._accepted and time.monotonic() < until:
+        time.sleep(0.01)
     with made._lock:
         conns, made._accepted = list(made._accepted.values()), {}
     for c in conns:
