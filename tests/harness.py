@@ -310,6 +310,16 @@ def end_soon(stop_file: Path, *daemons: Daemon, margin: int = 20) -> int:
     return latest + margin
 
 
+def rdzv_config(nnodes: str):
+    """The Config of one node of a job on a rendezvous at 127.0.0.1:29400, with the session's
+    secret: what the unit tests of the rendezvous' parts build their Rendezvous and Peers from."""
+    from elasticd import config
+
+    fields = {"entrypoint": "x.py", "nnodes": nnodes, "rdzv_id": "job"}
+    fields |= {"rdzv_endpoint": "127.0.0.1:29400", "rdzv_secret_file": secret_flags()[1]}
+    return config.build(fields, None, environ={})
+
+
 def secret_flags() -> tuple[str, ...]:
     """--rdzv-secret-file with a secret shared by every node a test starts (a multi-node job
     refuses to run without one): a mode-600 file in this session's own temporary directory."""

@@ -41,7 +41,7 @@ HANDOFF = 3.0
 @dataclasses.dataclass
 class Hold:
     """This node waits on a hang judged across nodes in place (inquiry `index` of round
-    `round`): for the verdict (`named` None), then for the culprit's node's generation (past
+    `round`): for the verdict (`judged` False), then for the culprit's node's generation (past
     `generation`); past `until`, `fallback` is the failure (the group restarts). `told`: the
     verdict's failure where it named a rank of this node (the loop recovers it)."""
 
@@ -50,7 +50,7 @@ class Hold:
     generation: int
     until: float
     fallback: Failure
-    named: hang_inquiry.Verdict | None = None
+    judged: bool = False
     told: Failure | None = None
 
 
@@ -213,8 +213,7 @@ def _handed(agent: Agent, index: int, gen: int, named: Failure, holder: str) -> 
         named,
         reason=f"{named.reason}; its node {holder} did not replace it in place within {HANDOFF:g}s",
     )
-    hold = _hold(agent, index, gen, HANDOFF, fallback)
-    hold.named = hang_inquiry.Verdict(agent.round.number, index, named.rank, holder, "")
+    _hold(agent, index, gen, HANDOFF, fallback).judged = True
 
 
 def answer(agent: Agent, now: float) -> Failure | None:
@@ -243,7 +242,7 @@ def answer(agent: Agent, now: float) -> Failure | None:
         return None
     verdict = waiter.verdict
     came = verdict is not None and (verdict.round, verdict.index) == (rnd.number, hold.index)
-    if hold.named is None and came:
+    if not hold.judged and came:
         return _verdict(agent, hold, verdict)
     if now >= hold.until:
         agent.hang_hold = None
@@ -304,8 +303,7 @@ def _verdict(agent: Agent, hold: Hold, verdict: hang_inquiry.Verdict) -> Failure
             rank=verdict.rank,
             node=verdict.node,
         )
-        waiting = _hold(agent, verdict.index, hold.generation, HANDOFF, fallback)
-        waiting.named = verdict
+        _hold(agent, verdict.index, hold.generation, HANDOFF, fallback).judged = True
         return None
     hold.told = Failure(
         RestartCause.HANG,

@@ -10,25 +10,10 @@ import json
 import threading
 import time
 
-from elasticd import config
 from elasticd.cluster import kv, rendezvous
 from elasticd.cluster.peers import WAITING_EVERY, Peers
 from elasticd.cluster.rounds import Member, Round
-from harness import secret_flags
-
-
-def _cfg():
-    return config.build(
-        {
-            "entrypoint": "x.py",
-            "nnodes": "1:2",
-            "rdzv_id": "job",
-            "rdzv_endpoint": "127.0.0.1:29400",
-            "rdzv_secret_file": secret_flags()[1],
-        },
-        None,
-        environ={},
-    )
+from harness import rdzv_config
 
 
 def _arrive(rz: rendezvous.Rendezvous, number: int) -> int:
@@ -37,7 +22,7 @@ def _arrive(rz: rendezvous.Rendezvous, number: int) -> int:
 
 
 def test_a_node_that_comes_to_join_is_seen_within_a_beat():
-    cfg = _cfg()
+    cfg = rdzv_config("1:2")
     store = kv.LocalKV()
     host = rendezvous.Rendezvous(cfg, store=store, begins_run=True)
     assert _arrive(host, 0) == 1  # the round's one member

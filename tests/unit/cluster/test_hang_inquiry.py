@@ -13,32 +13,17 @@ from types import SimpleNamespace
 
 import pytest
 
-from elasticd import config
 from elasticd.cluster import hang_inquiry, hang_summaries, kv, rendezvous
 from elasticd.cluster.rounds import Member, Round
 from elasticd.daemon import hangs, inplace
 from elasticd.lifecycle.states import RestartCause
-from harness import secret_flags
-
-
-def _cfg():
-    return config.build(
-        {
-            "entrypoint": "x.py",
-            "nnodes": "2",
-            "rdzv_id": "job",
-            "rdzv_endpoint": "127.0.0.1:29400",
-            "rdzv_secret_file": secret_flags()[1],
-        },
-        None,
-        environ={},
-    )
+from harness import rdzv_config
 
 
 @pytest.fixture
 def nodes():
     """Nodes a and b of one round over one store, and b's waiter (woken: an Event)."""
-    cfg, store = _cfg(), kv.LocalKV()
+    cfg, store = rdzv_config("2"), kv.LocalKV()
     a = rendezvous.Rendezvous(cfg, store=store, begins_run=True)
     beating = threading.Event()
 
@@ -170,7 +155,7 @@ def test_another_node_s_culprit_is_followed_or_past_the_handoff_restarted(nodes)
     agent.peers.inquiries.verdict = hang_inquiry.Verdict(0, 0, 0, a.node_id, "rank 0 ...")
     assert hangs.answer(agent, time.monotonic()) is None  # a's rank: a replaces it
     hold = agent.hang_hold
-    assert hold.named is not None and hold.until - time.monotonic() <= hangs.HANDOFF
+    assert hold.judged and hold.until - time.monotonic() <= hangs.HANDOFF
     fallback = hangs.answer(agent, hold.until)  # a announced no generation in time
     assert fallback.rank == 0 and fallback.node == a.node_id, fallback
     assert "did not replace it in place within 3s" in fallback.reason
