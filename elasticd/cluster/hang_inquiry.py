@@ -2,8 +2,9 @@
 that declares it claims the round's next inquiry (`ask`: compare-set on `hang_ask/<i>`, so nodes
 that declare one hang at once share it); every other node, woken by its waiter (`Waiter`), dumps
 its ranks' stacks and publishes their summary for inquiry i (hang_summaries, keyed by i); the
-asker judges and says the culprit (`say`: `hang_verdict/<i>`, its rank and node); the culprit's
-node replaces it in place and the others follow the generation it announces. Before, the request
+asker judges and says the culprit (`say`: `hang_verdict/<i>`, its rank and node), or that the
+silence asked about is no hang (a straggler: every node goes on); the culprit's node replaces it
+in place and the others follow the generation it announces. Before, the request
 that made the other nodes dump their stacks was a restart of every node. Values are sealed as
 every other; one that is not of its form is no inquiry (an asker's is its node id) or no verdict
 (the nodes waiting for it fall back to a restart at their deadline)."""
@@ -48,6 +49,9 @@ class Verdict:
     rank: int | None  # None: no verdict came (the asker died, or its value did not verify)
     node: str
     text: str
+    # False: no hang (an inquiry about an idle silence nobody's stacks explain, `say`'s
+    # `hang`): the nodes holding for it go on
+    hang: bool = True
 
 
 def _key(rdzv: Rendezvous, rnd: Round, name: str, index: int) -> str:
@@ -69,10 +73,19 @@ def ask(rdzv: Rendezvous, rnd: Round, index: int, generation: int) -> tuple[int,
 
 
 @store_call
-def say(rdzv: Rendezvous, rnd: Round, index: int, rank: int | None, node: str, text: str) -> None:
-    """The asker's verdict on inquiry `index`: the culprit's rank and node."""
+def say(
+    rdzv: Rendezvous,
+    rnd: Round,
+    index: int,
+    rank: int | None,
+    node: str,
+    text: str,
+    hang: bool = True,
+) -> None:
+    """The asker's verdict on inquiry `index`: the culprit's rank and node; or, not `hang`, that
+    the silence asked about is none (`text` says why)."""
     k = _key(rdzv, rnd, VERDICT, index)
-    value = json.dumps({"rank": rank, "node": node, "text": text[:2000]})
+    value = json.dumps({"rank": rank, "node": node, "text": text[:2000], "hang": hang})
     rdzv.kv.set(k, rdzv.seal(k, value))
 
 
@@ -80,8 +93,12 @@ def _verdict(text: str) -> dict | None:
     value = json.loads(text)
     if not isinstance(value, dict) or not isinstance(value.get("node"), str):
         return None
-    rank, said = value.get("rank"), value.get("text")
-    if (rank is not None and not isinstance(rank, int)) or not isinstance(said, str):
+    rank, said, hang = value.get("rank"), value.get("text"), value.get("hang", True)
+    if (
+        (rank is not None and not isinstance(rank, int))
+        or not isinstance(said, str)
+        or not isinstance(hang, bool)
+    ):
         return None
     return value
 
@@ -152,7 +169,8 @@ class Waiter:
                 if not self._here(rnd):
                     return
                 rank, node, text = found["rank"], found["node"], found["text"]
-                self.verdict = Verdict(rnd.number, index, rank, node, text)
+                hang = found.get("hang", True)
+                self.verdict = Verdict(rnd.number, index, rank, node, text, hang)
                 index = self._passed(rnd, index)
                 self._wake()
             except kvmod.Unreachable:

@@ -81,6 +81,9 @@ class Where:
     stacks: str = ""  # the rank's stack file on its node
     # its collectives' sequence numbers and ops (daemon/collective_seq.py's compact form; "": none)
     collectives: str = ""
+    # its process asleep and off the CPU (suspicion.py: True), using it (False), or not known
+    # (None): a hang's culprit that computes is a straggler, not a hang (daemon/hangs.py)
+    idle: bool | None = None
 
     @property
     def label(self) -> str:
@@ -229,10 +232,23 @@ def _list(ranks: tuple[int, ...]) -> str:
 # --- one node's summary, as it travels between the daemons (daemon/hangs.py) ---
 
 
+_IDLE = {True: "idle", False: "busy", None: ""}
+_IDLE_READ = {v: k for k, v in _IDLE.items()}
+
+
 def summary(ranks: Mapping[int, Where]) -> str:
     """JSON of a node's ranks' `Where`s: a few short strings per rank, at most MAX_RANKS."""
     rows = [
-        [r, w.collective or "", w.func, w.site, w.node, w.stacks[:300], w.collectives]
+        [
+            r,
+            w.collective or "",
+            w.func,
+            w.site,
+            w.node,
+            w.stacks[:300],
+            w.collectives,
+            _IDLE[w.idle],
+        ]
         for r, w in sorted(ranks.items())[:MAX_RANKS]
     ]
     return json.dumps(rows)
@@ -249,14 +265,17 @@ def parse_summary(text: str) -> dict[int, Where] | None:
     for row in rows:
         if (
             not isinstance(row, list)
-            or len(row) not in (6, 7)  # 6: a daemon before the collectives' evidence
+            # 6: a daemon before the collectives' evidence; 7: before the ranks' idleness
+            or len(row) not in (6, 7, 8)
             or not isinstance(row[0], int)
             or isinstance(row[0], bool)
             or not 0 <= row[0] < 1 << 24
             or not all(isinstance(x, str) and len(x) <= 300 for x in row[1:6])
-            or not all(isinstance(x, str) and len(x) <= MAX_COLLECTIVES for x in row[6:])
+            or not all(isinstance(x, str) and len(x) <= MAX_COLLECTIVES for x in row[6:7])
+            or not all(x in _IDLE_READ for x in row[7:])
         ):
             return None
-        rank, collective, func, site, node, stacks, *seqs = row
-        found[rank] = Where(collective or None, func, site, node, stacks, "".join(seqs))
+        rank, collective, func, site, node, stacks, *rest = row
+        seqs, idle = (rest + ["", ""])[:2]
+        found[rank] = Where(collective or None, func, site, node, stacks, seqs, _IDLE_READ[idle])
     return found

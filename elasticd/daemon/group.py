@@ -274,7 +274,8 @@ class LocalGroup:
             )
 
         basis = self.deadline.basis()
-        verdict = self.suspects.judge(late, now, dumps, passed, basis)
+        across = self.spec is not None and self.spec.group_world_size > 1
+        verdict = self.suspects.judge(late, now, dumps, passed, basis, across)
         if verdict is None:
             return None
         w = next(w for w in self.workers if w.global_rank == verdict.rank)
@@ -285,7 +286,21 @@ class LocalGroup:
             f"no heartbeat for {now - silent.last:.1f}s ({basis}; last step {silent.step}); "
             f"{verdict.why}"
         )
-        return self._hung(w, why, taken, seqs)
+        return dataclasses.replace(self._hung(w, why, taken, seqs), across=verdict.across)
+
+    def idle(self, now: float) -> set[int]:
+        """This node's live ranks asleep and off the CPU through their latest silence, or stopped
+        by a signal (suspicion.py), as the loop's samples say: what another node's verdict needs
+        to call one of them hung rather than a straggler (daemon/hangs.py)."""
+        found = set()
+        for w in self.workers:
+            beat = self.beat(w)
+            silence = max(0.0, now - (beat.last if beat and beat.beats else w.started))
+            if w.exit_code is None and (
+                self.suspects.stopped(w.pid) or self.suspects.idle(w.pid, now, silence)
+            ):
+                found.add(w.global_rank)
+        return found
 
     def _dump(self, workers: list[spawn.Worker]) -> tuple[list[tuple[spawn.Worker, str]], dict]:
         """Every live worker's stacks and collectives (their Flight Recorder's, asked first so

@@ -11,11 +11,17 @@ Over several nodes, on the in-place path, the node that declares the hang asks t
 their stacks by an inquiry (cluster/hang_inquiry.py), which restarts nothing: each answers
 (`answer`, from the loop's quiet tick) and waits for the asker's verdict; the culprit's node then
 replaces it in place and the others follow its generation (`Hold`: past its deadline, a
-restart). On the restart path (or where a generation forms) the request that makes the others
-dump is the restart itself, and a node told of the hang by it dumps its own workers' stacks
-for it first. A rank stopped by a signal (state T: SIGSTOP, Ctrl-Z) is the culprit wherever the
-others wait, so its node asks no other node and only publishes its own summary, for a node told
-of the hang by a restart that follows."""
+restart). An idle silence no node's ranks prove alone (`Failure.across`: one rank a node, or
+every rank of a node in one data read) is asked about the same way, at the learned deadline, and
+is a hang only where the culprit every node's stacks name was idle on its node too (each node's
+summary says which of its ranks are); else the verdict is no hang (`hang_cleared`) and every node
+goes on, its own verdicts no longer held (on the restart path, the culprit's node restarts the
+group; where a generation forms, such a silence is left to the ceiling, --heartbeat-timeout). On
+the restart path the request that makes the others dump for a hang proven on one node is the
+restart itself, and a node told of the hang by it dumps its own workers' stacks for it first.
+A rank stopped by a signal (state T: SIGSTOP, Ctrl-Z) is the culprit wherever the others wait,
+so its node asks no other node and only publishes its own summary, for a node told of the hang
+by a restart that follows."""
 
 from __future__ import annotations
 
@@ -32,6 +38,9 @@ if TYPE_CHECKING:
     from elasticd.daemon.agent import Agent
 
 GATHER = 3.0  # seconds a node waits for the other nodes' summaries (they dump within ~1 s)
+# the same for a silence no node proves alone (`Failure.across`), which may be no hang at all: the
+# loop waits no longer on it (a node silent meanwhile, lost or cut off, is its liveness check's)
+GATHER_UNPROVEN = 1.0
 HUNG = "hung: "  # how a hang's reason begins (group.py), in a peer's restart request too
 # seconds the other nodes wait for the culprit's node to announce its replacement in place, once
 # the verdict named it (it does so at its next tick)
@@ -52,6 +61,7 @@ class Hold:
     fallback: Failure
     judged: bool = False
     told: Failure | None = None
+    quiet_was: float = 0.0  # the group's quiet_from before the hold: back to it where no hang
 
 
 def told_of_hang(why: Failure | Scale) -> bool:
@@ -77,8 +87,16 @@ def name_culprit(why: Failure | Scale, agent: Agent) -> Failure | Scale | None:
     rnd = agent.round
     multi = rnd is not None and rnd.group_world_size > 1
     stopped = local and multi and _stopped(why, agent)
-    if local and multi and not stopped and _in_place(why, agent):
+    if local and multi and not stopped and _inquired(why, agent):
         return _inquire(why, agent, ranks, t0)
+    if why.across and not why.driver:  # only an inquiry judges it: till then, none
+        agent.event(
+            "hang_deadline_passed",
+            rank=why.rank,
+            why="idle, its culprit maybe on another node; judged at --heartbeat-timeout "
+            "(no inquiry: a generation forms)",
+        )
+        return None
     silent: list[str] = []
     if multi:
         ranks, silent = _across_nodes(why, agent, ranks, ask=not stopped)
@@ -90,11 +108,13 @@ def _wheres(agent: Agent, rows: list[dict]) -> dict[int, culprit.Where | None]:
     """This node's ranks' stack dumps (group.py's rows) as where each waits."""
     rnd = agent.round
     node = agent.rdzv.node_id if rnd is not None and rnd.group_world_size > 1 else ""
-    return {
+    idle = agent.group.idle(time.monotonic())
+    wheres = {
         r["rank"]: culprit.where(r["text"], node, r["path"], r.get("collectives", ""))
         for r in rows
         if r.get("text")
     }
+    return {r: w and dataclasses.replace(w, idle=r in idle) for r, w in wheres.items()}
 
 
 def _named(
@@ -130,13 +150,15 @@ def _named(
     return _blamed(why, verdict, ranks, agent), text
 
 
-def _in_place(why: Failure, agent: Agent) -> bool:
-    """Whether a hang declared here may be judged across nodes by an inquiry: the job recovers
-    in place, no generation forms, and a rank was named (else the group restarts anyway)."""
+def _inquired(why: Failure, agent: Agent) -> bool:
+    """Whether a hang declared here is judged across nodes by an inquiry: no generation forms, a
+    rank was named, and the job recovers in place (else the group restarts anyway), or the hang
+    is one no node proves alone (`Failure.across`: the inquiry decides whether it is one; on the
+    restart path the culprit's node then restarts the group)."""
     path = agent.recovery_path
     return (
         path is not None
-        and path.in_place
+        and (path.in_place or why.across)
         and agent.forming is None
         and agent.peers is not None
         and why.rank is not None
@@ -154,7 +176,7 @@ def _inquire(
     for its verdict."""
     rdzv, rnd, waiter = agent.rdzv, agent.round, agent.peers.inquiries
     mine = {r: w for r, w in ranks.items() if w is not None}
-    deadline = time.monotonic() + GATHER
+    deadline = time.monotonic() + (GATHER_UNPROVEN if why.across else GATHER)
     gen = agent.group.generation
     try:
         index, claimed = hang_inquiry.ask(rdzv, rnd, waiter.next, gen)
@@ -164,13 +186,18 @@ def _inquire(
             agent.event("hang_inquiry_joined", inquiry=index)
             _hold(agent, index, gen, hang_inquiry.VERDICT_WAIT, _unjudged(why, index))
             return None
-        agent.event("hang_inquiry", inquiry=index, rank=why.rank)
+        agent.event("hang_inquiry", inquiry=index, rank=why.rank, proven=not why.across)
         found, silent = hang_summaries.gather(rdzv, rnd, culprit.parse_summary, deadline, index)
     except (StoreUnreachable, RendezvousFailed) as e:
         agent.event("hang_summaries_unreachable", level="warning", why=str(e))
         return _named(why, agent, ranks, ["the store did not answer"], False, t0)[0]
     for theirs in found.values():
         ranks.update(theirs)
+    doubt = _unproven(ranks) if why.across else None
+    if doubt is not None:
+        said = f"; no stacks from node(s) {', '.join(silent)}" if silent else ""
+        _cleared(agent, index, doubt + said, t0)
+        return None
     named, text = _named(why, agent, ranks, silent, False, t0, inquiry=index)
     where = ranks.get(named.rank)
     holder = rdzv.node_id if named.pid is not None else (where.node if where else "")
@@ -182,6 +209,33 @@ def _inquire(
         return named
     _handed(agent, index, gen, named, holder)
     return None
+
+
+def _unproven(ranks: dict[int, culprit.Where | None]) -> str | None:
+    """Why every node's stacks do not make an idle silence a hang (`Failure.across`), or None
+    where they do: a desync, or a culprit whose node saw it idle (or stopped). A culprit that
+    computes is a straggler (or in a long step of its own); no culprit (every rank waits in one
+    collective, or none in any: an evaluation, the network) is no rank's hang."""
+    verdict, _ = judge(ranks)
+    if verdict.desync:
+        return None
+    if not verdict.culprits:
+        return f"not a hang by every node's stacks: {verdict.text}"
+    rank = verdict.culprits[0]
+    where = ranks[rank]  # a culprit is a rank with stacks
+    if where.idle:
+        return None
+    uses = "uses the CPU (a straggler?)" if where.idle is False else "is not known to be idle"
+    return f"not a hang: its culprit {culprit.placed(rank, where)} {uses}"
+
+
+def _cleared(agent: Agent, index: int, why: str, t0: float) -> None:
+    """No hang, every node told (the verdict `hang` False): they go on holding nothing."""
+    try:
+        hang_inquiry.say(agent.rdzv, agent.round, index, None, "", why, hang=False)
+    except (StoreUnreachable, RendezvousFailed) as e:  # they go on at their deadline (a restart)
+        agent.event("hang_verdict_unsaid", level="warning", why=str(e))
+    agent.event("hang_cleared", inquiry=index, why=why, seconds=round(time.monotonic() - t0, 3))
 
 
 def _unjudged(why: Failure, index: int) -> Failure:
@@ -200,8 +254,10 @@ def _hold(agent: Agent, index: int, gen: int, seconds: float, fallback: Failure)
     one formed since, for this hang or a fault found at once elsewhere, ends the hold, and a
     verdict on it, which may name a rank started for it, is no longer acted on): this node's
     own ranks' silence is judged from its end (the hang is judged, or recovered, elsewhere)."""
-    now = time.monotonic()
-    hold = Hold(agent.round.number, index, gen, now + seconds, fallback)
+    now, was = time.monotonic(), agent.group.quiet_from
+    if agent.hang_hold is not None:  # a hold after another (the verdict came): the first's
+        was = agent.hang_hold.quiet_was
+    hold = Hold(agent.round.number, index, gen, now + seconds, fallback, quiet_was=was)
     agent.group.quiet_from = max(agent.group.quiet_from, hold.until)
     agent.hang_hold = hold
     return hold
@@ -280,6 +336,11 @@ def _answer(agent: Agent, asked: hang_inquiry.Asked) -> None:
 def _verdict(agent: Agent, hold: Hold, verdict: hang_inquiry.Verdict) -> Failure | None:
     """The asker's verdict, held for: a rank of ours named is this node's failure (replaced in
     place by the loop); another node's, its generation waited for; none, the fallback."""
+    if not verdict.hang:  # an idle silence nobody's stacks explain: no hang, nothing held
+        agent.hang_hold = None
+        agent.group.quiet_from = hold.quiet_was
+        agent.event("hang_cleared", inquiry=verdict.index, why=verdict.text, told=True)
+        return None
     if verdict.rank is None:
         agent.hang_hold = None
         return hold.fallback

@@ -10,12 +10,15 @@ learned deadline only where:
   collectives' sequence numbers (daemon/collective_seq.py) say it never arrived at the
   collective the others wait in, or show a desync; else where the stack dumps (daemon/culprit.py)
   name it the culprit, elsewhere while other ranks wait in a collective, or show a desync.
-A rank that computes (a straggler: the sequence numbers show it behind while it uses the CPU),
-ranks that all wait in one collective (the culprit is on another node, or the network holds
-them: every rank arrived at the same sequence number), or all in the same code (an evaluation)
-are left alone: one event says so (`hang_deadline_passed`), and the next look is when the
-silence has doubled; the ceiling (--heartbeat-timeout) still ends any silence. A rank stopped by
-a tracer (state t: gdb, py-spy) is never judged here.
+A rank that computes (a straggler: the sequence numbers show it behind while it uses the CPU) is
+left alone. So are idle ranks that all wait in one collective (the culprit is on another node, or
+the network holds them: every rank arrived at the same sequence number), or all in the same code
+(an evaluation), where the job has no other node; where it has, that silence is a hang to judge
+on every node's stacks (`Verdict.across`: daemon/hangs.py asks the other nodes, and a culprit
+there that computes, or none, is no hang). What is left alone is said in one event
+(`hang_deadline_passed`), and the next look is when the silence has doubled; the ceiling
+(--heartbeat-timeout) still ends any silence. A rank stopped by a tracer (state t: gdb, py-spy)
+is never judged here.
 
 `Suspicion.sample` takes each live rank's state and CPU time every tick (a few seconds kept);
 `judge` decides for the ranks past the deadline, with the dumps taken by the caller only once
@@ -52,6 +55,9 @@ class Silent:
 class Verdict:
     rank: int  # whom the hang is put on
     why: str  # what the evidence was
+    # not proven here: this node's silent ranks idle, every one in one collective or none in any
+    # (the culprit may be on another node); judged on every node's stacks (daemon/hangs.py)
+    across: bool = False
 
 
 class Suspicion:
@@ -103,9 +109,12 @@ class Suspicion:
         dumps: Callable[[], list[dict[str, Any]]],
         event: Callable[..., None],
         deadline: str,
+        across: bool = False,
     ) -> Verdict | None:
         """The hang among `silent` (past the deadline, longest silent first), or None (the event
-        says why not). `dumps` takes every live rank's stacks (daemon/group.py's rows)."""
+        says why not). `dumps` takes every live rank's stacks (daemon/group.py's rows). `across`:
+        the job has ranks on other nodes, where an idle rank's silence this node cannot explain
+        is a hang to judge on every node's stacks (`Verdict.across`)."""
         first = silent[0]
         silence = now - first.last
         self._next = ((first.pid, first.last), 2 * silence)
@@ -134,6 +143,9 @@ class Suspicion:
             return Verdict(named[0] if named else first.rank, f"idle; {verdict.text}")
         if verdict.culprits:
             event(first, f"busy: its culprit uses the CPU ({verdict.text})", deadline)
-        else:
-            event(first, f"not a hang by the stacks: {verdict.text}", deadline)
+            return None
+        if across:  # every idle rank waits on another node's, or another node's wait on it
+            rank = next(s.rank for s in silent if s.rank in idle)
+            return Verdict(rank, f"idle; {verdict.text}; judged on every node's stacks", True)
+        event(first, f"not a hang by the stacks: {verdict.text}", deadline)
         return None

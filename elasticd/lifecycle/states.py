@@ -197,6 +197,9 @@ class Failure:
     # the replay's verdict on it (daemon/replay_verdict.py): "reproduced" (the closing calls it
     # deterministic at once), "transient", or "" where none ran or it decided nothing
     replayed: str = ""
+    # a hang this node's ranks alone do not prove (idle, while the culprit may be on another
+    # node): judged on every node's stacks (daemon/hangs.py), or not a hang
+    across: bool = False
 
     def __post_init__(self) -> None:
         if not self.failure_class:

@@ -74,7 +74,8 @@ class LastFailure:
     frame: str | None = None  # its traceback's innermost frame of user code (FILE:LINE in FUNC)
     consequences: list[str] = field(default_factory=list)  # the attempt's later failures
     driver: str | None = None  # the GPU driver's evidence of a fault meanwhile (driver.py)
-    replayed: str | None = None  # the replay's verdict (replay_verdict.py): reproduced, transient,
+    replayed: str | None = None  # the replay's verdict (replay_verdict.py): reproduced or transient
+    across: bool | None = None  # a hang proven only by every node's stacks (daemon/hangs.py)
 
 
 @dataclass(frozen=True)

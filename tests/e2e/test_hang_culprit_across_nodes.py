@@ -5,6 +5,7 @@ their own (tests/netns.py), its node)."""
 from __future__ import annotations
 
 import json
+from datetime import datetime
 
 from harness import RESTART, free_port, node_flags, script, wait_until
 from netns import DEV, netns_fixture  # noqa: F401 (the netns fixture)
@@ -204,3 +205,99 @@ def test_a_hang_judged_across_two_nodes_is_recovered_in_place(daemons):
     (followed,) = [e for e in other.events() if e.get("event") == "in_place_followed"]
     assert followed["ranks"] == [1], followed
     assert "re_entered" in other.log_text(0, 1)  # rank 0, in its own process
+
+
+# the learned deadline across nodes: no --heartbeat-timeout (300 s, the ceiling); 20 ms steps
+# teach each node its 1 s floor by step 50, and the fault comes at step 70
+LEARN = ["--steps", "100", "--at", "70", "--step-time", "0.02", "--rank", "1"]
+
+
+def _pair(daemons, *job: str, flags: tuple = ()):
+    """Nodes a (the store's host) and b on loopback, one rank each, in place (or as `flags`
+    say)."""
+    port = free_port()
+    flags += ("--nproc-per-node", "1", *node_flags(port, "2"), "--max-restarts", "1")
+    flags += ("--startup-timeout", "60", "--restart-grace", "0.5")
+    a = daemons(script("hang.py"), *flags, name="a", args=list(job))
+    wait_until(lambda: [e for e in a.events() if e.get("event") == "rendezvous_store"], 60,
+               what="a at the store")  # fmt: skip
+    b = daemons(script("hang.py"), *flags, name="b", args=list(job))
+    return a, b
+
+
+def _holder(nodes):
+    """The node that holds rank 1 (whichever arrived second), and the other."""
+    a, b = nodes
+    holder = next(n for n in nodes if "1" in next(e for e in n.events() if e.get("pids"))["pids"])
+    return holder, (b if holder is a else a)
+
+
+def _at(event: dict) -> float:
+    return datetime.fromisoformat(event["timestamp"]).timestamp()
+
+
+def test_a_hang_no_node_proves_alone_is_found_at_the_learned_deadline(daemons):
+    """One rank a node: rank 1 sleeps in `read_batch`, rank 0 waits in all_reduce. Each node
+    sees only its own rank idle (one in a data read, one waiting in a collective), which proves
+    nothing alone, so each waited for the 300 s ceiling (before). Now the first past its learned
+    deadline asks every node for its stacks (an inquiry, `proven` False), the stacks name rank 1
+    idle, and its node replaces it in place: within seconds, not 300."""
+    nodes = _pair(daemons, "--mode", "stuck", *LEARN)
+    for n in nodes:
+        assert n.wait(90) == 0, n.stderr()[-3000:]
+    holder, other = _holder(nodes)
+    asked = [e for n in nodes for e in n.events() if e.get("event") == "hang_inquiry"]
+    assert len(asked) == 1 and asked[0]["proven"] is False, asked
+    for n in nodes:
+        (ev,) = culprit_events(n)
+        assert ev["culprits"] == [1] and "was in `read_batch`" in ev["verdict"], ev
+        assert not [e for e in n.events() if e.get("new") == "RESTARTING"], "a restart"
+    (replaced,) = [e for e in holder.events() if e.get("event") == "replaced_in_place"]
+    assert replaced["ranks"] == [1], replaced
+    assert "re_entered" in other.log_text(0, 1)  # rank 0, in its own process
+    stuck = float(holder.log_text(1, 1).split("stuck reading a batch at ")[1].split()[0])
+    learned = max(e["seconds"] for n in nodes for e in n.events()
+                  if e.get("event") == "hang_deadline_learned")  # fmt: skip
+    took = _at(replaced) - stuck
+    print(f"stuck -> replaced in place: {took:.2f}s (learned deadline {learned}s)")
+    assert took < learned + 3.0, (took, learned)
+
+
+def test_on_the_restart_path_too_it_is_found_at_the_learned_deadline(daemons):
+    """The same hang with --in-place off (the only path on torch<2.14): the inquiry names rank 1
+    idle, and its node restarts the group for it, once, within seconds (before: 300)."""
+    nodes = _pair(daemons, "--mode", "stuck", *LEARN, flags=RESTART)
+    for n in nodes:
+        assert n.wait(90) == 0, n.stderr()[-3000:]
+    holder, _ = _holder(nodes)
+    asked = [e for n in nodes for e in n.events() if e.get("event") == "hang_inquiry"]
+    assert len(asked) == 1 and asked[0]["proven"] is False, asked
+    restarts = [e for e in holder.events() if e.get("new") == "RESTARTING"]
+    assert len(restarts) == 1 and "was in `read_batch`" in restarts[0]["cause"], restarts
+    assert restarts[0]["cause"].startswith("rank 1 (node "), restarts
+    assert not [e for n in nodes for e in n.events() if e.get("event") == "replaced_in_place"]
+    stuck = float(holder.log_text(1, 1).split("stuck reading a batch at ")[1].split()[0])
+    took = _at(restarts[0]) - stuck
+    print(f"stuck -> the group restarting: {took:.2f}s")
+    assert took < 5.0, took
+
+
+def test_a_straggler_on_another_node_is_asked_about_and_left_alone(daemons):
+    """Rank 1 computes for 3 s (a straggler) while rank 0 waits in all_reduce on the other node.
+    Rank 0's node, past its learned deadline, asks; rank 1's node answers that its rank uses the
+    CPU; the verdict is no hang (`hang_cleared`, on both nodes), and the job goes on: no rank
+    replaced, no restart, rank 1 the same process."""
+    nodes = _pair(daemons, "--mode", "spin", "--spin", "3", *LEARN)
+    for n in nodes:
+        assert n.wait(90) == 0, n.stderr()[-3000:]
+    holder, other = _holder(nodes)
+    cleared = [e for e in other.events() if e.get("event") == "hang_cleared"]
+    assert cleared and "uses the CPU (a straggler?)" in cleared[0]["why"], other.events()[-20:]
+    told = [e for e in holder.events() if e.get("event") == "hang_cleared" and e.get("told")]
+    assert told, holder.events()[-20:]
+    for n in nodes:
+        assert not culprit_events(n), culprit_events(n)
+        assert not [e for e in n.events() if e.get("new") == "RESTARTING"], "a restart"
+        assert not [e for e in n.events() if e.get("event") == "replaced_in_place"]
+        assert len(n.attempt_dirs()) == 1
+    assert "computes for 3s" in holder.log_text(1, 1) and "done" in holder.log_text(1, 1)

@@ -1,7 +1,7 @@
-"""Hang injection for tests: `--mode loop|deadlock|sleep|stuck|desync|stop` at `--at` step on rank
-`--rank` (stuck: the rank sleeps in `read_batch` while the others wait in all_reduce; desync: it
-calls all_gather where the others call all_reduce; stop: it stops itself, SIGSTOP, as Ctrl-Z
-would); `--jitter
+"""Hang injection for tests: `--mode loop|deadlock|spin|stuck|desync|stop` at `--at` step on rank
+`--rank` (stuck: the rank sleeps in `read_batch` while the others wait in all_reduce; spin: it
+computes for `--spin` seconds, a straggler, then goes on; desync: it calls all_gather where the
+others call all_reduce; stop: it stops itself, SIGSTOP, as Ctrl-Z would); `--jitter
 MEDIAN,SIGMA` adds a log-normal sleep to every step of every rank; `--backend nccl` runs on the
 GPU (one_gpu.py: ranks may share one), reading the loss after each step as a script that logs it
 does, so a rank waits where NCCL's collective does: in that read, not in the call that queued it.
@@ -31,13 +31,13 @@ def main():
     p.add_argument("--steps", type=int, default=10)
     p.add_argument(
         "--mode",
-        choices=["none", "loop", "deadlock", "sleep", "stuck", "desync", "stop"],
+        choices=["none", "loop", "deadlock", "spin", "stuck", "desync", "stop"],
         default="none",
     )
     p.add_argument("--at", type=int, default=3)
     p.add_argument("--rank", type=int, default=1)
     p.add_argument("--step-time", type=float, default=0.05)
-    p.add_argument("--sleep", type=float, default=0.0, help="--mode sleep: a long silent phase")
+    p.add_argument("--spin", type=float, default=0.0, help="--mode spin: seconds it computes")
     p.add_argument(
         "--jitter", default="", help="MEDIAN,SIGMA: each step also sleeps a log-normal extra"
     )
@@ -70,8 +70,13 @@ def main():
         if armed and step == args.at and args.mode == "stop":
             print(f"rank {rank} stops itself", flush=True)
             os.kill(os.getpid(), signal.SIGSTOP)
+        if armed and step == args.at and args.mode == "spin":
+            print(f"rank {rank} computes for {args.spin:g}s", flush=True)
+            end = time.monotonic() + args.spin
+            while time.monotonic() < end:
+                pass
         if armed and step == args.at and args.mode == "stuck":
-            print(f"rank {rank} stuck reading a batch", flush=True)
+            print(f"rank {rank} stuck reading a batch at {time.time():.3f}", flush=True)
             read_batch()
         if armed and step == args.at and args.mode == "deadlock":
             print(f"rank {rank} skips the all_reduce and waits for a message", flush=True)

@@ -15,8 +15,9 @@ import pytest
 
 from elasticd.cluster import hang_inquiry, hang_summaries, kv, rendezvous
 from elasticd.cluster.rounds import Member, Round
-from elasticd.daemon import hangs, inplace
-from elasticd.lifecycle.states import RestartCause
+from elasticd.daemon import culprit, hangs, inplace
+from elasticd.daemon.culprit import Where
+from elasticd.lifecycle.states import Failure, RestartCause
 from harness import rdzv_config
 
 
@@ -101,7 +102,11 @@ def _agent(rdzv, rnd, worker_rank: int):
     generation, the waiter's view (set by hand: its thread is tested above)."""
     worker = SimpleNamespace(global_rank=worker_rank, pid=4242, exit_code=None, log_path="r.log")
     group = SimpleNamespace(
-        generation=0, quiet_from=0.0, workers=[worker], stacks=lambda state: {"stacks": []}
+        generation=0,
+        quiet_from=0.0,
+        workers=[worker],
+        stacks=lambda state: {"stacks": []},
+        idle=lambda now: set(),
     )
     seen = []
     return SimpleNamespace(
@@ -168,3 +173,61 @@ def test_another_node_s_culprit_is_followed_or_past_the_handoff_restarted(nodes)
     hangs.answer(agent, time.monotonic())
     agent.group.generation = 1
     assert hangs.answer(agent, time.monotonic()) is None and agent.hang_hold is None
+
+
+# --- an idle silence no node's stacks explain (Failure.across): judged, and maybe no hang ---
+
+WAITS = Where("all_reduce", "all_reduce", "c10d.py:1", "a", idle=True)
+
+
+def _reading(idle: bool | None) -> Where:
+    return Where(None, "read_batch", "train.py:18", "b", idle=idle)
+
+
+def test_an_idle_culprit_proves_a_hang_a_busy_one_or_none_does_not():
+    assert hangs._unproven({0: WAITS, 1: _reading(True)}) is None
+    busy = hangs._unproven({0: WAITS, 1: _reading(False)})
+    assert busy == (
+        "not a hang: its culprit rank 1 (node b) was in `read_batch` (train.py:18) uses the CPU "
+        "(a straggler?)"
+    ), busy
+    assert hangs._unproven({0: WAITS, 1: _reading(None)}).endswith("is not known to be idle")
+    every = hangs._unproven({0: WAITS, 1: WAITS})
+    assert every.startswith("not a hang by every node's stacks: every rank waited in all_reduce")
+    odd = Where("all_gather", "all_gather", "c10d.py:2", "b", idle=False)
+    assert hangs._unproven({0: WAITS, 1: odd}) is None  # a desync hangs, busy or not
+
+
+def test_a_silence_judged_no_hang_tells_every_node_to_go_on(nodes):
+    a, b, rnd, waiter, _ = nodes
+    # b's rank 1 computes (a straggler) while a's rank 0 waits, idle, past a's deadline
+    hang_summaries.publish(b, rnd, culprit.summary({1: _reading(False)}), 0)
+    asker = _agent(a, rnd, worker_rank=0)
+    asker.peers.inquiries = SimpleNamespace(next=0)
+    why = Failure(RestartCause.HANG, "hung: no heartbeat", rank=0, pid=4242, across=True)
+    assert hangs._inquire(why, asker, {0: WAITS}, time.monotonic()) is None
+    cleared = [kw for n, kw in asker.seen if n == "hang_cleared"]
+    assert cleared and "uses the CPU (a straggler?)" in cleared[0]["why"], asker.seen
+    assert not [n for n, _ in asker.seen if n == "hang_culprit"] and asker.hang_hold is None
+    verdict = _until(lambda: waiter.verdict)  # b's waiter: no hang
+    assert not verdict.hang and verdict.rank is None and "straggler" in verdict.text, verdict
+    # b, which answered and held its own verdicts, goes on as it was
+    agent = _agent(b, rnd, worker_rank=1)
+    agent.group.quiet_from = 7.0
+    agent.peers.inquiries.asked = hang_inquiry.Asked(0, 0, a.node_id, 0)
+    hangs.answer(agent, time.monotonic())
+    assert agent.group.quiet_from > 7.0
+    agent.peers.inquiries.verdict = verdict
+    assert hangs.answer(agent, time.monotonic()) is None and agent.hang_hold is None
+    assert agent.group.quiet_from == 7.0 and agent.seen[-1][0] == "hang_cleared", agent.seen
+
+
+def test_while_a_generation_forms_such_a_silence_is_left_to_the_ceiling(nodes):
+    a, _, rnd, _, _ = nodes
+    agent = _agent(a, rnd, worker_rank=0)
+    agent.group.dumps, agent.group.suspects = [], SimpleNamespace(stopped=lambda pid: False)
+    agent.recovery_path, agent.forming = SimpleNamespace(in_place=True), object()
+    why = Failure(RestartCause.HANG, "hung: no heartbeat", rank=0, pid=4242, across=True)
+    assert hangs.name_culprit(why, agent) is None  # no restart, no inquiry
+    name, said = agent.seen[-1]
+    assert name == "hang_deadline_passed" and "a generation forms" in said["why"], agent.seen

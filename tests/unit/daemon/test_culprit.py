@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -217,6 +218,15 @@ def test_nodes_and_stack_files_are_named():
 def test_summary_round_trip_and_hostile_forms():
     ranks = {3: where(SLEEP, node="n", stacks="/s"), 4: where(ALL_REDUCE, node="n", stacks="/t")}
     assert parse_summary(summary(ranks)) == ranks
+    # each rank's idleness travels (True, False, or not known), and an older daemon's rows read
+    told = {
+        3: dataclasses.replace(ranks[3], idle=True),
+        4: dataclasses.replace(ranks[4], idle=False),
+    }
+    told[5] = where(SLEEP, node="n")
+    back = parse_summary(summary(told))
+    assert [back[r].idle for r in (3, 4, 5)] == [True, False, None], back
+    assert parse_summary('[[1, "", "f", "s", "n", "p", ""]]')[1].idle is None
     for bad in (
         "{}",
         "[[1]]",
@@ -225,6 +235,8 @@ def test_summary_round_trip_and_hostile_forms():
         '[[-1, "", "f", "s", "n", "p"]]',
         json.dumps([[1, "", "f" * 400, "s", "n", "p"]]),
         json.dumps([[i, "", "f", "s", "n", "p"] for i in range(300)]),
+        '[[1, "", "f", "s", "n", "p", "", "asleep"]]',
+        '[[1, "", "f", "s", "n", "p", "", true]]',
     ):
         assert parse_summary(bad) is None, bad
     assert Where(None, "f", "s").label == "`f` (s)"

@@ -145,7 +145,11 @@ def test_idle_and_busy_by_the_cpu_time_of_the_silence_latest_part():
 
 
 def _judge(
-    s: suspicion.Suspicion, texts: dict[int, str], other_cpu: int = 0, seqs: dict | None = None
+    s: suspicion.Suspicion,
+    texts: dict[int, str],
+    other_cpu: int = 0,
+    seqs: dict | None = None,
+    across: bool = False,
 ):
     """Rank 1 (pid 10, as `s` sampled it) and rank 0 (pid 11: waiting, idle unless `other_cpu`)
     silent past the deadline, their stacks `texts`: the verdict and what the event said."""
@@ -157,7 +161,12 @@ def _judge(
         {"rank": r, "text": t, "collectives": (seqs or {}).get(r, "")} for r, t in texts.items()
     ]
     verdict = s.judge(
-        silent, 102.9, lambda: rows, lambda first, why, basis: said.append(why), "deadline 1s"
+        silent,
+        102.9,
+        lambda: rows,
+        lambda first, why, basis: said.append(why),
+        "deadline 1s",
+        across,
     )
     return verdict, said
 
@@ -182,6 +191,23 @@ def test_a_busy_rank_and_ranks_all_in_one_collective_are_left_alone_and_looked_a
     assert not s.due(first, 104.0) and s.due(first, 105.5)  # the silence doubled (2.4 s -> 4.8)
     verdict, said = _judge(_watched(0), {0: ALL_REDUCE, 1: ALL_REDUCE})
     assert verdict is None and said[0].startswith("not a hang by the stacks: every rank waited")
+
+
+def test_an_idle_silence_the_stacks_cannot_explain_is_judged_across_nodes_where_there_are():
+    # every rank of this node waits in one collective (the culprit is elsewhere), or none is in
+    # one (another node's wait on it): with ranks on other nodes, judged on every node's stacks
+    for texts in ({0: ALL_REDUCE, 1: ALL_REDUCE}, {0: SLEEP, 1: SLEEP}):
+        verdict, said = _judge(_watched(0), texts, across=True)
+        assert verdict.across and verdict.rank == 1 and not said, verdict
+        assert verdict.why.endswith("judged on every node's stacks"), verdict
+    # busy ranks, or a culprit here that computes, are no question for the other nodes
+    verdict, said = _judge(_watched(10), {0: ALL_REDUCE, 1: ALL_REDUCE}, other_cpu=10, across=True)
+    assert verdict is None and said == ["busy: every silent rank uses the CPU"]
+    verdict, said = _judge(_watched(10), {0: BACKWARD, 1: SLEEP}, across=True)
+    assert verdict is None and said[0].startswith("busy: its culprit uses the CPU"), said
+    # one proven here stays this node's
+    verdict, _ = _judge(_watched(0), {0: BACKWARD, 1: SLEEP}, across=True)
+    assert verdict.rank == 1 and not verdict.across
 
 
 def _seq(enqueued: int, completed: int, op: str = "all_reduce") -> str:
