@@ -521,12 +521,22 @@ def test_resume_is_bit_exact_with_two_gloo_ranks(tmp_path):
 # -- stopping --------------------------------------------------------------------------------------
 
 
+def _step(progress: Path) -> int:
+    """The step a rank last wrote (0 before its first): read once, since the rank rewrites the
+    file in place every step (two reads could see it written, then truncated: '' in CI)."""
+    try:
+        text = progress.read_text()
+    except FileNotFoundError:
+        return 0
+    return int(text) if text.strip().isdigit() else 0
+
+
 def test_sigterm_to_one_rank_saves_and_stops_every_rank(tmp_path):
     d, progress, out = tmp_path / "ckpt", tmp_path / "progress", tmp_path / "stopped"
     procs = helpers.start(helpers.until_stopped, 2, tmp_path, str(d), str(progress), str(out))
     try:
         deadline = time.monotonic() + 30
-        while not (progress.exists() and progress.read_text() and int(progress.read_text()) >= 5):
+        while _step(progress) < 5:
             assert time.monotonic() < deadline, "ranks never got going"
             time.sleep(0.02)
         os.kill(procs[1].pid, signal.SIGTERM)
