@@ -198,6 +198,7 @@ def _inquire(
         said = f"; no stacks from node(s) {', '.join(silent)}" if silent else ""
         _cleared(agent, index, doubt + said, t0)
         return None
+    agent.status.figures.on_hang_inquiry("hang")
     named, text = _named(why, agent, ranks, silent, False, t0, inquiry=index)
     where = ranks.get(named.rank)
     holder = rdzv.node_id if named.pid is not None else (where.node if where else "")
@@ -235,6 +236,7 @@ def _cleared(agent: Agent, index: int, why: str, t0: float) -> None:
         hang_inquiry.say(agent.rdzv, agent.round, index, None, "", why, hang=False)
     except (StoreUnreachable, RendezvousFailed) as e:  # they go on at their deadline (a restart)
         agent.event("hang_verdict_unsaid", level="warning", why=str(e))
+    agent.status.figures.on_hang_inquiry("cleared")
     agent.event("hang_cleared", inquiry=index, why=why, seconds=round(time.monotonic() - t0, 3))
 
 
@@ -303,6 +305,8 @@ def answer(agent: Agent, now: float) -> Failure | None:
     if now >= hold.until:
         agent.hang_hold = None
         agent.event("hang_hold_expired", level="warning", inquiry=hold.index)
+        if not hold.judged:  # else counted as its verdict came
+            agent.status.figures.on_hang_inquiry("none")
         return hold.fallback
     return None
 
@@ -339,8 +343,10 @@ def _verdict(agent: Agent, hold: Hold, verdict: hang_inquiry.Verdict) -> Failure
     if not verdict.hang:  # an idle silence nobody's stacks explain: no hang, nothing held
         agent.hang_hold = None
         agent.group.quiet_from = hold.quiet_was
+        agent.status.figures.on_hang_inquiry("cleared")
         agent.event("hang_cleared", inquiry=verdict.index, why=verdict.text, told=True)
         return None
+    agent.status.figures.on_hang_inquiry("hang" if verdict.rank is not None else "none")
     if verdict.rank is None:
         agent.hang_hold = None
         return hold.fallback

@@ -125,6 +125,9 @@ def _figures(s: Snapshot) -> list[str]:
             "  recovered in place by cause: "
             + ", ".join(f"{c.replace('_', ' ')} {n}" for c, n in kept.items())
         )
+    asked = {v: n for v, n in s.hang_inquiries.items() if n}
+    if asked:
+        lines.append("  hang inquiries: " + ", ".join(f"{v} {n}" for v, n in asked.items()))
     if s.failures_by_class:
         lines.append(
             "  failures by class: " + ", ".join(f"{c} {n}" for c, n in s.failures_by_class.items())

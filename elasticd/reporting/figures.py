@@ -33,6 +33,10 @@ from elasticd.worker import heartbeat
 
 # the causes counted in restarts_total{cause=...}, by label: every one that restarts the group
 CAUSES = tuple(cause.label for cause in RestartCause if cause.restarts)
+# how a hang inquiry this node asked or answered ended (daemon/hangs.py): a hang (its culprit
+# replaced, or the group restarted for it), cleared (no hang: a straggler, or no culprit), or
+# none (no verdict in time, or the culprit's node never acted: the group restarted)
+INQUIRY_VERDICTS = ("hang", "cleared", "none")
 # upper bounds of the recovery histogram's buckets, seconds (+Inf implied)
 RECOVERY_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 SAMPLES = 20  # distinct heartbeat readings a rank's step time is measured over (about 10 s at 2 Hz)
@@ -71,6 +75,7 @@ class Figures:
         self.started = started  # monotonic: when the daemon started (the job, for this node)
         self.restarts = dict.fromkeys(CAUSES, 0)
         self.in_place = dict.fromkeys(CAUSES, 0)  # failures recovered in place (daemon/inplace.py)
+        self.hang_inquiries = dict.fromkeys(INQUIRY_VERDICTS, 0)  # by how each ended
         self.failures: dict[str, int] = {}  # by class (lifecycle/triage.py's FailureClass values)
         self.recoveries = [0] * (
             len(RECOVERY_BUCKETS) + 1
@@ -97,6 +102,10 @@ class Figures:
         ] = {}  # local rank -> (step, work) s
 
     # --- hooks ---
+
+    def on_hang_inquiry(self, verdict: str) -> None:
+        """A hang inquiry this node took part in ended so (INQUIRY_VERDICTS)."""
+        self.hang_inquiries[verdict] += 1
 
     def on_sdc(self, detections: dict[str, Any]) -> None:
         """The replicas' audit's detections so far (daemon/sdc.py `Corruption.report`)."""
@@ -235,6 +244,7 @@ class Figures:
             },
             "restarts_by_cause": dict(self.restarts),
             "in_place_by_cause": dict(self.in_place),
+            "hang_inquiries": dict(self.hang_inquiries),
             "failures_by_class": dict(self.failures),
             "steps_lost": {
                 "total": self.steps_lost_total if told else None,

@@ -58,6 +58,14 @@ METRICS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
         ("cause",),
     ),
     (
+        "elasticd_hang_inquiries_total",
+        "counter",
+        "Hang inquiries this node asked or answered (a silence judged on every node's stacks), "
+        "by verdict: hang, cleared (no hang: a straggler, or no culprit), none (no verdict in "
+        "time: the group restarted)",
+        ("verdict",),
+    ),
+    (
         "elasticd_in_place_recoveries_total",
         "counter",
         "Failures recovered in place (the failed ranks replaced alone, the survivors kept in "
@@ -389,6 +397,8 @@ def _restarts(put: Put, s: Snapshot) -> None:
         put("elasticd_restarts_total", n, cause=cause)
     for cause, n in s.in_place_by_cause.items():
         put("elasticd_in_place_recoveries_total", n, cause=cause)
+    for verdict, n in s.hang_inquiries.items():
+        put("elasticd_hang_inquiries_total", n, verdict=verdict)
     for klass, n in s.failures_by_class.items():
         put("elasticd_failures_total", n, **{"class": klass})
     put("elasticd_restart_budget_used", s.restarts)

@@ -248,6 +248,8 @@ class Snapshot:
     restarts_by_cause: dict[str, int] = field(default_factory=dict)  # by RestartCause.label
     # failures recovered in place, the survivors kept (daemon/inplace.py): by the same labels
     in_place_by_cause: dict[str, int] = field(default_factory=dict)
+    # hang inquiries this node asked or answered, by how each ended (figures.INQUIRY_VERDICTS)
+    hang_inquiries: dict[str, int] = field(default_factory=dict)
     steps_lost: StepsLost = field(default_factory=StepsLost)
     recoveries: Recoveries | None = None
     step: int | None = None

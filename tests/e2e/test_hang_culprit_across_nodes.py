@@ -5,7 +5,9 @@ their own (tests/netns.py), its node)."""
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
+from pathlib import Path
 
 from harness import RESTART, free_port, node_flags, script, wait_until
 from netns import DEV, netns_fixture  # noqa: F401 (the netns fixture)
@@ -212,17 +214,21 @@ def test_a_hang_judged_across_two_nodes_is_recovered_in_place(daemons):
 LEARN = ["--steps", "100", "--at", "70", "--step-time", "0.02", "--rank", "1"]
 
 
-def _pair(daemons, *job: str, flags: tuple = ()):
+def _pair(daemons, *job: str, flags: tuple = (), prom: Path | None = None):
     """Nodes a (the store's host) and b on loopback, one rank each, in place (or as `flags`
-    say)."""
+    say); with `prom`, each writes its metrics to <prom>/<name>.prom."""
     port = free_port()
     flags += ("--nproc-per-node", "1", *node_flags(port, "2"), "--max-restarts", "1")
     flags += ("--startup-timeout", "60", "--restart-grace", "0.5")
-    a = daemons(script("hang.py"), *flags, name="a", args=list(job))
+
+    def node(name: str):
+        own = ("--metrics-textfile", str(prom / f"{name}.prom")) if prom else ()
+        return daemons(script("hang.py"), *flags, *own, name=name, args=list(job))
+
+    a = node("a")
     wait_until(lambda: [e for e in a.events() if e.get("event") == "rendezvous_store"], 60,
                what="a at the store")  # fmt: skip
-    b = daemons(script("hang.py"), *flags, name="b", args=list(job))
-    return a, b
+    return a, node("b")
 
 
 def _holder(nodes):
@@ -282,12 +288,14 @@ def test_on_the_restart_path_too_it_is_found_at_the_learned_deadline(daemons):
     assert took < 5.0, took
 
 
-def test_a_straggler_on_another_node_is_asked_about_and_left_alone(daemons):
+def test_a_straggler_on_another_node_is_asked_about_and_left_alone(daemons, tmp_path):
     """Rank 1 computes for 3 s (a straggler) while rank 0 waits in all_reduce on the other node.
     Rank 0's node, past its learned deadline, asks; rank 1's node answers that its rank uses the
-    CPU; the verdict is no hang (`hang_cleared`, on both nodes), and the job goes on: no rank
-    replaced, no restart, rank 1 the same process."""
-    nodes = _pair(daemons, "--mode", "spin", "--spin", "3", *LEARN)
+    CPU; the verdict is no hang (`hang_cleared`, on both nodes, and in each one's metrics), and
+    the job goes on: no rank replaced, no restart, rank 1 the same process."""
+    prom = tmp_path / "text"
+    prom.mkdir(mode=0o755)
+    nodes = _pair(daemons, "--mode", "spin", "--spin", "3", *LEARN, prom=prom)
     for n in nodes:
         assert n.wait(90) == 0, n.stderr()[-3000:]
     holder, other = _holder(nodes)
@@ -301,3 +309,9 @@ def test_a_straggler_on_another_node_is_asked_about_and_left_alone(daemons):
         assert not [e for e in n.events() if e.get("event") == "replaced_in_place"]
         assert len(n.attempt_dirs()) == 1
     assert "computes for 3s" in holder.log_text(1, 1) and "done" in holder.log_text(1, 1)
+    for n in nodes:  # the textfile as the node's last state change (SUCCEEDED) wrote it
+        text = (prom / f"{n.dir.name}.prom").read_text()
+        ask = r'^elasticd_hang_inquiries_total\{.*verdict="%s"\} (\S+)$'
+        cleared = re.search(ask % "cleared", text, re.M)
+        assert cleared and float(cleared[1]) >= 1, text[-2000:]
+        assert float(re.search(ask % "hang", text, re.M)[1]) == 0, text[-2000:]

@@ -18,6 +18,7 @@ from elasticd.cluster.rounds import Member, Round
 from elasticd.daemon import culprit, hangs, inplace
 from elasticd.daemon.culprit import Where
 from elasticd.lifecycle.states import Failure, RestartCause
+from elasticd.reporting.figures import Figures
 from harness import rdzv_config
 
 
@@ -110,6 +111,7 @@ def _agent(rdzv, rnd, worker_rank: int):
     )
     seen = []
     return SimpleNamespace(
+        status=SimpleNamespace(figures=Figures(0.0)),
         round=rnd,
         rdzv=rdzv,
         node="host",
@@ -138,6 +140,7 @@ def test_a_node_asked_gives_its_stacks_and_replaces_its_rank_the_verdict_names(n
     assert told.kind is RestartCause.HANG and (told.rank, told.pid) == (1, 4242), told
     assert text in told.reason and "hang inquiry 0" in told.reason
     assert hangs.name_culprit(told, agent) is told and agent.hang_hold is None  # named already
+    assert agent.status.figures.hang_inquiries == {"hang": 1, "cleared": 0, "none": 0}
     assert hangs.answer(agent, time.monotonic()) is None  # not answered twice
 
 
@@ -150,6 +153,7 @@ def test_no_verdict_in_time_restarts_the_group(nodes):
     assert fallback.kind is RestartCause.HANG and fallback.rank is None, fallback
     assert "no verdict on hang inquiry 0 came within 5s" in fallback.reason
     assert [n for n, _ in agent.seen][-1] == "hang_hold_expired"
+    assert agent.status.figures.hang_inquiries["none"] == 1
 
 
 def test_another_node_s_culprit_is_followed_or_past_the_handoff_restarted(nodes):
@@ -164,6 +168,7 @@ def test_another_node_s_culprit_is_followed_or_past_the_handoff_restarted(nodes)
     fallback = hangs.answer(agent, hold.until)  # a announced no generation in time
     assert fallback.rank == 0 and fallback.node == a.node_id, fallback
     assert "did not replace it in place within 3s" in fallback.reason
+    assert agent.status.figures.hang_inquiries == {"hang": 1, "cleared": 0, "none": 0}  # once
     agent.forming = None
     assert "another node's rank" in inplace._hang_refused(agent, fallback)
     # followed in time instead: the generation a announced ends the hold
@@ -220,6 +225,8 @@ def test_a_silence_judged_no_hang_tells_every_node_to_go_on(nodes):
     agent.peers.inquiries.verdict = verdict
     assert hangs.answer(agent, time.monotonic()) is None and agent.hang_hold is None
     assert agent.group.quiet_from == 7.0 and agent.seen[-1][0] == "hang_cleared", agent.seen
+    for node in (asker, agent):  # each counts it once, for status and metrics
+        assert node.status.figures.hang_inquiries == {"hang": 0, "cleared": 1, "none": 0}
 
 
 def test_while_a_generation_forms_such_a_silence_is_left_to_the_ceiling(nodes):

@@ -179,6 +179,7 @@ SNAPSHOT = {
     "restarts": 1,
     "budget_left": 2,
     "uptime": 100.0,
+    "hang_inquiries": {"hang": 0, "cleared": 3, "none": 0},
     "restarts_by_cause": {
         "crash": 1,
         "signal": 0,
@@ -257,6 +258,7 @@ def test_every_metric_is_named_by_convention_documented_and_exposed():
     assert 'elasticd_rank_rss_bytes{local_rank="1",node="n1",rank="1",run_id="job42"}' in text
     assert 'elasticd_recovery_seconds_bucket{le="0.5",node="n1",run_id="job42"} 1.0' in text
     assert 'elasticd_node_quarantined{node="n1",run_id="job42"} 0.0' in text
+    assert 'elasticd_hang_inquiries_total{node="n1",run_id="job42",verdict="cleared"} 3.0' in text
     assert 'elasticd_node_failures{node="n1",run_id="job42"} 1.0' in text
     for line in text.splitlines():
         if line.startswith("# HELP "):
@@ -377,6 +379,7 @@ def test_deploy_rules_config_and_dashboard():
         "ElasticdRankStraggling",
         "ElasticdNodeStraggling",
         "ElasticdNodeUnhealthy",
+        "ElasticdStallsJudgedNoHang",
     ):
         assert f"alert: {alert}" in rules
     if not shutil.which("promtool"):
