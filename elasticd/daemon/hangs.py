@@ -190,6 +190,8 @@ def _inquire(
         found, silent = hang_summaries.gather(rdzv, rnd, culprit.parse_summary, deadline, index)
     except (StoreUnreachable, RendezvousFailed) as e:
         agent.event("hang_summaries_unreachable", level="warning", why=str(e))
+        if why.across:  # unproven, and no other node's stacks to prove it: the store's silence
+            return None  # is the liveness check's to judge, the rank's the next look's
         return _named(why, agent, ranks, ["the store did not answer"], False, t0)[0]
     for theirs in found.values():
         ranks.update(theirs)

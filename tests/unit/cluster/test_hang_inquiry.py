@@ -7,6 +7,7 @@ store (kv.LocalKV); the agent's parts hangs.answer reads, as data."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from types import SimpleNamespace
@@ -14,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from elasticd.cluster import hang_inquiry, hang_summaries, kv, rendezvous
+from elasticd.cluster.errors import StoreUnreachable
 from elasticd.cluster.rounds import Member, Round
 from elasticd.daemon import culprit, hangs, inplace
 from elasticd.daemon.culprit import Where
@@ -238,3 +240,19 @@ def test_while_a_generation_forms_such_a_silence_is_left_to_the_ceiling(nodes):
     assert hangs.name_culprit(why, agent) is None  # no restart, no inquiry
     name, said = agent.seen[-1]
     assert name == "hang_deadline_passed" and "a generation forms" in said["why"], agent.seen
+
+
+def test_an_unproven_silence_is_no_hang_where_the_store_does_not_answer(nodes, monkeypatch):
+    a, _, rnd, _, _ = nodes
+    asker = _agent(a, rnd, worker_rank=0)
+    asker.peers.inquiries = SimpleNamespace(next=0)
+
+    def unreachable(*args):
+        raise StoreUnreachable("the rendezvous store did not answer within 2s")
+
+    monkeypatch.setattr(hang_inquiry, "ask", unreachable)
+    why = Failure(RestartCause.HANG, "hung: no heartbeat", rank=0, pid=4242, across=True)
+    assert hangs._inquire(why, asker, {0: WAITS}, time.monotonic()) is None
+    assert [n for n, _ in asker.seen] == ["hang_summaries_unreachable"], asker.seen
+    proven = dataclasses.replace(why, across=False)  # a hang proven here stays one
+    assert hangs._inquire(proven, asker, {0: WAITS}, time.monotonic()).kind is RestartCause.HANG
